@@ -1,0 +1,77 @@
+"""Shared test helpers: real NIfTI files and MSD-style dataset folders on disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+
+def write_nifti(path: Path, data: np.ndarray, affine: np.ndarray, dtype=None) -> Path:
+    """Writes `data` as NIfTI with the given on-disk dtype (e.g. '>i2' for big-endian int16)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    array = np.asarray(data)
+    if dtype is not None:
+        array = array.astype(dtype)
+    # the header's byte order decides the file's: big-endian data needs a big-endian header
+    header = nib.Nifti1Header(endianness=">" if array.dtype.byteorder == ">" else "<")
+    img = nib.Nifti1Image(array, affine, header)
+    img.set_data_dtype(array.dtype)
+    nib.save(img, str(path))
+    return path
+
+
+def lps_affine(spacing=(1.5, 1.5, 2.0), origin=(10.0, 20.0, -30.0)) -> np.ndarray:
+    affine = np.diag([-spacing[0], -spacing[1], spacing[2], 1.0])
+    affine[:3, 3] = origin
+    return affine
+
+
+def brain_like_case(rng: np.random.Generator, shape=(20, 22, 18), channels=2, num_classes=3):
+    """A small volume with a nonzero 'body' in a zero background and nested label blobs."""
+    image = np.zeros(shape + (channels,), np.float32)
+    body = tuple(slice(2, s - 2) for s in shape)
+    image[body] = rng.normal(100, 10, tuple(s - 4 for s in shape) + (channels,))
+    label = np.zeros(shape, np.uint8)
+    label[5:13, 6:14, 5:12] = 1
+    if num_classes > 2:
+        label[7:10, 8:11, 7:9] = 2
+    image[..., 0] += 30.0 * label  # classes are visible in the intensities
+    return image, label
+
+
+def make_msd_dataset(root: Path, num_cases: int = 6, channels: int = 2, seed: int = 0,
+                     modalities=None, labels=None, affine=None, shape=(20, 22, 18), dtype="int16") -> Path:
+    """An MSD-style folder (dataset.json, imagesTr, labelsTr, imagesTs) of small synthetic cases."""
+    rng = np.random.default_rng(seed)
+    modalities = modalities or {str(i): f"MR{i}" for i in range(channels)}
+    labels = labels or {"0": "background", "1": "organ", "2": "core"}
+    affine = lps_affine() if affine is None else affine
+    training = []
+    for i in range(num_cases):
+        image, label = brain_like_case(rng, shape, channels, len(labels))
+        image = image[..., 0] if channels == 1 else image
+        write_nifti(root / "imagesTr" / f"case_{i:03d}.nii.gz", image, affine, dtype)
+        write_nifti(root / "labelsTr" / f"case_{i:03d}.nii.gz", label, affine, np.uint8)
+        training.append({"image": f"./imagesTr/case_{i:03d}.nii.gz", "label": f"./labelsTr/case_{i:03d}.nii.gz"})
+    image, _ = brain_like_case(rng, shape, channels, len(labels))
+    write_nifti(root / "imagesTs" / "case_900.nii.gz", image[..., 0] if channels == 1 else image, affine, dtype)
+    meta = {"name": "TaskTest", "description": "unit-test data", "tensorImageSize": "4D",
+            "modality": modalities, "labels": labels, "numTraining": num_cases, "numTest": 1,
+            "training": training, "test": ["./imagesTs/case_900.nii.gz"]}
+    (root / "dataset.json").write_text(json.dumps(meta, indent=1))
+    return root
+
+
+def update_dataset_json(root: Path, **changes) -> None:
+    meta = json.loads((root / "dataset.json").read_text())
+    meta.update(changes)
+    (root / "dataset.json").write_text(json.dumps(meta, indent=1))
+
+
+@pytest.fixture
+def msd_dataset(tmp_path) -> Path:
+    return make_msd_dataset(tmp_path / "Task99_Test")

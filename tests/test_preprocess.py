@@ -1,0 +1,153 @@
+import nibabel as nib
+import numpy as np
+import pytest
+
+from tfmis.data.preprocess import (Geometry, PreprocessConfig, bounding_box, preprocess, ras_spacing, reorient_to_ras,
+                                   restore_geometry, spacing_of)
+
+
+def ras_volume(shape=(24, 20, 16), channels=2, seed=0):
+    """An asymmetric volume (random body in zero background) and a label, RAS, 1x2x3 mm."""
+    rng = np.random.default_rng(seed)
+    image = np.zeros(shape + (channels,), np.float32)
+    image[2:20, 3:17, 1:14] = rng.uniform(10, 100, (18, 14, 13, channels))
+    label = np.zeros(shape, np.uint8)
+    label[5:9, 6:12, 3:8] = 1
+    label[12:15, 7:9, 9:12] = 2
+    affine = np.diag([1.0, 2.0, 3.0, 1.0])
+    affine[:3, 3] = [-12.0, 30.0, 5.0]
+    return image, label, affine
+
+
+def to_orientation(image, label, affine, axcodes):
+    """The same anatomy stored in another voxel order (what a DICOM→NIfTI tool would write)."""
+    ornt = nib.orientations.ornt_transform(nib.orientations.axcodes2ornt("RAS"),
+                                           nib.orientations.axcodes2ornt(axcodes))
+    new_affine = affine @ nib.orientations.inv_ornt_aff(ornt, image.shape[:3])
+    return (nib.orientations.apply_orientation(image, ornt), nib.orientations.apply_orientation(label, ornt),
+            new_affine)
+
+
+def world(affine, voxel):
+    return (np.asarray(affine) @ np.append(voxel, 1.0))[:3]
+
+
+@pytest.mark.parametrize("axcodes", ["LPS", "LAS", "PSL", "SRA"])
+def test_any_orientation_gives_the_same_ras_result(axcodes):
+    image, label, affine = ras_volume()
+    other = to_orientation(image, label, affine, axcodes)
+    assert "".join(nib.aff2axcodes(other[2])) == axcodes
+    config = PreprocessConfig(spacing=(1.0, 2.0, 3.0), image_dtype="float32")
+    a_img, a_lab, a_geo = preprocess(image, label, affine, config)
+    b_img, b_lab, b_geo = preprocess(*other, config)
+    np.testing.assert_array_equal(a_img, b_img)
+    np.testing.assert_array_equal(a_lab, b_lab)
+    np.testing.assert_allclose(a_geo.affine, b_geo.affine, atol=1e-9)
+    assert b_geo.original_axcodes == axcodes and b_geo.ras_shape == [24, 20, 16]
+
+
+def test_reorient_to_ras_keeps_world_coordinates():
+    image, label, affine = ras_volume()
+    lps_img, lps_lab, lps_aff = to_orientation(image, label, affine, "LPS")
+    ras, ras_aff = reorient_to_ras(lps_lab, lps_aff)
+    assert nib.aff2axcodes(ras_aff) == ("R", "A", "S")
+    voxel = np.argwhere(lps_lab == 2)[0]
+    ras_voxel = np.round(np.linalg.inv(ras_aff) @ np.append(world(lps_aff, voxel), 1))[:3].astype(int)
+    assert ras[tuple(ras_voxel)] == 2
+
+
+def test_crop_keeps_label_world_positions():
+    image, label, affine = ras_volume()
+    out_img, out_lab, geo = preprocess(image, label, affine, PreprocessConfig(spacing=(1.0, 2.0, 3.0)))
+    assert geo.crop_start == [2, 3, 1] and geo.crop_stop == [20, 17, 14]
+    assert out_lab.shape == (18, 14, 13) and out_img.shape == (18, 14, 13, 2) and out_img.dtype == np.float16
+    for v in np.argwhere(out_lab == 2):
+        original_voxel = np.linalg.inv(affine) @ np.append(world(geo.affine, v), 1)
+        assert label[tuple(np.round(original_voxel[:3]).astype(int))] == 2
+
+
+def test_anisotropic_spacing_is_resampled_in_physical_space():
+    """1x2x3 mm → 1 mm isotropic: shape grows per axis, spacing is the target, anatomy stays put."""
+    image, label, affine = ras_volume()
+    lps = to_orientation(image, label, affine, "LPS")
+    assert ras_spacing(lps[2]).tolist() == [1.0, 2.0, 3.0]
+    out_img, out_lab, geo = preprocess(*lps, PreprocessConfig(spacing=(1.0, 1.0, 1.0), crop_foreground=False))
+    assert out_lab.shape == (24, 40, 48)
+    np.testing.assert_allclose(spacing_of(geo.affine), [1, 1, 1])
+    np.testing.assert_allclose(geo.spacing, [1, 1, 1])
+    assert set(np.unique(out_lab)) == {0, 1, 2}  # nearest neighbour: no invented label values
+    # the centre of mass of each class, in mm, moves by less than half the coarsest voxel
+    for cls in (1, 2):
+        before = world(affine, np.argwhere(label == cls).mean(axis=0))
+        after = world(geo.affine, np.argwhere(out_lab == cls).mean(axis=0))
+        assert np.abs(before - after).max() < 1.5
+    # linear interpolation of the image: values stay within the input range
+    assert out_img.max() <= image.max() + 1e-2
+
+
+def test_reshape_gives_fixed_shape_and_consistent_affine():
+    image, label, affine = ras_volume()
+    _, out_lab, geo = preprocess(image, label, affine, PreprocessConfig(reshape=(32, 32, 32)))
+    assert out_lab.shape == (32, 32, 32) and geo.shape == [32, 32, 32]
+    # the cropped block's centre is the same point in mm before and after
+    crop_centre = (np.array(geo.crop_start) + np.array(geo.crop_stop) - 1) / 2
+    np.testing.assert_allclose(world(geo.affine, np.array([31, 31, 31]) / 2), world(affine, crop_centre), atol=1e-9)
+
+
+def test_zscore_uses_the_foreground_and_zeroes_background():
+    image, label, affine = ras_volume(channels=1)
+    out, _, _ = preprocess(image, label, affine, PreprocessConfig(spacing=(1.0, 2.0, 3.0), crop_foreground=False,
+                                                                  image_dtype="float32"))
+    body = image[..., 0] != 0
+    assert abs(out[body].mean()) < 1e-4 and abs(out[body].std() - 1) < 1e-4
+    assert np.all(out[~body] == 0)
+
+
+def test_ct_window_clips_and_scales():
+    hu = np.array([-1000, -57, 0, 53.5, 164, 3000], np.float32).reshape(6, 1, 1, 1) * np.ones((6, 2, 2, 1))
+    config = PreprocessConfig(spacing=(1, 1, 1), normalization=("ct",), ct_window=(-57, 164), crop_foreground=False,
+                              image_dtype="float32")
+    out, _, _ = preprocess(hu.astype(np.float32), None, np.eye(4), config)
+    np.testing.assert_allclose(out[:, 0, 0, 0], [0, 0, 57 / 221, 110.5 / 221, 1, 1], rtol=1e-6)
+
+
+def test_ct_foreground_is_above_the_window():
+    hu = np.full((10, 10, 10, 1), -1000, np.float32)
+    hu[3:6, 2:8, 4:5] = 40
+    config = PreprocessConfig(spacing=(1, 1, 1), normalization=("ct",), ct_window=(-57, 164), crop_margin=1)
+    _, _, geo = preprocess(hu, None, np.eye(4), config)
+    assert geo.crop_start == [2, 1, 3] and geo.crop_stop == [7, 9, 6]
+
+
+def test_bounding_box_of_empty_mask_is_whole_grid():
+    start, stop = bounding_box(np.zeros((4, 5, 6), bool))
+    assert start.tolist() == [0, 0, 0] and stop.tolist() == [4, 5, 6]
+
+
+@pytest.mark.parametrize("axcodes", ["RAS", "LPS", "PSL"])
+def test_restore_geometry_inverts_reorient_and_crop_exactly(axcodes):
+    image, label, affine = ras_volume()
+    img, lab, aff = to_orientation(image, label, affine, axcodes)
+    _, out_lab, geo = preprocess(img, lab, aff, PreprocessConfig(spacing=(1.0, 2.0, 3.0)))
+    restored = restore_geometry(out_lab, Geometry.from_dict(geo.to_dict()))
+    np.testing.assert_array_equal(restored, lab)
+
+
+def test_restore_geometry_after_resampling_matches_closely():
+    image, label, affine = ras_volume()
+    img, lab, aff = to_orientation(image, label, affine, "LPS")
+    _, out_lab, geo = preprocess(img, lab, aff, PreprocessConfig(spacing=(0.8, 1.1, 1.7)))
+    restored = restore_geometry(out_lab, geo.to_dict())
+    assert restored.shape == lab.shape
+    for cls in (1, 2):
+        dice = 2 * np.sum((restored == cls) & (lab == cls)) / (np.sum(restored == cls) + np.sum(lab == cls))
+        assert dice > 0.85, (cls, dice)
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="ct_window"):
+        PreprocessConfig(spacing=(1, 1, 1), normalization=("ct",))
+    with pytest.raises(ValueError, match="spacing"):
+        PreprocessConfig()
+    with pytest.raises(ValueError, match="normalization"):
+        PreprocessConfig(spacing=(1, 1, 1), normalization=("minmax",))

@@ -1,0 +1,479 @@
+"""MSD folder → preprocessed TFRecord shards + index.json + fingerprint.json.
+
+The conversion is planned up front (seeded split or K folds, shards per split), then cases are
+preprocessed in parallel worker processes (numpy/scipy/nibabel only) and written by the main
+process, shard by shard, in plan order. Each shard is written under a temporary name and renamed
+when complete, and a small progress file records what it holds; a rerun with the same parameters
+skips finished shards, a rerun with other parameters is refused (or rebuilt with `overwrite`).
+
+Bad cases never stop the others: each is recorded in `index.json` under `skipped` with its reason.
+
+Example:
+```python
+report = convert(ConversionConfig(source_dir="Task09_Spleen", target_dir="spleen_tfr",
+                                  spacing=(1.5, 1.5, 2.0), ct_window=(-57, 164)))
+print(report["skipped"])
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+
+from tfmis.data import fingerprint as fp
+from tfmis.data.msd import Case, CaseError, DatasetError, MSDDataset, load_case
+from tfmis.data.preprocess import PreprocessConfig, preprocess, ras_spacing
+from tfmis.data.records import (COMPRESSIONS, FINGERPRINT_FILE, INDEX_FILE, SCHEMA_VERSION, encode_example,
+                                framed_size, shard_name)
+from tfmis.utils.io import atomic_write_json, atomic_writer
+
+PLAN_FILE = "conversion.json"
+PROGRESS_DIR = ".progress"
+EXIT_SKIPPED = 3  # conversion finished, but some cases were skipped
+
+
+class ParametersChanged(RuntimeError):
+    """The target folder holds a conversion made with other parameters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionConfig:
+    """What `convert` does. See `tools/tfrecord.py --help` for each option.
+
+    Args:
+        source_dir: MSD dataset folder (with dataset.json).
+        target_dir: output folder for shards, index.json and fingerprint.json.
+        split: fractions for train/val/test (1 to 3 values), or None when `folds` is set.
+        folds: K for K-fold splits `fold0..fold{K-1}` instead of `split`.
+        spacing: target spacing (mm, RAS order); None = the dataset's median spacing.
+        reshape: fixed output shape instead of resampling to a spacing.
+        shards: shards per split (at most one per case).
+        compression: GZIP, ZLIB or NONE.
+        workers: parallel preprocessing processes (1 = in this process).
+        seed: seed of the split.
+        image_dtype: float16 or float32.
+        ct_window: (low, high) HU window for CT channels; None = the 0.5/99.5 percentiles of the
+            labelled foreground, measured in a first pass (as nnU-Net does).
+        crop_foreground, crop_margin: crop to the non-background bounding box (+ margin voxels).
+        overwrite: rebuild when the target holds a conversion with other parameters.
+        progress: show a progress bar.
+    """
+
+    source_dir: str
+    target_dir: str
+    split: tuple[float, ...] | None = (0.7, 0.15, 0.15)
+    folds: int | None = None
+    spacing: tuple[float, float, float] | None = None
+    reshape: tuple[int, int, int] | None = None
+    shards: int = 4
+    compression: str = "GZIP"
+    workers: int = max(1, min(os.cpu_count() or 1, 8))
+    seed: int = 0
+    image_dtype: str = "float16"
+    ct_window: tuple[float, float] | None = None
+    crop_foreground: bool = True
+    crop_margin: int = 0
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        if (self.split is None) == (self.folds is None):
+            raise ValueError("set exactly one of split (fractions) and folds (K)")
+        if self.split is not None:
+            if not 1 <= len(self.split) <= 3 or min(self.split) < 0 or sum(self.split) <= 0:
+                raise ValueError(f"split must be 1 to 3 non-negative fractions (train,val,test), got {self.split}")
+        if self.folds is not None and self.folds < 2:
+            raise ValueError(f"folds must be at least 2, got {self.folds}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
+        if self.shards < 1 or self.workers < 1:
+            raise ValueError("shards and workers must be at least 1")
+
+    def requested(self, dataset_json_sha256: str) -> dict:
+        """The parameters that decide the output (not workers/progress/overwrite)."""
+        keep = ("split", "folds", "spacing", "reshape", "shards", "compression", "seed", "image_dtype",
+                "ct_window", "crop_foreground", "crop_margin")
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items() if k in keep}
+        d["dataset_json_sha256"] = dataset_json_sha256
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+
+def assign_splits(case_ids: list[str], split, folds, seed: int) -> dict[str, list[str]]:
+    """Seeded assignment of cases to `train/val/test` fractions or to `fold0..foldK-1`."""
+    order = [case_ids[i] for i in np.random.default_rng(seed).permutation(len(case_ids))]
+    if folds is not None:
+        return {f"fold{k}": order[k::folds] for k in range(folds)}
+    names = ("train", "val", "test")[: len(split)]
+    fractions = np.array(split, dtype=float) / sum(split)
+    exact = fractions * len(order)
+    counts = np.floor(exact).astype(int)
+    for i in np.argsort(-(exact - counts), kind="stable")[: len(order) - counts.sum()]:
+        counts[i] += 1  # largest remainders get the leftover cases
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    return {name: order[bounds[i]:bounds[i + 1]] for i, name in enumerate(names)}
+
+
+def plan_shards(splits: dict[str, list[str]], shards: int, compression: str) -> list[dict]:
+    plan = []
+    for split, cases in splits.items():
+        n = min(shards, len(cases))
+        for k, chunk in enumerate(np.array_split(np.array(cases, dtype=object), n) if n else []):
+            plan.append({"split": split, "shard": k, "file": shard_name(split, k, n, compression),
+                         "cases": [str(c) for c in chunk]})
+    return plan
+
+
+def header_spacing(case: Case, dataset: MSDDataset) -> np.ndarray:
+    """RAS voxel spacing from the image header alone (no voxel data read)."""
+    path = dataset.resolve(case, case.image)
+    try:
+        return ras_spacing(nib.load(str(path)).affine)
+    except Exception as e:  # any header problem: the worker reports it with the full reason
+        raise CaseError(case.case_id, f"cannot read header of {path}: {e}") from e
+
+
+# ---------------------------------------------------------------- worker side (no TensorFlow here)
+
+def _process_case(task: tuple) -> dict:
+    case, source_dir, prep = task
+    try:
+        dataset = MSDDataset(source_dir)
+        loaded = load_case(case, dataset)
+        image, label, geometry = preprocess(loaded.image, loaded.label, loaded.affine, prep)
+        warnings = []
+        if label is not None and not (label > 0).any():
+            warnings.append("label has no foreground voxels")
+        return {
+            "case_id": case.case_id, "status": "ok", "image": image, "label": label,
+            "geometry": geometry.to_dict(), "warnings": warnings, "disk_dtype": loaded.header_dtype,
+            "fingerprint": fp.case_fingerprint(loaded.image, loaded.label, ras_spacing(loaded.affine), geometry,
+                                               label, dataset.num_classes),
+        }
+    except CaseError as e:
+        return {"case_id": case.case_id, "status": "skipped", "reason": e.reason}
+    except Exception as e:  # never let one case stop the others
+        return {"case_id": case.case_id, "status": "skipped", "reason": f"unexpected {type(e).__name__}: {e}"}
+
+
+def _foreground_sample(task: tuple) -> np.ndarray | None:
+    case, source_dir = task
+    try:
+        dataset = MSDDataset(source_dir)
+        loaded = load_case(case, dataset)
+        return fp.intensity_sample(loaded.image, loaded.label, 10_000, np.random.default_rng(0))
+    except Exception:
+        return None  # reported by the main pass
+
+
+def _run_ordered(fn, tasks: list, workers: int):
+    """Yields fn(task) in task order, with at most 2*workers tasks in flight (bounded memory)."""
+    if workers == 1 or len(tasks) <= 1:
+        yield from map(fn, tasks)
+        return
+    ctx = multiprocessing.get_context("spawn")  # the parent may have TensorFlow loaded: never fork it
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+        it = iter(tasks)
+        queue = collections.deque(pool.submit(fn, t) for t in itertools.islice(it, 2 * workers))
+        while queue:
+            result = queue.popleft().result()
+            nxt = next(it, None)
+            if nxt is not None:
+                queue.append(pool.submit(fn, nxt))
+            yield result
+
+
+# ---------------------------------------------------------------- main side
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _prepare_target(target: Path, requested: dict, overwrite: bool) -> None:
+    plan_path = target / PLAN_FILE
+    if plan_path.is_file():
+        previous = json.loads(plan_path.read_text()).get("requested", {})
+        if previous != requested:
+            changed = sorted(k for k in set(previous) | set(requested) if previous.get(k) != requested.get(k))
+            details = "; ".join(f"{k}: {previous.get(k)!r} -> {requested.get(k)!r}" for k in changed)
+            if not overwrite:
+                raise ParametersChanged(f"{target} holds a conversion made with other parameters ({details}); "
+                                        "use another --target-dir, or --overwrite to rebuild it")
+            _remove_outputs(target)
+    elif any(target.glob("*.tfrecord*")) and not overwrite:
+        raise ParametersChanged(f"{target} holds TFRecord files that this tool did not plan; "
+                                "use an empty --target-dir, or --overwrite")
+    elif overwrite:
+        _remove_outputs(target)
+    for tmp in list(target.glob("*.tmp")) + list((target / PROGRESS_DIR).glob("*.tmp")):
+        tmp.unlink()  # leftovers of an interrupted run
+
+
+def _remove_outputs(target: Path) -> None:
+    for path in [*target.glob("*.tfrecord*"), *(target / PROGRESS_DIR).glob("*"),
+                 target / INDEX_FILE, target / FINGERPRINT_FILE, target / PLAN_FILE]:
+        if path.is_file():
+            path.unlink()
+
+
+def _auto_ct_window(dataset: MSDDataset, workers: int) -> tuple[float, float]:
+    tasks = [(c, str(dataset.root)) for c in dataset.training]
+    samples = [s for s in _run_ordered(_foreground_sample, tasks, workers) if s is not None]
+    if not samples:
+        raise DatasetError(f"{dataset.root}: no readable case to measure the CT window from; pass --ct-window")
+    ct_channels = [i for i, m in enumerate(dataset.modalities) if m.upper() == "CT"]
+    values = np.concatenate([s[:, ct_channels].ravel() for s in samples])
+    lo, hi = np.percentile(values, [0.5, 99.5])
+    return float(round(lo, 1)), float(round(hi, 1))
+
+
+def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) -> dict:
+    """Writes one shard from its cases' worker results; returns its progress record."""
+    import tensorflow as tf
+
+    final = target / shard["file"]
+    tmp = target / (shard["file"] + ".tmp")
+    options = tf.io.TFRecordOptions(compression_type="" if index_meta["compression"] == "NONE"
+                                    else index_meta["compression"])
+    record = {"file": shard["file"], "split": shard["split"], "shard": shard["shard"], "cases": {},
+              "skipped": {}, "warnings": {}, "fingerprints": {}}
+    offset = 0
+    with tf.io.TFRecordWriter(str(tmp), options) as writer:
+        for result in results:
+            cid = result["case_id"]
+            if result["status"] != "ok":
+                record["skipped"][cid] = result["reason"]
+                on_case(cid, f"skipped: {result['reason']}")
+                continue
+            metadata = {"case_id": cid, "geometry": result["geometry"], "modalities": index_meta["modalities"],
+                        "labels": index_meta["labels"], "image_disk_dtype": result["disk_dtype"]}
+            payload = encode_example(cid, result["image"], result["label"], metadata)
+            writer.write(payload)
+            record["cases"][cid] = {"case_id": cid, "split": shard["split"], "shard": shard["shard"],
+                                    "file": shard["file"], "position": len(record["cases"]),
+                                    "offset": offset, "length": len(payload),
+                                    "image_shape": list(result["image"].shape), "geometry": result["geometry"]}
+            offset += framed_size(len(payload))
+            record["fingerprints"][cid] = result["fingerprint"]
+            if result["warnings"]:
+                record["warnings"][cid] = result["warnings"]
+                on_case(cid, "warning: " + "; ".join(result["warnings"]))
+            else:
+                on_case(cid, None)
+    os.replace(tmp, final)
+    record["records"] = len(record["cases"])
+    record["bytes"] = final.stat().st_size
+    atomic_write_json(target / PROGRESS_DIR / (shard["file"] + ".json"), record)
+    return record
+
+
+def convert(config: ConversionConfig) -> dict:
+    """Runs (or resumes) a conversion; returns the written index (plus `run_seconds`)."""
+    from tqdm import tqdm
+
+    start = time.time()
+    dataset = MSDDataset(config.source_dir)
+    target = Path(config.target_dir)
+    (target / PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
+    requested = config.requested(_sha256(dataset.root / "dataset.json"))
+    _prepare_target(target, requested, config.overwrite)
+    atomic_write_json(target / PLAN_FILE, {"requested": requested})
+
+    spacings = []
+    for case in dataset.training:
+        try:
+            spacings.append(header_spacing(case, dataset))
+        except CaseError:
+            pass  # the worker reports this case with its reason
+    spacing = config.spacing or (tuple(float(s) for s in np.round(np.median(spacings, axis=0), 4))
+                                 if spacings else None)
+    if spacing is None and config.reshape is None:
+        raise DatasetError(f"{dataset.root}: no readable image header to compute the median spacing; pass --spacing")
+    modal_norm = tuple("ct" if m.upper() == "CT" else "zscore" for m in dataset.modalities)
+    ct_window = config.ct_window
+    if "ct" in modal_norm and ct_window is None:
+        ct_window = _auto_ct_window(dataset, config.workers)
+    prep = PreprocessConfig(spacing=spacing, reshape=config.reshape, normalization=modal_norm, ct_window=ct_window,
+                            crop_foreground=config.crop_foreground, crop_margin=config.crop_margin,
+                            image_dtype=config.image_dtype)
+
+    splits = assign_splits([c.case_id for c in dataset.training], config.split, config.folds, config.seed)
+    plan = plan_shards(splits, config.shards, config.compression)
+    done = {s["file"] for s in plan
+            if (target / s["file"]).is_file() and (target / PROGRESS_DIR / (s["file"] + ".json")).is_file()}
+    pending = [s for s in plan if s["file"] not in done]
+    by_id = {c.case_id: c for c in dataset.training}
+    tasks = [(by_id[cid], str(dataset.root), prep) for s in pending for cid in s["cases"]]
+    index_meta = {"compression": config.compression, "modalities": dataset.modalities, "labels": dataset.labels}
+
+    bar = tqdm(total=len(tasks), desc=f"Converting {dataset.name}", unit="case", disable=not config.progress,
+               file=sys.stderr)
+    if done:
+        bar.write(f"Resuming: {len(done)} of {len(plan)} shards already complete, {len(tasks)} cases to go")
+
+    def on_case(case_id: str, message: str | None):
+        if message:
+            bar.write(f"  {case_id}: {message}")
+        bar.update(1)
+
+    results = _run_ordered(_process_case, tasks, config.workers)
+    for shard in pending:
+        _write_shard(target, shard, itertools.islice(results, len(shard["cases"])), index_meta, on_case)
+    bar.close()
+
+    index = _build_index(target, dataset, config, requested, prep, splits, plan)
+    index["run_seconds"] = round(time.time() - start, 2)
+    atomic_write_json(target / INDEX_FILE, index)
+    return index
+
+
+def _build_index(target: Path, dataset: MSDDataset, config: ConversionConfig, requested: dict,
+                 prep: PreprocessConfig, splits: dict, plan: list) -> dict:
+    progress = [json.loads((target / PROGRESS_DIR / (s["file"] + ".json")).read_text()) for s in plan]
+    cases, skipped, warnings, fingerprints = {}, [], [], {}
+    for record in progress:
+        cases.update(record["cases"])
+        fingerprints.update(record["fingerprints"])
+        skipped += [{"case_id": k, "reason": v} for k, v in record["skipped"].items()]
+        warnings += [{"case_id": k, "message": m} for k, ms in record["warnings"].items() for m in ms]
+    total_bytes = sum(r["bytes"] for r in progress)
+    atomic_write_json(target / FINGERPRINT_FILE, {
+        "dataset": fp.summarize(fingerprints, dataset.labels, dataset.modalities),
+        "cases": fingerprints,
+    })
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "source": {"dir": str(dataset.root), "name": dataset.name, "modalities": dataset.modalities,
+                   "labels": dataset.labels, "num_training": len(dataset.training), "num_test": len(dataset.test),
+                   "dataset_json_sha256": requested["dataset_json_sha256"]},
+        "requested": requested,
+        "preprocessing": {**prep.to_dict(), "compression": config.compression},
+        "split": {"fractions": list(config.split) if config.split else None, "folds": config.folds,
+                  "seed": config.seed},
+        "splits": {name: {"cases": ids,
+                          "num_records": sum(r["records"] for r in progress if r["split"] == name),
+                          "shards": [{"file": r["file"], "records": r["records"], "bytes": r["bytes"]}
+                                     for r in progress if r["split"] == name]}
+                   for name, ids in splits.items()},
+        "cases": cases,
+        "skipped": sorted(skipped, key=lambda s: s["case_id"]),
+        "warnings": sorted(warnings, key=lambda w: w["case_id"]),
+        "stats": {"records": len(cases), "bytes": total_bytes,
+                  "bytes_per_case": round(total_bytes / len(cases)) if cases else 0},
+    }
+
+
+# ---------------------------------------------------------------- command line
+
+def _tuple_of(kind, length: int | tuple[int, ...], name: str):
+    lengths = (length,) if isinstance(length, int) else length
+
+    def parse(text: str):
+        try:
+            values = tuple(kind(v) for v in text.replace(" ", "").split(",") if v != "")
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a comma-separated list of {kind.__name__}s")
+        if len(values) not in lengths:
+            raise argparse.ArgumentTypeError(f"{name}: expected {' or '.join(map(str, lengths))} comma-separated "
+                                             f"values, got {len(values)} in {text!r}")
+        return values
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tools/tfrecord.py",
+        description="Convert a Medical Segmentation Decathlon (MSD) style dataset into preprocessed TFRecord "
+                    "shards with an index.json and a fingerprint.json. Preprocessing: reorient to RAS, crop to "
+                    "the foreground, resample (linear images / nearest labels) or reshape, normalise per "
+                    "channel (z-score over the foreground for MRI, clip-and-scale window for CT).",
+        epilog="Exit status: 0 all cases converted; 3 converted, but some cases were skipped (listed in "
+               "index.json under 'skipped'); 1 the dataset or target is unusable; 2 bad arguments. "
+               "Rerunning with the same arguments resumes an interrupted conversion.")
+    p.add_argument("--source-dir", required=True, help="MSD dataset folder, the one holding dataset.json")
+    p.add_argument("--target-dir", required=True, help="output folder for shards, index.json, fingerprint.json")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--split", type=_tuple_of(float, (1, 2, 3), "--split"), default=None,
+                   help="fractions of the labelled cases for train,val,test (default 0.7,0.15,0.15); "
+                        "normalised to sum 1")
+    g.add_argument("--folds", type=int, default=None,
+                   help="K: write K folds (splits fold0..foldK-1) instead of train/val/test")
+    g2 = p.add_mutually_exclusive_group()
+    g2.add_argument("--spacing", type=_tuple_of(float, 3, "--spacing"), default=None,
+                    help="target voxel spacing in mm along R,A,S, e.g. 1.5,1.5,2.0 (default: the dataset's "
+                         "median spacing)")
+    g2.add_argument("--reshape", type=_tuple_of(int, 3, "--reshape"), default=None,
+                    help="fixed output shape X,Y,Z after cropping, e.g. 120,120,96 (instead of resampling)")
+    p.add_argument("--shards", type=int, default=4, help="shards per split (at most one per case; default 4)")
+    p.add_argument("--compression", choices=sorted(COMPRESSIONS), default="GZIP",
+                   help="TFRecord compression (default GZIP)")
+    p.add_argument("--workers", type=int, default=ConversionConfig.workers,
+                   help=f"parallel preprocessing processes (default {ConversionConfig.workers}; 1 = no subprocess)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
+    p.add_argument("--image-dtype", choices=("float16", "float32"), default="float16",
+                   help="storage dtype of the normalised images (default float16, half the bytes)")
+    p.add_argument("--ct-window", type=_tuple_of(float, 2, "--ct-window"), default=None,
+                   help="LOW,HIGH Hounsfield window for CT channels, e.g. -57,164 (default: 0.5/99.5 percentiles "
+                        "of the labelled foreground)")
+    p.add_argument("--crop-margin", type=int, default=0, help="voxels kept around the foreground box (default 0)")
+    p.add_argument("--no-crop", action="store_true", help="do not crop to the foreground bounding box")
+    p.add_argument("--overwrite", action="store_true",
+                   help="rebuild when --target-dir holds a conversion made with other parameters")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.folds is None and args.split is None:
+        args.split = (0.7, 0.15, 0.15)
+    try:
+        config = ConversionConfig(
+            source_dir=args.source_dir, target_dir=args.target_dir, split=args.split, folds=args.folds,
+            spacing=args.spacing, reshape=args.reshape, shards=args.shards, compression=args.compression,
+            workers=args.workers, seed=args.seed, image_dtype=args.image_dtype, ct_window=args.ct_window,
+            crop_foreground=not args.no_crop, crop_margin=args.crop_margin, overwrite=args.overwrite,
+            progress=not args.quiet)
+        index = convert(config)
+    except (ValueError, DatasetError, ParametersChanged) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(summary_text(index))
+    return EXIT_SKIPPED if index["skipped"] else 0
+
+
+def summary_text(index: dict) -> str:
+    """A short human-readable account of a conversion."""
+    prep = index["preprocessing"]
+    grid = f"reshape {prep['reshape']}" if prep["reshape"] else f"spacing {prep['spacing']} mm"
+    lines = [f"{index['source']['name']}: {index['stats']['records']} cases converted, "
+             f"{len(index['skipped'])} skipped, {len(index['warnings'])} warnings "
+             f"({grid}, {prep['image_dtype']}, {prep['compression']}, "
+             f"{index['stats']['bytes_per_case'] / 1e6:.2f} MB/case, {index['run_seconds']:.1f} s)"]
+    for name, split in index["splits"].items():
+        lines.append(f"  {name:<6} {split['num_records']:>4} records in {len(split['shards'])} shard(s)")
+    for s in index["skipped"]:
+        lines.append(f"  SKIPPED {s['case_id']}: {s['reason']}")
+    for w in index["warnings"]:
+        lines.append(f"  warning {w['case_id']}: {w['message']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

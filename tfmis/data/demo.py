@@ -1,0 +1,533 @@
+"""A small, realistic demo dataset in the Medical Segmentation Decathlon (MSD) layout.
+
+Every case is the real anatomy of the MNI ICBM152 2009a template (shipped as the 2 mm asset
+`assets/mni152_2mm.npz`, see `assets/MNI152_LICENSE.txt`), warped by a random smooth elastic
+deformation and a small random affine, resampled onto a scanner-like grid, and given:
+
+* two channels, channels last (X, Y, Z, 2): T1w (the template's own T1 contrast) and a T2w
+  synthesised from the tissue probabilities (CSF bright, grey matter intermediate, white matter
+  dark), each with a smooth bias field, a little noise and arbitrary scanner units;
+* a label map: 0 background, 1 grey matter, 2 white matter, 3 lesion (one irregular blob in the
+  white matter, dark on T1w and bright on T2w);
+* the quirks of real data: isotropic and anisotropic voxels, RAS / LPS / LAS / permuted voxel
+  orders with correct affines, int16 / big-endian int16 / float32 images, zero background outside
+  the (skull-stripped) brain, a field of view larger than the brain.
+
+Layout written:
+
+```
+DIR/dataset.json
+DIR/imagesTr/demo_000.nii.gz ...   DIR/labelsTr/demo_000.nii.gz ...   DIR/imagesTs/demo_100.nii.gz ...
+```
+
+Example:
+```python
+from tfmis.data.demo import make_demo_dataset
+root = make_demo_dataset("data/Task00_DemoBrain")   # about a second per case; no-op if present
+```
+or from a shell: `python -m tfmis.data.demo --output data/Task00_DemoBrain`.
+
+Only numpy, scipy and nibabel are used; every case is a deterministic function of (seed, case number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+from nibabel import orientations
+from scipy import interpolate, ndimage
+
+DATASET_NAME = "Task00_DemoBrain"
+MODALITIES = {"0": "T1w", "1": "T2w"}
+LABELS = {"0": "background", "1": "grey matter", "2": "white matter", "3": "lesion"}
+FIRST_TEST_NUMBER = 100
+TEMPLATE_ASSET = "mni152_2mm.npz"
+
+DESCRIPTION = (
+    "Synthetic demo dataset made by tfmis.data.demo: the anatomy is the MNI ICBM152 2009a nonlinear "
+    "symmetric template (T1 and grey/white-matter probability maps, Copyright (C) 1993-2009 Louis "
+    "Collins, McConnell Brain Imaging Centre, Montreal Neurological Institute, McGill University), "
+    "randomly deformed per case; T2w contrast, bias fields, noise and one synthetic white-matter "
+    "lesion per case are simulated. Not for clinical or research use."
+)
+REFERENCE = (
+    "Fonov et al., NeuroImage 54(1):313-327, 2011 (doi:10.1016/j.neuroimage.2010.07.033); "
+    "Fonov et al., NeuroImage 47(S1):S102, 2009 (doi:10.1016/S1053-8119(09)70884-5)"
+)
+LICENCE = (
+    "MNI ICBM152 template notice: permission to use, copy, modify and distribute for any purpose "
+    "without fee, provided the copyright notice appears in all copies (full text: "
+    "tfmis/data/assets/MNI152_LICENSE.txt)"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# How each case is stored: a fixed, repeating schedule so that even 3 cases cover RAS, LPS and a
+# big-endian image, and 12 cases cover everything.
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StorageStyle:
+    """How one case is written to disk.
+
+    Args:
+        axcodes: voxel axis directions of the stored array, e.g. ("L", "P", "S").
+        dtype: on-disk image dtype (numpy spelling; `>i2` is big-endian int16).
+        spacing: voxel size in mm along the R, A and S world directions (before any axis permutation).
+    """
+
+    axcodes: tuple[str, str, str]
+    dtype: str
+    spacing: tuple[float, float, float]
+
+
+ISO = (2.5, 2.5, 2.5)
+STORAGE_SCHEDULE = (
+    StorageStyle(("R", "A", "S"), "<i2", ISO),
+    StorageStyle(("L", "P", "S"), ">i2", ISO),             # DICOM-style voxel order, big-endian
+    StorageStyle(("L", "P", "S"), "<i2", (2.0, 2.0, 3.0)),
+    StorageStyle(("R", "A", "S"), "<f4", ISO),
+    StorageStyle(("L", "A", "S"), "<i2", ISO),             # radiological convention
+    StorageStyle(("R", "A", "S"), "<i2", (2.5, 2.5, 3.5)),
+    StorageStyle(("L", "P", "S"), "<i2", ISO),
+    StorageStyle(("A", "S", "L"), "<i2", ISO),             # permuted axes (sagittal-like slices)
+    StorageStyle(("R", "A", "S"), "<i2", (2.0, 2.0, 3.0)),
+    StorageStyle(("L", "P", "S"), "<i2", ISO),
+    StorageStyle(("R", "A", "S"), "<i2", ISO),
+    StorageStyle(("L", "P", "S"), "<i2", (2.5, 2.5, 3.5)),
+)
+
+
+def storage_style(case_number: int) -> StorageStyle:
+    """The storage style of case `case_number` (training cases 0.., test cases 100..)."""
+    return STORAGE_SCHEDULE[case_number % len(STORAGE_SCHEDULE)]
+
+
+# --------------------------------------------------------------------------------------------
+# Template
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """The 2 mm MNI152 maps as float32 in [0, 1] (T1 in [0, 1] too) on one RAS grid."""
+
+    t1: np.ndarray
+    gm: np.ndarray
+    wm: np.ndarray
+    brain: np.ndarray
+    affine: np.ndarray
+
+    @property
+    def brain_box_mm(self) -> tuple[np.ndarray, np.ndarray]:
+        """World (mm) corners (min, max) of the brain's bounding box."""
+        voxels = np.argwhere(self.brain >= 0.5)
+        corners = np.stack([voxels.min(axis=0), voxels.max(axis=0)])
+        world = corners @ self.affine[:3, :3].T + self.affine[:3, 3]
+        return world.min(axis=0), world.max(axis=0)
+
+
+@functools.lru_cache(maxsize=1)
+def load_template() -> Template:
+    """Loads `assets/mni152_2mm.npz` (built by tools/build_demo_template.py) once per process."""
+    asset = resources.files("tfmis.data").joinpath("assets", TEMPLATE_ASSET)
+    with asset.open("rb") as f, np.load(f) as npz:
+        maps = {k: npz[k].astype(np.float32) / np.float32(255) for k in ("t1", "gm", "wm", "brain")}
+        affine = npz["affine"].astype(np.float64)
+    return Template(affine=affine, **maps)
+
+
+# --------------------------------------------------------------------------------------------
+# Random smooth fields and transforms
+# --------------------------------------------------------------------------------------------
+
+def smooth_random_field(rng: np.random.Generator, shape: tuple[int, ...], nodes: int, std: float) -> np.ndarray:
+    """A smooth random field on `shape`: Gaussian values on a coarse `nodes`^3 grid, cubic-spline upsampled.
+
+    Example:
+        >>> smooth_random_field(np.random.default_rng(0), (40, 50, 30), nodes=4, std=1.0).shape
+        (40, 50, 30)
+    """
+    coarse = rng.normal(0.0, std, size=(nodes,) * len(shape))
+    # The spline is a tensor product: upsample one axis at a time with a (n, nodes) weight matrix,
+    # much faster than a 3D spline evaluated at every voxel.
+    field = coarse
+    for axis, n in enumerate(shape):
+        field = np.moveaxis(np.tensordot(_spline_weights(nodes, n), field, axes=([1], [axis])), 0, axis)
+    return field.astype(np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _spline_weights(nodes: int, n: int) -> np.ndarray:
+    """(n, nodes) cubic-spline interpolation weights, first node on sample 0, last node on sample n-1."""
+    spline = interpolate.make_interp_spline(np.linspace(0.0, 1.0, nodes), np.eye(nodes), k=3)
+    return spline(np.linspace(0.0, 1.0, n))
+
+
+def random_rotation(rng: np.random.Generator, max_degrees: float) -> np.ndarray:
+    """A 3x3 rotation: product of rotations about x, y, z by uniform angles in ±max_degrees."""
+    ax, ay, az = np.deg2rad(rng.uniform(-max_degrees, max_degrees, size=3))
+    rx = np.array([[1, 0, 0], [0, np.cos(ax), -np.sin(ax)], [0, np.sin(ax), np.cos(ax)]])
+    ry = np.array([[np.cos(ay), 0, np.sin(ay)], [0, 1, 0], [-np.sin(ay), 0, np.cos(ay)]])
+    rz = np.array([[np.cos(az), -np.sin(az), 0], [np.sin(az), np.cos(az), 0], [0, 0, 1]])
+    return rz @ ry @ rx
+
+
+@dataclasses.dataclass(frozen=True)
+class SubjectPose:
+    """Maps template world (mm) to subject world (mm): p = centre + shift + rotation @ diag(scale) @ (q - centre)."""
+
+    centre: np.ndarray
+    rotation: np.ndarray
+    scale: np.ndarray
+    shift: np.ndarray
+
+    @property
+    def matrix(self) -> np.ndarray:
+        return self.rotation @ np.diag(self.scale)
+
+    def to_subject(self, template_mm: np.ndarray) -> np.ndarray:
+        """(N, 3) template mm -> (N, 3) subject mm."""
+        return (template_mm - self.centre) @ self.matrix.T + self.centre + self.shift
+
+
+def random_pose(rng: np.random.Generator, template: Template) -> SubjectPose:
+    """Rotation up to 10° per axis, scale ±8% per axis, shift up to 5 mm, about the brain centre."""
+    low, high = template.brain_box_mm
+    return SubjectPose(centre=(low + high) / 2, rotation=random_rotation(rng, 10.0),
+                       scale=rng.uniform(0.92, 1.08, size=3), shift=rng.uniform(-5.0, 5.0, size=3))
+
+
+def subject_grid(rng: np.random.Generator, template: Template, pose: SubjectPose,
+                 spacing: tuple[float, float, float]) -> tuple[tuple[int, int, int], np.ndarray]:
+    """An RAS voxel grid covering the deformed brain plus a random 6-20 mm margin on each side.
+
+    Returns:
+        (shape, 4x4 affine) of the grid; voxel axes point along R, A, S.
+    """
+    low, high = template.brain_box_mm
+    corners = np.array([[x, y, z] for x in (low[0], high[0]) for y in (low[1], high[1]) for z in (low[2], high[2])])
+    subject = pose.to_subject(corners)
+    spacing_arr = np.asarray(spacing, dtype=np.float64)
+    start = subject.min(axis=0) - rng.uniform(6.0, 20.0, size=3)
+    stop = subject.max(axis=0) + rng.uniform(6.0, 20.0, size=3)
+    shape = tuple(int(n) for n in np.ceil((stop - start) / spacing_arr).astype(int) + 1)
+    affine = np.eye(4)
+    affine[:3, :3] = np.diag(spacing_arr)
+    affine[:3, 3] = np.round(start, 2)  # scanner-like round origin
+    return shape, affine
+
+
+def template_voxel_coordinates(rng: np.random.Generator, template: Template, pose: SubjectPose,
+                               shape: tuple[int, int, int], affine: np.ndarray) -> np.ndarray:
+    """For every subject voxel, the (fractional) template voxel it shows: (3, X, Y, Z) float32.
+
+    The pose's inverse is applied to the voxel's world position, then a smooth elastic
+    displacement of a few mm (random vectors on a 5^3 grid, spline-upsampled) is added.
+    """
+    # template voxel = linear @ subject voxel + offset (affine part), all 4x4 compositions in mm.
+    subject_to_template_mm = np.eye(4)
+    inverse = np.linalg.inv(pose.matrix)
+    subject_to_template_mm[:3, :3] = inverse
+    subject_to_template_mm[:3, 3] = pose.centre - inverse @ (pose.centre + pose.shift)
+    voxel_map = np.linalg.inv(template.affine) @ subject_to_template_mm @ affine
+    mm_to_template_voxel = np.linalg.inv(template.affine)[:3, :3]
+
+    axes = [np.arange(n, dtype=np.float32) for n in shape]
+    coords = np.empty((3, *shape), dtype=np.float32)
+    for row in range(3):
+        coords[row] = (voxel_map[row, 0] * axes[0][:, None, None] + voxel_map[row, 1] * axes[1][None, :, None]
+                       + voxel_map[row, 2] * axes[2][None, None, :] + voxel_map[row, 3])
+    displacement_mm = [smooth_random_field(rng, shape, nodes=5, std=2.5) for _ in range(3)]
+    for row in range(3):
+        coords[row] += sum(mm_to_template_voxel[row, k] * displacement_mm[k] for k in range(3))
+    return coords
+
+
+def warp_template(template: Template, coords: np.ndarray) -> dict[str, np.ndarray]:
+    """Samples the template maps (trilinear, zero outside) at `coords`; returns float32 maps."""
+    def sample(volume):
+        return ndimage.map_coordinates(volume, coords, order=1, mode="constant", cval=0.0, output=np.float32)
+    return {"t1": sample(template.t1), "gm": sample(template.gm), "wm": sample(template.wm),
+            "brain": sample(template.brain)}
+
+
+# --------------------------------------------------------------------------------------------
+# Lesion, contrasts, labels
+# --------------------------------------------------------------------------------------------
+
+def lesion_map(rng: np.random.Generator, white_matter: np.ndarray, spacing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One irregular blob (a bumpy, rotated ellipsoid, semi-axes 7-12 mm) centred deep in white matter.
+
+    Args:
+        white_matter: warped WM probability on the subject grid.
+        spacing: voxel size in mm (RAS grid).
+
+    Returns:
+        (hard mask bool, soft membership float32 in [0, 1]) on the subject grid.
+    """
+    inside = white_matter > 0.5
+    depth_mm = ndimage.distance_transform_edt(inside, sampling=spacing)
+    candidates = np.argwhere(depth_mm >= min(5.0, depth_mm.max()))
+    centre_mm = candidates[rng.integers(len(candidates))] * spacing
+
+    semi_axes = rng.uniform(7.0, 12.0, size=3)
+    rotation = random_rotation(rng, 180.0)
+    # The blob is small: evaluate it only in a box around its centre.
+    reach = int(np.ceil(1.6 * semi_axes.max() / spacing.min()))
+    centre_voxel = np.round(centre_mm / spacing).astype(int)
+    lo = np.maximum(centre_voxel - reach, 0)
+    hi = np.minimum(centre_voxel + reach + 1, white_matter.shape)
+    grids = np.meshgrid(*[np.arange(a, b) * s for a, b, s in zip(lo, hi, spacing)], indexing="ij")
+    offsets = np.stack([g - c for g, c in zip(grids, centre_mm)], axis=-1)
+    local = offsets @ rotation / semi_axes
+    radius = np.linalg.norm(local, axis=-1)
+    direction = local / np.maximum(radius, 1e-6)[..., None]
+    # Bumps: a random quadratic form in the direction makes the outline irregular but smooth.
+    bumps = direction @ rng.normal(0, 0.12, size=3) + np.einsum(
+        "...i,ij,...j->...", direction, rng.normal(0, 0.12, size=(3, 3)), direction)
+    bumpy_radius = radius * (1.0 + bumps)
+
+    soft = np.zeros(white_matter.shape, dtype=np.float32)
+    box = tuple(slice(a, b) for a, b in zip(lo, hi))
+    soft[box] = np.clip((1.0 - bumpy_radius) / 0.25 + 0.5, 0.0, 1.0)  # ~1.5 mm partial-volume rim
+    hard = np.zeros(white_matter.shape, dtype=bool)
+    hard[box] = bumpy_radius < 1.0
+    return hard, soft
+
+
+def tissue_labels(maps: dict[str, np.ndarray], brain: np.ndarray, lesion: np.ndarray) -> np.ndarray:
+    """argmax(1 - pGM - pWM, pGM, pWM) inside the brain, lesion (3) overriding; uint8."""
+    background = 1.0 - maps["gm"] - maps["wm"]
+    labels = np.argmax(np.stack([background, maps["gm"], maps["wm"]]), axis=0).astype(np.uint8)
+    labels[lesion] = 3
+    labels[~brain] = 0
+    return labels
+
+
+def synthesise_channels(rng: np.random.Generator, maps: dict[str, np.ndarray], brain: np.ndarray,
+                        lesion_soft: np.ndarray, integer_output: bool) -> np.ndarray:
+    """T1w and T2w in scanner units, (X, Y, Z, 2) float32, exactly 0 outside `brain`.
+
+    T1w is the template T1; T2w mixes tissue fractions (CSF 1.0, GM 0.55, WM 0.28, all relative
+    to the brain fraction so the brain edge is not darkened). The lesion pulls T1w down to half
+    and T2w up to 0.9. Each channel then gets its own bias field, noise and scale.
+    """
+    fraction = np.maximum(maps["brain"], 1e-3)
+    gm = np.clip(maps["gm"] / fraction, 0, 1)
+    wm = np.clip(maps["wm"] / fraction, 0, 1)
+    csf = np.clip(1.0 - gm - wm, 0, 1)
+    t1 = maps["t1"] * (1.0 - 0.5 * lesion_soft)
+    t2 = (1.0 * csf + 0.55 * gm + 0.28 * wm) * (1.0 - lesion_soft) + 0.9 * lesion_soft
+
+    channels = []
+    for contrast, (low, high) in ((t1, (500.0, 3000.0)), (t2, (300.0, 2500.0))):
+        bias = np.exp(smooth_random_field(rng, brain.shape, nodes=4, std=0.12))
+        noise = rng.normal(0.0, rng.uniform(0.015, 0.03), size=brain.shape).astype(np.float32)
+        scanner = (contrast * bias + noise) * np.float32(rng.uniform(low, high))
+        floor = 1.0 if integer_output else 1e-3  # keep the brain non-zero: zero means "outside"
+        channels.append(np.where(brain, np.maximum(scanner, floor), 0.0).astype(np.float32))
+    return np.stack(channels, axis=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Cases and files
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class DemoCase:
+    """One generated case, already in its storage orientation.
+
+    Attributes:
+        image: (X, Y, Z, 2) array in the on-disk dtype.
+        label: (X, Y, Z) uint8.
+        affine: 4x4 voxel-to-world (RAS mm), shared by image and label.
+    """
+
+    image: np.ndarray
+    label: np.ndarray
+    affine: np.ndarray
+
+
+def reorient(arrays: list[np.ndarray], affine: np.ndarray, axcodes: tuple[str, str, str]):
+    """Flips/permutes the first 3 axes of RAS-ordered arrays to `axcodes`; returns (arrays, new affine).
+
+    Example:
+        >>> arrays, affine = reorient([np.zeros((2, 3, 4))], np.eye(4), ("L", "P", "S"))
+        >>> nib.aff2axcodes(affine)
+        ('L', 'P', 'S')
+    """
+    transform = orientations.ornt_transform(orientations.axcodes2ornt(("R", "A", "S")),
+                                            orientations.axcodes2ornt(axcodes))
+    new_affine = affine @ orientations.inv_ornt_aff(transform, arrays[0].shape[:3])
+    return [np.ascontiguousarray(orientations.apply_orientation(a, transform)) for a in arrays], new_affine
+
+
+def generate_case(case_number: int, seed: int = 0) -> DemoCase:
+    """Generates one case; a deterministic function of (seed, case_number).
+
+    Example:
+        >>> case = generate_case(0)
+        >>> case.image.shape[-1], case.label.dtype
+        (2, dtype('uint8'))
+    """
+    rng = np.random.default_rng([seed, case_number])
+    style = storage_style(case_number)
+    template = load_template()
+    pose = random_pose(rng, template)
+    shape, affine = subject_grid(rng, template, pose, style.spacing)
+    maps = warp_template(template, template_voxel_coordinates(rng, template, pose, shape, affine))
+    brain = maps["brain"] >= 0.5
+
+    lesion, lesion_soft = lesion_map(rng, maps["wm"], np.asarray(style.spacing))
+    lesion &= brain
+    label = tissue_labels(maps, brain, lesion)
+    integer_output = np.dtype(style.dtype).kind == "i"
+    image = synthesise_channels(rng, maps, brain, lesion_soft, integer_output)
+    if integer_output:
+        image = np.clip(np.rint(image), 0, np.iinfo(np.int16).max)
+    (image, label), affine = reorient([image, label], affine, style.axcodes)
+    return DemoCase(image=image.astype(style.dtype), label=label.astype(np.uint8), affine=affine)
+
+
+def _nifti(data: np.ndarray, affine: np.ndarray) -> nib.Nifti1Image:
+    """A NIfTI image storing `data` in its own dtype and byte order, with scanner qform/sform."""
+    header = nib.Nifti1Header(endianness=data.dtype.byteorder if data.dtype.byteorder in "<>" else "=")
+    header.set_data_dtype(data.dtype)
+    img = nib.Nifti1Image(data, affine, header=header)
+    img.set_qform(affine, code=1)
+    img.set_sform(affine, code=1)
+    img.header.set_xyzt_units("mm")
+    img.header["descrip"] = b"tfmis demo (MNI ICBM152 2009a)"
+    return img
+
+
+def _save_atomically(img: nib.Nifti1Image, path: Path) -> None:
+    """Writes to a temporary name next to `path`, then renames, so readers never see half a file."""
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # keeps the .nii.gz suffix nibabel needs
+    nib.save(img, str(tmp))
+    os.replace(tmp, path)
+
+
+def case_name(case_number: int) -> str:
+    return f"demo_{case_number:03d}"
+
+
+def make_demo_dataset(output_dir: str | Path, num_training: int = 12, num_test: int = 3, seed: int = 0,
+                      overwrite: bool = False) -> Path:
+    """Writes the demo dataset (MSD layout) to `output_dir`, unless it already holds a dataset.json.
+
+    Args:
+        output_dir: dataset folder to create (parents are created too).
+        num_training: labelled cases, written as imagesTr/labelsTr demo_000, demo_001, ...
+        num_test: unlabelled cases, written as imagesTs demo_100, demo_101, ...
+        seed: every case is a deterministic function of (seed, case number).
+        overwrite: regenerate even if `output_dir/dataset.json` exists.
+
+    Returns:
+        The dataset folder as a `Path`.
+
+    Example:
+        >>> root = make_demo_dataset("/tmp/Task00_DemoBrain", num_training=3, num_test=1)
+        >>> sorted(p.name for p in root.iterdir())
+        ['dataset.json', 'imagesTr', 'imagesTs', 'labelsTr']
+    """
+    if num_training < 1 or num_test < 0:
+        raise ValueError(f"need num_training >= 1 and num_test >= 0, got {num_training} and {num_test}")
+    root = Path(output_dir)
+    manifest = root / "dataset.json"
+    if manifest.exists() and not overwrite:
+        return root
+    # Drop the old manifest first: an interrupted rewrite must not look like a finished dataset.
+    manifest.unlink(missing_ok=True)
+    for folder in ("imagesTr", "labelsTr", "imagesTs"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+
+    training_numbers = list(range(num_training))
+    first_test = max(FIRST_TEST_NUMBER, num_training)
+    test_numbers = list(range(first_test, first_test + num_test))
+    for number in training_numbers + test_numbers:
+        case = generate_case(number, seed)
+        is_test = number >= first_test
+        image_dir = root / ("imagesTs" if is_test else "imagesTr")
+        _save_atomically(_nifti(case.image, case.affine), image_dir / f"{case_name(number)}.nii.gz")
+        if not is_test:
+            _save_atomically(_nifti(case.label, case.affine), root / "labelsTr" / f"{case_name(number)}.nii.gz")
+
+    _write_json_atomically(manifest, dataset_json(training_numbers, test_numbers))
+    return root
+
+
+def dataset_json(training_numbers: list[int], test_numbers: list[int]) -> dict:
+    """The dataset.json content, in the shape of the real MSD ones."""
+    return {
+        "name": DATASET_NAME,
+        "description": DESCRIPTION,
+        "reference": REFERENCE,
+        "licence": LICENCE,
+        "release": "1.0",
+        "tensorImageSize": "4D",
+        "modality": MODALITIES,
+        "labels": LABELS,
+        "numTraining": len(training_numbers),
+        "numTest": len(test_numbers),
+        "training": [{"image": f"./imagesTr/{case_name(n)}.nii.gz", "label": f"./labelsTr/{case_name(n)}.nii.gz"}
+                     for n in training_numbers],
+        "test": [f"./imagesTs/{case_name(n)}.nii.gz" for n in test_numbers],
+    }
+
+
+def _write_json_atomically(path: Path, content: dict) -> None:
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.write_text(json.dumps(content, indent=4) + "\n")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+def _folder_size_mb(root: Path) -> float:
+    return sum(p.stat().st_size for p in root.rglob("*.nii.gz")) / 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tfmis.data.demo",
+        description="Write a small two-channel (T1w, T2w) brain MRI segmentation dataset in the Medical "
+                    "Segmentation Decathlon layout (dataset.json, imagesTr/, labelsTr/, imagesTs/). "
+                    "Labels: 0 background, 1 grey matter, 2 white matter, 3 lesion. The anatomy is the MNI "
+                    "ICBM152 2009a template, randomly deformed per case. Does nothing if DIR/dataset.json "
+                    "already exists (use --overwrite to regenerate).",
+        epilog="Example: python -m tfmis.data.demo --output data/Task00_DemoBrain --cases 12 --test-cases 3")
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="dataset folder to write")
+    parser.add_argument("--cases", type=int, default=12, help="number of labelled training cases (default: 12)")
+    parser.add_argument("--test-cases", type=int, default=3, help="number of unlabelled test cases (default: 3)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same data (default: 0)")
+    parser.add_argument("--overwrite", action="store_true", help="regenerate even if DIR/dataset.json exists")
+    args = parser.parse_args(argv)
+
+    if (args.output / "dataset.json").exists() and not args.overwrite:
+        print(f"{args.output}/dataset.json already exists; nothing to do (pass --overwrite to regenerate)")
+        return 0
+    start = time.perf_counter()
+    try:
+        root = make_demo_dataset(args.output, args.cases, args.test_cases, args.seed, overwrite=args.overwrite)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"wrote {DATASET_NAME} to {root.resolve()}: {args.cases} training + {args.test_cases} test cases, "
+          f"{_folder_size_mb(root):.1f} MB, in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Dataset fingerprint: the statistics later used for auto-configuration and the GPU-fit search.
+
+Per case: original shape/spacing, preprocessed shape/spacing, raw intensity statistics per channel
+over the labelled foreground (as nnU-Net does), class voxel counts. For the dataset: median spacing,
+median and 99.5th-percentile preprocessed shape, class totals/fractions, intensity summaries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PERCENTILES = (0.5, 50.0, 99.5)
+
+
+def intensity_sample(image: np.ndarray, label: np.ndarray | None, max_voxels: int,
+                     rng: np.random.Generator) -> np.ndarray:
+    """Up to `max_voxels` raw voxel values (N, C) from the labelled foreground (else nonzero region)."""
+    mask = label > 0 if label is not None and label.any() else np.any(image != 0, axis=-1)
+    values = image[mask] if mask.any() else image.reshape(-1, image.shape[-1])
+    if len(values) > max_voxels:
+        values = values[rng.choice(len(values), max_voxels, replace=False)]
+    return values
+
+
+def intensity_stats(values: np.ndarray) -> list[dict]:
+    """Per-channel percentiles, mean and std of (N, C) values."""
+    stats = []
+    for c in range(values.shape[1]):
+        v = values[:, c].astype(np.float64)
+        p = np.percentile(v, PERCENTILES) if len(v) else [float("nan")] * len(PERCENTILES)
+        stats.append({"p00_5": float(p[0]), "p50": float(p[1]), "p99_5": float(p[2]),
+                      "mean": float(v.mean()) if len(v) else float("nan"),
+                      "std": float(v.std()) if len(v) else float("nan")})
+    return stats
+
+
+def case_fingerprint(image: np.ndarray, label: np.ndarray | None, original_spacing, geometry,
+                     out_label: np.ndarray | None, num_classes: int) -> dict:
+    """The fingerprint entry of one case (raw `image`/`label`, preprocessed `out_label`)."""
+    rng = np.random.default_rng(0)
+    counts = np.bincount(out_label.ravel(), minlength=num_classes) if out_label is not None else None
+    return {
+        "original_shape": [int(s) for s in geometry.original_shape],
+        "original_spacing": [float(s) for s in original_spacing],
+        "shape": list(geometry.shape),
+        "spacing": list(geometry.spacing),
+        "intensity": intensity_stats(intensity_sample(image, label, 100_000, rng)),
+        "class_voxels": [int(c) for c in counts] if counts is not None else None,
+    }
+
+
+def summarize(cases: dict[str, dict], labels: list[str], modalities: list[str]) -> dict:
+    """The dataset-level part of the fingerprint from the per-case entries."""
+    if not cases:
+        return {"num_cases": 0}
+    shapes = np.array([c["shape"] for c in cases.values()])
+    spacings = np.array([c["original_spacing"] for c in cases.values()])
+    counts = np.array([c["class_voxels"] for c in cases.values() if c["class_voxels"] is not None])
+    totals = counts.sum(axis=0) if len(counts) else np.zeros(len(labels))
+    intensity = []
+    for ch, name in enumerate(modalities):
+        per_case = [c["intensity"][ch] for c in cases.values()]
+        intensity.append({"modality": name,
+                          "p00_5": float(np.min([s["p00_5"] for s in per_case])),
+                          "p99_5": float(np.max([s["p99_5"] for s in per_case])),
+                          "median_of_means": float(np.median([s["mean"] for s in per_case])),
+                          "median_of_stds": float(np.median([s["std"] for s in per_case]))})
+    return {
+        "num_cases": len(cases),
+        "median_original_spacing": np.median(spacings, axis=0).tolist(),
+        "median_shape": np.median(shapes, axis=0).tolist(),
+        "shape_p99_5": np.ceil(np.percentile(shapes, 99.5, axis=0)).astype(int).tolist(),
+        "max_shape": shapes.max(axis=0).tolist(),
+        "class_voxels": {name: int(t) for name, t in zip(labels, totals)},
+        "class_fraction": {name: float(t / max(totals.sum(), 1)) for name, t in zip(labels, totals)},
+        "cases_without_foreground": sorted(k for k, c in cases.items()
+                                           if c["class_voxels"] is not None and sum(c["class_voxels"][1:]) == 0),
+        "intensity": intensity,
+    }

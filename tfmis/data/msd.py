@@ -1,0 +1,236 @@
+"""Reading Medical Segmentation Decathlon (MSD) style datasets.
+
+An MSD dataset folder holds a `dataset.json` and the NIfTI files it references:
+
+```
+Task09_Spleen/
+  dataset.json          {"modality": {"0": "CT"}, "labels": {"0": "background", "1": "spleen"},
+                         "training": [{"image": "./imagesTr/spleen_2.nii.gz",
+                                       "label": "./labelsTr/spleen_2.nii.gz"}, ...],
+                         "test": ["./imagesTs/spleen_1.nii.gz", ...]}
+  imagesTr/ labelsTr/ imagesTs/
+```
+
+Only files referenced by `dataset.json` are ever opened: the real MSD tarballs carry macOS `._*`
+files next to the images, and a path that resolves outside the dataset folder is refused.
+
+Example:
+```python
+dataset = MSDDataset("Task09_Spleen")
+case = dataset.training[0]
+volume = load_case(case, dataset)   # image (X, Y, Z, C) float32, label (X, Y, Z) uint8
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+
+CT_MODALITIES = {"CT"}
+
+
+class DatasetError(ValueError):
+    """The dataset as a whole is unusable (dataset.json missing or malformed)."""
+
+
+class CaseError(ValueError):
+    """One case is unusable; the message says why. Conversion records it and goes on."""
+
+    def __init__(self, case_id: str, reason: str):
+        super().__init__(f"case {case_id}: {reason}")
+        self.case_id = case_id
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One entry of dataset.json.
+
+    Args:
+        case_id: file name of the image without `.nii.gz` (e.g. `spleen_2`).
+        image: path of the image as written in dataset.json (relative to the dataset folder).
+        label: path of the label, or None for unlabelled (test) cases.
+    """
+
+    case_id: str
+    image: str
+    label: str | None = None
+
+
+def case_id_from_path(path: str) -> str:
+    name = Path(path).name
+    for suffix in (".nii.gz", ".nii"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+class MSDDataset:
+    """The parsed `dataset.json` of an MSD-style dataset folder.
+
+    Args:
+        root: the dataset folder (the one holding dataset.json).
+
+    Attributes:
+        name, description, modalities (list of names, index = channel), labels (list of names,
+        index = label value), training (list of `Case` with labels), test (list of `Case`).
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        path = self.root / "dataset.json"
+        if not path.is_file():
+            raise DatasetError(f"{path}: not found; an MSD dataset folder must contain dataset.json")
+        try:
+            meta = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DatasetError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(meta, dict):
+            raise DatasetError(f"{path}: top level must be an object")
+        self.meta = meta
+        self.name = str(meta.get("name", self.root.name))
+        self.description = str(meta.get("description", ""))
+        self.modalities = _indexed_names(meta, "modality", path)
+        self.labels = _indexed_names(meta, "labels", path)
+        if self.labels[0] is None:
+            raise DatasetError(f"{path}: key 'labels' must declare label 0 (background)")
+        self.training = [_training_case(entry, i, path) for i, entry in enumerate(meta.get("training", []))]
+        self.test = [_test_case(entry, i, path) for i, entry in enumerate(meta.get("test", []))]
+        ids = [c.case_id for c in self.training]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise DatasetError(f"{path}: 'training' lists case ids more than once: {duplicates}")
+        if not self.training:
+            raise DatasetError(f"{path}: key 'training' lists no cases")
+
+    @property
+    def num_channels(self) -> int:
+        return len(self.modalities)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.labels)
+
+    @property
+    def is_ct(self) -> bool:
+        return any(str(m).upper() in CT_MODALITIES for m in self.modalities)
+
+    def resolve(self, case: Case, relpath: str) -> Path:
+        """The absolute path of a file of `case`; refuses paths that leave the dataset folder."""
+        path = (self.root / relpath).resolve()
+        if path != self.root and self.root not in path.parents:
+            raise CaseError(case.case_id, f"path {relpath!r} resolves outside the dataset folder {self.root}")
+        return path
+
+    def __repr__(self) -> str:
+        return (f"MSDDataset({self.name!r}, modalities={self.modalities}, labels={self.labels}, "
+                f"training={len(self.training)}, test={len(self.test)})")
+
+
+def _indexed_names(meta: dict, key: str, path: Path) -> list:
+    """`{"0": "T1", "1": "T2"}` → `["T1", "T2"]`; keys must be 0..N-1."""
+    entry = meta.get(key)
+    if not isinstance(entry, dict) or not entry:
+        raise DatasetError(f"{path}: key {key!r} must be a non-empty object like {{\"0\": \"name\"}}")
+    try:
+        indexed = {int(k): str(v) for k, v in entry.items()}
+    except ValueError as e:
+        raise DatasetError(f"{path}: key {key!r} has a non-integer index ({e})") from e
+    if sorted(indexed) != list(range(len(indexed))):
+        raise DatasetError(f"{path}: key {key!r} must use indices 0..{len(indexed) - 1}, got {sorted(indexed)}")
+    return [indexed[i] for i in range(len(indexed))]
+
+
+def _training_case(entry, i: int, path: Path) -> Case:
+    if not isinstance(entry, dict) or not isinstance(entry.get("image"), str) or not isinstance(entry.get("label"), str):
+        raise DatasetError(f"{path}: training[{i}] must be {{\"image\": \"...\", \"label\": \"...\"}}, got {entry!r}")
+    return Case(case_id_from_path(entry["image"]), entry["image"], entry["label"])
+
+
+def _test_case(entry, i: int, path: Path) -> Case:
+    image = entry.get("image") if isinstance(entry, dict) else entry
+    if not isinstance(image, str):
+        raise DatasetError(f"{path}: test[{i}] must be a path string, got {entry!r}")
+    return Case(case_id_from_path(image), image)
+
+
+@dataclasses.dataclass
+class LoadedCase:
+    """A case as stored on disk, before any preprocessing.
+
+    Attributes:
+        image: float32 array (X, Y, Z, C) in the file's voxel order (native byte order).
+        label: uint8 array (X, Y, Z) or None.
+        affine: the image's 4x4 voxel-to-world (RAS mm) affine.
+        header_dtype: the image's on-disk dtype, byte order included (e.g. `>i2`).
+    """
+
+    case_id: str
+    image: np.ndarray
+    label: np.ndarray | None
+    affine: np.ndarray
+    header_dtype: str
+
+
+def _read_nifti(case: Case, path: Path, what: str) -> tuple[np.ndarray, np.ndarray, str]:
+    if not path.is_file():
+        raise CaseError(case.case_id, f"{what} file {path} does not exist")
+    try:
+        img = nib.load(str(path))
+        data = np.asanyarray(img.dataobj)
+    except (OSError, EOFError, zlib.error, ValueError, nib.filebasedimages.ImageFileError) as e:
+        raise CaseError(case.case_id, f"{what} file {path} cannot be read (truncated or corrupt?): "
+                                      f"{type(e).__name__}: {e}") from e
+    return data, np.asarray(img.affine, dtype=np.float64), img.get_data_dtype().str
+
+
+def load_case(case: Case, dataset: MSDDataset, affine_tolerance: float = 1e-3) -> LoadedCase:
+    """Reads and validates one case. Raises `CaseError` naming the case and what is wrong.
+
+    Checks: files exist and decode; channel count matches `modality`; no NaN/Inf in the image;
+    label spatial shape and affine match the image; label values are integers declared in `labels`.
+    """
+    raw, affine, disk_dtype = _read_nifti(case, dataset.resolve(case, case.image), "image")
+    if raw.ndim == 3:
+        raw = raw[..., np.newaxis]
+    elif raw.ndim == 5 and raw.shape[3] == 1:  # some writers put channels on the 5th axis
+        raw = raw[:, :, :, 0, :]
+    if raw.ndim != 4:
+        raise CaseError(case.case_id, f"image has {raw.ndim} dimensions (shape {raw.shape}); expected 3D or 4D")
+    if raw.shape[-1] != dataset.num_channels:
+        raise CaseError(case.case_id, f"image has {raw.shape[-1]} channel(s) (shape {raw.shape}) but dataset.json "
+                                      f"declares {dataset.num_channels} modalities {dataset.modalities}")
+    image = raw.astype(np.float32)  # also converts big-endian to native order
+    if not np.all(np.isfinite(image)):
+        bad = int(np.size(image) - np.count_nonzero(np.isfinite(image)))
+        raise CaseError(case.case_id, f"image contains {bad} NaN/Inf voxel(s)")
+    label = None
+    if case.label is not None:
+        raw_label, label_affine, _ = _read_nifti(case, dataset.resolve(case, case.label), "label")
+        if raw_label.ndim == 4 and raw_label.shape[3] == 1:
+            raw_label = raw_label[..., 0]
+        if raw_label.shape != image.shape[:3]:
+            raise CaseError(case.case_id, f"label shape {raw_label.shape} does not match image shape {image.shape[:3]}")
+        if not np.allclose(label_affine, affine, atol=affine_tolerance, rtol=0):
+            raise CaseError(case.case_id, "label affine does not match image affine (max difference "
+                                          f"{np.abs(label_affine - affine).max():.4g}):\nimage={affine.round(4).tolist()}\n"
+                                          f"label={label_affine.round(4).tolist()}")
+        label = _validate_label(case, np.asarray(raw_label), dataset.num_classes)
+    return LoadedCase(case.case_id, image, label, affine, disk_dtype)
+
+
+def _validate_label(case: Case, raw: np.ndarray, num_classes: int) -> np.ndarray:
+    values = np.unique(raw)
+    if not np.all(np.isfinite(values)) or not np.all(values == np.round(values)):
+        raise CaseError(case.case_id, f"label contains non-integer values, e.g. {values[values != np.round(values)][:5]}")
+    undeclared = [int(v) for v in values if v < 0 or v >= num_classes]
+    if undeclared:
+        raise CaseError(case.case_id, f"label contains value(s) {undeclared} not declared in dataset.json 'labels' "
+                                      f"(declared: 0..{num_classes - 1})")
+    return raw.astype(np.uint8)

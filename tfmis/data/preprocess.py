@@ -1,0 +1,274 @@
+"""Deterministic preprocessing, done once at conversion time.
+
+Order: reorient to RAS → crop to the foreground bounding box → resample to the target spacing
+(linear for images, nearest for labels) or to a fixed shape (`reshape`) → normalise intensities per
+channel → cast (image float16/float32, label uint8).
+
+Every step is a voxel→voxel affine map, so the whole chain is summarised by one 4x4 matrix: the
+affine of the preprocessed grid. `Geometry` records it together with the original shape and affine,
+and `restore_geometry` maps a prediction back onto the original voxel grid in one resampling.
+
+Example:
+```python
+config = PreprocessConfig(spacing=(1.5, 1.5, 2.0), normalization=("ct",), ct_window=(-57, 164))
+image, label, geometry = preprocess(loaded.image, loaded.label, loaded.affine, config)
+original_label = restore_geometry(label, geometry)   # same shape/orientation as the input file
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import nibabel as nib
+import numpy as np
+from scipy import ndimage
+
+NORMALIZATIONS = ("zscore", "ct", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreprocessConfig:
+    """Parameters of the deterministic preprocessing.
+
+    Args:
+        spacing: target voxel spacing in mm (RAS axis order). Ignored when `reshape` is set.
+            Must be resolved (e.g. to the dataset's median spacing) before calling `preprocess`.
+        reshape: fixed output shape (X, Y, Z) instead of resampling to a spacing (as in DistMIS).
+        normalization: one entry per channel: `zscore` (over the foreground mask, MRI),
+            `ct` (clip to `ct_window`, scale to [0, 1]) or `none`.
+        ct_window: (low, high) Hounsfield window for `ct` channels.
+        crop_foreground: crop to the bounding box of the non-background region (and the label).
+        crop_margin: voxels kept around that bounding box.
+        image_dtype: `float16` or `float32` storage of the normalised image.
+    """
+
+    spacing: tuple[float, float, float] | None = None
+    reshape: tuple[int, int, int] | None = None
+    normalization: tuple[str, ...] = ("zscore",)
+    ct_window: tuple[float, float] | None = None
+    crop_foreground: bool = True
+    crop_margin: int = 0
+    image_dtype: str = "float16"
+
+    def __post_init__(self):
+        for n in self.normalization:
+            if n not in NORMALIZATIONS:
+                raise ValueError(f"normalization {n!r} is not one of {NORMALIZATIONS}")
+        if "ct" in self.normalization and self.ct_window is None:
+            raise ValueError("normalization 'ct' needs ct_window=(low, high)")
+        if self.ct_window is not None and not self.ct_window[0] < self.ct_window[1]:
+            raise ValueError(f"ct_window low must be below high, got {self.ct_window}")
+        if self.image_dtype not in ("float16", "float32"):
+            raise ValueError(f"image_dtype must be float16 or float32, got {self.image_dtype!r}")
+        if self.reshape is None and self.spacing is None:
+            raise ValueError("set spacing (mm) or reshape (voxels)")
+        if self.reshape is not None and (len(self.reshape) != 3 or min(self.reshape) < 1):
+            raise ValueError(f"reshape must be three positive sizes, got {self.reshape}")
+        if self.spacing is not None and (len(self.spacing) != 3 or min(self.spacing) <= 0):
+            raise ValueError(f"spacing must be three positive values, got {self.spacing}")
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass
+class Geometry:
+    """What is needed to put a prediction back into the original file's geometry.
+
+    Attributes:
+        original_shape: spatial shape of the input file (its own voxel order).
+        original_affine: 4x4 affine of the input file.
+        original_axcodes: orientation of the input file, e.g. `LPS`.
+        ras_shape: spatial shape after reorientation to RAS.
+        crop_start, crop_stop: foreground box on the RAS grid (voxels, stop exclusive).
+        shape, spacing, affine: the preprocessed grid.
+    """
+
+    original_shape: list
+    original_affine: list
+    original_axcodes: str
+    ras_shape: list
+    crop_start: list
+    crop_stop: list
+    shape: list
+    spacing: list
+    affine: list
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Geometry":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+
+def spacing_of(affine: np.ndarray) -> np.ndarray:
+    """Voxel sizes (mm) along the array axes of a 4x4 affine."""
+    return np.sqrt((np.asarray(affine)[:3, :3] ** 2).sum(axis=0))
+
+
+def ras_spacing(affine: np.ndarray) -> np.ndarray:
+    """Voxel sizes along R, A, S after reorientation to RAS (for the dataset's median spacing)."""
+    ornt = nib.orientations.io_orientation(affine)
+    spacing = spacing_of(affine)
+    out = np.empty(3)
+    for axis, (ras_axis, _) in enumerate(ornt):
+        out[int(ras_axis)] = spacing[axis]
+    return out
+
+
+def reorient_to_ras(array: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Permutes/flips the first three axes of `array` to RAS; returns (array, new affine)."""
+    ornt = nib.orientations.io_orientation(affine)
+    transform = nib.orientations.ornt_transform(ornt, nib.orientations.axcodes2ornt("RAS"))
+    out = nib.orientations.apply_orientation(array, transform)
+    new_affine = affine @ nib.orientations.inv_ornt_aff(transform, array.shape[:3])
+    return np.ascontiguousarray(out), new_affine
+
+
+def foreground_mask(image: np.ndarray, normalization: tuple[str, ...], ct_window) -> np.ndarray:
+    """Non-background voxels: nonzero for MRI-like channels, above the window's low end for CT."""
+    mask = np.zeros(image.shape[:3], dtype=bool)
+    for c, norm in enumerate(_per_channel(normalization, image.shape[-1])):
+        mask |= image[..., c] > ct_window[0] if norm == "ct" else image[..., c] != 0
+    return mask
+
+
+def bounding_box(mask: np.ndarray, margin: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(start, stop) of the True voxels of `mask`, grown by `margin`; the whole grid if none."""
+    shape = np.array(mask.shape)
+    if not mask.any():
+        return np.zeros(3, dtype=int), shape
+    start, stop = [], []
+    for axis in range(3):
+        other = tuple(a for a in range(3) if a != axis)
+        nz = np.flatnonzero(mask.any(axis=other))
+        start.append(nz[0])
+        stop.append(nz[-1] + 1)
+    return np.maximum(np.array(start) - margin, 0), np.minimum(np.array(stop) + margin, shape)
+
+
+def resample(array: np.ndarray, scale: np.ndarray, out_shape, order: int) -> np.ndarray:
+    """Resamples the first three axes: output voxel j reads input coordinate (j + .5) * scale - .5.
+
+    That convention keeps the volume's centre and extent; the identity scale copies exactly.
+    """
+    scale = np.asarray(scale, dtype=np.float64)
+    out_shape = tuple(int(s) for s in out_shape)
+    if np.all(scale == 1) and out_shape == array.shape[:3]:
+        return array.copy()
+    offset = 0.5 * scale - 0.5
+    if array.ndim == 3:
+        return ndimage.affine_transform(array, scale, offset, output_shape=out_shape, order=order, mode="nearest")
+    return np.stack([resample(array[..., c], scale, out_shape, order) for c in range(array.shape[-1])], axis=-1)
+
+
+def normalize(image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...], ct_window) -> np.ndarray:
+    """Per-channel intensity normalisation (float32 in, float32 out)."""
+    out = np.empty_like(image, dtype=np.float32)
+    use = mask if mask.any() and not mask.all() else None
+    for c, norm in enumerate(_per_channel(normalization, image.shape[-1])):
+        x = image[..., c]
+        if norm == "ct":
+            lo, hi = ct_window
+            out[..., c] = (np.clip(x, lo, hi) - lo) / (hi - lo)
+        elif norm == "zscore":
+            values = x[use] if use is not None else x
+            std = float(values.std())
+            y = (x - float(values.mean())) / max(std, 1e-8)
+            out[..., c] = np.where(use, y, 0.0) if use is not None else y
+        else:
+            out[..., c] = x
+    return out
+
+
+def preprocess(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, config: PreprocessConfig):
+    """Runs the whole deterministic chain on one case.
+
+    Args:
+        image: float32 (X, Y, Z, C) in file voxel order.
+        label: uint8 (X, Y, Z) or None.
+        affine: the file's 4x4 affine.
+        config: a `PreprocessConfig` with `spacing` or `reshape` set.
+
+    Returns:
+        (image (x, y, z, C) in `config.image_dtype`, label (x, y, z) uint8 or None, `Geometry`).
+    """
+    affine = np.asarray(affine, dtype=np.float64)
+    original_shape = image.shape[:3]
+    ras_image, ras_affine = reorient_to_ras(image, affine)
+    ras_label = reorient_to_ras(label, affine)[0] if label is not None else None
+
+    ras_shape = [int(n) for n in ras_image.shape[:3]]
+    mask = foreground_mask(ras_image, config.normalization, config.ct_window)
+    if config.crop_foreground:
+        box_mask = mask | (ras_label > 0) if ras_label is not None else mask
+        start, stop = bounding_box(box_mask, config.crop_margin)
+    else:
+        start, stop = np.zeros(3, dtype=int), np.array(ras_image.shape[:3])
+    crop = tuple(slice(a, b) for a, b in zip(start, stop))
+    ras_image, mask = ras_image[crop], mask[crop]
+    ras_label = ras_label[crop] if ras_label is not None else None
+    crop_affine = ras_affine.copy()
+    crop_affine[:3, 3] = ras_affine[:3, :3] @ start + ras_affine[:3, 3]
+
+    in_shape = np.array(ras_image.shape[:3])
+    in_spacing = spacing_of(crop_affine)
+    if config.reshape is not None:
+        out_shape = np.array(config.reshape)
+        scale = in_shape / out_shape
+    else:
+        out_shape = np.maximum(np.round(in_shape * in_spacing / np.array(config.spacing)), 1).astype(int)
+        scale = np.array(config.spacing) / in_spacing
+        scale = np.where(out_shape == in_shape, np.where(np.isclose(scale, 1, atol=1e-3), 1.0, scale), scale)
+    normalized = normalize(ras_image, mask, config.normalization, config.ct_window)
+    out_image = resample(normalized, scale, out_shape, order=1).astype(config.image_dtype)
+    out_label = resample(ras_label, scale, out_shape, order=0).astype(np.uint8) if ras_label is not None else None
+
+    step = np.eye(4)
+    step[:3, :3] = np.diag(scale)
+    step[:3, 3] = 0.5 * scale - 0.5
+    out_affine = crop_affine @ step
+    geometry = Geometry(
+        original_shape=[int(s) for s in original_shape],
+        original_affine=affine.tolist(),
+        original_axcodes="".join(nib.aff2axcodes(affine)),
+        ras_shape=ras_shape,
+        crop_start=[int(s) for s in start],
+        crop_stop=[int(s) for s in stop],
+        shape=[int(s) for s in out_shape],
+        spacing=[float(s) for s in spacing_of(out_affine)],
+        affine=out_affine.tolist(),
+    )
+    return out_image, out_label, geometry
+
+
+def restore_geometry(array: np.ndarray, geometry: Geometry | dict, order: int = 0, cval: float = 0.0) -> np.ndarray:
+    """Maps an array on the preprocessed grid back onto the original file's voxel grid.
+
+    Args:
+        array: (x, y, z) or (x, y, z, C) on the preprocessed grid (e.g. a predicted label map).
+        geometry: the case's `Geometry` (or its dict from the TFRecord index).
+        order: 0 (nearest) for label maps, 1 for probabilities.
+        cval: value outside the cropped region (background).
+
+    Returns:
+        An array with the original file's spatial shape and voxel order.
+    """
+    g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
+    # original voxel → world → preprocessed voxel, as one homogeneous matrix
+    matrix = np.linalg.inv(np.array(g.affine)) @ np.array(g.original_affine)
+    matrix = np.round(matrix, 9)  # pure permutations/flips stay exact integers
+    out_shape = tuple(g.original_shape)
+    if array.ndim == 4:
+        return np.stack([restore_geometry(array[..., c], g, order, cval) for c in range(array.shape[-1])], axis=-1)
+    return ndimage.affine_transform(array, matrix, output_shape=out_shape, order=order, mode="constant", cval=cval)
+
+
+def _per_channel(normalization: tuple[str, ...], channels: int) -> tuple[str, ...]:
+    if len(normalization) == 1:
+        return tuple(normalization) * channels
+    if len(normalization) != channels:
+        raise ValueError(f"normalization lists {len(normalization)} entries for {channels} channels")
+    return tuple(normalization)

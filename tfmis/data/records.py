@@ -1,0 +1,241 @@
+"""The tfmis TFRecord format and its readers.
+
+A converted dataset folder holds:
+```
+OUT/
+  index.json            schema version, preprocessing parameters, splits → shards → record counts,
+                        per-case metadata (geometry to undo preprocessing, byte offsets), skipped cases
+  fingerprint.json      per-case shape/spacing/intensity/class statistics and dataset summary
+  train-000-of-004.tfrecord.gz ...
+```
+Each record is a `tf.train.Example` holding one case: the image as raw little-endian bytes
+(float16/float32, shape (x, y, z, C) in RAS order), the label as raw uint8 bytes (x, y, z), and a
+JSON string of metadata. Raw bytes make the round trip bit-exact.
+
+Example:
+```python
+dataset = record_dataset("OUT", "train")        # tf.data of (image, label, metadata)
+for image, label, meta in dataset.take(1):
+    print(meta["case_id"].numpy(), image.shape)
+sample = read_record("OUT", "train", 3)         # one record, numpy, without reading its shard
+```
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+INDEX_FILE = "index.json"
+FINGERPRINT_FILE = "fingerprint.json"
+COMPRESSIONS = {"NONE": "", "GZIP": ".gz", "ZLIB": ".zlib"}
+_HEADER = 12  # uint64 length + uint32 masked crc of the length
+_FOOTER = 4   # uint32 masked crc of the data
+
+
+def shard_name(split: str, shard: int, num_shards: int, compression: str) -> str:
+    return f"{split}-{shard:03d}-of-{num_shards:03d}.tfrecord{COMPRESSIONS[compression]}"
+
+
+def framed_size(payload_length: int) -> int:
+    """Bytes one record takes in an (uncompressed) TFRecord stream."""
+    return _HEADER + payload_length + _FOOTER
+
+
+def encode_example(case_id: str, image: np.ndarray, label: np.ndarray | None, metadata: dict) -> bytes:
+    """Serialises one preprocessed case into a `tf.train.Example`."""
+    import tensorflow as tf
+
+    def _bytes(v: bytes):
+        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[v]))
+
+    def _ints(v):
+        return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(x) for x in v]))
+
+    image = np.ascontiguousarray(image, dtype=image.dtype.newbyteorder("<"))
+    has_label = label is not None
+    label_bytes = np.ascontiguousarray(label, dtype=np.uint8).tobytes() if has_label else b""
+    features = {
+        "case_id": _bytes(case_id.encode()),
+        "image": _bytes(image.tobytes()),
+        "image_shape": _ints(image.shape),
+        "label": _bytes(label_bytes),
+        "label_shape": _ints(label.shape if has_label else (0, 0, 0)),
+        "metadata": _bytes(json.dumps(metadata, sort_keys=True).encode()),
+    }
+    return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString()
+
+
+def parse_example(serialized, image_dtype: str = "float16"):
+    """Parses one serialized record into (image, label, metadata) tensors.
+
+    Args:
+        serialized: a scalar string tensor (one record).
+        image_dtype: the storage dtype written at conversion (`index["preprocessing"]["image_dtype"]`).
+
+    Returns:
+        image (x, y, z, C) of `image_dtype`; label (x, y, z) uint8 (shape (0, 0, 0) for unlabelled
+        cases); metadata dict with `case_id` (string) and `metadata` (JSON string).
+    """
+    import tensorflow as tf
+
+    spec = {
+        "case_id": tf.io.FixedLenFeature([], tf.string),
+        "image": tf.io.FixedLenFeature([], tf.string),
+        "image_shape": tf.io.FixedLenFeature([4], tf.int64),
+        "label": tf.io.FixedLenFeature([], tf.string),
+        "label_shape": tf.io.FixedLenFeature([3], tf.int64),
+        "metadata": tf.io.FixedLenFeature([], tf.string),
+    }
+    f = tf.io.parse_single_example(serialized, spec)
+    image = tf.reshape(tf.io.decode_raw(f["image"], tf.dtypes.as_dtype(image_dtype), little_endian=True),
+                       f["image_shape"])
+    label = tf.reshape(tf.io.decode_raw(f["label"], tf.uint8), f["label_shape"])
+    return image, label, {"case_id": f["case_id"], "metadata": f["metadata"]}
+
+
+def load_index(dataset_dir: str | Path) -> dict:
+    """The `index.json` of a converted dataset; a clear error if the folder is not one."""
+    path = Path(dataset_dir) / INDEX_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; is {dataset_dir} the --target-dir of tools/tfrecord.py "
+                                "(and did the conversion finish)?")
+    index = json.loads(path.read_text())
+    if index.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema version {index.get('schema_version')} is not supported "
+                         f"(this tfmis reads version {SCHEMA_VERSION}); convert the dataset again")
+    return index
+
+
+def split_cases(index: dict, split: str) -> list[dict]:
+    """The records of `split` in storage order (entries of `index["cases"]`)."""
+    if split not in index["splits"]:
+        raise KeyError(f"split {split!r} not in this dataset; available: {sorted(index['splits'])}")
+    cases = [c for c in index["cases"].values() if c["split"] == split]
+    return sorted(cases, key=lambda c: (c["shard"], c["position"]))
+
+
+def shard_paths(dataset_dir: str | Path, split: str, index: dict | None = None) -> list[str]:
+    index = index or load_index(dataset_dir)
+    if split not in index["splits"]:
+        raise KeyError(f"split {split!r} not in this dataset; available: {sorted(index['splits'])}")
+    return [str(Path(dataset_dir) / s["file"]) for s in index["splits"][split]["shards"] if s["records"] > 0]
+
+
+def record_dataset(dataset_dir: str | Path, split: str, num_parallel_reads=None, deterministic: bool = True):
+    """A `tf.data.Dataset` of (image, label, metadata) for one split, parsed in parallel.
+
+    Args:
+        dataset_dir: the converted dataset folder.
+        split: e.g. `train`, `val`, `test` or `fold0`.
+        num_parallel_reads: shards read concurrently (default: AUTOTUNE).
+        deterministic: keep storage order (set False for throughput when order does not matter).
+    """
+    import tensorflow as tf
+
+    index = load_index(dataset_dir)
+    files = shard_paths(dataset_dir, split, index)
+    prep = index["preprocessing"]
+    dataset = tf.data.TFRecordDataset(files, compression_type=_tf_compression(prep["compression"]),
+                                      num_parallel_reads=num_parallel_reads or tf.data.AUTOTUNE)
+    options = tf.data.Options()
+    options.deterministic = deterministic
+    return dataset.map(lambda s: parse_example(s, prep["image_dtype"]),
+                       num_parallel_calls=tf.data.AUTOTUNE).with_options(options)
+
+
+def read_record_bytes(path: str | Path, offset: int, length: int, compression: str) -> bytes:
+    """One record's payload, read at its offset: no other record of the shard is parsed.
+
+    Uncompressed shards are read with a seek; compressed ones are decompressed only up to the record.
+    """
+    with _open_stream(Path(path), compression) as stream:
+        _skip(stream, offset)
+        header = stream.read(_HEADER)
+        if len(header) != _HEADER:
+            raise ValueError(f"{path}: truncated at byte {offset} (record header)")
+        (stored_length,) = struct.unpack("<Q", header[:8])
+        if stored_length != length:
+            raise ValueError(f"{path}: record at byte {offset} has length {stored_length}, index says {length}; "
+                             "the shard does not match index.json")
+        payload = stream.read(length)
+        if len(payload) != length:
+            raise ValueError(f"{path}: truncated record at byte {offset}")
+        return payload
+
+
+def read_record(dataset_dir: str | Path, split: str, sample: int) -> dict:
+    """Record number `sample` of `split` as numpy arrays (reads only that record).
+
+    Returns:
+        dict with `case_id`, `image` (x, y, z, C), `label` (x, y, z) or None, `metadata` (dict).
+    """
+    index = load_index(dataset_dir)
+    cases = split_cases(index, split)
+    if not 0 <= sample < len(cases):
+        raise IndexError(f"sample {sample} out of range: split {split!r} has {len(cases)} records")
+    entry = cases[sample]
+    payload = read_record_bytes(Path(dataset_dir) / entry["file"], entry["offset"], entry["length"],
+                                index["preprocessing"]["compression"])
+    image, label, meta = parse_example(payload, index["preprocessing"]["image_dtype"])
+    return {
+        "case_id": meta["case_id"].numpy().decode(),
+        "image": image.numpy(),
+        "label": label.numpy() if label.shape[0] > 0 else None,
+        "metadata": json.loads(meta["metadata"].numpy()),
+    }
+
+
+def _tf_compression(compression: str) -> str:
+    return "" if compression == "NONE" else compression
+
+
+class _ZlibStream:
+    """Minimal forward-only reader over a zlib-compressed file (TF's ZLIB TFRecord option)."""
+
+    def __init__(self, path: Path):
+        self._file = open(path, "rb")
+        self._inflate = zlib.decompressobj()
+        self._buffer = b""
+
+    def read(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                break
+            self._buffer += self._inflate.decompress(chunk)
+        out, self._buffer = self._buffer[:n], self._buffer[n:]
+        return out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+
+def _open_stream(path: Path, compression: str):
+    if compression == "NONE":
+        return open(path, "rb")
+    if compression == "GZIP":
+        return gzip.open(path, "rb")
+    if compression == "ZLIB":
+        return _ZlibStream(path)
+    raise ValueError(f"unknown compression {compression!r}; expected one of {sorted(COMPRESSIONS)}")
+
+
+def _skip(stream, offset: int) -> None:
+    if hasattr(stream, "seek"):
+        stream.seek(offset)
+        return
+    while offset > 0:
+        got = len(stream.read(min(offset, 1 << 24)))
+        if got == 0:
+            raise ValueError("offset beyond the end of the shard")
+        offset -= got
