@@ -324,11 +324,12 @@ def convert(config: ConversionConfig) -> dict:
     bar = tqdm(total=len(tasks), desc=f"Converting {dataset.name}", unit="case", disable=not config.progress,
                file=sys.stderr)
     if done:
-        bar.write(f"Resuming: {len(done)} of {len(plan)} shards already complete, {len(tasks)} cases to go")
+        bar.write(f"Resuming: {len(done)} of {len(plan)} shards already complete, {len(tasks)} cases to go",
+                  file=sys.stderr)
 
     def on_case(case_id: str, message: str | None):
         if message:
-            bar.write(f"  {case_id}: {message}")
+            bar.write(f"  {case_id}: {message}", file=sys.stderr)
         bar.update(1)
 
     results = _run_ordered(_process_case, tasks, config.workers)

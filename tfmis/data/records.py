@@ -69,7 +69,8 @@ def encode_example(case_id: str, image: np.ndarray, label: np.ndarray | None, me
         "label_shape": _ints(label.shape if has_label else (0, 0, 0)),
         "metadata": _bytes(json.dumps(metadata, sort_keys=True).encode()),
     }
-    return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString()
+    # deterministic: map entries in a fixed order, so a resumed or repeated conversion writes the same bytes
+    return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString(deterministic=True)
 
 
 def parse_example(serialized, image_dtype: str = "float16"):

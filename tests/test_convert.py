@@ -1,0 +1,233 @@
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from conftest import brain_like_case, lps_affine, make_msd_dataset, update_dataset_json, write_nifti
+from tfmis.data.convert import ConversionConfig, ParametersChanged, assign_splits, build_parser, convert
+from tfmis.data.msd import MSDDataset, load_case
+from tfmis.data.preprocess import PreprocessConfig, preprocess
+from tfmis.data.records import load_index, read_record, record_dataset, split_cases
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_tool(*args, timeout=300):
+    return subprocess.run([sys.executable, str(REPO / "tools" / "tfrecord.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def records_by_case(target, split):
+    out = {}
+    for image, label, meta in record_dataset(target, split):
+        out[meta["case_id"].numpy().decode()] = (image.numpy(), label.numpy(), json.loads(meta["metadata"].numpy()))
+    return out
+
+
+@pytest.mark.parametrize("compression, image_dtype", [("NONE", "float32"), ("GZIP", "float16"), ("ZLIB", "float32")])
+def test_round_trip_is_bit_exact(msd_dataset, tmp_path, compression, image_dtype):
+    target = tmp_path / "out"
+    index = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, compression=compression,
+                                     image_dtype=image_dtype, spacing=(1.5, 1.5, 2.0), workers=1, progress=False))
+    assert index["stats"]["records"] == 6 and not index["skipped"]
+    ds = MSDDataset(msd_dataset)
+    config = PreprocessConfig(spacing=(1.5, 1.5, 2.0), normalization=("zscore", "zscore"), image_dtype=image_dtype)
+    records = records_by_case(target, "train")
+    assert sorted(records) == [c.case_id for c in ds.training]
+    for case in ds.training:
+        loaded = load_case(case, ds)
+        image, label, geometry = preprocess(loaded.image, loaded.label, loaded.affine, config)
+        got_image, got_label, meta = records[case.case_id]
+        assert got_image.dtype == np.dtype(image_dtype)
+        assert got_image.tobytes() == image.tobytes() and got_label.tobytes() == label.tobytes()
+        assert meta["geometry"] == json.loads(json.dumps(geometry.to_dict()))
+    # a single record read by its byte offset is the same record
+    for i, entry in enumerate(split_cases(load_index(target), "train")):
+        one = read_record(target, "train", i)
+        assert one["case_id"] == entry["case_id"]
+        assert one["image"].tobytes() == records[one["case_id"]][0].tobytes()
+        assert one["label"].tobytes() == records[one["case_id"]][1].tobytes()
+
+
+def test_index_and_fingerprint_describe_the_shards(msd_dataset, tmp_path):
+    target = tmp_path / "out"
+    index = convert(ConversionConfig(str(msd_dataset), str(target), split=(0.5, 0.25, 0.25), shards=2, workers=2,
+                                     progress=False))
+    on_disk = load_index(target)
+    assert on_disk["schema_version"] == 1 and on_disk["splits"].keys() == {"train", "val", "test"}
+    assert [s["num_records"] for s in on_disk["splits"].values()] == [3, 2, 1]
+    assert on_disk["preprocessing"]["spacing"] == [1.5, 1.5, 2.0]  # the median spacing, RAS order
+    for name, split in on_disk["splits"].items():
+        assert sum(s["records"] for s in split["shards"]) == split["num_records"]
+        for shard in split["shards"]:
+            assert (target / shard["file"]).stat().st_size == shard["bytes"]
+            assert len(list(record_dataset(target, name).as_numpy_iterator())) == split["num_records"]
+    fingerprint = json.loads((target / "fingerprint.json").read_text())
+    for split in on_disk["splits"]:
+        for image, label, meta in record_dataset(target, split):
+            cid = meta["case_id"].numpy().decode()
+            counts = np.bincount(label.numpy().ravel(), minlength=3).tolist()
+            assert fingerprint["cases"][cid]["class_voxels"] == counts
+            assert fingerprint["cases"][cid]["shape"] == list(label.shape)
+            assert fingerprint["cases"][cid]["original_shape"] == [20, 22, 18]
+    summary = fingerprint["dataset"]
+    assert summary["num_cases"] == 6 and len(summary["shape_p99_5"]) == 3
+    assert summary["intensity"][0]["p00_5"] < summary["intensity"][0]["p99_5"]
+    assert index["stats"]["bytes_per_case"] > 0
+
+
+def test_splits_are_seeded_and_folds_partition():
+    ids = [f"c{i}" for i in range(20)]
+    a = assign_splits(ids, (0.7, 0.15, 0.15), None, seed=3)
+    assert a == assign_splits(ids, (0.7, 0.15, 0.15), None, seed=3)
+    assert a != assign_splits(ids, (0.7, 0.15, 0.15), None, seed=4)
+    assert [len(v) for v in a.values()] == [14, 3, 3]
+    assert sorted(sum(a.values(), [])) == sorted(ids)
+    folds = assign_splits(ids, None, 5, seed=0)
+    assert list(folds) == [f"fold{k}" for k in range(5)] and all(len(v) == 4 for v in folds.values())
+    assert sorted(sum(folds.values(), [])) == sorted(ids)
+
+
+def test_folds_conversion(msd_dataset, tmp_path):
+    index = convert(ConversionConfig(str(msd_dataset), str(tmp_path / "out"), split=None, folds=3, shards=1,
+                                     workers=1, progress=False))
+    assert {k: v["num_records"] for k, v in index["splits"].items()} == {"fold0": 2, "fold1": 2, "fold2": 2}
+
+
+def test_resume_rebuilds_only_unfinished_shards(msd_dataset, tmp_path):
+    target = tmp_path / "out"
+    config = ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=3, workers=1, progress=False)
+    convert(config)
+    shards = sorted(target.glob("train-*.tfrecord.gz"))
+    original = {p.name: p.read_bytes() for p in shards}
+    # the state an interrupted run leaves: one shard missing, its temporary half-written
+    victim = shards[1]
+    victim.unlink()
+    (target / ".progress" / (victim.name + ".json")).unlink()
+    (target / (victim.name + ".tmp")).write_bytes(b"half a shard")
+    (target / "index.json").unlink()
+    mtimes = {p.name: p.stat().st_mtime_ns for p in shards if p != victim}
+    time.sleep(0.01)
+    index = convert(config)
+    assert {p.name: p.read_bytes() for p in sorted(target.glob("train-*.tfrecord.gz"))} == original
+    assert {p.name: p.stat().st_mtime_ns for p in shards if p != victim} == mtimes
+    assert not list(target.glob("*.tmp")) and index["stats"]["records"] == 6
+
+
+def test_resume_after_kill(tmp_path):
+    """A real conversion process killed after its first shard resumes to the same bytes."""
+    source = make_msd_dataset(tmp_path / "ds", num_cases=10, shape=(48, 48, 40))
+    args = ["--source-dir", source, "--split", "1", "--shards", "10", "--workers", "1", "--compression", "NONE"]
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "tfrecord.py"), *map(str, args),
+                             "--target-dir", tmp_path / "out"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    progress = tmp_path / "out" / ".progress"
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(progress.glob("*.json")) and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(progress.glob("*.json")))
+    assert 1 <= done_before < 10, "the process was not interrupted mid-way"
+    assert not (tmp_path / "out" / "index.json").exists()
+    resumed = run_tool(*args, "--target-dir", tmp_path / "out")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"Resuming: {done_before} of 10 shards already complete" in resumed.stderr
+    fresh = run_tool(*args, "--target-dir", tmp_path / "fresh")
+    assert fresh.returncode == 0, fresh.stderr
+    for shard in sorted((tmp_path / "fresh").glob("*.tfrecord")):
+        assert (tmp_path / "out" / shard.name).read_bytes() == shard.read_bytes()
+
+
+def test_changed_parameters_are_refused_or_rebuilt(msd_dataset, tmp_path):
+    target = tmp_path / "out"
+    convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False))
+    with pytest.raises(ParametersChanged, match=r"shards: 2 -> 3"):
+        convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=3, workers=1, progress=False))
+    update_dataset_json(msd_dataset, description="edited")
+    with pytest.raises(ParametersChanged, match="dataset_json_sha256"):
+        convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False))
+    index = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=3, workers=1,
+                                     progress=False, overwrite=True))
+    assert len(index["splits"]["train"]["shards"]) == 3
+    assert sorted(p.name for p in target.glob("*.tfrecord*")) == [f"train-00{i}-of-003.tfrecord.gz" for i in range(3)]
+
+
+def make_broken_dataset(root: Path) -> dict:
+    """Good cases plus one bad case of each kind; returns {case_id: expected words in its reason}."""
+    make_msd_dataset(root, num_cases=10)
+    rng = np.random.default_rng(7)
+    img, lab = brain_like_case(rng)
+    images, labels = root / "imagesTr", root / "labelsTr"
+    (images / "case_001.nii.gz").unlink()                                             # missing file
+    data = (images / "case_002.nii.gz").read_bytes()
+    (images / "case_002.nii.gz").write_bytes(data[: len(data) // 2])                  # truncated .nii.gz
+    write_nifti(labels / "case_003.nii.gz", lab[:-2], lps_affine(), np.uint8)         # shape mismatch
+    write_nifti(labels / "case_004.nii.gz", lab, lps_affine(origin=(0, 0, 0)), np.uint8)  # affine mismatch
+    bad_label = lab.copy()
+    bad_label[0, 0, 0] = 7
+    write_nifti(labels / "case_005.nii.gz", bad_label, lps_affine(), np.uint8)      # undeclared label value
+    nan_image = img.copy()
+    nan_image[5, 5, 5, 1] = np.nan
+    write_nifti(images / "case_006.nii.gz", nan_image, lps_affine(), np.float32)    # NaN in the image
+    write_nifti(labels / "case_007.nii.gz", np.zeros_like(lab), lps_affine(), np.uint8)  # no foreground: warning
+    (images / "case_008.nii.gz").write_bytes(b"this is not a nifti file at all")    # corrupt header
+    meta = json.loads((root / "dataset.json").read_text())
+    meta["training"][9]["label"] = "../../etc/passwd"                               # path outside the dataset
+    (root / "dataset.json").write_text(json.dumps(meta))
+    return {"case_001": "does not exist", "case_002": "cannot be read", "case_003": "does not match image shape",
+            "case_004": "affine does not match", "case_005": "not declared", "case_006": "NaN",
+            "case_008": "cannot be read", "case_009": "outside the dataset folder"}
+
+
+def test_bad_cases_are_named_and_the_rest_convert(tmp_path):
+    expected = make_broken_dataset(tmp_path / "broken")
+    result = run_tool("--source-dir", tmp_path / "broken", "--target-dir", tmp_path / "out", "--split", "0.5,0.5",
+                      "--shards", "2", "--workers", "2")
+    assert result.returncode == 3, result.stderr
+    index = load_index(tmp_path / "out")
+    skipped = {s["case_id"]: s["reason"] for s in index["skipped"]}
+    assert sorted(skipped) == sorted(expected)
+    for case_id, words in expected.items():
+        assert words in skipped[case_id], (case_id, skipped[case_id])
+        assert f"SKIPPED {case_id}: " in result.stdout
+        assert f"{case_id}: skipped: " in result.stderr  # shown as it happens, above the progress bar
+    assert sorted(index["cases"]) == ["case_000", "case_007"]
+    assert index["warnings"] == [{"case_id": "case_007", "message": "label has no foreground voxels"}]
+    assert "warning case_007: label has no foreground voxels" in result.stdout
+    fingerprint = json.loads((tmp_path / "out" / "fingerprint.json").read_text())
+    assert fingerprint["dataset"]["cases_without_foreground"] == ["case_007"]
+
+
+def test_cli_parses_tuples_and_explains_flags(msd_dataset, tmp_path):
+    args = build_parser().parse_args(["--source-dir", "a", "--target-dir", "b", "--split", "0.8, 0.2",
+                                      "--spacing", "1.5,1.5,2.0", "--compression", "ZLIB"])
+    assert args.split == (0.8, 0.2) and args.spacing == (1.5, 1.5, 2.0) and args.compression == "ZLIB"
+    assert build_parser().parse_args(["--source-dir", "a", "--target-dir", "b", "--reshape", "120,120,96"]
+                                     ).reshape == (120, 120, 96)
+    help_text = run_tool("--help").stdout
+    for flag in ("--source-dir", "--target-dir", "--split", "--folds", "--spacing", "--reshape", "--shards",
+                 "--compression", "--workers", "--seed", "--ct-window", "--overwrite"):
+        assert flag in help_text
+    bad = run_tool("--source-dir", msd_dataset, "--target-dir", tmp_path / "o", "--spacing", "1.5,2")
+    assert bad.returncode == 2 and "--spacing: expected 3 comma-separated values" in bad.stderr
+    both = run_tool("--source-dir", msd_dataset, "--target-dir", tmp_path / "o", "--split", "1", "--folds", "3")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    missing = run_tool("--source-dir", tmp_path / "nowhere", "--target-dir", tmp_path / "o")
+    assert missing.returncode == 1 and "dataset.json" in missing.stderr
+
+
+def test_ct_window_is_measured_when_not_given(tmp_path):
+    root = make_msd_dataset(tmp_path / "ct", num_cases=3, channels=1, modalities={"0": "CT"})
+    index = convert(ConversionConfig(str(root), str(tmp_path / "out"), split=(1.0,), workers=1, progress=False))
+    lo, hi = index["preprocessing"]["ct_window"]
+    assert 40 < lo < hi < 200  # the labelled foreground of the synthetic data sits around 100-160
+    for image, _, _ in record_dataset(tmp_path / "out", "train"):
+        assert float(image.numpy().min()) >= 0 and float(image.numpy().max()) <= 1
