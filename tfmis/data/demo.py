@@ -119,7 +119,7 @@ def storage_style(case_number: int) -> StorageStyle:
 
 @dataclasses.dataclass(frozen=True)
 class Template:
-    """The 2 mm MNI152 maps as float32 in [0, 1] (T1 in [0, 1] too) on one RAS grid."""
+    """The 2 mm MNI152 maps (T1, GM, WM, brain fraction) as float32 scaled to [0, 1], on one RAS grid."""
 
     t1: np.ndarray
     gm: np.ndarray
@@ -139,7 +139,7 @@ class Template:
 @functools.lru_cache(maxsize=1)
 def load_template() -> Template:
     """Loads `assets/mni152_2mm.npz` (built by tools/build_demo_template.py) once per process."""
-    asset = resources.files("tfmis.data").joinpath("assets", TEMPLATE_ASSET)
+    asset = resources.files("tfmis.data") / "assets" / TEMPLATE_ASSET
     with asset.open("rb") as f, np.load(f) as npz:
         maps = {k: npz[k].astype(np.float32) / np.float32(255) for k in ("t1", "gm", "wm", "brain")}
         affine = npz["affine"].astype(np.float64)
@@ -234,7 +234,7 @@ def template_voxel_coordinates(rng: np.random.Generator, template: Template, pos
     The pose's inverse is applied to the voxel's world position, then a smooth elastic
     displacement of a few mm (random vectors on a 5^3 grid, spline-upsampled) is added.
     """
-    # template voxel = linear @ subject voxel + offset (affine part), all 4x4 compositions in mm.
+    # subject voxel -> subject mm -> (inverse pose) template mm -> template voxel, as one 4x4 matrix.
     subject_to_template_mm = np.eye(4)
     inverse = np.linalg.inv(pose.matrix)
     subject_to_template_mm[:3, :3] = inverse
@@ -292,10 +292,11 @@ def lesion_map(rng: np.random.Generator, white_matter: np.ndarray, spacing: np.n
     local = offsets @ rotation / semi_axes
     radius = np.linalg.norm(local, axis=-1)
     direction = local / np.maximum(radius, 1e-6)[..., None]
-    # Bumps: a random quadratic form in the direction makes the outline irregular but smooth.
+    # Irregular but smooth outline: a random quadratic form of the direction reshapes the ellipsoid
+    # (lobes, dents), and a coarse random field wobbles the boundary locally.
     bumps = direction @ rng.normal(0, 0.12, size=3) + np.einsum(
-        "...i,ij,...j->...", direction, rng.normal(0, 0.12, size=(3, 3)), direction)
-    bumpy_radius = radius * (1.0 + bumps)
+        "...i,ij,...j->...", direction, rng.normal(0, 0.15, size=(3, 3)), direction)
+    bumpy_radius = radius * (1.0 + bumps) + smooth_random_field(rng, radius.shape, nodes=5, std=0.25)
 
     soft = np.zeros(white_matter.shape, dtype=np.float32)
     box = tuple(slice(a, b) for a, b in zip(lo, hi))
@@ -320,14 +321,14 @@ def synthesise_channels(rng: np.random.Generator, maps: dict[str, np.ndarray], b
 
     T1w is the template T1; T2w mixes tissue fractions (CSF 1.0, GM 0.55, WM 0.28, all relative
     to the brain fraction so the brain edge is not darkened). The lesion pulls T1w down to half
-    and T2w up to 0.9. Each channel then gets its own bias field, noise and scale.
+    and T2w up to 0.8 (CSF stays brighter). Each channel then gets its own bias field, noise and scale.
     """
     fraction = np.maximum(maps["brain"], 1e-3)
     gm = np.clip(maps["gm"] / fraction, 0, 1)
     wm = np.clip(maps["wm"] / fraction, 0, 1)
     csf = np.clip(1.0 - gm - wm, 0, 1)
     t1 = maps["t1"] * (1.0 - 0.5 * lesion_soft)
-    t2 = (1.0 * csf + 0.55 * gm + 0.28 * wm) * (1.0 - lesion_soft) + 0.9 * lesion_soft
+    t2 = (1.0 * csf + 0.55 * gm + 0.28 * wm) * (1.0 - lesion_soft) + 0.8 * lesion_soft
 
     channels = []
     for contrast, (low, high) in ((t1, (500.0, 3000.0)), (t2, (300.0, 2500.0))):
@@ -510,9 +511,9 @@ def main(argv: list[str] | None = None) -> int:
                     "already exists (use --overwrite to regenerate).",
         epilog="Example: python -m tfmis.data.demo --output data/Task00_DemoBrain --cases 12 --test-cases 3")
     parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="dataset folder to write")
-    parser.add_argument("--cases", type=int, default=12, help="number of labelled training cases (default: 12)")
-    parser.add_argument("--test-cases", type=int, default=3, help="number of unlabelled test cases (default: 3)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same data (default: 0)")
+    parser.add_argument("--cases", type=int, default=12, metavar="N", help="number of labelled training cases (default: 12)")
+    parser.add_argument("--test-cases", type=int, default=3, metavar="N", help="number of unlabelled test cases (default: 3)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="random seed; same seed, same data (default: 0)")
     parser.add_argument("--overwrite", action="store_true", help="regenerate even if DIR/dataset.json exists")
     args = parser.parse_args(argv)
 

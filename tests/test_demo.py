@@ -1,0 +1,170 @@
+"""The built-in demo dataset: real files on disk, read back with nibabel and the MSD reader."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from tfmis.data import demo
+from tfmis.data.msd import MSDDataset, load_case
+
+NUM_TRAINING, NUM_TEST = 3, 1
+
+
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory) -> Path:
+    return demo.make_demo_dataset(tmp_path_factory.mktemp("demo") / "Task00_DemoBrain",
+                                  num_training=NUM_TRAINING, num_test=NUM_TEST, seed=0)
+
+
+def _all_image_paths(root: Path) -> list[Path]:
+    return sorted((root / "imagesTr").glob("demo_*.nii.gz")) + sorted((root / "imagesTs").glob("demo_*.nii.gz"))
+
+
+def _arrays(root: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
+    image = np.asanyarray(nib.load(str(root / "imagesTr" / f"{name}.nii.gz")).dataobj)
+    label = np.asanyarray(nib.load(str(root / "labelsTr" / f"{name}.nii.gz")).dataobj)
+    return image, label
+
+
+def test_template_asset_is_small_and_2mm():
+    asset = Path(demo.__file__).parent / "assets" / demo.TEMPLATE_ASSET
+    assert asset.stat().st_size < 1.5e6
+    assert (Path(demo.__file__).parent / "assets" / "MNI152_LICENSE.txt").is_file()
+    template = demo.load_template()
+    assert template.t1.shape == template.gm.shape == template.wm.shape == template.brain.shape
+    assert np.allclose(nib.affines.voxel_sizes(template.affine), 2.0)
+    assert nib.aff2axcodes(template.affine) == ("R", "A", "S")
+
+
+def test_dataset_json_matches_files(demo_root):
+    meta = json.loads((demo_root / "dataset.json").read_text())
+    assert meta["name"] == "Task00_DemoBrain"
+    assert meta["tensorImageSize"] == "4D"
+    assert meta["modality"] == {"0": "T1w", "1": "T2w"}
+    assert meta["labels"] == {"0": "background", "1": "grey matter", "2": "white matter", "3": "lesion"}
+    assert "ICBM152" in meta["description"] and meta["licence"] and meta["reference"]
+    assert meta["numTraining"] == NUM_TRAINING and meta["numTest"] == NUM_TEST
+    assert meta["training"][0] == {"image": "./imagesTr/demo_000.nii.gz", "label": "./labelsTr/demo_000.nii.gz"}
+    assert meta["test"] == ["./imagesTs/demo_100.nii.gz"]
+    referenced = [e["image"] for e in meta["training"]] + [e["label"] for e in meta["training"]] + meta["test"]
+    assert all((demo_root / p).is_file() for p in referenced)
+    assert not list((demo_root / "labelsTr").glob("demo_1*")), "test cases must have no label"
+    assert not list(demo_root.rglob(".tmp-*")), "temporary files must be renamed away"
+
+
+def test_images_and_labels_are_consistent(demo_root):
+    for path in _all_image_paths(demo_root):
+        img = nib.load(str(path))
+        assert img.ndim == 4 and img.shape[-1] == 2, path
+        assert 50 <= min(img.shape[:3]) and max(img.shape[:3]) <= 130, img.shape
+        if path.parent.name == "imagesTs":
+            continue
+        label = nib.load(str(demo_root / "labelsTr" / path.name))
+        assert label.shape == img.shape[:3]
+        assert label.get_data_dtype() == np.uint8
+        assert np.array_equal(label.affine, img.affine)
+        values = np.unique(np.asanyarray(label.dataobj))
+        assert values.tolist() == [0, 1, 2, 3], f"{path.name}: every class present, nothing else"
+
+
+def test_orientation_dtype_and_spacing_variety(demo_root):
+    images = [nib.load(str(p)) for p in _all_image_paths(demo_root)]
+    axcodes = {nib.aff2axcodes(img.affine) for img in images}
+    assert {("R", "A", "S"), ("L", "P", "S")} <= axcodes
+    dtypes = {img.get_data_dtype().str for img in images}  # ".str" spells the byte order
+    assert ">i2" in dtypes and "<i2" in dtypes
+    spacings = {tuple(np.round(img.header.get_zooms()[:3], 3)) for img in images}
+    assert (2.5, 2.5, 2.5) in spacings and any(len(set(s)) > 1 for s in spacings), spacings
+
+
+def test_stored_orientation_only_changes_voxel_order(monkeypatch):
+    """The LPS case, stored as RAS instead, must show the same world: affines are physically right."""
+    stored = demo.generate_case(1)
+    lps_style = demo.storage_style(1)
+    monkeypatch.setattr(demo, "storage_style", lambda n: demo.StorageStyle(("R", "A", "S"), "<i2", lps_style.spacing))
+    as_ras = demo.generate_case(1)
+    canonical = nib.as_closest_canonical(nib.Nifti1Image(stored.label, stored.affine))
+    assert np.allclose(canonical.affine, as_ras.affine)
+    assert np.array_equal(np.asanyarray(canonical.dataobj), as_ras.label)
+
+
+def test_big_endian_image_reads_back_identically():
+    case = demo.generate_case(1)  # schedule: LPS, big-endian
+    assert case.image.dtype == np.dtype(">i2")
+    img = demo._nifti(case.image, case.affine)
+    reread = nib.Nifti1Image.from_bytes(img.to_bytes())
+    assert reread.get_data_dtype() == np.dtype(">i2")
+    assert np.array_equal(np.asanyarray(reread.dataobj), case.image)
+
+
+def test_msd_reader_loads_every_case(demo_root):
+    dataset = MSDDataset(demo_root)
+    assert dataset.num_channels == 2 and dataset.num_classes == 4
+    assert len(dataset.training) == NUM_TRAINING and len(dataset.test) == NUM_TEST
+    for case in dataset.training + dataset.test:
+        loaded = load_case(case, dataset)
+        assert loaded.image.dtype == np.float32 and loaded.image.shape[-1] == 2
+        assert (loaded.label is None) == (case in dataset.test)
+
+
+def test_background_is_zero_and_tissues_are_visible(demo_root):
+    for name in ("demo_000", "demo_001", "demo_002"):
+        image, label = _arrays(demo_root, name)
+        image = image.astype(np.float32)
+        brain = image[..., 0] > 0
+        assert np.array_equal(brain, image[..., 1] > 0), "both channels share one skull-stripped mask"
+        assert np.all(brain[label > 0]), "every labelled voxel is inside the brain"
+        assert 0.5 < 1 - brain.mean() < 0.95, "the field of view is larger than the brain"
+        t1, t2 = (image[..., c] for c in range(2))
+        mean = {c: (t1[label == c].mean(), t2[label == c].mean()) for c in (1, 2, 3)}
+        assert mean[2][0] > mean[1][0] > mean[3][0], "T1w: white > grey > lesion"
+        assert mean[3][1] > mean[1][1] > mean[2][1], "T2w: lesion > grey > white"
+
+
+def test_same_seed_same_data_other_seed_other_data(demo_root, tmp_path):
+    again = demo.make_demo_dataset(tmp_path / "again", num_training=1, num_test=0, seed=0)
+    other = demo.make_demo_dataset(tmp_path / "other", num_training=1, num_test=0, seed=1)
+    reference = _arrays(demo_root, "demo_000")
+    for mine, theirs in zip(_arrays(again, "demo_000"), reference):
+        assert np.array_equal(mine, theirs)
+    other_image, other_label = _arrays(other, "demo_000")
+    assert other_image.shape != reference[0].shape or not np.array_equal(other_image, reference[0])
+    assert other_label.shape != reference[1].shape or not np.array_equal(other_label, reference[1])
+
+
+def test_second_call_does_nothing_unless_overwrite(tmp_path):
+    root = demo.make_demo_dataset(tmp_path / "ds", num_training=1, num_test=0)
+    files = sorted(root.rglob("*.*"))
+    before = {p: p.stat().st_mtime_ns for p in files}
+    # Age the files so a rewrite would be visible even on coarse-mtime filesystems.
+    for p in files:
+        os.utime(p, ns=(before[p] - 10**9, before[p] - 10**9))
+    aged = {p: p.stat().st_mtime_ns for p in files}
+    assert demo.make_demo_dataset(root, num_training=1, num_test=0) == root
+    assert {p: p.stat().st_mtime_ns for p in files} == aged
+    demo.make_demo_dataset(root, num_training=1, num_test=0, overwrite=True)
+    assert all(p.stat().st_mtime_ns > aged[p] for p in files)
+
+
+def test_rejects_empty_training_set(tmp_path):
+    with pytest.raises(ValueError, match="num_training"):
+        demo.make_demo_dataset(tmp_path / "ds", num_training=0)
+
+
+def test_command_line(tmp_path):
+    out = tmp_path / "cli"
+    command = [sys.executable, "-m", "tfmis.data.demo", "--output", str(out), "--cases", "1", "--test-cases", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "1 training + 1 test" in result.stdout and str(out.resolve()) in result.stdout
+    assert MSDDataset(out).test[0].case_id == "demo_100"
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
