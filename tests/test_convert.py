@@ -231,3 +231,14 @@ def test_ct_window_is_measured_when_not_given(tmp_path):
     assert 40 < lo < hi < 200  # the labelled foreground of the synthetic data sits around 100-160
     for image, _, _ in record_dataset(tmp_path / "out", "train"):
         assert float(image.numpy().min()) >= 0 and float(image.numpy().max()) <= 1
+
+
+def test_resume_reuses_measured_spacing_and_ct_window(tmp_path):
+    """A finished conversion reruns without touching the images (no second measuring pass)."""
+    root = make_msd_dataset(tmp_path / "ct", num_cases=3, channels=1, modalities={"0": "CT"})
+    config = ConversionConfig(str(root), str(tmp_path / "out"), split=(1.0,), workers=1, progress=False)
+    first = convert(config)
+    for image in (root / "imagesTr").glob("*.nii.gz"):
+        image.unlink()
+    again = convert(config)
+    assert again["preprocessing"] == first["preprocessing"] and again["stats"]["records"] == 3

@@ -40,7 +40,7 @@ from tfmis.data.msd import Case, CaseError, DatasetError, MSDDataset, load_case
 from tfmis.data.preprocess import PreprocessConfig, preprocess, ras_spacing
 from tfmis.data.records import (COMPRESSIONS, FINGERPRINT_FILE, INDEX_FILE, SCHEMA_VERSION, encode_example,
                                 framed_size, shard_name)
-from tfmis.utils.io import atomic_write_json, atomic_writer
+from tfmis.utils.io import atomic_write_json
 
 PLAN_FILE = "conversion.json"
 PROGRESS_DIR = ".progress"
@@ -231,6 +231,16 @@ def _remove_outputs(target: Path) -> None:
             path.unlink()
 
 
+def _median_spacing(dataset: MSDDataset) -> tuple[float, float, float] | None:
+    spacings = []
+    for case in dataset.training:
+        try:
+            spacings.append(header_spacing(case, dataset))
+        except CaseError:
+            pass  # the worker reports this case with its reason
+    return tuple(float(s) for s in np.round(np.median(spacings, axis=0), 4)) if spacings else None
+
+
 def _auto_ct_window(dataset: MSDDataset, workers: int) -> tuple[float, float]:
     tasks = [(c, str(dataset.root)) for c in dataset.training]
     samples = [s for s in _run_ordered(_foreground_sample, tasks, workers) if s is not None]
@@ -292,22 +302,21 @@ def convert(config: ConversionConfig) -> dict:
     (target / PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
     requested = config.requested(_sha256(dataset.root / "dataset.json"))
     _prepare_target(target, requested, config.overwrite)
-    atomic_write_json(target / PLAN_FILE, {"requested": requested})
-
-    spacings = []
-    for case in dataset.training:
-        try:
-            spacings.append(header_spacing(case, dataset))
-        except CaseError:
-            pass  # the worker reports this case with its reason
-    spacing = config.spacing or (tuple(float(s) for s in np.round(np.median(spacings, axis=0), 4))
-                                 if spacings else None)
+    previous = json.loads((target / PLAN_FILE).read_text()) if (target / PLAN_FILE).is_file() else {}
+    modal_norm = tuple("ct" if m.upper() == "CT" else "zscore" for m in dataset.modalities)
+    if previous.get("requested") == requested and "resolved" in previous:
+        spacing, ct_window = previous["resolved"]["spacing"], previous["resolved"]["ct_window"]  # resuming
+    else:
+        spacing = config.spacing or _median_spacing(dataset)
+        ct_window = config.ct_window
+        if "ct" in modal_norm and ct_window is None:
+            ct_window = _auto_ct_window(dataset, config.workers)
     if spacing is None and config.reshape is None:
         raise DatasetError(f"{dataset.root}: no readable image header to compute the median spacing; pass --spacing")
-    modal_norm = tuple("ct" if m.upper() == "CT" else "zscore" for m in dataset.modalities)
-    ct_window = config.ct_window
-    if "ct" in modal_norm and ct_window is None:
-        ct_window = _auto_ct_window(dataset, config.workers)
+    atomic_write_json(target / PLAN_FILE, {"requested": requested,
+                                           "resolved": {"spacing": spacing, "ct_window": ct_window}})
+    spacing = tuple(spacing) if spacing is not None else None
+    ct_window = tuple(ct_window) if ct_window is not None else None
     prep = PreprocessConfig(spacing=spacing, reshape=config.reshape, normalization=modal_norm, ct_window=ct_window,
                             crop_foreground=config.crop_foreground, crop_margin=config.crop_margin,
                             image_dtype=config.image_dtype)
