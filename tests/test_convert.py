@@ -162,7 +162,7 @@ def test_changed_parameters_are_refused_or_rebuilt(msd_dataset, tmp_path):
 
 def make_broken_dataset(root: Path) -> dict:
     """Good cases plus one bad case of each kind; returns {case_id: expected words in its reason}."""
-    make_msd_dataset(root, num_cases=10)
+    make_msd_dataset(root, num_cases=11)
     rng = np.random.default_rng(7)
     img, lab = brain_like_case(rng)
     images, labels = root / "imagesTr", root / "labelsTr"
@@ -177,6 +177,9 @@ def make_broken_dataset(root: Path) -> dict:
     nan_image = img.copy()
     nan_image[5, 5, 5, 1] = np.nan
     write_nifti(images / "case_006.nii.gz", nan_image, lps_affine(), np.float32)    # NaN in the image
+    inf_image = img.copy()
+    inf_image[6, 6, 6, 0] = -np.inf
+    write_nifti(images / "case_010.nii.gz", inf_image, lps_affine(), np.float32)    # Inf in the image
     write_nifti(labels / "case_007.nii.gz", np.zeros_like(lab), lps_affine(), np.uint8)  # no foreground: warning
     (images / "case_008.nii.gz").write_bytes(b"this is not a nifti file at all")    # corrupt header
     meta = json.loads((root / "dataset.json").read_text())
@@ -184,7 +187,7 @@ def make_broken_dataset(root: Path) -> dict:
     (root / "dataset.json").write_text(json.dumps(meta))
     return {"case_001": "does not exist", "case_002": "cannot be read", "case_003": "does not match image shape",
             "case_004": "affine does not match", "case_005": "not declared", "case_006": "NaN",
-            "case_008": "cannot be read", "case_009": "outside the dataset folder"}
+            "case_008": "cannot be read", "case_009": "outside the dataset folder", "case_010": "NaN/Inf"}
 
 
 def test_bad_cases_are_named_and_the_rest_convert(tmp_path):
