@@ -1,0 +1,226 @@
+"""tools/visualize.py and tfmis.viz: real converted datasets, real NIfTI files, real subprocess runs."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import lps_affine, make_msd_dataset, write_nifti
+from tfmis.data.convert import ConversionConfig, convert
+from tfmis.data.records import load_index, read_record, record_dataset, split_cases
+from tfmis.viz import PLANES, class_color, plot_orthogonal_planes, render_rgb, write_slice_sweep_gif
+from tfmis.viz.cli import nifti_case
+
+REPO = Path(__file__).resolve().parents[1]
+CLASS_NAMES = ["background", "organ", "core", "tumour"]
+
+
+def run_tool(*args, cwd=None, timeout=120):
+    return subprocess.run([sys.executable, str(REPO / "tools" / "visualize.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def written_path(result) -> Path:
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def assert_clean_error(result, *fragments):
+    """Exit status 1 and a one-line `error: ...` naming the problem, not a traceback."""
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    message = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert message, result.stderr
+    for fragment in fragments:
+        assert fragment in message[0], message[0]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """Three cases, uncompressed, one shard: record offsets in index.json are byte offsets in the file."""
+    root = tmp_path_factory.mktemp("viz")
+    source = make_msd_dataset(root / "Task99_Test", num_cases=3)
+    target = root / "out"
+    convert(ConversionConfig(str(source), str(target), split=(1.0,), shards=1, workers=1, progress=False,
+                             compression="NONE"))
+    return target
+
+
+def test_png_of_the_orthogonal_mid_planes(converted):
+    case_id = split_cases(load_index(converted), "train")[1]["case_id"]
+    path = written_path(run_tool("--dataset-dir", converted, "--sample", 1))
+    assert path == converted / "visualize" / f"train_001_{case_id}.png"
+    with Image.open(path) as png:
+        assert png.format == "PNG" and png.mode in ("RGB", "RGBA")
+        assert 500 <= png.width <= 2000 and 350 <= png.height <= 1500, png.size
+
+
+def test_gif_sweeps_every_axial_slice(converted, tmp_path):
+    num_slices = read_record(converted, "train", 0)["image"].shape[2]
+    path = written_path(run_tool("--dataset-dir", converted, "--sample", 0, "--no-screen",
+                                 "--output", tmp_path / "sweep.gif"))
+    assert path == tmp_path / "sweep.gif"
+    with Image.open(path) as gif:
+        assert gif.format == "GIF" and gif.is_animated
+        assert gif.n_frames == num_slices
+        assert gif.info["loop"] == 0
+
+
+def test_long_sweeps_are_thinned_to_max_frames(tmp_path):
+    image = np.random.default_rng(0).normal(size=(12, 10, 40, 1)).astype(np.float32)
+    assert write_slice_sweep_gif(tmp_path / "a.gif", image, axis=2, max_frames=7) == 7
+    assert write_slice_sweep_gif(tmp_path / "b.gif", image, axis=0) == 12
+    with Image.open(tmp_path / "a.gif") as gif:
+        assert gif.n_frames == 7
+
+
+def test_nifti_image_and_label_in_lps(tmp_path):
+    rng = np.random.default_rng(1)
+    data = rng.normal(100, 10, (16, 18, 12, 2)).astype(np.float32)
+    label = np.zeros((16, 18, 12), np.uint8)
+    label[2:6, 3:9, 4:8] = 2
+    write_nifti(tmp_path / "scan.nii.gz", data, lps_affine(), np.int16)
+    write_nifti(tmp_path / "seg.nii.gz", label, lps_affine(), np.uint8)
+    work = tmp_path / "work"
+    work.mkdir()
+    result = run_tool("--image", tmp_path / "scan.nii.gz", "--label", tmp_path / "seg.nii.gz",
+                      "--class-names", "background,liver,tumour", cwd=work)
+    assert (work / written_path(result)).resolve() == (work / "scan.png").resolve()
+    with Image.open(work / "scan.png") as png:
+        assert png.format == "PNG" and png.width >= 500
+    # LPS on disk → both in-plane axes flipped for display; spacing read from the affine
+    case = nifti_case(tmp_path / "scan.nii.gz", tmp_path / "seg.nii.gz", class_names=["background", "liver", "tumour"])
+    np.testing.assert_array_equal(case.label, label[::-1, ::-1, :])
+    np.testing.assert_array_equal(case.image, data.astype(np.int16)[::-1, ::-1, :])
+    assert case.spacing == (1.5, 1.5, 2.0) and case.class_names[2] == "tumour"
+
+
+def test_reads_only_the_requested_record(converted, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(converted, damaged)
+    first, second = split_cases(load_index(damaged), "train")[:2]
+    assert first["file"] == second["file"]  # one shard holds both
+    # Zero the whole payload of record 0 (its middle included): zeroing only image bytes would still
+    # parse, and a parser must reject this. The framing (length header) is left as it was.
+    with open(damaged / first["file"], "r+b") as shard:
+        shard.seek(first["offset"] + 12)
+        shard.write(bytes(first["length"]))
+    with pytest.raises(Exception, match="(?i)corrupt|crc|checksum"):
+        list(record_dataset(damaged, "train"))  # a reader that walks the shard does trip over it
+
+    assert written_path(run_tool("--dataset-dir", damaged, "--sample", 1)).is_file()
+    assert_clean_error(run_tool("--dataset-dir", damaged, "--sample", 0),
+                       "record 0", first["case_id"], "could not be decoded")
+
+
+@pytest.mark.parametrize("problem", ["no index.json", "unknown split", "sample out of range", "missing image",
+                                     "missing label"])
+def test_clear_errors(converted, tmp_path, problem):
+    if problem == "no index.json":
+        assert_clean_error(run_tool("--dataset-dir", tmp_path, "--sample", 0), "index.json", str(tmp_path))
+    elif problem == "unknown split":
+        assert_clean_error(run_tool("--dataset-dir", converted, "--sample", 0, "--split", "val"),
+                           "'val'", "available splits: train")
+    elif problem == "sample out of range":
+        assert_clean_error(run_tool("--dataset-dir", converted, "--sample", 3), "sample 3", "has 3 records")
+    elif problem == "missing image":
+        assert_clean_error(run_tool("--image", tmp_path / "nope.nii.gz"), "--image", "nope.nii.gz", "not found")
+    else:
+        write_nifti(tmp_path / "scan.nii.gz", np.ones((4, 4, 4), np.float32), lps_affine())
+        assert_clean_error(run_tool("--image", tmp_path / "scan.nii.gz", "--label", tmp_path / "seg.nii.gz"),
+                           "--label", "seg.nii.gz", "not found")
+
+
+def test_help_explains_every_flag():
+    result = run_tool("--help")
+    assert result.returncode == 0
+    for flag in ("--dataset-dir", "--sample", "--split", "--no-screen", "--output", "--image", "--label",
+                 "--class-names"):
+        assert flag in result.stdout
+
+
+# --- the figure itself ---------------------------------------------------------------------------------
+
+def synthetic_case(shape=(24, 20, 16), spacing=(1.0, 1.0, 1.0)):
+    """Two channels that ramp along z (each axial slice is one grey) and classes 1 and 3 present, 2 declared
+    but absent."""
+    ramp = np.broadcast_to(10.0 + np.arange(shape[2]), shape)
+    image = np.stack([ramp, 2 * ramp], axis=-1)
+    label = np.zeros(shape, np.uint8)
+    label[4:14, 4:14, :] = 1
+    label[16:20, 12:16, :] = 3
+    return image, label
+
+
+def pixel_of(fig, ax, point_mm, rgb) -> np.ndarray:
+    """The rendered colour at data coordinates (mm) of `ax`."""
+    x, y = ax.transData.transform(point_mm)
+    return rgb[rgb.shape[0] - 1 - int(round(y)), int(round(x))].astype(int)
+
+
+def test_figure_axes_legend_and_overlay_colour():
+    image, label = synthetic_case()
+    fig = plot_orthogonal_planes(image, label, class_names=CLASS_NAMES, channel_names=["T1", "T2"], title="case_7")
+    assert len(fig.axes) == 2 * 3
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["organ", "tumour"]
+    assert "case_7" in fig._suptitle.get_text()
+    assert [ax.get_ylabel() for ax in fig.axes[::3]] == ["T1", "T2"]
+
+    with_label = render_rgb(fig)
+    plain_fig = plot_orthogonal_planes(image, class_names=CLASS_NAMES)
+    plain = render_rgb(plain_fig)
+    assert not plain_fig.legends  # no label, no legend
+    axial = fig.axes[2]
+    assert [p.name for p in PLANES] == ["sagittal", "coronal", "axial"]
+    labelled, unlabelled = (8.5, 8.5), (2.5, 17.5)  # mm in the axial panel: class 1, background
+    grey = pixel_of(plain_fig, plain_fig.axes[2], labelled, plain)
+    assert grey[0] == grey[1] == grey[2]  # the image alone is grey
+    overlaid = pixel_of(fig, axial, labelled, with_label)
+    expected = 0.6 * grey + 0.4 * 255 * np.array(class_color(1))
+    np.testing.assert_allclose(overlaid, expected, atol=3)
+    assert np.ptp(overlaid) > 40  # visibly coloured
+    np.testing.assert_array_equal(pixel_of(fig, axial, unlabelled, with_label), grey)  # background transparent
+
+
+def test_panels_have_physical_aspect_and_orientation_letters():
+    image, label = synthetic_case(shape=(20, 20, 10))
+    fig = plot_orthogonal_planes(image, label, spacing=(1.0, 1.0, 3.0))
+    render_rgb(fig)
+    sagittal, coronal, axial = fig.axes[:3]
+    for ax, (width_mm, height_mm) in ((sagittal, (20, 30)), (coronal, (20, 30)), (axial, (20, 20))):
+        box = ax.get_window_extent()
+        assert box.height / box.width == pytest.approx(height_mm / width_mm, rel=0.03)
+    assert [t.get_text() for t in sagittal.texts] == ["P", "A", "I", "S"]  # left, right, bottom, top
+    assert [t.get_text() for t in coronal.texts] == ["L", "R", "I", "S"]
+    assert [t.get_text() for t in axial.texts] == ["L", "R", "P", "A"]
+
+
+def test_patient_right_and_anterior_are_drawn_where_the_letters_say():
+    image = np.full((20, 20, 10, 1), 0.5, np.float32)
+    image[15:19, 15:19, :] = 1.0  # a bright column at the right (high x), anterior (high y) corner
+    fig = plot_orthogonal_planes(image)
+    rgb = render_rgb(fig)
+    axial = fig.axes[2]
+    right_anterior = pixel_of(fig, axial, (17.0, 17.0), rgb)
+    left_posterior = pixel_of(fig, axial, (3.0, 3.0), rgb)
+    assert right_anterior.min() > 200 and left_posterior.max() < 30
+    box = axial.get_window_extent()
+    x, y = axial.transData.transform((17.0, 17.0))
+    assert x > (box.x0 + box.x1) / 2 and y > (box.y0 + box.y1) / 2  # screen right, screen top
+
+
+def test_prediction_is_drawn_as_outlines():
+    image, label = synthetic_case()
+    prediction = np.zeros_like(label)
+    prediction[4:14, 4:14, :] = 1
+    fig = plot_orthogonal_planes(image, label, class_names=CLASS_NAMES, prediction=prediction)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["organ", "tumour", "prediction: outlines"]
+    rgb = render_rgb(fig)
+    axial = fig.axes[2]
+    edge, inside = (4.5, 8.5), (8.5, 8.5)
+    np.testing.assert_allclose(pixel_of(fig, axial, edge, rgb), 255 * np.array(class_color(1)), atol=2)
+    assert np.abs(pixel_of(fig, axial, inside, rgb) - 255 * np.array(class_color(1))).max() > 40  # fill only

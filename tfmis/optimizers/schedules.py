@@ -1,0 +1,207 @@
+"""Learning-rate schedules: constant, polynomial (nnU-Net "poly") and cosine decay, with linear warm-up.
+
+Every schedule is a `keras.optimizers.schedules.LearningRateSchedule` with `get_config`, registered for
+Keras serialisation, so an optimizer using one can be saved and restored with the model. Steps are
+optimizer steps (`optimizer.iterations`, 0-based).
+
+Example:
+    >>> from tfmis.optimizers import build_schedule
+    >>> schedule = build_schedule("poly", 1e-2, total_steps=1000, warmup_steps=50)
+    >>> [round(float(schedule(step)), 6) for step in (0, 25, 50, 1000)]
+    [0.0, 0.005, 0.01, 0.0]
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+from keras import ops
+
+LearningRateSchedule = keras.optimizers.schedules.LearningRateSchedule
+
+SCHEDULE_NAMES = ("constant", "poly", "cosine")
+
+
+def _as_float_step(step):
+    return ops.cast(step, "float32")
+
+
+def _decay_progress(step, decay_steps: int):
+    """step / decay_steps, clipped to [0, 1] (the schedule stays at its end value after `decay_steps`)."""
+    return ops.clip(_as_float_step(step) / float(decay_steps), 0.0, 1.0)
+
+
+@keras.saving.register_keras_serializable(package="tfmis")
+class ConstantLearningRate(LearningRateSchedule):
+    """The same learning rate at every step (useful as the post-warm-up part of `LinearWarmup`).
+
+    Args:
+        learning_rate: the learning rate.
+
+    Example:
+        >>> round(float(ConstantLearningRate(3e-4)(123)), 6)
+        0.0003
+    """
+
+    def __init__(self, learning_rate: float):
+        self.learning_rate = float(learning_rate)
+
+    def __call__(self, step):
+        return ops.full((), self.learning_rate, "float32")
+
+    def get_config(self):
+        return {"learning_rate": self.learning_rate}
+
+
+@keras.saving.register_keras_serializable(package="tfmis")
+class PolyDecay(LearningRateSchedule):
+    """nnU-Net's polynomial decay: min + (base − min) · (1 − step / decay_steps) ** power.
+
+    With `min_learning_rate=0` this is exactly nnU-Net's `lr · (1 − step / total) ** 0.9`. The rate
+    reaches `min_learning_rate` at `decay_steps` and stays there.
+
+    Args:
+        base_learning_rate: rate at step 0.
+        decay_steps: steps from `base_learning_rate` to `min_learning_rate` (> 0).
+        power: exponent (nnU-Net: 0.9).
+        min_learning_rate: final rate.
+
+    Example:
+        >>> round(float(PolyDecay(1e-2, decay_steps=100)(50)), 6)  # 0.01 * 0.5 ** 0.9
+        0.005359
+    """
+
+    def __init__(self, base_learning_rate: float, decay_steps: int, power: float = 0.9,
+                 min_learning_rate: float = 0.0):
+        if decay_steps <= 0:
+            raise ValueError(f"decay_steps must be > 0, got {decay_steps}")
+        self.base_learning_rate = float(base_learning_rate)
+        self.decay_steps = int(decay_steps)
+        self.power = float(power)
+        self.min_learning_rate = float(min_learning_rate)
+
+    def __call__(self, step):
+        remaining = 1.0 - _decay_progress(step, self.decay_steps)
+        span = self.base_learning_rate - self.min_learning_rate
+        return self.min_learning_rate + span * ops.power(remaining, self.power)
+
+    def get_config(self):
+        return {"base_learning_rate": self.base_learning_rate, "decay_steps": self.decay_steps,
+                "power": self.power, "min_learning_rate": self.min_learning_rate}
+
+
+@keras.saving.register_keras_serializable(package="tfmis")
+class CosineDecay(LearningRateSchedule):
+    """Half-cosine decay: min + (base − min) · (1 + cos(π · step / decay_steps)) / 2.
+
+    Args:
+        base_learning_rate: rate at step 0.
+        decay_steps: steps from `base_learning_rate` to `min_learning_rate` (> 0); constant after.
+        min_learning_rate: final rate.
+
+    Example:
+        >>> round(float(CosineDecay(1e-2, decay_steps=100, min_learning_rate=1e-4)(50)), 6)
+        0.00505
+    """
+
+    def __init__(self, base_learning_rate: float, decay_steps: int, min_learning_rate: float = 0.0):
+        if decay_steps <= 0:
+            raise ValueError(f"decay_steps must be > 0, got {decay_steps}")
+        self.base_learning_rate = float(base_learning_rate)
+        self.decay_steps = int(decay_steps)
+        self.min_learning_rate = float(min_learning_rate)
+
+    def __call__(self, step):
+        cosine = 0.5 * (1.0 + ops.cos(math.pi * _decay_progress(step, self.decay_steps)))
+        return self.min_learning_rate + (self.base_learning_rate - self.min_learning_rate) * cosine
+
+    def get_config(self):
+        return {"base_learning_rate": self.base_learning_rate, "decay_steps": self.decay_steps,
+                "min_learning_rate": self.min_learning_rate}
+
+
+@keras.saving.register_keras_serializable(package="tfmis")
+class LinearWarmup(LearningRateSchedule):
+    """Linear warm-up from 0 to `schedule(0)` over `warmup_steps`, then `schedule(step − warmup_steps)`.
+
+    The wrapped schedule starts counting when the warm-up ends, so a decay over `total − warmup` steps
+    ends exactly at step `total`. As in Keras' own warm-up, the rate is `target · step / warmup_steps`,
+    i.e. 0 at step 0 and the full `schedule(0)` from step `warmup_steps` on.
+
+    Args:
+        schedule: the `LearningRateSchedule` that follows the warm-up.
+        warmup_steps: warm-up length (0 = no warm-up, `schedule` unchanged).
+
+    Example:
+        >>> warm = LinearWarmup(ConstantLearningRate(1e-3), warmup_steps=10)
+        >>> [round(float(warm(s)), 6) for s in (0, 5, 10, 99)]
+        [0.0, 0.0005, 0.001, 0.001]
+    """
+
+    def __init__(self, schedule: LearningRateSchedule, warmup_steps: int):
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if isinstance(schedule, dict):  # from get_config
+            schedule = keras.optimizers.schedules.deserialize(schedule)
+        self.schedule = schedule
+        self.warmup_steps = int(warmup_steps)
+
+    def __call__(self, step):
+        step = _as_float_step(step)
+        after = self.schedule(ops.maximum(step - float(self.warmup_steps), 0.0))
+        if self.warmup_steps == 0:
+            return after
+        target = ops.cast(self.schedule(0.0), "float32")
+        warming = target * step / float(self.warmup_steps)
+        return ops.where(step < float(self.warmup_steps), warming, ops.cast(after, "float32"))
+
+    def get_config(self):
+        return {"schedule": keras.optimizers.schedules.serialize(self.schedule),
+                "warmup_steps": self.warmup_steps}
+
+
+def build_schedule(name: str, base_learning_rate: float, total_steps: int | None = None,
+                   warmup_steps: int = 0, power: float = 0.9,
+                   min_learning_rate: float = 0.0) -> LearningRateSchedule:
+    """A learning-rate schedule by name, with optional linear warm-up from 0.
+
+    The decay ("poly", "cosine") runs over the `total_steps − warmup_steps` steps after the warm-up, so
+    the rate is `base_learning_rate` at step `warmup_steps` and `min_learning_rate` at `total_steps`
+    (and after). "constant" ignores `total_steps`, `power` and `min_learning_rate`.
+
+    Args:
+        name: "constant", "poly" (nnU-Net) or "cosine" (case-insensitive).
+        base_learning_rate: peak rate (after warm-up).
+        total_steps: optimizer steps of the whole run, warm-up included (required for decays).
+        warmup_steps: linear warm-up length (0: none).
+        power: exponent of "poly".
+        min_learning_rate: final rate of "poly"/"cosine".
+
+    Returns:
+        A `keras.optimizers.schedules.LearningRateSchedule`.
+
+    Raises:
+        ValueError: unknown name, or `total_steps` missing / not larger than `warmup_steps` for a decay.
+
+    Example:
+        >>> schedule = build_schedule("cosine", 1e-3, total_steps=10_000, warmup_steps=500)
+        >>> optimizer = keras.optimizers.Adam(learning_rate=schedule)
+    """
+    key = name.lower()
+    if key not in SCHEDULE_NAMES:
+        raise ValueError(f"Unknown learning-rate schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if key == "constant":
+        schedule = ConstantLearningRate(base_learning_rate)
+    else:
+        if total_steps is None or total_steps <= warmup_steps:
+            raise ValueError(f"{key!r} needs total_steps > warmup_steps, got total_steps={total_steps}, "
+                             f"warmup_steps={warmup_steps}")
+        decay_steps = total_steps - warmup_steps
+        if key == "poly":
+            schedule = PolyDecay(base_learning_rate, decay_steps, power, min_learning_rate)
+        else:
+            schedule = CosineDecay(base_learning_rate, decay_steps, min_learning_rate)
+    return LinearWarmup(schedule, warmup_steps) if warmup_steps else schedule

@@ -1,0 +1,285 @@
+"""Command line of `tools/visualize.py`: a picture of one converted record or of a NIfTI file.
+
+Two sources:
+* `--dataset-dir OUT --sample N [--split train]`: record N of a split of a converted dataset (read
+  by its byte offset; no other record is parsed), shown on its preprocessed grid;
+* `--image x.nii.gz [--label y.nii.gz]`: a raw NIfTI file (3D, or 4D with channels last), reoriented
+  to RAS for display, spacing from its affine.
+
+Two pictures: by default a PNG of the sagittal, coronal and axial mid-planes; with `--no-screen`
+an animated GIF sweeping through the slices. The path written is printed on stdout.
+
+Example:
+```
+python tools/visualize.py --dataset-dir data/demo_tfr --sample 0            # → data/demo_tfr/visualize/train_000_demo_003.png
+python tools/visualize.py --image ct.nii.gz --label seg.nii.gz --class-names background,liver,tumour --no-screen
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PLANE_AXES = {"sagittal": 0, "coronal": 1, "axial": 2}
+
+
+class VisualizeError(Exception):
+    """A problem with the arguments or the files, reported as one line and exit status 1."""
+
+
+@dataclasses.dataclass
+class CaseView:
+    """Everything needed to draw one case.
+
+    Attributes:
+        name: the case id, used in the default output file name.
+        image: (x, y, z, C) in RAS voxel order.
+        label: (x, y, z) class map or None.
+        spacing: mm along x, y, z.
+        channel_names, class_names: lists of names (index = channel / label value) or None.
+        title: first line of the picture's title.
+        default_stem: the default output path without its suffix.
+    """
+
+    name: str
+    image: np.ndarray
+    label: np.ndarray | None
+    spacing: tuple
+    channel_names: list | None
+    class_names: list | None
+    title: str
+    default_stem: Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tools/visualize.py",
+        description="Draw one case: a record of a converted TFRecord dataset (--dataset-dir, --sample) or a NIfTI "
+                    "file (--image). Writes a PNG of the sagittal, coronal and axial mid-planes (one row per "
+                    "channel, label overlaid in one colour per class, orientation letters at the panel edges, "
+                    "patient's right on the screen's right), or with --no-screen an animated GIF sweeping "
+                    "through the slices. Prints the path written.",
+        epilog="Exit status: 0 written; 1 a file, split or sample is missing or unreadable; 2 bad arguments. "
+               "Example: python tools/visualize.py --dataset-dir data/demo_tfr --sample 0 --split val")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--dataset-dir", metavar="OUT",
+                        help="converted dataset folder (the --target-dir of tools/tfrecord.py, holding index.json)")
+    source.add_argument("--image", metavar="FILE", help="NIfTI image (.nii or .nii.gz; 3D, or 4D with channels last)")
+    p.add_argument("--sample", type=int, metavar="N",
+                   help="with --dataset-dir: record number within the split, 0-based, in storage order")
+    p.add_argument("--split", default=None,
+                   help="with --dataset-dir: split to read (default: train, or the first split when there is "
+                        "no train split, e.g. fold0)")
+    p.add_argument("--label", metavar="FILE", help="with --image: NIfTI label map on the same grid as the image")
+    p.add_argument("--class-names", metavar="NAMES",
+                   help="with --image: comma-separated names of label values 0, 1, 2, ..., e.g. "
+                        "background,liver,tumour (default: the 'labels' of a dataset.json next to imagesTr/, "
+                        "else 'class 1', 'class 2', ...)")
+    p.add_argument("--channel-names", metavar="NAMES",
+                   help="with --image: comma-separated channel names, e.g. T1w,T2w (default: the 'modality' of "
+                        "a dataset.json next to imagesTr/, else 'channel 0', ...)")
+    p.add_argument("--no-screen", action="store_true",
+                   help="write an animated GIF sweeping through the slices instead of the PNG of the mid-planes")
+    p.add_argument("--axis", choices=sorted(PLANE_AXES), default="axial",
+                   help="with --no-screen: the direction swept (default axial)")
+    p.add_argument("--fps", type=float, default=8.0, help="with --no-screen: frames per second (default 8)")
+    p.add_argument("--max-frames", type=int, default=96,
+                   help="with --no-screen: at most this many frames; longer sweeps skip evenly (default 96)")
+    p.add_argument("--output", metavar="PATH",
+                   help="file to write (default: OUT/visualize/{split}_{sample:03d}_{case_id}.png|.gif with "
+                        "--dataset-dir, ./{case}.png|.gif with --image)")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_argument_combinations(parser, args)
+    try:
+        case = dataset_case(args.dataset_dir, args.split, args.sample) if args.dataset_dir else \
+            nifti_case(args.image, args.label, _names(args.class_names), _names(args.channel_names))
+        suffix = ".gif" if args.no_screen else ".png"
+        # appended, not with_suffix: case ids may contain dots
+        path = Path(args.output) if args.output else case.default_stem.with_name(case.default_stem.name + suffix)
+        draw(case, path, sweep=args.no_screen, axis=PLANE_AXES[args.axis], fps=args.fps, max_frames=args.max_frames)
+    except (VisualizeError, OSError, ValueError) as e:  # OSError: a missing index.json, an unwritable output
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def draw(case: CaseView, path: Path, sweep: bool = False, axis: int = 2, fps: float = 8, max_frames: int = 96) -> Path:
+    """Writes the PNG of the mid-planes of `case`, or with `sweep` the GIF of its slices along `axis`.
+
+    Example:
+        draw(dataset_case("OUT", "train", 0), Path("case.png"))
+    """
+    from tfmis.utils.io import atomic_writer
+    from tfmis.viz.slices import plot_orthogonal_planes, write_slice_sweep_gif
+
+    common = dict(label=case.label, spacing=case.spacing, channel_names=case.channel_names,
+                  class_names=case.class_names, title=case.title)
+    if sweep:
+        write_slice_sweep_gif(path, case.image, axis=axis, fps=fps, max_frames=max_frames, **common)
+    else:
+        fig = plot_orthogonal_planes(case.image, **common)
+        with atomic_writer(path, "wb") as f:
+            fig.savefig(f, format="png")
+    return path
+
+
+def dataset_case(dataset_dir: str | Path, split: str | None, sample: int) -> CaseView:
+    """Record `sample` of `split` of a converted dataset, reading only that record.
+
+    The split and the record number are checked against index.json first, so mistakes are
+    reported without starting TensorFlow.
+    """
+    from tfmis.data.records import load_index, split_cases
+
+    index = load_index(dataset_dir)
+    splits = list(index["splits"])
+    split = split or ("train" if "train" in splits or not splits else splits[0])
+    if split not in index["splits"]:
+        raise VisualizeError(f"split {split!r} is not in {dataset_dir}; available splits: {', '.join(splits)}")
+    cases = split_cases(index, split)
+    if not 0 <= sample < len(cases):
+        valid = f"0..{len(cases) - 1}" if cases else "none"
+        raise VisualizeError(f"sample {sample} is out of range: split {split!r} of {dataset_dir} has "
+                             f"{len(cases)} record{'' if len(cases) == 1 else 's'} (valid --sample: {valid})")
+    record = _read_record(dataset_dir, split, sample, cases[sample])
+    meta = record["metadata"]
+    name = record["case_id"]
+    return CaseView(
+        name=name, image=record["image"], label=record["label"], spacing=tuple(meta["geometry"]["spacing"]),
+        channel_names=meta.get("modalities"), class_names=meta.get("labels"),
+        title=f"{name}  ({index['source'].get('name', '')} {split} record {sample})",
+        default_stem=Path(dataset_dir) / "visualize" / f"{split}_{sample:03d}_{name}")
+
+
+def nifti_case(image_path: str | Path, label_path=None, class_names=None, channel_names=None) -> CaseView:
+    """A NIfTI image (and label) reoriented to RAS, with spacing from the affine.
+
+    Names not given are taken from a dataset.json in the folder above the file's (MSD layout), if any.
+    """
+    from tfmis.data.preprocess import reorient_to_ras, spacing_of
+
+    image, affine = _load_nifti(image_path, "--image")
+    if image.ndim not in (3, 4):
+        raise VisualizeError(f"--image {image_path}: expected a 3D or 4D (channels last) image, got shape {image.shape}")
+    image, ras_affine = reorient_to_ras(image.astype(np.float32, copy=False), affine)
+    label = None
+    if label_path is not None:
+        label_data, label_affine = _load_nifti(label_path, "--label")
+        if label_data.ndim != 3:
+            raise VisualizeError(f"--label {label_path}: expected a 3D label map, got shape {label_data.shape}")
+        label, _ = reorient_to_ras(label_data, label_affine)
+        if label.shape != image.shape[:3]:
+            raise VisualizeError(f"--label {label_path}: shape {label.shape} (in RAS order) does not match the "
+                                 f"image's {image.shape[:3]}")
+        label = np.rint(label).astype(np.int32) if not np.issubdtype(label.dtype, np.integer) else label
+    msd_channels, msd_classes = _msd_names_near(Path(image_path))
+    name = _nifti_stem(Path(image_path))
+    return CaseView(
+        name=name, image=image, label=label, spacing=tuple(float(s) for s in spacing_of(ras_affine)),
+        channel_names=channel_names or msd_channels, class_names=class_names or msd_classes,
+        title=f"{name}  ({Path(image_path).name}, stored {''.join(_axcodes(affine))})",
+        default_stem=Path(".") / name)
+
+
+def _check_argument_combinations(parser: argparse.ArgumentParser, args) -> None:
+    if args.dataset_dir is not None:
+        if args.sample is None:
+            parser.error("--dataset-dir needs --sample N (the record number within the split)")
+        for flag in ("label", "class_names", "channel_names"):
+            if getattr(args, flag) is not None:
+                parser.error(f"--{flag.replace('_', '-')} goes with --image; a converted record carries its own")
+    elif args.sample is not None or args.split is not None:
+        parser.error("--sample and --split go with --dataset-dir")
+    if args.fps <= 0 or args.max_frames < 1:
+        parser.error("--fps must be positive and --max-frames at least 1")
+
+
+def _read_record(dataset_dir, split: str, sample: int, entry: dict) -> dict:
+    import tensorflow as tf
+
+    from tfmis.data.records import read_record
+
+    try:
+        return read_record(dataset_dir, split, sample)
+    except (ValueError, tf.errors.OpError) as e:
+        reason = _plain_tf_message(getattr(e, "message", None) or str(e))
+        raise VisualizeError(f"record {sample} of split {split!r} (case {entry['case_id']}, {entry['file']} at byte "
+                             f"{entry['offset']}) could not be decoded; the shard is damaged or does not match "
+                             f"index.json: {reason}") from e
+
+
+def _plain_tf_message(message: str) -> str:
+    """TF's error text without its `{{function_node ...}}` prefix and `[Op:...]` suffix."""
+    message = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", message.strip().splitlines()[0])
+    return re.sub(r"\s*\[Op:\w+\]$", "", message)
+
+
+def _load_nifti(path, flag: str):
+    import nibabel as nib
+
+    path = Path(path)
+    if not path.is_file():
+        raise VisualizeError(f"{flag} {path}: file not found")
+    try:
+        img = nib.load(str(path))
+        return np.asanyarray(img.dataobj), img.affine
+    except Exception as e:  # nibabel raises many types for unreadable files; all mean the same here
+        raise VisualizeError(f"{flag} {path}: not a readable NIfTI file ({e})") from e
+
+
+def _msd_names_near(image_path: Path):
+    """(modalities, labels) of the dataset.json above `imagesTr/` or `imagesTs/` (MSD layout), or (None, None)."""
+    folder = image_path.resolve().parent
+    if folder.name not in ("imagesTr", "imagesTs"):
+        return None, None
+    try:
+        meta = json.loads((folder.parent / "dataset.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(meta, dict):
+        return None, None
+    return _indexed_names(meta.get("modality")), _indexed_names(meta.get("labels"))
+
+
+def _indexed_names(entry) -> list | None:
+    """`{"0": "T1", "1": "T2"}` → `["T1", "T2"]` (None for a missing index); None if `entry` is not like that."""
+    if not isinstance(entry, dict) or not entry:
+        return None
+    try:
+        indexed = {int(k): str(v) for k, v in entry.items()}
+    except ValueError:
+        return None
+    if min(indexed) < 0:
+        return None
+    return [indexed.get(i) for i in range(max(indexed) + 1)]
+
+
+def _nifti_stem(path: Path) -> str:
+    name = path.name
+    for suffix in (".nii.gz", ".nii"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return path.stem
+
+
+def _axcodes(affine) -> tuple:
+    import nibabel as nib
+
+    return nib.orientations.aff2axcodes(affine)
+
+
+def _names(text: str | None) -> list | None:
+    return [n.strip() for n in text.split(",")] if text else None
