@@ -75,3 +75,32 @@ def update_dataset_json(root: Path, **changes) -> None:
 @pytest.fixture
 def msd_dataset(tmp_path) -> Path:
     return make_msd_dataset(tmp_path / "Task99_Test")
+
+
+@pytest.fixture(scope="session")
+def converted_dataset(tmp_path_factory) -> Path:
+    """A real converted dataset (6 train + 2 val cases of 20x22x18, 2 channels, 3 classes)."""
+    from tfmis.data.convert import ConversionConfig, convert
+
+    root = tmp_path_factory.mktemp("converted")
+    source = make_msd_dataset(root / "Task99_Test", num_cases=8)
+    convert(ConversionConfig(str(source), str(root / "tfrecords"), split=(0.75, 0.25), shards=2, workers=1,
+                             progress=False))
+    return root / "tfrecords"
+
+
+TINY_TRAINING = [
+    "model.filters=[4,8]", "model.strides=[1,2]", "model.num_res_units=0", "model.norm=instance",
+    "pipeline.patch_size=[16,16,16]", "pipeline.num_images_per_batch=2", "pipeline.num_crops_per_image=2",
+    "pipeline.deterministic=true", "training.epochs=2", "training.steps_per_epoch=2", "training.precision=float32",
+    "validation.interval=1", "validation.sw_batch_size=2", "validation.overlap=0.25", "output.progress=false",
+    "output.tensorboard=false",
+]
+
+
+def tiny_config(dataset_dir: Path, output_dir: Path, *overrides):
+    """A training config small enough for a CPU test (real model, data and loop)."""
+    from tfmis.config import load_config
+
+    return load_config(None, [f"data.dataset_dir={dataset_dir}", f"output.dir={output_dir}", *TINY_TRAINING,
+                              *overrides])

@@ -1,0 +1,131 @@
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import tiny_config
+from tfmis.config import AugmentConfig
+from tfmis.data.pipeline import build_train_dataset, build_val_dataset, train_steps_per_epoch
+from tfmis.data.records import load_index
+from tfmis.transforms.augment import augment_patch
+from tfmis.transforms.crop import foreground_indices, rand_crop_by_pos_neg
+
+
+def blob_volume(size=40, blob=(18, 22), second_class_voxel=(30, 30, 30)):
+    """A volume with one foreground cube in the middle (class 1) and a single class-2 voxel."""
+    label = np.zeros((size, size, size), np.uint8)
+    a, b = blob
+    label[a:b, a:b, a:b] = 1
+    label[second_class_voxel] = 2
+    image = np.stack([label.astype(np.float32), np.ones_like(label, np.float32)], axis=-1)
+    return tf.constant(image), tf.constant(label)
+
+
+def crops(image, label, n_calls, patch=(8, 8, 8), pos=1.0, neg=1.0, class_ratios=None, num_samples=4):
+    fg, fg_class = foreground_indices(label, num_classes=3)
+    out = []
+    for i in range(n_calls):
+        _, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, patch, num_samples, pos, neg,
+                                         tf.constant([0, i], tf.int64), class_ratios)
+        out.append(labels.numpy())
+    return np.concatenate(out)
+
+
+def test_crop_shapes_and_image_label_alignment():
+    image, label = blob_volume()
+    fg, fg_class = foreground_indices(label, num_classes=3)
+    images, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, (8, 12, 6), 5, 1.0, 1.0,
+                                          tf.constant([1, 2], tf.int64))
+    assert images.shape == (5, 8, 12, 6, 2) and labels.shape == (5, 8, 12, 6)
+    # channel 0 of the image is the label itself: every crop cuts both at the same place
+    np.testing.assert_array_equal(images.numpy()[..., 0], labels.numpy().astype(np.float32))
+
+
+@pytest.mark.parametrize("pos, neg, low, high", [(1, 0, 1.0, 1.0), (0, 1, 0.0, 0.15), (1, 1, 0.45, 0.65),
+                                                 (3, 1, 0.68, 0.85)])
+def test_crop_balance_follows_pos_neg_ratio(pos, neg, low, high):
+    """Share of crops containing foreground ~ pos/(pos+neg) (+ the few background crops that touch it)."""
+    image, label = blob_volume()
+    labels = crops(image, label, n_calls=60, pos=pos, neg=neg)  # 240 crops
+    with_fg = np.mean([(l > 0).any() for l in labels])
+    assert low <= with_fg <= high, with_fg
+
+
+def test_class_ratios_choose_the_crop_class():
+    image, label = blob_volume()
+    labels = crops(image, label, n_calls=20, class_ratios=[0, 0, 1])  # always centre on class 2
+    assert all((l == 2).any() for l in labels)
+    labels = crops(image, label, n_calls=20, class_ratios=[0, 1, 0])
+    assert all((l == 1).any() for l in labels)
+
+
+def test_volume_smaller_than_patch_is_padded():
+    image, label = blob_volume(size=10, blob=(4, 6), second_class_voxel=(8, 8, 8))
+    labels = crops(image, label, n_calls=3, patch=(16, 16, 16), pos=1, neg=1)
+    assert labels.shape == (12, 16, 16, 16)
+    assert all(int((l == 1).sum()) == 8 for l in labels)  # the whole 2x2x2 blob is inside every crop
+
+
+def test_crops_are_a_function_of_the_seed():
+    image, label = blob_volume()
+    fg, fg_class = foreground_indices(label, num_classes=3)
+    args = (image, label, fg, fg_class, (8, 8, 8), 4, 1.0, 1.0)
+    a = rand_crop_by_pos_neg(*args, tf.constant([3, 4], tf.int64))[1].numpy()
+    b = rand_crop_by_pos_neg(*args, tf.constant([3, 4], tf.int64))[1].numpy()
+    c = rand_crop_by_pos_neg(*args, tf.constant([3, 5], tf.int64))[1].numpy()
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_augmentation_keeps_image_and_label_aligned():
+    """Flips and quarter turns move image and label together (intensity changes off)."""
+    rng = np.random.default_rng(0)
+    label = rng.integers(0, 3, (12, 12, 8)).astype(np.int32)
+    image = tf.constant(np.stack([label, label * 10], axis=-1).astype(np.float32))
+    config = AugmentConfig(flip_prob=0.5, rot90_prob=0.9, intensity_prob=0.0, noise_std=0.0)
+    changed = 0
+    for i in range(12):
+        out_image, out_label = augment_patch(image, tf.constant(label), config, tf.constant([i, 0], tf.int64))
+        np.testing.assert_array_equal(out_image.numpy()[..., 0], out_label.numpy())
+        np.testing.assert_array_equal(out_image.numpy()[..., 1], out_label.numpy() * 10)
+        changed += not np.array_equal(out_label.numpy(), label)
+    assert changed >= 8  # the transforms do happen
+
+
+def test_intensity_augmentation_scales_and_shifts():
+    image = tf.ones((4, 4, 4, 1))
+    config = AugmentConfig(flip_prob=0, rot90_prob=0, intensity_prob=1.0, intensity_scale=0.1,
+                           intensity_shift=0.1)
+    values = {float(augment_patch(image, tf.zeros((4, 4, 4), tf.int32), config,
+                                  tf.constant([i, 1], tf.int64))[0][0, 0, 0, 0]) for i in range(20)}
+    assert len(values) == 20 and all(0.8 <= v <= 1.2 for v in values)
+
+
+def test_train_pipeline_shapes_and_determinism(converted_dataset, tmp_path):
+    config = tiny_config(converted_dataset, tmp_path, "pipeline.patch_size=[24,24,24]",
+                         "training.accumulation_steps=2")
+    batches = list(build_train_dataset(config).take(3).as_numpy_iterator())
+    for images, labels in batches:
+        assert images.shape == (4, 24, 24, 24, 2) and images.dtype == np.float32  # 2 per replica x 2 accumulated
+        assert labels.shape == (4, 24, 24, 24) and labels.dtype == np.int32
+        assert set(np.unique(labels)) <= {0, 1, 2}
+    again = list(build_train_dataset(config).take(3).as_numpy_iterator())
+    for (a, b), (c, d) in zip(batches, again):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
+    other = tiny_config(converted_dataset, tmp_path, "pipeline.patch_size=[24,24,24]",
+                        "training.accumulation_steps=2", "training.seed=5")
+    assert not np.array_equal(next(build_train_dataset(other).as_numpy_iterator())[0], batches[0][0])
+    # six volumes x two crops / (two per batch x two accumulated) = 3 optimizer steps per epoch
+    assert train_steps_per_epoch(tiny_config(converted_dataset, tmp_path, "training.steps_per_epoch=null",
+                                             "training.accumulation_steps=2")) == 3
+
+
+def test_val_pipeline_gives_whole_volumes(converted_dataset, tmp_path):
+    config = tiny_config(converted_dataset, tmp_path)
+    index = load_index(converted_dataset)
+    expected = {c["case_id"]: c["image_shape"] for c in index["cases"].values() if c["split"] == "val"}
+    seen = {}
+    for image, label, meta in build_val_dataset(config):
+        seen[meta["case_id"].numpy().decode()] = image.shape
+        assert image.shape[0] == 1 and label.shape == image.shape[:4] and image.dtype == tf.float32
+    assert seen == {k: (1, *v) for k, v in expected.items()}

@@ -1,0 +1,238 @@
+"""Tests for the 3D U-Net: real Keras models, real gradients, tiny filters and patches."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmis.networks import ConvNormAct, ResidualUnit, UNetConfig, build_unet, check_patch_size
+from tfmis.networks.unet import UpBlock
+
+TINY = dict(filters=(4, 8, 16), strides=(1, 2, 2))  # patch sides must be multiples of 4
+
+
+def random_images(shape, channels=2, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(shape[0], *shape[1:], channels)).astype("float32")
+
+
+def copy_state(source: keras.Model, target: keras.Model) -> None:
+    """Same weights *and* same non-trainable state (moving stats, dropout seed states)."""
+    for src, dst in zip(source.variables, target.variables):
+        dst.assign(src)
+
+
+def gradients(model: keras.Model, images: np.ndarray, use_tf_function: bool):
+    def loss_and_grads():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(images, training=True)))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return (tf.function(loss_and_grads) if use_tf_function else loss_and_grads)()
+
+
+@pytest.fixture
+def mixed_policy(request):
+    """Sets a global dtype policy for one test and always restores float32."""
+    keras.mixed_precision.set_global_policy(request.param)
+    try:
+        yield request.param
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+# ----------------------------------------------------------------------- shapes
+
+
+@pytest.mark.parametrize("patch", [(16, 16, 16), (48, 64, 32), (8, 12, 20)])
+def test_output_shape_matches_patch_and_classes(patch):
+    model = build_unet(in_channels=2, num_classes=5, **TINY)
+    logits = model(random_images((1, *patch)))
+    assert tuple(logits.shape) == (1, *patch, 5)
+    assert logits.dtype == "float32"
+
+
+def test_anisotropic_strides_keep_shape():
+    strides = (1, (2, 2, 1), 2)  # e.g. thick slices: keep the last axis at full resolution once
+    model = build_unet(1, 3, filters=(4, 8, 16), strides=strides, num_res_units=1)
+    assert check_patch_size((16, 16, 6), strides) == (4, 4, 2)
+    assert tuple(model(random_images((2, 16, 16, 6), channels=1)).shape) == (2, 16, 16, 6, 3)
+
+
+def test_default_levels_downsample_by_their_stride():
+    model = build_unet(2, 4)
+    names = [layer.name for layer in model.layers]
+    assert names[1:6] == ["encoder0", "encoder1", "encoder2", "encoder3", "bottleneck"]
+    assert model.get_layer("bottleneck").output.shape[-1] == 256
+    assert model.get_layer("decoder0").output.shape[-1] == 16
+    assert model.input_shape == (None, None, None, None, 2)
+
+
+# ----------------------------------------------------------------- patch sizes
+
+
+def test_check_patch_size_accepts_multiples_and_names_divisor_on_error():
+    assert check_patch_size(64, (1, 2, 2, 2, 2)) == (16, 16, 16)
+    assert check_patch_size((48, 64, 32), (1, 2, 2, 2, 2)) == (16, 16, 16)
+    with pytest.raises(ValueError) as error:
+        check_patch_size((48, 64, 30), (1, 2, 2, 2, 2))
+    message = str(error.value)
+    assert "(48, 64, 30)" in message and "(16, 16, 16)" in message and "30 -> 32" in message
+    with pytest.raises(ValueError, match="3 ints"):
+        check_patch_size((48, 64), (1, 2))
+
+
+def test_bad_patch_fails_with_clear_error_at_call_time():
+    model = build_unet(2, 2, **TINY)
+    with pytest.raises(ValueError, match="check_patch_size"):
+        model(random_images((1, 16, 16, 10)))
+
+
+# -------------------------------------------------------------- mixed precision
+
+
+@pytest.mark.parametrize("mixed_policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
+def test_mixed_precision_logits_are_float32_and_convs_half(mixed_policy):
+    half = mixed_policy.removeprefix("mixed_")
+    model = build_unet(2, 3, **TINY)
+    first_conv = model.get_layer("encoder0").units[0].conv
+    assert first_conv.compute_dtype == half and first_conv.variable_dtype == "float32"
+    assert model.get_layer("head").compute_dtype == half
+    assert model.get_layer("encoder0").output.dtype == half
+    logits = model(random_images((1, 8, 8, 8)), training=True)
+    assert logits.dtype == "float32"
+    assert np.isfinite(keras.ops.convert_to_numpy(logits)).all()
+    assert keras.mixed_precision.global_policy().name == mixed_policy
+
+
+def test_policy_is_float32_outside_mixed_tests():
+    assert keras.mixed_precision.global_policy().name == "float32"
+
+
+# ------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("norm", ["batch", "instance", "group"])
+def test_each_norm_trains_loss_decreases(norm):
+    keras.utils.set_random_seed(0)
+    model = build_unet(2, 2, filters=(4, 8), strides=(1, 2), norm=norm, norm_groups=2, num_res_units=1)
+    images = random_images((2, 8, 8, 8))
+    labels = (images[..., 0] > 0).astype("int32")  # trivial: class = sign of channel 0
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = keras.optimizers.Adam(1e-2)
+
+    @tf.function
+    def train_step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    losses = [float(train_step()) for _ in range(6)]
+    assert losses[-1] < losses[0], losses
+
+
+def test_residual_and_plain_blocks():
+    residual = build_unet(2, 3, num_res_units=2, **TINY)
+    plain = build_unet(2, 3, num_res_units=0, **TINY)
+    assert isinstance(residual.get_layer("encoder1"), ResidualUnit)
+    assert len(residual.get_layer("encoder1").units) == 2
+    assert residual.get_layer("encoder1").projection is not None  # strided: needs a residual conv
+    assert residual.get_layer("bottleneck").projection is not None  # 8 -> 16 channels
+    assert isinstance(plain.get_layer("encoder1"), ConvNormAct)
+    assert isinstance(plain.get_layer("decoder0"), UpBlock)
+    assert isinstance(plain.get_layer("decoder0").fuse, ConvNormAct)
+    assert plain.count_params() < residual.count_params()
+    images = random_images((1, 8, 8, 8))
+    assert residual(images).shape == plain(images).shape == (1, 8, 8, 8, 3)
+
+
+def test_dropout_only_active_in_training():
+    model = build_unet(2, 3, dropout=0.5, **TINY)
+    images = random_images((1, 8, 8, 8))
+    inference = [keras.ops.convert_to_numpy(model(images, training=False)) for _ in range(2)]
+    training = [keras.ops.convert_to_numpy(model(images, training=True)) for _ in range(2)]
+    np.testing.assert_array_equal(inference[0], inference[1])
+    assert not np.allclose(training[0], training[1])
+    assert not np.allclose(training[0], inference[0])
+
+
+# --------------------------------------------------------------- save / config
+
+
+def test_save_load_round_trip_gives_identical_outputs(tmp_path):
+    model = build_unet(2, 3, norm="batch", dropout=0.2, recompute=True, activation="leaky_relu", **TINY)
+    path = tmp_path / "unet.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    images = random_images((1, 8, 12, 16))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model(images)),
+                                  keras.ops.convert_to_numpy(restored(images)))
+    block = restored.get_layer("encoder1")
+    assert block.recompute and block.norm == "batch" and block.dropout == 0.2
+    assert block.activation == "leaky_relu"
+
+
+def test_config_dict_round_trip_and_validation():
+    config = UNetConfig.from_dict({"in_channels": 1, "num_classes": 2, "filters": [8, 16], "strides": [1, 2]})
+    assert UNetConfig.from_dict(config.to_dict()) == config
+    assert config.patch_divisor == (2, 2, 2)
+    assert config.build().count_params() == build_unet(1, 2, filters=(8, 16), strides=(1, 2)).count_params()
+    with pytest.raises(ValueError, match="unknown U-Net config keys"):
+        UNetConfig.from_dict({"in_channels": 1, "num_classes": 2, "channels": (8, 16)})
+    with pytest.raises(ValueError, match="one entry per level"):
+        UNetConfig(1, 2, filters=(8, 16, 32), strides=(1, 2))
+    with pytest.raises(ValueError, match="norm_groups"):
+        UNetConfig(1, 2, filters=(4, 8), strides=(1, 2), norm="group", norm_groups=8)
+    with pytest.raises(ValueError, match="norm must be"):
+        UNetConfig(1, 2, norm="layer")
+
+
+# ------------------------------------------------------------------- recompute
+
+
+@pytest.mark.parametrize("use_tf_function", [False, True], ids=["eager", "tf_function"])
+def test_recompute_gradients_equal_plain_gradients(use_tf_function):
+    # batch norm + dropout: the stateful layers a naive recompute gets wrong
+    options = dict(norm="batch", dropout=0.3, **TINY)
+    plain = build_unet(2, 3, **options)
+    recomputed = build_unet(2, 3, recompute=True, **options)
+    copy_state(plain, recomputed)
+    images = random_images((2, 8, 8, 8))
+
+    plain_loss, plain_grads = gradients(plain, images, use_tf_function)
+    recomputed_loss, recomputed_grads = gradients(recomputed, images, use_tf_function)
+
+    np.testing.assert_allclose(float(recomputed_loss), float(plain_loss), rtol=1e-6)
+    for variable, expected, actual in zip(plain.trainable_variables, plain_grads, recomputed_grads):
+        assert actual is not None, variable.path
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6, err_msg=variable.path)
+    # moving statistics updated once and dropout seeds advanced once, exactly as without recompute
+    for expected, actual in zip(plain.non_trainable_variables, recomputed.non_trainable_variables):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(actual), keras.ops.convert_to_numpy(expected))
+
+
+@pytest.mark.parametrize("mixed_policy", ["mixed_float16"], indirect=True)
+def test_recompute_under_mixed_precision_matches_plain(mixed_policy):
+    # the recomputation runs outside the block's autocast scope: kernels must still be cast
+    plain = build_unet(2, 3, **TINY)
+    recomputed = build_unet(2, 3, recompute=True, **TINY)
+    copy_state(plain, recomputed)
+    images = random_images((1, 16, 16, 16))  # bottleneck 4³: TF's CPU half-precision
+    # Conv3D filter gradient misbehaves when the volume is smaller than the kernel
+    _, plain_grads = gradients(plain, images, use_tf_function=True)
+    _, recomputed_grads = gradients(recomputed, images, use_tf_function=True)
+    for variable, expected, actual in zip(plain.trainable_variables, plain_grads, recomputed_grads):
+        assert actual.dtype == "float32", variable.path
+        scale = float(np.abs(expected).max()) + 1e-6
+        np.testing.assert_allclose(actual, expected, atol=1e-2 * scale, err_msg=variable.path)
+
+
+def test_recompute_model_trains_with_fit():
+    model = build_unet(2, 2, recompute=True, norm="batch", filters=(4, 8), strides=(1, 2))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    images = random_images((2, 8, 8, 8))
+    history = model.fit(images, (images[..., 0] > 0).astype("int32"), epochs=3, batch_size=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()

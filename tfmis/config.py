@@ -1,0 +1,300 @@
+"""Typed training configuration: dataclasses, YAML files and `--set key=value` overrides.
+
+A YAML file mirrors the dataclass tree (`data`, `pipeline`, `model`, `loss`, `optimizer`,
+`training`, `validation`, `output`). Unknown keys and wrong types are errors that name the key
+(and suggest the closest valid one); values not given keep the defaults below.
+
+Example:
+```python
+config = load_config("configs/demo.yaml", overrides=["training.epochs=3", "pipeline.patch_size=[48,48,48]"])
+print(config.training.epochs)
+save_config(config, "runs/demo/config.yaml")
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+@dataclasses.dataclass
+class ConversionSection:
+    """How `data.source_dir` is converted when `data.dataset_dir` holds no TFRecords yet."""
+
+    split: list[float] = dataclasses.field(default_factory=lambda: [0.7, 0.15, 0.15])  # train,val,test fractions
+    spacing: Optional[list[float]] = None  # mm along R,A,S; null = the dataset's median spacing
+    reshape: Optional[list[int]] = None  # fixed shape after cropping instead of resampling (DistMIS)
+    ct_window: Optional[list[float]] = None  # HU window for CT channels; null = measured
+    shards: int = 4
+    compression: Literal["GZIP", "ZLIB", "NONE"] = "GZIP"
+    workers: Optional[int] = None  # null = CPU count (at most 8)
+    seed: int = 0
+    image_dtype: Literal["float16", "float32"] = "float16"
+
+
+@dataclasses.dataclass
+class DataConfig:
+    dataset_dir: str = "data/demo/tfrecords"  # converted TFRecord folder (tools/tfrecord.py --target-dir)
+    source_dir: Optional[str] = None  # MSD folder converted into dataset_dir first if needed
+    demo: bool = False  # generate the built-in demo dataset into source_dir if it is missing
+    train_split: str = "train"
+    val_split: str = "val"
+    conversion: ConversionSection = dataclasses.field(default_factory=ConversionSection)
+
+
+@dataclasses.dataclass
+class AugmentConfig:
+    flip_prob: float = 0.5  # per spatial axis
+    flip_axes: list[int] = dataclasses.field(default_factory=lambda: [0, 1, 2])
+    rot90_prob: float = 0.5  # in-plane (x, y) quarter turns; needs a square in-plane patch
+    intensity_scale: float = 0.1  # x * (1 + U(-s, s))
+    intensity_shift: float = 0.1  # x + U(-o, o)
+    intensity_prob: float = 0.5
+    noise_std: float = 0.0  # gaussian noise, applied with noise_prob
+    noise_prob: float = 0.1
+
+
+@dataclasses.dataclass
+class PipelineConfig:
+    patch_size: list[int] = dataclasses.field(default_factory=lambda: [64, 64, 64])
+    num_images_per_batch: int = 2  # crops per replica per step
+    num_crops_per_image: int = 2  # crops drawn from each volume read (like MONAI num_samples)
+    pos_neg_ratio: list[float] = dataclasses.field(default_factory=lambda: [1.0, 1.0])  # crop centres on fg : bg
+    class_ratios: Optional[list[float]] = None  # per-class crop centre ratios (MONAI RandCropByLabelClasses)
+    cache: str = "memory"  # "memory", "none", or a file path prefix for an on-disk cache
+    shuffle_volumes: int = 32  # shuffle buffer of cached volumes
+    shuffle_crops: int = 16  # shuffle buffer of crops (mixes crops of different volumes)
+    deterministic: bool = False  # True = reproducible order (slower interleave)
+    max_foreground_indices: int = 20000  # per class, for crop centre sampling (bounds memory)
+    augment: AugmentConfig = dataclasses.field(default_factory=AugmentConfig)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    filters: list[int] = dataclasses.field(default_factory=lambda: [16, 32, 64, 128, 256])
+    strides: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 2, 2, 2])
+    num_res_units: int = 2
+    norm: Literal["batch", "instance", "group"] = "instance"
+    norm_groups: int = 8
+    dropout: float = 0.0
+    recompute: bool = False  # recompute block activations in the backward pass (less memory, more compute)
+
+
+@dataclasses.dataclass
+class LossConfig:
+    name: Literal["dice", "dice_ce", "dice_focal"] = "dice_ce"
+    activation: Literal["softmax", "sigmoid"] = "softmax"
+    include_background: bool = False
+    batch: bool = False  # batch Dice: sum over the batch before dividing
+    squared_pred: bool = False  # squared denominator
+    lambda_dice: float = 1.0
+    lambda_ce: float = 1.0
+    lambda_focal: float = 1.0
+    gamma: float = 2.0
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    name: Literal["adam", "adamw", "sgd", "novograd"] = "adamw"
+    learning_rate: float = 1e-3
+    weight_decay: float = 1e-5
+    momentum: float = 0.99  # sgd
+    nesterov: bool = True  # sgd
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    schedule: Literal["constant", "poly", "cosine"] = "cosine"
+    warmup_epochs: float = 0.0
+    power: float = 0.9  # poly
+    min_learning_rate: float = 0.0
+    clipnorm: Optional[float] = None
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    epochs: int = 100
+    steps_per_epoch: Optional[int] = None  # null = train volumes * crops per volume / global batch
+    precision: Literal["float32", "mixed_float16", "mixed_bfloat16"] = "mixed_float16"
+    jit_compile: bool = False  # XLA
+    accumulation_steps: int = 1  # gradient accumulation: optimizer step every N micro-batches
+    seed: int = 0
+    distribution: Literal["auto", "none", "mirrored"] = "auto"  # auto = mirrored if >1 GPU
+    devices: Optional[list[str]] = None  # mirrored: devices to use (null = all GPUs), e.g. ["/cpu:0", "/cpu:1"]
+    target_dice: Optional[float] = None  # stop when the validation mean Dice reaches it
+    dice_thresholds: list[float] = dataclasses.field(default_factory=lambda: [0.8, 0.9, 0.93, 0.95])
+    keep_checkpoints: int = 2
+
+
+@dataclasses.dataclass
+class ValidationConfig:
+    interval: int = 1  # epochs between validations
+    roi_size: Optional[list[int]] = None  # sliding window size; null = pipeline.patch_size
+    sw_batch_size: int = 4  # windows per forward pass (num_sw_batch_size)
+    overlap: float = 0.5
+    mode: Literal["constant", "gaussian"] = "gaussian"
+    device: Literal["accelerator", "cpu"] = "accelerator"  # where full volumes and aggregation live
+    hd95: bool = False  # also compute the 95th-percentile Hausdorff distance (slower)
+    max_cases: Optional[int] = None  # validate on the first N cases only
+
+
+@dataclasses.dataclass
+class OutputConfig:
+    dir: str = "runs/demo"
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclasses.dataclass
+class Config:
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+
+
+# ---------------------------------------------------------------- loading and checking
+
+def from_dict(cls, data, prefix: str = ""):
+    """Builds dataclass `cls` from nested dicts, checking every key and type."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            full = f"{prefix}{key}"
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{full}'{hint}")
+    kwargs = {key: _coerce(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, key: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key + ".")
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}{hint}")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list of {item.__name__}, got {type(value).__name__} {value!r}")
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if value is None:
+        raise ConfigError(f"{key}: expected {tp.__name__}, got null")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp}")  # a bug in the schema, not in the file
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Applies `a.b.c=value` (value parsed as YAML) to nested dict `data` in place."""
+    if "=" not in override:
+        raise ConfigError(f"--set {override!r}: expected key=value, e.g. training.epochs=3")
+    key, raw = override.split("=", 1)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({e})") from e
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides=()) -> Config:
+    """Reads a YAML config (or the defaults when `path` is None) and applies `key=value` overrides."""
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from e
+    for override in overrides:
+        apply_override(data, override)
+    config = from_dict(Config, data)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Cross-field checks that types alone cannot express."""
+    p = config.pipeline
+    if len(p.patch_size) != 3 or min(p.patch_size) < 1:
+        raise ConfigError(f"pipeline.patch_size: expected three positive sizes, got {p.patch_size}")
+    if len(p.pos_neg_ratio) != 2 or min(p.pos_neg_ratio) < 0 or sum(p.pos_neg_ratio) <= 0:
+        raise ConfigError(f"pipeline.pos_neg_ratio: expected [pos, neg] >= 0, got {p.pos_neg_ratio}")
+    if p.num_images_per_batch < 1 or p.num_crops_per_image < 1:
+        raise ConfigError("pipeline.num_images_per_batch and pipeline.num_crops_per_image must be >= 1")
+    if config.training.accumulation_steps < 1:
+        raise ConfigError("training.accumulation_steps must be >= 1")
+    if not 0 <= config.validation.overlap < 1:
+        raise ConfigError(f"validation.overlap must be in [0, 1), got {config.validation.overlap}")
+    if config.validation.roi_size is not None and len(config.validation.roi_size) != 3:
+        raise ConfigError(f"validation.roi_size: expected three sizes, got {config.validation.roi_size}")
+    if len(config.model.filters) != len(config.model.strides):
+        raise ConfigError(f"model.filters ({len(config.model.filters)} levels) and model.strides "
+                          f"({len(config.model.strides)}) must have the same length")
+
+
+def to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    from tfmis.utils.io import atomic_writer
+
+    with atomic_writer(path) as f:
+        yaml.safe_dump(to_dict(config), f, sort_keys=False)

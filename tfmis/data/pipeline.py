@@ -1,0 +1,137 @@
+"""tf.data input pipelines for training (random patches) and validation (whole volumes).
+
+Training:
+```
+shards ─interleave (parallel reads)─▶ parse ─▶ foreground indices ─▶ cache
+       ─▶ shuffle volumes ─▶ repeat ─▶ N balanced crops per volume ─▶ augment ─▶ shuffle crops
+       ─▶ batch ─▶ prefetch(AUTOTUNE)
+```
+Everything before `cache` is deterministic, so it is computed once; everything after is random,
+drawn from stateless seeds derived from `training.seed` and the element's position, so
+`deterministic: true` gives a reproducible stream.
+
+Under a tf.distribute strategy, build through `strategy.distribute_datasets_from_function` with
+`input_context`: files are sharded across input pipelines, and the batch is per replica.
+
+Example:
+```python
+dataset = build_train_dataset(config)          # ((B, px, py, pz, C) float32, (B, px, py, pz) int32)
+val = build_val_dataset(config)                # (1, X, Y, Z, C), (1, X, Y, Z), metadata
+```
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from tfmis.data.records import load_index, parse_example, shard_paths
+from tfmis.transforms.augment import augment_patch
+from tfmis.transforms.crop import foreground_indices, rand_crop_by_pos_neg
+
+
+def _cache(dataset: tf.data.Dataset, cache: str, name: str) -> tf.data.Dataset:
+    if cache == "none":
+        return dataset
+    if cache == "memory":
+        return dataset.cache()
+    return dataset.cache(f"{cache}-{name}")
+
+
+def _read(files, index, deterministic: bool, input_context=None, shuffle_files_seed=None) -> tf.data.Dataset:
+    compression = index["preprocessing"]["compression"]
+    dtype = index["preprocessing"]["image_dtype"]
+    dataset = tf.data.Dataset.from_tensor_slices(files)
+    if input_context is not None and input_context.num_input_pipelines > 1:
+        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+    dataset = dataset.interleave(
+        lambda f: tf.data.TFRecordDataset(f, compression_type="" if compression == "NONE" else compression),
+        cycle_length=min(len(files), 8), num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
+    return dataset.map(lambda s: parse_example(s, dtype), num_parallel_calls=tf.data.AUTOTUNE,
+                       deterministic=deterministic)
+
+
+def train_steps_per_epoch(config, num_replicas: int = 1) -> int:
+    """Optimizer steps per epoch: every training volume yields `num_crops_per_image` crops once."""
+    if config.training.steps_per_epoch:
+        return config.training.steps_per_epoch
+    index = load_index(config.data.dataset_dir)
+    volumes = index["splits"][config.data.train_split]["num_records"]
+    global_batch = config.pipeline.num_images_per_batch * num_replicas * config.training.accumulation_steps
+    return max(1, math.ceil(volumes * config.pipeline.num_crops_per_image / global_batch))
+
+
+def build_train_dataset(config, input_context: tf.distribute.InputContext | None = None,
+                        seed_offset: int = 0) -> tf.data.Dataset:
+    """The infinite training stream of augmented patch batches (batch = per replica × accumulation).
+
+    Args:
+        config: the training `Config`.
+        input_context: from `distribute_datasets_from_function` (shards files across input pipelines).
+        seed_offset: shifts the random stream (a resumed run passes its start epoch).
+    """
+    p, seed = config.pipeline, config.training.seed
+    index = load_index(config.data.dataset_dir)
+    num_classes = len(index["source"]["labels"])
+    files = shard_paths(config.data.dataset_dir, config.data.train_split, index)
+    if not files:
+        raise ValueError(f"{config.data.dataset_dir}: split {config.data.train_split!r} has no records")
+    if p.augment.rot90_prob > 0 and p.patch_size[0] != p.patch_size[1]:
+        raise ValueError(f"pipeline.augment.rot90_prob > 0 needs a square in-plane patch, got {p.patch_size}")
+    if p.class_ratios is not None and len(p.class_ratios) != num_classes:
+        raise ValueError(f"pipeline.class_ratios has {len(p.class_ratios)} entries for {num_classes} classes")
+
+    def with_foreground(image, label, meta):
+        fg, fg_class = foreground_indices(label, num_classes, p.max_foreground_indices, seed)
+        return image, label, fg, fg_class
+
+    dataset = _read(files, index, p.deterministic, input_context)
+    dataset = dataset.map(with_foreground, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
+    pipeline_id = input_context.input_pipeline_id if input_context else 0
+    dataset = _cache(dataset, p.cache, f"train{pipeline_id}")
+    dataset = dataset.shuffle(p.shuffle_volumes, seed=seed, reshuffle_each_iteration=True).repeat()
+    # per-element seeds: (training seed, position in the stream), independent of thread scheduling
+    dataset = dataset.enumerate()
+
+    def crops(position, element):
+        image, label, fg, fg_class = element
+        element_seed = tf.stack([tf.constant(seed + 1000 * pipeline_id + 7919 * seed_offset, tf.int64), position])
+        images, labels = rand_crop_by_pos_neg(tf.cast(image, tf.float32), label, fg, fg_class, p.patch_size,
+                                              p.num_crops_per_image, p.pos_neg_ratio[0], p.pos_neg_ratio[1],
+                                              element_seed, p.class_ratios)
+        seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(element_seed, 1),
+                                                       p.num_crops_per_image)
+        return tf.data.Dataset.from_tensor_slices((images, labels, seeds))
+
+    def augment(image, label, crop_seed):
+        image, label = augment_patch(image, label, p.augment, crop_seed)
+        image = tf.ensure_shape(image, [*p.patch_size, None])
+        return image, tf.ensure_shape(tf.cast(label, tf.int32), p.patch_size)
+
+    dataset = dataset.flat_map(crops) if p.deterministic else dataset.interleave(
+        crops, cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+    dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
+    if p.shuffle_crops > 1:
+        dataset = dataset.shuffle(p.shuffle_crops, seed=seed + 1)
+    batch = p.num_images_per_batch * config.training.accumulation_steps
+    dataset = dataset.batch(batch, drop_remainder=True)
+    options = tf.data.Options()
+    options.deterministic = p.deterministic
+    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+
+
+def build_val_dataset(config, split: str | None = None) -> tf.data.Dataset:
+    """Whole cached volumes, one at a time: ((1, X, Y, Z, C) float32, (1, X, Y, Z) int32, metadata)."""
+    index = load_index(config.data.dataset_dir)
+    split = split or config.data.val_split
+    files = shard_paths(config.data.dataset_dir, split, index)
+    if not files:
+        raise ValueError(f"{config.data.dataset_dir}: split {split!r} has no records to validate on")
+    dataset = _read(files, index, deterministic=True)
+    dataset = _cache(dataset, config.pipeline.cache, f"val-{split}")
+    if config.validation.max_cases:
+        dataset = dataset.take(config.validation.max_cases)
+    dataset = dataset.map(lambda image, label, meta: (tf.cast(image, tf.float32)[None], tf.cast(label, tf.int32)[None],
+                                                      meta))
+    return dataset.prefetch(1)

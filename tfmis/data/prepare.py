@@ -1,0 +1,51 @@
+"""Make sure the training data exists: generate the demo dataset and convert to TFRecords if needed.
+
+Example:
+```python
+dataset_dir = prepare_dataset(config.data)   # no-op when data.dataset_dir is already converted
+```
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tfmis.data.convert import ConversionConfig, convert, summary_text
+from tfmis.data.records import INDEX_FILE
+
+
+def prepare_dataset(data, progress: bool = True) -> Path:
+    """Returns `data.dataset_dir`, converting `data.source_dir` into it first when given.
+
+    With `data.source_dir` set, the conversion always runs: it resumes an interrupted one, does
+    nothing for a finished one, and refuses a target converted with other parameters.
+
+    Args:
+        data: a `tfmis.config.DataConfig`.
+    """
+    target = Path(data.dataset_dir)
+    if data.source_dir is None:
+        if not (target / INDEX_FILE).is_file():
+            raise FileNotFoundError(f"data.dataset_dir {target} holds no converted dataset ({INDEX_FILE} missing): "
+                                    "convert one with tools/tfrecord.py, or set data.source_dir to an MSD folder "
+                                    "to convert it automatically")
+        return target
+    if data.demo:
+        from tfmis.data.demo import make_demo_dataset
+
+        make_demo_dataset(data.source_dir)
+    c = data.conversion
+    config = ConversionConfig(
+        source_dir=data.source_dir, target_dir=str(target), split=tuple(c.split), spacing=_tuple(c.spacing), reshape=_tuple(c.reshape),
+        ct_window=_tuple(c.ct_window), shards=c.shards, compression=c.compression, seed=c.seed,
+        image_dtype=c.image_dtype, progress=progress, **({"workers": c.workers} if c.workers else {}))
+    index = convert(config)
+    if progress:
+        print(summary_text(index))
+    if index["skipped"]:
+        print(f"warning: {len(index['skipped'])} case(s) were skipped during conversion (see {target / INDEX_FILE})")
+    return target
+
+
+def _tuple(value):
+    return tuple(value) if value is not None else None

@@ -1,0 +1,308 @@
+"""The one training loop: a `tf.function` step with `GradientTape`, run by a distribution backend.
+
+Per optimizer step, each replica splits its batch into `accumulation_steps` micro-batches, sums
+their gradients (scaled loss under mixed_float16), asks the backend to reduce them and applies them
+once. Between epochs: sliding-window validation on whole volumes, atomic checkpoints, the best
+model by mean Dice, history/TensorBoard/plots. Time spent waiting for input is measured apart from
+compute time, because "is the accelerator starving?" is the first question about a slow run.
+
+Example:
+```python
+trainer = Trainer(load_config("configs/demo.yaml"))
+summary = trainer.fit(resume=False)
+```
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmis.config import save_config
+from tfmis.data.pipeline import build_train_dataset, build_val_dataset, train_steps_per_epoch
+from tfmis.data.records import load_index
+from tfmis.engine.distribution import StrategyBackend, make_backend
+from tfmis.engine.history import History
+from tfmis.inference.sliding_window import sliding_window_inference
+from tfmis.losses import build_loss
+from tfmis.metrics.segmentation import SegmentationMetrics
+from tfmis.networks.unet import build_unet, check_patch_size
+from tfmis.optimizers import build_optimizer, build_schedule
+from tfmis.utils.io import atomic_write_json
+
+BEST_WEIGHTS = "best.weights.h5"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+class RunExists(RuntimeError):
+    """The output folder already holds checkpoints and --resume was not given."""
+
+
+def accelerator_device() -> str:
+    return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
+
+
+class Trainer:
+    """Builds model, optimizer, loss and data from a `Config` and trains.
+
+    Args:
+        config: a `tfmis.config.Config`.
+        backend: a distribution backend (default: from `training.distribution`).
+    """
+
+    def __init__(self, config, backend: StrategyBackend | None = None):
+        self.config = config
+        tc = config.training
+        self.backend = backend or make_backend(tc.distribution, tc.devices)
+        self.out = Path(config.output.dir)
+        index = load_index(config.data.dataset_dir)
+        self.class_names = list(index["source"]["labels"])
+        self.in_channels = len(index["source"]["modalities"])
+        self.spacing_by_case = {cid: c["geometry"]["spacing"] for cid, c in index["cases"].items()}
+        keras.utils.set_random_seed(tc.seed)
+        keras.mixed_precision.set_global_policy(tc.precision)
+        self.steps_per_epoch = train_steps_per_epoch(config, self.backend.num_replicas)
+        m, o = config.model, config.optimizer
+        check_patch_size(config.pipeline.patch_size, m.strides)  # fail now, not after data loading
+        check_patch_size(config.validation.roi_size or config.pipeline.patch_size, m.strides)
+        with self.backend.scope():
+            self.model = build_unet(self.in_channels, len(self.class_names), filters=tuple(m.filters),
+                                    strides=tuple(m.strides), num_res_units=m.num_res_units, norm=m.norm,
+                                    norm_groups=m.norm_groups, dropout=m.dropout, recompute=m.recompute)
+            total = tc.epochs * self.steps_per_epoch
+            schedule = build_schedule(o.schedule, o.learning_rate, total_steps=total,
+                                      warmup_steps=int(o.warmup_epochs * self.steps_per_epoch), power=o.power,
+                                      min_learning_rate=o.min_learning_rate)
+            optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, momentum=o.momentum,
+                                        nesterov=o.nesterov, beta_1=o.beta_1, beta_2=o.beta_2, clipnorm=o.clipnorm)
+            if tc.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
+                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+            optimizer.build(self.model.trainable_variables)
+            self.optimizer = optimizer
+            self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+            self.best_dice = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_dice")
+            self.best_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="best_epoch")
+            self.elapsed = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="elapsed_seconds")
+        lc = config.loss
+        self.loss_fn = build_loss(lc.name, include_background=lc.include_background, activation=lc.activation,
+                                  batch=lc.batch, squared_pred=lc.squared_pred, lambda_dice=lc.lambda_dice,
+                                  **({"lambda_ce": lc.lambda_ce} if lc.name == "dice_ce" else {}),
+                                  **({"lambda_focal": lc.lambda_focal, "gamma": lc.gamma}
+                                     if lc.name == "dice_focal" else {}))
+        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, epoch=self.epoch,
+                                              best_dice=self.best_dice, best_epoch=self.best_epoch,
+                                              elapsed=self.elapsed)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, str(self.out / "checkpoints"),
+                                                  max_to_keep=tc.keep_checkpoints)
+        step = tf.function(self._replica_step, jit_compile=True) if tc.jit_compile else self._replica_step
+        self._train_step = tf.function(lambda batch: self.backend.reduce_mean(self.backend.run(step, batch)))
+        self._predict = tf.function(lambda x: self.model(x, training=False), reduce_retracing=True)
+
+    # ------------------------------------------------------------------ the step
+
+    def _replica_step(self, images, labels):
+        n = self.config.training.accumulation_steps
+        variables = self.model.trainable_variables
+        scaled_loss_factor = self.backend.loss_scale() / n
+        total_loss = tf.constant(0.0)
+        grads = None
+        for x, y in zip(tf.split(images, n), tf.split(labels, n)):
+            with tf.GradientTape() as tape:
+                loss = self.loss_fn(y, self.model(x, training=True))
+                scaled = loss * scaled_loss_factor
+                if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+                    scaled = self.optimizer.scale_loss(scaled)
+            g = tape.gradient(scaled, variables)
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            total_loss += tf.cast(loss, tf.float32)
+        grads = self.backend.reduce_gradients(grads)
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) and self.backend.num_replicas > 1:
+            # the loss scaler checks replica 0's gradients only: make a non-finite gradient on any
+            # replica visible to all, so every replica skips the step and lowers the scale together
+            local_bad = tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
+            poison = tf.where(self.backend.any_replica(local_bad), np.nan, 0.0)
+            grads = [g + tf.cast(poison, g.dtype) for g in grads]
+        self.optimizer.apply(grads, variables)
+        return total_loss / n
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self, dataset) -> dict:
+        """Sliding-window inference on each whole validation volume; per-class Dice (and HD95)."""
+        v = self.config.validation
+        roi = tuple(v.roi_size or self.config.pipeline.patch_size)
+        device = "/CPU:0" if v.device == "cpu" else accelerator_device()
+        metrics = SegmentationMetrics(len(self.class_names), class_names=self.class_names, hd95=v.hd95)
+        for image, label, meta in dataset:
+            case_id = meta["case_id"].numpy().decode()
+            logits = sliding_window_inference(image, roi, v.sw_batch_size, self._predict, overlap=v.overlap,
+                                              mode=v.mode, sw_device=accelerator_device(), device=device)
+            prediction = tf.argmax(logits, axis=-1, output_type=tf.int32)[0].numpy()
+            metrics.update(prediction, label[0].numpy(), spacing=self.spacing_by_case.get(case_id), case_id=case_id)
+        return metrics.result()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _prepare_output(self, resume: bool, history: History) -> None:
+        latest = self.manager.latest_checkpoint
+        if latest and not resume:
+            raise RunExists(f"{self.out} already holds a training run (last checkpoint {Path(latest).name}); "
+                            "rerun with --resume to continue it, or set another output.dir "
+                            "(e.g. --set output.dir=runs/new)")
+        if resume and latest:
+            self.checkpoint.restore(latest).assert_existing_objects_matched()
+            history.truncate(int(self.epoch.numpy()))
+            print(f"Resuming from {latest}: epoch {int(self.epoch.numpy())} done, best mean Dice "
+                  f"{float(self.best_dice.numpy()):.4f} at epoch {int(self.best_epoch.numpy())}", file=sys.stderr)
+        elif resume:
+            print(f"--resume: no checkpoint in {self.out / 'checkpoints'}, starting from scratch", file=sys.stderr)
+        save_config(self.config, self.out / "config.yaml")
+
+    def fit(self, resume: bool = False) -> dict:
+        """Trains for `training.epochs` (or until `target_dice`); returns the run summary."""
+        from tqdm import tqdm
+
+        cfg, tc = self.config, self.config.training
+        self.out.mkdir(parents=True, exist_ok=True)
+        history = History(self.out, tc.dice_thresholds)
+        self._prepare_output(resume, history)
+        start_epoch = int(self.epoch.numpy()) + 1
+        seed_offset = start_epoch - 1  # a resumed run draws new crops, not epoch 1's again
+        dataset = self.backend.distribute_dataset(lambda ctx: build_train_dataset(cfg, ctx, seed_offset))
+        iterator = iter(dataset)
+        val_dataset = build_val_dataset(cfg)
+        writer = tf.summary.create_file_writer(str(self.out / "tensorboard")) if cfg.output.tensorboard else None
+        global_batch = cfg.pipeline.num_images_per_batch * self.backend.num_replicas * tc.accumulation_steps
+        run_start = time.perf_counter() - float(self.elapsed.numpy())
+        for epoch in range(start_epoch, tc.epochs + 1):
+            epoch_start = time.perf_counter()
+            wait = compute = 0.0
+            losses = []
+            bar = tqdm(range(self.steps_per_epoch), desc=f"epoch {epoch}/{tc.epochs}", unit="step",
+                       disable=not cfg.output.progress, file=sys.stderr, leave=False)
+            for step in bar:
+                t0 = time.perf_counter()
+                batch = next(iterator)
+                t1 = time.perf_counter()
+                loss = float(self._train_step(batch))  # float() waits for the step to finish
+                t2 = time.perf_counter()
+                wait, compute = wait + (t1 - t0), compute + (t2 - t1)
+                if not math.isfinite(loss):
+                    raise TrainingDiverged(
+                        f"the training loss became {loss} at epoch {epoch}, step {step + 1}. Training stopped; the "
+                        f"last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in {self.out / 'checkpoints'}. "
+                        "Lower optimizer.learning_rate, try training.precision=float32, or check the data, "
+                        "then rerun with --resume.")
+                losses.append(loss)
+                bar.set_postfix(loss=f"{np.mean(losses):.4f}", wait=f"{wait / max(wait + compute, 1e-9):.0%}")
+            bar.close()
+            train_seconds = wait + compute
+            record = {"epoch": epoch, "train_loss": float(np.mean(losses)),
+                      "learning_rate": float(keras.ops.convert_to_numpy(self.optimizer.learning_rate)),
+                      "images_per_second": self.steps_per_epoch * global_batch / max(train_seconds, 1e-9),
+                      "data_wait_seconds": wait, "compute_seconds": compute,
+                      "data_wait_fraction": wait / max(train_seconds, 1e-9)}
+            if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+                record["loss_scale"] = float(keras.ops.convert_to_numpy(self.optimizer.dynamic_scale))
+            validated = epoch % cfg.validation.interval == 0 or epoch == tc.epochs
+            if validated:
+                val_start = time.perf_counter()
+                result = self.validate(val_dataset)
+                record["val_mean_dice"] = result["mean_dice"]
+                record["val_dice"] = dict(zip(self.class_names[1:], result["dice_per_class"]))
+                if "mean_hd95" in result:
+                    record["val_mean_hd95"] = result["mean_hd95"]
+                record["val_seconds"] = time.perf_counter() - val_start
+                if math.isfinite(result["mean_dice"]) and result["mean_dice"] > float(self.best_dice.numpy()):
+                    self.best_dice.assign(result["mean_dice"])
+                    self.best_epoch.assign(epoch)
+                    self._save_best()
+            record["epoch_seconds"] = time.perf_counter() - epoch_start
+            record["elapsed_seconds"] = time.perf_counter() - run_start
+            self.epoch.assign(epoch)
+            self.elapsed.assign(record["elapsed_seconds"])
+            if self.backend.is_chief:
+                self.manager.save(checkpoint_number=epoch)
+                history.append(record)
+                self._log_tensorboard(writer, record)
+                history.plot(self.out / "training_curves.png")
+            print(_epoch_line(record, tc.epochs), file=sys.stderr)
+            if validated and tc.target_dice is not None and record["val_mean_dice"] >= tc.target_dice:
+                print(f"target Dice {tc.target_dice} reached at epoch {epoch}: stopping", file=sys.stderr)
+                break
+        return self._summary(history)
+
+    def _save_best(self) -> None:
+        if not self.backend.is_chief:
+            return
+        tmp = self.out / "best.tmp.weights.h5"  # Keras wants the .weights.h5 suffix; rename is atomic
+        self.model.save_weights(str(tmp))
+        os.replace(tmp, self.out / BEST_WEIGHTS)
+
+    def _log_tensorboard(self, writer, record: dict) -> None:
+        if writer is None:
+            return
+        with writer.as_default(step=record["epoch"]):
+            for key, value in record.items():
+                if isinstance(value, dict):
+                    for name, v in value.items():
+                        tf.summary.scalar(f"{key}/{name}", v)
+                elif key != "epoch":
+                    tf.summary.scalar(key, value)
+        writer.flush()
+
+    def _summary(self, history: History) -> dict:
+        records = history.records
+        train_time = sum(r["data_wait_seconds"] + r["compute_seconds"] for r in records)
+        best = history.best
+        summary = {
+            "epochs": len(records),
+            "elapsed_seconds": records[-1]["elapsed_seconds"] if records else 0.0,
+            "best_epoch": best["epoch"] if best else None,
+            "best_mean_dice": best["val_mean_dice"] if best else None,
+            "best_dice_per_class": best["val_dice"] if best else None,
+            "final_mean_dice": next((r["val_mean_dice"] for r in reversed(records) if "val_mean_dice" in r), None),
+            "images_per_second": float(np.mean([r["images_per_second"] for r in records])) if records else None,
+            "data_wait_fraction": sum(r["data_wait_seconds"] for r in records) / max(train_time, 1e-9),
+            "thresholds_reached": history.thresholds_reached(),
+            "best_weights": str(self.out / BEST_WEIGHTS),
+            "num_replicas": self.backend.num_replicas,
+        }
+        if self.backend.is_chief:
+            atomic_write_json(self.out / "summary.json", summary)
+        return summary
+
+
+def _epoch_line(r: dict, epochs: int) -> str:
+    line = (f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  {r['images_per_second']:.1f} img/s  "
+            f"input wait {r['data_wait_fraction']:.0%}  {r['epoch_seconds']:.1f}s")
+    if "val_mean_dice" in r:
+        per_class = "  ".join(f"{k} {v:.3f}" for k, v in r["val_dice"].items())
+        line += f"  | val mean Dice {r['val_mean_dice']:.4f} ({per_class})"
+    return line
+
+
+def summary_table(summary: dict) -> str:
+    """A readable end-of-run report."""
+    lines = [f"epochs trained        {summary['epochs']}",
+             f"elapsed               {summary['elapsed_seconds']:.0f} s",
+             f"best mean Dice        {summary['best_mean_dice']:.4f} (epoch {summary['best_epoch']})"
+             if summary["best_mean_dice"] is not None else "best mean Dice        -"]
+    for name, value in (summary["best_dice_per_class"] or {}).items():
+        lines.append(f"  {name:<20}{value:.4f}")
+    lines.append(f"throughput            {summary['images_per_second']:.1f} images/s")
+    lines.append(f"input wait            {summary['data_wait_fraction']:.1%} of step time")
+    for threshold, reached in summary["thresholds_reached"].items():
+        lines.append(f"Dice >= {threshold}         epoch {reached['epoch']}, {reached['elapsed_seconds']:.0f} s")
+    return "\n".join(lines)
+

@@ -1,0 +1,581 @@
+"""A configurable 3D U-Net (channels-last) in Keras 3, modelled on MONAI's `UNet`.
+
+Layout (one *level* per entry of `filters`/`strides`)::
+
+    input ─ enc0 ─────────────────────────────────── dec0 ─ head (1×1×1) ─ logits (float32)
+              └ enc1 (stride s1) ──────────── dec1 ┘
+                    └ ...  ── bottleneck ──┘
+
+* Encoder level `i` is a residual unit (or a plain conv block when `num_res_units=0`)
+  whose first convolution has stride `strides[i]`; `strides[0]` is normally 1 so the
+  first level works at full resolution.
+* Decoder level `i` upsamples level `i+1` with a transposed convolution (stride
+  `strides[i+1]`), concatenates the encoder skip and fuses both with one residual
+  sub-unit (or one conv block).
+* Conv blocks are conv → norm → dropout → activation (MONAI's "NDA" order).
+
+Differences from MONAI's `UNet`: `strides` has one entry per level (MONAI's has one
+fewer and its first level always downsamples), the skip is concatenated *after*
+upsampling, and logits come from a 1×1×1 convolution instead of a transposed one.
+
+Example:
+    >>> model = build_unet(in_channels=2, num_classes=4, filters=(8, 16, 32, 64),
+    ...                    strides=(1, 2, 2, 2))
+    >>> check_patch_size((48, 64, 32), (1, 2, 2, 2))
+    (8, 8, 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Sequence
+
+import keras
+from keras import layers, ops
+
+NORMS = ("batch", "instance", "group")
+ACTIVATIONS = ("prelu", "leaky_relu")
+_SPATIAL_AXES = (1, 2, 3)
+_SERIAL_PACKAGE = "tfmis"
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def _per_axis(value, what: str) -> tuple[int, int, int]:
+    """An int or a 3-sequence as a 3-tuple of ints."""
+    if isinstance(value, int):
+        return (value, value, value)
+    value = tuple(int(v) for v in value)
+    if len(value) != 3:
+        raise ValueError(f"{what} must be an int or 3 ints (one per spatial axis), got {value}")
+    return value
+
+
+def required_divisor(strides: Sequence) -> tuple[int, int, int]:
+    """Per-axis product of the strides: every patch side must be a multiple of it.
+
+    Args:
+        strides: one stride per level, each an int or a 3-tuple (anisotropic).
+
+    Example:
+        >>> required_divisor((1, 2, 2, (2, 2, 1)))
+        (8, 8, 4)
+    """
+    per_level = [_per_axis(s, "each stride") for s in strides]
+    return tuple(math.prod(s[axis] for s in per_level) for axis in range(3))
+
+
+def check_patch_size(patch, strides: Sequence) -> tuple[int, int, int]:
+    """Raises a clear ValueError unless `patch` fits a U-Net with these `strides`.
+
+    The model accepts any spatial size at build time (`None` dims), so a bad size only
+    fails deep inside a skip concatenation; call this on the training/inference patch.
+
+    Args:
+        patch: spatial patch size, an int (cube) or 3 ints.
+        strides: the U-Net's per-level strides.
+
+    Returns:
+        The per-axis divisor every patch side must be a multiple of.
+
+    Example:
+        >>> check_patch_size(64, (1, 2, 2, 2, 2))
+        (16, 16, 16)
+        >>> check_patch_size((48, 64, 30), (1, 2, 2, 2, 2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: patch size (48, 64, 30) does not fit strides (1, 2, 2, 2, 2): ...
+    """
+    patch = _per_axis(patch, "patch size")
+    divisor = required_divisor(strides)
+    bad = [axis for axis in range(3) if patch[axis] <= 0 or patch[axis] % divisor[axis]]
+    if bad:
+        suggestions = ", ".join(
+            f"axis {a}: {patch[a]} -> {max(divisor[a], round(patch[a] / divisor[a]) * divisor[a])}"
+            for a in bad
+        )
+        raise ValueError(
+            f"patch size {patch} does not fit strides {tuple(strides)}: every spatial size "
+            f"must be a positive multiple of the per-axis stride product {divisor} "
+            f"(nearest valid: {suggestions})"
+        )
+    return divisor
+
+
+# ------------------------------------------------------------------------ recompute
+
+
+def recompute_call(forward, inputs, state_variables):
+    """Calls `forward(inputs)` without keeping its activations for the backward pass.
+
+    Wraps `keras.remat` (= `tf.recompute_grad` on the TensorFlow backend), which runs
+    `forward` twice: once in the forward pass and again inside the gradient. Two things
+    make a naive `keras.remat(layer.call)` wrong for a Keras block:
+
+    * stateful layers would not replay: Dropout draws a new mask (its seed generator
+      has already advanced) and BatchNorm would update its moving statistics twice;
+    * `tf.custom_gradient` rejects keyword arguments (e.g. `training`) in graph mode.
+
+    So `forward` is made pure: it runs inside a `keras.StatelessScope` that reads the
+    state variables (seed-generator states, moving statistics) from a snapshot taken
+    before the call and returns their updates as extra outputs, which are assigned once
+    here. The recomputation therefore replays the exact forward pass.
+
+    Args:
+        forward: `inputs -> outputs`, with `training` already bound.
+        inputs: a tensor or a (flat) list of tensors.
+        state_variables: the block's non-trainable variables.
+
+    Returns:
+        `forward(inputs)`.
+    """
+    flat_inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    num_inputs = len(flat_inputs)
+
+    def replayable_forward(*tensors):
+        block_inputs = list(tensors[:num_inputs]) if isinstance(inputs, (list, tuple)) else tensors[0]
+        state_values = tensors[num_inputs:]
+        mapping = list(zip(state_variables, state_values))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            outputs = forward(block_inputs)
+        updated = [scope.get_current_value(v) for v in state_variables]
+        return (outputs, *updated)
+
+    # copies, not the variables: a variable passed in would be re-read after its update
+    snapshot = [ops.copy(v.value) for v in state_variables]
+    outputs, *updated = keras.remat(replayable_forward)(*flat_inputs, *snapshot)
+    for variable, value in zip(state_variables, updated):
+        variable.assign(value)
+    return outputs
+
+
+class RecomputableBlock(layers.Layer):
+    """Base for U-Net blocks: `call` runs `forward`, recomputed in backprop if asked.
+
+    Subclasses implement `forward(inputs, training)` and pass `training` explicitly to
+    every sublayer: during recomputation Keras' call context (which would otherwise
+    propagate `training`) is gone, and BatchNorm/Dropout would silently switch to
+    inference behaviour.
+
+    Args:
+        recompute: drop this block's activations after the forward pass and recompute
+            them for the gradient (only when `training` is true).
+    """
+
+    def __init__(self, recompute: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.recompute = bool(recompute)
+
+    def forward(self, inputs, training=None):
+        raise NotImplementedError
+
+    def call(self, inputs, training=None):
+        # inference needs no gradient, so recomputation would only cost time
+        if self.recompute and training:
+            bound = functools.partial(self.forward, training=training)
+            return recompute_call(bound, inputs, self.non_trainable_variables)
+        return self.forward(inputs, training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "recompute": self.recompute}
+
+
+# ------------------------------------------------------------------------ blocks
+
+
+def make_normalization(norm: str, channels: int, norm_groups: int = 8, name: str | None = None):
+    """The normalization layer for `channels` features.
+
+    Args:
+        norm: "batch", "instance" (GroupNorm with one group per channel) or "group"
+            (GroupNorm with `norm_groups` groups).
+        channels: number of feature channels being normalized.
+        norm_groups: groups for `norm="group"`; must divide `channels`.
+        name: layer name.
+
+    Example:
+        >>> make_normalization("instance", 16).groups
+        16
+    """
+    # epsilon 1e-5 and BatchNorm momentum 0.9 match PyTorch (and so MONAI) defaults
+    if norm == "batch":
+        return layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
+    if norm == "instance":
+        return layers.GroupNormalization(groups=channels, epsilon=1e-5, name=name)
+    if norm == "group":
+        if channels % norm_groups:
+            raise ValueError(f"norm_groups={norm_groups} must divide the channel count {channels}")
+        return layers.GroupNormalization(groups=norm_groups, epsilon=1e-5, name=name)
+    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+
+
+def make_activation(activation: str, name: str | None = None):
+    """PReLU (MONAI's default; one learnable slope per channel, initialised to 0.25 as in
+    PyTorch) or LeakyReLU with slope 0.01 (nnU-Net's choice).
+
+    Example:
+        >>> make_activation("leaky_relu").negative_slope
+        0.01
+    """
+    if activation == "prelu":
+        return layers.PReLU(
+            alpha_initializer=keras.initializers.Constant(0.25), shared_axes=list(_SPATIAL_AXES), name=name
+        )
+    if activation == "leaky_relu":
+        return layers.LeakyReLU(negative_slope=0.01, name=name)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+@keras.saving.register_keras_serializable(package=_SERIAL_PACKAGE)
+class ConvNormAct(RecomputableBlock):
+    """Conv3D (or Conv3DTranspose) → norm → dropout → activation, like MONAI `Convolution`.
+
+    Args:
+        filters: output channels.
+        kernel_size: int or 3 ints.
+        strides: int or 3 ints; downsamples (or, if `transposed`, upsamples) by it.
+        norm, norm_groups, activation, dropout: see `build_unet`.
+        transposed: use a transposed convolution (upsampling).
+        conv_only: only the convolution (with bias), no norm/dropout/activation.
+
+    Example:
+        >>> block = ConvNormAct(8, strides=2)
+        >>> tuple(block(keras.ops.zeros((1, 8, 8, 8, 2))).shape)
+        (1, 4, 4, 4, 8)
+    """
+
+    def __init__(self, filters: int, kernel_size=3, strides=1, norm: str = "instance", norm_groups: int = 8,
+                 activation: str = "prelu", dropout: float = 0.0, transposed: bool = False,
+                 conv_only: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.filters = int(filters)
+        self.kernel_size = kernel_size
+        self.strides = strides
+        self.norm = norm
+        self.norm_groups = int(norm_groups)
+        self.activation = activation
+        self.dropout = float(dropout)
+        self.transposed = bool(transposed)
+        self.conv_only = bool(conv_only)
+        conv_class = layers.Conv3DTranspose if transposed else layers.Conv3D
+        # a bias right before a normalization is cancelled by its mean subtraction
+        self.conv = conv_class(filters, kernel_size, strides=strides, padding="same", use_bias=conv_only,
+                               kernel_initializer="he_normal", name="conv")
+        if not conv_only:
+            self.normalization = make_normalization(norm, filters, norm_groups, name="norm")
+            self.dropout_layer = layers.Dropout(dropout, name="dropout") if dropout > 0 else None
+            self.act = make_activation(activation, name="act")
+
+    def build(self, input_shape):
+        self.conv.build(input_shape)
+        output_shape = self.conv.compute_output_shape(input_shape)
+        if not self.conv_only:
+            self.normalization.build(output_shape)
+            self.act.build(output_shape)
+
+    def compute_output_shape(self, input_shape):
+        return self.conv.compute_output_shape(input_shape)
+
+    def forward(self, inputs, training=None):
+        x = self.conv(inputs)
+        if self.conv_only:
+            return x
+        x = self.normalization(x, training=training)
+        if self.dropout_layer is not None:
+            x = self.dropout_layer(x, training=training)
+        return self.act(x)
+
+    def get_config(self):
+        return {**super().get_config(), "filters": self.filters, "kernel_size": self.kernel_size,
+                "strides": self.strides, "norm": self.norm, "norm_groups": self.norm_groups,
+                "activation": self.activation, "dropout": self.dropout, "transposed": self.transposed,
+                "conv_only": self.conv_only}
+
+
+@keras.saving.register_keras_serializable(package=_SERIAL_PACKAGE)
+class ResidualUnit(RecomputableBlock):
+    """`subunits` ConvNormAct blocks plus a residual path, like MONAI `ResidualUnit`.
+
+    The first sub-unit carries the stride. The residual path is the identity, or a
+    convolution when the stride or channel count changes (kernel `kernel_size` when
+    strided, else 1×1×1). Output = conv path + residual path (no activation after the
+    sum, as in MONAI).
+
+    Args:
+        filters: output channels.
+        strides: stride of the first sub-unit (int or 3 ints).
+        subunits: number of ConvNormAct sub-units (at least 1).
+        kernel_size, norm, norm_groups, activation, dropout: see `build_unet`.
+
+    Example:
+        >>> unit = ResidualUnit(8, strides=2, subunits=2)
+        >>> tuple(unit(keras.ops.zeros((1, 8, 8, 8, 2))).shape)
+        (1, 4, 4, 4, 8)
+    """
+
+    def __init__(self, filters: int, strides=1, subunits: int = 2, kernel_size=3, norm: str = "instance",
+                 norm_groups: int = 8, activation: str = "prelu", dropout: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.filters = int(filters)
+        self.strides = strides
+        self.subunits = max(1, int(subunits))
+        self.kernel_size = kernel_size
+        self.norm = norm
+        self.norm_groups = int(norm_groups)
+        self.activation = activation
+        self.dropout = float(dropout)
+        self.units = [
+            ConvNormAct(filters, kernel_size, strides if i == 0 else 1, norm, norm_groups, activation, dropout,
+                        name=f"unit{i}")
+            for i in range(self.subunits)
+        ]
+        self.projection = None  # created in build(), once the input channel count is known
+
+    def build(self, input_shape):
+        strided = any(s != 1 for s in _per_axis(self.strides, "strides"))
+        if strided or input_shape[-1] != self.filters:
+            self.projection = layers.Conv3D(self.filters, self.kernel_size if strided else 1, strides=self.strides,
+                                            padding="same", kernel_initializer="he_normal", name="residual")
+            self.projection.build(input_shape)
+        shape = input_shape
+        for unit in self.units:
+            unit.build(shape)
+            shape = unit.compute_output_shape(shape)
+
+    def compute_output_shape(self, input_shape):
+        return self.units[0].compute_output_shape(input_shape)
+
+    def forward(self, inputs, training=None):
+        residual = inputs if self.projection is None else self.projection(inputs)
+        x = inputs
+        for unit in self.units:
+            x = unit(x, training=training)
+        return x + residual
+
+    def get_config(self):
+        return {**super().get_config(), "filters": self.filters, "strides": self.strides,
+                "subunits": self.subunits, "kernel_size": self.kernel_size, "norm": self.norm,
+                "norm_groups": self.norm_groups, "activation": self.activation, "dropout": self.dropout}
+
+
+def _level_block(filters, strides, subunits, kernel_size, norm, norm_groups, activation, dropout, name,
+                 recompute=False):
+    """A residual unit, or a single ConvNormAct when `subunits == 0` (MONAI's plain mode)."""
+    if subunits > 0:
+        return ResidualUnit(filters, strides, subunits, kernel_size, norm, norm_groups, activation, dropout,
+                            recompute=recompute, name=name)
+    return ConvNormAct(filters, kernel_size, strides, norm, norm_groups, activation, dropout,
+                       recompute=recompute, name=name)
+
+
+@keras.saving.register_keras_serializable(package=_SERIAL_PACKAGE)
+class UpBlock(RecomputableBlock):
+    """Decoder level: transposed-conv upsampling, skip concatenation, fusion block.
+
+    Called on `[coarse, skip]`; returns features at the skip's resolution.
+
+    Args:
+        filters: output channels (normally the skip's channel count).
+        strides: upsampling factor (the stride of the level below), int or 3 ints.
+        num_res_units: 0 → the fusion is one ConvNormAct; otherwise a residual unit
+            with one sub-unit (MONAI's up path also uses a single sub-unit).
+        kernel_size, norm, norm_groups, activation, dropout: see `build_unet`.
+
+    Example:
+        >>> up = UpBlock(8, strides=2)
+        >>> coarse, skip = keras.ops.zeros((1, 4, 4, 4, 16)), keras.ops.zeros((1, 8, 8, 8, 8))
+        >>> tuple(up([coarse, skip]).shape)
+        (1, 8, 8, 8, 8)
+    """
+
+    def __init__(self, filters: int, strides=2, num_res_units: int = 2, kernel_size=3, norm: str = "instance",
+                 norm_groups: int = 8, activation: str = "prelu", dropout: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.filters = int(filters)
+        self.strides = strides
+        self.num_res_units = int(num_res_units)
+        self.kernel_size = kernel_size
+        self.norm = norm
+        self.norm_groups = int(norm_groups)
+        self.activation = activation
+        self.dropout = float(dropout)
+        self.upsample = ConvNormAct(filters, kernel_size, strides, norm, norm_groups, activation, dropout,
+                                    transposed=True, name="upsample")
+        self.concat = layers.Concatenate(axis=-1, name="concat")
+        self.fuse = _level_block(filters, 1, min(self.num_res_units, 1), kernel_size, norm, norm_groups,
+                                 activation, dropout, name="fuse")
+
+    def build(self, input_shape):
+        coarse_shape, skip_shape = input_shape
+        self.upsample.build(coarse_shape)
+        up_shape = self.upsample.compute_output_shape(coarse_shape)
+        self.fuse.build(tuple(skip_shape[:-1]) + (up_shape[-1] + skip_shape[-1],))
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[1][:-1]) + (self.filters,)
+
+    def forward(self, inputs, training=None):
+        coarse, skip = inputs
+        upsampled = self.upsample(coarse, training=training)
+        _check_same_spatial_shape(upsampled, skip, self.strides)
+        return self.fuse(self.concat([upsampled, skip]), training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "filters": self.filters, "strides": self.strides,
+                "num_res_units": self.num_res_units, "kernel_size": self.kernel_size, "norm": self.norm,
+                "norm_groups": self.norm_groups, "activation": self.activation, "dropout": self.dropout}
+
+
+def _check_same_spatial_shape(upsampled, skip, strides):
+    """Turns the concat's shape error into one that names the cause (when shapes are static)."""
+    up_shape, skip_shape = tuple(upsampled.shape[1:4]), tuple(skip.shape[1:4])
+    if None in up_shape or None in skip_shape or up_shape == skip_shape:
+        return
+    raise ValueError(
+        f"decoder cannot join a {up_shape} upsampled tensor (stride {strides}) with its {skip_shape} skip: "
+        "the input patch size must be divisible by the product of the strides; check it with "
+        "tfmis.networks.check_patch_size(patch, strides)"
+    )
+
+
+# ------------------------------------------------------------------------ model
+
+
+@dataclasses.dataclass
+class UNetConfig:
+    """Everything that defines a U-Net; `UNetConfig(**yaml_dict).build()` makes the model.
+
+    Args:
+        in_channels: input image channels (modalities).
+        num_classes: output channels (logits, background included).
+        filters: channels per level, shallow to deep; the last level is the bottleneck.
+        strides: one stride per level (int or 3 ints for anisotropic data); level `i`
+            downsamples by `strides[i]`, so `strides[0]` is normally 1.
+        num_res_units: residual sub-units per encoder level; 0 = plain conv blocks.
+        norm: "batch", "instance" or "group".
+        norm_groups: groups for `norm="group"`; must divide every entry of `filters`.
+        dropout: dropout rate after every normalization (0 disables it).
+        kernel_size: convolution kernel size (int or 3 ints).
+        recompute: recompute encoder/decoder block activations in the backward pass
+            (less memory, more compute).
+        name: model name.
+        activation: "prelu" (default, as MONAI) or "leaky_relu".
+
+    Example:
+        >>> config = UNetConfig(in_channels=1, num_classes=3, filters=(8, 16, 32), strides=(1, 2, 2))
+        >>> config.patch_divisor
+        (4, 4, 4)
+        >>> model = config.build()
+    """
+
+    in_channels: int
+    num_classes: int
+    filters: Sequence[int] = (16, 32, 64, 128, 256)
+    strides: Sequence[Any] = (1, 2, 2, 2, 2)
+    num_res_units: int = 2
+    norm: str = "instance"
+    norm_groups: int = 8
+    dropout: float = 0.0
+    kernel_size: Any = 3
+    recompute: bool = False
+    name: str = "unet3d"
+    activation: str = "prelu"
+
+    def __post_init__(self):
+        # YAML/JSON give lists; tuples keep the config hashable and comparable
+        self.filters = tuple(int(f) for f in self.filters)
+        self.strides = tuple(s if isinstance(s, int) else tuple(s) for s in self.strides)
+        if not isinstance(self.kernel_size, int):
+            self.kernel_size = tuple(self.kernel_size)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError on an inconsistent configuration."""
+        if self.in_channels < 1 or self.num_classes < 1:
+            raise ValueError(f"in_channels and num_classes must be >= 1, got {self.in_channels}, {self.num_classes}")
+        if len(self.filters) < 2:
+            raise ValueError(f"filters needs at least 2 levels (one encoder + bottleneck), got {self.filters}")
+        if len(self.strides) != len(self.filters):
+            raise ValueError(f"strides needs one entry per level of filters {self.filters}, got {self.strides}")
+        required_divisor(self.strides)  # validates each stride's form
+        if self.num_res_units < 0:
+            raise ValueError(f"num_res_units must be >= 0, got {self.num_res_units}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.norm == "group" and any(f % self.norm_groups for f in self.filters):
+            raise ValueError(f"norm_groups={self.norm_groups} must divide every filter count, got {self.filters}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def patch_divisor(self) -> tuple[int, int, int]:
+        """Every patch side must be a multiple of this (per axis)."""
+        return required_divisor(self.strides)
+
+    def check_patch_size(self, patch) -> tuple[int, int, int]:
+        """`check_patch_size(patch, self.strides)`."""
+        return check_patch_size(patch, self.strides)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "UNetConfig":
+        """Like `UNetConfig(**values)` but names unknown keys in the error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown U-Net config keys {unknown}; expected some of {sorted(known)}")
+        return cls(**values)
+
+    def build(self) -> keras.Model:
+        """Builds the Keras model described by this config."""
+        return _build_from_config(self)
+
+
+def _build_from_config(config: UNetConfig) -> keras.Model:
+    block_options = dict(kernel_size=config.kernel_size, norm=config.norm, norm_groups=config.norm_groups,
+                         activation=config.activation, dropout=config.dropout)
+    inputs = keras.Input(shape=(None, None, None, config.in_channels), name="image")
+    skips = []
+    x = inputs
+    last = len(config.filters) - 1
+    for level, (filters, strides) in enumerate(zip(config.filters, config.strides)):
+        x = _level_block(filters, strides, config.num_res_units, recompute=config.recompute,
+                         name="bottleneck" if level == last else f"encoder{level}", **block_options)(x)
+        skips.append(x)
+    for level in reversed(range(last)):
+        x = UpBlock(config.filters[level], config.strides[level + 1], config.num_res_units,
+                    recompute=config.recompute, name=f"decoder{level}", **block_options)([x, skips[level]])
+    x = layers.Conv3D(config.num_classes, 1, name="head")(x)
+    # logits in float32 even under a mixed-precision policy (stable softmax/loss)
+    outputs = layers.Activation("linear", dtype="float32", name="logits")(x)
+    return keras.Model(inputs, outputs, name=config.name)
+
+
+def build_unet(in_channels: int, num_classes: int, filters: Sequence[int] = (16, 32, 64, 128, 256),
+               strides: Sequence = (1, 2, 2, 2, 2), num_res_units: int = 2, norm: str = "instance",
+               norm_groups: int = 8, dropout: float = 0.0, kernel_size=3, recompute: bool = False,
+               name: str = "unet3d", activation: str = "prelu") -> keras.Model:
+    """Builds a 3D U-Net for `(batch, D, H, W, in_channels)` inputs returning float32 logits.
+
+    Args: see `UNetConfig`. Spatial sizes are dynamic; each must be a multiple of the
+    per-axis product of `strides` (check with `check_patch_size`).
+
+    Returns:
+        A functional `keras.Model` mapping images to `(batch, D, H, W, num_classes)`
+        float32 logits (convolutions compute in the global dtype policy, e.g. float16).
+
+    Example:
+        >>> model = build_unet(2, 4, filters=(8, 16, 32, 64), strides=(1, 2, 2, 2))
+        >>> tuple(model(keras.ops.zeros((1, 32, 48, 16, 2))).shape)
+        (1, 32, 48, 16, 4)
+    """
+    config = UNetConfig(in_channels, num_classes, filters, strides, num_res_units, norm, norm_groups, dropout,
+                        kernel_size, recompute, name, activation)
+    return config.build()
