@@ -1,0 +1,1 @@
+"""The training engine: the one custom loop, its distribution backends and run history."""
