@@ -142,3 +142,20 @@ def test_kill_and_resume_continues_from_the_last_epoch(converted_dataset, tmp_pa
     epochs = [json.loads(line)["epoch"] for line in history.read_text().splitlines()]
     assert epochs == [1, 2, 3, 4, 5, 6]
     assert "best mean Dice" in resumed.stdout
+
+
+@pytest.mark.parametrize("precision, jit", [("mixed_float16", False), ("mixed_bfloat16", False), ("float32", True)])
+def test_precisions_and_xla_train(converted_dataset, tmp_path, precision, jit):
+    config = tiny_config(converted_dataset, tmp_path / "run", f"training.precision={precision}",
+                         f"training.jit_compile={str(jit).lower()}", "training.epochs=1")
+    trainer = Trainer(config)
+    assert trainer.model.outputs[0].dtype == "float32"  # logits stay float32 under any policy
+    summary = trainer.fit()
+    record = json.loads((tmp_path / "run" / "history.jsonl").read_text())
+    assert np.isfinite(record["train_loss"]) and summary["epochs"] == 1
+    assert ("loss_scale" in record) == (precision == "mixed_float16")
+
+
+def test_target_dice_stops_training(converted_dataset, tmp_path):
+    config = tiny_config(converted_dataset, tmp_path / "run", "training.epochs=5", "training.target_dice=0.0")
+    assert Trainer(config).fit()["epochs"] == 1

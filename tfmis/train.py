@@ -3,13 +3,14 @@
 Converts the data first when the config names an MSD source folder, trains with the one custom
 loop (single device or MirroredStrategy), validates with sliding-window inference, and writes the
 run folder: config.yaml, checkpoints/, best.weights.h5, history.jsonl/.csv, training_curves.png,
-summary.json, tensorboard/.
+validation_preview.png, summary.json, tensorboard/.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +44,11 @@ def main(argv=None) -> int:
     except (RunExists, TrainingDiverged, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if trainer.backend.is_chief:
+        trainer.preview(Path(config.output.dir) / "validation_preview.png")
     print(summary_table(summary))
-    print(f"Results: {config.output.dir} (training_curves.png, history.csv, summary.json, best.weights.h5)")
+    print(f"Results in {config.output.dir}: training_curves.png, validation_preview.png, history.csv, "
+          "summary.json, best.weights.h5, tensorboard/")
     return 0
 
 

@@ -242,6 +242,28 @@ class Trainer:
                 break
         return self._summary(history)
 
+    def preview(self, path: str | Path) -> Path:
+        """Draws the first validation case: ground truth filled, the best model's prediction outlined."""
+        from tfmis.utils.io import atomic_writer
+        from tfmis.viz.slices import plot_orthogonal_planes
+
+        if (self.out / BEST_WEIGHTS).is_file():
+            self.model.load_weights(str(self.out / BEST_WEIGHTS))
+        v = self.config.validation
+        image, label, meta = next(iter(build_val_dataset(self.config)))
+        case_id = meta["case_id"].numpy().decode()
+        logits = sliding_window_inference(image, tuple(v.roi_size or self.config.pipeline.patch_size),
+                                          v.sw_batch_size, self._predict, overlap=v.overlap, mode=v.mode)
+        prediction = tf.argmax(logits, axis=-1)[0].numpy()
+        index = load_index(self.config.data.dataset_dir)
+        fig = plot_orthogonal_planes(image[0].numpy(), label[0].numpy(), spacing=self.spacing_by_case.get(case_id),
+                                     channel_names=index["source"]["modalities"], class_names=self.class_names,
+                                     title=f"{case_id}: label (fill) vs prediction of the best model (outline)",
+                                     prediction=prediction)
+        with atomic_writer(path, "wb") as f:
+            fig.savefig(f, format="png")
+        return Path(path)
+
     def _save_best(self) -> None:
         if not self.backend.is_chief:
             return

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any, Sequence
 
 import keras
@@ -46,8 +47,8 @@ _SERIAL_PACKAGE = "tfmis"
 
 def _per_axis(value, what: str) -> tuple[int, int, int]:
     """An int or a 3-sequence as a 3-tuple of ints."""
-    if isinstance(value, int):
-        return (value, value, value)
+    if isinstance(value, numbers.Integral):
+        return (int(value),) * 3
     value = tuple(int(v) for v in value)
     if len(value) != 3:
         raise ValueError(f"{what} must be an int or 3 ints (one per spatial axis), got {value}")
@@ -487,9 +488,10 @@ class UNetConfig:
     def __post_init__(self):
         # YAML/JSON give lists; tuples keep the config hashable and comparable
         self.filters = tuple(int(f) for f in self.filters)
-        self.strides = tuple(s if isinstance(s, int) else tuple(s) for s in self.strides)
-        if not isinstance(self.kernel_size, int):
-            self.kernel_size = tuple(self.kernel_size)
+        self.strides = tuple(int(s) if isinstance(s, numbers.Integral) else _per_axis(s, "each stride")
+                             for s in self.strides)
+        self.kernel_size = (int(self.kernel_size) if isinstance(self.kernel_size, numbers.Integral)
+                            else _per_axis(self.kernel_size, "kernel_size"))
         self.validate()
 
     def validate(self) -> None:
