@@ -38,18 +38,6 @@ SPATIAL_DIMS = 3
 # MONAI's floor for importance weights, so far window corners still count and Σ(weight) > 0.
 MIN_IMPORTANCE = 1e-3
 
-__all__ = [
-    "BLEND_MODES",
-    "PADDING_MODES",
-    "aggregate_windows",
-    "importance_map",
-    "number_of_windows",
-    "scan_intervals",
-    "sliding_window_inference",
-    "window_starts",
-]
-
-
 # ----------------------------------------------------------------------------------------------
 # Window geometry (pure Python / numpy: MONAI's formulas)
 # ----------------------------------------------------------------------------------------------
