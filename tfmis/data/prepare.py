@@ -33,7 +33,10 @@ def prepare_dataset(data, progress: bool = True) -> Path:
     if data.demo:
         from tfmis.data.demo import make_demo_dataset
 
+        present = (Path(data.source_dir) / "dataset.json").is_file()
         make_demo_dataset(data.source_dir)
+        if progress:
+            print(f"Demo dataset: {data.source_dir} ({'already there' if present else 'generated'})")
     c = data.conversion
     config = ConversionConfig(
         source_dir=data.source_dir, target_dir=str(target), split=tuple(c.split), spacing=_tuple(c.spacing), reshape=_tuple(c.reshape),
