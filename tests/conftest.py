@@ -93,7 +93,7 @@ TINY_TRAINING = [
     "model.filters=[4,8]", "model.strides=[1,2]", "model.num_res_units=0", "model.norm=instance",
     "pipeline.patch_size=[16,16,16]", "pipeline.num_images_per_batch=2", "pipeline.num_crops_per_image=2",
     "pipeline.deterministic=true", "training.epochs=2", "training.steps_per_epoch=2", "training.precision=float32",
-    "validation.interval=1", "validation.sw_batch_size=2", "validation.overlap=0.25", "output.progress=false",
+    "validation.val_interval=1", "validation.num_sw_batch_size=2", "validation.overlap=0.25", "output.progress=false",
     "output.tensorboard=false",
 ]
 

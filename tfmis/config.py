@@ -137,12 +137,13 @@ class TrainingConfig:
 
 @dataclasses.dataclass
 class ValidationConfig:
-    interval: int = 1  # epochs between validations
+    val_interval: int = 1  # epochs between validations
     roi_size: Optional[list[int]] = None  # sliding window size; null = pipeline.patch_size
-    sw_batch_size: int = 4  # windows per forward pass (num_sw_batch_size)
+    num_sw_batch_size: int = 4  # windows per forward pass
     overlap: float = 0.5
     mode: Literal["constant", "gaussian"] = "gaussian"
-    device: Literal["accelerator", "cpu"] = "accelerator"  # where full volumes and aggregation live
+    # where the whole volume and the aggregation buffers live ("cpu" keeps big volumes off the GPU)
+    validation_data_device: Literal["accelerator", "cpu"] = "accelerator"
     hd95: bool = False  # also compute the 95th-percentile Hausdorff distance (slower)
     max_cases: Optional[int] = None  # validate on the first N cases only
 

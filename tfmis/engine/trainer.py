@@ -141,11 +141,11 @@ class Trainer:
         """Sliding-window inference on each whole validation volume; per-class Dice (and HD95)."""
         v = self.config.validation
         roi = tuple(v.roi_size or self.config.pipeline.patch_size)
-        device = "/CPU:0" if v.device == "cpu" else accelerator_device()
+        device = "/CPU:0" if v.validation_data_device == "cpu" else accelerator_device()
         metrics = SegmentationMetrics(len(self.class_names), class_names=self.class_names, hd95=v.hd95)
         for image, label, meta in dataset:
             case_id = meta["case_id"].numpy().decode()
-            logits = sliding_window_inference(image, roi, v.sw_batch_size, self._predict, overlap=v.overlap,
+            logits = sliding_window_inference(image, roi, v.num_sw_batch_size, self._predict, overlap=v.overlap,
                                               mode=v.mode, sw_device=accelerator_device(), device=device)
             prediction = tf.argmax(logits, axis=-1, output_type=tf.int32)[0].numpy()
             metrics.update(prediction, label[0].numpy(), spacing=self.spacing_by_case.get(case_id), case_id=case_id)
@@ -214,7 +214,7 @@ class Trainer:
                       "data_wait_fraction": wait / max(train_seconds, 1e-9)}
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
                 record["loss_scale"] = float(keras.ops.convert_to_numpy(self.optimizer.dynamic_scale))
-            validated = epoch % cfg.validation.interval == 0 or epoch == tc.epochs
+            validated = epoch % cfg.validation.val_interval == 0 or epoch == tc.epochs
             if validated:
                 val_start = time.perf_counter()
                 result = self.validate(val_dataset)
@@ -253,7 +253,7 @@ class Trainer:
         image, label, meta = next(iter(build_val_dataset(self.config)))
         case_id = meta["case_id"].numpy().decode()
         logits = sliding_window_inference(image, tuple(v.roi_size or self.config.pipeline.patch_size),
-                                          v.sw_batch_size, self._predict, overlap=v.overlap, mode=v.mode)
+                                          v.num_sw_batch_size, self._predict, overlap=v.overlap, mode=v.mode)
         prediction = tf.argmax(logits, axis=-1)[0].numpy()
         index = load_index(self.config.data.dataset_dir)
         fig = plot_orthogonal_planes(image[0].numpy(), label[0].numpy(), spacing=self.spacing_by_case.get(case_id),
