@@ -361,6 +361,9 @@ def _build_index(target: Path, dataset: MSDDataset, config: ConversionConfig, re
         fingerprints.update(record["fingerprints"])
         skipped += [{"case_id": k, "reason": v} for k, v in record["skipped"].items()]
         warnings += [{"case_id": k, "message": m} for k, ms in record["warnings"].items() for m in ms]
+    for case in dataset.training:  # where each record came from: predict maps results back onto these files
+        if case.case_id in cases:
+            cases[case.case_id].update(image=case.image, label=case.label)
     total_bytes = sum(r["bytes"] for r in progress)
     atomic_write_json(target / FINGERPRINT_FILE, {
         "dataset": fp.summarize(fingerprints, dataset.labels, dataset.modalities),

@@ -190,26 +190,37 @@ def _read_nifti(case: Case, path: Path, what: str) -> tuple[np.ndarray, np.ndarr
     return data, np.asarray(img.affine, dtype=np.float64), img.get_data_dtype().str
 
 
+def load_image(path: str | Path, num_channels: int, case_id: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """Reads one image file as float32 (X, Y, Z, C); raises `CaseError` naming the case.
+
+    Returns:
+        (image, 4x4 affine, on-disk dtype string with byte order, e.g. `>i2`).
+    """
+    path = Path(path)
+    raw, affine, disk_dtype = _read_nifti(Case(case_id, str(path)), path, "image")
+    if raw.ndim == 3:
+        raw = raw[..., np.newaxis]
+    elif raw.ndim == 5 and raw.shape[3] == 1:  # some writers put channels on the 5th axis
+        raw = raw[:, :, :, 0, :]
+    if raw.ndim != 4:
+        raise CaseError(case_id, f"image has {raw.ndim} dimensions (shape {raw.shape}); expected 3D or 4D")
+    if raw.shape[-1] != num_channels:
+        raise CaseError(case_id, f"image has {raw.shape[-1]} channel(s) (shape {raw.shape}) but "
+                                 f"{num_channels} are expected (one per modality)")
+    image = raw.astype(np.float32)  # also converts big-endian to native order
+    if not np.all(np.isfinite(image)):
+        bad = int(np.size(image) - np.count_nonzero(np.isfinite(image)))
+        raise CaseError(case_id, f"image contains {bad} NaN/Inf voxel(s)")
+    return image, affine, disk_dtype
+
+
 def load_case(case: Case, dataset: MSDDataset, affine_tolerance: float = 1e-3) -> LoadedCase:
     """Reads and validates one case. Raises `CaseError` naming the case and what is wrong.
 
     Checks: files exist and decode; channel count matches `modality`; no NaN/Inf in the image;
     label spatial shape and affine match the image; label values are integers declared in `labels`.
     """
-    raw, affine, disk_dtype = _read_nifti(case, dataset.resolve(case, case.image), "image")
-    if raw.ndim == 3:
-        raw = raw[..., np.newaxis]
-    elif raw.ndim == 5 and raw.shape[3] == 1:  # some writers put channels on the 5th axis
-        raw = raw[:, :, :, 0, :]
-    if raw.ndim != 4:
-        raise CaseError(case.case_id, f"image has {raw.ndim} dimensions (shape {raw.shape}); expected 3D or 4D")
-    if raw.shape[-1] != dataset.num_channels:
-        raise CaseError(case.case_id, f"image has {raw.shape[-1]} channel(s) (shape {raw.shape}) but dataset.json "
-                                      f"declares {dataset.num_channels} modalities {dataset.modalities}")
-    image = raw.astype(np.float32)  # also converts big-endian to native order
-    if not np.all(np.isfinite(image)):
-        bad = int(np.size(image) - np.count_nonzero(np.isfinite(image)))
-        raise CaseError(case.case_id, f"image contains {bad} NaN/Inf voxel(s)")
+    image, affine, disk_dtype = load_image(dataset.resolve(case, case.image), dataset.num_channels, case.case_id)
     label = None
     if case.label is not None:
         raw_label, label_affine, _ = _read_nifti(case, dataset.resolve(case, case.label), "label")

@@ -71,6 +71,12 @@ class PreprocessConfig:
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "PreprocessConfig":
+        """From `to_dict()` output, e.g. `index["preprocessing"]` of a converted dataset (extra keys ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names})
+
 
 @dataclasses.dataclass
 class Geometry:

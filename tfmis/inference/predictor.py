@@ -1,0 +1,311 @@
+"""Whole-scan prediction: NIfTI in → the training preprocessing → sliding window → NIfTI out.
+
+The prediction is mapped back through the recorded geometry (crop, resampling, reorientation), so
+the written label map has the input's shape, affine and orientation. Logits are blended across
+windows (and averaged over flips with test-time augmentation); probabilities are resampled to the
+original grid before the argmax, as nnU-Net does.
+
+Memory safety, as in MONAI's `SlidingWindowInfererAdapt` and nnU-Net: the whole volume and the
+blending buffers live on the accelerator unless that runs out of memory; then the case is retried
+with them on the CPU, the size that failed is remembered, and later cases at least that large go
+to the CPU straight away. One case that cannot be predicted is reported, never fatal to the rest.
+
+Example:
+```python
+predictor = Predictor(load_config("runs/demo/config.yaml"), "runs/demo/best.weights.h5", tta=True)
+result = predictor.predict_file(InputCase("scan_01", "scan_01.nii.gz"), "predictions/")
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import tensorflow as tf
+
+from tfmis.data.msd import CaseError, case_id_from_path, load_image
+from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
+from tfmis.data.records import load_index
+from tfmis.inference.sliding_window import sliding_window_inference
+from tfmis.networks.unet import build_unet
+from tfmis.utils.io import atomic_writer
+
+CPU = "/CPU:0"
+
+
+@dataclasses.dataclass
+class InputCase:
+    case_id: str
+    image: str
+    label: str | None = None
+
+
+@dataclasses.dataclass
+class CaseResult:
+    case_id: str
+    status: str  # "ok" or "failed"
+    shape: tuple = ()
+    seconds: float = 0.0
+    foreground_voxels: int = 0
+    device: str = ""
+    output: str = ""
+    reason: str = ""
+    dice: dict | None = None
+
+
+def accelerator_device() -> str:
+    return "/GPU:0" if tf.config.list_logical_devices("GPU") else CPU
+
+
+def load_weights(model, checkpoint: str | Path) -> Path:
+    """Loads `best.weights.h5`, a run folder (its best weights), or a tf.train checkpoint (folder or prefix)."""
+    path = Path(checkpoint)
+    if path.is_dir() and (path / "best.weights.h5").is_file():
+        path = path / "best.weights.h5"
+    if path.suffix == ".h5":
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        model.load_weights(str(path))
+        return path
+    prefix = tf.train.latest_checkpoint(str(path)) if path.is_dir() else str(path)
+    if prefix is None or not Path(prefix + ".index").is_file():
+        raise FileNotFoundError(f"no checkpoint at {checkpoint}: give best.weights.h5, a run folder, or a "
+                                "checkpoints/ folder or ckpt-N prefix")
+    tf.train.Checkpoint(model=model).read(prefix).expect_partial()
+    return Path(prefix)
+
+
+class Predictor:
+    """Predicts whole scans with a trained model, exactly as it was trained to see them.
+
+    Args:
+        config: the training run's `Config` (its `config.yaml`); its `data.dataset_dir` index gives
+            the preprocessing, channels and classes.
+        checkpoint: `best.weights.h5`, a run folder, or a tf.train checkpoint.
+        sw_batch_size, overlap, mode: sliding-window settings (default: the config's validation ones).
+        device: "gpu" (accelerator, with the CPU fallback) or "cpu"; None = gpu if one is visible.
+        tta: average the logits over flips along `tta_axes` (all 2^n combinations).
+        accelerator_memory_mb: optional budget for the whole-volume buffers on the accelerator; a
+            volume needing more is handled like an out-of-memory error (CPU fallback). Useful to
+            keep headroom on a shared GPU.
+    """
+
+    def __init__(self, config, checkpoint, sw_batch_size: int | None = None, overlap: float | None = None,
+                 mode: str | None = None, device: str | None = None, tta: bool = False, tta_axes=(0, 1, 2),
+                 accelerator_memory_mb: float | None = None):
+        self.config = config
+        v = config.validation
+        self.index = load_index(config.data.dataset_dir)
+        self.preprocessing = PreprocessConfig.from_dict(self.index["preprocessing"])
+        self.class_names = list(self.index["source"]["labels"])
+        self.modalities = list(self.index["source"]["modalities"])
+        self.roi_size = tuple(v.roi_size or config.pipeline.patch_size)
+        self.sw_batch_size = sw_batch_size or v.num_sw_batch_size
+        self.overlap = v.overlap if overlap is None else overlap
+        self.mode = mode or v.mode
+        if device not in (None, "gpu", "cpu"):
+            raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
+        self.compute_device = CPU if device == "cpu" else accelerator_device()
+        self.tta_flips = [list(c) for n in range(len(tta_axes) + 1) for c in itertools.combinations(
+            [a + 1 for a in tta_axes], n)] if tta else [[]]  # +1: axis 0 is the window batch
+        self.memory_budget = accelerator_memory_mb * 2**20 if accelerator_memory_mb else None
+        self.failed_voxels: int | None = None  # smallest volume that did not fit on the accelerator
+        keras_policy = config.training.precision
+        import keras
+
+        keras.mixed_precision.set_global_policy(keras_policy)
+        m = config.model
+        with tf.device(self.compute_device):
+            self.model = build_unet(len(self.modalities), len(self.class_names), filters=tuple(m.filters),
+                                    strides=tuple(m.strides), num_res_units=m.num_res_units, norm=m.norm,
+                                    norm_groups=m.norm_groups, dropout=m.dropout)
+        self.checkpoint = load_weights(self.model, checkpoint)
+        self._forward = tf.function(self._tta_logits, reduce_retracing=True)
+
+    def _tta_logits(self, windows):
+        total = None
+        for axes in self.tta_flips:
+            x = tf.reverse(windows, axes) if axes else windows
+            y = tf.cast(self.model(x, training=False), tf.float32)
+            y = tf.reverse(y, axes) if axes else y
+            total = y if total is None else total + y
+        return total / len(self.tta_flips)
+
+    def _window_logits(self, volume: np.ndarray, device: str) -> tf.Tensor:
+        return sliding_window_inference(volume[None], self.roi_size, self.sw_batch_size, self._forward,
+                                        overlap=self.overlap, mode=self.mode, sw_device=self.compute_device,
+                                        device=device)[0]
+
+    def logits(self, volume: np.ndarray) -> tuple[np.ndarray, str]:
+        """Blended logits (x, y, z, K) of a preprocessed volume (x, y, z, C), and where they were aggregated."""
+        voxels = int(np.prod(volume.shape[:3]))
+        if self.compute_device == CPU:
+            return self._window_logits(volume, CPU).numpy(), "cpu"
+        if self.failed_voxels is not None and voxels >= self.failed_voxels:
+            return self._window_logits(volume, CPU).numpy(), "cpu (size known not to fit)"
+        try:
+            needed = voxels * (len(self.class_names) + 1 + volume.shape[-1]) * 4  # buffers + the volume
+            if self.memory_budget is not None and needed > self.memory_budget:
+                raise tf.errors.ResourceExhaustedError(
+                    None, None, f"whole-volume buffers need {needed / 2**20:.1f} MiB, over the accelerator "
+                                f"budget of {self.memory_budget / 2**20:.1f} MiB")
+            return self._window_logits(volume, self.compute_device).numpy(), "accelerator"
+        except tf.errors.ResourceExhaustedError:
+            self.failed_voxels = voxels if self.failed_voxels is None else min(self.failed_voxels, voxels)
+            return self._window_logits(volume, CPU).numpy(), "cpu (fallback after out-of-memory)"
+
+    def predict_array(self, image: np.ndarray, affine: np.ndarray):
+        """(label map, probabilities (X, Y, Z, K), device) on the grid of `image` (X, Y, Z, C) / `affine`."""
+        volume, _, geometry = preprocess(image, None, affine, self.preprocessing)
+        logits, device = self.logits(volume.astype(np.float32))
+        probabilities = _softmax(logits)
+        restored = restore_probabilities(probabilities, geometry)
+        return np.argmax(restored, axis=-1).astype(np.uint8), restored, device
+
+    def predict_file(self, case: InputCase, output_dir: str | Path, probabilities: bool = False) -> CaseResult:
+        """Predicts one NIfTI file and writes `<case_id>.nii.gz` (and `<case_id>_probabilities.nii.gz`)."""
+        start = time.perf_counter()
+        output_dir = Path(output_dir)
+        try:
+            image, affine, _ = load_image(case.image, len(self.modalities), case.case_id)
+            header = nib.load(str(case.image)).header
+            label_map, probs, device = self.predict_array(image, affine)
+            out = output_dir / f"{case.case_id}.nii.gz"
+            save_like(label_map, affine, header, out, np.uint8)
+            if probabilities:
+                # NIfTI-1 has no float16: uint8 with a scale factor (readers get floats, step 1/255)
+                save_like(probs.astype(np.float32), affine, header,
+                          output_dir / f"{case.case_id}_probabilities.nii.gz", np.uint8)
+            result = CaseResult(case.case_id, "ok", tuple(image.shape[:3]), 0.0, int((label_map > 0).sum()),
+                                device, str(out))
+            if case.label is not None:
+                result.dice = self._dice(case, label_map, affine)
+        except (CaseError, OSError, ValueError, tf.errors.OpError) as e:
+            reason = e.reason if isinstance(e, CaseError) else f"{type(e).__name__}: {e}"
+            result = CaseResult(case.case_id, "failed", reason=reason.splitlines()[0][:300])
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def _dice(self, case: InputCase, prediction: np.ndarray, affine: np.ndarray) -> dict:
+        from tfmis.metrics.segmentation import dice_per_class
+
+        img = nib.load(str(case.label))
+        label = np.asarray(img.dataobj)
+        if label.shape != prediction.shape:
+            raise CaseError(case.case_id, f"label {case.label} has shape {label.shape}, the image "
+                                          f"{prediction.shape}")
+        scores = dice_per_class(prediction, np.rint(label).astype(np.int64), len(self.class_names))
+        return dict(zip(self.class_names[1:], (float(s) for s in scores)))
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    e = np.exp(shifted)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def restore_probabilities(probabilities: np.ndarray, geometry) -> np.ndarray:
+    """Per-class probabilities back on the original grid (linear), background = 1 outside the crop."""
+    from tfmis.data.preprocess import restore_geometry
+
+    g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
+    channels = [restore_geometry(probabilities[..., k], g, order=1, cval=1.0 if k == 0 else 0.0)
+                for k in range(probabilities.shape[-1])]
+    return np.stack(channels, axis=-1)
+
+
+def save_like(data: np.ndarray, affine: np.ndarray, header, path: Path, dtype) -> None:
+    """Writes `data` as NIfTI with the input's affine and header (orientation codes, units...), atomically.
+
+    Float data with an integer `dtype` is stored scaled (nibabel sets scl_slope; readers get floats).
+    """
+    new_header = header.copy()
+    new_header.set_data_dtype(dtype)
+    img = nib.Nifti1Image(data, affine, new_header)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name.replace(".nii", ".tmp.nii"))
+    nib.save(img, str(tmp))
+    tmp.replace(path)
+
+
+def collect_inputs(input_path: str | Path, subset: str = "test", label_dir: str | Path | None = None,
+                   index: dict | None = None) -> list[InputCase]:
+    """The cases named by `--input`: one NIfTI file, a folder of them, or an MSD dataset.json.
+
+    Args:
+        subset: for a dataset.json: `test` (its test list), `training` (all labelled cases), or
+            `split:NAME` (the cases of split NAME of the training run's converted dataset, e.g. `split:val`).
+        label_dir: folder of ground-truth label maps named like the images (for Dice).
+        index: the training run's index.json (for `split:NAME`).
+    """
+    from tfmis.data.msd import MSDDataset
+
+    path = Path(input_path)
+    if path.name == "dataset.json" or (path.is_dir() and (path / "dataset.json").is_file() and subset != "folder"):
+        dataset = MSDDataset(path.parent if path.name == "dataset.json" else path)
+        if subset == "test":
+            cases = [InputCase(c.case_id, str(dataset.resolve(c, c.image))) for c in dataset.test]
+        elif subset == "training":
+            cases = [InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
+                     for c in dataset.training]
+        elif subset.startswith("split:"):
+            split = subset.split(":", 1)[1]
+            if index is None or split not in index["splits"]:
+                raise ValueError(f"--subset {subset}: the training run's dataset has splits "
+                                 f"{sorted(index['splits']) if index else []}")
+            ids = set(index["splits"][split]["cases"])
+            cases = [InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
+                     for c in dataset.training if c.case_id in ids]
+        else:
+            raise ValueError(f"--subset must be test, training or split:NAME, got {subset!r}")
+    elif path.is_dir():
+        files = sorted(p for p in path.iterdir()
+                       if p.name.endswith((".nii.gz", ".nii")) and not p.name.startswith("._"))
+        cases = [InputCase(case_id_from_path(p.name), str(p)) for p in files]
+    elif path.is_file():
+        cases = [InputCase(case_id_from_path(path.name), str(path))]
+    else:
+        raise FileNotFoundError(f"--input {path} does not exist")
+    if label_dir is not None:
+        for c in cases:
+            candidate = Path(label_dir) / Path(c.image).name
+            c.label = str(candidate) if candidate.is_file() else c.label
+    if not cases:
+        raise ValueError(f"--input {path}: no NIfTI images found")
+    return cases
+
+
+def results_table(results: list[CaseResult]) -> str:
+    """A readable table: case, shape, seconds, foreground voxels, device, status."""
+    rows = [("case", "shape", "seconds", "foreground", "device", "status")]
+    for r in results:
+        rows.append((r.case_id, "x".join(map(str, r.shape)) if r.shape else "-", f"{r.seconds:.2f}",
+                     str(r.foreground_voxels) if r.status == "ok" else "-", r.device or "-",
+                     "ok" if r.status == "ok" else f"FAILED: {r.reason}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5] for row in rows)
+
+
+def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> None:
+    """predictions.csv: one row per case with timing, device and (when labels exist) Dice per class."""
+    import csv
+    import io
+
+    foreground = class_names[1:]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["case", "status", "shape", "seconds", "foreground_voxels", "device", "output", "reason",
+                     *[f"dice_{n}" for n in foreground], "dice_mean"])
+    for r in results:
+        dice = [r.dice.get(n, math.nan) for n in foreground] if r.dice else []
+        mean = float(np.nanmean(dice)) if dice and not all(math.isnan(d) for d in dice) else ""
+        writer.writerow([r.case_id, r.status, "x".join(map(str, r.shape)), f"{r.seconds:.3f}", r.foreground_voxels,
+                         r.device, r.output, r.reason, *[f"{d:.4f}" for d in dice], mean])
+    with atomic_writer(path) as f:
+        f.write(buffer.getvalue())

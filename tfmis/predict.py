@@ -1,0 +1,91 @@
+"""Segment NIfTI scans with a trained model: `python -m tfmis.predict --config ... --checkpoint ... --input ...`.
+
+Writes `<case>.nii.gz` label maps (uint8) in each input's own geometry (shape, affine, orientation,
+header), optional `<case>_probabilities.nii.gz` (one channel per class), `predictions.csv` (and Dice
+per class per case when labels are available), and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_FAILED_CASES = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tfmis.predict", description=__doc__.split("\n\n")[0],
+        epilog="Exit status: 0 all cases written; 3 some cases failed (listed in the table and predictions.csv); "
+               "1 unusable config, checkpoint or input; 2 bad arguments.")
+    p.add_argument("--config", required=True, help="the training run's config (runs/NAME/config.yaml)")
+    p.add_argument("--checkpoint", required=True,
+                   help="best.weights.h5, a run folder (uses its best.weights.h5), or a checkpoints/ folder or prefix")
+    p.add_argument("--input", required=True,
+                   help="a NIfTI file, a folder of NIfTI files, or an MSD dataset.json (see --subset)")
+    p.add_argument("--output", required=True, help="output folder")
+    p.add_argument("--subset", default="test",
+                   help="with a dataset.json: test (its test list, default), training (all labelled cases), or "
+                        "split:NAME (a split of the converted training data, e.g. split:val)")
+    p.add_argument("--label-dir", default=None, help="ground-truth labels named like the images: adds Dice per class")
+    p.add_argument("--tta", action="store_true", help="test-time augmentation: average over flips")
+    p.add_argument("--tta-axes", default="0,1,2", help="axes (R,A,S = 0,1,2) flipped by --tta (default 0,1,2)")
+    p.add_argument("--probabilities", action="store_true", help="also write per-class probability maps")
+    p.add_argument("--sw-batch-size", type=int, default=None, help="windows per forward pass (default: the config's)")
+    p.add_argument("--overlap", type=float, default=None, help="sliding-window overlap (default: the config's)")
+    p.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                   help="where to run (default gpu when one is visible); gpu falls back to the CPU for volumes "
+                        "that do not fit")
+    p.add_argument("--accelerator-memory-mb", type=float, default=None,
+                   help="budget for whole-volume buffers on the GPU; larger volumes go to the CPU")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        tta_axes = tuple(int(a) for a in args.tta_axes.split(","))
+    except ValueError:
+        build_parser().error(f"--tta-axes: expected comma-separated axes like 0,1,2, got {args.tta_axes!r}")
+    from tqdm import tqdm
+
+    from tfmis.config import ConfigError, load_config
+    from tfmis.inference.predictor import Predictor, collect_inputs, results_table, write_csv
+
+    try:
+        config = load_config(args.config)
+        predictor = Predictor(config, args.checkpoint, sw_batch_size=args.sw_batch_size, overlap=args.overlap,
+                              device=args.device, tta=args.tta, tta_axes=tta_axes,
+                              accelerator_memory_mb=args.accelerator_memory_mb)
+        cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    output = Path(args.output)
+    results = []
+    for case in tqdm(cases, desc="Predicting", unit="case", disable=args.quiet, file=sys.stderr):
+        result = predictor.predict_file(case, output, probabilities=args.probabilities)
+        if result.status != "ok":
+            tqdm.write(f"  {case.case_id}: FAILED: {result.reason}", file=sys.stderr)
+        elif result.device.startswith("cpu (fallback"):
+            tqdm.write(f"  {case.case_id}: out of accelerator memory, predicted with the volume on the CPU",
+                       file=sys.stderr)
+        results.append(result)
+    write_csv(results, output / "predictions.csv", predictor.class_names)
+    print(results_table(results))
+    scored = [r for r in results if r.dice]
+    if scored:
+        import numpy as np
+
+        means = {name: float(np.nanmean([r.dice[name] for r in scored])) for name in predictor.class_names[1:]}
+        print("mean Dice over " + f"{len(scored)} case(s): " + ", ".join(f"{k} {v:.4f}" for k, v in means.items()) +
+              f"; mean {np.nanmean(list(means.values())):.4f}")
+    failed = sum(r.status != "ok" for r in results)
+    print(f"{len(results) - failed} of {len(results)} case(s) written to {output} (predictions.csv has the details)")
+    return EXIT_FAILED_CASES if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
