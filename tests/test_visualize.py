@@ -13,7 +13,7 @@ from conftest import lps_affine, make_msd_dataset, write_nifti
 from tfmis.data.convert import ConversionConfig, convert
 from tfmis.data.records import load_index, read_record, record_dataset, split_cases
 from tfmis.viz import PLANES, class_color, plot_orthogonal_planes, render_rgb, write_slice_sweep_gif
-from tfmis.viz.cli import nifti_case
+from tfmis.viz.cli import main, nifti_case, orthogonal_figure
 
 REPO = Path(__file__).resolve().parents[1]
 CLASS_NAMES = ["background", "organ", "core", "tumour"]
@@ -139,7 +139,7 @@ def test_help_explains_every_flag():
     result = run_tool("--help")
     assert result.returncode == 0
     for flag in ("--dataset-dir", "--sample", "--split", "--no-screen", "--output", "--image", "--label",
-                 "--class-names"):
+                 "--prediction", "--class-names"):
         assert flag in result.stdout
 
 
@@ -224,3 +224,126 @@ def test_prediction_is_drawn_as_outlines():
     edge, inside = (4.5, 8.5), (8.5, 8.5)
     np.testing.assert_allclose(pixel_of(fig, axial, edge, rgb), 255 * np.array(class_color(1)), atol=2)
     assert np.abs(pixel_of(fig, axial, inside, rgb) - 255 * np.array(class_color(1))).max() > 40  # fill only
+
+
+# --- a prediction on its NIfTI image (--prediction) ----------------------------------------------------
+
+TUMOUR = 2  # class value of "tumour" in PREDICTION_CLASSES
+PREDICTION_CLASSES = "background,liver,tumour"
+
+
+@pytest.fixture(scope="module")
+def predicted_case(tmp_path_factory):
+    """scan.nii.gz (LPS, 16x18x12, 1.5x1.5x2 mm), its ground truth and a prediction that differs from it: the
+    prediction finds the liver but puts a false tumour where the ground truth has only background.
+
+    Returns (folder, prediction in RAS voxel order)."""
+    root = tmp_path_factory.mktemp("predicted")
+    shape = (16, 18, 12)
+    image = np.random.default_rng(2).normal(100, 10, shape).astype(np.float32)
+    label = np.zeros(shape, np.uint8)
+    label[2:9, 3:10, 3:9] = 1
+    label[4:7, 5:8, 4:8] = TUMOUR
+    prediction = label.copy()
+    prediction[4:7, 5:8, 4:8] = 1  # the real tumour missed ...
+    prediction[10:14, 12:16, 3:9] = TUMOUR  # ... and a false one found in the background
+    write_nifti(root / "scan.nii.gz", image, lps_affine(), np.int16)
+    write_nifti(root / "seg.nii.gz", label, lps_affine(), np.uint8)
+    write_nifti(root / "pred.nii.gz", prediction, lps_affine(), np.uint8)
+    write_nifti(root / "short.nii.gz", prediction[:, :, :10], lps_affine(), np.uint8)
+    return root, prediction[::-1, ::-1, :]  # LPS on disk → x and y flipped in RAS
+
+
+def run_main(capsys, *args):
+    """`tools/visualize.py ARGS` in this process: (exit status, stdout, stderr)."""
+    status = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_png_with_label_and_prediction(predicted_case, tmp_path, monkeypatch, capsys):
+    root, _ = predicted_case
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_main(capsys, "--image", root / "scan.nii.gz", "--label", root / "seg.nii.gz",
+                                "--prediction", root / "pred.nii.gz", "--class-names", PREDICTION_CLASSES)
+    assert status == 0, err
+    assert Path(out.strip()) == Path("scan_prediction.png")  # the default name says a prediction is drawn
+    with Image.open(tmp_path / "scan_prediction.png") as png:
+        assert png.format == "PNG" and png.width >= 500
+
+
+def test_prediction_outline_is_where_only_the_prediction_has_the_class(predicted_case, tmp_path, capsys):
+    root, ras_prediction = predicted_case
+    case = nifti_case(root / "scan.nii.gz", root / "seg.nii.gz", class_names=PREDICTION_CLASSES.split(","),
+                      prediction_path=root / "pred.nii.gz")
+    np.testing.assert_array_equal(case.prediction, ras_prediction)  # reoriented like the image and the label
+    assert "label (fill) vs prediction (outline)" in case.title
+    fig = orthogonal_figure(case)
+    assert "label (fill) vs prediction (outline)" in fig._suptitle.get_text()
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["liver", "tumour", "prediction: outlines"]
+    rgb = render_rgb(fig)
+
+    # the false tumour's edge in the axial mid-plane, a voxel where the ground truth is background
+    z = case.image.shape[2] // 2
+    xs, ys = np.nonzero(ras_prediction[:, :, z] == TUMOUR)
+    x, y = xs.min(), int(np.median(ys))
+    assert case.label[x, y, z] == 0
+    point_mm = ((x + 0.5) * case.spacing[0], (y + 0.5) * case.spacing[1])
+    tumour_rgb = 255 * np.array(class_color(TUMOUR))
+    np.testing.assert_allclose(pixel_of(fig, fig.axes[2], point_mm, rgb), tumour_rgb, atol=2)
+    without = nifti_case(root / "scan.nii.gz", root / "seg.nii.gz")
+    plain_fig = orthogonal_figure(without)
+    grey = pixel_of(plain_fig, plain_fig.axes[2], point_mm, render_rgb(plain_fig))
+    assert grey[0] == grey[1] == grey[2]  # the ground truth alone leaves it uncoloured
+
+    # and the PNG the command writes is this very figure
+    status, _, err = run_main(capsys, "--image", root / "scan.nii.gz", "--label", root / "seg.nii.gz",
+                              "--prediction", root / "pred.nii.gz", "--class-names", PREDICTION_CLASSES,
+                              "--output", tmp_path / "out.png")
+    assert status == 0, err
+    with Image.open(tmp_path / "out.png") as png:
+        written = np.asarray(png.convert("RGB"))
+    assert written.shape == rgb.shape
+    np.testing.assert_allclose(pixel_of(fig, fig.axes[2], point_mm, written), tumour_rgb, atol=2)
+
+
+def test_prediction_alone_as_gif(predicted_case, tmp_path, monkeypatch, capsys):
+    root, ras_prediction = predicted_case
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_main(capsys, "--image", root / "scan.nii.gz", "--prediction", root / "pred.nii.gz",
+                                "--no-screen")
+    assert status == 0, err
+    assert Path(out.strip()) == Path("scan_prediction.gif")
+    case = nifti_case(root / "scan.nii.gz", prediction_path=root / "pred.nii.gz")
+    assert case.label is None and "prediction (outline)" in case.title and "label" not in case.title
+    tumour_rgb = 255 * np.array(class_color(TUMOUR))
+
+    def tumour_coloured_pixels(gif, index) -> int:
+        gif.seek(index)
+        frame = np.asarray(gif.convert("RGB")).astype(int)
+        return int((np.abs(frame - tumour_rgb).max(axis=-1) <= 12).sum())
+
+    with Image.open(tmp_path / "scan_prediction.gif") as gif:
+        assert gif.format == "GIF" and gif.is_animated and gif.n_frames == ras_prediction.shape[2]
+        assert not (ras_prediction[:, :, 0] == TUMOUR).any()
+        # slice 0 has no tumour (only the legend's patch has its colour); the middle slice cuts the false one,
+        # whose outline adds pixels of that colour
+        assert tumour_coloured_pixels(gif, ras_prediction.shape[2] // 2) >= tumour_coloured_pixels(gif, 0) + 10
+
+
+def test_prediction_on_another_grid_is_a_clear_error(predicted_case, tmp_path, capsys):
+    root, _ = predicted_case
+    status, _, err = run_main(capsys, "--image", root / "scan.nii.gz", "--label", root / "seg.nii.gz",
+                              "--prediction", root / "short.nii.gz", "--output", tmp_path / "x.png")
+    assert status == 1 and "Traceback" not in err
+    message = err.strip().splitlines()[-1]
+    for fragment in ("error: --prediction", "short.nii.gz", "(16, 18, 10)", "(16, 18, 12)"):
+        assert fragment in message, message
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_prediction_does_not_go_with_a_converted_record(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--dataset-dir", str(tmp_path), "--sample", "0", "--prediction", str(tmp_path / "pred.nii.gz")])
+    assert exit_.value.code == 2
+    assert "--prediction goes with --image" in capsys.readouterr().err

@@ -112,6 +112,9 @@ class Predictor:
         if device not in (None, "gpu", "cpu"):
             raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
         self.compute_device = CPU if device == "cpu" else accelerator_device()
+        # with "gpu", whole volumes are aggregated on the accelerator (falling back to the CPU); on a
+        # machine without one the accelerator is the CPU itself, and the fallback logic still applies
+        self.aggregate_on_accelerator = device != "cpu"
         self.tta_flips = [list(c) for n in range(len(tta_axes) + 1) for c in itertools.combinations(
             [a + 1 for a in tta_axes], n)] if tta else [[]]  # +1: axis 0 is the window batch
         self.memory_budget = accelerator_memory_mb * 2**20 if accelerator_memory_mb else None
@@ -145,7 +148,7 @@ class Predictor:
     def logits(self, volume: np.ndarray) -> tuple[np.ndarray, str]:
         """Blended logits (x, y, z, K) of a preprocessed volume (x, y, z, C), and where they were aggregated."""
         voxels = int(np.prod(volume.shape[:3]))
-        if self.compute_device == CPU:
+        if not self.aggregate_on_accelerator:
             return self._window_logits(volume, CPU).numpy(), "cpu"
         if self.failed_voxels is not None and voxels >= self.failed_voxels:
             return self._window_logits(volume, CPU).numpy(), "cpu (size known not to fit)"
@@ -155,7 +158,7 @@ class Predictor:
                 raise tf.errors.ResourceExhaustedError(
                     None, None, f"whole-volume buffers need {needed / 2**20:.1f} MiB, over the accelerator "
                                 f"budget of {self.memory_budget / 2**20:.1f} MiB")
-            return self._window_logits(volume, self.compute_device).numpy(), "accelerator"
+            return self._window_logits(volume, self.compute_device).numpy(), self.compute_device.strip("/").lower()
         except tf.errors.ResourceExhaustedError:
             self.failed_voxels = voxels if self.failed_voxels is None else min(self.failed_voxels, voxels)
             return self._window_logits(volume, CPU).numpy(), "cpu (fallback after out-of-memory)"

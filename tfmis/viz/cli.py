@@ -3,8 +3,10 @@
 Two sources:
 * `--dataset-dir OUT --sample N [--split train]`: record N of a split of a converted dataset (read
   by its byte offset; no other record is parsed), shown on its preprocessed grid;
-* `--image x.nii.gz [--label y.nii.gz]`: a raw NIfTI file (3D, or 4D with channels last), reoriented
-  to RAS for display, spacing from its affine.
+* `--image x.nii.gz [--label y.nii.gz] [--prediction p.nii.gz]`: a raw NIfTI file (3D, or 4D with
+  channels last), reoriented to RAS for display, spacing from its affine. The ground truth is drawn as
+  a translucent fill, a prediction (a label map written by a segmentation tool on the image's grid)
+  as one-voxel outlines in the same class colours, so both can be compared on one picture.
 
 Two pictures: by default a PNG of the sagittal, coronal and axial mid-planes; with `--no-screen`
 an animated GIF sweeping through the slices. The path written is printed on stdout.
@@ -13,6 +15,7 @@ Example:
 ```
 python tools/visualize.py --dataset-dir data/demo_tfr --sample 0            # → data/demo_tfr/visualize/train_000_demo_003.png
 python tools/visualize.py --image ct.nii.gz --label seg.nii.gz --class-names background,liver,tumour --no-screen
+python tools/visualize.py --image ct.nii.gz --label seg.nii.gz --prediction pred.nii.gz  # → ./ct_prediction.png
 ```
 """
 
@@ -41,11 +44,12 @@ class CaseView:
     Attributes:
         name: the case id, used in the default output file name.
         image: (x, y, z, C) in RAS voxel order.
-        label: (x, y, z) class map or None.
+        label: (x, y, z) class map or None (drawn as a translucent fill).
         spacing: mm along x, y, z.
         channel_names, class_names: lists of names (index = channel / label value) or None.
         title: first line of the picture's title.
         default_stem: the default output path without its suffix.
+        prediction: (x, y, z) class map or None (drawn as outlines).
     """
 
     name: str
@@ -56,18 +60,22 @@ class CaseView:
     class_names: list | None
     title: str
     default_stem: Path
+    prediction: np.ndarray | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tools/visualize.py",
         description="Draw one case: a record of a converted TFRecord dataset (--dataset-dir, --sample) or a NIfTI "
-                    "file (--image). Writes a PNG of the sagittal, coronal and axial mid-planes (one row per "
-                    "channel, label overlaid in one colour per class, orientation letters at the panel edges, "
-                    "patient's right on the screen's right), or with --no-screen an animated GIF sweeping "
-                    "through the slices. Prints the path written.",
-        epilog="Exit status: 0 written; 1 a file, split or sample is missing or unreadable; 2 bad arguments. "
-               "Example: python tools/visualize.py --dataset-dir data/demo_tfr --sample 0 --split val")
+                    "file (--image), optionally with its ground truth (--label, a translucent fill) and a "
+                    "model's prediction (--prediction, one-voxel outlines in the same class colours). Writes a "
+                    "PNG of the sagittal, coronal and axial mid-planes (one row per channel, one colour per "
+                    "class, orientation letters at the panel edges, patient's right on the screen's right), or "
+                    "with --no-screen an animated GIF sweeping through the slices. Prints the path written.",
+        epilog="Exit status: 0 written; 1 a file, split or sample is missing or unreadable, or a label or "
+               "prediction does not match the image's grid; 2 bad arguments. Examples: python "
+               "tools/visualize.py --dataset-dir data/demo_tfr --sample 0 --split val;  python "
+               "tools/visualize.py --image ct.nii.gz --label seg.nii.gz --prediction pred.nii.gz")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset-dir", metavar="OUT",
                         help="converted dataset folder (the --target-dir of tools/tfrecord.py, holding index.json)")
@@ -77,7 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default=None,
                    help="with --dataset-dir: split to read (default: train, or the first split when there is "
                         "no train split, e.g. fold0)")
-    p.add_argument("--label", metavar="FILE", help="with --image: NIfTI label map on the same grid as the image")
+    p.add_argument("--label", metavar="FILE",
+                   help="with --image: NIfTI ground-truth label map on the same grid as the image, drawn as a "
+                        "translucent fill")
+    p.add_argument("--prediction", metavar="FILE",
+                   help="with --image: NIfTI label map predicted by a segmentation model (e.g. uint8, class "
+                        "values 0, 1, 2, ...) on the same grid as the image, drawn as one-voxel outlines in the "
+                        "class colours; with --label both are drawn, to compare them")
     p.add_argument("--class-names", metavar="NAMES",
                    help="with --image: comma-separated names of label values 0, 1, 2, ..., e.g. "
                         "background,liver,tumour (default: the 'labels' of a dataset.json next to imagesTr/, "
@@ -94,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --no-screen: at most this many frames; longer sweeps skip evenly (default 96)")
     p.add_argument("--output", metavar="PATH",
                    help="file to write (default: OUT/visualize/{split}_{sample:03d}_{case_id}.png|.gif with "
-                        "--dataset-dir, ./{case}.png|.gif with --image)")
+                        "--dataset-dir, ./{case}.png|.gif with --image, ./{case}_prediction.png|.gif with "
+                        "--image and --prediction)")
     return p
 
 
@@ -104,7 +119,8 @@ def main(argv=None) -> int:
     _check_argument_combinations(parser, args)
     try:
         case = dataset_case(args.dataset_dir, args.split, args.sample) if args.dataset_dir else \
-            nifti_case(args.image, args.label, _names(args.class_names), _names(args.channel_names))
+            nifti_case(args.image, args.label, _names(args.class_names), _names(args.channel_names),
+                       prediction_path=args.prediction)
         suffix = ".gif" if args.no_screen else ".png"
         # appended, not with_suffix: case ids may contain dots
         path = Path(args.output) if args.output else case.default_stem.with_name(case.default_stem.name + suffix)
@@ -123,17 +139,27 @@ def draw(case: CaseView, path: Path, sweep: bool = False, axis: int = 2, fps: fl
         draw(dataset_case("OUT", "train", 0), Path("case.png"))
     """
     from tfmis.utils.io import atomic_writer
-    from tfmis.viz.slices import plot_orthogonal_planes, write_slice_sweep_gif
+    from tfmis.viz.slices import write_slice_sweep_gif
 
-    common = dict(label=case.label, spacing=case.spacing, channel_names=case.channel_names,
-                  class_names=case.class_names, title=case.title)
     if sweep:
-        write_slice_sweep_gif(path, case.image, axis=axis, fps=fps, max_frames=max_frames, **common)
+        write_slice_sweep_gif(path, case.image, axis=axis, fps=fps, max_frames=max_frames, **_drawing_args(case))
     else:
-        fig = plot_orthogonal_planes(case.image, **common)
+        fig = orthogonal_figure(case)
         with atomic_writer(path, "wb") as f:
             fig.savefig(f, format="png")
     return path
+
+
+def orthogonal_figure(case: CaseView):
+    """The figure of the mid-planes of `case` that `draw` saves as PNG (a matplotlib Figure)."""
+    from tfmis.viz.slices import plot_orthogonal_planes
+
+    return plot_orthogonal_planes(case.image, **_drawing_args(case))
+
+
+def _drawing_args(case: CaseView) -> dict:
+    return dict(label=case.label, prediction=case.prediction, spacing=case.spacing,
+                channel_names=case.channel_names, class_names=case.class_names, title=case.title)
 
 
 def dataset_case(dataset_dir: str | Path, split: str | None, sample: int) -> CaseView:
@@ -164,10 +190,13 @@ def dataset_case(dataset_dir: str | Path, split: str | None, sample: int) -> Cas
         default_stem=Path(dataset_dir) / "visualize" / f"{split}_{sample:03d}_{name}")
 
 
-def nifti_case(image_path: str | Path, label_path=None, class_names=None, channel_names=None) -> CaseView:
-    """A NIfTI image (and label) reoriented to RAS, with spacing from the affine.
+def nifti_case(image_path: str | Path, label_path=None, class_names=None, channel_names=None,
+               prediction_path=None) -> CaseView:
+    """A NIfTI image (and label, and prediction) reoriented to RAS, with spacing from the affine.
 
-    Names not given are taken from a dataset.json in the folder above the file's (MSD layout), if any.
+    The label and the prediction are label maps on the image's grid (each reoriented with its own
+    affine); their shapes are checked against the image's. Names not given are taken from a
+    dataset.json in the folder above the file's (MSD layout), if any.
     """
     from tfmis.data.preprocess import reorient_to_ras, spacing_of
 
@@ -175,29 +204,43 @@ def nifti_case(image_path: str | Path, label_path=None, class_names=None, channe
     if image.ndim not in (3, 4):
         raise VisualizeError(f"--image {image_path}: expected a 3D or 4D (channels last) image, got shape {image.shape}")
     image, ras_affine = reorient_to_ras(image.astype(np.float32, copy=False), affine)
-    label = None
-    if label_path is not None:
-        label_data, label_affine = _load_nifti(label_path, "--label")
-        if label_data.ndim != 3:
-            raise VisualizeError(f"--label {label_path}: expected a 3D label map, got shape {label_data.shape}")
-        label, _ = reorient_to_ras(label_data, label_affine)
-        if label.shape != image.shape[:3]:
-            raise VisualizeError(f"--label {label_path}: shape {label.shape} (in RAS order) does not match the "
-                                 f"image's {image.shape[:3]}")
-        label = np.rint(label).astype(np.int32) if not np.issubdtype(label.dtype, np.integer) else label
+    label = _class_map(label_path, "--label", image.shape[:3]) if label_path is not None else None
+    prediction = _class_map(prediction_path, "--prediction", image.shape[:3]) if prediction_path is not None else None
     msd_channels, msd_classes = _msd_names_near(Path(image_path))
     name = _nifti_stem(Path(image_path))
+    title = f"{name}  ({Path(image_path).name}, stored {''.join(_axcodes(affine))})"
+    if prediction is not None:
+        title += "\n" + ("label (fill) vs prediction (outline)" if label is not None else "prediction (outline)")
     return CaseView(
-        name=name, image=image, label=label, spacing=tuple(float(s) for s in spacing_of(ras_affine)),
-        channel_names=channel_names or msd_channels, class_names=class_names or msd_classes,
-        title=f"{name}  ({Path(image_path).name}, stored {''.join(_axcodes(affine))})",
-        default_stem=Path(".") / name)
+        name=name, image=image, label=label, prediction=prediction,
+        spacing=tuple(float(s) for s in spacing_of(ras_affine)),
+        channel_names=channel_names or msd_channels, class_names=class_names or msd_classes, title=title,
+        default_stem=Path(".") / (name + ("_prediction" if prediction is not None else "")))
+
+
+def _class_map(path, flag: str, image_shape: tuple) -> np.ndarray:
+    """The label map NIfTI `path` (given as `flag`) in RAS order, checked to lie on the image's grid."""
+    from tfmis.data.preprocess import reorient_to_ras
+
+    data, affine = _load_nifti(path, flag)
+    if data.ndim > 3 and all(n == 1 for n in data.shape[3:]):
+        data = data.reshape(data.shape[:3])  # some tools write (x, y, z, 1)
+    if data.ndim != 3:
+        raise VisualizeError(f"{flag} {path}: expected a 3D label map, got shape {data.shape}")
+    data, _ = reorient_to_ras(data, affine)
+    if data.shape != tuple(image_shape):
+        raise VisualizeError(f"{flag} {path}: shape {data.shape} (in RAS order) does not match the image's "
+                             f"{tuple(image_shape)}; it must be on the same voxel grid as --image")
+    return np.rint(data).astype(np.int32) if not np.issubdtype(data.dtype, np.integer) else data
 
 
 def _check_argument_combinations(parser: argparse.ArgumentParser, args) -> None:
     if args.dataset_dir is not None:
         if args.sample is None:
             parser.error("--dataset-dir needs --sample N (the record number within the split)")
+        if args.prediction is not None:
+            parser.error("--prediction goes with --image: it is a NIfTI label map on the grid of that NIfTI image, "
+                         "not of a converted record (draw it with --image scan.nii.gz --prediction FILE)")
         for flag in ("label", "class_names", "channel_names"):
             if getattr(args, flag) is not None:
                 parser.error(f"--{flag.replace('_', '-')} goes with --image; a converted record carries its own")

@@ -1,0 +1,160 @@
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from conftest import lps_affine, tiny_config, write_nifti
+from tfmis.engine.trainer import Trainer
+from tfmis.data.pipeline import build_val_dataset
+from tfmis.inference.predictor import InputCase, Predictor, collect_inputs
+from tfmis.predict import main as predict_main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def trained_run(converted_dataset, tmp_path_factory):
+    """A real (tiny) training run: its config, best weights and the validation Dice it reported."""
+    out = tmp_path_factory.mktemp("run")
+    config = tiny_config(converted_dataset, out, "training.epochs=3", "training.steps_per_epoch=4")
+    trainer = Trainer(config)
+    trainer.fit()
+    trainer.model.load_weights(str(out / "best.weights.h5"))
+    validation = trainer.validate(build_val_dataset(config))
+    from tfmis.config import save_config
+
+    save_config(config, out / "config.yaml")
+    return {"config": config, "dir": out, "validation": validation, "source": converted_dataset.parent / "Task99_Test"}
+
+
+def test_dice_in_original_geometry_matches_validation(trained_run, tmp_path):
+    config = trained_run["config"]
+    predictor = Predictor(config, trained_run["dir"])
+    cases = collect_inputs(trained_run["source"] / "dataset.json", "split:val", index=predictor.index)
+    assert len(cases) == 2 and all(c.label for c in cases)
+    results = [predictor.predict_file(c, tmp_path) for c in cases]
+    assert all(r.status == "ok" for r in results)
+    names = predictor.class_names[1:]
+    for k, name in enumerate(names):
+        predicted = np.nanmean([r.dice[name] for r in results])
+        assert predicted == pytest.approx(trained_run["validation"]["dice_per_class"][k], abs=1e-3)
+
+
+def orientations_of(image, label, affine, axcodes):
+    ornt = nib.orientations.ornt_transform(nib.orientations.io_orientation(affine),
+                                           nib.orientations.axcodes2ornt(axcodes))
+    new_affine = affine @ nib.orientations.inv_ornt_aff(ornt, image.shape[:3])
+    return (nib.orientations.apply_orientation(image, ornt), nib.orientations.apply_orientation(label, ornt),
+            new_affine)
+
+
+def test_predictions_keep_each_inputs_geometry(trained_run, tmp_path):
+    """RAS, LPS and anisotropic inputs: same shape/affine/orientation out; RAS and LPS agree voxel for voxel."""
+    source = trained_run["source"]
+    img = nib.load(str(source / "imagesTr" / "case_000.nii.gz"))
+    image, affine = np.asanyarray(img.dataobj).astype(np.float32), img.affine
+    label = np.asanyarray(nib.load(str(source / "labelsTr" / "case_000.nii.gz")).dataobj)
+    inputs = tmp_path / "inputs"
+    ras_image, ras_label, ras_affine = orientations_of(image, label, affine, "RAS")
+    write_nifti(inputs / "as_ras.nii.gz", ras_image, ras_affine)
+    write_nifti(inputs / "as_lps.nii.gz", image, affine)  # the dataset's own storage is LPS
+    thick = image[:, :, ::2]  # 2 mm → 4 mm slices: resampled on the way in and out
+    thick_affine = affine.copy()
+    thick_affine[:3, 2] *= 2
+    write_nifti(inputs / "thick_slices.nii.gz", thick, thick_affine)
+    code = predict_main(["--config", str(trained_run["dir"] / "config.yaml"), "--checkpoint",
+                         str(trained_run["dir"] / "best.weights.h5"), "--input", str(inputs), "--output",
+                         str(tmp_path / "out"), "--quiet"])
+    assert code == 0
+    for name in ("as_ras", "as_lps", "thick_slices"):
+        source_img = nib.load(str(inputs / f"{name}.nii.gz"))
+        out = nib.load(str(tmp_path / "out" / f"{name}.nii.gz"))
+        assert out.shape == source_img.shape[:3] and out.get_data_dtype() == np.uint8
+        np.testing.assert_array_equal(out.affine, source_img.affine)
+        assert nib.aff2axcodes(out.affine) == nib.aff2axcodes(source_img.affine)
+    lps = np.asanyarray(nib.load(str(tmp_path / "out" / "as_lps.nii.gz")).dataobj)
+    ras = np.asanyarray(nib.load(str(tmp_path / "out" / "as_ras.nii.gz")).dataobj)
+    np.testing.assert_array_equal(orientations_of(lps, lps, affine, "RAS")[0], ras)
+    thick_prediction = np.asanyarray(nib.load(str(tmp_path / "out" / "thick_slices.nii.gz")).dataobj)
+    assert set(np.unique(thick_prediction)) <= {0, 1, 2}
+
+
+def test_out_of_memory_falls_back_to_cpu_and_remembers(trained_run, tmp_path):
+    """A real memory constraint (the accelerator budget): too-large volumes go to the CPU, results unchanged."""
+    source = trained_run["source"]
+    img = nib.load(str(source / "imagesTr" / "case_001.nii.gz"))
+    image = np.asanyarray(img.dataobj).astype(np.float32)
+    cases = []
+    for name, crop in [("a_medium", image[:, :, :14]), ("b_large", image), ("c_small", image[:, :, :10])]:
+        write_nifti(tmp_path / "in" / f"{name}.nii.gz", crop, lps_affine())
+        cases.append(InputCase(name, str(tmp_path / "in" / f"{name}.nii.gz")))
+    free = Predictor(trained_run["config"], trained_run["dir"])
+    reference = [free.predict_file(c, tmp_path / "free") for c in cases]
+    primary = reference[0].device  # "cpu:0" here, "gpu:0" on a GPU machine
+    assert [r.device for r in reference] == [primary] * 3
+    # after the foreground crop the volumes are 16x18x12 (medium), 16x18x14 (large), 16x18x8 (small) voxels,
+    # each needing (3 classes + 1 weight + 2 channels) x 4 bytes: a 0.065 MiB budget fits only the small one
+    budgeted = Predictor(trained_run["config"], trained_run["dir"], device="gpu", accelerator_memory_mb=0.065)
+    results = [budgeted.predict_file(c, tmp_path / "budget") for c in cases]
+    assert [r.status for r in results] == ["ok"] * 3
+    assert [r.device for r in results] == ["cpu (fallback after out-of-memory)", "cpu (size known not to fit)",
+                                           primary]
+    assert budgeted.failed_voxels == 16 * 18 * 12
+    for c in cases:
+        a = np.asanyarray(nib.load(str(tmp_path / "free" / f"{c.case_id}.nii.gz")).dataobj)
+        b = np.asanyarray(nib.load(str(tmp_path / "budget" / f"{c.case_id}.nii.gz")).dataobj)
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_bad_case_never_stops_the_others(trained_run, tmp_path):
+    source = trained_run["source"]
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for name in ("case_000", "case_001"):
+        (inputs / f"{name}.nii.gz").write_bytes((source / "imagesTr" / f"{name}.nii.gz").read_bytes())
+    (inputs / "broken.nii.gz").write_bytes(b"not a nifti")
+    write_nifti(inputs / "one_channel.nii.gz", np.ones((20, 22, 18)), lps_affine())
+    (inputs / "._case_000.nii.gz").write_bytes(b"macOS junk, never read")
+    result = subprocess.run([sys.executable, "-m", "tfmis.predict", "--config", str(trained_run["dir"] / "config.yaml"),
+                             "--checkpoint", str(trained_run["dir"]), "--input", str(inputs), "--output",
+                             str(tmp_path / "out"), "--label-dir", str(source / "labelsTr")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "broken: FAILED" in result.stderr and "one_channel: FAILED" in result.stderr
+    assert "1 channel(s)" in result.stdout
+    assert "2 of 4 case(s) written" in result.stdout and "mean Dice over 2 case(s)" in result.stdout
+    rows = {r["case"]: r for r in csv.DictReader(open(tmp_path / "out" / "predictions.csv"))}
+    assert set(rows) == {"case_000", "case_001", "broken", "one_channel"}
+    assert rows["case_000"]["status"] == "ok" and 0 <= float(rows["case_000"]["dice_mean"]) <= 1
+    assert rows["broken"]["status"] == "failed" and "cannot be read" in rows["broken"]["reason"]
+    assert (tmp_path / "out" / "case_001.nii.gz").is_file()
+
+
+def test_tta_and_probability_maps(trained_run, tmp_path):
+    source = trained_run["source"]
+    predictor = Predictor(trained_run["config"], trained_run["dir"], tta=True)
+    assert len(predictor.tta_flips) == 8  # every combination of the three axes
+    case = InputCase("case_002", str(source / "imagesTr" / "case_002.nii.gz"))
+    result = predictor.predict_file(case, tmp_path, probabilities=True)
+    assert result.status == "ok"
+    probs = nib.load(str(tmp_path / "case_002_probabilities.nii.gz")).get_fdata()
+    labels = np.asanyarray(nib.load(str(tmp_path / "case_002.nii.gz")).dataobj)
+    assert probs.shape == labels.shape + (3,)
+    assert probs.min() >= 0 and probs.max() <= 1.0001
+    np.testing.assert_allclose(probs.sum(axis=-1), 1.0, atol=0.01)
+    agree = np.mean(np.argmax(probs, axis=-1) == labels)
+    assert agree > 0.99  # equal but for ties introduced by storing probabilities in 8 bits
+    single = Predictor(trained_run["config"], trained_run["dir"], tta=True, tta_axes=(0,))
+    assert single.tta_flips == [[], [1]]
+
+
+def test_cli_help_and_bad_arguments(trained_run, tmp_path):
+    with pytest.raises(SystemExit):
+        predict_main(["--help"])
+    assert predict_main(["--config", str(trained_run["dir"] / "config.yaml"), "--checkpoint",
+                         str(tmp_path / "missing.weights.h5"), "--input", str(tmp_path), "--output",
+                         str(tmp_path / "o")]) == 1
