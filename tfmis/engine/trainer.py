@@ -35,6 +35,7 @@ from tfmis.losses import build_loss
 from tfmis.metrics.segmentation import SegmentationMetrics
 from tfmis.networks.unet import build_unet, check_patch_size
 from tfmis.optimizers import build_optimizer, build_schedule
+from tfmis.utils.devices import CPU, accelerator_device
 from tfmis.utils.io import atomic_write_json
 
 BEST_WEIGHTS = "best.weights.h5"
@@ -46,10 +47,6 @@ class TrainingDiverged(RuntimeError):
 
 class RunExists(RuntimeError):
     """The output folder already holds checkpoints and --resume was not given."""
-
-
-def accelerator_device() -> str:
-    return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
 
 
 class Trainer:
@@ -141,7 +138,7 @@ class Trainer:
         """Sliding-window inference on each whole validation volume; per-class Dice (and HD95)."""
         v = self.config.validation
         roi = tuple(v.roi_size or self.config.pipeline.patch_size)
-        device = "/CPU:0" if v.validation_data_device == "cpu" else accelerator_device()
+        device = CPU if v.validation_data_device == "cpu" else accelerator_device()
         metrics = SegmentationMetrics(len(self.class_names), class_names=self.class_names, hd95=v.hd95)
         for image, label, meta in dataset:
             case_id = meta["case_id"].numpy().decode()

@@ -25,6 +25,7 @@ import math
 import time
 from pathlib import Path
 
+import keras
 import nibabel as nib
 import numpy as np
 import tensorflow as tf
@@ -34,9 +35,8 @@ from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_index
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.networks.unet import build_unet
+from tfmis.utils.devices import CPU, accelerator_device
 from tfmis.utils.io import atomic_writer
-
-CPU = "/CPU:0"
 
 
 @dataclasses.dataclass
@@ -57,10 +57,6 @@ class CaseResult:
     output: str = ""
     reason: str = ""
     dice: dict | None = None
-
-
-def accelerator_device() -> str:
-    return "/GPU:0" if tf.config.list_logical_devices("GPU") else CPU
 
 
 def load_weights(model, checkpoint: str | Path) -> Path:
@@ -119,10 +115,7 @@ class Predictor:
             [a + 1 for a in tta_axes], n)] if tta else [[]]  # +1: axis 0 is the window batch
         self.memory_budget = accelerator_memory_mb * 2**20 if accelerator_memory_mb else None
         self.failed_voxels: int | None = None  # smallest volume that did not fit on the accelerator
-        keras_policy = config.training.precision
-        import keras
-
-        keras.mixed_precision.set_global_policy(keras_policy)
+        keras.mixed_precision.set_global_policy(config.training.precision)
         m = config.model
         with tf.device(self.compute_device):
             self.model = build_unet(len(self.modalities), len(self.class_names), filters=tuple(m.filters),
@@ -189,7 +182,7 @@ class Predictor:
                                 device, str(out))
             if case.label is not None:
                 result.dice = self._dice(case, label_map, affine)
-        except (CaseError, OSError, ValueError, tf.errors.OpError) as e:
+        except (CaseError, OSError, ValueError, MemoryError, tf.errors.OpError) as e:
             reason = e.reason if isinstance(e, CaseError) else f"{type(e).__name__}: {e}"
             result = CaseResult(case.case_id, "failed", reason=reason.splitlines()[0][:300])
         result.seconds = time.perf_counter() - start
