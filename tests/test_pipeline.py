@@ -129,3 +129,15 @@ def test_val_pipeline_gives_whole_volumes(converted_dataset, tmp_path):
         seen[meta["case_id"].numpy().decode()] = image.shape
         assert image.shape[0] == 1 and label.shape == image.shape[:4] and image.dtype == tf.float32
     assert seen == {k: (1, *v) for k, v in expected.items()}
+
+
+def test_file_cache_is_written_and_reused(converted_dataset, tmp_path):
+    prefix = tmp_path / "cache" / "demo"
+    prefix.parent.mkdir()
+    config = tiny_config(converted_dataset, tmp_path, f"pipeline.cache={prefix}")
+    first = next(build_train_dataset(config).as_numpy_iterator())
+    assert any(p.name.startswith("demo-train0") for p in prefix.parent.iterdir())
+    again = next(build_train_dataset(config).as_numpy_iterator())
+    np.testing.assert_array_equal(first[0], again[0])
+    volumes = list(build_val_dataset(config))
+    assert len(volumes) == 2 and any(p.name.startswith("demo-val-val") for p in prefix.parent.iterdir())
