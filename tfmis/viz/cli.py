@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from tfmis.data.msd import case_id_from_path
 
 PLANE_AXES = {"sagittal": 0, "coronal": 1, "axial": 2}
 
@@ -207,7 +208,7 @@ def nifti_case(image_path: str | Path, label_path=None, class_names=None, channe
     label = _class_map(label_path, "--label", image.shape[:3]) if label_path is not None else None
     prediction = _class_map(prediction_path, "--prediction", image.shape[:3]) if prediction_path is not None else None
     msd_channels, msd_classes = _msd_names_near(Path(image_path))
-    name = _nifti_stem(Path(image_path))
+    name = case_id_from_path(str(image_path))
     title = f"{name}  ({Path(image_path).name}, stored {''.join(_axcodes(affine))})"
     if prediction is not None:
         title += "\n" + ("label (fill) vs prediction (outline)" if label is not None else "prediction (outline)")
@@ -285,37 +286,16 @@ def _load_nifti(path, flag: str):
 
 def _msd_names_near(image_path: Path):
     """(modalities, labels) of the dataset.json above `imagesTr/` or `imagesTs/` (MSD layout), or (None, None)."""
+    from tfmis.data.msd import DatasetError, MSDDataset
+
     folder = image_path.resolve().parent
     if folder.name not in ("imagesTr", "imagesTs"):
         return None, None
     try:
-        meta = json.loads((folder.parent / "dataset.json").read_text())
-    except (OSError, ValueError):
+        dataset = MSDDataset(folder.parent)
+    except DatasetError:  # names are a nicety here: an unusable dataset.json just means none
         return None, None
-    if not isinstance(meta, dict):
-        return None, None
-    return _indexed_names(meta.get("modality")), _indexed_names(meta.get("labels"))
-
-
-def _indexed_names(entry) -> list | None:
-    """`{"0": "T1", "1": "T2"}` → `["T1", "T2"]` (None for a missing index); None if `entry` is not like that."""
-    if not isinstance(entry, dict) or not entry:
-        return None
-    try:
-        indexed = {int(k): str(v) for k, v in entry.items()}
-    except ValueError:
-        return None
-    if min(indexed) < 0:
-        return None
-    return [indexed.get(i) for i in range(max(indexed) + 1)]
-
-
-def _nifti_stem(path: Path) -> str:
-    name = path.name
-    for suffix in (".nii.gz", ".nii"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return path.stem
+    return dataset.modalities, dataset.labels
 
 
 def _axcodes(affine) -> tuple:
