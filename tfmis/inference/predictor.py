@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 import time
 from pathlib import Path
 
@@ -73,7 +74,16 @@ def load_weights(model, checkpoint: str | Path) -> Path:
     if prefix is None or not Path(prefix + ".index").is_file():
         raise FileNotFoundError(f"no checkpoint at {checkpoint}: give best.weights.h5, a run folder, or a "
                                 "checkpoints/ folder or ckpt-N prefix")
-    tf.train.Checkpoint(model=model).read(prefix).expect_partial()
+    try:
+        # a trainer checkpoint also holds optimizer state (not needed here), but every variable of the
+        # model must be in it: a checkpoint of another model must not leave random weights behind
+        tf.train.Checkpoint(model=model).read(prefix).expect_partial().assert_existing_objects_matched()
+    except (AssertionError, ValueError) as e:
+        found = re.search(r"Found (\d+) Python objects", str(e))
+        what = (f"{found.group(1)} of the model's {len(model.weights)} weights are not in it" if found
+                else str(e).splitlines()[0].rstrip("."))
+        raise ValueError(f"checkpoint {prefix} does not fit this model (model.* of the config): {what}. "
+                         "Predict with the config.yaml of the run that wrote the checkpoint") from e
     return Path(prefix)
 
 
