@@ -151,3 +151,106 @@ def test_config_errors_are_clear():
         PreprocessConfig()
     with pytest.raises(ValueError, match="normalization"):
         PreprocessConfig(spacing=(1, 1, 1), normalization=("minmax",))
+
+
+def box_scan(shape, box, spacing):
+    """A RAS scan whose body (nonzero image) is exactly `box`, with a label that fills the box.
+
+    The foreground crop therefore is `box`, and the label touches all six faces of the crop box.
+    """
+    image = np.zeros(shape + (1,), np.float32)
+    region = tuple(slice(a, b) for a, b in box)
+    image[region] = 50.0
+    label = np.zeros(shape, np.uint8)
+    label[region] = 1
+    return image, label, np.diag([*spacing, 1.0])
+
+
+def dice(a, b, cls=1):
+    return 2 * np.sum((a == cls) & (b == cls)) / (np.sum(a == cls) + np.sum(b == cls))
+
+
+@pytest.mark.parametrize("axcodes", ["RAS", "LPS"])
+@pytest.mark.parametrize("scan_spacing, train_spacing", [
+    ((0.8, 0.8, 0.8), (1.6, 1.6, 1.6)),  # training grid 2x coarser than the scan on every axis
+    ((1.2, 1.2, 5.0), (1.5, 1.5, 1.5)),  # thick-slice CT: coarser in-plane, finer across slices
+])
+def test_label_filling_the_crop_box_restores_exactly_on_a_coarser_grid(axcodes, scan_spacing, train_spacing):
+    """Original voxels between the outermost coarse voxel centres and the crop box faces keep the label.
+
+    The box sizes are odd/even so that the coarse grid's extent falls short of or matches the box.
+    """
+    box = ((4, 25), (5, 23), (3, 22)) if scan_spacing[2] < 1 else ((3, 24), (4, 26), (2, 9))
+    image, label, affine = box_scan((30, 29, 26) if scan_spacing[2] < 1 else (28, 30, 12), box, scan_spacing)
+    img, lab, aff = to_orientation(image, label, affine, axcodes)
+    _, out_lab, geo = preprocess(img, lab, aff, PreprocessConfig(spacing=train_spacing))
+    assert [b - a for a, b in zip(geo.crop_start, geo.crop_stop)] == [b - a for a, b in box]
+    assert np.all(out_lab == 1)  # the preprocessed grid lies entirely inside the box
+    restored = restore_geometry(out_lab, geo)
+    assert restored.shape == lab.shape
+    assert dice(restored, lab) == 1.0, dice(restored, lab)
+    np.testing.assert_array_equal(restored, lab)
+
+
+@pytest.mark.parametrize("axcodes", ["RAS", "PSL"])
+def test_restored_labels_are_the_nearest_coarse_voxel_inside_the_crop_box(axcodes):
+    """0.8 → 1.6 mm: each original voxel k (counted from the box start) takes coarse voxel min(k // 2, n - 1).
+
+    Resample convention: coarse voxel j covers original coordinates [2j - .5, 2j + 1.5], so the nearest
+    coarse centre to original voxel k is floor((k + .5) / 2) = k // 2, clamped to the last coarse voxel
+    when an odd box size leaves the last original slab beyond the coarse grid. Outside the box: 0.
+    """
+    rng = np.random.default_rng(3)
+    box = ((4, 25), (5, 23), (3, 22))
+    image, label, affine = box_scan((30, 29, 26), box, (0.8, 0.8, 0.8))
+    region = tuple(slice(a, b) for a, b in box)
+    # two classes in blocks of 2x2x2 original voxels (what a 1.6 mm grid can represent), touching every face
+    blocks = rng.integers(1, 3, (11, 9, 10)).astype(np.uint8)
+    label[region] = blocks.repeat(2, 0).repeat(2, 1).repeat(2, 2)[:21, :18, :19]
+    img, lab, aff = to_orientation(image, label, affine, axcodes)
+    _, out_lab, geo = preprocess(img, lab, aff, PreprocessConfig(spacing=(1.6, 1.6, 1.6)))
+    restored = restore_geometry(out_lab, geo.to_dict())
+    restored_ras, _ = reorient_to_ras(restored, aff)
+    expected = np.zeros_like(label)
+    n = np.array(out_lab.shape)
+    k = [np.minimum(np.arange(b - a) // 2, n[axis] - 1) for axis, (a, b) in enumerate(box)]
+    expected[region] = out_lab[np.ix_(*k)]
+    np.testing.assert_array_equal(restored_ras, expected)
+    # the 2-voxel blocks survive the round trip; only the last odd x slab (box size 21) is extrapolated
+    for cls in (1, 2):
+        assert dice(restored_ras[:24], label[:24], cls) == 1.0
+        assert dice(restored_ras, label, cls) > 0.97
+
+
+def test_restored_probabilities_take_the_nearest_edge_value_inside_the_crop_box():
+    """Linear restoration of a linear ramp p(x, y, z) on the 1.6 mm grid, back onto the 0.8 mm scan.
+
+    Trilinear interpolation reproduces a linear function exactly, so inside the box the restored
+    value is the ramp at the coarse coordinate (k + .5) / 2 - .5 clamped into [0, n - 1];
+    outside the box the background probability is 1 and the others 0.
+    """
+    from tfmis.inference.predictor import restore_probabilities
+
+    box = ((4, 25), (5, 23), (3, 22))
+    image, label, affine = box_scan((30, 29, 26), box, (0.8, 0.8, 0.8))
+    img, lab, aff = to_orientation(image, label, affine, "LPS")
+    _, out_lab, geo = preprocess(img, lab, aff, PreprocessConfig(spacing=(1.6, 1.6, 1.6)))
+    n = np.array(out_lab.shape)
+    slope = np.array([0.03, -0.02, 0.025])
+    ramp = lambda x, y, z: 0.4 + slope[0] * x + slope[1] * y + slope[2] * z  # noqa: E731
+    ramp_grid = ramp(*np.meshgrid(*[np.arange(s) for s in n], indexing="ij"))
+    assert 0 < ramp_grid.min() and ramp_grid.max() < 1
+    probabilities = np.stack([1 - ramp_grid, ramp_grid], axis=-1).astype(np.float32)
+    restored = restore_probabilities(probabilities, geo.to_dict())
+    restored_ras, _ = reorient_to_ras(restored, aff)
+    coords = [np.clip((np.arange(b - a) + 0.5) / 2 - 0.5, 0, n[axis] - 1) for axis, (a, b) in enumerate(box)]
+    expected = np.zeros(label.shape + (2,), np.float64)
+    expected[..., 0] = 1.0
+    region = tuple(slice(a, b) for a, b in box)
+    expected_ramp = ramp(*np.meshgrid(*coords, indexing="ij"))
+    expected[region] = np.stack([1 - expected_ramp, expected_ramp], axis=-1)
+    np.testing.assert_allclose(restored_ras, expected, atol=1e-5)
+    # every voxel of the box is still class 1 after the argmax when class 1 dominates everywhere
+    confident = np.stack([np.full(n, 0.2), np.full(n, 0.8)], axis=-1).astype(np.float32)
+    argmax = np.argmax(restore_probabilities(confident, geo), axis=-1)
+    assert dice(argmax, lab) == 1.0, dice(argmax, lab)

@@ -253,23 +253,50 @@ def preprocess(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, 
 def restore_geometry(array: np.ndarray, geometry: Geometry | dict, order: int = 0, cval: float = 0.0) -> np.ndarray:
     """Maps an array on the preprocessed grid back onto the original file's voxel grid.
 
+    Original voxels inside the crop box take the value interpolated at their position on the
+    preprocessed grid; where that position lies beyond the outermost preprocessed voxel centres (up
+    to half a coarse voxel, more when the resampled shape was rounded down), the nearest edge value
+    is used, so a structure touching the box faces keeps its outer slices. Voxels outside the crop
+    box were cropped away as background and get `cval`.
+
     Args:
         array: (x, y, z) or (x, y, z, C) on the preprocessed grid (e.g. a predicted label map).
         geometry: the case's `Geometry` (or its dict from the TFRecord index).
         order: 0 (nearest) for label maps, 1 for probabilities.
-        cval: value outside the cropped region (background).
+        cval: value outside the crop box (background).
 
     Returns:
         An array with the original file's spatial shape and voxel order.
+
+    Example:
+    ```python
+    label_map = restore_geometry(predicted_labels, geometry)            # uint8, original grid
+    foreground = restore_geometry(probabilities[..., 1], geometry, order=1)
+    ```
     """
     g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
+    if array.ndim == 4:
+        return np.stack([restore_geometry(array[..., c], g, order, cval) for c in range(array.shape[-1])], axis=-1)
     # original voxel → world → preprocessed voxel, as one homogeneous matrix
     matrix = np.linalg.inv(np.array(g.affine)) @ np.array(g.original_affine)
     matrix = np.round(matrix, 9)  # pure permutations/flips stay exact integers
-    out_shape = tuple(g.original_shape)
-    if array.ndim == 4:
-        return np.stack([restore_geometry(array[..., c], g, order, cval) for c in range(array.shape[-1])], axis=-1)
-    return ndimage.affine_transform(array, matrix, output_shape=out_shape, order=order, mode="constant", cval=cval)
+    start, stop = _crop_box_in_original_voxels(g)
+    # only the crop box is interpolated; "nearest" clamps positions beyond the grid's edge voxels
+    block = ndimage.affine_transform(array, matrix[:3, :3], matrix[:3, :3] @ start + matrix[:3, 3],
+                                     output_shape=tuple(int(n) for n in stop - start), order=order, mode="nearest")
+    out = np.full(tuple(g.original_shape), cval, dtype=block.dtype)
+    out[tuple(slice(a, b) for a, b in zip(start, stop))] = block
+    return out
+
+
+def _crop_box_in_original_voxels(g: Geometry) -> tuple[np.ndarray, np.ndarray]:
+    """(start, stop) of the RAS crop box in the original file's voxel order (a permutation/flip of RAS)."""
+    ornt = nib.orientations.io_orientation(np.array(g.original_affine))
+    transform = nib.orientations.ornt_transform(ornt, nib.orientations.axcodes2ornt("RAS"))
+    ras_to_original = nib.orientations.inv_ornt_aff(transform, tuple(g.original_shape))
+    corners = np.array([[*g.crop_start, 1.0], [*(np.array(g.crop_stop) - 1), 1.0]]) @ ras_to_original.T
+    corners = np.rint(corners[:, :3]).astype(int)
+    return corners.min(axis=0), corners.max(axis=0) + 1
 
 
 def _per_channel(normalization: tuple[str, ...], channels: int) -> tuple[str, ...]:
