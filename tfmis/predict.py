@@ -1,4 +1,4 @@
-"""Segment NIfTI scans with a trained model: `python -m tfmis.predict --config ... --checkpoint ... --input ...`.
+"""Segment NIfTI scans with a trained model: `python -m tfmis.predict --checkpoint RUN_DIR --input ...`.
 
 Writes `<case>.nii.gz` label maps (uint8) in each input's own geometry (shape, affine, orientation,
 header), optional `<case>_probabilities.nii.gz` (one channel per class), `predictions.csv` (and Dice
@@ -19,9 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m tfmis.predict", description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 all cases written; 3 some cases failed (listed in the table and predictions.csv); "
                "1 unusable config, checkpoint or input; 2 bad arguments.")
-    p.add_argument("--config", required=True, help="the training run's config (runs/NAME/config.yaml)")
     p.add_argument("--checkpoint", required=True,
-                   help="best.weights.h5, a run folder (uses its best.weights.h5), or a checkpoints/ folder or prefix")
+                   help="a run folder (uses its best.weights.h5), its best.weights.h5, or a checkpoints/ folder or "
+                        "ckpt-N prefix")
+    p.add_argument("--config", default=None,
+                   help="the training run's config (default: config.yaml of the run folder of --checkpoint)")
     p.add_argument("--input", required=True,
                    help="a NIfTI file, a folder of NIfTI files, or an MSD dataset.json (see --subset)")
     p.add_argument("--output", required=True, help="output folder")
@@ -52,10 +54,10 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from tfmis.config import ConfigError, load_config
-    from tfmis.inference.predictor import Predictor, collect_inputs, results_table, write_csv
+    from tfmis.inference.predictor import Predictor, collect_inputs, results_table, run_config, write_csv
 
     try:
-        config = load_config(args.config)
+        config = load_config(args.config or run_config(args.checkpoint))
         predictor = Predictor(config, args.checkpoint, sw_batch_size=args.sw_batch_size, overlap=args.overlap,
                               device=args.device, tta=args.tta, tta_axes=tta_axes,
                               accelerator_memory_mb=args.accelerator_memory_mb)

@@ -114,6 +114,28 @@ def load_index(dataset_dir: str | Path) -> dict:
     return index
 
 
+RUN_DATA_FILE = "training_data.json"
+
+
+def training_data_info(index: dict, dataset_dir: str | Path) -> dict:
+    """What a trained model needs to know about its data, copied into the run folder at training start.
+
+    The preprocessing, channel names, class names and split case lists of the converted dataset, in
+    the same keys as `index.json`, so that prediction works after the TFRecord folder is gone.
+    """
+    return {"schema_version": index["schema_version"], "dataset_dir": str(Path(dataset_dir).resolve()),
+            "source": index["source"], "preprocessing": index["preprocessing"],
+            "splits": {name: {"cases": split["cases"]} for name, split in index["splits"].items()}}
+
+
+def load_training_data_info(run_dir: str | Path | None, dataset_dir: str | Path) -> dict:
+    """`RUN_DATA_FILE` of a run folder; for runs older than that file, the dataset's `index.json`."""
+    path = Path(run_dir) / RUN_DATA_FILE if run_dir is not None else None
+    if path is not None and path.is_file():
+        return json.loads(path.read_text())
+    return load_index(dataset_dir)
+
+
 def split_cases(index: dict, split: str) -> list[dict]:
     """The records of `split` in storage order (entries of `index["cases"]`)."""
     if split not in index["splits"]:

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tfmis.config import save_config
 from tfmis.data.pipeline import build_train_dataset, build_val_dataset, train_steps_per_epoch
-from tfmis.data.records import load_index
+from tfmis.data.records import RUN_DATA_FILE, load_index, training_data_info
 from tfmis.engine.distribution import StrategyBackend, make_backend
 from tfmis.engine.history import History
 from tfmis.inference.sliding_window import sliding_window_inference
@@ -63,6 +63,7 @@ class Trainer:
         self.backend = backend or make_backend(tc.distribution, tc.devices)
         self.out = Path(config.output.dir)
         index = load_index(config.data.dataset_dir)
+        self.data_info = training_data_info(index, config.data.dataset_dir)
         self.class_names = list(index["source"]["labels"])
         self.in_channels = len(index["source"]["modalities"])
         self.spacing_by_case = {cid: c["geometry"]["spacing"] for cid, c in index["cases"].items()}
@@ -163,7 +164,10 @@ class Trainer:
                   f"{float(self.best_dice.numpy()):.4f} at epoch {int(self.best_epoch.numpy())}", file=sys.stderr)
         elif resume:
             print(f"--resume: no checkpoint in {self.out / 'checkpoints'}, starting from scratch", file=sys.stderr)
-        save_config(self.config, self.out / "config.yaml")
+        if self.backend.is_chief:
+            save_config(self.config, self.out / "config.yaml")
+            # the run folder alone is enough to predict: preprocessing, channels, classes, splits
+            atomic_write_json(self.out / RUN_DATA_FILE, self.data_info)
 
     def fit(self, resume: bool = False) -> dict:
         """Trains for `training.epochs` (or until `target_dice`); returns the run summary."""

@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from tfmis.data.msd import CaseError, case_id_from_path, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
-from tfmis.data.records import load_index
+from tfmis.data.records import load_training_data_info
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.networks.unet import build_unet
 from tfmis.utils.devices import CPU, accelerator_device
@@ -58,6 +58,24 @@ class CaseResult:
     output: str = ""
     reason: str = ""
     dice: dict | None = None
+
+
+def find_run_dir(checkpoint: str | Path) -> Path | None:
+    """The training run folder (the one holding config.yaml) of a run folder, its best weights or a checkpoint."""
+    path = Path(checkpoint)
+    for candidate in (path, path.parent, path.parent.parent):
+        if candidate.is_dir() and (candidate / "config.yaml").is_file():
+            return candidate
+    return None
+
+
+def run_config(checkpoint: str | Path) -> Path:
+    """The config.yaml of the run that `checkpoint` belongs to; a clear error when there is none."""
+    run = find_run_dir(checkpoint)
+    if run is None:
+        raise FileNotFoundError(f"no config.yaml in or above --checkpoint {checkpoint}: give the training "
+                                "run's config with --config")
+    return run / "config.yaml"
 
 
 def load_weights(model, checkpoint: str | Path) -> Path:
@@ -91,8 +109,7 @@ class Predictor:
     """Predicts whole scans with a trained model, exactly as it was trained to see them.
 
     Args:
-        config: the training run's `Config` (its `config.yaml`); its `data.dataset_dir` index gives
-            the preprocessing, channels and classes.
+        config: the training run's `Config` (its `config.yaml`).
         checkpoint: `best.weights.h5`, a run folder, or a tf.train checkpoint.
         sw_batch_size, overlap, mode: sliding-window settings (default: the config's validation ones).
         device: "gpu" (accelerator, with the CPU fallback) or "cpu"; None = gpu if one is visible.
@@ -107,7 +124,8 @@ class Predictor:
                  accelerator_memory_mb: float | None = None):
         self.config = config
         v = config.validation
-        self.index = load_index(config.data.dataset_dir)
+        # preprocessing, channels and classes from the run folder (the TFRecords may be gone)
+        self.index = load_training_data_info(find_run_dir(checkpoint), config.data.dataset_dir)
         self.preprocessing = PreprocessConfig.from_dict(self.index["preprocessing"])
         self.class_names = list(self.index["source"]["labels"])
         self.modalities = list(self.index["source"]["modalities"])
