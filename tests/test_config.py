@@ -44,10 +44,20 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
     ("validation.overlap=1.0", r"validation.overlap must be in \[0, 1\)"),
     ("model.filters=[8, 16, 32]", "model.filters .* and model.strides"),
     ("training.epochs", "expected key=value"),
+    ("pipeline.cache=memroy", r"pipeline.cache: 'memroy' is not one of \['memory', 'none', 'file'\] "
+                              r"\(did you mean 'memory'\?\)"),
+    ("pipeline.cache=/scratch/cache/demo", r"pipeline.cache: '/scratch/cache/demo' is not one of"),
+    ("pipeline.cache=file", r"pipeline.cache is 'file' but pipeline.cache_dir is not set"),
 ])
 def test_wrong_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_file_cache_takes_its_folder_from_cache_dir():
+    config = load_config(None, ["pipeline.cache=file", "pipeline.cache_dir=cache/spleen"])
+    assert config.pipeline.cache == "file" and config.pipeline.cache_dir == "cache/spleen"
+    assert load_config(None).pipeline.cache == "memory" and load_config(None).pipeline.cache_dir is None
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -1,3 +1,6 @@
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -131,13 +134,105 @@ def test_val_pipeline_gives_whole_volumes(converted_dataset, tmp_path):
     assert seen == {k: (1, *v) for k, v in expected.items()}
 
 
-def test_file_cache_is_written_and_reused(converted_dataset, tmp_path):
-    prefix = tmp_path / "cache" / "demo"
-    prefix.parent.mkdir()
-    config = tiny_config(converted_dataset, tmp_path, f"pipeline.cache={prefix}")
-    first = next(build_train_dataset(config).as_numpy_iterator())
-    assert any(p.name.startswith("demo-train0") for p in prefix.parent.iterdir())
-    again = next(build_train_dataset(config).as_numpy_iterator())
-    np.testing.assert_array_equal(first[0], again[0])
-    volumes = list(build_val_dataset(config))
-    assert len(volumes) == 2 and any(p.name.startswith("demo-val-val") for p in prefix.parent.iterdir())
+def dataset_copy(converted_dataset, tmp_path):
+    """A private copy of the converted dataset, whose shards a test may take away."""
+    copy = tmp_path / "tfrecords"
+    shutil.copytree(converted_dataset, copy)
+    return copy
+
+
+def hide_shards(dataset_dir):
+    """Renames every TFRecord shard: from now on only a cache can still provide the records."""
+    dataset_dir = Path(dataset_dir)
+    index = load_index(dataset_dir)
+    hidden = 0
+    for split in index["splits"].values():
+        for shard in split["shards"]:
+            path = dataset_dir / shard["file"]
+            if path.exists():
+                path.rename(path.with_name(path.name + ".hidden"))
+                hidden += 1
+    assert hidden > 0
+
+
+def cache_overrides(mode, tmp_path):
+    return ["pipeline.cache=file", f"pipeline.cache_dir={tmp_path / 'cache'}"] if mode == "file" else [
+        f"pipeline.cache={mode}"]
+
+
+def val_volumes(dataset):
+    return [(meta["case_id"].numpy().decode(), image.numpy(), label.numpy()) for image, label, meta in dataset]
+
+
+def assert_same_volumes(a, b):
+    assert [case for case, _, _ in a] == [case for case, _, _ in b]
+    for (_, image_a, label_a), (_, image_b, label_b) in zip(a, b):
+        np.testing.assert_array_equal(image_a, image_b)
+        np.testing.assert_array_equal(label_a, label_b)
+
+
+@pytest.mark.parametrize("mode", ["memory", "file"])
+def test_validation_volumes_come_from_the_cache_once_the_shards_are_gone(mode, converted_dataset, tmp_path):
+    """After one full pass, a second pass needs no TFRecord file: it reads the memory or on-disk cache."""
+    config = tiny_config(dataset_copy(converted_dataset, tmp_path), tmp_path, *cache_overrides(mode, tmp_path))
+    dataset = build_val_dataset(config)
+    first = val_volumes(dataset)
+    assert len(first) == 2
+    hide_shards(config.data.dataset_dir)
+    assert_same_volumes(val_volumes(dataset), first)
+    if mode == "file":  # a new pipeline (another run, another process) reads the files left on disk
+        assert_same_volumes(val_volumes(build_val_dataset(config)), first)
+
+
+def test_validation_without_cache_rereads_the_shards(converted_dataset, tmp_path):
+    """The control for the test above: with `cache: none` the second pass fails on the missing shards."""
+    config = tiny_config(dataset_copy(converted_dataset, tmp_path), tmp_path, "pipeline.cache=none")
+    dataset = build_val_dataset(config)
+    assert len(val_volumes(dataset)) == 2
+    hide_shards(config.data.dataset_dir)
+    with pytest.raises(tf.errors.NotFoundError):
+        val_volumes(dataset)
+
+
+def train_batches(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["memory", "file", "none"])
+def test_training_stream_continues_from_the_cache_once_the_shards_are_gone(mode, converted_dataset, tmp_path):
+    """Epochs after the first read the cached volumes: same batches as with the shards present; `none` fails.
+
+    Six training volumes x two crops / two per batch = 6 batches per epoch; 30 batches need 5 more epochs.
+    """
+    dataset_dir = dataset_copy(converted_dataset, tmp_path)
+    reference = list(build_train_dataset(tiny_config(dataset_dir, tmp_path, "pipeline.cache=none"))
+                     .take(36).as_numpy_iterator())
+    config = tiny_config(dataset_dir, tmp_path, *cache_overrides(mode, tmp_path))
+    stream = build_train_dataset(config).as_numpy_iterator()
+    batches = train_batches(stream, 6)  # the whole first epoch: every volume has been read and cached
+    hide_shards(dataset_dir)
+    if mode == "none":
+        with pytest.raises(tf.errors.NotFoundError):
+            train_batches(stream, 30)
+        return
+    batches += train_batches(stream, 30)
+    for (image, label), (ref_image, ref_label) in zip(batches, reference, strict=True):
+        np.testing.assert_array_equal(image, ref_image)
+        np.testing.assert_array_equal(label, ref_label)
+    if mode == "file":
+        assert len(list((tmp_path / "cache").glob("train0-*.index"))) == 1
+        again = train_batches(build_train_dataset(config).as_numpy_iterator(), 12)
+        for (image, _), (ref_image, _) in zip(again, reference):
+            np.testing.assert_array_equal(image, ref_image)
+
+
+def test_file_cache_is_not_reused_for_other_cached_settings(converted_dataset, tmp_path):
+    """The cached volumes carry foreground indices: another `max_foreground_indices` must not read them."""
+    dataset_dir = dataset_copy(converted_dataset, tmp_path)
+    config = tiny_config(dataset_dir, tmp_path, *cache_overrides("file", tmp_path))
+    train_batches(build_train_dataset(config).as_numpy_iterator(), 6)
+    hide_shards(dataset_dir)
+    other = tiny_config(dataset_dir, tmp_path, *cache_overrides("file", tmp_path), "pipeline.max_foreground_indices=7")
+    with pytest.raises(tf.errors.NotFoundError):  # it looks for the shards instead of a stale cache
+        train_batches(build_train_dataset(other).as_numpy_iterator(), 6)
+    train_batches(build_train_dataset(config).as_numpy_iterator(), 6)  # the original settings still hit

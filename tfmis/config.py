@@ -72,7 +72,10 @@ class PipelineConfig:
     num_crops_per_image: int = 2  # crops drawn from each volume read (like MONAI num_samples)
     pos_neg_ratio: list[float] = dataclasses.field(default_factory=lambda: [1.0, 1.0])  # crop centres on fg : bg
     class_ratios: Optional[list[float]] = None  # per-class crop centre ratios (MONAI RandCropByLabelClasses)
-    cache: str = "memory"  # "memory", "none", or a file path prefix for an on-disk cache
+    # cache of the decoded volumes (+ foreground indices): "memory" (host RAM), "file" (on disk in
+    # cache_dir, reused by later runs), "none" (read the TFRecords every epoch)
+    cache: Literal["memory", "none", "file"] = "memory"
+    cache_dir: Optional[str] = None  # folder for cache: file; relative = to the working directory
     shuffle_volumes: int = 32  # shuffle buffer of cached volumes
     shuffle_crops: int = 16  # shuffle buffer of crops (mixes crops of different volumes)
     deterministic: bool = False  # True = reproducible order (slower interleave)
@@ -279,6 +282,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"pipeline.pos_neg_ratio: expected [pos, neg] >= 0, got {p.pos_neg_ratio}")
     if p.num_images_per_batch < 1 or p.num_crops_per_image < 1:
         raise ConfigError("pipeline.num_images_per_batch and pipeline.num_crops_per_image must be >= 1")
+    if p.cache == "file" and not p.cache_dir:
+        raise ConfigError("pipeline.cache is 'file' but pipeline.cache_dir is not set: give the folder for the "
+                          "on-disk cache, e.g. pipeline.cache_dir=/scratch/tfmis-cache")
     if config.training.accumulation_steps < 1:
         raise ConfigError("training.accumulation_steps must be >= 1")
     if not 0 <= config.validation.overlap < 1:

@@ -22,7 +22,10 @@ val = build_val_dataset(config)                # (1, X, Y, Z, C), (1, X, Y, Z), 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+from pathlib import Path
 
 import tensorflow as tf
 
@@ -31,12 +34,24 @@ from tfmis.transforms.augment import augment_patch
 from tfmis.transforms.crop import foreground_indices, rand_crop_by_pos_neg
 
 
-def _cache(dataset: tf.data.Dataset, cache: str, name: str) -> tf.data.Dataset:
-    if cache == "none":
+def _cache(dataset: tf.data.Dataset, pipeline, name: str, fingerprint: dict) -> tf.data.Dataset:
+    """Caches the deterministic part of a pipeline as `pipeline.cache` (memory, file, none) says.
+
+    `file` writes `<pipeline.cache_dir>/<name>-<hash>.*`. The hash covers `fingerprint`: the dataset's
+    index.json and every setting that changes the cached elements, so a reconverted dataset or
+    another setting writes a new cache instead of silently reading a stale one.
+    """
+    if pipeline.cache == "none":
         return dataset
-    if cache == "memory":
+    if pipeline.cache == "memory":
         return dataset.cache()
-    return dataset.cache(f"{cache}-{name}")
+    if pipeline.cache != "file" or not pipeline.cache_dir:
+        raise ValueError(f"pipeline.cache must be memory, none or file (with pipeline.cache_dir), got "
+                         f"{pipeline.cache!r} (cache_dir {pipeline.cache_dir!r})")
+    folder = Path(pipeline.cache_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return dataset.cache(str(folder / f"{name}-{digest}"))
 
 
 def _read(files, index, deterministic: bool, input_context=None, shuffle_files_seed=None) -> tf.data.Dataset:
@@ -89,7 +104,10 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
     dataset = _read(files, index, p.deterministic, input_context)
     dataset = dataset.map(with_foreground, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
     pipeline_id = input_context.input_pipeline_id if input_context else 0
-    dataset = _cache(dataset, p.cache, f"train{pipeline_id}")
+    dataset = _cache(dataset, p, f"train{pipeline_id}", {
+        "index": index, "split": config.data.train_split, "seed": seed, "deterministic": p.deterministic,
+        "max_foreground_indices": p.max_foreground_indices,
+        "input_pipelines": input_context.num_input_pipelines if input_context else 1})
     dataset = dataset.shuffle(p.shuffle_volumes, seed=seed, reshuffle_each_iteration=True).repeat()
     # per-element seeds: (training seed, position in the stream), independent of thread scheduling
     dataset = dataset.enumerate()
@@ -129,9 +147,10 @@ def build_val_dataset(config, split: str | None = None) -> tf.data.Dataset:
     if not files:
         raise ValueError(f"{config.data.dataset_dir}: split {split!r} has no records to validate on")
     dataset = _read(files, index, deterministic=True)
-    dataset = _cache(dataset, config.pipeline.cache, f"val-{split}")
-    if config.validation.max_cases:
+    if config.validation.max_cases:  # before the cache: a cache read only in part is discarded
         dataset = dataset.take(config.validation.max_cases)
+    dataset = _cache(dataset, config.pipeline, f"val-{split}",
+                     {"index": index, "split": split, "max_cases": config.validation.max_cases})
     dataset = dataset.map(lambda image, label, meta: (tf.cast(image, tf.float32)[None], tf.cast(label, tf.int32)[None],
                                                       meta))
     return dataset.prefetch(1)
