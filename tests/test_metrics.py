@@ -1,4 +1,9 @@
-"""Full-volume Dice and HD95 against values worked out by hand."""
+"""Full-volume Dice and HD95 against values worked out by hand and against MONAI's formulas.
+
+The MONAI references below are NumPy transcriptions of MONAI 1.6.1's `DiceHelper.compute_channel`
+(monai/metrics/meandice.py), `do_metric_reduction` (monai/metrics/utils.py) and the empty-mask rules
+of `get_surface_distance` / `compute_hausdorff_distance` (monai/metrics/utils.py, hausdorff_distance.py).
+"""
 
 import math
 
@@ -20,15 +25,111 @@ PREDICTION = np.array([[0, 1, 2],
 # class 0: target {(0,0), (1,2)}, predicted {(0,0), (1,1)}, overlap 1 → 2·1 / (2 + 2) = 0.5
 # class 1: target {(0,1), (0,2)}, predicted {(0,1)}, overlap 1        → 2·1 / (2 + 1) = 2/3
 # class 2: target {(1,0), (1,1)}, predicted {(0,2), (1,0)}, overlap 1 → 2·1 / (2 + 2) = 0.5
-# class 3: not in target, predicted once                              → 0
-# class 4: in neither                                                 → NaN
-EXPECTED_DICE = [0.5, 2 / 3, 0.5, 0.0, nan]
+# class 3: not in target, predicted once → NaN (MONAI ignore_empty=True), 0 with ignore_empty=False
+# class 4: in neither                    → NaN (ignore_empty=True), 1 with ignore_empty=False
+EXPECTED_DICE = [0.5, 2 / 3, 0.5, nan, nan]
+EXPECTED_DICE_NOT_IGNORING_EMPTY = [0.5, 2 / 3, 0.5, 0.0, 1.0]
 
 
 def test_dice_per_class_by_hand():
     np.testing.assert_allclose(dice_per_class(PREDICTION, TARGET, 5), EXPECTED_DICE[1:])
     np.testing.assert_allclose(dice_per_class(PREDICTION, TARGET, 5, include_background=True), EXPECTED_DICE)
+    np.testing.assert_allclose(dice_per_class(PREDICTION, TARGET, 5, include_background=True, ignore_empty=False),
+                               EXPECTED_DICE_NOT_IGNORING_EMPTY)
     np.testing.assert_allclose(dice_per_class(TARGET, TARGET, 3), [1.0, 1.0])
+
+
+# ---------------------------------------------------------------- MONAI reference (NumPy transcription)
+
+def monai_compute_channel(prediction_mask, target_mask, ignore_empty=True):
+    """MONAI `DiceHelper.compute_channel`: the Dice of one binary channel of one case."""
+    y_o = target_mask.sum()
+    if y_o > 0:
+        return 2.0 * np.sum(target_mask & prediction_mask) / (y_o + prediction_mask.sum())
+    if ignore_empty:
+        return nan
+    return 1.0 if y_o + prediction_mask.sum() <= 0 else 0.0
+
+
+def monai_dice(predictions, targets, num_classes, include_background=False, ignore_empty=True):
+    """MONAI `DiceMetric` before reduction: (cases, classes) after one-hot encoding both label maps."""
+    first = 0 if include_background else 1
+    return np.array([[monai_compute_channel(p == c, t == c, ignore_empty) for c in range(first, num_classes)]
+                     for p, t in zip(predictions, targets)])
+
+
+def monai_do_metric_reduction(f, reduction):
+    """MONAI `do_metric_reduction` for "mean" and "mean_batch": NaN entries are left out of every mean
+    (and a mean over no values is 0, with not_nans = 0)."""
+    f = np.array(f, np.float64)
+    not_nans = ~np.isnan(f)
+    f[~not_nans] = 0.0
+    if reduction == "mean_batch":
+        count = not_nans.sum(axis=0)
+        return np.where(count > 0, f.sum(axis=0) / np.maximum(count, 1), 0.0), count
+    assert reduction == "mean"
+    count = not_nans.sum(axis=1)
+    per_case = np.where(count > 0, f.sum(axis=1) / np.maximum(count, 1), 0.0)
+    cases = (count > 0).sum()
+    return (per_case.sum() / cases if cases else 0.0), cases
+
+
+def random_cases(seed, num_cases=6, num_classes=5, shape=(9, 8, 7)):
+    """Label maps where each class is often absent from the target, the prediction or both: each map
+    draws its voxels from its own random subset of the classes; the prediction keeps 70 % of the target."""
+    rng = np.random.default_rng(seed)
+
+    def some_classes():
+        return rng.choice(num_classes, size=rng.integers(1, num_classes), replace=False)
+
+    predictions, targets = [], []
+    for _ in range(num_cases):
+        t = rng.choice(some_classes(), size=shape)
+        p = np.where(rng.random(shape) < 0.7, t, rng.choice(some_classes(), size=shape))
+        p[np.isin(p, some_classes()[:1])] = 0  # one class (maybe still in the target) never predicted
+        predictions.append(p.astype(np.uint8))
+        targets.append(t.astype(np.uint8))
+    return predictions, targets
+
+
+@pytest.mark.parametrize("ignore_empty", [True, False])
+@pytest.mark.parametrize("include_background", [False, True])
+def test_dice_matches_monai_compute_dice_with_empty_classes(ignore_empty, include_background):
+    """Per case and class, `dice_per_class` equals MONAI's compute_channel rule: NaN (ignore_empty) or
+    1/0 (not ignoring) for a class absent from the ground truth, whatever the prediction holds."""
+    predictions, targets = random_cases(seed=0)
+    expected = monai_dice(predictions, targets, 5, include_background, ignore_empty)
+    actual = np.array([dice_per_class(p, t, 5, include_background, ignore_empty=ignore_empty)
+                       for p, t in zip(predictions, targets)])
+    np.testing.assert_allclose(actual, expected)
+    # the random cases do exercise every branch of MONAI's rule
+    first = 0 if include_background else 1
+    gt_empty = np.array([[not (t == c).any() for c in range(first, 5)] for t in targets])
+    pred_empty = np.array([[not (p == c).any() for c in range(first, 5)] for p in predictions])
+    assert (gt_empty & pred_empty).any() and (gt_empty & ~pred_empty).any() and (~gt_empty).any()
+
+
+def test_accumulator_aggregates_like_monai_reductions():
+    """`result()`: per class MONAI "mean_batch" (NaN left out), `mean_dice_per_case` MONAI "mean",
+    `mean_dice` the mean of the per-class values, and per-class counts of scored / absent cases."""
+    predictions, targets = random_cases(seed=1, num_cases=8)
+    metrics = SegmentationMetrics(5)
+    for i, (p, t) in enumerate(zip(predictions, targets)):
+        metrics.update(p, t, case_id=f"case_{i}")
+    result = metrics.result()
+    table = monai_dice(predictions, targets, 5)
+    per_class, scored = monai_do_metric_reduction(table, "mean_batch")
+    # MONAI reports 0 for a class scored in no case; here it is NaN (nothing was measured)
+    np.testing.assert_allclose(result["dice_per_class"], np.where(scored > 0, per_class, nan))
+    assert result["dice_cases_per_class"] == scored.tolist()
+    assert result["mean_dice"] == pytest.approx(np.nanmean(np.where(scored > 0, per_class, nan)))
+    assert result["mean_dice_per_case"] == pytest.approx(monai_do_metric_reduction(table, "mean")[0])
+    absent = [sum(not (t == c).any() for t in targets) for c in range(1, 5)]
+    assert result["gt_empty_per_class"] == absent and sum(absent) > 0
+    false_positive = [sum(not (t == c).any() and (p == c).any() for p, t in zip(predictions, targets))
+                      for c in range(1, 5)]
+    assert result["predicted_when_gt_empty_per_class"] == false_positive and sum(false_positive) > 0
+    assert result["num_cases"] == 8
 
 
 def test_dice_rejects_mismatched_or_out_of_range_labels():
@@ -82,17 +183,78 @@ def test_hd95_of_displaced_cubes_with_anisotropic_spacing():
     assert hausdorff_distance_95(first, first, 2, spacing=(2.0, 1.0, 2.5)) == pytest.approx([0.0])
 
 
-def test_hd95_is_nan_when_a_mask_is_empty_and_reports_classes_separately():
+def monai_hd95_of_empty_masks(prediction_mask, target_mask):
+    """MONAI's HD95 where a mask is empty: `get_surface_distance` in both argument orders, then
+    `_compute_percentile_hausdorff_distance` and the max of the two. A direction whose target is empty
+    gets inf for each of its source's edge voxels, one whose source is empty gets inf for each target
+    edge voxel, and an empty list of distances gives NaN.
+
+    The 95th percentile of all-inf distances is taken as inf, as MONAI's max path (percentile=None)
+    and its tests ("pred does not have foreground (but gt has), the metric should be inf") do. MONAI
+    1.6.1's torch.quantile interpolation turns it into NaN instead (inf - inf), which silently drops
+    the miss from the mean: MONAI issue #9095, fixed to inf in MONAI PR #9096.
+    """
+    def directed(source, target):
+        if not target.any():
+            distances = np.full(source.sum(), np.inf)  # inf * ones_like(target), indexed by source
+        elif not source.any():
+            distances = np.full(target.sum(), np.inf)
+        else:
+            raise AssertionError("only empty masks are transcribed here")
+        if not distances.size:
+            return nan
+        return np.inf if np.isinf(distances).all() else np.percentile(distances, 95)
+    both = [directed(prediction_mask, target_mask), directed(target_mask, prediction_mask)]
+    return nan if any(math.isnan(d) for d in both) else max(both)  # torch.max propagates NaN
+
+
+def test_hd95_follows_monai_when_a_mask_is_empty():
+    """A class missed (or predicted but absent) scores inf, as MONAI compute_hausdorff_distance does;
+    a class absent from both maps is NaN; classes are reported separately."""
     target = np.zeros((6, 6, 6), np.uint8)
     target[1:3, 1:3, 1:3] = 1
     target[4, 4, 4] = 2
     prediction = target.copy()
     prediction[4, 4, 4] = 0  # class 2 missed
-    hd = hausdorff_distance_95(prediction, target, 4)
-    assert hd[0] == 0.0 and math.isnan(hd[1]) and math.isnan(hd[2])  # class 3 in neither
-    with_background = hausdorff_distance_95(prediction, target, 4, include_background=True)
+    prediction[0, 5, 0] = 4  # class 4 predicted, absent from the target
+    hd = hausdorff_distance_95(prediction, target, 5)
+    expected = [monai_hd95_of_empty_masks(prediction == c, target == c) for c in (2, 3, 4)]
+    assert expected[0] == math.inf and math.isnan(expected[1]) and expected[2] == math.inf
+    assert hd[0] == 0.0
+    np.testing.assert_array_equal(hd[1:], expected)
+    with_background = hausdorff_distance_95(prediction, target, 5, include_background=True)
     assert np.isfinite(with_background[0])
     np.testing.assert_array_equal(with_background[1:], hd)
+    assert math.isnan(surface_distance_percentile(target == 9, target == 9))
+    assert surface_distance_percentile(target == 2, target == 9) == math.inf
+    assert surface_distance_percentile(target == 9, target == 2, percentile=100.0) == math.inf
+
+
+def test_accumulator_reports_missed_classes_as_infinite_mean_hd95_with_counts():
+    """A miss makes the class's mean HD95 (and `mean_hd95`) inf, as MONAI's NaN-only-excluding
+    reduction does; `hd95_inf_count_per_class` counts those cases and `hd95_finite_per_class` /
+    `mean_hd95_finite` average the others."""
+    target = np.zeros((8, 8, 8), np.uint8)
+    target[1:4, 1:4, 1:4] = 1
+    target[5:7, 5:7, 5:7] = 2
+    shifted = np.zeros_like(target)
+    shifted[1:4, 1:4, 2:5] = 1  # class 1 one voxel off along z: HD95 2.5 mm with 2.5 mm slices
+    shifted[5:7, 5:7, 5:7] = 2
+    missed = shifted.copy()
+    missed[missed == 2] = 0  # second case: class 2 missed
+    spacing = (1.0, 1.0, 2.5)
+    metrics = SegmentationMetrics(3, hd95=True, class_names=["bg", "a", "b"])
+    first = metrics.update(shifted, target, spacing=spacing, case_id="found")
+    second = metrics.update(missed, target, spacing=spacing, case_id="missed")
+    assert first["hd95_per_class"] == pytest.approx([2.5, 0.0]) and first["mean_hd95"] == pytest.approx(1.25)
+    assert second["hd95_per_class"][1] == math.inf and second["mean_hd95"] == math.inf
+    result = metrics.result()
+    # MONAI "mean_batch" over [[2.5, 0], [2.5, inf]] leaves out NaN only: [2.5, inf]
+    assert result["hd95_per_class"] == [pytest.approx(2.5), math.inf] and result["mean_hd95"] == math.inf
+    assert result["hd95_b"] == math.inf
+    assert result["hd95_inf_count_per_class"] == [0, 1]
+    assert result["hd95_finite_per_class"] == pytest.approx([2.5, 0.0])
+    assert result["mean_hd95_finite"] == pytest.approx(1.25)
 
 
 def brute_force_hd95(prediction, target, spacing):
@@ -120,19 +282,27 @@ def test_accumulator_averages_over_cases():
     first = metrics.update(PREDICTION, TARGET, case_id="case_0")
     assert first["case_id"] == "case_0" and first["dice_a"] == pytest.approx(2 / 3)
     np.testing.assert_allclose(first["dice_per_class"], EXPECTED_DICE[1:])
+    assert first["gt_empty_per_class"] == [False, False, True, True]
+    assert first["predicted_when_gt_empty_per_class"] == [False, False, True, False]
     # second case: perfect, but only class 1 present → dice 1, NaN, NaN, NaN
     perfect = np.zeros((2, 3, 1), np.uint8)
     perfect[0, 0, 0] = 1
     metrics.update(perfect, perfect, spacing=(1.0, 1.0, 1.0))
     result = metrics.result()
-    # class 1: (2/3 + 1)/2; classes 2, 3: only the first case counts; class 4: NaN everywhere
-    np.testing.assert_allclose(result["dice_per_class"], [(2 / 3 + 1) / 2, 0.5, 0.0, nan])
-    assert result["mean_dice"] == pytest.approx(((2 / 3 + 1) / 2 + 0.5 + 0.0) / 3)
+    # class 1: (2/3 + 1)/2; class 2: only the first case counts; classes 3, 4: in no target, so NaN
+    np.testing.assert_allclose(result["dice_per_class"], [(2 / 3 + 1) / 2, 0.5, nan, nan])
+    assert result["dice_cases_per_class"] == [2, 1, 0, 0]
+    assert result["gt_empty_per_class"] == [0, 1, 2, 2]
+    assert result["predicted_when_gt_empty_per_class"] == [0, 0, 1, 0]
+    assert result["mean_dice"] == pytest.approx(((2 / 3 + 1) / 2 + 0.5) / 2)
+    # per case first: case 0 (2/3 + 1/2)/2, case 1 1.0
+    assert result["mean_dice_per_case"] == pytest.approx(((2 / 3 + 0.5) / 2 + 1.0) / 2)
     assert result["dice_b"] == pytest.approx(0.5) and math.isnan(result["dice_d"])
     assert result["num_cases"] == 2 and len(metrics.per_case) == 2
     assert result["hd95_per_class"][0] == pytest.approx(
         np.mean([hausdorff_distance_95(PREDICTION, TARGET, 5)[0], 0.0]))
-    assert math.isnan(result["hd95_per_class"][2])  # class 3 never in a target
+    assert result["hd95_per_class"][2] == math.inf  # class 3 predicted in case 0, in no target
+    assert math.isnan(result["hd95_per_class"][3])  # class 4 in neither map of any case
     assert "mean_hd95" in result and "hd95_a" in result
 
 
@@ -145,3 +315,39 @@ def test_accumulator_without_cases_or_hd95():
     assert metrics.per_case == [] and metrics.result()["num_cases"] == 0
     with pytest.raises(ValueError, match="class names"):
         SegmentationMetrics(num_classes=3, class_names=["bg", "a"])
+
+
+# ---------------------------------------------------------------- predictions.csv and the prediction summary
+
+def test_predictions_csv_and_summary_report_classes_absent_from_the_label(tmp_path):
+    """predict's per-case Dice (MONAI ignore_empty): a class absent from a case's label is NaN in
+    predictions.csv, named in its `absent_from_label` column and left out of `dice_mean`; the printed
+    summary averages each class over the cases that have it and says how many did not."""
+    import csv
+
+    from tfmis.inference.predictor import CaseResult, write_csv
+    from tfmis.predict import dice_summary
+
+    names = ["background", "organ", "core"]
+    label = np.zeros((6, 6, 4), np.uint8)
+    label[1:5, 1:5, 1:3] = 1
+    with_core = label.copy()
+    with_core[2:4, 2:4, 1:3] = 2
+    prediction = with_core.copy()
+    # organ: 32 label voxels; predicted 32 - 8 (core) - 8 (row x = 1) = 16, all inside: 2·16 / (16 + 32) = 2/3
+    prediction[1, 1:5, 1:3] = 0
+    dice_0 = dict(zip(names[1:], map(float, dice_per_class(prediction, label, 3))))  # core absent, predicted
+    dice_1 = dict(zip(names[1:], map(float, dice_per_class(with_core, with_core, 3))))
+    assert dice_0["organ"] == pytest.approx(2 / 3) and math.isnan(dice_0["core"])
+    results = [CaseResult("case_0", "ok", (6, 6, 4), dice=dice_0), CaseResult("case_1", "ok", (6, 6, 4), dice=dice_1),
+               CaseResult("unlabelled", "ok", (6, 6, 4))]
+    write_csv(results, tmp_path / "predictions.csv", names)
+    rows = {r["case"]: r for r in csv.DictReader(open(tmp_path / "predictions.csv"))}
+    assert rows["case_0"]["dice_organ"] == "0.6667" and rows["case_0"]["dice_core"] == "nan"
+    assert float(rows["case_0"]["dice_mean"]) == pytest.approx(2 / 3)  # core left out, not scored 0
+    assert rows["case_0"]["absent_from_label"] == "core" and rows["case_1"]["absent_from_label"] == ""
+    assert rows["unlabelled"]["dice_organ"] == "" and rows["unlabelled"]["absent_from_label"] == ""
+    summary = dice_summary(results, names)
+    # organ (2/3 + 1) / 2; core only from case_1; the mean weighs each class once: (5/6 + 1) / 2
+    assert summary.startswith("mean Dice over 2 case(s): organ 0.8333, core 1.0000 (absent from 1 of 2 labels)")
+    assert summary.endswith("; mean 0.9167")

@@ -45,6 +45,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def dice_summary(results, class_names) -> str:
+    """One line: each foreground class's mean Dice over the cases whose label holds it, with how many
+    labels lacked it (their Dice is NaN, MONAI ignore_empty), and the mean over classes.
+
+    Example:
+    ```python
+    dice_summary(results, ["background", "organ", "core"])
+    # 'mean Dice over 2 case(s): organ 0.8333, core 1.0000 (absent from 1 of 2 labels); mean 0.9167'
+    ```
+    """
+    import math
+
+    scored = [r for r in results if r.dice]
+    parts, means = [], []
+    for name in class_names[1:]:
+        values = [r.dice.get(name, math.nan) for r in scored]
+        present = [v for v in values if not math.isnan(v)]
+        mean = sum(present) / len(present) if present else math.nan
+        means.append(mean)
+        absent = len(values) - len(present)
+        parts.append(f"{name} {mean:.4f}" + (f" (absent from {absent} of {len(values)} labels)" if absent else ""))
+    valid = [m for m in means if not math.isnan(m)]
+    overall = sum(valid) / len(valid) if valid else math.nan
+    return f"mean Dice over {len(scored)} case(s): " + ", ".join(parts) + f"; mean {overall:.4f}"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -77,13 +103,8 @@ def main(argv=None) -> int:
         results.append(result)
     write_csv(results, output / "predictions.csv", predictor.class_names)
     print(results_table(results))
-    scored = [r for r in results if r.dice]
-    if scored:
-        import numpy as np
-
-        means = {name: float(np.nanmean([r.dice[name] for r in scored])) for name in predictor.class_names[1:]}
-        print("mean Dice over " + f"{len(scored)} case(s): " + ", ".join(f"{k} {v:.4f}" for k, v in means.items()) +
-              f"; mean {np.nanmean(list(means.values())):.4f}")
+    if any(r.dice for r in results):
+        print(dice_summary(results, predictor.class_names))
     failed = sum(r.status != "ok" for r in results)
     print(f"{len(results) - failed} of {len(results)} case(s) written to {output} (predictions.csv has the details)")
     return EXIT_FAILED_CASES if failed else 0

@@ -217,6 +217,8 @@ class Predictor:
         return result
 
     def _dice(self, case: InputCase, prediction: np.ndarray, affine: np.ndarray) -> dict:
+        """Dice per foreground class against the case's label map, as MONAI `compute_dice`
+        (ignore_empty): NaN for a class absent from the label, whatever the prediction holds."""
         from tfmis.metrics.segmentation import dice_per_class
 
         img = nib.load(str(case.label))
@@ -317,7 +319,11 @@ def results_table(results: list[CaseResult]) -> str:
 
 
 def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> None:
-    """predictions.csv: one row per case with timing, device and (when labels exist) Dice per class."""
+    """predictions.csv: one row per case with timing, device and (when labels exist) Dice per class.
+
+    A class absent from a case's label has Dice `nan` (MONAI ignore_empty), is named in the
+    `absent_from_label` column (`;`-separated) and is left out of `dice_mean`.
+    """
     import csv
     import io
 
@@ -325,11 +331,13 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> 
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(["case", "status", "shape", "seconds", "foreground_voxels", "device", "output", "reason",
-                     *[f"dice_{n}" for n in foreground], "dice_mean"])
+                     *[f"dice_{n}" for n in foreground], "dice_mean", "absent_from_label"])
     for r in results:
         dice = [r.dice.get(n, math.nan) for n in foreground] if r.dice else []
         mean = float(np.nanmean(dice)) if dice and not all(math.isnan(d) for d in dice) else ""
+        absent = ";".join(n for n, d in zip(foreground, dice) if math.isnan(d))
+        cells = [f"{d:.4f}" for d in dice] if dice else [""] * len(foreground)
         writer.writerow([r.case_id, r.status, "x".join(map(str, r.shape)), f"{r.seconds:.3f}", r.foreground_voxels,
-                         r.device, r.output, r.reason, *[f"{d:.4f}" for d in dice], mean])
+                         r.device, r.output, r.reason, *cells, mean, absent])
     with atomic_writer(path) as f:
         f.write(buffer.getvalue())

@@ -3,6 +3,15 @@
 Used on whole validation volumes after sliding-window inference and argmax, so inputs are integer
 label maps of the same shape (e.g. (X, Y, Z)).
 
+Empty classes follow MONAI (1.6): a class absent from the ground truth has Dice NaN and is left out
+of every mean (`DiceMetric(ignore_empty=True)`), whatever the prediction holds; its HD95 is inf when
+exactly one of prediction / ground truth holds the class and NaN when neither does
+(`compute_hausdorff_distance`), and means leave out NaN only, so one missed case makes the class's mean
+HD95 inf. The accumulator also counts these cases so that they stay visible. (MONAI 1.6's
+`percentile=95` path returns NaN instead of inf for a miss, an artefact of interpolating between
+infinities that drops misses from its mean: MONAI issue #9095. Its `percentile=None` path, its tests
+and the proposed fix give inf, as here.)
+
 Example:
 ```python
 dice = dice_per_class(prediction, target, num_classes=3)          # classes 1 and 2
@@ -42,17 +51,38 @@ def _classes(num_classes: int, include_background: bool) -> range:
     return range(0 if include_background else 1, num_classes)
 
 
-def dice_per_class(prediction, target, num_classes: int, include_background: bool = False) -> np.ndarray:
-    """Dice 2|P∩G| / (|P| + |G|) of each class in two label maps.
+def _voxel_counts(prediction, target, num_classes: int):
+    """(intersection, predicted, ground-truth) voxel counts per class, in one pass over the volume."""
+    # confusion[t, p] counts voxels of target class t predicted as p
+    confusion = np.bincount((target * num_classes + prediction).ravel(), minlength=num_classes ** 2)
+    confusion = confusion.reshape(num_classes, num_classes)
+    return np.diag(confusion).astype(np.float64), confusion.sum(axis=0), confusion.sum(axis=1)
 
-    A class absent from both maps gives NaN (nothing to score, MONAI `ignore_empty`); a class absent
-    from the target but predicted gives 0.
+
+def _dice_from_counts(intersection, predicted, truth, ignore_empty: bool) -> np.ndarray:
+    """MONAI `DiceHelper.compute_channel` per class from the voxel counts."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        dice = 2.0 * intersection / (predicted + truth)
+    empty_truth = truth == 0
+    if ignore_empty:
+        return np.where(empty_truth, np.nan, dice)
+    return np.where(empty_truth, np.where(predicted == 0, 1.0, 0.0), dice)
+
+
+def dice_per_class(prediction, target, num_classes: int, include_background: bool = False,
+                   ignore_empty: bool = True) -> np.ndarray:
+    """Dice 2|P∩G| / (|P| + |G|) of each class in two label maps, as MONAI `compute_dice`.
+
+    A class absent from the ground truth has no Dice to measure: NaN with `ignore_empty` (MONAI's
+    default; means then leave it out), whatever the prediction holds. Without `ignore_empty` it
+    scores 1.0 when the prediction lacks it too and 0.0 when the prediction holds it.
 
     Args:
         prediction: integer label map (after argmax).
         target: integer label map of the same shape.
         num_classes: number of classes, background (0) included.
         include_background: also report class 0.
+        ignore_empty: NaN for classes absent from `target` (MONAI `ignore_empty=True`).
 
     Returns:
         float64 array, one entry per class (classes 1..num_classes-1 unless include_background).
@@ -60,16 +90,11 @@ def dice_per_class(prediction, target, num_classes: int, include_background: boo
     Example:
     ```python
     dice_per_class(np.array([[0, 1]]), np.array([[1, 1]]), num_classes=2)   # array([0.6667])
+    dice_per_class(np.array([[0, 2]]), np.array([[1, 1]]), num_classes=3)   # array([0.0, nan])
     ```
     """
     prediction, target = _label_maps(prediction, target, num_classes)
-    # one pass over the volume: confusion[t, p] counts voxels of target class t predicted as p
-    confusion = np.bincount((target * num_classes + prediction).ravel(), minlength=num_classes ** 2)
-    confusion = confusion.reshape(num_classes, num_classes)
-    intersection = np.diag(confusion).astype(np.float64)
-    total = confusion.sum(axis=0) + confusion.sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        dice = np.where(total > 0, 2.0 * intersection / total, np.nan)
+    dice = _dice_from_counts(*_voxel_counts(prediction, target, num_classes), ignore_empty)
     return dice[list(_classes(num_classes, include_background))]
 
 
@@ -110,7 +135,8 @@ def surface_distance_percentile(prediction_mask, target_mask, spacing=None, perc
 
     The larger of the two directed distances (percentile of the distances from each prediction
     surface voxel to the nearest target surface voxel, and the reverse), as MONAI
-    `compute_hausdorff_distance(percentile=95)`. NaN when either mask is empty.
+    `compute_hausdorff_distance(percentile=95)`. As there: inf when exactly one mask is empty (a
+    missed or spurious structure is infinitely far off), NaN when both are (nothing to measure).
 
     Args:
         prediction_mask, target_mask: boolean arrays of one shape.
@@ -127,7 +153,7 @@ def surface_distance_percentile(prediction_mask, target_mask, spacing=None, perc
     if spacing.shape != (prediction_mask.ndim,):
         raise ValueError(f"spacing {tuple(spacing)} does not match {prediction_mask.ndim} dimensions")
     if not prediction_mask.any() or not target_mask.any():
-        return float("nan")
+        return float("nan") if prediction_mask.any() == target_mask.any() else float("inf")
     # Work in the bounding box of both masks, padded by one empty voxel: every surface voxel lies
     # inside it, so distances are exact, and the zero padding plays the role of erosion's border.
     box = _bounding_box(prediction_mask | target_mask)
@@ -151,7 +177,8 @@ def hausdorff_distance_95(prediction, target, num_classes: int, spacing=(1.0, 1.
         include_background: also report class 0.
 
     Returns:
-        float64 array, one entry per class; NaN where the class is absent from either map.
+        float64 array, one entry per class; inf where exactly one map holds the class, NaN where
+        neither does (MONAI semantics).
 
     Example:
     ```python
@@ -163,12 +190,32 @@ def hausdorff_distance_95(prediction, target, num_classes: int, spacing=(1.0, 1.
                      for c in _classes(num_classes, include_background)], dtype=np.float64)
 
 
-class SegmentationMetrics:
-    """Accumulates per-case Dice (and optionally HD95) over a validation set.
+def _finite_mean(values) -> float:
+    """Mean of the finite values; NaN when there are none."""
+    values = np.asarray(values, dtype=np.float64)
+    finite = values[np.isfinite(values)]
+    return float(finite.mean()) if finite.size else float("nan")
 
-    `result()` reports, per class, the mean over cases ignoring NaN (cases where the class is
-    absent), and `mean_dice` / `mean_hd95` as the mean of those per-class values, so every class
-    weighs the same whatever its number of cases.
+
+class SegmentationMetrics:
+    """Accumulates per-case Dice (and optionally HD95) over a validation set, with MONAI's semantics.
+
+    Per case and class: Dice as `dice_per_class` (NaN for a class absent from the ground truth, with
+    `ignore_empty`), HD95 as `hausdorff_distance_95` (inf when exactly one map holds the class).
+
+    `result()` aggregates like MONAI's metric reductions, leaving out NaN (never inf):
+
+    - `dice_per_class`: per class, the mean over the cases where it was scored (MONAI
+      `reduction="mean_batch"`; NaN for a class scored in no case, where MONAI reports 0).
+    - `mean_dice`: the mean of those per-class values, so every class weighs the same whatever its
+      number of cases (nnU-Net's foreground mean). `mean_dice_per_case` is MONAI's `reduction="mean"`
+      instead: the mean over cases of each case's mean over its scored classes.
+    - `dice_cases_per_class` (MONAI's `not_nans`), `gt_empty_per_class` (cases whose ground truth
+      lacks the class) and `predicted_when_gt_empty_per_class` (of those, the cases where it was
+      predicted anyway: false positives that no Dice shows under `ignore_empty`).
+    - `hd95_per_class` / `mean_hd95`: means over cases (then classes) with NaN left out and inf kept,
+      so one missed (or spurious) class makes them inf; `hd95_inf_count_per_class` counts such cases,
+      and `hd95_finite_per_class` / `mean_hd95_finite` average the finite values only.
 
     Args:
         num_classes: number of classes, background (0) included.
@@ -176,6 +223,8 @@ class SegmentationMetrics:
         hd95: also compute the 95% Hausdorff distance (slower: two distance transforms per class).
         class_names: one name per class (background included) for readable keys such as
             `dice_tumour`; optional.
+        ignore_empty: Dice NaN for classes absent from the ground truth (MONAI default); False scores
+            them 1.0 if also absent from the prediction, else 0.0.
 
     Example:
     ```python
@@ -187,12 +236,13 @@ class SegmentationMetrics:
     """
 
     def __init__(self, num_classes: int, include_background: bool = False, hd95: bool = False,
-                 class_names=None):
+                 class_names=None, ignore_empty: bool = True):
         if class_names is not None and len(class_names) != num_classes:
             raise ValueError(f"got {len(class_names)} class names for {num_classes} classes")
         self.num_classes = int(num_classes)
         self.include_background = bool(include_background)
         self.hd95 = bool(hd95)
+        self.ignore_empty = bool(ignore_empty)
         self.class_names = list(class_names) if class_names is not None else None
         self.classes = list(_classes(self.num_classes, self.include_background))
         self.per_case: list[dict] = []
@@ -222,22 +272,45 @@ class SegmentationMetrics:
             spacing: voxel size in mm for HD95 (default 1 mm per axis).
             case_id: optional identifier kept in the entry.
         """
-        dice = dice_per_class(prediction, target, self.num_classes, self.include_background)
+        prediction, target = _label_maps(prediction, target, self.num_classes)
+        intersection, predicted, truth = (c[self.classes] for c in
+                                          _voxel_counts(prediction, target, self.num_classes))
+        dice = _dice_from_counts(intersection, predicted, truth, self.ignore_empty)
         hd95 = None
         if self.hd95:
             spacing = (1.0,) * np.ndim(prediction) if spacing is None else spacing
             hd95 = hausdorff_distance_95(prediction, target, self.num_classes, spacing, self.include_background)
-        entry = {"case_id": case_id, **self._summary(dice, hd95)}
+        entry = {"case_id": case_id, **self._summary(dice, hd95),
+                 "gt_empty_per_class": [bool(t == 0) for t in truth],
+                 "predicted_when_gt_empty_per_class": [bool(t == 0 and p > 0) for t, p in zip(truth, predicted)]}
         self.per_case.append(entry)
         return entry
 
     def result(self) -> dict:
-        """Per-class means over the cases so far, their mean, and `num_cases` (NaN when empty)."""
-        def per_class(key):
+        """Per-class means over the cases so far, their means, the counts above and `num_cases`
+        (NaN means and zero counts when there are no cases)."""
+        def table(key):
             if not self.per_case:
-                return np.full(len(self.classes), np.nan)
-            table = np.array([case[key] for case in self.per_case], dtype=np.float64)
-            return np.array([_nanmean(column) for column in table.T])
+                return np.zeros((0, len(self.classes)))
+            return np.array([case[key] for case in self.per_case], dtype=np.float64)
 
-        hd95 = per_class("hd95_per_class") if self.hd95 else None
-        return {**self._summary(per_class("dice_per_class"), hd95), "num_cases": len(self.per_case)}
+        def per_class(values, reduce=_nanmean):
+            return np.array([reduce(column) for column in values.T])
+
+        def counts(values):
+            return [int(n) for n in values.sum(axis=0)]
+
+        dice = table("dice_per_class")
+        hd95 = table("hd95_per_class") if self.hd95 else None
+        result = self._summary(per_class(dice), per_class(hd95) if self.hd95 else None)
+        per_case_means = [_nanmean(row) for row in dice]
+        result.update(mean_dice_per_case=_nanmean(per_case_means),
+                      dice_cases_per_class=counts(~np.isnan(dice)),
+                      gt_empty_per_class=counts(table("gt_empty_per_class")),
+                      predicted_when_gt_empty_per_class=counts(table("predicted_when_gt_empty_per_class")))
+        if self.hd95:
+            finite = per_class(hd95, _finite_mean)
+            result.update(hd95_inf_count_per_class=counts(np.isinf(hd95)),
+                          hd95_finite_per_class=[float(v) for v in finite], mean_hd95_finite=_nanmean(finite))
+        result["num_cases"] = len(self.per_case)
+        return result
