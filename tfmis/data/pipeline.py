@@ -108,13 +108,15 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
         "index": index, "split": config.data.train_split, "seed": seed, "deterministic": p.deterministic,
         "max_foreground_indices": p.max_foreground_indices,
         "input_pipelines": input_context.num_input_pipelines if input_context else 1})
-    dataset = dataset.shuffle(p.shuffle_volumes, seed=seed, reshuffle_each_iteration=True).repeat()
+    # a resumed run (seed_offset = epochs done) draws a new volume order and new crops, not epoch 1's again
+    stream_seed = seed + 7919 * seed_offset
+    dataset = dataset.shuffle(p.shuffle_volumes, seed=stream_seed, reshuffle_each_iteration=True).repeat()
     # per-element seeds: (training seed, position in the stream), independent of thread scheduling
     dataset = dataset.enumerate()
 
     def crops(position, element):
         image, label, fg, fg_class = element
-        element_seed = tf.stack([tf.constant(seed + 1000 * pipeline_id + 7919 * seed_offset, tf.int64), position])
+        element_seed = tf.stack([tf.constant(stream_seed + 1000 * pipeline_id, tf.int64), position])
         images, labels = rand_crop_by_pos_neg(tf.cast(image, tf.float32), label, fg, fg_class, p.patch_size,
                                               p.num_crops_per_image, p.pos_neg_ratio[0], p.pos_neg_ratio[1],
                                               element_seed, p.class_ratios)
@@ -131,7 +133,7 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
         crops, cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
     dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
     if p.shuffle_crops > 1:
-        dataset = dataset.shuffle(p.shuffle_crops, seed=seed + 1)
+        dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
     batch = p.num_images_per_batch * config.training.accumulation_steps
     dataset = dataset.batch(batch, drop_remainder=True)
     options = tf.data.Options()
