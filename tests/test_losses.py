@@ -1,8 +1,12 @@
-"""Segmentation losses against values worked out by hand on tiny volumes.
+"""Segmentation losses against values worked out by hand on tiny volumes and against MONAI's formulas.
 
 Logits are chosen so that the probabilities are round numbers: softmax(log p) = p when p sums to
 one, and sigmoid(log(p / (1 − p))) = p. The volumes are (B, X, Y, Z) = (B, 2, 2, 1); the voxel
 order in the comments is the row-major order of the 2×2 grid.
+
+The MONAI references are NumPy transcriptions (channels-last) of MONAI 1.6.1's `DiceLoss.forward`,
+`FocalLoss.forward` with `sigmoid_focal_loss` / `softmax_focal_loss` (monai/losses/focal_loss.py) and
+`DiceFocalLoss` (monai/losses/dice.py), with `to_onehot_y=True` and reduction "mean".
 """
 
 import math
@@ -154,43 +158,150 @@ def test_dice_ce_sigmoid_by_hand():
     assert value(loss, volume_labels(LABELS_0), sigmoid_logits(SIGMOID_P0)) == pytest.approx(dice + bce, abs=1e-6)
 
 
-def test_dice_focal_softmax_by_hand():
-    # −(1 − p_t)² ln p_t per voxel: p_t = .7, .6, .6, .4
-    focal = -(0.3 ** 2 * ln(0.7) + 0.4 ** 2 * ln(0.6) + 0.4 ** 2 * ln(0.6) + 0.6 ** 2 * ln(0.4)) / 4
-    loss = DiceFocalLoss(gamma=2.0, lambda_dice=0.0)
-    assert value(loss, volume_labels(LABELS_0), softmax_logits(SOFTMAX_P0)) == pytest.approx(focal, abs=1e-6)
-    dice = 1 - (2.0 / 3.4 + 1.2 / 2.1) / 2
-    loss = DiceFocalLoss(gamma=2.0, lambda_focal=3.0, include_background=False, **NO_SMOOTH)
-    assert value(loss, volume_labels(LABELS_0), softmax_logits(SOFTMAX_P0)) == pytest.approx(
-        dice + 3.0 * focal, abs=1e-6)
-
-
 def test_dice_focal_sigmoid_by_hand():
-    # p_t = p where the one-hot target is 1, else 1 − p; term −(1 − p_t)² ln p_t, mean over 12
+    # MONAI's focal term is the sigmoid one: p_t = p where the one-hot target is 1, else 1 − p;
+    # term −(1 − p_t)² ln p_t, mean over all 12 (voxel, channel) pairs
     # v0 g=1,0,0 p=.9,.2,.5 → p_t .9,.8,.5     v1 g=0,1,0 p=.3,.8,.1 → p_t .7,.8,.9
     # v2 g=0,0,1 p=.1,.4,.7 → p_t .9,.6,.7     v3 g=0,1,0 p=.6,.5,.2 → p_t .4,.5,.8
     p_true = [.9, .8, .5, .7, .8, .9, .9, .6, .7, .4, .5, .8]
     focal = -sum((1 - p) ** 2 * ln(p) for p in p_true) / 12
     loss = DiceFocalLoss(gamma=2.0, lambda_dice=0.0, activation="sigmoid")
     assert value(loss, volume_labels(LABELS_0), sigmoid_logits(SIGMOID_P0)) == pytest.approx(focal, abs=1e-6)
+    # the focal term ignores the Dice activation (MONAI's DiceFocalLoss gives its FocalLoss none)
+    loss = DiceFocalLoss(gamma=2.0, lambda_dice=0.0, activation="softmax")
+    assert value(loss, volume_labels(LABELS_0), sigmoid_logits(SIGMOID_P0)) == pytest.approx(focal, abs=1e-6)
+    # include_background=False drops channel 0 from the focal term too: mean over the 8 others
+    focal_fg = -sum((1 - p) ** 2 * ln(p) for k, p in enumerate(p_true) if k % 3) / 8
+    loss = DiceFocalLoss(gamma=2.0, lambda_focal=0.5, activation="sigmoid", include_background=False, **NO_SMOOTH)
+    dice = 1 - (2.6 / 3.9 + 1.4 / 2.5) / 2  # as in test_sigmoid_dice_by_hand
+    assert value(loss, volume_labels(LABELS_0), sigmoid_logits(SIGMOID_P0)) == pytest.approx(
+        dice + 0.5 * focal_fg, abs=1e-6)
+
+
+def test_dice_focal_softmax_focal_option_by_hand():
+    # focal_use_softmax (MONAI FocalLoss(use_softmax=True)): −(1 − p_t)² ln p_t on the true class of each
+    # voxel (p_t = .7, .6, .6, .4), 0 on the other channels, mean over all 4 × 3 (voxel, channel) pairs
+    focal = -(0.3 ** 2 * ln(0.7) + 0.4 ** 2 * ln(0.6) + 0.4 ** 2 * ln(0.6) + 0.6 ** 2 * ln(0.4)) / 12
+    loss = DiceFocalLoss(gamma=2.0, lambda_dice=0.0, focal_use_softmax=True)
+    assert value(loss, volume_labels(LABELS_0), softmax_logits(SOFTMAX_P0)) == pytest.approx(focal, abs=1e-6)
 
 
 @pytest.mark.parametrize("activation", ["softmax", "sigmoid"])
 def test_focal_with_gamma_zero_is_cross_entropy(activation):
+    """γ = 0: the (sigmoid) focal term is the binary cross-entropy of every channel, whatever the Dice
+    activation; the softmax option is the softmax cross-entropy divided by the number of channels."""
     rng = np.random.default_rng(0)
     labels = tf.constant(rng.integers(0, 3, (2, 4, 4, 3)), tf.int32)
     logits = tf.constant(rng.normal(0, 3, (2, 4, 4, 3, 3)), tf.float32)
     focal = DiceFocalLoss(gamma=0.0, lambda_dice=0.0, activation=activation)
-    ce = DiceCELoss(lambda_dice=0.0, activation=activation)
-    assert value(focal, labels, logits) == pytest.approx(value(ce, labels, logits), rel=1e-6)
-    assert value(ce, labels, logits) > 0.5  # not trivially zero
+    bce = DiceCELoss(lambda_dice=0.0, activation="sigmoid")
+    assert value(focal, labels, logits) == pytest.approx(value(bce, labels, logits), rel=1e-6)
+    assert value(bce, labels, logits) > 0.5  # not trivially zero
+    softmax_focal = DiceFocalLoss(gamma=0.0, lambda_dice=0.0, focal_use_softmax=True)
+    ce = DiceCELoss(lambda_dice=0.0, activation="softmax")
+    assert value(softmax_focal, labels, logits) == pytest.approx(value(ce, labels, logits) / 3, rel=1e-6)
+
+
+# ---------------------------------------------------------------- Dice + focal against MONAI
+
+def _log_sigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def _log_softmax(x):
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def monai_dice_loss(probabilities, target, include_background, squared_pred, batch, smooth_nr, smooth_dr):
+    """MONAI `DiceLoss.forward` after its activation and one-hot (channels last), reduction "mean"."""
+    if not include_background and probabilities.shape[-1] > 1:
+        probabilities, target = probabilities[..., 1:], target[..., 1:]
+    axes = tuple(range(1, probabilities.ndim - 1))
+    axes = (0,) + axes if batch else axes
+    intersection = np.sum(target * probabilities, axis=axes)
+    if squared_pred:
+        target, probabilities = target ** 2, probabilities ** 2
+    denominator = np.sum(target, axis=axes) + np.sum(probabilities, axis=axes)
+    return np.mean(1.0 - (2.0 * intersection + smooth_nr) / (denominator + smooth_dr))
+
+
+def monai_focal_loss(logits, target, include_background, gamma, alpha=None, use_softmax=False):
+    """MONAI `FocalLoss.forward` (to_onehot_y already applied, reduction "mean"): background dropped
+    from logits and target first, then `sigmoid_focal_loss` or `softmax_focal_loss`, then the mean over
+    every element (batch, channel and space)."""
+    if not include_background and logits.shape[-1] > 1:
+        logits, target = logits[..., 1:], target[..., 1:]
+    if use_softmax:
+        if not include_background:
+            alpha = None  # MONAI ignores a scalar alpha here, with a warning
+        input_ls = _log_softmax(logits)
+        loss = -(1 - np.exp(input_ls)) ** gamma * input_ls * target
+        if alpha is not None:
+            loss = np.array([1 - alpha] + [alpha] * (target.shape[-1] - 1)) * loss
+    else:
+        loss = logits - logits * target - _log_sigmoid(logits)  # binary cross-entropy with logits
+        invprobs = _log_sigmoid(-logits * (target * 2 - 1))  # log(1 − p_t)
+        loss = np.exp(invprobs * gamma) * loss
+        if alpha is not None:
+            loss = (target * alpha + (1 - target) * (1 - alpha)) * loss
+    return loss.mean()
+
+
+def monai_dice_focal_loss(labels, logits, activation="softmax", include_background=True, gamma=2.0, alpha=None,
+                          lambda_dice=1.0, lambda_focal=1.0, squared_pred=False, batch=False, smooth_nr=1e-5,
+                          smooth_dr=1e-5):
+    """MONAI `DiceFocalLoss(to_onehot_y=True, softmax=..., sigmoid=...)`: the focal term never gets the
+    activation (MONAI does not pass `use_softmax` to its FocalLoss), so it is always the sigmoid form."""
+    logits = np.asarray(logits, np.float64)
+    target = np.eye(logits.shape[-1])[np.asarray(labels)]
+    probabilities = np.exp(_log_softmax(logits)) if activation == "softmax" else 1 / (1 + np.exp(-logits))
+    dice = monai_dice_loss(probabilities, target, include_background, squared_pred, batch, smooth_nr, smooth_dr)
+    focal = monai_focal_loss(logits, target, include_background, gamma, alpha)
+    return lambda_dice * dice + lambda_focal * focal
+
+
+MONAI_DICE_FOCAL_CASES = [
+    dict(activation="softmax"),
+    dict(activation="softmax", include_background=False, lambda_focal=0.7),
+    dict(activation="sigmoid"),
+    dict(activation="sigmoid", include_background=False, gamma=1.5, alpha=0.25, lambda_dice=0.5),
+    dict(activation="softmax", gamma=0.0, batch=True, squared_pred=True, alpha=0.75),
+]
+
+
+@pytest.mark.parametrize("options", MONAI_DICE_FOCAL_CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_dice_focal_matches_monai_dice_focal_loss(options):
+    """DiceFocalLoss equals MONAI's DiceFocalLoss written out in NumPy: Dice on softmax/sigmoid
+    probabilities, the sigmoid focal term averaged over every (sample, voxel, channel) element, channel 0
+    dropped from both terms without include_background, optional alpha balance, lambda weights."""
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 3, (2, 4, 3, 5))
+    logits = rng.normal(0, 2.5, (2, 4, 3, 5, 3)).astype(np.float32)
+    expected = monai_dice_focal_loss(labels, logits, **options)
+    actual = value(DiceFocalLoss(**options), tf.constant(labels, tf.uint8), tf.constant(logits))
+    assert actual == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("include_background", [True, False])
+@pytest.mark.parametrize("alpha", [None, 0.25])
+def test_softmax_focal_option_matches_monai_focal_loss_use_softmax(include_background, alpha):
+    """focal_use_softmax=True equals MONAI `FocalLoss(use_softmax=True)`: softmax over the kept channels
+    (background dropped first), only the true class's term, mean over every element."""
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, 4, (2, 5, 4, 3))
+    logits = rng.normal(0, 2.0, (2, 5, 4, 3, 4)).astype(np.float32)
+    target = np.eye(4)[labels]
+    expected = monai_focal_loss(logits.astype(np.float64), target, include_background, 2.0, alpha, use_softmax=True)
+    loss = DiceFocalLoss(lambda_dice=0.0, include_background=include_background, alpha=alpha, focal_use_softmax=True)
+    assert value(loss, tf.constant(labels, tf.uint8), tf.constant(logits)) == pytest.approx(expected, rel=1e-5)
 
 
 # ---------------------------------------------------------------- behaviour
 
 def perfect_logits(labels, num_classes, activation, scale=1e4):
-    one_hot = tf.one_hot(labels, num_classes)
-    return scale * one_hot if activation == "softmax" else scale * (2.0 * one_hot - 1.0)
+    """Confident and right for softmax and for per-channel sigmoids alike (which the focal term uses)."""
+    return scale * (2.0 * tf.one_hot(labels, num_classes) - 1.0)
 
 
 @pytest.mark.parametrize("activation", ["softmax", "sigmoid"])
@@ -209,6 +320,7 @@ LOSS_FACTORIES = [
     lambda a: DiceLoss(activation=a, include_background=False, squared_pred=True, batch=True),
     lambda a: DiceCELoss(activation=a),
     lambda a: DiceFocalLoss(activation=a),
+    lambda a: DiceFocalLoss(activation=a, include_background=False, focal_use_softmax=True, alpha=0.25),
 ]
 
 
@@ -282,6 +394,7 @@ def test_mirrored_strategy_gives_the_local_batch_mean():
              smooth_dr=1e-3, name="my_dice"),
     DiceCELoss(lambda_dice=0.3, lambda_ce=0.7, include_background=False),
     DiceFocalLoss(gamma=1.5, lambda_focal=2.0, activation="sigmoid"),
+    DiceFocalLoss(alpha=0.25, focal_use_softmax=True, include_background=False),
 ])
 def test_config_round_trip(loss_fn):
     restored = type(loss_fn).from_config(loss_fn.get_config())
@@ -307,6 +420,8 @@ def test_invalid_arguments_are_rejected():
         DiceLoss(activation="relu")
     with pytest.raises(ValueError, match="gamma"):
         DiceFocalLoss(gamma=-1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        DiceFocalLoss(alpha=1.5)
     with pytest.raises(ValueError, match="softmax needs at least 2 channels"):
         DiceLoss()(volume_labels(LABELS_0), tf.zeros((1, 2, 2, 1, 1)))
     with pytest.raises(NotImplementedError, match="sample_weight"):

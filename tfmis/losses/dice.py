@@ -100,35 +100,59 @@ def cross_entropy(labels, logits, target, activation: str):
     return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=target, logits=logits))
 
 
-def focal_loss(logits, target, activation: str, gamma: float = 2.0):
-    """Mean focal loss −(1 − p_t)^γ · log p_t (Lin et al. 2017; MONAI `FocalLoss` formulas).
+def focal_loss(logits, target, gamma: float = 2.0, alpha=None, include_background: bool = True,
+               use_softmax: bool = False):
+    """Mean focal loss −α_t (1 − p_t)^γ · log p_t, as MONAI `FocalLoss(reduction="mean")` (Lin et al. 2017).
 
-    Softmax: one term per voxel (p_t = softmax probability of the true class), averaged over voxels,
-    so γ = 0 gives exactly the sparse softmax cross-entropy. Sigmoid: one term per voxel and channel,
-    averaged over both, so γ = 0 gives the binary cross-entropy.
+    As in MONAI, channel 0 is dropped first when `include_background` is False, and the mean runs over
+    every element (batch, voxels and channels). Sigmoid form (MONAI's default, `use_softmax=False`): one
+    term per voxel and channel with p = sigmoid(logit), p_t = p on the target channel and 1 − p on the
+    others, so γ = 0 gives the binary cross-entropy. Softmax form (`FocalLoss(use_softmax=True)`): p =
+    softmax over the kept channels, a term only on each voxel's target channel; averaged over channels
+    too, so γ = 0 gives the softmax cross-entropy divided by the number of kept channels.
 
     Args:
         logits: (B, *spatial, C) float32 logits.
         target: (B, *spatial, C) float32 one-hot target.
-        activation: `softmax` or `sigmoid`.
         gamma: focusing parameter ≥ 0.
+        alpha: optional balance in [0, 1]: sigmoid form α on target channels and 1 − α elsewhere;
+            softmax form 1 − α on channel 0 and α on the others (ignored without the background
+            channel, as MONAI does).
+        include_background: keep channel 0 (ignored, with a warning, when there is one channel).
+        use_softmax: softmax form instead of the sigmoid one.
 
     Example:
     ```python
-    loss = focal_loss(logits, tf.one_hot(labels, 3), "softmax", gamma=2.0)
+    loss = focal_loss(logits, tf.one_hot(labels, 3), gamma=2.0, include_background=False)
     ```
     """
-    if activation == "softmax":
+    if not include_background:
+        if logits.shape[-1] == 1:
+            warnings.warn("single channel prediction, include_background=False ignored", stacklevel=2)
+        else:
+            logits, target = logits[..., 1:], target[..., 1:]
+    if use_softmax:
+        channels = logits.shape[-1]
+        if channels == 1:
+            warnings.warn("softmax over a single channel is constant: the focal term is 0", stacklevel=2)
         log_p_true = tf.reduce_sum(target * tf.nn.log_softmax(logits, axis=-1), axis=-1)
         # log(1 − p_t) as logsumexp over the other classes minus over all: finite (with finite
         # gradients) even where p_t rounds to 1 in float32, unlike pow(1 − p_t, γ).
         other_logits = tf.where(target > 0, tf.constant(_MASKED_LOGIT, logits.dtype), logits)
         log_1m_p_true = tf.reduce_logsumexp(other_logits, axis=-1) - tf.reduce_logsumexp(logits, axis=-1)
-        return tf.reduce_mean(-tf.exp(gamma * log_1m_p_true) * log_p_true)
+        per_voxel = -tf.exp(gamma * log_1m_p_true) * log_p_true
+        if alpha is not None and include_background:
+            weights = tf.constant([1.0 - alpha] + [alpha] * (channels - 1), logits.dtype)
+            per_voxel *= tf.reduce_sum(target * weights, axis=-1)
+        # the other channels' terms are 0 but count in MONAI's mean over every element
+        return tf.reduce_mean(per_voxel) / channels
     bce = tf.nn.sigmoid_cross_entropy_with_logits(labels=target, logits=logits)
     # 1 − p_t is sigmoid(−x) for a positive target and sigmoid(x) for a negative one
     log_1m_p_true = tf.math.log_sigmoid(-logits * (2.0 * target - 1.0))
-    return tf.reduce_mean(tf.exp(gamma * log_1m_p_true) * bce)
+    loss = tf.exp(gamma * log_1m_p_true) * bce
+    if alpha is not None:
+        loss *= target * alpha + (1.0 - target) * (1.0 - alpha)
+    return tf.reduce_mean(loss)
 
 
 @keras.saving.register_keras_serializable(package="tfmis")
@@ -237,41 +261,55 @@ class DiceCELoss(DiceLoss):
 
 @keras.saving.register_keras_serializable(package="tfmis")
 class DiceFocalLoss(DiceLoss):
-    """`lambda_dice`·Dice + `lambda_focal`·focal loss, after MONAI `DiceFocalLoss`.
+    """`lambda_dice`·Dice + `lambda_focal`·focal loss, as MONAI `DiceFocalLoss` (matched to MONAI 1.6.1).
 
-    The focal term uses the `activation` of the Dice term (see `focal_loss`) and, like the
-    cross-entropy of `DiceCELoss`, covers every class whatever `include_background` says.
+    Equals MONAI's `DiceFocalLoss(to_onehot_y=True, softmax=True)` (or `sigmoid=True`) with the same
+    `include_background`, `gamma`, `alpha`, `lambda_dice`, `lambda_focal`, `squared_pred`, `batch` and
+    smoothing. As in MONAI, the activation only applies to the Dice term: the focal term is MONAI's
+    `FocalLoss` on the raw logits, sigmoid form by default (MONAI's DiceFocalLoss does not pass
+    `use_softmax` on; see `focal_loss`), averaged over every (sample, voxel, channel) element, and
+    `include_background=False` drops channel 0 from both terms. MONAI's per-class `weight` is not
+    supported.
 
     Args:
-        gamma: focal focusing parameter (≥ 0; 0 gives plain cross-entropy).
+        gamma: focal focusing parameter (≥ 0; 0 gives the binary cross-entropy).
         lambda_dice: weight of the Dice term (≥ 0).
         lambda_focal: weight of the focal term (≥ 0).
+        alpha: optional focal balance in [0, 1] (MONAI's `alpha`); None for none.
+        focal_use_softmax: use the softmax focal form (MONAI `FocalLoss(use_softmax=True)`), which
+            MONAI's own DiceFocalLoss cannot select.
         **kwargs: `DiceLoss` arguments (include_background, activation, squared_pred, batch, ...).
 
     Example:
     ```python
-    loss_fn = DiceFocalLoss(gamma=2.0, activation="sigmoid")
+    loss_fn = DiceFocalLoss(gamma=2.0, include_background=False)   # MONAI DiceFocalLoss(..., softmax=True)
     ```
     """
 
-    def __init__(self, gamma=2.0, lambda_dice=1.0, lambda_focal=1.0, name="dice_focal_loss", **kwargs):
+    def __init__(self, gamma=2.0, lambda_dice=1.0, lambda_focal=1.0, alpha=None, focal_use_softmax=False,
+                 name="dice_focal_loss", **kwargs):
         super().__init__(name=name, **kwargs)
         if gamma < 0:
             raise ValueError("gamma must be >= 0")
         if lambda_dice < 0 or lambda_focal < 0:
             raise ValueError("lambda_dice and lambda_focal must be >= 0")
+        if alpha is not None and not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1] or None, got {alpha}")
         self.gamma = float(gamma)
         self.lambda_dice = float(lambda_dice)
         self.lambda_focal = float(lambda_focal)
+        self.alpha = None if alpha is None else float(alpha)
+        self.focal_use_softmax = bool(focal_use_softmax)
 
     def call(self, y_true, y_pred):
         _, logits, target = self._inputs(y_true, y_pred)
-        focal = focal_loss(logits, target, self.activation, self.gamma)
+        focal = focal_loss(logits, target, self.gamma, self.alpha, self.include_background, self.focal_use_softmax)
         return self.lambda_dice * self._dice(logits, target) + self.lambda_focal * focal
 
     def get_config(self):
         config = super().get_config()
-        config.update(gamma=self.gamma, lambda_dice=self.lambda_dice, lambda_focal=self.lambda_focal)
+        config.update(gamma=self.gamma, lambda_dice=self.lambda_dice, lambda_focal=self.lambda_focal,
+                      alpha=self.alpha, focal_use_softmax=self.focal_use_softmax)
         return config
 
 
