@@ -1,5 +1,6 @@
-"""Novograd against a NumPy transcription of the paper, in every execution mode the trainer uses
-(eager, tf.function, loss scaling, MirroredStrategy, checkpoints); schedules and the optimizer factory."""
+"""Novograd against a NumPy transcription of the paper and one of MONAI's Novograd, in every execution
+mode the trainer uses (eager, tf.function, loss scaling, MirroredStrategy, checkpoints); schedules and the
+optimizer factory."""
 
 from __future__ import annotations
 
@@ -155,6 +156,81 @@ def test_novograd_config_round_trip():
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
     assert isinstance(restored, Novograd) and restored.get_config() == config
     assert float(restored.learning_rate) == pytest.approx(float(schedule(0)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Novograd against MONAI's Novograd (monai/optimizers/novograd.py, MONAI 1.6.1), written out in NumPy
+# ----------------------------------------------------------------------------------------------------------------
+
+def monai_novograd(weights, gradient_steps, lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0,
+                   grad_averaging=False, amsgrad=False):
+    """MONAI `Novograd.step`, one tensor at a time, in float64: weights, `exp_avg`, `exp_avg_sq` after all
+    steps. Transcribed from MONAI's source, independently of tfmis' optimizer and of `novograd_reference`."""
+    beta1, beta2 = betas
+    params = [np.array(w, np.float64) for w in weights]
+    state = [dict(exp_avg=np.zeros_like(p), exp_avg_sq=0.0, max_exp_avg_sq=0.0) for p in params]
+    for grads in gradient_steps:
+        for p, g, st in zip(params, grads, state):
+            grad = np.array(g, np.float64)
+            norm = np.sum(grad ** 2)
+            if st["exp_avg_sq"] == 0:
+                st["exp_avg_sq"] = norm
+            else:
+                st["exp_avg_sq"] = st["exp_avg_sq"] * beta2 + (1 - beta2) * norm
+            if amsgrad:
+                st["max_exp_avg_sq"] = max(st["max_exp_avg_sq"], st["exp_avg_sq"])
+                denom = math.sqrt(st["max_exp_avg_sq"]) + eps
+            else:
+                denom = math.sqrt(st["exp_avg_sq"]) + eps
+            grad = grad / denom
+            if weight_decay != 0:
+                grad = grad + weight_decay * p
+            if grad_averaging:
+                grad = grad * (1 - beta1)
+            st["exp_avg"] = beta1 * st["exp_avg"] + grad
+            p -= lr * st["exp_avg"]  # in place, as p.data.add_
+    return params, [st["exp_avg"] for st in state], [st["exp_avg_sq"] for st in state]
+
+
+@pytest.mark.parametrize("weight_decay, amsgrad, compiled", [
+    (0.01, False, False),
+    (0.01, True, False),
+    (0.05, True, True),
+])
+def test_novograd_matches_monai_update_rule(weight_decay, amsgrad, compiled):
+    """Without grad_averaging, tfmis' Novograd with MONAI's β2 = 0.98 takes MONAI's steps exactly over 20
+    steps with weight decay: second moment initialised to ||g_1||², g / (sqrt(v) + ε), decay added after
+    the normalisation, amsgrad's running maximum."""
+    weights, steps = random_problem(seed=7)
+    optimizer = Novograd(learning_rate=0.05, beta_1=0.9, beta_2=0.98, epsilon=1e-8, weight_decay=weight_decay,
+                         amsgrad=amsgrad)
+    variables = run_keras(optimizer, weights, steps, compiled=compiled)
+    expected_w, expected_m, expected_v = monai_novograd(weights, steps, 0.05, weight_decay=weight_decay,
+                                                        amsgrad=amsgrad)
+    assert_close(variables, expected_w)
+    first, second = slots_of(optimizer, variables)
+    assert_close(first, expected_m)
+    np.testing.assert_allclose(second, expected_v, rtol=1e-5)
+
+
+def test_novograd_grad_averaging_differs_from_monai_only_by_the_documented_first_step():
+    """With grad_averaging, MONAI scales the first step's u_1 = g_1 / (||g_1|| + ε) by (1 − β1) too; tfmis
+    (the paper's m_1 = u_1, as tensorflow-addons) does not. Without weight decay the gradients do not
+    depend on the weights, so the momenta then differ by exactly β1^t · u_1 and the weights by
+    −lr · u_1 · (β1 + β1² + ... + β1^t): the only difference from MONAI."""
+    weights, steps = random_problem(seed=8)
+    beta_1, lr = 0.9, 0.05
+    optimizer = Novograd(learning_rate=lr, beta_1=beta_1, beta_2=0.98, grad_averaging=True)
+    variables = run_keras(optimizer, weights, steps)
+    monai_w, monai_m, monai_v = monai_novograd(weights, steps, lr, grad_averaging=True)
+    u_1 = [np.asarray(g, np.float64) / (np.linalg.norm(np.asarray(g, np.float64)) + 1e-8) for g in steps[0]]
+    t = len(steps)
+    assert_close(slots_of(optimizer, variables)[0], [m + beta_1 ** t * u for m, u in zip(monai_m, u_1)])
+    shift = sum(beta_1 ** k for k in range(1, t + 1))
+    assert_close(variables, [w - lr * shift * u for w, u in zip(monai_w, u_1)])
+    np.testing.assert_allclose(slots_of(optimizer, variables)[1], monai_v, rtol=1e-5)
+    # the difference is real: as large as several learning-rate steps
+    assert max(np.abs(v.numpy() - w).max() for v, w in zip(variables, monai_w)) > 2 * lr
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -48,8 +48,10 @@ class Novograd(keras.optimizers.Optimizer):
       loss-scaling skip. A variable whose gradients have all been exactly zero is still "uninitialised";
       its next nonzero gradient initialises it, which is what the paper's rule means for it.
 
-    Defaults follow tensorflow-addons and MONAI (β2 = 0.999 like tensorflow-addons; the paper and MONAI
-    use 0.98 in places; ε = 1e-8 like MONAI and the paper).
+    Defaults: β2 = 0.999 as tensorflow-addons; MONAI's `Novograd` defaults to β2 = 0.98, so pass
+    `beta_2=0.98` to reproduce a MONAI recipe (with it, and without grad_averaging, the updates equal
+    MONAI's: tests/test_optimizers.py checks this against MONAI's step written out in NumPy). ε = 1e-8
+    as MONAI.
 
     The optimizer keeps one first-moment tensor per variable (like SGD with momentum) plus one scalar,
     half Adam's memory. Keras' own decoupled weight decay is *not* applied on top: `weight_decay` is
