@@ -83,8 +83,14 @@ def test_predictions_keep_each_inputs_geometry(trained_run, tmp_path):
     assert set(np.unique(thick_prediction)) <= {0, 1, 2}
 
 
-def test_out_of_memory_falls_back_to_cpu_and_remembers(trained_run, tmp_path):
-    """A real memory constraint (the accelerator budget): too-large volumes go to the CPU, results unchanged."""
+def test_accelerator_budget_precheck_falls_back_to_cpu_and_remembers(trained_run, tmp_path):
+    """The `accelerator_memory_mb` pre-check: no allocation fails, `Predictor.logits` itself raises
+    ResourceExhaustedError when a volume's buffers would exceed the budget, and takes the CPU path.
+
+    Checks the bookkeeping around the fallback: the first too-large volume falls back, a larger one
+    goes to the CPU straight away, a smaller one stays on the primary device (here also the CPU),
+    and every label map equals the one predicted without a budget.
+    """
     source = trained_run["source"]
     img = nib.load(str(source / "imagesTr" / "case_001.nii.gz"))
     image = np.asanyarray(img.dataobj).astype(np.float32)
@@ -108,6 +114,126 @@ def test_out_of_memory_falls_back_to_cpu_and_remembers(trained_run, tmp_path):
         a = np.asanyarray(nib.load(str(tmp_path / "free" / f"{c.case_id}.nii.gz")).dataobj)
         b = np.asanyarray(nib.load(str(tmp_path / "budget" / f"{c.case_id}.nii.gz")).dataobj)
         np.testing.assert_array_equal(a, b)
+
+
+REAL_OOM_SCRIPT = r"""
+import json
+import mmap
+import resource
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+from tfmis.config import load_config
+from tfmis.inference.predictor import Predictor
+
+config_path, checkpoint, squeeze_at, out_path = sys.argv[1:5]
+SLACK = 8 * 2**20  # left free by the co-tenant: below the 18.75 MiB volume copy and the 28 MiB blending buffer
+
+
+def address_space():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+
+
+class SharedMachinePredictor(Predictor):
+    # While the first attempt runs, a co-tenant maps all but SLACK of the capped address space; it
+    # leaves when that attempt ends (here the accelerator and the fallback share the host memory).
+    limit = None
+
+    def _window_logits(self, volume, device):
+        forward, ballast = self._forward, []
+        squeeze = self.limit is not None and not self.caught
+
+        def take_memory():
+            if squeeze and not ballast:
+                ballast.append(mmap.mmap(-1, self.limit - address_space() - SLACK))
+
+        def forward_then_take_memory(windows):
+            out = forward(windows)
+            take_memory()
+            return out
+
+        if squeeze_at == "start":
+            take_memory()
+        else:
+            self._forward = forward_then_take_memory
+        try:
+            return super()._window_logits(volume, device)
+        except (MemoryError, tf.errors.OpError) as e:
+            self.caught.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+            raise
+        finally:
+            self._forward = forward
+            for b in ballast:
+                b.close()
+
+
+config = load_config(config_path, ["validation.roi_size=[80,80,48]"])
+rng = np.random.default_rng(0)
+image = rng.normal(100, 10, (160, 160, 96, 2)).astype(np.float32)
+image[40:100, 50:110, 30:60, 0] += 30
+affine = np.diag([1.5, 1.5, 2.0, 1.0])  # the training spacing: no resampling; no zero voxel: no crop
+reference = Predictor(config, checkpoint, device="gpu", overlap=0.0)
+constrained = SharedMachinePredictor(config, checkpoint, device="gpu", overlap=0.0)
+constrained.caught = []
+for p in (reference, constrained):  # traces the model and starts TensorFlow's threads before the cap
+    p.predict_array(image[:24, :24, :24], affine)
+constrained.limit = address_space() + 2 * 2**30
+resource.setrlimit(resource.RLIMIT_AS, (constrained.limit, resource.RLIM_INFINITY))
+result = {"caught": constrained.caught}
+try:
+    labels, probabilities, result["device"] = constrained.predict_array(image, affine)
+    ref_labels, ref_probabilities, result["reference_device"] = reference.predict_array(image, affine)
+    result["labels_equal"] = bool(np.array_equal(labels, ref_labels))
+    result["probabilities_equal"] = bool(np.array_equal(probabilities, ref_probabilities))
+    result["foreground"] = int((labels > 0).sum())
+except MemoryError as e:
+    result["escaped"] = f"{type(e).__name__}: {e}"
+with open(out_path, "w") as f:
+    json.dump(result, f)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status are Linux")
+@pytest.mark.parametrize("squeeze_at, environment, error", [
+    # the numpy copy TensorFlow makes of the input volume is the first large allocation: MemoryError
+    ("start", {}, "MemoryError: Unable to allocate 18.8 MiB for an array with shape (1, 160, 160, 96, 2)"),
+    # after the first window batch, TensorFlow's allocator fails on the blending buffer. oneDNN's
+    # allocator keeps a pool the buffer may come from (and a failed copy into it crashed the process),
+    # so this case uses TensorFlow's plain CPU allocator
+    ("first_forward", {"TF_ENABLE_ONEDNN_OPTS": "0"},
+     "ResourceExhaustedError: {{function_node __wrapped__Fill_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+     "OOM when allocating tensor with shape[1,160,160,96,3]"),
+], ids=["volume_copy_MemoryError", "blending_buffer_ResourceExhaustedError"])
+def test_a_real_failed_allocation_falls_back_and_gives_the_same_prediction(trained_run, tmp_path, squeeze_at,
+                                                                         environment, error):
+    """A real allocation fails in the first (accelerator) attempt; the fallback's result is bit-identical.
+
+    In a subprocess: the address space is capped (`RLIMIT_AS`, 2 GiB above the process' size), and
+    while the first attempt runs a co-tenant maps all of it but 8 MiB, so the next large allocation
+    (the 19 MiB volume copy, or the 28 MiB blending buffer) genuinely fails. The co-tenant leaves
+    when that attempt ends (on a GPU the fallback would use host memory instead; on this CPU-only
+    machine both share it), the CPU fallback runs, and its label map and probabilities equal those
+    of an unconstrained predictor on the same 160x160x96 volume.
+    """
+    import json
+    import os
+
+    script = tmp_path / "real_oom.py"
+    script.write_text(REAL_OOM_SCRIPT)
+    out = tmp_path / "result.json"
+    result = subprocess.run([sys.executable, str(script), str(trained_run["dir"] / "config.yaml"),
+                             str(trained_run["dir"]), squeeze_at, str(out)], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, **environment})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert len(report["caught"]) == 1 and report["caught"][0].startswith(error), report
+    assert "escaped" not in report, report
+    assert report["device"] == "cpu (fallback after out-of-memory)" and report["reference_device"] == "cpu:0"
+    assert report["labels_equal"] and report["probabilities_equal"], report
+    assert report["foreground"] > 0
 
 
 def test_a_bad_case_never_stops_the_others(trained_run, tmp_path):

@@ -180,7 +180,10 @@ class Predictor:
                     None, None, f"whole-volume buffers need {needed / 2**20:.1f} MiB, over the accelerator "
                                 f"budget of {self.memory_budget / 2**20:.1f} MiB")
             return self._window_logits(volume, self.compute_device).numpy(), self.compute_device.strip("/").lower()
-        except tf.errors.ResourceExhaustedError:
+        except (tf.errors.ResourceExhaustedError, MemoryError):
+            # TensorFlow's allocator raises ResourceExhaustedError; the host copy of the volume made on
+            # the way to the device (numpy) raises MemoryError, which on a machine without an
+            # accelerator is that same memory running out
             self.failed_voxels = voxels if self.failed_voxels is None else min(self.failed_voxels, voxels)
             return self._window_logits(volume, CPU).numpy(), "cpu (fallback after out-of-memory)"
 
