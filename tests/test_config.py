@@ -42,7 +42,7 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
     ("output.tensorboard=1", "output.tensorboard: expected true/false"),
     ("pipeline.patch_size=[64, 64]", "pipeline.patch_size: expected three positive sizes"),
     ("validation.overlap=1.0", r"validation.overlap must be in \[0, 1\)"),
-    ("model.filters=[8, 16, 32]", "model.filters .* and model.strides"),
+    ("model.filters=[8, 16, 32]", r"model: strides needs one entry per level of filters \(8, 16, 32\)"),
     ("training.epochs", "expected key=value"),
     ("pipeline.cache=memroy", r"pipeline.cache: 'memroy' is not one of \['memory', 'none', 'file'\] "
                               r"\(did you mean 'memory'\?\)"),

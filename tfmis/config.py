@@ -23,24 +23,12 @@ from typing import Literal, Optional, Union
 
 import yaml
 
+from tfmis.data.convert import ConversionOptions
+from tfmis.networks.architecture import UNetArchitecture
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key."""
-
-
-@dataclasses.dataclass
-class ConversionSection:
-    """How `data.source_dir` is converted when `data.dataset_dir` holds no TFRecords yet."""
-
-    split: list[float] = dataclasses.field(default_factory=lambda: [0.7, 0.15, 0.15])  # train,val,test fractions
-    spacing: Optional[list[float]] = None  # mm along R,A,S; null = the dataset's median spacing
-    reshape: Optional[list[int]] = None  # fixed shape after cropping instead of resampling (DistMIS)
-    ct_window: Optional[list[float]] = None  # HU window for CT channels; null = measured
-    shards: int = 4
-    compression: Literal["GZIP", "ZLIB", "NONE"] = "GZIP"
-    workers: Optional[int] = None  # null = CPU count (at most 8)
-    seed: int = 0
-    image_dtype: Literal["float16", "float32"] = "float16"
 
 
 @dataclasses.dataclass
@@ -50,7 +38,7 @@ class DataConfig:
     demo: bool = False  # generate the built-in demo dataset into source_dir if it is missing
     train_split: str = "train"
     val_split: str = "val"
-    conversion: ConversionSection = dataclasses.field(default_factory=ConversionSection)
+    conversion: ConversionOptions = dataclasses.field(default_factory=ConversionOptions)  # tools/tfrecord.py flags
 
 
 @dataclasses.dataclass
@@ -81,17 +69,6 @@ class PipelineConfig:
     deterministic: bool = False  # True = reproducible order (slower interleave)
     max_foreground_indices: int = 20000  # per class, for crop centre sampling (bounds memory)
     augment: AugmentConfig = dataclasses.field(default_factory=AugmentConfig)
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    filters: list[int] = dataclasses.field(default_factory=lambda: [16, 32, 64, 128, 256])
-    strides: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 2, 2, 2])
-    num_res_units: int = 2
-    norm: Literal["batch", "instance", "group"] = "instance"
-    norm_groups: int = 8
-    dropout: float = 0.0
-    recompute: bool = False  # recompute block activations in the backward pass (less memory, more compute)
 
 
 @dataclasses.dataclass
@@ -162,7 +139,7 @@ class OutputConfig:
 class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    model: UNetArchitecture = dataclasses.field(default_factory=UNetArchitecture)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
@@ -187,7 +164,10 @@ def from_dict(cls, data, prefix: str = ""):
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(names)}"
             raise ConfigError(f"unknown config key '{full}'{hint}")
     kwargs = {key: _coerce(hints[key], value, f"{prefix}{key}") for key, value in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own cross-field checks (e.g. UNetArchitecture, ConversionOptions)
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
 
 
 def _coerce(tp, value, key: str):
@@ -197,12 +177,32 @@ def _coerce(tp, value, key: str):
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
-            return None
-        return _coerce(args[0], value, key)
+            if len(args) < len(typing.get_args(tp)):
+                return None
+            raise ConfigError(f"{key}: expected {_describe(tp)}, got null")
+        errors = []
+        for arg in args:  # the first alternative that takes the value, e.g. int | tuple[int, int, int]
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as e:
+                errors.append(e)
+        if len(args) == 1:
+            raise errors[0]
+        raise ConfigError(f"{key}: expected {_describe(tp)}, got {type(value).__name__} {value!r}")
+    if origin is tuple:
+        items = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list of {_describe(items[0])}, got {type(value).__name__} {value!r}")
+        if items[-1] is Ellipsis:
+            return tuple(_coerce(items[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(items):
+            raise ConfigError(f"{key}: expected {len(items)} values, got {len(value)} in {list(value)}")
+        return tuple(_coerce(t, v, f"{key}[{i}]") for i, (t, v) in enumerate(zip(items, value)))
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            same_but_case = [str(c) for c in choices if str(c).lower() == str(value).lower()]
+            close = same_but_case or difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}{hint}")
         return value
@@ -235,6 +235,16 @@ def _coerce(tp, value, key: str):
             raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
         return value
     raise ConfigError(f"{key}: unsupported type {tp}")  # a bug in the schema, not in the file
+
+
+def _describe(tp) -> str:
+    """A type as a reader says it: int, a number, 3 values, an integer or 3 values..."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is tuple:
+        items = typing.get_args(tp)
+        return f"a list of {_describe(items[0])}" if items[-1] is Ellipsis else f"{len(items)} values"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(tp, str(tp))
 
 
 def apply_override(data: dict, override: str) -> None:
@@ -291,13 +301,17 @@ def validate(config: Config) -> None:
         raise ConfigError(f"validation.overlap must be in [0, 1), got {config.validation.overlap}")
     if config.validation.roi_size is not None and len(config.validation.roi_size) != 3:
         raise ConfigError(f"validation.roi_size: expected three sizes, got {config.validation.roi_size}")
-    if len(config.model.filters) != len(config.model.strides):
-        raise ConfigError(f"model.filters ({len(config.model.filters)} levels) and model.strides "
-                          f"({len(config.model.strides)}) must have the same length")
 
 
 def to_dict(config) -> dict:
-    return dataclasses.asdict(config)
+    """Plain nested dicts and lists (tuples become lists), as YAML writes them."""
+    def plain(value):
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+    return plain(dataclasses.asdict(config))
 
 
 def save_config(config: Config, path: str | Path) -> None:

@@ -31,6 +31,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import nibabel as nib
 import numpy as np
@@ -51,49 +52,67 @@ class ParametersChanged(RuntimeError):
     """The target folder holds a conversion made with other parameters."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ConversionConfig:
-    """What `convert` does. See `tools/tfrecord.py --help` for each option.
+DEFAULT_SPLIT = (0.7, 0.15, 0.15)
+
+
+def _option(default, help: str, flag: str | None = None, lengths: tuple[int, ...] | None = None,
+            group: str | None = None):
+    """A conversion option: its default and how `tools/tfrecord.py` offers it (help, flag, value count)."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "lengths": lengths,
+                                                        "group": group})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConversionOptions:
+    """How a dataset is converted: the one definition behind the `data.conversion` config section, the
+    `tools/tfrecord.py` flags and `ConversionConfig`.
 
     Args:
-        source_dir: MSD dataset folder (with dataset.json).
-        target_dir: output folder for shards, index.json and fingerprint.json.
-        split: fractions for train/val/test (1 to 3 values), or None when `folds` is set.
+        split: fractions for train/val/test (1 to 3 values); the default 0.7,0.15,0.15 unless `folds` is set.
         folds: K for K-fold splits `fold0..fold{K-1}` instead of `split`.
         spacing: target spacing (mm, RAS order); None = the dataset's median spacing.
         reshape: fixed output shape instead of resampling to a spacing.
         shards: shards per split (at most one per case).
         compression: GZIP, ZLIB or NONE.
-        workers: parallel preprocessing processes (1 = in this process).
+        workers: parallel preprocessing processes (1 = in this process; None = CPU count, at most 8).
         seed: seed of the split.
         image_dtype: float16 or float32.
         ct_window: (low, high) HU window for CT channels; None = the 0.5/99.5 percentiles of the
             labelled foreground, measured in a first pass (as nnU-Net does).
         crop_foreground, crop_margin: crop to the non-background bounding box (+ margin voxels).
-        overwrite: rebuild when the target holds a conversion with other parameters.
-        progress: show a progress bar.
     """
 
-    source_dir: str
-    target_dir: str
-    split: tuple[float, ...] | None = (0.7, 0.15, 0.15)
-    folds: int | None = None
-    spacing: tuple[float, float, float] | None = None
-    reshape: tuple[int, int, int] | None = None
-    shards: int = 4
-    compression: str = "GZIP"
-    workers: int = max(1, min(os.cpu_count() or 1, 8))
-    seed: int = 0
-    image_dtype: str = "float16"
-    ct_window: tuple[float, float] | None = None
-    crop_foreground: bool = True
-    crop_margin: int = 0
-    overwrite: bool = False
-    progress: bool = True
+    split: tuple[float, ...] | None = _option(
+        None, "fractions of the labelled cases for train,val,test (default 0.7,0.15,0.15); normalised to sum 1",
+        lengths=(1, 2, 3), group="split")
+    folds: int | None = _option(None, "K: write K folds (splits fold0..foldK-1) instead of train/val/test",
+                                group="split")
+    spacing: tuple[float, float, float] | None = _option(
+        None, "target voxel spacing in mm along R,A,S, e.g. 1.5,1.5,2.0 (default: the dataset's median spacing)",
+        group="grid")
+    reshape: tuple[int, int, int] | None = _option(
+        None, "fixed output shape X,Y,Z after cropping, e.g. 120,120,96 (instead of resampling)", group="grid")
+    shards: int = _option(4, "shards per split (at most one per case; default 4)")
+    compression: Literal["GZIP", "ZLIB", "NONE"] = _option("GZIP", "TFRecord compression (default GZIP)")
+    workers: int | None = _option(None, "parallel preprocessing processes (default: CPU count, at most 8; "
+                                        "1 = no subprocess)")
+    seed: int = _option(0, "seed of the split (default 0)")
+    image_dtype: Literal["float16", "float32"] = _option(
+        "float16", "storage dtype of the normalised images (default float16, half the bytes)")
+    ct_window: tuple[float, float] | None = _option(
+        None, "LOW,HIGH Hounsfield window for CT channels, e.g. -57,164 (default: 0.5/99.5 percentiles of the "
+              "labelled foreground)")
+    crop_foreground: bool = _option(True, "do not crop to the foreground bounding box", flag="--no-crop")
+    crop_margin: int = _option(0, "voxels kept around the foreground box (default 0)")
 
     def __post_init__(self):
-        if (self.split is None) == (self.folds is None):
-            raise ValueError("set exactly one of split (fractions) and folds (K)")
+        if self.split is not None and self.folds is not None:
+            raise ValueError(f"set only one of split {list(self.split)} and folds {self.folds}")
+        if self.split is None and self.folds is None:
+            object.__setattr__(self, "split", DEFAULT_SPLIT)
+        for name in ("split", "spacing", "reshape", "ct_window"):  # YAML and JSON give lists
+            value = getattr(self, name)
+            object.__setattr__(self, name, tuple(value) if value is not None else None)
         if self.split is not None:
             if not 1 <= len(self.split) <= 3 or min(self.split) < 0 or sum(self.split) <= 0:
                 raise ValueError(f"split must be 1 to 3 non-negative fractions (train,val,test), got {self.split}")
@@ -101,13 +120,43 @@ class ConversionConfig:
             raise ValueError(f"folds must be at least 2, got {self.folds}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
-        if self.shards < 1 or self.workers < 1:
+        if self.shards < 1 or (self.workers is not None and self.workers < 1):
             raise ValueError("shards and workers must be at least 1")
+        if self.crop_margin < 0:
+            raise ValueError(f"crop_margin must be >= 0, got {self.crop_margin}")
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers or max(1, min(os.cpu_count() or 1, 8))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionConfig(ConversionOptions):
+    """What `convert` does: the options plus where from and to. See `tools/tfrecord.py --help`.
+
+    Args:
+        source_dir: MSD dataset folder (with dataset.json).
+        target_dir: output folder for shards, index.json and fingerprint.json.
+        overwrite: rebuild when the target holds a conversion with other parameters.
+        progress: show a progress bar.
+        **options: the `ConversionOptions`.
+    """
+
+    source_dir: str
+    target_dir: str
+    overwrite: bool = False
+    progress: bool = True
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ConversionConfig":
+        """From `build_parser()`'s arguments."""
+        options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ConversionOptions)}
+        return cls(source_dir=args.source_dir, target_dir=args.target_dir, overwrite=args.overwrite,
+                   progress=not args.quiet, **options)
 
     def requested(self, dataset_json_sha256: str) -> dict:
         """The parameters that decide the output (not workers/progress/overwrite)."""
-        keep = ("split", "folds", "spacing", "reshape", "shards", "compression", "seed", "image_dtype",
-                "ct_window", "crop_foreground", "crop_margin")
+        keep = {f.name for f in dataclasses.fields(ConversionOptions)} - {"workers"}
         d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items() if k in keep}
         d["dataset_json_sha256"] = dataset_json_sha256
         d["schema_version"] = SCHEMA_VERSION
@@ -310,7 +359,7 @@ def convert(config: ConversionConfig) -> dict:
         spacing = config.spacing or _median_spacing(dataset)
         ct_window = config.ct_window
         if "ct" in modal_norm and ct_window is None:
-            ct_window = _auto_ct_window(dataset, config.workers)
+            ct_window = _auto_ct_window(dataset, config.num_workers)
     if spacing is None and config.reshape is None:
         raise DatasetError(f"{dataset.root}: no readable image header to compute the median spacing; pass --spacing")
     atomic_write_json(target / PLAN_FILE, {"requested": requested,
@@ -341,7 +390,7 @@ def convert(config: ConversionConfig) -> dict:
             bar.write(f"  {case_id}: {message}", file=sys.stderr)
         bar.update(1)
 
-    results = _run_ordered(_process_case, tasks, config.workers)
+    results = _run_ordered(_process_case, tasks, config.num_workers)
     for shard in pending:
         _write_shard(target, shard, itertools.islice(results, len(shard["cases"])), index_meta, on_case)
     bar.close()
@@ -409,8 +458,53 @@ def _tuple_of(kind, length: int | tuple[int, ...], name: str):
     return parse
 
 
+def _add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `ConversionOptions` field (`crop_margin` → `--crop-margin`), typed from the field."""
+    import types
+    import typing
+
+    hints = typing.get_type_hints(ConversionOptions)
+    groups = {}
+    for field in dataclasses.fields(ConversionOptions):
+        meta, tp = field.metadata, hints[field.name]
+        flag = meta["flag"] or "--" + field.name.replace("_", "-")
+        target = parser
+        if meta["group"]:  # e.g. --split or --folds
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_mutually_exclusive_group()
+            target = groups[meta["group"]]
+        kwargs = dict(dest=field.name, default=field.default, help=meta["help"])
+        optional = typing.get_origin(tp) in (typing.Union, types.UnionType)
+        kind = next(a for a in typing.get_args(tp) if a is not type(None)) if optional else tp
+        if kind is bool:  # a flag that turns the default off
+            target.add_argument(flag, action="store_false" if field.default else "store_true", **kwargs)
+        elif typing.get_origin(kind) is Literal:
+            target.add_argument(flag, choices=typing.get_args(kind), **kwargs)
+        elif typing.get_origin(kind) is tuple:
+            items = typing.get_args(kind)
+            lengths = meta["lengths"] or ((len(items),) if items[-1] is not Ellipsis else (1, 2, 3))
+            target.add_argument(flag, type=_tuple_of(items[0], lengths, flag), **kwargs)
+        else:
+            target.add_argument(flag, type=kind, **kwargs)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse reads `--ct-window -57,164` as two flags: join a negative comma list to its flag first."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        joined = []
+        for arg in args:
+            if joined and joined[-1].startswith("--") and "=" not in joined[-1] and arg[:1] == "-" and \
+                    arg[1:2].isdigit() and "," in arg:
+                joined[-1] = f"{joined[-1]}={arg}"
+            else:
+                joined.append(arg)
+        return super().parse_known_args(joined, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="tools/tfrecord.py",
         description="Convert a Medical Segmentation Decathlon (MSD) style dataset into preprocessed TFRecord "
                     "shards with an index.json and a fingerprint.json. Preprocessing: reorient to RAS, crop to "
@@ -421,31 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
                "Rerunning with the same arguments resumes an interrupted conversion.")
     p.add_argument("--source-dir", required=True, help="MSD dataset folder, the one holding dataset.json")
     p.add_argument("--target-dir", required=True, help="output folder for shards, index.json, fingerprint.json")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--split", type=_tuple_of(float, (1, 2, 3), "--split"), default=None,
-                   help="fractions of the labelled cases for train,val,test (default 0.7,0.15,0.15); "
-                        "normalised to sum 1")
-    g.add_argument("--folds", type=int, default=None,
-                   help="K: write K folds (splits fold0..foldK-1) instead of train/val/test")
-    g2 = p.add_mutually_exclusive_group()
-    g2.add_argument("--spacing", type=_tuple_of(float, 3, "--spacing"), default=None,
-                    help="target voxel spacing in mm along R,A,S, e.g. 1.5,1.5,2.0 (default: the dataset's "
-                         "median spacing)")
-    g2.add_argument("--reshape", type=_tuple_of(int, 3, "--reshape"), default=None,
-                    help="fixed output shape X,Y,Z after cropping, e.g. 120,120,96 (instead of resampling)")
-    p.add_argument("--shards", type=int, default=4, help="shards per split (at most one per case; default 4)")
-    p.add_argument("--compression", choices=sorted(COMPRESSIONS), default="GZIP",
-                   help="TFRecord compression (default GZIP)")
-    p.add_argument("--workers", type=int, default=ConversionConfig.workers,
-                   help=f"parallel preprocessing processes (default {ConversionConfig.workers}; 1 = no subprocess)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
-    p.add_argument("--image-dtype", choices=("float16", "float32"), default="float16",
-                   help="storage dtype of the normalised images (default float16, half the bytes)")
-    p.add_argument("--ct-window", type=_tuple_of(float, 2, "--ct-window"), default=None,
-                   help="LOW,HIGH Hounsfield window for CT channels, e.g. -57,164 (default: 0.5/99.5 percentiles "
-                        "of the labelled foreground)")
-    p.add_argument("--crop-margin", type=int, default=0, help="voxels kept around the foreground box (default 0)")
-    p.add_argument("--no-crop", action="store_true", help="do not crop to the foreground bounding box")
+    _add_option_flags(p)
     p.add_argument("--overwrite", action="store_true",
                    help="rebuild when --target-dir holds a conversion made with other parameters")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -454,15 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.folds is None and args.split is None:
-        args.split = (0.7, 0.15, 0.15)
     try:
-        config = ConversionConfig(
-            source_dir=args.source_dir, target_dir=args.target_dir, split=args.split, folds=args.folds,
-            spacing=args.spacing, reshape=args.reshape, shards=args.shards, compression=args.compression,
-            workers=args.workers, seed=args.seed, image_dtype=args.image_dtype, ct_window=args.ct_window,
-            crop_foreground=not args.no_crop, crop_margin=args.crop_margin, overwrite=args.overwrite,
-            progress=not args.quiet)
+        config = ConversionConfig.from_args(args)
         index = convert(config)
     except (ValueError, DatasetError, ParametersChanged) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -8,9 +8,10 @@ dataset_dir = prepare_dataset(config.data)   # no-op when data.dataset_dir is al
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from tfmis.data.convert import ConversionConfig, convert, summary_text
+from tfmis.data.convert import ConversionConfig, ConversionOptions, convert, summary_text
 from tfmis.data.records import INDEX_FILE
 
 
@@ -37,18 +38,11 @@ def prepare_dataset(data, progress: bool = True) -> Path:
         make_demo_dataset(data.source_dir)
         if progress:
             print(f"Demo dataset: {data.source_dir} ({'already there' if present else 'generated'})")
-    c = data.conversion
-    config = ConversionConfig(
-        source_dir=data.source_dir, target_dir=str(target), split=tuple(c.split), spacing=_tuple(c.spacing), reshape=_tuple(c.reshape),
-        ct_window=_tuple(c.ct_window), shards=c.shards, compression=c.compression, seed=c.seed,
-        image_dtype=c.image_dtype, progress=progress, **({"workers": c.workers} if c.workers else {}))
+    config = ConversionConfig(source_dir=data.source_dir, target_dir=str(target), progress=progress,
+                              **{f.name: getattr(data.conversion, f.name) for f in dataclasses.fields(ConversionOptions)})
     index = convert(config)
     if progress:
         print(summary_text(index))
     if index["skipped"]:
         print(f"warning: {len(index['skipped'])} case(s) were skipped during conversion (see {target / INDEX_FILE})")
     return target
-
-
-def _tuple(value):
-    return tuple(value) if value is not None else None

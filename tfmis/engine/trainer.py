@@ -15,6 +15,7 @@ summary = trainer.fit(resume=False)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -33,7 +34,7 @@ from tfmis.engine.history import History
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.losses import build_loss
 from tfmis.metrics.segmentation import SegmentationMetrics
-from tfmis.networks.unet import build_unet, check_patch_size
+from tfmis.networks.unet import UNetConfig, check_patch_size
 from tfmis.optimizers import build_optimizer, build_schedule
 from tfmis.utils.devices import CPU, accelerator_device
 from tfmis.utils.io import atomic_write_json
@@ -74,9 +75,7 @@ class Trainer:
         check_patch_size(config.pipeline.patch_size, m.strides)  # fail now, not after data loading
         check_patch_size(config.validation.roi_size or config.pipeline.patch_size, m.strides)
         with self.backend.scope():
-            self.model = build_unet(self.in_channels, len(self.class_names), filters=tuple(m.filters),
-                                    strides=tuple(m.strides), num_res_units=m.num_res_units, norm=m.norm,
-                                    norm_groups=m.norm_groups, dropout=m.dropout, recompute=m.recompute)
+            self.model = UNetConfig(self.in_channels, len(self.class_names), **dataclasses.asdict(m)).build()
             total = tc.epochs * self.steps_per_epoch
             schedule = build_schedule(o.schedule, o.learning_rate, total_steps=total,
                                       warmup_steps=int(o.warmup_epochs * self.steps_per_epoch), power=o.power,

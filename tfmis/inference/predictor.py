@@ -35,7 +35,7 @@ from tfmis.data.msd import CaseError, case_id_from_path, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
 from tfmis.inference.sliding_window import sliding_window_inference
-from tfmis.networks.unet import build_unet
+from tfmis.networks.unet import UNetConfig
 from tfmis.utils.devices import CPU, accelerator_device
 from tfmis.utils.io import atomic_writer
 
@@ -144,11 +144,10 @@ class Predictor:
         self.memory_budget = accelerator_memory_mb * 2**20 if accelerator_memory_mb else None
         self.failed_voxels: int | None = None  # smallest volume that did not fit on the accelerator
         keras.mixed_precision.set_global_policy(config.training.precision)
-        m = config.model
         with tf.device(self.compute_device):
-            self.model = build_unet(len(self.modalities), len(self.class_names), filters=tuple(m.filters),
-                                    strides=tuple(m.strides), num_res_units=m.num_res_units, norm=m.norm,
-                                    norm_groups=m.norm_groups, dropout=m.dropout)
+            # recomputation only saves memory in a backward pass, and prediction has none
+            architecture = {**dataclasses.asdict(config.model), "recompute": False}
+            self.model = UNetConfig(len(self.modalities), len(self.class_names), **architecture).build()
         self.checkpoint = load_weights(self.model, checkpoint)
         self._forward = tf.function(self._tta_logits, reduce_retracing=True)
 

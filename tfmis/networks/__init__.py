@@ -1,25 +1,21 @@
-"""Segmentation networks (Keras 3, channels-last 3D)."""
+"""Segmentation networks (Keras 3, channels-last 3D).
 
-from tfmis.networks.unet import (
-    ConvNormAct,
-    RecomputableBlock,
-    ResidualUnit,
-    UNetConfig,
-    UpBlock,
-    build_unet,
-    check_patch_size,
-    recompute_call,
-    required_divisor,
-)
+Names are imported on first use, so `tfmis.networks.architecture` (read by the config) does not
+import Keras and TensorFlow.
+"""
 
-__all__ = [
-    "ConvNormAct",
-    "RecomputableBlock",
-    "ResidualUnit",
-    "UNetConfig",
-    "UpBlock",
-    "build_unet",
-    "check_patch_size",
-    "recompute_call",
-    "required_divisor",
-]
+import importlib
+
+_EXPORTS = {
+    "ConvNormAct": "unet", "RecomputableBlock": "unet", "ResidualUnit": "unet", "UNetConfig": "unet",
+    "UpBlock": "unet", "build_unet": "unet", "recompute_call": "unet",
+    "UNetArchitecture": "architecture", "check_patch_size": "architecture", "required_divisor": "architecture",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tfmis.networks' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tfmis.networks.{_EXPORTS[name]}"), name)

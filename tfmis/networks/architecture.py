@@ -1,0 +1,147 @@
+"""The U-Net's architecture as data, without Keras: the `model` section of a training config.
+
+Kept apart from `unet.py` so that reading and checking a config does not import TensorFlow.
+
+Example:
+    >>> arch = UNetArchitecture(filters=(8, 16, 32), strides=(1, 2, (2, 2, 1)))
+    >>> arch.patch_divisor
+    (4, 4, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Literal, Sequence
+
+NORMS = ("batch", "instance", "group")
+ACTIVATIONS = ("prelu", "leaky_relu")
+
+
+def _per_axis(value, what: str) -> tuple[int, int, int]:
+    """An int or a 3-sequence as a 3-tuple of ints."""
+    if isinstance(value, numbers.Integral):
+        return (int(value),) * 3
+    value = tuple(int(v) for v in value)
+    if len(value) != 3:
+        raise ValueError(f"{what} must be an int or 3 ints (one per spatial axis), got {value}")
+    return value
+
+
+def required_divisor(strides: Sequence) -> tuple[int, int, int]:
+    """Per-axis product of the strides: every patch side must be a multiple of it.
+
+    Args:
+        strides: one stride per level, each an int or a 3-tuple (anisotropic).
+
+    Example:
+        >>> required_divisor((1, 2, 2, (2, 2, 1)))
+        (8, 8, 4)
+    """
+    per_level = [_per_axis(s, "each stride") for s in strides]
+    return tuple(math.prod(s[axis] for s in per_level) for axis in range(3))
+
+
+def check_patch_size(patch, strides: Sequence) -> tuple[int, int, int]:
+    """Raises a clear ValueError unless `patch` fits a U-Net with these `strides`.
+
+    The model accepts any spatial size at build time (`None` dims), so a bad size only
+    fails deep inside a skip concatenation; call this on the training/inference patch.
+
+    Args:
+        patch: spatial patch size, an int (cube) or 3 ints.
+        strides: the U-Net's per-level strides.
+
+    Returns:
+        The per-axis divisor every patch side must be a multiple of.
+
+    Example:
+        >>> check_patch_size(64, (1, 2, 2, 2, 2))
+        (16, 16, 16)
+        >>> check_patch_size((48, 64, 30), (1, 2, 2, 2, 2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: patch size (48, 64, 30) does not fit strides (1, 2, 2, 2, 2): ...
+    """
+    patch = _per_axis(patch, "patch size")
+    divisor = required_divisor(strides)
+    bad = [axis for axis in range(3) if patch[axis] <= 0 or patch[axis] % divisor[axis]]
+    if bad:
+        suggestions = ", ".join(
+            f"axis {a}: {patch[a]} -> {max(divisor[a], round(patch[a] / divisor[a]) * divisor[a])}"
+            for a in bad
+        )
+        raise ValueError(
+            f"patch size {patch} does not fit strides {tuple(strides)}: every spatial size "
+            f"must be a positive multiple of the per-axis stride product {divisor} "
+            f"(nearest valid: {suggestions})"
+        )
+    return divisor
+
+
+@dataclasses.dataclass(kw_only=True)
+class UNetArchitecture:
+    """Everything that defines a U-Net apart from the data's channels and classes.
+
+    Args:
+        filters: channels per level, shallow to deep; the last level is the bottleneck.
+        strides: one stride per level (int or 3 ints for anisotropic data); level `i`
+            downsamples by `strides[i]`, so `strides[0]` is normally 1.
+        num_res_units: residual sub-units per encoder level; 0 = plain conv blocks.
+        norm: "batch", "instance" or "group".
+        norm_groups: groups for `norm="group"`; must divide every entry of `filters`.
+        dropout: dropout rate after every normalization (0 disables it).
+        kernel_size: convolution kernel size (int or 3 ints).
+        recompute: recompute encoder/decoder block activations in the backward pass
+            (less memory, more compute).
+        activation: "prelu" (default, as MONAI) or "leaky_relu".
+        name: model name.
+    """
+
+    filters: tuple[int, ...] = (16, 32, 64, 128, 256)
+    strides: tuple[int | tuple[int, int, int], ...] = (1, 2, 2, 2, 2)
+    num_res_units: int = 2
+    norm: Literal["batch", "instance", "group"] = "instance"
+    norm_groups: int = 8
+    dropout: float = 0.0
+    kernel_size: int | tuple[int, int, int] = 3
+    recompute: bool = False
+    activation: Literal["prelu", "leaky_relu"] = "prelu"
+    name: str = "unet3d"
+
+    def __post_init__(self):
+        # YAML/JSON give lists; tuples keep the config hashable and comparable
+        self.filters = tuple(int(f) for f in self.filters)
+        self.strides = tuple(int(s) if isinstance(s, numbers.Integral) else _per_axis(s, "each stride")
+                             for s in self.strides)
+        self.kernel_size = (int(self.kernel_size) if isinstance(self.kernel_size, numbers.Integral)
+                            else _per_axis(self.kernel_size, "kernel_size"))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError on an inconsistent configuration."""
+        if len(self.filters) < 2:
+            raise ValueError(f"filters needs at least 2 levels (one encoder + bottleneck), got {self.filters}")
+        if len(self.strides) != len(self.filters):
+            raise ValueError(f"strides needs one entry per level of filters {self.filters}, got {self.strides}")
+        required_divisor(self.strides)  # validates each stride's form
+        if self.num_res_units < 0:
+            raise ValueError(f"num_res_units must be >= 0, got {self.num_res_units}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.norm == "group" and any(f % self.norm_groups for f in self.filters):
+            raise ValueError(f"norm_groups={self.norm_groups} must divide every filter count, got {self.filters}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def patch_divisor(self) -> tuple[int, int, int]:
+        """Every patch side must be a multiple of this (per axis)."""
+        return required_divisor(self.strides)
+
+    def check_patch_size(self, patch) -> tuple[int, int, int]:
+        """`check_patch_size(patch, self.strides)`."""
+        return check_patch_size(patch, self.strides)
