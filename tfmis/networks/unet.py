@@ -32,6 +32,7 @@ import functools
 from typing import Sequence
 
 import keras
+import tensorflow as tf
 from keras import layers, ops
 
 from tfmis.networks.architecture import (ACTIVATIONS, NORMS, UNetArchitecture, _per_axis,  # noqa: F401
@@ -128,6 +129,12 @@ class RecomputableBlock(layers.Layer):
 def make_normalization(norm: str, channels: int, norm_groups: int = 8, name: str | None = None):
     """The normalization layer for `channels` features.
 
+    "batch" built in the scope of a tf.distribute strategy with several replicas (as the trainer
+    does under MirroredStrategy) is synchronised BatchNorm: the batch statistics are those of all
+    replicas' images together, so every replica normalises alike and keeps identical moving
+    statistics, equal to those of one device given the same global batch (like PyTorch's
+    `SyncBatchNorm`). With one replica it is the ordinary layer.
+
     Args:
         norm: "batch", "instance" (GroupNorm with one group per channel) or "group"
             (GroupNorm with `norm_groups` groups).
@@ -138,10 +145,15 @@ def make_normalization(norm: str, channels: int, norm_groups: int = 8, name: str
     Example:
         >>> make_normalization("instance", 16).groups
         16
+        >>> make_normalization("batch", 16).synchronized  # no multi-replica strategy here
+        False
     """
     # epsilon 1e-5 and BatchNorm momentum 0.9 match PyTorch (and so MONAI) defaults
     if norm == "batch":
-        return layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
+        # unsynchronised, each replica would update its own copy of the moving statistics from its
+        # share of the batch (Keras' aggregation "none"), and checkpoints would hold replica 0's
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync if tf.distribute.has_strategy() else 1
+        return layers.BatchNormalization(momentum=0.9, epsilon=1e-5, synchronized=replicas > 1, name=name)
     if norm == "instance":
         return layers.GroupNormalization(groups=channels, epsilon=1e-5, name=name)
     if norm == "group":
