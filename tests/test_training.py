@@ -6,6 +6,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -25,6 +26,32 @@ def fixed_batch(config, size: int):
     return images, labels
 
 
+def run_step(trainer, batch) -> tuple[float, float]:
+    """One optimizer step through the trainer's compiled step: (mean loss, 1.0 if it was skipped else 0.0)."""
+    loss, skipped = trainer._train_step(batch)
+    return float(loss), float(skipped)
+
+
+def with_foreground_norm_term(loss_fn, weight: float = 1e-3):
+    """`loss_fn` plus `weight` × the batch mean of ‖foreground logits‖₂ (an L2 regulariser on the logits
+    inside the label).
+
+    The value is finite, but d‖x‖/dx = x/‖x‖ is 0/0 = NaN for an image without foreground voxels: the
+    classic "finite loss, NaN gradient" case (a norm or sqrt evaluated at zero).
+    """
+    def loss(y_true, y_pred):
+        foreground = tf.cast(tf.reshape(y_true, tf.shape(y_pred)[:-1]) > 0, y_pred.dtype)[..., None]
+        per_image = tf.reshape(y_pred * foreground, [tf.shape(y_pred)[0], -1])
+        return loss_fn(y_true, y_pred) + weight * tf.reduce_mean(tf.norm(per_image, axis=1))
+    return loss
+
+
+def trainer_state(trainer) -> list[np.ndarray]:
+    """Every float variable of the model (weights, BatchNorm moving statistics) and of the optimizer."""
+    variables = list(trainer.model.variables) + list(trainer.optimizer.variables)
+    return [keras.ops.convert_to_numpy(v) for v in variables]
+
+
 def test_gradient_accumulation_equals_one_bigger_batch(converted_dataset, tmp_path):
     """2 micro-batches of 2, accumulated, take the same optimizer step as one batch of 4."""
     big = Trainer(tiny_config(converted_dataset, tmp_path / "a", *PLAIN_SGD, "pipeline.num_images_per_batch=4"))
@@ -33,7 +60,7 @@ def test_gradient_accumulation_equals_one_bigger_batch(converted_dataset, tmp_pa
     accumulated.model.set_weights(big.model.get_weights())
     start = [w.copy() for w in big.model.get_weights()]
     batch = fixed_batch(big.config, 4)
-    assert float(big._train_step(batch)) == pytest.approx(float(accumulated._train_step(batch)), rel=1e-5)
+    assert run_step(big, batch)[0] == pytest.approx(run_step(accumulated, batch)[0], rel=1e-5)
     assert max(np.abs(a - b).max() for a, b in zip(big.model.get_weights(), start)) > 1e-4
     for a, b in zip(big.model.get_weights(), accumulated.model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -47,7 +74,7 @@ MIRRORED_SCRIPT = textwrap.dedent("""
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     sys.path.insert(0, sys.argv[3])
     from conftest import tiny_config
-    from test_training import PLAIN_SGD, fixed_batch
+    from test_training import PLAIN_SGD, fixed_batch, run_step
     from tfmis.engine.trainer import Trainer
     dataset_dir, out = sys.argv[1], sys.argv[2]
     single = Trainer(tiny_config(dataset_dir, out + "/single", *PLAIN_SGD, "pipeline.num_images_per_batch=4"))
@@ -56,11 +83,11 @@ MIRRORED_SCRIPT = textwrap.dedent("""
     mirrored.model.set_weights(single.model.get_weights())
     start = [w.copy() for w in single.model.get_weights()]
     batch = fixed_batch(single.config, 4)
-    loss_single = float(single._train_step(batch))
+    loss_single = run_step(single, batch)[0]
     strategy = mirrored.backend.strategy
     distributed = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(batch))))
     per_replica_shapes = [v.shape.as_list() for v in strategy.experimental_local_results(distributed[0])]
-    loss_mirrored = float(mirrored._train_step(distributed))
+    loss_mirrored = run_step(mirrored, distributed)[0]
     replica_weights = [[v.numpy() for v in strategy.experimental_local_results(var.value)]
                        for var in mirrored.model.trainable_variables]
     diff = max(float(np.abs(a - b).max()) for a, b in zip(single.model.get_weights(), mirrored.model.get_weights()))
@@ -91,6 +118,197 @@ def test_mirrored_strategy_step_matches_single_device(converted_dataset, tmp_pat
     assert out["fit_epochs"] == 2 and 0 <= out["fit_dice"] <= 1
 
 
+REPLICAS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    sys.path.insert(0, sys.argv[3])
+    from conftest import tiny_config
+    from test_training import CLIPNORM, PLAIN_SGD, fixed_batch, run_step, with_foreground_norm_term
+    from tfmis.engine.distribution import make_backend
+    from tfmis.engine.trainer import Trainer
+    dataset_dir, out = sys.argv[1], sys.argv[2]
+    MIRRORED = ["training.distribution=mirrored", 'training.devices=["/cpu:0","/cpu:1"]']
+    # one strategy for every two-replica trainer: two MirroredStrategy objects in one process would reuse
+    # the same collective-op keys
+    BACKEND = make_backend("mirrored", ["/cpu:0", "/cpu:1"])
+    results = {}
+
+    def pair(name, *overrides, accumulation=1):
+        # global micro-batch of 4 images: 4 on one device, 2 per replica on two; same initial weights
+        n = accumulation
+        common = [*PLAIN_SGD, *overrides, f"training.accumulation_steps={n}"]
+        single = Trainer(tiny_config(dataset_dir, f"{out}/{name}-single", *common,
+                                     f"pipeline.num_images_per_batch={4 * n}"))
+        mirrored = Trainer(tiny_config(dataset_dir, f"{out}/{name}-mirrored", *common, *MIRRORED,
+                                       f"pipeline.num_images_per_batch={2 * n}"), backend=BACKEND)
+        mirrored.model.set_weights(single.model.get_weights())
+        return single, mirrored
+
+    def step_both(single, mirrored, images, labels):
+        # replica r takes images[2n r : 2n (r + 1)] and splits them into n micro-batches of 2; the single device
+        # gets the same global micro-batches (replica 0's 2 images, then replica 1's) in the same order
+        n = single.config.training.accumulation_steps
+        order = [2 * n * r + 2 * k + i for k in range(n) for r in range(2) for i in range(2)]
+        loss_single, skipped_single = run_step(single, (tf.gather(images, order), tf.gather(labels, order)))
+        strategy = mirrored.backend.strategy
+        distributed = next(iter(strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensors((images, labels)))))
+        loss_mirrored, skipped_mirrored = run_step(mirrored, distributed)
+        return dict(loss_single=loss_single, loss_mirrored=loss_mirrored, skipped_single=skipped_single,
+                    skipped_mirrored=skipped_mirrored)
+
+    def per_replica(trainer, variables):
+        strategy = trainer.backend.strategy
+        return [[v.numpy() for v in strategy.experimental_local_results(var.value)] for var in variables]
+
+    def max_diff(a, b):
+        return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+    def compare(single, mirrored, variables_of=lambda t: t.model.variables):
+        replicas = per_replica(mirrored, variables_of(mirrored))
+        return dict(single_vs_replica0=max_diff([v.numpy() for v in variables_of(single)], [r[0] for r in replicas]),
+                    replica0_vs_replica1=max_diff([r[0] for r in replicas], [r[1] for r in replicas]))
+
+    # ---- item 2: optimizer.clipnorm clips the global gradient, whatever the replica count
+    single, mirrored = pair("clip", f"optimizer.clipnorm={CLIPNORM}")
+    free = Trainer(tiny_config(dataset_dir, f"{out}/clip-free", *PLAIN_SGD, "pipeline.num_images_per_batch=4"))
+    free.model.set_weights(single.model.get_weights())
+    start = [v.numpy() for v in single.model.trainable_variables]
+    images, labels = fixed_batch(single.config, 4)
+    step_both(single, mirrored, images, labels)
+    run_step(free, (images, labels))
+    lr = single.config.optimizer.learning_rate
+    # reference: plain SGD on the unclipped batch gradient g, with Keras' per-variable rule g * c / max(|g|, c)
+    expected, norms = [], []
+    for w0, w in zip(start, [v.numpy() for v in free.model.trainable_variables]):
+        g = (w0 - w) / lr
+        norms.append(float(np.linalg.norm(g)))
+        expected.append(-lr * g * CLIPNORM / max(norms[-1], CLIPNORM))
+    updates = {"single": [v.numpy() - w0 for v, w0 in zip(single.model.trainable_variables, start)],
+               "mirrored": [r[0] - w0 for r, w0 in zip(per_replica(mirrored, mirrored.model.trainable_variables),
+                                                       start)]}
+    results["clip"] = dict(
+        bound=sum(n > CLIPNORM for n in norms), variables=len(norms),
+        **{f"{k}_vs_reference": max_diff(u, expected) for k, u in updates.items()},
+        **{f"{k}_update_norm_ratio": max(float(np.linalg.norm(a) / np.linalg.norm(e)) for a, e in zip(u, expected))
+           for k, u in updates.items()},
+        reference_max_update=max(float(np.abs(e).max()) for e in expected),
+        **compare(single, mirrored))
+
+    # ---- item 3: BatchNorm statistics of the global (micro-)batch, the same on every replica
+    for name, n, extra in (("bn", 1, []), ("bn_accumulated", 2, []),
+                           ("bn_recompute", 2, ["model.recompute=true", "model.num_res_units=1"])):
+        single, mirrored = pair(name, "model.norm=batch", *extra, accumulation=n)
+        images, labels = fixed_batch(single.config, 4 * n)
+        losses = step_both(single, mirrored, images, labels)
+        moving = lambda t: [v for v in t.model.non_trainable_variables if "moving" in v.path]
+        results[name] = dict(**losses, moving=compare(single, mirrored, moving),
+                             moving_changed=max_diff([v.numpy() for v in moving(single)],
+                                                     [np.zeros(v.shape) if "mean" in v.path else np.ones(v.shape)
+                                                      for v in moving(single)]),
+                             weights=compare(single, mirrored, lambda t: t.model.trainable_variables),
+                             synchronized=[layer.synchronized for layer in mirrored.model._flatten_layers()
+                                           if "BatchNormalization" in type(layer).__name__])
+
+    # ---- item 4: a NaN gradient on one replica only skips the step on every replica
+    for precision in ("float32", "mixed_float16"):
+        single, mirrored = pair(f"nan_{precision}", "model.norm=batch", f"training.precision={precision}")
+        for t in (single, mirrored):
+            t.loss_fn = with_foreground_norm_term(t.loss_fn)
+        images, labels = fixed_batch(single.config, 4)
+        # the model and the optimizer proper (a loss scaler's own scale is allowed to change)
+        optimizer = getattr(mirrored.optimizer, "inner_optimizer", mirrored.optimizer)
+        state = lambda: [per_replica(mirrored, mirrored.model.variables), per_replica(mirrored, optimizer.variables)]
+        before = state()
+        bad_labels = tf.concat([tf.zeros_like(labels[:1]), labels[1:]], axis=0)  # image 0 (replica 0): no foreground
+        skipped = step_both(single, mirrored, images, bad_labels)
+        after = state()
+        changed = [max(float(np.abs(b[r] - a[r]).max()) if np.issubdtype(np.asarray(b[r]).dtype, np.floating) else 0.0
+                       for group_b, group_a in zip(before, after) for b, a in zip(group_b, group_a))
+                   for r in range(2)]
+        non_finite = [sum(int(not np.isfinite(a[r]).all()) for group in after for a in group
+                          if np.issubdtype(np.asarray(a[r]).dtype, np.floating)) for r in range(2)]
+        scale = [float(np.asarray(s)) for s in per_replica(mirrored, [mirrored.optimizer.dynamic_scale])[0]] \\
+            if precision == "mixed_float16" else None
+        start = [v.numpy() for v in single.model.variables]
+        normal = step_both(single, mirrored, images, labels)
+        moved = max_diff(start, [v.numpy() for v in single.model.variables])
+        results[f"nan_{precision}"] = dict(skipped=skipped, changed_per_replica=changed, moved=moved,
+                                           non_finite_per_replica=non_finite, loss_scale_per_replica=scale,
+                                           then=normal, **compare(single, mirrored))
+    print(json.dumps(results))
+""")
+
+
+@pytest.fixture(scope="module")
+def replica_results(converted_dataset, tmp_path_factory) -> dict:
+    """Runs REPLICAS_SCRIPT once: one device vs MirroredStrategy over two logical CPUs, same global batch."""
+    out = tmp_path_factory.mktemp("replicas")
+    script = out / "replicas.py"
+    script.write_text(REPLICAS_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(converted_dataset), str(out), str(TESTS)],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+CLIPNORM = 0.01  # below every per-variable gradient norm of the tiny model's first step: clipping binds
+
+
+def test_clipnorm_clips_the_gradient_summed_over_replicas(replica_results):
+    """optimizer.clipnorm bounds the per-variable norm of the global gradient, on one device or two replicas.
+
+    Reference: plain SGD's update with the unclipped gradient g of the same batch, scaled by Keras' documented
+    per-variable rule c / max(‖g‖, c). Clipping each replica's partial gradient instead would let the
+    update grow with the replica count (up to 2c here) and change its direction.
+    """
+    r = replica_results["clip"]
+    assert r["bound"] == r["variables"]  # the threshold binds for every variable
+    assert r["reference_max_update"] > 1e-3
+    assert r["single_vs_reference"] < 2e-6 and r["mirrored_vs_reference"] < 2e-6  # float32 rounding of the weights
+    assert r["mirrored_update_norm_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert r["single_vs_replica0"] < 1e-6 and r["replica0_vs_replica1"] == 0.0
+
+
+@pytest.mark.parametrize("case", ["bn", "bn_accumulated", "bn_recompute"])
+def test_batchnorm_statistics_are_the_global_batch_statistics_on_every_replica(replica_results, case):
+    """norm=batch under MirroredStrategy: batch statistics over all replicas' images (synchronised BatchNorm).
+
+    Both replicas end a step with identical moving statistics, equal to those of one device given the same
+    global (micro-)batches; with gradient accumulation each micro-batch's forward pass updates them once
+    (as in PyTorch), from that micro-batch's statistics over every replica; also with recomputed
+    (rematerialised) residual blocks. Weights agree as well.
+    """
+    r = replica_results[case]
+    assert r["synchronized"] and all(r["synchronized"])
+    assert r["moving_changed"] > 1e-3  # the step did update the moving statistics...
+    assert r["moving"]["replica0_vs_replica1"] == 0.0  # ...identically on both replicas...
+    assert r["moving"]["single_vs_replica0"] < 1e-5  # ...and as on one device with the global batch
+    assert r["loss_mirrored"] == pytest.approx(r["loss_single"], rel=1e-5)
+    assert r["weights"]["single_vs_replica0"] < 1e-5 and r["weights"]["replica0_vs_replica1"] == 0.0
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
+def test_non_finite_gradient_on_one_replica_skips_the_step_on_every_replica(replica_results, precision):
+    """A NaN gradient (finite loss) on replica 0 only: both replicas skip the step, the model and optimizer
+    state stay exactly as they were (moving statistics included), and the next step trains normally."""
+    r = replica_results[f"nan_{precision}"]
+    s = r["skipped"]
+    assert np.isfinite(s["loss_single"]) and np.isfinite(s["loss_mirrored"])
+    assert s["skipped_single"] == 1.0 and s["skipped_mirrored"] == 1.0
+    assert r["non_finite_per_replica"] == [0, 0]
+    assert r["changed_per_replica"] == [0.0, 0.0]
+    if precision == "mixed_float16":  # the loss scaler lowered its scale, the same on both replicas
+        assert len(set(r["loss_scale_per_replica"])) == 1 and r["loss_scale_per_replica"][0] < 32768
+    assert r["then"]["skipped_single"] == 0.0 and r["then"]["skipped_mirrored"] == 0.0
+    assert r["replica0_vs_replica1"] == 0.0 and r["moved"] > 1e-2
+    # float16 convolutions round differently on one device (batch 4) and two replicas (batch 2 each)
+    assert r["single_vs_replica0"] < (1e-5 if precision == "float32" else 0.05 * r["moved"])
+
+
 def test_fit_writes_history_checkpoints_and_reports(converted_dataset, tmp_path):
     config = tiny_config(converted_dataset, tmp_path / "run", "output.tensorboard=true", "validation.hd95=true")
     summary = Trainer(config).fit()
@@ -119,6 +337,99 @@ def test_nan_loss_stops_with_a_clear_message(converted_dataset, tmp_path):
     with pytest.raises(TrainingDiverged, match=r"the training loss became nan at epoch 1, step \d"):
         Trainer(config).fit()
     assert not (tmp_path / "nan" / "history.jsonl").exists()
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16"])
+def test_non_finite_gradient_with_finite_loss_skips_the_step(converted_dataset, tmp_path, precision):
+    """A finite loss whose gradient is NaN (a norm at zero) through the real step: the step is skipped and
+    every weight, BatchNorm moving statistic and AdamW state (moments, iteration count) is left exactly as
+    it was; the next, healthy batch trains normally."""
+    trainer = Trainer(tiny_config(converted_dataset, tmp_path / "run", f"training.precision={precision}",
+                                  "model.norm=batch", "optimizer.name=adamw", "optimizer.weight_decay=1e-2"))
+    trainer.loss_fn = with_foreground_norm_term(trainer.loss_fn)
+    images, labels = fixed_batch(trainer.config, 2)
+    assert all(np.any(labels[i] > 0) for i in range(2))  # healthy batch: foreground in every image
+    before = trainer_state(trainer)
+    loss, skipped = run_step(trainer, (images, tf.concat([labels[:1], tf.zeros_like(labels[1:])], axis=0)))
+    assert np.isfinite(loss) and skipped == 1.0
+    for a, b in zip(trainer_state(trainer), before):
+        np.testing.assert_array_equal(a, b)
+    loss, skipped = run_step(trainer, (images, labels))
+    after = trainer_state(trainer)
+    assert np.isfinite(loss) and skipped == 0.0
+    assert all(np.isfinite(a).all() for a in after)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(after, before) if a.dtype.kind == "f") > 1e-4
+
+
+@pytest.mark.parametrize("steps, message", [(2, r"all 2 steps of epoch 1 were skipped"),
+                                            (25, r"20 consecutive steps were skipped \(epoch 1, steps 1-20\)")])
+def test_fit_stops_when_steps_keep_being_skipped(converted_dataset, tmp_path, steps, message):
+    """Every gradient non-finite (the norm term over an empty region): fit stops with an error naming the
+    epoch, after a whole epoch or 20 consecutive skipped steps, and writes no checkpoint, best weights or history."""
+    config = tiny_config(converted_dataset, tmp_path / "run", f"training.steps_per_epoch={steps}")
+    trainer = Trainer(config)
+    base = trainer.loss_fn
+    trainer.loss_fn = lambda y, p: with_foreground_norm_term(base)(tf.zeros_like(y), p) + base(y, p) - base(
+        tf.zeros_like(y), p)
+    with pytest.raises(TrainingDiverged, match=message):
+        trainer.fit()
+    run = tmp_path / "run"
+    assert not list((run / "checkpoints").glob("ckpt-*")) and not (run / "best.weights.h5").exists()
+    assert not (run / "history.jsonl").exists()
+
+
+def test_skipped_steps_are_counted_in_the_history_and_epoch_line(converted_dataset, tmp_path, capsys):
+    """Every second step has a NaN gradient (the norm term evaluated on zeros): training goes on, each
+    2-step epoch reports 1 skipped step in history.jsonl and on its epoch line, and the checkpoints hold
+    finite weights."""
+    trainer = Trainer(tiny_config(converted_dataset, tmp_path / "run"))
+    base, calls = trainer.loss_fn, tf.Variable(0)
+
+    def loss(y_true, y_pred):
+        odd = tf.cast(calls.assign_add(1) % 2, y_pred.dtype)  # 1 on the 1st, 3rd... call, 0 on the others
+        return base(y_true, y_pred) + 1e-3 * tf.norm(y_pred * odd)
+
+    trainer.loss_fn = loss
+    trainer.fit()
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in history] == [1, 1]
+    assert capsys.readouterr().err.count("skipped 1 steps (non-finite gradient)") == 2
+    reader = tf.train.load_checkpoint(trainer.manager.latest_checkpoint)
+    tensors = [reader.get_tensor(name) for name in reader.get_variable_to_shape_map()]
+    assert all(np.isfinite(t).all() for t in tensors if isinstance(t, np.ndarray) and t.dtype.kind == "f")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e39 in float32, on purpose
+def test_non_finite_weights_are_never_saved(converted_dataset, tmp_path):
+    """A finite loss and finite gradients, but a learning rate that overflows float32: the weights become
+    non-finite after the epoch's last step. fit stops naming the epoch; no checkpoint or best weights hold them."""
+    config = tiny_config(converted_dataset, tmp_path / "run", *PLAIN_SGD, "optimizer.learning_rate=1e39",
+                         "training.epochs=1", "training.steps_per_epoch=1")
+    with pytest.raises(TrainingDiverged, match=r"non-finite .* after epoch 1"):
+        Trainer(config).fit()
+    run = tmp_path / "run"
+    assert not list((run / "checkpoints").glob("ckpt-*")) and not (run / "best.weights.h5").exists()
+
+
+def test_batchnorm_moving_statistics_update_once_per_micro_batch(converted_dataset, tmp_path):
+    """norm=batch with gradient accumulation (2 micro-batches of 2): the moving statistics take one momentum
+    update per micro-batch forward pass, as in PyTorch, from that micro-batch's (biased) statistics.
+
+    Reference, written out: m ← 0.9 m + 0.1 μ₁, then m ← 0.9 m + 0.1 μ₂ (the same for the variance), with
+    μₖ the per-channel statistics of the first encoder convolution's output on micro-batch k.
+    """
+    trainer = Trainer(tiny_config(converted_dataset, tmp_path / "run", *PLAIN_SGD, "model.norm=batch",
+                                  "pipeline.num_images_per_batch=4", "training.accumulation_steps=2"))
+    layer = trainer.model.get_layer("encoder0")
+    images, labels = fixed_batch(trainer.config, 4)
+    mean, var = layer.normalization.moving_mean.numpy(), layer.normalization.moving_variance.numpy()
+    for k in range(2):  # the convolution's output with the weights of this step (unchanged between micro-batches)
+        features = layer.conv(images[2 * k:2 * k + 2]).numpy().astype(np.float64)
+        mean = 0.9 * mean + 0.1 * features.mean(axis=(0, 1, 2, 3))
+        var = 0.9 * var + 0.1 * features.var(axis=(0, 1, 2, 3))
+    run_step(trainer, (images, labels))
+    np.testing.assert_allclose(layer.normalization.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(layer.normalization.moving_variance.numpy(), var, rtol=1e-5, atol=1e-6)
 
 
 def test_kill_and_resume_continues_from_the_last_epoch(converted_dataset, tmp_path):

@@ -1,8 +1,9 @@
 """How the one training loop is spread over devices: the only part that differs between backends.
 
 The trainer asks a backend to: create variables in its scope, distribute the input, run the
-per-replica step, scale the per-replica loss, reduce gradients, tell whether any replica saw a
-non-finite gradient, reduce metrics, and synchronise the initial state. `StrategyBackend` covers a
+per-replica step, scale the per-replica loss, reduce gradients (once per step, before clipping and
+the non-finite check, so that both see the global gradient), apply an update only if a condition
+holds on every replica, reduce metrics, and synchronise the initial state. `StrategyBackend` covers a
 single device and every tf.distribute strategy (MirroredStrategy here; MultiWorkerMirroredStrategy
 plugs in the same way); a Horovod backend implements the same methods with `hvd.allreduce` /
 `hvd.broadcast_variables`.
@@ -56,21 +57,61 @@ class StrategyBackend:
         # each replica's loss is its local mean; summing the replicas' gradients must give the mean
         return 1.0 / self.num_replicas
 
-    def reduce_gradients(self, grads):
-        # Keras 3's optimizer.apply() all-reduces (SUM) the gradients itself in a replica context
-        return grads
+    def prepare_optimizer(self, optimizer) -> None:
+        """Makes `optimizer.apply()` take the gradients as given: `reduce_gradients` has summed them.
 
-    def any_replica(self, flag: tf.Tensor) -> tf.Tensor:
+        Keras 3's TensorFlow optimizer all-reduces (SUM) the gradients inside `apply()` when called in a
+        replica context, after its `clipnorm`/`global_clipnorm` clipping, so that clipping would see each
+        replica's partial gradient. The trainer instead reduces first (one all-reduce per step) and lets
+        `apply()` clip and check the global gradient.
+        """
+        inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's wrapped optimizer
+        if not callable(getattr(inner, "_all_reduce_sum_gradients", None)):
+            raise RuntimeError(
+                f"{type(inner).__name__} has no _all_reduce_sum_gradients: this Keras version reduces gradients "
+                "differently, and tfmis.engine.distribution.StrategyBackend.prepare_optimizer must be adapted")
+        inner._all_reduce_sum_gradients = _already_reduced
+
+    def reduce_gradients(self, grads):
+        """The gradients summed over replicas, the same on every replica (None entries kept)."""
         ctx = tf.distribute.get_replica_context()
         if self.num_replicas == 1 or ctx is None:
-            return flag
-        return ctx.all_reduce(tf.distribute.ReduceOp.MAX, tf.cast(flag, tf.float32)) > 0
+            return grads
+        present = [g for g in grads if g is not None]
+        summed = iter(ctx.all_reduce(tf.distribute.ReduceOp.SUM, present))
+        return [None if g is None else next(summed) for g in grads]
+
+    def run_if(self, condition: tf.Tensor, fn) -> None:
+        """Runs `fn()` on every replica if `condition` holds, else nothing; from inside the replica step.
+
+        `condition` must be the same on every replica (e.g. computed from reduced gradients); replica 0's
+        is used. `fn` may synchronise replicas (`optimizer.apply` does, through a merge call), which a
+        `tf.cond` in a replica context does not allow: the branch is then taken in the cross-replica
+        context, as Keras' LossScaleOptimizer does.
+        """
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            tf.cond(condition, lambda: _none(fn()), lambda: None)
+            return
+
+        def cross_replica(strategy, condition):
+            first = strategy.experimental_local_results(condition)[0]
+            tf.cond(first, lambda: _none(strategy.extended.call_for_each_replica(fn)), lambda: None)
+
+        tf.distribute.get_replica_context().merge_call(cross_replica, args=(condition,))
 
     def reduce_mean(self, per_replica) -> tf.Tensor:
         return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, per_replica, axis=None)
 
     def sync_initial_state(self, model, optimizer) -> None:
         """Mirrored variables start identical by construction: nothing to do."""
+
+
+def _already_reduced(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def _none(_):
+    return None
 
 
 def make_backend(distribution: str = "auto", devices=None) -> StrategyBackend:

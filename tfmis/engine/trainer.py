@@ -2,8 +2,10 @@
 
 Per optimizer step, each replica splits its batch into `accumulation_steps` micro-batches, sums
 their gradients (scaled loss under mixed_float16), asks the backend to reduce them and applies them
-once. Between epochs: sliding-window validation on whole volumes, atomic checkpoints, the best
-model by mean Dice, history/TensorBoard/plots. Time spent waiting for input is measured apart from
+once (clipped as `optimizer.clipnorm` says), or skips the step on every replica if the reduced
+gradient holds NaN/Inf (counted as `skipped_steps` per epoch). Between epochs: sliding-window
+validation on whole volumes, atomic checkpoints, the best model by mean Dice,
+history/TensorBoard/plots. Time spent waiting for input is measured apart from
 compute time, because "is the accelerator starving?" is the first question about a slow run.
 
 Example:
@@ -40,10 +42,14 @@ from tfmis.utils.devices import CPU, accelerator_device
 from tfmis.utils.io import atomic_write_json
 
 BEST_WEIGHTS = "best.weights.h5"
+# A step whose gradient holds NaN/Inf is skipped. In float32/bfloat16 that is an outlier batch; this many in a
+# row means the loss or the model is broken (under mixed_float16 the loss scaler would have lowered its scale
+# 2^20-fold by then, far past any float16 overflow), and so does an epoch in which every step was skipped.
+MAX_CONSECUTIVE_SKIPPED_STEPS = 20
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite."""
+    """The loss, the gradients or the weights became NaN or infinite for good."""
 
 
 class RunExists(RuntimeError):
@@ -85,6 +91,7 @@ class Trainer:
             if tc.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             optimizer.build(self.model.trainable_variables)
+            self.backend.prepare_optimizer(optimizer)  # the step reduces gradients before apply() clips them
             self.optimizer = optimizer
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
             self.best_dice = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_dice")
@@ -108,8 +115,22 @@ class Trainer:
     # ------------------------------------------------------------------ the step
 
     def _replica_step(self, images, labels):
+        """One optimizer step on this replica's batch; returns (mean loss, 1.0 if the step was skipped).
+
+        The gradient summed over micro-batches and replicas is what `optimizer.apply` clips
+        (`optimizer.clipnorm`) and what decides, identically on every replica, whether the step is
+        taken: a non-finite gradient in any precision skips it, leaving weights, optimizer state and
+        the BatchNorm moving statistics of its forward passes as they were (under mixed_float16 the
+        loss scaler skips it and lowers its scale). BatchNorm moving statistics take one update per
+        micro-batch forward pass (as in PyTorch gradient accumulation), from that micro-batch's
+        statistics over all replicas (synchronised BatchNorm, see `make_normalization`).
+        """
         n = self.config.training.accumulation_steps
         variables = self.model.trainable_variables
+        loss_scaler = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        # float state the forward passes update (BatchNorm moving statistics), restored if the step is skipped
+        state = [v for v in self.model.non_trainable_variables if "float" in str(v.dtype)]
+        saved = [tf.identity(v.value) for v in state]
         scaled_loss_factor = self.backend.loss_scale() / n
         total_loss = tf.constant(0.0)
         grads = None
@@ -117,20 +138,20 @@ class Trainer:
             with tf.GradientTape() as tape:
                 loss = self.loss_fn(y, self.model(x, training=True))
                 scaled = loss * scaled_loss_factor
-                if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+                if loss_scaler:
                     scaled = self.optimizer.scale_loss(scaled)
             g = tape.gradient(scaled, variables)
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             total_loss += tf.cast(loss, tf.float32)
-        grads = self.backend.reduce_gradients(grads)
-        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) and self.backend.num_replicas > 1:
-            # the loss scaler checks replica 0's gradients only: make a non-finite gradient on any
-            # replica visible to all, so every replica skips the step and lowers the scale together
-            local_bad = tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
-            poison = tf.where(self.backend.any_replica(local_bad), np.nan, 0.0)
-            grads = [g + tf.cast(poison, g.dtype) for g in grads]
-        self.optimizer.apply(grads, variables)
-        return total_loss / n
+        grads = self.backend.reduce_gradients(grads)  # the global gradient, the same on every replica
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
+        if loss_scaler:  # skips a non-finite step itself, lowering the scale (its check sees the same grads)
+            self.optimizer.apply(grads, variables)
+        else:
+            self.backend.run_if(finite, lambda: self.optimizer.apply(grads, variables))
+        for variable, value in zip(state, saved):
+            variable.assign(tf.where(finite, variable, value))
+        return total_loss / n, 1.0 - tf.cast(finite, tf.float32)
 
     # ------------------------------------------------------------------ validation
 
@@ -184,17 +205,19 @@ class Trainer:
         writer = tf.summary.create_file_writer(str(self.out / "tensorboard")) if cfg.output.tensorboard else None
         global_batch = cfg.pipeline.num_images_per_batch * self.backend.num_replicas * tc.accumulation_steps
         run_start = time.perf_counter() - float(self.elapsed.numpy())
+        skip_streak = []  # (epoch, step) of the consecutive skipped steps up to now
         for epoch in range(start_epoch, tc.epochs + 1):
             epoch_start = time.perf_counter()
             wait = compute = 0.0
             losses = []
+            skipped = 0
             bar = tqdm(range(self.steps_per_epoch), desc=f"epoch {epoch}/{tc.epochs}", unit="step",
                        disable=not cfg.output.progress, file=sys.stderr, leave=False)
             for step in bar:
                 t0 = time.perf_counter()
                 batch = next(iterator)
                 t1 = time.perf_counter()
-                loss = float(self._train_step(batch))  # float() waits for the step to finish
+                loss, was_skipped = (float(v) for v in self._train_step(batch))  # float() waits for the step
                 t2 = time.perf_counter()
                 wait, compute = wait + (t1 - t0), compute + (t2 - t1)
                 if not math.isfinite(loss):
@@ -204,14 +227,24 @@ class Trainer:
                         "Lower optimizer.learning_rate, try training.precision=float32, or check the data, "
                         "then rerun with --resume.")
                 losses.append(loss)
+                skipped += int(was_skipped > 0)
+                skip_streak = skip_streak + [(epoch, step + 1)] if was_skipped > 0 else []
+                if len(skip_streak) >= MAX_CONSECUTIVE_SKIPPED_STEPS:
+                    (e0, s0), (e1, s1) = skip_streak[0], skip_streak[-1]
+                    where = (f"epoch {e1}, steps {s0}-{s1}" if e0 == e1
+                             else f"epoch {e0} step {s0} to epoch {e1} step {s1}")
+                    raise self._skipped_error(f"{len(skip_streak)} consecutive steps were skipped ({where})")
                 bar.set_postfix(loss=f"{np.mean(losses):.4f}", wait=f"{wait / max(wait + compute, 1e-9):.0%}")
             bar.close()
+            if skipped == self.steps_per_epoch and not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+                raise self._skipped_error(f"all {skipped} steps of epoch {epoch} were skipped")
+            self._check_finite_state(epoch)  # before validation and any save
             train_seconds = wait + compute
             record = {"epoch": epoch, "train_loss": float(np.mean(losses)),
                       "learning_rate": float(keras.ops.convert_to_numpy(self.optimizer.learning_rate)),
                       "images_per_second": self.steps_per_epoch * global_batch / max(train_seconds, 1e-9),
                       "data_wait_seconds": wait, "compute_seconds": compute,
-                      "data_wait_fraction": wait / max(train_seconds, 1e-9)}
+                      "data_wait_fraction": wait / max(train_seconds, 1e-9), "skipped_steps": skipped}
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
                 record["loss_scale"] = float(keras.ops.convert_to_numpy(self.optimizer.dynamic_scale))
             validated = epoch % cfg.validation.val_interval == 0 or epoch == tc.epochs
@@ -264,9 +297,30 @@ class Trainer:
             fig.savefig(f, format="png")
         return Path(path)
 
+    def _skipped_error(self, what: str) -> TrainingDiverged:
+        return TrainingDiverged(
+            f"{what}: their gradients held NaN or Inf values although the loss was finite, so the weights were "
+            f"left unchanged. Training stopped; the last good checkpoint (epoch {int(self.epoch.numpy())}) is kept "
+            f"in {self.out / 'checkpoints'}. Look for a sqrt, norm, log or division at zero in the loss and for "
+            "NaN/Inf voxels in the data, then rerun with --resume.")
+
+    def _check_finite_state(self, epoch: int) -> None:
+        """Raises TrainingDiverged if a model or optimizer variable holds NaN/Inf: such a state is never saved."""
+        variables = list(self.model.variables) + list(self.optimizer.variables)
+        bad = [v.path for v in variables
+               if "float" in str(v.dtype) and not bool(tf.reduce_all(tf.math.is_finite(v.value)))]
+        if bad:
+            raise TrainingDiverged(
+                f"non-finite values in {len(bad)} model/optimizer variables ({', '.join(bad[:3])}"
+                f"{', ...' if len(bad) > 3 else ''}) after epoch {epoch}, with finite losses and gradients. They "
+                f"were not saved; the last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in "
+                f"{self.out / 'checkpoints'}. Lower optimizer.learning_rate (or set optimizer.clipnorm), then rerun "
+                "with --resume.")
+
     def _save_best(self) -> None:
         if not self.backend.is_chief:
             return
+        self._check_finite_state(int(self.best_epoch.numpy()))
         tmp = self.out / "best.tmp.weights.h5"  # Keras wants the .weights.h5 suffix; rename is atomic
         self.model.save_weights(str(tmp))
         os.replace(tmp, self.out / BEST_WEIGHTS)
@@ -308,6 +362,8 @@ class Trainer:
 def _epoch_line(r: dict, epochs: int) -> str:
     line = (f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  {r['images_per_second']:.1f} img/s  "
             f"input wait {r['data_wait_fraction']:.0%}  {r['epoch_seconds']:.1f}s")
+    if r.get("skipped_steps"):
+        line += f"  skipped {r['skipped_steps']} steps (non-finite gradient)"
     if "val_mean_dice" in r:
         per_class = "  ".join(f"{k} {v:.3f}" for k, v in r["val_dice"].items())
         line += f"  | val mean Dice {r['val_mean_dice']:.4f} ({per_class})"

@@ -29,7 +29,9 @@ def build_optimizer(name: str, learning_rate, weight_decay: float = 0.0, momentu
         weight_decay: see above; 0 disables it.
         momentum, nesterov: "sgd" only.
         beta_1, beta_2, epsilon: "adam", "adamw", "novograd".
-        clipnorm: per-variable gradient-norm clipping (None: off).
+        clipnorm: per-variable gradient-norm clipping (None: off). The `Trainer` hands `apply()` the
+            gradient of the whole global batch (summed over accumulation micro-batches and replicas), so
+            the threshold means the same on one device as on several.
         **extra: further keyword arguments of the chosen optimizer (e.g. `global_clipnorm`,
             `amsgrad`, `grad_averaging` for Novograd, `gradient_accumulation_steps`).
 
