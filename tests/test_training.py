@@ -1,9 +1,7 @@
 import json
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import keras
@@ -12,7 +10,6 @@ import pytest
 import tensorflow as tf
 
 from conftest import tiny_config
-from tfmis.config import save_config
 from tfmis.data.pipeline import build_train_dataset
 from tfmis.engine.trainer import RunExists, Trainer, TrainingDiverged
 
@@ -430,29 +427,6 @@ def test_batchnorm_moving_statistics_update_once_per_micro_batch(converted_datas
     run_step(trainer, (images, labels))
     np.testing.assert_allclose(layer.normalization.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(layer.normalization.moving_variance.numpy(), var, rtol=1e-5, atol=1e-6)
-
-
-def test_kill_and_resume_continues_from_the_last_epoch(converted_dataset, tmp_path):
-    config = tiny_config(converted_dataset, tmp_path / "run", "training.epochs=6", "training.steps_per_epoch=3")
-    save_config(config, tmp_path / "config.yaml")
-    command = [sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / "config.yaml")]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    history = tmp_path / "run" / "history.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not (history.is_file() and history.read_text()):
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    done = len(history.read_text().splitlines())
-    assert 1 <= done < 6, "the run was not interrupted mid-way"
-    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 1 and "already holds a training run" in again.stderr
-    resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Resuming from" in resumed.stderr
-    epochs = [json.loads(line)["epoch"] for line in history.read_text().splitlines()]
-    assert epochs == [1, 2, 3, 4, 5, 6]
-    assert "best mean Dice" in resumed.stdout
 
 
 @pytest.mark.parametrize("precision, jit", [("mixed_float16", False), ("mixed_bfloat16", False), ("float32", True)])

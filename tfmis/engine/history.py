@@ -38,8 +38,10 @@ class History:
 
     def truncate(self, last_epoch: int) -> None:
         """Drops epochs after `last_epoch` (those of an interrupted run that were not checkpointed)."""
-        self.records = [r for r in self.records if r["epoch"] <= last_epoch]
-        self._write()
+        kept = [r for r in self.records if r["epoch"] <= last_epoch]
+        if len(kept) != len(self.records):
+            self.records = kept
+            self._write()
 
     def append(self, record: dict) -> None:
         self.records.append(record)

@@ -18,6 +18,7 @@ summary = trainer.fit(resume=False)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -42,6 +43,9 @@ from tfmis.utils.devices import CPU, accelerator_device
 from tfmis.utils.io import atomic_write_json
 
 BEST_WEIGHTS = "best.weights.h5"
+# an epoch's outputs before its checkpoint commits them (see Trainer._commit_epoch)
+STAGED_EPOCH = "epoch.staged.json"
+STAGED_BEST = "best.staged.weights.h5"
 # A step whose gradient holds NaN/Inf is skipped. In float32/bfloat16 that is an outlier batch; this many in a
 # row means the loss or the model is broken (under mixed_float16 the loss scaler would have lowered its scale
 # 2^20-fold by then, far past any float16 overflow), and so does an epoch in which every step was skipped.
@@ -171,7 +175,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def _prepare_output(self, resume: bool, history: History) -> None:
+    def restore(self, resume: bool = True) -> int:
+        """Restores the last committed epoch and returns how many epochs are done (0 for a new run).
+
+        Model, optimizer (iterations, moments, loss scale), epoch, best Dice and elapsed time come
+        from the latest checkpoint; an epoch whose checkpoint was written but whose history record or
+        best weights were not (a kill in between) is completed, and the staged outputs of an epoch
+        whose checkpoint was never written are dropped (see `_commit_epoch`).
+
+        Raises:
+            RunExists: the run folder holds checkpoints and `resume` is False.
+        """
         latest = self.manager.latest_checkpoint
         if latest and not resume:
             raise RunExists(f"{self.out} already holds a training run (last checkpoint {Path(latest).name}); "
@@ -179,26 +193,69 @@ class Trainer:
                             "(e.g. --set output.dir=runs/new)")
         if resume and latest:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
-            history.truncate(int(self.epoch.numpy()))
             print(f"Resuming from {latest}: epoch {int(self.epoch.numpy())} done, best mean Dice "
                   f"{float(self.best_dice.numpy()):.4f} at epoch {int(self.best_epoch.numpy())}", file=sys.stderr)
         elif resume:
             print(f"--resume: no checkpoint in {self.out / 'checkpoints'}, starting from scratch", file=sys.stderr)
+        done = int(self.epoch.numpy())
         if self.backend.is_chief:
+            self.out.mkdir(parents=True, exist_ok=True)
+            history = History(self.out, self.config.training.dice_thresholds)
+            staged = self.out / STAGED_EPOCH
+            if staged.is_file():
+                record = json.loads(staged.read_text())
+                if record["epoch"] == done:  # committed, not yet published
+                    self._publish_epoch(record, history)
+            self._discard_staged()
+            history.truncate(done)
             save_config(self.config, self.out / "config.yaml")
             # the run folder alone is enough to predict: preprocessing, channels, classes, splits
             atomic_write_json(self.out / RUN_DATA_FILE, self.data_info)
+        return done
+
+    # ------------------------------------------------------------------ one commit point per epoch
+
+    def _commit_epoch(self, record: dict, improved: bool, history: History) -> None:
+        """Writes an epoch's outputs so that a kill at any moment leaves them consistent.
+
+        1. stage: the best weights (if improved) and the history record, under temporary names;
+        2. commit: the checkpoint (TensorFlow writes its `checkpoint` index file atomically, last);
+        3. publish: append the record, rename the staged best weights, drop the staged files.
+        `restore` completes step 3 for a committed epoch and drops what step 1 left otherwise.
+        """
+        if not self.backend.is_chief:
+            return
+        self._discard_staged()
+        if improved:
+            self._check_finite_state(record["epoch"])
+            tmp = self.out / "best.tmp.weights.h5"  # Keras wants the .weights.h5 suffix; rename is atomic
+            self.model.save_weights(str(tmp))
+            os.replace(tmp, self.out / STAGED_BEST)
+        atomic_write_json(self.out / STAGED_EPOCH, record)
+        self.manager.save(checkpoint_number=record["epoch"])
+        self._publish_epoch(record, history)
+
+    def _publish_epoch(self, record: dict, history: History) -> None:
+        """Step 3 of `_commit_epoch`; safe to repeat after a kill half-way through it."""
+        history.truncate(record["epoch"] - 1)
+        history.append(record)
+        if (self.out / STAGED_BEST).is_file():
+            os.replace(self.out / STAGED_BEST, self.out / BEST_WEIGHTS)
+        (self.out / STAGED_EPOCH).unlink(missing_ok=True)
+
+    def _discard_staged(self) -> None:
+        for name in (STAGED_EPOCH, STAGED_BEST):
+            (self.out / name).unlink(missing_ok=True)
 
     def fit(self, resume: bool = False) -> dict:
         """Trains for `training.epochs` (or until `target_dice`); returns the run summary."""
         from tqdm import tqdm
 
         cfg, tc = self.config, self.config.training
-        self.out.mkdir(parents=True, exist_ok=True)
+        done = self.restore(resume)
         history = History(self.out, tc.dice_thresholds)
-        self._prepare_output(resume, history)
-        start_epoch = int(self.epoch.numpy()) + 1
-        seed_offset = start_epoch - 1  # a resumed run draws new crops, not epoch 1's again
+        start_epoch = done + 1
+        seed_offset = done  # a resumed run draws new crops, not epoch 1's again
         dataset = self.backend.distribute_dataset(lambda ctx: build_train_dataset(cfg, ctx, seed_offset))
         iterator = iter(dataset)
         val_dataset = build_val_dataset(cfg)
@@ -248,25 +305,26 @@ class Trainer:
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
                 record["loss_scale"] = float(keras.ops.convert_to_numpy(self.optimizer.dynamic_scale))
             validated = epoch % cfg.validation.val_interval == 0 or epoch == tc.epochs
+            improved = False
             if validated:
                 val_start = time.perf_counter()
                 result = self.validate(val_dataset)
                 record["val_mean_dice"] = result["mean_dice"]
                 record["val_dice"] = dict(zip(self.class_names[1:], result["dice_per_class"]))
-                if "mean_hd95" in result:
+                if "mean_hd95" in result:  # inf when a class was missed in some case; the misses are counted
                     record["val_mean_hd95"] = result["mean_hd95"]
+                    record["val_hd95_misses"] = int(sum(result["hd95_inf_count_per_class"]))
                 record["val_seconds"] = time.perf_counter() - val_start
-                if math.isfinite(result["mean_dice"]) and result["mean_dice"] > float(self.best_dice.numpy()):
+                improved = math.isfinite(result["mean_dice"]) and result["mean_dice"] > float(self.best_dice.numpy())
+                if improved:
                     self.best_dice.assign(result["mean_dice"])
                     self.best_epoch.assign(epoch)
-                    self._save_best()
             record["epoch_seconds"] = time.perf_counter() - epoch_start
             record["elapsed_seconds"] = time.perf_counter() - run_start
             self.epoch.assign(epoch)
             self.elapsed.assign(record["elapsed_seconds"])
+            self._commit_epoch(record, improved, history)
             if self.backend.is_chief:
-                self.manager.save(checkpoint_number=epoch)
-                history.append(record)
                 self._log_tensorboard(writer, record)
                 history.plot(self.out / "training_curves.png")
             print(_epoch_line(record, tc.epochs), file=sys.stderr)
@@ -316,14 +374,6 @@ class Trainer:
                 f"were not saved; the last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in "
                 f"{self.out / 'checkpoints'}. Lower optimizer.learning_rate (or set optimizer.clipnorm), then rerun "
                 "with --resume.")
-
-    def _save_best(self) -> None:
-        if not self.backend.is_chief:
-            return
-        self._check_finite_state(int(self.best_epoch.numpy()))
-        tmp = self.out / "best.tmp.weights.h5"  # Keras wants the .weights.h5 suffix; rename is atomic
-        self.model.save_weights(str(tmp))
-        os.replace(tmp, self.out / BEST_WEIGHTS)
 
     def _log_tensorboard(self, writer, record: dict) -> None:
         if writer is None:
