@@ -226,8 +226,7 @@ class Trainer:
         if not self.backend.is_chief:
             return
         self._discard_staged()
-        if improved:
-            self._check_finite_state(record["epoch"])
+        if improved:  # fit() checked the weights are finite right after the epoch's steps
             tmp = self.out / "best.tmp.weights.h5"  # Keras wants the .weights.h5 suffix; rename is atomic
             self.model.save_weights(str(tmp))
             os.replace(tmp, self.out / STAGED_BEST)
