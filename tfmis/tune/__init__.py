@@ -1,0 +1,1 @@
+"""GPU-fit search and hyperparameter tuning."""

@@ -1,0 +1,714 @@
+"""One GPU-fit trial: a fresh subprocess measures the memory and speed of one training configuration.
+
+A TensorFlow process never gives device memory back, and an out-of-memory error can leave it
+broken, so every configuration the search tries runs in a process of its own (`run_trial`), pinned
+to one device. The child (`python -m tfmis.tune.trial REQUEST RESULT`) builds the real `Trainer`
+from the config (model, loss, optimizer, loss scaling, precision, jit_compile), feeds synthetic
+batches of the training pipeline's shapes and dtypes to the trainer's compiled step (warm-up steps,
+then timed steps), then runs sliding-window inference as `Trainer.validate` does on a volume of the
+dataset's 99.5th-percentile shape (one pass to trace, one timed pass).
+
+Memory is measured per phase (setup, training, validation): on a GPU, TensorFlow's allocator peak
+(`get_memory_info(...)["peak"]` after `reset_memory_stats`) and NVML's view of the device; on a
+CPU, the peak resident set size (VmHWM, reset per phase through /proc/self/clear_refs). The parent
+watches the child's RSS, its clock and its exit: an out-of-memory error, any other error, a crash,
+a timeout or a peak over the budget is a failed result with a one-line reason and the phase, never
+an exception, so the search goes on. Numbers measured before a failure are kept.
+
+Files in the trial's workdir: `request.json`, `result.json`, `progress.json` (the child's current
+phase and numbers so far, for when it is killed), `trial.log` (the child's stdout and stderr) and
+`run/` (the trainer's output.dir).
+
+Example:
+```python
+from pathlib import Path
+
+from tfmis.config import load_config, to_dict
+from tfmis.tune.trial import accelerators, host_memory, run_trial, trial_device
+
+gpu = trial_device(accelerators())
+config = load_config("configs/demo.yaml", ["pipeline.num_images_per_batch=4"])
+budget = gpu["total_mb"] * 0.9 if gpu else host_memory()["available_mb"]
+result = run_trial({"config": to_dict(config), "volume_shape": [60, 75, 62]}, workdir=Path("tune/trial_000"),
+                   memory_budget_mb=budget, gpu=gpu["index"] if gpu else None)
+print(result["status"], result["images_per_second"], result["peak_mb"], result["reason"])
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# No TensorFlow at module level: the child sets its environment and GPU options before the import,
+# and the parent (the search) must never initialise a GPU.
+from tfmis.utils.io import atomic_write_json
+
+REQUEST_FILE = "request.json"
+RESULT_FILE = "result.json"
+PROGRESS_FILE = "progress.json"
+LOG_FILE = "trial.log"
+RUN_DIR = "run"
+PHASES = ("setup", "training", "validation")
+POLL_SECONDS = 0.05  # how often the parent samples the child's RSS
+MB = 2.0 ** 20
+
+# Messages of out-of-memory failures that do not arrive as ResourceExhaustedError: cuDNN/cuBLAS
+# cannot create their handles or workspaces when the GPU is full, a host-to-device copy into an
+# allocation that failed ("Dst tensor is not initialized"), XLA's and the CUDA driver's own words.
+OOM_SIGNATURES = (
+    "OOM when allocating", "failed to allocate", "Dst tensor is not initialized",
+    "CUDNN_STATUS_NOT_INITIALIZED", "CUDNN_STATUS_ALLOC_FAILED",
+    "CUBLAS_STATUS_NOT_INITIALIZED", "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDA_ERROR_OUT_OF_MEMORY", "Out of memory while trying to allocate",
+)
+
+# Every key a result has, so that a trial that failed early reads like one that did not.
+RESULT_KEYS = (
+    "status", "reason", "failed_phase", "out_of_memory", "batch_size", "images_per_second", "step_seconds",
+    "step_seconds_all", "warmup_seconds_all", "sw_seconds", "sw_first_seconds", "sw_windows", "validation_device",
+    "setup_peak_mb", "train_peak_mb", "validation_peak_mb", "peak_mb", "rss_peak_mb", "rss_peak_mb_by_phase",
+    "rss_start_mb_by_phase", "budget_mb", "device", "tf_version", "import_seconds", "build_seconds", "wall_seconds",
+    "exit_code", "log",
+)
+
+
+# ---------------------------------------------------------------- out-of-memory signatures
+
+def is_out_of_memory(error: BaseException | str) -> bool:
+    """True if an exception (or an error message) means the device or the host ran out of memory.
+
+    Recognised: `tf.errors.ResourceExhaustedError`, `MemoryError`, and messages naming an allocation
+    failure (`OOM_SIGNATURES`: "OOM when allocating", "failed to allocate", "Dst tensor is not
+    initialized", CUDNN/CUBLAS_STATUS_NOT_INITIALIZED or _ALLOC_FAILED, ...). The exception's cause
+    and context are checked too (an error raised while handling an OOM is still an OOM).
+
+    Args:
+        error: an exception, or the text of an error message or log line.
+
+    Example:
+        >>> is_out_of_memory("Could not create cudnn handle: CUDNN_STATUS_NOT_INITIALIZED")
+        True
+        >>> is_out_of_memory(ValueError("patch size (50, 50, 50) does not fit strides"))
+        False
+    """
+    if isinstance(error, str):
+        return _has_oom_signature(error)
+    tf = sys.modules.get("tensorflow")  # a TensorFlow error implies TensorFlow is imported
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, MemoryError) or (tf is not None and isinstance(error, tf.errors.ResourceExhaustedError)):
+            return True
+        if _has_oom_signature(str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _has_oom_signature(message: str) -> bool:
+    lowered = message.lower()
+    return any(signature.lower() in lowered for signature in OOM_SIGNATURES)
+
+
+def error_line(message: str, limit: int = 400) -> str:
+    """The informative line of a (TensorFlow) error message, for a one-line reason.
+
+    TensorFlow wraps the actual error in "Graph execution error:", a "Detected at node" traceback
+    and hints; this keeps the line naming the failure (an allocation failure first, else a line
+    like "ValueError: ...", else the first other line).
+
+    Example:
+        >>> error_line('Graph execution error:\\n\\nDetected at node ones defined at (most recent call last):\\n'
+        ...            '  File "x.py", line 3, in f\\n\\nOOM when allocating tensor with shape[512]\\n'
+        ...            '\\t [[{{node ones}}]]')
+        'OOM when allocating tensor with shape[512]'
+    """
+    kept = []
+    code_indent = None  # inside a traceback entry: its source lines are indented deeper than "File"
+    for raw in message.splitlines():
+        line = raw.strip()
+        indent = len(raw) - len(raw.lstrip())
+        if not line:
+            continue
+        if line.startswith('File "'):
+            code_indent = indent
+            continue
+        if code_indent is not None and indent > code_indent:
+            continue
+        code_indent = None
+        if line in ("Graph execution error:", "in user code:") or line.startswith(
+                ("Detected at node", "Hint:", "[[{{node", "[Op:", "Traceback (most recent call last)")):
+            continue
+        line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", line)
+        line = re.sub(r"\s*\[Op:[^\]]*\](\s*name:.*)?$", "", line)
+        if line:
+            kept.append(line)
+    chosen = (next((line for line in kept if _has_oom_signature(line)), None)
+              or next((line for line in kept if re.match(r"^[\w.]*(Error|Exception)\b[^:]*:", line)), None)
+              or (kept[0] if kept else message.strip() or "(no message)"))
+    return chosen if len(chosen) <= limit else chosen[:limit - 3] + "..."
+
+
+def failure_reason(error: BaseException, phase: str) -> str:
+    """"out of memory in training: ResourceExhaustedError: OOM when ..." or "ConfigError in setup: ..."."""
+    line = error_line(str(error))
+    name = type(error).__name__
+    if is_out_of_memory(error):
+        return f"out of memory in {phase}: {name}: {line}"
+    return f"{name} in {phase}: {line}"
+
+
+# ---------------------------------------------------------------- devices (parent side, no GPU initialised)
+
+def accelerators() -> list[dict]:
+    """The GPUs a trial can run on: [{"index", "name", "total_mb", "uuid"}], by NVML index.
+
+    Empty when TensorFlow sees no GPU (none present, or TensorFlow built without CUDA: checked with
+    `tf.config.list_physical_devices("GPU")`, which allocates no device memory) or NVML is missing.
+    A `CUDA_VISIBLE_DEVICES` of this process restricts the list (entries are NVML indices, i.e. PCI
+    bus order as `nvidia-smi` shows them, or GPU UUIDs). No GPU is initialised in this process.
+    """
+    try:
+        import tensorflow as tf
+
+        if not tf.config.list_physical_devices("GPU"):
+            return []
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no TensorFlow, no NVML library or no driver: no usable GPU
+        return []
+    try:
+        devices = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            devices.append({"index": index, "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                            "total_mb": pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB,
+                            "uuid": _text(pynvml.nvmlDeviceGetUUID(handle))})
+    except pynvml.NVMLError:
+        return []
+    finally:
+        pynvml.nvmlShutdown()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        devices = [d for d in devices if any(w == str(d["index"]) or (w.startswith("GPU-") and d["uuid"].startswith(w))
+                                             for w in wanted)]
+    return devices
+
+
+def trial_device(accelerators: list[dict]) -> dict | None:
+    """The GPU trials run on: the one with the least total memory (one GPU's plan applies per replica).
+
+    Example:
+        >>> trial_device([{"index": 0, "total_mb": 81559.0}, {"index": 1, "total_mb": 40960.0}])["index"]
+        1
+        >>> trial_device([]) is None
+        True
+    """
+    return min(accelerators, key=lambda a: (a["total_mb"], a["index"])) if accelerators else None
+
+
+def host_memory() -> dict:
+    """The host's memory and CPU: {"total_mb", "available_mb", "cgroup_limit_mb", "cpu_name", "cpu_count"}.
+
+    `available_mb` is /proc/meminfo's MemAvailable, lowered to what a cgroup memory limit (a
+    container's) leaves; `cgroup_limit_mb` is that limit, or None.
+    """
+    meminfo = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            meminfo[key] = int(value.split()[0]) / 1024.0
+    total = meminfo.get("MemTotal", 0.0)
+    available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0.0))
+    limit = None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw = Path(limit_file).read_text().strip()
+            if raw == "max" or int(raw) >= 2 ** 60:  # unlimited
+                break
+            limit = int(raw) / MB
+            available = min(available, limit - int(Path(usage_file).read_text()) / MB)
+            break
+        except (OSError, ValueError):
+            continue
+    cpu = None
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), None)
+    except OSError:
+        pass
+    if not cpu:
+        import platform
+
+        cpu = platform.processor() or platform.machine()
+    return {"total_mb": total, "available_mb": max(available, 0.0), "cgroup_limit_mb": limit, "cpu_name": cpu,
+            "cpu_count": os.cpu_count()}
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _gpu_uuid(index: int) -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index)))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - fall back to the index (with CUDA_DEVICE_ORDER=PCI_BUS_ID)
+        return None
+
+
+def _status_mb(pid: int | str, field: str) -> float | None:
+    """A memory line of /proc/<pid>/status (VmRSS, VmHWM) in MB; None once the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# ---------------------------------------------------------------- parent side
+
+def run_trial(request: dict, *, workdir: Path, memory_budget_mb: float | None = None, timeout_s: float = 600,
+              gpu: int | None = None, extra_env: dict | None = None,
+              host_memory_budget_mb: float | None = None) -> dict:
+    """Runs `python -m tfmis.tune.trial REQUEST RESULT` in a fresh subprocess and returns its result.
+
+    Never raises for a failed trial: the result's `status` is "failed", `reason` says why in one
+    line and `failed_phase` where ("setup", "training" or "validation"); what the child measured
+    before the failure is kept. The child's output is kept in `workdir/trial.log`.
+
+    Args:
+        request: {"config": `tfmis.config.to_dict(config)` with the trial's values set,
+            "volume_shape": [x, y, z] (the sliding-window volume, the fingerprint's `shape_p99_5`),
+            "warmup_steps": 2, "timed_steps": 3, "seed": 0 (optional)}.
+        workdir: this trial's folder (created; a previous result in it is replaced).
+        memory_budget_mb: the most memory the trial may use. GPU trial: TensorFlow's GPU memory
+            is limited to it (going over is a real OOM) and an allocator peak above it fails the
+            trial. CPU trial: the child is killed as soon as its RSS exceeds it, and a peak RSS
+            above it fails the trial. None: no budget.
+        timeout_s: the child is killed after this many seconds.
+        gpu: NVML index of the GPU to run on (see `trial_device`); None runs on the CPU with every
+            GPU hidden.
+        extra_env: environment variables added for the child.
+        host_memory_budget_mb: GPU trial only: the child's RSS limit on the host (e.g. for
+            validation_data_device=cpu), enforced like a CPU trial's budget; None: no limit.
+
+    Returns:
+        A dict with every key of `RESULT_KEYS` (None where not measured):
+
+        - status "ok" | "failed", reason (one line), failed_phase, out_of_memory (an OOM error, a
+          peak over the budget, or a crash that looks like one);
+        - batch_size (images per step), images_per_second, step_seconds (median of the timed
+          steps), step_seconds_all, warmup_seconds_all (the first one traces the step);
+        - sw_seconds (the timed sliding-window pass), sw_first_seconds (the pass that traced),
+          sw_windows, validation_device (where the volume and its buffers lived);
+        - setup/train/validation_peak_mb (per phase: the GPU allocator's peak, or on a CPU the peak
+          RSS, which includes what earlier phases left allocated), peak_mb (compared with the
+          budget: the largest GPU phase peak, or the process's peak RSS), rss_peak_mb,
+          rss_peak_mb_by_phase, rss_start_mb_by_phase (host RSS as each phase began), budget_mb;
+        - device ({"kind": "gpu" | "cpu", "name", "total_mb", "nvml_used_mb" (GPU)}), tf_version,
+          import_seconds (importing TensorFlow, Keras, the trainer), build_seconds (the trainer),
+          wall_seconds (the whole subprocess), exit_code, log (and log_tail after a crash).
+
+    Example:
+    ```python
+    result = run_trial({"config": to_dict(config), "volume_shape": [60, 75, 62]}, workdir=Path("trials/0"))
+    ```
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    request_path, result_path, progress_path, log_path = (
+        workdir / REQUEST_FILE, workdir / RESULT_FILE, workdir / PROGRESS_FILE, workdir / LOG_FILE)
+    for stale in (result_path, progress_path):
+        stale.unlink(missing_ok=True)
+    atomic_write_json(request_path, request)
+    rss_budget = memory_budget_mb if gpu is None else host_memory_budget_mb
+    command = [sys.executable, "-m", "tfmis.tune.trial", str(request_path), str(result_path)]
+    if gpu is not None:
+        command += ["--gpu", str(gpu)]
+    if memory_budget_mb is not None:
+        command += ["--memory-budget-mb", str(memory_budget_mb)]
+
+    start = time.monotonic()
+    killed, rss_seen, exit_code = None, 0.0, None
+    with open(log_path, "wb") as log:
+        try:
+            child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(gpu, extra_env))
+        except OSError as e:
+            return _finish({"status": "failed", "reason": f"cannot start the trial process: {e}",
+                            "failed_phase": "setup", "log": str(log_path), "wall_seconds": 0.0})
+        while True:
+            try:
+                exit_code = child.wait(timeout=POLL_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            rss = _status_mb(child.pid, "VmRSS") or 0.0
+            rss_seen = max(rss_seen, rss)
+            if rss_budget is not None and rss > rss_budget:
+                killed = "budget"
+            elif time.monotonic() - start > timeout_s:
+                killed = "timeout"
+            if killed:
+                child.kill()
+                exit_code = child.wait()
+                break
+    wall = time.monotonic() - start
+
+    progress = _read_json(progress_path) or {}
+    progress.pop("pid", None)
+    phase = progress.pop("phase", "setup")
+    phase = phase if phase in PHASES else "validation"  # "done": finished validating
+    reported = None if killed else _read_json(result_path)
+    result = {**progress, **(reported or {})}
+    result.update(wall_seconds=wall, exit_code=exit_code, log=str(log_path), budget_mb=memory_budget_mb)
+    if gpu is None:  # a CPU trial's peak is the process's: the child's VmHWM, or what the parent saw
+        result["rss_peak_mb"] = max(result.get("rss_peak_mb") or 0.0, rss_seen) or None
+        result["peak_mb"] = result["rss_peak_mb"]
+
+    if killed == "budget":
+        _fail(result, f"peak RSS {rss_seen:.0f} MB > budget {rss_budget:.0f} MB (stopped during {phase})", phase,
+              out_of_memory=True)
+    elif killed == "timeout":
+        _fail(result, f"timed out after {timeout_s:g} s during {phase}", phase)
+    elif reported is None:  # a crash: the log's last lines say what happened
+        lines = _last_lines(log_path)
+        # faulthandler's "Fatal Python error: Segmentation fault" says more than the stack after it
+        last = next((line for line in reversed(lines) if line.startswith("Fatal Python error")),
+                    lines[-1] if lines else None)
+        # a SIGKILL we did not send is, on Linux, almost always the kernel's out-of-memory killer
+        how = " (SIGKILL: probably the kernel's out-of-memory killer)" if exit_code == -9 else ""
+        _fail(result, f"exit code {exit_code}{how} during {phase}: {last or '(no error output)'}", phase,
+              out_of_memory=exit_code == -9 or any(is_out_of_memory(line) for line in lines))
+        result["log_tail"] = lines[-12:]
+    elif result.get("status") == "ok":
+        _check_budgets(result, memory_budget_mb, rss_budget, gpu is not None)
+    return _finish(result)
+
+
+def _child_env(gpu: int | None, extra_env: dict | None) -> dict:
+    env = dict(os.environ)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's device numbers = NVML's (nvidia-smi's)
+    # one GPU per trial, named by UUID where NVML knows it; "-1" hides every GPU from a CPU trial
+    env["CUDA_VISIBLE_DEVICES"] = "-1" if gpu is None else (_gpu_uuid(gpu) or str(gpu))
+    # the child imports this copy of tfmis, wherever the caller runs from
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+    env.update({str(k): str(v) for k, v in (extra_env or {}).items()})
+    return env
+
+
+def _check_budgets(result: dict, memory_budget_mb, rss_budget, on_gpu: bool) -> None:
+    """Fails a finished trial whose measured peak is over its budget, naming the phase of the peak."""
+    by_phase = result.get("rss_peak_mb_by_phase") or {}
+    if on_gpu and memory_budget_mb is not None and (result.get("peak_mb") or 0) > memory_budget_mb:
+        peaks = {p: result.get(k) or 0 for p, k in
+                 (("setup", "setup_peak_mb"), ("training", "train_peak_mb"), ("validation", "validation_peak_mb"))}
+        phase = max(peaks, key=peaks.get)
+        _fail(result, f"peak GPU memory {result['peak_mb']:.0f} MB > budget {memory_budget_mb:.0f} MB (in {phase})",
+              phase, out_of_memory=True)
+    elif rss_budget is not None and (result.get("rss_peak_mb") or 0) > rss_budget:
+        phase = max(by_phase, key=by_phase.get) if by_phase else "setup"
+        _fail(result, f"peak RSS {result['rss_peak_mb']:.0f} MB > budget {rss_budget:.0f} MB (in {phase})", phase,
+              out_of_memory=True)
+
+
+def _fail(result: dict, reason: str, phase: str, out_of_memory: bool = False) -> None:
+    result.update(status="failed", reason=reason, failed_phase=phase, out_of_memory=out_of_memory)
+
+
+def _finish(result: dict) -> dict:
+    return {**{key: None for key in RESULT_KEYS}, **result}
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _last_lines(path: Path) -> list[str]:
+    """The lines of the log's last 16 KB that may say why the child died (TensorFlow's startup notices and
+    faulthandler's list of extension modules left out)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return [line for line in lines
+            if not re.match(r"I\d{4} |WARNING: All log messages before absl|Extension modules: ", line)]
+
+
+# ---------------------------------------------------------------- child side
+
+class _ChildTrial:
+    """The measurements of one trial, in the child process; `progress.json` follows them."""
+
+    def __init__(self, request_path: Path, result_path: Path, gpu: int | None, memory_budget_mb: float | None):
+        self.request_path, self.result_path = request_path, result_path
+        self.progress_path = result_path.with_name(PROGRESS_FILE)
+        self.gpu, self.memory_budget_mb = gpu, memory_budget_mb
+        self.phase = "setup"
+        self.measured: dict = {"rss_peak_mb_by_phase": {}, "rss_start_mb_by_phase": {}}
+        self.tf = None
+        self.on_gpu = False  # set once TensorFlow is imported with the trial's GPU
+        self.trainer = None
+
+    def run(self) -> int:
+        status, reason, failed_phase, out_of_memory = "ok", None, None, False
+        try:
+            for phase, body in (("setup", self._setup), ("training", self._train), ("validation", self._validate)):
+                self._enter(phase)
+                try:
+                    body()
+                finally:  # the peaks up to a failure are measurements too
+                    self._measure_memory(phase)
+        except Exception as error:  # noqa: BLE001 - every failure is a result (MemoryError included)
+            traceback.print_exc()  # the whole story goes to the trial log
+            status, reason, failed_phase = "failed", failure_reason(error, self.phase), self.phase
+            out_of_memory = is_out_of_memory(error)
+        self.phase = "done"
+        self._write_progress()
+        atomic_write_json(self.result_path, {"status": status, "reason": reason, "failed_phase": failed_phase,
+                                             "out_of_memory": out_of_memory, **self.measured})
+        return 0 if status == "ok" else 1
+
+    # -------------------------------------------------------- phases
+
+    def _setup(self) -> None:
+        from tfmis.config import Config, from_dict, validate
+
+        request = json.loads(self.request_path.read_text())
+        self.warmup_steps = int(request.get("warmup_steps", 2))
+        self.timed_steps = int(request.get("timed_steps", 3))
+        self.seed = int(request.get("seed", 0))
+        self.volume_shape = [int(s) for s in request["volume_shape"]]
+        if len(self.volume_shape) != 3 or min(self.volume_shape) < 1 or self.warmup_steps < 0 or self.timed_steps < 1:
+            raise ValueError(f"trial request: volume_shape must be 3 positive sizes (got {request['volume_shape']}), "
+                             f"warmup_steps >= 0 (got {self.warmup_steps}), timed_steps >= 1 (got {self.timed_steps})")
+        config = from_dict(Config, request["config"])
+        validate(config)
+        config.output.dir = str(self.result_path.parent / RUN_DIR)
+        self.config = config
+
+        start = time.perf_counter()
+        tf = self._import_tensorflow()
+        from tfmis.engine.distribution import make_backend  # Keras and the trainer's modules
+        from tfmis.engine.trainer import Trainer
+
+        self.measured.update(import_seconds=time.perf_counter() - start, tf_version=tf.__version__,
+                             device=self._device_info())
+        self._write_progress()
+        start = time.perf_counter()
+        self.trainer = Trainer(config, backend=make_backend("none"))
+        self.measured["build_seconds"] = time.perf_counter() - start
+
+    def _import_tensorflow(self):
+        """Imports TensorFlow with the trial's device set up before it initialises."""
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
+        if self.gpu is None:
+            if gpus:  # a CPU trial measures the CPU, even if the environment left a GPU visible
+                tf.config.set_visible_devices([], "GPU")
+        elif not gpus:
+            raise RuntimeError(f"no GPU visible to TensorFlow {tf.__version__} (CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); is it built with CUDA?")
+        else:
+            tf.config.set_visible_devices(gpus[0], "GPU")
+            if self.memory_budget_mb is not None:  # going over the budget is then a real OOM
+                tf.config.set_logical_device_configuration(
+                    gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(self.memory_budget_mb))])
+            else:
+                tf.config.experimental.set_memory_growth(gpus[0], True)
+            self.on_gpu = True
+        self.tf = tf
+        return tf
+
+    def _train(self) -> None:
+        import numpy as np
+
+        tf, trainer, config = self.tf, self.trainer, self.config
+        batch_size = config.pipeline.num_images_per_batch * config.training.accumulation_steps
+        patch = list(config.pipeline.patch_size)
+        rng = np.random.default_rng(self.seed)
+        with tf.device("/CPU:0"):  # as tf.data delivers them: float32 images, int32 labels, in host memory
+            images = tf.constant(rng.standard_normal((batch_size, *patch, trainer.in_channels), dtype=np.float32))
+            labels = tf.constant(rng.integers(0, len(trainer.class_names), (batch_size, *patch), dtype=np.int32))
+        self.measured["batch_size"] = batch_size
+
+        def step() -> float:
+            start = time.perf_counter()
+            loss, _ = trainer._train_step((images, labels))
+            float(loss)  # waits for the step
+            return time.perf_counter() - start
+
+        warmup = []
+        for _ in range(self.warmup_steps):
+            warmup.append(step())
+            self.measured["warmup_seconds_all"] = warmup
+            self._write_progress()
+        timed = [step() for _ in range(self.timed_steps)]
+        median = statistics.median(timed)
+        self.measured.update(step_seconds=median, step_seconds_all=timed, images_per_second=batch_size / median)
+
+    def _validate(self) -> None:
+        import numpy as np
+
+        from tfmis.inference.sliding_window import number_of_windows, sliding_window_inference
+        from tfmis.utils.devices import CPU, accelerator_device
+
+        tf, trainer = self.tf, self.trainer
+        v = self.config.validation
+        roi = tuple(v.roi_size or self.config.pipeline.patch_size)
+        # the placement's first choice, with this sw batch: no out-of-memory fallback may hide what is measured
+        # ("auto" starts on the accelerator; see tfmis.inference.placement)
+        device = CPU if v.validation_data_device == "cpu" else accelerator_device()
+        self.measured["validation_device"] = device
+        rng = np.random.default_rng(self.seed + 1)
+        with tf.device(CPU):  # a validation volume as tf.data delivers it
+            volume = tf.constant(rng.standard_normal((1, *self.volume_shape, trainer.in_channels), dtype=np.float32))
+        self.measured["sw_windows"] = number_of_windows(self.volume_shape, roi, v.overlap)
+
+        def one_pass() -> float:
+            start = time.perf_counter()
+            logits = sliding_window_inference(volume, roi, v.num_sw_batch_size, trainer._predict, overlap=v.overlap,
+                                              mode=v.mode, sw_device=accelerator_device(), device=device)
+            with tf.device(device):  # the label map as validation makes it; numpy() waits for the pass
+                tf.argmax(logits, axis=-1, output_type=tf.int32)[0].numpy()
+            return time.perf_counter() - start
+
+        self.measured["sw_first_seconds"] = one_pass()  # traces the predictor for this window batch
+        self._write_progress()
+        self.measured["sw_seconds"] = one_pass()
+
+    # -------------------------------------------------------- memory and progress
+
+    def _enter(self, phase: str) -> None:
+        self.phase = phase
+        if phase != "setup":  # setup's peaks count from the process start
+            _reset_rss_peak()
+            if self.on_gpu:
+                self.tf.config.experimental.reset_memory_stats("GPU:0")
+        # what the process holds when the phase starts (on a CPU, the phase's own need is its peak minus this)
+        self.measured["rss_start_mb_by_phase"][phase] = _status_mb("self", "VmRSS")
+        self._write_progress()
+
+    def _measure_memory(self, phase: str) -> None:
+        """This phase's peaks: host RSS always; the GPU allocator's (and NVML's) on a GPU."""
+        m = self.measured
+        rss = _status_mb("self", "VmHWM")
+        if rss is not None:
+            m["rss_peak_mb_by_phase"][phase] = rss
+            m["rss_peak_mb"] = max(m["rss_peak_mb_by_phase"].values())
+        key = {"setup": "setup_peak_mb", "training": "train_peak_mb", "validation": "validation_peak_mb"}[phase]
+        if self.on_gpu:
+            try:  # after an OOM the runtime may refuse; the failure itself is what matters then
+                m[key] = self.tf.config.experimental.get_memory_info("GPU:0")["peak"] / MB
+                used = _nvml_used_mb(self.gpu)
+                if used is not None and m.get("device"):
+                    m["device"]["nvml_used_mb"] = max(m["device"].get("nvml_used_mb") or 0.0, used)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+            peaks = [m.get(k) for k in ("setup_peak_mb", "train_peak_mb", "validation_peak_mb")]
+            m["peak_mb"] = max((p for p in peaks if p is not None), default=None)
+        else:
+            m[key] = rss
+            m["peak_mb"] = m.get("rss_peak_mb")
+        self._write_progress()
+
+    def _device_info(self) -> dict:
+        if self.on_gpu:
+            info = {"kind": "gpu", "index": self.gpu, "name": None, "total_mb": None, "nvml_used_mb": None,
+                    "memory_limit_mb": self.memory_budget_mb}
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                try:
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(self.gpu)
+                    info.update(name=_text(pynvml.nvmlDeviceGetName(handle)),
+                                total_mb=pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB)
+                finally:
+                    pynvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001 - NVML is extra information, the allocator peak is the measurement
+                info["name"] = self.tf.config.experimental.get_device_details(
+                    self.tf.config.list_physical_devices("GPU")[0]).get("device_name")
+            return info
+        host = host_memory()
+        return {"kind": "cpu", "name": host["cpu_name"], "total_mb": host["total_mb"],
+                "available_mb": host["available_mb"], "cpu_count": host["cpu_count"]}
+
+    def _write_progress(self) -> None:
+        atomic_write_json(self.progress_path, {"phase": self.phase, "pid": os.getpid(), **self.measured})
+
+
+def _reset_rss_peak() -> None:
+    """Resets this process's VmHWM to its current RSS, so the next VmHWM is one phase's peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not allowed here: later phase peaks then include the earlier phases
+        pass
+
+
+def _nvml_used_mb(index: int) -> float | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used / MB
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tfmis.tune.trial",
+                                description="Measure one GPU-fit trial (started by tfmis.tune.trial.run_trial).")
+    p.add_argument("request", help="request JSON: config, volume_shape, warmup_steps, timed_steps")
+    p.add_argument("result", help="result JSON to write (progress.json is written next to it)")
+    p.add_argument("--gpu", type=int, default=None, help="NVML index of the GPU (CUDA_VISIBLE_DEVICES set to it)")
+    p.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="GPU: TensorFlow's memory limit on the device (instead of memory growth)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
+    faulthandler.enable()  # a crash (e.g. a failed allocation in native code) leaves its Python stack in the log
+    return _ChildTrial(Path(args.request), Path(args.result), args.gpu, args.memory_budget_mb).run()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the result is written; skip TensorFlow's teardown, which can hang or crash after an OOM
