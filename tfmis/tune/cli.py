@@ -1,0 +1,84 @@
+"""`python -m tfmis.tune fit --config X.yaml [--specs S.yaml] [--num-trials N] [--memory-budget-mb M]
+[--strategy bayesian|grid] [--output DIR]`: the GPU-fit search.
+
+Writes DIR/fit.yaml (the config with the chosen values), DIR/fit_report.json (every trial) and
+DIR/memory.png, and prints the trial table. Exit status: 0 a configuration was chosen, 1 none fits
+in the memory budget (or the data is missing), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tfmis.tune", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    fit = sub.add_parser("fit", help="choose batch size, sliding-window batch size and placement from measured "
+                                     "memory and speed (Auto3DSeg's GPU customization)")
+    fit.add_argument("--config", required=True, help="training config, e.g. configs/demo.yaml")
+    fit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, as in tfmis.train")
+    add_search_arguments(fit, prefix="")
+    fit.add_argument("--output", default=None, help="output folder (default: <output.dir>/gpu_fit)")
+    return p
+
+
+def add_search_arguments(parser: argparse.ArgumentParser, prefix: str) -> None:
+    """The search's flags; `prefix` names them for tfmis.train (`--gpu-customization-specs`...)."""
+    parser.add_argument(f"--{prefix}specs", default=None, metavar="S.yaml",
+                        help="specs in Auto3DSeg's shape: {universal: {num_trials, range_num_images_per_batch, "
+                             "range_num_sw_batch_size, ...}} (YAML or JSON)")
+    parser.add_argument(f"--{prefix}num-trials", type=int, default=None, help="trials to measure (specs: 20)")
+    parser.add_argument(f"--{prefix}memory-budget-mb", type=float, default=None,
+                        help="memory budget (default: the GPU's total memory less 1 GB for the CUDA context; without a GPU, the available RAM)")
+    parser.add_argument(f"--{prefix}strategy", choices=["bayesian", "grid"], default="bayesian",
+                        help="Bayesian optimisation (default) or an exhaustive grid over the ranges")
+    parser.add_argument(f"--{prefix}cache-dir", default=None,
+                        help="cache folder (default: $TFMIS_CACHE_DIR/gpu_fit or ~/.cache/tfmis/gpu_fit)")
+    parser.add_argument(f"--{prefix}no-cache", action="store_true", help="measure again even if a cached search fits")
+
+
+def run_search(config, args, prefix: str, output_dir: Path):
+    """Runs the search from parsed arguments; returns (fitted config, report)."""
+    from tfmis.tune.search import fit_config
+    from tfmis.tune.specs import load_specs
+
+    attr = prefix.replace("-", "_")
+    specs = load_specs(getattr(args, f"{attr}specs"), num_trials=getattr(args, f"{attr}num_trials"))
+    return fit_config(config, specs, output_dir, memory_budget_mb=getattr(args, f"{attr}memory_budget_mb"),
+                      strategy=getattr(args, f"{attr}strategy"), cache_dir=getattr(args, f"{attr}cache_dir"),
+                      use_cache=not getattr(args, f"{attr}no_cache"), progress=config.output.progress)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from tfmis.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from tfmis.data.prepare import prepare_dataset
+    from tfmis.tune.search import CONFIG_FILE, PLOT_FILE, REPORT_FILE, NoConfigurationFits
+
+    output = Path(args.output or Path(config.output.dir) / "gpu_fit")
+    try:
+        prepare_dataset(config.data, progress=config.output.progress)
+        run_search(config, args, "", output)
+    except ConfigError as e:
+        print(f"specs error: {e}", file=sys.stderr)
+        return 2
+    except (NoConfigurationFits, FileNotFoundError, KeyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"Results in {output}: {CONFIG_FILE} (train with it: python -m tfmis.train --config {output / CONFIG_FILE}), "
+          f"{REPORT_FILE}, {PLOT_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,614 @@
+"""GPU-fit search: batch size, sliding-window batch size, placement (and recompute) from measured memory and speed.
+
+Keras Tuner proposes configurations (Bayesian optimisation by default, an exhaustive grid on
+request) over a search space declared up front; each one is measured in a fresh subprocess
+(`tfmis.tune.trial`: the real model, loss, optimizer, precision and jit_compile, warm-up and timed
+training steps, one sliding-window pass over a volume of the dataset's 99.5th-percentile shape).
+
+- Objective (minimised): the estimated epoch time, training patches per epoch ÷ measured images/s
+  + validation cases × measured sliding-window seconds ÷ `val_interval`.
+- Memory is measured, never guessed: a trial that runs out of memory, goes over the budget, times
+  out or crashes is a failed trial with its reason, and the search goes on.
+- A memory model (linear in the batch size for training, in the sw batch size for validation,
+  fitted on the trials so far, as YOLOv5's autobatch and DeepSpeed's autotuner do) marks a
+  candidate whose predicted peak clearly exceeds the budget as pruned without running it; a
+  candidate at least as large as one that ran out of memory is pruned too.
+- The choice: the fastest measured configuration whose peak is within `memory_margin` of the budget.
+- The result is cached by device (name, total memory), TensorFlow version, the measured part of
+  the config, the dataset shape and the specs — never by free memory — and reused at once.
+
+Example:
+```python
+result = GpuFitSearch(load_config("configs/demo.yaml"), load_specs("specs.yaml"), output_dir="runs/fit").run()
+print(result["chosen"]["values"])          # {"num_images_per_batch": 4, "num_sw_batch_size": 8, ...}
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import keras_tuner
+import numpy as np
+
+from tfmis.config import Config, from_dict, save_config, to_dict
+from tfmis.tune.specs import FitSpecs, specs_to_dict
+from tfmis.utils.io import atomic_write_json
+
+OBJECTIVE = "epoch_seconds"
+REPORT_FILE = "fit_report.json"
+CONFIG_FILE = "fit.yaml"
+PLOT_FILE = "memory.png"
+CACHE_VERSION = 1
+GPU_RESERVED_MB = 1024  # default GPU budget = total memory minus this (CUDA context, cuDNN/cuBLAS handles)
+
+# the searched values and where they live in the config
+VALUE_KEYS = {
+    "num_images_per_batch": ("pipeline", "num_images_per_batch"),
+    "num_sw_batch_size": ("validation", "num_sw_batch_size"),
+    "validation_data_device": ("validation", "validation_data_device"),
+    "recompute": ("model", "recompute"),
+}
+
+
+class NoConfigurationFits(RuntimeError):
+    """No measured configuration stayed within the memory budget's safety margin."""
+
+
+def default_cache_dir() -> Path:
+    """`$TFMIS_CACHE_DIR/gpu_fit`, else `~/.cache/tfmis/gpu_fit`."""
+    root = os.environ.get("TFMIS_CACHE_DIR") or Path.home() / ".cache" / "tfmis"
+    return Path(root) / "gpu_fit"
+
+
+# ---------------------------------------------------------------------------------------------- what is measured
+
+def search_context(config: Config) -> dict:
+    """What the trials and the objective need from the converted dataset (index.json, fingerprint.json)."""
+    from tfmis.data.records import load_index
+
+    dataset_dir = Path(config.data.dataset_dir)
+    index = load_index(dataset_dir)
+    fingerprint_path = dataset_dir / "fingerprint.json"
+    if not fingerprint_path.is_file():
+        raise FileNotFoundError(f"{fingerprint_path}: not found; the GPU-fit search sizes its sliding-window test "
+                                "volume from the dataset fingerprint: convert the dataset again with tools/tfrecord.py")
+    fingerprint = json.loads(fingerprint_path.read_text())
+    volume_shape = [int(s) for s in fingerprint["dataset"]["shape_p99_5"]]
+    splits = index["splits"]
+    for split in (config.data.train_split, config.data.val_split):
+        if split not in splits:
+            raise KeyError(f"data: split {split!r} is not in {dataset_dir}; available: {sorted(splits)}")
+    train_cases = len(splits[config.data.train_split]["cases"])
+    val_cases = len(splits[config.data.val_split]["cases"])
+    if config.validation.max_cases is not None:
+        val_cases = min(val_cases, config.validation.max_cases)
+    return {"volume_shape": volume_shape,
+            "in_channels": len(index["source"]["modalities"]),
+            "num_classes": len(index["source"]["labels"]),
+            "train_patches_per_epoch": train_cases * config.pipeline.num_crops_per_image,
+            "validation_cases": val_cases,
+            "val_interval": config.validation.val_interval}
+
+
+def estimated_epoch_seconds(images_per_second: float, sw_seconds: float, context: dict) -> float:
+    """Training patches ÷ images/s + validation cases × sliding-window seconds, per epoch."""
+    train = context["train_patches_per_epoch"] / images_per_second
+    validation = context["validation_cases"] * sw_seconds / context["val_interval"]
+    return train + validation
+
+
+def apply_values(config: Config, values: dict) -> Config:
+    """A copy of `config` with the searched values set."""
+    data = to_dict(config)
+    for name, value in values.items():
+        section, key = VALUE_KEYS[name]
+        data[section][key] = value
+    return from_dict(Config, data)
+
+
+def cache_key(config: Config, context: dict, device: dict, specs: FitSpecs) -> str:
+    """Hash of what decides the measurements: device, TensorFlow, the measured config, data shape, specs."""
+    import tensorflow as tf
+
+    c = to_dict(config)
+    measured = {
+        "model": c["model"], "loss": c["loss"], "optimizer": c["optimizer"],
+        "patch_size": c["pipeline"]["patch_size"],
+        "training": {k: c["training"][k] for k in ("precision", "jit_compile", "accumulation_steps")},
+        "validation": {k: c["validation"][k] for k in ("roi_size", "overlap", "mode")},
+    }
+    identity = {"version": CACHE_VERSION, "tensorflow": tf.__version__,
+                "device": {k: device.get(k) for k in ("kind", "name", "total_mb", "cpu_count")},
+                "config": measured, "context": context, "specs": specs_to_dict(specs)}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- memory model
+
+def _is_memory_failure(record: dict) -> bool:
+    if record.get("out_of_memory"):
+        return True
+    reason = (record.get("reason") or "").lower()
+    return record["status"] == "failed" and ("out of memory" in reason or "budget" in reason)
+
+
+def fit_line(points) -> tuple[float, float] | None:
+    """Least-squares (intercept, slope) through (x, y) points; None without two distinct x."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    x, y = np.array(points, dtype=float).T
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(intercept), float(slope)
+
+
+class MemoryModel:
+    """Predicts a candidate's peak memory from the trials measured so far.
+
+    Training peak ≈ a + b · batch, one line per `recompute` value; validation peak ≈ c + d · sw
+    batch, one line per placement, fitted on trials whose validation peak stood out from their
+    training peak (on a CPU the validation phase's resident memory includes what training left,
+    so a flat validation peak says nothing about the sw batch). A candidate's peak is the larger
+    of the two. A candidate at least as large as one that ran out of memory in the same phase
+    cannot fit either.
+
+    Args:
+        budget_mb: the memory budget.
+        tolerance: prune when the prediction exceeds the budget by more than this fraction.
+    """
+
+    def __init__(self, budget_mb: float, tolerance: float = 0.1):
+        self.budget_mb = budget_mb
+        self.tolerance = tolerance
+        self.records: list[dict] = []
+
+    def add(self, record: dict) -> None:
+        if record["status"] != "pruned":
+            self.records.append(record)
+
+    def train_line(self, recompute: bool):
+        return fit_line([(r["values"]["num_images_per_batch"], r["train_peak_mb"]) for r in self.records
+                         if r["values"]["recompute"] == recompute and r.get("train_peak_mb")
+                         and r.get("failed_phase") != "training"])
+
+    def validation_line(self, placement: str):
+        return fit_line([(r["values"]["num_sw_batch_size"], r["validation_peak_mb"]) for r in self.records
+                         if r["values"]["validation_data_device"] == placement and r.get("validation_peak_mb")
+                         and r.get("failed_phase") != "validation"
+                         and r["validation_peak_mb"] > 1.05 * (r.get("train_peak_mb") or 0)])
+
+    def predict(self, values: dict) -> float | None:
+        """Predicted peak in MB, or None while the lines are not determined yet."""
+        predictions = []
+        train = self.train_line(values["recompute"])
+        if train is not None:
+            predictions.append(train[0] + train[1] * values["num_images_per_batch"])
+        validation = self.validation_line(values["validation_data_device"])
+        if validation is not None:
+            predictions.append(validation[0] + validation[1] * values["num_sw_batch_size"])
+        return max(predictions) if predictions else None
+
+    def verdict(self, values: dict) -> tuple[float | None, str | None]:
+        """(predicted peak, reason to prune or None)."""
+        b, s = values["num_images_per_batch"], values["num_sw_batch_size"]
+        for r in self.records:
+            if not _is_memory_failure(r) or r["values"]["recompute"] != values["recompute"]:
+                continue
+            rv = r["values"]
+            if r.get("failed_phase") == "training" and rv["num_images_per_batch"] <= b:
+                return self.predict(values), (f"batch {b} >= {rv['num_images_per_batch']}, which ran out of memory "
+                                              f"in training in trial {r['trial']}")
+            if (r.get("failed_phase") == "validation" and rv["validation_data_device"] == values["validation_data_device"]
+                    and rv["num_images_per_batch"] <= b and rv["num_sw_batch_size"] <= s):
+                return self.predict(values), (f"batch {b} >= {rv['num_images_per_batch']} and sw batch {s} >= "
+                                              f"{rv['num_sw_batch_size']}, which ran out of memory in validation in "
+                                              f"trial {r['trial']}")
+        predicted = self.predict(values)
+        if predicted is not None and predicted > self.budget_mb * (1 + self.tolerance):
+            return predicted, f"predicted {predicted:.0f} MB > budget {self.budget_mb:.0f} MB"
+        return predicted, None
+
+    def summary(self) -> dict:
+        """The fitted lines and, per measured trial, the fitted value against the measurement."""
+        lines = {}
+        for recompute in sorted({r["values"]["recompute"] for r in self.records}):
+            line = self.train_line(recompute)
+            if line:
+                lines[f"training (recompute={str(recompute).lower()})"] = {
+                    "x": "num_images_per_batch", "intercept_mb": line[0], "slope_mb": line[1]}
+        for placement in sorted({r["values"]["validation_data_device"] for r in self.records}):
+            line = self.validation_line(placement)
+            if line:
+                lines[f"validation ({placement})"] = {"x": "num_sw_batch_size", "intercept_mb": line[0],
+                                                      "slope_mb": line[1]}
+        errors = []
+        for r in self.records:
+            predicted = self.predict(r["values"])
+            if predicted is not None and r.get("peak_mb") and r["status"] == "ok":
+                errors.append(abs(predicted - r["peak_mb"]) / r["peak_mb"])
+        return {"lines": lines, "fitted_trials": len(errors),
+                "mean_abs_error_fraction": float(np.mean(errors)) if errors else None,
+                "max_abs_error_fraction": float(np.max(errors)) if errors else None}
+
+
+# ---------------------------------------------------------------------------------------------- choosing
+
+def choose(records: list[dict], budget_mb: float, margin: float) -> dict | None:
+    """The measured trial with the shortest estimated epoch whose peak is within margin × budget."""
+    eligible = [r for r in records if r["status"] == "ok" and r["peak_mb"] <= margin * budget_mb]
+    if not eligible:
+        return None
+    return min(eligible, key=lambda r: (r[OBJECTIVE], r["peak_mb"]))
+
+
+def fitted_config(config: Config, chosen: dict, records: list[dict], context: dict) -> Config:
+    """The config with the chosen values, its validation placement turned into a memory policy.
+
+    A chosen accelerator placement becomes `auto` (volumes larger than the measured 99.5th
+    percentile fall back instead of ending the run). When the accelerator ran out of memory on
+    the test volume at the chosen sw batch, the CPU is chosen but smaller volumes may still fit:
+    `auto` with `cpu_from_voxels` seeded with that volume's size sends the large ones to the CPU
+    straight away.
+    """
+    values = dict(chosen["values"])
+    extra = {}
+    placement = values["validation_data_device"]
+    voxels = int(np.prod(context["volume_shape"]))
+    policy_known = "cpu_from_voxels" in {f.name for f in dataclasses.fields(type(config.validation))}
+    if policy_known and placement == "accelerator":
+        values["validation_data_device"] = "auto"
+    elif policy_known and placement == "cpu" and any(
+            _is_memory_failure(r) and r.get("failed_phase") == "validation"
+            and r["values"]["validation_data_device"] == "accelerator"
+            and r["values"]["num_sw_batch_size"] <= values["num_sw_batch_size"] for r in records):
+        values["validation_data_device"] = "auto"
+        extra["cpu_from_voxels"] = voxels
+    fitted = apply_values(config, values)
+    for key, value in extra.items():
+        setattr(fitted.validation, key, value)
+    return fitted
+
+
+# ---------------------------------------------------------------------------------------------- the search
+
+class GpuFitSearch:
+    """Runs (or reads from the cache) the GPU-fit search for a config and writes its outputs.
+
+    Args:
+        config: the training `Config` (its dataset must be converted).
+        specs: a `FitSpecs`.
+        output_dir: where fit.yaml, fit_report.json, memory.png and the trial logs go.
+        memory_budget_mb: the budget (default: the GPU's total memory less `GPU_RESERVED_MB` for the
+            CUDA context, which TensorFlow's allocator does not count; on a CPU-only machine the
+            available RAM).
+        strategy: `bayesian` or `grid` (exhaustive over the ranges; ignores num_trials).
+        cache_dir: the cache folder (default `default_cache_dir()`); `use_cache=False` searches anew.
+        progress: show a progress bar over trials.
+        runner: the trial runner (default `tfmis.tune.trial.run_trial`).
+    """
+
+    def __init__(self, config: Config, specs: FitSpecs, output_dir, *, memory_budget_mb: float | None = None,
+                 strategy: str = "bayesian", cache_dir=None, use_cache: bool = True, progress: bool = True,
+                 runner=None):
+        if strategy not in ("bayesian", "grid"):
+            raise ValueError(f"strategy must be 'bayesian' or 'grid', got {strategy!r}")
+        from tfmis.tune import trial as trial_module
+
+        self.config, self.specs, self.strategy = config, specs, strategy
+        self.output_dir = Path(output_dir)
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.use_cache, self.progress = use_cache, progress
+        self.runner = runner or trial_module.run_trial
+        self.context = search_context(config)
+        gpu = trial_module.trial_device(trial_module.accelerators())
+        host = trial_module.host_memory()
+        if gpu is not None:
+            self.device = {"kind": "gpu", "index": gpu["index"], "name": gpu["name"], "total_mb": gpu["total_mb"]}
+            # the CUDA context and libraries sit outside TensorFlow's allocator, whose peak is measured
+            default_budget = gpu["total_mb"] - GPU_RESERVED_MB
+        else:
+            self.device = {"kind": "cpu", "name": host.get("cpu_name", "cpu"), "total_mb": host["total_mb"],
+                           "cpu_count": os.cpu_count()}
+            default_budget = host["available_mb"]
+        self.budget_mb = float(memory_budget_mb or default_budget)
+        self.placements = list(dict.fromkeys(specs.range_validation_data_device))
+        if gpu is None and self.placements != ["cpu"]:
+            print("No accelerator visible: the validation placement collapses to the CPU; searching the rest.",
+                  file=sys.stderr)
+            self.placements = ["cpu"]
+        self.records: list[dict] = []
+        self.model = MemoryModel(self.budget_mb, specs.prune_tolerance)
+        self.key = cache_key(config, self.context, self.device, specs)
+        self._bar = None
+
+    # -------------------------------------------------------------- search space
+
+    def hyperparameters(self):
+        """The Keras Tuner search space, declared up front."""
+        s = self.specs
+        hp = keras_tuner.HyperParameters()
+        log = s.sampling == "log"
+        for name, (lo, hi) in (("num_images_per_batch", s.range_num_images_per_batch),
+                               ("num_sw_batch_size", s.range_num_sw_batch_size)):
+            if lo == hi:
+                hp.Fixed(name, lo)
+            else:
+                hp.Int(name, lo, hi, step=2 if log else 1, sampling="log" if log else "linear")
+        if len(self.placements) > 1:
+            hp.Choice("validation_data_device", self.placements)
+        else:
+            hp.Fixed("validation_data_device", self.placements[0])
+        if s.search_recompute:
+            hp.Boolean("recompute")
+        else:
+            hp.Fixed("recompute", bool(self.config.model.recompute))
+        return hp
+
+    def grid_size(self) -> int:
+        sizes = []
+        for hp in self.hyperparameters().space:
+            values = getattr(hp, "values", None)
+            sizes.append(len(list(values)) if values is not None else 1)
+        return int(np.prod(sizes))
+
+    # -------------------------------------------------------------- one candidate
+
+    def evaluate(self, values: dict) -> dict:
+        """Prunes or measures one candidate; returns its record (also kept in `self.records`)."""
+        # Keras Tuner's grid hands integers over as floats (8.0)
+        values = {"num_images_per_batch": int(values["num_images_per_batch"]),
+                  "num_sw_batch_size": int(values["num_sw_batch_size"]),
+                  "validation_data_device": str(values["validation_data_device"]),
+                  "recompute": bool(values["recompute"])}
+        n = len(self.records) + 1
+        record = {"trial": n, "values": values, "status": None, "reason": None}
+        predicted, prune_reason = self.model.verdict(values)
+        record["predicted_peak_mb"] = predicted
+        if prune_reason and self.specs.prune:
+            record.update(status="pruned", reason=prune_reason, out_of_memory=True)
+            self.records.append(record)
+            self._report_progress(record)
+            return record
+        trial_config = apply_values(self.config, values)
+        trial_config.output.progress = False
+        trial_config.output.tensorboard = False
+        workdir = self.output_dir / "trials" / f"trial_{n:03d}"
+        request = {"config": to_dict(trial_config), "volume_shape": self.context["volume_shape"],
+                   "warmup_steps": self.specs.warmup_steps, "timed_steps": self.specs.timed_steps}
+        result = self.runner(request, workdir=workdir, memory_budget_mb=self.budget_mb,
+                             timeout_s=self.specs.trial_timeout_s,
+                             gpu=self.device.get("index") if self.device["kind"] == "gpu" else None)
+        keep = ("reason", "failed_phase", "out_of_memory", "images_per_second", "step_seconds", "step_seconds_all",
+                "sw_seconds", "sw_windows", "train_peak_mb", "validation_peak_mb", "peak_mb", "rss_peak_mb",
+                "wall_seconds", "device")
+        record.update({k: result.get(k) for k in keep if k in result})
+        record["status"] = "ok" if result["status"] == "ok" else "failed"
+        record["log"] = str(workdir)
+        if record["status"] == "ok":
+            record[OBJECTIVE] = estimated_epoch_seconds(record["images_per_second"], record["sw_seconds"],
+                                                        self.context)
+            record["within_margin"] = record["peak_mb"] <= self.specs.memory_margin * self.budget_mb
+        self.records.append(record)
+        self.model.add(record)
+        self._report_progress(record)
+        return record
+
+    def runs(self) -> int:
+        return sum(r["status"] != "pruned" for r in self.records)
+
+    def finished(self) -> bool:
+        """Bayesian: num_trials measured, or far more candidates pruned than measured (nothing left to try)."""
+        if self.strategy == "grid":
+            return False
+        return self.runs() >= self.specs.num_trials or len(self.records) >= 10 * self.specs.num_trials + 50
+
+    def _report_progress(self, record: dict) -> None:
+        if self._bar is None:
+            return
+        from tfmis.tune.report import trial_line
+
+        self._bar.write(trial_line(record, self.budget_mb))
+        if record["status"] != "pruned":
+            self._bar.update(1)
+        best = choose(self.records, self.budget_mb, self.specs.memory_margin)
+        if best is not None:
+            self._bar.set_postfix(best=f"trial {best['trial']}: {best[OBJECTIVE]:.1f} s/epoch")
+
+    # -------------------------------------------------------------- the whole search
+
+    def run(self) -> dict:
+        """Searches (or reads the cache), writes fit.yaml, fit_report.json and memory.png; returns the report.
+
+        Raises:
+            NoConfigurationFits: no measured configuration is within the budget's margin.
+        """
+        start = time.perf_counter()
+        cache_file = self.cache_dir / f"gpu_fit-{self.key[:24]}.json"
+        cached = self._read_cache(cache_file) if self.use_cache else None
+        if cached is not None:
+            self.records = cached["trials"]
+            for r in self.records:
+                self.model.add(r)
+            print(f"GPU-fit search: used the cache {cache_file} (searched {cached['created']} under a budget of "
+                  f"{cached['budget_mb']:.0f} MB); rerun with --no-cache to measure again", file=sys.stderr)
+        else:
+            self._search()
+        report = self._report(cached is not None, cache_file, time.perf_counter() - start)
+        if cached is None:
+            atomic_write_json(cache_file, report)
+        self._write_outputs(report)
+        if report["chosen"] is None:
+            smallest = min((r for r in self.records if r.get("peak_mb")), key=lambda r: r["peak_mb"], default=None)
+            hint = (f"; the smallest measured peak was {smallest['peak_mb']:.0f} MB (trial {smallest['trial']})"
+                    if smallest else "")
+            raise NoConfigurationFits(
+                f"no configuration fits within {self.specs.memory_margin:.0%} of the {self.budget_mb:.0f} MB memory "
+                f"budget{hint}. Lower pipeline.patch_size, try model.recompute or training.precision=mixed_float16, "
+                f"or raise --memory-budget-mb. Details: {self.output_dir / REPORT_FILE}")
+        return report
+
+    def _read_cache(self, path: Path) -> dict | None:
+        if not path.is_file():
+            return None
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if cached.get("cache", {}).get("key") != self.key:
+            return None
+        # trials measured under a larger budget are valid under a smaller one; under a larger budget
+        # the candidates that did not fit before might fit now, unless nothing ran out of memory
+        if self.budget_mb > cached["budget_mb"] and any(_is_memory_failure(r) for r in cached["trials"]):
+            print(f"GPU-fit cache {path} was searched under a smaller budget ({cached['budget_mb']:.0f} MB < "
+                  f"{self.budget_mb:.0f} MB) and some configurations did not fit then: searching again",
+                  file=sys.stderr)
+            return None
+        return cached
+
+    def _search(self) -> None:
+        from tqdm import tqdm
+
+        hp = self.hyperparameters()
+        tuner_dir = self.output_dir / "keras_tuner"
+        oracle = _make_oracle(self, hp)
+        tuner = GpuFitTuner(self, oracle=oracle, directory=str(tuner_dir), project_name="gpu_fit", overwrite=True)
+        total = self.grid_size() if self.strategy == "grid" else self.specs.num_trials
+        space = ", ".join(f"{h.name} {_describe_hp(h)}" for h in hp.space)
+        print(f"GPU-fit search ({self.strategy}, {total} trials) on {self.device['name']} "
+              f"({self.device['kind']}, budget {self.budget_mb:.0f} MB, choosing within "
+              f"{self.specs.memory_margin:.0%}): {space}", file=sys.stderr)
+        self._bar = tqdm(total=total, desc="GPU-fit trials", unit="trial", disable=not self.progress,
+                         file=sys.stderr)
+        try:
+            # Keras Tuner prints the traceback of every failed trial in its default debug mode; a trial
+            # that does not fit is an expected outcome here, reported in the table with its reason
+            debug, keras_tuner.src.config.DEBUG = keras_tuner.src.config.DEBUG, False
+            with warnings.catch_warnings():  # scikit-learn's Gaussian process warns about length scales on tiny spaces
+                warnings.simplefilter("ignore", category=UserWarning)
+                tuner.search(verbose=0)
+        finally:
+            keras_tuner.src.config.DEBUG = debug
+            self._bar.close()
+            self._bar = None
+
+    def _report(self, from_cache: bool, cache_file: Path, elapsed: float) -> dict:
+        chosen = choose(self.records, self.budget_mb, self.specs.memory_margin)
+        for r in self.records:
+            r["chosen"] = chosen is not None and r["trial"] == chosen["trial"]
+        counts = {status: sum(r["status"] == status for r in self.records) for status in ("ok", "failed", "pruned")}
+        counts["run"] = counts["ok"] + counts["failed"]
+        return {
+            "created": datetime.datetime.now().isoformat(timespec="seconds"),
+            "device": self.device, "budget_mb": self.budget_mb, "memory_margin": self.specs.memory_margin,
+            "strategy": self.strategy, "specs": specs_to_dict(self.specs), "context": self.context,
+            "objective": f"{OBJECTIVE}: training patches per epoch / images per second + validation cases x "
+                         "sliding-window seconds / val_interval (minimised)",
+            "trials": self.records, "counts": counts,
+            "chosen": None if chosen is None else {k: chosen.get(k) for k in (
+                "trial", "values", OBJECTIVE, "images_per_second", "step_seconds", "sw_seconds", "peak_mb")},
+            "memory_model": self.model.summary(),
+            "cache": {"key": self.key, "file": str(cache_file), "hit": from_cache},
+            "elapsed_seconds": elapsed,
+        }
+
+    def _write_outputs(self, report: dict) -> None:
+        from tfmis.tune.report import plot_memory, trials_table
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        chosen = next((r for r in self.records if r.get("chosen")), None)
+        if chosen is not None:
+            fitted = fitted_config(self.config, chosen, self.records, self.context)
+            report["fitted"] = {"pipeline.num_images_per_batch": fitted.pipeline.num_images_per_batch,
+                                "validation.num_sw_batch_size": fitted.validation.num_sw_batch_size,
+                                "validation.validation_data_device": fitted.validation.validation_data_device,
+                                "model.recompute": fitted.model.recompute}
+            if getattr(fitted.validation, "cpu_from_voxels", None) is not None:
+                report["fitted"]["validation.cpu_from_voxels"] = fitted.validation.cpu_from_voxels
+            save_config(fitted, self.output_dir / CONFIG_FILE)
+        atomic_write_json(self.output_dir / REPORT_FILE, report)
+        plot_memory(report, self.output_dir / PLOT_FILE)
+        print(trials_table(report))
+
+
+def _describe_hp(hp) -> str:
+    values = getattr(hp, "values", None)
+    if values is not None:
+        values = [int(v) if isinstance(v, float) and v.is_integer() else v for v in values]
+        return f"{values}" if len(values) <= 8 else f"[{values[0]}..{values[-1]}] ({len(values)} values)"
+    return f"= {hp.value}"
+
+
+class _StopsWhenMeasured:
+    """Oracle mixin: stops when the search has measured enough; never re-proposes a tried point."""
+
+    fit_search: "GpuFitSearch"
+
+    def populate_space(self, trial_id):
+        if self.fit_search.finished():
+            return {"status": keras_tuner.engine.trial.TrialStatus.STOPPED, "values": None}
+        response = super().populate_space(trial_id)
+        if (self.fit_search.strategy == "bayesian" and response["status"] == "RUNNING"
+                and self._duplicate(response["values"])):
+            response = self._random_populate_space()  # the Gaussian process proposed a point already tried
+        return response
+
+
+class BayesianFitOracle(_StopsWhenMeasured, keras_tuner.oracles.BayesianOptimizationOracle):
+    pass
+
+
+class GridFitOracle(_StopsWhenMeasured, keras_tuner.oracles.GridSearchOracle):
+    pass
+
+
+def _make_oracle(search: GpuFitSearch, hp):
+    kwargs = {"objective": keras_tuner.Objective(OBJECTIVE, "min"), "hyperparameters": hp,
+              "allow_new_entries": False, "tune_new_entries": False, "seed": search.specs.seed,
+              # a failed trial never ends the search (Auto3DSeg's first OOM did: MONAI #6247)
+              "max_consecutive_failed_trials": 10**9}
+    if search.strategy == "bayesian":
+        num_initial = search.specs.num_initial_points or max(3, search.specs.num_trials // 3)
+        oracle = BayesianFitOracle(max_trials=10 * search.specs.num_trials + 50, num_initial_points=num_initial,
+                                   **kwargs)
+    else:
+        oracle = GridFitOracle(**kwargs)
+    oracle.fit_search = search
+    return oracle
+
+
+class GpuFitTuner(keras_tuner.Tuner):
+    """A Keras Tuner whose trial is a measurement in a subprocess (or a pruning by the memory model)."""
+
+    def __init__(self, search: GpuFitSearch, **kwargs):
+        super().__init__(**kwargs)
+        self.fit_search = search
+
+    def run_trial(self, trial, *args, **kwargs):
+        record = self.fit_search.evaluate(dict(trial.hyperparameters.values))
+        if record["status"] != "ok":
+            raise keras_tuner.errors.FailedTrialError(f"{record['status']}: {record['reason']}")
+        return {OBJECTIVE: record[OBJECTIVE]}
+
+    def save_model(self, trial_id, model, step=0):
+        pass  # a trial measures a configuration; there is no model to keep
+
+
+def fit_config(config: Config, specs: FitSpecs, output_dir, **kwargs) -> tuple[Config, dict]:
+    """Runs the search (or reads its cache) and returns (the config with the chosen values, the report)."""
+    search = GpuFitSearch(config, specs, output_dir, **kwargs)
+    report = search.run()
+    chosen = next(r for r in search.records if r.get("chosen"))
+    return fitted_config(config, chosen, search.records, search.context), report
+
+
+def trial_count_summary(report: dict) -> str:
+    c = report["counts"]
+    return f"{c['run']} trials run ({c['ok']} ok, {c['failed']} failed), {c['pruned']} pruned by the memory model"

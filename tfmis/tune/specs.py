@@ -1,0 +1,138 @@
+"""GPU-fit search specs, in the shape of MONAI Auto3DSeg's `gpu_customization_specs`.
+
+A YAML or JSON file (or dict) with a `universal` section and optional per-model sections that
+override it key by key (tfmis trains one model, `unet`). Sections of Auto3DSeg's other algorithms
+(`dints`, `segresnet`, ...) are accepted and ignored, so a MONAI specs file can be reused as is.
+
+Example (YAML):
+```yaml
+universal:
+  num_trials: 20
+  range_num_images_per_batch: [1, 20]
+  range_num_sw_batch_size: [1, 40]
+unet:
+  search_recompute: true       # also try activation recomputation, so that a larger batch can fit
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+from tfmis.config import ConfigError, from_dict
+
+MODEL_NAME = "unet"
+# Auto3DSeg's algorithm names: their sections are read by MONAI, not by tfmis
+AUTO3DSEG_ALGOS = ("dints", "segresnet", "segresnet2d", "swinunetr")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class FitSpecs:
+    """What the GPU-fit search varies, how many trials it measures, and how it chooses.
+
+    Args:
+        num_trials: configurations measured in a trial subprocess; candidates the memory model
+            prunes without running them do not count.
+        range_num_images_per_batch: `pipeline.num_images_per_batch` (per replica), inclusive.
+        range_num_sw_batch_size: `validation.num_sw_batch_size`, inclusive.
+        range_validation_data_device: placements tried for the whole validation volume
+            (`accelerator`, `cpu`); on a machine without an accelerator only `cpu` is searched.
+        search_recompute: also try `model.recompute` true and false (else the config's value).
+        sampling: `linear` (every integer in the ranges) or `log` (powers of two from the lower
+            bound: 1, 2, 4, ...): a grid over log ranges stays small enough to run exhaustively.
+        memory_margin: the chosen configuration's measured peak must be at most this fraction of
+            the memory budget (headroom for fragmentation and the largest cases).
+        prune: skip candidates the memory model predicts clearly over the budget.
+        prune_tolerance: "clearly": predicted peak > budget × (1 + prune_tolerance).
+        warmup_steps, timed_steps: training steps per trial before / while timing.
+        trial_timeout_s: a trial running longer fails ("timed out").
+        num_initial_points: Bayesian optimisation: random trials before the Gaussian process
+            (default: a third of num_trials, at least 3).
+        seed: the tuner's random seed.
+    """
+
+    num_trials: int = 20
+    range_num_images_per_batch: tuple[int, int] = (1, 20)
+    range_num_sw_batch_size: tuple[int, int] = (1, 40)
+    range_validation_data_device: tuple[Literal["accelerator", "cpu"], ...] = ("accelerator", "cpu")
+    search_recompute: bool = False
+    sampling: Literal["linear", "log"] = "linear"
+    memory_margin: float = 0.9
+    prune: bool = True
+    prune_tolerance: float = 0.1
+    warmup_steps: int = 2
+    timed_steps: int = 3
+    trial_timeout_s: float = 600.0
+    num_initial_points: Optional[int] = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_trials < 1:
+            raise ValueError(f"num_trials must be >= 1, got {self.num_trials}")
+        for name in ("range_num_images_per_batch", "range_num_sw_batch_size"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be [low, high] with 1 <= low <= high, got [{lo}, {hi}]")
+        if not self.range_validation_data_device:
+            raise ValueError("range_validation_data_device must name at least one placement (accelerator, cpu)")
+        if not 0 < self.memory_margin <= 1:
+            raise ValueError(f"memory_margin must be in (0, 1], got {self.memory_margin}")
+        if self.prune_tolerance < 0:
+            raise ValueError(f"prune_tolerance must be >= 0, got {self.prune_tolerance}")
+        if self.warmup_steps < 0 or self.timed_steps < 1:
+            raise ValueError("warmup_steps must be >= 0 and timed_steps >= 1")
+        if self.trial_timeout_s <= 0:
+            raise ValueError(f"trial_timeout_s must be > 0, got {self.trial_timeout_s}")
+
+
+def load_specs(source: str | Path | dict | None = None, **overrides) -> FitSpecs:
+    """Reads specs from a YAML/JSON file or dict (None = defaults); `overrides` replace single keys.
+
+    Raises:
+        ConfigError: an unknown section or key, or a bad value, named with its section.
+    """
+    data = {}
+    where = "specs"
+    if isinstance(source, dict):
+        data = source
+    elif source is not None:
+        path = Path(source)
+        where = str(path)
+        if not path.is_file():
+            raise ConfigError(f"specs file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}  # YAML reads JSON too
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML or JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected sections such as 'universal:', got {type(data).__name__}")
+    for key in data:
+        if key in ("universal", MODEL_NAME):
+            continue
+        if key in AUTO3DSEG_ALGOS:
+            print(f"{where}: section '{key}' is for MONAI Auto3DSeg's {key}; tfmis trains '{MODEL_NAME}', "
+                  "ignoring it", file=sys.stderr)
+            continue
+        close = difflib.get_close_matches(str(key), ["universal", MODEL_NAME], n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; valid sections: universal, {MODEL_NAME}"
+        raise ConfigError(f"{where}: unknown section '{key}'{hint}")
+    for section in ("universal", MODEL_NAME):
+        if data.get(section) is not None and not isinstance(data[section], dict):
+            raise ConfigError(f"{where}: section '{section}' must be a mapping of keys")
+    merged = {**(data.get("universal") or {}), **(data.get(MODEL_NAME) or {})}
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return from_dict(FitSpecs, merged, prefix="specs.")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def specs_to_dict(specs: FitSpecs) -> dict:
+    """Plain values (tuples as lists), in the Auto3DSeg shape `{universal: {...}}`."""
+    return {"universal": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(specs).items()}}
