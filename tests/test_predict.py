@@ -83,13 +83,14 @@ def test_predictions_keep_each_inputs_geometry(trained_run, tmp_path):
     assert set(np.unique(thick_prediction)) <= {0, 1, 2}
 
 
-def test_accelerator_budget_precheck_falls_back_to_cpu_and_remembers(trained_run, tmp_path):
-    """The `accelerator_memory_mb` pre-check: no allocation fails, `Predictor.logits` itself raises
-    ResourceExhaustedError when a volume's buffers would exceed the budget, and takes the CPU path.
+def test_accelerator_budget_precheck_sends_large_volumes_to_the_cpu(trained_run, tmp_path):
+    """The `accelerator_memory_mb` pre-check: no allocation fails; the placement policy does not try
+    the accelerator for a volume whose whole-volume buffers would exceed the budget, and aggregates
+    it on the CPU.
 
-    Checks the bookkeeping around the fallback: the first too-large volume falls back, a larger one
-    goes to the CPU straight away, a smaller one stays on the primary device (here also the CPU),
-    and every label map equals the one predicted without a budget.
+    Both too-large volumes go to the CPU (the reason, and the pre-check in the policy's events, say
+    so), a smaller one stays on the primary device (here also the CPU), nothing is learned as if
+    memory had run out, and every label map equals the one predicted without a budget.
     """
     source = trained_run["source"]
     img = nib.load(str(source / "imagesTr" / "case_001.nii.gz"))
@@ -107,9 +108,11 @@ def test_accelerator_budget_precheck_falls_back_to_cpu_and_remembers(trained_run
     budgeted = Predictor(trained_run["config"], trained_run["dir"], device="gpu", accelerator_memory_mb=0.065)
     results = [budgeted.predict_file(c, tmp_path / "budget") for c in cases]
     assert [r.status for r in results] == ["ok"] * 3
-    assert [r.device for r in results] == ["cpu (fallback after out-of-memory)", "cpu (size known not to fit)",
-                                           primary]
-    assert budgeted.failed_voxels == 16 * 18 * 12
+    assert [r.device for r in results] == ["cpu (over the accelerator memory budget)"] * 2 + [primary]
+    events = budgeted.placement.events
+    assert [e.case_id for e in events] == ["a_medium", "b_large"] and events[0].voxels == 16 * 18 * 12
+    assert all(e.failed[0].startswith("pre-check: the whole-volume buffers need 0.1 MiB") for e in events)
+    assert budgeted.placement.cpu_from_voxels is None
     for c in cases:
         a = np.asanyarray(nib.load(str(tmp_path / "free" / f"{c.case_id}.nii.gz")).dataobj)
         b = np.asanyarray(nib.load(str(tmp_path / "budget" / f"{c.case_id}.nii.gz")).dataobj)
@@ -142,7 +145,7 @@ class SharedMachinePredictor(Predictor):
     # leaves when that attempt ends (here the accelerator and the fallback share the host memory).
     limit = None
 
-    def _window_logits(self, volume, device):
+    def _window_logits(self, volume, device, sw_batch_size):
         forward, ballast = self._forward, []
         squeeze = self.limit is not None and not self.caught
 
@@ -160,7 +163,7 @@ class SharedMachinePredictor(Predictor):
         else:
             self._forward = forward_then_take_memory
         try:
-            return super()._window_logits(volume, device)
+            return super()._window_logits(volume, device, sw_batch_size)
         except (MemoryError, tf.errors.OpError) as e:
             self.caught.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
             raise

@@ -122,10 +122,21 @@ class ValidationConfig:
     num_sw_batch_size: int = 4  # windows per forward pass
     overlap: float = 0.5
     mode: Literal["constant", "gaussian"] = "gaussian"
-    # where the whole volume and the aggregation buffers live ("cpu" keeps big volumes off the GPU)
-    validation_data_device: Literal["accelerator", "cpu"] = "accelerator"
+    # where the whole volume and the aggregation buffers live (tfmis.inference.placement): "accelerator"
+    # (out of memory is an error), "cpu" (host memory), "auto" (the accelerator, falling back to the CPU and to
+    # smaller sliding-window batches on out-of-memory, so that a long run does not die at validation)
+    validation_data_device: Literal["accelerator", "cpu", "auto"] = "auto"
+    # auto: volumes with at least this many voxels are aggregated on the CPU straight away (the GPU-fit search
+    # writes it when it measured that size not fitting); null = learn from the first OOM
+    cpu_from_voxels: Optional[int] = None
     hd95: bool = False  # also compute the 95th-percentile Hausdorff distance (slower)
     max_cases: Optional[int] = None  # validate on the first N cases only
+
+    def __post_init__(self):
+        if self.num_sw_batch_size < 1:
+            raise ValueError(f"num_sw_batch_size must be >= 1, got {self.num_sw_batch_size}")
+        if self.cpu_from_voxels is not None and self.cpu_from_voxels < 1:
+            raise ValueError(f"cpu_from_voxels must be a voxel count >= 1 (or null), got {self.cpu_from_voxels}")
 
 
 @dataclasses.dataclass

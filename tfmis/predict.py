@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sw-batch-size", type=int, default=None, help="windows per forward pass (default: the config's)")
     p.add_argument("--overlap", type=float, default=None, help="sliding-window overlap (default: the config's)")
     p.add_argument("--device", choices=("cpu", "gpu"), default=None,
-                   help="where to run (default gpu when one is visible); gpu falls back to the CPU for volumes "
-                        "that do not fit")
+                   help="where to run (default gpu when one is visible); gpu falls back to the CPU, then to smaller "
+                        "sliding-window batches, for volumes that do not fit")
     p.add_argument("--accelerator-memory-mb", type=float, default=None,
                    help="budget for whole-volume buffers on the GPU; larger volumes go to the CPU")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -94,12 +94,12 @@ def main(argv=None) -> int:
     output = Path(args.output)
     results = []
     for case in tqdm(cases, desc="Predicting", unit="case", disable=args.quiet, file=sys.stderr):
+        logged = len(predictor.placement.events)
         result = predictor.predict_file(case, output, probabilities=args.probabilities)
         if result.status != "ok":
             tqdm.write(f"  {case.case_id}: FAILED: {result.reason}", file=sys.stderr)
-        elif result.device.startswith("cpu (fallback"):
-            tqdm.write(f"  {case.case_id}: out of accelerator memory, predicted with the volume on the CPU",
-                       file=sys.stderr)
+        for event in predictor.placement.events[logged:]:  # what ran out of memory, and what worked
+            tqdm.write(f"  {event}", file=sys.stderr)
         results.append(result)
     write_csv(results, output / "predictions.csv", predictor.class_names)
     print(results_table(results))

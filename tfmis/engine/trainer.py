@@ -34,12 +34,13 @@ from tfmis.data.pipeline import build_train_dataset, build_val_dataset, train_st
 from tfmis.data.records import RUN_DATA_FILE, load_index, training_data_info
 from tfmis.engine.distribution import StrategyBackend, make_backend
 from tfmis.engine.history import History
+from tfmis.inference.placement import VolumePlacement
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.losses import build_loss
 from tfmis.metrics.segmentation import SegmentationMetrics
 from tfmis.networks.unet import UNetConfig, check_patch_size
 from tfmis.optimizers import build_optimizer, build_schedule
-from tfmis.utils.devices import CPU, accelerator_device
+from tfmis.utils.devices import accelerator_device
 from tfmis.utils.io import atomic_write_json
 
 BEST_WEIGHTS = "best.weights.h5"
@@ -115,6 +116,8 @@ class Trainer:
         step = tf.function(self._replica_step, jit_compile=True) if tc.jit_compile else self._replica_step
         self._train_step = tf.function(lambda batch: self.backend.reduce_mean(self.backend.run(step, batch)))
         self._predict = tf.function(lambda x: self.model(x, training=False), reduce_retracing=True)
+        # one policy for the whole run: the volume sizes it learns not to fit stay learned across epochs
+        self.placement = VolumePlacement.for_validation(config.validation)
 
     # ------------------------------------------------------------------ the step
 
@@ -160,18 +163,38 @@ class Trainer:
     # ------------------------------------------------------------------ validation
 
     def validate(self, dataset) -> dict:
-        """Sliding-window inference on each whole validation volume; per-class Dice (and HD95)."""
+        """Sliding-window inference on each whole validation volume; per-class Dice (and HD95).
+
+        The result also holds `fallbacks`: how many cases were not aggregated on the first-choice
+        placement of `validation.validation_data_device` (see `tfmis.inference.placement`).
+        """
         v = self.config.validation
-        roi = tuple(v.roi_size or self.config.pipeline.patch_size)
-        device = CPU if v.validation_data_device == "cpu" else accelerator_device()
         metrics = SegmentationMetrics(len(self.class_names), class_names=self.class_names, hd95=v.hd95)
+        fallbacks = 0
         for image, label, meta in dataset:
             case_id = meta["case_id"].numpy().decode()
-            logits = sliding_window_inference(image, roi, v.num_sw_batch_size, self._predict, overlap=v.overlap,
-                                              mode=v.mode, sw_device=accelerator_device(), device=device)
-            prediction = tf.argmax(logits, axis=-1, output_type=tf.int32)[0].numpy()
+            prediction, placement = self._segment_volume(image, case_id)
+            fallbacks += placement.is_fallback
             metrics.update(prediction, label[0].numpy(), spacing=self.spacing_by_case.get(case_id), case_id=case_id)
-        return metrics.result()
+        return {**metrics.result(), "fallbacks": fallbacks}
+
+    def _segment_volume(self, image, case_id: str):
+        """(label map (X, Y, Z), Placement) of one whole volume (1, X, Y, Z, C), placed by `self.placement`;
+        an out-of-memory fallback is logged once, when it happens."""
+        v = self.config.validation
+        roi = tuple(v.roi_size or self.config.pipeline.patch_size)
+
+        def segment(device: str, sw_batch_size: int):
+            logits = sliding_window_inference(image, roi, sw_batch_size, self._predict, overlap=v.overlap,
+                                              mode=v.mode, sw_device=accelerator_device(), device=device)
+            with tf.device(device):  # the argmax where the logits are; numpy() finishes the attempt
+                return tf.argmax(logits, axis=-1, output_type=tf.int32)[0].numpy()
+
+        logged = len(self.placement.events)
+        prediction, placement = self.placement.run(segment, int(np.prod(image.shape[1:4])), case_id)
+        for event in self.placement.events[logged:]:
+            print(f"validation: {event}", file=sys.stderr)
+        return prediction, placement
 
     # ------------------------------------------------------------------ the loop
 
@@ -313,6 +336,8 @@ class Trainer:
                 if "mean_hd95" in result:  # inf when a class was missed in some case; the misses are counted
                     record["val_mean_hd95"] = result["mean_hd95"]
                     record["val_hd95_misses"] = int(sum(result["hd95_inf_count_per_class"]))
+                if result["fallbacks"]:
+                    record["val_fallbacks"] = result["fallbacks"]
                 record["val_seconds"] = time.perf_counter() - val_start
                 improved = math.isfinite(result["mean_dice"]) and result["mean_dice"] > float(self.best_dice.numpy())
                 if improved:
@@ -339,12 +364,9 @@ class Trainer:
 
         if (self.out / BEST_WEIGHTS).is_file():
             self.model.load_weights(str(self.out / BEST_WEIGHTS))
-        v = self.config.validation
         image, label, meta = next(iter(build_val_dataset(self.config)))
         case_id = meta["case_id"].numpy().decode()
-        logits = sliding_window_inference(image, tuple(v.roi_size or self.config.pipeline.patch_size),
-                                          v.num_sw_batch_size, self._predict, overlap=v.overlap, mode=v.mode)
-        prediction = tf.argmax(logits, axis=-1)[0].numpy()
+        prediction, _ = self._segment_volume(image, case_id)
         index = load_index(self.config.data.dataset_dir)
         fig = plot_orthogonal_planes(image[0].numpy(), label[0].numpy(), spacing=self.spacing_by_case.get(case_id),
                                      channel_names=index["source"]["modalities"], class_names=self.class_names,

@@ -5,10 +5,11 @@ the written label map has the input's shape, affine and orientation. Logits are 
 windows (and averaged over flips with test-time augmentation); probabilities are resampled to the
 original grid before the argmax, as nnU-Net does.
 
-Memory safety, as in MONAI's `SlidingWindowInfererAdapt` and nnU-Net: the whole volume and the
-blending buffers live on the accelerator unless that runs out of memory; then the case is retried
-with them on the CPU, the size that failed is remembered, and later cases at least that large go
-to the CPU straight away. One case that cannot be predicted is reported, never fatal to the rest.
+Memory safety is training validation's policy (`tfmis.inference.placement.VolumePlacement`, as
+MONAI's `SlidingWindowInfererAdapt`): the whole volume and the blending buffers live on the
+accelerator unless that runs out of memory; then the case is retried with them on the CPU, then
+with smaller sliding-window batches, and what failed is remembered for later cases. One case that
+cannot be predicted is reported, never fatal to the rest.
 
 Example:
 ```python
@@ -34,6 +35,7 @@ import tensorflow as tf
 from tfmis.data.msd import CaseError, case_id_from_path, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
+from tfmis.inference.placement import VolumePlacement, aggregation_bytes
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.networks.unet import UNetConfig
 from tfmis.utils.devices import CPU, accelerator_device
@@ -112,11 +114,12 @@ class Predictor:
         config: the training run's `Config` (its `config.yaml`).
         checkpoint: `best.weights.h5`, a run folder, or a tf.train checkpoint.
         sw_batch_size, overlap, mode: sliding-window settings (default: the config's validation ones).
-        device: "gpu" (accelerator, with the CPU fallback) or "cpu"; None = gpu if one is visible.
+        device: "gpu" (the placement policy's `auto`: the accelerator, falling back to the CPU and
+            to smaller sliding-window batches on out-of-memory) or "cpu"; None = gpu if one is visible.
         tta: average the logits over flips along `tta_axes` (all 2^n combinations).
-        accelerator_memory_mb: optional budget for the whole-volume buffers on the accelerator; a
-            volume needing more is handled like an out-of-memory error (CPU fallback). Useful to
-            keep headroom on a shared GPU.
+        accelerator_memory_mb: optional budget for the whole-volume buffers on the accelerator,
+            checked before allocating: a volume needing more goes to the CPU without being tried
+            there. Useful to keep headroom on a shared GPU.
     """
 
     def __init__(self, config, checkpoint, sw_batch_size: int | None = None, overlap: float | None = None,
@@ -136,13 +139,14 @@ class Predictor:
         if device not in (None, "gpu", "cpu"):
             raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
         self.compute_device = CPU if device == "cpu" else accelerator_device()
-        # with "gpu", whole volumes are aggregated on the accelerator (falling back to the CPU); on a
-        # machine without one the accelerator is the CPU itself, and the fallback logic still applies
-        self.aggregate_on_accelerator = device != "cpu"
+        # on a machine without an accelerator, "gpu" is the CPU itself, and the fallbacks still apply
+        # (a smaller sliding-window batch is what frees memory there). Not seeded with the config's
+        # validation.cpu_from_voxels: that size did not fit next to training, prediction has more room.
+        self.placement = VolumePlacement("cpu" if device == "cpu" else "auto", self.sw_batch_size,
+                                         accelerator=self.compute_device, accelerator_memory_mb=accelerator_memory_mb,
+                                         device_setting="--device")
         self.tta_flips = [list(c) for n in range(len(tta_axes) + 1) for c in itertools.combinations(
             [a + 1 for a in tta_axes], n)] if tta else [[]]  # +1: axis 0 is the window batch
-        self.memory_budget = accelerator_memory_mb * 2**20 if accelerator_memory_mb else None
-        self.failed_voxels: int | None = None  # smallest volume that did not fit on the accelerator
         keras.mixed_precision.set_global_policy(config.training.precision)
         with tf.device(self.compute_device):
             # recomputation only saves memory in a backward pass, and prediction has none
@@ -160,36 +164,25 @@ class Predictor:
             total = y if total is None else total + y
         return total / len(self.tta_flips)
 
-    def _window_logits(self, volume: np.ndarray, device: str) -> tf.Tensor:
-        return sliding_window_inference(volume[None], self.roi_size, self.sw_batch_size, self._forward,
+    def _window_logits(self, volume: np.ndarray, device: str, sw_batch_size: int) -> np.ndarray:
+        """Blended logits with the volume and buffers on `device`; numpy, so the attempt is finished."""
+        return sliding_window_inference(volume[None], self.roi_size, sw_batch_size, self._forward,
                                         overlap=self.overlap, mode=self.mode, sw_device=self.compute_device,
-                                        device=device)[0]
+                                        device=device)[0].numpy()
 
-    def logits(self, volume: np.ndarray) -> tuple[np.ndarray, str]:
-        """Blended logits (x, y, z, K) of a preprocessed volume (x, y, z, C), and where they were aggregated."""
-        voxels = int(np.prod(volume.shape[:3]))
-        if not self.aggregate_on_accelerator:
-            return self._window_logits(volume, CPU).numpy(), "cpu"
-        if self.failed_voxels is not None and voxels >= self.failed_voxels:
-            return self._window_logits(volume, CPU).numpy(), "cpu (size known not to fit)"
-        try:
-            needed = voxels * (len(self.class_names) + 1 + volume.shape[-1]) * 4  # buffers + the volume
-            if self.memory_budget is not None and needed > self.memory_budget:
-                raise tf.errors.ResourceExhaustedError(
-                    None, None, f"whole-volume buffers need {needed / 2**20:.1f} MiB, over the accelerator "
-                                f"budget of {self.memory_budget / 2**20:.1f} MiB")
-            return self._window_logits(volume, self.compute_device).numpy(), self.compute_device.strip("/").lower()
-        except (tf.errors.ResourceExhaustedError, MemoryError):
-            # TensorFlow's allocator raises ResourceExhaustedError; the host copy of the volume made on
-            # the way to the device (numpy) raises MemoryError, which on a machine without an
-            # accelerator is that same memory running out
-            self.failed_voxels = voxels if self.failed_voxels is None else min(self.failed_voxels, voxels)
-            return self._window_logits(volume, CPU).numpy(), "cpu (fallback after out-of-memory)"
+    def logits(self, volume: np.ndarray, case_id: str = "") -> tuple[np.ndarray, str]:
+        """Blended logits (x, y, z, K) of a preprocessed volume (x, y, z, C), and where they were aggregated
+        (the `Placement` description, e.g. "gpu:0" or "cpu (fallback after out-of-memory)")."""
+        logits, placement = self.placement.run(
+            lambda device, sw_batch_size: self._window_logits(volume, device, sw_batch_size),
+            int(np.prod(volume.shape[:3])), case_id,
+            buffer_bytes=aggregation_bytes(volume.shape[:3], volume.shape[-1], len(self.class_names)))
+        return logits, str(placement)
 
-    def predict_array(self, image: np.ndarray, affine: np.ndarray):
+    def predict_array(self, image: np.ndarray, affine: np.ndarray, case_id: str = ""):
         """(label map, probabilities (X, Y, Z, K), device) on the grid of `image` (X, Y, Z, C) / `affine`."""
         volume, _, geometry = preprocess(image, None, affine, self.preprocessing)
-        logits, device = self.logits(volume.astype(np.float32))
+        logits, device = self.logits(volume.astype(np.float32), case_id)
         probabilities = _softmax(logits)
         restored = restore_probabilities(probabilities, geometry)
         return np.argmax(restored, axis=-1).astype(np.uint8), restored, device
@@ -201,7 +194,7 @@ class Predictor:
         try:
             image, affine, _ = load_image(case.image, len(self.modalities), case.case_id)
             header = nib.load(str(case.image)).header
-            label_map, probs, device = self.predict_array(image, affine)
+            label_map, probs, device = self.predict_array(image, affine, case.case_id)
             out = output_dir / f"{case.case_id}.nii.gz"
             save_like(label_map, affine, header, out, np.uint8)
             if probabilities:
