@@ -96,7 +96,9 @@ def plot_memory(report: dict, path: str | Path) -> Path:
             failed = [t for t in members if t["status"] == "failed" and t.get("failed_phase") == phase]
             ax.scatter([t["values"][x_key] for t in failed], [budget] * len(failed), color=colour, marker="x", s=60,
                        label=f"{label} failed (out of memory / over budget)" if failed else None)
-            pruned = [t for t in members if t["status"] == "pruned"]
+            # a pruned candidate belongs to the phase its reason names (validation), else to training
+            pruned = [t for t in members if t["status"] == "pruned"
+                      and ("in validation" in (t["reason"] or "")) == (phase == "validation")]
             ax.scatter([t["values"][x_key] for t in pruned],
                        [t.get("predicted_peak_mb") or budget for t in pruned], facecolors="none",
                        edgecolors=colour, marker="o", s=50, label=f"{label} pruned (predicted)" if pruned else None)

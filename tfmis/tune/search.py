@@ -115,8 +115,8 @@ def apply_values(config: Config, values: dict) -> Config:
     return from_dict(Config, data)
 
 
-def cache_key(config: Config, context: dict, device: dict, specs: FitSpecs) -> str:
-    """Hash of what decides the measurements: device, TensorFlow, the measured config, data shape, specs."""
+def cache_key(config: Config, context: dict, device: dict, specs: FitSpecs, strategy: str) -> str:
+    """Hash of what decides the result: device, TensorFlow, the measured config, data shape, specs, strategy."""
     import tensorflow as tf
 
     c = to_dict(config)
@@ -128,7 +128,7 @@ def cache_key(config: Config, context: dict, device: dict, specs: FitSpecs) -> s
     }
     identity = {"version": CACHE_VERSION, "tensorflow": tf.__version__,
                 "device": {k: device.get(k) for k in ("kind", "name", "total_mb", "cpu_count")},
-                "config": measured, "context": context, "specs": specs_to_dict(specs)}
+                "config": measured, "context": context, "specs": specs_to_dict(specs), "strategy": strategy}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
@@ -326,7 +326,7 @@ class GpuFitSearch:
             self.placements = ["cpu"]
         self.records: list[dict] = []
         self.model = MemoryModel(self.budget_mb, specs.prune_tolerance)
-        self.key = cache_key(config, self.context, self.device, specs)
+        self.key = cache_key(config, self.context, self.device, specs, strategy)
         self._bar = None
 
     # -------------------------------------------------------------- search space
@@ -416,7 +416,7 @@ class GpuFitSearch:
         from tfmis.tune.report import trial_line
 
         self._bar.write(trial_line(record, self.budget_mb))
-        if record["status"] != "pruned":
+        if record["status"] != "pruned" or self.strategy == "grid":  # the bar counts runs, or grid points
             self._bar.update(1)
         best = choose(self.records, self.budget_mb, self.specs.memory_margin)
         if best is not None:
