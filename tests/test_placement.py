@@ -299,7 +299,7 @@ def test_validation_config_defaults_to_auto_and_seeds_the_policy():
     assert load_config(None).validation.cpu_from_voxels is None
     assert load_config(REPO / "configs" / "demo.yaml").validation.validation_data_device == "cpu"
     for name in ("brats", "spleen"):
-        assert load_config(REPO / "configs" / f"{name}.yaml").validation.validation_data_device == "accelerator"
+        assert load_config(REPO / "configs" / f"{name}.yaml").validation.validation_data_device == "auto"
     from tfmis.config import ConfigError
 
     with pytest.raises(ConfigError, match="validation: cpu_from_voxels must be a voxel count >= 1"):

@@ -43,6 +43,7 @@ def main(argv=None) -> int:
         return 2
     from tfmis.data.prepare import prepare_dataset
     from tfmis.engine.trainer import RunExists, Trainer, TrainingDiverged, summary_table
+    from tfmis.inference.placement import VolumeOutOfMemory
     from tfmis.tune.search import NoConfigurationFits
 
     try:
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
               f"{trainer.steps_per_epoch} steps/epoch, precision {config.training.precision}; "
               f"results in {config.output.dir}", file=sys.stderr)
         summary = trainer.fit(resume=args.resume)
-    except (RunExists, TrainingDiverged, NoConfigurationFits, FileNotFoundError, KeyError, ValueError) as e:
+    except (RunExists, TrainingDiverged, NoConfigurationFits, VolumeOutOfMemory, FileNotFoundError, KeyError,
+            ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if trainer.backend.is_chief:

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import re
 from typing import Callable, Literal, TypeVar
 
 import tensorflow as tf
 
 from tfmis.utils.devices import CPU, accelerator_device
+from tfmis.utils.memory import error_line, is_out_of_memory  # noqa: F401  (is_out_of_memory: part of this interface)
 
 PLACEMENT_MODES = ("accelerator", "cpu", "auto")
 # Why a volume did not get the first-choice placement (the accelerator, or the CPU in `cpu` mode,
@@ -45,11 +45,6 @@ PLACEMENT_MODES = ("accelerator", "cpu", "auto")
 AFTER_OUT_OF_MEMORY = "fallback after out-of-memory"
 KNOWN_NOT_TO_FIT = "size known not to fit"
 OVER_BUDGET = "over the accelerator memory budget"
-# An out-of-memory error that TensorFlow reports as InternalError/UnknownError (cuDNN/cuBLAS
-# workspaces, the CUDA driver) carries one of these in its message.
-OOM_SIGNATURES = re.compile(r"OOM when allocating|failed to allocate|CUDNN_STATUS_ALLOC_FAILED|"
-                            r"CUBLAS_STATUS_ALLOC_FAILED|CUDA_ERROR_OUT_OF_MEMORY|out of memory", re.IGNORECASE)
-
 T = TypeVar("T")
 
 
@@ -58,15 +53,6 @@ class VolumeOutOfMemory(tf.errors.ResourceExhaustedError):
 
     def __init__(self, message: str):
         super().__init__(None, None, message)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for TensorFlow's ResourceExhaustedError, MemoryError (numpy, Python), and an
-    InternalError/UnknownError whose message carries a GPU out-of-memory signature."""
-    if isinstance(error, (tf.errors.ResourceExhaustedError, MemoryError)):
-        return True
-    return isinstance(error, (tf.errors.InternalError, tf.errors.UnknownError)) and bool(
-        OOM_SIGNATURES.search(str(error)))
 
 
 def aggregation_bytes(spatial_shape, channels: int, num_classes: int) -> int:
@@ -258,6 +244,4 @@ class VolumePlacement:
 
 def _summary(error: BaseException) -> str:
     """'ResourceExhaustedError: OOM when allocating tensor with shape[...] ...', one line, no op prefix."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    text = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", text)
-    return f"{type(error).__name__}: {text[:300]}"
+    return f"{type(error).__name__}: {error_line(str(error), limit=300)}"
