@@ -607,8 +607,3 @@ def fit_config(config: Config, specs: FitSpecs, output_dir, **kwargs) -> tuple[C
     report = search.run()
     chosen = next(r for r in search.records if r.get("chosen"))
     return fitted_config(config, chosen, search.records, search.context), report
-
-
-def trial_count_summary(report: dict) -> str:
-    c = report["counts"]
-    return f"{c['run']} trials run ({c['ok']} ok, {c['failed']} failed), {c['pruned']} pruned by the memory model"
