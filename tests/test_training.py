@@ -76,7 +76,7 @@ MIRRORED_SCRIPT = textwrap.dedent("""
     dataset_dir, out = sys.argv[1], sys.argv[2]
     single = Trainer(tiny_config(dataset_dir, out + "/single", *PLAIN_SGD, "pipeline.num_images_per_batch=4"))
     mirrored = Trainer(tiny_config(dataset_dir, out + "/mirrored", *PLAIN_SGD, "pipeline.num_images_per_batch=2",
-                                   "training.distribution=mirrored", 'training.devices=["/cpu:0","/cpu:1"]'))
+                                   "runtime.distribution=mirrored", 'runtime.devices=["/cpu:0","/cpu:1"]'))
     mirrored.model.set_weights(single.model.get_weights())
     start = [w.copy() for w in single.model.get_weights()]
     batch = fixed_batch(single.config, 4)
@@ -127,7 +127,7 @@ REPLICAS_SCRIPT = textwrap.dedent("""
     from tfmis.engine.distribution import make_backend
     from tfmis.engine.trainer import Trainer
     dataset_dir, out = sys.argv[1], sys.argv[2]
-    MIRRORED = ["training.distribution=mirrored", 'training.devices=["/cpu:0","/cpu:1"]']
+    MIRRORED = ["runtime.distribution=mirrored", 'runtime.devices=["/cpu:0","/cpu:1"]']
     # one strategy for every two-replica trainer: two MirroredStrategy objects in one process would reuse
     # the same collective-op keys
     BACKEND = make_backend("mirrored", ["/cpu:0", "/cpu:1"])

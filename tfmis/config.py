@@ -1,7 +1,7 @@
 """Typed training configuration: dataclasses, YAML files and `--set key=value` overrides.
 
 A YAML file mirrors the dataclass tree (`data`, `pipeline`, `model`, `loss`, `optimizer`,
-`training`, `validation`, `output`). Unknown keys and wrong types are errors that name the key
+`training`, `validation`, `runtime`, `output`). Unknown keys and wrong types are errors that name the key
 (and suggest the closest valid one); values not given keep the defaults below.
 
 Example:
@@ -98,6 +98,11 @@ class OptimizerConfig:
     power: float = 0.9  # poly
     min_learning_rate: float = 0.0
     clipnorm: Optional[float] = None
+    # learning rate vs the global batch (replicas x num_images_per_batch x accumulation_steps): `none` keeps
+    # learning_rate; `linear` multiplies it (and min_learning_rate) by global batch / lr_reference_batch (Goyal et
+    # al.), `sqrt` by the square root of that ratio (Adam-style optimizers)
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    lr_reference_batch: Optional[int] = None  # the global batch learning_rate was tuned for; null = one replica's
 
 
 @dataclasses.dataclass
@@ -108,8 +113,6 @@ class TrainingConfig:
     jit_compile: bool = False  # XLA
     accumulation_steps: int = 1  # gradient accumulation: optimizer step every N micro-batches
     seed: int = 0
-    distribution: Literal["auto", "none", "mirrored"] = "auto"  # auto = mirrored if >1 GPU
-    devices: Optional[list[str]] = None  # mirrored: devices to use (null = all GPUs), e.g. ["/cpu:0", "/cpu:1"]
     target_dice: Optional[float] = None  # stop when the validation mean Dice reaches it
     dice_thresholds: list[float] = dataclasses.field(default_factory=lambda: [0.8, 0.9, 0.93, 0.95])
     keep_checkpoints: int = 2
@@ -140,6 +143,21 @@ class ValidationConfig:
 
 
 @dataclasses.dataclass
+class RuntimeConfig:
+    """Where the one training loop runs (tfmis.engine.distribution), set up before anything touches devices."""
+    # auto: horovod under horovodrun, multiworker when TF_CONFIG / SLURM (srun) / MPI (mpirun) name several
+    # workers, mirrored when this process sees several GPUs (or `devices` lists several), else none
+    distribution: Literal["auto", "none", "mirrored", "multiworker", "horovod"] = "auto"
+    devices: Optional[list[str]] = None  # mirrored: devices to use (null = all GPUs), e.g. ["/cpu:0", "/cpu:1"]
+    # multiworker all-reduce: ring (gRPC, CPUs), nccl (GPUs), auto (TensorFlow picks)
+    communication: Literal["auto", "ring", "nccl"] = "auto"
+    port: int = 23456  # SLURM / MPI launches: worker k listens on port + local rank
+    # MPI launches: the folder where workers exchange their addresses (shared by all nodes); null = output.dir
+    rendezvous_dir: Optional[str] = None
+    rendezvous_timeout_seconds: float = 300.0
+
+
+@dataclasses.dataclass
 class OutputConfig:
     dir: str = "runs/demo"
     tensorboard: bool = True
@@ -155,10 +173,14 @@ class Config:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
 
 
 # ---------------------------------------------------------------- loading and checking
+
+MOVED_KEYS = {"training.distribution": "runtime.distribution", "training.devices": "runtime.devices"}
+
 
 def from_dict(cls, data, prefix: str = ""):
     """Builds dataclass `cls` from nested dicts, checking every key and type."""
@@ -171,6 +193,9 @@ def from_dict(cls, data, prefix: str = ""):
     for key in data:
         if key not in names:
             full = f"{prefix}{key}"
+            if full in MOVED_KEYS:
+                raise ConfigError(f"config key '{full}' has moved to '{MOVED_KEYS[full]}' (the runtime: section): "
+                                  f"write it there, e.g. --set {MOVED_KEYS[full]}=...")
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(names)}"
             raise ConfigError(f"unknown config key '{full}'{hint}")
@@ -306,6 +331,9 @@ def validate(config: Config) -> None:
     if p.cache == "file" and not p.cache_dir:
         raise ConfigError("pipeline.cache is 'file' but pipeline.cache_dir is not set: give the folder for the "
                           "on-disk cache, e.g. pipeline.cache_dir=/scratch/tfmis-cache")
+    o = config.optimizer
+    if o.lr_reference_batch is not None and o.lr_reference_batch < 1:
+        raise ConfigError(f"optimizer.lr_reference_batch must be a batch size >= 1 (or null), got {o.lr_reference_batch}")
     if config.training.accumulation_steps < 1:
         raise ConfigError("training.accumulation_steps must be >= 1")
     if not 0 <= config.validation.overlap < 1:

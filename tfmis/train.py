@@ -1,7 +1,7 @@
 """Train a 3D segmentation model: `python -m tfmis.train --config configs/demo.yaml [--set key=value ...]`.
 
 Converts the data first when the config names an MSD source folder, trains with the one custom
-loop (single device or MirroredStrategy), validates with sliding-window inference, and writes the
+loop (one device, MirroredStrategy, MultiWorkerMirroredStrategy or Horovod; `runtime:`), validates with sliding-window inference, and writes the
 run folder: config.yaml, checkpoints/, best.weights.h5, history.jsonl/.csv, training_curves.png,
 validation_preview.png, summary.json, tensorboard/.
 """
@@ -41,30 +41,76 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from tfmis.engine.distribution import make_backend
+
+    try:  # first: MultiWorkerMirroredStrategy and Horovod must set up the devices themselves
+        backend = make_backend(config.runtime, output_dir=config.output.dir)
+    except (ValueError, RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    import tensorflow as tf
+
     from tfmis.data.prepare import prepare_dataset
     from tfmis.engine.trainer import RunExists, Trainer, TrainingDiverged, summary_table
     from tfmis.inference.placement import VolumeOutOfMemory
     from tfmis.tune.search import NoConfigurationFits
 
+    expected = (RunExists, TrainingDiverged, NoConfigurationFits, VolumeOutOfMemory, FileNotFoundError, KeyError,
+                ValueError)
     try:
-        prepare_dataset(config.data, progress=config.output.progress)
+        if not _prepare_on_chief(backend, lambda: prepare_dataset(config.data, progress=config.output.progress)):
+            return 1
         if args.gpu_customization:
+            if backend.size > 1:
+                raise ValueError("--gpu-customization runs one search per machine: run python -m tfmis.tune fit "
+                                 "first, then launch the workers with its fit.yaml")
             config = _gpu_customization(config, args)
-        trainer = Trainer(config)
-        print(f"Training {trainer.model.count_params():,} parameters on {trainer.backend.num_replicas} replica(s), "
-              f"{trainer.steps_per_epoch} steps/epoch, precision {config.training.precision}; "
-              f"results in {config.output.dir}", file=sys.stderr)
+        trainer = Trainer(config, backend=backend)
+        if backend.is_chief:
+            lr = "" if config.optimizer.lr_scaling == "none" else (
+                f", learning rate {trainer.learning_rate:.3g} ({config.optimizer.lr_scaling} scaling)")
+            print(f"Training {trainer.model.count_params():,} parameters on {backend.num_replicas} replica(s) "
+                  f"({backend.name}, {backend.size} worker process(es)), global batch {trainer.global_batch}, "
+                  f"{trainer.steps_per_epoch} steps/epoch, precision {config.training.precision}{lr}; "
+                  f"results in {config.output.dir}", file=sys.stderr)
         summary = trainer.fit(resume=args.resume)
-    except (RunExists, TrainingDiverged, NoConfigurationFits, VolumeOutOfMemory, FileNotFoundError, KeyError,
-            ValueError) as e:
+    except expected as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if trainer.backend.is_chief:
-        trainer.preview(Path(config.output.dir) / "validation_preview.png")
+    except (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.DeadlineExceededError,
+            tf.errors.AbortedError, tf.errors.InternalError) as e:
+        if backend.size == 1:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: worker {backend.rank} lost contact with the other workers ({type(e).__name__}: {first[:300]}). "
+              f"A worker died or the network failed; training stopped. The last committed epoch is in "
+              f"{Path(config.output.dir) / 'checkpoints'}: restart all workers with --resume.", file=sys.stderr)
+        return 1
+    if not backend.is_chief:
+        return 0
+    trainer.preview(Path(config.output.dir) / "validation_preview.png")
     print(summary_table(summary))
     print(f"Results in {config.output.dir}: training_curves.png, validation_preview.png, history.csv, "
           "summary.json, best.weights.h5, tensorboard/")
     return 0
+
+
+def _prepare_on_chief(backend, prepare) -> bool:
+    """The chief converts the data while the other workers wait; False (after an error line) if it failed."""
+    ok = 1.0
+    if backend.is_chief:
+        try:
+            prepare()
+        except (FileNotFoundError, KeyError, ValueError) as e:
+            if backend.size == 1:
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            ok = 0.0
+    if backend.size > 1 and not backend.broadcast([ok])[0]:  # the barrier: every worker waits for the chief
+        if not backend.is_chief:
+            print(f"error: worker {backend.rank}: the chief could not prepare the data (see its log)", file=sys.stderr)
+        return False
+    return True
 
 
 def _gpu_customization(config, args):

@@ -54,15 +54,41 @@ def _cache(dataset: tf.data.Dataset, pipeline, name: str, fingerprint: dict) -> 
     return dataset.cache(str(folder / f"{name}-{digest}"))
 
 
-def _read(files, index, deterministic: bool, input_context=None, shuffle_files_seed=None) -> tf.data.Dataset:
+def input_shard(files, cases, input_context=None) -> dict:
+    """What one input pipeline (one worker) reads of a split: `files` and the `cases` it keeps.
+
+    With at least as many files as pipelines, each pipeline reads its own files (file-level sharding);
+    otherwise every pipeline reads all files and keeps every N-th case (data-level). Either way each
+    case belongs to exactly one pipeline, so N workers cache the dataset once between them, not N times.
+    """
+    n = input_context.num_input_pipelines if input_context is not None else 1
+    i = input_context.input_pipeline_id if input_context is not None else 0
+    if n == 1:
+        return {"level": "none", "files": list(files), "cases": None}
+    if len(files) >= n:
+        return {"level": "file", "files": list(files)[i::n], "cases": None}
+    if len(cases) < n:
+        raise ValueError(f"{len(cases)} case(s) cannot be shared by {n} input pipelines (workers): every worker "
+                         "needs at least one; use fewer workers or more cases")
+    return {"level": "data", "files": list(files), "cases": sorted(cases)[i::n]}
+
+
+def _read(files, index, deterministic: bool, input_context=None, split: str | None = None) -> tf.data.Dataset:
     compression = index["preprocessing"]["compression"]
     dtype = index["preprocessing"]["image_dtype"]
-    dataset = tf.data.Dataset.from_tensor_slices(files)
-    if input_context is not None and input_context.num_input_pipelines > 1:
-        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-    dataset = dataset.interleave(
+    shard = input_shard(files, index["splits"][split]["cases"] if split else [], input_context)
+    files = shard["files"]
+    dataset = tf.data.Dataset.from_tensor_slices(files).interleave(
         lambda f: tf.data.TFRecordDataset(f, compression_type="" if compression == "NONE" else compression),
         cycle_length=min(len(files), 8), num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
+    if shard["cases"] is not None:
+        mine = tf.constant(shard["cases"])
+
+        def is_mine(serialized):
+            case_id = tf.io.parse_single_example(serialized, {"case_id": tf.io.FixedLenFeature([], tf.string)})
+            return tf.reduce_any(tf.equal(case_id["case_id"], mine))
+
+        dataset = dataset.filter(is_mine)
     return dataset.map(lambda s: parse_example(s, dtype), num_parallel_calls=tf.data.AUTOTUNE,
                        deterministic=deterministic)
 
@@ -101,7 +127,7 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
         fg, fg_class = foreground_indices(label, num_classes, p.max_foreground_indices, seed)
         return image, label, fg, fg_class
 
-    dataset = _read(files, index, p.deterministic, input_context)
+    dataset = _read(files, index, p.deterministic, input_context, config.data.train_split)
     dataset = dataset.map(with_foreground, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
     pipeline_id = input_context.input_pipeline_id if input_context else 0
     dataset = _cache(dataset, p, f"train{pipeline_id}", {

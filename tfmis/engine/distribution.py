@@ -1,16 +1,25 @@
-"""How the one training loop is spread over devices: the only part that differs between backends.
+"""How the one training loop is spread over devices and processes: the only part that differs between backends.
 
 The trainer asks a backend to: create variables in its scope, distribute the input, run the
 per-replica step, scale the per-replica loss, reduce gradients (once per step, before clipping and
 the non-finite check, so that both see the global gradient), apply an update only if a condition
-holds on every replica, reduce metrics, and synchronise the initial state. `StrategyBackend` covers a
-single device and every tf.distribute strategy (MirroredStrategy here; MultiWorkerMirroredStrategy
-plugs in the same way); a Horovod backend implements the same methods with `hvd.allreduce` /
-`hvd.broadcast_variables`.
+holds on every replica, reduce metrics, and synchronise the initial state. Between steps, worker
+processes agree through `barrier`, `broadcast` (rank 0's decision) and `all_reduce_sum` (e.g. the
+validation cases each worker scored), so that no worker waits in a collective the others skipped.
+
+Backends are chosen by name (`runtime.distribution`) from a registry, and are built *before*
+anything touches TensorFlow's devices: MultiWorkerMirroredStrategy must configure the runtime
+first, and Horovod must pin one GPU per process first.
+
+- `none`: the default strategy (one device).
+- `mirrored`: MirroredStrategy over the local GPUs (or `runtime.devices`).
+- `multiworker`: MultiWorkerMirroredStrategy; the cluster comes from TF_CONFIG, from SLURM
+  (`SlurmClusterResolver`) or from an MPI launch (`tfmis.engine.cluster`).
+- `horovod`: `tfmis.engine.horovod.HorovodBackend` (its own install: tools/install_horovod.sh).
 
 Example:
 ```python
-backend = make_backend("auto")          # MirroredStrategy over all GPUs if more than one
+backend = make_backend(config.runtime, output_dir=config.output.dir)   # first, before any device is used
 with backend.scope():
     model = build_unet(...)
 ```
@@ -18,30 +27,138 @@ with backend.scope():
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
 import tensorflow as tf
 
+from tfmis.engine.cluster import Launch, detect_launch, mpi_tf_config, rendezvous_folder
 
-class StrategyBackend:
-    """A tf.distribute strategy (the default strategy = one device).
+
+class Backend:
+    """The interface of a distribution backend; the defaults are those of one process.
+
+    Attributes:
+        name: the registry name.
+        rank: this process among the worker processes (0 = the chief).
+        size: the number of worker processes.
+        num_replicas: replicas in sync over all workers (each takes `num_images_per_batch` per step).
+        is_chief: rank 0, which writes logs, history, plots, the summary and the best weights.
+        saves_checkpoints: whether this process calls `CheckpointManager.save` (MultiWorkerMirroredStrategy
+            needs every worker to, non-chiefs into a temporary folder; Horovod only the chief).
+    """
+
+    name = "base"
+    rank = 0
+    size = 1
+
+    @property
+    def num_replicas(self) -> int:
+        return 1
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def saves_checkpoints(self) -> bool:
+        return self.is_chief
+
+    def checkpoint_dir(self, run_dir: str | Path) -> Path:
+        """Where this process's CheckpointManager writes: the run's `checkpoints/` on the chief."""
+        return Path(run_dir) / "checkpoints"
+
+    def after_save(self, run_dir: str | Path) -> None:
+        """Called after every checkpoint save (a non-chief worker drops its temporary copy)."""
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def distribute_dataset(self, dataset_fn):
+        """`dataset_fn(input_context)` builds the per-replica-batched dataset of one input pipeline."""
+        return dataset_fn(tf.distribute.InputContext(self.size, self.rank, self.num_replicas))
+
+    def run(self, fn, args):
+        return fn(*args)
+
+    def loss_scale(self) -> float:
+        # each replica's loss is its local mean; summing the replicas' gradients must give the mean
+        return 1.0 / self.num_replicas
+
+    def prepare_optimizer(self, optimizer) -> None:
+        """Adapts the optimizer to gradients that `reduce_gradients` has already reduced."""
+
+    def reduce_gradients(self, grads):
+        return grads
+
+    def run_if(self, condition: tf.Tensor, fn) -> None:
+        tf.cond(condition, lambda: _none(fn()), lambda: None)
+
+    def reduce_mean(self, per_replica):
+        return per_replica
+
+    def sync_initial_state(self, model, optimizer) -> None:
+        """Makes every replica start from rank 0's weights and optimizer state."""
+
+    def all_reduce_sum(self, values) -> np.ndarray:
+        """Host values (a float64 array) summed over the worker processes; every worker gets the sum."""
+        return np.asarray(values, np.float64)
+
+    def broadcast(self, values) -> np.ndarray:
+        """Rank 0's host values (a float64 array) on every worker: one decision that all follow."""
+        values = np.asarray(values, np.float64)
+        return self.all_reduce_sum(values if self.rank == 0 else np.zeros_like(values))
+
+    def barrier(self, name: str = "barrier") -> None:
+        """Returns when every worker has called it."""
+        arrived = int(round(float(self.all_reduce_sum([1.0])[0])))
+        if arrived != self.size:
+            raise RuntimeError(f"barrier {name!r}: {arrived} of {self.size} workers arrived")
+
+
+class StrategyBackend(Backend):
+    """A tf.distribute strategy (the default strategy = one device; Mirrored; MultiWorkerMirrored).
 
     Args:
         strategy: any `tf.distribute.Strategy`; None = the default (single-device) strategy.
+        name: the registry name it was made under.
     """
 
-    name = "tf.distribute"
-
-    def __init__(self, strategy: tf.distribute.Strategy | None = None):
+    def __init__(self, strategy: tf.distribute.Strategy | None = None, name: str = "none"):
         self.strategy = strategy or tf.distribute.get_strategy()
+        self.name = name
+        resolver = getattr(self.strategy, "cluster_resolver", None)
+        spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+        chiefs, workers = len(spec.get("chief", [])), len(spec.get("worker", []))
+        self.size = max(1, chiefs + workers)
+        if resolver is None or resolver.task_type in (None, "chief"):
+            self.rank = int(getattr(resolver, "task_id", 0) or 0) if resolver is not None else 0
+        else:
+            self.rank = chiefs + int(resolver.task_id)
+        self._sum_fn = None
 
     @property
     def num_replicas(self) -> int:
         return self.strategy.num_replicas_in_sync
 
     @property
-    def is_chief(self) -> bool:
-        resolver = getattr(self.strategy, "cluster_resolver", None)
-        return resolver is None or resolver.task_type in (None, "chief") or (
-            resolver.task_type == "worker" and resolver.task_id == 0)
+    def saves_checkpoints(self) -> bool:
+        return True  # MultiWorkerMirroredStrategy: every worker takes part in a save (non-chiefs into a temp dir)
+
+    def checkpoint_dir(self, run_dir: str | Path) -> Path:
+        if self.is_chief:
+            return Path(run_dir) / "checkpoints"
+        return Path(run_dir) / ".workers" / f"worker{self.rank}" / "checkpoints"
+
+    def after_save(self, run_dir: str | Path) -> None:
+        if not self.is_chief:
+            shutil.rmtree(Path(run_dir) / ".workers" / f"worker{self.rank}", ignore_errors=True)
+            with contextlib.suppress(OSError):  # the last worker out removes the parent
+                (Path(run_dir) / ".workers").rmdir()
 
     def scope(self):
         return self.strategy.scope()
@@ -103,7 +220,26 @@ class StrategyBackend:
         return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, per_replica, axis=None)
 
     def sync_initial_state(self, model, optimizer) -> None:
-        """Mirrored variables start identical by construction: nothing to do."""
+        """Mirrored variables start identical by construction (MultiWorkerMirroredStrategy broadcasts the
+        chief's initial values when it creates them), and restore reads the same checkpoint everywhere."""
+
+    def all_reduce_sum(self, values) -> np.ndarray:
+        values = np.asarray(values, np.float64)
+        if self.size == 1:
+            return values
+        if self._sum_fn is None:
+            strategy = self.strategy
+            local_replicas = strategy.num_replicas_in_sync // self.size
+
+            @tf.function
+            def summed(x):
+                # every local replica contributes x; the sum over all replicas is local_replicas × Σ_workers x
+                per_replica = strategy.run(lambda: tf.identity(x))
+                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None) / local_replicas
+
+            self._sum_fn = summed
+        flat = values.reshape(-1)
+        return self._sum_fn(tf.constant(flat)).numpy().reshape(values.shape)
 
 
 def _already_reduced(grads_and_vars):
@@ -114,18 +250,122 @@ def _none(_):
     return None
 
 
-def make_backend(distribution: str = "auto", devices=None) -> StrategyBackend:
-    """A backend for `training.distribution`: `none`, `mirrored`, or `auto`.
+# ---------------------------------------------------------------- the registry
+
+BACKENDS = {}
+
+
+def register_backend(name: str):
+    """Decorator: `factory(runtime, output_dir) -> Backend` becomes `runtime.distribution: <name>`."""
+    def register(factory):
+        BACKENDS[name] = factory
+        return factory
+    return register
+
+
+def resolve_distribution(runtime, launch: Launch | None = None) -> str:
+    """The backend name `runtime.distribution: auto` stands for in this process (devices are not initialised)."""
+    if runtime.distribution != "auto":
+        return runtime.distribution
+    launch = launch or detect_launch()
+    if launch.kind == "horovod":
+        return "horovod"
+    if launch.size > 1:
+        return "multiworker"
+    gpus = tf.config.list_physical_devices("GPU")  # physical: does not initialise the runtime
+    several = len(runtime.devices) > 1 if runtime.devices else len(gpus) > 1
+    return "mirrored" if several else "none"
+
+
+def make_backend(runtime="auto", devices=None, output_dir: str | Path | None = None) -> Backend:
+    """The backend for `runtime.distribution`; call it before anything touches devices.
 
     Args:
-        distribution: `auto` uses MirroredStrategy when more than one GPU is visible (or `devices`
-            lists several), else the default single-device strategy.
-        devices: devices for MirroredStrategy (default: all local GPUs).
+        runtime: a `tfmis.config.RuntimeConfig`, or just the distribution name (`auto`, `none`,
+            `mirrored`, `multiworker`, `horovod`).
+        devices: with a name: the devices for `mirrored` (default: all local GPUs).
+        output_dir: the run folder (default rendezvous folder of an MPI launch).
     """
-    gpus = tf.config.list_logical_devices("GPU")
-    several = len(devices) > 1 if devices else len(gpus) > 1
-    if distribution == "none" or (distribution == "auto" and not several):
-        return StrategyBackend()
-    if distribution in ("mirrored", "auto"):
-        return StrategyBackend(tf.distribute.MirroredStrategy(devices=devices))
-    raise ValueError(f"training.distribution: unknown backend {distribution!r}; expected auto, none or mirrored")
+    if isinstance(runtime, str):
+        from tfmis.config import RuntimeConfig
+
+        runtime = RuntimeConfig(distribution=runtime, devices=devices)
+    name = resolve_distribution(runtime)
+    if name not in BACKENDS:
+        raise ValueError(f"runtime.distribution: unknown backend {name!r}; expected auto or one of "
+                         f"{', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name](runtime, output_dir)
+
+
+@register_backend("none")
+def _single_device(runtime, output_dir):
+    return StrategyBackend(name="none")
+
+
+@register_backend("mirrored")
+def _mirrored(runtime, output_dir):
+    return StrategyBackend(tf.distribute.MirroredStrategy(devices=runtime.devices), name="mirrored")
+
+
+@register_backend("multiworker")
+def _multiworker(runtime, output_dir):
+    """MultiWorkerMirroredStrategy over the cluster the launch describes (TF_CONFIG, SLURM or MPI)."""
+    launch = detect_launch()
+    if launch.kind == "slurm":
+        resolver = _slurm_resolver(runtime.port)
+    else:
+        if launch.kind == "mpi":
+            rendezvous = Path(runtime.rendezvous_dir or Path(output_dir or ".") / ".rendezvous")
+            os.environ["TF_CONFIG"] = json.dumps(mpi_tf_config(launch, rendezvous, runtime.port,
+                                                               runtime.rendezvous_timeout_seconds))
+            _pin_local_gpu(launch.local_rank)
+        elif launch.kind != "tf_config":
+            raise ValueError(
+                "runtime.distribution: multiworker needs a cluster: set TF_CONFIG, or start the workers with "
+                "python -m tfmis.launch --nproc N -- python -m tfmis.train ..., srun (SLURM) or mpirun")
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    implementation = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+                      "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+                      "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}[runtime.communication]
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=resolver,
+        communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
+    backend = StrategyBackend(strategy, name="multiworker")
+    if launch.kind == "mpi":
+        backend.barrier("rendezvous")  # every rank has read the addresses: the chief may remove them
+        if backend.is_chief:
+            shutil.rmtree(rendezvous_folder(launch, rendezvous), ignore_errors=True)
+            with contextlib.suppress(OSError):
+                rendezvous.rmdir()
+    return backend
+
+
+@register_backend("horovod")
+def _horovod(runtime, output_dir):
+    try:
+        from tfmis.engine.horovod import HorovodBackend
+    except ImportError as e:
+        raise RuntimeError(f"runtime.distribution: horovod needs Horovod, which this environment lacks ({e}). "
+                           "Horovod 0.28.1 builds only against TensorFlow <= 2.16: make its environment with "
+                           "tools/install_horovod.sh, then run there") from e
+    return HorovodBackend(runtime)
+
+
+def _slurm_resolver(port_base: int):
+    """SlurmClusterResolver; on nodes without GPUs it is told one pseudo-GPU per task, because it places
+    tasks by GPU slots and would otherwise find no room for any task (its GPU count comes from nvidia-smi)."""
+    from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import expand_tasks_per_node
+
+    if shutil.which("nvidia-smi"):
+        return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base)
+    tasks_per_node = max(expand_tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE",
+                                                              os.environ.get("SLURM_TASKS_PER_NODE", "1"))))
+    return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base, gpus_per_node=tasks_per_node,
+                                                               gpus_per_task=1)
+
+
+def _pin_local_gpu(local_rank: int) -> None:
+    """One GPU per process when several ranks share a node (before the runtime initialises)."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if len(gpus) > 1:
+        tf.config.set_visible_devices(gpus[local_rank % len(gpus)], "GPU")

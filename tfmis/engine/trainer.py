@@ -32,14 +32,14 @@ import tensorflow as tf
 from tfmis.config import save_config
 from tfmis.data.pipeline import build_train_dataset, build_val_dataset, train_steps_per_epoch
 from tfmis.data.records import RUN_DATA_FILE, load_index, training_data_info
-from tfmis.engine.distribution import StrategyBackend, make_backend
+from tfmis.engine.distribution import Backend, make_backend
 from tfmis.engine.history import History
 from tfmis.inference.placement import VolumePlacement
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.losses import build_loss
 from tfmis.metrics.segmentation import SegmentationMetrics
 from tfmis.networks.unet import UNetConfig, check_patch_size
-from tfmis.optimizers import build_optimizer, build_schedule
+from tfmis.optimizers import batch_scaled_learning_rate, build_optimizer, build_schedule
 from tfmis.utils.devices import accelerator_device
 from tfmis.utils.io import atomic_write_json
 
@@ -66,13 +66,13 @@ class Trainer:
 
     Args:
         config: a `tfmis.config.Config`.
-        backend: a distribution backend (default: from `training.distribution`).
+        backend: a distribution backend (default: from `runtime`; build it before anything touches devices).
     """
 
-    def __init__(self, config, backend: StrategyBackend | None = None):
+    def __init__(self, config, backend: Backend | None = None):
         self.config = config
         tc = config.training
-        self.backend = backend or make_backend(tc.distribution, tc.devices)
+        self.backend = backend or make_backend(config.runtime, output_dir=config.output.dir)
         self.out = Path(config.output.dir)
         index = load_index(config.data.dataset_dir)
         self.data_info = training_data_info(index, config.data.dataset_dir)
@@ -85,12 +85,17 @@ class Trainer:
         m, o = config.model, config.optimizer
         check_patch_size(config.pipeline.patch_size, m.strides)  # fail now, not after data loading
         check_patch_size(config.validation.roi_size or config.pipeline.patch_size, m.strides)
+        self.global_batch = config.pipeline.num_images_per_batch * self.backend.num_replicas * tc.accumulation_steps
+        reference = o.lr_reference_batch or config.pipeline.num_images_per_batch * tc.accumulation_steps
+        self.learning_rate, min_learning_rate = (batch_scaled_learning_rate(rate, o.lr_scaling, self.global_batch,
+                                                                            reference)
+                                                 for rate in (o.learning_rate, o.min_learning_rate))
         with self.backend.scope():
             self.model = UNetConfig(self.in_channels, len(self.class_names), **dataclasses.asdict(m)).build()
             total = tc.epochs * self.steps_per_epoch
-            schedule = build_schedule(o.schedule, o.learning_rate, total_steps=total,
+            schedule = build_schedule(o.schedule, self.learning_rate, total_steps=total,
                                       warmup_steps=int(o.warmup_epochs * self.steps_per_epoch), power=o.power,
-                                      min_learning_rate=o.min_learning_rate)
+                                      min_learning_rate=min_learning_rate)
             optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, momentum=o.momentum,
                                         nesterov=o.nesterov, beta_1=o.beta_1, beta_2=o.beta_2, clipnorm=o.clipnorm)
             if tc.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
@@ -111,7 +116,8 @@ class Trainer:
         self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, epoch=self.epoch,
                                               best_dice=self.best_dice, best_epoch=self.best_epoch,
                                               elapsed=self.elapsed)
-        self.manager = tf.train.CheckpointManager(self.checkpoint, str(self.out / "checkpoints"),
+        # MultiWorkerMirroredStrategy: every worker saves, non-chiefs into a temporary folder they then drop
+        self.manager = tf.train.CheckpointManager(self.checkpoint, str(self.backend.checkpoint_dir(self.out)),
                                                   max_to_keep=tc.keep_checkpoints)
         step = tf.function(self._replica_step, jit_compile=True) if tc.jit_compile else self._replica_step
         self._train_step = tf.function(lambda batch: self.backend.reduce_mean(self.backend.run(step, batch)))
@@ -171,11 +177,24 @@ class Trainer:
         v = self.config.validation
         metrics = SegmentationMetrics(len(self.class_names), class_names=self.class_names, hd95=v.hd95)
         fallbacks = 0
-        for image, label, meta in dataset:
+        positions = []
+        rank, size = self.backend.rank, self.backend.size
+        if size > 1:  # several workers: each scores every size-th case
+            dataset = dataset.shard(size, rank)
+        for i, (image, label, meta) in enumerate(dataset):
             case_id = meta["case_id"].numpy().decode()
             prediction, placement = self._segment_volume(image, case_id)
             fallbacks += placement.is_fallback
             metrics.update(prediction, label[0].numpy(), spacing=self.spacing_by_case.get(case_id), case_id=case_id)
+            positions.append(rank + i * size)
+        if size > 1:  # one table of all cases on every worker, so that all take the same decisions
+            total = int(self.backend.all_reduce_sum([len(positions)])[0])
+            table = np.zeros((total, (4 if v.hd95 else 3) * len(metrics.classes)))
+            table[positions] = metrics.case_table()
+            summed = self.backend.all_reduce_sum(np.append(table.reshape(-1), fallbacks))
+            metrics.reset()
+            metrics.add_case_table(summed[:-1].reshape(table.shape))
+            fallbacks = int(summed[-1])
         return {**metrics.result(), "fallbacks": fallbacks}
 
     def _segment_volume(self, image, case_id: str):
@@ -209,17 +228,27 @@ class Trainer:
         Raises:
             RunExists: the run folder holds checkpoints and `resume` is False.
         """
-        latest = self.manager.latest_checkpoint
+        # every worker restores the chief's checkpoints (output.dir on a file system all workers share)
+        latest = tf.train.latest_checkpoint(str(self.out / "checkpoints"))
+        if self.backend.size > 1:  # all workers must take the same branch below, or one waits forever
+            mine = _checkpoint_number(latest)
+            chief = int(self.backend.broadcast([mine])[0])
+            if mine != chief:
+                raise RuntimeError(
+                    f"worker {self.backend.rank} sees checkpoint {mine} in {self.out / 'checkpoints'} but the chief "
+                    f"sees {chief} (-1 = none): output.dir must be on a file system every worker shares")
         if latest and not resume:
             raise RunExists(f"{self.out} already holds a training run (last checkpoint {Path(latest).name}); "
                             "rerun with --resume to continue it, or set another output.dir "
                             "(e.g. --set output.dir=runs/new)")
         if resume and latest:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
-            print(f"Resuming from {latest}: epoch {int(self.epoch.numpy())} done, best mean Dice "
-                  f"{float(self.best_dice.numpy()):.4f} at epoch {int(self.best_epoch.numpy())}", file=sys.stderr)
-        elif resume:
+            if self.backend.is_chief:
+                print(f"Resuming from {latest}: epoch {int(self.epoch.numpy())} done, best mean Dice "
+                      f"{float(self.best_dice.numpy()):.4f} at epoch {int(self.best_epoch.numpy())}", file=sys.stderr)
+        elif resume and self.backend.is_chief:
             print(f"--resume: no checkpoint in {self.out / 'checkpoints'}, starting from scratch", file=sys.stderr)
+        self.backend.sync_initial_state(self.model, self.optimizer)
         done = int(self.epoch.numpy())
         if self.backend.is_chief:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -247,6 +276,9 @@ class Trainer:
         `restore` completes step 3 for a committed epoch and drops what step 1 left otherwise.
         """
         if not self.backend.is_chief:
+            if self.backend.saves_checkpoints:  # MultiWorkerMirroredStrategy: the save may synchronise workers
+                self.manager.save(checkpoint_number=record["epoch"])
+                self.backend.after_save(self.out)
             return
         self._discard_staged()
         if improved:  # fit() checked the weights are finite right after the epoch's steps
@@ -281,8 +313,9 @@ class Trainer:
         dataset = self.backend.distribute_dataset(lambda ctx: build_train_dataset(cfg, ctx, seed_offset))
         iterator = iter(dataset)
         val_dataset = build_val_dataset(cfg)
-        writer = tf.summary.create_file_writer(str(self.out / "tensorboard")) if cfg.output.tensorboard else None
-        global_batch = cfg.pipeline.num_images_per_batch * self.backend.num_replicas * tc.accumulation_steps
+        writer = (tf.summary.create_file_writer(str(self.out / "tensorboard"))
+                  if cfg.output.tensorboard and self.backend.is_chief else None)
+        global_batch = self.global_batch
         run_start = time.perf_counter() - float(self.elapsed.numpy())
         skip_streak = []  # (epoch, step) of the consecutive skipped steps up to now
         for epoch in range(start_epoch, tc.epochs + 1):
@@ -291,7 +324,7 @@ class Trainer:
             losses = []
             skipped = 0
             bar = tqdm(range(self.steps_per_epoch), desc=f"epoch {epoch}/{tc.epochs}", unit="step",
-                       disable=not cfg.output.progress, file=sys.stderr, leave=False)
+                       disable=not (cfg.output.progress and self.backend.is_chief), file=sys.stderr, leave=False)
             for step in bar:
                 t0 = time.perf_counter()
                 batch = next(iterator)
@@ -340,6 +373,8 @@ class Trainer:
                     record["val_fallbacks"] = result["fallbacks"]
                 record["val_seconds"] = time.perf_counter() - val_start
                 improved = math.isfinite(result["mean_dice"]) and result["mean_dice"] > float(self.best_dice.numpy())
+                if self.backend.size > 1:  # rank 0's decision, whatever rounding another worker's sum saw
+                    improved = bool(self.backend.broadcast([improved])[0])
                 if improved:
                     self.best_dice.assign(result["mean_dice"])
                     self.best_epoch.assign(epoch)
@@ -351,9 +386,13 @@ class Trainer:
             if self.backend.is_chief:
                 self._log_tensorboard(writer, record)
                 history.plot(self.out / "training_curves.png")
-            print(_epoch_line(record, tc.epochs), file=sys.stderr)
-            if validated and tc.target_dice is not None and record["val_mean_dice"] >= tc.target_dice:
-                print(f"target Dice {tc.target_dice} reached at epoch {epoch}: stopping", file=sys.stderr)
+                print(_epoch_line(record, tc.epochs), file=sys.stderr)
+            stop = validated and tc.target_dice is not None and record["val_mean_dice"] >= tc.target_dice
+            if self.backend.size > 1:
+                stop = bool(self.backend.broadcast([stop])[0])
+            if stop:
+                if self.backend.is_chief:
+                    print(f"target Dice {tc.target_dice} reached at epoch {epoch}: stopping", file=sys.stderr)
                 break
         return self._summary(history)
 
@@ -428,6 +467,11 @@ class Trainer:
         if self.backend.is_chief:
             atomic_write_json(self.out / "summary.json", summary)
         return summary
+
+
+def _checkpoint_number(path: str | None) -> int:
+    """N of a `.../ckpt-N` checkpoint prefix; -1 for none."""
+    return int(path.rsplit("-", 1)[1]) if path else -1
 
 
 def _epoch_line(r: dict, epochs: int) -> str:

@@ -280,11 +280,34 @@ class SegmentationMetrics:
         if self.hd95:
             spacing = (1.0,) * np.ndim(prediction) if spacing is None else spacing
             hd95 = hausdorff_distance_95(prediction, target, self.num_classes, spacing, self.include_background)
+        return self._add(case_id, dice, hd95, [t == 0 for t in truth], [t == 0 and p > 0 for t, p in zip(truth, predicted)])
+
+    def _add(self, case_id, dice, hd95, gt_empty, predicted_when_gt_empty) -> dict:
         entry = {"case_id": case_id, **self._summary(dice, hd95),
-                 "gt_empty_per_class": [bool(t == 0) for t in truth],
-                 "predicted_when_gt_empty_per_class": [bool(t == 0 and p > 0) for t, p in zip(truth, predicted)]}
+                 "gt_empty_per_class": [bool(v) for v in gt_empty],
+                 "predicted_when_gt_empty_per_class": [bool(v) for v in predicted_when_gt_empty]}
         self.per_case.append(entry)
         return entry
+
+    def case_table(self) -> np.ndarray:
+        """The cases so far as float64 rows: Dice, ground truth empty, predicted when empty (and HD95) per class.
+
+        Workers that scored different cases put their rows at the cases' positions in a zero table and sum
+        the tables (`Backend.all_reduce_sum`); `add_case_table` turns the sum back into cases (NaN and inf
+        survive a sum with zeros).
+        """
+        keys = ["dice_per_class", "gt_empty_per_class", "predicted_when_gt_empty_per_class"]
+        keys += ["hd95_per_class"] if self.hd95 else []
+        return np.array([np.concatenate([np.asarray(case[k], np.float64) for k in keys]) for case in self.per_case],
+                        dtype=np.float64).reshape(len(self.per_case), len(keys) * len(self.classes))
+
+    def add_case_table(self, table, case_ids=None) -> None:
+        """Adds the cases of a `case_table()` (e.g. summed over workers), in row order."""
+        n = len(self.classes)
+        for i, row in enumerate(np.asarray(table, np.float64)):
+            hd95 = row[3 * n:4 * n] if self.hd95 else None
+            self._add(None if case_ids is None else case_ids[i], row[:n], hd95, row[n:2 * n] > 0.5,
+                      row[2 * n:3 * n] > 0.5)
 
     def result(self) -> dict:
         """Per-class means over the cases so far, their means, the counts above and `num_cases`

@@ -9,7 +9,7 @@ Example:
 from tfmis.optimizers.factory import OPTIMIZER_NAMES, build_optimizer
 from tfmis.optimizers.novograd import Novograd
 from tfmis.optimizers.schedules import (SCHEDULE_NAMES, ConstantLearningRate, CosineDecay, LinearWarmup, PolyDecay,
-                                        build_schedule)
+                                        batch_scaled_learning_rate, build_schedule)
 
 __all__ = [
     "OPTIMIZER_NAMES",
@@ -19,6 +19,7 @@ __all__ = [
     "LinearWarmup",
     "Novograd",
     "PolyDecay",
+    "batch_scaled_learning_rate",
     "build_optimizer",
     "build_schedule",
 ]

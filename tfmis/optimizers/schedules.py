@@ -205,3 +205,22 @@ def build_schedule(name: str, base_learning_rate: float, total_steps: int | None
         else:
             schedule = CosineDecay(base_learning_rate, decay_steps, min_learning_rate)
     return LinearWarmup(schedule, warmup_steps) if warmup_steps else schedule
+
+
+def batch_scaled_learning_rate(learning_rate: float, scaling: str, global_batch: int,
+                               reference_batch: int) -> float:
+    """The learning rate for `global_batch` when `learning_rate` was tuned for `reference_batch`.
+
+    `linear`: × global / reference (Goyal et al. 2017, "Accurate, Large Minibatch SGD"); `sqrt`:
+    × √(global / reference) (Krizhevsky 2014; Hoffer et al. 2017), often better for Adam-style
+    optimizers; `none`: unchanged.
+
+    Example:
+        >>> batch_scaled_learning_rate(1e-3, "linear", 16, 4), batch_scaled_learning_rate(1e-3, "sqrt", 16, 4)
+        (0.004, 0.002)
+    """
+    ratio = global_batch / reference_batch
+    factors = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}
+    if scaling not in factors:
+        raise ValueError(f"optimizer.lr_scaling must be none, linear or sqrt, got {scaling!r}")
+    return learning_rate * factors[scaling]
