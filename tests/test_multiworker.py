@@ -169,9 +169,16 @@ def test_hand_written_tf_config_trains_and_a_killed_worker_ends_the_other_then_r
 def test_srun_and_mpirun_environments_form_one_cluster(converted_dataset, tmp_path, launcher):
     """Two `python -m tfmis.train` processes with the environment `srun` (SLURM_PROCID, SLURM_STEP_NODELIST, ...)
     or Open MPI's `mpirun` (OMPI_COMM_WORLD_RANK/SIZE, no host list: a file rendezvous) sets, and no TF_CONFIG,
-    pick `multiworker` by themselves (runtime.distribution auto) and train one model on 2 replicas."""
+    pick `multiworker` by themselves (runtime.distribution auto) and train one model on 2 replicas. The data is
+    converted from the MSD folder first, by the chief alone, while the other worker waits (it would otherwise
+    find no index.json and fail)."""
     run = tmp_path / "run"
-    config = _tiny_yaml(tmp_path, converted_dataset, run, epochs=1, steps_per_epoch=2)
+    target = tmp_path / "tfrecords"
+    config = _tiny_yaml(tmp_path, target, run, epochs=1, steps_per_epoch=2)
+    data = yaml.safe_load(config.read_text())
+    data["data"].update(source_dir=str(converted_dataset.parent / "Task99_Test"),
+                        conversion={"split": [0.75, 0.25], "shards": 2, "workers": 1})
+    config.write_text(yaml.safe_dump(data))
     port = free_ports(1)[0]
     procs = []
     for rank in (0, 1):
@@ -188,6 +195,7 @@ def test_srun_and_mpirun_environments_form_one_cluster(converted_dataset, tmp_pa
     assert [p.returncode for p in procs] == [0, 0], _clean(logs[0] + logs[1])[-3000:]
     assert "on 2 replica(s) (multiworker, 2 worker process(es))" in logs[0]
     assert [r["epoch"] for r in _history(run)] == [1]
+    assert (target / "index.json").is_file()
     assert not (run / ".rendezvous").exists()  # the MPI rendezvous is removed once the cluster is up
 
 
