@@ -1,9 +1,16 @@
-"""`python -m tfmis.tune fit --config X.yaml [--specs S.yaml] [--num-trials N] [--memory-budget-mb M]
-[--strategy bayesian|grid] [--output DIR]`: the GPU-fit search.
+"""`python -m tfmis.tune fit|hpo`: the GPU-fit search and the hyperparameter search.
 
-Writes DIR/fit.yaml (the config with the chosen values), DIR/fit_report.json (every trial) and
-DIR/memory.png, and prints the trial table. Exit status: 0 a configuration was chosen, 1 none fits
-in the memory budget (or the data is missing), 2 bad arguments.
+`fit --config X.yaml [--specs S.yaml] [--num-trials N] [--memory-budget-mb M] [--strategy bayesian|grid]
+[--output DIR]`: the GPU-fit search. Writes DIR/fit.yaml (the config with the chosen values),
+DIR/fit_report.json (every trial) and DIR/memory.png, and prints the trial table. Exit status: 0 a
+configuration was chosen, 1 none fits in the memory budget (or the data is missing), 2 bad arguments.
+
+`hpo --config X.yaml --space space.yaml --workers N [--num-trials M] [--output DIR]
+[--objective best_mean_dice|time_to_dice:0.9] [--strategy grid|random|bayesian] [--resume]`: the
+hyperparameter search, N trials at once (`tfmis.tune.hpo`). Writes DIR/hpo_report.json,
+DIR/hpo_dice.png, DIR/best.yaml and DIR/trials/<id>/ (each trial's run folder), and prints the trial
+table. Exit status: 0 a trial finished, 1 none did (or a search process died), 2 bad arguments,
+config or space.
 """
 
 from __future__ import annotations
@@ -23,6 +30,29 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a config value, as in tfmis.train")
     add_search_arguments(fit, prefix="")
     fit.add_argument("--output", default=None, help="output folder (default: <output.dir>/gpu_fit)")
+
+    hpo = sub.add_parser("hpo", help="hyperparameter search with N trials at once, each a tfmis.train process "
+                                     "pinned to its devices (Keras Tuner's distributed mode on one machine)")
+    hpo.add_argument("--config", required=True, help="training config, e.g. configs/demo.yaml")
+    hpo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value of every trial, as in tfmis.train")
+    hpo.add_argument("--space", required=True, metavar="SPACE.yaml",
+                     help="dotted config keys to choices, e.g. 'optimizer.learning_rate: {values: [0.001, 0.0003]}' "
+                          "or ranges '{min: 0.0001, max: 0.01, sampling: log}' (see configs/hpo_space.yaml)")
+    hpo.add_argument("--workers", type=int, default=1,
+                     help="trials run at once, each on its share of the GPUs or CPU cores (default 1)")
+    hpo.add_argument("--num-trials", type=int, default=None,
+                     help="trials in all (default: the whole grid; 10 for random and bayesian)")
+    hpo.add_argument("--output", default=None, help="search folder (default: <output.dir>/hpo); rerunning the "
+                                                    "same command there resumes the search")
+    hpo.add_argument("--objective", default="best_mean_dice",
+                     help="best_mean_dice (maximised, default) or time_to_dice:<target> (training seconds until "
+                          "the validation mean Dice reached the target, minimised)")
+    hpo.add_argument("--strategy", choices=["grid", "random", "bayesian"], default=None,
+                     help="default: grid when every key has finitely many values, else bayesian")
+    hpo.add_argument("--resume", action="store_true",
+                     help="continue the search in --output (an error if there is none); trials that were running "
+                          "are rerun")
     return p
 
 
@@ -55,6 +85,10 @@ def run_search(config, args, prefix: str, output_dir: Path):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "hpo":
+        from tfmis.tune.hpo import hpo_command
+
+        return hpo_command(args)
     from tfmis.config import ConfigError, load_config
 
     try:
