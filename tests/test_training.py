@@ -444,3 +444,11 @@ def test_precisions_and_xla_train(converted_dataset, tmp_path, precision, jit):
 def test_target_dice_stops_training(converted_dataset, tmp_path):
     config = tiny_config(converted_dataset, tmp_path / "run", "training.epochs=5", "training.target_dice=0.0")
     assert Trainer(config).fit()["epochs"] == 1
+
+
+@pytest.mark.parametrize("loss", ["dice", "dice_ce", "dice_focal"])
+def test_every_configured_loss_trains_a_step(converted_dataset, tmp_path, loss):
+    """loss.name dice / dice_ce / dice_focal each build through the trainer and take a finite step."""
+    trainer = Trainer(tiny_config(converted_dataset, tmp_path, f"loss.name={loss}"))
+    loss_value, skipped = run_step(trainer, fixed_batch(trainer.config, 2))
+    assert np.isfinite(loss_value) and skipped == 0.0

@@ -109,7 +109,8 @@ class Trainer:
             self.elapsed = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="elapsed_seconds")
         lc = config.loss
         self.loss_fn = build_loss(lc.name, include_background=lc.include_background, activation=lc.activation,
-                                  batch=lc.batch, squared_pred=lc.squared_pred, lambda_dice=lc.lambda_dice,
+                                  batch=lc.batch, squared_pred=lc.squared_pred,
+                                  **({"lambda_dice": lc.lambda_dice} if lc.name != "dice" else {}),
                                   **({"lambda_ce": lc.lambda_ce} if lc.name == "dice_ce" else {}),
                                   **({"lambda_focal": lc.lambda_focal, "gamma": lc.gamma}
                                      if lc.name == "dice_focal" else {}))
