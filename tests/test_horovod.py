@@ -321,6 +321,69 @@ def test_tfmis_train_under_horovodrun_end_to_end(converted_dataset, tmp_path):
     assert json.loads((out / "summary.json").read_text())["epochs"] == 3
 
 
+HOROVOD_STATISTICS = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[3])
+    from tfmis.engine.distribution import make_backend
+    backend = make_backend("horovod")
+    import keras
+    import tensorflow as tf
+    from conftest import tiny_config
+    from test_horovod import PER_RANK, SGD
+    from tfmis.engine.trainer import Trainer
+
+    dataset_dir, out = sys.argv[1], sys.argv[2]
+    try:
+        Trainer(tiny_config(dataset_dir, out + "/jit", "training.jit_compile=true"), backend=backend)
+        jit_error = ""
+    except ValueError as e:
+        jit_error = str(e)
+    trainer = Trainer(tiny_config(dataset_dir, out + "/bn", *SGD, "model.norm=batch",
+                                  f"pipeline.num_images_per_batch={PER_RANK}"), backend=backend)
+    trainer.backend.sync_initial_state(trainer.model, trainer.optimizer)
+    data = np.load(out + "/batches.npz")
+    lo = backend.rank * PER_RANK  # each rank its own images: its BatchNorm moving statistics move apart
+    trainer._train_step((tf.constant(data["images"][lo:lo + PER_RANK]), tf.constant(data["labels"][lo:lo + PER_RANK])))
+    state = [v for v in trainer.model.non_trainable_variables if "float" in str(v.dtype)]
+    before = [keras.ops.convert_to_numpy(v) for v in state]
+    backend.sync_statistics(trainer.model)
+    after = [keras.ops.convert_to_numpy(v) for v in state]
+    np.savez(f"{out}/stats{backend.rank}.npz", **{f"before_{i}": a for i, a in enumerate(before)},
+             **{f"after_{i}": a for i, a in enumerate(after)})
+    with open(f"{out}/jit{backend.rank}.txt", "w") as f:
+        f.write(jit_error)
+""")
+
+
+@needs_horovod
+def test_horovod_averages_batchnorm_statistics_and_refuses_jit_compile(converted_dataset, tmp_path):
+    """Two horovodrun processes with model.norm=batch step on different images, so their BatchNorm moving
+    statistics differ; `sync_statistics` (called by the trainer after each epoch's steps) leaves both ranks
+    with the element-wise mean of the two. A Trainer with training.jit_compile=true under Horovod is refused
+    with an error naming the setting."""
+    from tfmis.data.pipeline import build_train_dataset
+
+    images, labels = next(iter(build_train_dataset(tiny_config(converted_dataset, tmp_path / "b"))
+                               .unbatch().batch(2 * PER_RANK)))
+    np.savez(tmp_path / "batches.npz", images=images.numpy(), labels=labels.numpy())
+    (tmp_path / "stats.py").write_text(HOROVOD_STATISTICS)
+    result = horovodrun([sys.executable, str(tmp_path / "stats.py"), str(converted_dataset), str(tmp_path),
+                         str(TESTS)], tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    ranks = [np.load(tmp_path / f"stats{r}.npz") for r in (0, 1)]
+    n = len([k for k in ranks[0].files if k.startswith("before_")])
+    assert n >= 4  # moving mean and variance of at least two BatchNorm layers
+    assert max(max_diff([ranks[0][f"before_{i}"]], [ranks[1][f"before_{i}"]]) for i in range(n)) > 1e-4
+    for i in range(n):
+        expected = (ranks[0][f"before_{i}"].astype(np.float64) + ranks[1][f"before_{i}"]) / 2
+        np.testing.assert_array_equal(ranks[0][f"after_{i}"], ranks[1][f"after_{i}"])
+        np.testing.assert_allclose(ranks[0][f"after_{i}"], expected, rtol=1e-6, atol=1e-7)
+    for r in (0, 1):
+        message = (tmp_path / f"jit{r}.txt").read_text()
+        assert "training.jit_compile" in message and "runtime.distribution: horovod" in message
+
+
 # ---------------------------------------------------------------- tools/install_horovod.sh
 
 

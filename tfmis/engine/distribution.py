@@ -104,6 +104,10 @@ class Backend:
     def sync_initial_state(self, model, optimizer) -> None:
         """Makes every replica start from rank 0's weights and optimizer state."""
 
+    def sync_statistics(self, model) -> None:
+        """Makes the model's float non-trainable state (BatchNorm moving statistics) the same on every
+        worker, before validation and saving; nothing to do where BatchNorm is synchronised."""
+
     def all_reduce_sum(self, values) -> np.ndarray:
         """Host values (a float64 array) summed over the worker processes; every worker gets the sum."""
         return np.asarray(values, np.float64)

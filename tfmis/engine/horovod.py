@@ -22,8 +22,8 @@ Limits, by design of Horovod with Keras 3:
   Keras 3 (e.g. `'Variable' object has no attribute 'ref'`).
 - BatchNorm is per process (no synchronised BatchNorm): each process normalises with the mean and
   variance of its own batch and keeps its own moving statistics; the weights stay identical, the
-  moving statistics do not. Rank 0's are saved, and each process validates its share of the cases
-  with its own. With small per-process batches prefer `model.norm: instance` (no batch statistics),
+  moving statistics do not during an epoch; after the epoch's steps they are averaged over the
+  processes (`sync_statistics`), before validation and saving. With small per-process batches prefer `model.norm: instance` (no batch statistics),
   or `runtime.distribution: mirrored` / `multiworker`, whose BatchNorm sees the global batch.
 - `training.jit_compile: true` fails: the replica step would hold Horovod's all-reduce, which has no
   XLA CPU kernel (`No registered 'HorovodGroupedAllreduce' OpKernel for XLA_CPU_JIT`). Horovod
@@ -208,6 +208,17 @@ class HorovodBackend(Backend):
             return
         variables = [v.value for v in list(model.variables) + list(optimizer.variables)]
         self.hvd.broadcast_variables(variables, root_rank=0)
+
+    def sync_statistics(self, model) -> None:
+        """The mean over processes of the BatchNorm moving statistics (each process keeps its own during an
+        epoch: Horovod has no synchronised BatchNorm), so that validation and the saved model use one set."""
+        if self.size == 1:
+            return
+        state = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
+        if state:
+            for variable, mean in zip(state, self._all_reduce([v.value for v in state], self.hvd.Average,
+                                                              "statistics")):
+                variable.assign(mean)
 
     # ---------------------------------------------------------------- host-side collectives
 

@@ -120,6 +120,9 @@ class Trainer:
         # MultiWorkerMirroredStrategy: every worker saves, non-chiefs into a temporary folder they then drop
         self.manager = tf.train.CheckpointManager(self.checkpoint, str(self.backend.checkpoint_dir(self.out)),
                                                   max_to_keep=tc.keep_checkpoints)
+        if tc.jit_compile and self.backend.name == "horovod":
+            raise ValueError("training.jit_compile: true does not work with runtime.distribution: horovod (Horovod's "
+                             "all-reduce inside the step has no XLA kernel); set training.jit_compile=false")
         step = tf.function(self._replica_step, jit_compile=True) if tc.jit_compile else self._replica_step
         self._train_step = tf.function(lambda batch: self.backend.reduce_mean(self.backend.run(step, batch)))
         self._predict = tf.function(lambda x: self.model(x, training=False), reduce_retracing=True)
@@ -351,6 +354,7 @@ class Trainer:
             bar.close()
             if skipped == self.steps_per_epoch and not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
                 raise self._skipped_error(f"all {skipped} steps of epoch {epoch} were skipped")
+            self.backend.sync_statistics(self.model)  # Horovod: one set of BatchNorm statistics for all processes
             self._check_finite_state(epoch)  # before validation and any save
             train_seconds = wait + compute
             record = {"epoch": epoch, "train_loss": float(np.mean(losses)),
