@@ -92,15 +92,21 @@ MIRRORED_SCRIPT = textwrap.dedent("""
     replicas_agree = all(np.array_equal(r[0], r[1]) for r in replica_weights)
     # and a short real fit: two epochs with validation, through the distributed input pipeline
     summary = mirrored.fit()
+    # then --resume with one more epoch (the same strategy: a second one would reuse its collective keys)
+    resumed = Trainer(tiny_config(dataset_dir, out + "/mirrored", *PLAIN_SGD, "pipeline.num_images_per_batch=2",
+                                  "training.epochs=3", "runtime.distribution=mirrored",
+                                  'runtime.devices=["/cpu:0","/cpu:1"]'), backend=mirrored.backend)
+    resumed_summary = resumed.fit(resume=True)
     print(json.dumps({"replicas": mirrored.backend.num_replicas, "shapes": per_replica_shapes,
                       "loss_single": loss_single, "loss_mirrored": loss_mirrored, "max_weight_diff": diff,
                       "moved": moved, "replicas_agree": replicas_agree, "fit_epochs": summary["epochs"],
-                      "fit_dice": summary["final_mean_dice"]}))
+                      "fit_dice": summary["final_mean_dice"], "resumed_epochs": resumed_summary["epochs"]}))
 """)
 
 
 def test_mirrored_strategy_step_matches_single_device(converted_dataset, tmp_path):
-    """One real training step under MirroredStrategy over two logical CPUs equals the single-device step."""
+    """One real training step under MirroredStrategy over two logical CPUs equals the single-device step; a
+    two-epoch fit, then a resumed fit to epoch 3, run under the same strategy."""
     script = tmp_path / "mirrored.py"
     script.write_text(MIRRORED_SCRIPT)
     result = subprocess.run([sys.executable, str(script), str(converted_dataset), str(tmp_path), str(TESTS)],
@@ -113,6 +119,7 @@ def test_mirrored_strategy_step_matches_single_device(converted_dataset, tmp_pat
     assert out["max_weight_diff"] < 1e-5  # ...identically on one device and on two replicas
     assert out["replicas_agree"]
     assert out["fit_epochs"] == 2 and 0 <= out["fit_dice"] <= 1
+    assert out["resumed_epochs"] == 3  # --resume under MirroredStrategy: epochs 1-2 restored, epoch 3 trained
 
 
 REPLICAS_SCRIPT = textwrap.dedent("""
