@@ -57,7 +57,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -66,6 +65,7 @@ from pathlib import Path
 import yaml
 
 from tfmis.config import Config, ConfigError, from_dict, load_config, save_config, to_dict, validate
+from tfmis.launch import free_ports
 from tfmis.utils.io import atomic_write_json, atomic_writer
 
 # Keras Tuner (and with it TensorFlow) is imported only where the chief and the workers need it, so that the
@@ -944,7 +944,7 @@ class HpoSearch:
               + (f" of a {self.grid_size}-point grid" if self.grid_size and self.grid_size != self.num_trials else "")
               + f", objective {self.objective} ({self.objective.direction}imised)) over {space}", file=sys.stderr)
         print(_describe_plan(plan, cpus), file=sys.stderr)
-        port = _free_port()
+        port = free_ports(1)[0]
         base_env = _package_env(dict(os.environ))
         base_env.update(KERASTUNER_ORACLE_IP="127.0.0.1", KERASTUNER_ORACLE_PORT=str(port),
                         CUDA_VISIBLE_DEVICES="-1",  # the chief and the workers never touch a GPU; trials do
@@ -1085,12 +1085,6 @@ class HpoSearch:
 
 def _trial_order(trial_id: str):
     return (int(trial_id), trial_id) if str(trial_id).isdigit() else (math.inf, str(trial_id))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _new_events(path: Path, offset: int) -> tuple[int, list[dict]]:
