@@ -450,7 +450,24 @@ def test_precisions_and_xla_train(converted_dataset, tmp_path, precision, jit):
 
 def test_target_dice_stops_training(converted_dataset, tmp_path):
     config = tiny_config(converted_dataset, tmp_path / "run", "training.epochs=5", "training.target_dice=0.0")
-    assert Trainer(config).fit()["epochs"] == 1
+    summary = Trainer(config).fit()
+    assert summary["epochs"] == 1 and summary["stop_reason"] == "target_dice"
+
+
+def test_max_minutes_stops_after_the_epoch_that_crosses_it_and_counts_resumed_time(converted_dataset, tmp_path):
+    """training.max_minutes=0.001 (60 ms) is crossed by the first epoch: training stops after it, validating it
+    although val_interval is 3; a resumed run starts with that time already spent and stops after one more
+    epoch. Without a budget all 5 epochs run."""
+    budget = ["training.epochs=5", "validation.val_interval=3", "training.max_minutes=0.001"]
+    summary = Trainer(tiny_config(converted_dataset, tmp_path / "run", *budget)).fit()
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert summary["stop_reason"] == "max_minutes" and [r["epoch"] for r in history] == [1]
+    assert "val_mean_dice" in history[0] and history[0]["elapsed_seconds"] >= 0.06
+    resumed = Trainer(tiny_config(converted_dataset, tmp_path / "run", *budget)).fit(resume=True)
+    assert resumed["stop_reason"] == "max_minutes" and resumed["epochs"] == 2
+    free = Trainer(tiny_config(converted_dataset, tmp_path / "free", "training.epochs=5",
+                               "validation.val_interval=3")).fit()
+    assert free["stop_reason"] == "epochs" and free["epochs"] == 5
 
 
 @pytest.mark.parametrize("loss", ["dice", "dice_ce", "dice_focal"])
@@ -459,3 +476,23 @@ def test_every_configured_loss_trains_a_step(converted_dataset, tmp_path, loss):
     trainer = Trainer(tiny_config(converted_dataset, tmp_path, f"loss.name={loss}"))
     loss_value, skipped = run_step(trainer, fixed_batch(trainer.config, 2))
     assert np.isfinite(loss_value) and skipped == 0.0
+
+
+def test_train_dataset_fn_replaces_the_training_input(converted_dataset, tmp_path):
+    """Trainer(train_dataset_fn=...) trains on the stream that function builds (here: the standard pipeline with
+    its labels set to background), called once per input pipeline with the resume offset."""
+    calls = []
+
+    def background_only(config, input_context, seed_offset):
+        calls.append(seed_offset)
+        return build_train_dataset(config, input_context, seed_offset).map(lambda x, y: (x, tf.zeros_like(y)))
+
+    config = tiny_config(converted_dataset, tmp_path / "run", "training.epochs=1", "loss.include_background=true",
+                         "loss.name=dice")
+    Trainer(config, train_dataset_fn=background_only).fit()
+    assert calls == [0]
+    plain_loss = json.loads((tmp_path / "run" / "history.jsonl").read_text())["train_loss"]
+    standard = Trainer(tiny_config(converted_dataset, tmp_path / "std", "training.epochs=1",
+                                   "loss.include_background=true", "loss.name=dice")).fit()
+    standard_loss = json.loads((tmp_path / "std" / "history.jsonl").read_text())["train_loss"]
+    assert standard["epochs"] == 1 and plain_loss != pytest.approx(standard_loss, rel=1e-3)

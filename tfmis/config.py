@@ -114,6 +114,9 @@ class TrainingConfig:
     accumulation_steps: int = 1  # gradient accumulation: optimizer step every N micro-batches
     seed: int = 0
     target_dice: Optional[float] = None  # stop when the validation mean Dice reaches it
+    # wall-clock budget (resumed runs count their earlier time): stop after the epoch that crosses it, validating
+    # that epoch; for time-to-accuracy comparisons and fixed allocations
+    max_minutes: Optional[float] = None
     dice_thresholds: list[float] = dataclasses.field(default_factory=lambda: [0.8, 0.9, 0.93, 0.95])
     keep_checkpoints: int = 2
 
@@ -334,6 +337,8 @@ def validate(config: Config) -> None:
     o = config.optimizer
     if o.lr_reference_batch is not None and o.lr_reference_batch < 1:
         raise ConfigError(f"optimizer.lr_reference_batch must be a batch size >= 1 (or null), got {o.lr_reference_batch}")
+    if config.training.max_minutes is not None and config.training.max_minutes <= 0:
+        raise ConfigError(f"training.max_minutes must be > 0 (or null), got {config.training.max_minutes}")
     if config.training.accumulation_steps < 1:
         raise ConfigError("training.accumulation_steps must be >= 1")
     if not 0 <= config.validation.overlap < 1:

@@ -67,10 +67,14 @@ class Trainer:
     Args:
         config: a `tfmis.config.Config`.
         backend: a distribution backend (default: from `runtime`; build it before anything touches devices).
+        train_dataset_fn: `fn(config, input_context, seed_offset)` building the training stream of one input
+            pipeline, as `tfmis.data.pipeline.build_train_dataset` (the default) does; e.g. another input
+            pipeline to compare with (tools/benchmark.py).
     """
 
-    def __init__(self, config, backend: Backend | None = None):
+    def __init__(self, config, backend: Backend | None = None, train_dataset_fn=None):
         self.config = config
+        self.train_dataset_fn = train_dataset_fn or build_train_dataset
         tc = config.training
         self.backend = backend or make_backend(config.runtime, output_dir=config.output.dir)
         self.out = Path(config.output.dir)
@@ -306,7 +310,8 @@ class Trainer:
             (self.out / name).unlink(missing_ok=True)
 
     def fit(self, resume: bool = False) -> dict:
-        """Trains for `training.epochs` (or until `target_dice`); returns the run summary."""
+        """Trains for `training.epochs` (or until `target_dice` or `max_minutes`); returns the run summary,
+        whose `stop_reason` says which: `epochs`, `target_dice` or `max_minutes`."""
         from tqdm import tqdm
 
         cfg, tc = self.config, self.config.training
@@ -314,7 +319,7 @@ class Trainer:
         history = History(self.out, tc.dice_thresholds)
         start_epoch = done + 1
         seed_offset = done  # a resumed run draws new crops, not epoch 1's again
-        dataset = self.backend.distribute_dataset(lambda ctx: build_train_dataset(cfg, ctx, seed_offset))
+        dataset = self.backend.distribute_dataset(lambda ctx: self.train_dataset_fn(cfg, ctx, seed_offset))
         iterator = iter(dataset)
         val_dataset = build_val_dataset(cfg)
         writer = (tf.summary.create_file_writer(str(self.out / "tensorboard"))
@@ -364,7 +369,10 @@ class Trainer:
                       "data_wait_fraction": wait / max(train_seconds, 1e-9), "skipped_steps": skipped}
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
                 record["loss_scale"] = float(keras.ops.convert_to_numpy(self.optimizer.dynamic_scale))
-            validated = epoch % cfg.validation.val_interval == 0 or epoch == tc.epochs
+            out_of_time = tc.max_minutes is not None and time.perf_counter() - run_start >= 60 * tc.max_minutes
+            if self.backend.size > 1:  # rank 0's clock decides for all
+                out_of_time = bool(self.backend.broadcast([out_of_time])[0])
+            validated = epoch % cfg.validation.val_interval == 0 or epoch == tc.epochs or out_of_time
             improved = False
             if validated:
                 val_start = time.perf_counter()
@@ -392,14 +400,19 @@ class Trainer:
                 self._log_tensorboard(writer, record)
                 history.plot(self.out / "training_curves.png")
                 print(_epoch_line(record, tc.epochs), file=sys.stderr)
-            stop = validated and tc.target_dice is not None and record["val_mean_dice"] >= tc.target_dice
+            reached = validated and tc.target_dice is not None and record["val_mean_dice"] >= tc.target_dice
             if self.backend.size > 1:
-                stop = bool(self.backend.broadcast([stop])[0])
-            if stop:
+                reached = bool(self.backend.broadcast([reached])[0])
+            if reached or out_of_time:
+                stop_reason = "target_dice" if reached else "max_minutes"
                 if self.backend.is_chief:
-                    print(f"target Dice {tc.target_dice} reached at epoch {epoch}: stopping", file=sys.stderr)
+                    print(f"target Dice {tc.target_dice} reached at epoch {epoch}: stopping" if reached else
+                          f"time budget training.max_minutes={tc.max_minutes:g} used up after epoch {epoch} "
+                          f"({record['elapsed_seconds'] / 60:.1f} min): stopping", file=sys.stderr)
                 break
-        return self._summary(history)
+        else:
+            stop_reason = "epochs"
+        return self._summary(history, stop_reason)
 
     def preview(self, path: str | Path) -> Path:
         """Draws the first validation case: ground truth filled, the best model's prediction outlined."""
@@ -452,7 +465,7 @@ class Trainer:
                     tf.summary.scalar(key, value)
         writer.flush()
 
-    def _summary(self, history: History) -> dict:
+    def _summary(self, history: History, stop_reason: str = "epochs") -> dict:
         records = history.records
         train_time = sum(r["data_wait_seconds"] + r["compute_seconds"] for r in records)
         best = history.best
@@ -468,6 +481,7 @@ class Trainer:
             "thresholds_reached": history.thresholds_reached(),
             "best_weights": str(self.out / BEST_WEIGHTS),
             "num_replicas": self.backend.num_replicas,
+            "stop_reason": stop_reason,
         }
         if self.backend.is_chief:
             atomic_write_json(self.out / "summary.json", summary)
@@ -492,7 +506,9 @@ def _epoch_line(r: dict, epochs: int) -> str:
 
 def summary_table(summary: dict) -> str:
     """A readable end-of-run report."""
-    lines = [f"epochs trained        {summary['epochs']}",
+    why = {"target_dice": "  (stopped: training.target_dice reached)",
+           "max_minutes": "  (stopped: training.max_minutes used up)"}.get(summary.get("stop_reason"), "")
+    lines = [f"epochs trained        {summary['epochs']}{why}",
              f"elapsed               {summary['elapsed_seconds']:.0f} s",
              f"best mean Dice        {summary['best_mean_dice']:.4f} (epoch {summary['best_epoch']})"
              if summary["best_mean_dice"] is not None else "best mean Dice        -"]
