@@ -496,3 +496,62 @@ def test_train_dataset_fn_replaces_the_training_input(converted_dataset, tmp_pat
                                    "loss.include_background=true", "loss.name=dice")).fit()
     standard_loss = json.loads((tmp_path / "std" / "history.jsonl").read_text())["train_loss"]
     assert standard["epochs"] == 1 and plain_loss != pytest.approx(standard_loss, rel=1e-3)
+
+
+def test_callbacks_see_every_event_in_order_and_only_committed_epochs(converted_dataset, tmp_path):
+    """A user callback passed to Trainer gets train/epoch/step/validation events in order; at on_epoch_end the
+    epoch's record is already in history.jsonl and its checkpoint written; on_train_end gets the summary."""
+    from tfmis.engine.callbacks import Callback
+
+    events = []
+
+    class Recorder(Callback):
+        def on_train_begin(self, trainer, start_epoch):
+            events.append(("train_begin", start_epoch))
+
+        def on_epoch_begin(self, trainer, epoch):
+            events.append(("epoch_begin", epoch))
+
+        def on_step_begin(self, trainer, epoch, step):
+            events.append(("step_begin", epoch, step))
+
+        def on_step_end(self, trainer, epoch, step, logs):
+            events.append(("step_end", epoch, step, np.isfinite(logs["loss"]), logs["wait_seconds"] >= 0))
+
+        def on_validation_end(self, trainer, epoch, result):
+            events.append(("validation_end", epoch, 0 <= result["mean_dice"] <= 1))
+
+        def on_epoch_end(self, trainer, epoch, record):
+            lines = (trainer.out / "history.jsonl").read_text().splitlines()
+            committed = json.loads(lines[-1]) == json.loads(json.dumps(record))
+            events.append(("epoch_end", epoch, committed, trainer.manager.latest_checkpoint.endswith(f"-{epoch}")))
+
+        def on_train_end(self, trainer, summary):
+            events.append(("train_end", summary["epochs"]))
+
+    config = tiny_config(converted_dataset, tmp_path / "run", "validation.val_interval=2", "training.epochs=2")
+    Trainer(config, callbacks=[Recorder()]).fit()
+    steps = lambda e: [("step_begin", e, 0), ("step_end", e, 0, True, True),  # noqa: E731
+                       ("step_begin", e, 1), ("step_end", e, 1, True, True)]
+    assert events == [("train_begin", 1), ("epoch_begin", 1), *steps(1), ("epoch_end", 1, True, True),
+                      ("epoch_begin", 2), *steps(2), ("validation_end", 2, True), ("epoch_end", 2, True, True),
+                      ("train_end", 2)]
+
+
+def test_progress_to_a_log_file_is_plain_lines_without_bar_frames(converted_dataset, tmp_path):
+    """`python -m tfmis.train` with standard error redirected to a file (not a terminal) and progress on writes
+    no carriage-return bar frames: a plain line per step (output.progress_seconds=0) and one line per epoch."""
+    from tfmis.config import save_config
+
+    config = tiny_config(converted_dataset, tmp_path / "run", "output.progress=true", "output.progress_seconds=0",
+                         "training.steps_per_epoch=3")
+    save_config(config, tmp_path / "tiny.yaml")
+    with open(tmp_path / "train.log", "w") as log:
+        result = subprocess.run([sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / "tiny.yaml")],
+                                stdout=subprocess.DEVNULL, stderr=log, timeout=300)
+    text = (tmp_path / "train.log").read_text()
+    assert result.returncode == 0, text[-3000:]
+    assert "\r" not in text
+    assert [line.split("  ")[1] for line in text.splitlines() if line.startswith("epoch 1/2  step")] == \
+        ["step 1/3", "step 2/3"]  # the last step's line is the epoch line
+    assert len([line for line in text.splitlines() if line.startswith("epoch ") and "img/s" in line]) == 2

@@ -165,6 +165,9 @@ class OutputConfig:
     dir: str = "runs/demo"
     tensorboard: bool = True
     progress: bool = True
+    # when standard error is not a terminal (a SLURM log, `> train.log`): a plain progress line every this many
+    # seconds within an epoch (0 = every step) instead of a progress bar; the epoch line is always printed
+    progress_seconds: float = 60.0
 
 
 @dataclasses.dataclass

@@ -32,6 +32,7 @@ import tensorflow as tf
 from tfmis.config import save_config
 from tfmis.data.pipeline import build_train_dataset, build_val_dataset, train_steps_per_epoch
 from tfmis.data.records import RUN_DATA_FILE, load_index, training_data_info
+from tfmis.engine.callbacks import CallbackList, default_callbacks
 from tfmis.engine.distribution import Backend, make_backend
 from tfmis.engine.history import History
 from tfmis.inference.placement import VolumePlacement
@@ -70,10 +71,13 @@ class Trainer:
         train_dataset_fn: `fn(config, input_context, seed_offset)` building the training stream of one input
             pipeline, as `tfmis.data.pipeline.build_train_dataset` (the default) does; e.g. another input
             pipeline to compare with (tools/benchmark.py).
+        callbacks: `tfmis.engine.callbacks.Callback`s called after the default ones (progress, epoch log,
+            TensorBoard, curves) at each event of `fit`.
     """
 
-    def __init__(self, config, backend: Backend | None = None, train_dataset_fn=None):
+    def __init__(self, config, backend: Backend | None = None, train_dataset_fn=None, callbacks=()):
         self.config = config
+        self.callbacks = list(callbacks)
         self.train_dataset_fn = train_dataset_fn or build_train_dataset
         tc = config.training
         self.backend = backend or make_backend(config.runtime, output_dir=config.output.dir)
@@ -311,80 +315,34 @@ class Trainer:
 
     def fit(self, resume: bool = False) -> dict:
         """Trains for `training.epochs` (or until `target_dice` or `max_minutes`); returns the run summary,
-        whose `stop_reason` says which: `epochs`, `target_dice` or `max_minutes`."""
-        from tqdm import tqdm
+        whose `stop_reason` says which: `epochs`, `target_dice` or `max_minutes`.
 
+        The loop runs the steps, validates, commits each epoch and applies the stopping rules; the
+        progress display, logs, TensorBoard, plots and monitors are callbacks (`tfmis.engine.callbacks`).
+        """
         cfg, tc = self.config, self.config.training
         done = self.restore(resume)
-        history = History(self.out, tc.dice_thresholds)
-        start_epoch = done + 1
+        self.history = History(self.out, tc.dice_thresholds)
+        callbacks = CallbackList(default_callbacks(self) + self.callbacks)
         seed_offset = done  # a resumed run draws new crops, not epoch 1's again
-        dataset = self.backend.distribute_dataset(lambda ctx: self.train_dataset_fn(cfg, ctx, seed_offset))
-        iterator = iter(dataset)
+        iterator = iter(self.backend.distribute_dataset(lambda ctx: self.train_dataset_fn(cfg, ctx, seed_offset)))
         val_dataset = build_val_dataset(cfg)
-        writer = (tf.summary.create_file_writer(str(self.out / "tensorboard"))
-                  if cfg.output.tensorboard and self.backend.is_chief else None)
-        global_batch = self.global_batch
         run_start = time.perf_counter() - float(self.elapsed.numpy())
-        skip_streak = []  # (epoch, step) of the consecutive skipped steps up to now
-        for epoch in range(start_epoch, tc.epochs + 1):
+        self._skip_streak = []  # (epoch, step) of the consecutive skipped steps up to now
+        stop_reason = "epochs"
+        callbacks.on_train_begin(self, done + 1)
+        for epoch in range(done + 1, tc.epochs + 1):
             epoch_start = time.perf_counter()
-            wait = compute = 0.0
-            losses = []
-            skipped = 0
-            bar = tqdm(range(self.steps_per_epoch), desc=f"epoch {epoch}/{tc.epochs}", unit="step",
-                       disable=not (cfg.output.progress and self.backend.is_chief), file=sys.stderr, leave=False)
-            for step in bar:
-                t0 = time.perf_counter()
-                batch = next(iterator)
-                t1 = time.perf_counter()
-                loss, was_skipped = (float(v) for v in self._train_step(batch))  # float() waits for the step
-                t2 = time.perf_counter()
-                wait, compute = wait + (t1 - t0), compute + (t2 - t1)
-                if not math.isfinite(loss):
-                    raise TrainingDiverged(
-                        f"the training loss became {loss} at epoch {epoch}, step {step + 1}. Training stopped; the "
-                        f"last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in {self.out / 'checkpoints'}. "
-                        "Lower optimizer.learning_rate, try training.precision=float32, or check the data, "
-                        "then rerun with --resume.")
-                losses.append(loss)
-                skipped += int(was_skipped > 0)
-                skip_streak = skip_streak + [(epoch, step + 1)] if was_skipped > 0 else []
-                if len(skip_streak) >= MAX_CONSECUTIVE_SKIPPED_STEPS:
-                    (e0, s0), (e1, s1) = skip_streak[0], skip_streak[-1]
-                    where = (f"epoch {e1}, steps {s0}-{s1}" if e0 == e1
-                             else f"epoch {e0} step {s0} to epoch {e1} step {s1}")
-                    raise self._skipped_error(f"{len(skip_streak)} consecutive steps were skipped ({where})")
-                bar.set_postfix(loss=f"{np.mean(losses):.4f}", wait=f"{wait / max(wait + compute, 1e-9):.0%}")
-            bar.close()
-            if skipped == self.steps_per_epoch and not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-                raise self._skipped_error(f"all {skipped} steps of epoch {epoch} were skipped")
-            self.backend.sync_statistics(self.model)  # Horovod: one set of BatchNorm statistics for all processes
-            self._check_finite_state(epoch)  # before validation and any save
-            train_seconds = wait + compute
-            record = {"epoch": epoch, "train_loss": float(np.mean(losses)),
-                      "learning_rate": float(keras.ops.convert_to_numpy(self.optimizer.learning_rate)),
-                      "images_per_second": self.steps_per_epoch * global_batch / max(train_seconds, 1e-9),
-                      "data_wait_seconds": wait, "compute_seconds": compute,
-                      "data_wait_fraction": wait / max(train_seconds, 1e-9), "skipped_steps": skipped}
-            if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-                record["loss_scale"] = float(keras.ops.convert_to_numpy(self.optimizer.dynamic_scale))
+            callbacks.on_epoch_begin(self, epoch)
+            record = self._train_epoch(epoch, iterator, callbacks)
             out_of_time = tc.max_minutes is not None and time.perf_counter() - run_start >= 60 * tc.max_minutes
             if self.backend.size > 1:  # rank 0's clock decides for all
                 out_of_time = bool(self.backend.broadcast([out_of_time])[0])
             validated = epoch % cfg.validation.val_interval == 0 or epoch == tc.epochs or out_of_time
             improved = False
             if validated:
-                val_start = time.perf_counter()
-                result = self.validate(val_dataset)
-                record["val_mean_dice"] = result["mean_dice"]
-                record["val_dice"] = dict(zip(self.class_names[1:], result["dice_per_class"]))
-                if "mean_hd95" in result:  # inf when a class was missed in some case; the misses are counted
-                    record["val_mean_hd95"] = result["mean_hd95"]
-                    record["val_hd95_misses"] = int(sum(result["hd95_inf_count_per_class"]))
-                if result["fallbacks"]:
-                    record["val_fallbacks"] = result["fallbacks"]
-                record["val_seconds"] = time.perf_counter() - val_start
+                result = self._validate_epoch(record, val_dataset)
+                callbacks.on_validation_end(self, epoch, result)
                 improved = math.isfinite(result["mean_dice"]) and result["mean_dice"] > float(self.best_dice.numpy())
                 if self.backend.size > 1:  # rank 0's decision, whatever rounding another worker's sum saw
                     improved = bool(self.backend.broadcast([improved])[0])
@@ -395,11 +353,8 @@ class Trainer:
             record["elapsed_seconds"] = time.perf_counter() - run_start
             self.epoch.assign(epoch)
             self.elapsed.assign(record["elapsed_seconds"])
-            self._commit_epoch(record, improved, history)
-            if self.backend.is_chief:
-                self._log_tensorboard(writer, record)
-                history.plot(self.out / "training_curves.png")
-                print(_epoch_line(record, tc.epochs), file=sys.stderr)
+            self._commit_epoch(record, improved, self.history)
+            callbacks.on_epoch_end(self, epoch, record)
             reached = validated and tc.target_dice is not None and record["val_mean_dice"] >= tc.target_dice
             if self.backend.size > 1:
                 reached = bool(self.backend.broadcast([reached])[0])
@@ -410,9 +365,68 @@ class Trainer:
                           f"time budget training.max_minutes={tc.max_minutes:g} used up after epoch {epoch} "
                           f"({record['elapsed_seconds'] / 60:.1f} min): stopping", file=sys.stderr)
                 break
-        else:
-            stop_reason = "epochs"
-        return self._summary(history, stop_reason)
+        summary = self._summary(self.history, stop_reason)
+        callbacks.on_train_end(self, summary)
+        return summary
+
+    def _train_epoch(self, epoch: int, iterator, callbacks) -> dict:
+        """The epoch's optimizer steps; returns its record so far (loss, throughput, input wait, skips)."""
+        wait = compute = 0.0
+        losses = []
+        skipped = 0
+        for step in range(self.steps_per_epoch):
+            callbacks.on_step_begin(self, epoch, step)
+            t0 = time.perf_counter()
+            batch = next(iterator)
+            t1 = time.perf_counter()
+            loss, was_skipped = (float(v) for v in self._train_step(batch))  # float() waits for the step
+            t2 = time.perf_counter()
+            wait, compute = wait + (t1 - t0), compute + (t2 - t1)
+            if not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"the training loss became {loss} at epoch {epoch}, step {step + 1}. Training stopped; the "
+                    f"last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in {self.out / 'checkpoints'}. "
+                    "Lower optimizer.learning_rate, try training.precision=float32, or check the data, "
+                    "then rerun with --resume.")
+            losses.append(loss)
+            skipped += int(was_skipped > 0)
+            self._skip_streak = self._skip_streak + [(epoch, step + 1)] if was_skipped > 0 else []
+            if len(self._skip_streak) >= MAX_CONSECUTIVE_SKIPPED_STEPS:
+                (e0, s0), (e1, s1) = self._skip_streak[0], self._skip_streak[-1]
+                where = (f"epoch {e1}, steps {s0}-{s1}" if e0 == e1
+                         else f"epoch {e0} step {s0} to epoch {e1} step {s1}")
+                raise self._skipped_error(f"{len(self._skip_streak)} consecutive steps were skipped ({where})")
+            callbacks.on_step_end(self, epoch, step, {
+                "loss": loss, "mean_loss": float(np.mean(losses)), "skipped": bool(was_skipped > 0),
+                "wait_seconds": wait, "compute_seconds": compute})
+        loss_scaler = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        if skipped == self.steps_per_epoch and not loss_scaler:
+            raise self._skipped_error(f"all {skipped} steps of epoch {epoch} were skipped")
+        self.backend.sync_statistics(self.model)  # Horovod: one set of BatchNorm statistics for all processes
+        self._check_finite_state(epoch)  # before validation and any save
+        train_seconds = wait + compute
+        record = {"epoch": epoch, "train_loss": float(np.mean(losses)),
+                  "learning_rate": float(keras.ops.convert_to_numpy(self.optimizer.learning_rate)),
+                  "images_per_second": self.steps_per_epoch * self.global_batch / max(train_seconds, 1e-9),
+                  "data_wait_seconds": wait, "compute_seconds": compute,
+                  "data_wait_fraction": wait / max(train_seconds, 1e-9), "skipped_steps": skipped}
+        if loss_scaler:
+            record["loss_scale"] = float(keras.ops.convert_to_numpy(self.optimizer.dynamic_scale))
+        return record
+
+    def _validate_epoch(self, record: dict, val_dataset) -> dict:
+        """Validates and adds the results to the epoch's `record`; returns the full result."""
+        val_start = time.perf_counter()
+        result = self.validate(val_dataset)
+        record["val_mean_dice"] = result["mean_dice"]
+        record["val_dice"] = dict(zip(self.class_names[1:], result["dice_per_class"]))
+        if "mean_hd95" in result:  # inf when a class was missed in some case; the misses are counted
+            record["val_mean_hd95"] = result["mean_hd95"]
+            record["val_hd95_misses"] = int(sum(result["hd95_inf_count_per_class"]))
+        if result["fallbacks"]:
+            record["val_fallbacks"] = result["fallbacks"]
+        record["val_seconds"] = time.perf_counter() - val_start
+        return result
 
     def preview(self, path: str | Path) -> Path:
         """Draws the first validation case: ground truth filled, the best model's prediction outlined."""
@@ -453,18 +467,6 @@ class Trainer:
                 f"{self.out / 'checkpoints'}. Lower optimizer.learning_rate (or set optimizer.clipnorm), then rerun "
                 "with --resume.")
 
-    def _log_tensorboard(self, writer, record: dict) -> None:
-        if writer is None:
-            return
-        with writer.as_default(step=record["epoch"]):
-            for key, value in record.items():
-                if isinstance(value, dict):
-                    for name, v in value.items():
-                        tf.summary.scalar(f"{key}/{name}", v)
-                elif key != "epoch":
-                    tf.summary.scalar(key, value)
-        writer.flush()
-
     def _summary(self, history: History, stop_reason: str = "epochs") -> dict:
         records = history.records
         train_time = sum(r["data_wait_seconds"] + r["compute_seconds"] for r in records)
@@ -493,7 +495,8 @@ def _checkpoint_number(path: str | None) -> int:
     return int(path.rsplit("-", 1)[1]) if path else -1
 
 
-def _epoch_line(r: dict, epochs: int) -> str:
+def epoch_line(r: dict, epochs: int) -> str:
+    """The one log line of an epoch's record."""
     line = (f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  {r['images_per_second']:.1f} img/s  "
             f"input wait {r['data_wait_fraction']:.0%}  {r['epoch_seconds']:.1f}s")
     if r.get("skipped_steps"):

@@ -1,0 +1,198 @@
+"""Hooks of the training loop: what happens around the steps, outside the step itself.
+
+`Trainer.fit` is a small loop: steps, validation, the epoch's commit point and the stopping rules.
+Everything else listens to its events through `Callback` objects, as nnU-Net's `on_*` hooks and
+MONAI's event handlers do: the progress display, the epoch log line, TensorBoard, the curves PNG,
+and the monitors and profilers of `tfmis.profiling`. Events, in order:
+
+    on_train_begin(trainer, start_epoch)
+      on_epoch_begin(trainer, epoch)
+        on_step_begin(trainer, epoch, step)      # step counts from 0
+        on_step_end(trainer, epoch, step, logs)  # logs: loss, mean_loss, skipped, wait_seconds, compute_seconds
+      on_validation_end(trainer, epoch, result)  # epochs that validate
+      on_epoch_end(trainer, epoch, record)       # after the epoch is committed (checkpoint + history)
+    on_train_end(trainer, summary)
+
+The commit (checkpoint, history record, best weights) stays in the loop: it is the one point at
+which an epoch becomes durable, and callbacks only ever see committed epochs.
+
+Example:
+```python
+class PrintDice(Callback):
+    def on_validation_end(self, trainer, epoch, result):
+        print(epoch, result["mean_dice"])
+
+Trainer(config, callbacks=[PrintDice()]).fit()
+```
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+
+class Callback:
+    """Base class: override the events you need; each gets the trainer first."""
+
+    def on_train_begin(self, trainer, start_epoch: int) -> None:
+        pass
+
+    def on_epoch_begin(self, trainer, epoch: int) -> None:
+        pass
+
+    def on_step_begin(self, trainer, epoch: int, step: int) -> None:
+        pass
+
+    def on_step_end(self, trainer, epoch: int, step: int, logs: dict) -> None:
+        pass
+
+    def on_validation_end(self, trainer, epoch: int, result: dict) -> None:
+        pass
+
+    def on_epoch_end(self, trainer, epoch: int, record: dict) -> None:
+        pass
+
+    def on_train_end(self, trainer, summary: dict) -> None:
+        pass
+
+
+class CallbackList(Callback):
+    """Calls each event on every callback, in order."""
+
+    def __init__(self, callbacks):
+        self.callbacks = list(callbacks)
+
+    def _call(self, event: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, event)(*args)
+
+    def on_train_begin(self, *args):
+        self._call("on_train_begin", *args)
+
+    def on_epoch_begin(self, *args):
+        self._call("on_epoch_begin", *args)
+
+    def on_step_begin(self, *args):
+        self._call("on_step_begin", *args)
+
+    def on_step_end(self, *args):
+        self._call("on_step_end", *args)
+
+    def on_validation_end(self, *args):
+        self._call("on_validation_end", *args)
+
+    def on_epoch_end(self, *args):
+        self._call("on_epoch_end", *args)
+
+    def on_train_end(self, *args):
+        self._call("on_train_end", *args)
+
+
+class Progress(Callback):
+    """Progress within an epoch: a tqdm bar on a terminal; otherwise (a SLURM log, `> train.log`) one plain
+    line every `interval_seconds` (0 = every step), never carriage-return frames.
+
+    Args:
+        interval_seconds: seconds between plain lines when standard error is not a terminal.
+        stream: where to write (default: standard error).
+    """
+
+    def __init__(self, interval_seconds: float = 60.0, stream=None):
+        self.interval = float(interval_seconds)
+        self.stream = stream or sys.stderr
+        self.bar = None
+
+    def on_epoch_begin(self, trainer, epoch):
+        self.epoch_start = self.last_line = time.perf_counter()
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=trainer.steps_per_epoch, desc=f"epoch {epoch}/{trainer.config.training.epochs}",
+                            unit="step", file=self.stream, leave=False)
+
+    def on_step_end(self, trainer, epoch, step, logs):
+        wait = logs["wait_seconds"] / max(logs["wait_seconds"] + logs["compute_seconds"], 1e-9)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{logs['mean_loss']:.4f}", wait=f"{wait:.0%}")
+            return
+        now = time.perf_counter()
+        if now - self.last_line >= self.interval and step + 1 < trainer.steps_per_epoch:
+            self.last_line = now
+            print(f"epoch {epoch}/{trainer.config.training.epochs}  step {step + 1}/{trainer.steps_per_epoch}  "
+                  f"loss {logs['mean_loss']:.4f}  input wait {wait:.0%}  {now - self.epoch_start:.0f}s",
+                  file=self.stream, flush=True)
+
+    def on_validation_end(self, trainer, epoch, result):
+        self._close()
+
+    def on_epoch_end(self, trainer, epoch, record):
+        self._close()
+
+    def _close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class EpochLog(Callback):
+    """One line per epoch on standard error: loss, images/s, input wait, time, validation Dice."""
+
+    def on_epoch_end(self, trainer, epoch, record):
+        from tfmis.engine.trainer import epoch_line
+
+        print(epoch_line(record, trainer.config.training.epochs), file=sys.stderr, flush=True)
+
+
+class TensorBoard(Callback):
+    """Every number of each epoch's record as a TensorBoard scalar (dicts as `key/name`)."""
+
+    def __init__(self, log_dir: str | Path):
+        self.log_dir = Path(log_dir)
+        self.writer = None
+
+    def on_train_begin(self, trainer, start_epoch):
+        import tensorflow as tf
+
+        self.writer = tf.summary.create_file_writer(str(self.log_dir))
+
+    def on_epoch_end(self, trainer, epoch, record):
+        import tensorflow as tf
+
+        with self.writer.as_default(step=record["epoch"]):
+            for key, value in record.items():
+                if isinstance(value, dict):
+                    for name, v in value.items():
+                        tf.summary.scalar(f"{key}/{name}", v)
+                elif key != "epoch":
+                    tf.summary.scalar(key, value)
+        self.writer.flush()
+
+    def on_train_end(self, trainer, summary):
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Curves(Callback):
+    """Redraws `training_curves.png` from the history after every epoch."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def on_epoch_end(self, trainer, epoch, record):
+        trainer.history.plot(self.path)
+
+
+def default_callbacks(trainer) -> list[Callback]:
+    """What `tfmis.train` shows and writes around the loop; on the chief only (other workers write nothing)."""
+    if not trainer.backend.is_chief:
+        return []
+    out = trainer.config.output
+    callbacks = [Progress(out.progress_seconds)] if out.progress else []
+    callbacks.append(EpochLog())
+    if out.tensorboard:
+        callbacks.append(TensorBoard(trainer.out / "tensorboard"))
+    callbacks.append(Curves(trainer.out / "training_curves.png"))
+    return callbacks
