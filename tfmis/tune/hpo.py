@@ -537,17 +537,21 @@ def _libc():
         return None
 
 
-def _dies_with_parent(sig: int):
-    """A `preexec_fn` that has the child receive `sig` when its parent dies (Linux prctl PR_SET_PDEATHSIG),
-    so that killing the search (or a worker) leaves no orphaned training process behind."""
-    libc = _libc()
-    if libc is None or not sys.platform.startswith("linux"):
-        return None
+def _dies_with_parent(command: list[str], sig: int) -> list[str]:
+    """`command`, started so that it receives `sig` when its parent dies (Linux prctl PR_SET_PDEATHSIG), so
+    that killing the search (or a worker) leaves no orphaned training process behind.
 
-    def set_death_signal():
-        libc.prctl(1, sig)  # PR_SET_PDEATHSIG
-
-    return set_death_signal
+    The death signal is set by a tiny Python wrapper that then execs the command (the setting survives
+    exec), not by a `preexec_fn`: that would run Python between fork and exec in a process holding gRPC
+    (the Keras Tuner client), whose fork handler then aborts the child now and then ("epoll_wait error:
+    Bad file descriptor", exit -6, seen in CI). Without a `preexec_fn`, subprocess uses vfork + exec.
+    """
+    if _libc() is None or not sys.platform.startswith("linux"):
+        return list(command)
+    wrapper = ("import ctypes, ctypes.util, os, sys; "
+               "ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6').prctl(1, int(sys.argv[1])); "
+               "os.execvp(sys.argv[2], sys.argv[2:])")
+    return [sys.executable, "-c", wrapper, str(int(sig)), *command]
 
 
 def _package_env(env: dict) -> dict:
@@ -746,8 +750,8 @@ class TrialRunner:
         start = time.time()
         with open(run_dir / "train.log", "wb") as out, open(run_dir / "train.err.log", "wb") as err:
             try:
-                child = subprocess.Popen(command, stdout=out, stderr=err, env=trial_env(self.assignment),
-                                         preexec_fn=_dies_with_parent(signal.SIGKILL))
+                child = subprocess.Popen(_dies_with_parent(command, signal.SIGKILL), stdout=out, stderr=err,
+                                         env=trial_env(self.assignment))
             except OSError as e:
                 return self._end(trial_id, attempts + 1, start, None, f"cannot start tfmis.train: {e}", None, run_dir)
             _append_event(self.output_dir / RUNS_LOG, {
@@ -980,8 +984,8 @@ class HpoSearch:
         log.write(f"\n=== {datetime.datetime.now().isoformat(timespec='seconds')}: {' '.join(command)}\n".encode())
         log.flush()
         logs.append(log)
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=_dies_with_parent(signal.SIGTERM))
+        return subprocess.Popen(_dies_with_parent(command, signal.SIGTERM), stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
 
     def _watch(self, processes: dict, already_ended: int) -> list[str]:
         """Prints a line per finished trial until every worker has exited; returns what died."""
