@@ -555,3 +555,17 @@ def test_progress_to_a_log_file_is_plain_lines_without_bar_frames(converted_data
     assert [line.split("  ")[1] for line in text.splitlines() if line.startswith("epoch 1/2  step")] == \
         ["step 1/3", "step 2/3"]  # the last step's line is the epoch line
     assert len([line for line in text.splitlines() if line.startswith("epoch ") and "img/s" in line]) == 2
+
+
+def test_monitor_switch_writes_resources_csv_and_png_during_training(converted_dataset, tmp_path):
+    """output.monitor_seconds samples this process during fit (CPU fallback here): resources.csv holds rows with
+    positive RSS spanning the run, and resources.png is drawn at the end."""
+    import csv
+
+    config = tiny_config(converted_dataset, tmp_path / "run", "output.monitor_seconds=0.2", "training.epochs=2")
+    summary = Trainer(config).fit()
+    with open(tmp_path / "run" / "resources.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 3 and all(float(r["memory_used_mb"]) > 50 for r in rows)
+    assert float(rows[-1]["elapsed_s"]) >= 0.5 * summary["elapsed_seconds"]
+    assert (tmp_path / "run" / "resources.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -168,6 +168,9 @@ class OutputConfig:
     # when standard error is not a terminal (a SLURM log, `> train.log`): a plain progress line every this many
     # seconds within an epoch (0 = every step) instead of a progress bar; the epoch line is always printed
     progress_seconds: float = 60.0
+    # sample GPU utilisation and memory (NVML; CPU and RSS without NVIDIA GPUs) every this many seconds during
+    # training into resources.csv / resources.png in the run folder; null = off
+    monitor_seconds: Optional[float] = None
 
 
 @dataclasses.dataclass

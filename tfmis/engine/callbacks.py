@@ -185,6 +185,38 @@ class Curves(Callback):
         trainer.history.plot(self.path)
 
 
+class Resources(Callback):
+    """Samples GPU utilisation and memory (NVML; else this process's CPU and RSS) during training into
+    `resources.csv` in the run folder (`resources-from-epoch-N.csv` for a run resumed at epoch N), and
+    draws `resources.png` at the end (`output.monitor_seconds`; `tfmis.profiling.ResourceMonitor`).
+
+    Args:
+        out: the run folder.
+        interval_seconds: seconds between samples.
+    """
+
+    def __init__(self, out: str | Path, interval_seconds: float = 1.0):
+        self.out = Path(out)
+        self.interval = float(interval_seconds)
+        self.monitor = None
+
+    def on_train_begin(self, trainer, start_epoch):
+        from tfmis.profiling import ResourceMonitor
+
+        name = "resources.csv" if start_epoch == 1 else f"resources-from-epoch-{start_epoch}.csv"
+        self.csv = self.out / name
+        self.monitor = ResourceMonitor(self.csv, interval_s=self.interval).start()
+
+    def on_train_end(self, trainer, summary):
+        from tfmis.profiling import plot_resources
+
+        self.monitor.stop()
+        try:
+            plot_resources(self.csv, self.csv.with_suffix(".png"), title=f"{self.out.name}: resources during training")
+        except ValueError as e:  # a run shorter than one sample
+            print(f"resources: no plot ({e})", file=sys.stderr)
+
+
 def default_callbacks(trainer) -> list[Callback]:
     """What `tfmis.train` shows and writes around the loop; on the chief only (other workers write nothing)."""
     if not trainer.backend.is_chief:
@@ -195,4 +227,6 @@ def default_callbacks(trainer) -> list[Callback]:
     if out.tensorboard:
         callbacks.append(TensorBoard(trainer.out / "tensorboard"))
     callbacks.append(Curves(trainer.out / "training_curves.png"))
+    if out.monitor_seconds:
+        callbacks.append(Resources(trainer.out, out.monitor_seconds))
     return callbacks
