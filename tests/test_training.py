@@ -569,3 +569,16 @@ def test_monitor_switch_writes_resources_csv_and_png_during_training(converted_d
     assert len(rows) >= 3 and all(float(r["memory_used_mb"]) > 50 for r in rows)
     assert float(rows[-1]["elapsed_s"]) >= 0.5 * summary["elapsed_seconds"]
     assert (tmp_path / "run" / "resources.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_section_writes_a_profiler_trace_of_the_chosen_steps(converted_dataset, tmp_path):
+    """profile.start_step=2, num_steps=2 writes one TensorFlow profiler trace (an .xplane.pb under
+    tensorboard/plugins/profile/<run>/, the files TensorBoard's Profile tab reads) holding the loop's
+    train_step and data_wait ranges."""
+    config = tiny_config(converted_dataset, tmp_path / "run", "profile.start_step=2", "profile.num_steps=2",
+                         "training.epochs=2")
+    Trainer(config).fit()
+    traces = list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1
+    content = traces[0].read_bytes()
+    assert b"train_step" in content and b"data_wait" in content

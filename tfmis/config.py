@@ -1,7 +1,7 @@
 """Typed training configuration: dataclasses, YAML files and `--set key=value` overrides.
 
 A YAML file mirrors the dataclass tree (`data`, `pipeline`, `model`, `loss`, `optimizer`,
-`training`, `validation`, `runtime`, `output`). Unknown keys and wrong types are errors that name the key
+`training`, `validation`, `runtime`, `profile`, `output`). Unknown keys and wrong types are errors that name the key
 (and suggest the closest valid one); values not given keep the defaults below.
 
 Example:
@@ -146,6 +146,14 @@ class ValidationConfig:
 
 
 @dataclasses.dataclass
+class ProfileConfig:
+    """A TensorFlow profiler trace of a few training steps, written to <output.dir>/tensorboard/plugins/profile
+    (TensorBoard's Profile tab opens it); the steps carry trace ranges: data wait, train step, validation."""
+    start_step: Optional[int] = None  # global optimizer step at which tracing starts (1 = the first); null = off
+    num_steps: int = 5
+
+
+@dataclasses.dataclass
 class RuntimeConfig:
     """Where the one training loop runs (tfmis.engine.distribution), set up before anything touches devices."""
     # auto: horovod under horovodrun, multiworker when TF_CONFIG / SLURM (srun) / MPI (mpirun) name several
@@ -183,6 +191,7 @@ class Config:
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
 
 

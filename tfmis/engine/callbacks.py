@@ -217,6 +217,45 @@ class Resources(Callback):
             print(f"resources: no plot ({e})", file=sys.stderr)
 
 
+class Profiler(Callback):
+    """Records a TensorFlow profiler trace of `num_steps` optimizer steps from global step `start_step` (1-based)
+    into `log_dir` (TensorBoard's Profile tab, with the plugin installed: `pip install tensorboard-plugin-profile`).
+
+    The loop marks its phases with `tf.profiler.experimental.Trace` ranges (`data_wait`, `train_step`,
+    `validation`), the analogue of NVTX ranges in Nsight Systems.
+    """
+
+    def __init__(self, log_dir: str | Path, start_step: int, num_steps: int):
+        self.log_dir = Path(log_dir)
+        self.start, self.stop = int(start_step), int(start_step) + int(num_steps)
+        self.active = False
+
+    def _global_step(self, trainer, epoch, step):
+        return (epoch - 1) * trainer.steps_per_epoch + step + 1
+
+    def on_step_begin(self, trainer, epoch, step):
+        import tensorflow as tf
+
+        if self._global_step(trainer, epoch, step) == self.start and not self.active:
+            tf.profiler.experimental.start(str(self.log_dir))
+            self.active = True
+
+    def on_step_end(self, trainer, epoch, step, logs):
+        if self.active and self._global_step(trainer, epoch, step) + 1 >= self.stop:
+            self._finish()
+
+    def on_train_end(self, trainer, summary):
+        self._finish()
+
+    def _finish(self):
+        import tensorflow as tf
+
+        if self.active:
+            tf.profiler.experimental.stop()
+            self.active = False
+            print(f"profiler trace written to {self.log_dir} (TensorBoard: Profile tab)", file=sys.stderr)
+
+
 def default_callbacks(trainer) -> list[Callback]:
     """What `tfmis.train` shows and writes around the loop; on the chief only (other workers write nothing)."""
     if not trainer.backend.is_chief:
@@ -229,4 +268,7 @@ def default_callbacks(trainer) -> list[Callback]:
     callbacks.append(Curves(trainer.out / "training_curves.png"))
     if out.monitor_seconds:
         callbacks.append(Resources(trainer.out, out.monitor_seconds))
+    profile = trainer.config.profile
+    if profile.start_step is not None:
+        callbacks.append(Profiler(trainer.out / "tensorboard", profile.start_step, profile.num_steps))
     return callbacks

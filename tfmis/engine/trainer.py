@@ -376,10 +376,13 @@ class Trainer:
         skipped = 0
         for step in range(self.steps_per_epoch):
             callbacks.on_step_begin(self, epoch, step)
+            global_step = (epoch - 1) * self.steps_per_epoch + step + 1
             t0 = time.perf_counter()
-            batch = next(iterator)
+            with tf.profiler.experimental.Trace("data_wait", step_num=global_step, _r=1):
+                batch = next(iterator)
             t1 = time.perf_counter()
-            loss, was_skipped = (float(v) for v in self._train_step(batch))  # float() waits for the step
+            with tf.profiler.experimental.Trace("train_step", step_num=global_step, _r=1):
+                loss, was_skipped = (float(v) for v in self._train_step(batch))  # float() waits for the step
             t2 = time.perf_counter()
             wait, compute = wait + (t1 - t0), compute + (t2 - t1)
             if not math.isfinite(loss):
@@ -417,7 +420,8 @@ class Trainer:
     def _validate_epoch(self, record: dict, val_dataset) -> dict:
         """Validates and adds the results to the epoch's `record`; returns the full result."""
         val_start = time.perf_counter()
-        result = self.validate(val_dataset)
+        with tf.profiler.experimental.Trace("validation", epoch=record["epoch"]):
+            result = self.validate(val_dataset)
         record["val_mean_dice"] = result["mean_dice"]
         record["val_dice"] = dict(zip(self.class_names[1:], result["dice_per_class"]))
         if "mean_hd95" in result:  # inf when a class was missed in some case; the misses are counted
