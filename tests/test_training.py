@@ -582,3 +582,24 @@ def test_profile_section_writes_a_profiler_trace_of_the_chosen_steps(converted_d
     assert len(traces) == 1
     content = traces[0].read_bytes()
     assert b"train_step" in content and b"data_wait" in content
+
+
+def test_input_bound_report_names_the_disabled_cache(converted_dataset, tmp_path, capsys):
+    """A real run with pipeline.cache=none and a 1 % input-wait threshold gets one input-bound line naming
+    pipeline.cache and its fix, and summary.json's `input_bound` holds the same diagnosis with the measured wait
+    share of the epochs after the first; the same records under a 100 % threshold give none."""
+    from tfmis.engine.callbacks import input_bound_diagnosis
+
+    config = tiny_config(converted_dataset, tmp_path / "run", "pipeline.cache=none", "training.epochs=3",
+                         "profile.input_wait_threshold=0.01")
+    summary = Trainer(config).fit()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("input-bound:")]
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())["input_bound"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    warm = records[1:]
+    wait = sum(r["data_wait_seconds"] for r in warm)
+    assert saved["data_wait_fraction"] == pytest.approx(wait / (wait + sum(r["compute_seconds"] for r in warm)))
+    assert saved["epochs"] == [2, 3]
+    assert len(lines) == 1 and "pipeline.cache is none" in lines[0] and "pipeline.cache=memory" in lines[0]
+    assert summary["input_bound"] == saved
+    assert input_bound_diagnosis(config, records, threshold=1.0) is None

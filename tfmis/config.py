@@ -151,6 +151,9 @@ class ProfileConfig:
     (TensorBoard's Profile tab opens it); the steps carry trace ranges: data wait, train step, validation."""
     start_step: Optional[int] = None  # global optimizer step at which tracing starts (1 = the first); null = off
     num_steps: int = 5
+    # input-bound report: epochs (after the first, whose cache is cold) that wait for input longer than this share
+    # of step time get one line naming the likely fix, also written to summary.json as `input_bound`
+    input_wait_threshold: float = 0.10
 
 
 @dataclasses.dataclass

@@ -256,13 +256,60 @@ class Profiler(Callback):
             print(f"profiler trace written to {self.log_dir} (TensorBoard: Profile tab)", file=sys.stderr)
 
 
+def input_bound_diagnosis(config, records: list[dict], threshold: float = 0.10) -> dict | None:
+    """Whether the run waited for input more than `threshold` of its step time, and the likely fix.
+
+    Epoch 1 is left out when later epochs exist: it fills the cache and traces the step (a cold start, not a
+    steady state). Returns None when the input kept up, else `{"data_wait_fraction", "epochs", "cause", "fix"}`.
+    """
+    p = config.pipeline
+    warm = [r for r in records if r["epoch"] > 1] or records
+    wait = sum(r["data_wait_seconds"] for r in warm)
+    total = wait + sum(r["compute_seconds"] for r in warm)
+    if not warm or total <= 0 or wait / total <= threshold:
+        return None
+    if p.cache == "none":
+        cause = "pipeline.cache is none: every epoch reads and decodes the TFRecords again"
+        fix = "set pipeline.cache=memory (or pipeline.cache=file with pipeline.cache_dir when host RAM is short)"
+    elif p.deterministic:
+        cause = "pipeline.deterministic is true: reads, crops and augmentation run in a fixed order, one at a time"
+        fix = "set pipeline.deterministic=false"
+    else:
+        cause = "the CPU cannot crop and augment as fast as the accelerator trains"
+        fix = (f"draw more crops per cached volume (pipeline.num_crops_per_image, now {p.num_crops_per_image}), "
+               "give tf.data more CPU cores, or lower the augmentation cost (pipeline.augment)")
+    return {"data_wait_fraction": wait / total, "epochs": [r["epoch"] for r in warm], "cause": cause, "fix": fix}
+
+
+class InputBoundReport(Callback):
+    """Says once, as soon as the input pipeline is the bottleneck, what to change; and adds the diagnosis to
+    the summary (`input_bound`) at the end (see `input_bound_diagnosis`)."""
+
+    def __init__(self, threshold: float = 0.10):
+        self.threshold = float(threshold)
+        self.warned = False
+
+    def on_epoch_end(self, trainer, epoch, record):
+        found = input_bound_diagnosis(trainer.config, trainer.history.records, self.threshold)
+        if found and not self.warned and epoch > 1:
+            self.warned = True
+            print(f"input-bound: {found['data_wait_fraction']:.0%} of step time waits for input "
+                  f"(threshold {self.threshold:.0%}): {found['cause']}; {found['fix']}", file=sys.stderr, flush=True)
+
+    def on_train_end(self, trainer, summary):
+        from tfmis.utils.io import atomic_write_json
+
+        summary["input_bound"] = input_bound_diagnosis(trainer.config, trainer.history.records, self.threshold)
+        atomic_write_json(trainer.out / "summary.json", summary)
+
+
 def default_callbacks(trainer) -> list[Callback]:
     """What `tfmis.train` shows and writes around the loop; on the chief only (other workers write nothing)."""
     if not trainer.backend.is_chief:
         return []
     out = trainer.config.output
     callbacks = [Progress(out.progress_seconds)] if out.progress else []
-    callbacks.append(EpochLog())
+    callbacks += [EpochLog(), InputBoundReport(trainer.config.profile.input_wait_threshold)]
     if out.tensorboard:
         callbacks.append(TensorBoard(trainer.out / "tensorboard"))
     callbacks.append(Curves(trainer.out / "training_curves.png"))
