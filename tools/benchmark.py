@@ -1,0 +1,14 @@
+#!/usr/bin/env python3
+"""Regular vs fast training benchmark (MONAI's fast-training notebook, in TensorFlow). Run with --help.
+
+Example:
+    python tools/benchmark.py --config configs/demo.yaml                  # about 10 minutes on 2 CPU cores
+    python tools/benchmark.py --config configs/demo.yaml --pipeline-only  # the input pipelines alone
+"""
+
+import sys
+
+from tfmis.profiling.benchmark import main
+
+if __name__ == "__main__":
+    sys.exit(main())
