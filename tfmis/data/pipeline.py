@@ -140,21 +140,13 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
     # per-element seeds: (training seed, position in the stream), independent of thread scheduling
     dataset = dataset.enumerate()
 
+    crop = volume_crops(p, stream_seed, pipeline_id)
+
     def crops(position, element):
         image, label, fg, fg_class = element
-        element_seed = tf.stack([tf.constant(stream_seed + 1000 * pipeline_id, tf.int64), position])
-        images, labels = rand_crop_by_pos_neg(tf.cast(image, tf.float32), label, fg, fg_class, p.patch_size,
-                                              p.num_crops_per_image, p.pos_neg_ratio[0], p.pos_neg_ratio[1],
-                                              element_seed, p.class_ratios)
-        seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(element_seed, 1),
-                                                       p.num_crops_per_image)
-        return tf.data.Dataset.from_tensor_slices((images, labels, seeds))
+        return crop(position, tf.cast(image, tf.float32), label, fg, fg_class)
 
-    def augment(image, label, crop_seed):
-        image, label = augment_patch(image, label, p.augment, crop_seed)
-        image = tf.ensure_shape(image, [*p.patch_size, None])
-        return image, tf.ensure_shape(tf.cast(label, tf.int32), p.patch_size)
-
+    augment = patch_augmentation(p)
     dataset = dataset.flat_map(crops) if p.deterministic else dataset.interleave(
         crops, cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
     dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
@@ -165,6 +157,35 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
     options = tf.data.Options()
     options.deterministic = p.deterministic
     return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+
+
+def volume_crops(pipeline, stream_seed: int, pipeline_id: int):
+    """`fn(position, image, label, fg, fg_class)`: the dataset of one volume's `num_crops_per_image` patches
+    with their augmentation seeds, all drawn from (stream seed, pipeline, position in the stream), so any
+    pipeline that feeds the same volumes in the same order gets the same patches."""
+    p = pipeline
+
+    def crops(position, image, label, fg, fg_class):
+        element_seed = tf.stack([tf.constant(stream_seed + 1000 * pipeline_id, tf.int64), position])
+        images, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, p.patch_size, p.num_crops_per_image,
+                                              p.pos_neg_ratio[0], p.pos_neg_ratio[1], element_seed, p.class_ratios)
+        seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(element_seed, 1),
+                                                       p.num_crops_per_image)
+        return tf.data.Dataset.from_tensor_slices((images, labels, seeds))
+
+    return crops
+
+
+def patch_augmentation(pipeline):
+    """`fn(image, label, crop_seed)`: one patch augmented as `pipeline.augment` says, shapes fixed, label int32."""
+    p = pipeline
+
+    def augment(image, label, crop_seed):
+        image, label = augment_patch(image, label, p.augment, crop_seed)
+        image = tf.ensure_shape(image, [*p.patch_size, None])
+        return image, tf.ensure_shape(tf.cast(label, tf.int32), p.patch_size)
+
+    return augment
 
 
 def build_val_dataset(config, split: str | None = None) -> tf.data.Dataset:

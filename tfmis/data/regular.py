@@ -15,8 +15,8 @@ It uses the project's own functions for every step, so it sees the same voxels a
 (`tfmis.data.pipeline.build_train_dataset`): `tfmis.data.msd.load_case` and
 `tfmis.data.preprocess.preprocess` with the parameters recorded in the converted dataset's
 `index.json` (spacing, normalisation, crop), kept in float32 where the TFRecords store float16, and
-the same `foreground_indices`, `rand_crop_by_pos_neg` and `augment_patch` with the same seeds. The
-cases are the converted dataset's training split, visited in the fast pipeline's volume order, so with
+the same `foreground_indices` and the fast pipeline's own `volume_crops` and `patch_augmentation`
+with the same seeds. The cases are the converted dataset's training split, visited in the fast pipeline's volume order, so with
 `pipeline.deterministic: true` both streams hold the same patches (up to float16 rounding).
 
 Example:
@@ -38,11 +38,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfmis.data.msd import MSDDataset, load_case
-from tfmis.data.pipeline import input_shard
+from tfmis.data.pipeline import input_shard, patch_augmentation, volume_crops
 from tfmis.data.preprocess import PreprocessConfig, preprocess
 from tfmis.data.records import load_index, shard_paths
-from tfmis.transforms.augment import augment_patch
-from tfmis.transforms.crop import foreground_indices, rand_crop_by_pos_neg
+from tfmis.transforms.crop import foreground_indices
 
 # the fast pipeline reads at most this many shard files at once (tfmis.data.pipeline._read)
 _INTERLEAVE_CYCLE = 8
@@ -204,21 +203,13 @@ def build_regular_train_dataset(config, input_context: tf.distribute.InputContex
     dataset = dataset.shuffle(p.shuffle_volumes, seed=stream_seed, reshuffle_each_iteration=True).repeat()
     dataset = dataset.enumerate().map(load)  # serial: one volume decoded at a time
 
+    crop = volume_crops(p, stream_seed, pipeline_id)  # the fast pipeline's crops and augmentation
+
     def crops(position, image, label):
         fg, fg_class = foreground_indices(label, num_classes, p.max_foreground_indices, seed)
-        element_seed = tf.stack([tf.constant(stream_seed + 1000 * pipeline_id, tf.int64), position])
-        images, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, p.patch_size, p.num_crops_per_image,
-                                              p.pos_neg_ratio[0], p.pos_neg_ratio[1], element_seed, p.class_ratios)
-        seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(element_seed, 1),
-                                                       p.num_crops_per_image)
-        return tf.data.Dataset.from_tensor_slices((images, labels, seeds))
+        return crop(position, image, label, fg, fg_class)
 
-    def augment(image, label, crop_seed):
-        image, label = augment_patch(image, label, p.augment, crop_seed)
-        image = tf.ensure_shape(image, [*p.patch_size, None])
-        return image, tf.ensure_shape(tf.cast(label, tf.int32), p.patch_size)
-
-    dataset = dataset.flat_map(crops).map(augment)
+    dataset = dataset.flat_map(crops).map(patch_augmentation(p))
     if p.shuffle_crops > 1:
         dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
     return dataset.batch(p.num_images_per_batch * config.training.accumulation_steps, drop_remainder=True)
