@@ -16,8 +16,8 @@ It uses the project's own functions for every step, so it sees the same voxels a
 `tfmis.data.preprocess.preprocess` with the parameters recorded in the converted dataset's
 `index.json` (spacing, normalisation, crop), kept in float32 where the TFRecords store float16, and
 the same `foreground_indices` and the fast pipeline's own `volume_crops` and `patch_augmentation`
-with the same seeds. The cases are the converted dataset's training split, visited in the fast pipeline's volume order, so with
-`pipeline.deterministic: true` both streams hold the same patches (up to float16 rounding).
+with the same seeds. The cases are the converted dataset's training split, visited in the fast
+pipeline's volume order, so with `pipeline.deterministic: true` both streams hold the same patches (up to float16 rounding).
 
 Example:
 ```python
