@@ -17,7 +17,8 @@ It uses the project's own functions for every step, so it sees the same voxels a
 `index.json` (spacing, normalisation, crop), kept in float32 where the TFRecords store float16, and
 the same `foreground_indices` and the fast pipeline's own `volume_crops` and `patch_augmentation`
 with the same seeds. The cases are the converted dataset's training split, visited in the fast
-pipeline's volume order, so with `pipeline.deterministic: true` both streams hold the same patches (up to float16 rounding).
+pipeline's volume order, so with `pipeline.deterministic: true` both streams hold the same patches
+(up to float16 rounding).
 
 Example:
 ```python
