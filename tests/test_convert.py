@@ -245,3 +245,14 @@ def test_resume_reuses_measured_spacing_and_ct_window(tmp_path):
         image.unlink()
     again = convert(config)
     assert again["preprocessing"] == first["preprocessing"] and again["stats"]["records"] == 3
+
+
+def test_conversion_progress_to_a_log_file_is_plain_lines_without_bar_frames(msd_dataset, tmp_path):
+    """tools/tfrecord.py with standard error captured (not a terminal, as in a SLURM log) reports progress as
+    plain lines without carriage-return bar frames, ending with the count of all converted cases."""
+    result = run_tool("--source-dir", msd_dataset, "--target-dir", tmp_path / "out", "--split", "1",
+                      "--workers", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "\r" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Converting ")]
+    assert lines and lines[-1].split("  ")[0].endswith(": 6/6 cases (100%)")

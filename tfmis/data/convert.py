@@ -343,7 +343,7 @@ def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) 
 
 def convert(config: ConversionConfig) -> dict:
     """Runs (or resumes) a conversion; returns the written index (plus `run_seconds`)."""
-    from tqdm import tqdm
+    from tfmis.utils.progress import progress_bar
 
     start = time.time()
     dataset = MSDDataset(config.source_dir)
@@ -379,8 +379,7 @@ def convert(config: ConversionConfig) -> dict:
     tasks = [(by_id[cid], str(dataset.root), prep) for s in pending for cid in s["cases"]]
     index_meta = {"compression": config.compression, "modalities": dataset.modalities, "labels": dataset.labels}
 
-    bar = tqdm(total=len(tasks), desc=f"Converting {dataset.name}", unit="case", disable=not config.progress,
-               file=sys.stderr)
+    bar = progress_bar(len(tasks), f"Converting {dataset.name}", "case", disable=not config.progress)
     if done:
         bar.write(f"Resuming: {len(done)} of {len(plan)} shards already complete, {len(tasks)} cases to go",
                   file=sys.stderr)

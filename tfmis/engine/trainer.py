@@ -160,20 +160,24 @@ class Trainer:
         total_loss = tf.constant(0.0)
         grads = None
         for x, y in zip(tf.split(images, n), tf.split(labels, n)):
-            with tf.GradientTape() as tape:
+            # the name scopes prefix the ops' names, so a profiler trace shows the phases of the step
+            with tf.GradientTape() as tape, tf.name_scope("forward"):
                 loss = self.loss_fn(y, self.model(x, training=True))
                 scaled = loss * scaled_loss_factor
                 if loss_scaler:
                     scaled = self.optimizer.scale_loss(scaled)
-            g = tape.gradient(scaled, variables)
+            with tf.name_scope("backward"):
+                g = tape.gradient(scaled, variables)
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             total_loss += tf.cast(loss, tf.float32)
-        grads = self.backend.reduce_gradients(grads)  # the global gradient, the same on every replica
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
-        if loss_scaler:  # skips a non-finite step itself, lowering the scale (its check sees the same grads)
-            self.optimizer.apply(grads, variables)
-        else:
-            self.backend.run_if(finite, lambda: self.optimizer.apply(grads, variables))
+        with tf.name_scope("gradient_reduce"):
+            grads = self.backend.reduce_gradients(grads)  # the global gradient, the same on every replica
+        with tf.name_scope("optimizer_step"):
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
+            if loss_scaler:  # skips a non-finite step itself, lowering the scale (its check sees the same grads)
+                self.optimizer.apply(grads, variables)
+            else:
+                self.backend.run_if(finite, lambda: self.optimizer.apply(grads, variables))
         for variable, value in zip(state, saved):
             variable.assign(tf.where(finite, variable, value))
         return total_loss / n, 1.0 - tf.cast(finite, tf.float32)

@@ -989,7 +989,7 @@ class HpoSearch:
 
     def _watch(self, processes: dict, already_ended: int) -> list[str]:
         """Prints a line per finished trial until every worker has exited; returns what died."""
-        from tqdm import tqdm
+        from tfmis.utils.progress import progress_bar
 
         workers = {name: p for name, p in processes.items() if name != "chief"}
         log = self.output_dir / RUNS_LOG
@@ -999,8 +999,7 @@ class HpoSearch:
             if t["status"] == "COMPLETED" and t.get("score") is not None and (
                     state["best"] is None or self.objective.better(t["score"], state["best"][1])):
                 state["best"] = (trial_id, t["score"])
-        bar = tqdm(total=self.num_trials, initial=already_ended, desc="HPO trials", unit="trial",
-                   disable=not self.progress, file=sys.stderr)
+        bar = progress_bar(self.num_trials, "HPO trials", "trial", disable=not self.progress, initial=already_ended)
 
         def report_new_events():
             nonlocal offset

@@ -474,7 +474,7 @@ class GpuFitSearch:
         return cached
 
     def _search(self) -> None:
-        from tqdm import tqdm
+        from tfmis.utils.progress import progress_bar
 
         hp = self.hyperparameters()
         tuner_dir = self.output_dir / "keras_tuner"
@@ -485,8 +485,7 @@ class GpuFitSearch:
         print(f"GPU-fit search ({self.strategy}, {total} trials) on {self.device['name']} "
               f"({self.device['kind']}, budget {self.budget_mb:.0f} MB, choosing within "
               f"{self.specs.memory_margin:.0%}): {space}", file=sys.stderr)
-        self._bar = tqdm(total=total, desc="GPU-fit trials", unit="trial", disable=not self.progress,
-                         file=sys.stderr)
+        self._bar = progress_bar(total, "GPU-fit trials", "trial", disable=not self.progress)
         try:
             # Keras Tuner prints the traceback of every failed trial in its default debug mode; a trial
             # that does not fit is an expected outcome here, reported in the table with its reason
