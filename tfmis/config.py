@@ -109,7 +109,9 @@ class OptimizerConfig:
 class TrainingConfig:
     epochs: int = 100
     steps_per_epoch: Optional[int] = None  # null = train volumes * crops per volume / global batch
-    precision: Literal["float32", "mixed_float16", "mixed_bfloat16"] = "mixed_float16"
+    # auto = this machine's best (tfmis.planning.hardware.resolve_precision): mixed_bfloat16 on GPUs of compute
+    # capability >= 8 and CPUs with bfloat16 instructions, mixed_float16 on GPUs >= 7, else float32
+    precision: Literal["auto", "float32", "mixed_float16", "mixed_bfloat16"] = "auto"
     jit_compile: bool = False  # XLA
     accumulation_steps: int = 1  # gradient accumulation: optimizer step every N micro-batches
     seed: int = 0

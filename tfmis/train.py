@@ -4,6 +4,14 @@ Converts the data first when the config names an MSD source folder, trains with 
 loop (one device, MirroredStrategy, MultiWorkerMirroredStrategy or Horovod; `runtime:`), validates with sliding-window inference, and writes the
 run folder: config.yaml, checkpoints/, best.weights.h5, history.jsonl/.csv, training_curves.png,
 validation_preview.png, summary.json, tensorboard/.
+
+With `--source-dir DIR` instead of `--config`, the config is planned for that MSD folder on this
+machine first (`python -m tfmis.plan`: nnU-Net's rules, every value commented with its reason) and
+written to `<output.dir>/plan.yaml`, which a later run can edit and pass as `--config`.
+
+`training.precision: auto` becomes this machine's best precision (`tfmis.planning.resolve_precision`);
+a setting this machine runs badly (mixed_float16 or jit_compile on a CPU) gets one warning naming the
+faster choice.
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from tfmis.tune.cli import add_search_arguments, run_search
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tfmis.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="YAML config, e.g. configs/demo.yaml")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="YAML config, e.g. configs/demo.yaml")
+    source.add_argument("--source-dir", help="an MSD dataset folder: plan a config for it on this machine (written to "
+                                             "<output.dir>/plan.yaml), convert it and train")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set training.epochs=3 --set pipeline.patch_size=[48,48,48]")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output.dir")
@@ -36,8 +47,13 @@ def main(argv=None) -> int:
         os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     from tfmis.config import ConfigError, load_config
 
+    planned = None
     try:
-        config = load_config(args.config, args.overrides)
+        if args.source_dir is not None:
+            planned = _plan(args)
+            if planned is None:
+                return 1
+        config = load_config(planned["path"] if planned else args.config, args.overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -49,6 +65,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     import tensorflow as tf
+
+    from tfmis.planning.hardware import hardware_warnings, resolve_precision
+
+    if backend.is_chief:
+        for line in hardware_warnings(config.training):
+            print(f"warning: {line}", file=sys.stderr)
+    config.training.precision = resolve_precision(config.training.precision)  # "auto": this machine's best
 
     from tfmis.data.prepare import prepare_dataset
     from tfmis.engine.trainer import RunExists, Trainer, TrainingDiverged, summary_table
@@ -65,6 +88,8 @@ def main(argv=None) -> int:
                 raise ValueError("--gpu-customization runs one search per machine: run python -m tfmis.tune fit "
                                  "first, then launch the workers with its fit.yaml")
             config = _gpu_customization(config, args)
+        elif planned is not None and backend.size == 1:
+            config = _cached_gpu_fit(config, planned, args)
         trainer = Trainer(config, backend=backend)
         if backend.is_chief:
             lr = "" if config.optimizer.lr_scaling == "none" else (
@@ -93,6 +118,65 @@ def main(argv=None) -> int:
     print(f"Results in {config.output.dir}: training_curves.png, validation_preview.png, history.csv, "
           "summary.json, best.weights.h5, tensorboard/")
     return 0
+
+
+def _plan(args) -> dict | None:
+    """Plans a config for `--source-dir` on this machine and writes it to `<output.dir>/plan.yaml`.
+
+    The overrides' `data.dataset_dir` and `output.dir` (if any) are where the plan converts to and trains
+    into. Returns {"path", "plan", "fingerprint"}, or None after an error line.
+    """
+    from tfmis.config import apply_override
+    from tfmis.data.msd import DatasetError
+    from tfmis.plan import plan_dataset
+    from tfmis.planning.planner import config_from_text
+
+    source = Path(args.source_dir)
+    if not (source / "dataset.json").is_file():
+        print(f"error: --source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
+              "imagesTr and labelsTr", file=sys.stderr)
+        return None
+    given: dict = {}
+    for override in args.overrides:
+        apply_override(given, override)
+    target = (given.get("data") or {}).get("dataset_dir")
+    output = (given.get("output") or {}).get("dir")
+    try:
+        plan, fingerprint = plan_dataset(source, target, output)
+    except (DatasetError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    effective = config_from_text(plan.to_yaml(), args.overrides)  # a bad override is named here
+    path = plan.write(Path(effective.output.dir) / "plan.yaml")
+    print(f"Plan for {fingerprint.name} ({plan.summary['hardware']}):\n{plan.table()}", file=sys.stderr)
+    print(f"Plan written to {path} (every value with its reason): edit it and rerun with --config {path}",
+          file=sys.stderr)
+    return {"path": path, "plan": plan, "fingerprint": fingerprint, "target": target, "output": output}
+
+
+def _cached_gpu_fit(config, planned: dict, args):
+    """With a GPU: the GPU-fit search's cached batch size, sw batch size and placement for the planned config
+    (the plan file is rewritten with them); the config unchanged without a GPU or a cached search."""
+    from tfmis.config import load_config
+    from tfmis.planning import cached_gpu_fit, detect_hardware, make_plan
+
+    hardware = detect_hardware()
+    if not hardware.has_gpu:
+        return config
+    fitted = cached_gpu_fit(config)
+    if fitted is None:
+        print("GPU-fit search: no cached result for this plan; batch sizes are estimates (add --gpu-customization "
+              "to measure them; later plans reuse the measurement)", file=sys.stderr)
+        return config
+    plan = make_plan(planned["fingerprint"], hardware, source_dir=str(args.source_dir),
+                     dataset_dir=config.data.dataset_dir, output_dir=planned["output"], gpu_fit=fitted)
+    plan.write(planned["path"])
+    print(f"GPU-fit search ({fitted['source']}): batch {fitted['num_images_per_batch']}, sw batch "
+          f"{fitted['num_sw_batch_size']}, validation on {fitted['validation_data_device']}; plan updated",
+          file=sys.stderr)
+    updated = load_config(planned["path"], args.overrides)
+    updated.training.precision = config.training.precision
+    return updated
 
 
 def _prepare_on_chief(backend, prepare) -> bool:

@@ -1,0 +1,87 @@
+"""Plan a training config for an MSD dataset: `python -m tfmis.plan --source-dir DIR [--output plan.yaml]`.
+
+Fingerprints the dataset (from its conversion when `--target-dir` holds one, else a first pass over
+the MSD folder), detects the hardware, applies nnU-Net v2's rules and writes the plan as a normal
+tfmis config with a comment on every planned value saying why; then prints a short table. Train
+with `python -m tfmis.train --config PLAN` (or plan, convert and train in one go with
+`python -m tfmis.train --source-dir DIR`).
+
+Exit status: 0 plan written, 1 the dataset is unusable, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tfmis.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--source-dir", required=True, help="MSD dataset folder (with dataset.json)")
+    p.add_argument("--target-dir", default=None,
+                   help="where the conversion goes (default: <source>_tfrecords next to it); when it holds a "
+                        "finished conversion, its fingerprint is used")
+    p.add_argument("--output-dir", default=None, help="the run folder the plan trains into (default runs/<folder>)")
+    p.add_argument("--output", default=None, help="the plan file (default: <output-dir>/plan.yaml)")
+    p.add_argument("--workers", type=int, default=None, help="processes reading cases (default: CPU count, at most 8)")
+    p.add_argument("--quiet", action="store_true", help="no progress")
+    return p
+
+
+def plan_dataset(source_dir, target_dir=None, output_dir=None, workers=None, progress: bool = True):
+    """(Plan, DatasetFingerprint) for an MSD folder on this machine.
+
+    Uses the fingerprint of a finished conversion in `target_dir` when there is one, else a first pass
+    over the MSD folder; with a GPU and a converted dataset, the GPU-fit search's cached choice.
+    """
+    from tfmis.planning import (cached_gpu_fit, default_dataset_dir, default_output_dir, detect_hardware,
+                                fingerprint_from_conversion, fingerprint_msd, has_conversion, make_plan)
+
+    target_dir = target_dir or default_dataset_dir(source_dir)
+    output_dir = output_dir or default_output_dir(source_dir)
+    if has_conversion(target_dir):
+        fingerprint = fingerprint_from_conversion(target_dir)
+        if progress:
+            print(f"Fingerprint: the conversion in {target_dir}", file=sys.stderr)
+    else:
+        fingerprint = fingerprint_msd(source_dir, workers=workers, progress=progress)
+    hardware = detect_hardware()
+    plan = make_plan(fingerprint, hardware, source_dir=str(source_dir), dataset_dir=str(target_dir),
+                     output_dir=str(output_dir))
+    if hardware.has_gpu and has_conversion(target_dir):
+        fitted = cached_gpu_fit(plan.config())
+        if fitted is not None:
+            plan = make_plan(fingerprint, hardware, source_dir=str(source_dir), dataset_dir=str(target_dir),
+                             output_dir=str(output_dir), gpu_fit=fitted)
+    return plan, fingerprint
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from tfmis.data.msd import DatasetError
+    from tfmis.utils.io import atomic_write_json
+
+    source = Path(args.source_dir)
+    if not (source / "dataset.json").is_file():
+        print(f"error: --source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
+              f"imagesTr and labelsTr", file=sys.stderr)
+        return 2
+    try:
+        plan, fingerprint = plan_dataset(source, args.target_dir, args.output_dir, args.workers,
+                                         progress=not args.quiet)
+    except (DatasetError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    output = Path(args.output or Path(plan.values["output.dir"]) / "plan.yaml")
+    plan.write(output)
+    atomic_write_json(output.with_name(output.stem + "_fingerprint.json"), fingerprint.to_dict())
+    print(f"Plan for {fingerprint.name} ({plan.summary['hardware']}):")
+    print(plan.table())
+    print(f"Written to {output} (every value with its reason). Train with:\n"
+          f"  python -m tfmis.train --config {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The dataset fingerprint a plan is made from: spacings, cropped shapes, class frequencies, CT window.
+
+Two sources:
+
+- `fingerprint_msd(source_dir)`: a first pass straight over an MSD folder, before any conversion. Each
+  case is read once (in worker processes, numpy/nibabel only) and reduced to what planning needs: its
+  RAS spacing, the crop box the conversion will cut (foreground = nonzero for MRI-like channels, above
+  the CT window's low end for CT channels, or labelled; kept as per-slice projections, so the box is
+  exact for any window), its class voxel counts and a foreground intensity sample. The CT window is the
+  0.5/99.5 percentiles of the labelled-foreground sample, the same numbers `tfmis.data.convert` measures
+  (same sample, same seed).
+- `fingerprint_from_conversion(dataset_dir)`: the `fingerprint.json` a conversion wrote (and its
+  resolved spacing and CT window); cropped shapes are the converted shapes scaled back to each case's
+  original spacing.
+
+Example:
+```python
+fingerprint = fingerprint_msd("data/Task09_Spleen")
+print(fingerprint.median_spacing, fingerprint.median_shape_at(fingerprint.median_spacing), fingerprint.ct_window)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tfmis.data import fingerprint as fp
+from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, MSDDataset, load_case
+from tfmis.data.preprocess import reorient_to_ras, spacing_of
+
+FOREGROUND_SAMPLE = 10_000  # per case, as tfmis.data.convert's CT window pass
+
+
+@dataclasses.dataclass
+class DatasetFingerprint:
+    """What the planner knows about a dataset.
+
+    Attributes:
+        name, modalities, labels: from dataset.json.
+        case_ids: the readable training cases.
+        spacings: (N, 3) original voxel spacing in mm, RAS order.
+        crop_shapes: (N, 3) voxels of the foreground crop on the original (RAS) grid.
+        class_voxels: voxels per label value over all cases.
+        ct_window: (low, high) HU: 0.5/99.5 percentiles of the labelled foreground over CT channels; None
+            without CT channels.
+        intensity: per channel {modality, p00_5, p99_5, median_of_means, median_of_stds} of the foreground.
+        cases_without_foreground: case ids whose label is all background.
+        skipped: case id -> reason, for unreadable cases.
+        source: where the numbers come from ("first pass over DIR" or "conversion in DIR").
+        source_dir: the MSD folder (None when unknown).
+    """
+
+    name: str
+    modalities: list[str]
+    labels: list[str]
+    case_ids: list[str]
+    spacings: np.ndarray
+    crop_shapes: np.ndarray
+    class_voxels: list[int]
+    ct_window: tuple[float, float] | None
+    intensity: list[dict]
+    cases_without_foreground: list[str]
+    skipped: dict[str, str]
+    source: str
+    source_dir: str | None = None
+
+    @property
+    def num_cases(self) -> int:
+        return len(self.case_ids)
+
+    @property
+    def ct_channels(self) -> list[int]:
+        return [i for i, m in enumerate(self.modalities) if str(m).upper() in CT_MODALITIES]
+
+    @property
+    def median_spacing(self) -> np.ndarray:
+        return np.median(self.spacings, axis=0)
+
+    @property
+    def class_fraction(self) -> list[float]:
+        total = max(sum(self.class_voxels), 1)
+        return [c / total for c in self.class_voxels]
+
+    def shapes_at(self, spacing) -> np.ndarray:
+        """(N, 3) preprocessed shapes at `spacing`, rounded as `tfmis.data.preprocess.preprocess` rounds them."""
+        spacing = np.asarray(spacing, dtype=np.float64)
+        return np.maximum(np.round(self.crop_shapes * self.spacings / spacing), 1).astype(int)
+
+    def median_shape_at(self, spacing) -> np.ndarray:
+        return np.median(self.shapes_at(spacing), axis=0)
+
+    def to_dict(self) -> dict:
+        """JSON-friendly."""
+        d = dataclasses.asdict(self)
+        d["spacings"] = self.spacings.tolist()
+        d["crop_shapes"] = self.crop_shapes.tolist()
+        d["ct_window"] = list(self.ct_window) if self.ct_window else None
+        d["median_spacing"] = self.median_spacing.tolist()
+        d["class_fraction"] = self.class_fraction
+        return d
+
+
+# ---------------------------------------------------------------- first pass over an MSD folder (worker side)
+
+def _case_summary(task: tuple) -> dict:
+    """One case reduced to what planning needs (runs in a worker process; no TensorFlow)."""
+    case, root = task
+    try:
+        dataset = MSDDataset(root)
+        loaded = load_case(case, dataset)
+        image, affine = reorient_to_ras(loaded.image, loaded.affine)
+        label = reorient_to_ras(loaded.label, loaded.affine)[0] if loaded.label is not None else None
+        ct = [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
+        other = [i for i in range(image.shape[-1]) if i not in ct]
+        projections = []
+        for axis in range(3):
+            reduce_axes = tuple(a for a in range(4) if a != axis)
+            projections.append({
+                "ct_max": image[..., ct].max(axis=reduce_axes).tolist() if ct else None,
+                "nonzero": (image[..., other] != 0).any(axis=reduce_axes).tolist() if other else None,
+                "label": (label > 0).any(axis=tuple(a for a in range(3) if a != axis)).tolist()
+                if label is not None else None,
+            })
+        sample = fp.intensity_sample(loaded.image, loaded.label, FOREGROUND_SAMPLE, np.random.default_rng(0))
+        counts = np.bincount(loaded.label.ravel(), minlength=dataset.num_classes) if loaded.label is not None else None
+        return {"case_id": case.case_id, "status": "ok", "spacing": spacing_of(affine).tolist(),
+                "ras_shape": list(image.shape[:3]), "projections": projections, "sample": sample,
+                "class_voxels": counts.tolist() if counts is not None else None}
+    except CaseError as e:
+        return {"case_id": case.case_id, "status": "skipped", "reason": e.reason}
+    except Exception as e:  # noqa: BLE001 - one bad case never stops the others
+        return {"case_id": case.case_id, "status": "skipped", "reason": f"unexpected {type(e).__name__}: {e}"}
+
+
+def crop_shape(projections: list[dict], ct_window, margin: int = 0) -> list[int]:
+    """Shape of the box `tfmis.data.preprocess` crops (foreground mask or label, grown by `margin`).
+
+    Args:
+        projections: per axis {"ct_max": per-slice max of the CT channels, "nonzero": per-slice any nonzero
+            voxel of the other channels, "label": per-slice any labelled voxel} (entries may be None).
+        ct_window: (low, high); CT voxels above `low` are foreground.
+        margin: voxels kept around the box.
+    """
+    shape = []
+    for p in projections:
+        n = len(next(v for v in p.values() if v is not None))
+        keep = np.zeros(n, dtype=bool)
+        if p["ct_max"] is not None:
+            keep |= np.asarray(p["ct_max"]) > ct_window[0]
+        if p["nonzero"] is not None:
+            keep |= np.asarray(p["nonzero"], dtype=bool)
+        if p["label"] is not None:
+            keep |= np.asarray(p["label"], dtype=bool)
+        if not keep.any():
+            shape.append(n)
+            continue
+        nz = np.flatnonzero(keep)
+        shape.append(int(min(nz[-1] + 1 + margin, n) - max(nz[0] - margin, 0)))
+    return shape
+
+
+def fingerprint_msd(source_dir: str | Path, workers: int | None = None, progress: bool = True,
+                    ct_window: tuple[float, float] | None = None, crop_foreground: bool = True,
+                    crop_margin: int = 0) -> DatasetFingerprint:
+    """The first-pass fingerprint of an MSD folder (every training case read once, nothing written).
+
+    Args:
+        source_dir: the MSD folder (with dataset.json).
+        workers: parallel reader processes (default: CPU count, at most 8).
+        progress: show progress.
+        ct_window: a fixed CT window instead of the measured percentiles (as `--ct-window` would set).
+        crop_foreground, crop_margin: the conversion's crop options.
+
+    Raises:
+        DatasetError: dataset.json is unusable, or no case could be read.
+    """
+    import os
+
+    from tfmis.data.convert import _run_ordered
+    from tfmis.utils.progress import progress_bar
+
+    dataset = MSDDataset(source_dir)
+    workers = workers or max(1, min(os.cpu_count() or 1, 8))
+    tasks = [(case, str(dataset.root)) for case in dataset.training]
+    bar = progress_bar(len(tasks), f"Fingerprinting {dataset.name}", "case", disable=not progress)
+    summaries, skipped = [], {}
+    for result in _run_ordered(_case_summary, tasks, workers):
+        if result["status"] == "ok":
+            summaries.append(result)
+        else:
+            skipped[result["case_id"]] = result["reason"]
+            bar.write(f"  {result['case_id']}: skipped: {result['reason']}")
+        bar.update(1)
+    bar.close()
+    if not summaries:
+        raise DatasetError(f"{dataset.root}: no training case could be read ({len(skipped)} skipped, e.g. "
+                           f"{next(iter(skipped.items()), ('', ''))[1]})")
+    ct = [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
+    if ct and ct_window is None:  # tfmis.data.convert._auto_ct_window, on the same samples
+        values = np.concatenate([s["sample"][:, ct].ravel() for s in summaries])
+        lo, hi = np.percentile(values, [0.5, 99.5])
+        ct_window = (float(round(lo, 1)), float(round(hi, 1)))
+    if not ct:
+        ct_window = None
+    crops = [crop_shape(s["projections"], ct_window, crop_margin) if crop_foreground else s["ras_shape"]
+             for s in summaries]
+    counts = [s["class_voxels"] for s in summaries if s["class_voxels"] is not None]
+    totals = np.sum(counts, axis=0).astype(int).tolist() if counts else [0] * dataset.num_classes
+    per_case = {s["case_id"]: {"intensity": fp.intensity_stats(s["sample"]), "class_voxels": s["class_voxels"],
+                               "original_spacing": s["spacing"], "shape": crop} for s, crop in zip(summaries, crops)}
+    intensity = fp.summarize(per_case, dataset.labels, dataset.modalities)["intensity"]
+    return DatasetFingerprint(
+        name=dataset.name, modalities=list(dataset.modalities), labels=list(dataset.labels),
+        case_ids=[s["case_id"] for s in summaries],
+        spacings=np.array([s["spacing"] for s in summaries], dtype=np.float64),
+        crop_shapes=np.array(crops, dtype=np.float64), class_voxels=totals, ct_window=ct_window,
+        intensity=intensity,
+        cases_without_foreground=sorted(s["case_id"] for s in summaries
+                                        if s["class_voxels"] is not None and sum(s["class_voxels"][1:]) == 0),
+        skipped=skipped, source=f"first pass over {len(summaries)} cases of {dataset.root}",
+        source_dir=str(source_dir))
+
+
+# ---------------------------------------------------------------- from a finished conversion
+
+def has_conversion(dataset_dir: str | Path) -> bool:
+    """True when `dataset_dir` holds a finished conversion with its fingerprint."""
+    d = Path(dataset_dir)
+    return all((d / name).is_file() for name in ("fingerprint.json", "index.json", "conversion.json"))
+
+
+def fingerprint_from_conversion(dataset_dir: str | Path) -> DatasetFingerprint:
+    """The fingerprint a conversion wrote (`fingerprint.json`, `index.json`, `conversion.json`).
+
+    The foreground-cropped shapes on the original grids are the converted shapes scaled by the converted
+    spacing over each case's original spacing (exact up to the conversion's rounding).
+    """
+    d = Path(dataset_dir)
+    if not has_conversion(d):
+        raise FileNotFoundError(f"{d}: no finished conversion (fingerprint.json, index.json and conversion.json "
+                                "are written by tools/tfrecord.py)")
+    fingerprint = json.loads((d / "fingerprint.json").read_text())
+    index = json.loads((d / "index.json").read_text())
+    resolved = json.loads((d / "conversion.json").read_text()).get("resolved", {})
+    cases = fingerprint["cases"]
+    ids = sorted(cases)
+    spacings = np.array([cases[c]["original_spacing"] for c in ids], dtype=np.float64)
+    converted_spacing = np.array([cases[c]["spacing"] for c in ids], dtype=np.float64)
+    shapes = np.array([cases[c]["shape"] for c in ids], dtype=np.float64)
+    summary = fingerprint["dataset"]
+    labels = list(index["source"]["labels"])
+    ct_window = resolved.get("ct_window")
+    return DatasetFingerprint(
+        name=index["source"]["name"], modalities=list(index["source"]["modalities"]), labels=labels,
+        case_ids=ids, spacings=spacings, crop_shapes=shapes * converted_spacing / spacings,
+        class_voxels=[int(summary["class_voxels"].get(name, 0)) for name in labels],
+        ct_window=tuple(ct_window) if ct_window else None, intensity=summary.get("intensity", []),
+        cases_without_foreground=list(summary.get("cases_without_foreground", [])),
+        skipped={s["case_id"]: s["reason"] for s in index.get("skipped", [])},
+        source=f"conversion in {d}", source_dir=index["source"].get("dir"))
