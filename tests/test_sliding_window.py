@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tfmis.inference import importance_map, number_of_windows, sliding_window_inference, window_starts
-from tfmis.inference.sliding_window import _pad_volume
+from tfmis.inference.sliding_window import _aggregate, _infer, _pad_volume, aggregates_on_host, weight_sum
 
 ROI = (12, 8, 8)  # anisotropic, so swapped axes show; at overlap 0.75 the steps are (3, 2, 2)
 # divisible by the roi, odd and non-divisible, even and non-divisible, smaller than the roi on
@@ -269,7 +269,7 @@ def test_windows_travel_to_sw_device_and_back_to_device():
                                            device=device, sw_device=sw_device)
             assert out.device.endswith(device[1:]), (out.device, device)
             assert all(d.endswith(sw_device[1:]) for d in seen), (seen, sw_device)
-            assert np.array_equal(out.numpy(), 2 * volume + 1)
+            assert np.allclose(out.numpy(), 2 * volume + 1, rtol=1e-6, atol=0)
         print("ok")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -292,10 +292,13 @@ def test_windows_run_on_the_accelerator_while_the_volume_stays_on_the_host():
     np.testing.assert_allclose(out.numpy(), 2 * volume + 1, rtol=1e-6)
 
 
-def test_progress_bar(capsys):
+def test_progress_is_reported_in_plain_lines_off_a_terminal(capsys):
+    """`progress=True` goes through tfmis.utils.progress: captured stderr is no terminal, so a plain
+    line counts the predictor calls (here 2 volumes x 2 windows in batches of 2) and no tqdm frames."""
     volume = random_volume((9, 9, 7))
     sliding_window_inference(volume, ROI, 2, double_plus_one, progress=True)
-    assert "sliding window" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "sliding window: 2/2 batch" in err and "\r" not in err
 
 
 @pytest.mark.parametrize("kwargs, argument", [
@@ -330,3 +333,139 @@ def test_calling_inside_tf_function_is_refused():
 
     with pytest.raises(RuntimeError, match="eagerly"):
         traced(tf.zeros((1, 9, 9, 7, 1)))
+
+
+# -- the two blends against an independent reference ------------------------------------------------
+
+def numpy_mean_and_sum(windows):
+    """numpy twin of `mean_and_sum`."""
+    return np.concatenate([windows + windows.mean(axis=(1, 2, 3), keepdims=True),
+                           windows.sum(axis=-1, keepdims=True)], axis=-1)
+
+
+def mean_and_sum(windows):
+    """Not pointwise, and K = C + 1 classes: the blend weights matter and the output has its own channels."""
+    return tf.concat([windows + tf.reduce_mean(windows, axis=(1, 2, 3), keepdims=True),
+                      tf.reduce_sum(windows, axis=-1, keepdims=True)], axis=-1)
+
+
+def reference_inference(volume, overlap, mode):
+    """MONAI's algorithm in numpy (float64): symmetric zero padding up to the roi, MONAI's window grid and
+    gaussian, Σ w·p / Σ w over all windows, padding cropped off."""
+    shape = volume.shape[1:4]
+    pads = [((r - min(s, r)) // 2, r - min(s, r) - (r - min(s, r)) // 2) for s, r in zip(shape, ROI)]
+    padded = np.pad(volume, [(0, 0), *pads, (0, 0)])
+    weights = np.ones(ROI) if mode == "constant" else monai_gaussian(ROI)
+    out = reference_blend(padded, ROI, overlap, weights, numpy_mean_and_sum)
+    return out[(slice(None), *(slice(before, before + s) for (before, _), s in zip(pads, shape)))]
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy_blend", "tensorflow_blend"])
+@pytest.mark.parametrize("shape", [(15, 11, 13), (7, 13, 10), (5, 4, 3)], ids=["odd", "x_below_roi", "all_below_roi"])
+def test_both_blends_match_an_independent_numpy_reference(shape, on_host):
+    """Odd sizes and volumes smaller than the roi, overlap 0.25 and 0.5, constant and gaussian, 1 and 3
+    windows per predictor call, 2 volumes in one call (windows of both share batches): the numpy blend
+    (host memory) and the TensorFlow one (accelerator memory; run here on the CPU) both equal
+    `reference_inference` within 1e-5, for a predictor whose windows disagree where they overlap."""
+    volume = random_volume(shape, seed=sum(shape))
+    for overlap, mode, sw_batch_size in itertools.product([0.25, 0.5], MODES, [1, 3]):
+        expected = reference_inference(volume, overlap, mode)
+        out = _infer(volume, ROI, sw_batch_size, mean_and_sum, overlap, mode, 0.125, "constant", 0.0, None, None,
+                     False, on_host=on_host)
+        assert out.dtype == tf.float32 and out.shape == expected.shape
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"overlap={overlap} mode={mode} sw_batch_size={sw_batch_size}")
+
+
+def test_the_public_function_blends_in_host_memory_on_a_cpu():
+    """On a CPU `device` (or None without a GPU) the numpy blend runs; another device gets TensorFlow's."""
+    assert aggregates_on_host("/CPU:0") and aggregates_on_host("/job:localhost/replica:0/task:0/device:CPU:0")
+    assert not aggregates_on_host("/GPU:0")
+    assert aggregates_on_host(None) == (not tf.config.list_physical_devices("GPU"))
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy_blend", "tensorflow_blend"])
+def test_windows_off_a_grid_and_voxels_no_window_reaches(on_host):
+    """`aggregate_windows` with corners that are no grid (one repeated, some voxels uncovered): Σ w·p / Σ w
+    window by window, and 0 where no window reaches, in both blends."""
+    volume = random_volume((20, 14, 12))
+    starts = np.array([[0, 0, 0], [5, 3, 2], [5, 3, 2], [8, 6, 4], [0, 6, 4]], np.int32)
+    weights = monai_gaussian(ROI)
+    out = _aggregate(volume, ROI, starts, mean_and_sum, weights.astype(np.float32), 2, None, None, False,
+                     on_host=on_host).numpy()
+    total = np.zeros(volume.shape[:4] + (3,))
+    count = np.zeros(volume.shape[1:4] + (1,))
+    for b, (x, y, z) in itertools.product(range(BATCH), starts):
+        region = (slice(x, x + ROI[0]), slice(y, y + ROI[1]), slice(z, z + ROI[2]))
+        total[(b, *region)] += weights[..., None] * numpy_mean_and_sum(volume[(slice(b, b + 1), *region)])[0]
+        if b == 0:  # the weights are the same for every volume
+            count[region] += weights[..., None]
+    covered = count[..., 0] > 0
+    assert not covered.all()
+    np.testing.assert_allclose(out[:, covered], (total / np.where(count > 0, count, 1))[:, covered],
+                               rtol=1e-5, atol=1e-5)
+    assert np.all(out[:, ~covered] == 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape, overlap", [((15, 11, 13), 0.5), ((40, 9, 30), 0.75), ((12, 8, 8), 0.0)])
+def test_weight_sum_equals_the_sum_over_all_windows(shape, overlap, mode):
+    """`weight_sum` (per axis on a grid, product of counts for uniform weights) equals adding the importance
+    map at every window corner."""
+    intervals = [monai_scan_interval(s, r, overlap) for s, r in zip(shape, ROI)]
+    starts = window_starts(shape, ROI, intervals)
+    weights = importance_map(ROI, mode).numpy()
+    expected = np.zeros(shape)
+    for x, y, z in starts:
+        expected[x:x + ROI[0], y:y + ROI[1], z:z + ROI[2]] += weights
+    ours = weight_sum(shape, starts, weights)
+    assert ours.dtype == np.float32
+    np.testing.assert_allclose(ours, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy_blend", "tensorflow_blend"])
+def test_window_batches_and_results_are_not_reused_memory(on_host):
+    """Windows reach the predictor without a copy, and results leave without one: a predictor that keeps
+    every window tensor still holds the right voxels afterwards, and a second call does not change the
+    first call's result."""
+    volume = random_volume((15, 11, 13))
+    kept = []
+
+    def keeping(windows):
+        kept.append(windows)
+        return double_plus_one(windows)
+
+    first = _infer(volume, ROI, 3, keeping, 0.5, "gaussian", 0.125, "constant", 0.0, None, None, False,
+                   on_host=on_host)
+    first_copy = first.numpy().copy()
+    second = _infer(volume * 3, ROI, 3, double_plus_one, 0.5, "gaussian", 0.125, "constant", 0.0, None, None,
+                    False, on_host=on_host)
+    np.testing.assert_array_equal(first.numpy(), first_copy)
+    np.testing.assert_allclose(second.numpy(), 6 * volume + 1, rtol=1e-6, atol=1e-6)
+    corners = [(b, *start) for b in range(BATCH) for start in monai_starts((15, 11, 13), ROI, 0.5)]
+    windows = np.concatenate([w.numpy() for w in kept])
+    assert len(windows) == len(corners)
+    for window, (b, x, y, z) in zip(windows, corners):
+        np.testing.assert_array_equal(window, volume[b, x:x + ROI[0], y:y + ROI[1], z:z + ROI[2]])
+
+
+def test_host_blend_holds_one_sum_buffer_and_one_weight_sum():
+    """Memory of the numpy blend (traced Python and numpy allocations): at most the B·X·Y·Z·K float32
+    sum, the X·Y·Z weight sum, a few window batches and the window corners (~100 bytes per window) at
+    any time; no other buffer of the volume's size (one more K-channel volume would break the bound)."""
+    import tracemalloc
+
+    volume = random_volume((48, 40, 36))
+    sums, weights_bytes = volume[..., :1].size * 3 * 4, np.prod(volume.shape[1:4]) * 4
+    batch_bytes = 4 * np.prod(ROI) * 3 * 4
+    windows = BATCH * number_of_windows(volume.shape[1:4], ROI, 0.75)
+    assert windows > 1000
+    tracemalloc.start()
+    try:
+        out = sliding_window_inference(volume, ROI, 4, mean_and_sum, overlap=0.75, mode="gaussian",
+                                       device="/CPU:0")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.shape == volume.shape[:4] + (3,)
+    assert sums < peak <= sums + weights_bytes + 4 * batch_bytes + 256 * windows, (peak, sums, weights_bytes)

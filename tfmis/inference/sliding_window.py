@@ -8,8 +8,11 @@ with sigma = sigma_scale · roi), and the result is Σ(weight · prediction) / �
 
 Windows are cut from the volume and blended into the output on `device`; only the windows travel
 to `sw_device` for the forward pass, so a large volume can stay in host memory (`device="/CPU:0"`)
-while the network runs on the accelerator. The blend is kept as a running weighted mean, which is
-the same ratio of sums but does not lose precision as overlapping windows pile up.
+while the network runs on the accelerator. As in MONAI, Σ(weight · prediction) is summed with one
+in-place add per window and divided once by Σ(weight), which depends only on the window grid: in host
+memory with numpy (TensorFlow has no fast in-place add into a strided region on a CPU), elsewhere
+with TensorFlow ops on `device`. The next batch of windows is sent to the predictor before the
+previous one is blended, so an accelerator keeps computing while the host blends.
 
 Example:
 ```python
@@ -24,12 +27,15 @@ probabilities = sliding_window_inference(
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+from tfmis.utils.progress import progress_bar
 
 BLEND_MODES = ("constant", "gaussian")
 PADDING_MODES = ("constant", "reflect", "replicate", "circular")
@@ -163,24 +169,39 @@ def importance_map(roi_size: Sequence[int], mode: str = "constant",
         >>> float(weights[2, 2, 2]), float(weights[0, 0, 0]) < 0.01
         (1.0, True)
     """
+    return tf.constant(_importance_array(roi_size, mode, sigma_scale))
+
+
+def _importance_array(roi_size: Sequence[int], mode: str, sigma_scale: float | Sequence[float]) -> np.ndarray:
+    """`importance_map` as a read-only numpy array, computed once per window size, mode and sigma."""
     mode = _check_choice(mode, BLEND_MODES, "mode")
     roi_size = tuple(int(s) for s in roi_size)
     if mode == "constant":
+        return _cached_importance(roi_size, mode, ())
+    scales = tuple(_per_axis(sigma_scale, "sigma_scale"))
+    if any(scale is None or not scale > 0 for scale in scales):
+        raise ValueError(f"sigma_scale must be positive for gaussian mode, got {sigma_scale!r}")
+    return _cached_importance(roi_size, mode, tuple(float(scale) for scale in scales))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_importance(roi_size: tuple[int, ...], mode: str, sigma_scale: tuple[float, ...]) -> np.ndarray:
+    if mode == "constant":
         weights = np.ones(roi_size, np.float64)
     else:
-        sigmas = [scale * size for scale, size in zip(_per_axis(sigma_scale, "sigma_scale"), roi_size)]
-        if min(sigmas) <= 0:
-            raise ValueError(f"sigma_scale must be positive for gaussian mode, got {sigma_scale!r}")
+        sigmas = [scale * size for scale, size in zip(sigma_scale, roi_size)]
         # separable gaussian: one 1D profile per axis, centred between voxels for even sizes
         profiles = [np.exp(-((np.arange(size) - (size - 1) / 2.0) ** 2) / (2 * sigma ** 2))
                     for size, sigma in zip(roi_size, sigmas)]
         weights = profiles[0][:, None, None] * profiles[1][None, :, None] * profiles[2][None, None, :]
     weights = weights.astype(np.float32)
-    return tf.constant(np.maximum(weights, max(float(weights.min()), MIN_IMPORTANCE)))
+    weights = np.maximum(weights, max(float(weights.min()), MIN_IMPORTANCE))
+    weights.flags.writeable = False  # shared by every call with these arguments
+    return weights
 
 
 # ----------------------------------------------------------------------------------------------
-# Window extraction and accumulation (TF ops on `device`)
+# Window extraction and accumulation
 # ----------------------------------------------------------------------------------------------
 
 def _on(device: str | None):
@@ -188,48 +209,208 @@ def _on(device: str | None):
     return tf.device(device) if device else contextlib.nullcontext()
 
 
-@tf.function(reduce_retracing=True)
-def _gather_windows(volume: tf.Tensor, origins: tf.Tensor, roi_size: tuple[int, int, int]) -> tf.Tensor:
-    """Windows (N, rx, ry, rz, C) cut from `volume` at `origins` (N, 4) = [batch, x, y, z].
+def aggregates_on_host(device: str | None) -> bool:
+    """True if `device` (the one holding the volume and the blending buffers) is host memory.
 
-    Runs on the device of the caller's scope, like any tf.function.
+    A CPU device string, or None on a machine without a GPU (TensorFlow's default placement is then
+    the CPU). There the windows are cut and blended with numpy's in-place adds; elsewhere with
+    TensorFlow ops on `device`.
+
+    Example:
+        >>> aggregates_on_host("/CPU:0"), aggregates_on_host("/job:localhost/replica:0/task:0/device:GPU:1")
+        (True, False)
     """
-    size = tf.constant([1, *roi_size, -1], tf.int32)
-
-    def cut(origin):
-        return tf.slice(volume, tf.concat([origin, [0]], axis=0), size)[0]
-
-    return tf.map_fn(cut, origins, fn_output_signature=tf.TensorSpec([*roi_size, None], volume.dtype))
+    if not device:
+        return not tf.config.list_logical_devices("GPU")
+    return (tf.DeviceSpec.from_string(device).device_type or "").upper() == "CPU"
 
 
-@tf.function(reduce_retracing=True)
-def _blend_windows(mean: tf.Variable, weight_sum: tf.Variable, predictions: tf.Tensor, origins: tf.Tensor,
-                   weights: tf.Tensor) -> None:
-    """Folds windows into the running weighted mean: mean = Σ(weight · prediction) / Σ(weight).
+def weight_sum(image_size: Sequence[int], starts: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Σ(weight) per voxel over all windows: the denominator of the blend (MONAI's count map).
 
-    For each origin i = [b, x, y, z] and its region R = [b, x:x+rx, y:y+ry, z:z+rz]:
-    weight_sum[R] += weights; mean[R] += weights / weight_sum[R] · (predictions[i] - mean[R]).
-    The running mean equals the ratio of sums, but its rounding error does not grow with the
-    number of overlapping windows, and identical predictions are reproduced bit for bit.
-    In-place slice updates touch only the windows, and the loop applies them in order, so windows
-    overlapping within one batch are folded in correctly.
+    It depends only on the geometry. When the starts form a grid (as `window_starts` makes them),
+    a uniform importance map gives the product of the window counts per axis, and any other is
+    summed one axis at a time, shifting the map along X, then the result along Y, then along Z:
+    about twice the volume in additions instead of every window's voxels.
 
     Args:
-        mean: (B, X, Y, Z, K) float32 buffer, zeros before the first window.
-        weight_sum: (B, X, Y, Z, 1) float32 buffer, zeros before the first window.
-        predictions: (N, rx, ry, rz, K) float32.
-        origins: (N, 4) int32.
-        weights: (rx, ry, rz, 1) float32 importance map.
+        image_size: spatial size (X, Y, Z) of the (padded) volume.
+        starts: window corners (num_windows, 3), e.g. from `window_starts`; any list works.
+        weights: importance map of shape roi_size.
+
+    Returns:
+        float32 array `image_size`; zero where no window reaches.
+
+    Example:
+        >>> weight_sum((6, 4, 4), window_starts((6, 4, 4), (4, 4, 4), (2, 4, 4)), np.ones((4, 4, 4)))[:, 0, 0].tolist()
+        [1.0, 1.0, 2.0, 2.0, 1.0, 1.0]
     """
-    roi = tf.shape(predictions)  # dynamic: reduce_retracing generalises the window shape
-    rx, ry, rz = roi[1], roi[2], roi[3]
-    for i in tf.range(tf.shape(origins)[0]):
-        b, x, y, z = origins[i, 0], origins[i, 1], origins[i, 2], origins[i, 3]
-        region = (b, slice(x, x + rx), slice(y, y + ry), slice(z, z + rz), slice(None))
-        new_weight_sum = weight_sum[region] + weights
-        weight_sum[region].assign(new_weight_sum)
-        current = mean[region]
-        mean[region].assign(current + weights / new_weight_sum * (predictions[i] - current))
+    weights = np.asarray(weights, np.float32)
+    starts = np.asarray(starts, np.int64).reshape(-1, SPATIAL_DIMS)
+    (rx, ry, rz), (sx, sy, sz) = weights.shape, tuple(int(s) for s in image_size)
+    axes = [np.unique(starts[:, axis]) for axis in range(SPATIAL_DIMS)]
+    if len(starts) != np.prod([len(a) for a in axes]) or len(np.unique(starts, axis=0)) != len(starts):
+        total = np.zeros((sx, sy, sz), np.float32)  # not a grid: window by window
+        for x, y, z in starts:
+            total[x:x + rx, y:y + ry, z:z + rz] += weights
+        return total
+    if weights.min() == weights.max():  # e.g. constant mode: windows per voxel, times the weight
+        counts = []
+        for size, roi, axis_starts in zip((sx, sy, sz), weights.shape, axes):
+            count = np.zeros(size, np.float32)
+            for start in axis_starts:
+                count[start:start + roi] += 1
+            counts.append(count)
+        return (counts[0][:, None, None] * counts[1][None, :, None]) * (counts[2] * weights.flat[0])[None, None, :]
+    along_x = np.zeros((sx, ry, rz), np.float32)
+    for x in axes[0]:
+        along_x[x:x + rx] += weights
+    along_xy = np.zeros((sx, sy, rz), np.float32)
+    for y in axes[1]:
+        along_xy[:, y:y + ry] += along_x
+    total = np.zeros((sx, sy, sz), np.float32)
+    for z in axes[2]:
+        total[:, :, z:z + rz] += along_xy
+    return total
+
+
+# TensorFlow takes a numpy array without a copy through DLPack when its data is aligned as Eigen needs.
+_ALIGNMENT = 64
+_DLPACK_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                                        "uint8", "uint16", "uint32", "uint64")}
+
+
+def _aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    try:
+        raw = np.empty(size + _ALIGNMENT, np.uint8)
+    except MemoryError as e:  # numpy's message, with the shape meant rather than the raw bytes
+        raise MemoryError(f"Unable to allocate {size / 2**20:.3g} MiB for an array with shape {tuple(shape)} "
+                          f"and data type {dtype}") from e
+    offset = -raw.ctypes.data % _ALIGNMENT
+    return raw[offset:offset + size].view(dtype).reshape(shape)
+
+
+def _host_tensor(array: np.ndarray) -> tf.Tensor:
+    """A CPU tensor of an array from `_aligned_empty`, sharing its memory (tf.convert_to_tensor copies)."""
+    if array.dtype in _DLPACK_DTYPES and array.flags.c_contiguous and array.ctypes.data % _ALIGNMENT == 0:
+        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+    return tf.convert_to_tensor(array)
+
+
+class _HostBlend:
+    """Σ(weight · prediction) in one numpy array, added in place window by window, and divided once
+    by Σ(weight) at the end (what MONAI does with torch tensors).
+
+    Numpy's in-place add of a window into a strided region of the volume touches each voxel of
+    the window once; TensorFlow on a CPU has no such op (a strided-slice assignment is ~20x slower
+    per voxel), so host memory is blended with numpy. Windows and the result reach TensorFlow
+    without a copy (`_host_tensor`).
+    """
+
+    def __init__(self, volume: tf.Tensor | np.ndarray, roi_size: tuple[int, int, int], starts: np.ndarray,
+                 weights: tf.Tensor | np.ndarray):
+        self.volume = np.asarray(volume)  # no copy of a tensor in host memory
+        self.roi_size = roi_size
+        self.weights = np.asarray(weights, np.float32)
+        self.uniform = bool(self.weights.min() == self.weights.max() == 1)  # constant mode: no products
+        # the first whole-volume allocation, before any forward pass (a MemoryError here is a clean one)
+        self.weight_sum = weight_sum(self.volume.shape[1:4], starts, self.weights)
+        self.total = self.scratch = None
+
+    def windows(self, origins: np.ndarray) -> tf.Tensor:
+        rx, ry, rz = self.roi_size
+        batch = _aligned_empty((len(origins), rx, ry, rz, self.volume.shape[-1]), self.volume.dtype)
+        for window, (b, x, y, z) in zip(batch, origins):
+            window[...] = self.volume[b, x:x + rx, y:y + ry, z:z + rz]
+        return _host_tensor(batch)
+
+    def allocate(self, prediction: tf.Tensor) -> None:
+        """The sum buffer, once the first prediction tells the channel count K (before the next forward pass)."""
+        shape = tuple(prediction.shape[1:])
+        self.total = _aligned_empty((*self.volume.shape[:4], shape[-1]), np.float32)
+        self.total.fill(0)
+        self.scratch = np.empty(shape, np.float32)
+        self.weights = np.ascontiguousarray(np.broadcast_to(self.weights[..., None], shape))
+
+    def add(self, prediction: tf.Tensor, origins: np.ndarray) -> None:
+        rx, ry, rz = self.roi_size
+        prediction = np.asarray(prediction)  # waits for this batch only: the next one is already queued
+        for window, (b, x, y, z) in zip(prediction, origins):
+            if not self.uniform:
+                window = np.multiply(window, self.weights, out=self.scratch)
+            self.total[b, x:x + rx, y:y + ry, z:z + rz] += window
+
+    def result(self, device: str | None) -> tf.Tensor:
+        total, self.total = self.total, None
+        weights = self.weight_sum[None, ..., None]
+        if weights.min() > 0:
+            np.divide(total, weights, out=total)
+        else:  # starts that leave voxels uncovered: those stay 0
+            np.divide(total, weights, out=total, where=weights > 0)
+        output = _host_tensor(total)
+        if device:
+            with tf.device(device):
+                output = tf.identity(output)
+        return output
+
+
+class _DeviceBlend:
+    """Σ(weight · prediction) and Σ(weight) in one TensorFlow variable on `device` (K + 1 channels),
+    one scatter-add per window, divided once at the end.
+
+    For buffers in accelerator memory: every op is queued on the device and nothing waits for the
+    host until the caller reads the result. The variable is flat, (B·X·Y·Z, K + 1), and a window
+    adds its rx·ry·rz rows at precomputed offsets from its corner. A slice read-add-assign would
+    not do: TensorFlow copies the whole variable on every read once a slice of it was assigned.
+    One scatter per window keeps the indices of each scatter distinct, so the sums are deterministic.
+    """
+
+    def __init__(self, volume: tf.Tensor | np.ndarray, roi_size: tuple[int, int, int],
+                 weights: tf.Tensor | np.ndarray, device: str | None):
+        self.device, self.roi_size = device, roi_size
+        with _on(device):
+            self.volume = tf.identity(volume)
+            self.weights = tf.cast(tf.identity(weights), tf.float32)[..., None]
+        batch, sx, sy, sz = (int(s) for s in self.volume.shape[:4])
+        self.strides = (sx * sy * sz, sy * sz, sz, 1)
+        self.index_dtype = tf.int32 if batch * sx * sy * sz < 2**31 else tf.int64
+        rx, ry, rz = roi_size
+        rows = (np.arange(rx)[:, None, None] * sy + np.arange(ry)[None, :, None]) * sz + np.arange(rz)
+        with _on(device):
+            self.rows = tf.constant(rows.reshape(-1), self.index_dtype)
+        self.total = None
+
+    def windows(self, origins: np.ndarray) -> tf.Tensor:
+        rx, ry, rz = self.roi_size
+        with _on(self.device):
+            return tf.stack([self.volume[b, x:x + rx, y:y + ry, z:z + rz] for b, x, y, z in origins])
+
+    def allocate(self, prediction: tf.Tensor) -> None:
+        """The sum buffer, once the first prediction tells the channel count K (before the next forward pass)."""
+        with _on(self.device):
+            self.total = tf.Variable(tf.zeros([self.strides[0] * int(self.volume.shape[0]), prediction.shape[-1] + 1]),
+                                     trainable=False)
+
+    def add(self, prediction: tf.Tensor, origins: np.ndarray) -> None:
+        rx, ry, rz = self.roi_size
+        with _on(self.device):
+            prediction = tf.identity(prediction) if self.device else prediction
+            channels = int(prediction.shape[-1]) + 1
+            weights = tf.broadcast_to(self.weights, [len(origins), rx, ry, rz, 1])
+            values = tf.reshape(tf.concat([prediction * weights, weights], axis=-1), [len(origins), -1, channels])
+            for value, origin in zip(tf.unstack(values), origins):
+                corner = sum(int(o) * s for o, s in zip(origin, self.strides))
+                tf.raw_ops.ResourceScatterAdd(resource=self.total.handle, indices=self.rows + corner,
+                                              updates=value)
+
+    def result(self, device: str | None) -> tf.Tensor:
+        with _on(self.device):
+            total = tf.reshape(self.total.read_value(), [*self.volume.shape[:4], -1])
+            self.total = None  # frees the variable before the division allocates the output
+            return tf.math.divide_no_nan(total[..., :-1], total[..., -1:])
 
 
 def _prediction_tensor(output: Any, num_windows: int, roi_size: Sequence[int]) -> tf.Tensor:
@@ -251,14 +432,11 @@ def _prediction_tensor(output: Any, num_windows: int, roi_size: Sequence[int]) -
     return prediction
 
 
-def _predict(predictor: Callable, windows: tf.Tensor, sw_device: str | None,
-             device: str | None) -> tf.Tensor:
-    """Runs `predictor` on `sw_device` and brings its output back to `device`."""
+def _predict(predictor: Callable, windows: tf.Tensor, sw_device: str | None) -> tf.Tensor:
+    """Runs `predictor` on `sw_device`; its output (float32, checked) stays where it was computed."""
     with _on(sw_device):
         output = predictor(tf.identity(windows) if sw_device else windows)
-    prediction = _prediction_tensor(output, int(windows.shape[0]), windows.shape[1:4])
-    with _on(device):
-        return tf.identity(prediction) if device else prediction
+    return _prediction_tensor(output, int(windows.shape[0]), windows.shape[1:4])
 
 
 def _window_origins(batch_size: int, starts: np.ndarray) -> np.ndarray:
@@ -274,9 +452,12 @@ def aggregate_windows(volume: tf.Tensor | np.ndarray, roi_size: Sequence[int], s
     """Σ(weight · prediction) / Σ(weight) over the windows of a volume at least roi-sized.
 
     Everything except the forward pass happens on `device`: the volume is copied there, windows
-    are cut there, and the blending buffers (running mean and weight sum, together about
-    B·X·Y·Z·(K+1) floats) live there. Calling again with `device="/CPU:0"` is the way out when
-    the accelerator cannot hold them.
+    are cut there, and the sum of weighted predictions (B·X·Y·Z·K floats, plus X·Y·Z for the sum
+    of weights) lives there. In host memory (`aggregates_on_host`) numpy adds each window in place;
+    on an accelerator TensorFlow ops do, queued without waiting for the host. Calling again with
+    `device="/CPU:0"` is the way out when the accelerator cannot hold the buffers. The next batch
+    of windows goes to the predictor before the previous batch is blended, so an accelerator
+    computes while the host blends.
 
     Args:
         volume: (B, X, Y, Z, C), X, Y, Z >= roi_size.
@@ -287,7 +468,7 @@ def aggregate_windows(volume: tf.Tensor | np.ndarray, roi_size: Sequence[int], s
         sw_batch_size: windows per predictor call; one call may hold windows of two images.
         device: where the volume and buffers live; None is TensorFlow's default placement.
         sw_device: where the predictor runs; None is TensorFlow's default placement.
-        progress: show a tqdm bar over the predictor calls.
+        progress: show progress over the predictor calls (a bar on a terminal, else plain lines).
 
     Returns:
         float32 (B, X, Y, Z, K) on `device`.
@@ -299,29 +480,36 @@ def aggregate_windows(volume: tf.Tensor | np.ndarray, roi_size: Sequence[int], s
         >>> float(tf.reduce_min(out)), float(tf.reduce_max(out))
         (3.0, 3.0)
     """
+    return _aggregate(volume, roi_size, starts, predictor, weights, sw_batch_size, device, sw_device, progress,
+                      on_host=aggregates_on_host(device))
+
+
+def _aggregate(volume, roi_size, starts, predictor, weights, sw_batch_size, device, sw_device, progress,
+               on_host: bool) -> tf.Tensor:
+    """`aggregate_windows` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`)."""
     roi_size = tuple(int(s) for s in roi_size)
-    with _on(device):
-        volume = tf.identity(volume)
-        weights = tf.identity(weights)[..., None]
-    batch_size, image_size = int(volume.shape[0]), tuple(int(s) for s in volume.shape[1:4])
-    origins = _window_origins(batch_size, starts)
-    mean = weight_sum = None
-    batches = range(0, len(origins), sw_batch_size)
-    if progress:
-        from tqdm.auto import tqdm
-        batches = tqdm(batches, desc="sliding window", unit="batch")
-    for first in batches:
-        batch_origins = tf.constant(origins[first:first + sw_batch_size])
-        with _on(device):
-            windows = _gather_windows(volume, batch_origins, roi_size)
-        prediction = _predict(predictor, windows, sw_device, device)  # outside `device`'s scope
-        with _on(device):
-            if mean is None:  # the channel count K is known after the first call
-                mean = tf.Variable(tf.zeros([batch_size, *image_size, prediction.shape[-1]]), trainable=False)
-                weight_sum = tf.Variable(tf.zeros([batch_size, *image_size, 1]), trainable=False)
-            _blend_windows(mean, weight_sum, prediction, batch_origins, weights)
-    with _on(device):
-        return tf.identity(mean)
+    starts = np.asarray(starts, np.int32).reshape(-1, SPATIAL_DIMS)
+    blend = (_HostBlend(volume, roi_size, starts, weights) if on_host
+             else _DeviceBlend(volume, roi_size, weights, device))
+    origins = _window_origins(int(volume.shape[0]), starts)
+    bar = progress_bar(-(-len(origins) // sw_batch_size), "sliding window", "batch") if progress else None
+    pending = None
+    try:
+        for first in range(0, len(origins), sw_batch_size):
+            batch = origins[first:first + sw_batch_size]
+            prediction = _predict(predictor, blend.windows(batch), sw_device)
+            if pending is None:
+                blend.allocate(prediction)
+            else:  # the previous batch, while this one may still be computing
+                blend.add(*pending)
+            pending = prediction, batch
+            if bar is not None:
+                bar.update(1)
+        blend.add(*pending)
+    finally:
+        if bar is not None:
+            bar.close()
+    return blend.result(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -413,7 +601,8 @@ def sliding_window_inference(
             big volume off the accelerator (the training config's `validation_data_device`);
             None is default placement (unlike MONAI, which uses the inputs' device: TF tensors
             and numpy arrays usually sit in host memory even when the GPU is meant to do the work).
-        progress: show a tqdm progress bar over the predictor calls.
+        progress: show progress over the predictor calls (`tfmis.utils.progress.progress_bar`: a
+            bar on a terminal, plain lines in a log).
 
     Returns:
         float32 tensor (B, X, Y, Z, K) on `device`.
@@ -431,6 +620,13 @@ def sliding_window_inference(
     if not tf.executing_eagerly():
         raise RuntimeError("sliding_window_inference loops over window batches in Python; "
                            "call it eagerly, not inside a tf.function")
+    return _infer(inputs, roi_size, sw_batch_size, predictor, overlap, mode, sigma_scale, padding_mode, cval,
+                  sw_device, device, progress, on_host=aggregates_on_host(device))
+
+
+def _infer(inputs, roi_size, sw_batch_size, predictor, overlap, mode, sigma_scale, padding_mode, cval, sw_device,
+           device, progress, on_host: bool) -> tf.Tensor:
+    """`sliding_window_inference` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`)."""
     if not hasattr(inputs, "shape"):
         inputs = np.asarray(inputs)
     shape = tuple(inputs.shape)
@@ -440,15 +636,15 @@ def sliding_window_inference(
     padding = symmetric_padding(original_size, roi_size)
     image_size = tuple(size + before + after for size, (before, after) in zip(original_size, padding))
     starts = window_starts(image_size, roi_size, scan_intervals(image_size, roi_size, overlap))
-    weights = importance_map(roi_size, mode, sigma_scale)
+    weights = _importance_array(roi_size, mode, sigma_scale)
 
-    with _on(device):
-        volume = tf.identity(inputs)
-        if any(before or after for before, after in padding):
-            volume = _pad_volume(volume, padding, padding_mode.lower(), cval)
-    output = aggregate_windows(volume, roi_size, starts, predictor, weights, int(sw_batch_size),
-                               device=device, sw_device=sw_device, progress=progress)
-    if volume.shape[1:4] == tuple(original_size):
+    volume = inputs  # copied to `device` (numpy for the host) by the blend
+    if any(before or after for before, after in padding):
+        with _on(device):
+            volume = _pad_volume(tf.convert_to_tensor(inputs), padding, padding_mode.lower(), cval)
+    output = _aggregate(volume, roi_size, starts, predictor, weights, int(sw_batch_size), device, sw_device, progress,
+                        on_host=on_host)
+    if tuple(volume.shape[1:4]) == tuple(original_size):
         return output
     with _on(device):  # crop the padding back off
         return output[:, padding[0][0]:padding[0][0] + original_size[0],
