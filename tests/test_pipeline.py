@@ -8,6 +8,8 @@ import tensorflow as tf
 from conftest import tiny_config
 from tfmis.config import AugmentConfig
 from tfmis.data.pipeline import build_train_dataset, build_val_dataset, train_steps_per_epoch
+from tfmis.data.pipeline import crop_starts, step_augmentation, train_crop_size
+from tfmis.transforms.augment import window
 from tfmis.data.records import load_index
 from tfmis.transforms.augment import augment_patch
 from tfmis.transforms.crop import foreground_indices, rand_crop_by_pos_neg
@@ -236,3 +238,105 @@ def test_file_cache_is_not_reused_for_other_cached_settings(converted_dataset, t
     with pytest.raises(tf.errors.NotFoundError):  # it looks for the shards instead of a stale cache
         train_batches(build_train_dataset(other).as_numpy_iterator(), 6)
     train_batches(build_train_dataset(config).as_numpy_iterator(), 6)  # the original settings still hit
+
+# ---- spatial augmentation crops and augmentation placement (pipeline.augment.placement)
+
+def coordinate_volume(size):
+    """blob_volume's label, and an image whose channels are each voxel's (x, y, z) + 1: a crop shows where it
+    came from, and 0 where it lies outside the volume."""
+    image, label = blob_volume(size=size, blob=(size // 2 - 2, size // 2 + 2),
+                               second_class_voxel=(size - 3, size - 3, size - 3))
+    coords = np.stack(np.meshgrid(*[np.arange(size)] * 3, indexing="ij"), -1).astype(np.float32) + 1
+    return tf.constant(coords), label
+
+
+@pytest.mark.parametrize("size, class_ratios", [(40, None), (40, [0, 0, 1]), (10, None)])
+def test_crop_starts_locate_rand_crop_by_pos_neg_crops_and_windows_add_context(size, class_ratios):
+    """Same seed: the window at each crop start is rand_crop_by_pos_neg's crop (foreground and background
+    centres, class ratios, a volume smaller than the patch), and a window with margins is one contiguous region of
+    the volume around it, zeros outside."""
+    image, label = coordinate_volume(size)
+    fg, fg_class = foreground_indices(label, num_classes=3)
+    margin = np.array([3, 4, 5])
+    for i in range(6):
+        seed = tf.constant([i, 11], tf.int64)
+        starts = crop_starts(label, fg, fg_class, (16, 16, 16), 4, 1.0, 1.0, seed, class_ratios)
+        images, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, (16, 16, 16), 4, 1.0, 1.0, seed,
+                                              class_ratios)
+        for k in range(4):
+            crop, crop_label = window(image, label, starts[k], (16, 16, 16))
+            np.testing.assert_array_equal(crop.numpy(), images[k].numpy())
+            np.testing.assert_array_equal(crop_label.numpy(), labels[k].numpy())
+            big, big_label = window(image, label, starts[k] - margin, (22, 24, 26))
+            big, big_label = big.numpy(), big_label.numpy()
+            np.testing.assert_array_equal(big[3:-3, 4:-4, 5:-5], images[k].numpy())
+            grid = np.stack(np.meshgrid(*[np.arange(n) for n in big.shape[:3]], indexing="ij"), -1) + (
+                starts[k].numpy() - margin)
+            inside = np.all((grid >= 0) & (grid < size), axis=-1)
+            np.testing.assert_array_equal(big[inside], grid[inside] + 1)  # the volume's own voxels, in place
+            np.testing.assert_array_equal(big_label[inside], label.numpy()[tuple(grid[inside].T)])
+            assert not big[~inside].any() and not big_label[~inside].any()
+            if size == 10:
+                assert not inside.all()
+
+
+SPATIAL_AUGMENT = ["pipeline.augment.flip_prob=0.5", "pipeline.augment.rot90_prob=0.5",
+                   "pipeline.augment.intensity_prob=0.5", "pipeline.augment.noise_std=0.1",
+                   "pipeline.augment.noise_prob=0.5", "pipeline.augment.rotate_prob=0.5",
+                   "pipeline.augment.scale_prob=0.5"]
+
+
+def test_pipeline_placement_with_rotation_and_scaling_yields_patches(converted_dataset, tmp_path):
+    """Rotation and scaling on: crops are cut larger (train_crop_size) and the batches are still patch-sized,
+    float32 images and int32 labels holding only the dataset's classes."""
+    config = tiny_config(converted_dataset, tmp_path, *SPATIAL_AUGMENT)
+    assert all(c > p for c, p in zip(train_crop_size(config.pipeline), config.pipeline.patch_size))
+    for images, labels in build_train_dataset(config).take(4).as_numpy_iterator():
+        assert images.shape == (2, 16, 16, 16, 2) and images.dtype == np.float32
+        assert labels.shape == (2, 16, 16, 16) and labels.dtype == np.int32
+        assert set(np.unique(labels)) <= {0, 1, 2}
+
+
+@pytest.mark.parametrize("extra", [[], ["pipeline.augment.elastic_prob=0.5", "pipeline.augment.elastic_sigma=[3,4]",
+                                        "pipeline.augment.elastic_magnitude=[0,2]"]])
+def test_step_placement_gives_the_pipeline_placement_batches(converted_dataset, tmp_path, extra):
+    """Placement step yields (un-augmented crops of train_crop_size, int32 labels, (B, 2) int64 seeds) in the
+    pipeline placement's order; step_augmentation in a tf.function (as in the training step) turns them into
+    the pipeline placement's batches bit for bit (flips, quarter turns, intensity, noise, rotation, scaling,
+    elastic): the same stateless draws from the same seeds and the same CPU kernels in the same order."""
+    config = tiny_config(converted_dataset, tmp_path, *SPATIAL_AUGMENT, *extra)
+    step_config = tiny_config(converted_dataset, tmp_path, *SPATIAL_AUGMENT, *extra, "pipeline.augment.placement=step")
+    expected = list(build_train_dataset(config).take(6).as_numpy_iterator())  # one epoch: 6 volumes x 2 / 2
+    augment = tf.function(step_augmentation(step_config.pipeline))
+    size = train_crop_size(step_config.pipeline)
+    changed = 0
+    for (image, label), (crops, crop_labels, seeds) in zip(expected, build_train_dataset(step_config).take(6),
+                                                           strict=True):
+        assert crops.shape == (2, *size, 2) and crops.dtype == tf.float32
+        assert crop_labels.shape == (2, *size) and crop_labels.dtype == tf.int32
+        assert seeds.shape == (2, 2) and seeds.dtype == tf.int64
+        out_image, out_label = augment(crops, crop_labels, seeds)
+        np.testing.assert_array_equal(out_image.numpy(), image)
+        np.testing.assert_array_equal(out_label.numpy(), label)
+        margin = [(c - p) // 2 for c, p in zip(size, config.pipeline.patch_size)]
+        centre = crops.numpy()[:, margin[0]:size[0] - margin[0], margin[1]:size[1] - margin[1],
+                               margin[2]:size[2] - margin[2]]
+        changed += sum(not np.array_equal(a, b) for a, b in zip(centre, image))
+    assert changed >= 6  # the augmentation did change most of the 12 patches
+
+
+def test_step_augmentation_under_xla_gives_the_pipeline_placement_batches(converted_dataset, tmp_path):
+    """training.jit_compile: step_augmentation compiled by XLA (static shapes, no py_function) draws the same
+    augmentations from the same seeds (Philox named explicitly, floats made from its integer bits); XLA's own
+    cos/sin/log and fusions move images by float rounding only (< 2e-5), labels by near-ties only (< 0.1 %)."""
+    extra = ["pipeline.augment.elastic_prob=0.5", "pipeline.augment.elastic_sigma=[3,4]",
+             "pipeline.augment.elastic_magnitude=[0,2]"]
+    config = tiny_config(converted_dataset, tmp_path, *SPATIAL_AUGMENT, *extra)
+    step_config = tiny_config(converted_dataset, tmp_path, *SPATIAL_AUGMENT, *extra, "pipeline.augment.placement=step")
+    expected = list(build_train_dataset(config).take(3).as_numpy_iterator())
+    augment = tf.function(step_augmentation(step_config.pipeline), jit_compile=True)
+    for (image, label), (crops, crop_labels, seeds) in zip(expected, build_train_dataset(step_config).take(3),
+                                                           strict=True):
+        out_image, out_label = augment(crops, crop_labels, seeds)
+        np.testing.assert_allclose(out_image.numpy(), image, atol=2e-5)
+        assert np.mean(out_label.numpy() != label) < 1e-3

@@ -51,6 +51,45 @@ class AugmentConfig:
     intensity_prob: float = 0.5
     noise_std: float = 0.0  # gaussian noise, applied with noise_prob
     noise_prob: float = 0.1
+    # spatial (nnU-Net's, off here; nnU-Net 3D uses rotate_prob 0.2 with +-30 degrees per axis and scale_prob 0.2
+    # in 0.7-1.4): rotation, scaling and elastic deformation as one resampling of the patch about its centre,
+    # trilinear for the image, nearest for the label, applied before the flips and quarter turns
+    rotate_prob: float = 0.0
+    rotate_range: list[float] = dataclasses.field(default_factory=lambda: [0.5236, 0.5236, 0.5236])  # radians
+    # per axis: angle ~ U(-r, r) about axes 0, 1, 2 (0.5236 rad = 30 degrees)
+    scale_prob: float = 0.0
+    scale_range: list[float] = dataclasses.field(default_factory=lambda: [0.7, 1.4])  # one factor for all axes
+    # multiplying the sampling grid (> 1 zooms out); half the draws in [low, 1], half in [1, high], as nnU-Net
+    elastic_prob: float = 0.0
+    elastic_sigma: list[float] = dataclasses.field(default_factory=lambda: [9.0, 13.0])  # smoothness, voxels
+    elastic_magnitude: list[float] = dataclasses.field(default_factory=lambda: [0.0, 4.0])  # largest displacement,
+    # voxels, drawn per patch
+    # crop a larger region (patch + 2 x the margin the largest rotation / scale / displacement needs) so that the
+    # transformed patch samples real voxels, not zero padding (nnU-Net's patch size for spatial transform)
+    enlarge_crop: bool = True
+    # where the random augmentation runs: "pipeline" (tf.data, on the CPU) or "step" (inside the compiled
+    # training step, on the accelerator: the pipeline yields un-augmented crops and their seeds)
+    placement: Literal["pipeline", "step"] = "pipeline"
+
+    def __post_init__(self):
+        for key in ("flip_prob", "rot90_prob", "intensity_prob", "noise_prob", "rotate_prob", "scale_prob",
+                    "elastic_prob"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"{key} is a probability in [0, 1], got {getattr(self, key)}")
+        if any(a not in (0, 1, 2) for a in self.flip_axes):
+            raise ValueError(f"flip_axes: spatial axes 0, 1, 2 only, got {self.flip_axes}")
+        if len(self.rotate_range) != 3 or not all(0.0 <= r <= 3.1416 for r in self.rotate_range):
+            raise ValueError(f"rotate_range: three angles in radians in [0, pi], one per axis (0.5236 = 30 degrees), "
+                             f"got {self.rotate_range}")
+        for key, low_limit in (("scale_range", 0.0), ("elastic_sigma", 0.0)):
+            value = getattr(self, key)
+            if len(value) != 2 or not low_limit < value[0] <= value[1]:
+                raise ValueError(f"{key}: expected [low, high] with 0 < low <= high, got {value}")
+        if len(self.elastic_magnitude) != 2 or not 0.0 <= self.elastic_magnitude[0] <= self.elastic_magnitude[1]:
+            raise ValueError(f"elastic_magnitude: expected [low, high] voxels with 0 <= low <= high, got "
+                             f"{self.elastic_magnitude}")
+        if self.placement not in ("pipeline", "step"):
+            raise ValueError(f"placement: 'pipeline' (tf.data) or 'step' (the training step), got {self.placement!r}")
 
 
 @dataclasses.dataclass

@@ -16,6 +16,8 @@ Under a tf.distribute strategy, build through `strategy.distribute_datasets_from
 Example:
 ```python
 dataset = build_train_dataset(config)          # ((B, px, py, pz, C) float32, (B, px, py, pz) int32)
+# pipeline.augment.placement: step -> (crops (B, *train_crop_size(p), C), labels (B, *train_crop_size(p)),
+# seeds (B, 2) int64), augmented in the training step by step_augmentation(config.pipeline)
 val = build_val_dataset(config)                # (1, X, Y, Z, C), (1, X, Y, Z), metadata
 ```
 """
@@ -30,8 +32,10 @@ from pathlib import Path
 import tensorflow as tf
 
 from tfmis.data.records import load_index, parse_example, shard_paths
-from tfmis.transforms.augment import augment_patch
-from tfmis.transforms.crop import foreground_indices, rand_crop_by_pos_neg
+from tfmis.transforms.augment import (augment_patch, random_spatial, spatial_enabled, spatial_margin, spatial_seed,
+                                     window)
+from tfmis.transforms.crop import (_random_background_voxel, _random_foreground_voxel, foreground_indices,
+                                   pad_to_patch, rand_crop_by_pos_neg)
 
 
 def _cache(dataset: tf.data.Dataset, pipeline, name: str, fingerprint: dict) -> tf.data.Dataset:
@@ -107,6 +111,10 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
                         seed_offset: int = 0) -> tf.data.Dataset:
     """The infinite training stream of augmented patch batches (batch = per replica × accumulation).
 
+    `pipeline.augment.placement: step` yields `(images, labels, seeds)` instead: the same crops in the same order,
+    un-augmented (`train_crop_size`, label int32), and each crop's augmentation seed (B, 2) int64, for
+    `step_augmentation(config.pipeline)` to apply in the training step.
+
     Args:
         config: the training `Config`.
         input_context: from `distribute_datasets_from_function` (shards files across input pipelines).
@@ -146,7 +154,9 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
         image, label, fg, fg_class = element
         return crop(position, tf.cast(image, tf.float32), label, fg, fg_class)
 
-    augment = patch_augmentation(p)
+    # placement step: the crops (patch + spatial margin) go out un-augmented with their seeds, and the training
+    # step applies `step_augmentation`; otherwise tf.data augments them here
+    augment = patch_augmentation(p) if p.augment.placement == "pipeline" else _unaugmented(p)
     dataset = dataset.flat_map(crops) if p.deterministic else dataset.interleave(
         crops, cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
     dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
@@ -160,32 +170,146 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
 
 
 def volume_crops(pipeline, stream_seed: int, pipeline_id: int):
-    """`fn(position, image, label, fg, fg_class)`: the dataset of one volume's `num_crops_per_image` patches
+    """`fn(position, image, label, fg, fg_class)`: the dataset of one volume's `num_crops_per_image` crops
     with their augmentation seeds, all drawn from (stream seed, pipeline, position in the stream), so any
-    pipeline that feeds the same volumes in the same order gets the same patches."""
+    pipeline that feeds the same volumes in the same order gets the same patches; `patch_augmentation` (or, for
+    `augment.placement: step`, `_unaugmented` then `step_augmentation`) takes its elements.
+
+    Elements: `(patch, label patch, crop seed)`; with rotation, scaling or elastic deformation on,
+    `(volume, label volume, origin, crop seed)` instead: the crop is the `train_crop_size` window at `origin`
+    (the patch plus `spatial_margin` context per side, zeros outside the volume), left in the volume (no copy)
+    for the augmentation to resample in place."""
     p = pipeline
+    margin = spatial_margin(p.augment, p.patch_size)
 
     def crops(position, image, label, fg, fg_class):
         element_seed = tf.stack([tf.constant(stream_seed + 1000 * pipeline_id, tf.int64), position])
-        images, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, p.patch_size, p.num_crops_per_image,
-                                              p.pos_neg_ratio[0], p.pos_neg_ratio[1], element_seed, p.class_ratios)
         seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(element_seed, 1),
                                                        p.num_crops_per_image)
+        if spatial_enabled(p.augment):  # the same patches as below, located, not cut
+            starts = crop_starts(label, fg, fg_class, p.patch_size, p.num_crops_per_image, p.pos_neg_ratio[0],
+                                 p.pos_neg_ratio[1], element_seed, p.class_ratios)
+            origins = starts - tf.constant(margin, tf.int32)
+            return tf.data.Dataset.from_tensor_slices((origins, seeds)).map(
+                lambda origin, seed: (image, label, origin, seed))
+        images, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, p.patch_size, p.num_crops_per_image,
+                                              p.pos_neg_ratio[0], p.pos_neg_ratio[1], element_seed, p.class_ratios)
         return tf.data.Dataset.from_tensor_slices((images, labels, seeds))
 
     return crops
 
 
-def patch_augmentation(pipeline):
-    """`fn(image, label, crop_seed)`: one patch augmented as `pipeline.augment` says, shapes fixed, label int32."""
-    p = pipeline
+def crop_starts(label: tf.Tensor, fg: tf.Tensor, fg_class: tf.Tensor, patch_size, num_samples: int, pos: float,
+                neg: float, seed: tf.Tensor, class_ratios=None) -> tf.Tensor:
+    """(num_samples, 3) int32: where `rand_crop_by_pos_neg` with the same arguments cuts its crops, in voxels of
+    the volume (negative where a volume smaller than the patch is padded): `window(image, label, start,
+    patch_size)` is its crop. Drawn exactly as it draws them (its helpers, its seed splits), so the spatial
+    augmentations can read a crop's context around it without cutting anything."""
+    _, padded_label, offset = pad_to_patch(tf.zeros(tf.concat([tf.shape(label), [0]], 0)), label, patch_size)
+    fg = fg + offset[None, :]
+    patch = tf.constant(patch_size, tf.int32)
+    shape = tf.shape(padded_label)
+    if class_ratios is not None:
+        neg, pos = float(class_ratios[0]), float(sum(class_ratios[1:]))
+        class_probs = [r / max(pos, 1e-12) for r in class_ratios[1:]]
+    else:
+        class_probs = None
+    p_fg = pos / (pos + neg)
+    has_fg = tf.shape(fg)[0] > 0
+    starts = []
+    for s in tf.unstack(tf.random.experimental.stateless_split(seed, num_samples)):
+        s_choice, s_fg, s_bg = tf.unstack(tf.random.experimental.stateless_split(s, 3))
+        want_fg = tf.logical_and(has_fg, tf.random.stateless_uniform([], seed=s_choice) < p_fg)
+        centre = tf.cond(want_fg, lambda: _random_foreground_voxel(fg, fg_class, class_probs, s_fg),
+                         lambda: _random_background_voxel(padded_label, s_bg))
+        starts.append(tf.clip_by_value(centre - patch // 2, 0, shape - patch) - offset)
+    return tf.stack(starts)
 
-    def augment(image, label, crop_seed):
-        image, label = augment_patch(image, label, p.augment, crop_seed)
+
+def train_crop_size(pipeline) -> list[int]:
+    """The spatial size of the training crops: `patch_size` plus 2 x `spatial_margin` (rotation, scaling,
+    elastic deformation with `augment.enlarge_crop`); what `augment.placement: step` batches carry."""
+    margin = spatial_margin(pipeline.augment, pipeline.patch_size)
+    return [s + 2 * m for s, m in zip(pipeline.patch_size, margin)]
+
+
+def patch_augmentation(pipeline):
+    """`fn(*element)`: one element of `volume_crops` augmented as `pipeline.augment` says into a `patch_size`
+    patch (image float32, label int32, static shapes). With the spatial augmentations on, the crop is resampled
+    in place in its volume (`random_spatial` with the crop's origin), exactly as `augment_patch` resamples the crop
+    cut out, which is what `step_augmentation` does."""
+    p = pipeline
+    crop = train_crop_size(p)
+
+    def augment(*element):
+        if spatial_enabled(p.augment):
+            image, label, origin, crop_seed = element
+            crop_seed = tf.cast(crop_seed, tf.int32)
+            image, label = random_spatial(image, label, p.augment, spatial_seed(crop_seed), p.patch_size,
+                                          origin=origin, input_size=crop)
+        else:
+            image, label, crop_seed = element
+            crop_seed = tf.cast(crop_seed, tf.int32)
+        image, label = augment_patch(image, label, p.augment, crop_seed, patch_size=p.patch_size, spatial=False)
         image = tf.ensure_shape(image, [*p.patch_size, None])
         return image, tf.ensure_shape(tf.cast(label, tf.int32), p.patch_size)
 
     return augment
+
+
+def _unaugmented(pipeline):
+    """Placement step's map: one element of `volume_crops` as (crop, label int32, seed int64), shapes static."""
+    p = pipeline
+    size = train_crop_size(p)
+
+    def keep(*element):
+        if spatial_enabled(p.augment):
+            volume, volume_label, origin, crop_seed = element
+            image, label = window(volume, volume_label, origin, size)
+        else:
+            image, label, crop_seed = element
+        return (tf.ensure_shape(image, [*size, None]), tf.ensure_shape(tf.cast(label, tf.int32), size),
+                tf.ensure_shape(tf.cast(crop_seed, tf.int64), [2]))
+
+    return keep
+
+
+def step_augmentation(pipeline):
+    """`fn(images, labels, seeds) -> (images, labels)`: the augmentation of a batch of un-augmented crops, for
+    `pipeline.augment.placement: step` (the training step augments what `build_train_dataset` yields).
+
+    Graph-safe (a `tf.map_fn` of stateless ops over static shapes, no py_function, XLA-compatible), so it runs
+    inside a compiled training step on the accelerator. Crop i gets what placement `pipeline` gives it from
+    seeds[i]: bit for bit in a tf.function on the same CPU; within float rounding (~1e-5) under XLA or on a GPU.
+
+    Args (of fn):
+        images: (B, *train_crop_size, C) float32; labels: (B, *train_crop_size) int; seeds: (B, 2) int64 (int32
+            values, as `build_train_dataset` yields them).
+
+    Returns (of fn):
+        images (B, *patch_size, C) float32, labels (B, *patch_size) int32.
+
+    Example:
+    ```python
+    augment = step_augmentation(config.pipeline)
+    images, labels, seeds = next(iter(build_train_dataset(config)))    # placement: step
+    images, labels = augment(images, labels, seeds)
+    ```
+    """
+    p = pipeline
+
+    def augment(image, label, crop_seed):
+        # volume_crops' seeds are int32, carried as int64: a seed's dtype changes its stateless_split stream
+        image, label = augment_patch(image, label, p.augment, tf.cast(crop_seed, tf.int32), patch_size=p.patch_size)
+        image = tf.ensure_shape(image, [*p.patch_size, None])
+        return image, tf.ensure_shape(tf.cast(label, tf.int32), p.patch_size)
+
+    def fn(images, labels, seeds):
+        signature = (tf.TensorSpec([*p.patch_size, images.shape[-1]], tf.float32),
+                     tf.TensorSpec(p.patch_size, tf.int32))
+        return tf.map_fn(lambda crop: augment(*crop), (images, labels, seeds), fn_output_signature=signature)
+
+    return fn
 
 
 def build_val_dataset(config, split: str | None = None) -> tf.data.Dataset:
