@@ -205,13 +205,19 @@ def test_importance_map_modes_and_clipping():
 
 # -- padding -------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("as_tensor", [True, False], ids=["tensorflow", "numpy"])
 @pytest.mark.parametrize("mode, numpy_mode", [("constant", "constant"), ("reflect", "reflect"),
                                               ("replicate", "edge"), ("circular", "wrap")])
-def test_padding_modes_match_numpy(mode, numpy_mode):
+def test_padding_modes_match_numpy(mode, numpy_mode, as_tensor):
+    """torch's padding modes on a tensor (TensorFlow ops, for the accelerator blend) and on an array (numpy,
+    for the host blend) equal numpy's corresponding mode; torch's limits hold for both."""
     volume = random_volume((5, 4, 3))
     padding = [(1, 2), (0, 3), (2, 2)]
-    ours = _pad_volume(tf.constant(volume), padding, mode, 0.0).numpy()
+    ours = np.asarray(_pad_volume(tf.constant(volume) if as_tensor else volume, padding, mode, 0.0))
     np.testing.assert_array_equal(ours, np.pad(volume, [(0, 0), *padding, (0, 0)], mode=numpy_mode))
+    if mode in ("reflect", "circular"):
+        with pytest.raises(ValueError, match=f"padding_mode '{mode}' cannot pad an axis of size 3 by 4"):
+            _pad_volume(tf.constant(volume) if as_tensor else volume, [(0, 0), (0, 0), (4, 4)], mode, 0.0)
 
 
 def test_padding_mode_and_cval_reach_the_predictor():
@@ -253,23 +259,31 @@ def test_output_lives_on_the_requested_device():
 
 
 def test_windows_travel_to_sw_device_and_back_to_device():
-    """Two logical CPUs stand in for host and accelerator (they must be set before TF starts)."""
+    """Two logical CPUs stand in for host and accelerator (they must be set before TF starts). Both
+    blends, the numpy one of the public function and the TensorFlow one (`_infer(on_host=False)`, what a
+    GPU `device` gets), with a volume smaller than the roi on one axis (padded and cropped back)."""
     script = textwrap.dedent("""
         import numpy as np, tensorflow as tf
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
         from tfmis.inference import sliding_window_inference
-        volume = np.random.default_rng(0).normal(size=(2, 15, 11, 13, 2)).astype(np.float32)
+        from tfmis.inference.sliding_window import _infer
+        volume = np.random.default_rng(0).normal(size=(2, 15, 7, 13, 2)).astype(np.float32)
         for device, sw_device in [("/CPU:1", "/CPU:0"), ("/CPU:0", "/CPU:1")]:
-            seen = []
-            def predictor(windows):
-                seen.append(windows.device)
-                return 2 * windows + 1
-            out = sliding_window_inference(volume, (12, 8, 8), 3, predictor, overlap=0.5, mode="gaussian",
-                                           device=device, sw_device=sw_device)
-            assert out.device.endswith(device[1:]), (out.device, device)
-            assert all(d.endswith(sw_device[1:]) for d in seen), (seen, sw_device)
-            assert np.allclose(out.numpy(), 2 * volume + 1, rtol=1e-6, atol=0)
+            for blend in ("numpy", "tensorflow"):
+                seen = []
+                def predictor(windows):
+                    seen.append(windows.device)
+                    return 2 * windows + 1
+                if blend == "numpy":
+                    out = sliding_window_inference(volume, (12, 8, 8), 3, predictor, overlap=0.5, mode="gaussian",
+                                                   device=device, sw_device=sw_device)
+                else:
+                    out = _infer(volume, (12, 8, 8), 3, predictor, 0.5, "gaussian", 0.125, "replicate", 0.0,
+                                 sw_device, device, False, on_host=False)
+                assert out.device.endswith(device[1:]), (blend, out.device, device)
+                assert seen and all(d.endswith(sw_device[1:]) for d in seen), (blend, seen, sw_device)
+                assert np.allclose(out.numpy(), 2 * volume + 1, rtol=1e-6, atol=0), blend
         print("ok")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -290,6 +304,17 @@ def test_windows_run_on_the_accelerator_while_the_volume_stays_on_the_host():
     assert out.device.endswith("CPU:0")
     assert devices and all(d.endswith("GPU:0") for d in devices)
     np.testing.assert_allclose(out.numpy(), 2 * volume + 1, rtol=1e-6)
+
+
+@pytest.mark.skipif(not tf.config.list_physical_devices("GPU"), reason="needs a GPU")
+def test_the_tensorflow_blend_keeps_volume_and_sums_on_the_accelerator():
+    """`device="/GPU:0"`: the TensorFlow blend (a scatter-add per window into a variable on the GPU) gives
+    the reference result, on the GPU."""
+    volume = random_volume((20, 18, 13))
+    out = sliding_window_inference(volume, ROI, 4, mean_and_sum, overlap=0.5, mode="gaussian",
+                                   device="/GPU:0", sw_device="/GPU:0")
+    assert out.device.endswith("GPU:0")
+    np.testing.assert_allclose(out.numpy(), reference_inference(volume, 0.5, "gaussian"), rtol=1e-5, atol=1e-5)
 
 
 def test_progress_is_reported_in_plain_lines_off_a_terminal(capsys):

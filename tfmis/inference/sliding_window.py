@@ -249,7 +249,9 @@ def weight_sum(image_size: Sequence[int], starts: np.ndarray, weights: np.ndarra
     starts = np.asarray(starts, np.int64).reshape(-1, SPATIAL_DIMS)
     (rx, ry, rz), (sx, sy, sz) = weights.shape, tuple(int(s) for s in image_size)
     axes = [np.unique(starts[:, axis]) for axis in range(SPATIAL_DIMS)]
-    if len(starts) != np.prod([len(a) for a in axes]) or len(np.unique(starts, axis=0)) != len(starts):
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, SPATIAL_DIMS)
+    if grid.shape != starts.shape or not np.array_equal(np.sort(grid.view("i8,i8,i8"), axis=0),
+                                                       np.sort(starts.view("i8,i8,i8"), axis=0)):
         total = np.zeros((sx, sy, sz), np.float32)  # not a grid: window by window
         for x, y, z in starts:
             total[x:x + rx, y:y + ry, z:z + rz] += weights
@@ -262,16 +264,17 @@ def weight_sum(image_size: Sequence[int], starts: np.ndarray, weights: np.ndarra
                 count[start:start + roi] += 1
             counts.append(count)
         return (counts[0][:, None, None] * counts[1][None, :, None]) * (counts[2] * weights.flat[0])[None, None, :]
-    along_x = np.zeros((sx, ry, rz), np.float32)
-    for x in axes[0]:
-        along_x[x:x + rx] += weights
-    along_xy = np.zeros((sx, sy, rz), np.float32)
-    for y in axes[1]:
-        along_xy[:, y:y + ry] += along_x
-    total = np.zeros((sx, sy, sz), np.float32)
-    for z in axes[2]:
-        total[:, :, z:z + rz] += along_xy
-    return total
+    total = weights
+    for axis, (size, axis_starts) in enumerate(zip((sx, sy, sz), axes)):
+        # shift the partial sum along this axis to every start: (X, ry, rz), then (X, Y, rz), then (X, Y, Z)
+        roi = total.shape[axis]
+        if len(axis_starts) == 1 and axis_starts[0] == 0 and roi == size:
+            continue  # one window covering the axis: nothing to shift
+        shifted = np.zeros(total.shape[:axis] + (size,) + total.shape[axis + 1:], np.float32)
+        for start in axis_starts:
+            shifted[(slice(None),) * axis + (slice(start, start + roi),)] += total
+        total = shifted
+    return np.array(total) if total is weights else total  # the weights may be shared: a copy
 
 
 # TensorFlow takes a numpy array without a copy through DLPack when its data is aligned as Eigen needs.
@@ -343,13 +346,17 @@ class _HostBlend:
                 window = np.multiply(window, self.weights, out=self.scratch)
             self.total[b, x:x + rx, y:y + ry, z:z + rz] += window
 
-    def result(self, device: str | None) -> tf.Tensor:
+    def result(self, device: str | None, crop: tuple[slice, ...] | None) -> tf.Tensor:
         total, self.total = self.total, None
         weights = self.weight_sum[None, ..., None]
         if weights.min() > 0:
             np.divide(total, weights, out=total)
         else:  # starts that leave voxels uncovered: those stay 0
             np.divide(total, weights, out=total, where=weights > 0)
+        if crop is not None:
+            region = total[(slice(None), *crop)]
+            total = _aligned_empty(region.shape, np.float32)
+            total[...] = region
         output = _host_tensor(total)
         if device:
             with tf.device(device):
@@ -406,10 +413,12 @@ class _DeviceBlend:
                 tf.raw_ops.ResourceScatterAdd(resource=self.total.handle, indices=self.rows + corner,
                                               updates=value)
 
-    def result(self, device: str | None) -> tf.Tensor:
+    def result(self, device: str | None, crop: tuple[slice, ...] | None) -> tf.Tensor:
         with _on(self.device):
             total = tf.reshape(self.total.read_value(), [*self.volume.shape[:4], -1])
             self.total = None  # frees the variable before the division allocates the output
+            if crop is not None:
+                total = total[(slice(None), *crop)]
             return tf.math.divide_no_nan(total[..., :-1], total[..., -1:])
 
 
@@ -424,7 +433,9 @@ def _prediction_tensor(output: Any, num_windows: int, roi_size: Sequence[int]) -
             raise ValueError(f"predictor returned {len(outputs)} outputs; sliding_window_inference "
                              "blends one, e.g. pass `lambda w: model(w)[0]`")
         output = outputs[0]
-    prediction = tf.cast(tf.convert_to_tensor(output), tf.float32)
+    if not (isinstance(output, tf.Tensor) and output.dtype == tf.float32):
+        output = tf.cast(tf.convert_to_tensor(output), tf.float32)
+    prediction = output
     expected = (num_windows, *roi_size)
     if prediction.shape.rank != 5 or tuple(prediction.shape[:4]) != expected:
         raise ValueError(f"predictor must return shape (N, rx, ry, rz, K) = ({', '.join(map(str, expected))}, K) "
@@ -485,8 +496,9 @@ def aggregate_windows(volume: tf.Tensor | np.ndarray, roi_size: Sequence[int], s
 
 
 def _aggregate(volume, roi_size, starts, predictor, weights, sw_batch_size, device, sw_device, progress,
-               on_host: bool) -> tf.Tensor:
-    """`aggregate_windows` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`)."""
+               on_host: bool, crop: tuple[slice, ...] | None = None) -> tf.Tensor:
+    """`aggregate_windows` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`), and the
+    result cropped to the spatial `crop` (the padding of a volume smaller than the window)."""
     roi_size = tuple(int(s) for s in roi_size)
     starts = np.asarray(starts, np.int32).reshape(-1, SPATIAL_DIMS)
     blend = (_HostBlend(volume, roi_size, starts, weights) if on_host
@@ -509,7 +521,7 @@ def _aggregate(volume, roi_size, starts, predictor, weights, sw_batch_size, devi
     finally:
         if bar is not None:
             bar.close()
-    return blend.result(device)
+    return blend.result(device, crop)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -535,8 +547,25 @@ def _check_arguments(shape: Sequence[int], sw_batch_size: int, overlap, mode: st
     _check_choice(padding_mode, PADDING_MODES, "padding_mode")
 
 
-def _pad_volume(volume: tf.Tensor, padding: Sequence[tuple[int, int]], mode: str, cval: float) -> tf.Tensor:
-    """Pads the spatial axes of (B, X, Y, Z, C) with torch's modes (constant/reflect/replicate/circular)."""
+_NUMPY_PADDING = {"constant": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+
+
+def _pad_volume(volume: tf.Tensor | np.ndarray, padding: Sequence[tuple[int, int]], mode: str,
+                cval: float) -> tf.Tensor | np.ndarray:
+    """Pads the spatial axes of (B, X, Y, Z, C) with torch's modes (constant/reflect/replicate/circular).
+
+    A numpy array is padded with numpy (for the host blend), a tensor with TensorFlow ops.
+    """
+    if isinstance(volume, np.ndarray):
+        for axis, (before, after) in enumerate(padding, start=1):
+            if mode == "reflect" and max(before, after) >= volume.shape[axis]:
+                raise ValueError(f"padding_mode 'reflect' cannot pad an axis of size {volume.shape[axis]} "
+                                 f"by {max(before, after)}; use 'replicate' or 'constant'")
+            if mode == "circular" and max(before, after) > volume.shape[axis]:
+                raise ValueError(f"padding_mode 'circular' cannot pad an axis of size {volume.shape[axis]} "
+                                 f"by {max(before, after)}; use 'replicate' or 'constant'")
+        return np.pad(volume, [(0, 0), *padding, (0, 0)], mode=_NUMPY_PADDING[mode],
+                      **({"constant_values": cval} if mode == "constant" else {}))
     if mode == "constant":
         return tf.pad(volume, [(0, 0), *padding, (0, 0)], constant_values=tf.cast(cval, volume.dtype))
     if mode == "reflect":
@@ -638,18 +667,15 @@ def _infer(inputs, roi_size, sw_batch_size, predictor, overlap, mode, sigma_scal
     starts = window_starts(image_size, roi_size, scan_intervals(image_size, roi_size, overlap))
     weights = _importance_array(roi_size, mode, sigma_scale)
 
-    volume = inputs  # copied to `device` (numpy for the host) by the blend
+    volume = np.asarray(inputs) if on_host else inputs  # copied to `device` by the TensorFlow blend
+    crop = None
     if any(before or after for before, after in padding):
         with _on(device):
-            volume = _pad_volume(tf.convert_to_tensor(inputs), padding, padding_mode.lower(), cval)
-    output = _aggregate(volume, roi_size, starts, predictor, weights, int(sw_batch_size), device, sw_device, progress,
-                        on_host=on_host)
-    if tuple(volume.shape[1:4]) == tuple(original_size):
-        return output
-    with _on(device):  # crop the padding back off
-        return output[:, padding[0][0]:padding[0][0] + original_size[0],
-                      padding[1][0]:padding[1][0] + original_size[1],
-                      padding[2][0]:padding[2][0] + original_size[2], :]
+            volume = _pad_volume(volume if on_host else tf.convert_to_tensor(volume), padding, padding_mode.lower(),
+                                 cval)
+        crop = tuple(slice(before, before + size) for (before, _), size in zip(padding, original_size))
+    return _aggregate(volume, roi_size, starts, predictor, weights, int(sw_batch_size), device, sw_device, progress,
+                      on_host=on_host, crop=crop)
 
 
 def number_of_windows(image_size: Sequence[int], roi_size: int | Sequence[int],
