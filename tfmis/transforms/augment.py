@@ -224,13 +224,16 @@ def affine_resample(image: tf.Tensor, label: tf.Tensor | None, matrix, output_si
         coords.append(tf.reduce_sum(tf.stack(terms), axis=0))
     strides = [shape[1] * shape[2], shape[2], 1]
 
+    if origin is None:
+        first, stop, origin = tf.zeros([3], tf.int32), shape, tf.zeros([3], tf.int32)
+    else:  # window indices [first, stop) lie in both the window and the image
+        origin = tf.cast(origin, tf.int32)
+        first, stop = tf.maximum(-origin, 0), tf.minimum(size, shape - origin)
+
     def locate(index, i):
         """(flat offset along axis i, inside the window and the image) of window index `index`."""
-        inside = tf.logical_and(index >= 0, index < size[i])
-        if origin is not None:
-            index = index + tf.cast(origin[i], tf.int32)
-            inside = tf.logical_and(inside, tf.logical_and(index >= 0, index < shape[i]))
-        return tf.clip_by_value(index, 0, shape[i] - 1) * strides[i], inside
+        inside = tf.logical_and(index >= first[i], index < stop[i])
+        return tf.clip_by_value(index + origin[i], 0, shape[i] - 1) * strides[i], inside
 
     corners = []  # per axis: [(offset, weight) of the lower and the upper neighbour]
     for i in range(3):
