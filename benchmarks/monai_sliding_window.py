@@ -7,15 +7,15 @@ on standard input and answers one JSON line on standard output:
 
     {"cmd": "load", "case": "c1", "input": "c1.npy", "roi_size": [64, 64, 64], "sw_batch_size": 4,
      "overlap": 0.5, "mode": "gaussian", "predictor": "tanh", "batches": [4, 4, 4, 4, 2]} -> {"ok": true}
-    {"cmd": "time", "case": "c1"}                     -> {"seconds": 0.031}   (one timed run)
-    {"cmd": "time_predictor", "case": "c1"}           -> {"seconds": 0.012}   (the predictor alone on
-                                                          window batches of the given sizes)
+    {"cmd": "time", "case": "c1"}            -> {"seconds": 0.031, "cpu_seconds": 0.05}   (one timed run)
+    {"cmd": "time_predictor", "case": "c1"}  -> {"seconds": 0.012, "cpu_seconds": 0.02}   (the predictor
+                                                alone on window batches of the given sizes)
     {"cmd": "save", "case": "c1", "output": "o.npy"}  -> {"ok": true}         (one run, output saved)
     {"cmd": "quit"}
 
-Volumes are stored channels last, (B, X, Y, Z, C), as tfmis takes them; the worker moves the
-channels first for MONAI and back for the saved output. The first line it writes says which
-versions and how many torch threads it uses.
+`cpu_seconds` is the process' CPU time (all threads) over the run. Volumes are stored channels last,
+(B, X, Y, Z, C), as tfmis takes them; the worker moves the channels first for MONAI and back for the
+saved output. The first line it writes says which versions and how many torch threads it uses.
 
 Example:
     .venv-monai/bin/python benchmarks/monai_sliding_window.py --threads 2
@@ -69,17 +69,17 @@ def main(argv=None) -> int:
                 answer({"ok": True})
             elif request["cmd"] == "time":
                 case = cases[request["case"]]
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 run(case)
-                answer({"seconds": time.perf_counter() - start})
+                answer({"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu})
             elif request["cmd"] == "time_predictor":
                 case = cases[request["case"]]
                 predictor = PREDICTORS[case["predictor"]]
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 with torch.inference_mode():
                     for batch in case["window_batches"]:
                         predictor(batch)
-                answer({"seconds": time.perf_counter() - start})
+                answer({"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu})
             elif request["cmd"] == "save":
                 output = run(cases[request["case"]])
                 np.save(request["output"], np.moveaxis(output.numpy(), 1, -1))

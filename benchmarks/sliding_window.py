@@ -6,7 +6,7 @@ mostly everything around the network: cutting windows, batching, blending, divid
 predictor alone on the same window batches is timed too ("net s"). Each case is a random volume
 (fixed seed) of a given size, window (roi), sliding-window batch, overlap, blending mode and
 predictor; every case runs once to warm up, then `--repeats` timed runs, and the table shows the
-median.
+median (fast cases get more runs, see --min-seconds).
 
 With `--monai PYTHON` the same cases also run through `monai.inferers.sliding_window_inference` in
 that interpreter (benchmarks/monai_sliding_window.py, a worker that imports only torch and MONAI),
@@ -128,7 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--predictors", default="poly,tanh",
                    help="comma-separated: poly (x**2 - x/2), tanh (tanh(x)); each case runs with each")
     p.add_argument("--channels", type=int, default=1, help="image channels C (the prediction has C too)")
-    p.add_argument("--repeats", type=int, default=7, help="timed runs per case and arm (median reported)")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per case and arm at least (median reported)")
+    p.add_argument("--min-seconds", type=float, default=1.0,
+                   help="more runs (up to 200) until tfmis has run this long on the case")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="TensorFlow intra-op threads and torch threads (default: the usable cores)")
     p.add_argument("--monai", metavar="PYTHON", help="an interpreter with torch and MONAI, e.g. .venv-monai/bin/python")
@@ -165,7 +167,8 @@ def main(argv=None) -> int:
              f"OMP_WAIT_POLICY={args.omp_wait_policy or 'default'}" if worker else "")
           + f"; {args.channels} channel(s); median of {args.repeats} runs after 1 warm-up.\n"
           "net s: the predictor alone on the same window batches (what the network would cost); "
-          "around: MONAI/tfmis of (total - net), the time spent around the network", flush=True)
+          "around: MONAI/tfmis of (total - net), the time spent around the network; cpu: MONAI/tfmis of the "
+          "process CPU time (all threads) per volume", flush=True)
 
     def run_tfmis(function, volume, case):
         out = function(volume, case["roi"], case["sw_batch_size"], predictors[case["predictor"]],
@@ -202,25 +205,35 @@ def main(argv=None) -> int:
                     worker.request(cmd="save", case=name, output=str(target))
                     worker.request(cmd="time_predictor", case=name)
                     outputs["monai"] = np.load(target)
-                    arms["monai"] = lambda: worker.request(cmd="time", case=name)["seconds"]
-                    arms["monai_net"] = lambda: worker.request(cmd="time_predictor", case=name)["seconds"]
+                    arms["monai"] = lambda: worker.request(cmd="time", case=name)
+                    arms["monai_net"] = lambda: worker.request(cmd="time_predictor", case=name)
                 times = {arm: [] for arm in arms}
-                for _ in range(args.repeats):  # the arms alternate, so a busy moment hits all of them
+                cpu_times = {arm: [] for arm in arms}
+                runs = 0
+                # the arms alternate, so a busy moment hits all of them; fast cases run until tfmis has had
+                # --min-seconds (at most 200 runs), so that their medians settle too
+                while runs < args.repeats or (sum(times["tfmis"]) < args.min_seconds and runs < 200):
+                    runs += 1
                     for arm, run in arms.items():
                         if arm.startswith("monai"):
-                            times[arm].append(run())
+                            answer = run()
+                            times[arm].append(answer["seconds"])
+                            cpu_times[arm].append(answer["cpu_seconds"])
                         else:
-                            start = time.perf_counter()
+                            start, cpu = time.perf_counter(), time.process_time()
                             run()
                             times[arm].append(time.perf_counter() - start)
-                row = {"case": name, **case, "windows": windows,
+                            cpu_times[arm].append(time.process_time() - cpu)
+                row = {"case": name, **case, "windows": windows, "runs": runs,
                        **{f"{arm}_s": statistics.median(t) for arm, t in times.items()},
+                       **{f"{arm}_cpu_s": statistics.median(t) for arm, t in cpu_times.items()},
                        **{f"{arm}_runs_s": t for arm, t in times.items()}}
                 for arm in ("monai", "baseline"):
                     if arm in outputs:
                         row[f"{arm}_max_abs_diff"] = float(np.abs(outputs[arm] - outputs["tfmis"]).max())
                         row[f"{arm}_over_tfmis"] = row[f"{arm}_s"] / row["tfmis_s"]
                 if worker is not None:
+                    row["monai_cpu_over_tfmis"] = row["monai_cpu_s"] / row["tfmis_cpu_s"]
                     around = row["tfmis_s"] - row["tfmis_net_s"]
                     row["monai_around_over_tfmis"] = ((row["monai_s"] - row["monai_net_s"]) / around
                                                       if around > 0 else float("inf"))
@@ -232,9 +245,11 @@ def main(argv=None) -> int:
     if worker is not None:
         ratios = [r["monai_over_tfmis"] for r in rows]
         around = [r["monai_around_over_tfmis"] for r in rows]
+        cpu = [r["monai_cpu_over_tfmis"] for r in rows]
         print(f"MONAI/tfmis: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; around the network: "
-              f"min {min(around):.2f}, median {statistics.median(around):.2f}; "
-              f"max |tfmis - MONAI| {max(r['monai_max_abs_diff'] for r in rows):.2g}")
+              f"min {min(around):.2f}, median {statistics.median(around):.2f}; CPU time: min {min(cpu):.2f}, "
+              f"median {statistics.median(cpu):.2f}; max |tfmis - MONAI| "
+              f"{max(r['monai_max_abs_diff'] for r in rows):.2g}")
     if args.json:
         atomic_write_json(args.json, {"threads": args.threads, "channels": args.channels, "repeats": args.repeats,
                                       "monai": worker.info if worker else None,
@@ -248,10 +263,11 @@ def print_row(row: dict, header: bool, monai: bool, baseline: bool) -> None:
     cells = [row["case"], f"{row['windows']}", f"{row['tfmis_s']:.4f}", f"{row['windows'] / row['tfmis_s']:.0f}",
              f"{row['tfmis_net_s']:.4f}"]
     if monai:
-        columns += [("MONAI s", 8), ("win/s", 6), ("net s", 7), ("MONAI/tfmis", 11), ("around", 6), ("max|Δ|", 7)]
+        columns += [("MONAI s", 8), ("win/s", 6), ("net s", 7), ("MONAI/tfmis", 11), ("around", 6), ("cpu", 5),
+                    ("max|Δ|", 7)]
         cells += [f"{row['monai_s']:.4f}", f"{row['windows'] / row['monai_s']:.0f}", f"{row['monai_net_s']:.4f}",
                   f"{row['monai_over_tfmis']:.2f}", f"{row['monai_around_over_tfmis']:.2f}",
-                  f"{row['monai_max_abs_diff']:.0e}"]
+                  f"{row['monai_cpu_over_tfmis']:.2f}", f"{row['monai_max_abs_diff']:.0e}"]
     if baseline:
         columns += [("baseline s", 10), ("speed-up", 8), ("max|Δ|", 7)]
         cells += [f"{row['baseline_s']:.4f}", f"{row['baseline_over_tfmis']:.2f}",
