@@ -44,7 +44,7 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
     ("validation.overlap=1.0", r"validation.overlap must be in \[0, 1\)"),
     ("model.filters=[8, 16, 32]", r"model: strides needs one entry per level of filters \(8, 16, 32\)"),
     ("training.epochs", "expected key=value"),
-    ("pipeline.cache=memroy", r"pipeline.cache: 'memroy' is not one of \['memory', 'none', 'file'\] "
+    ("pipeline.cache=memroy", r"pipeline.cache: 'memroy' is not one of \['memory', 'none', 'file', 'partial'\] "
                               r"\(did you mean 'memory'\?\)"),
     ("pipeline.cache=/scratch/cache/demo", r"pipeline.cache: '/scratch/cache/demo' is not one of"),
     ("pipeline.cache=file", r"pipeline.cache is 'file' but pipeline.cache_dir is not set"),

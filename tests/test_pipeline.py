@@ -340,3 +340,260 @@ def test_step_augmentation_under_xla_gives_the_pipeline_placement_batches(conver
         out_image, out_label = augment(crops, crop_labels, seeds)
         np.testing.assert_allclose(out_image.numpy(), image, atol=2e-5)
         assert np.mean(out_label.numpy() != label) < 1e-3
+
+
+# ---------------------------------------------------------------- pipeline.cache: partial (tfmis.data.smart_cache)
+
+PARTIAL_PROBE = r'''
+"""Runs in its own process: one training stream, its peak memory growth, and the case of every crop."""
+import json, sys, time
+args = json.loads(sys.argv[1])
+sys.path.insert(0, args["tests"])
+from conftest import tiny_config
+import numpy as np
+from tfmis.data.pipeline import build_train_dataset
+from tfmis.data.records import record_dataset
+
+def status(key):  # bytes, from the kernel's accounting of this process
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+config = tiny_config(args["dataset"], args["out"], *args["overrides"])
+stream = iter(build_train_dataset(config))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident set (VmHWM) restarts here
+base = status("VmRSS")
+samples = []
+for _ in range(args["batches"]):
+    images, _ = next(stream)
+    samples += [crop[..., 0].numpy().ravel()[:4] for crop in images]  # 4 voxels identify the volume
+growth = status("VmHWM") - base
+del stream
+owners = [[] for _ in samples]  # the training volumes whose channel 0 holds all 4 values of a crop
+for image, _, meta in record_dataset(args["dataset"], "train"):
+    values = np.sort(image.numpy()[..., 0].astype(np.float32).ravel())
+    for owner, sample in zip(owners, samples):
+        at = np.minimum(np.searchsorted(values, sample), len(values) - 1)
+        if np.array_equal(values[at], sample):
+            owner.append(meta["case_id"].numpy().decode())
+print(json.dumps({"growth": growth, "owners": owners}))
+'''
+
+
+@pytest.fixture(scope="module")
+def partial_cache_dataset(tmp_path_factory):
+    """30 cases of 128^3 x 2 channels converted to float32, uncompressed: 24 training volumes of 124^3 x 2 after the
+    foreground crop, 17.2 MB each decoded (15.3 MB image + 1.9 MB label), 412 MB for the whole training split."""
+    from conftest import make_msd_dataset
+    from tfmis.data.convert import ConversionConfig, convert
+
+    root = tmp_path_factory.mktemp("partial")
+    source = make_msd_dataset(root / "Task97_Partial", num_cases=30, shape=(128, 128, 128))
+    convert(ConversionConfig(str(source), str(root / "tfrecords"), split=(0.8, 0.2), shards=4, workers=1,
+                             progress=False, compression="NONE", image_dtype="float32"))
+    shutil.rmtree(source)
+    return root / "tfrecords"
+
+
+def volume_bytes(dataset_dir, split="train"):
+    """Decoded bytes of the largest volume of `split`: image (at its storage dtype) + uint8 label."""
+    index = load_index(dataset_dir)
+    itemsize = np.dtype(index["preprocessing"]["image_dtype"]).itemsize
+    return max(int(np.prod(c["image_shape"])) * itemsize + int(np.prod(c["image_shape"][:3]))
+               for c in index["cases"].values() if c["split"] == split)
+
+
+def probe_stream(dataset_dir, out, overrides, batches):
+    """`PARTIAL_PROBE` in a fresh Python process. glibc's malloc is told to return every freed block above 64 KiB
+    to the system (MALLOC_MMAP_THRESHOLD_), so that the resident set counts the volumes held, not freed ones
+    kept for reuse."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    args = {"tests": str(Path(__file__).parent), "dataset": str(dataset_dir), "out": str(out),
+            "overrides": overrides, "batches": batches}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run([sys.executable, "-c", PARTIAL_PROBE, json.dumps(args)], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_partial_cache_size_follows_cache_num_cache_rate_and_replace_rate():
+    """`partial_cache_size(pipeline, share)`: cache_num when set, else cache_rate of the share (at least 1); never
+    more than the share; replace_num = ceil(replace_rate x cache_num), at least 1, 0 when the whole share fits."""
+    from tfmis.config import PipelineConfig
+    from tfmis.data.smart_cache import partial_cache_size
+
+    assert partial_cache_size(PipelineConfig(cache="partial", cache_num=100, replace_rate=0.25), 400) == (100, 25)
+    assert partial_cache_size(PipelineConfig(cache="partial", cache_num=100, replace_rate=0.1), 400) == (100, 10)
+    assert partial_cache_size(PipelineConfig(cache="partial", cache_num=4, replace_rate=0.2), 24) == (4, 1)
+    assert partial_cache_size(PipelineConfig(cache="partial", cache_rate=0.25, replace_rate=0.2), 500) == (125, 25)
+    assert partial_cache_size(PipelineConfig(cache="partial", cache_rate=0.01), 50) == (1, 1)
+    assert partial_cache_size(PipelineConfig(cache="partial", cache_num=30, replace_rate=0.5), 24) == (24, 0)
+    assert partial_cache_size(PipelineConfig(cache="partial", cache_num=20, replace_rate=0.5), 24) == (20, 4)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("pipeline.cache_num=0", r"pipeline.cache_num must be >= 1 volume \(or null to use pipeline.cache_rate\), got 0"),
+    ("pipeline.cache_rate=0", r"pipeline.cache_rate must be in \(0, 1\]"),
+    ("pipeline.cache_rate=1.5", r"pipeline.cache_rate must be in \(0, 1\]"),
+    ("pipeline.replace_rate=0", r"pipeline.replace_rate must be in \(0, 1\]"),
+    ("pipeline.replace_rate=2", r"pipeline.replace_rate must be in \(0, 1\]"),
+])
+def test_partial_cache_settings_out_of_range_name_the_key(override, message):
+    from tfmis.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["pipeline.cache=partial", override])
+
+
+def test_cache_num_without_partial_cache_is_refused_with_the_fix():
+    """A bound given for another cache mode would be silently ignored (and the whole split cached): refused."""
+    from tfmis.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"pipeline.cache_num=8 only bounds pipeline.cache=partial, but "
+                                          r"pipeline.cache is 'memory': set pipeline.cache=partial"):
+        load_config(None, ["pipeline.cache_num=8"])
+    assert load_config(None, ["pipeline.cache=partial", "pipeline.cache_num=8"]).pipeline.cache_num == 8
+
+
+def test_smart_cache_cycles_are_sliding_windows_of_the_record_stream(converted_dataset):
+    """`smart_cache` over the real TFRecords (the partial cache's reader, shard order reshuffled per pass): cycle k
+    holds exactly the records k..k+2 of the stream (cache_num 3, replace_num 1), in a shuffled order; every training
+    case is in the cache within 4 cycles; the stream is reproducible."""
+    from tfmis.data.pipeline import _read
+    from tfmis.data.records import shard_paths
+    from tfmis.data.smart_cache import smart_cache
+
+    index = load_index(converted_dataset)
+    files = shard_paths(converted_dataset, "train", index)
+
+    def volumes():
+        return _read(files, index, True, None, "train", refill_seed=3).map(lambda image, label, meta: meta["case_id"])
+
+    def case_ids(dataset, n):
+        return [c.decode() for c in dataset.take(n).as_numpy_iterator()]
+
+    cycles = 12
+    cached = case_ids(smart_cache(volumes(), 3, 1, seed=5), 3 * cycles)
+    stream = case_ids(volumes().repeat(), 36)
+    train = set(index["splits"]["train"]["cases"])
+    passes = {tuple(stream[i:i + 6]) for i in range(0, 36, 6)}
+    assert len(train) == 6 and all(set(p) == train for p in passes)  # one pass = every case once
+    assert len(passes) > 1  # later passes read the shards in another order
+    for k in range(cycles):
+        assert sorted(cached[3 * k:3 * k + 3]) == sorted(stream[k:k + 3]), k
+    assert set(cached[:12]) == train
+    assert sum(cached[3 * k:3 * k + 3] != stream[k:k + 3] for k in range(cycles)) >= cycles // 3  # shuffled
+    assert case_ids(smart_cache(volumes(), 3, 1, seed=5), 3 * cycles) == cached
+
+
+def test_partial_cache_holds_at_most_its_bound_of_volumes_and_sees_every_case(partial_cache_dataset, tmp_path):
+    """The training stream of `pipeline.cache: partial` (cache_num 4, replace_rate 0.2: 1 volume replaced per cycle
+    of 4) on 24 training volumes of 17.2 MB, each run in its own process, every crop traced back to its volume:
+
+    - any 3 consecutive cycles (4 volumes x 2 crops each) draw from at most 4 + 2 x 1 volumes, and all 24 volumes
+      come through the cache over 90 batches (22 cycles);
+    - the process's peak resident memory grows by less than `partial_cache_bound` volumes (cache_num + replace_num
+      + the few in flight), while the same stream with `cache: memory` grows by more than the whole split (the
+      control: the measurement sees cached volumes)."""
+    from tfmis.data.smart_cache import partial_cache_bound
+
+    common = ["pipeline.patch_size=[32,32,32]", "pipeline.shuffle_crops=1", "pipeline.augment.intensity_prob=0"]
+    batches, crops_per_cycle = 90, 4 * 2
+    volume = volume_bytes(partial_cache_dataset)
+    partial = probe_stream(partial_cache_dataset, tmp_path, [*common, "pipeline.cache=partial", "pipeline.cache_num=4"],
+                           batches)
+    memory = probe_stream(partial_cache_dataset, tmp_path, [*common, "pipeline.cache=memory"], batches)
+
+    windows = {}
+    for name, run in (("partial", partial), ("memory", memory)):
+        assert all(len(owner) == 1 for owner in run["owners"])  # every crop comes from exactly one volume
+        cases = [owner[0] for owner in run["owners"]]
+        windows[name] = [len(set(cases[i:i + 3 * crops_per_cycle]))
+                         for i in range(0, len(cases) - 3 * crops_per_cycle + 1, crops_per_cycle)]
+        if name == "partial":
+            assert len(set(cases)) == 24
+    assert max(windows["partial"]) <= 4 + 2 * 1, windows["partial"]
+    assert max(windows["memory"]) > 4 + 2 * 1  # the observable tells a full cache from the partial one
+
+    bound = partial_cache_bound(4, 1) * volume
+    assert partial["growth"] < bound, (partial["growth"] / 2**20, bound / 2**20)
+    assert memory["growth"] > 24 * volume > bound, (memory["growth"] / 2**20, 24 * volume / 2**20)
+
+
+def test_training_with_partial_cache_on_data_larger_than_the_cache_waits_under_5_percent(partial_cache_dataset,
+                                                                                         tmp_path):
+    """A real `Trainer.fit()` (U-Net 8-16-32, 4 crops of 32^3 per step, one volume per step) with
+    `pipeline.cache: partial`, cache_num 4 of the 24 training volumes (replace_rate 0.2: one new volume read from the
+    TFRecords every 4 steps, 17 MB decoded): every epoch after the first waits for input at most 5 % of its step
+    time (history.jsonl)."""
+    import json
+
+    from tfmis.engine.trainer import Trainer
+
+    config = tiny_config(partial_cache_dataset, tmp_path / "run", "model.filters=[8,16,32]", "model.strides=[1,2,2]",
+                         "pipeline.patch_size=[32,32,32]", "pipeline.num_images_per_batch=4",
+                         "pipeline.num_crops_per_image=4", "pipeline.deterministic=false", "pipeline.cache=partial",
+                         "pipeline.cache_num=4", "training.epochs=3", "training.steps_per_epoch=32",
+                         "validation.val_interval=100", "validation.max_cases=1", "validation.overlap=0",
+                         "validation.roi_size=[64,64,64]")
+    Trainer(config).fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    for r in records[1:]:
+        assert r["data_wait_fraction"] <= 0.05, [(r["epoch"], r["data_wait_fraction"]) for r in records]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_partial_cache_of_each_worker_holds_only_its_own_share(converted_dataset, tmp_path, workers):
+    """Under N input pipelines (2 workers: one shard each, file-level sharding; 3 workers for 2 shards: every 3rd
+    case, data-level), each pipeline's partial cache sizes itself on its own share and cycles only through its own
+    cases; together the workers cover the 6 training cases once; `build_train_dataset` streams batches for each."""
+    from tfmis.data.pipeline import _read, input_shard
+    from tfmis.data.records import shard_paths
+    from tfmis.data.smart_cache import share_size, smart_cache
+
+    index = load_index(converted_dataset)
+    files = shard_paths(converted_dataset, "train", index)
+    config = tiny_config(converted_dataset, tmp_path, "pipeline.cache=partial", "pipeline.cache_num=1")
+    seen = []
+    for i in range(workers):
+        context = tf.distribute.InputContext(num_input_pipelines=workers, input_pipeline_id=i)
+        shard = input_shard(files, index["splits"]["train"]["cases"], context)
+        assert shard["level"] == ("file" if workers == 2 else "data")
+        share = share_size(index, "train", shard)
+        volumes = _read(files, index, True, context, "train", refill_seed=0).map(lambda image, label, meta:
+                                                                                   meta["case_id"])
+        cases = {c.decode() for c in smart_cache(volumes, 1, 1, seed=0).take(4 * share).as_numpy_iterator()}
+        assert len(cases) == share == 6 // workers
+        seen += sorted(cases)
+        images, labels = next(iter(build_train_dataset(config, context)))
+        assert images.shape == (2, 16, 16, 16, 2) and labels.shape == (2, 16, 16, 16)
+    assert sorted(seen) == sorted(index["splits"]["train"]["cases"])
+
+
+def test_input_bound_diagnosis_names_the_partial_cache_fix(converted_dataset, tmp_path):
+    """With `cache: partial`, an input-bound run is blamed on the cache refills, with the settings that fix it."""
+    from tfmis.engine.callbacks import input_bound_diagnosis
+
+    records = [{"epoch": e, "data_wait_seconds": 3.0, "compute_seconds": 7.0} for e in (1, 2, 3)]
+    config = tiny_config(converted_dataset, tmp_path, "pipeline.cache=partial", "pipeline.replace_rate=0.3")
+    found = input_bound_diagnosis(config, records)
+    assert found["data_wait_fraction"] == pytest.approx(0.3) and found["epochs"] == [2, 3]
+    assert "pipeline.cache is partial" in found["cause"] and "replace_rate=0.3" in found["cause"]
+    assert "lower pipeline.replace_rate" in found["fix"] and "pipeline.cache_num" in found["fix"]
+
+
+def test_validation_under_partial_cache_reads_the_shards_each_time(converted_dataset, tmp_path):
+    """`cache: partial` bounds the training volumes; the validation volumes are not cached at all (no memory): a
+    second validation pass reads the shards again and fails once they are gone."""
+    config = tiny_config(dataset_copy(converted_dataset, tmp_path), tmp_path, "pipeline.cache=partial")
+    dataset = build_val_dataset(config)
+    assert len(val_volumes(dataset)) == 2
+    hide_shards(config.data.dataset_dir)
+    with pytest.raises(tf.errors.NotFoundError):
+        val_volumes(dataset)

@@ -32,6 +32,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from tfmis.data.records import load_index, parse_example, shard_paths
+from tfmis.data.smart_cache import REFILL_PARALLELISM, partial_cache_size, share_size, smart_cache
 from tfmis.transforms.augment import (augment_patch, random_spatial, spatial_enabled, spatial_margin, spatial_seed,
                                      window)
 from tfmis.transforms.crop import (_random_background_voxel, _random_foreground_voxel, foreground_indices,
@@ -39,18 +40,20 @@ from tfmis.transforms.crop import (_random_background_voxel, _random_foreground_
 
 
 def _cache(dataset: tf.data.Dataset, pipeline, name: str, fingerprint: dict) -> tf.data.Dataset:
-    """Caches the deterministic part of a pipeline as `pipeline.cache` (memory, file, none) says.
+    """Caches the deterministic part of a pipeline as `pipeline.cache` (memory, file, none, partial) says.
 
     `file` writes `<pipeline.cache_dir>/<name>-<hash>.*`. The hash covers `fingerprint`: the dataset's
     index.json and every setting that changes the cached elements, so a reconverted dataset or
-    another setting writes a new cache instead of silently reading a stale one.
+    another setting writes a new cache instead of silently reading a stale one. `partial` is the training
+    stream's bounded cache (`tfmis.data.smart_cache`, built by `build_train_dataset`); anything else cached
+    through here under `partial` (the validation volumes) is read from the TFRecords each time, adding no memory.
     """
-    if pipeline.cache == "none":
+    if pipeline.cache in ("none", "partial"):
         return dataset
     if pipeline.cache == "memory":
         return dataset.cache()
     if pipeline.cache != "file" or not pipeline.cache_dir:
-        raise ValueError(f"pipeline.cache must be memory, none or file (with pipeline.cache_dir), got "
+        raise ValueError(f"pipeline.cache must be memory, none, partial or file (with pipeline.cache_dir), got "
                          f"{pipeline.cache!r} (cache_dir {pipeline.cache_dir!r})")
     folder = Path(pipeline.cache_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -77,14 +80,23 @@ def input_shard(files, cases, input_context=None) -> dict:
     return {"level": "data", "files": list(files), "cases": sorted(cases)[i::n]}
 
 
-def _read(files, index, deterministic: bool, input_context=None, split: str | None = None) -> tf.data.Dataset:
+def _read(files, index, deterministic: bool, input_context=None, split: str | None = None,
+          refill_seed: int | None = None) -> tf.data.Dataset:
+    """`refill_seed` set: the partial cache's reader (`tfmis.data.smart_cache`): a new seeded shard order on
+    every pass, and no read-ahead (files read in turn, records parsed as they are asked for), so that only a
+    few volumes are in flight besides the cached ones."""
     compression = index["preprocessing"]["compression"]
     dtype = index["preprocessing"]["image_dtype"]
     shard = input_shard(files, index["splits"][split]["cases"] if split else [], input_context)
     files = shard["files"]
-    dataset = tf.data.Dataset.from_tensor_slices(files).interleave(
+    names = tf.data.Dataset.from_tensor_slices(files)
+    if refill_seed is not None:
+        names = names.shuffle(len(files), seed=refill_seed, reshuffle_each_iteration=True)
+    read_ahead = {} if refill_seed is not None else {"num_parallel_calls": tf.data.AUTOTUNE,
+                                                     "deterministic": deterministic}
+    dataset = names.interleave(
         lambda f: tf.data.TFRecordDataset(f, compression_type="" if compression == "NONE" else compression),
-        cycle_length=min(len(files), 8), num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
+        cycle_length=min(len(files), 8), **read_ahead)
     if shard["cases"] is not None:
         mine = tf.constant(shard["cases"])
 
@@ -93,8 +105,7 @@ def _read(files, index, deterministic: bool, input_context=None, split: str | No
             return tf.reduce_any(tf.equal(case_id["case_id"], mine))
 
         dataset = dataset.filter(is_mine)
-    return dataset.map(lambda s: parse_example(s, dtype), num_parallel_calls=tf.data.AUTOTUNE,
-                       deterministic=deterministic)
+    return dataset.map(lambda s: parse_example(s, dtype), **read_ahead)
 
 
 def train_steps_per_epoch(config, num_replicas: int = 1) -> int:
@@ -135,16 +146,23 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
         fg, fg_class = foreground_indices(label, num_classes, p.max_foreground_indices, seed)
         return image, label, fg, fg_class
 
-    dataset = _read(files, index, p.deterministic, input_context, config.data.train_split)
-    dataset = dataset.map(with_foreground, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
-    pipeline_id = input_context.input_pipeline_id if input_context else 0
-    dataset = _cache(dataset, p, f"train{pipeline_id}", {
-        "index": index, "split": config.data.train_split, "seed": seed, "deterministic": p.deterministic,
-        "max_foreground_indices": p.max_foreground_indices,
-        "input_pipelines": input_context.num_input_pipelines if input_context else 1})
     # a resumed run (seed_offset = epochs done) draws a new volume order and new crops, not epoch 1's again
     stream_seed = seed + 7919 * seed_offset
-    dataset = dataset.shuffle(p.shuffle_volumes, seed=stream_seed, reshuffle_each_iteration=True).repeat()
+    dataset = _read(files, index, p.deterministic, input_context, config.data.train_split,
+                    refill_seed=stream_seed if p.cache == "partial" else None)
+    dataset = dataset.map(with_foreground, num_parallel_calls=REFILL_PARALLELISM if p.cache == "partial" else
+                          tf.data.AUTOTUNE, deterministic=p.deterministic)
+    pipeline_id = input_context.input_pipeline_id if input_context else 0
+    if p.cache == "partial":  # a bounded, shuffled window of volumes, refilled from the TFRecords per cycle
+        share = share_size(index, config.data.train_split,
+                           input_shard(files, index["splits"][config.data.train_split]["cases"], input_context))
+        dataset = smart_cache(dataset, *partial_cache_size(p, share), seed=stream_seed)
+    else:
+        dataset = _cache(dataset, p, f"train{pipeline_id}", {
+            "index": index, "split": config.data.train_split, "seed": seed, "deterministic": p.deterministic,
+            "max_foreground_indices": p.max_foreground_indices,
+            "input_pipelines": input_context.num_input_pipelines if input_context else 1})
+        dataset = dataset.shuffle(p.shuffle_volumes, seed=stream_seed, reshuffle_each_iteration=True).repeat()
     # per-element seeds: (training seed, position in the stream), independent of thread scheduling
     dataset = dataset.enumerate()
 

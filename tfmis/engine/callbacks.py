@@ -271,6 +271,11 @@ def input_bound_diagnosis(config, records: list[dict], threshold: float = 0.10) 
     if p.cache == "none":
         cause = "pipeline.cache is none: every epoch reads and decodes the TFRecords again"
         fix = "set pipeline.cache=memory (or pipeline.cache=file with pipeline.cache_dir when host RAM is short)"
+    elif p.cache == "partial":
+        cause = (f"pipeline.cache is partial: each pass over the cached volumes waits for its new volumes "
+                 f"(pipeline.replace_rate={p.replace_rate:g} of them) to be read from the TFRecords")
+        fix = ("lower pipeline.replace_rate (e.g. 0.1), cache more volumes (pipeline.cache_num or pipeline.cache_rate), "
+               f"or draw more crops per cached volume (pipeline.num_crops_per_image, now {p.num_crops_per_image})")
     elif p.deterministic:
         cause = "pipeline.deterministic is true: reads, crops and augmentation run in a fixed order, one at a time"
         fix = "set pipeline.deterministic=false"
