@@ -55,7 +55,8 @@ class LineProgress:
     def _line(self, now: float) -> None:
         share = f" ({self.n / self.total:.0%})" if self.total else ""
         extra = f"  {self.postfix}" if self.postfix else ""
-        print(f"{self.desc}: {self.n}/{self.total} {self.unit}s{share}  {now - self.start:.0f}s{extra}",
+        plural = self.unit + ("es" if self.unit.endswith(("s", "sh", "ch", "x")) else "s")
+        print(f"{self.desc}: {self.n}/{self.total} {plural}{share}  {now - self.start:.0f}s{extra}",
               file=self.file, flush=True)
 
 
