@@ -239,6 +239,7 @@ def test_file_cache_is_not_reused_for_other_cached_settings(converted_dataset, t
         train_batches(build_train_dataset(other).as_numpy_iterator(), 6)
     train_batches(build_train_dataset(config).as_numpy_iterator(), 6)  # the original settings still hit
 
+
 # ---- spatial augmentation crops and augmentation placement (pipeline.augment.placement)
 
 def coordinate_volume(size):

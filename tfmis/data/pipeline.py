@@ -182,9 +182,19 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
         dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
     batch = p.num_images_per_batch * config.training.accumulation_steps
     dataset = dataset.batch(batch, drop_remainder=True)
+    dataset = with_channel_count(dataset, len(index["source"]["modalities"]))
     options = tf.data.Options()
     options.deterministic = p.deterministic
     return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+
+
+def with_channel_count(batches: tf.data.Dataset, channels: int) -> tf.data.Dataset:
+    """`batches` (images, ...) with the images' channel count stated in the element spec.
+
+    The training step is traced from this spec: with an unknown channel count (augmentation loses it) TensorFlow's
+    CPU convolutions run about 6x slower (measured).
+    """
+    return batches.map(lambda images, *rest: (tf.ensure_shape(images, [*images.shape[:4], channels]), *rest))
 
 
 def volume_crops(pipeline, stream_seed: int, pipeline_id: int):

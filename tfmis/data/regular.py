@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmis.data.msd import MSDDataset, load_case
-from tfmis.data.pipeline import input_shard, patch_augmentation, volume_crops
+from tfmis.data.pipeline import input_shard, patch_augmentation, volume_crops, with_channel_count
 from tfmis.data.preprocess import PreprocessConfig, preprocess
 from tfmis.data.records import load_index, shard_paths
 from tfmis.transforms.crop import foreground_indices
@@ -213,4 +213,5 @@ def build_regular_train_dataset(config, input_context: tf.distribute.InputContex
     dataset = dataset.flat_map(crops).map(patch_augmentation(p))
     if p.shuffle_crops > 1:
         dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
-    return dataset.batch(p.num_images_per_batch * config.training.accumulation_steps, drop_remainder=True)
+    return with_channel_count(dataset.batch(p.num_images_per_batch * config.training.accumulation_steps,
+                                            drop_remainder=True), channels)
