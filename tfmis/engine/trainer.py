@@ -39,6 +39,7 @@ from tfmis.inference.placement import VolumePlacement
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.losses import build_loss
 from tfmis.metrics.segmentation import SegmentationMetrics
+from tfmis.planning.hardware import resolve_precision
 from tfmis.networks.unet import UNetConfig, check_patch_size
 from tfmis.optimizers import batch_scaled_learning_rate, build_optimizer, build_schedule
 from tfmis.utils.devices import accelerator_device
@@ -88,7 +89,8 @@ class Trainer:
         self.in_channels = len(index["source"]["modalities"])
         self.spacing_by_case = {cid: c["geometry"]["spacing"] for cid, c in index["cases"].items()}
         keras.utils.set_random_seed(tc.seed)
-        keras.mixed_precision.set_global_policy(tc.precision)
+        self.precision = resolve_precision(tc.precision)  # auto: this machine's best
+        keras.mixed_precision.set_global_policy(self.precision)
         self.steps_per_epoch = train_steps_per_epoch(config, self.backend.num_replicas)
         m, o = config.model, config.optimizer
         check_patch_size(config.pipeline.patch_size, m.strides)  # fail now, not after data loading
@@ -106,7 +108,7 @@ class Trainer:
                                       min_learning_rate=min_learning_rate)
             optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, momentum=o.momentum,
                                         nesterov=o.nesterov, beta_1=o.beta_1, beta_2=o.beta_2, clipnorm=o.clipnorm)
-            if tc.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
+            if self.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             optimizer.build(self.model.trainable_variables)
             self.backend.prepare_optimizer(optimizer)  # the step reduces gradients before apply() clips them

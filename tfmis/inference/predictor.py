@@ -38,6 +38,7 @@ from tfmis.data.records import load_training_data_info
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.networks.unet import UNetConfig
+from tfmis.planning.hardware import resolve_precision
 from tfmis.utils.devices import CPU, accelerator_device
 from tfmis.utils.io import atomic_writer
 
@@ -147,7 +148,7 @@ class Predictor:
                                          device_setting="--device")
         self.tta_flips = [list(c) for n in range(len(tta_axes) + 1) for c in itertools.combinations(
             [a + 1 for a in tta_axes], n)] if tta else [[]]  # +1: axis 0 is the window batch
-        keras.mixed_precision.set_global_policy(config.training.precision)
+        keras.mixed_precision.set_global_policy(resolve_precision(config.training.precision))
         with tf.device(self.compute_device):
             # recomputation only saves memory in a backward pass, and prediction has none
             architecture = {**dataclasses.asdict(config.model), "recompute": False}
