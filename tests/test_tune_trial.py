@@ -98,11 +98,17 @@ def test_real_out_of_memory_in_training_fails_the_trial_with_its_phase(converted
 
 
 def test_real_out_of_memory_in_validation_keeps_the_training_numbers(converted_dataset, tmp_path):
-    """Training fits under the cap; the aggregation buffers of a 160³ volume do not."""
-    config = tiny_config(converted_dataset, tmp_path / "unused")
-    result = run_trial(request(config, volume_shape=[160, 160, 160]), workdir=tmp_path / "trial",
+    """Training (16³ crops) fits under the cap; the forward pass of 16 windows of 48³ does not.
+
+    The sliding window blends in numpy on the host, outside TensorFlow's allocator, so what the cap
+    catches in validation is the network's activations for one window batch (16·48³·4 float32 = 28 MB
+    per tensor of the first level; measured: 8 windows already fail under this cap, 16 leave margin)."""
+    config = tiny_config(converted_dataset, tmp_path / "unused", "validation.roi_size=[48,48,48]",
+                         "validation.num_sw_batch_size=16")
+    result = run_trial(request(config, volume_shape=[96, 96, 96]), workdir=tmp_path / "trial",
                        extra_env=capped_cpu_allocator(64))
-    assert result["status"] == "failed" and result["failed_phase"] == "validation" and result["out_of_memory"]
+    assert result["status"] == "failed" and result["failed_phase"] == "validation" and result["out_of_memory"], \
+        result["reason"]
     assert result["reason"].startswith("out of memory in validation: ResourceExhaustedError: OOM when allocating ")
     assert result["images_per_second"] > 0 and result["train_peak_mb"] > 0 and len(result["step_seconds_all"]) == 2
     assert result["sw_seconds"] is None
