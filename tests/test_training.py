@@ -627,3 +627,273 @@ def test_input_bound_report_warns_for_uncached_reads_and_stays_silent_for_the_ca
     assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("input-bound:")]
     assert summary["input_bound"] is None
     assert json.loads((tmp_path / "fast" / "summary.json").read_text())["input_bound"] is None
+
+
+# ---------------------------------------------------------------- training.steps_per_loop
+
+def fit_recording_steps(config, initial_weights=None, **trainer_kwargs):
+    """Fits `config` (starting from `initial_weights` if given); returns (trainer, the step events in the order the
+    callbacks saw them: ("begin", epoch, step) and ("end", epoch, step, loss, loop_steps))."""
+    from tfmis.engine.callbacks import Callback
+
+    events = []
+
+    class Steps(Callback):
+        def on_step_begin(self, trainer, epoch, step):
+            events.append(("begin", epoch, step))
+
+        def on_step_end(self, trainer, epoch, step, logs):
+            events.append(("end", epoch, step, logs["loss"], logs["loop_steps"]))
+
+    trainer = Trainer(config, callbacks=[Steps(), *trainer_kwargs.pop("callbacks", [])], **trainer_kwargs)
+    if initial_weights is not None:
+        trainer.model.set_weights(initial_weights)
+    trainer.fit()
+    return trainer, events
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_steps_per_loop_trains_the_same_steps_as_one_step_per_loop(converted_dataset, tmp_path, accumulation):
+    """training.steps_per_loop=3 with 4 steps per epoch (a loop of 3, then a remainder loop of 1, over 2 epochs):
+    the same per-step losses and the same final weights, optimizer state and iteration count as steps_per_loop=1
+    from the same initial weights on the same deterministic stream (also with 2 accumulated micro-batches). The
+    loop function is traced once per loop length; the callbacks get on_step_begin for every step of a loop before
+    it and on_step_end for each after it, in step order; the history still reports the input wait."""
+    common = [*PLAIN_SGD, "optimizer.learning_rate=0.05", "training.steps_per_epoch=4", "training.epochs=2",
+              "validation.val_interval=2", f"training.accumulation_steps={accumulation}"]
+    start = Trainer(tiny_config(converted_dataset, tmp_path / "init", *common)).model.get_weights()
+    one, one_events = fit_recording_steps(tiny_config(converted_dataset, tmp_path / "k1", *common), start)
+    three, three_events = fit_recording_steps(tiny_config(converted_dataset, tmp_path / "k3", *common,
+                                                          "training.steps_per_loop=3"), start)
+    losses = lambda events: [e[3] for e in events if e[0] == "end"]  # noqa: E731
+    assert len(losses(three_events)) == 8
+    np.testing.assert_allclose(losses(three_events), losses(one_events), rtol=1e-5)
+    assert len(set(losses(one_events))) == 8  # the steps did train (each step's loss differs)
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(one.model.get_weights(), start))
+    assert moved > 1e-3
+    for a, b in zip(trainer_state(three), trainer_state(one)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert int(three.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy()) == 8
+    assert three._train_loop.experimental_get_tracing_count() == 2  # one per loop length: 3 and the remainder 1
+    def per_epoch(e):  # a loop of 3 steps, then the remainder loop of 1
+        return [*[("begin", e, s) for s in range(3)], *[("end", e, s, 3) for s in range(3)],
+                ("begin", e, 3), ("end", e, 3, 1)]
+
+    assert [ev if ev[0] == "begin" else (*ev[:3], ev[4]) for ev in three_events] == per_epoch(1) + per_epoch(2)
+    assert [(*ev[:3], ev[4]) for ev in one_events if ev[0] == "end"] == [("end", e, s, 1) for e in (1, 2)
+                                                                         for s in range(4)]
+    history = [json.loads(line) for line in (tmp_path / "k3" / "history.jsonl").read_text().splitlines()]
+    assert [r["train_loss"] for r in history] == pytest.approx(
+        [json.loads(line)["train_loss"] for line in (tmp_path / "k1" / "history.jsonl").read_text().splitlines()],
+        rel=1e-5)
+    for r in history:
+        assert 0 <= r["data_wait_fraction"] <= 1 and r["compute_seconds"] > 0 and r["images_per_second"] > 0
+        assert r["data_wait_seconds"] + r["compute_seconds"] <= r["epoch_seconds"]
+    assert history[0]["data_wait_seconds"] > 0  # epoch 1 reads the TFRecords into the cache: its first step waits
+
+
+def test_nan_loss_inside_a_loop_stops_at_the_same_step_as_one_step_per_loop(converted_dataset, tmp_path):
+    """A learning rate of 1e30 makes the loss NaN within the first epoch: with training.steps_per_loop=3 fit stops
+    with the same message, naming the same epoch and step, as with one step per loop; nothing is committed."""
+    common = ["optimizer.name=sgd", "optimizer.learning_rate=1e30", "optimizer.schedule=constant",
+              "training.epochs=3", "training.steps_per_epoch=4"]
+    messages = []
+    for k in (1, 3):
+        config = tiny_config(converted_dataset, tmp_path / f"k{k}", *common, f"training.steps_per_loop={k}")
+        with pytest.raises(TrainingDiverged, match=r"the training loss became nan at epoch 1, step \d") as error:
+            Trainer(config).fit()
+        messages.append(str(error.value).replace(f"k{k}", "k"))
+        assert not (tmp_path / f"k{k}" / "history.jsonl").exists()
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("steps, loop, message", [
+    (2, 3, r"all 2 steps of epoch 1 were skipped"),
+    (25, 6, r"20 consecutive steps were skipped \(epoch 1, steps 1-20\)")])
+def test_skipped_steps_stop_fit_with_several_steps_per_loop(converted_dataset, tmp_path, steps, loop, message):
+    """Every gradient non-finite, several steps per loop (a loop longer than the epoch is cut to the epoch; the
+    20th consecutive skipped step lies inside a loop of 6): fit stops with the same message as one step per loop
+    and commits nothing."""
+    config = tiny_config(converted_dataset, tmp_path / "run", f"training.steps_per_epoch={steps}",
+                         f"training.steps_per_loop={loop}")
+    trainer = Trainer(config)
+    base = trainer.loss_fn
+    trainer.loss_fn = lambda y, p: with_foreground_norm_term(base)(tf.zeros_like(y), p) + base(y, p) - base(
+        tf.zeros_like(y), p)
+    with pytest.raises(TrainingDiverged, match=message):
+        trainer.fit()
+    assert not list((tmp_path / "run" / "checkpoints").glob("ckpt-*"))
+    assert not (tmp_path / "run" / "history.jsonl").exists()
+
+
+INPUT_DELAY = 0.25  # seconds every training batch takes to arrive in test_slow_input_is_counted_as_input_wait...
+
+
+def test_slow_input_is_counted_as_input_wait_with_several_steps_per_loop(converted_dataset, tmp_path):
+    """A training stream whose every batch arrives INPUT_DELAY seconds late (a sleep after the prefetch, nothing
+    fetched ahead), 4 steps per epoch in loops of 3 and 1: the history counts at least 4 × INPUT_DELAY of input
+    wait per epoch, and after the first epoch (which traces the loop) the wait is most of the step time; the
+    plain-line progress (not a terminal) prints a line per step with its input-wait share."""
+    import io
+    import time
+
+    from tfmis.engine.callbacks import Progress
+
+    def late(config, input_context, seed_offset):
+        def sleep(images, labels):
+            [images] = tf.py_function(lambda x: (time.sleep(INPUT_DELAY), x)[1], [images], [images.dtype])
+            return tf.ensure_shape(images, labels.shape.as_list() + [None]), labels
+        options = tf.data.Options()
+        options.experimental_optimization.inject_prefetch = False  # no batch may be ready ahead of its step
+        return build_train_dataset(config, input_context, seed_offset).map(sleep).with_options(options)
+
+    stream = io.StringIO()
+    config = tiny_config(converted_dataset, tmp_path / "run", "training.steps_per_epoch=4", "training.epochs=2",
+                         "training.steps_per_loop=3", "validation.val_interval=2")
+    Trainer(config, train_dataset_fn=late, callbacks=[Progress(0, stream=stream)]).fit()
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    for r in history:
+        assert r["data_wait_seconds"] >= 4 * INPUT_DELAY
+        assert r["data_wait_seconds"] + r["compute_seconds"] <= r["epoch_seconds"]
+    assert history[1]["data_wait_fraction"] > 0.5, history[1]
+    lines = [line for line in stream.getvalue().splitlines() if line.startswith("epoch 2/2  step")]
+    assert [line.split("  ")[1] for line in lines] == ["step 1/4", "step 2/4", "step 3/4"]
+    assert all("input wait" in line for line in lines)
+
+
+LOOP_MIRRORED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    sys.path.insert(0, sys.argv[3])
+    from conftest import tiny_config
+    from test_training import PLAIN_SGD, fit_recording_steps
+    from tfmis.engine.distribution import make_backend
+    from tfmis.engine.trainer import Trainer
+    dataset_dir, out = sys.argv[1], sys.argv[2]
+    backend = make_backend("mirrored", ["/cpu:0", "/cpu:1"])  # one strategy for both trainers
+    common = [*PLAIN_SGD, "optimizer.learning_rate=0.05", "training.steps_per_epoch=4", "training.epochs=1",
+              "training.accumulation_steps=2", "runtime.distribution=mirrored", 'runtime.devices=["/cpu:0","/cpu:1"]']
+    start = Trainer(tiny_config(dataset_dir, out + "/init", *common), backend=backend).model.get_weights()
+    runs = {}
+    for k in (1, 3):
+        trainer, events = fit_recording_steps(tiny_config(dataset_dir, f"{out}/k{k}", *common,
+                                                          f"training.steps_per_loop={k}"), start, backend=backend)
+        strategy = trainer.backend.strategy
+        replicas = [[v.numpy() for v in strategy.experimental_local_results(var.value)]
+                    for var in trainer.model.trainable_variables]
+        runs[k] = dict(losses=[e[3] for e in events if e[0] == "end"], weights=[r[0] for r in replicas],
+                       agree=all(np.array_equal(r[0], r[1]) for r in replicas),
+                       history=[json.loads(line) for line in open(f"{out}/k{k}/history.jsonl")])
+    print(json.dumps({
+        "replicas": backend.num_replicas, "losses": {k: r["losses"] for k, r in runs.items()},
+        "max_weight_diff": max(float(np.abs(a - b).max()) for a, b in zip(runs[1]["weights"], runs[3]["weights"])),
+        "moved": max(float(np.abs(a - b).max()) for a, b in zip(runs[1]["weights"], start)),
+        "replicas_agree": [runs[1]["agree"], runs[3]["agree"]],
+        "wait_fraction": [r["history"][0]["data_wait_fraction"] for r in runs.values()]}))
+""")
+
+
+def test_steps_per_loop_under_mirrored_strategy_matches_one_step_per_loop(converted_dataset, tmp_path):
+    """MirroredStrategy over two logical CPUs with 2 accumulated micro-batches: a fit with training.steps_per_loop=3
+    (loops of 3 and 1 steps over the distributed iterator) gives the same 4 per-step losses and the same final
+    weights as steps_per_loop=1 from the same initial weights, identical on both replicas; the input wait is
+    reported."""
+    script = tmp_path / "loop_mirrored.py"
+    script.write_text(LOOP_MIRRORED_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(converted_dataset), str(tmp_path), str(TESTS)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["replicas"] == 2
+    assert len(out["losses"]["3"]) == 4 and len(set(out["losses"]["1"])) == 4
+    np.testing.assert_allclose(out["losses"]["3"], out["losses"]["1"], rtol=1e-5)
+    assert out["moved"] > 1e-3 and out["max_weight_diff"] < 1e-5
+    assert out["replicas_agree"] == [True, True]
+    assert all(0 <= f <= 1 for f in out["wait_fraction"])
+
+
+def test_steps_per_loop_with_mixed_float16_loss_scaling_trains_as_one_step_per_loop(converted_dataset, tmp_path):
+    """training.precision=mixed_float16 (LossScaleOptimizer) with training.steps_per_loop=3 over 4 steps: the same
+    per-step losses, loss scale and weights as one step per loop from the same initial weights."""
+    common = [*PLAIN_SGD, "optimizer.learning_rate=0.05", "training.precision=mixed_float16",
+              "training.steps_per_epoch=4", "training.epochs=1"]
+    start = Trainer(tiny_config(converted_dataset, tmp_path / "init", *common)).model.get_weights()
+    runs = [fit_recording_steps(tiny_config(converted_dataset, tmp_path / f"k{k}", *common,
+                                            f"training.steps_per_loop={k}"), start) for k in (1, 3)]
+    (one, one_events), (three, three_events) = runs
+    losses = [[e[3] for e in events if e[0] == "end"] for events in (one_events, three_events)]
+    assert len(losses[1]) == 4 and all(np.isfinite(losses[1]))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    records = [json.loads((tmp_path / f"k{k}" / "history.jsonl").read_text()) for k in (1, 3)]
+    assert records[1]["loss_scale"] == records[0]["loss_scale"]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(one.model.get_weights(), start)) > 1e-3
+    for a, b in zip(three.model.get_weights(), one.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_profiler_trace_with_several_steps_per_loop(converted_dataset, tmp_path):
+    """profile.start_step=2, num_steps=2 with training.steps_per_loop=2 (the trace covers the loops holding steps
+    2 and 3): one profiler trace holding the host train_step range of the loops, the input fetch inside the loop
+    under the data_wait/ name scope and the step's ops under train_step/forward/ and train_step/optimizer_step/."""
+    config = tiny_config(converted_dataset, tmp_path / "run", "profile.start_step=2", "profile.num_steps=2",
+                         "training.epochs=2", "training.steps_per_loop=2")
+    Trainer(config).fit()
+    traces = list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1
+    content = traces[0].read_bytes()
+    assert b"data_wait/IteratorGetNext" in content  # the batch pulled inside the loop
+    assert b"train_step/forward/" in content and b"train_step/optimizer_step/" in content
+
+
+@pytest.mark.parametrize("loop", [1, 2])
+def test_augmentation_placed_in_the_step_trains_as_in_the_pipeline(converted_dataset, tmp_path, loop):
+    """pipeline.augment.placement=step (un-augmented crops and their seeds from tf.data, augmented inside the
+    compiled step) against placement=pipeline, same seed and initial weights, flips, quarter turns, intensity,
+    rotation and scaling all on, 2 accumulated micro-batches: the same per-step losses and final weights over 2
+    epochs of 2 steps (one or two steps per loop)."""
+    common = [*PLAIN_SGD, "optimizer.learning_rate=0.05", "training.accumulation_steps=2",
+              f"training.steps_per_loop={loop}", "validation.val_interval=2", "pipeline.augment.rotate_prob=0.5",
+              "pipeline.augment.scale_prob=0.5"]
+    start = Trainer(tiny_config(converted_dataset, tmp_path / "init", *common)).model.get_weights()
+    (piped, piped_events), (stepped, stepped_events) = (
+        fit_recording_steps(tiny_config(converted_dataset, tmp_path / placement, *common,
+                                        f"pipeline.augment.placement={placement}"), start)
+        for placement in ("pipeline", "step"))
+    assert piped._step_augment is None and stepped._step_augment is not None
+    losses = [[e[3] for e in events if e[0] == "end"] for events in (piped_events, stepped_events)]
+    assert len(losses[1]) == 4 and len(set(losses[0])) == 4
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(piped.model.get_weights(), start)) > 1e-3
+    for a, b in zip(stepped.model.get_weights(), piped.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_steps_per_loop_on_two_worker_processes_trains_as_one_step_per_loop(converted_dataset, tmp_path):
+    """`python -m tfmis.launch --nproc 2 -- python -m tfmis.train` (MultiWorkerMirroredStrategy over two local
+    worker processes), 4 steps per epoch: training.steps_per_loop=3 (loops of 3 and 1) gives the same epoch losses
+    and validation Dice as one step per loop."""
+    import os
+
+    from tfmis.config import save_config
+
+    records = {}
+    for k in (1, 3):
+        config = tiny_config(converted_dataset, tmp_path / f"k{k}", *PLAIN_SGD, "optimizer.learning_rate=0.05",
+                             "training.steps_per_epoch=4", "training.epochs=2", "validation.val_interval=2",
+                             "runtime.distribution=multiworker", f"training.steps_per_loop={k}")
+        save_config(config, tmp_path / f"k{k}.yaml")
+        env = {**{key: v for key, v in os.environ.items() if key != "TF_CONFIG"}, "TF_NUM_INTRAOP_THREADS": "1",
+               "TF_NUM_INTEROP_THREADS": "1"}
+        result = subprocess.run([sys.executable, "-m", "tfmis.launch", "--nproc", "2", "--", sys.executable, "-m",
+                                 "tfmis.train", "--config", str(tmp_path / f"k{k}.yaml")],
+                                capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+        records[k] = [json.loads(line) for line in (tmp_path / f"k{k}" / "history.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records[3]] == [1, 2]
+    assert records[1][0]["train_loss"] != pytest.approx(records[1][1]["train_loss"], rel=1e-3)  # it trained
+    for a, b in zip(records[3], records[1]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+    assert records[3][1]["val_mean_dice"] == pytest.approx(records[1][1]["val_mean_dice"], abs=1e-6)

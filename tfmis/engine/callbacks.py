@@ -8,10 +8,16 @@ and the monitors and profilers of `tfmis.profiling`. Events, in order:
     on_train_begin(trainer, start_epoch)
       on_epoch_begin(trainer, epoch)
         on_step_begin(trainer, epoch, step)      # step counts from 0
-        on_step_end(trainer, epoch, step, logs)  # logs: loss, mean_loss, skipped, wait_seconds, compute_seconds
+        on_step_end(trainer, epoch, step, logs)  # logs: loss, mean_loss, skipped, wait_seconds, compute_seconds,
+                                                 # loop_steps
       on_validation_end(trainer, epoch, result)  # epochs that validate
       on_epoch_end(trainer, epoch, record)       # after the epoch is committed (checkpoint + history)
     on_train_end(trainer, summary)
+
+With `training.steps_per_loop: K` the steps run K at a time in one compiled loop: `on_step_begin` comes for
+each of the loop's steps before it runs, `on_step_end` for each after it returns (in step order, with that
+step's loss; `wait_seconds`/`compute_seconds` are the epoch's totals at the end of its loop, `loop_steps`
+its length). With K = 1 (the default) the two alternate, one step at a time.
 
 The commit (checkpoint, history record, best weights) stays in the loop: it is the one point at
 which an epoch becomes durable, and callbacks only ever see committed epochs.
@@ -221,8 +227,11 @@ class Profiler(Callback):
     """Records a TensorFlow profiler trace of `num_steps` optimizer steps from global step `start_step` (1-based)
     into `log_dir` (TensorBoard's Profile tab, with the plugin installed: `pip install tensorboard-plugin-profile`).
 
-    The loop marks its phases with `tf.profiler.experimental.Trace` ranges (`data_wait`, `train_step`,
-    `validation`), the analogue of NVTX ranges in Nsight Systems.
+    The loop marks its phases with `tf.profiler.experimental.Trace` ranges (`train_step`, one per loop of
+    `training.steps_per_loop` steps, and `validation`), the analogue of NVTX ranges in Nsight Systems; inside
+    the loop the input fetch is under the `data_wait/` name scope and the step's ops under `train_step/`.
+    With several steps per loop the trace covers whole loops: it starts before the loop holding `start_step`
+    and stops after the loop holding the last requested step.
     """
 
     def __init__(self, log_dir: str | Path, start_step: int, num_steps: int):

@@ -8,6 +8,10 @@ validation on whole volumes, atomic checkpoints, the best model by mean Dice,
 history/TensorBoard/plots. Time spent waiting for input is measured apart from
 compute time, because "is the accelerator starving?" is the first question about a slow run.
 
+The steps run `training.steps_per_loop` at a time in one `tf.function` with an inner loop over the
+distributed iterator (as tensorflow/models' orbit does): the host reads the losses once per loop, not
+once per step, so that on an accelerator it can queue the next steps while the device works.
+
 Example:
 ```python
 trainer = Trainer(load_config("configs/demo.yaml"))
@@ -133,16 +137,32 @@ class Trainer:
         if tc.jit_compile and self.backend.name == "horovod":
             raise ValueError("training.jit_compile: true does not work with runtime.distribution: horovod (Horovod's "
                              "all-reduce inside the step has no XLA kernel); set training.jit_compile=false")
+        self._step_augment = None
+        if config.pipeline.augment.placement == "step":
+            # the dataset yields un-augmented crops and their seeds; the replica step augments them on its device
+            from tfmis.data.pipeline import step_augmentation
+
+            self._step_augment = step_augmentation(config.pipeline)
         step = tf.function(self._replica_step, jit_compile=True) if tc.jit_compile else self._replica_step
+        self._step = step
         self._train_step = tf.function(lambda batch: self.backend.reduce_mean(self.backend.run(step, batch)))
+
+        def train_loop(iterator, num_steps: int):  # a function of its own per trainer, traced once per loop length
+            return self._steps_loop(iterator, num_steps)
+
+        self._train_loop = tf.function(train_loop)
         self._predict = tf.function(lambda x: self.model(x, training=False), reduce_retracing=True)
         # one policy for the whole run: the volume sizes it learns not to fit stay learned across epochs
         self.placement = VolumePlacement.for_validation(config.validation)
 
     # ------------------------------------------------------------------ the step
 
-    def _replica_step(self, images, labels):
+    def _replica_step(self, images, labels, seeds=None):
         """One optimizer step on this replica's batch; returns (mean loss, 1.0 if the step was skipped).
+
+        With `pipeline.augment.placement: step` the batch holds un-augmented crops and their per-crop
+        seeds (B, 2), and the random augmentation runs first, here, on the replica's device (under the
+        `augment` name scope), as the pipeline would have run it on the CPU.
 
         The gradient summed over micro-batches and replicas is what `optimizer.apply` clips
         (`optimizer.clipnorm`) and what decides, identically on every replica, whether the step is
@@ -152,6 +172,16 @@ class Trainer:
         micro-batch forward pass (as in PyTorch gradient accumulation), from that micro-batch's
         statistics over all replicas (synchronised BatchNorm, see `make_normalization`).
         """
+        # a stream that does not state its channel count (one pulled inside the loop is traced from its element
+        # spec) would trace the convolutions with an unknown input depth, measured ~6x slower on a CPU
+        images = tf.ensure_shape(images, [None] * (len(images.shape) - 1) + [self.in_channels])
+        if self._step_augment is not None:
+            if seeds is None:
+                raise ValueError("pipeline.augment.placement is step but the training batches hold no crop seeds: "
+                                 "the training dataset must yield (images, labels, seeds), as "
+                                 "tfmis.data.pipeline.build_train_dataset does with that placement")
+            with tf.name_scope("augment"):
+                images, labels = self._step_augment(images, labels, seeds)
         n = self.config.training.accumulation_steps
         variables = self.model.trainable_variables
         loss_scaler = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -183,6 +213,39 @@ class Trainer:
         for variable, value in zip(state, saved):
             variable.assign(tf.where(finite, variable, value))
         return total_loss / n, 1.0 - tf.cast(finite, tf.float32)
+
+    def _steps_loop(self, iterator, num_steps: int):
+        """`num_steps` optimizer steps in one call, whose results the host reads once per loop instead of once
+        per step, so that it can queue the steps while the device works.
+
+        As tensorflow/models' orbit does, each step of a `tf.range` loop takes its batch from the distributed
+        `iterator` inside the function (`next`, under the `data_wait` name scope) and runs the replica step
+        through the backend. The time each step waits for its batch is measured in the graph: `tf.timestamp()`
+        at the start of the iteration (after the previous step's ops: the loop's next iteration starts once
+        they have run) and once the batch is there. The loop has no data-dependent exit (it would make the host
+        wait for every step's loss): a non-finite loss is found by the host when the loop returns.
+
+        Returns:
+            (losses, skipped, waits): one entry per step: float32 mean loss, float32 1.0 if the step was
+            skipped (non-finite gradient), float64 seconds waited for the step's batch.
+        """
+        def one_step():
+            start = tf.timestamp()
+            with tf.name_scope("data_wait"):
+                batch = next(iterator)
+            with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
+                ready = tf.timestamp()
+            with tf.name_scope("train_step"):
+                result = self.backend.reduce_mean(self.backend.run(self._step, batch))
+            # (loss, skipped) as a pair, or as one tensor (MultiWorkerMirroredStrategy's reduce in a function)
+            return tf.cast(result[0], tf.float32), tf.cast(result[1], tf.float32), ready - start
+
+        if num_steps == 1:  # no loop: the graph of training.steps_per_loop: 1 is the step's
+            return tuple(v[None] for v in one_step())
+        arrays = [tf.TensorArray(dtype, size=num_steps) for dtype in (tf.float32, tf.float32, tf.float64)]
+        for i in tf.range(num_steps):
+            arrays = [array.write(i, value) for array, value in zip(arrays, one_step())]
+        return tuple(array.stack() for array in arrays)
 
     # ------------------------------------------------------------------ validation
 
@@ -376,38 +439,49 @@ class Trainer:
         return summary
 
     def _train_epoch(self, epoch: int, iterator, callbacks) -> dict:
-        """The epoch's optimizer steps; returns its record so far (loss, throughput, input wait, skips)."""
+        """The epoch's optimizer steps; returns its record so far (loss, throughput, input wait, skips).
+
+        The steps run `training.steps_per_loop` at a time (`_steps_loop`; the epoch's last loop is shorter
+        when the steps do not divide evenly) and the host reads a loop's losses once it returns: the
+        callbacks then get `on_step_begin` for every step of a loop before it runs and `on_step_end` for
+        every step after it returns, in step order. `data_wait_seconds` sums the time the steps waited for
+        their batches (measured inside the loop), `compute_seconds` is the rest of the loops' wall time.
+        """
         wait = compute = 0.0
         losses = []
         skipped = 0
-        for step in range(self.steps_per_epoch):
-            callbacks.on_step_begin(self, epoch, step)
-            global_step = (epoch - 1) * self.steps_per_epoch + step + 1
+        per_loop = max(1, min(self.config.training.steps_per_loop, self.steps_per_epoch))
+        for first in range(0, self.steps_per_epoch, per_loop):
+            n = min(per_loop, self.steps_per_epoch - first)
+            for step in range(first, first + n):
+                callbacks.on_step_begin(self, epoch, step)
+            global_step = (epoch - 1) * self.steps_per_epoch + first + 1
             t0 = time.perf_counter()
-            with tf.profiler.experimental.Trace("data_wait", step_num=global_step, _r=1):
-                batch = next(iterator)
-            t1 = time.perf_counter()
-            with tf.profiler.experimental.Trace("train_step", step_num=global_step, _r=1):
-                loss, was_skipped = (float(v) for v in self._train_step(batch))  # float() waits for the step
-            t2 = time.perf_counter()
-            wait, compute = wait + (t1 - t0), compute + (t2 - t1)
-            if not math.isfinite(loss):
-                raise TrainingDiverged(
-                    f"the training loss became {loss} at epoch {epoch}, step {step + 1}. Training stopped; the "
-                    f"last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in {self.out / 'checkpoints'}. "
-                    "Lower optimizer.learning_rate, try training.precision=float32, or check the data, "
-                    "then rerun with --resume.")
-            losses.append(loss)
-            skipped += int(was_skipped > 0)
-            self._skip_streak = self._skip_streak + [(epoch, step + 1)] if was_skipped > 0 else []
-            if len(self._skip_streak) >= MAX_CONSECUTIVE_SKIPPED_STEPS:
-                (e0, s0), (e1, s1) = self._skip_streak[0], self._skip_streak[-1]
-                where = (f"epoch {e1}, steps {s0}-{s1}" if e0 == e1
-                         else f"epoch {e0} step {s0} to epoch {e1} step {s1}")
-                raise self._skipped_error(f"{len(self._skip_streak)} consecutive steps were skipped ({where})")
-            callbacks.on_step_end(self, epoch, step, {
-                "loss": loss, "mean_loss": float(np.mean(losses)), "skipped": bool(was_skipped > 0),
-                "wait_seconds": wait, "compute_seconds": compute})
+            with tf.profiler.experimental.Trace("train_step", step_num=global_step, steps=n, _r=1):
+                results = self._train_loop(iterator, n)
+                loop_losses, loop_skipped, loop_waits = (v.numpy() for v in results)  # one host round-trip per loop
+            loop_seconds = time.perf_counter() - t0
+            loop_wait = min(float(np.sum(loop_waits)), loop_seconds)
+            wait, compute = wait + loop_wait, compute + (loop_seconds - loop_wait)
+            for j, (loss, was_skipped) in enumerate(zip(loop_losses.tolist(), loop_skipped.tolist())):
+                step = first + j
+                if not math.isfinite(loss):
+                    raise TrainingDiverged(
+                        f"the training loss became {loss} at epoch {epoch}, step {step + 1}. Training stopped; the "
+                        f"last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in "
+                        f"{self.out / 'checkpoints'}. Lower optimizer.learning_rate, try training.precision=float32, "
+                        "or check the data, then rerun with --resume.")
+                losses.append(loss)
+                skipped += int(was_skipped > 0)
+                self._skip_streak = self._skip_streak + [(epoch, step + 1)] if was_skipped > 0 else []
+                if len(self._skip_streak) >= MAX_CONSECUTIVE_SKIPPED_STEPS:
+                    (e0, s0), (e1, s1) = self._skip_streak[0], self._skip_streak[-1]
+                    where = (f"epoch {e1}, steps {s0}-{s1}" if e0 == e1
+                             else f"epoch {e0} step {s0} to epoch {e1} step {s1}")
+                    raise self._skipped_error(f"{len(self._skip_streak)} consecutive steps were skipped ({where})")
+                callbacks.on_step_end(self, epoch, step, {
+                    "loss": loss, "mean_loss": float(np.mean(losses)), "skipped": bool(was_skipped > 0),
+                    "wait_seconds": wait, "compute_seconds": compute, "loop_steps": n})
         loss_scaler = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         if skipped == self.steps_per_epoch and not loss_scaler:
             raise self._skipped_error(f"all {skipped} steps of epoch {epoch} were skipped")
