@@ -169,36 +169,50 @@ def test_planned_network_fits_its_patch_and_budget(hardware):
     assert all(p % d == 0 for p, d in zip(patch, divisor))
     assert strides[0] == 1 and strides[1] == (2, 2, 1)
     median = fp.median_shape_at(config.data.conversion.spacing)
+    median[:2] = max(median[:2])  # square in-plane: both sides from the in-plane medians' geometric mean
     assert all(p <= m + d for p, m, d in zip(patch, median, divisor))
+    assert patch[0] == patch[1] and config.pipeline.augment.rot90_prob == 0.5  # x, y medians within 1.5x
     memory = training_memory_mb(patch, strides, config.model.filters, config.model.num_res_units, 1, 3, 2,
                                 config.training.precision)
     if hardware.has_gpu:
         assert memory["total_mb"] <= 8 * 1024
         assert config.model.filters == tuple(min(32 * 2 ** i, 320) for i in range(len(strides)))
         assert config.pipeline.num_images_per_batch >= 2 and config.optimizer.name == "sgd"
-        assert config.training.precision == "mixed_bfloat16" and config.validation.overlap == 0.5
+        assert config.training.precision == "mixed_float16" and config.validation.overlap == 0.5
     else:
         assert np.prod(patch) <= 48 ** 3
         assert config.model.filters == tuple(min(8 * 2 ** i, 128) for i in range(len(strides)))
         assert config.pipeline.num_images_per_batch == 2 and config.validation.validation_data_device == "cpu"
-        assert config.training.precision == "float32"  # the test CPU has no bfloat16 flags
+        assert config.training.precision == "float32"
     assert config.data.conversion.ct_window == (-57.0, 164.0)
     assert config.pipeline.class_ratios == [1, 1, 2]  # lesion: 0.02% of the voxels
     assert config.validation.roi_size == patch and config.training.jit_compile is False
 
 
+def test_patch_is_square_in_plane_only_when_the_in_plane_medians_are_close():
+    """x, y medians within 1.5x (same spacing): a square in-plane patch (quarter turns on); further apart:
+    nnU-Net's aspect-ratio patch without quarter turns; both divisible by the stride products."""
+    close = make_plan(_fingerprint([[1.0, 1.0, 1.0]] * 4, [[120, 90, 100]] * 4), CPU).config()
+    apart = make_plan(_fingerprint([[1.0, 1.0, 1.0]] * 4, [[200, 60, 100]] * 4), CPU).config()
+    assert close.pipeline.patch_size[0] == close.pipeline.patch_size[1] and close.pipeline.augment.rot90_prob == 0.5
+    assert apart.pipeline.patch_size[0] > apart.pipeline.patch_size[1] and apart.pipeline.augment.rot90_prob == 0.0
+    for config in (close, apart):
+        check_patch_size(config.pipeline.patch_size, config.model.strides)
+
+
 def test_precision_rules_and_warnings():
-    """recommended_precision: bf16 from compute capability 8, fp16 on 7.x, float32 below and on CPUs without
-    bf16 flags, bf16 on CPUs with avx512_bf16/amx_bf16; resolve_precision passes explicit names through and
+    """recommended_precision: fp16 on GPUs from compute capability 7, float32 below and on every CPU (bf16 flags
+    or not: bf16 trained no faster than float32 on the development CPU); resolve_precision passes explicit names through and
     resolves auto for this machine; hardware_warnings flags mixed_float16 and XLA on a CPU-only machine (one
     line each, naming the faster setting) and nothing for the recommended settings."""
     def gpu(cc):
         return Hardware(gpus=({"name": "g", "compute_capability": cc, "memory_mb": 16000},))
-    assert recommended_precision(gpu((9, 0)))[0] == "mixed_bfloat16"
-    assert recommended_precision(gpu((8, 6)))[0] == "mixed_bfloat16"
+    assert recommended_precision(gpu((9, 0)))[0] == "mixed_float16"
+    assert recommended_precision(gpu((8, 6)))[0] == "mixed_float16"
     assert recommended_precision(gpu((7, 0)))[0] == "mixed_float16"
     assert recommended_precision(gpu((6, 1)))[0] == "float32"
-    assert recommended_precision(Hardware(cpu_flags=("avx512_bf16",)))[0] == "mixed_bfloat16"
+    assert recommended_precision(Hardware(cpu_flags=("avx512_bf16",)))[0] == "float32"
+    assert recommended_precision(Hardware(cpu_flags=("amx_bf16", "avx512_bf16")))[0] == "float32"
     assert recommended_precision(Hardware(cpu_flags=()))[0] == "float32"
     assert cpu_flags("flags\t\t: fpu avx512f avx512_bf16 amx_tile\n") == ("avx512_bf16",)
     assert cpu_flags("flags : fpu sse2\n") == ()
@@ -270,7 +284,8 @@ def demo_brain(tmp_path_factory):
 def test_plan_command_on_the_demo_brain(demo_brain, tmp_path):
     """python -m tfmis.plan on the demo dataset: writes a config that load_config reads, with a reason comment
     on every planned key, prints the table, and plans the demo recipe's network for this CPU (filters 8-64,
-    strides 1,2,2,2, z-score normalisation, the lesion oversampled by class ratios 1,1,1,2)."""
+    strides 1,2,2,2, a square 48^3 patch with quarter turns, z-score normalisation, the lesion oversampled by
+    class ratios 1,1,1,2)."""
     out = tmp_path / "plan.yaml"
     result = subprocess.run([sys.executable, "-m", "tfmis.plan", "--source-dir", str(demo_brain), "--output",
                              str(out), "--output-dir", str(tmp_path / "run"), "--quiet"],
@@ -282,9 +297,10 @@ def test_plan_command_on_the_demo_brain(demo_brain, tmp_path):
     assert len(keys) > 25 and all(has for _, has in keys), [k for k, has in keys if not has]
     config = load_config(out)
     assert config.model.filters == (8, 16, 32, 64) and config.model.strides == (1, 2, 2, 2)
-    assert config.pipeline.class_ratios == [1, 1, 1, 2]
+    assert config.pipeline.patch_size == [48, 48, 48] and config.pipeline.augment.rot90_prob == 0.5
+    assert config.pipeline.class_ratios == [1, 1, 1, 2] and config.training.precision == "float32"
     assert config.data.conversion.spacing == (2.5, 2.5, 2.5) and config.data.conversion.ct_window is None
-    assert "z-score" in text and np.prod(config.pipeline.patch_size) <= 48 ** 3
+    assert "z-score" in text and "square in-plane" in text
     assert config.output.dir == str(tmp_path / "run")
     assert json.loads((tmp_path / "plan_fingerprint.json").read_text())["labels"][3] == "lesion"
 

@@ -156,11 +156,14 @@ class OptimizerConfig:
 class TrainingConfig:
     epochs: int = 100
     steps_per_epoch: Optional[int] = None  # null = train volumes * crops per volume / global batch
-    # auto = this machine's best (tfmis.planning.hardware.resolve_precision): mixed_bfloat16 on GPUs of compute
-    # capability >= 8 and CPUs with bfloat16 instructions, mixed_float16 on GPUs >= 7, else float32
+    # auto = this machine's best (tfmis.planning.hardware.resolve_precision): mixed_float16 on GPUs of compute
+    # capability >= 7 (tensor cores), float32 on CPUs (float16 is emulated there) and older GPUs
     precision: Literal["auto", "float32", "mixed_float16", "mixed_bfloat16"] = "auto"
     jit_compile: bool = False  # XLA
     accumulation_steps: int = 1  # gradient accumulation: optimizer step every N micro-batches
+    # optimizer steps per host round-trip: one tf.function runs this many steps over the input iterator and the
+    # host reads their losses once (as tensorflow/models' orbit); more keeps an accelerator's queue full
+    steps_per_loop: int = 1
     seed: int = 0
     target_dice: Optional[float] = None  # stop when the validation mean Dice reaches it
     # wall-clock budget (resumed runs count their earlier time): stop after the epoch that crosses it, validating
@@ -420,6 +423,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"training.max_minutes must be > 0 (or null), got {config.training.max_minutes}")
     if config.training.accumulation_steps < 1:
         raise ConfigError("training.accumulation_steps must be >= 1")
+    if config.training.steps_per_loop < 1:
+        raise ConfigError(f"training.steps_per_loop must be >= 1 (optimizer steps per host round-trip; 1 = "
+                          f"read every step's loss), got {config.training.steps_per_loop}")
     if not 0 <= config.validation.overlap < 1:
         raise ConfigError(f"validation.overlap must be in [0, 1), got {config.validation.overlap}")
     if config.validation.roi_size is not None and len(config.validation.roi_size) != 3:

@@ -34,8 +34,8 @@ import yaml
 
 from tfmis.planning.fingerprint import DatasetFingerprint
 from tfmis.planning.hardware import Hardware, recommended_precision
-from tfmis.planning.rules import (fmt_mm, inference_window_mb, initial_patch_size, pool_and_conv_props,
-                                  shrink_patch, target_spacing, training_memory_mb)
+from tfmis.planning.rules import (fmt_mm, inference_window_mb, initial_patch_size, shrink_patch,
+                                  square_in_plane, target_spacing, training_memory_mb)
 
 # CPU: a patch of at most 48^3 voxels keeps a training step of the small network near 0.3 s on the 2-core
 # development CPU (measured 0.26-0.40 s at batch 2), so ~1000 steps take about ten minutes
@@ -294,13 +294,19 @@ def make_plan(fingerprint: DatasetFingerprint, hardware: Hardware, *, source_dir
             return int(np.prod(patch)) <= CPU_PATCH_VOXELS and est["total_mb"] <= memory_cap
         budget_text = (f"a CPU target of {CPU_PATCH_VOXELS:,} voxels (48^3: a training step of ~0.3 s on 2 cores, "
                        f"measured)")
-    start = initial_patch_size(spacing, median_shape)
-    patch, strides, divisor, steps = shrink_patch(spacing, median_shape, start, fits)
+    square = square_in_plane(spacing, median_shape)
+    shape_for_patch = np.array(median_shape, dtype=np.float64)
+    if square:  # the in-plane median sizes' geometric mean for both: a square patch keeps quarter turns possible
+        shape_for_patch[:2] = np.sqrt(median_shape[0] * median_shape[1])
+    start = initial_patch_size(spacing, shape_for_patch)
+    patch, strides, divisor, steps = shrink_patch(spacing, median_shape, start, fits, square=square)
     pools = [sum(1 for s in strides if s[a] == 2) for a in range(3)]
+    square_text = (f"; square in-plane (x, y medians {median_shape[0]:.0f}, {median_shape[1]:.0f} within 1.5x: their "
+                   f"geometric mean for both, so quarter turns can augment)" if square else "")
     plan.set("pipeline.patch_size", [int(p) for p in patch],
              f"from the median shape {fmt_shape(median_shape)} at the target spacing: aspect ratio of the physical "
-             f"extent, clipped to the median shape ({fmt_shape(start)}), shrunk {steps} step(s) to {budget_text}, "
-             f"divisible by the stride products {fmt_shape(divisor)}")
+             f"extent, clipped to the median shape ({fmt_shape(start)}){square_text}, shrunk {steps} step(s) to "
+             f"{budget_text}, divisible by the stride products {fmt_shape(divisor)} (nnU-Net v2)")
     filters = _filters(len(strides), first, cap)
     plan.set("model.filters", filters,
              f"{first} doubling per level, capped at {cap} (" + ("nnU-Net)" if gpu else "small enough for a CPU, "
@@ -360,9 +366,8 @@ def make_plan(fingerprint: DatasetFingerprint, hardware: Hardware, *, source_dir
                                            f"cached on disk in cache_dir")
         plan.set("pipeline.cache_dir", str(Path(dataset_dir).parent / (Path(dataset_dir).name + "_cache")),
                  "on-disk cache, reused by later runs")
-    square = patch[0] == patch[1]
-    plan.set("pipeline.augment.rot90_prob", 0.5 if square else 0.0,
-             "in-plane quarter turns: the patch is square in x, y" if square else
+    plan.set("pipeline.augment.rot90_prob", 0.5 if patch[0] == patch[1] else 0.0,
+             "in-plane quarter turns: the patch is square in x, y" if patch[0] == patch[1] else
              "no quarter turns: the patch is not square in x, y")
 
     # ------------------------------------------------------------------ loss, optimizer, length

@@ -141,32 +141,53 @@ def initial_patch_size(spacing, median_shape, voxels: int = INITIAL_PATCH_VOXELS
     return [int(min(p, m)) for p, m in zip(patch, np.asarray(median_shape).round().astype(int))]
 
 
-def shrink_patch(spacing, median_shape, patch_size, fits, max_steps: int = 1000):
+def square_in_plane(spacing, median_shape, max_ratio: float = 1.5) -> bool:
+    """True when axes 0 and 1 have the same spacing (within 10%) and median sizes within `max_ratio`: the
+    patch can then be square in-plane, which tfmis's quarter-turn augmentation (rot90_prob) needs.
+
+    Example:
+        >>> square_in_plane([2.5, 2.5, 2.5], [58, 74, 62]), square_in_plane([0.8, 0.8, 2.5], [200, 90, 40])
+        (True, False)
+    """
+    close_spacing = max(spacing[0], spacing[1]) <= 1.1 * min(spacing[0], spacing[1])
+    return bool(close_spacing and max(median_shape[:2]) <= max_ratio * min(median_shape[:2]))
+
+
+def shrink_patch(spacing, median_shape, patch_size, fits, square: bool = False, max_steps: int = 1000):
     """nnU-Net v2's loop: shrink the axis largest relative to the median shape until `fits(patch, strides)`.
 
     Each step takes one divisor step off that axis (recomputing the divisor after a first step, so no
-    valid size is skipped), then recomputes the topology.
+    valid size is skipped), then recomputes the topology. With `square`, axes 0 and 1 are compared
+    against their common (geometric mean) median and shrunk together, so the patch stays square in-plane.
 
     Args:
         spacing, median_shape: the target spacing and median preprocessed shape.
-        patch_size: the initial patch.
+        patch_size: the initial patch (square in-plane when `square`).
         fits: `fits(patch, strides) -> bool`.
+        square: keep patch[0] == patch[1].
 
     Returns:
         (patch, strides, divisor, steps taken).
     """
+    median = np.asarray(median_shape, dtype=np.float64).copy()
+    if square:
+        median[:2] = np.sqrt(median[0] * median[1])
     _, strides, patch, divisor = pool_and_conv_props(spacing, patch_size)
     steps = 0
     while not fits(patch, strides) and steps < max_steps:
-        axis = int(np.argsort([p / m for p, m in zip(patch, median_shape)])[-1])
+        axis = int(np.argsort([p / m for p, m in zip(patch, median)])[-1])
+        axes = (0, 1) if square and axis in (0, 1) else (axis,)
         trial = list(patch)
-        trial[axis] -= divisor[axis]
-        if trial[axis] < 1:
+        for a in axes:
+            trial[a] -= divisor[a]
+        if min(trial[a] for a in axes) < 1:
             break
         _, _, _, trial_divisor = pool_and_conv_props(spacing, trial)
         patch = list(patch)
-        patch[axis] -= trial_divisor[axis]
-        if patch[axis] < 1:
+        step = max(trial_divisor[a] for a in axes)
+        for a in axes:
+            patch[a] -= step
+        if min(patch[a] for a in axes) < 1:
             break
         _, strides, patch, divisor = pool_and_conv_props(spacing, patch)
         steps += 1
