@@ -168,3 +168,124 @@ def test_command_line(tmp_path):
     assert MSDDataset(out).test[0].case_id == "demo_100"
     again = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+# ------------------------------------------------------------------ the demo recipe and the MONAI comparison
+
+REPO = Path(__file__).resolve().parents[1]
+MONAI_PYTHON = REPO / ".venv-monai" / "bin" / "python"
+needs_monai = pytest.mark.skipif(not MONAI_PYTHON.is_file(), reason="no MONAI environment at .venv-monai (see "
+                                 "benchmarks/monai_demo.py for the command that creates it)")
+
+
+def test_demo_config_model_gives_logits_at_patch_resolution():
+    """The demo recipe's U-Net (whatever its first stride) maps a training patch to logits of the same size."""
+    import dataclasses
+
+    from tfmis.config import load_config
+    from tfmis.networks import UNetConfig, check_patch_size
+
+    config = load_config(REPO / "configs" / "demo.yaml")
+    patch = tuple(config.pipeline.patch_size)
+    check_patch_size(patch, config.model.strides)
+    check_patch_size(config.validation.roi_size or patch, config.model.strides)
+    model = UNetConfig(2, 4, **dataclasses.asdict(config.model)).build()
+    logits = model(np.zeros((1, *patch, 2), np.float32))
+    assert tuple(logits.shape) == (1, *patch, 4)
+    assert config.training.max_minutes is None, "the README's main job trains the whole schedule"
+
+
+def _load_export_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_demo_npy", REPO / "benchmarks" / "export_demo_npy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_export_npy_holds_exactly_the_voxels_of_the_records(converted_dataset, tmp_path):
+    from tfmis.data.records import load_index, record_dataset
+
+    export = _load_export_module()
+    out = tmp_path / "npy"
+    manifest = export.export_npy(converted_dataset, out)
+    index = load_index(converted_dataset)
+    for split in ("train", "val"):
+        assert sorted(e["case_id"] for e in manifest["splits"][split]) == sorted(index["splits"][split]["cases"])
+        by_id = {e["case_id"]: e for e in manifest["splits"][split]}
+        for image, label, meta in record_dataset(converted_dataset, split):
+            entry = by_id[meta["case_id"].numpy().decode()]
+            exported_image, exported_label = np.load(out / entry["image"]), np.load(out / entry["label"])
+            assert exported_image.dtype == np.float32 and exported_label.dtype == np.uint8
+            np.testing.assert_array_equal(exported_image, np.moveaxis(image.numpy().astype(np.float32), -1, 0))
+            np.testing.assert_array_equal(exported_label, label.numpy())
+    assert manifest["classes"] == index["source"]["labels"] and manifest["channels"] == index["source"]["modalities"]
+    first = out / manifest["splits"]["train"][0]["image"]
+    stamp = first.stat().st_mtime_ns
+    os.utime(first, ns=(stamp - 10**9, stamp - 10**9))
+    assert export.export_npy(converted_dataset, out) == manifest
+    assert first.stat().st_mtime_ns == stamp - 10**9, "an up-to-date export is not rewritten"
+    export.export_npy(converted_dataset, out, force=True)
+    assert first.stat().st_mtime_ns > stamp - 10**9
+    with pytest.raises(KeyError, match="no split"):
+        export.export_npy(converted_dataset, tmp_path / "other", splits=("train", "fold7"))
+
+
+@needs_monai
+def test_monai_recipe_trains_on_the_export_and_logs_each_validation(converted_dataset, tmp_path):
+    export = _load_export_module()
+    export.export_npy(converted_dataset, tmp_path / "npy")
+    out = tmp_path / "monai"
+    command = [str(MONAI_PYTHON), str(REPO / "benchmarks" / "monai_demo.py"), "--data", str(tmp_path / "npy"),
+               "--output", str(out), "--epochs", "3", "--val-interval", "2", "--patch", "16", "16", "16",
+               "--class-ratios", "1", "1", "1", "--crops-per-volume", "2", "--batch", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    validated = [r for r in records if "val_mean_dice" in r]
+    assert [r["epoch"] for r in validated] == [2, 3], "every val_interval epochs and the last"
+    for r in validated:
+        assert 0.0 <= r["val_mean_dice"] <= 1.0 and len(r["val_dice"]) == 2 and r["val_seconds"] > 0
+    elapsed = [r["elapsed_seconds"] for r in records]
+    assert elapsed == sorted(elapsed) and all(r["data_wait_seconds"] + r["compute_seconds"] <= r["epoch_seconds"]
+                                             for r in records)
+    settings = json.loads((out / "settings.json").read_text())
+    assert settings["threads"] == 2 and settings["steps_per_epoch"] == 6  # 6 train cases x 2 crops / 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_mean_dice"] == max(r["val_mean_dice"] for r in validated)
+
+
+@needs_monai
+def test_time_to_dice_runs_monai_and_tfmis_arms_and_reports(converted_dataset, tmp_path):
+    """The whole benchmark command on a tiny config: both arms in real subprocesses, then the report."""
+    from conftest import tiny_config
+    from tfmis.config import save_config
+
+    config_path = tmp_path / "tiny.yaml"
+    save_config(tiny_config(converted_dataset, tmp_path / "unused", "training.epochs=2",
+                            "pipeline.class_ratios=[1,1,1]"), config_path)
+    out = tmp_path / "ttd"
+    command = [sys.executable, str(REPO / "benchmarks" / "time_to_dice.py"), "--config", str(config_path),
+               "--max-minutes", "5", "--levels", "0.0", "0.999", "--output", str(out), "--quiet",
+               "--monai-arg=--epochs=2", "--monai-arg=--strides", "--monai-arg=2", "--monai-arg=2",
+               "--monai-arg=--channels", "--monai-arg=4", "--monai-arg=8", "--monai-arg=16"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "time_to_dice.json").read_text())
+    assert list(report["runs"]) == ["monai", "tiny"]
+    for name, (run,) in report["runs"].items():
+        assert run["epochs"] == 2, name
+        assert run["time_to_dice"]["0.00"] == run["curve"][0][0] > 0, "the first validation reaches Dice 0"
+        assert run["time_to_dice"]["0.00"] <= run["elapsed_seconds"] < run["process_seconds"]
+    monai_arm = report["arms"][0]
+    assert monai_arm["name"] == "monai" and "--patch" in monai_arm["overrides"]
+    assert monai_arm["overrides"][monai_arm["overrides"].index("--patch") + 1] == "16", "the config's patch"
+    ratio = report["ratios"]["tiny"]["0.00"]
+    assert ratio == pytest.approx(report["summaries"]["monai"]["time_to_dice"]["0.00"]
+                                  / report["summaries"]["tiny"]["time_to_dice"]["0.00"])
+    markdown = (out / "time_to_dice.md").read_text()
+    assert "| monai |" in markdown and "| tiny |" in markdown and "time to 0.00, s" in markdown
+    assert (out / "time_to_dice.png").stat().st_size > 10_000
+    assert (out / "monai" / "run1" / "history.jsonl").is_file() and (out / "tiny" / "run1.log").is_file()

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tfmis.networks import ConvNormAct, ResidualUnit, UNetConfig, build_unet, check_patch_size
-from tfmis.networks.unet import UpBlock
+from tfmis.networks.unet import UpBlock, full_resolution_upsample_filters
 
 TINY = dict(filters=(4, 8, 16), strides=(1, 2, 2))  # patch sides must be multiples of 4
 
@@ -236,3 +236,102 @@ def test_recompute_model_trains_with_fit():
     images = random_images((2, 8, 8, 8))
     history = model.fit(images, (images[..., 0] > 0).astype("int32"), epochs=3, batch_size=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
+
+
+# ------------------------------------------------------- downsampling first level
+
+
+@pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed"])
+@pytest.mark.parametrize("patch", [(16, 16, 16), (32, 16, 48)])
+def test_first_level_stride_2_gives_logits_at_input_resolution(output_upsampling, patch):
+    model = build_unet(2, 4, filters=(4, 8, 16, 32), strides=(2, 2, 2, 1), num_res_units=1,
+                       output_upsampling=output_upsampling)
+    half = tuple(p // 2 for p in patch)
+    assert tuple(model.get_layer("encoder0").output.shape[1:4]) == (None, None, None)  # dynamic sizes
+    encoder0 = keras.Model(model.input, model.get_layer("encoder0").output)
+    assert tuple(encoder0(random_images((1, *patch))).shape) == (1, *half, 4), "the first level must downsample"
+    logits = model(random_images((1, *patch)))
+    assert tuple(logits.shape) == (1, *patch, 4) and logits.dtype == "float32"
+    names = [layer.name for layer in model.layers]
+    if output_upsampling == "refine":
+        assert "decoder_full" in names and isinstance(model.get_layer("head"), keras.layers.Conv3D)
+        full = model.get_layer("decoder_full")
+        assert full.strides == 2 and full.upsample_filters == 2, "4 filters - 2 image channels"
+        assert full.fuse.projection is None, "features + image = filters[0] channels: identity residual"
+    elif output_upsampling == "light":
+        assert "upsample_full" in names and "concat_image" in names
+        assert model.get_layer("head").kernel_size == (3, 3, 3)
+        assert model.get_layer("concat_image").output.shape[-1] == 4
+    else:
+        assert "decoder_full" not in names
+        assert isinstance(model.get_layer("head"), keras.layers.Conv3DTranspose)
+        assert model.get_layer("head").strides == (2, 2, 2)
+
+
+def test_full_resolution_upsample_filters_make_image_and_features_a_block_of_filters0():
+    assert full_resolution_upsample_filters(8, 2) == 6
+    assert full_resolution_upsample_filters(16, 4) == 12
+    assert full_resolution_upsample_filters(8, 4) == 4
+    assert full_resolution_upsample_filters(8, 5) == 8, "fewer than half the features: keep filters[0]"
+    model = build_unet(4, 3, filters=(8, 16), strides=(2, 1), output_upsampling="refine")
+    assert model.get_layer("decoder_full").upsample_filters == 4
+    assert tuple(model(random_images((1, 8, 8, 8), channels=4)).shape) == (1, 8, 8, 8, 3)
+
+
+def test_first_level_stride_1_ignores_output_upsampling():
+    plain = build_unet(2, 3, **TINY)
+    other = build_unet(2, 3, output_upsampling="transposed", **TINY)
+    assert [layer.name for layer in plain.layers] == [layer.name for layer in other.layers]
+    assert "decoder_full" not in [layer.name for layer in plain.layers]
+    assert plain.count_params() == other.count_params()
+
+
+def test_anisotropic_first_stride_keeps_shape_and_needs_its_divisor():
+    strides = ((2, 2, 1), 2, 2)
+    model = build_unet(1, 3, filters=(4, 8, 16), strides=strides, num_res_units=1)
+    assert check_patch_size((16, 16, 4), strides) == (8, 8, 4)
+    assert tuple(model(random_images((2, 16, 16, 4), channels=1)).shape) == (2, 16, 16, 4, 3)
+    with pytest.raises(ValueError, match="check_patch_size"):
+        model(random_images((1, 16, 16, 6), channels=1))
+
+
+@pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed"])
+def test_first_level_stride_2_trains_every_variable(output_upsampling):
+    keras.utils.set_random_seed(0)
+    model = build_unet(2, 2, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1,
+                       output_upsampling=output_upsampling)
+    images = random_images((2, 16, 16, 16))
+    labels = (images[..., 0] > 0).astype("int32")  # full-resolution detail the output must recover
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = keras.optimizers.Adam(1e-2)
+
+    @tf.function
+    def train_step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss, [tf.reduce_sum(tf.abs(g)) for g in grads]
+
+    first, grad_norms = train_step()
+    assert all(float(n) > 0 for n in grad_norms), "every variable gets a gradient"
+    losses = [float(first)] + [float(train_step()[0]) for _ in range(9)]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed"])
+def test_first_level_stride_2_save_load_and_config_round_trip(tmp_path, output_upsampling):
+    config = UNetConfig(2, 3, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1,
+                        output_upsampling=output_upsampling)
+    assert UNetConfig.from_dict(config.to_dict()) == config
+    assert config.to_dict()["output_upsampling"] == output_upsampling
+    assert not config.full_resolution_first_level and UNetConfig(2, 3, **TINY).full_resolution_first_level
+    model = config.build()
+    path = tmp_path / "strided.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    images = random_images((1, 16, 8, 24))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model(images)),
+                                  keras.ops.convert_to_numpy(restored(images)))
+    with pytest.raises(ValueError, match="output_upsampling must be one of"):
+        UNetConfig(2, 3, filters=(4, 8), strides=(2, 2), output_upsampling="nearest")

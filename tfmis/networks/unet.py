@@ -7,16 +7,24 @@ Layout (one *level* per entry of `filters`/`strides`)::
                     └ ...  ── bottleneck ──┘
 
 * Encoder level `i` is a residual unit (or a plain conv block when `num_res_units=0`)
-  whose first convolution has stride `strides[i]`; `strides[0]` is normally 1 so the
-  first level works at full resolution.
+  whose first convolution has stride `strides[i]`. With `strides[0] = 1` the first
+  level works at full resolution.
 * Decoder level `i` upsamples level `i+1` with a transposed convolution (stride
   `strides[i+1]`), concatenates the encoder skip and fuses both with one residual
   sub-unit (or one conv block).
 * Conv blocks are conv → norm → dropout → activation (MONAI's "NDA" order).
+* With `strides[0] > 1` (the first layer downsamples, as in MONAI's `UNet`; about 3× less
+  compute) the logits get back to the input resolution by `output_upsampling`:
+  "refine" adds a last decoder level whose skip is the input image itself
+  (`decoder_full`: upsample, concatenate the image, fuse at full resolution, 1×1×1 head);
+  "light" upsamples (`upsample_full`), concatenates the image (`concat_image`) and
+  convolves once (3×3×3) to the logits; "transposed" is MONAI's single transposed
+  convolution to the logits (`head`).
 
 Differences from MONAI's `UNet`: `strides` has one entry per level (MONAI's has one
 fewer and its first level always downsamples), the skip is concatenated *after*
-upsampling, and logits come from a 1×1×1 convolution instead of a transposed one.
+upsampling, and logits come from a 1×1×1 convolution instead of a transposed one
+(unless `output_upsampling="transposed"`).
 
 Example:
     >>> model = build_unet(in_channels=2, num_classes=4, filters=(8, 16, 32, 64),
@@ -333,6 +341,7 @@ class UpBlock(RecomputableBlock):
         strides: upsampling factor (the stride of the level below), int or 3 ints.
         num_res_units: 0 → the fusion is one ConvNormAct; otherwise a residual unit
             with one sub-unit (MONAI's up path also uses a single sub-unit).
+        upsample_filters: channels of the upsampled tensor (default `filters`).
         kernel_size, norm, norm_groups, activation, dropout: see `build_unet`.
 
     Example:
@@ -343,7 +352,8 @@ class UpBlock(RecomputableBlock):
     """
 
     def __init__(self, filters: int, strides=2, num_res_units: int = 2, kernel_size=3, norm: str = "instance",
-                 norm_groups: int = 8, activation: str = "prelu", dropout: float = 0.0, **kwargs):
+                 norm_groups: int = 8, activation: str = "prelu", dropout: float = 0.0,
+                 upsample_filters: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.filters = int(filters)
         self.strides = strides
@@ -353,7 +363,8 @@ class UpBlock(RecomputableBlock):
         self.norm_groups = int(norm_groups)
         self.activation = activation
         self.dropout = float(dropout)
-        self.upsample = ConvNormAct(filters, kernel_size, strides, norm, norm_groups, activation, dropout,
+        self.upsample_filters = int(upsample_filters) if upsample_filters else self.filters
+        self.upsample = ConvNormAct(self.upsample_filters, kernel_size, strides, norm, norm_groups, activation, dropout,
                                     transposed=True, name="upsample")
         self.concat = layers.Concatenate(axis=-1, name="concat")
         self.fuse = _level_block(filters, 1, min(self.num_res_units, 1), kernel_size, norm, norm_groups,
@@ -377,7 +388,24 @@ class UpBlock(RecomputableBlock):
     def get_config(self):
         return {**super().get_config(), "filters": self.filters, "strides": self.strides,
                 "num_res_units": self.num_res_units, "kernel_size": self.kernel_size, "norm": self.norm,
-                "norm_groups": self.norm_groups, "activation": self.activation, "dropout": self.dropout}
+                "norm_groups": self.norm_groups, "activation": self.activation, "dropout": self.dropout,
+                "upsample_filters": self.upsample_filters}
+
+
+def full_resolution_upsample_filters(filters0: int, in_channels: int) -> int:
+    """Channels the features are upsampled to when they join the image at full resolution (`strides[0] > 1`).
+
+    `filters0 − in_channels`, so that features and image together have `filters0` channels: oneDNN's CPU
+    convolutions are blocked by 8 channels, and a 3×3×3 convolution over 10 channels (8 features + a
+    2-channel image) measured twice as slow as over 8. Falls back to `filters0` when that would keep fewer
+    than half of them.
+
+    Example:
+        >>> full_resolution_upsample_filters(8, 2), full_resolution_upsample_filters(8, 6)
+        (6, 8)
+    """
+    narrowed = filters0 - in_channels
+    return narrowed if narrowed >= max(1, filters0 // 2) else filters0
 
 
 def _check_same_spatial_shape(upsampled, skip, strides):
@@ -452,7 +480,25 @@ def _build_from_config(config: UNetConfig) -> keras.Model:
     for level in reversed(range(last)):
         x = UpBlock(config.filters[level], config.strides[level + 1], config.num_res_units,
                     recompute=config.recompute, name=f"decoder{level}", **block_options)([x, skips[level]])
-    x = layers.Conv3D(config.num_classes, 1, name="head")(x)
+    if config.full_resolution_first_level:
+        x = layers.Conv3D(config.num_classes, 1, name="head")(x)
+    elif config.output_upsampling == "refine":
+        # the first encoder level downsampled: one more decoder level, whose skip is the image itself
+        x = UpBlock(config.filters[0], config.strides[0], config.num_res_units, recompute=config.recompute,
+                    upsample_filters=full_resolution_upsample_filters(config.filters[0], config.in_channels),
+                    name="decoder_full", **block_options)([x, inputs])
+        x = layers.Conv3D(config.num_classes, 1, name="head")(x)
+    elif config.output_upsampling == "light":
+        # upsampled features next to the image, one full-resolution convolution straight to the logits
+        x = ConvNormAct(full_resolution_upsample_filters(config.filters[0], config.in_channels),
+                        strides=config.strides[0], transposed=True, recompute=config.recompute,
+                        name="upsample_full", **block_options)(x)
+        x = layers.Concatenate(axis=-1, name="concat_image")([x, inputs])
+        x = layers.Conv3D(config.num_classes, config.kernel_size, padding="same", kernel_initializer="he_normal",
+                          name="head")(x)
+    else:  # MONAI's last layer: a transposed convolution straight to the logits
+        x = layers.Conv3DTranspose(config.num_classes, config.kernel_size, strides=config.strides[0], padding="same",
+                                   kernel_initializer="he_normal", name="head")(x)
     # logits in float32 even under a mixed-precision policy (stable softmax/loss)
     outputs = layers.Activation("linear", dtype="float32", name="logits")(x)
     return keras.Model(inputs, outputs, name=config.name)
@@ -461,7 +507,7 @@ def _build_from_config(config: UNetConfig) -> keras.Model:
 def build_unet(in_channels: int, num_classes: int, filters: Sequence[int] = (16, 32, 64, 128, 256),
                strides: Sequence = (1, 2, 2, 2, 2), num_res_units: int = 2, norm: str = "instance",
                norm_groups: int = 8, dropout: float = 0.0, kernel_size=3, recompute: bool = False,
-               name: str = "unet3d", activation: str = "prelu") -> keras.Model:
+               name: str = "unet3d", activation: str = "prelu", output_upsampling: str = "refine") -> keras.Model:
     """Builds a 3D U-Net for `(batch, D, H, W, in_channels)` inputs returning float32 logits.
 
     Args: see `UNetConfig`. Spatial sizes are dynamic; each must be a multiple of the
@@ -475,8 +521,11 @@ def build_unet(in_channels: int, num_classes: int, filters: Sequence[int] = (16,
         >>> model = build_unet(2, 4, filters=(8, 16, 32, 64), strides=(1, 2, 2, 2))
         >>> tuple(model(keras.ops.zeros((1, 32, 48, 16, 2))).shape)
         (1, 32, 48, 16, 4)
+        >>> strided = build_unet(2, 4, filters=(8, 16, 32, 64), strides=(2, 2, 2, 1))  # MONAI-like first layer
+        >>> tuple(strided(keras.ops.zeros((1, 48, 48, 48, 2))).shape)
+        (1, 48, 48, 48, 4)
     """
     config = UNetConfig(in_channels, num_classes, filters=filters, strides=strides, num_res_units=num_res_units,
                         norm=norm, norm_groups=norm_groups, dropout=dropout, kernel_size=kernel_size,
-                        recompute=recompute, name=name, activation=activation)
+                        recompute=recompute, name=name, activation=activation, output_upsampling=output_upsampling)
     return config.build()
