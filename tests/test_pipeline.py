@@ -8,11 +8,11 @@ import tensorflow as tf
 from conftest import tiny_config
 from tfmis.config import AugmentConfig
 from tfmis.data.pipeline import build_train_dataset, build_val_dataset, train_steps_per_epoch
-from tfmis.data.pipeline import crop_starts, step_augmentation, train_crop_size
+from tfmis.data.pipeline import step_augmentation, train_crop_size
 from tfmis.transforms.augment import window
 from tfmis.data.records import load_index
 from tfmis.transforms.augment import augment_patch
-from tfmis.transforms.crop import foreground_indices, rand_crop_by_pos_neg
+from tfmis.transforms.crop import crop_starts, foreground_indices, rand_crop_by_pos_neg
 
 
 def blob_volume(size=40, blob=(18, 22), second_class_voxel=(30, 30, 30)):

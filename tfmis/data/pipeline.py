@@ -35,8 +35,7 @@ from tfmis.data.records import load_index, parse_example, shard_paths
 from tfmis.data.smart_cache import REFILL_PARALLELISM, partial_cache_size, share_size, smart_cache
 from tfmis.transforms.augment import (augment_patch, random_spatial, spatial_enabled, spatial_margin, spatial_seed,
                                      window)
-from tfmis.transforms.crop import (_random_background_voxel, _random_foreground_voxel, foreground_indices,
-                                   pad_to_patch, rand_crop_by_pos_neg)
+from tfmis.transforms.crop import crop_starts, foreground_indices, rand_crop_by_pos_neg
 
 
 def _cache(dataset: tf.data.Dataset, pipeline, name: str, fingerprint: dict) -> tf.data.Dataset:
@@ -225,33 +224,6 @@ def volume_crops(pipeline, stream_seed: int, pipeline_id: int):
         return tf.data.Dataset.from_tensor_slices((images, labels, seeds))
 
     return crops
-
-
-def crop_starts(label: tf.Tensor, fg: tf.Tensor, fg_class: tf.Tensor, patch_size, num_samples: int, pos: float,
-                neg: float, seed: tf.Tensor, class_ratios=None) -> tf.Tensor:
-    """(num_samples, 3) int32: where `rand_crop_by_pos_neg` with the same arguments cuts its crops, in voxels of
-    the volume (negative where a volume smaller than the patch is padded): `window(image, label, start,
-    patch_size)` is its crop. Drawn exactly as it draws them (its helpers, its seed splits), so the spatial
-    augmentations can read a crop's context around it without cutting anything."""
-    _, padded_label, offset = pad_to_patch(tf.zeros(tf.concat([tf.shape(label), [0]], 0)), label, patch_size)
-    fg = fg + offset[None, :]
-    patch = tf.constant(patch_size, tf.int32)
-    shape = tf.shape(padded_label)
-    if class_ratios is not None:
-        neg, pos = float(class_ratios[0]), float(sum(class_ratios[1:]))
-        class_probs = [r / max(pos, 1e-12) for r in class_ratios[1:]]
-    else:
-        class_probs = None
-    p_fg = pos / (pos + neg)
-    has_fg = tf.shape(fg)[0] > 0
-    starts = []
-    for s in tf.unstack(tf.random.experimental.stateless_split(seed, num_samples)):
-        s_choice, s_fg, s_bg = tf.unstack(tf.random.experimental.stateless_split(s, 3))
-        want_fg = tf.logical_and(has_fg, tf.random.stateless_uniform([], seed=s_choice) < p_fg)
-        centre = tf.cond(want_fg, lambda: _random_foreground_voxel(fg, fg_class, class_probs, s_fg),
-                         lambda: _random_background_voxel(padded_label, s_bg))
-        starts.append(tf.clip_by_value(centre - patch // 2, 0, shape - patch) - offset)
-    return tf.stack(starts)
 
 
 def train_crop_size(pipeline) -> list[int]:
