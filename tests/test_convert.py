@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import brain_like_case, lps_affine, make_msd_dataset, update_dataset_json, write_nifti
-from tfmis.data.convert import ConversionConfig, ParametersChanged, assign_splits, build_parser, convert
+from tfmis.data.convert import (PLAN_FILE, ConversionConfig, ParametersChanged, assign_splits, build_parser,
+                                convert)
 from tfmis.data.msd import MSDDataset, load_case
 from tfmis.data.preprocess import PreprocessConfig, preprocess
 from tfmis.data.records import load_index, read_record, record_dataset, split_cases
@@ -158,6 +159,23 @@ def test_changed_parameters_are_refused_or_rebuilt(msd_dataset, tmp_path):
                                      progress=False, overwrite=True))
     assert len(index["splits"]["train"]["shards"]) == 3
     assert sorted(p.name for p in target.glob("*.tfrecord*")) == [f"train-00{i}-of-003.tfrecord.gz" for i in range(3)]
+
+
+def test_explicit_values_equal_to_what_a_default_resolved_to_reuse_the_conversion(msd_dataset, tmp_path):
+    """A conversion made with the default spacing (the median) is the conversion asked for with that median
+    written out (as `python -m tfmis.plan` writes it): it is reused, not refused; another spacing is refused."""
+    target = tmp_path / "out"
+    first = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False))
+    resolved = json.loads((target / PLAN_FILE).read_text())["resolved"]["spacing"]  # the median spacing
+    stamps = {p.name: p.stat().st_mtime_ns for p in target.glob("*.tfrecord*")}
+    again = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1,
+                                     progress=False, spacing=tuple(resolved)))
+    assert again["splits"] == first["splits"]
+    assert {p.name: p.stat().st_mtime_ns for p in target.glob("*.tfrecord*")} == stamps, "no shard rewritten"
+    other = tuple(2 * s for s in resolved)
+    with pytest.raises(ParametersChanged, match=r"spacing: "):
+        convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False,
+                                 spacing=other))
 
 
 def make_broken_dataset(root: Path) -> dict:

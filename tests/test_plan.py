@@ -341,6 +341,26 @@ def test_train_from_source_dir_plans_converts_and_trains(tiny_ct_run):
     assert used == resolve_precision("auto") and used != "auto"
 
 
+def test_train_from_source_dir_onto_a_conversion_with_other_parameters_is_one_error_line(tiny_ct_run, tmp_path):
+    """--source-dir whose planned target holds a conversion made with another spacing (here: the tiny CT
+    conversion, asked for with its planned spacing doubled): exit 1 with one `error:` line naming the folder, the
+    changed parameter and the fixes, no traceback; nothing trained."""
+    run = tmp_path / "run"
+    planned = load_config(tiny_ct_run["run"] / "plan.yaml").data.conversion.spacing
+    doubled = "[" + ",".join(str(2 * s) for s in planned) + "]"
+    result = subprocess.run(
+        [sys.executable, "-m", "tfmis.train", "--source-dir", str(tiny_ct_run["source"]), "--set", f"output.dir={run}",
+         "--set", f"data.dataset_dir={tiny_ct_run['dataset_dir']}", "--set", f"data.conversion.spacing={doubled}",
+         "--set", "output.progress=false"],
+        capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and str(tiny_ct_run["dataset_dir"]) in error[0] and "spacing: " in error[0]
+    assert "use another --target-dir, or --overwrite" in error[0]
+    assert not (run / "history.jsonl").exists()
+
+
 def test_first_pass_fingerprint_predicts_the_conversion(tiny_ct_run):
     """The first-pass fingerprint (no conversion) predicts each case's converted shape exactly and the CT window
     the conversion measured; the fingerprint read back from the conversion gives the same spacing and patch."""

@@ -73,13 +73,14 @@ def main(argv=None) -> int:
             print(f"warning: {line}", file=sys.stderr)
     config.training.precision = resolve_precision(config.training.precision)  # "auto": this machine's best
 
+    from tfmis.data.convert import ParametersChanged
     from tfmis.data.prepare import prepare_dataset
     from tfmis.engine.trainer import RunExists, Trainer, TrainingDiverged, summary_table
     from tfmis.inference.placement import VolumeOutOfMemory
     from tfmis.tune.search import NoConfigurationFits
 
-    expected = (RunExists, TrainingDiverged, NoConfigurationFits, VolumeOutOfMemory, FileNotFoundError, KeyError,
-                ValueError)
+    expected = (RunExists, TrainingDiverged, NoConfigurationFits, VolumeOutOfMemory, ParametersChanged,
+                FileNotFoundError, KeyError, ValueError)
     try:
         if not _prepare_on_chief(backend, lambda: prepare_dataset(config.data, progress=config.output.progress)):
             return 1

@@ -256,7 +256,12 @@ def _sha256(path: Path) -> str:
 def _prepare_target(target: Path, requested: dict, overwrite: bool) -> None:
     plan_path = target / PLAN_FILE
     if plan_path.is_file():
-        previous = json.loads(plan_path.read_text()).get("requested", {})
+        plan = json.loads(plan_path.read_text())
+        previous = plan.get("requested", {})
+        # a default (None) the earlier run resolved, asked for now by its value (as a plan writes it): same output
+        resolved = plan.get("resolved", {})
+        previous = {k: (resolved[k] if v is None and resolved.get(k) is not None
+                        and requested.get(k) == resolved[k] else v) for k, v in previous.items()}
         if previous != requested:
             changed = sorted(k for k in set(previous) | set(requested) if previous.get(k) != requested.get(k))
             details = "; ".join(f"{k}: {previous.get(k)!r} -> {requested.get(k)!r}" for k in changed)
