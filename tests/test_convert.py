@@ -163,7 +163,9 @@ def test_changed_parameters_are_refused_or_rebuilt(msd_dataset, tmp_path):
 
 def test_explicit_values_equal_to_what_a_default_resolved_to_reuse_the_conversion(msd_dataset, tmp_path):
     """A conversion made with the default spacing (the median) is the conversion asked for with that median
-    written out (as `python -m tfmis.plan` writes it): it is reused, not refused; another spacing is refused."""
+    written out (as `python -m tfmis.plan` writes it), and the other way round: it is reused, not refused, as is
+    one made before an option existed when that option is asked for with its default; another spacing is
+    refused."""
     target = tmp_path / "out"
     first = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False))
     resolved = json.loads((target / PLAN_FILE).read_text())["resolved"]["spacing"]  # the median spacing
@@ -172,10 +174,50 @@ def test_explicit_values_equal_to_what_a_default_resolved_to_reuse_the_conversio
                                      progress=False, spacing=tuple(resolved)))
     assert again["splits"] == first["splits"]
     assert {p.name: p.stat().st_mtime_ns for p in target.glob("*.tfrecord*")} == stamps, "no shard rewritten"
+    back = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False))
+    assert back["splits"] == first["splits"], "and the default again, after the explicit median"
+    # a conversion made before an option existed, asked for with that option's default, is the same conversion
+    plan = json.loads((target / PLAN_FILE).read_text())
+    del plan["requested"]["ct_normalization"]
+    (target / PLAN_FILE).write_text(json.dumps(plan))
+    convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False))
+    assert {p.name: p.stat().st_mtime_ns for p in target.glob("*.tfrecord*")} == stamps, "no shard rewritten"
     other = tuple(2 * s for s in resolved)
     with pytest.raises(ParametersChanged, match=r"spacing: "):
         convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False,
                                  spacing=other))
+
+
+def test_ct_zscore_conversion_measures_the_labelled_foreground_of_every_training_case(tmp_path):
+    """ct_normalization=zscore on a CT-like dataset: the resolved mean/std are those of the raw HU under every
+    training case's label (read here with nibabel; the cases are small enough that no voxel is subsampled), the
+    window their 0.5/99.5 percentiles; the index says ct_zscore and holds them (prediction reads them there);
+    every converted voxel lies between the window's ends mapped by that z-score."""
+    from tfmis.data.demo_ct import make_ct_dataset
+
+    source = make_ct_dataset(tmp_path / "Task91_CT", num_cases=4, shape=(40, 40, 12))
+    foreground = []
+    for path in sorted((source / "labelsTr").glob("*.nii.gz")):
+        label = np.asarray(nib.load(path).dataobj) > 0
+        image = nib.load(source / "imagesTr" / path.name).get_fdata()
+        assert 0 < label.sum() < 10_000
+        foreground.append(image[label])
+    values = np.concatenate(foreground)
+    target = tmp_path / "out"
+    index = convert(ConversionConfig(str(source), str(target), split=(1.0,), shards=1, workers=1, progress=False,
+                                     ct_normalization="zscore", image_dtype="float32"))
+    resolved = json.loads((target / PLAN_FILE).read_text())["resolved"]
+    mean, std = resolved["ct_mean_std"]
+    assert mean == pytest.approx(values.mean(), rel=1e-6) and std == pytest.approx(values.std(), rel=1e-6)
+    lo, hi = resolved["ct_window"]
+    assert [lo, hi] == pytest.approx(np.percentile(values, [0.5, 99.5]), abs=0.051)
+    prep = index["preprocessing"]
+    assert prep["normalization"] == ["ct_zscore"] and prep["ct_mean_std"] == pytest.approx([mean, std])
+    assert PreprocessConfig.from_dict(prep).ct_mean_std == (mean, std)
+    for image, _, _ in record_dataset(target, "train"):
+        x = image.numpy()
+        assert x.min() >= (lo - mean) / std - 1e-5 and x.max() <= (hi - mean) / std + 1e-5
+        assert x.max() > 0 > x.min()
 
 
 def make_broken_dataset(root: Path) -> dict:

@@ -184,7 +184,7 @@ def test_planned_network_fits_its_patch_and_budget(hardware):
         assert config.model.filters == tuple(min(8 * 2 ** i, 128) for i in range(len(strides)))
         assert config.pipeline.num_images_per_batch == 2 and config.validation.validation_data_device == "cpu"
         assert config.training.precision == "float32"
-    assert config.data.conversion.ct_window == (-57.0, 164.0)
+    assert config.data.conversion.ct_window == (-57.0, 164.0) and config.data.conversion.ct_normalization == "zscore"
     assert config.pipeline.class_ratios == [1, 1, 2]  # lesion: 0.02% of the voxels
     assert config.validation.roi_size == patch and config.training.jit_compile is False
 
@@ -332,7 +332,8 @@ def test_train_from_source_dir_plans_converts_and_trains(tiny_ct_run):
     assert plan.model.strides[1] == (2, 2, 1)  # z (2.5 mm) is >= 2x the in-plane spacing: not pooled at level 1
     assert plan.data.conversion.ct_window is not None and plan.data.dataset_dir == str(tiny_ct_run["dataset_dir"])
     index = json.loads((tiny_ct_run["dataset_dir"] / "index.json").read_text())
-    assert index["preprocessing"]["normalization"] == ["ct"]
+    assert index["preprocessing"]["normalization"] == ["ct_zscore"] and plan.data.conversion.ct_normalization == "zscore"
+    assert len(index["preprocessing"]["ct_mean_std"]) == 2 and index["preprocessing"]["ct_mean_std"][1] > 0
     assert index["preprocessing"]["spacing"] == list(plan.data.conversion.spacing)
     assert index["preprocessing"]["ct_window"] == list(plan.data.conversion.ct_window)
     history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]

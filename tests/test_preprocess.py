@@ -111,6 +111,21 @@ def test_ct_window_clips_and_scales():
     np.testing.assert_allclose(out[:, 0, 0, 0], [0, 0, 57 / 221, 110.5 / 221, 1, 1], rtol=1e-6)
 
 
+def test_ct_zscore_clips_to_the_window_then_uses_the_dataset_statistics():
+    """nnU-Net's CTNormalization written out: clip(x, p0.5, p99.5), minus the dataset foreground mean, over its
+    std; the case's own statistics play no part (two cases with different contents get the same map)."""
+    hu = np.array([-1000, -57, 0, 53.5, 164, 3000], np.float32).reshape(6, 1, 1, 1) * np.ones((6, 2, 2, 1))
+    config = PreprocessConfig(spacing=(1, 1, 1), normalization=("ct_zscore",), ct_window=(-57, 164),
+                              ct_mean_std=(40.0, 25.0), crop_foreground=False, image_dtype="float32")
+    out, _, _ = preprocess(hu.astype(np.float32), None, np.eye(4), config)
+    expected = [(-57 - 40) / 25, (-57 - 40) / 25, (0 - 40) / 25, (53.5 - 40) / 25, (164 - 40) / 25, (164 - 40) / 25]
+    np.testing.assert_allclose(out[:, 0, 0, 0], expected, rtol=1e-6)
+    shifted, _, _ = preprocess((hu + 10).astype(np.float32), None, np.eye(4), config)
+    np.testing.assert_allclose(shifted[2, 0, 0, 0], (10 - 40) / 25, rtol=1e-6)
+    with pytest.raises(ValueError, match="ct_mean_std"):
+        PreprocessConfig(spacing=(1, 1, 1), normalization=("ct_zscore",), ct_window=(-57, 164))
+
+
 def test_ct_foreground_is_above_the_window():
     hu = np.full((10, 10, 10, 1), -1000, np.float32)
     hu[3:6, 2:8, 4:5] = 40

@@ -79,6 +79,9 @@ class ConversionOptions:
         image_dtype: float16 or float32.
         ct_window: (low, high) HU window for CT channels; None = the 0.5/99.5 percentiles of the
             labelled foreground, measured in a first pass (as nnU-Net does).
+        ct_normalization: CT channels after clipping to `ct_window`: "scale" to [0, 1], or "zscore": minus
+            the mean, over the standard deviation, of the labelled foreground intensities of all training
+            cases (nnU-Net's CTNormalization; measured in the same first pass).
         crop_foreground, crop_margin: crop to the non-background bounding box (+ margin voxels).
     """
 
@@ -102,6 +105,9 @@ class ConversionOptions:
     ct_window: tuple[float, float] | None = _option(
         None, "LOW,HIGH Hounsfield window for CT channels, e.g. -57,164 (default: 0.5/99.5 percentiles of the "
               "labelled foreground)")
+    ct_normalization: Literal["scale", "zscore"] = _option(
+        "scale", "CT channels after clipping to the window: scale to [0, 1] (default) or zscore with the mean and "
+                 "std of the labelled foreground over the training cases (nnU-Net)")
     crop_foreground: bool = _option(True, "do not crop to the foreground bounding box", flag="--no-crop")
     crop_margin: int = _option(0, "voxels kept around the foreground box (default 0)")
 
@@ -118,6 +124,8 @@ class ConversionOptions:
                 raise ValueError(f"split must be 1 to 3 non-negative fractions (train,val,test), got {self.split}")
         if self.folds is not None and self.folds < 2:
             raise ValueError(f"folds must be at least 2, got {self.folds}")
+        if self.ct_normalization not in ("scale", "zscore"):
+            raise ValueError(f"ct_normalization must be scale or zscore, got {self.ct_normalization!r}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
         if self.shards < 1 or (self.workers is not None and self.workers < 1):
@@ -253,15 +261,24 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _prepare_target(target: Path, requested: dict, overwrite: bool) -> None:
+def _prepare_target(target: Path, requested: dict, overwrite: bool, dataset: MSDDataset | None = None) -> None:
     plan_path = target / PLAN_FILE
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())
-        previous = plan.get("requested", {})
-        # a default (None) the earlier run resolved, asked for now by its value (as a plan writes it): same output
+        previous = dict(plan.get("requested", {}))
         resolved = plan.get("resolved", {})
-        previous = {k: (resolved[k] if v is None and resolved.get(k) is not None
-                        and requested.get(k) == resolved[k] else v) for k, v in previous.items()}
+        defaults = {f.name: f.default for f in dataclasses.fields(ConversionOptions)}
+        for k, new in requested.items():
+            if k not in previous and k in defaults and new == defaults[k]:
+                previous[k] = new  # an option added since that conversion, asked for with its default
+            old = previous.get(k)
+            if old == new or resolved.get(k) is None:
+                continue
+            if old is None and new == resolved[k]:
+                previous[k] = new  # the default it resolved, now asked for by its value (as a plan writes it)
+            elif (new is None and old == resolved[k] and k == "spacing" and dataset is not None
+                  and list(_median_spacing(dataset) or []) == resolved[k]):
+                previous[k] = None  # the value asked for then is what the default (the median) resolves to
         if previous != requested:
             changed = sorted(k for k in set(previous) | set(requested) if previous.get(k) != requested.get(k))
             details = "; ".join(f"{k}: {previous.get(k)!r} -> {requested.get(k)!r}" for k in changed)
@@ -295,15 +312,17 @@ def _median_spacing(dataset: MSDDataset) -> tuple[float, float, float] | None:
     return tuple(float(s) for s in np.round(np.median(spacings, axis=0), 4)) if spacings else None
 
 
-def _auto_ct_window(dataset: MSDDataset, workers: int) -> tuple[float, float]:
+def _ct_foreground_statistics(dataset: MSDDataset, workers: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((0.5, 99.5) percentiles, (mean, std)) of the CT channels' labelled foreground intensities, sampled from
+    every training case (nnU-Net's foreground intensity properties)."""
     tasks = [(c, str(dataset.root)) for c in dataset.training]
     samples = [s for s in _run_ordered(_foreground_sample, tasks, workers) if s is not None]
     if not samples:
         raise DatasetError(f"{dataset.root}: no readable case to measure the CT window from; pass --ct-window")
     ct_channels = [i for i, m in enumerate(dataset.modalities) if m.upper() == "CT"]
-    values = np.concatenate([s[:, ct_channels].ravel() for s in samples])
+    values = np.concatenate([s[:, ct_channels].ravel() for s in samples]).astype(np.float64)
     lo, hi = np.percentile(values, [0.5, 99.5])
-    return float(round(lo, 1)), float(round(hi, 1))
+    return (float(round(lo, 1)), float(round(hi, 1))), (float(values.mean()), float(values.std()))
 
 
 def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) -> dict:
@@ -355,23 +374,29 @@ def convert(config: ConversionConfig) -> dict:
     target = Path(config.target_dir)
     (target / PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
     requested = config.requested(_sha256(dataset.root / "dataset.json"))
-    _prepare_target(target, requested, config.overwrite)
+    _prepare_target(target, requested, config.overwrite, dataset)
     previous = json.loads((target / PLAN_FILE).read_text()) if (target / PLAN_FILE).is_file() else {}
-    modal_norm = tuple("ct" if m.upper() == "CT" else "zscore" for m in dataset.modalities)
-    if previous.get("requested") == requested and "resolved" in previous:
-        spacing, ct_window = previous["resolved"]["spacing"], previous["resolved"]["ct_window"]  # resuming
+    ct_norm = "ct_zscore" if config.ct_normalization == "zscore" else "ct"
+    modal_norm = tuple(ct_norm if m.upper() == "CT" else "zscore" for m in dataset.modalities)
+    if previous.get("requested") == requested and "resolved" in previous:  # resuming
+        spacing, ct_window = previous["resolved"]["spacing"], previous["resolved"]["ct_window"]
+        ct_mean_std = previous["resolved"].get("ct_mean_std")
     else:
         spacing = config.spacing or _median_spacing(dataset)
-        ct_window = config.ct_window
-        if "ct" in modal_norm and ct_window is None:
-            ct_window = _auto_ct_window(dataset, config.num_workers)
+        ct_window, ct_mean_std = config.ct_window, None
+        if ct_norm in modal_norm and (ct_window is None or ct_norm == "ct_zscore"):
+            window, mean_std = _ct_foreground_statistics(dataset, config.num_workers)
+            ct_window = ct_window if ct_window is not None else window
+            ct_mean_std = mean_std if ct_norm == "ct_zscore" else None
     if spacing is None and config.reshape is None:
         raise DatasetError(f"{dataset.root}: no readable image header to compute the median spacing; pass --spacing")
     atomic_write_json(target / PLAN_FILE, {"requested": requested,
-                                           "resolved": {"spacing": spacing, "ct_window": ct_window}})
+                                           "resolved": {"spacing": spacing, "ct_window": ct_window,
+                                                        "ct_mean_std": ct_mean_std}})
     spacing = tuple(spacing) if spacing is not None else None
     ct_window = tuple(ct_window) if ct_window is not None else None
     prep = PreprocessConfig(spacing=spacing, reshape=config.reshape, normalization=modal_norm, ct_window=ct_window,
+                            ct_mean_std=tuple(ct_mean_std) if ct_mean_std is not None else None,
                             crop_foreground=config.crop_foreground, crop_margin=config.crop_margin,
                             image_dtype=config.image_dtype)
 

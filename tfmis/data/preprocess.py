@@ -24,7 +24,8 @@ import nibabel as nib
 import numpy as np
 from scipy import ndimage
 
-NORMALIZATIONS = ("zscore", "ct", "none")
+NORMALIZATIONS = ("zscore", "ct", "ct_zscore", "none")
+CT_NORMALIZATIONS = ("ct", "ct_zscore")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +37,11 @@ class PreprocessConfig:
             Must be resolved (e.g. to the dataset's median spacing) before calling `preprocess`.
         reshape: fixed output shape (X, Y, Z) instead of resampling to a spacing (as in DistMIS).
         normalization: one entry per channel: `zscore` (over the foreground mask, MRI),
-            `ct` (clip to `ct_window`, scale to [0, 1]) or `none`.
-        ct_window: (low, high) Hounsfield window for `ct` channels.
+            `ct` (clip to `ct_window`, scale to [0, 1]), `ct_zscore` (clip to `ct_window`, then
+            subtract `ct_mean_std[0]` and divide by `ct_mean_std[1]`: nnU-Net's CTNormalization)
+            or `none`.
+        ct_window: (low, high) Hounsfield window for `ct` and `ct_zscore` channels.
+        ct_mean_std: (mean, std) of the dataset's foreground intensities, for `ct_zscore` channels.
         crop_foreground: crop to the bounding box of the non-background region (and the label).
         crop_margin: voxels kept around that bounding box.
         image_dtype: `float16` or `float32` storage of the normalised image.
@@ -47,6 +51,7 @@ class PreprocessConfig:
     reshape: tuple[int, int, int] | None = None
     normalization: tuple[str, ...] = ("zscore",)
     ct_window: tuple[float, float] | None = None
+    ct_mean_std: tuple[float, float] | None = None
     crop_foreground: bool = True
     crop_margin: int = 0
     image_dtype: str = "float16"
@@ -55,8 +60,10 @@ class PreprocessConfig:
         for n in self.normalization:
             if n not in NORMALIZATIONS:
                 raise ValueError(f"normalization {n!r} is not one of {NORMALIZATIONS}")
-        if "ct" in self.normalization and self.ct_window is None:
-            raise ValueError("normalization 'ct' needs ct_window=(low, high)")
+        if any(n in CT_NORMALIZATIONS for n in self.normalization) and self.ct_window is None:
+            raise ValueError("normalization 'ct' / 'ct_zscore' needs ct_window=(low, high)")
+        if "ct_zscore" in self.normalization and (self.ct_mean_std is None or not self.ct_mean_std[1] > 0):
+            raise ValueError(f"normalization 'ct_zscore' needs ct_mean_std=(mean, std > 0), got {self.ct_mean_std}")
         if self.ct_window is not None and not self.ct_window[0] < self.ct_window[1]:
             raise ValueError(f"ct_window low must be below high, got {self.ct_window}")
         if self.image_dtype not in ("float16", "float32"):
@@ -137,7 +144,7 @@ def foreground_mask(image: np.ndarray, normalization: tuple[str, ...], ct_window
     """Non-background voxels: nonzero for MRI-like channels, above the window's low end for CT."""
     mask = np.zeros(image.shape[:3], dtype=bool)
     for c, norm in enumerate(_per_channel(normalization, image.shape[-1])):
-        mask |= image[..., c] > ct_window[0] if norm == "ct" else image[..., c] != 0
+        mask |= image[..., c] > ct_window[0] if norm in CT_NORMALIZATIONS else image[..., c] != 0
     return mask
 
 
@@ -170,8 +177,9 @@ def resample(array: np.ndarray, scale: np.ndarray, out_shape, order: int) -> np.
     return np.stack([resample(array[..., c], scale, out_shape, order) for c in range(array.shape[-1])], axis=-1)
 
 
-def normalize(image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...], ct_window) -> np.ndarray:
-    """Per-channel intensity normalisation (float32 in, float32 out)."""
+def normalize(image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...], ct_window,
+              ct_mean_std=None) -> np.ndarray:
+    """Per-channel intensity normalisation (float32 in, float32 out); see `PreprocessConfig.normalization`."""
     out = np.empty_like(image, dtype=np.float32)
     use = mask if mask.any() and not mask.all() else None
     for c, norm in enumerate(_per_channel(normalization, image.shape[-1])):
@@ -179,6 +187,9 @@ def normalize(image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...
         if norm == "ct":
             lo, hi = ct_window
             out[..., c] = (np.clip(x, lo, hi) - lo) / (hi - lo)
+        elif norm == "ct_zscore":  # the dataset's foreground statistics, not the case's (as nnU-Net)
+            mean, std = ct_mean_std
+            out[..., c] = (np.clip(x, *ct_window) - mean) / max(std, 1e-8)
         elif norm == "zscore":
             values = x[use] if use is not None else x
             std = float(values.std())
@@ -228,7 +239,7 @@ def preprocess(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, 
         out_shape = np.maximum(np.round(in_shape * in_spacing / np.array(config.spacing)), 1).astype(int)
         scale = np.array(config.spacing) / in_spacing
         scale = np.where(out_shape == in_shape, np.where(np.isclose(scale, 1, atol=1e-3), 1.0, scale), scale)
-    normalized = normalize(ras_image, mask, config.normalization, config.ct_window)
+    normalized = normalize(ras_image, mask, config.normalization, config.ct_window, config.ct_mean_std)
     out_image = resample(normalized, scale, out_shape, order=1).astype(config.image_dtype)
     out_label = resample(ras_label, scale, out_shape, order=0).astype(np.uint8) if ras_label is not None else None
 

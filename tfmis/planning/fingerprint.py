@@ -200,7 +200,7 @@ def fingerprint_msd(source_dir: str | Path, workers: int | None = None, progress
         raise DatasetError(f"{dataset.root}: no training case could be read ({len(skipped)} skipped, e.g. "
                            f"{next(iter(skipped.items()), ('', ''))[1]})")
     ct = [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
-    if ct and ct_window is None:  # tfmis.data.convert._auto_ct_window, on the same samples
+    if ct and ct_window is None:  # tfmis.data.convert._ct_foreground_statistics, on the same samples
         values = np.concatenate([s["sample"][:, ct].ravel() for s in summaries])
         lo, hi = np.percentile(values, [0.5, 99.5])
         ct_window = (float(round(lo, 1)), float(round(hi, 1)))

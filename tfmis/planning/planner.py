@@ -211,7 +211,8 @@ def normalisation_lines(fingerprint: DatasetFingerprint) -> list[str]:
     for i, m in enumerate(fingerprint.modalities):
         if i in fingerprint.ct_channels:
             lo, hi = fingerprint.ct_window
-            lines.append(f"channel {i} {m}: clip to [{lo:g}, {hi:g}] HU, scale to [0, 1]")
+            lines.append(f"channel {i} {m}: clip to [{lo:g}, {hi:g}] HU, then z-score with the labelled-foreground "
+                         f"mean and std of the training cases (measured by the conversion)")
         else:
             lines.append(f"channel {i} {m}: z-score per case over the nonzero region")
     return lines
@@ -257,13 +258,15 @@ def make_plan(fingerprint: DatasetFingerprint, hardware: Hardware, *, source_dir
     plan.set("data.conversion.spacing", spacing, spacing_reason + " (mm, R,A,S)")
     norm = normalisation_lines(fp)
     plan.notes["data.conversion"] = ["Normalisation, done by the conversion from the modality names: " +
-                                     "; ".join(norm) + " (nnU-Net: CT window from foreground percentiles, "
-                                     "MRI z-score)."]
+                                     "; ".join(norm) + " (nnU-Net: CT clipped to the foreground percentiles, "
+                                     "then z-scored with the foreground statistics; MRI z-score per case)."]
     if fp.ct_channels:
         lo, hi = fp.ct_window
         plan.set("data.conversion.ct_window", [float(lo), float(hi)],
-                 f"CT: the 0.5/99.5 percentiles of the labelled-foreground HU ({fp.source}), as nnU-Net clips; "
-                 f"then scaled to [0, 1]")
+                 f"CT: the 0.5/99.5 percentiles of the labelled-foreground HU ({fp.source}), as nnU-Net clips")
+        plan.set("data.conversion.ct_normalization", "zscore",
+                 "CT after clipping: minus the labelled-foreground mean, over its std, both over all training cases "
+                 "(nnU-Net's CTNormalization; the conversion measures them)")
     ids = assign_splits(list(fp.case_ids), split, None, seed)
     n_train = len(ids["train"])
     plan.set("data.conversion.split", list(split),
