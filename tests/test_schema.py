@@ -17,10 +17,11 @@ from tfmis.networks.unet import UNetArchitecture, UNetConfig
 NON_DEFAULT_CONVERSION = {
     "folds": 3, "spacing": [1.5, 1.5, 2.5], "shards": 1, "compression": "ZLIB", "workers": 1, "seed": 7,
     "image_dtype": "float32", "ct_window": [-50.0, 150.0], "crop_foreground": False, "crop_margin": 2,
+    "ct_normalization": "zscore",
 }
 NON_DEFAULT_FLAGS = ["--folds", "3", "--spacing", "1.5,1.5,2.5", "--shards", "1", "--compression", "ZLIB",
                      "--workers", "1", "--seed", "7", "--image-dtype", "float32", "--ct-window", "-50,150",
-                     "--no-crop", "--crop-margin", "2"]
+                     "--no-crop", "--crop-margin", "2", "--ct-normalization", "zscore"]
 
 
 def test_every_conversion_option_is_settable_from_the_config_and_the_command_line():
