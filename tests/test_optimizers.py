@@ -398,6 +398,37 @@ def test_cosine_schedule_with_warmup_and_floor():
                                [0.0, 0.005, 0.01, 0.0085502, 0.00505, 1e-4, 1e-4], rtol=1e-5)
 
 
+def test_once_per_step_schedule_trains_as_the_schedule_with_one_evaluation_per_step():
+    """AdamW with weight decay under OncePerStep(schedule) takes the same steps as under the schedule itself
+    (weights equal after 6 compiled steps through warm-up and decay), while its step graph evaluates the schedule
+    once instead of once per variable and once more (Keras' TensorFlow optimizer reads the rate per variable for
+    weight decay)."""
+    from tfmis.optimizers.schedules import OncePerStep
+
+    def train(learning_rate):
+        variables = [keras.Variable(np.full(shape, 0.5, np.float32)) for shape in SHAPES]
+        optimizer = build_optimizer("adamw", learning_rate, weight_decay=0.1)
+        optimizer.build(variables)
+        step = tf.function(lambda: optimizer.apply([v * 2.0 + 1.0 for v in variables], variables))
+        for _ in range(6):
+            step()
+        cosines = sum(op.type == "Cos" for op in step.get_concrete_function().graph.get_operations())
+        return [v.numpy() for v in variables], cosines, optimizer
+
+    schedule = build_schedule("cosine", 0.05, total_steps=8, warmup_steps=2)
+    plain, plain_cosines, _ = train(schedule)
+    once, once_cosines, optimizer = train(OncePerStep(schedule))
+    for a, b in zip(plain, once):
+        np.testing.assert_array_equal(a, b)
+    iterations = tf.Variable(0, dtype=tf.int64)
+    evaluation = tf.function(lambda: schedule(iterations)).get_concrete_function().graph
+    per_evaluation = sum(op.type == "Cos" for op in evaluation.get_operations())  # the warm-up reads two
+    assert once_cosines == per_evaluation and plain_cosines == (len(SHAPES) + 1) * per_evaluation
+    assert float(optimizer.learning_rate) == pytest.approx(float(schedule(6)))  # eager reads evaluate it
+    restored = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(OncePerStep(schedule)))
+    assert float(restored(tf.constant(3))) == pytest.approx(float(schedule(3)))
+
+
 def test_schedules_work_in_graph_mode_with_int64_steps():
     schedule = build_schedule("cosine", 0.01, total_steps=120, warmup_steps=20, min_learning_rate=1e-4)
     compiled = tf.function(lambda step: schedule(step))

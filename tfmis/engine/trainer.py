@@ -46,6 +46,7 @@ from tfmis.metrics.segmentation import SegmentationMetrics
 from tfmis.planning.hardware import resolve_precision
 from tfmis.networks.unet import UNetConfig, check_patch_size
 from tfmis.optimizers import batch_scaled_learning_rate, build_optimizer, build_schedule
+from tfmis.optimizers.schedules import OncePerStep
 from tfmis.utils.devices import accelerator_device
 from tfmis.utils.io import atomic_write_json
 
@@ -110,7 +111,8 @@ class Trainer:
             schedule = build_schedule(o.schedule, self.learning_rate, total_steps=total,
                                       warmup_steps=int(o.warmup_epochs * self.steps_per_epoch), power=o.power,
                                       min_learning_rate=min_learning_rate)
-            optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, momentum=o.momentum,
+            # OncePerStep: Keras would evaluate the schedule once per variable in every step
+            optimizer = build_optimizer(o.name, OncePerStep(schedule), weight_decay=o.weight_decay, momentum=o.momentum,
                                         nesterov=o.nesterov, beta_1=o.beta_1, beta_2=o.beta_2, clipnorm=o.clipnorm)
             if self.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

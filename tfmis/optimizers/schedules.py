@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 
 import keras
 from keras import ops
@@ -224,3 +225,48 @@ def batch_scaled_learning_rate(learning_rate: float, scaling: str, global_batch:
     if scaling not in factors:
         raise ValueError(f"optimizer.lr_scaling must be none, linear or sqrt, got {scaling!r}")
     return learning_rate * factors[scaling]
+
+
+@keras.saving.register_keras_serializable(package="tfmis")
+class OncePerStep(LearningRateSchedule):
+    """`schedule`, computed once per traced step instead of once per variable.
+
+    Keras' TensorFlow optimizer reads `learning_rate` once per variable when it applies weight decay, and with a
+    schedule each read evaluates the schedule again: in the demo's step graph that was ~2,500 of its ~6,500 ops
+    and 0.6 s of its tracing. This wrapper keeps the first value computed in a graph for the same step variable
+    (`optimizer.iterations`, passed as the variable itself) and returns it for the other reads in that graph;
+    eagerly, or for any other step argument, it evaluates `schedule`. It assumes one optimizer step per traced
+    graph, as the `Trainer`'s step takes (a loop over steps traces its body as a graph of its own).
+
+    Args:
+        schedule: the `LearningRateSchedule` to evaluate.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> step = tf.Variable(5, dtype=tf.int64)
+        >>> once = OncePerStep(CosineDecay(1e-2, decay_steps=10))
+        >>> graph = tf.function(lambda: [once(step) for _ in range(3)]).get_concrete_function().graph
+        >>> sum(op.type == "Cos" for op in graph.get_operations())
+        1
+    """
+
+    def __init__(self, schedule: LearningRateSchedule):
+        if isinstance(schedule, dict):  # from get_config
+            schedule = keras.optimizers.schedules.deserialize(schedule)
+        self.schedule = schedule
+        self._values = weakref.WeakKeyDictionary()  # graph -> (step variable, its rate tensor in that graph)
+
+    def __call__(self, step):
+        import tensorflow as tf
+
+        if tf.executing_eagerly() or not isinstance(step, (tf.Variable, keras.Variable)):
+            return self.schedule(step)
+        graph = tf.compat.v1.get_default_graph()
+        cached = self._values.get(graph)
+        if cached is None or cached[0] is not step:
+            cached = (step, self.schedule(step))
+            self._values[graph] = cached
+        return cached[1]
+
+    def get_config(self):
+        return {"schedule": keras.optimizers.schedules.serialize(self.schedule)}
