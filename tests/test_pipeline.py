@@ -186,6 +186,23 @@ def test_validation_volumes_come_from_the_cache_once_the_shards_are_gone(mode, c
         assert_same_volumes(val_volumes(build_val_dataset(config)), first)
 
 
+def test_one_uncached_validation_case_leaves_no_partial_cache(converted_dataset, tmp_path, capfd):
+    """The preview's read (`cached=False`, the first case only) writes nothing into pipeline.cache_dir and draws no
+    'did not fully read the dataset being cached' warning from TensorFlow, and is the first case of the cached
+    validation pipeline (whose full pass then writes its cache files)."""
+    import gc
+
+    config = tiny_config(converted_dataset, tmp_path, *cache_overrides("file", tmp_path))
+    image, label, meta = next(iter(build_val_dataset(config, cached=False)))
+    gc.collect()
+    cache_dir = tmp_path / "cache"
+    assert not cache_dir.exists() or not any(cache_dir.iterdir())
+    assert "did not fully read the dataset being cached" not in capfd.readouterr().err
+    first = val_volumes(build_val_dataset(config))[0]
+    assert_same_volumes([(meta["case_id"].numpy().decode(), image.numpy(), label.numpy())], [first])
+    assert any(cache_dir.iterdir())
+
+
 def test_validation_without_cache_rereads_the_shards(converted_dataset, tmp_path):
     """The control for the test above: with `cache: none` the second pass fails on the missing shards."""
     config = tiny_config(dataset_copy(converted_dataset, tmp_path), tmp_path, "pipeline.cache=none")

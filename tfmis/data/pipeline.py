@@ -312,8 +312,11 @@ def step_augmentation(pipeline):
     return fn
 
 
-def build_val_dataset(config, split: str | None = None) -> tf.data.Dataset:
-    """Whole cached volumes, one at a time: ((1, X, Y, Z, C) float32, (1, X, Y, Z) int32, metadata)."""
+def build_val_dataset(config, split: str | None = None, cached: bool = True) -> tf.data.Dataset:
+    """Whole cached volumes, one at a time: ((1, X, Y, Z, C) float32, (1, X, Y, Z) int32, metadata).
+
+    `cached=False` reads the TFRecords without `pipeline.cache`, for a reader that stops early (a cache read in part
+    is discarded, with a warning from TensorFlow)."""
     index = load_index(config.data.dataset_dir)
     split = split or config.data.val_split
     files = shard_paths(config.data.dataset_dir, split, index)
@@ -322,8 +325,9 @@ def build_val_dataset(config, split: str | None = None) -> tf.data.Dataset:
     dataset = _read(files, index, deterministic=True)
     if config.validation.max_cases:  # before the cache: a cache read only in part is discarded
         dataset = dataset.take(config.validation.max_cases)
-    dataset = _cache(dataset, config.pipeline, f"val-{split}",
-                     {"index": index, "split": split, "max_cases": config.validation.max_cases})
+    if cached:
+        dataset = _cache(dataset, config.pipeline, f"val-{split}",
+                         {"index": index, "split": split, "max_cases": config.validation.max_cases})
     dataset = dataset.map(lambda image, label, meta: (tf.cast(image, tf.float32)[None], tf.cast(label, tf.int32)[None],
                                                       meta))
     return dataset.prefetch(1)

@@ -521,7 +521,7 @@ class Trainer:
 
         if (self.out / BEST_WEIGHTS).is_file():
             self.model.load_weights(str(self.out / BEST_WEIGHTS))
-        image, label, meta = next(iter(build_val_dataset(self.config)))
+        image, label, meta = next(iter(build_val_dataset(self.config, cached=False)))  # one case: no cache to fill
         case_id = meta["case_id"].numpy().decode()
         prediction, _ = self._segment_volume(image, case_id)
         index = load_index(self.config.data.dataset_dir)
