@@ -571,6 +571,35 @@ def test_monitor_switch_writes_resources_csv_and_png_during_training(converted_d
     assert (tmp_path / "run" / "resources.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_curves_png_is_redrawn_at_most_every_plot_seconds_and_always_at_the_end(converted_dataset, tmp_path):
+    """output.plot_seconds bounds how often training_curves.png is redrawn (a redraw costs ~0.25 s): with 3600 s,
+    a 3-epoch fit draws it after epoch 1 and at the end of training only (the end's drawing holds all 3 epochs, the
+    PNG differs from epoch 1's); with 0 it is redrawn after every epoch."""
+    from tfmis.engine.callbacks import Callback
+
+    class PngAfterEpoch(Callback):  # runs after the default callbacks: sees what Curves left after each epoch
+        def __init__(self, path):
+            self.path, self.seen = path, []
+
+        def on_epoch_end(self, trainer, epoch, record):
+            self.seen.append(self.path.read_bytes() if self.path.exists() else None)
+
+    for seconds in (3600, 0):
+        run = tmp_path / f"every{seconds}"
+        png = run / "training_curves.png"
+        watcher = PngAfterEpoch(png)
+        Trainer(tiny_config(converted_dataset, run, "training.epochs=3", f"output.plot_seconds={seconds}"),
+                callbacks=[watcher]).fit()
+        first, second, third = watcher.seen
+        assert first is not None and first[:8] == b"\x89PNG\r\n\x1a\n"
+        if seconds:
+            assert second == first and third == first
+            assert png.read_bytes() != first  # the end of training drew all 3 epochs
+        else:
+            assert second != first and third != second
+            assert png.read_bytes() == third
+
+
 def test_profile_section_writes_a_profiler_trace_of_the_chosen_steps(converted_dataset, tmp_path):
     """profile.start_step=2, num_steps=2 writes one TensorFlow profiler trace (an .xplane.pb under
     tensorboard/plugins/profile/<run>/, the files TensorBoard's Profile tab reads) holding the loop's

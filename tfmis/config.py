@@ -234,6 +234,9 @@ class OutputConfig:
     # sample GPU utilisation and memory (NVML; CPU and RSS without NVIDIA GPUs) every this many seconds during
     # training into resources.csv / resources.png in the run folder; null = off
     monitor_seconds: Optional[float] = None
+    # redraw training_curves.png at most this often during training, and always at its end (0 = after every
+    # epoch): a redraw costs ~0.25 s, 13 % of a 1.8 s demo epoch
+    plot_seconds: float = 30.0
 
 
 @dataclasses.dataclass

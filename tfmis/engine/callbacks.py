@@ -34,6 +34,7 @@ Trainer(config, callbacks=[PrintDice()]).fit()
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -182,13 +183,24 @@ class TensorBoard(Callback):
 
 
 class Curves(Callback):
-    """Redraws `training_curves.png` from the history after every epoch."""
+    """Redraws `training_curves.png` from the history after an epoch when `every_seconds` have passed since the
+    last redraw (the first epoch always draws), and at the end of training."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, every_seconds: float = 0.0):
         self.path = Path(path)
+        self.every_seconds = every_seconds
+        self.last_drawn = -math.inf
 
     def on_epoch_end(self, trainer, epoch, record):
+        if time.monotonic() - self.last_drawn >= self.every_seconds:
+            self._draw(trainer)
+
+    def on_train_end(self, trainer, summary):
+        self._draw(trainer)
+
+    def _draw(self, trainer):
         trainer.history.plot(self.path)
+        self.last_drawn = time.monotonic()
 
 
 class Resources(Callback):
@@ -326,7 +338,7 @@ def default_callbacks(trainer) -> list[Callback]:
     callbacks += [EpochLog(), InputBoundReport(trainer.config.profile.input_wait_threshold)]
     if out.tensorboard:
         callbacks.append(TensorBoard(trainer.out / "tensorboard"))
-    callbacks.append(Curves(trainer.out / "training_curves.png"))
+    callbacks.append(Curves(trainer.out / "training_curves.png", out.plot_seconds))
     if out.monitor_seconds:
         callbacks.append(Resources(trainer.out, out.monitor_seconds))
     profile = trainer.config.profile
