@@ -455,3 +455,32 @@ def test_two_replicas_each_return_their_local_batch_mean():
     # Logical devices must be set before TensorFlow starts, hence a fresh interpreter.
     result = subprocess.run([sys.executable, "-c", TWO_REPLICAS], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- deep supervision
+
+def nearest_exact(labels: np.ndarray, size) -> np.ndarray:
+    """PyTorch's `interpolate(mode="nearest-exact")` (MONAI DeepSupervisionLoss's default) of integer labels
+    (B, X, Y, Z) to `size`: output voxel o takes input voxel floor((o + 0.5) * in / out) on each axis."""
+    index = [np.floor((np.arange(out) + 0.5) * (n / out)).astype(int) for n, out in zip(labels.shape[1:], size)]
+    return labels[:, index[0]][:, :, index[1]][:, :, :, index[2]]
+
+
+@pytest.mark.parametrize("trailing_axis", [False, True])
+def test_deep_supervision_loss_is_nnunet_weighted_sum_over_nearest_exact_labels(trailing_axis):
+    """DeepSupervisionLoss over [8^3 output, 4^3 head, (4, 4, 2) head (anisotropic, factors (2,2,2) and (2,2,4))]
+    equals 4/7 L(y, p0) + 2/7 L(y↓, p1) + 1/7 L(y↓↓, p2): nnU-Net's 1, 1/2, 1/4 normalised to sum 1, with the labels
+    resized as MONAI's nearest-exact, computed here from that formula."""
+    from tfmis.losses import DeepSupervisionLoss
+
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 3, (2, 8, 8, 8)).astype(np.uint8)
+    outputs = [rng.normal(0, 2, (2, *size, 3)).astype(np.float32) for size in ((8, 8, 8), (4, 4, 4), (4, 4, 2))]
+    base = DiceCELoss(include_background=False)
+    expected = sum(w * value(base, tf.constant(nearest_exact(labels, p.shape[1:4])), tf.constant(p))
+                   for w, p in zip((4 / 7, 2 / 7, 1 / 7), outputs))
+    given = labels[..., None] if trailing_axis else labels
+    loss = DeepSupervisionLoss(base, factors=[(2, 2, 2), (2, 2, 4)])
+    assert float(loss(tf.constant(given), [tf.constant(p) for p in outputs])) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match=r"expects \[logits, 2 head logits\]"):
+        loss(tf.constant(labels), tf.constant(outputs[0]))

@@ -1,3 +1,4 @@
+import functools
 import json
 import subprocess
 import sys
@@ -928,3 +929,46 @@ def test_steps_per_loop_on_two_worker_processes_trains_as_one_step_per_loop(conv
     for a, b in zip(records[3], records[1]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
     assert records[3][1]["val_mean_dice"] == pytest.approx(records[1][1]["val_mean_dice"], abs=1e-6)
+
+
+# ---------------------------------------------------------------- model.deep_supervision
+
+def test_deep_supervision_trains_its_heads_and_saves_and_resumes_the_model(converted_dataset, tmp_path):
+    """model.deep_supervision=2 on a U-Net whose first layer downsamples: a step's loss is the deep-supervision
+    loss of the training model's three outputs and moves the heads' weights; fit writes best.weights.h5 that a
+    model built from the run's config (no heads) loads, the checkpoint folder loads into that model too
+    (tfmis.inference.predictor.load_weights), and --resume restores the last epoch and trains epoch 3."""
+    import dataclasses
+
+    from tfmis.inference.predictor import load_weights
+    from tfmis.losses import DeepSupervisionLoss, build_loss
+    from tfmis.networks.unet import UNetConfig
+
+    ds = ["model.filters=[4,8,16]", "model.strides=[2,2,1]", "model.deep_supervision=2", "loss.name=dice_ce"]
+    config = tiny_config(converted_dataset, tmp_path / "run", *ds)
+    trainer = Trainer(config)
+    assert len(trainer.training_model.outputs) == 3 and trainer.model is not trainer.training_model
+    images, labels = batch = fixed_batch(config, 2)
+    expected = DeepSupervisionLoss(build_loss("dice_ce", include_background=False), [(2, 2, 2), (4, 4, 4)])(
+        labels, trainer.training_model(images, training=True))
+
+    def head_weights():
+        return [w.numpy().copy() for level in (0, 1)
+                for w in trainer.training_model.get_layer(f"deep_supervision{level}").weights]
+
+    before = head_weights()
+    loss, skipped = run_step(trainer, batch)
+    assert skipped == 0.0 and loss == pytest.approx(float(expected), rel=1e-5)
+    assert all(np.abs(a - b).max() > 0 for a, b in zip(before, head_weights()))
+
+    assert Trainer(config).fit()["epochs"] == 2
+    build = functools.partial(UNetConfig, trainer.in_channels, len(trainer.class_names),
+                              **dataclasses.asdict(config.model))
+    build().build().load_weights(str(tmp_path / "run" / "best.weights.h5"))
+    from_checkpoint = build().build()
+    load_weights(from_checkpoint, tmp_path / "run" / "checkpoints")
+    resumed = Trainer(tiny_config(converted_dataset, tmp_path / "run", *ds, "training.epochs=3"))
+    assert resumed.restore(resume=True) == 2
+    for a, b in zip(from_checkpoint.weights, resumed.model.weights):  # epoch 2's weights, the heads apart
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert resumed.fit(resume=True)["epochs"] == 3

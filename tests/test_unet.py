@@ -335,3 +335,33 @@ def test_first_level_stride_2_save_load_and_config_round_trip(tmp_path, output_u
                                   keras.ops.convert_to_numpy(restored(images)))
     with pytest.raises(ValueError, match="output_upsampling must be one of"):
         UNetConfig(2, 3, filters=(4, 8), strides=(2, 2), output_upsampling="nearest")
+
+
+# ----------------------------------------------------------------------- deep supervision
+
+
+@pytest.mark.parametrize("filters, strides, levels, sizes", [
+    # the first layer downsamples: heads on decoder0 and decoder1
+    ((4, 8, 16), (2, 2, 1), [0, 1], [(16, 16, 8), (8, 8, 4), (4, 4, 2)]),
+    # full resolution: decoder0 is at the output's resolution, so decoder1 and decoder2 (z not pooled at level 2)
+    ((4, 8, 16, 32), (1, 2, (2, 2, 1), 2), [1, 2], [(16, 16, 8), (8, 8, 4), (4, 4, 4)]),
+])
+def test_deep_supervision_heads_sit_on_the_decoder_levels_below_the_output(filters, strides, levels, sizes):
+    """build_for_training with deep_supervision=2: the training model returns [logits, head, head] at the decoder
+    levels coarser than the output, finest first (anisotropic strides included); the inference model shares its
+    layers and returns the same logits, and its weights are the training model's minus the heads'."""
+    config = UNetConfig(2, 3, filters=filters, strides=strides, num_res_units=1, deep_supervision=2)
+    assert [level for level, _ in config.deep_supervision_levels] == levels
+    model, training_model = config.build_for_training()
+    images = random_images((1, 16, 16, 8))
+    outputs = training_model(images, training=False)
+    assert [tuple(o.shape[1:4]) for o in outputs] == sizes and all(o.shape[-1] == 3 for o in outputs)
+    assert all(o.dtype == "float32" for o in outputs)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model(images, training=False)),
+                                  keras.ops.convert_to_numpy(outputs[0]))
+    head_weights = {id(w) for level in levels for w in training_model.get_layer(f"deep_supervision{level}").weights}
+    assert {id(w) for w in model.weights} == {id(w) for w in training_model.weights} - head_weights
+    plain, same = UNetConfig(2, 3, filters=filters, strides=strides).build_for_training()
+    assert plain is same
+    with pytest.raises(ValueError, match=r"deep_supervision must be between 0 and 2 .* got 3"):
+        UNetConfig(2, 3, filters=filters, strides=strides, deep_supervision=3)

@@ -41,7 +41,7 @@ from tfmis.engine.distribution import Backend, make_backend
 from tfmis.engine.history import History
 from tfmis.inference.placement import VolumePlacement
 from tfmis.inference.sliding_window import sliding_window_inference
-from tfmis.losses import build_loss
+from tfmis.losses import DeepSupervisionLoss, build_loss
 from tfmis.metrics.segmentation import SegmentationMetrics
 from tfmis.planning.hardware import resolve_precision
 from tfmis.networks.unet import UNetConfig, check_patch_size
@@ -106,7 +106,10 @@ class Trainer:
                                                                             reference)
                                                  for rate in (o.learning_rate, o.min_learning_rate))
         with self.backend.scope():
-            self.model = UNetConfig(self.in_channels, len(self.class_names), **dataclasses.asdict(m)).build()
+            # the model validates, predicts and is saved as best weights; the training model is what the optimizer
+            # trains: the same object, or with deep supervision the model plus its lower-resolution heads
+            self.model, self.training_model = UNetConfig(self.in_channels, len(self.class_names),
+                                                         **dataclasses.asdict(m)).build_for_training()
             total = tc.epochs * self.steps_per_epoch
             schedule = build_schedule(o.schedule, self.learning_rate, total_steps=total,
                                       warmup_steps=int(o.warmup_epochs * self.steps_per_epoch), power=o.power,
@@ -116,7 +119,7 @@ class Trainer:
                                         nesterov=o.nesterov, beta_1=o.beta_1, beta_2=o.beta_2, clipnorm=o.clipnorm)
             if self.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-            optimizer.build(self.model.trainable_variables)
+            optimizer.build(self.training_model.trainable_variables)
             self.backend.prepare_optimizer(optimizer)  # the step reduces gradients before apply() clips them
             self.optimizer = optimizer
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
@@ -130,7 +133,9 @@ class Trainer:
                                   **({"lambda_ce": lc.lambda_ce} if lc.name == "dice_ce" else {}),
                                   **({"lambda_focal": lc.lambda_focal, "gamma": lc.gamma}
                                      if lc.name == "dice_focal" else {}))
-        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, epoch=self.epoch,
+        if m.deep_supervision:
+            self.loss_fn = DeepSupervisionLoss(self.loss_fn, [factor for _, factor in m.deep_supervision_levels])
+        self.checkpoint = tf.train.Checkpoint(model=self.training_model, optimizer=self.optimizer, epoch=self.epoch,
                                               best_dice=self.best_dice, best_epoch=self.best_epoch,
                                               elapsed=self.elapsed)
         # MultiWorkerMirroredStrategy: every worker saves, non-chiefs into a temporary folder they then drop
@@ -185,10 +190,10 @@ class Trainer:
             with tf.name_scope("augment"):
                 images, labels = self._step_augment(images, labels, seeds)
         n = self.config.training.accumulation_steps
-        variables = self.model.trainable_variables
+        variables = self.training_model.trainable_variables
         loss_scaler = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         # float state the forward passes update (BatchNorm moving statistics), restored if the step is skipped
-        state = [v for v in self.model.non_trainable_variables if "float" in str(v.dtype)]
+        state = [v for v in self.training_model.non_trainable_variables if "float" in str(v.dtype)]
         saved = [tf.identity(v.value) for v in state]
         scaled_loss_factor = self.backend.loss_scale() / n
         total_loss = tf.constant(0.0)
@@ -196,7 +201,7 @@ class Trainer:
         for x, y in zip(tf.split(images, n), tf.split(labels, n)):
             # the name scopes prefix the ops' names, so a profiler trace shows the phases of the step
             with tf.GradientTape() as tape, tf.name_scope("forward"):
-                loss = self.loss_fn(y, self.model(x, training=True))
+                loss = self.loss_fn(y, self.training_model(x, training=True))
                 scaled = loss * scaled_loss_factor
                 if loss_scaler:
                     scaled = self.optimizer.scale_loss(scaled)
@@ -331,7 +336,7 @@ class Trainer:
                       f"{float(self.best_dice.numpy()):.4f} at epoch {int(self.best_epoch.numpy())}", file=sys.stderr)
         elif resume and self.backend.is_chief:
             print(f"--resume: no checkpoint in {self.out / 'checkpoints'}, starting from scratch", file=sys.stderr)
-        self.backend.sync_initial_state(self.model, self.optimizer)
+        self.backend.sync_initial_state(self.training_model, self.optimizer)
         done = int(self.epoch.numpy())
         if self.backend.is_chief:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -487,7 +492,7 @@ class Trainer:
         loss_scaler = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         if skipped == self.steps_per_epoch and not loss_scaler:
             raise self._skipped_error(f"all {skipped} steps of epoch {epoch} were skipped")
-        self.backend.sync_statistics(self.model)  # Horovod: one set of BatchNorm statistics for all processes
+        self.backend.sync_statistics(self.training_model)  # Horovod: one set of BatchNorm statistics for all processes
         self._check_finite_state(epoch)  # before validation and any save
         train_seconds = wait + compute
         record = {"epoch": epoch, "train_loss": float(np.mean(losses)),
@@ -542,7 +547,7 @@ class Trainer:
 
     def _check_finite_state(self, epoch: int) -> None:
         """Raises TrainingDiverged if a model or optimizer variable holds NaN/Inf: such a state is never saved."""
-        variables = list(self.model.variables) + list(self.optimizer.variables)
+        variables = list(self.training_model.variables) + list(self.optimizer.variables)
         bad = [v.path for v in variables
                if "float" in str(v.dtype) and not bool(tf.reduce_all(tf.math.is_finite(v.value)))]
         if bad:

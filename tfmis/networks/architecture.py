@@ -111,6 +111,10 @@ class UNetArchitecture:
             the class logits). "refine" and "light" upsample to `filters[0] − in_channels`
             features so that, with the image, the full-resolution tensor has `filters[0]`
             channels (see `tfmis.networks.unet.full_resolution_upsample_filters`).
+        deep_supervision: extra 1×1×1 heads on the decoder levels below the output resolution, finest first
+            (nnU-Net's deep supervision): training adds their losses against the labels subsampled to their
+            resolution (`tfmis.losses.DeepSupervisionLoss`); inference uses the output alone, and the saved best
+            weights are the inference model's. 0 = off.
         name: model name.
     """
 
@@ -124,6 +128,7 @@ class UNetArchitecture:
     recompute: bool = False
     activation: Literal["prelu", "leaky_relu"] = "prelu"
     output_upsampling: Literal["refine", "light", "transposed"] = "refine"
+    deep_supervision: int = 0
     name: str = "unet3d"
 
     def __post_init__(self):
@@ -154,6 +159,10 @@ class UNetArchitecture:
             raise ValueError(f"output_upsampling must be one of {OUTPUT_UPSAMPLINGS}, got {self.output_upsampling!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        available = len(self._decoder_levels_below_output())
+        if not 0 <= self.deep_supervision <= available:
+            raise ValueError(f"deep_supervision must be between 0 and {available} (the decoder levels below the output "
+                             f"resolution for strides {self.strides}), got {self.deep_supervision}")
 
     @property
     def patch_divisor(self) -> tuple[int, int, int]:
@@ -164,6 +173,28 @@ class UNetArchitecture:
     def full_resolution_first_level(self) -> bool:
         """True when the first level works at the input resolution (`strides[0]` is 1 on every axis)."""
         return _per_axis(self.strides[0], "strides[0]") == (1, 1, 1)
+
+    def _decoder_levels_below_output(self) -> list[tuple[int, tuple[int, int, int]]]:
+        """(decoder level, its per-axis downsampling factor) of every decoder level coarser than the output, finest
+        first; decoder level i works at encoder level i's resolution."""
+        levels, factor = [], (1, 1, 1)
+        for level, stride in enumerate(self.strides[:-1]):
+            factor = tuple(f * s for f, s in zip(factor, _per_axis(stride, "each stride")))
+            if factor != (1, 1, 1):
+                levels.append((level, factor))
+        return levels
+
+    @property
+    def deep_supervision_levels(self) -> list[tuple[int, tuple[int, int, int]]]:
+        """(decoder level, per-axis downsampling factor) of each deep-supervision head, finest first.
+
+        Example:
+            >>> UNetArchitecture(filters=(8, 16, 32, 64), strides=(2, 2, 2, 1), deep_supervision=2).deep_supervision_levels
+            [(0, (2, 2, 2)), (1, (4, 4, 4))]
+            >>> UNetArchitecture(filters=(8, 16, 32, 64), strides=(1, 2, 2, 2), deep_supervision=1).deep_supervision_levels
+            [(1, (2, 2, 2))]
+        """
+        return self._decoder_levels_below_output()[:self.deep_supervision]
 
     def check_patch_size(self, patch) -> tuple[int, int, int]:
         """`check_patch_size(patch, self.strides)`."""

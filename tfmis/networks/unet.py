@@ -462,8 +462,30 @@ class UNetConfig(UNetArchitecture):
         return cls(**values)
 
     def build(self) -> keras.Model:
-        """Builds the Keras model described by this config."""
+        """Builds the Keras model described by this config (the inference model: logits only)."""
         return _build_from_config(self)
+
+    def build_for_training(self) -> tuple[keras.Model, keras.Model]:
+        """(model, training model): `build()`'s model and the one the optimizer trains.
+
+        Without deep supervision both are the same object. With `deep_supervision: k` the training model
+        shares every layer of the model and returns `[logits, head_1, ..., head_k]`: float32 logits of its
+        1×1×1 heads on `deep_supervision_levels` (named `deep_supervision{level}`), finest first.
+
+        Example:
+            >>> config = UNetConfig(2, 4, filters=(8, 16, 32, 64), strides=(2, 2, 2, 1), deep_supervision=2)
+            >>> model, training_model = config.build_for_training()
+            >>> [tuple(y.shape) for y in training_model(keras.ops.zeros((1, 48, 48, 48, 2)))]
+            [(1, 48, 48, 48, 4), (1, 24, 24, 24, 4), (1, 12, 12, 12, 4)]
+        """
+        model = self.build()
+        if not self.deep_supervision:
+            return model, model
+        heads = []
+        for level, _ in self.deep_supervision_levels:
+            x = layers.Conv3D(self.num_classes, 1, name=f"deep_supervision{level}")(model.get_layer(f"decoder{level}").output)
+            heads.append(layers.Activation("linear", dtype="float32", name=f"deep_supervision{level}_logits")(x))
+        return model, keras.Model(model.input, [model.output, *heads], name=f"{self.name}_deep_supervision")
 
 
 def _build_from_config(config: UNetConfig) -> keras.Model:
