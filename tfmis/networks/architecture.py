@@ -189,9 +189,11 @@ class UNetArchitecture:
         """(decoder level, per-axis downsampling factor) of each deep-supervision head, finest first.
 
         Example:
-            >>> UNetArchitecture(filters=(8, 16, 32, 64), strides=(2, 2, 2, 1), deep_supervision=2).deep_supervision_levels
+            >>> strided = UNetArchitecture(filters=(8, 16, 32, 64), strides=(2, 2, 2, 1), deep_supervision=2)
+            >>> strided.deep_supervision_levels
             [(0, (2, 2, 2)), (1, (4, 4, 4))]
-            >>> UNetArchitecture(filters=(8, 16, 32, 64), strides=(1, 2, 2, 2), deep_supervision=1).deep_supervision_levels
+            >>> full = UNetArchitecture(filters=(8, 16, 32, 64), strides=(1, 2, 2, 2), deep_supervision=1)
+            >>> full.deep_supervision_levels
             [(1, (2, 2, 2))]
         """
         return self._decoder_levels_below_output()[:self.deep_supervision]

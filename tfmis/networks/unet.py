@@ -483,7 +483,8 @@ class UNetConfig(UNetArchitecture):
             return model, model
         heads = []
         for level, _ in self.deep_supervision_levels:
-            x = layers.Conv3D(self.num_classes, 1, name=f"deep_supervision{level}")(model.get_layer(f"decoder{level}").output)
+            features = model.get_layer(f"decoder{level}").output
+            x = layers.Conv3D(self.num_classes, 1, name=f"deep_supervision{level}")(features)
             heads.append(layers.Activation("linear", dtype="float32", name=f"deep_supervision{level}_logits")(x))
         return model, keras.Model(model.input, [model.output, *heads], name=f"{self.name}_deep_supervision")
 
