@@ -365,3 +365,58 @@ def test_deep_supervision_heads_sit_on_the_decoder_levels_below_the_output(filte
     assert plain is same
     with pytest.raises(ValueError, match=r"deep_supervision must be between 0 and 2 .* got 3"):
         UNetConfig(2, 3, filters=filters, strides=strides, deep_supervision=3)
+
+
+# ------------------------------------------------------------------- initialisation
+
+
+def _conv_kernels(model):
+    """(name, kernel) of every Conv3D / Conv3DTranspose in `model`, nested blocks included."""
+    return [(layer.name, keras.ops.convert_to_numpy(layer.kernel)) for layer in model._flatten_layers()
+            if isinstance(layer, (keras.layers.Conv3D, keras.layers.Conv3DTranspose))]
+
+
+def _torch_fan_in(kernel: np.ndarray) -> int:
+    """PyTorch's fan-in of the same weight: (out, in, k, k, k) for a convolution, (in, out, k, k, k) for a transposed one:
+    size(1) times the receptive field. Keras stores both as (k, k, k, a, b) with `a` what torch has at size(1)."""
+    return int(np.prod(kernel.shape[:3])) * kernel.shape[3]
+
+
+@pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed"])
+def test_pytorch_kernel_initializer_draws_every_convolution_from_torchs_kaiming_uniform_bound(output_upsampling):
+    """`kernel_initializer: pytorch` = torch.nn.init.kaiming_uniform_(w, a=sqrt(5)), PyTorch's Conv default:
+    bound = gain * sqrt(3 / fan_in) with gain = sqrt(2 / (1 + a^2)), written out here from torch's formula; every
+    kernel (blocks, residual projections, transposed convolutions, heads) lies within it and has the uniform's
+    standard deviation bound / sqrt(3). The default stays He-normal (std sqrt(2 / fan_in))."""
+    config = UNetConfig(2, 4, filters=(8, 16, 32, 64), strides=(2, 2, 2, 1), num_res_units=1,
+                        output_upsampling=output_upsampling, deep_supervision=2, kernel_initializer="pytorch")
+    _, training_model = config.build_for_training()
+    kernels = _conv_kernels(training_model)
+    assert any(name.startswith("deep_supervision") for name, _ in kernels) and any(n == "head" for n, _ in kernels)
+    for name, kernel in kernels:
+        bound = np.sqrt(2.0 / (1.0 + 5.0)) * np.sqrt(3.0 / _torch_fan_in(kernel))
+        assert np.abs(kernel).max() <= bound * (1 + 1e-6), name
+        if kernel.size >= 2000:  # enough draws for the standard deviation to be within 10 %
+            assert abs(kernel.std() / (bound / np.sqrt(3.0)) - 1.0) < 0.1, name
+    default = UNetConfig(2, 4, filters=(8, 16, 32, 64), strides=(2, 2, 2, 1), num_res_units=1,
+                         output_upsampling=output_upsampling).build()
+    for name, kernel in _conv_kernels(default):
+        if kernel.size >= 2000 and name != "head":
+            # He-normal is truncated at 2 sd, which leaves 88 % of the variance
+            assert abs(kernel.std() / np.sqrt(0.88 * 2.0 / _torch_fan_in(kernel)) - 1.0) < 0.1, name
+
+
+def test_kernel_initializer_is_a_validated_config_key_that_survives_save_and_load(tmp_path):
+    config = UNetConfig.from_dict({"in_channels": 2, "num_classes": 3, "filters": [8, 16], "strides": [2, 1],
+                                   "kernel_initializer": "pytorch"})
+    assert UNetConfig.from_dict(config.to_dict()).kernel_initializer == "pytorch"
+    with pytest.raises(ValueError, match="kernel_initializer must be one of"):
+        UNetConfig(1, 2, kernel_initializer="xavier")
+    model = config.build()
+    path = tmp_path / "unet.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert restored.get_layer("encoder0").kernel_initializer == "pytorch"
+    images = random_images((1, 8, 8, 8))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model(images)),
+                                  keras.ops.convert_to_numpy(restored(images)))

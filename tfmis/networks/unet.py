@@ -43,7 +43,7 @@ import keras
 import tensorflow as tf
 from keras import layers, ops
 
-from tfmis.networks.architecture import (ACTIVATIONS, NORMS, UNetArchitecture, _per_axis,  # noqa: F401
+from tfmis.networks.architecture import (ACTIVATIONS, KERNEL_INITIALIZERS, NORMS, UNetArchitecture, _per_axis,  # noqa: F401
                                          check_patch_size, required_divisor)
 
 _SPATIAL_AXES = (1, 2, 3)
@@ -171,6 +171,23 @@ def make_normalization(norm: str, channels: int, norm_groups: int = 8, name: str
     raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
 
 
+def make_kernel_initializer(name: str = "he_normal"):
+    """The convolutions' kernel initializer: He-normal, or PyTorch's default (kaiming-uniform, a=√5).
+
+    PyTorch's bound is gain·√(3/fan_in) with gain = √(2/(1+a²)) = √(1/3): U(±1/√fan_in), i.e. Keras'
+    variance scaling with scale 1/3, fan-in mode, uniform.
+
+    Example:
+        >>> make_kernel_initializer("pytorch").scale
+        0.3333333333333333
+    """
+    if name == "he_normal":
+        return keras.initializers.HeNormal()
+    if name == "pytorch":
+        return keras.initializers.VarianceScaling(scale=1.0 / 3.0, mode="fan_in", distribution="uniform")
+    raise ValueError(f"kernel_initializer must be one of {KERNEL_INITIALIZERS}, got {name!r}")
+
+
 def make_activation(activation: str, name: str | None = None):
     """PReLU (MONAI's default; one learnable slope per channel, initialised to 0.25 as in
     PyTorch) or LeakyReLU with slope 0.01 (nnU-Net's choice).
@@ -208,7 +225,7 @@ class ConvNormAct(RecomputableBlock):
 
     def __init__(self, filters: int, kernel_size=3, strides=1, norm: str = "instance", norm_groups: int = 8,
                  activation: str = "prelu", dropout: float = 0.0, transposed: bool = False,
-                 conv_only: bool = False, **kwargs):
+                 conv_only: bool = False, kernel_initializer: str = "he_normal", **kwargs):
         super().__init__(**kwargs)
         self.filters = int(filters)
         self.kernel_size = kernel_size
@@ -219,10 +236,11 @@ class ConvNormAct(RecomputableBlock):
         self.dropout = float(dropout)
         self.transposed = bool(transposed)
         self.conv_only = bool(conv_only)
+        self.kernel_initializer = kernel_initializer
         conv_class = layers.Conv3DTranspose if transposed else layers.Conv3D
         # a bias right before a normalization is cancelled by its mean subtraction
         self.conv = conv_class(filters, kernel_size, strides=strides, padding="same", use_bias=conv_only,
-                               kernel_initializer="he_normal", name="conv")
+                               kernel_initializer=make_kernel_initializer(kernel_initializer), name="conv")
         if not conv_only:
             self.normalization = make_normalization(norm, filters, norm_groups, name="norm")
             self.dropout_layer = layers.Dropout(dropout, name="dropout") if dropout > 0 else None
@@ -251,7 +269,7 @@ class ConvNormAct(RecomputableBlock):
         return {**super().get_config(), "filters": self.filters, "kernel_size": self.kernel_size,
                 "strides": self.strides, "norm": self.norm, "norm_groups": self.norm_groups,
                 "activation": self.activation, "dropout": self.dropout, "transposed": self.transposed,
-                "conv_only": self.conv_only}
+                "conv_only": self.conv_only, "kernel_initializer": self.kernel_initializer}
 
 
 @keras.saving.register_keras_serializable(package=_SERIAL_PACKAGE)
@@ -276,10 +294,12 @@ class ResidualUnit(RecomputableBlock):
     """
 
     def __init__(self, filters: int, strides=1, subunits: int = 2, kernel_size=3, norm: str = "instance",
-                 norm_groups: int = 8, activation: str = "prelu", dropout: float = 0.0, **kwargs):
+                 norm_groups: int = 8, activation: str = "prelu", dropout: float = 0.0,
+                 kernel_initializer: str = "he_normal", **kwargs):
         super().__init__(**kwargs)
         self.filters = int(filters)
         self.strides = strides
+        self.kernel_initializer = kernel_initializer
         self.subunits = max(1, int(subunits))
         self.kernel_size = kernel_size
         self.norm = norm
@@ -288,7 +308,7 @@ class ResidualUnit(RecomputableBlock):
         self.dropout = float(dropout)
         self.units = [
             ConvNormAct(filters, kernel_size, strides if i == 0 else 1, norm, norm_groups, activation, dropout,
-                        name=f"unit{i}")
+                        kernel_initializer=kernel_initializer, name=f"unit{i}")
             for i in range(self.subunits)
         ]
         self.projection = None  # created in build(), once the input channel count is known
@@ -297,7 +317,9 @@ class ResidualUnit(RecomputableBlock):
         strided = any(s != 1 for s in _per_axis(self.strides, "strides"))
         if strided or input_shape[-1] != self.filters:
             self.projection = layers.Conv3D(self.filters, self.kernel_size if strided else 1, strides=self.strides,
-                                            padding="same", kernel_initializer="he_normal", name="residual")
+                                            padding="same",
+                                            kernel_initializer=make_kernel_initializer(self.kernel_initializer),
+                                            name="residual")
             self.projection.build(input_shape)
         shape = input_shape
         for unit in self.units:
@@ -317,17 +339,18 @@ class ResidualUnit(RecomputableBlock):
     def get_config(self):
         return {**super().get_config(), "filters": self.filters, "strides": self.strides,
                 "subunits": self.subunits, "kernel_size": self.kernel_size, "norm": self.norm,
-                "norm_groups": self.norm_groups, "activation": self.activation, "dropout": self.dropout}
+                "norm_groups": self.norm_groups, "activation": self.activation, "dropout": self.dropout,
+                "kernel_initializer": self.kernel_initializer}
 
 
 def _level_block(filters, strides, subunits, kernel_size, norm, norm_groups, activation, dropout, name,
-                 recompute=False):
+                 recompute=False, kernel_initializer="he_normal"):
     """A residual unit, or a single ConvNormAct when `subunits == 0` (MONAI's plain mode)."""
     if subunits > 0:
         return ResidualUnit(filters, strides, subunits, kernel_size, norm, norm_groups, activation, dropout,
-                            recompute=recompute, name=name)
+                            kernel_initializer=kernel_initializer, recompute=recompute, name=name)
     return ConvNormAct(filters, kernel_size, strides, norm, norm_groups, activation, dropout,
-                       recompute=recompute, name=name)
+                       kernel_initializer=kernel_initializer, recompute=recompute, name=name)
 
 
 @keras.saving.register_keras_serializable(package=_SERIAL_PACKAGE)
@@ -353,8 +376,9 @@ class UpBlock(RecomputableBlock):
 
     def __init__(self, filters: int, strides=2, num_res_units: int = 2, kernel_size=3, norm: str = "instance",
                  norm_groups: int = 8, activation: str = "prelu", dropout: float = 0.0,
-                 upsample_filters: int | None = None, **kwargs):
+                 upsample_filters: int | None = None, kernel_initializer: str = "he_normal", **kwargs):
         super().__init__(**kwargs)
+        self.kernel_initializer = kernel_initializer
         self.filters = int(filters)
         self.strides = strides
         self.num_res_units = int(num_res_units)
@@ -365,10 +389,10 @@ class UpBlock(RecomputableBlock):
         self.dropout = float(dropout)
         self.upsample_filters = int(upsample_filters) if upsample_filters else self.filters
         self.upsample = ConvNormAct(self.upsample_filters, kernel_size, strides, norm, norm_groups, activation, dropout,
-                                    transposed=True, name="upsample")
+                                    transposed=True, kernel_initializer=kernel_initializer, name="upsample")
         self.concat = layers.Concatenate(axis=-1, name="concat")
         self.fuse = _level_block(filters, 1, min(self.num_res_units, 1), kernel_size, norm, norm_groups,
-                                 activation, dropout, name="fuse")
+                                 activation, dropout, kernel_initializer=kernel_initializer, name="fuse")
 
     def build(self, input_shape):
         coarse_shape, skip_shape = input_shape
@@ -389,7 +413,7 @@ class UpBlock(RecomputableBlock):
         return {**super().get_config(), "filters": self.filters, "strides": self.strides,
                 "num_res_units": self.num_res_units, "kernel_size": self.kernel_size, "norm": self.norm,
                 "norm_groups": self.norm_groups, "activation": self.activation, "dropout": self.dropout,
-                "upsample_filters": self.upsample_filters}
+                "upsample_filters": self.upsample_filters, "kernel_initializer": self.kernel_initializer}
 
 
 def full_resolution_upsample_filters(filters0: int, in_channels: int) -> int:
@@ -484,14 +508,21 @@ class UNetConfig(UNetArchitecture):
         heads = []
         for level, _ in self.deep_supervision_levels:
             features = model.get_layer(f"decoder{level}").output
-            x = layers.Conv3D(self.num_classes, 1, name=f"deep_supervision{level}")(features)
+            x = layers.Conv3D(self.num_classes, 1, kernel_initializer=_head_initializer(self),
+                              name=f"deep_supervision{level}")(features)
             heads.append(layers.Activation("linear", dtype="float32", name=f"deep_supervision{level}_logits")(x))
         return model, keras.Model(model.input, [model.output, *heads], name=f"{self.name}_deep_supervision")
 
 
+def _head_initializer(config: UNetArchitecture):
+    """The 1×1×1 heads': Keras' Glorot-uniform default, or PyTorch's with `kernel_initializer="pytorch"`."""
+    return "glorot_uniform" if config.kernel_initializer == "he_normal" else make_kernel_initializer("pytorch")
+
+
 def _build_from_config(config: UNetConfig) -> keras.Model:
     block_options = dict(kernel_size=config.kernel_size, norm=config.norm, norm_groups=config.norm_groups,
-                         activation=config.activation, dropout=config.dropout)
+                         activation=config.activation, dropout=config.dropout,
+                         kernel_initializer=config.kernel_initializer)
     inputs = keras.Input(shape=(None, None, None, config.in_channels), name="image")
     skips = []
     x = inputs
@@ -504,24 +535,26 @@ def _build_from_config(config: UNetConfig) -> keras.Model:
         x = UpBlock(config.filters[level], config.strides[level + 1], config.num_res_units,
                     recompute=config.recompute, name=f"decoder{level}", **block_options)([x, skips[level]])
     if config.full_resolution_first_level:
-        x = layers.Conv3D(config.num_classes, 1, name="head")(x)
+        x = layers.Conv3D(config.num_classes, 1, kernel_initializer=_head_initializer(config), name="head")(x)
     elif config.output_upsampling == "refine":
         # the first encoder level downsampled: one more decoder level, whose skip is the image itself
         x = UpBlock(config.filters[0], config.strides[0], config.num_res_units, recompute=config.recompute,
                     upsample_filters=full_resolution_upsample_filters(config.filters[0], config.in_channels),
                     name="decoder_full", **block_options)([x, inputs])
-        x = layers.Conv3D(config.num_classes, 1, name="head")(x)
+        x = layers.Conv3D(config.num_classes, 1, kernel_initializer=_head_initializer(config), name="head")(x)
     elif config.output_upsampling == "light":
         # upsampled features next to the image, one full-resolution convolution straight to the logits
         x = ConvNormAct(full_resolution_upsample_filters(config.filters[0], config.in_channels),
                         strides=config.strides[0], transposed=True, recompute=config.recompute,
                         name="upsample_full", **block_options)(x)
         x = layers.Concatenate(axis=-1, name="concat_image")([x, inputs])
-        x = layers.Conv3D(config.num_classes, config.kernel_size, padding="same", kernel_initializer="he_normal",
+        x = layers.Conv3D(config.num_classes, config.kernel_size, padding="same",
+                          kernel_initializer=make_kernel_initializer(config.kernel_initializer),
                           name="head")(x)
     else:  # MONAI's last layer: a transposed convolution straight to the logits
         x = layers.Conv3DTranspose(config.num_classes, config.kernel_size, strides=config.strides[0], padding="same",
-                                   kernel_initializer="he_normal", name="head")(x)
+                                   kernel_initializer=make_kernel_initializer(config.kernel_initializer),
+                                   name="head")(x)
     # logits in float32 even under a mixed-precision policy (stable softmax/loss)
     outputs = layers.Activation("linear", dtype="float32", name="logits")(x)
     return keras.Model(inputs, outputs, name=config.name)
