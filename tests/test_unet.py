@@ -377,8 +377,9 @@ def _conv_kernels(model):
 
 
 def _torch_fan_in(kernel: np.ndarray) -> int:
-    """PyTorch's fan-in of the same weight: (out, in, k, k, k) for a convolution, (in, out, k, k, k) for a transposed one:
-    size(1) times the receptive field. Keras stores both as (k, k, k, a, b) with `a` what torch has at size(1)."""
+    """PyTorch's fan-in of the same weight: (out, in, k, k, k) for a convolution, (in, out, k, k, k) for a
+    transposed one: size(1) times the receptive field. Keras stores both as (k, k, k, a, b), with `a` what torch
+    has at size(1)."""
     return int(np.prod(kernel.shape[:3])) * kernel.shape[3]
 
 

@@ -165,7 +165,8 @@ class UNetArchitecture:
         if self.output_upsampling not in OUTPUT_UPSAMPLINGS:
             raise ValueError(f"output_upsampling must be one of {OUTPUT_UPSAMPLINGS}, got {self.output_upsampling!r}")
         if self.kernel_initializer not in KERNEL_INITIALIZERS:
-            raise ValueError(f"kernel_initializer must be one of {KERNEL_INITIALIZERS}, got {self.kernel_initializer!r}")
+            raise ValueError(f"kernel_initializer must be one of {KERNEL_INITIALIZERS}, "
+                             f"got {self.kernel_initializer!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         available = len(self._decoder_levels_below_output())

@@ -43,7 +43,8 @@ import keras
 import tensorflow as tf
 from keras import layers, ops
 
-from tfmis.networks.architecture import (ACTIVATIONS, KERNEL_INITIALIZERS, NORMS, UNetArchitecture, _per_axis,  # noqa: F401
+from tfmis.networks.architecture import (ACTIVATIONS, KERNEL_INITIALIZERS, NORMS,  # noqa: F401
+                                         UNetArchitecture, _per_axis,
                                          check_patch_size, required_divisor)
 
 _SPATIAL_AXES = (1, 2, 3)
