@@ -407,7 +407,8 @@ def test_once_per_step_schedule_trains_as_the_schedule_with_one_evaluation_per_s
 
     def train(learning_rate):
         variables = [keras.Variable(np.full(shape, 0.5, np.float32)) for shape in SHAPES]
-        optimizer = build_optimizer("adamw", learning_rate, weight_decay=0.1)
+        # Keras' own AdamW (the factory's fused one reads the rate once per dtype); SGD's decay reads it as this does
+        optimizer = keras.optimizers.AdamW(learning_rate, weight_decay=0.1)
         optimizer.build(variables)
         step = tf.function(lambda: optimizer.apply([v * 2.0 + 1.0 for v in variables], variables))
         for _ in range(6):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from tfmis.optimizers.fused_adam import FusedAdam, FusedAdamW
 from tfmis.optimizers.novograd import Novograd
 
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "novograd")
@@ -16,7 +17,8 @@ def build_optimizer(name: str, learning_rate, weight_decay: float = 0.0, momentu
 
     Weight decay semantics differ per optimizer, on purpose (each is the standard one):
 
-    - "sgd", "adam", "adamw": Keras' decoupled weight decay, `w ← w − lr · weight_decay · w` each step
+    - "sgd", "adam", "adamw": Keras' decoupled weight decay (Adam and AdamW are Keras' with one fused kernel per
+      variable, `tfmis.optimizers.fused_adam`), `w ← w − lr · weight_decay · w` each step
       (so "adam" with weight_decay > 0 is AdamW). Note that this is not PyTorch SGD's coupled L2
       (`g + wd · w` through the momentum): with momentum μ, nnU-Net's torch `weight_decay=3e-5`
       acts roughly like a decoupled 3e-5 / (1 − μ) = 3e-3 at μ = 0.99.
@@ -52,11 +54,9 @@ def build_optimizer(name: str, learning_rate, weight_decay: float = 0.0, momentu
     if key == "sgd":
         return keras.optimizers.SGD(momentum=momentum, nesterov=nesterov, weight_decay=decoupled_decay, **common)
     if key == "adam":
-        return keras.optimizers.Adam(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, weight_decay=decoupled_decay,
-                                     **common)
+        return FusedAdam(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, weight_decay=decoupled_decay, **common)
     if key == "adamw":
-        return keras.optimizers.AdamW(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, weight_decay=weight_decay,
-                                      **common)
+        return FusedAdamW(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, weight_decay=weight_decay, **common)
     if key == "novograd":
         return Novograd(beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, weight_decay=weight_decay, **common)
     raise ValueError(f"Unknown optimizer {name!r}; valid names: {', '.join(OPTIMIZER_NAMES)}")
