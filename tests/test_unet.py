@@ -241,7 +241,7 @@ def test_recompute_model_trains_with_fit():
 # ------------------------------------------------------- downsampling first level
 
 
-@pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed"])
+@pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed", "transposed_image"])
 @pytest.mark.parametrize("patch", [(16, 16, 16), (32, 16, 48)])
 def test_first_level_stride_2_gives_logits_at_input_resolution(output_upsampling, patch):
     model = build_unet(2, 4, filters=(4, 8, 16, 32), strides=(2, 2, 2, 1), num_res_units=1,
@@ -266,6 +266,31 @@ def test_first_level_stride_2_gives_logits_at_input_resolution(output_upsampling
         assert "decoder_full" not in names
         assert isinstance(model.get_layer("head"), keras.layers.Conv3DTranspose)
         assert model.get_layer("head").strides == (2, 2, 2)
+        assert ("image_head" in names) == (output_upsampling == "transposed_image")
+
+
+def test_transposed_image_adds_a_zero_initialised_convolution_of_the_image_to_the_transposed_logits():
+    """`transposed_image` starts as `transposed` (its image kernel is zero), and its logits are the transposed
+    head's plus the image correlated with the image kernel (zero 'same' padding), the latter computed here with
+    scipy.ndimage.correlate per input and output channel."""
+    from scipy import ndimage
+
+    keras.utils.set_random_seed(3)
+    model = build_unet(2, 3, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1,
+                       output_upsampling="transposed_image")
+    image_head = model.get_layer("image_head")
+    assert image_head.kernel.shape == (3, 3, 3, 2, 3) and not image_head.use_bias
+    assert float(np.abs(keras.ops.convert_to_numpy(image_head.kernel)).max()) == 0.0
+    kernel = np.random.default_rng(0).normal(size=(3, 3, 3, 2, 3)).astype(np.float32)
+    image_head.kernel.assign(kernel)
+    images = random_images((1, 16, 12, 8))
+    transposed = keras.Model(model.input, model.get_layer("head").output)
+    expected_image_term = np.stack([
+        sum(ndimage.correlate(images[0, ..., c].astype(np.float64), kernel[..., c, o].astype(np.float64),
+                              mode="constant") for c in range(2)) for o in range(3)], axis=-1)
+    logits = keras.ops.convert_to_numpy(model(images))[0]
+    np.testing.assert_allclose(logits - keras.ops.convert_to_numpy(transposed(images))[0], expected_image_term,
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_full_resolution_upsample_filters_make_image_and_features_a_block_of_filters0():
@@ -295,7 +320,7 @@ def test_anisotropic_first_stride_keeps_shape_and_needs_its_divisor():
         model(random_images((1, 16, 16, 6), channels=1))
 
 
-@pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed"])
+@pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed", "transposed_image"])
 def test_first_level_stride_2_trains_every_variable(output_upsampling):
     keras.utils.set_random_seed(0)
     model = build_unet(2, 2, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1,
@@ -319,7 +344,7 @@ def test_first_level_stride_2_trains_every_variable(output_upsampling):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-@pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed"])
+@pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed", "transposed_image"])
 def test_first_level_stride_2_save_load_and_config_round_trip(tmp_path, output_upsampling):
     config = UNetConfig(2, 3, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1,
                         output_upsampling=output_upsampling)

@@ -19,7 +19,8 @@ Layout (one *level* per entry of `filters`/`strides`)::
   (`decoder_full`: upsample, concatenate the image, fuse at full resolution, 1×1×1 head);
   "light" upsamples (`upsample_full`), concatenates the image (`concat_image`) and
   convolves once (3×3×3) to the logits; "transposed" is MONAI's single transposed
-  convolution to the logits (`head`).
+  convolution to the logits (`head`); "transposed_image" adds to it a 3×3×3 convolution
+  of the input image (`image_head`, zero-initialised).
 
 Differences from MONAI's `UNet`: `strides` has one entry per level (MONAI's has one
 fewer and its first level always downsamples), the skip is concatenated *after*
@@ -556,6 +557,12 @@ def _build_from_config(config: UNetConfig) -> keras.Model:
         x = layers.Conv3DTranspose(config.num_classes, config.kernel_size, strides=config.strides[0], padding="same",
                                    kernel_initializer=make_kernel_initializer(config.kernel_initializer),
                                    name="head")(x)
+        if config.output_upsampling == "transposed_image":
+            # plus a convolution of the image itself: the only full-resolution input of the logits, at 1/8 the cost
+            # of an 8-to-8 convolution there; zero-initialised, so training starts from "transposed"
+            image_term = layers.Conv3D(config.num_classes, config.kernel_size, padding="same", use_bias=False,
+                                       kernel_initializer="zeros", name="image_head")(inputs)
+            x = layers.Add(name="head_sum")([x, image_term])
     # logits in float32 even under a mixed-precision policy (stable softmax/loss)
     outputs = layers.Activation("linear", dtype="float32", name="logits")(x)
     return keras.Model(inputs, outputs, name=config.name)

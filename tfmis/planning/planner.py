@@ -322,7 +322,7 @@ def make_plan(fingerprint: DatasetFingerprint, hardware: Hardware, *, source_dir
              f"most 5 times: {pools[0]}/{pools[1]}/{pools[2]} poolings per axis{thin_text}")
     plan.set("model.num_res_units", num_res_units,
              "two convolutions per level in a residual unit (nnU-Net: two per stage)" if gpu else
-             "one residual unit per level (the demo recipe's, for CPU speed)")
+             "one residual unit per level (for CPU speed)")
     plan.set("model.norm", "instance", "instance normalisation (nnU-Net): per-sample statistics, small batches")
     plan.set("model.kernel_size", 3, "3x3x3 at every level (nnU-Net uses 1 along a much coarser axis early on; "
                                      "tfmis has one kernel size for all levels)")
@@ -393,8 +393,8 @@ def make_plan(fingerprint: DatasetFingerprint, hardware: Hardware, *, source_dir
     else:
         plan.set("optimizer.name", "adamw", "AdamW converges in the short CPU budget (the demo recipe's measured "
                                             "choice; nnU-Net's SGD needs its 250k iterations)")
-        plan.set("optimizer.learning_rate", 0.003, "the demo recipe's")
-        plan.set("optimizer.weight_decay", 1e-5, "the demo recipe's")
+        plan.set("optimizer.learning_rate", 0.003, "MONAI's demo recipe's (benchmarks/monai_demo.py)")
+        plan.set("optimizer.weight_decay", 1e-5, "the demo recipe's (and MONAI's there)")
         plan.set("optimizer.schedule", "cosine", "cosine decay to 0 over the run")
         plan.set("optimizer.warmup_epochs", 1.0, "one epoch of linear warm-up")
         epochs = max(1, round(CPU_TRAINING_STEPS / steps_per_epoch))
