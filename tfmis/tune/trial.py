@@ -537,6 +537,11 @@ class _ChildTrial:
         """This phase's peaks: host RSS always; the GPU allocator's (and NVML's) on a GPU."""
         m = self.measured
         rss = _status_mb("self", "VmHWM")
+        start = m["rss_start_mb_by_phase"].get(phase)
+        if rss is not None and start is not None:
+            # the kernel's RSS counters are cached per thread (up to 64 pages behind), so a VmHWM read after the
+            # reset can fall a fraction of a MB below the VmRSS read at the phase start; the phase held at least that
+            rss = max(rss, start)
         if rss is not None:
             m["rss_peak_mb_by_phase"][phase] = rss
             m["rss_peak_mb"] = max(m["rss_peak_mb_by_phase"].values())
