@@ -356,8 +356,10 @@ def test_training_survives_a_real_validation_oom(large_volume_dataset, tmp_path)
     forward pass does not (see TRAINING_CAP_MB). The first validation case runs out of memory
     for real, falls back (CPU, then a halved batch) and the run goes on: exit 0, every epoch in
     history.jsonl with a finite Dice and `val_fallbacks`. The policy lives as long as the Trainer:
-    the second case and the next epoch (and the preview) use what it learned, so the fallback is
-    logged exactly once.
+    the second case and the next epoch (and the preview) start from what it learned: the first
+    choice (the accelerator's device string, sw batch 64) fails once, and any later fallback (the
+    capped allocator's fragmentation can make a later pass need a smaller batch still) starts from
+    the placement the previous one ended on and only lowers the batch.
     """
     result = train_capped(large_volume_dataset, tmp_path, "auto")
     assert result.returncode == 0, result.stderr[-4000:]
@@ -366,9 +368,15 @@ def test_training_survives_a_real_validation_oom(large_volume_dataset, tmp_path)
     for r in records:
         assert math.isfinite(r["val_mean_dice"]) and r["val_fallbacks"] == 2  # both validation cases
     logged = [line for line in result.stderr.splitlines() if line.startswith("validation: case ")]
-    assert len(logged) == 1, result.stderr[-4000:]
+    assert logged, result.stderr[-4000:]
     assert "(262,144 voxels): cpu:0, sw batch 64: ResourceExhaustedError: OOM when allocating" in logged[0]
-    assert "; ran on cpu, sw batch " in logged[0] and logged[0].endswith(f"({AFTER_OUT_OF_MEMORY})")
+    batches = []
+    for i, line in enumerate(logged):
+        assert "; ran on cpu, sw batch " in line and line.endswith(f"({AFTER_OUT_OF_MEMORY})"), line
+        batches.append(int(line.split("; ran on cpu, sw batch ")[1].split()[0]))
+        if i:  # learned, not relearned: it starts where the previous fallback ended
+            assert "sw batch 64:" not in line and f": cpu, sw batch {batches[i - 1]}: " in line, logged
+    assert batches == sorted(batches, reverse=True) and len(set(batches)) == len(batches), logged
     case_ids = json.loads((large_volume_dataset / "index.json").read_text())["splits"]["val"]["cases"]
     assert logged[0].split()[2] in case_ids
     assert (tmp_path / "run" / "validation_preview.png").is_file()
