@@ -2,7 +2,7 @@
 """Paper estimate of data-parallel scaling to 8 and 32 GPUs from measured step and all-reduce times (issue 9).
 
 Measured on this machine, for each config's U-Net (built from its `model` section as the Trainer does,
-trained by the Trainer's own `_train_step` on synthetic batches of the config's per-replica batch):
+trained by the Trainer's own `train_step` on synthetic batches of the config's per-replica batch):
 
 - parameter count, gradient bytes (float32) and convolution FLOPs per training step (counted from the
   traced forward graph, at the config's patch and at the patch the CPU runs);
@@ -214,7 +214,7 @@ def _run_role(role: str, spec_file: Path, out: Path, env_extra: dict, timeout: f
 
 def _run_multi(spec_file: Path, out: Path, workers: int, timeout: float) -> dict:
     """`workers` processes with TF_CONFIG on loopback ports (tfmis.launch's environments); rank 0 writes `out`."""
-    from tfmis.launch import worker_environments
+    from tfmis.engine.launch import worker_environments
 
     envs = worker_environments(workers, base_env=_base_env(), gpus_per_worker=0)
     return _run_processes(_worker_command("multi", spec_file, out), envs, out, timeout, "multi-worker")
@@ -360,17 +360,17 @@ def _synthetic_dataset(cfg: dict, seed: int):
 
 
 def _time_steps(trainer, backend, cfg: dict, warmup: int, steps: int) -> list[float]:
-    """Seconds of each timed `Trainer._train_step` (after `warmup` untimed ones), the loss fetched each step."""
+    """Seconds of each timed `Trainer.train_step` (after `warmup` untimed ones), the loss fetched each step."""
     dataset = backend.distribute_dataset(lambda ctx: _synthetic_dataset(cfg, 1000 + ctx.input_pipeline_id))
     batches = iter(dataset)
     for _ in range(warmup):
-        loss, _ = trainer._train_step(next(batches))
+        loss, _ = trainer.train_step(next(batches))
         float(loss)
     times = []
     for _ in range(steps):
         batch = next(batches)  # synthetic and repeated: input time is not part of the step
         start = time.perf_counter()
-        loss, _ = trainer._train_step(batch)
+        loss, _ = trainer.train_step(batch)
         float(loss)
         times.append(time.perf_counter() - start)
     return times
@@ -575,7 +575,7 @@ def render_markdown(r: dict) -> str:
            "machine shares its cores). Measured numbers come from this machine; everything in *Assumptions* is "
            "taken from the cited sources, not measured.", "",
            "## Measured on this machine", "",
-           "Training step = `Trainer._train_step` on a synthetic batch of the config's per-replica batch (float32, "
+           "Training step = `Trainer.train_step` on a synthetic batch of the config's per-replica batch (float32, "
            f"median of the timed steps after warm-up). *{w} workers* = the same per-replica batch on each of {w} "
            f"workers sharing the {r['cpu_cores']} cores ({r['threads']['worker']} thread(s) each), so the efficiency "
            f"below is a lower bound: it includes the workers competing for cores and memory bandwidth. "

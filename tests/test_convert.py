@@ -1,6 +1,4 @@
-import gzip
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import brain_like_case, lps_affine, make_msd_dataset, update_dataset_json, write_nifti
-from tfmis.data.convert import (PLAN_FILE, ConversionConfig, ParametersChanged, assign_splits, build_parser,
-                                convert)
+from tfmis.convert import build_parser
+from tfmis.data.convert import PLAN_FILE, ConversionConfig, ParametersChanged, assign_splits, convert
 from tfmis.data.msd import MSDDataset, load_case
 from tfmis.data.preprocess import PreprocessConfig, preprocess
 from tfmis.data.records import load_index, read_record, record_dataset, split_cases

@@ -161,7 +161,7 @@ HOROVOD_STEPS = textwrap.dedent("""
     for k in range(STEPS):  # step k: rank r takes images [4k + 2r, 4k + 2r + 2) of the global batch
         lo = (k * backend.size + rank) * PER_RANK
         batch = (tf.constant(data["images"][lo:lo + PER_RANK]), tf.constant(data["labels"][lo:lo + PER_RANK]))
-        loss, was_skipped = trainer._train_step(batch)
+        loss, was_skipped = trainer.train_step(batch)
         losses.append(float(loss))
         skipped.append(float(was_skipped))
     saved.update(losses=np.array(losses), skipped=np.array(skipped))
@@ -194,7 +194,7 @@ ONE_PROCESS_STEPS = textwrap.dedent("""
     for k in range(STEPS):
         lo = k * global_batch
         batch = (tf.constant(data["images"][lo:lo + global_batch]), tf.constant(data["labels"][lo:lo + global_batch]))
-        losses.append(float(trainer._train_step(batch)[0]))
+        losses.append(float(trainer.train_step(batch)[0]))
     np.savez(out + "/single.npz", losses=np.array(losses),
              **{f"final_{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(trainer.model.variables)},
              **{f"final_opt_{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(trainer.optimizer.variables)})
@@ -344,7 +344,7 @@ HOROVOD_STATISTICS = textwrap.dedent("""
     trainer.backend.sync_initial_state(trainer.model, trainer.optimizer)
     data = np.load(out + "/batches.npz")
     lo = backend.rank * PER_RANK  # each rank its own images: its BatchNorm moving statistics move apart
-    trainer._train_step((tf.constant(data["images"][lo:lo + PER_RANK]), tf.constant(data["labels"][lo:lo + PER_RANK])))
+    trainer.train_step((tf.constant(data["images"][lo:lo + PER_RANK]), tf.constant(data["labels"][lo:lo + PER_RANK])))
     state = [v for v in trainer.model.non_trainable_variables if "float" in str(v.dtype)]
     before = [keras.ops.convert_to_numpy(v) for v in state]
     backend.sync_statistics(trainer.model)

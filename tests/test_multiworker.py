@@ -17,7 +17,7 @@ import yaml
 from conftest import TINY_TRAINING, tiny_config
 from tfmis.config import ConfigError, load_config
 from tfmis.engine.cluster import detect_launch
-from tfmis.launch import free_ports
+from tfmis.engine.cluster import free_ports
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -42,7 +42,7 @@ WORKER_STEPS_SCRIPT = textwrap.dedent("""
     mine = slice(2 * rank, 2 * rank + 2)  # worker r takes images 2r, 2r+1 of each global batch of 4
     dataset = backend.distribute_dataset(
         lambda ctx: tf.data.Dataset.from_tensor_slices((batches["images"][:, mine], batches["labels"][:, mine])))
-    losses = [float(trainer._train_step(batch)[0]) for batch in dataset]
+    losses = [float(trainer.train_step(batch)[0]) for batch in dataset]
     np.savez(out + f"/rank{rank}.npz", *trainer.model.get_weights())
     with open(out + f"/rank{rank}.json", "w") as f:
         json.dump({"losses": losses, "replicas": backend.num_replicas, "size": backend.size}, f)

@@ -34,7 +34,7 @@ from tfmis.inference.placement import (
     is_out_of_memory,
 )
 from tfmis.inference.sliding_window import sliding_window_inference
-from tfmis.utils.devices import CPU
+from tfmis.hardware import CPU
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +23,8 @@ import yaml
 from tfmis.config import load_config
 from tfmis.data.demo_ct import make_ct_dataset
 from tfmis.networks.architecture import check_patch_size, required_divisor
-from tfmis.planning import DatasetFingerprint, Hardware, fingerprint_from_conversion, fingerprint_msd, make_plan
-from tfmis.planning.hardware import cpu_flags, hardware_warnings, recommended_precision, resolve_precision
+from tfmis.hardware import Hardware, cpu_flags, hardware_warnings, recommended_precision, resolve_precision
+from tfmis.planning import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, make_plan
 from tfmis.planning.rules import pool_and_conv_props, target_spacing, training_memory_mb
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ def trained_run(converted_dataset, tmp_path_factory):
     trainer = Trainer(config)
     trainer.fit()
     trainer.model.load_weights(str(out / "best.weights.h5"))
-    validation = trainer.validate(build_val_dataset(config))
+    validation = trainer.evaluate(build_val_dataset(config))
     from tfmis.config import save_config
 
     save_config(config, out / "config.yaml")

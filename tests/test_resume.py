@@ -42,13 +42,13 @@ class SimulatedCrash(BaseException):
 
 def _rising_validation(trainer):
     """Real validation, with the mean Dice replaced by a rising sequence so that every epoch is a new best."""
-    real, calls = trainer.validate, []
+    real, calls = trainer.evaluate, []
 
-    def validate(dataset):
+    def evaluate(dataset):
         calls.append(1)
         return {**real(dataset), "mean_dice": 0.1 * len(calls)}
 
-    trainer.validate = validate
+    trainer.evaluate = evaluate
 
 
 def _model_weights_in_checkpoint(config, prefix):

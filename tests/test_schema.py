@@ -3,14 +3,13 @@ config file, the converter, the command line, training and prediction all read t
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import make_msd_dataset
 from tfmis.config import ConfigError, load_config
-from tfmis.data.convert import ConversionConfig, ConversionOptions, build_parser
+from tfmis.convert import build_parser
+from tfmis.data.convert import ConversionConfig, ConversionOptions
 from tfmis.networks.unet import UNetArchitecture, UNetConfig
 
 # a non-default value for every conversion option, as YAML and as command-line flags

@@ -26,7 +26,7 @@ def fixed_batch(config, size: int):
 
 def run_step(trainer, batch) -> tuple[float, float]:
     """One optimizer step through the trainer's compiled step: (mean loss, 1.0 if it was skipped else 0.0)."""
-    loss, skipped = trainer._train_step(batch)
+    loss, skipped = trainer.train_step(batch)
     return float(loss), float(skipped)
 
 

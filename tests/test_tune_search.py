@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tfmis.config import ConfigError
-from tfmis.tune.search import MemoryModel, choose, fit_line
-from tfmis.tune.specs import FitSpecs, load_specs
+from tfmis.tune.fit.search import MemoryModel, choose, fit_line
+from tfmis.tune.fit.specs import FitSpecs, load_specs
 
 
 # ---------------------------------------------------------------------------------------------- specs
@@ -149,7 +149,7 @@ def _run(args, cwd, timeout=600):
 def batch4_peak_mb(converted_dataset, tmp_path_factory) -> float:
     """The measured peak RSS of a real trial at batch 4 (the budget below is set from it)."""
     from tfmis.config import to_dict
-    from tfmis.tune.trial import run_trial
+    from tfmis.tune.fit.trial import run_trial
 
     work = tmp_path_factory.mktemp("calibration")
     config = tiny_config(converted_dataset, work / "run", BIG_PATCH, "pipeline.num_images_per_batch=4")

@@ -1,6 +1,6 @@
 """The GPU-fit trial runner: real subprocesses measuring real (tiny) trainers on this CPU.
 
-Every trial here is a fresh `python -m tfmis.tune.trial` process with the real Trainer, its
+Every trial here is a fresh `python -m tfmis.tune.fit.trial` process with the real Trainer, its
 compiled training step and sliding-window inference. Out-of-memory failures are real: TensorFlow's
 CPU allocator is made a BFC allocator with a hard cap (TF_CPU_ALLOCATOR_USE_BFC /
 TF_CPU_BFC_MEM_LIMIT_IN_MB), so going over it raises a genuine ResourceExhaustedError. (An OOM
@@ -22,8 +22,9 @@ import tensorflow as tf
 from conftest import tiny_config
 from tfmis.config import to_dict
 from tfmis.inference.sliding_window import number_of_windows
-from tfmis.tune.trial import (PROGRESS_FILE, RESULT_KEYS, _check_budgets, accelerators, error_line, host_memory,
-                              is_out_of_memory, run_trial, trial_device)
+from tfmis.hardware import accelerators, host_memory
+from tfmis.tune.fit.trial import (PROGRESS_FILE, RESULT_KEYS, _check_budgets, error_line, is_out_of_memory, run_trial,
+                                  trial_device)
 
 PATCH_48 = "pipeline.patch_size=[48,48,48]"  # large enough that 8 images take clearly more memory than 1
 VOLUME = [40, 40, 40]

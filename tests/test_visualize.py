@@ -13,7 +13,7 @@ from conftest import lps_affine, make_msd_dataset, write_nifti
 from tfmis.data.convert import ConversionConfig, convert
 from tfmis.data.records import load_index, read_record, record_dataset, split_cases
 from tfmis.viz import PLANES, class_color, plot_orthogonal_planes, render_rgb, write_slice_sweep_gif
-from tfmis.viz.cli import main, nifti_case, orthogonal_figure
+from tfmis.visualize import main, nifti_case, orthogonal_figure
 
 REPO = Path(__file__).resolve().parents[1]
 CLASS_NAMES = ["background", "organ", "core", "tumour"]

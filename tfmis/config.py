@@ -156,7 +156,7 @@ class OptimizerConfig:
 class TrainingConfig:
     epochs: int = 100
     steps_per_epoch: Optional[int] = None  # null = train volumes * crops per volume / global batch
-    # auto = this machine's best (tfmis.planning.hardware.resolve_precision): mixed_float16 on GPUs of compute
+    # auto = this machine's best (tfmis.hardware.resolve_precision): mixed_float16 on GPUs of compute
     # capability >= 7 (tensor cores), float32 on CPUs (float16 is emulated there) and older GPUs
     precision: Literal["auto", "float32", "mixed_float16", "mixed_bfloat16"] = "auto"
     jit_compile: bool = False  # XLA
@@ -359,6 +359,17 @@ def _describe(tp) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(tp, str(tp))
 
 
+def set_key(data: dict, key: str, value) -> None:
+    """Sets dotted `key` (e.g. `training.epochs`) in nested config dicts `data`, creating sections on the way."""
+    node = data
+    *path, leaf = key.strip().split(".")
+    for part in path:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: '{part}' is not a config section")
+    node[leaf] = value
+
+
 def apply_override(data: dict, override: str) -> None:
     """Applies `a.b.c=value` (value parsed as YAML) to nested dict `data` in place."""
     if "=" not in override:
@@ -368,31 +379,45 @@ def apply_override(data: dict, override: str) -> None:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({e})") from e
-    node = data
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {key}: '{part}' is not a section")
-    node[parts[-1]] = value
+    try:
+        set_key(data, key, value)
+    except ConfigError as e:
+        raise ConfigError(f"--set {e}") from None
 
 
-def load_config(path: str | Path | None = None, overrides=()) -> Config:
-    """Reads a YAML config (or the defaults when `path` is None) and applies `key=value` overrides."""
-    data = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({e})") from e
+def parse_config(data, overrides=(), source: str = "config") -> Config:
+    """A validated `Config` from the nested dicts of a YAML document (None = the defaults) and `key=value`
+    overrides; `source` (a file name) starts the error when the document is not a mapping."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of config sections (data:, pipeline:, model:, ...), got "
+                          f"{type(data).__name__}")
     for override in overrides:
         apply_override(data, override)
     config = from_dict(Config, data)
     validate(config)
     return config
+
+
+def read_yaml(path: str | Path, kind: str = "config"):
+    """The document of a YAML (or JSON) file; a `ConfigError` naming the file when it is missing or not YAML.
+
+    Args:
+        kind: what the file is, for the message ("config", "space", "specs").
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{kind} file {path} does not exist")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from e
+
+
+def load_config(path: str | Path | None = None, overrides=()) -> Config:
+    """Reads a YAML config (or the defaults when `path` is None) and applies `key=value` overrides."""
+    data = read_yaml(path) if path is not None else {}
+    return parse_config(data, overrides, str(path) if path is not None else "config")
 
 
 def validate(config: Config) -> None:

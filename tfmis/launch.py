@@ -1,154 +1,43 @@
-"""Start N local worker processes with the right TF_CONFIG: the `torchrun` of tfmis.
+"""`python -m tfmis.launch --nproc N [--grace-seconds S] [--gpus-per-worker G] -- COMMAND ...` (`tfmis-launch`).
 
-`python -m tfmis.launch --nproc 2 -- python -m tfmis.train --config X.yaml` runs the command N times,
-worker k with `TF_CONFIG = {"cluster": {"worker": [127.0.0.1:p0, ...]}, "task": {"type": "worker",
-"index": k}}` on free loopback ports, so that `runtime.distribution: auto` (or `multiworker`) trains
-one model with MultiWorkerMirroredStrategy over them. Each worker gets its share of the CPU threads
-(`TF_NUM_INTRAOP_THREADS`, unless set) and, with GPUs, its own GPU (`CUDA_VISIBLE_DEVICES`) unless
-`--gpus-per-worker 0`. Worker 0 (the chief) prints the log; the others' output gets a `[worker k]`
-prefix. When a worker fails, the others get `--grace-seconds` to notice and end by themselves (they
-report the lost worker), then they are stopped; the exit status is the first failure's.
+Starts N local worker processes of one MultiWorkerMirroredStrategy cluster, each with its TF_CONFIG on a free
+loopback port, its share of the CPU threads and, with GPUs, its own GPU (`tfmis.engine.launch`). Worker 0 (the
+chief) prints the log; the others' output gets a `[worker k]` prefix. When a worker fails, the others get
+`--grace-seconds` to notice and end by themselves, then they are stopped. For several machines, use SLURM
+(`srun`), `mpirun` or a TF_CONFIG per machine instead (docs/scale-out.md).
 
-For several machines, use SLURM (`srun`), `mpirun` or a TF_CONFIG per machine instead (README).
+Exit status: 0 every worker succeeded, else the first failure's status; 2 bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
+
+from tfmis.utils.cli import parse_with_command
+
+USAGE = ("usage: python -m tfmis.launch --nproc N [--grace-seconds S] -- COMMAND ...\n"
+         "e.g. python -m tfmis.launch --nproc 2 -- python -m tfmis.train --config configs/demo.yaml")
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """N distinct ports that are free on `host` right now (held open together so they differ)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def worker_environments(nproc: int, host: str = "127.0.0.1", base_env=None, gpus_per_worker: int | None = None,
-                        cpu_count: int | None = None) -> list[dict]:
-    """The environment of each of `nproc` local workers (TF_CONFIG, threads, GPUs)."""
-    base_env = dict(os.environ if base_env is None else base_env)
-    workers = [f"{host}:{port}" for port in free_ports(nproc, host)]
-    cpus = cpu_count or os.cpu_count() or 1
-    gpus = _visible_gpus(base_env)
-    envs = []
-    for k in range(nproc):
-        env = dict(base_env)
-        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": k}})
-        env.setdefault("TF_NUM_INTRAOP_THREADS", str(max(1, cpus // nproc)))
-        env.setdefault("TF_NUM_INTEROP_THREADS", str(max(1, min(2, cpus // nproc))))
-        per = len(gpus) // nproc if gpus_per_worker is None else gpus_per_worker
-        if gpus and per > 0:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[k * per:(k + 1) * per])
-        envs.append(env)
-    return envs
-
-
-def _visible_gpus(env) -> list[str]:
-    if env.get("CUDA_VISIBLE_DEVICES") is not None:
-        return [g for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip() and g.strip() != "-1"]
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20)
-        return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-
-
-def _prefix_output(stream, prefix: str, sink) -> None:
-    for line in iter(stream.readline, ""):
-        sink.write(prefix + line)
-        sink.flush()
-
-
-def launch(command: list[str], nproc: int, grace_seconds: float = 60.0, gpus_per_worker: int | None = None) -> int:
-    """Runs `command` as `nproc` workers of one cluster; returns 0 if all succeed, else the first failure's code."""
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    procs = []
-    threads = []
-    for k, env in enumerate(worker_environments(nproc, gpus_per_worker=gpus_per_worker)):
-        quiet = k > 0
-        proc = subprocess.Popen(command, env=env, start_new_session=True, text=True,
-                                stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT if quiet else None)
-        if quiet:
-            thread = threading.Thread(target=_prefix_output, args=(proc.stdout, f"[worker {k}] ", sys.stderr),
-                                      daemon=True)
-            thread.start()
-            threads.append(thread)
-        procs.append(proc)
-
-    def stop(signum, frame):
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signum)
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        first_failure, deadline = None, None
-        while any(p.poll() is None for p in procs):
-            for k, p in enumerate(procs):
-                code = p.poll()
-                if code not in (None, 0) and first_failure is None:
-                    first_failure = (k, code)
-                    deadline = time.monotonic() + grace_seconds
-                    print(f"tfmis.launch: worker {k} exited with status {code}; giving the others {grace_seconds:.0f} s "
-                          "to stop", file=sys.stderr)
-            if deadline is not None and time.monotonic() > deadline:
-                for k, p in enumerate(procs):
-                    if p.poll() is None:
-                        print(f"tfmis.launch: stopping worker {k}", file=sys.stderr)
-                        os.killpg(p.pid, signal.SIGTERM)
-                time.sleep(5)
-                for p in procs:
-                    if p.poll() is None:
-                        os.killpg(p.pid, signal.SIGKILL)
-                deadline = None
-            time.sleep(0.2)
-        for thread in threads:
-            thread.join(timeout=5)
-        if first_failure is None:
-            failed = [(k, p.returncode) for k, p in enumerate(procs) if p.returncode != 0]
-            first_failure = failed[0] if failed else None
-        return 0 if first_failure is None else (first_failure[1] if first_failure[1] > 0 else 1)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        print("usage: python -m tfmis.launch --nproc N [--grace-seconds S] -- COMMAND ...\n"
-              "e.g. python -m tfmis.launch --nproc 2 -- python -m tfmis.train --config configs/demo.yaml",
-              file=sys.stderr)
-        return 2
-    split = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m tfmis.launch", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tfmis.launch", description="Start N local worker processes of one "
+                                "MultiWorkerMirroredStrategy cluster (TF_CONFIG on loopback ports).")
     p.add_argument("--nproc", type=int, required=True, help="number of worker processes on this machine")
     p.add_argument("--grace-seconds", type=float, default=60.0,
                    help="after a worker fails, how long the others may take to stop by themselves")
     p.add_argument("--gpus-per-worker", type=int, default=None,
                    help="GPUs each worker sees (default: the visible GPUs shared out evenly; 0 = leave as is)")
-    args = p.parse_args(argv[:split])
-    command = argv[split + 1:]
-    if not command:
-        p.error("no command after --")
+    return p
+
+
+def main(argv=None) -> int:
+    parsed = parse_with_command(build_parser(), argv, USAGE)
+    if parsed is None:
+        return 2
+    args, command = parsed
+    from tfmis.engine.launch import launch
+
     return launch(command, args.nproc, args.grace_seconds, args.gpus_per_worker)
 
 

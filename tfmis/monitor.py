@@ -1,15 +1,75 @@
-"""`python -m tfmis.monitor [--interval 1] [--output DIR] [--gpus 0,1] -- COMMAND ...`
+"""`python -m tfmis.monitor [--interval 1] [--output DIR] [--gpus 0,1] -- COMMAND ...` (`tfmis-monitor`).
 
 Runs COMMAND as a child and samples, every interval, GPU utilisation and memory per GPU (NVML), or,
 without NVIDIA GPUs, the CPU utilisation and RSS of COMMAND's process tree, into DIR/monitor.csv;
 then plots DIR/monitor.png, writes DIR/monitor.json (the summary), prints a summary table on stderr,
 and exits with COMMAND's exit status. Ctrl-C (SIGINT) and SIGTERM are forwarded to COMMAND.
-The implementation is tfmis.profiling.monitor.
+The sampler is `tfmis.profiling.ResourceMonitor`.
+
+Exit status: COMMAND's (128 + N when signal N ended it; 127 when it cannot start); 2 bad arguments.
 """
 
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
 import sys
 
-from tfmis.profiling.monitor import main
+from tfmis.utils.cli import parse_with_command
+
+PREFIX = "tfmis.monitor:"
+USAGE = ("usage: python -m tfmis.monitor [--interval S] [--output DIR] [--gpus 0,1] -- COMMAND ...\n"
+         "e.g. python -m tfmis.monitor --interval 1 -- python -m tfmis.train --config configs/demo.yaml")
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        gpus = [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus takes NVML indices separated by commas (e.g. 0,1), got {text!r}")
+    if not gpus or min(gpus) < 0:
+        raise argparse.ArgumentTypeError(f"--gpus takes non-negative GPU indices (e.g. 0,1), got {text!r}")
+    return gpus
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"--interval takes a positive number of seconds, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tfmis.monitor", usage=USAGE.split("\n")[0][len("usage: "):],
+                                description="Runs COMMAND, samples GPU utilisation/memory (or, without NVIDIA GPUs, "
+                                            "the command's process-tree CPU and RSS) into DIR/monitor.csv, plots "
+                                            "DIR/monitor.png, prints a summary, and exits with COMMAND's status.")
+    p.add_argument("--interval", type=_positive, default=1.0, help="seconds between samples (default 1)")
+    p.add_argument("--output", default=None,
+                   help="folder for monitor.csv/.png/.json (default: ./monitor-<YYYYmmdd-HHMMSS>)")
+    p.add_argument("--gpus", type=_gpu_list, default=None,
+                   help="NVML indices of the GPUs to sample, e.g. 0,1 (default: CUDA_VISIBLE_DEVICES, else all)")
+    return p
+
+
+def main(argv=None) -> int:
+    parsed = parse_with_command(build_parser(), argv, USAGE)
+    if parsed is None:
+        return 2
+    args, command = parsed
+    from tfmis.profiling.monitor import monitor_command
+
+    output = args.output or f"monitor-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    try:
+        return monitor_command(command, output, args.interval, args.gpus)
+    except ValueError as e:  # e.g. --gpus names a GPU that does not exist
+        print(f"{PREFIX} {e}", file=sys.stderr)
+        return 2
+
 
 if __name__ == "__main__":
     sys.exit(main())

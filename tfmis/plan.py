@@ -1,8 +1,10 @@
-"""Plan a training config for an MSD dataset: `python -m tfmis.plan --source-dir DIR [--output plan.yaml]`.
+"""Plan a training config for an MSD dataset: `python -m tfmis.plan --source-dir DIR [--output plan.yaml]`
+(`tfmis-plan`).
 
 Fingerprints the dataset (from its conversion when `--target-dir` holds one, else a first pass over
 the MSD folder), detects the hardware, applies nnU-Net v2's rules and writes the plan as a normal
-tfmis config with a comment on every planned value saying why; then prints a short table. Train
+tfmis config with a comment on every planned value saying why; then prints a short table
+(`tfmis.planning.plan_dataset` does the work). Train
 with `python -m tfmis.train --config PLAN` (or plan, convert and train in one go with
 `python -m tfmis.train --source-dir DIR`).
 
@@ -29,37 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_dataset(source_dir, target_dir=None, output_dir=None, workers=None, progress: bool = True):
-    """(Plan, DatasetFingerprint) for an MSD folder on this machine.
-
-    Uses the fingerprint of a finished conversion in `target_dir` when there is one, else a first pass
-    over the MSD folder; with a GPU and a converted dataset, the GPU-fit search's cached choice.
-    """
-    from tfmis.planning import (cached_gpu_fit, default_dataset_dir, default_output_dir, detect_hardware,
-                                fingerprint_from_conversion, fingerprint_msd, has_conversion, make_plan)
-
-    target_dir = target_dir or default_dataset_dir(source_dir)
-    output_dir = output_dir or default_output_dir(source_dir)
-    if has_conversion(target_dir):
-        fingerprint = fingerprint_from_conversion(target_dir)
-        if progress:
-            print(f"Fingerprint: the conversion in {target_dir}", file=sys.stderr)
-    else:
-        fingerprint = fingerprint_msd(source_dir, workers=workers, progress=progress)
-    hardware = detect_hardware()
-    plan = make_plan(fingerprint, hardware, source_dir=str(source_dir), dataset_dir=str(target_dir),
-                     output_dir=str(output_dir))
-    if hardware.has_gpu and has_conversion(target_dir):
-        fitted = cached_gpu_fit(plan.config())
-        if fitted is not None:
-            plan = make_plan(fingerprint, hardware, source_dir=str(source_dir), dataset_dir=str(target_dir),
-                             output_dir=str(output_dir), gpu_fit=fitted)
-    return plan, fingerprint
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from tfmis.data.msd import DatasetError
+    from tfmis.planning import plan_dataset
     from tfmis.utils.io import atomic_write_json
 
     source = Path(args.source_dir)

@@ -1,4 +1,5 @@
-"""Train a 3D segmentation model: `python -m tfmis.train --config configs/demo.yaml [--set key=value ...]`.
+"""Train a 3D segmentation model: `python -m tfmis.train --config configs/demo.yaml [--set key=value ...]`
+(`tfmis-train`).
 
 Converts the data first when the config names an MSD source folder, trains with the one custom
 loop (one device, MirroredStrategy, MultiWorkerMirroredStrategy or Horovod; `runtime:`), validates with sliding-window inference, and writes the
@@ -9,7 +10,7 @@ With `--source-dir DIR` instead of `--config`, the config is planned for that MS
 machine first (`python -m tfmis.plan`: nnU-Net's rules, every value commented with its reason) and
 written to `<output.dir>/plan.yaml`, which a later run can edit and pass as `--config`.
 
-`training.precision: auto` becomes this machine's best precision (`tfmis.planning.resolve_precision`);
+`training.precision: auto` becomes this machine's best precision (`tfmis.hardware.resolve_precision`);
 a setting this machine runs badly (mixed_float16 or jit_compile on a CPU) gets one warning naming the
 faster choice.
 """
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
         return 1
     import tensorflow as tf
 
-    from tfmis.planning.hardware import hardware_warnings, resolve_precision
+    from tfmis.hardware import hardware_warnings, resolve_precision
 
     if backend.is_chief:
         for line in hardware_warnings(config.training):
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     from tfmis.data.prepare import prepare_dataset
     from tfmis.engine.trainer import RunExists, Trainer, TrainingDiverged, summary_table
     from tfmis.inference.placement import VolumeOutOfMemory
-    from tfmis.tune.search import NoConfigurationFits
+    from tfmis.tune.fit import NoConfigurationFits
 
     expected = (RunExists, TrainingDiverged, NoConfigurationFits, VolumeOutOfMemory, ParametersChanged,
                 FileNotFoundError, KeyError, ValueError)
@@ -129,8 +130,7 @@ def _plan(args) -> dict | None:
     """
     from tfmis.config import apply_override
     from tfmis.data.msd import DatasetError
-    from tfmis.plan import plan_dataset
-    from tfmis.planning.planner import config_from_text
+    from tfmis.planning import plan_dataset
 
     source = Path(args.source_dir)
     if not (source / "dataset.json").is_file():
@@ -147,7 +147,7 @@ def _plan(args) -> dict | None:
     except (DatasetError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    effective = config_from_text(plan.to_yaml(), args.overrides)  # a bad override is named here
+    effective = plan.config(args.overrides)  # a bad override is named here
     path = plan.write(Path(effective.output.dir) / "plan.yaml")
     print(f"Plan for {fingerprint.name} ({plan.summary['hardware']}):\n{plan.table()}", file=sys.stderr)
     print(f"Plan written to {path} (every value with its reason): edit it and rerun with --config {path}",
@@ -159,18 +159,19 @@ def _cached_gpu_fit(config, planned: dict, args):
     """With a GPU: the GPU-fit search's cached batch size, sw batch size and placement for the planned config
     (the plan file is rewritten with them); the config unchanged without a GPU or a cached search."""
     from tfmis.config import load_config
-    from tfmis.planning import cached_gpu_fit, detect_hardware, make_plan
+    from tfmis.hardware import detect_hardware
+    from tfmis.planning import plan_with_cached_gpu_fit
 
     hardware = detect_hardware()
     if not hardware.has_gpu:
         return config
-    fitted = cached_gpu_fit(config)
-    if fitted is None:
+    measured = plan_with_cached_gpu_fit(planned["fingerprint"], hardware, config, source_dir=str(args.source_dir),
+                                        dataset_dir=config.data.dataset_dir, output_dir=planned["output"])
+    if measured is None:
         print("GPU-fit search: no cached result for this plan; batch sizes are estimates (add --gpu-customization "
               "to measure them; later plans reuse the measurement)", file=sys.stderr)
         return config
-    plan = make_plan(planned["fingerprint"], hardware, source_dir=str(args.source_dir),
-                     dataset_dir=config.data.dataset_dir, output_dir=planned["output"], gpu_fit=fitted)
+    plan, fitted = measured
     plan.write(planned["path"])
     print(f"GPU-fit search ({fitted['source']}): batch {fitted['num_images_per_batch']}, sw batch "
           f"{fitted['num_sw_batch_size']}, validation on {fitted['validation_data_device']}; plan updated",

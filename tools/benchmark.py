@@ -8,7 +8,7 @@ Example:
 
 import sys
 
-from tfmis.profiling.benchmark import main
+from tfmis.benchmark import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@ Example:
 
 import sys
 
-from tfmis.data.convert import main
+from tfmis.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

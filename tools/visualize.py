@@ -9,7 +9,7 @@ Example:
 
 import sys
 
-from tfmis.viz.cli import main
+from tfmis.visualize import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,17 +19,14 @@ print(report["skipped"])
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import datetime
 import hashlib
 import itertools
 import json
-import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -42,6 +39,7 @@ from tfmis.data.preprocess import PreprocessConfig, preprocess, ras_spacing
 from tfmis.data.records import (COMPRESSIONS, FINGERPRINT_FILE, INDEX_FILE, SCHEMA_VERSION, encode_example,
                                 framed_size, shard_name)
 from tfmis.utils.io import atomic_write_json
+from tfmis.utils.parallel import map_ordered
 
 PLAN_FILE = "conversion.json"
 PROGRESS_DIR = ".progress"
@@ -233,26 +231,9 @@ def _foreground_sample(task: tuple) -> np.ndarray | None:
     try:
         dataset = MSDDataset(source_dir)
         loaded = load_case(case, dataset)
-        return fp.intensity_sample(loaded.image, loaded.label, 10_000, np.random.default_rng(0))
+        return fp.foreground_sample(loaded.image, loaded.label)
     except Exception:
         return None  # reported by the main pass
-
-
-def _run_ordered(fn, tasks: list, workers: int):
-    """Yields fn(task) in task order, with at most 2*workers tasks in flight (bounded memory)."""
-    if workers == 1 or len(tasks) <= 1:
-        yield from map(fn, tasks)
-        return
-    ctx = multiprocessing.get_context("spawn")  # the parent may have TensorFlow loaded: never fork it
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
-        it = iter(tasks)
-        queue = collections.deque(pool.submit(fn, t) for t in itertools.islice(it, 2 * workers))
-        while queue:
-            result = queue.popleft().result()
-            nxt = next(it, None)
-            if nxt is not None:
-                queue.append(pool.submit(fn, nxt))
-            yield result
 
 
 # ---------------------------------------------------------------- main side
@@ -316,13 +297,12 @@ def _ct_foreground_statistics(dataset: MSDDataset, workers: int) -> tuple[tuple[
     """((0.5, 99.5) percentiles, (mean, std)) of the CT channels' labelled foreground intensities, sampled from
     every training case (nnU-Net's foreground intensity properties)."""
     tasks = [(c, str(dataset.root)) for c in dataset.training]
-    samples = [s for s in _run_ordered(_foreground_sample, tasks, workers) if s is not None]
+    samples = [s for s in map_ordered(_foreground_sample, tasks, workers) if s is not None]
     if not samples:
         raise DatasetError(f"{dataset.root}: no readable case to measure the CT window from; pass --ct-window")
     ct_channels = [i for i, m in enumerate(dataset.modalities) if m.upper() == "CT"]
     values = np.concatenate([s[:, ct_channels].ravel() for s in samples]).astype(np.float64)
-    lo, hi = np.percentile(values, [0.5, 99.5])
-    return (float(round(lo, 1)), float(round(hi, 1))), (float(values.mean()), float(values.std()))
+    return fp.ct_window(values), (float(values.mean()), float(values.std()))
 
 
 def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) -> dict:
@@ -419,7 +399,7 @@ def convert(config: ConversionConfig) -> dict:
             bar.write(f"  {case_id}: {message}", file=sys.stderr)
         bar.update(1)
 
-    results = _run_ordered(_process_case, tasks, config.num_workers)
+    results = map_ordered(_process_case, tasks, config.num_workers)
     for shard in pending:
         _write_shard(target, shard, itertools.islice(results, len(shard["cases"])), index_meta, on_case)
     bar.close()
@@ -470,99 +450,6 @@ def _build_index(target: Path, dataset: MSDDataset, config: ConversionConfig, re
     }
 
 
-# ---------------------------------------------------------------- command line
-
-def _tuple_of(kind, length: int | tuple[int, ...], name: str):
-    lengths = (length,) if isinstance(length, int) else length
-
-    def parse(text: str):
-        try:
-            values = tuple(kind(v) for v in text.replace(" ", "").split(",") if v != "")
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a comma-separated list of {kind.__name__}s")
-        if len(values) not in lengths:
-            raise argparse.ArgumentTypeError(f"{name}: expected {' or '.join(map(str, lengths))} comma-separated "
-                                             f"values, got {len(values)} in {text!r}")
-        return values
-    return parse
-
-
-def _add_option_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per `ConversionOptions` field (`crop_margin` → `--crop-margin`), typed from the field."""
-    import types
-    import typing
-
-    hints = typing.get_type_hints(ConversionOptions)
-    groups = {}
-    for field in dataclasses.fields(ConversionOptions):
-        meta, tp = field.metadata, hints[field.name]
-        flag = meta["flag"] or "--" + field.name.replace("_", "-")
-        target = parser
-        if meta["group"]:  # e.g. --split or --folds
-            if meta["group"] not in groups:
-                groups[meta["group"]] = parser.add_mutually_exclusive_group()
-            target = groups[meta["group"]]
-        kwargs = dict(dest=field.name, default=field.default, help=meta["help"])
-        optional = typing.get_origin(tp) in (typing.Union, types.UnionType)
-        kind = next(a for a in typing.get_args(tp) if a is not type(None)) if optional else tp
-        if kind is bool:  # a flag that turns the default off
-            target.add_argument(flag, action="store_false" if field.default else "store_true", **kwargs)
-        elif typing.get_origin(kind) is Literal:
-            target.add_argument(flag, choices=typing.get_args(kind), **kwargs)
-        elif typing.get_origin(kind) is tuple:
-            items = typing.get_args(kind)
-            lengths = meta["lengths"] or ((len(items),) if items[-1] is not Ellipsis else (1, 2, 3))
-            target.add_argument(flag, type=_tuple_of(items[0], lengths, flag), **kwargs)
-        else:
-            target.add_argument(flag, type=kind, **kwargs)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse reads `--ct-window -57,164` as two flags: join a negative comma list to its flag first."""
-
-    def parse_known_args(self, args=None, namespace=None):
-        args = list(sys.argv[1:] if args is None else args)
-        joined = []
-        for arg in args:
-            if joined and joined[-1].startswith("--") and "=" not in joined[-1] and arg[:1] == "-" and \
-                    arg[1:2].isdigit() and "," in arg:
-                joined[-1] = f"{joined[-1]}={arg}"
-            else:
-                joined.append(arg)
-        return super().parse_known_args(joined, namespace)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="tools/tfrecord.py",
-        description="Convert a Medical Segmentation Decathlon (MSD) style dataset into preprocessed TFRecord "
-                    "shards with an index.json and a fingerprint.json. Preprocessing: reorient to RAS, crop to "
-                    "the foreground, resample (linear images / nearest labels) or reshape, normalise per "
-                    "channel (z-score over the foreground for MRI, clip-and-scale window for CT).",
-        epilog="Exit status: 0 all cases converted; 3 converted, but some cases were skipped (listed in "
-               "index.json under 'skipped'); 1 the dataset or target is unusable; 2 bad arguments. "
-               "Rerunning with the same arguments resumes an interrupted conversion.")
-    p.add_argument("--source-dir", required=True, help="MSD dataset folder, the one holding dataset.json")
-    p.add_argument("--target-dir", required=True, help="output folder for shards, index.json, fingerprint.json")
-    _add_option_flags(p)
-    p.add_argument("--overwrite", action="store_true",
-                   help="rebuild when --target-dir holds a conversion made with other parameters")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        config = ConversionConfig.from_args(args)
-        index = convert(config)
-    except (ValueError, DatasetError, ParametersChanged) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(summary_text(index))
-    return EXIT_SKIPPED if index["skipped"] else 0
-
-
 def summary_text(index: dict) -> str:
     """A short human-readable account of a conversion."""
     prep = index["preprocessing"]
@@ -578,7 +465,3 @@ def summary_text(index: dict) -> str:
     for w in index["warnings"]:
         lines.append(f"  warning {w['case_id']}: {w['message']}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

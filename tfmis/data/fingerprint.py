@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 PERCENTILES = (0.5, 50.0, 99.5)
+FOREGROUND_SAMPLE = 10_000  # voxels per case for the CT window and CT normalisation
 
 
 def intensity_sample(image: np.ndarray, label: np.ndarray | None, max_voxels: int,
@@ -20,6 +21,18 @@ def intensity_sample(image: np.ndarray, label: np.ndarray | None, max_voxels: in
     if len(values) > max_voxels:
         values = values[rng.choice(len(values), max_voxels, replace=False)]
     return values
+
+
+def foreground_sample(image: np.ndarray, label: np.ndarray | None) -> np.ndarray:
+    """The sample of a case's raw foreground intensities that the CT window and CT normalisation are measured
+    from (`FOREGROUND_SAMPLE` voxels, seed 0): the conversion and the planner's first pass draw the same one."""
+    return intensity_sample(image, label, FOREGROUND_SAMPLE, np.random.default_rng(0))
+
+
+def ct_window(values: np.ndarray) -> tuple[float, float]:
+    """The CT clipping window of labelled-foreground HU `values`: their 0.5 and 99.5 percentiles (nnU-Net's)."""
+    lo, hi = np.percentile(values, [0.5, 99.5])
+    return float(round(lo, 1)), float(round(hi, 1))
 
 
 def intensity_stats(values: np.ndarray) -> list[dict]:

@@ -144,12 +144,22 @@ class Progress(Callback):
             self.bar = None
 
 
+def epoch_line(r: dict, epochs: int) -> str:
+    """The one log line of an epoch's record: loss, images/s, input wait, time, skipped steps, validation Dice."""
+    line = (f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  {r['images_per_second']:.1f} img/s  "
+            f"input wait {r['data_wait_fraction']:.0%}  {r['epoch_seconds']:.1f}s")
+    if r.get("skipped_steps"):
+        line += f"  skipped {r['skipped_steps']} steps (non-finite gradient)"
+    if "val_mean_dice" in r:
+        per_class = "  ".join(f"{k} {v:.3f}" for k, v in r["val_dice"].items())
+        line += f"  | val mean Dice {r['val_mean_dice']:.4f} ({per_class})"
+    return line
+
+
 class EpochLog(Callback):
-    """One line per epoch on standard error: loss, images/s, input wait, time, validation Dice."""
+    """One line per epoch on standard error (`epoch_line`)."""
 
     def on_epoch_end(self, trainer, epoch, record):
-        from tfmis.engine.trainer import epoch_line
-
         print(epoch_line(record, trainer.config.training.epochs), file=sys.stderr, flush=True)
 
 

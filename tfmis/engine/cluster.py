@@ -78,6 +78,20 @@ def detect_launch(env=None) -> Launch:
     return Launch("single")
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """N distinct ports that are free on `host` right now (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def _free_port(host: str, preferred: int) -> int:
     """`preferred` if it can be bound on `host`, else a free port the system picks."""
     for port in (preferred, 0):

@@ -21,7 +21,6 @@ summary = trainer.fit(resume=False)
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -34,20 +33,15 @@ import numpy as np
 import tensorflow as tf
 
 from tfmis.config import save_config
-from tfmis.data.pipeline import build_train_dataset, build_val_dataset, train_steps_per_epoch
-from tfmis.data.records import RUN_DATA_FILE, load_index, training_data_info
+from tfmis.data.pipeline import step_augmentation, train_steps_per_epoch
+from tfmis.data.records import RUN_DATA_FILE, training_data_info
 from tfmis.engine.callbacks import CallbackList, default_callbacks
 from tfmis.engine.distribution import Backend, make_backend
 from tfmis.engine.history import History
+from tfmis.hardware import accelerator_device
 from tfmis.inference.placement import VolumePlacement
 from tfmis.inference.sliding_window import sliding_window_inference
-from tfmis.losses import DeepSupervisionLoss, build_loss
-from tfmis.metrics.segmentation import SegmentationMetrics
-from tfmis.planning.hardware import resolve_precision
-from tfmis.networks.unet import UNetConfig, check_patch_size
-from tfmis.optimizers import batch_scaled_learning_rate, build_optimizer, build_schedule
-from tfmis.optimizers.schedules import OncePerStep
-from tfmis.utils.devices import accelerator_device
+from tfmis.task import SegmentationTask
 from tfmis.utils.io import atomic_write_json
 
 BEST_WEIGHTS = "best.weights.h5"
@@ -69,90 +63,74 @@ class RunExists(RuntimeError):
 
 
 class Trainer:
-    """Builds model, optimizer, loss and data from a `Config` and trains.
+    """Trains the parts a `SegmentationTask` builds, with one distribution backend.
 
     Args:
         config: a `tfmis.config.Config`.
         backend: a distribution backend (default: from `runtime`; build it before anything touches devices).
         train_dataset_fn: `fn(config, input_context, seed_offset)` building the training stream of one input
             pipeline, as `tfmis.data.pipeline.build_train_dataset` (the default) does; e.g. another input
-            pipeline to compare with (tools/benchmark.py).
+            pipeline to compare with (`tfmis.benchmark`). Ignored when `task` is given.
         callbacks: `tfmis.engine.callbacks.Callback`s called after the default ones (progress, epoch log,
             TensorBoard, curves) at each event of `fit`.
+        task: the `tfmis.task.SegmentationTask` that builds model, loss, optimizer, inputs and metrics
+            (default: one for `config`).
+
+    The public steps: `train_step(batch)` (one optimizer step on a global batch), `predict_windows(windows)`
+    (the model's logits for a batch of sliding windows), `evaluate(dataset)` (sliding-window validation on
+    whole volumes) and `fit(resume)` (the loop).
     """
 
-    def __init__(self, config, backend: Backend | None = None, train_dataset_fn=None, callbacks=()):
+    def __init__(self, config, backend: Backend | None = None, train_dataset_fn=None, callbacks=(), task=None):
         self.config = config
         self.callbacks = list(callbacks)
-        self.train_dataset_fn = train_dataset_fn or build_train_dataset
         tc = config.training
-        self.backend = backend or make_backend(config.runtime, output_dir=config.output.dir)
+        self.backend = backend or make_backend(config.runtime, output_dir=config.output.dir)  # before any device use
+        self.task = task or SegmentationTask(config, train_dataset_fn=train_dataset_fn)
         self.out = Path(config.output.dir)
-        index = load_index(config.data.dataset_dir)
-        self.data_info = training_data_info(index, config.data.dataset_dir)
-        self.class_names = list(index["source"]["labels"])
-        self.in_channels = len(index["source"]["modalities"])
-        self.spacing_by_case = {cid: c["geometry"]["spacing"] for cid, c in index["cases"].items()}
+        self.data_info = training_data_info(self.task.data_info, config.data.dataset_dir)
+        self.class_names, self.in_channels = self.task.class_names, self.task.in_channels
+        self.spacing_by_case = {cid: c["geometry"]["spacing"] for cid, c in self.task.data_info["cases"].items()}
         keras.utils.set_random_seed(tc.seed)
-        self.precision = resolve_precision(tc.precision)  # auto: this machine's best
-        keras.mixed_precision.set_global_policy(self.precision)
+        self.precision = self.task.set_precision_policy()  # auto: this machine's best
         self.steps_per_epoch = train_steps_per_epoch(config, self.backend.num_replicas)
-        m, o = config.model, config.optimizer
-        check_patch_size(config.pipeline.patch_size, m.strides)  # fail now, not after data loading
-        check_patch_size(config.validation.roi_size or config.pipeline.patch_size, m.strides)
+        self.task.check_sizes()
         self.global_batch = config.pipeline.num_images_per_batch * self.backend.num_replicas * tc.accumulation_steps
-        reference = o.lr_reference_batch or config.pipeline.num_images_per_batch * tc.accumulation_steps
-        self.learning_rate, min_learning_rate = (batch_scaled_learning_rate(rate, o.lr_scaling, self.global_batch,
-                                                                            reference)
-                                                 for rate in (o.learning_rate, o.min_learning_rate))
+        self.learning_rate = self.task.learning_rates(self.global_batch)[0]
+        if tc.jit_compile and self.backend.name == "horovod":
+            raise ValueError("training.jit_compile: true does not work with runtime.distribution: horovod (Horovod's "
+                             "all-reduce inside the step has no XLA kernel); set training.jit_compile=false")
         with self.backend.scope():
-            # the model validates, predicts and is saved as best weights; the training model is what the optimizer
-            # trains: the same object, or with deep supervision the model plus its lower-resolution heads
-            self.model, self.training_model = UNetConfig(self.in_channels, len(self.class_names),
-                                                         **dataclasses.asdict(m)).build_for_training()
-            total = tc.epochs * self.steps_per_epoch
-            schedule = build_schedule(o.schedule, self.learning_rate, total_steps=total,
-                                      warmup_steps=int(o.warmup_epochs * self.steps_per_epoch), power=o.power,
-                                      min_learning_rate=min_learning_rate)
-            # OncePerStep: Keras would evaluate the schedule once per variable in every step
-            optimizer = build_optimizer(o.name, OncePerStep(schedule), weight_decay=o.weight_decay, momentum=o.momentum,
-                                        nesterov=o.nesterov, beta_1=o.beta_1, beta_2=o.beta_2, clipnorm=o.clipnorm)
-            if self.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
-                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-            optimizer.build(self.training_model.trainable_variables)
-            self.backend.prepare_optimizer(optimizer)  # the step reduces gradients before apply() clips them
-            self.optimizer = optimizer
+            self.model, self.training_model = self.task.build_training_model()
+            self.optimizer = self.task.build_optimizer(self.global_batch, self.steps_per_epoch)
+            self.optimizer.build(self.training_model.trainable_variables)
+            self.backend.prepare_optimizer(self.optimizer)  # the step reduces gradients before apply() clips them
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
             self.best_dice = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_dice")
             self.best_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="best_epoch")
             self.elapsed = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="elapsed_seconds")
-        lc = config.loss
-        self.loss_fn = build_loss(lc.name, include_background=lc.include_background, activation=lc.activation,
-                                  batch=lc.batch, squared_pred=lc.squared_pred,
-                                  **({"lambda_dice": lc.lambda_dice} if lc.name != "dice" else {}),
-                                  **({"lambda_ce": lc.lambda_ce} if lc.name == "dice_ce" else {}),
-                                  **({"lambda_focal": lc.lambda_focal, "gamma": lc.gamma}
-                                     if lc.name == "dice_focal" else {}))
-        if m.deep_supervision:
-            self.loss_fn = DeepSupervisionLoss(self.loss_fn, [factor for _, factor in m.deep_supervision_levels])
+        self.loss_fn = self.task.build_loss()
         self.checkpoint = tf.train.Checkpoint(model=self.training_model, optimizer=self.optimizer, epoch=self.epoch,
                                               best_dice=self.best_dice, best_epoch=self.best_epoch,
                                               elapsed=self.elapsed)
         # MultiWorkerMirroredStrategy: every worker saves, non-chiefs into a temporary folder they then drop
         self.manager = tf.train.CheckpointManager(self.checkpoint, str(self.backend.checkpoint_dir(self.out)),
                                                   max_to_keep=tc.keep_checkpoints)
-        if tc.jit_compile and self.backend.name == "horovod":
-            raise ValueError("training.jit_compile: true does not work with runtime.distribution: horovod (Horovod's "
-                             "all-reduce inside the step has no XLA kernel); set training.jit_compile=false")
-        self._step_augment = None
-        if config.pipeline.augment.placement == "step":
-            # the dataset yields un-augmented crops and their seeds; the replica step augments them on its device
-            from tfmis.data.pipeline import step_augmentation
+        self._compile()
+        # one policy for the whole run: the volume sizes it learns not to fit stay learned across epochs
+        self.placement = VolumePlacement.for_validation(config.validation)
 
-            self._step_augment = step_augmentation(config.pipeline)
-        step = tf.function(self._replica_step, jit_compile=True) if tc.jit_compile else self._replica_step
+    def _compile(self) -> None:
+        """The compiled functions: the replica step (XLA with `training.jit_compile`), one global step, the loop
+        of `training.steps_per_loop` steps, and the windows' forward pass."""
+        self._step_augment = None
+        if self.config.pipeline.augment.placement == "step":
+            # the dataset yields un-augmented crops and their seeds; the replica step augments them on its device
+            self._step_augment = step_augmentation(self.config.pipeline)
+        step = tf.function(self._replica_step, jit_compile=True) if self.config.training.jit_compile \
+            else self._replica_step
         self._step = step
-        self._train_step = tf.function(lambda batch: self.backend.reduce_mean(self.backend.run(step, batch)))
+        self._global_step = tf.function(lambda batch: self.backend.reduce_mean(self.backend.run(step, batch)))
 
         def train_loop(iterator, num_steps: int):  # a function of its own per trainer, traced once per loop length
             return self._steps_loop(iterator, num_steps)
@@ -160,9 +138,18 @@ class Trainer:
         # no AutoGraph: the step is plain TensorFlow (explicit tf.cond / tf.while_loop), and converting it took
         # 0.6 of the first epoch's 2.9 s of tracing on the demo
         self._train_loop = tf.function(train_loop, autograph=False)
-        self._predict = tf.function(lambda x: self.model(x, training=False), reduce_retracing=True, autograph=False)
-        # one policy for the whole run: the volume sizes it learns not to fit stay learned across epochs
-        self.placement = VolumePlacement.for_validation(config.validation)
+        self._forward = tf.function(lambda x: self.model(x, training=False), reduce_retracing=True, autograph=False)
+
+    def train_step(self, batch):
+        """One optimizer step on a global batch `(images, labels)` (or `(images, labels, seeds)` with
+        `pipeline.augment.placement: step`); returns (mean loss, 1.0 if the step was skipped for a
+        non-finite gradient, else 0.0), as tensors."""
+        return self._global_step(batch)
+
+    def predict_windows(self, windows):
+        """The model's logits for a batch of windows (B, x, y, z, C): the predictor `sliding_window_inference`
+        calls during validation."""
+        return self._forward(windows)
 
     # ------------------------------------------------------------------ the step
 
@@ -261,14 +248,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ validation
 
-    def validate(self, dataset) -> dict:
+    def evaluate(self, dataset) -> dict:
         """Sliding-window inference on each whole validation volume; per-class Dice (and HD95).
 
         The result also holds `fallbacks`: how many cases were not aggregated on the first-choice
         placement of `validation.validation_data_device` (see `tfmis.inference.placement`).
         """
         v = self.config.validation
-        metrics = SegmentationMetrics(len(self.class_names), class_names=self.class_names, hd95=v.hd95)
+        metrics = self.task.build_metrics()
         fallbacks = 0
         positions = []
         rank, size = self.backend.rank, self.backend.size
@@ -297,7 +284,7 @@ class Trainer:
         roi = tuple(v.roi_size or self.config.pipeline.patch_size)
 
         def segment(device: str, sw_batch_size: int):
-            logits = sliding_window_inference(image, roi, sw_batch_size, self._predict, overlap=v.overlap,
+            logits = sliding_window_inference(image, roi, sw_batch_size, self.predict_windows, overlap=v.overlap,
                                               mode=v.mode, sw_device=accelerator_device(), device=device)
             with tf.device(device):  # the argmax where the logits are; numpy() finishes the attempt
                 return tf.argmax(logits, axis=-1, output_type=tf.int32)[0].numpy()
@@ -406,8 +393,8 @@ class Trainer:
         self.history = History(self.out, tc.dice_thresholds)
         callbacks = CallbackList(default_callbacks(self) + self.callbacks)
         seed_offset = done  # a resumed run draws new crops, not epoch 1's again
-        iterator = iter(self.backend.distribute_dataset(lambda ctx: self.train_dataset_fn(cfg, ctx, seed_offset)))
-        val_dataset = build_val_dataset(cfg)
+        iterator = iter(self.backend.distribute_dataset(lambda ctx: self.task.build_train_dataset(ctx, seed_offset)))
+        val_dataset = self.task.build_val_dataset()
         run_start = time.perf_counter() - float(self.elapsed.numpy())
         self._skip_streak = []  # (epoch, step) of the consecutive skipped steps up to now
         stop_reason = "epochs"
@@ -513,7 +500,7 @@ class Trainer:
         """Validates and adds the results to the epoch's `record`; returns the full result."""
         val_start = time.perf_counter()
         with tf.profiler.experimental.Trace("validation", epoch=record["epoch"]):
-            result = self.validate(val_dataset)
+            result = self.evaluate(val_dataset)
         record["val_mean_dice"] = result["mean_dice"]
         record["val_dice"] = dict(zip(self.class_names[1:], result["dice_per_class"]))
         if "mean_hd95" in result:  # inf when a class was missed in some case; the misses are counted
@@ -531,12 +518,11 @@ class Trainer:
 
         if (self.out / BEST_WEIGHTS).is_file():
             self.model.load_weights(str(self.out / BEST_WEIGHTS))
-        image, label, meta = next(iter(build_val_dataset(self.config, cached=False)))  # one case: no cache to fill
+        image, label, meta = next(iter(self.task.build_val_dataset(cached=False)))  # one case: no cache to fill
         case_id = meta["case_id"].numpy().decode()
         prediction, _ = self._segment_volume(image, case_id)
-        index = load_index(self.config.data.dataset_dir)
         fig = plot_orthogonal_planes(image[0].numpy(), label[0].numpy(), spacing=self.spacing_by_case.get(case_id),
-                                     channel_names=index["source"]["modalities"], class_names=self.class_names,
+                                     channel_names=self.task.data_info["source"]["modalities"], class_names=self.class_names,
                                      title=f"{case_id}: label (fill) vs prediction of the best model (outline)",
                                      prediction=prediction)
         with atomic_writer(path, "wb") as f:
@@ -589,18 +575,6 @@ class Trainer:
 def _checkpoint_number(path: str | None) -> int:
     """N of a `.../ckpt-N` checkpoint prefix; -1 for none."""
     return int(path.rsplit("-", 1)[1]) if path else -1
-
-
-def epoch_line(r: dict, epochs: int) -> str:
-    """The one log line of an epoch's record."""
-    line = (f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  {r['images_per_second']:.1f} img/s  "
-            f"input wait {r['data_wait_fraction']:.0%}  {r['epoch_seconds']:.1f}s")
-    if r.get("skipped_steps"):
-        line += f"  skipped {r['skipped_steps']} steps (non-finite gradient)"
-    if "val_mean_dice" in r:
-        per_class = "  ".join(f"{k} {v:.3f}" for k, v in r["val_dice"].items())
-        line += f"  | val mean Dice {r['val_mean_dice']:.4f} ({per_class})"
-    return line
 
 
 def summary_table(summary: dict) -> str:

@@ -36,7 +36,7 @@ from typing import Callable, Literal, TypeVar
 
 import tensorflow as tf
 
-from tfmis.utils.devices import CPU, accelerator_device
+from tfmis.hardware import CPU, accelerator_device
 from tfmis.utils.memory import error_line, is_out_of_memory  # noqa: F401  (is_out_of_memory: part of this interface)
 
 PLACEMENT_MODES = ("accelerator", "cpu", "auto")

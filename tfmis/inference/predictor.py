@@ -27,7 +27,6 @@ import re
 import time
 from pathlib import Path
 
-import keras
 import nibabel as nib
 import numpy as np
 import tensorflow as tf
@@ -37,10 +36,10 @@ from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
 from tfmis.inference.sliding_window import sliding_window_inference
-from tfmis.networks.unet import UNetConfig
-from tfmis.planning.hardware import resolve_precision
-from tfmis.utils.devices import CPU, accelerator_device
+from tfmis.hardware import CPU, accelerator_device
+from tfmis.task import SegmentationTask
 from tfmis.utils.io import atomic_writer
+from tfmis.utils.table import text_table
 
 
 @dataclasses.dataclass
@@ -130,8 +129,9 @@ class Predictor:
         v = config.validation
         # preprocessing, channels and classes from the run folder (the TFRecords may be gone)
         self.index = load_training_data_info(find_run_dir(checkpoint), config.data.dataset_dir)
+        self.task = SegmentationTask(config, data_info=self.index)
         self.preprocessing = PreprocessConfig.from_dict(self.index["preprocessing"])
-        self.class_names = list(self.index["source"]["labels"])
+        self.class_names = self.task.class_names
         self.modalities = list(self.index["source"]["modalities"])
         self.roi_size = tuple(v.roi_size or config.pipeline.patch_size)
         self.sw_batch_size = sw_batch_size or v.num_sw_batch_size
@@ -148,11 +148,9 @@ class Predictor:
                                          device_setting="--device")
         self.tta_flips = [list(c) for n in range(len(tta_axes) + 1) for c in itertools.combinations(
             [a + 1 for a in tta_axes], n)] if tta else [[]]  # +1: axis 0 is the window batch
-        keras.mixed_precision.set_global_policy(resolve_precision(config.training.precision))
+        self.task.set_precision_policy()
         with tf.device(self.compute_device):
-            # recomputation only saves memory in a backward pass, and prediction has none
-            architecture = {**dataclasses.asdict(config.model), "recompute": False}
-            self.model = UNetConfig(len(self.modalities), len(self.class_names), **architecture).build()
+            self.model = self.task.build_inference_model()
         self.checkpoint = load_weights(self.model, checkpoint)
         self._forward = tf.function(self._tta_logits, reduce_retracing=True)
 
@@ -310,8 +308,7 @@ def results_table(results: list[CaseResult]) -> str:
         rows.append((r.case_id, "x".join(map(str, r.shape)) if r.shape else "-", f"{r.seconds:.2f}",
                      str(r.foreground_voxels) if r.status == "ok" else "-", r.device or "-",
                      "ok" if r.status == "ok" else f"FAILED: {r.reason}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5] for row in rows)
+    return "\n".join(text_table(rows, align="left"))
 
 
 def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> None:

@@ -1,21 +1,25 @@
 """Auto-configuration: a training plan from the dataset fingerprint and the hardware (nnU-Net v2's rules).
 
+- `api.py`: `plan_dataset` (the front door: fingerprint, hardware, plan, the GPU-fit search's cached measurement);
+- `planner.py`: `ExperimentPlanner` (overridable `determine_*` steps), `make_plan`, `Plan` (values with reasons);
+- `rules.py`: nnU-Net's formulas (target spacing, pooling, patch shrinking, memory estimates);
+- `fingerprint.py`: `DatasetFingerprint` from a first pass over an MSD folder or from a conversion.
+
 Example:
 ```python
-from tfmis.planning import detect_hardware, fingerprint_msd, make_plan
+from tfmis.planning import plan_dataset
 
-plan = make_plan(fingerprint_msd("data/Task09_Spleen"), detect_hardware())
+plan, fingerprint = plan_dataset("data/Task09_Spleen")
 plan.write("runs/Task09_Spleen/plan.yaml")
 ```
 or from a shell: `python -m tfmis.plan --source-dir data/Task09_Spleen`.
 """
 
+from tfmis.planning.api import plan_dataset, plan_with_cached_gpu_fit
 from tfmis.planning.fingerprint import (DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd,
                                         has_conversion)
-from tfmis.planning.hardware import (Hardware, detect_hardware, hardware_warnings, recommended_precision,
-                                     resolve_precision)
-from tfmis.planning.planner import Plan, cached_gpu_fit, default_dataset_dir, default_output_dir, make_plan
+from tfmis.planning.planner import ExperimentPlanner, Plan, default_dataset_dir, default_output_dir, make_plan
 
-__all__ = ["DatasetFingerprint", "Hardware", "Plan", "cached_gpu_fit", "default_dataset_dir", "default_output_dir",
-           "detect_hardware", "fingerprint_from_conversion", "fingerprint_msd", "has_conversion",
-           "hardware_warnings", "make_plan", "recommended_precision", "resolve_precision"]
+__all__ = ["DatasetFingerprint", "ExperimentPlanner", "Plan", "default_dataset_dir", "default_output_dir",
+           "fingerprint_from_conversion", "fingerprint_msd", "has_conversion", "make_plan", "plan_dataset",
+           "plan_with_cached_gpu_fit"]

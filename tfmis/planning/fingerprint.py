@@ -32,9 +32,6 @@ from tfmis.data import fingerprint as fp
 from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, MSDDataset, load_case
 from tfmis.data.preprocess import reorient_to_ras, spacing_of
 
-FOREGROUND_SAMPLE = 10_000  # per case, as tfmis.data.convert's CT window pass
-
-
 @dataclasses.dataclass
 class DatasetFingerprint:
     """What the planner knows about a dataset.
@@ -125,7 +122,7 @@ def _case_summary(task: tuple) -> dict:
                 "label": (label > 0).any(axis=tuple(a for a in range(3) if a != axis)).tolist()
                 if label is not None else None,
             })
-        sample = fp.intensity_sample(loaded.image, loaded.label, FOREGROUND_SAMPLE, np.random.default_rng(0))
+        sample = fp.foreground_sample(loaded.image, loaded.label)
         counts = np.bincount(loaded.label.ravel(), minlength=dataset.num_classes) if loaded.label is not None else None
         return {"case_id": case.case_id, "status": "ok", "spacing": spacing_of(affine).tolist(),
                 "ras_shape": list(image.shape[:3]), "projections": projections, "sample": sample,
@@ -180,7 +177,7 @@ def fingerprint_msd(source_dir: str | Path, workers: int | None = None, progress
     """
     import os
 
-    from tfmis.data.convert import _run_ordered
+    from tfmis.utils.parallel import map_ordered
     from tfmis.utils.progress import progress_bar
 
     dataset = MSDDataset(source_dir)
@@ -188,7 +185,7 @@ def fingerprint_msd(source_dir: str | Path, workers: int | None = None, progress
     tasks = [(case, str(dataset.root)) for case in dataset.training]
     bar = progress_bar(len(tasks), f"Fingerprinting {dataset.name}", "case", disable=not progress)
     summaries, skipped = [], {}
-    for result in _run_ordered(_case_summary, tasks, workers):
+    for result in map_ordered(_case_summary, tasks, workers):
         if result["status"] == "ok":
             summaries.append(result)
         else:
@@ -200,10 +197,8 @@ def fingerprint_msd(source_dir: str | Path, workers: int | None = None, progress
         raise DatasetError(f"{dataset.root}: no training case could be read ({len(skipped)} skipped, e.g. "
                            f"{next(iter(skipped.items()), ('', ''))[1]})")
     ct = [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
-    if ct and ct_window is None:  # tfmis.data.convert._ct_foreground_statistics, on the same samples
-        values = np.concatenate([s["sample"][:, ct].ravel() for s in summaries])
-        lo, hi = np.percentile(values, [0.5, 99.5])
-        ct_window = (float(round(lo, 1)), float(round(hi, 1)))
+    if ct and ct_window is None:  # as the conversion measures it, on the same samples
+        ct_window = fp.ct_window(np.concatenate([s["sample"][:, ct].ravel() for s in summaries]))
     if not ct:
         ct_window = None
     crops = [crop_shape(s["projections"], ct_window, crop_margin) if crop_foreground else s["ras_shape"]

@@ -1,8 +1,9 @@
 """A training plan from a dataset fingerprint and the hardware, written as a commented tfmis config.
 
-`make_plan` applies nnU-Net v2's rules (`tfmis.planning.rules`) and this machine's strengths
-(`tfmis.planning.hardware`) and records every decision with its reason; `Plan.to_yaml` writes a
-normal config file with a comment on each planned value, which `load_config` reads like any other.
+`ExperimentPlanner` (`make_plan`) applies nnU-Net v2's rules (`tfmis.planning.rules`) and this machine's
+strengths (`tfmis.hardware`) in overridable `determine_*` steps and records every decision with its reason;
+`Plan.to_yaml` writes a normal config file with a comment on each planned value, which `load_config` reads
+like any other.
 
 What is planned, in order: the conversion (target spacing with nnU-Net's anisotropy rule, CT window,
 split, shards), the patch (median preprocessed shape, aspect ratio of the physical extent, a voxel
@@ -13,7 +14,8 @@ precision and XLA, validation (roi = patch, sliding-window batch, overlap, place
 
 Example:
 ```python
-from tfmis.planning import detect_hardware, fingerprint_msd, make_plan
+from tfmis.hardware import detect_hardware
+from tfmis.planning import fingerprint_msd, make_plan
 
 plan = make_plan(fingerprint_msd("data/Task09_Spleen"), detect_hardware(), source_dir="data/Task09_Spleen")
 plan.write("runs/Task09_Spleen/plan.yaml")     # validated with load_config
@@ -33,7 +35,7 @@ import numpy as np
 import yaml
 
 from tfmis.planning.fingerprint import DatasetFingerprint
-from tfmis.planning.hardware import Hardware, recommended_precision
+from tfmis.hardware import GPU_RESERVED_MB, Hardware, recommended_precision
 from tfmis.planning.rules import (fmt_mm, inference_window_mb, initial_patch_size, shrink_patch,
                                   square_in_plane, target_spacing, training_memory_mb)
 
@@ -45,7 +47,6 @@ CPU_VALIDATIONS = 15
 CPU_FILTERS = (8, 128)  # first level, cap (the demo recipe's 8, 16, 32, 64)
 GPU_FILTERS = (32, 320)  # nnU-Net
 GPU_MEMORY_TARGET_MB = 8 * 1024  # nnU-Net plans its 3d_fullres patch for 8 GB at batch 2
-GPU_RESERVED_MB = 1024  # CUDA context and libraries (tfmis.tune.search)
 GPU_STEPS_PER_EPOCH, GPU_EPOCHS = 250, 1000  # nnU-Net
 GPU_VALIDATIONS = 50
 SMALL_CLASS_FRACTION = 0.01  # classes under 1% of the labelled voxels get twice the crop centres
@@ -110,8 +111,10 @@ class Plan:
             self._render(lines, key, child, depth + 1, f"{prefix}.{key}")
 
     def config(self, overrides=()):
-        """The plan as a validated `tfmis.config.Config` (with `key=value` overrides applied)."""
-        return config_from_text(self.to_yaml(), overrides)
+        """The plan as a validated `tfmis.config.Config` (with `key=value` overrides applied: a bad one is named)."""
+        from tfmis.config import parse_config
+
+        return parse_config(yaml.safe_load(self.to_yaml()), overrides, "plan")
 
     def write(self, path: str | Path) -> Path:
         """Writes the commented YAML atomically and reads it back with `load_config` (a plan that does not
@@ -173,20 +176,6 @@ def fmt_stride(stride) -> str:
     return str(stride) if isinstance(stride, int) else "(" + ",".join(str(s) for s in stride) + ")"
 
 
-def config_from_text(text: str, overrides=()):
-    """A validated `Config` from YAML text and `key=value` overrides."""
-    from tfmis.config import Config, ConfigError, apply_override, from_dict, validate
-
-    data = yaml.safe_load(text) or {}
-    if not isinstance(data, dict):
-        raise ConfigError("plan: expected a mapping of sections")
-    for override in overrides:
-        apply_override(data, override)
-    config = from_dict(Config, data)
-    validate(config)
-    return config
-
-
 def default_dataset_dir(source_dir: str | Path) -> str:
     """Where a plan converts an MSD folder to: `<parent>/<folder>_tfrecords` (next to it, never inside it)."""
     source = Path(source_dir)
@@ -218,277 +207,318 @@ def normalisation_lines(fingerprint: DatasetFingerprint) -> list[str]:
     return lines
 
 
-def make_plan(fingerprint: DatasetFingerprint, hardware: Hardware, *, source_dir: str | None = None,
-              dataset_dir: str | None = None, output_dir: str | None = None, gpu_fit: dict | None = None,
-              split=(0.7, 0.15, 0.15), seed: int = 0) -> Plan:
-    """Plans a training config for `fingerprint` on `hardware`.
+class ExperimentPlanner:
+    """Plans a training config for a dataset fingerprint on this hardware, as nnU-Net v2's `ExperimentPlanner`:
+    `plan()` runs the `determine_*` steps in order, each setting its config keys with their reasons on the
+    `Plan` and leaving what later steps need as attributes. Subclass and override one step to change one
+    decision (e.g. `determine_patch` for another patch budget) and keep the rest.
 
     Args:
         fingerprint: a `DatasetFingerprint` (first pass or conversion).
-        hardware: a `Hardware` (`detect_hardware()`).
+        hardware: a `tfmis.hardware.Hardware` (`detect_hardware()`).
         source_dir: the MSD folder (default: the fingerprint's).
         dataset_dir: where the conversion goes (default: `<source>_tfrecords` next to the source).
         output_dir: the run folder (default: `runs/<source folder name>`).
         gpu_fit: measured values of the GPU-fit search (num_images_per_batch, num_sw_batch_size,
-            validation_data_device, cache) to use instead of estimates.
+            validation_data_device, source) to use instead of estimates.
         split: train/val/test fractions.
         seed: split and training seed.
-
-    Returns:
-        A `Plan`.
     """
-    from tfmis.data.convert import assign_splits
 
-    source_dir = source_dir or fingerprint.source_dir
-    if source_dir is None:
-        raise ValueError("make_plan: source_dir is unknown (the fingerprint does not name its MSD folder); pass it")
-    dataset_dir = dataset_dir or default_dataset_dir(source_dir)
-    output_dir = output_dir or default_output_dir(source_dir)
-    gpu = hardware.has_gpu
-    plan = Plan()
-    fp = fingerprint
-    in_channels, num_classes = len(fp.modalities), len(fp.labels)
-    precision, precision_reason = recommended_precision(hardware)
+    def __init__(self, fingerprint: DatasetFingerprint, hardware: Hardware, *, source_dir: str | None = None,
+                 dataset_dir: str | None = None, output_dir: str | None = None, gpu_fit: dict | None = None,
+                 split=(0.7, 0.15, 0.15), seed: int = 0):
+        self.source_dir = source_dir or fingerprint.source_dir
+        if self.source_dir is None:
+            raise ValueError("make_plan: source_dir is unknown (the fingerprint does not name its MSD folder); pass it")
+        self.dataset_dir = dataset_dir or default_dataset_dir(self.source_dir)
+        self.output_dir = output_dir or default_output_dir(self.source_dir)
+        self.fp, self.hardware, self.gpu_fit, self.split, self.seed = fingerprint, hardware, gpu_fit, split, seed
+        self.gpu = hardware.has_gpu
+        self.in_channels, self.num_classes = len(fingerprint.modalities), len(fingerprint.labels)
+        self.precision, self.precision_reason = recommended_precision(hardware)
+
+    def plan(self) -> Plan:
+        """The plan: every step in order, then the header and the summary."""
+        plan = Plan()
+        self.determine_data(plan)
+        self.determine_patch(plan)
+        self.determine_network(plan)
+        self.determine_batch(plan)
+        self.determine_sampling(plan)
+        self.determine_schedule(plan)
+        self.determine_validation(plan)
+        self.describe(plan)
+        return plan
 
     # ------------------------------------------------------------------ data and conversion
-    plan.set("data.source_dir", str(source_dir), "the MSD folder this plan was made from")
-    plan.set("data.dataset_dir", str(dataset_dir), "converted TFRecords (written on first use)")
-    spacing, spacing_reason = target_spacing(fp.spacings, fp.crop_shapes)
-    spacing = [float(round(s, 4)) for s in spacing]
-    plan.set("data.conversion.spacing", spacing, spacing_reason + " (mm, R,A,S)")
-    norm = normalisation_lines(fp)
-    plan.notes["data.conversion"] = ["Normalisation, done by the conversion from the modality names: " +
-                                     "; ".join(norm) + " (nnU-Net: CT clipped to the foreground percentiles, "
-                                     "then z-scored with the foreground statistics; MRI z-score per case)."]
-    if fp.ct_channels:
-        lo, hi = fp.ct_window
-        plan.set("data.conversion.ct_window", [float(lo), float(hi)],
-                 f"CT: the 0.5/99.5 percentiles of the labelled-foreground HU ({fp.source}), as nnU-Net clips")
-        plan.set("data.conversion.ct_normalization", "zscore",
-                 "CT after clipping: minus the labelled-foreground mean, over its std, both over all training cases "
-                 "(nnU-Net's CTNormalization; the conversion measures them)")
-    ids = assign_splits(list(fp.case_ids), split, None, seed)
-    n_train = len(ids["train"])
-    plan.set("data.conversion.split", list(split),
-             f"train/val/test: {n_train}/{len(ids['val'])}/{len(ids.get('test', []))} cases (or folds: 5 as nnU-Net)")
-    shards = max(1, min(8, n_train // 4))
-    plan.set("data.conversion.shards", shards, f"about 4 training cases per shard ({n_train} training cases)")
+
+    def determine_data(self, plan: Plan) -> None:
+        """Source and target folders, target spacing (nnU-Net's rule), CT window and normalisation, split, shards.
+
+        Sets: `spacing`, `median_shape` (at that spacing), `norm` (per-channel normalisation lines), `n_train`.
+        """
+        from tfmis.data.convert import assign_splits
+
+        fp = self.fp
+        plan.set("data.source_dir", str(self.source_dir), "the MSD folder this plan was made from")
+        plan.set("data.dataset_dir", str(self.dataset_dir), "converted TFRecords (written on first use)")
+        spacing, spacing_reason = target_spacing(fp.spacings, fp.crop_shapes)
+        self.spacing = [float(round(s, 4)) for s in spacing]
+        plan.set("data.conversion.spacing", self.spacing, spacing_reason + " (mm, R,A,S)")
+        self.norm = normalisation_lines(fp)
+        plan.notes["data.conversion"] = ["Normalisation, done by the conversion from the modality names: " +
+                                         "; ".join(self.norm) + " (nnU-Net: CT clipped to the foreground percentiles, "
+                                         "then z-scored with the foreground statistics; MRI z-score per case)."]
+        if fp.ct_channels:
+            lo, hi = fp.ct_window
+            plan.set("data.conversion.ct_window", [float(lo), float(hi)],
+                     f"CT: the 0.5/99.5 percentiles of the labelled-foreground HU ({fp.source}), as nnU-Net clips")
+            plan.set("data.conversion.ct_normalization", "zscore",
+                     "CT after clipping: minus the labelled-foreground mean, over its std, both over all training "
+                     "cases (nnU-Net's CTNormalization; the conversion measures them)")
+        ids = assign_splits(list(fp.case_ids), self.split, None, self.seed)
+        self.n_train = len(ids["train"])
+        plan.set("data.conversion.split", list(self.split),
+                 f"train/val/test: {self.n_train}/{len(ids['val'])}/{len(ids.get('test', []))} cases (or folds: 5 "
+                 f"as nnU-Net)")
+        shards = max(1, min(8, self.n_train // 4))
+        plan.set("data.conversion.shards", shards, f"about 4 training cases per shard ({self.n_train} training cases)")
+        self.median_shape = fp.median_shape_at(self.spacing)
 
     # ------------------------------------------------------------------ patch and network
-    median_shape = fp.median_shape_at(spacing)
-    first, cap = GPU_FILTERS if gpu else CPU_FILTERS
-    num_res_units = 2 if gpu else 1
-    if gpu:
-        usable = (hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB
-        target_mb = min(GPU_MEMORY_TARGET_MB, 0.85 * usable)
 
-        def fits(patch, strides):
-            est = training_memory_mb(patch, strides, _filters(len(strides), first, cap), num_res_units,
-                                     in_channels, num_classes, 2, precision)
-            return est["total_mb"] <= target_mb
-        budget_text = (f"an estimated training peak of at most {target_mb / 1024:.1f} GB at batch 2 (nnU-Net plans "
-                       f"for 8 GB)")
-    else:
-        memory_cap = 0.5 * hardware.host_available_mb if hardware.host_available_mb else float("inf")
+    def patch_budget(self):
+        """(fits(patch, strides) -> bool, the budget in words): the memory this machine affords a training step
+        at batch 2 (a GPU: nnU-Net's 8 GB target within 85% of the GPU; a CPU: `CPU_PATCH_VOXELS` and half the
+        available RAM)."""
+        first, cap = self.filter_range()
+        num_res_units = self.num_res_units()
 
-        def fits(patch, strides):
-            est = training_memory_mb(patch, strides, _filters(len(strides), first, cap), num_res_units,
-                                     in_channels, num_classes, 2, precision)
-            return int(np.prod(patch)) <= CPU_PATCH_VOXELS and est["total_mb"] <= memory_cap
-        budget_text = (f"a CPU target of {CPU_PATCH_VOXELS:,} voxels (48^3: a training step of ~0.3 s on 2 cores, "
-                       f"measured)")
-    square = square_in_plane(spacing, median_shape)
-    shape_for_patch = np.array(median_shape, dtype=np.float64)
-    if square:  # the in-plane median sizes' geometric mean for both: a square patch keeps quarter turns possible
-        shape_for_patch[:2] = np.sqrt(median_shape[0] * median_shape[1])
-    start = initial_patch_size(spacing, shape_for_patch)
-    patch, strides, divisor, steps = shrink_patch(spacing, median_shape, start, fits, square=square)
-    pools = [sum(1 for s in strides if s[a] == 2) for a in range(3)]
-    square_text = (f"; square in-plane (x, y medians {median_shape[0]:.0f}, {median_shape[1]:.0f} within 1.5x: their "
-                   f"geometric mean for both, so quarter turns can augment)" if square else "")
-    plan.set("pipeline.patch_size", [int(p) for p in patch],
-             f"from the median shape {fmt_shape(median_shape)} at the target spacing: aspect ratio of the physical "
-             f"extent, clipped to the median shape ({fmt_shape(start)}){square_text}, shrunk {steps} step(s) to "
-             f"{budget_text}, divisible by the stride products {fmt_shape(divisor)} (nnU-Net v2)")
-    filters = _filters(len(strides), first, cap)
-    plan.set("model.filters", filters,
-             f"{first} doubling per level, capped at {cap} (" + ("nnU-Net)" if gpu else "small enough for a CPU, "
-                                                                    "as configs/demo.yaml)"))
-    thin = [a for a in range(3) if strides[1][a] == 1] if len(strides) > 1 else []
-    thin_text = (f"; axis {', '.join(map(str, thin))} is not pooled at level 1 (its spacing is >= 2x the finest), "
-                 f"only once the others have caught up" if thin else "")
-    plan.set("model.strides", [_stride_value(s) for s in strides],
-             f"nnU-Net: pool an axis while its feature map stays >= 4 voxels and its spacing < 2x the finest, at "
-             f"most 5 times: {pools[0]}/{pools[1]}/{pools[2]} poolings per axis{thin_text}")
-    plan.set("model.num_res_units", num_res_units,
-             "two convolutions per level in a residual unit (nnU-Net: two per stage)" if gpu else
-             "one residual unit per level (for CPU speed)")
-    plan.set("model.norm", "instance", "instance normalisation (nnU-Net): per-sample statistics, small batches")
-    plan.set("model.kernel_size", 3, "3x3x3 at every level (nnU-Net uses 1 along a much coarser axis early on; "
-                                     "tfmis has one kernel size for all levels)")
+        def estimate(patch, strides):
+            return training_memory_mb(patch, strides, _filters(len(strides), first, cap), num_res_units,
+                                      self.in_channels, self.num_classes, 2, self.precision)["total_mb"]
 
-    # ------------------------------------------------------------------ batch, crops, cache, augmentation
-    memory = training_memory_mb(patch, strides, filters, num_res_units, in_channels, num_classes, 2, precision)
-    total_voxels = float(np.prod(fp.shapes_at(spacing), axis=1).sum())
-    coverage_cap = max(2, round(DATASET_COVERAGE * total_voxels / float(np.prod(patch))))
-    if gpu and gpu_fit:
-        batch = int(gpu_fit["num_images_per_batch"])
-        batch_reason = f"measured by the GPU-fit search ({gpu_fit.get('source', 'its cache')})"
-    elif gpu:
-        budget = 0.85 * ((hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB) - memory["fixed_mb"]
-        fit = max(2, int(budget // memory["per_image_mb"]))
-        batch = max(2, min(fit, coverage_cap))
-        batch_reason = (f"estimated: {memory['per_image_mb']:.0f} MB per image fits {fit} in 85% of the GPU; at most "
-                        f"5% of the dataset's voxels per batch ({coverage_cap}), at least 2 (nnU-Net); "
-                        f"`python -m tfmis.train --gpu-customization` measures it")
-    else:
-        batch = 2
-        batch_reason = (f"nnU-Net's minimum; on a CPU more images per step only lengthen the step (estimated peak "
-                        f"{memory['fixed_mb'] + 2 * memory['per_image_mb']:.0f} MB of "
-                        f"{hardware.host_available_mb / 1024:.1f} GB available)")
-    plan.set("pipeline.num_images_per_batch", batch, batch_reason)
-    plan.set("pipeline.num_crops_per_image", 4, "4 crops per volume read (MONAI num_samples): fewer decodes per step")
-    fractions = fp.class_fraction
-    small = [i for i in range(1, num_classes) if fractions[i] < SMALL_CLASS_FRACTION]
-    if small:
-        ratios = [1] + [2 if i in small else 1 for i in range(1, num_classes)]
-        names = ", ".join(f"{fp.labels[i]} {100 * fractions[i]:.2g}%" for i in small)
-        plan.set("pipeline.class_ratios", ratios,
-                 f"crop centres per class [background, ...]: classes under {SMALL_CLASS_FRACTION:.0%} of the voxels "
-                 f"get twice the share ({names})")
-    else:
-        plan.set("pipeline.pos_neg_ratio", [2, 1], "every class has >= 1% of the voxels: 2 foreground-centred crops "
-                                                   "per background one")
-    volume_voxels = fp.shapes_at(spacing).prod(axis=1)
-    cache_mb = float(volume_voxels.sum()) * (2 * in_channels + 1 + 4) / 2 ** 20  # float16 image, uint8 label, slack
-    if cache_mb <= 0.3 * hardware.host_available_mb:
-        plan.set("pipeline.cache", "memory", f"the converted volumes (~{cache_mb:.0f} MB) fit in 30% of the available "
-                                             f"RAM: decoded once")
-    else:
-        plan.set("pipeline.cache", "file", f"~{cache_mb / 1024:.1f} GB of volumes do not fit in 30% of the RAM: "
-                                           f"cached on disk in cache_dir")
-        plan.set("pipeline.cache_dir", str(Path(dataset_dir).parent / (Path(dataset_dir).name + "_cache")),
-                 "on-disk cache, reused by later runs")
-    plan.set("pipeline.augment.rot90_prob", 0.5 if patch[0] == patch[1] else 0.0,
-             "in-plane quarter turns: the patch is square in x, y" if patch[0] == patch[1] else
-             "no quarter turns: the patch is not square in x, y")
+        if self.gpu:
+            usable = (self.hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB
+            target_mb = min(GPU_MEMORY_TARGET_MB, 0.85 * usable)
+            return (lambda patch, strides: estimate(patch, strides) <= target_mb,
+                    f"an estimated training peak of at most {target_mb / 1024:.1f} GB at batch 2 (nnU-Net plans for "
+                    f"8 GB)")
+        available = self.hardware.host_available_mb
+        memory_cap = 0.5 * available if available else float("inf")
+        return (lambda patch, strides: int(np.prod(patch)) <= CPU_PATCH_VOXELS and estimate(patch, strides) <= memory_cap,
+                f"a CPU target of {CPU_PATCH_VOXELS:,} voxels (48^3: a training step of ~0.3 s on 2 cores, measured)")
+
+    def filter_range(self) -> tuple[int, int]:
+        """(first level's filters, cap): nnU-Net's 32 to 320 on a GPU; the demo's 8 to 128 on a CPU."""
+        return GPU_FILTERS if self.gpu else CPU_FILTERS
+
+    def num_res_units(self) -> int:
+        return 2 if self.gpu else 1
+
+    def determine_patch(self, plan: Plan) -> None:
+        """The patch: the median shape's aspect ratio, shrunk (nnU-Net v2) until the budget holds, divisible by
+        the stride products. Sets: `patch`, `strides`, `initial_patch`, `divisor`."""
+        median_shape, spacing = self.median_shape, self.spacing
+        fits, budget_text = self.patch_budget()
+        square = square_in_plane(spacing, median_shape)
+        shape_for_patch = np.array(median_shape, dtype=np.float64)
+        if square:  # the in-plane median sizes' geometric mean for both: a square patch keeps quarter turns possible
+            shape_for_patch[:2] = np.sqrt(median_shape[0] * median_shape[1])
+        self.initial_patch = initial_patch_size(spacing, shape_for_patch)
+        self.patch, self.strides, self.divisor, steps = shrink_patch(spacing, median_shape, self.initial_patch, fits,
+                                                                     square=square)
+        square_text = (f"; square in-plane (x, y medians {median_shape[0]:.0f}, {median_shape[1]:.0f} within 1.5x: "
+                       f"their geometric mean for both, so quarter turns can augment)" if square else "")
+        plan.set("pipeline.patch_size", [int(p) for p in self.patch],
+                 f"from the median shape {fmt_shape(median_shape)} at the target spacing: aspect ratio of the physical "
+                 f"extent, clipped to the median shape ({fmt_shape(self.initial_patch)}){square_text}, shrunk {steps} "
+                 f"step(s) to {budget_text}, divisible by the stride products {fmt_shape(self.divisor)} (nnU-Net v2)")
+
+    def determine_network(self, plan: Plan) -> None:
+        """Filters, per-axis strides (nnU-Net's pooling rule, from `determine_patch`), residual units, norm,
+        kernel. Sets: `filters`."""
+        first, cap = self.filter_range()
+        strides, gpu = self.strides, self.gpu
+        pools = [sum(1 for s in strides if s[a] == 2) for a in range(3)]
+        self.filters = _filters(len(strides), first, cap)
+        plan.set("model.filters", self.filters,
+                 f"{first} doubling per level, capped at {cap} (" + ("nnU-Net)" if gpu else "small enough for a CPU, "
+                                                                        "as configs/demo.yaml)"))
+        thin = [a for a in range(3) if strides[1][a] == 1] if len(strides) > 1 else []
+        thin_text = (f"; axis {', '.join(map(str, thin))} is not pooled at level 1 (its spacing is >= 2x the "
+                     f"finest), only once the others have caught up" if thin else "")
+        plan.set("model.strides", [_stride_value(s) for s in strides],
+                 f"nnU-Net: pool an axis while its feature map stays >= 4 voxels and its spacing < 2x the finest, at "
+                 f"most 5 times: {pools[0]}/{pools[1]}/{pools[2]} poolings per axis{thin_text}")
+        plan.set("model.num_res_units", self.num_res_units(),
+                 "two convolutions per level in a residual unit (nnU-Net: two per stage)" if gpu else
+                 "one residual unit per level (for CPU speed)")
+        plan.set("model.norm", "instance", "instance normalisation (nnU-Net): per-sample statistics, small batches")
+        plan.set("model.kernel_size", 3, "3x3x3 at every level (nnU-Net uses 1 along a much coarser axis early on; "
+                                         "tfmis has one kernel size for all levels)")
+
+    # ------------------------------------------------------------------ batch and sampling
+
+    def determine_batch(self, plan: Plan) -> None:
+        """Images per step: measured (GPU-fit search), estimated from the memory model (GPU), or 2 (CPU).
+        Sets: `batch`, `memory` (the estimate at batch 2)."""
+        patch, hardware = self.patch, self.hardware
+        self.memory = memory = training_memory_mb(patch, self.strides, self.filters, self.num_res_units(),
+                                                  self.in_channels, self.num_classes, 2, self.precision)
+        total_voxels = float(np.prod(self.fp.shapes_at(self.spacing), axis=1).sum())
+        coverage_cap = max(2, round(DATASET_COVERAGE * total_voxels / float(np.prod(patch))))
+        if self.gpu and self.gpu_fit:
+            batch = int(self.gpu_fit["num_images_per_batch"])
+            batch_reason = f"measured by the GPU-fit search ({self.gpu_fit.get('source', 'its cache')})"
+        elif self.gpu:
+            budget = 0.85 * ((hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB) - memory["fixed_mb"]
+            fit = max(2, int(budget // memory["per_image_mb"]))
+            batch = max(2, min(fit, coverage_cap))
+            batch_reason = (f"estimated: {memory['per_image_mb']:.0f} MB per image fits {fit} in 85% of the GPU; at "
+                            f"most 5% of the dataset's voxels per batch ({coverage_cap}), at least 2 (nnU-Net); "
+                            f"`python -m tfmis.train --gpu-customization` measures it")
+        else:
+            batch = 2
+            batch_reason = (f"nnU-Net's minimum; on a CPU more images per step only lengthen the step (estimated peak "
+                            f"{memory['fixed_mb'] + 2 * memory['per_image_mb']:.0f} MB of "
+                            f"{hardware.host_available_mb / 1024:.1f} GB available)")
+        self.batch = batch
+        plan.set("pipeline.num_images_per_batch", batch, batch_reason)
+
+    def determine_sampling(self, plan: Plan) -> None:
+        """Crops per volume, crop centres per class (small classes oversampled), the cache, quarter turns."""
+        fp, patch = self.fp, self.patch
+        plan.set("pipeline.num_crops_per_image", 4, "4 crops per volume read (MONAI num_samples): fewer decodes per step")
+        fractions = fp.class_fraction
+        small = [i for i in range(1, self.num_classes) if fractions[i] < SMALL_CLASS_FRACTION]
+        if small:
+            ratios = [1] + [2 if i in small else 1 for i in range(1, self.num_classes)]
+            names = ", ".join(f"{fp.labels[i]} {100 * fractions[i]:.2g}%" for i in small)
+            plan.set("pipeline.class_ratios", ratios,
+                     f"crop centres per class [background, ...]: classes under {SMALL_CLASS_FRACTION:.0%} of the "
+                     f"voxels get twice the share ({names})")
+        else:
+            plan.set("pipeline.pos_neg_ratio", [2, 1], "every class has >= 1% of the voxels: 2 foreground-centred "
+                                                       "crops per background one")
+        volume_voxels = fp.shapes_at(self.spacing).prod(axis=1)
+        # float16 image, uint8 label, slack
+        cache_mb = float(volume_voxels.sum()) * (2 * self.in_channels + 1 + 4) / 2 ** 20
+        if cache_mb <= 0.3 * self.hardware.host_available_mb:
+            plan.set("pipeline.cache", "memory", f"the converted volumes (~{cache_mb:.0f} MB) fit in 30% of the "
+                                                 f"available RAM: decoded once")
+        else:
+            plan.set("pipeline.cache", "file", f"~{cache_mb / 1024:.1f} GB of volumes do not fit in 30% of the RAM: "
+                                               f"cached on disk in cache_dir")
+            dataset_dir = Path(self.dataset_dir)
+            plan.set("pipeline.cache_dir", str(dataset_dir.parent / (dataset_dir.name + "_cache")),
+                     "on-disk cache, reused by later runs")
+        plan.set("pipeline.augment.rot90_prob", 0.5 if patch[0] == patch[1] else 0.0,
+                 "in-plane quarter turns: the patch is square in x, y" if patch[0] == patch[1] else
+                 "no quarter turns: the patch is not square in x, y")
 
     # ------------------------------------------------------------------ loss, optimizer, length
-    plan.set("loss.name", "dice_ce", "Dice + cross-entropy (nnU-Net)")
-    plan.set("loss.include_background", False, "Dice over the foreground classes")
-    steps_per_epoch = max(1, math.ceil(n_train * 4 / batch))
-    if gpu:
-        plan.set("optimizer.name", "sgd", "nnU-Net: SGD, Nesterov momentum 0.99")
-        plan.set("optimizer.learning_rate", 0.01, "nnU-Net's initial learning rate")
-        plan.set("optimizer.momentum", 0.99, "nnU-Net")
-        plan.set("optimizer.nesterov", True, "nnU-Net")
-        plan.set("optimizer.weight_decay", 3e-5, "nnU-Net")
-        plan.set("optimizer.schedule", "poly", "nnU-Net: polynomial decay (power 0.9)")
-        plan.set("optimizer.warmup_epochs", 0.0, "none (nnU-Net)")
-        steps_per_epoch = GPU_STEPS_PER_EPOCH
-        epochs = GPU_EPOCHS
-        plan.set("training.steps_per_epoch", steps_per_epoch, "nnU-Net: 250 iterations per epoch")
-        plan.set("training.epochs", epochs, "nnU-Net: 1000 epochs (250k iterations)")
-        validations = GPU_VALIDATIONS
-    else:
-        plan.set("optimizer.name", "adamw", "AdamW converges in the short CPU budget (the demo recipe's measured "
-                                            "choice; nnU-Net's SGD needs its 250k iterations)")
-        plan.set("optimizer.learning_rate", 0.003, "MONAI's demo recipe's (benchmarks/monai_demo.py)")
-        plan.set("optimizer.weight_decay", 1e-5, "the demo recipe's (and MONAI's there)")
-        plan.set("optimizer.schedule", "cosine", "cosine decay to 0 over the run")
-        plan.set("optimizer.warmup_epochs", 1.0, "one epoch of linear warm-up")
-        epochs = max(1, round(CPU_TRAINING_STEPS / steps_per_epoch))
-        plan.set("training.epochs", epochs,
-                 f"CPU budget of ~{CPU_TRAINING_STEPS} optimizer steps ({steps_per_epoch} per epoch: {n_train} "
-                 f"training volumes x 4 crops / batch {batch}); about ten minutes on 2 cores at 48^3")
-        validations = CPU_VALIDATIONS
-    plan.set("training.precision", precision, precision_reason)
-    plan.set("training.jit_compile", False, "XLA: ~10x slower than plain TensorFlow on the development CPU" if not gpu
-             else "off: XLA's gain on 3D convolutions varies by GPU; try true and compare epoch times")
-    plan.set("training.seed", seed, "split and weight initialisation")
+
+    def determine_schedule(self, plan: Plan) -> None:
+        """Loss, optimizer and learning-rate schedule, training length, precision, XLA, seed: nnU-Net's on a GPU,
+        the demo recipe's on a CPU. Sets: `steps_per_epoch`, `epochs`, `validations`."""
+        plan.set("loss.name", "dice_ce", "Dice + cross-entropy (nnU-Net)")
+        plan.set("loss.include_background", False, "Dice over the foreground classes")
+        steps_per_epoch = max(1, math.ceil(self.n_train * 4 / self.batch))
+        if self.gpu:
+            plan.set("optimizer.name", "sgd", "nnU-Net: SGD, Nesterov momentum 0.99")
+            plan.set("optimizer.learning_rate", 0.01, "nnU-Net's initial learning rate")
+            plan.set("optimizer.momentum", 0.99, "nnU-Net")
+            plan.set("optimizer.nesterov", True, "nnU-Net")
+            plan.set("optimizer.weight_decay", 3e-5, "nnU-Net")
+            plan.set("optimizer.schedule", "poly", "nnU-Net: polynomial decay (power 0.9)")
+            plan.set("optimizer.warmup_epochs", 0.0, "none (nnU-Net)")
+            steps_per_epoch = GPU_STEPS_PER_EPOCH
+            epochs = GPU_EPOCHS
+            plan.set("training.steps_per_epoch", steps_per_epoch, "nnU-Net: 250 iterations per epoch")
+            plan.set("training.epochs", epochs, "nnU-Net: 1000 epochs (250k iterations)")
+            self.validations = GPU_VALIDATIONS
+        else:
+            plan.set("optimizer.name", "adamw", "AdamW converges in the short CPU budget (the demo recipe's measured "
+                                                "choice; nnU-Net's SGD needs its 250k iterations)")
+            plan.set("optimizer.learning_rate", 0.003, "MONAI's demo recipe's (benchmarks/monai_demo.py)")
+            plan.set("optimizer.weight_decay", 1e-5, "the demo recipe's (and MONAI's there)")
+            plan.set("optimizer.schedule", "cosine", "cosine decay to 0 over the run")
+            plan.set("optimizer.warmup_epochs", 1.0, "one epoch of linear warm-up")
+            epochs = max(1, round(CPU_TRAINING_STEPS / steps_per_epoch))
+            plan.set("training.epochs", epochs,
+                     f"CPU budget of ~{CPU_TRAINING_STEPS} optimizer steps ({steps_per_epoch} per epoch: {self.n_train} "
+                     f"training volumes x 4 crops / batch {self.batch}); about ten minutes on 2 cores at 48^3")
+            self.validations = CPU_VALIDATIONS
+        self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
+        plan.set("training.precision", self.precision, self.precision_reason)
+        plan.set("training.jit_compile", False,
+                 "XLA: ~10x slower than plain TensorFlow on the development CPU" if not self.gpu
+                 else "off: XLA's gain on 3D convolutions varies by GPU; try true and compare epoch times")
+        plan.set("training.seed", self.seed, "split and weight initialisation")
 
     # ------------------------------------------------------------------ validation
-    plan.set("validation.val_interval", max(1, round(epochs / validations)),
-             f"about {validations} validations over the run")
-    plan.set("validation.roi_size", [int(p) for p in patch], "the training patch (nnU-Net)")
-    window_mb = inference_window_mb(patch, strides, filters, num_classes, precision)
-    if gpu and gpu_fit:
-        sw = int(gpu_fit["num_sw_batch_size"])
-        sw_reason = f"measured by the GPU-fit search ({gpu_fit.get('source', 'its cache')})"
-        placement = gpu_fit["validation_data_device"]
-        placement_reason = f"measured by the GPU-fit search ({gpu_fit.get('source', 'its cache')})"
-    elif gpu:
-        budget = 0.25 * ((hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB)
-        sw = max([s for s in (1, 2, 4, 8) if s * window_mb <= budget] or [1])
-        sw_reason = (f"estimated: {window_mb:.0f} MB per window within a quarter of the GPU, at most 8; "
-                     f"--gpu-customization measures it")
-        placement = "auto"
-        placement_reason = "the GPU, falling back to the CPU on out-of-memory"
-    else:
-        sw = 4
-        sw_reason = f"4 windows per forward pass (~{window_mb:.0f} MB each): the demo recipe's on a CPU"
-        placement = "cpu"
-        placement_reason = "no accelerator"
-    plan.set("validation.num_sw_batch_size", sw, sw_reason)
-    overlap = 0.5 if gpu else 0.25
-    plan.set("validation.overlap", overlap, "nnU-Net's half-window step" if gpu else
-             "a quarter: fewer windows on a CPU (nnU-Net uses 0.5)")
-    plan.set("validation.mode", "gaussian", "Gaussian-weighted window blending (nnU-Net)")
-    plan.set("validation.validation_data_device", placement, placement_reason)
-    plan.set("output.dir", str(output_dir), "the run folder")
+
+    def determine_validation(self, plan: Plan) -> None:
+        """How often, the window (the patch), windows per forward pass, overlap, blending, where the volume lives."""
+        gpu, gpu_fit, patch = self.gpu, self.gpu_fit, self.patch
+        plan.set("validation.val_interval", max(1, round(self.epochs / self.validations)),
+                 f"about {self.validations} validations over the run")
+        plan.set("validation.roi_size", [int(p) for p in patch], "the training patch (nnU-Net)")
+        window_mb = inference_window_mb(patch, self.strides, self.filters, self.num_classes, self.precision)
+        if gpu and gpu_fit:
+            sw = int(gpu_fit["num_sw_batch_size"])
+            sw_reason = f"measured by the GPU-fit search ({gpu_fit.get('source', 'its cache')})"
+            placement = gpu_fit["validation_data_device"]
+            placement_reason = f"measured by the GPU-fit search ({gpu_fit.get('source', 'its cache')})"
+        elif gpu:
+            budget = 0.25 * ((self.hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB)
+            sw = max([s for s in (1, 2, 4, 8) if s * window_mb <= budget] or [1])
+            sw_reason = (f"estimated: {window_mb:.0f} MB per window within a quarter of the GPU, at most 8; "
+                         f"--gpu-customization measures it")
+            placement = "auto"
+            placement_reason = "the GPU, falling back to the CPU on out-of-memory"
+        else:
+            sw = 4
+            sw_reason = f"4 windows per forward pass (~{window_mb:.0f} MB each): the demo recipe's on a CPU"
+            placement = "cpu"
+            placement_reason = "no accelerator"
+        plan.set("validation.num_sw_batch_size", sw, sw_reason)
+        overlap = 0.5 if gpu else 0.25
+        plan.set("validation.overlap", overlap, "nnU-Net's half-window step" if gpu else
+                 "a quarter: fewer windows on a CPU (nnU-Net uses 0.5)")
+        plan.set("validation.mode", "gaussian", "Gaussian-weighted window blending (nnU-Net)")
+        plan.set("validation.validation_data_device", placement, placement_reason)
+        plan.set("output.dir", str(self.output_dir), "the run folder")
 
     # ------------------------------------------------------------------ header and summary
-    fractions_text = ", ".join(f"{name} {100 * f:.3g}%" for name, f in zip(fp.labels, fractions))
-    parallel = (f"{hardware.cpu_count} cores: the conversion uses {max(1, min(hardware.cpu_count, 8))} worker "
-                f"processes, tf.data runs its map and interleave stages on all cores (AUTOTUNE)")
-    if hardware.cpu_count <= 4:
-        parallel += "; with so few cores the volumes are cached decoded so the step does not wait for input"
-    plan.header = [
-        f"tfmis plan for {fp.name}, made by python -m tfmis.plan on "
-        f"{datetime.datetime.now().isoformat(timespec='minutes')}.",
-        f"Fingerprint ({fp.source}): modalities {', '.join(fp.modalities)}; voxels per class {fractions_text}; "
-        f"median spacing {fmt_mm(fp.median_spacing)} mm; median shape at the target spacing "
-        f"{fmt_shape(median_shape)}" + (f"; {len(fp.skipped)} unreadable case(s) skipped" if fp.skipped else ""),
-        f"Hardware: {hardware.describe()}.",
-        f"Input parallelism: {parallel}.",
-        "Every planned value carries its reason; keys not written keep tfmis's defaults.",
-    ]
-    plan.header = [w for line in plan.header for w in (textwrap.wrap(line, 114, subsequent_indent="  ") or [""])]
-    plan.summary = {"name": fp.name, "num_cases": fp.num_cases, "modalities": list(fp.modalities),
-                    "hardware": hardware.describe(), "median_shape": [float(s) for s in median_shape],
-                    "normalisation": norm, "steps_per_epoch": steps_per_epoch, "num_train": n_train,
-                    "memory_mb": memory, "initial_patch": start, "divisor": list(divisor)}
-    return plan
+
+    def describe(self, plan: Plan) -> None:
+        """The plan file's header (fingerprint, hardware, input parallelism) and the numbers behind the plan."""
+        fp, hardware = self.fp, self.hardware
+        fractions_text = ", ".join(f"{name} {100 * f:.3g}%" for name, f in zip(fp.labels, fp.class_fraction))
+        parallel = (f"{hardware.cpu_count} cores: the conversion uses {max(1, min(hardware.cpu_count, 8))} worker "
+                    f"processes, tf.data runs its map and interleave stages on all cores (AUTOTUNE)")
+        if hardware.cpu_count <= 4:
+            parallel += "; with so few cores the volumes are cached decoded so the step does not wait for input"
+        plan.header = [
+            f"tfmis plan for {fp.name}, made by python -m tfmis.plan on "
+            f"{datetime.datetime.now().isoformat(timespec='minutes')}.",
+            f"Fingerprint ({fp.source}): modalities {', '.join(fp.modalities)}; voxels per class {fractions_text}; "
+            f"median spacing {fmt_mm(fp.median_spacing)} mm; median shape at the target spacing "
+            f"{fmt_shape(self.median_shape)}" + (f"; {len(fp.skipped)} unreadable case(s) skipped" if fp.skipped else ""),
+            f"Hardware: {hardware.describe()}.",
+            f"Input parallelism: {parallel}.",
+            "Every planned value carries its reason; keys not written keep tfmis's defaults.",
+        ]
+        plan.header = [w for line in plan.header for w in (textwrap.wrap(line, 114, subsequent_indent="  ") or [""])]
+        plan.summary = {"name": fp.name, "num_cases": fp.num_cases, "modalities": list(fp.modalities),
+                        "hardware": hardware.describe(), "median_shape": [float(s) for s in self.median_shape],
+                        "normalisation": self.norm, "steps_per_epoch": self.steps_per_epoch, "num_train": self.n_train,
+                        "memory_mb": self.memory, "initial_patch": self.initial_patch, "divisor": list(self.divisor)}
 
 
-def cached_gpu_fit(config, specs=None) -> dict | None:
-    """The GPU-fit search's cached choice for `config` on this machine's GPU, without searching; None when
-    there is no GPU, no converted dataset, or no cached search for exactly this config and device.
-
-    Returns:
-        {"num_images_per_batch", "num_sw_batch_size", "validation_data_device", "source"} or None.
-    """
-    from tfmis.data.records import INDEX_FILE
-    from tfmis.tune.search import GpuFitSearch, choose
-    from tfmis.tune.specs import load_specs
-
-    if not (Path(config.data.dataset_dir) / INDEX_FILE).is_file():
-        return None
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        search = GpuFitSearch(config, specs or load_specs(None), tmp, progress=False)
-        if search.device["kind"] != "gpu":
-            return None
-        cache_file = search.cache_dir / f"gpu_fit-{search.key[:24]}.json"
-        cached = search._read_cache(cache_file)  # the file name and checks of GpuFitSearch.run
-    if cached is None:
-        return None
-    chosen = choose(cached["trials"], cached["budget_mb"], cached["memory_margin"])
-    if chosen is None:
-        return None
-    values = dict(chosen["values"])
-    if values["validation_data_device"] == "accelerator":
-        values["validation_data_device"] = "auto"  # as tfmis.tune.search.fitted_config
-    return {"num_images_per_batch": values["num_images_per_batch"], "num_sw_batch_size": values["num_sw_batch_size"],
-            "validation_data_device": values["validation_data_device"], "source": f"cache {cache_file.name}"}
+def make_plan(fingerprint: DatasetFingerprint, hardware: Hardware, **kwargs) -> Plan:
+    """The plan of `ExperimentPlanner(fingerprint, hardware, **kwargs)` (see its arguments)."""
+    return ExperimentPlanner(fingerprint, hardware, **kwargs).plan()

@@ -14,7 +14,7 @@ are flushed as they are written, so a run that is killed keeps its CSV up to its
 
 This module imports only the standard library at import time (pynvml, matplotlib lazily), so it
 runs on machines without TensorFlow. `python -m tfmis.monitor -- COMMAND ...` monitors a command
-(see `main`).
+(`monitor_command`; the command line is `tfmis.monitor`).
 
 Example:
 ```python
@@ -29,7 +29,6 @@ plot_resources("runs/demo/resources.csv", "runs/demo/resources.png")
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime
 import math
@@ -40,6 +39,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from tfmis.hardware import host_memory, visible_nvml_handles
 
 COLUMNS = ("timestamp", "elapsed_s", "device", "utilization_percent", "memory_used_mb", "memory_total_mb",
            "memory_used_ratio")
@@ -126,7 +127,7 @@ class ResourceMonitor:
             self.backend = "cpu"
             self._tree = _ProcessTree(self.pid)
             self.devices["cpu"] = {"name": f"CPU ({self.cpu_count} cores), process {self.pid} and its children",
-                                   "memory_total_mb": _host_memory_mb()}
+                                   "memory_total_mb": host_memory()["total_mb"]}
             if reason is not None:
                 ignored = f"; --gpus/gpus {gpus} ignored" if gpus else ""
                 print(f"{PREFIX} no NVIDIA GPU to monitor ({reason}){ignored}; sampling the CPU utilisation and "
@@ -154,7 +155,7 @@ class ResourceMonitor:
                                      "(nvidia-smi -L lists them)")
                 handles = [(g, pynvml.nvmlDeviceGetHandleByIndex(g)) for g in chosen]
             else:
-                handles = _visible_handles(pynvml, count)
+                handles = visible_nvml_handles(pynvml, count)
                 if not handles:
                     raise _NoGPU(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} hides all GPUs")
             for index, handle in handles:
@@ -304,28 +305,6 @@ class ResourceMonitor:
                     "devices": devices}
 
 
-def _visible_handles(pynvml, count: int) -> list[tuple[int, object]]:
-    """(NVML index, handle) of the GPUs CUDA_VISIBLE_DEVICES shows (all when unset), in its order; like
-    CUDA, the list ends at the first entry that names no GPU."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
-    handles = []
-    for entry in (e.strip() for e in visible.split(",")):
-        try:
-            if entry.lstrip("-").isdigit():
-                index = int(entry)
-                if not 0 <= index < count:
-                    break
-                handles.append((index, pynvml.nvmlDeviceGetHandleByIndex(index)))
-            else:
-                handle = pynvml.nvmlDeviceGetHandleByUUID(entry)
-                handles.append((pynvml.nvmlDeviceGetIndex(handle), handle))
-        except pynvml.NVMLError:
-            break
-    return handles
-
-
 class _ProcessTree:
     """CPU ticks and RSS of a process and all its descendants, from /proc (Linux).
 
@@ -377,17 +356,6 @@ class _ProcessTree:
             rss += int(fields[21]) * self.page_size
             todo.extend(children.get(pid, ()))
         return ticks, rss
-
-
-def _host_memory_mb() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024 / MB
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / MB
 
 
 # ------------------------------------------------------------------------------------- reading, plotting
@@ -562,55 +530,3 @@ def _wait_without_reaping(pid: int) -> None:
             continue
         except ChildProcessError:
             return
-
-
-def _gpu_list(text: str) -> list[int]:
-    try:
-        gpus = [int(g) for g in text.split(",") if g.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--gpus takes NVML indices separated by commas (e.g. 0,1), got {text!r}")
-    if not gpus or min(gpus) < 0:
-        raise argparse.ArgumentTypeError(f"--gpus takes non-negative GPU indices (e.g. 0,1), got {text!r}")
-    return gpus
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"--interval takes a positive number of seconds, got {text!r}")
-    return value
-
-
-USAGE = ("usage: python -m tfmis.monitor [--interval S] [--output DIR] [--gpus 0,1] -- COMMAND ...\n"
-         "e.g. python -m tfmis.monitor --interval 1 -- python -m tfmis.train --config configs/demo.yaml")
-
-
-def main(argv=None) -> int:
-    """`python -m tfmis.monitor [--interval 1] [--output DIR] [--gpus 0,1] -- COMMAND ...`: runs COMMAND,
-    samples GPU utilisation/memory (or, without NVIDIA GPUs, the command's process-tree CPU and RSS)
-    into DIR/monitor.csv, plots DIR/monitor.png, prints a summary, and exits with COMMAND's status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        print(USAGE, file=sys.stderr)
-        return 2
-    split = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m tfmis.monitor", description=main.__doc__.split(":", 1)[1].strip(),
-                                usage=USAGE.split("\n")[0][len("usage: "):])
-    p.add_argument("--interval", type=_positive, default=1.0, help="seconds between samples (default 1)")
-    p.add_argument("--output", default=None,
-                   help="folder for monitor.csv/.png/.json (default: ./monitor-<YYYYmmdd-HHMMSS>)")
-    p.add_argument("--gpus", type=_gpu_list, default=None,
-                   help="NVML indices of the GPUs to sample, e.g. 0,1 (default: CUDA_VISIBLE_DEVICES, else all)")
-    args = p.parse_args(argv[:split])
-    command = argv[split + 1:]
-    if not command:
-        p.error("no command after --")
-    output = args.output or f"monitor-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    try:
-        return monitor_command(command, output, args.interval, args.gpus)
-    except ValueError as e:  # e.g. --gpus names a GPU that does not exist
-        print(f"{PREFIX} {e}", file=sys.stderr)
-        return 2

@@ -73,8 +73,7 @@ def add_search_arguments(parser: argparse.ArgumentParser, prefix: str) -> None:
 
 def run_search(config, args, prefix: str, output_dir: Path):
     """Runs the search from parsed arguments; returns (fitted config, report)."""
-    from tfmis.tune.search import fit_config
-    from tfmis.tune.specs import load_specs
+    from tfmis.tune.fit import fit_config, load_specs
 
     attr = prefix.replace("-", "_")
     specs = load_specs(getattr(args, f"{attr}specs"), num_trials=getattr(args, f"{attr}num_trials"))
@@ -83,12 +82,9 @@ def run_search(config, args, prefix: str, output_dir: Path):
                       use_cache=not getattr(args, f"{attr}no_cache"), progress=config.output.progress)
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "hpo":
-        from tfmis.tune.hpo import hpo_command
-
-        return hpo_command(args)
+def fit_command(args) -> int:
+    """`python -m tfmis.tune fit` from parsed arguments. Exit status: 0 a configuration was chosen, 1 none fits
+    (or the data is missing), 2 bad arguments."""
     from tfmis.config import ConfigError, load_config
 
     try:
@@ -97,7 +93,7 @@ def main(argv=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     from tfmis.data.prepare import prepare_dataset
-    from tfmis.tune.search import CONFIG_FILE, PLOT_FILE, REPORT_FILE, NoConfigurationFits
+    from tfmis.tune.fit.search import CONFIG_FILE, PLOT_FILE, REPORT_FILE, NoConfigurationFits
 
     output = Path(args.output or Path(config.output.dir) / "gpu_fit")
     try:
@@ -112,6 +108,49 @@ def main(argv=None) -> int:
     print(f"Results in {output}: {CONFIG_FILE} (train with it: python -m tfmis.train --config {output / CONFIG_FILE}), "
           f"{REPORT_FILE}, {PLOT_FILE}")
     return 0
+
+
+def hpo_command(args) -> int:
+    """`python -m tfmis.tune hpo` from parsed arguments. Exit status: 0 done, 1 no trial finished or a process
+    died, 2 bad arguments, config or space."""
+    from tfmis.config import ConfigError, load_config
+    from tfmis.tune.hpo import BEST_FILE, PLOT_FILE, REPORT_FILE, TRIALS_DIR, HpoSearch, Objective, SearchFailed, load_space
+
+    try:
+        config = load_config(args.config, args.overrides)
+        space = load_space(args.space, config)
+        objective = Objective.parse(args.objective)
+        output = Path(args.output or Path(config.output.dir) / "hpo")
+        search = HpoSearch(config, space, output, workers=args.workers, num_trials=args.num_trials,
+                           objective=objective, strategy=args.strategy, resume=args.resume,
+                           progress=config.output.progress, space_file=str(args.space))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from tfmis.data.prepare import prepare_dataset
+
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        prepare_dataset(config.data, progress=config.output.progress)
+        report = search.run()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except (SearchFailed, FileNotFoundError, KeyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: rerun the same command to resume the search in {output}", file=sys.stderr)
+        return 130
+    print(f"Results in {output}: {REPORT_FILE}, {PLOT_FILE}" + (f", {BEST_FILE} (train with it: python -m "
+          f"tfmis.train --config {output / BEST_FILE})" if report["best"] else "") + f", {TRIALS_DIR}/<trial id>/")
+    return 0 if report["best"] else 1
+
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return hpo_command(args) if args.command == "hpo" else fit_command(args)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Atomic file writes: a reader never sees a half-written file, a crash never leaves one."""
+"""Files written atomically (a reader never sees a half-written file, a crash never leaves one) and log tails."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 
@@ -36,3 +37,18 @@ def atomic_write_json(path: str | Path, obj) -> None:
     with atomic_writer(path) as f:
         json.dump(obj, f, indent=1, sort_keys=False)
         f.write("\n")
+
+
+def log_tail(path: str | Path, max_bytes: int = 16384) -> list[str]:
+    """The non-empty lines of a log's last `max_bytes` that may say why a process died: TensorFlow's startup
+    notices (`I0000 ...`, "All log messages before absl...") and faulthandler's list of extension modules
+    left out."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return [line for line in lines
+            if not re.match(r"I\d{4} |WARNING: All log messages before absl|Extension modules: ", line)]

@@ -1,4 +1,5 @@
-"""Regular vs fast training: MONAI's fast-training notebook, in TensorFlow (`tools/benchmark.py`).
+"""Regular vs fast training: MONAI's fast-training notebook, in TensorFlow (`python -m tfmis.benchmark`, `tfmis-benchmark`,
+`tools/benchmark.py`).
 
 The same network is trained on the same data twice, each arm in its own subprocess (fresh TensorFlow
 state) through the real `tfmis.engine.trainer.Trainer`, with the same wall-clock budget
@@ -476,9 +477,9 @@ def _prepare_arm_dir(path: Path) -> None:
 
 
 def _spawn_arm(args, arm: str, output: Path) -> int:
-    """Runs one arm in a fresh `python -m tfmis.profiling.benchmark --arm ...` process; its output goes to the
+    """Runs one arm in a fresh `python -m tfmis.benchmark --arm ...` process; its output goes to the
     terminal and to `<output>/<arm>.log`."""
-    cmd = [sys.executable, "-m", "tfmis.profiling.benchmark", "--arm", arm, "--config", args.config,
+    cmd = [sys.executable, "-m", "tfmis.benchmark", "--arm", arm, "--config", args.config,
            "--output", str(output), "--max-minutes", str(args.max_minutes)]
     for override in args.overrides:
         cmd += ["--set", override]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tfmis.utils.table import text_table
+
 VALUE_LABELS = (("num_images_per_batch", "batch"), ("num_sw_batch_size", "sw batch"),
                 ("validation_data_device", "placement"), ("recompute", "recompute"))
 
@@ -12,7 +14,8 @@ def _mb(value) -> str:
     return f"{value:.0f}" if value else "-"
 
 
-def trial_status(record: dict, budget_mb: float) -> str:
+def measurement_status(record: dict, budget_mb: float) -> str:
+    """A measured trial's status column: ok (chosen), pruned: reason, FAILED: reason, over the margin."""
     if record["status"] == "pruned":
         return f"pruned: {record['reason']}"
     if record["status"] == "failed":
@@ -30,7 +33,7 @@ def trial_line(record: dict, budget_mb: float) -> str:
     if record["status"] == "ok":
         parts.append(f"{record['images_per_second']:.1f} img/s, sw {record['sw_seconds']:.2f} s, "
                      f"peak {record['peak_mb']:.0f} MB, epoch {record['epoch_seconds']:.1f} s")
-    parts.append(trial_status(record, budget_mb))
+    parts.append(measurement_status(record, budget_mb))
     return "  ".join(parts)
 
 
@@ -49,9 +52,8 @@ def trials_table(report: dict) -> str:
                      f"{r['step_seconds']:.3f}" if r.get("step_seconds") else "-",
                      f"{r['sw_seconds']:.2f}" if ok else "-", _mb(r.get("peak_mb")),
                      _mb(r.get("predicted_peak_mb")), f"{r['epoch_seconds']:.1f}" if ok else "-",
-                     trial_status(r, budget)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
+                     measurement_status(r, budget)))
+    lines = text_table(rows)
     c = report["counts"]
     lines.append(f"{c['run']} trials run ({c['ok']} ok, {c['failed']} failed), {c['pruned']} pruned by the memory "
                  f"model; budget {budget:.0f} MB on {report['device']['name']} ({report['device']['kind']})"

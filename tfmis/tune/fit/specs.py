@@ -23,9 +23,8 @@ import sys
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
 
-from tfmis.config import ConfigError, from_dict
+from tfmis.config import ConfigError, from_dict, read_yaml
 
 MODEL_NAME = "unet"
 # Auto3DSeg's algorithm names: their sections are read by MONAI, not by tfmis
@@ -102,14 +101,8 @@ def load_specs(source: str | Path | dict | None = None, **overrides) -> FitSpecs
     if isinstance(source, dict):
         data = source
     elif source is not None:
-        path = Path(source)
-        where = str(path)
-        if not path.is_file():
-            raise ConfigError(f"specs file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}  # YAML reads JSON too
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML or JSON ({e})") from e
+        where = str(source)
+        data = read_yaml(source, "specs") or {}  # YAML reads JSON too
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected sections such as 'universal:', got {type(data).__name__}")
     for key in data:

@@ -2,7 +2,7 @@
 
 A TensorFlow process never gives device memory back, and an out-of-memory error can leave it
 broken, so every configuration the search tries runs in a process of its own (`run_trial`), pinned
-to one device. The child (`python -m tfmis.tune.trial REQUEST RESULT`) builds the real `Trainer`
+to one device. The child (`python -m tfmis.tune.fit.trial REQUEST RESULT`) builds the real `Trainer`
 from the config (model, loss, optimizer, loss scaling, precision, jit_compile), feeds synthetic
 batches of the training pipeline's shapes and dtypes to the trainer's compiled step (warm-up steps,
 then timed steps), then runs sliding-window inference as `Trainer.validate` does on a volume of the
@@ -24,7 +24,8 @@ Example:
 from pathlib import Path
 
 from tfmis.config import load_config, to_dict
-from tfmis.tune.trial import accelerators, host_memory, run_trial, trial_device
+from tfmis.hardware import accelerators, host_memory
+from tfmis.tune.fit.trial import run_trial, trial_device
 
 gpu = trial_device(accelerators())
 config = load_config("configs/demo.yaml", ["pipeline.num_images_per_batch=4"])
@@ -41,7 +42,6 @@ import argparse
 import faulthandler
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -51,7 +51,8 @@ from pathlib import Path
 
 # No TensorFlow at module level: the child sets its environment and GPU options before the import,
 # and the parent (the search) must never initialise a GPU.
-from tfmis.utils.io import atomic_write_json
+from tfmis.hardware import host_memory, nvml_device
+from tfmis.utils.io import atomic_write_json, log_tail
 from tfmis.utils.memory import error_line, is_out_of_memory
 
 REQUEST_FILE = "request.json"
@@ -82,44 +83,7 @@ def failure_reason(error: BaseException, phase: str) -> str:
     return f"{name} in {phase}: {line}"
 
 
-# ---------------------------------------------------------------- devices (parent side, no GPU initialised)
-
-def accelerators() -> list[dict]:
-    """The GPUs a trial can run on: [{"index", "name", "total_mb", "uuid"}], by NVML index.
-
-    Empty when TensorFlow sees no GPU (none present, or TensorFlow built without CUDA: checked with
-    `tf.config.list_physical_devices("GPU")`, which allocates no device memory) or NVML is missing.
-    A `CUDA_VISIBLE_DEVICES` of this process restricts the list (entries are NVML indices, i.e. PCI
-    bus order as `nvidia-smi` shows them, or GPU UUIDs). No GPU is initialised in this process.
-    """
-    try:
-        import tensorflow as tf
-
-        if not tf.config.list_physical_devices("GPU"):
-            return []
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no TensorFlow, no NVML library or no driver: no usable GPU
-        return []
-    try:
-        devices = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            devices.append({"index": index, "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                            "total_mb": pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB,
-                            "uuid": _text(pynvml.nvmlDeviceGetUUID(handle))})
-    except pynvml.NVMLError:
-        return []
-    finally:
-        pynvml.nvmlShutdown()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        wanted = [v.strip() for v in visible.split(",") if v.strip()]
-        devices = [d for d in devices if any(w == str(d["index"]) or (w.startswith("GPU-") and d["uuid"].startswith(w))
-                                             for w in wanted)]
-    return devices
-
+# ---------------------------------------------------------------- the trial's device (parent side)
 
 def trial_device(accelerators: list[dict]) -> dict | None:
     """The GPU trials run on: the one with the least total memory (one GPU's plan applies per replica).
@@ -131,63 +95,6 @@ def trial_device(accelerators: list[dict]) -> dict | None:
         True
     """
     return min(accelerators, key=lambda a: (a["total_mb"], a["index"])) if accelerators else None
-
-
-def host_memory() -> dict:
-    """The host's memory and CPU: {"total_mb", "available_mb", "cgroup_limit_mb", "cpu_name", "cpu_count"}.
-
-    `available_mb` is /proc/meminfo's MemAvailable, lowered to what a cgroup memory limit (a
-    container's) leaves; `cgroup_limit_mb` is that limit, or None.
-    """
-    meminfo = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if value.strip().endswith("kB"):
-            meminfo[key] = int(value.split()[0]) / 1024.0
-    total = meminfo.get("MemTotal", 0.0)
-    available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0.0))
-    limit = None
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            raw = Path(limit_file).read_text().strip()
-            if raw == "max" or int(raw) >= 2 ** 60:  # unlimited
-                break
-            limit = int(raw) / MB
-            available = min(available, limit - int(Path(usage_file).read_text()) / MB)
-            break
-        except (OSError, ValueError):
-            continue
-    cpu = None
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), None)
-    except OSError:
-        pass
-    if not cpu:
-        import platform
-
-        cpu = platform.processor() or platform.machine()
-    return {"total_mb": total, "available_mb": max(available, 0.0), "cgroup_limit_mb": limit, "cpu_name": cpu,
-            "cpu_count": os.cpu_count()}
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _gpu_uuid(index: int) -> str | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index)))
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - fall back to the index (with CUDA_DEVICE_ORDER=PCI_BUS_ID)
-        return None
 
 
 def _status_mb(pid: int | str, field: str) -> float | None:
@@ -206,7 +113,7 @@ def _status_mb(pid: int | str, field: str) -> float | None:
 def run_trial(request: dict, *, workdir: Path, memory_budget_mb: float | None = None, timeout_s: float = 600,
               gpu: int | None = None, extra_env: dict | None = None,
               host_memory_budget_mb: float | None = None) -> dict:
-    """Runs `python -m tfmis.tune.trial REQUEST RESULT` in a fresh subprocess and returns its result.
+    """Runs `python -m tfmis.tune.fit.trial REQUEST RESULT` in a fresh subprocess and returns its result.
 
     Never raises for a failed trial: the result's `status` is "failed", `reason` says why in one
     line and `failed_phase` where ("setup", "training" or "validation"); what the child measured
@@ -258,7 +165,7 @@ def run_trial(request: dict, *, workdir: Path, memory_budget_mb: float | None = 
         stale.unlink(missing_ok=True)
     atomic_write_json(request_path, request)
     rss_budget = memory_budget_mb if gpu is None else host_memory_budget_mb
-    command = [sys.executable, "-m", "tfmis.tune.trial", str(request_path), str(result_path)]
+    command = [sys.executable, "-m", "tfmis.tune.fit.trial", str(request_path), str(result_path)]
     if gpu is not None:
         command += ["--gpu", str(gpu)]
     if memory_budget_mb is not None:
@@ -307,7 +214,7 @@ def run_trial(request: dict, *, workdir: Path, memory_budget_mb: float | None = 
     elif killed == "timeout":
         _fail(result, f"timed out after {timeout_s:g} s during {phase}", phase)
     elif reported is None:  # a crash: the log's last lines say what happened
-        lines = _last_lines(log_path)
+        lines = log_tail(log_path)
         # faulthandler's "Fatal Python error: Segmentation fault" says more than the stack after it
         last = next((line for line in reversed(lines) if line.startswith("Fatal Python error")),
                     lines[-1] if lines else None)
@@ -326,9 +233,10 @@ def _child_env(gpu: int | None, extra_env: dict | None) -> dict:
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's device numbers = NVML's (nvidia-smi's)
     # one GPU per trial, named by UUID where NVML knows it; "-1" hides every GPU from a CPU trial
-    env["CUDA_VISIBLE_DEVICES"] = "-1" if gpu is None else (_gpu_uuid(gpu) or str(gpu))
+    device = None if gpu is None else nvml_device(gpu)
+    env["CUDA_VISIBLE_DEVICES"] = "-1" if gpu is None else (device["uuid"] if device else str(gpu))
     # the child imports this copy of tfmis, wherever the caller runs from
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     env.update({str(k): str(v) for k, v in (extra_env or {}).items()})
     return env
@@ -362,20 +270,6 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _last_lines(path: Path) -> list[str]:
-    """The lines of the log's last 16 KB that may say why the child died (TensorFlow's startup notices and
-    faulthandler's list of extension modules left out)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return []
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return [line for line in lines
-            if not re.match(r"I\d{4} |WARNING: All log messages before absl|Extension modules: ", line)]
 
 
 # ---------------------------------------------------------------- child side
@@ -478,7 +372,7 @@ class _ChildTrial:
 
         def step() -> float:
             start = time.perf_counter()
-            loss, _ = trainer._train_step((images, labels))
+            loss, _ = trainer.train_step((images, labels))
             float(loss)  # waits for the step
             return time.perf_counter() - start
 
@@ -495,7 +389,7 @@ class _ChildTrial:
         import numpy as np
 
         from tfmis.inference.sliding_window import number_of_windows, sliding_window_inference
-        from tfmis.utils.devices import CPU, accelerator_device
+        from tfmis.hardware import CPU, accelerator_device
 
         tf, trainer = self.tf, self.trainer
         v = self.config.validation
@@ -511,7 +405,7 @@ class _ChildTrial:
 
         def one_pass() -> float:
             start = time.perf_counter()
-            logits = sliding_window_inference(volume, roi, v.num_sw_batch_size, trainer._predict, overlap=v.overlap,
+            logits = sliding_window_inference(volume, roi, v.num_sw_batch_size, trainer.predict_windows, overlap=v.overlap,
                                               mode=v.mode, sw_device=accelerator_device(), device=device)
             with tf.device(device):  # the label map as validation makes it; numpy() waits for the pass
                 tf.argmax(logits, axis=-1, output_type=tf.int32)[0].numpy()
@@ -549,9 +443,9 @@ class _ChildTrial:
         if self.on_gpu:
             try:  # after an OOM the runtime may refuse; the failure itself is what matters then
                 m[key] = self.tf.config.experimental.get_memory_info("GPU:0")["peak"] / MB
-                used = _nvml_used_mb(self.gpu)
-                if used is not None and m.get("device"):
-                    m["device"]["nvml_used_mb"] = max(m["device"].get("nvml_used_mb") or 0.0, used)
+                nvml = nvml_device(self.gpu)
+                if nvml is not None and m.get("device"):
+                    m["device"]["nvml_used_mb"] = max(m["device"].get("nvml_used_mb") or 0.0, nvml["used_mb"])
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
             peaks = [m.get(k) for k in ("setup_peak_mb", "train_peak_mb", "validation_peak_mb")]
@@ -565,17 +459,10 @@ class _ChildTrial:
         if self.on_gpu:
             info = {"kind": "gpu", "index": self.gpu, "name": None, "total_mb": None, "nvml_used_mb": None,
                     "memory_limit_mb": self.memory_budget_mb}
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                try:
-                    handle = pynvml.nvmlDeviceGetHandleByIndex(self.gpu)
-                    info.update(name=_text(pynvml.nvmlDeviceGetName(handle)),
-                                total_mb=pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB)
-                finally:
-                    pynvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001 - NVML is extra information, the allocator peak is the measurement
+            nvml = nvml_device(self.gpu)
+            if nvml is not None:
+                info.update(name=nvml["name"], total_mb=nvml["total_mb"])
+            else:  # NVML is extra information, the allocator peak is the measurement
                 info["name"] = self.tf.config.experimental.get_device_details(
                     self.tf.config.list_physical_devices("GPU")[0]).get("device_name")
             return info
@@ -595,22 +482,9 @@ def _reset_rss_peak() -> None:
         pass
 
 
-def _nvml_used_mb(index: int) -> float | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used / MB
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfmis.tune.trial",
-                                description="Measure one GPU-fit trial (started by tfmis.tune.trial.run_trial).")
+    p = argparse.ArgumentParser(prog="python -m tfmis.tune.fit.trial",
+                                description="Measure one GPU-fit trial (started by tfmis.tune.fit.trial.run_trial).")
     p.add_argument("request", help="request JSON: config, volume_shape, warmup_steps, timed_steps")
     p.add_argument("result", help="result JSON to write (progress.json is written next to it)")
     p.add_argument("--gpu", type=int, default=None, help="NVML index of the GPU (CUDA_VISIBLE_DEVICES set to it)")

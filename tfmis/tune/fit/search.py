@@ -2,7 +2,7 @@
 
 Keras Tuner proposes configurations (Bayesian optimisation by default, an exhaustive grid on
 request) over a search space declared up front; each one is measured in a fresh subprocess
-(`tfmis.tune.trial`: the real model, loss, optimizer, precision and jit_compile, warm-up and timed
+(`tfmis.tune.fit.trial`: the real model, loss, optimizer, precision and jit_compile, warm-up and timed
 training steps, one sliding-window pass over a volume of the dataset's 99.5th-percentile shape).
 
 - Objective (minimised): the estimated epoch time, training patches per epoch ÷ measured images/s
@@ -33,14 +33,12 @@ import json
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
-import keras_tuner
 import numpy as np
 
 from tfmis.config import Config, from_dict, save_config, to_dict
-from tfmis.tune.specs import FitSpecs, specs_to_dict
+from tfmis.tune.fit.specs import FitSpecs, load_specs, specs_to_dict
 from tfmis.utils.io import atomic_write_json
 
 OBJECTIVE = "epoch_seconds"
@@ -48,7 +46,6 @@ REPORT_FILE = "fit_report.json"
 CONFIG_FILE = "fit.yaml"
 PLOT_FILE = "memory.png"
 CACHE_VERSION = 1
-GPU_RESERVED_MB = 1024  # default GPU budget = total memory minus this (CUDA context, cuDNN/cuBLAS handles)
 
 # the searched values and where they live in the config
 VALUE_KEYS = {
@@ -292,7 +289,7 @@ class GpuFitSearch:
         strategy: `bayesian` or `grid` (exhaustive over the ranges; ignores num_trials).
         cache_dir: the cache folder (default `default_cache_dir()`); `use_cache=False` searches anew.
         progress: show a progress bar over trials.
-        runner: the trial runner (default `tfmis.tune.trial.run_trial`).
+        runner: the trial runner (default `tfmis.tune.fit.trial.run_trial`).
     """
 
     def __init__(self, config: Config, specs: FitSpecs, output_dir, *, memory_budget_mb: float | None = None,
@@ -300,16 +297,17 @@ class GpuFitSearch:
                  runner=None):
         if strategy not in ("bayesian", "grid"):
             raise ValueError(f"strategy must be 'bayesian' or 'grid', got {strategy!r}")
-        from tfmis.tune import trial as trial_module
+        from tfmis.hardware import GPU_RESERVED_MB, accelerators, host_memory
+        from tfmis.tune.fit.trial import run_trial, trial_device
 
         self.config, self.specs, self.strategy = config, specs, strategy
         self.output_dir = Path(output_dir)
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.use_cache, self.progress = use_cache, progress
-        self.runner = runner or trial_module.run_trial
+        self.runner = runner or run_trial
         self.context = search_context(config)
-        gpu = trial_module.trial_device(trial_module.accelerators())
-        host = trial_module.host_memory()
+        gpu = trial_device(accelerators())
+        host = host_memory()
         if gpu is not None:
             self.device = {"kind": "gpu", "index": gpu["index"], "name": gpu["name"], "total_mb": gpu["total_mb"]}
             # the CUDA context and libraries sit outside TensorFlow's allocator, whose peak is measured
@@ -333,6 +331,8 @@ class GpuFitSearch:
 
     def hyperparameters(self):
         """The Keras Tuner search space, declared up front."""
+        import keras_tuner
+
         s = self.specs
         hp = keras_tuner.HyperParameters()
         log = s.sampling == "log"
@@ -413,7 +413,7 @@ class GpuFitSearch:
     def _report_progress(self, record: dict) -> None:
         if self._bar is None:
             return
-        from tfmis.tune.report import trial_line
+        from tfmis.tune.fit.report import trial_line
 
         self._bar.write(trial_line(record, self.budget_mb))
         if record["status"] != "pruned" or self.strategy == "grid":  # the bar counts runs, or grid points
@@ -431,8 +431,8 @@ class GpuFitSearch:
             NoConfigurationFits: no measured configuration is within the budget's margin.
         """
         start = time.perf_counter()
-        cache_file = self.cache_dir / f"gpu_fit-{self.key[:24]}.json"
-        cached = self._read_cache(cache_file) if self.use_cache else None
+        cache_file = self.cache_file
+        cached = self.read_cache() if self.use_cache else None
         if cached is not None:
             self.records = cached["trials"]
             for r in self.records:
@@ -455,7 +455,14 @@ class GpuFitSearch:
                 f"or raise --memory-budget-mb. Details: {self.output_dir / REPORT_FILE}")
         return report
 
-    def _read_cache(self, path: Path) -> dict | None:
+    @property
+    def cache_file(self) -> Path:
+        """This search's cache file: its key names the device, TensorFlow, the measured config, data and specs."""
+        return self.cache_dir / f"gpu_fit-{self.key[:24]}.json"
+
+    def read_cache(self) -> dict | None:
+        """The cached report of this very search, if one was made under a budget that still holds; else None."""
+        path = self.cache_file
         if not path.is_file():
             return None
         try:
@@ -474,12 +481,21 @@ class GpuFitSearch:
         return cached
 
     def _search(self) -> None:
+        from tfmis.tune import kt
         from tfmis.utils.progress import progress_bar
 
         hp = self.hyperparameters()
-        tuner_dir = self.output_dir / "keras_tuner"
-        oracle = _make_oracle(self, hp)
-        tuner = GpuFitTuner(self, oracle=oracle, directory=str(tuner_dir), project_name="gpu_fit", overwrite=True)
+        common = {"objective": OBJECTIVE, "direction": "min", "hyperparameters": hp, "seed": self.specs.seed,
+                  "stop_when": self.finished}
+        if self.strategy == "bayesian":
+            num_initial = self.specs.num_initial_points or max(3, self.specs.num_trials // 3)
+            # the Gaussian process may propose a point already tried: a random unseen one instead
+            oracle = kt.make_oracle("bayesian", max_trials=10 * self.specs.num_trials + 50,
+                                    num_initial_points=num_initial, replace_repeats=True, **common)
+        else:
+            oracle = kt.make_oracle("grid", replace_repeats=False, **common)
+        tuner = kt.make_tuner(self._trial, OBJECTIVE, oracle=oracle, directory=str(self.output_dir / "keras_tuner"),
+                              project_name="gpu_fit", overwrite=True)
         total = self.grid_size() if self.strategy == "grid" else self.specs.num_trials
         space = ", ".join(f"{h.name} {_describe_hp(h)}" for h in hp.space)
         print(f"GPU-fit search ({self.strategy}, {total} trials) on {self.device['name']} "
@@ -487,16 +503,17 @@ class GpuFitSearch:
               f"{self.specs.memory_margin:.0%}): {space}", file=sys.stderr)
         self._bar = progress_bar(total, "GPU-fit trials", "trial", disable=not self.progress)
         try:
-            # Keras Tuner prints the traceback of every failed trial in its default debug mode; a trial
-            # that does not fit is an expected outcome here, reported in the table with its reason
-            debug, keras_tuner.src.config.DEBUG = keras_tuner.src.config.DEBUG, False
-            with warnings.catch_warnings():  # scikit-learn's Gaussian process warns about length scales on tiny spaces
-                warnings.simplefilter("ignore", category=UserWarning)
-                tuner.search(verbose=0)
+            kt.run_search(tuner)  # a trial that does not fit is an expected outcome, reported with its reason
         finally:
-            keras_tuner.src.config.DEBUG = debug
             self._bar.close()
             self._bar = None
+
+    def _trial(self, trial_id: str, values: dict) -> tuple[float | None, str | None]:
+        """One Keras Tuner trial: (estimated epoch seconds, None), or (None, why it failed or was pruned)."""
+        record = self.evaluate(values)
+        if record["status"] != "ok":
+            return None, f"{record['status']}: {record['reason']}"
+        return record[OBJECTIVE], None
 
     def _report(self, from_cache: bool, cache_file: Path, elapsed: float) -> dict:
         chosen = choose(self.records, self.budget_mb, self.specs.memory_margin)
@@ -519,7 +536,7 @@ class GpuFitSearch:
         }
 
     def _write_outputs(self, report: dict) -> None:
-        from tfmis.tune.report import plot_memory, trials_table
+        from tfmis.tune.fit.report import plot_memory, trials_table
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         chosen = next((r for r in self.records if r.get("chosen")), None)
@@ -545,64 +562,41 @@ def _describe_hp(hp) -> str:
     return f"= {hp.value}"
 
 
-class _StopsWhenMeasured:
-    """Oracle mixin: stops when the search has measured enough; never re-proposes a tried point."""
-
-    fit_search: "GpuFitSearch"
-
-    def populate_space(self, trial_id):
-        if self.fit_search.finished():
-            return {"status": keras_tuner.engine.trial.TrialStatus.STOPPED, "values": None}
-        response = super().populate_space(trial_id)
-        if (self.fit_search.strategy == "bayesian" and response["status"] == "RUNNING"
-                and self._duplicate(response["values"])):
-            response = self._random_populate_space()  # the Gaussian process proposed a point already tried
-        return response
-
-
-class BayesianFitOracle(_StopsWhenMeasured, keras_tuner.oracles.BayesianOptimizationOracle):
-    pass
-
-
-class GridFitOracle(_StopsWhenMeasured, keras_tuner.oracles.GridSearchOracle):
-    pass
-
-
-def _make_oracle(search: GpuFitSearch, hp):
-    kwargs = {"objective": keras_tuner.Objective(OBJECTIVE, "min"), "hyperparameters": hp,
-              "allow_new_entries": False, "tune_new_entries": False, "seed": search.specs.seed,
-              # a failed trial never ends the search (Auto3DSeg's first OOM did: MONAI #6247)
-              "max_consecutive_failed_trials": 10**9}
-    if search.strategy == "bayesian":
-        num_initial = search.specs.num_initial_points or max(3, search.specs.num_trials // 3)
-        oracle = BayesianFitOracle(max_trials=10 * search.specs.num_trials + 50, num_initial_points=num_initial,
-                                   **kwargs)
-    else:
-        oracle = GridFitOracle(**kwargs)
-    oracle.fit_search = search
-    return oracle
-
-
-class GpuFitTuner(keras_tuner.Tuner):
-    """A Keras Tuner whose trial is a measurement in a subprocess (or a pruning by the memory model)."""
-
-    def __init__(self, search: GpuFitSearch, **kwargs):
-        super().__init__(**kwargs)
-        self.fit_search = search
-
-    def run_trial(self, trial, *args, **kwargs):
-        record = self.fit_search.evaluate(dict(trial.hyperparameters.values))
-        if record["status"] != "ok":
-            raise keras_tuner.errors.FailedTrialError(f"{record['status']}: {record['reason']}")
-        return {OBJECTIVE: record[OBJECTIVE]}
-
-    def save_model(self, trial_id, model, step=0):
-        pass  # a trial measures a configuration; there is no model to keep
-
-
 def fit_config(config: Config, specs: FitSpecs, output_dir, **kwargs) -> tuple[Config, dict]:
     """Runs the search (or reads its cache) and returns (the config with the chosen values, the report)."""
     search = GpuFitSearch(config, specs, output_dir, **kwargs)
     report = search.run()
     chosen = next(r for r in search.records if r.get("chosen"))
     return fitted_config(config, chosen, search.records, search.context), report
+
+
+def cached_choice(config: Config, specs: FitSpecs | None = None) -> dict | None:
+    """The cached GPU-fit choice for `config` on this machine's GPU, without searching (for the planner).
+
+    None when there is no GPU, no converted dataset, or no cached search of exactly this config and device.
+
+    Returns:
+        {"num_images_per_batch", "num_sw_batch_size", "validation_data_device", "source"}; a chosen
+        accelerator placement becomes `auto`.
+    """
+    import tempfile
+
+    from tfmis.data.records import INDEX_FILE
+
+    if not (Path(config.data.dataset_dir) / INDEX_FILE).is_file():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        search = GpuFitSearch(config, specs or load_specs(None), tmp, progress=False)
+        if search.device["kind"] != "gpu":
+            return None
+        cached = search.read_cache()
+    if cached is None:
+        return None
+    chosen = choose(cached["trials"], cached["budget_mb"], cached["memory_margin"])
+    if chosen is None:
+        return None
+    values = dict(chosen["values"])
+    if values["validation_data_device"] == "accelerator":
+        values["validation_data_device"] = "auto"  # as fitted_config: larger volumes fall back, not fail
+    return {"num_images_per_batch": values["num_images_per_batch"], "num_sw_batch_size": values["num_sw_batch_size"],
+            "validation_data_device": values["validation_data_device"], "source": f"cache {search.cache_file.name}"}

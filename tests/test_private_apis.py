@@ -1,0 +1,51 @@
+"""The TensorFlow and Keras private names tfmis relies on, where no public API exists: each is used in one module
+only, and each is checked here against the installed TensorFlow/Keras, so that an upgrade that renames or
+changes one fails here, naming it and its one user. (Keras Tuner's are in `tfmis.tune.kt`, checked by
+tests/test_tune_kt.py.) What each is relied on for is tested through its user elsewhere, as noted.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def test_keras_tensorflow_optimizer_has_the_gradient_all_reduce_the_trainer_replaces():
+    """`tfmis.engine.distribution.StrategyBackend.prepare_optimizer` replaces `_all_reduce_sum_gradients`, which
+    Keras' TensorFlow optimizer calls inside `apply()` in a replica context, so that clipping sees the gradient
+    summed once by the trainer (behaviour: tests/test_training.py, clipnorm over replicas)."""
+    optimizer = keras.optimizers.SGD(0.1)
+    assert callable(getattr(optimizer, "_all_reduce_sum_gradients", None))
+
+
+def test_keras_optimizer_hooks_the_fused_adam_and_novograd_subclass():
+    """`tfmis.optimizers.fused_adam` and `tfmis.optimizers.novograd` subclass Keras' optimizer through the hooks
+    Keras' own optimizers use: `_backend_update_step`, `_apply_weight_decay`, `_get_variable_index`,
+    `_use_weight_decay`, `_distribution_strategy` and Adam's `_momentums` / `_velocities` (behaviour:
+    tests/test_fused_adam.py and tests/test_optimizers.py compare them with Keras and with formulas)."""
+    variable = keras.Variable(np.ones((2, 2), dtype="float32"))
+    optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.01)
+    optimizer.build([variable])
+    for name in ("_backend_update_step", "_apply_weight_decay", "_get_variable_index", "_use_weight_decay"):
+        assert callable(getattr(optimizer, name, None)), name
+    assert optimizer._get_variable_index(variable) == 0
+    assert optimizer._use_weight_decay(variable) is True
+    assert len(optimizer._momentums) == len(optimizer._velocities) == 1
+    assert hasattr(optimizer, "_distribution_strategy")
+
+
+def test_tensorflow_internal_distribute_functions_exist():
+    """`tf.__internal__.distribute.strategy_supports_no_merge_call` (`tfmis.engine.distribution`, the skip of a
+    non-finite step on every replica) and `tf.__internal__.distribute.interim.maybe_merge_call`
+    (`tfmis.optimizers.fused_adam`, weight decay under a strategy): no public equivalents."""
+    assert isinstance(tf.__internal__.distribute.strategy_supports_no_merge_call(), bool)
+    assert callable(tf.__internal__.distribute.interim.maybe_merge_call)
+
+
+def test_slurm_task_list_expansion_reads_slurms_compressed_form():
+    """`tfmis.engine.distribution` reads SLURM_STEP_TASKS_PER_NODE with TensorFlow's own parser (the one
+    SlurmClusterResolver uses): `2(x3),1` is three nodes of 2 tasks and one of 1."""
+    from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import expand_tasks_per_node
+
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]

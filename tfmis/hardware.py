@@ -1,0 +1,405 @@
+"""The one place that knows the machine: GPUs (NVML, TensorFlow, nvidia-smi), host memory, CPU, precision.
+
+Everything above this module asks it instead of probing for itself: the trainer and the predictor
+(the device to run on, the precision), the GPU-fit search (which GPU, how much memory), the
+hyperparameter search and `tfmis.launch` (which GPUs to share out, which cores), the resource
+monitor (which GPUs are visible, how much RAM) and the planner (what this machine runs well).
+
+Nothing here initialises a GPU: TensorFlow is asked only for its *physical* devices
+(`tf.config.list_physical_devices`, `get_device_details`), which allocates no device memory, and is
+imported only inside the functions that need it, so a process that must never touch a GPU (the
+GPU-fit search's parent, the HPO chief) can import this module. The one exception is
+`accelerator_device`, which lists the *logical* devices of a process that is about to compute.
+
+Measured on the 2-core development CPU (avx512_bf16, no AMX; demo U-Net, 48^3 patches): float32 and
+mixed_bfloat16 train at the same speed (7.8 and 7.3 images/s back to back, noisy; see
+`recommended_precision`), mixed_float16 at 0.3 images/s (CPUs have no float16 arithmetic: every op is
+emulated), and `jit_compile: true` (XLA) is about 10x slower than plain TensorFlow.
+
+Example:
+```python
+from tfmis.hardware import detect_hardware, hardware_warnings, resolve_precision
+
+hardware = detect_hardware()
+print(hardware.describe())                       # "CPU only: 2 cores (avx512_bf16), 23.5 GB RAM"
+keras.mixed_precision.set_global_policy(resolve_precision("auto"))
+for line in hardware_warnings(config.training, hardware):
+    print("warning:", line)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+MB = 2.0 ** 20
+CPU = "/CPU:0"
+GPU_RESERVED_MB = 1024  # of a GPU's memory, for the CUDA context and libraries, outside TensorFlow's allocator
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # CPU instructions with bfloat16 arithmetic
+
+
+# ---------------------------------------------------------------------------------------------- GPUs
+
+def nvidia_driver_present() -> bool:
+    """Whether an NVIDIA driver is loaded (/proc/driver/nvidia or /dev/nvidiaN), without importing TensorFlow."""
+    return Path("/proc/driver/nvidia").exists() or bool(list(Path("/dev").glob("nvidia[0-9]*")))
+
+
+def physical_gpus() -> list:
+    """TensorFlow's physical GPUs (`tf.config.list_physical_devices`: no device memory is allocated)."""
+    import tensorflow as tf
+
+    return tf.config.list_physical_devices("GPU")
+
+
+def accelerator_device() -> str:
+    """The first GPU of this process's logical devices, else the CPU (a process about to compute)."""
+    import tensorflow as tf
+
+    return "/GPU:0" if tf.config.list_logical_devices("GPU") else CPU
+
+
+def visible_nvml_handles(pynvml, count: int, visible: str | None = None) -> list[tuple[int, object]]:
+    """(NVML index, handle) of the GPUs `CUDA_VISIBLE_DEVICES` shows (all when unset), in its order.
+
+    As CUDA reads it: entries are NVML indices (with `CUDA_DEVICE_ORDER=PCI_BUS_ID`, nvidia-smi's numbers)
+    or GPU UUIDs (`GPU-...`, a unique prefix is enough), and the list ends at the first entry that names
+    no GPU ("-1" hides them all).
+
+    Args:
+        pynvml: the initialised NVML module.
+        count: `pynvml.nvmlDeviceGetCount()`.
+        visible: the variable's value (default: this process's environment).
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if visible is None:
+        return [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+    uuids = None
+    handles = []
+    for entry in (e.strip() for e in visible.split(",")):
+        try:
+            if entry.lstrip("-").isdigit():
+                index = int(entry)
+                if not 0 <= index < count:
+                    break
+            elif entry.startswith("GPU-"):
+                if uuids is None:
+                    uuids = [_text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                             for i in range(count)]
+                matches = [i for i, uuid in enumerate(uuids) if uuid.startswith(entry)]
+                if len(matches) != 1:
+                    break
+                index = matches[0]
+            else:
+                break
+            handles.append((index, pynvml.nvmlDeviceGetHandleByIndex(index)))
+        except pynvml.NVMLError:  # a GPU NVML cannot reach ends the list, as it would for CUDA
+            break
+    return handles
+
+
+def accelerators() -> list[dict]:
+    """The GPUs this process may use: [{"index", "name", "total_mb", "uuid"}], NVML index per GPU.
+
+    Empty without an NVIDIA driver (checked first, without importing TensorFlow), when TensorFlow sees no
+    GPU (TensorFlow built without CUDA: `tf.config.list_physical_devices("GPU")`, which allocates no device
+    memory) or when NVML is missing.
+    `CUDA_VISIBLE_DEVICES` restricts the list (`visible_nvml_handles`). No GPU is initialised.
+    """
+    if not nvidia_driver_present():  # checked before TensorFlow is imported
+        return []
+    try:
+        if not physical_gpus():
+            return []
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no TensorFlow, no NVML library or no driver: no usable GPU
+        return []
+    try:
+        devices = []
+        for index, handle in visible_nvml_handles(pynvml, pynvml.nvmlDeviceGetCount()):
+            devices.append({"index": index, "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                            "total_mb": pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB,
+                            "uuid": _text(pynvml.nvmlDeviceGetUUID(handle))})
+    except pynvml.NVMLError:
+        return []
+    finally:
+        pynvml.nvmlShutdown()
+    return sorted(devices, key=lambda d: d["index"])
+
+
+def nvml_device(index: int) -> dict | None:
+    """{"name", "total_mb", "used_mb", "uuid"} of the GPU with this NVML index; None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            return {"name": _text(pynvml.nvmlDeviceGetName(handle)), "total_mb": memory.total / MB,
+                    "used_mb": memory.used / MB, "uuid": _text(pynvml.nvmlDeviceGetUUID(handle))}
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no library, no driver, no such GPU
+        return None
+
+
+def visible_gpu_ids(env: dict | None = None) -> list[str]:
+    """The GPU ids a launcher may share out: `CUDA_VISIBLE_DEVICES`' entries when it is set (without "-1"),
+    else the indices nvidia-smi lists (empty without nvidia-smi or a driver)."""
+    env = os.environ if env is None else env
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def nvidia_smi_available() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# ---------------------------------------------------------------------------------------------- host
+
+def usable_cpus() -> list[int]:
+    """The cores this process may run on (its affinity mask; all cores where there is none)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo; the platform's processor name elsewhere)."""
+    try:
+        name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), None)
+    except OSError:
+        name = None
+    if not name:
+        import platform
+
+        name = platform.processor() or platform.machine()
+    return name
+
+
+def host_memory() -> dict:
+    """The host's memory and CPU: {"total_mb", "available_mb", "cgroup_limit_mb", "cpu_name", "cpu_count"}.
+
+    `available_mb` is /proc/meminfo's MemAvailable, lowered to what a cgroup memory limit (a
+    container's) leaves; `cgroup_limit_mb` is that limit, or None.
+    """
+    meminfo = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if value.strip().endswith("kB"):
+                meminfo[key] = int(value.split()[0]) / 1024.0
+    except OSError:  # no /proc: the page count, and nothing known to be available beyond it
+        meminfo["MemTotal"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / MB
+    total = meminfo.get("MemTotal", 0.0)
+    available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0.0))
+    limit = None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw = Path(limit_file).read_text().strip()
+            if raw == "max" or int(raw) >= 2 ** 60:  # unlimited
+                break
+            limit = int(raw) / MB
+            available = min(available, limit - int(Path(usage_file).read_text()) / MB)
+            break
+        except (OSError, ValueError):
+            continue
+    return {"total_mb": total, "available_mb": max(available, 0.0), "cgroup_limit_mb": limit, "cpu_name": cpu_name(),
+            "cpu_count": os.cpu_count()}
+
+
+def cpu_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
+    """The bfloat16 flags (`BF16_CPU_FLAGS`) on the first `flags` line of /proc/cpuinfo (empty elsewhere).
+
+    Example:
+        >>> cpu_flags("processor : 0\\nflags : fpu sse avx512f avx512_bf16\\n")
+        ('avx512_bf16',)
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ()
+    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    present = set(line.partition(":")[2].split())
+    return tuple(flag for flag in BF16_CPU_FLAGS if flag in present)
+
+
+# ---------------------------------------------------------------------------------------------- the machine
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The devices a training run on this machine would use.
+
+    Args:
+        gpus: one dict per GPU TensorFlow sees: name, compute_capability (major, minor) or None,
+            memory_mb (NVML's total, or None).
+        cpu_name: the CPU model name.
+        cpu_count: logical cores this process may use.
+        cpu_flags: the bfloat16-related instruction-set flags of the CPU (amx_bf16, avx512_bf16).
+        host_memory_mb, host_available_mb: total and available RAM (a container's limit applied).
+    """
+
+    gpus: tuple[dict, ...] = ()
+    cpu_name: str = "cpu"
+    cpu_count: int = 1
+    cpu_flags: tuple[str, ...] = ()
+    host_memory_mb: float = 0.0
+    host_available_mb: float = 0.0
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpus)
+
+    @property
+    def compute_capability(self) -> tuple[int, int] | None:
+        """The lowest compute capability among the GPUs (every replica must run the plan)."""
+        caps = [tuple(g["compute_capability"]) for g in self.gpus if g.get("compute_capability")]
+        return min(caps) if caps else None
+
+    @property
+    def gpu_memory_mb(self) -> float | None:
+        """The smallest GPU's memory (one replica's plan must fit on every GPU)."""
+        sizes = [g["memory_mb"] for g in self.gpus if g.get("memory_mb")]
+        return min(sizes) if sizes else None
+
+    @property
+    def cpu_bf16(self) -> bool:
+        return any(flag in self.cpu_flags for flag in BF16_CPU_FLAGS)
+
+    def describe(self) -> str:
+        """One line: the GPUs (or "CPU only"), the cores with their bfloat16 flags, the RAM."""
+        flags = f" ({', '.join(self.cpu_flags)})" if self.cpu_flags else ""
+        cpu = f"{self.cpu_count} cores{flags}, {self.host_memory_mb / 1024:.1f} GB RAM"
+        if not self.gpus:
+            return f"CPU only: {cpu}"
+        g = self.gpus[0]
+        cc = self.compute_capability
+        memory = f", {self.gpu_memory_mb / 1024:.0f} GB" if self.gpu_memory_mb else ""
+        return (f"{len(self.gpus)} x {g['name']} (compute capability {cc[0]}.{cc[1]}{memory})" if cc else
+                f"{len(self.gpus)} x {g['name']}{memory}") + f"; host: {cpu}"
+
+
+@functools.lru_cache(maxsize=1)
+def detect_hardware() -> Hardware:
+    """The `Hardware` of this machine, without initialising any GPU (cached for the process)."""
+    import tensorflow as tf
+
+    gpus = []
+    physical = physical_gpus()
+    nvml = accelerators() if physical else []
+    for i, device in enumerate(physical):
+        try:
+            details = tf.config.experimental.get_device_details(device)
+        except Exception:  # noqa: BLE001 - details are optional (e.g. non-CUDA builds)
+            details = {}
+        cc = details.get("compute_capability")
+        gpus.append({"name": details.get("device_name") or (nvml[i]["name"] if i < len(nvml) else device.name),
+                     "compute_capability": tuple(int(c) for c in cc) if cc else None,
+                     "memory_mb": nvml[i]["total_mb"] if i < len(nvml) else None})
+    host = host_memory()
+    return Hardware(gpus=tuple(gpus), cpu_name=host.get("cpu_name") or "cpu", cpu_count=len(usable_cpus()),
+                    cpu_flags=cpu_flags(), host_memory_mb=host["total_mb"], host_available_mb=host["available_mb"])
+
+
+# ---------------------------------------------------------------------------------------------- precision
+
+def recommended_precision(hardware: Hardware) -> tuple[str, str]:
+    """(precision, reason): the precision this hardware trains fastest in, the more precise one on a tie.
+
+    GPUs with tensor cores (compute capability >= 7): `mixed_float16` with dynamic loss scaling (as
+    nnU-Net's and MONAI's AMP; on compute capability >= 8 bfloat16 is as fast, float16 keeps 3 more
+    mantissa bits); below 7: `float32`. CPUs: `float32`, also with bfloat16 instructions: on the
+    development CPU (avx512_bf16, no AMX) `mixed_bfloat16` trained no faster (7.3 against 7.8 images/s,
+    back to back), and the demo plan's best Dice was 0.85 and 0.88 in two bfloat16 runs against 0.93 and
+    0.87 in float32 (runs vary by a few hundredths); `mixed_float16` is emulated on CPUs (~30x slower).
+    `mixed_bfloat16` stays available by name (e.g. to try on CPUs with AMX, whose bfloat16 matrix units
+    are faster).
+
+    Example:
+        >>> recommended_precision(Hardware(gpus=({"name": "A100", "compute_capability": (8, 0)},)))[0]
+        'mixed_float16'
+        >>> recommended_precision(Hardware(cpu_flags=("avx512_bf16",)))[0]
+        'float32'
+    """
+    if hardware.has_gpu:
+        cc = hardware.compute_capability
+        if cc is None:
+            return "float32", "GPU of unknown compute capability: float32 is safe everywhere"
+        if cc >= (7, 0):
+            return "mixed_float16", (f"GPU compute capability {cc[0]}.{cc[1]} >= 7.0: float16 tensor cores with "
+                                     f"dynamic loss scaling (nnU-Net's AMP; float16 keeps 3 more mantissa bits than "
+                                     f"bfloat16 at the same speed)")
+        return "float32", f"GPU compute capability {cc[0]}.{cc[1]} < 7.0: no tensor cores, mixed precision gains little"
+    if hardware.cpu_bf16:
+        flags = "/".join(f for f in BF16_CPU_FLAGS if f in hardware.cpu_flags)
+        return "float32", (f"CPU only: float16 is emulated (~30x slower); bfloat16 ({flags}) trained no faster than "
+                           f"float32 on the development CPU, so the more precise float32")
+    return "float32", "CPU only, no bfloat16 instructions: float16 and bfloat16 would be emulated (~30x slower)"
+
+
+def resolve_precision(name: str, hardware: Hardware | None = None) -> str:
+    """`training.precision` as a Keras mixed-precision policy name: `auto` becomes this machine's choice.
+
+    Args:
+        name: `auto`, `float32`, `mixed_float16` or `mixed_bfloat16`.
+        hardware: default `detect_hardware()` (no GPU is initialised).
+
+    Example:
+        >>> resolve_precision("float32")
+        'float32'
+    """
+    if name != "auto":
+        if name not in PRECISIONS:
+            raise ValueError(f"training.precision: {name!r} is not one of {['auto', *PRECISIONS]}")
+        return name
+    return recommended_precision(hardware or detect_hardware())[0]
+
+
+def hardware_warnings(training, hardware: Hardware | None = None) -> list[str]:
+    """One line per setting of `training` (a `TrainingConfig`) that this machine runs badly, naming the fix.
+
+    CPU only: `mixed_float16` (float16 emulated: ~30x slower than float32 here) and `jit_compile: true`
+    (XLA ~10x slower than plain TensorFlow here). GPUs below compute capability 8.0: `mixed_bfloat16`.
+    """
+    hardware = hardware or detect_hardware()
+    lines = []
+    precision = training.precision
+    best = recommended_precision(hardware)[0]
+    if not hardware.has_gpu:
+        if precision == "mixed_float16":
+            lines.append(f"training.precision is mixed_float16 but this machine has no GPU: CPUs emulate float16 "
+                         f"(~30x slower than float32 on the development CPU); use --set training.precision=auto "
+                         f"(here: {best})")
+        if training.jit_compile:
+            lines.append("training.jit_compile is true but this machine has no GPU: XLA on the CPU ran ~10x slower "
+                         "than plain TensorFlow on the development CPU; use --set training.jit_compile=false")
+    else:
+        cc = hardware.compute_capability
+        if precision == "mixed_bfloat16" and cc is not None and cc < (8, 0):
+            lines.append(f"training.precision is mixed_bfloat16 but the GPU's compute capability is {cc[0]}.{cc[1]} "
+                         f"(bfloat16 arithmetic needs 8.0); use --set training.precision=auto (here: {best})")
+    return lines

@@ -1,0 +1,77 @@
+"""The front door of planning: plan an MSD folder on this machine, with the GPU-fit search's measurement where
+one is cached. `python -m tfmis.plan` and `python -m tfmis.train --source-dir` both come through here.
+
+The only module of `tfmis.planning` that reaches into `tfmis.tune` (for the GPU-fit search's cache).
+
+Example:
+```python
+plan, fingerprint = plan_dataset("data/Task09_Spleen")
+plan.write("runs/Task09_Spleen/plan.yaml")
+print(plan.table())
+```
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tfmis.hardware import Hardware, detect_hardware
+from tfmis.planning.fingerprint import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, has_conversion
+from tfmis.planning.planner import Plan, default_dataset_dir, default_output_dir, make_plan
+
+
+def dataset_fingerprint(source_dir, target_dir, workers: int | None = None,
+                        progress: bool = True) -> DatasetFingerprint:
+    """The fingerprint of a finished conversion in `target_dir` when there is one, else a first pass over the
+    MSD folder."""
+    if has_conversion(target_dir):
+        if progress:
+            print(f"Fingerprint: the conversion in {target_dir}", file=sys.stderr)
+        return fingerprint_from_conversion(target_dir)
+    return fingerprint_msd(source_dir, workers=workers, progress=progress)
+
+
+def plan_with_cached_gpu_fit(fingerprint: DatasetFingerprint, hardware: Hardware, config,
+                             **plan_args) -> tuple[Plan, dict] | None:
+    """(the plan made again with the GPU-fit search's measured batch size, sliding-window batch size and
+    placement, those values) for `config`, the planned config as it will train; None without a GPU, a
+    converted dataset, or a cached search of exactly that config on this GPU.
+
+    Args:
+        plan_args: `make_plan`'s keyword arguments (source_dir, dataset_dir, output_dir, ...).
+    """
+    if not hardware.has_gpu:
+        return None
+    from tfmis.tune.fit import cached_choice
+
+    fitted = cached_choice(config)
+    if fitted is None:
+        return None
+    return make_plan(fingerprint, hardware, gpu_fit=fitted, **plan_args), fitted
+
+
+def plan_dataset(source_dir, target_dir=None, output_dir=None, workers: int | None = None, progress: bool = True,
+                 hardware: Hardware | None = None) -> tuple[Plan, DatasetFingerprint]:
+    """(Plan, DatasetFingerprint) for an MSD folder on this machine.
+
+    Uses the fingerprint of a finished conversion in `target_dir` when there is one, else a first pass
+    over the MSD folder; with a GPU and a converted dataset, the GPU-fit search's cached choice.
+
+    Args:
+        source_dir: the MSD folder (with dataset.json).
+        target_dir: where the conversion goes (default `<source>_tfrecords` next to it).
+        output_dir: the run folder the plan trains into (default `runs/<folder>`).
+        workers: processes reading cases in a first pass (default: CPU count, at most 8).
+        hardware: default `detect_hardware()`.
+    """
+    target_dir = target_dir or default_dataset_dir(source_dir)
+    output_dir = output_dir or default_output_dir(source_dir)
+    fingerprint = dataset_fingerprint(source_dir, target_dir, workers, progress)
+    hardware = hardware or detect_hardware()
+    plan_args = {"source_dir": str(source_dir), "dataset_dir": str(target_dir), "output_dir": str(output_dir)}
+    plan = make_plan(fingerprint, hardware, **plan_args)
+    if has_conversion(target_dir):
+        measured = plan_with_cached_gpu_fit(fingerprint, hardware, plan.config(), **plan_args)
+        if measured is not None:
+            plan = measured[0]
+    return plan, fingerprint
