@@ -75,14 +75,18 @@ def export_npy(dataset_dir: str | Path, output: str | Path, splits=DEFAULT_SPLIT
     manifest_path = output / MANIFEST
     if manifest_path.is_file() and not force:
         old = json.loads(manifest_path.read_text())
-        complete = all((output / e[k]).is_file() for s in splits for e in old["splits"].get(s, [])
-                       for k in ("image", "label"))
+        complete = all(
+            (output / e[k]).is_file() for s in splits for e in old["splits"].get(s, []) for k in ("image", "label")
+        )
         if old.get("index_sha256") == digest and set(splits) <= set(old["splits"]) and complete:
             return old
     manifest = {
-        "dataset_dir": str(dataset_dir.resolve()), "index_sha256": digest,
-        "channels": index["source"]["modalities"], "classes": index["source"]["labels"],
-        "spacing": index["preprocessing"]["spacing"], "layout": {"image": "C,X,Y,Z float32", "label": "X,Y,Z uint8"},
+        "dataset_dir": str(dataset_dir.resolve()),
+        "index_sha256": digest,
+        "channels": index["source"]["modalities"],
+        "classes": index["source"]["labels"],
+        "spacing": index["preprocessing"]["spacing"],
+        "layout": {"image": "C,X,Y,Z float32", "label": "X,Y,Z uint8"},
         "splits": {},
     }
     for split in splits:
@@ -92,10 +96,16 @@ def export_npy(dataset_dir: str | Path, output: str | Path, splits=DEFAULT_SPLIT
             image = np.moveaxis(image.numpy().astype(np.float32), -1, 0)  # (X, Y, Z, C) -> (C, X, Y, Z)
             label = label.numpy().astype(np.uint8)
             if label.shape != image.shape[1:]:
-                raise ValueError(f"{dataset_dir}: case {case_id} of split {split!r} has no label (shape "
-                                 f"{label.shape}); export only labelled splits (train, val)")
-            entry = {"case_id": case_id, "image": f"{split}/{case_id}_image.npy",
-                     "label": f"{split}/{case_id}_label.npy", "shape": list(label.shape)}
+                raise ValueError(
+                    f"{dataset_dir}: case {case_id} of split {split!r} has no label (shape "
+                    f"{label.shape}); export only labelled splits (train, val)"
+                )
+            entry = {
+                "case_id": case_id,
+                "image": f"{split}/{case_id}_image.npy",
+                "label": f"{split}/{case_id}_label.npy",
+                "shape": list(label.shape),
+            }
             for key, array in (("image", image), ("label", label)):
                 with atomic_writer(output / entry[key], "wb") as f:
                     np.save(f, array)
@@ -107,8 +117,9 @@ def export_npy(dataset_dir: str | Path, output: str | Path, splits=DEFAULT_SPLIT
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dataset-dir", default="data/demo/tfrecords", help="converted tfmis dataset")
     parser.add_argument("--output", default="data/demo/npy", help="folder for the .npy files and manifest.json")
     parser.add_argument("--splits", nargs="+", default=list(DEFAULT_SPLITS), help="splits to export")

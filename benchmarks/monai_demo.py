@@ -59,8 +59,17 @@ from monai.metrics import DiceMetric
 from monai.networks.nets import UNet
 from monai.networks.utils import one_hot
 from monai.optimizers import WarmupCosineSchedule
-from monai.transforms import (ClassesToIndicesd, Compose, EnsureTyped, RandCropByLabelClassesd, RandFlipd,
-                              RandRotate90d, RandScaleIntensityd, RandShiftIntensityd, SpatialPadd)
+from monai.transforms import (
+    ClassesToIndicesd,
+    Compose,
+    EnsureTyped,
+    RandCropByLabelClassesd,
+    RandFlipd,
+    RandRotate90d,
+    RandScaleIntensityd,
+    RandShiftIntensityd,
+    SpatialPadd,
+)
 from monai.utils import set_determinism
 
 
@@ -75,13 +84,21 @@ def load_split(data_dir: Path, split: str) -> tuple[list[dict], dict]:
     """The exported volumes of `split` as MONAI dicts: image (C, X, Y, Z) float32, label (1, X, Y, Z) uint8."""
     manifest_path = data_dir / "manifest.json"
     if not manifest_path.is_file():
-        raise SystemExit(f"{manifest_path}: not found; export the tfmis dataset first: "
-                         f"python benchmarks/export_demo_npy.py --output {data_dir}")
+        raise SystemExit(
+            f"{manifest_path}: not found; export the tfmis dataset first: "
+            f"python benchmarks/export_demo_npy.py --output {data_dir}"
+        )
     manifest = json.loads(manifest_path.read_text())
     if split not in manifest["splits"]:
         raise SystemExit(f"{manifest_path}: no split {split!r}; available: {sorted(manifest['splits'])}")
-    cases = [{"image": np.load(data_dir / e["image"]), "label": np.load(data_dir / e["label"])[None],
-              "case_id": e["case_id"]} for e in manifest["splits"][split]]
+    cases = [
+        {
+            "image": np.load(data_dir / e["image"]),
+            "label": np.load(data_dir / e["label"])[None],
+            "case_id": e["case_id"],
+        }
+        for e in manifest["splits"][split]
+    ]
     return cases, manifest
 
 
@@ -89,20 +106,29 @@ def train_transforms(args, num_classes: int):
     """(cached deterministic part, random part): volumes smaller than the patch zero-padded to it (as tfmis's
     crops pad) and crop indices, once per volume; crops + augmentation per read."""
     keys = ["image", "label"]
-    cached = Compose([SpatialPadd(keys=keys, spatial_size=args.patch),
-                      ClassesToIndicesd(keys="label", num_classes=num_classes)])
-    random = Compose([
-        RandCropByLabelClassesd(keys=keys, label_key="label", spatial_size=args.patch, ratios=args.class_ratios,
-                                num_classes=num_classes, num_samples=args.crops_per_volume,
-                                indices_key="label_cls_indices"),
-        RandFlipd(keys=keys, spatial_axis=0, prob=0.5),
-        RandFlipd(keys=keys, spatial_axis=1, prob=0.5),
-        RandFlipd(keys=keys, spatial_axis=2, prob=0.5),
-        RandRotate90d(keys=keys, prob=0.5, max_k=3, spatial_axes=(0, 1)),
-        RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
-        RandShiftIntensityd(keys="image", offsets=0.1, prob=0.5),
-        EnsureTyped(keys=keys, track_meta=False),
-    ])
+    cached = Compose(
+        [SpatialPadd(keys=keys, spatial_size=args.patch), ClassesToIndicesd(keys="label", num_classes=num_classes)]
+    )
+    random = Compose(
+        [
+            RandCropByLabelClassesd(
+                keys=keys,
+                label_key="label",
+                spatial_size=args.patch,
+                ratios=args.class_ratios,
+                num_classes=num_classes,
+                num_samples=args.crops_per_volume,
+                indices_key="label_cls_indices",
+            ),
+            RandFlipd(keys=keys, spatial_axis=0, prob=0.5),
+            RandFlipd(keys=keys, spatial_axis=1, prob=0.5),
+            RandFlipd(keys=keys, spatial_axis=2, prob=0.5),
+            RandRotate90d(keys=keys, prob=0.5, max_k=3, spatial_axes=(0, 1)),
+            RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
+            RandShiftIntensityd(keys="image", offsets=0.1, prob=0.5),
+            EnsureTyped(keys=keys, track_meta=False),
+        ]
+    )
     return cached, random
 
 
@@ -113,8 +139,9 @@ def validate(model, val_cases, args, num_classes: int) -> dict:
     with torch.inference_mode():
         for case in val_cases:
             image = torch.from_numpy(case["image"])[None]
-            logits = sliding_window_inference(image, args.patch, args.sw_batch_size, model, overlap=args.overlap,
-                                              mode=args.mode)
+            logits = sliding_window_inference(
+                image, args.patch, args.sw_batch_size, model, overlap=args.overlap, mode=args.mode
+            )
             prediction = one_hot(torch.argmax(logits, dim=1, keepdim=True), num_classes)
             target = one_hot(torch.from_numpy(case["label"][None].astype(np.int64)), num_classes)
             metric(y_pred=prediction, y=target)
@@ -137,23 +164,37 @@ def run(args) -> dict:
     if args.crops_per_volume % args.batch:
         raise SystemExit(f"--crops-per-volume {args.crops_per_volume} must be a multiple of --batch {args.batch}")
     cached, random = train_transforms(args, num_classes)
-    dataset = CacheDataset(train_cases, transform=Compose([cached, random]), cache_rate=1.0, num_workers=0,
-                           progress=False)
-    loader = DataLoader(dataset, batch_size=1, shuffle=True, num_workers=args.num_workers,
-                        persistent_workers=args.num_workers > 0)
+    dataset = CacheDataset(
+        train_cases, transform=Compose([cached, random]), cache_rate=1.0, num_workers=0, progress=False
+    )
+    loader = DataLoader(
+        dataset, batch_size=1, shuffle=True, num_workers=args.num_workers, persistent_workers=args.num_workers > 0
+    )
     steps_per_epoch = len(train_cases) * args.crops_per_volume // args.batch
 
-    model = UNet(spatial_dims=3, in_channels=len(manifest["channels"]), out_channels=num_classes,
-                 channels=tuple(args.channels), strides=tuple(args.strides), num_res_units=args.num_res_units,
-                 norm="instance")
+    model = UNet(
+        spatial_dims=3,
+        in_channels=len(manifest["channels"]),
+        out_channels=num_classes,
+        channels=tuple(args.channels),
+        strides=tuple(args.strides),
+        num_res_units=args.num_res_units,
+        norm="instance",
+    )
     loss_fn = DiceCELoss(to_onehot_y=True, softmax=True, include_background=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = WarmupCosineSchedule(optimizer, warmup_steps=int(args.warmup_epochs * steps_per_epoch),
-                                     t_total=args.epochs * steps_per_epoch)
+    scheduler = WarmupCosineSchedule(
+        optimizer, warmup_steps=int(args.warmup_epochs * steps_per_epoch), t_total=args.epochs * steps_per_epoch
+    )
     settings = {k: v for k, v in vars(args).items()}
-    settings.update(steps_per_epoch=steps_per_epoch, torch=torch.__version__, threads=torch.get_num_threads(),
-                    parameters=sum(p.numel() for p in model.parameters()))
+    settings.update(
+        steps_per_epoch=steps_per_epoch,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
     import monai
+
     settings["monai"] = monai.__version__
     write_json(out / "settings.json", settings)
     history_path = out / "history.jsonl"
@@ -173,16 +214,21 @@ def run(args) -> dict:
             wait += t1 - t0
             for first in range(0, images.shape[0], args.batch):
                 optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(images[first:first + args.batch]), labels[first:first + args.batch])
+                loss = loss_fn(model(images[first : first + args.batch]), labels[first : first + args.batch])
                 loss.backward()
                 optimizer.step()
                 scheduler.step()
                 losses.append(loss.item())
             t0 = time.perf_counter()
             compute += t0 - t1
-        record = {"epoch": epoch, "train_loss": float(np.mean(losses)),
-                  "learning_rate": float(scheduler.get_last_lr()[0]), "data_wait_seconds": wait,
-                  "compute_seconds": compute, "images_per_second": len(losses) * args.batch / max(wait + compute, 1e-9)}
+        record = {
+            "epoch": epoch,
+            "train_loss": float(np.mean(losses)),
+            "learning_rate": float(scheduler.get_last_lr()[0]),
+            "data_wait_seconds": wait,
+            "compute_seconds": compute,
+            "images_per_second": len(losses) * args.batch / max(wait + compute, 1e-9),
+        }
         if not math.isfinite(record["train_loss"]):
             raise SystemExit(f"training loss {record['train_loss']} at epoch {epoch}")
         out_of_time = args.max_minutes and time.perf_counter() - run_start >= 60 * args.max_minutes
@@ -199,20 +245,29 @@ def run(args) -> dict:
         with open(history_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         dice = f" val Dice {record['val_mean_dice']:.4f}" if "val_mean_dice" in record else ""
-        print(f"epoch {epoch}/{args.epochs} loss {record['train_loss']:.4f}{dice} "
-              f"({record['epoch_seconds']:.1f} s, {record['elapsed_seconds']:.0f} s in all)", flush=True)
+        print(
+            f"epoch {epoch}/{args.epochs} loss {record['train_loss']:.4f}{dice} "
+            f"({record['epoch_seconds']:.1f} s, {record['elapsed_seconds']:.0f} s in all)",
+            flush=True,
+        )
         if out_of_time:
             stop_reason = "max_minutes"
             break
-    summary = {"best_mean_dice": best, "epochs": len(records), "elapsed_seconds": records[-1]["elapsed_seconds"],
-               "stop_reason": stop_reason, "steps_per_epoch": steps_per_epoch}
+    summary = {
+        "best_mean_dice": best,
+        "epochs": len(records),
+        "elapsed_seconds": records[-1]["elapsed_seconds"],
+        "stop_reason": stop_reason,
+        "steps_per_epoch": steps_per_epoch,
+    }
     write_json(out / "summary.json", summary)
     return summary
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--data", default="data/demo/npy", help="folder written by benchmarks/export_demo_npy.py")
     parser.add_argument("--output", default="runs/time_to_dice/monai", help="run folder (history.jsonl, summary.json)")
     parser.add_argument("--epochs", type=int, default=60, help="epochs; the cosine schedule's length")
@@ -221,8 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--patch", type=int, nargs=3, default=[48, 48, 48], help="training patch = sliding window")
     parser.add_argument("--crops-per-volume", type=int, default=4, help="crops per volume read (num_samples)")
     parser.add_argument("--batch", type=int, default=2, help="crops per optimizer step")
-    parser.add_argument("--class-ratios", type=float, nargs="+", default=[1, 1, 1, 2],
-                        help="crop centre ratios per class, background first (RandCropByLabelClassesd)")
+    parser.add_argument(
+        "--class-ratios",
+        type=float,
+        nargs="+",
+        default=[1, 1, 1, 2],
+        help="crop centre ratios per class, background first (RandCropByLabelClassesd)",
+    )
     parser.add_argument("--channels", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--strides", type=int, nargs="+", default=[2, 2, 2])
     parser.add_argument("--num-res-units", type=int, default=2)

@@ -49,8 +49,14 @@ def main(argv=None) -> int:
 
     def run(case):
         with torch.inference_mode():
-            return sliding_window_inference(case["volume"], case["roi_size"], case["sw_batch_size"],
-                                            PREDICTORS[case["predictor"]], overlap=case["overlap"], mode=case["mode"])
+            return sliding_window_inference(
+                case["volume"],
+                case["roi_size"],
+                case["sw_batch_size"],
+                PREDICTORS[case["predictor"]],
+                overlap=case["overlap"],
+                mode=case["mode"],
+            )
 
     answer({"ready": True, "torch": torch.__version__, "monai": monai_version, "threads": torch.get_num_threads()})
     for line in sys.stdin:
@@ -63,9 +69,12 @@ def main(argv=None) -> int:
                 generator = torch.Generator().manual_seed(0)
                 channels, roi = volume.shape[-1], request["roi_size"]
                 cases[request["case"]] = {
-                    **request, "volume": torch.from_numpy(np.ascontiguousarray(np.moveaxis(volume, -1, 1))),
-                    "window_batches": [torch.randn((n, channels, *roi), generator=generator)
-                                       for n in request.get("batches", [])]}
+                    **request,
+                    "volume": torch.from_numpy(np.ascontiguousarray(np.moveaxis(volume, -1, 1))),
+                    "window_batches": [
+                        torch.randn((n, channels, *roi), generator=generator) for n in request.get("batches", [])
+                    ],
+                }
                 answer({"ok": True})
             elif request["cmd"] == "time":
                 case = cases[request["case"]]

@@ -39,10 +39,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 TRAINING = [  # a small U-Net and a MONAI-like sampling: 4 crops of one volume per step
-    "model.filters=[8,16,32]", "model.strides=[1,2,2]", "model.num_res_units=0", "model.norm=instance",
-    "pipeline.patch_size=[32,32,32]", "pipeline.num_images_per_batch=4", "pipeline.num_crops_per_image=4",
-    "pipeline.deterministic=false", "training.precision=float32", "validation.val_interval=1000",
-    "validation.max_cases=1", "validation.overlap=0", "validation.roi_size=[64,64,64]", "output.progress=false",
+    "model.filters=[8,16,32]",
+    "model.strides=[1,2,2]",
+    "model.num_res_units=0",
+    "model.norm=instance",
+    "pipeline.patch_size=[32,32,32]",
+    "pipeline.num_images_per_batch=4",
+    "pipeline.num_crops_per_image=4",
+    "pipeline.deterministic=false",
+    "training.precision=float32",
+    "validation.val_interval=1000",
+    "validation.max_cases=1",
+    "validation.overlap=0",
+    "validation.roi_size=[64,64,64]",
+    "output.progress=false",
     "output.tensorboard=false",
 ]
 
@@ -65,7 +75,7 @@ def generate(root: Path, cases: int, size: int, compression: str, image_dtype: s
         label = np.zeros((size, size, size), np.uint8)
         a, b = size // 3, size // 3 + size // 4
         label[a:b, a:b, a:b] = 1
-        label[a + 2:a + 6, a + 2:a + 6, a + 2:a + 6] = 2
+        label[a + 2 : a + 6, a + 2 : a + 6, a + 2 : a + 6] = 2
         image[..., 0] += 30.0 * label
         for folder, data, dtype in (("imagesTr", image, np.int16), ("labelsTr", label, np.uint8)):
             (source / folder).mkdir(parents=True, exist_ok=True)
@@ -73,14 +83,33 @@ def generate(root: Path, cases: int, size: int, compression: str, image_dtype: s
         entries.append({"image": f"./imagesTr/case_{i:03d}.nii.gz", "label": f"./labelsTr/case_{i:03d}.nii.gz"})
         bar.update()
     bar.close()
-    (source / "dataset.json").write_text(json.dumps({
-        "name": "PartialCacheBenchmark", "modality": {"0": "MR0", "1": "MR1"},
-        "labels": {"0": "background", "1": "organ", "2": "core"}, "numTraining": cases, "numTest": 0,
-        "training": entries, "test": []}))
+    (source / "dataset.json").write_text(
+        json.dumps(
+            {
+                "name": "PartialCacheBenchmark",
+                "modality": {"0": "MR0", "1": "MR1"},
+                "labels": {"0": "background", "1": "organ", "2": "core"},
+                "numTraining": cases,
+                "numTest": 0,
+                "training": entries,
+                "test": [],
+            }
+        )
+    )
     target = root / "tfrecords"
     print("converting (tfmis.data.convert) ...", file=sys.stderr, flush=True)
-    convert(ConversionConfig(str(source), str(target), split=(0.8, 0.2), shards=8, workers=1, progress=True,
-                             compression=compression, image_dtype=image_dtype))
+    convert(
+        ConversionConfig(
+            str(source),
+            str(target),
+            split=(0.8, 0.2),
+            shards=8,
+            workers=1,
+            progress=True,
+            compression=compression,
+            image_dtype=image_dtype,
+        )
+    )
     shutil.rmtree(source)
     return target
 
@@ -123,8 +152,12 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps-per-epoch", type=int, default=32)
     p.add_argument("--arms", default="memory,partial", help="comma-separated: memory, partial, none")
-    p.add_argument("--mmap-threshold", type=int, default=None,
-                   help="run the arms with MALLOC_MMAP_THRESHOLD_=N (e.g. 65536): freed blocks go back to the system")
+    p.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        help="run the arms with MALLOC_MMAP_THRESHOLD_=N (e.g. 65536): freed blocks go back to the system",
+    )
     p.add_argument("--set", action="append", default=[], help="extra config override for both arms (key=value)")
     p.add_argument("--workdir", default=None, help="keep the dataset here (reused when it exists)")
     p.add_argument("--keep", action="store_true", help="do not delete the work folder")
@@ -147,50 +180,81 @@ def main(argv=None) -> int:
     train = [c for c in index["cases"].values() if c["split"] == "train"]
     itemsize = 2 if index["preprocessing"]["image_dtype"] == "float16" else 4
     volume = max(_prod(c["image_shape"]) * itemsize + _prod(c["image_shape"][:3]) for c in train)
-    partial = PipelineConfig(cache="partial", cache_num=args.cache_num,
-                             **({"replace_rate": args.replace_rate} if args.replace_rate is not None else {}))
+    partial = PipelineConfig(
+        cache="partial",
+        cache_num=args.cache_num,
+        **({"replace_rate": args.replace_rate} if args.replace_rate is not None else {}),
+    )
     cache_num, replace_num = partial_cache_size(partial, len(train))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     results = {}
     for arm in args.arms.split(","):
-        overrides = [f"data.dataset_dir={dataset}", f"output.dir={work / ('run-' + arm)}", *TRAINING,
-                     f"training.epochs={args.epochs}", f"training.steps_per_epoch={args.steps_per_epoch}",
-                     f"pipeline.cache={arm}", *args.set]
+        overrides = [
+            f"data.dataset_dir={dataset}",
+            f"output.dir={work / ('run-' + arm)}",
+            *TRAINING,
+            f"training.epochs={args.epochs}",
+            f"training.steps_per_epoch={args.steps_per_epoch}",
+            f"pipeline.cache={arm}",
+            *args.set,
+        ]
         if arm == "partial":
             overrides.append(f"pipeline.cache_num={args.cache_num}")
             if args.replace_rate is not None:
                 overrides.append(f"pipeline.replace_rate={args.replace_rate}")
         shutil.rmtree(work / f"run-{arm}", ignore_errors=True)
-        print(f"arm {arm}: training {args.epochs} epochs x {args.steps_per_epoch} steps ...", file=sys.stderr,
-              flush=True)
-        done = subprocess.run([sys.executable, __file__, "--arm", json.dumps({"overrides": overrides})], env=env,
-                              capture_output=True, text=True, cwd=REPO)
+        print(
+            f"arm {arm}: training {args.epochs} epochs x {args.steps_per_epoch} steps ...", file=sys.stderr, flush=True
+        )
+        done = subprocess.run(
+            [sys.executable, __file__, "--arm", json.dumps({"overrides": overrides})],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
         if done.returncode != 0:
             print(done.stderr[-4000:], file=sys.stderr)
             return 1
         results[arm] = json.loads(done.stdout.strip().splitlines()[-1])
 
-    mb = 2 ** 20
-    print(f"\n{len(train)} training volumes of {volume / mb:.1f} MB decoded ({len(train) * volume / mb:.0f} MB in all), "
-          f"{index['preprocessing']['compression']} {index['preprocessing']['image_dtype']} TFRecords; partial: "
-          f"cache_num {cache_num}, replace_num {replace_num} per cycle, bound {partial_cache_bound(cache_num, replace_num)}"
-          f" volumes = {partial_cache_bound(cache_num, replace_num) * volume / mb:.0f} MB; malloc "
-          f"{'MALLOC_MMAP_THRESHOLD_=' + str(args.mmap_threshold) if args.mmap_threshold else 'default'}")
-    print(f"{'arm':<8} {'peak RSS MB':>11} {'growth MB':>9} {'input wait (epochs>1)':>22} {'per epoch':>20} "
-          f"{'img/s':>6} {'fit s':>6}")
+    mb = 2**20
+    print(
+        f"\n{len(train)} training volumes of {volume / mb:.1f} MB decoded ({len(train) * volume / mb:.0f} MB in all), "
+        f"{index['preprocessing']['compression']} {index['preprocessing']['image_dtype']} TFRecords; partial: "
+        f"cache_num {cache_num}, replace_num {replace_num} per cycle, "
+        f"bound {partial_cache_bound(cache_num, replace_num)}"
+        f" volumes = {partial_cache_bound(cache_num, replace_num) * volume / mb:.0f} MB; malloc "
+        f"{'MALLOC_MMAP_THRESHOLD_=' + str(args.mmap_threshold) if args.mmap_threshold else 'default'}"
+    )
+    print(
+        f"{'arm':<8} {'peak RSS MB':>11} {'growth MB':>9} {'input wait (epochs>1)':>22} {'per epoch':>20} "
+        f"{'img/s':>6} {'fit s':>6}"
+    )
     for arm, r in results.items():
         per_epoch = " ".join(f"{x['data_wait_fraction']:.1%}" for x in r["records"])
         images = sum(x["images_per_second"] for x in r["records"][1:]) / max(len(r["records"]) - 1, 1)
-        print(f"{arm:<8} {r['peak'] / mb:11.0f} {(r['peak'] - r['before_fit']) / mb:9.0f} {warm_wait(r['records']):22.1%} "
-              f"{per_epoch:>20} {images:6.1f} {r['seconds']:6.0f}")
+        print(
+            f"{arm:<8} {r['peak'] / mb:11.0f} {(r['peak'] - r['before_fit']) / mb:9.0f} "
+            f"{warm_wait(r['records']):22.1%} "
+            f"{per_epoch:>20} {images:6.1f} {r['seconds']:6.0f}"
+        )
     if args.json:
         from tfmis.utils.io import atomic_write_json
 
-        atomic_write_json(args.json, {"volume_bytes": volume, "train_volumes": len(train), "cache_num": cache_num,
-                                      "replace_num": replace_num, "mmap_threshold": args.mmap_threshold,
-                                      "arms": results})
+        atomic_write_json(
+            args.json,
+            {
+                "volume_bytes": volume,
+                "train_volumes": len(train),
+                "cache_num": cache_num,
+                "replace_num": replace_num,
+                "mmap_threshold": args.mmap_threshold,
+                "arms": results,
+            },
+        )
     if not args.keep and not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -43,11 +43,14 @@ def main(argv=None) -> int:
                     if result.status != "ok":
                         print(f"{case.case_id}: {result.reason}", file=sys.stderr)
                         return 1
-            rows.append((size, statistics.mean(times), statistics.stdev(times) if len(times) > 1 else 0.0,
-                         result.device))
+            rows.append(
+                (size, statistics.mean(times), statistics.stdev(times) if len(times) > 1 else 0.0, result.device)
+            )
     base = rows[0][1]
-    print(f"{len(cases)} case(s) x {args.repeats} repeats, roi {predictor.roi_size}, overlap {predictor.overlap}, "
-          f"mode {predictor.mode}, tta {args.tta}")
+    print(
+        f"{len(cases)} case(s) x {args.repeats} repeats, roi {predictor.roi_size}, overlap {predictor.overlap}, "
+        f"mode {predictor.mode}, tta {args.tta}"
+    )
     print(f"{'sw batch':>8}  {'s/case':>7}  {'± sd':>6}  {'vs first':>8}  device")
     for size, mean, sd, device in rows:
         print(f"{size:>8}  {mean:7.3f}  {sd:6.3f}  {base / mean:7.2f}x  {device}")

@@ -44,8 +44,10 @@ DEFAULT_CONFIGS = ("configs/demo.yaml", "configs/spleen.yaml", "configs/brats.ya
 # BraTS: FLAIR, T1w, T1gd, T2w and background/edema/non-enhancing/enhancing tumour (Task01 dataset.json).
 MSD_TASKS = {
     "spleen": {"modalities": ["CT"], "labels": ["background", "spleen"]},
-    "brats": {"modalities": ["FLAIR", "T1w", "T1gd", "T2w"],
-              "labels": ["background", "edema", "non-enhancing tumour", "enhancing tumour"]},
+    "brats": {
+        "modalities": ["FLAIR", "T1w", "T1gd", "T2w"],
+        "labels": ["background", "edema", "non-enhancing tumour", "enhancing tumour"],
+    },
 }
 # Default patch on this CPU when the config's own would make the run too long (override with --patch NAME=DxHxW or
 # --patch NAME=config). The estimate's GPU compute always uses the config's own patch and batch.
@@ -57,11 +59,16 @@ CPU_PATCH = {"spleen": [32, 32, 32], "brats": [48, 48, 32]}
 # nnUNetTrainer.num_batches_per_epoch), Task002_Heart 3d_fullres plan: patch 80x192x160, batch 2, 1 input channel,
 # 2 classes, 6 stages of 2 3x3x3 convolutions, 32..320 features, pooling (1,2,2),(2,2,2)x3,(1,2,2).
 NNUNET_URL = "https://github.com/MIC-DKFZ/nnUNet/blob/nnunetv1/documentation/expected_epoch_times.md"
-NNUNET_HEART = {"patch": [80, 192, 160], "batch": 2, "in_channels": 1, "classes": 2,
-                "features": [32, 64, 128, 256, 320, 320],
-                "pools": [[1, 2, 2], [2, 2, 2], [2, 2, 2], [2, 2, 2], [1, 2, 2]],
-                "iterations_per_epoch": 250,
-                "epoch_seconds": {"A100": 48.53, "V100": 79.0}}  # A100 40GB DGX A100; V100 32GB SXM3 (DGX-2)
+NNUNET_HEART = {
+    "patch": [80, 192, 160],
+    "batch": 2,
+    "in_channels": 1,
+    "classes": 2,
+    "features": [32, 64, 128, 256, 320, 320],
+    "pools": [[1, 2, 2], [2, 2, 2], [2, 2, 2], [2, 2, 2], [1, 2, 2]],
+    "iterations_per_epoch": 250,
+    "epoch_seconds": {"A100": 48.53, "V100": 79.0},
+}  # A100 40GB DGX A100; V100 32GB SXM3 (DGX-2)
 # Interconnect (per GPU, ring all-reduce): NVLink inside a node of 8 GPUs, InfiniBand between nodes.
 SCENARIOS = {
     "conservative": {"nvlink_GBps": 100.0, "ib_GBps": 12.5, "latency_us": 20.0, "overlap": False},
@@ -71,30 +78,50 @@ GPUS_PER_NODE = 8
 LAUNCH_BOUND_S = 0.005  # below this FLOP-based compute time a GPU step is overhead-bound, not arithmetic-bound
 GPU_COUNTS = (1, 2, 8, 32)
 # Reported scaling (quoted, not measured here).
-DISTMIS = {"url": "https://arxiv.org/abs/2110.15884",
-           "mirror": "https://discovery.researcher.life/article/distributing-deep-learning-hyperparameter-tuning-for-"
-                     "3d-medical-image-segmentation/0775d86db81f356fabc38b2d787a080d",
-           "repo": "https://github.com/oriolaranda/DistMIS"}
-MONAI = {"url": "https://github.com/Project-MONAI/tutorials/blob/main/acceleration/fast_model_training_guide.md",
-         "gpus_8": 11.0, "gpus_32": 30.0}
+DISTMIS = {
+    "url": "https://arxiv.org/abs/2110.15884",
+    "mirror": "https://discovery.researcher.life/article/distributing-deep-learning-hyperparameter-tuning-for-"
+    "3d-medical-image-segmentation/0775d86db81f356fabc38b2d787a080d",
+    "repo": "https://github.com/oriolaranda/DistMIS",
+}
+MONAI = {
+    "url": "https://github.com/Project-MONAI/tutorials/blob/main/acceleration/fast_model_training_guide.md",
+    "gpus_8": 11.0,
+    "gpus_32": 30.0,
+}
 
 
 # ================================================================================================== driver
 
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", action="append", default=None,
-                   help="training config (repeatable); default: " + ", ".join(DEFAULT_CONFIGS))
+    p.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        help="training config (repeatable); default: " + ", ".join(DEFAULT_CONFIGS),
+    )
     p.add_argument("--workers", type=int, default=2, help="MultiWorkerMirroredStrategy workers on loopback")
     p.add_argument("--steps", type=int, default=20, help="timed training steps per measurement (after warm-up)")
     p.add_argument("--warmup", type=int, default=3, help="untimed training steps first (tracing, allocation)")
     p.add_argument("--reduce-reps", type=int, default=20, help="timed all-reduces of the gradient list")
     p.add_argument("--latency-reps", type=int, default=50, help="timed all-reduces of one float")
-    p.add_argument("--patch", action="append", default=[], metavar="NAME=DxHxW",
-                   help="patch this CPU runs for config NAME (file stem), or NAME=config for the config's own; "
-                        f"default {', '.join(f'{k}={_fmt_shape(v)}' for k, v in CPU_PATCH.items())}, others their own")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override applied to every config (as tfmis.train --set)")
+    p.add_argument(
+        "--patch",
+        action="append",
+        default=[],
+        metavar="NAME=DxHxW",
+        help="patch this CPU runs for config NAME (file stem), or NAME=config for the config's own; "
+        f"default {', '.join(f'{k}={_fmt_shape(v)}' for k, v in CPU_PATCH.items())}, others their own",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override applied to every config (as tfmis.train --set)",
+    )
     p.add_argument("--output", default="/tmp/scaling.md", help="Markdown report (the JSON goes next to it)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before a measurement subprocess is stopped")
     p.add_argument("--_role", choices=("single", "multi"), help=argparse.SUPPRESS)
@@ -114,17 +141,36 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         specs = [_spec(Path(c), args, tmp) for c in (args.config or DEFAULT_CONFIGS)]
         spec_file = tmp / "spec.json"
-        spec_file.write_text(json.dumps({"configs": specs, "steps": args.steps, "warmup": args.warmup,
-                                         "reduce_reps": args.reduce_reps, "latency_reps": args.latency_reps}))
+        spec_file.write_text(
+            json.dumps(
+                {
+                    "configs": specs,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "reduce_reps": args.reduce_reps,
+                    "latency_reps": args.latency_reps,
+                }
+            )
+        )
         cpus = os.cpu_count() or 1
         per_worker = max(1, cpus // args.workers)
         _progress(f"{len(specs)} config(s) on {cpus} CPU core(s): single process ({cpus} threads)")
-        full = _run_role("single", spec_file, tmp / "single_full.json", {"TF_NUM_INTRAOP_THREADS": str(cpus)},
-                         args.timeout, count_flops=True)
+        full = _run_role(
+            "single",
+            spec_file,
+            tmp / "single_full.json",
+            {"TF_NUM_INTRAOP_THREADS": str(cpus)},
+            args.timeout,
+            count_flops=True,
+        )
         _progress(f"single process with one worker's share of the cores ({per_worker} thread(s))")
-        share = _run_role("single", spec_file, tmp / "single_share.json",
-                          {"TF_NUM_INTRAOP_THREADS": str(per_worker),
-                           "TF_NUM_INTEROP_THREADS": str(max(1, min(2, per_worker)))}, args.timeout)
+        share = _run_role(
+            "single",
+            spec_file,
+            tmp / "single_share.json",
+            {"TF_NUM_INTRAOP_THREADS": str(per_worker), "TF_NUM_INTEROP_THREADS": str(max(1, min(2, per_worker)))},
+            args.timeout,
+        )
         _progress(f"{args.workers} MultiWorkerMirroredStrategy workers on loopback")
         multi = _run_multi(spec_file, tmp / "multi.json", args.workers, args.timeout)
     results = combine(specs, full, share, multi, args.workers, cpus)
@@ -161,20 +207,29 @@ def _spec(config_path: Path, args, tmp: Path) -> dict:
         source = MSD_TASKS[name]
         stand_in = str(tmp / f"{name}-index")  # only the channel and class names; no records are read
     else:
-        raise SystemExit(f"--config {config_path}: {index_file} not found and {name!r} is not one of the MSD tasks "
-                         f"this benchmark knows ({', '.join(MSD_TASKS)}); convert its data first "
-                         "(README: tools/tfrecord.py)")
+        raise SystemExit(
+            f"--config {config_path}: {index_file} not found and {name!r} is not one of the MSD tasks "
+            f"this benchmark knows ({', '.join(MSD_TASKS)}); convert its data first "
+            "(README: tools/tfrecord.py)"
+        )
     own = list(config.pipeline.patch_size)
     cpu_patch = CPU_PATCH.get(name, own)
     for item in args.patch:
         key, _, value = item.partition("=")
         if key == name:
             cpu_patch = own if value == "config" else _parse_shape(value, f"--patch {item}")
-    return {"name": name, "config": str(path), "overrides": list(args.set), "stand_in_index": stand_in,
-            "modalities": source["modalities"], "labels": source["labels"], "config_patch": own,
-            "cpu_patch": list(cpu_patch),
-            "batch": config.pipeline.num_images_per_batch * config.training.accumulation_steps,
-            "config_precision": config.training.precision}
+    return {
+        "name": name,
+        "config": str(path),
+        "overrides": list(args.set),
+        "stand_in_index": stand_in,
+        "modalities": source["modalities"],
+        "labels": source["labels"],
+        "config_patch": own,
+        "cpu_patch": list(cpu_patch),
+        "batch": config.pipeline.num_images_per_batch * config.training.accumulation_steps,
+        "config_precision": config.training.precision,
+    }
 
 
 def _parse_shape(text: str, what: str) -> list[int]:
@@ -196,8 +251,16 @@ def _progress(message: str) -> None:
 
 
 def _worker_command(role: str, spec_file: Path, out: Path, count_flops: bool = False) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--_role", role, "--_spec", str(spec_file), "--_out",
-            str(out)] + (["--_count-flops"] if count_flops else [])
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--_role",
+        role,
+        "--_spec",
+        str(spec_file),
+        "--_out",
+        str(out),
+    ] + (["--_count-flops"] if count_flops else [])
 
 
 def _base_env() -> dict:
@@ -208,8 +271,9 @@ def _base_env() -> dict:
 
 def _run_role(role: str, spec_file: Path, out: Path, env_extra: dict, timeout: float, count_flops=False) -> dict:
     """One measuring process with the default strategy."""
-    return _run_processes(_worker_command(role, spec_file, out, count_flops), [{**_base_env(), **env_extra}], out,
-                          timeout, role)
+    return _run_processes(
+        _worker_command(role, spec_file, out, count_flops), [{**_base_env(), **env_extra}], out, timeout, role
+    )
 
 
 def _run_multi(spec_file: Path, out: Path, workers: int, timeout: float) -> dict:
@@ -227,8 +291,11 @@ def _run_processes(command: list[str], envs: list[dict], out: Path, timeout: flo
         log = out.with_name(f"{out.stem}-{k}.log")
         logs.append(log)
         with open(log, "w") as sink:
-            procs.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    command, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True
+                )
+            )
     deadline, relayed = time.monotonic() + timeout, 0
     try:
         while True:
@@ -238,8 +305,7 @@ def _run_processes(command: list[str], envs: list[dict], out: Path, timeout: flo
             if failed or time.monotonic() > deadline:
                 k = failed[0] if failed else 0
                 why = f"process {k} exited with status {codes[k]}" if failed else f"still running after {timeout:.0f} s"
-                raise SystemExit(f"{what} measurement failed ({why}); its output ends:\n"
-                                 f"{logs[k].read_text()[-4000:]}")
+                raise SystemExit(f"{what} measurement failed ({why}); its output ends:\n{logs[k].read_text()[-4000:]}")
             if all(code == 0 for code in codes):
                 break
             time.sleep(0.2)
@@ -258,7 +324,7 @@ def _relay(log: Path, position: int) -> int:
     with open(log, "rb") as f:
         f.seek(position)
         data = f.read()
-    complete = data[:data.rfind(b"\n") + 1]
+    complete = data[: data.rfind(b"\n") + 1]
     for line in complete.decode(errors="replace").splitlines():
         if line.startswith("[scaling"):
             print(line, file=sys.stderr, flush=True)
@@ -272,6 +338,7 @@ def _pythonpath(env: dict) -> str:
 
 # ================================================================================================== workers
 
+
 def worker_main(role: str, spec_file: Path, out: Path, count_flops: bool = False) -> int:
     """Runs in a subprocess: `single` (default strategy) or `multi` (one MultiWorkerMirroredStrategy worker)."""
     spec = json.loads(spec_file.read_text())
@@ -283,8 +350,14 @@ def worker_main(role: str, spec_file: Path, out: Path, count_flops: bool = False
     from tfmis.engine.distribution import make_backend
 
     backend = make_backend("multiworker" if role == "multi" else "none")  # before anything touches devices
-    results = {"role": role, "tensorflow": tf.__version__, "rank": backend.rank, "size": backend.size,
-               "intra_op_threads": threads, "configs": {}}
+    results = {
+        "role": role,
+        "tensorflow": tf.__version__,
+        "rank": backend.rank,
+        "size": backend.size,
+        "intra_op_threads": threads,
+        "configs": {},
+    }
     for cfg in spec["configs"]:
         trainer = _trainer(cfg, backend, Path(out).parent / f"run-{role}-{backend.rank}")
         r = {}
@@ -296,13 +369,18 @@ def worker_main(role: str, spec_file: Path, out: Path, count_flops: bool = False
         if count_flops:
             r["conv_macs_forward_per_sample"] = {
                 "config_patch": conv_macs(trainer.model, cfg["config_patch"], len(cfg["modalities"])),
-                "cpu_patch": conv_macs(trainer.model, cfg["cpu_patch"], len(cfg["modalities"]))}
+                "cpu_patch": conv_macs(trainer.model, cfg["cpu_patch"], len(cfg["modalities"])),
+            }
         if role == "multi":
             _say(backend, role, f"{cfg['name']}: all-reduce of {r['grad_bytes'] / 1e6:.2f} MB and of one float")
             r["grad_all_reduce_s"] = _time_all_reduce(backend, [v.shape for v in variables], spec["reduce_reps"])
             r["small_all_reduce_s"] = _time_all_reduce(backend, [tf.TensorShape([1])], spec["latency_reps"])
-        _say(backend, role, f"{cfg['name']}: {spec['warmup']} + {spec['steps']} training steps of "
-                            f"{_fmt_shape(cfg['cpu_patch'])} x {cfg['batch']}")
+        _say(
+            backend,
+            role,
+            f"{cfg['name']}: {spec['warmup']} + {spec['steps']} training steps of "
+            f"{_fmt_shape(cfg['cpu_patch'])} x {cfg['batch']}",
+        )
         r["step_s"] = _time_steps(trainer, backend, cfg, spec["warmup"], spec["steps"])
         results["configs"][cfg["name"]] = r
         del trainer
@@ -325,8 +403,11 @@ def _trainer(cfg: dict, backend, run_dir: Path):
     from tfmis.config import load_config
     from tfmis.engine.trainer import Trainer
 
-    overrides = list(cfg["overrides"]) + ["training.precision=float32", "training.steps_per_epoch=1",
-                                          f"output.dir={run_dir / cfg['name']}"]
+    overrides = list(cfg["overrides"]) + [
+        "training.precision=float32",
+        "training.steps_per_epoch=1",
+        f"output.dir={run_dir / cfg['name']}",
+    ]
     if cfg["stand_in_index"]:
         _write_stand_in_index(Path(cfg["stand_in_index"]), cfg)
         overrides.append(f"data.dataset_dir={cfg['stand_in_index']}")
@@ -342,11 +423,20 @@ def _write_stand_in_index(folder: Path, cfg: dict) -> None:
 
     if (folder / "index.json").is_file():
         return
-    atomic_write_json(folder / "index.json", {
-        "schema_version": SCHEMA_VERSION,
-        "source": {"name": f"stand-in for {cfg['name']} (benchmarks/scaling.py)", "modalities": cfg["modalities"],
-                   "labels": cfg["labels"]},
-        "preprocessing": {}, "splits": {"train": {"cases": [], "num_records": 0, "shards": []}}, "cases": {}})
+    atomic_write_json(
+        folder / "index.json",
+        {
+            "schema_version": SCHEMA_VERSION,
+            "source": {
+                "name": f"stand-in for {cfg['name']} (benchmarks/scaling.py)",
+                "modalities": cfg["modalities"],
+                "labels": cfg["labels"],
+            },
+            "preprocessing": {},
+            "splits": {"train": {"cases": [], "num_records": 0, "shards": []}},
+            "cases": {},
+        },
+    )
 
 
 def _synthetic_dataset(cfg: dict, seed: int):
@@ -430,6 +520,7 @@ def conv_macs(model, patch, channels: int) -> int:
 
 # ================================================================================================== the estimate
 
+
 def plain_unet_macs(patch, in_channels: int, classes: int, features, pools, convs: int = 2) -> int:
     """Forward convolution MACs of one sample through a plain U-Net (nnU-Net's Generic_UNet layout)."""
     shapes = [list(patch)]
@@ -451,8 +542,10 @@ def gpu_throughput() -> dict:
     h = NNUNET_HEART
     macs = plain_unet_macs(h["patch"], h["in_channels"], h["classes"], h["features"], h["pools"])
     flops_per_iteration = 3 * 2 * macs * h["batch"]  # backward ~ 2x forward
-    out = {"nnunet_forward_gmacs_per_sample": macs / 1e9,
-           "nnunet_train_tflop_per_iteration": flops_per_iteration / 1e12}
+    out = {
+        "nnunet_forward_gmacs_per_sample": macs / 1e9,
+        "nnunet_train_tflop_per_iteration": flops_per_iteration / 1e12,
+    }
     for gpu, seconds in h["epoch_seconds"].items():
         iteration = seconds / h["iterations_per_epoch"]
         out[gpu] = {"iteration_s": iteration, "tflops": flops_per_iteration / iteration / 1e12}
@@ -507,29 +600,57 @@ def combine(specs, full: dict, share: dict, multi: dict, workers: int, cpus: int
         bus = 2 * (n - 1) / n * f["grad_bytes"] / max(t_grad - t_small, 1e-9)
         train_flops = 3 * 2 * macs["config_patch"] * spec["batch"]
         cpu_flops = 3 * 2 * macs["cpu_patch"] * spec["batch"]
-        configs.append({
-            **spec, "params": f["params"], "grad_tensors": f["grad_tensors"],
-            "grad_bytes": f["grad_bytes"],
-            "train_gflop_per_replica_step": train_flops / 1e9, "cpu_train_gflop_per_step": cpu_flops / 1e9,
-            "measured": {
-                "cpu_step_s_all_threads": t_full, "cpu_step_s_worker_threads": t_share,
-                "cpu_gflops_all_threads": cpu_flops / t_full / 1e9,
-                "multi_step_s": t_multi, "grad_all_reduce_s": t_grad, "small_all_reduce_s": t_small,
-                "grad_all_reduce_p10_p90_s": _quantiles(m["grad_all_reduce_s"]),
-                "ring_latency_s": latency, "bus_bandwidth_Bps": bus,
-                "algorithm_bandwidth_Bps": f["grad_bytes"] / t_grad,
-                "efficiency_vs_worker_threads": t_share / t_multi,
-                "efficiency_vs_all_threads": t_full / t_multi,
-                "machine_speedup": workers * t_full / t_multi,
-                "predicted_multi_step_s": t_share + t_grad,
-                "steps": {"single_all": f["step_s"], "single_share": s["step_s"], "multi": m["step_s"]}},
-            "estimate": estimate(f["grad_bytes"], train_flops, throughput, {
-                **SCENARIOS, "loopback": {"nvlink_GBps": bus / 1e9, "ib_GBps": bus / 1e9, "latency_us": latency * 1e6,
-                                          "overlap": False}})})
-    return {"workers": workers, "cpu_cores": cpus, "threads": {"all": full["intra_op_threads"],
-                                                               "worker": share["intra_op_threads"]},
-            "tensorflow": full["tensorflow"], "throughput": throughput, "scenarios": SCENARIOS,
-            "gpus_per_node": GPUS_PER_NODE, "configs": configs}
+        configs.append(
+            {
+                **spec,
+                "params": f["params"],
+                "grad_tensors": f["grad_tensors"],
+                "grad_bytes": f["grad_bytes"],
+                "train_gflop_per_replica_step": train_flops / 1e9,
+                "cpu_train_gflop_per_step": cpu_flops / 1e9,
+                "measured": {
+                    "cpu_step_s_all_threads": t_full,
+                    "cpu_step_s_worker_threads": t_share,
+                    "cpu_gflops_all_threads": cpu_flops / t_full / 1e9,
+                    "multi_step_s": t_multi,
+                    "grad_all_reduce_s": t_grad,
+                    "small_all_reduce_s": t_small,
+                    "grad_all_reduce_p10_p90_s": _quantiles(m["grad_all_reduce_s"]),
+                    "ring_latency_s": latency,
+                    "bus_bandwidth_Bps": bus,
+                    "algorithm_bandwidth_Bps": f["grad_bytes"] / t_grad,
+                    "efficiency_vs_worker_threads": t_share / t_multi,
+                    "efficiency_vs_all_threads": t_full / t_multi,
+                    "machine_speedup": workers * t_full / t_multi,
+                    "predicted_multi_step_s": t_share + t_grad,
+                    "steps": {"single_all": f["step_s"], "single_share": s["step_s"], "multi": m["step_s"]},
+                },
+                "estimate": estimate(
+                    f["grad_bytes"],
+                    train_flops,
+                    throughput,
+                    {
+                        **SCENARIOS,
+                        "loopback": {
+                            "nvlink_GBps": bus / 1e9,
+                            "ib_GBps": bus / 1e9,
+                            "latency_us": latency * 1e6,
+                            "overlap": False,
+                        },
+                    },
+                ),
+            }
+        )
+    return {
+        "workers": workers,
+        "cpu_cores": cpus,
+        "threads": {"all": full["intra_op_threads"], "worker": share["intra_op_threads"]},
+        "tensorflow": full["tensorflow"],
+        "throughput": throughput,
+        "scenarios": SCENARIOS,
+        "gpus_per_node": GPUS_PER_NODE,
+        "configs": configs,
+    }
 
 
 def _quantiles(values) -> list[float]:
@@ -539,27 +660,33 @@ def _quantiles(values) -> list[float]:
 
 # ================================================================================================== reports
 
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}" if seconds < 1 else f"{seconds * 1e3:,.0f}"
 
 
 def render_console(r: dict) -> str:
-    lines = [f"measured on this machine ({r['cpu_cores']} cores, {r['workers']} loopback workers, "
-             f"TF {r['tensorflow']})",
-             f"{'config':<8} {'params':>9} {'grad MB':>8} {'CPU patch':>11} {'b':>2} {'step ms':>9} "
-             f"{'1w ms':>9} {'{}w ms'.format(r['workers']):>9} {'eff':>5} {'AR ms':>7} {'lat ms':>7} {'bus GB/s':>8}"]
+    lines = [
+        f"measured on this machine ({r['cpu_cores']} cores, {r['workers']} loopback workers, TF {r['tensorflow']})",
+        f"{'config':<8} {'params':>9} {'grad MB':>8} {'CPU patch':>11} {'b':>2} {'step ms':>9} "
+        f"{'1w ms':>9} {'{}w ms'.format(r['workers']):>9} {'eff':>5} {'AR ms':>7} {'lat ms':>7} {'bus GB/s':>8}",
+    ]
     for c in r["configs"]:
         m = c["measured"]
-        lines.append(f"{c['name']:<8} {c['params']:>9,} {c['grad_bytes'] / 1e6:>8.2f} {_fmt_shape(c['cpu_patch']):>11} "
-                     f"{c['batch']:>2} {_ms(m['cpu_step_s_all_threads']):>9} {_ms(m['cpu_step_s_worker_threads']):>9} "
-                     f"{_ms(m['multi_step_s']):>9} {m['efficiency_vs_worker_threads']:>5.2f} "
-                     f"{_ms(m['grad_all_reduce_s']):>7} {_ms(m['small_all_reduce_s']):>7} "
-                     f"{m['bus_bandwidth_Bps'] / 1e9:>8.2f}")
+        lines.append(
+            f"{c['name']:<8} {c['params']:>9,} {c['grad_bytes'] / 1e6:>8.2f} {_fmt_shape(c['cpu_patch']):>11} "
+            f"{c['batch']:>2} {_ms(m['cpu_step_s_all_threads']):>9} {_ms(m['cpu_step_s_worker_threads']):>9} "
+            f"{_ms(m['multi_step_s']):>9} {m['efficiency_vs_worker_threads']:>5.2f} "
+            f"{_ms(m['grad_all_reduce_s']):>7} {_ms(m['small_all_reduce_s']):>7} "
+            f"{m['bus_bandwidth_Bps'] / 1e9:>8.2f}"
+        )
     lines.append("\npaper estimate, A100 (efficiency: conservative no-overlap / optimistic overlap)")
     lines.append(f"{'config':<8} " + " ".join(f"{'N=' + str(n):>13}" for n in GPU_COUNTS))
     for c in r["configs"]:
-        cells = [f"{e['A100_conservative']['efficiency']:.2f}/{e['A100_optimistic']['efficiency']:.2f}"
-                 for e in c["estimate"]]
+        cells = [
+            f"{e['A100_conservative']['efficiency']:.2f}/{e['A100_optimistic']['efficiency']:.2f}"
+            for e in c["estimate"]
+        ]
         lines.append(f"{c['name']:<8} " + " ".join(f"{cell:>13}" for cell in cells))
     return "\n".join(lines)
 
@@ -568,135 +695,190 @@ def render_markdown(r: dict) -> str:
     t = r["throughput"]
     w = r["workers"]
     cons, opt = SCENARIOS["conservative"], SCENARIOS["optimistic"]
-    out = ["# Data-parallel scaling: measured here, estimated for 8 and 32 GPUs", "",
-           f"Generated by `python benchmarks/scaling.py` (TensorFlow {r['tensorflow']}, {r['cpu_cores']} CPU cores, "
-           f"{w} MultiWorkerMirroredStrategy workers on loopback, {r['wall_seconds']:.0f} s; 1-minute load average "
-           f"{r['load_average']['before']:.1f} before, {r['load_average']['after']:.1f} after: other work on this "
-           "machine shares its cores). Measured numbers come from this machine; everything in *Assumptions* is "
-           "taken from the cited sources, not measured.", "",
-           "## Measured on this machine", "",
-           "Training step = `Trainer.train_step` on a synthetic batch of the config's per-replica batch (float32, "
-           f"median of the timed steps after warm-up). *{w} workers* = the same per-replica batch on each of {w} "
-           f"workers sharing the {r['cpu_cores']} cores ({r['threads']['worker']} thread(s) each), so the efficiency "
-           f"below is a lower bound: it includes the workers competing for cores and memory bandwidth. "
-           "All-reduce = `Backend.reduce_gradients` (SUM) of float32 buffers shaped like the model's trainable "
-           "variables, in a `tf.function`, median of many repetitions; latency = the same with one float.", "",
-           f"| config | params | gradient (float32) | CPU patch × batch | step, {r['threads']['all']} threads | "
-           f"step, {r['threads']['worker']} thread(s) | {w}-worker step | {w}-worker efficiency "
-           f"(vs {r['threads']['worker']}-thread step / vs {r['threads']['all']}-thread) | model: "
-           f"{r['threads']['worker']}-thread step + all-reduce |",
-           "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    out = [
+        "# Data-parallel scaling: measured here, estimated for 8 and 32 GPUs",
+        "",
+        f"Generated by `python benchmarks/scaling.py` (TensorFlow {r['tensorflow']}, {r['cpu_cores']} CPU cores, "
+        f"{w} MultiWorkerMirroredStrategy workers on loopback, {r['wall_seconds']:.0f} s; 1-minute load average "
+        f"{r['load_average']['before']:.1f} before, {r['load_average']['after']:.1f} after: other work on this "
+        "machine shares its cores). Measured numbers come from this machine; everything in *Assumptions* is "
+        "taken from the cited sources, not measured.",
+        "",
+        "## Measured on this machine",
+        "",
+        "Training step = `Trainer.train_step` on a synthetic batch of the config's per-replica batch (float32, "
+        f"median of the timed steps after warm-up). *{w} workers* = the same per-replica batch on each of {w} "
+        f"workers sharing the {r['cpu_cores']} cores ({r['threads']['worker']} thread(s) each), so the efficiency "
+        f"below is a lower bound: it includes the workers competing for cores and memory bandwidth. "
+        "All-reduce = `Backend.reduce_gradients` (SUM) of float32 buffers shaped like the model's trainable "
+        "variables, in a `tf.function`, median of many repetitions; latency = the same with one float.",
+        "",
+        f"| config | params | gradient (float32) | CPU patch × batch | step, {r['threads']['all']} threads | "
+        f"step, {r['threads']['worker']} thread(s) | {w}-worker step | {w}-worker efficiency "
+        f"(vs {r['threads']['worker']}-thread step / vs {r['threads']['all']}-thread) | model: "
+        f"{r['threads']['worker']}-thread step + all-reduce |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for c in r["configs"]:
         m = c["measured"]
-        out.append(f"| {c['name']} | {c['params']:,} | {c['grad_bytes'] / 1e6:.2f} MB in {c['grad_tensors']} tensors | "
-                   f"{_fmt_shape(c['cpu_patch'])} × {c['batch']} | {_ms(m['cpu_step_s_all_threads'])} ms | "
-                   f"{_ms(m['cpu_step_s_worker_threads'])} ms | {_ms(m['multi_step_s'])} ms | "
-                   f"{m['efficiency_vs_worker_threads']:.2f} / {m['efficiency_vs_all_threads']:.2f} | "
-                   f"{_ms(m['predicted_multi_step_s'])} ms |")
-    out += ["", f"| config | gradient all-reduce ({w} workers, p10–p90) | one-float all-reduce | "
-                "ring latency per step | bus bandwidth 2(N−1)/N·B/(t−t₀) | bytes / time | "
-                "CPU conv throughput |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+        out.append(
+            f"| {c['name']} | {c['params']:,} | {c['grad_bytes'] / 1e6:.2f} MB in {c['grad_tensors']} tensors | "
+            f"{_fmt_shape(c['cpu_patch'])} × {c['batch']} | {_ms(m['cpu_step_s_all_threads'])} ms | "
+            f"{_ms(m['cpu_step_s_worker_threads'])} ms | {_ms(m['multi_step_s'])} ms | "
+            f"{m['efficiency_vs_worker_threads']:.2f} / {m['efficiency_vs_all_threads']:.2f} | "
+            f"{_ms(m['predicted_multi_step_s'])} ms |"
+        )
+    out += [
+        "",
+        f"| config | gradient all-reduce ({w} workers, p10–p90) | one-float all-reduce | "
+        "ring latency per step | bus bandwidth 2(N−1)/N·B/(t−t₀) | bytes / time | "
+        "CPU conv throughput |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in r["configs"]:
         m = c["measured"]
         p10, p90 = m["grad_all_reduce_p10_p90_s"]
-        out.append(f"| {c['name']} | {_ms(m['grad_all_reduce_s'])} ms ({_ms(p10)}–{_ms(p90)}) | "
-                   f"{_ms(m['small_all_reduce_s'])} ms | {_ms(m['ring_latency_s'])} ms | "
-                   f"{m['bus_bandwidth_Bps'] / 1e9:.2f} GB/s | {m['algorithm_bandwidth_Bps'] / 1e9:.2f} GB/s | "
-                   f"{m['cpu_gflops_all_threads']:.0f} GFLOP/s |")
+        out.append(
+            f"| {c['name']} | {_ms(m['grad_all_reduce_s'])} ms ({_ms(p10)}–{_ms(p90)}) | "
+            f"{_ms(m['small_all_reduce_s'])} ms | {_ms(m['ring_latency_s'])} ms | "
+            f"{m['bus_bandwidth_Bps'] / 1e9:.2f} GB/s | {m['algorithm_bandwidth_Bps'] / 1e9:.2f} GB/s | "
+            f"{m['cpu_gflops_all_threads']:.0f} GFLOP/s |"
+        )
     h = NNUNET_HEART
-    out += ["", "## Assumptions (not measured here)", "",
-            "- **GPU compute per step** is *not* scaled from the CPU time. It is the config's training arithmetic "
-            "(3 × the forward convolution FLOPs counted from the traced graph, at the config's own patch and "
-            "per-replica batch) divided by the training throughput a 3D U-Net reaches on the GPU, calibrated from "
-            f"nnU-Net's published epoch times ([expected_epoch_times.md]({NNUNET_URL}), `3d_fullres dummy`: random "
-            "inputs, no data loading, mixed precision, 250 iterations per epoch). Task002_Heart's 3d_fullres plan "
-            f"(patch {_fmt_shape(h['patch'])}, batch {h['batch']}, features {h['features'][0]}–{h['features'][-1]}, "
-            f"6 stages of 2 convolutions) is {t['nnunet_forward_gmacs_per_sample']:.0f} GMAC forward per sample, "
-            f"{t['nnunet_train_tflop_per_iteration']:.1f} TFLOP per iteration: A100 "
-            f"{h['epoch_seconds']['A100']} s/epoch → {t['A100']['iteration_s'] * 1e3:.0f} ms/iteration → "
-            f"**{t['A100']['tflops']:.0f} TFLOP/s**; V100 SXM3 "
-            f"{h['epoch_seconds']['V100']} s/epoch → {t['V100']['iteration_s'] * 1e3:.0f} ms → "
-            f"**{t['V100']['tflops']:.0f} TFLOP/s**. Smaller networks than nnU-Net's reach less (kernel launches "
-            "and memory-bound layers dominate), so for the small models below the compute time is an "
-            "underestimate and the estimated efficiency a lower bound.",
-            f"- **Interconnect**: {GPUS_PER_NODE} GPUs per node; ring all-reduce over N GPUs = "
-            "2(N−1)/N × gradient bytes / bandwidth + 2(N−1) × latency, bandwidth = NVLink for N ≤ "
-            f"{GPUS_PER_NODE}, InfiniBand beyond (the ring's slowest link). *Conservative*: NVLink "
-            f"{cons['nvlink_GBps']:.0f} GB/s, InfiniBand EDR 100 Gb/s ≈ {cons['ib_GBps']} GB/s, "
-            f"{cons['latency_us']:.0f} µs per ring step, no overlap (as tfmis does today: one all-reduce after the "
-            f"whole backward pass). *Optimistic*: NVLink {opt['nvlink_GBps']:.0f} GB/s, InfiniBand HDR 200 Gb/s ≈ "
-            f"{opt['ib_GBps']} GB/s per GPU, {opt['latency_us']:.0f} µs, and the all-reduce hidden behind the "
-            "backward pass (2/3 of the compute) as bucketed all-reduce (PyTorch DDP, Horovod) can do: "
-            "step = compute/3 + max(2·compute/3, all-reduce).",
-            "- **Gradients** are all-reduced in float32 (Keras keeps float32 variables under mixed_float16), once "
-            "per step; the per-replica batch stays fixed (weak scaling): speed-up = N × compute / step time, "
-            "efficiency = speed-up / N. Input pipeline, validation and stragglers are not modelled.", ""]
-    out += ["## Paper estimate", "",
-            "| config | config precision | train GFLOP per replica-step (config patch × batch) | A100 compute | "
-            "V100 compute |",
-            "|---|---|---:|---:|---:|"]
+    out += [
+        "",
+        "## Assumptions (not measured here)",
+        "",
+        "- **GPU compute per step** is *not* scaled from the CPU time. It is the config's training arithmetic "
+        "(3 × the forward convolution FLOPs counted from the traced graph, at the config's own patch and "
+        "per-replica batch) divided by the training throughput a 3D U-Net reaches on the GPU, calibrated from "
+        f"nnU-Net's published epoch times ([expected_epoch_times.md]({NNUNET_URL}), `3d_fullres dummy`: random "
+        "inputs, no data loading, mixed precision, 250 iterations per epoch). Task002_Heart's 3d_fullres plan "
+        f"(patch {_fmt_shape(h['patch'])}, batch {h['batch']}, features {h['features'][0]}–{h['features'][-1]}, "
+        f"6 stages of 2 convolutions) is {t['nnunet_forward_gmacs_per_sample']:.0f} GMAC forward per sample, "
+        f"{t['nnunet_train_tflop_per_iteration']:.1f} TFLOP per iteration: A100 "
+        f"{h['epoch_seconds']['A100']} s/epoch → {t['A100']['iteration_s'] * 1e3:.0f} ms/iteration → "
+        f"**{t['A100']['tflops']:.0f} TFLOP/s**; V100 SXM3 "
+        f"{h['epoch_seconds']['V100']} s/epoch → {t['V100']['iteration_s'] * 1e3:.0f} ms → "
+        f"**{t['V100']['tflops']:.0f} TFLOP/s**. Smaller networks than nnU-Net's reach less (kernel launches "
+        "and memory-bound layers dominate), so for the small models below the compute time is an "
+        "underestimate and the estimated efficiency a lower bound.",
+        f"- **Interconnect**: {GPUS_PER_NODE} GPUs per node; ring all-reduce over N GPUs = "
+        "2(N−1)/N × gradient bytes / bandwidth + 2(N−1) × latency, bandwidth = NVLink for N ≤ "
+        f"{GPUS_PER_NODE}, InfiniBand beyond (the ring's slowest link). *Conservative*: NVLink "
+        f"{cons['nvlink_GBps']:.0f} GB/s, InfiniBand EDR 100 Gb/s ≈ {cons['ib_GBps']} GB/s, "
+        f"{cons['latency_us']:.0f} µs per ring step, no overlap (as tfmis does today: one all-reduce after the "
+        f"whole backward pass). *Optimistic*: NVLink {opt['nvlink_GBps']:.0f} GB/s, InfiniBand HDR 200 Gb/s ≈ "
+        f"{opt['ib_GBps']} GB/s per GPU, {opt['latency_us']:.0f} µs, and the all-reduce hidden behind the "
+        "backward pass (2/3 of the compute) as bucketed all-reduce (PyTorch DDP, Horovod) can do: "
+        "step = compute/3 + max(2·compute/3, all-reduce).",
+        "- **Gradients** are all-reduced in float32 (Keras keeps float32 variables under mixed_float16), once "
+        "per step; the per-replica batch stays fixed (weak scaling): speed-up = N × compute / step time, "
+        "efficiency = speed-up / N. Input pipeline, validation and stragglers are not modelled.",
+        "",
+    ]
+    out += [
+        "## Paper estimate",
+        "",
+        "| config | config precision | train GFLOP per replica-step (config patch × batch) | A100 compute | "
+        "V100 compute |",
+        "|---|---|---:|---:|---:|",
+    ]
     small = False
     for c in r["configs"]:
         e = c["estimate"][0]
         mark = "†" if e["A100_compute_s"] < LAUNCH_BOUND_S else ""
         small = small or bool(mark)
-        out.append(f"| {c['name']} ({_fmt_shape(c['config_patch'])} × {c['batch']}) | {c['config_precision']} | "
-                   f"{c['train_gflop_per_replica_step']:,.0f} | {_ms(e['A100_compute_s'])} ms{mark} | "
-                   f"{_ms(e['V100_compute_s'])} ms |")
+        out.append(
+            f"| {c['name']} ({_fmt_shape(c['config_patch'])} × {c['batch']}) | {c['config_precision']} | "
+            f"{c['train_gflop_per_replica_step']:,.0f} | {_ms(e['A100_compute_s'])} ms{mark} | "
+            f"{_ms(e['V100_compute_s'])} ms |"
+        )
     if small:
-        out += ["", f"† Below ~{LAUNCH_BOUND_S * 1e3:.0f} ms per step, kernel launches and framework overhead rather "
-                    "than arithmetic set a GPU's step time: the real compute is longer, so this config's estimated "
-                    "efficiency is a lower bound."]
-    out += ["", "| config | GPUs (nodes) | all-reduce, conservative / optimistic | A100 step, conservative | "
-                "A100 speed-up (efficiency), conservative | A100 speed-up (efficiency), optimistic | "
-                "V100 speed-up (efficiency), conservative | A100 at this machine's loopback all-reduce |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [
+            "",
+            f"† Below ~{LAUNCH_BOUND_S * 1e3:.0f} ms per step, kernel launches and framework overhead rather "
+            "than arithmetic set a GPU's step time: the real compute is longer, so this config's estimated "
+            "efficiency is a lower bound.",
+        ]
+    out += [
+        "",
+        "| config | GPUs (nodes) | all-reduce, conservative / optimistic | A100 step, conservative | "
+        "A100 speed-up (efficiency), conservative | A100 speed-up (efficiency), optimistic | "
+        "V100 speed-up (efficiency), conservative | A100 at this machine's loopback all-reduce |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in r["configs"]:
         for e in c["estimate"]:
-            a_c, a_o, v_c, a_l = (e["A100_conservative"], e["A100_optimistic"], e["V100_conservative"],
-                                  e["A100_loopback"])
-            out.append(f"| {c['name']} | {e['gpus']} ({e['nodes']}) | {_ms(e['comm_conservative_s'])} / "
-                       f"{_ms(e['comm_optimistic_s'])} ms | {_ms(a_c['step_s'])} ms | "
-                       f"{a_c['speedup']:.1f}× ({a_c['efficiency']:.0%}) | {a_o['speedup']:.1f}× "
-                       f"({a_o['efficiency']:.0%}) | {v_c['speedup']:.1f}× ({v_c['efficiency']:.0%}) | "
-                       f"{a_l['speedup']:.1f}× ({a_l['efficiency']:.0%}) |")
-    out += ["", "The last column puts the all-reduce at the bus bandwidth and latency measured here (TensorFlow's "
-                "gRPC ring between CPU processes on loopback) instead of NVLink/InfiniBand with NCCL: what the same "
-                "GPUs would reach if their gradients went through that path."]
+            a_c, a_o, v_c, a_l = (
+                e["A100_conservative"],
+                e["A100_optimistic"],
+                e["V100_conservative"],
+                e["A100_loopback"],
+            )
+            out.append(
+                f"| {c['name']} | {e['gpus']} ({e['nodes']}) | {_ms(e['comm_conservative_s'])} / "
+                f"{_ms(e['comm_optimistic_s'])} ms | {_ms(a_c['step_s'])} ms | "
+                f"{a_c['speedup']:.1f}× ({a_c['efficiency']:.0%}) | {a_o['speedup']:.1f}× "
+                f"({a_o['efficiency']:.0%}) | {v_c['speedup']:.1f}× ({v_c['efficiency']:.0%}) | "
+                f"{a_l['speedup']:.1f}× ({a_l['efficiency']:.0%}) |"
+            )
+    out += [
+        "",
+        "The last column puts the all-reduce at the bus bandwidth and latency measured here (TensorFlow's "
+        "gRPC ring between CPU processes on loopback) instead of NVLink/InfiniBand with NCCL: what the same "
+        "GPUs would reach if their gradients went through that path.",
+    ]
     rel = MONAI["gpus_32"] / MONAI["gpus_8"]
-    out += ["", "## Reported scaling (quoted, for comparison)", "",
-            "| source | setting | reported | as efficiency |", "|---|---|---|---:|",
-            f"| DistMIS (Berral et al., IPDPSW 2022, [arXiv:2110.15884]({DISTMIS['url']}), "
-            f"[abstract]({DISTMIS['mirror']}), [code]({DISTMIS['repo']})) | TensorFlow 3D U-Net, MSD BraTS, "
-            "BSC MareNostrum, 4 GPUs per node; "
-            "MirroredStrategy in a node, MultiWorkerMirroredStrategy (through Ray) across nodes; data parallelism "
-            "compared with experiment (hyper-parameter) parallelism | abstract: experiment distribution “leverages "
-            "better such resources through scaling, e.g. by a speed-up factor from x12 to x14 using 32 GPUs” | "
-            f"{12 / 32:.0%}–{14 / 32:.0%} |",
-            f"| MONAI fast model training guide ([link]({MONAI['url']})) | SegResNet, BraTS, A100, time to a target "
-            "Dice vs a single-GPU baseline *including* algorithm and GPU-caching changes | "
-            f"8 GPUs > {MONAI['gpus_8']:.0f}×, 32 GPUs (4 nodes) {MONAI['gpus_32']:.0f}× | "
-            f"8 → 32 GPUs: {rel:.1f}× of an ideal 4× = {rel / 4:.0%} |", "",
-            "Neither is a per-step data-parallel measurement comparable one-to-one with the estimate: DistMIS "
-            "times whole trainings (and its ×12–×14 is worded as a comparison of the two parallelisms), MONAI "
-            "times training to a target metric. They show what real 32-GPU 3D-segmentation runs reached.", ""]
+    out += [
+        "",
+        "## Reported scaling (quoted, for comparison)",
+        "",
+        "| source | setting | reported | as efficiency |",
+        "|---|---|---|---:|",
+        f"| DistMIS (Berral et al., IPDPSW 2022, [arXiv:2110.15884]({DISTMIS['url']}), "
+        f"[abstract]({DISTMIS['mirror']}), [code]({DISTMIS['repo']})) | TensorFlow 3D U-Net, MSD BraTS, "
+        "BSC MareNostrum, 4 GPUs per node; "
+        "MirroredStrategy in a node, MultiWorkerMirroredStrategy (through Ray) across nodes; data parallelism "
+        "compared with experiment (hyper-parameter) parallelism | abstract: experiment distribution “leverages "
+        "better such resources through scaling, e.g. by a speed-up factor from x12 to x14 using 32 GPUs” | "
+        f"{12 / 32:.0%}–{14 / 32:.0%} |",
+        f"| MONAI fast model training guide ([link]({MONAI['url']})) | SegResNet, BraTS, A100, time to a target "
+        "Dice vs a single-GPU baseline *including* algorithm and GPU-caching changes | "
+        f"8 GPUs > {MONAI['gpus_8']:.0f}×, 32 GPUs (4 nodes) {MONAI['gpus_32']:.0f}× | "
+        f"8 → 32 GPUs: {rel:.1f}× of an ideal 4× = {rel / 4:.0%} |",
+        "",
+        "Neither is a per-step data-parallel measurement comparable one-to-one with the estimate: DistMIS "
+        "times whole trainings (and its ×12–×14 is worded as a comparison of the two parallelisms), MONAI "
+        "times training to a target metric. They show what real 32-GPU 3D-segmentation runs reached.",
+        "",
+    ]
     at32 = {c["name"]: next(e for e in c["estimate"] if e["gpus"] == 32) for c in r["configs"]}
     if at32:
-        parts = [f"{name} {e['A100_conservative']['efficiency']:.0%}–{e['A100_optimistic']['efficiency']:.0%}"
-                 + ("†" if e["A100_compute_s"] < LAUNCH_BOUND_S else "") for name, e in at32.items()]
-        out += ["## Summary", "",
-                f"At 32 GPUs (4 nodes) the estimate gives A100 efficiencies (conservative–optimistic) of "
-                f"{', '.join(parts)}, against {12 / 32:.0%}–{14 / 32:.0%} (DistMIS) and ~{rel / 4:.0%} from 8 to 32 "
-                "GPUs (MONAI) reported. The estimate counts only GPU arithmetic and the gradient all-reduce; what "
-                "separates it from the reports is what it leaves out: input pipelines feeding N GPUs, per-step "
-                "framework overhead, stragglers (every step waits for the slowest replica), validation and "
-                "checkpointing. On this machine the additive model (one worker's step + the measured all-reduce) "
-                "accounts for " + ", ".join(
-                    f"{c['name']} {c['measured']['predicted_multi_step_s'] / c['measured']['multi_step_s']:.0%}"
-                    for c in r["configs"]) + f" of the measured {w}-worker step; the rest is the workers competing "
-                "for the same cores and waiting for each other every step, the kind of loss the estimate leaves "
-                "out.", ""]
+        parts = [
+            f"{name} {e['A100_conservative']['efficiency']:.0%}–{e['A100_optimistic']['efficiency']:.0%}"
+            + ("†" if e["A100_compute_s"] < LAUNCH_BOUND_S else "")
+            for name, e in at32.items()
+        ]
+        out += [
+            "## Summary",
+            "",
+            f"At 32 GPUs (4 nodes) the estimate gives A100 efficiencies (conservative–optimistic) of "
+            f"{', '.join(parts)}, against {12 / 32:.0%}–{14 / 32:.0%} (DistMIS) and ~{rel / 4:.0%} from 8 to 32 "
+            "GPUs (MONAI) reported. The estimate counts only GPU arithmetic and the gradient all-reduce; what "
+            "separates it from the reports is what it leaves out: input pipelines feeding N GPUs, per-step "
+            "framework overhead, stragglers (every step waits for the slowest replica), validation and "
+            "checkpointing. On this machine the additive model (one worker's step + the measured all-reduce) "
+            "accounts for "
+            + ", ".join(
+                f"{c['name']} {c['measured']['predicted_multi_step_s'] / c['measured']['multi_step_s']:.0%}"
+                for c in r["configs"]
+            )
+            + f" of the measured {w}-worker step; the rest is the workers competing "
+            "for the same cores and waiting for each other every step, the kind of loss the estimate leaves "
+            "out.",
+            "",
+        ]
     return "\n".join(out)
 
 

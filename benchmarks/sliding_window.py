@@ -46,21 +46,32 @@ WORKER = Path(__file__).resolve().with_name("monai_sliding_window.py")
 PREDICTORS = {"poly": "x**2 - x/2", "tanh": "tanh(x)"}  # the same elementwise op in both frameworks
 # SHAPE:ROI:SW_BATCH:OVERLAP[:BATCH] — the issue's volume first; a small one with little overlap; two
 # volumes in one call; a large one with a large window; one smaller than the window (padded).
-DEFAULT_CASES = ("99x117x95:64:4:0.5", "48x40x36:32:4:0.25", "72x64x56:48:3:0.5:2", "160x160x128:96:2:0.5",
-                 "50x60x40:64:4:0.5")
+DEFAULT_CASES = (
+    "99x117x95:64:4:0.5",
+    "48x40x36:32:4:0.25",
+    "72x64x56:48:3:0.5:2",
+    "160x160x128:96:2:0.5",
+    "50x60x40:64:4:0.5",
+)
 
 
 def parse_case(text: str) -> dict:
     """'99x117x95:64:4:0.5[:2]' -> shape, roi, sw batch, overlap, batch of volumes."""
     parts = text.split(":")
     if len(parts) not in (4, 5):
-        raise argparse.ArgumentTypeError(f"--case must be SHAPE:ROI:SW_BATCH:OVERLAP[:BATCH], e.g. "
-                                         f"99x117x95:64:4:0.5, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--case must be SHAPE:ROI:SW_BATCH:OVERLAP[:BATCH], e.g. 99x117x95:64:4:0.5, got {text!r}"
+        )
     try:
         shape = tuple(int(s) for s in parts[0].split("x"))
         roi = tuple(int(s) for s in parts[1].split("x"))
-        case = {"shape": shape, "roi": roi * 3 if len(roi) == 1 else roi, "sw_batch_size": int(parts[2]),
-                "overlap": float(parts[3]), "batch": int(parts[4]) if len(parts) == 5 else 1}
+        case = {
+            "shape": shape,
+            "roi": roi * 3 if len(roi) == 1 else roi,
+            "sw_batch_size": int(parts[2]),
+            "overlap": float(parts[3]),
+            "batch": int(parts[4]) if len(parts) == 5 else 1,
+        }
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--case {text!r}: {e}") from None
     if len(shape) != 3 or len(case["roi"]) != 3:
@@ -71,8 +82,10 @@ def parse_case(text: str) -> dict:
 def case_name(case: dict) -> str:
     batch = f" x{case['batch']}" if case["batch"] > 1 else ""
     roi = case["roi"][0] if len(set(case["roi"])) == 1 else "x".join(map(str, case["roi"]))
-    return (f"{'x'.join(map(str, case['shape']))}{batch} roi {roi} sw {case['sw_batch_size']} "
-            f"ov {case['overlap']:g} {case['mode'][:5]} {case['predictor']}")
+    return (
+        f"{'x'.join(map(str, case['shape']))}{batch} roi {roi} sw {case['sw_batch_size']} "
+        f"ov {case['overlap']:g} {case['mode'][:5]} {case['predictor']}"
+    )
 
 
 class MonaiWorker:
@@ -82,15 +95,23 @@ class MonaiWorker:
         environment = dict(os.environ)
         if omp_wait_policy:
             environment["OMP_WAIT_POLICY"] = omp_wait_policy
-        self.process = subprocess.Popen([python, str(WORKER), "--threads", str(threads)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, bufsize=1, env=environment)
+        self.process = subprocess.Popen(
+            [python, str(WORKER), "--threads", str(threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=environment,
+        )
         self.info = self._answer()
 
     def _answer(self) -> dict:
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"the MONAI worker ({WORKER.name}) stopped; run it by hand to see why: "
-                               f"{self.process.args[0]} {WORKER} --threads 1")
+            raise RuntimeError(
+                f"the MONAI worker ({WORKER.name}) stopped; run it by hand to see why: "
+                f"{self.process.args[0]} {WORKER} --threads 1"
+            )
         answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"MONAI worker: {answer['error']}")
@@ -122,21 +143,38 @@ def window_batches(windows: int, sw_batch_size: int) -> list[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", action="append", type=parse_case, metavar="SHAPE:ROI:SW_BATCH:OVERLAP[:BATCH]",
-                   help=f"a case (repeatable); default: {', '.join(DEFAULT_CASES)}")
+    p.add_argument(
+        "--case",
+        action="append",
+        type=parse_case,
+        metavar="SHAPE:ROI:SW_BATCH:OVERLAP[:BATCH]",
+        help=f"a case (repeatable); default: {', '.join(DEFAULT_CASES)}",
+    )
     p.add_argument("--modes", default="gaussian,constant", help="blending modes, comma-separated")
-    p.add_argument("--predictors", default="poly,tanh",
-                   help="comma-separated: poly (x**2 - x/2), tanh (tanh(x)); each case runs with each")
+    p.add_argument(
+        "--predictors",
+        default="poly,tanh",
+        help="comma-separated: poly (x**2 - x/2), tanh (tanh(x)); each case runs with each",
+    )
     p.add_argument("--channels", type=int, default=1, help="image channels C (the prediction has C too)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs per case and arm at least (median reported)")
-    p.add_argument("--min-seconds", type=float, default=1.0,
-                   help="more runs (up to 200) until tfmis has run this long on the case")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                   help="TensorFlow intra-op threads and torch threads (default: the usable cores)")
+    p.add_argument(
+        "--min-seconds", type=float, default=1.0, help="more runs (up to 200) until tfmis has run this long on the case"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="TensorFlow intra-op threads and torch threads (default: the usable cores)",
+    )
     p.add_argument("--monai", metavar="PYTHON", help="an interpreter with torch and MONAI, e.g. .venv-monai/bin/python")
-    p.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", ""),
-                   help="OMP_WAIT_POLICY of the MONAI worker ('' = torch's default). PASSIVE by default: on a "
-                        "busy machine torch's spinning OpenMP threads make MONAI many times slower")
+    p.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        choices=("PASSIVE", "ACTIVE", ""),
+        help="OMP_WAIT_POLICY of the MONAI worker ('' = torch's default). PASSIVE by default: on a "
+        "busy machine torch's spinning OpenMP threads make MONAI many times slower",
+    )
     p.add_argument("--baseline", metavar="FILE", help="another sliding_window.py to time as a third arm")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -146,9 +184,12 @@ def main(argv=None) -> int:
     predictor_names = [m.strip() for m in args.predictors.split(",") if m.strip()]
     if not set(predictor_names) <= set(PREDICTORS):
         p.error(f"--predictors: choose from {', '.join(PREDICTORS)}, got {args.predictors!r}")
-    cases = [{**case, "mode": mode, "predictor": name}
-             for name in predictor_names for case in (args.case or [parse_case(c) for c in DEFAULT_CASES])
-             for mode in modes]
+    cases = [
+        {**case, "mode": mode, "predictor": name}
+        for name in predictor_names
+        for case in (args.case or [parse_case(c) for c in DEFAULT_CASES])
+        for mode in modes
+    ]
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
@@ -161,18 +202,31 @@ def main(argv=None) -> int:
     predictors = {"tanh": tf.tanh, "poly": lambda x: x * x - x / 2}
     baseline = load_baseline(args.baseline) if args.baseline else None
     worker = MonaiWorker(args.monai, args.threads, args.omp_wait_policy) if args.monai else None
-    print(f"TensorFlow {tf.__version__}: {args.threads} intra-op threads, blending in "
-          f"{'host memory (numpy)' if aggregates_on_host(None) else 'accelerator memory'}"
-          + (f"; MONAI {worker.info['monai']}, torch {worker.info['torch']}: {worker.info['threads']} threads, "
-             f"OMP_WAIT_POLICY={args.omp_wait_policy or 'default'}" if worker else "")
-          + f"; {args.channels} channel(s); median of {args.repeats} runs after 1 warm-up.\n"
-          "net s: the predictor alone on the same window batches (what the network would cost); "
-          "around: MONAI/tfmis of (total - net), the time spent around the network; cpu: MONAI/tfmis of the "
-          "process CPU time (all threads) per volume", flush=True)
+    print(
+        f"TensorFlow {tf.__version__}: {args.threads} intra-op threads, blending in "
+        f"{'host memory (numpy)' if aggregates_on_host(None) else 'accelerator memory'}"
+        + (
+            f"; MONAI {worker.info['monai']}, torch {worker.info['torch']}: {worker.info['threads']} threads, "
+            f"OMP_WAIT_POLICY={args.omp_wait_policy or 'default'}"
+            if worker
+            else ""
+        )
+        + f"; {args.channels} channel(s); median of {args.repeats} runs after 1 warm-up.\n"
+        "net s: the predictor alone on the same window batches (what the network would cost); "
+        "around: MONAI/tfmis of (total - net), the time spent around the network; cpu: MONAI/tfmis of the "
+        "process CPU time (all threads) per volume",
+        flush=True,
+    )
 
     def run_tfmis(function, volume, case):
-        out = function(volume, case["roi"], case["sw_batch_size"], predictors[case["predictor"]],
-                       overlap=case["overlap"], mode=case["mode"])
+        out = function(
+            volume,
+            case["roi"],
+            case["sw_batch_size"],
+            predictors[case["predictor"]],
+            overlap=case["overlap"],
+            mode=case["mode"],
+        )
         return np.asarray(out)  # the result, in host memory (no copy when it is there already)
 
     def run_predictor_alone(batches, case):
@@ -189,24 +243,35 @@ def main(argv=None) -> int:
                 volume = rng.normal(size=(case["batch"], *case["shape"], args.channels)).astype(np.float32)
                 windows = case["batch"] * number_of_windows(case["shape"], case["roi"], case["overlap"])
                 sizes = window_batches(windows, case["sw_batch_size"])
-                batches = [tf.constant(rng.normal(size=(n, *case["roi"], args.channels)).astype(np.float32))
-                           for n in sizes]
-                arms = {"tfmis": lambda: run_tfmis(sliding_window_inference, volume, case),
-                        "tfmis_net": lambda: run_predictor_alone(batches, case)}
+                batches = [
+                    tf.constant(rng.normal(size=(n, *case["roi"], args.channels)).astype(np.float32)) for n in sizes
+                ]
+                arms = {
+                    "tfmis": lambda v=volume, c=case: run_tfmis(sliding_window_inference, v, c),
+                    "tfmis_net": lambda b=batches, c=case: run_predictor_alone(b, c),
+                }
                 if baseline is not None:
-                    arms["baseline"] = lambda: run_tfmis(baseline, volume, case)
+                    arms["baseline"] = lambda v=volume, c=case: run_tfmis(baseline, v, c)
                 outputs = {arm: run() for arm, run in arms.items()}  # warm-up, and the outputs compared
                 if worker is not None:
                     source, target = Path(folder, f"in{index}.npy"), Path(folder, f"out{index}.npy")
                     np.save(source, volume)
-                    worker.request(cmd="load", case=name, input=str(source), roi_size=list(case["roi"]),
-                                   sw_batch_size=case["sw_batch_size"], overlap=case["overlap"], mode=case["mode"],
-                                   predictor=case["predictor"], batches=sizes)
+                    worker.request(
+                        cmd="load",
+                        case=name,
+                        input=str(source),
+                        roi_size=list(case["roi"]),
+                        sw_batch_size=case["sw_batch_size"],
+                        overlap=case["overlap"],
+                        mode=case["mode"],
+                        predictor=case["predictor"],
+                        batches=sizes,
+                    )
                     worker.request(cmd="save", case=name, output=str(target))
                     worker.request(cmd="time_predictor", case=name)
                     outputs["monai"] = np.load(target)
-                    arms["monai"] = lambda: worker.request(cmd="time", case=name)
-                    arms["monai_net"] = lambda: worker.request(cmd="time_predictor", case=name)
+                    arms["monai"] = lambda n=name: worker.request(cmd="time", case=n)
+                    arms["monai_net"] = lambda n=name: worker.request(cmd="time_predictor", case=n)
                 times = {arm: [] for arm in arms}
                 cpu_times = {arm: [] for arm in arms}
                 runs = 0
@@ -224,10 +289,15 @@ def main(argv=None) -> int:
                             run()
                             times[arm].append(time.perf_counter() - start)
                             cpu_times[arm].append(time.process_time() - cpu)
-                row = {"case": name, **case, "windows": windows, "runs": runs,
-                       **{f"{arm}_s": statistics.median(t) for arm, t in times.items()},
-                       **{f"{arm}_cpu_s": statistics.median(t) for arm, t in cpu_times.items()},
-                       **{f"{arm}_runs_s": t for arm, t in times.items()}}
+                row = {
+                    "case": name,
+                    **case,
+                    "windows": windows,
+                    "runs": runs,
+                    **{f"{arm}_s": statistics.median(t) for arm, t in times.items()},
+                    **{f"{arm}_cpu_s": statistics.median(t) for arm, t in cpu_times.items()},
+                    **{f"{arm}_runs_s": t for arm, t in times.items()},
+                }
                 for arm in ("monai", "baseline"):
                     if arm in outputs:
                         row[f"{arm}_max_abs_diff"] = float(np.abs(outputs[arm] - outputs["tfmis"]).max())
@@ -235,8 +305,9 @@ def main(argv=None) -> int:
                 if worker is not None:
                     row["monai_cpu_over_tfmis"] = row["monai_cpu_s"] / row["tfmis_cpu_s"]
                     around = row["tfmis_s"] - row["tfmis_net_s"]
-                    row["monai_around_over_tfmis"] = ((row["monai_s"] - row["monai_net_s"]) / around
-                                                      if around > 0 else float("inf"))
+                    row["monai_around_over_tfmis"] = (
+                        (row["monai_s"] - row["monai_net_s"]) / around if around > 0 else float("inf")
+                    )
                 rows.append(row)
                 print_row(row, header=index == 0, monai=worker is not None, baseline=baseline is not None)
     finally:
@@ -246,37 +317,76 @@ def main(argv=None) -> int:
         ratios = [r["monai_over_tfmis"] for r in rows]
         around = [r["monai_around_over_tfmis"] for r in rows]
         cpu = [r["monai_cpu_over_tfmis"] for r in rows]
-        print(f"MONAI/tfmis: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; around the network: "
-              f"min {min(around):.2f}, median {statistics.median(around):.2f}; CPU time: min {min(cpu):.2f}, "
-              f"median {statistics.median(cpu):.2f}; max |tfmis - MONAI| "
-              f"{max(r['monai_max_abs_diff'] for r in rows):.2g}")
+        print(
+            f"MONAI/tfmis: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; around the network: "
+            f"min {min(around):.2f}, median {statistics.median(around):.2f}; CPU time: min {min(cpu):.2f}, "
+            f"median {statistics.median(cpu):.2f}; max |tfmis - MONAI| "
+            f"{max(r['monai_max_abs_diff'] for r in rows):.2g}"
+        )
     if args.json:
-        atomic_write_json(args.json, {"threads": args.threads, "channels": args.channels, "repeats": args.repeats,
-                                      "monai": worker.info if worker else None,
-                                      "omp_wait_policy": args.omp_wait_policy if worker else None,
-                                      "tensorflow": tf.__version__, "rows": rows})
+        atomic_write_json(
+            args.json,
+            {
+                "threads": args.threads,
+                "channels": args.channels,
+                "repeats": args.repeats,
+                "monai": worker.info if worker else None,
+                "omp_wait_policy": args.omp_wait_policy if worker else None,
+                "tensorflow": tf.__version__,
+                "rows": rows,
+            },
+        )
     return 0
 
 
 def print_row(row: dict, header: bool, monai: bool, baseline: bool) -> None:
     columns = [("case", 49), ("windows", 7), ("tfmis s", 8), ("win/s", 6), ("net s", 7)]
-    cells = [row["case"], f"{row['windows']}", f"{row['tfmis_s']:.4f}", f"{row['windows'] / row['tfmis_s']:.0f}",
-             f"{row['tfmis_net_s']:.4f}"]
+    cells = [
+        row["case"],
+        f"{row['windows']}",
+        f"{row['tfmis_s']:.4f}",
+        f"{row['windows'] / row['tfmis_s']:.0f}",
+        f"{row['tfmis_net_s']:.4f}",
+    ]
     if monai:
-        columns += [("MONAI s", 8), ("win/s", 6), ("net s", 7), ("MONAI/tfmis", 11), ("around", 6), ("cpu", 5),
-                    ("max|Δ|", 7)]
-        cells += [f"{row['monai_s']:.4f}", f"{row['windows'] / row['monai_s']:.0f}", f"{row['monai_net_s']:.4f}",
-                  f"{row['monai_over_tfmis']:.2f}", f"{row['monai_around_over_tfmis']:.2f}",
-                  f"{row['monai_cpu_over_tfmis']:.2f}", f"{row['monai_max_abs_diff']:.0e}"]
+        columns += [
+            ("MONAI s", 8),
+            ("win/s", 6),
+            ("net s", 7),
+            ("MONAI/tfmis", 11),
+            ("around", 6),
+            ("cpu", 5),
+            ("max|Δ|", 7),
+        ]
+        cells += [
+            f"{row['monai_s']:.4f}",
+            f"{row['windows'] / row['monai_s']:.0f}",
+            f"{row['monai_net_s']:.4f}",
+            f"{row['monai_over_tfmis']:.2f}",
+            f"{row['monai_around_over_tfmis']:.2f}",
+            f"{row['monai_cpu_over_tfmis']:.2f}",
+            f"{row['monai_max_abs_diff']:.0e}",
+        ]
     if baseline:
         columns += [("baseline s", 10), ("speed-up", 8), ("max|Δ|", 7)]
-        cells += [f"{row['baseline_s']:.4f}", f"{row['baseline_over_tfmis']:.2f}",
-                  f"{row['baseline_max_abs_diff']:.0e}"]
+        cells += [
+            f"{row['baseline_s']:.4f}",
+            f"{row['baseline_over_tfmis']:.2f}",
+            f"{row['baseline_max_abs_diff']:.0e}",
+        ]
     if header:
-        print("  ".join(f"{title:<{width}}" if i == 0 else f"{title:>{width}}" for i, (title, width) in
-                        enumerate(columns)))
-    print("  ".join(f"{cell:<{width}}" if i == 0 else f"{cell:>{width}}" for i, (cell, (_, width)) in
-                    enumerate(zip(cells, columns))), flush=True)
+        print(
+            "  ".join(
+                f"{title:<{width}}" if i == 0 else f"{title:>{width}}" for i, (title, width) in enumerate(columns)
+            )
+        )
+    print(
+        "  ".join(
+            f"{cell:<{width}}" if i == 0 else f"{cell:>{width}}"
+            for i, (cell, (_, width)) in enumerate(zip(cells, columns))
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

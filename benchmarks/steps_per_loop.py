@@ -34,10 +34,26 @@ from tfmis.utils.io import atomic_write_json, atomic_writer  # noqa: E402
 
 def run_arm(config: str, loop: int, epochs: int, out: Path, overrides: list[str]) -> dict:
     """One training run with `steps_per_loop=loop`; its throughput and input-wait share after epoch 1."""
-    command = [sys.executable, "-m", "tfmis.train", "--config", config, "--set", f"training.steps_per_loop={loop}",
-               "--set", f"training.epochs={epochs}", "--set", f"validation.val_interval={epochs + 1}",
-               "--set", f"output.dir={out}", "--set", "output.progress=false", "--set", "output.tensorboard=false",
-               *[a for o in overrides for a in ("--set", o)]]
+    command = [
+        sys.executable,
+        "-m",
+        "tfmis.train",
+        "--config",
+        config,
+        "--set",
+        f"training.steps_per_loop={loop}",
+        "--set",
+        f"training.epochs={epochs}",
+        "--set",
+        f"validation.val_interval={epochs + 1}",
+        "--set",
+        f"output.dir={out}",
+        "--set",
+        "output.progress=false",
+        "--set",
+        "output.tensorboard=false",
+        *[a for o in overrides for a in ("--set", o)],
+    ]
     log = out.with_suffix(".log")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
@@ -50,16 +66,25 @@ def run_arm(config: str, loop: int, epochs: int, out: Path, overrides: list[str]
         raise SystemExit("error: --epochs must be at least 2 (the first epoch is left out)")
     images = sum(r["images_per_second"] * (r["epoch_seconds"]) for r in steady)
     seconds = sum(r["epoch_seconds"] for r in steady)
-    return {"steps_per_loop": loop, "images_per_second": images / seconds,
-            "data_wait_fraction": statistics.mean(r["data_wait_fraction"] for r in steady),
-            "epoch_seconds": statistics.median(r["epoch_seconds"] for r in steady), "run": str(out)}
+    return {
+        "steps_per_loop": loop,
+        "images_per_second": images / seconds,
+        "data_wait_fraction": statistics.mean(r["data_wait_fraction"] for r in steady),
+        "epoch_seconds": statistics.median(r["epoch_seconds"] for r in steady),
+        "run": str(out),
+    }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/demo.yaml")
-    p.add_argument("--loops", type=int, nargs="+", default=[1, 16], help="steps_per_loop values; the first is the "
-                                                                          "reference (default 1 16)")
+    p.add_argument(
+        "--loops",
+        type=int,
+        nargs="+",
+        default=[1, 16],
+        help="steps_per_loop values; the first is the reference (default 1 16)",
+    )
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -71,11 +96,17 @@ def main(argv=None) -> int:
         for loop in args.loops:
             result = run_arm(args.config, loop, args.epochs, out / f"loop{loop}_run{repeat}", args.overrides)
             results[loop].append(result)
-            print(f"round {repeat}, steps_per_loop {loop}: {result['images_per_second']:.2f} images/s, "
-                  f"input wait {100 * result['data_wait_fraction']:.1f} %", flush=True)
+            print(
+                f"round {repeat}, steps_per_loop {loop}: {result['images_per_second']:.2f} images/s, "
+                f"input wait {100 * result['data_wait_fraction']:.1f} %",
+                flush=True,
+            )
     reference = statistics.median(r["images_per_second"] for r in results[args.loops[0]])
-    lines = ["| steps_per_loop | images/s (median) | images/s per run | input wait, % of step time | ratio to "
-             f"{args.loops[0]} |", "|---|---|---|---|---|"]
+    lines = [
+        "| steps_per_loop | images/s (median) | images/s per run | input wait, % of step time | ratio to "
+        f"{args.loops[0]} |",
+        "|---|---|---|---|---|",
+    ]
     summary = {}
     for loop, runs in results.items():
         median = statistics.median(r["images_per_second"] for r in runs)

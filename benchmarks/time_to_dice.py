@@ -60,12 +60,15 @@ DEFAULT_OUTPUT = "runs/time_to_dice"
 MONAI = "monai"
 MONAI_SCRIPT = REPO / "benchmarks" / "monai_demo.py"
 DEFAULT_MONAI_PYTHON = REPO / ".venv-monai" / "bin" / "python"
-MONAI_VENV_COMMAND = ("python -m venv .venv-monai && .venv-monai/bin/pip install torch==2.13.0 && "
-                      ".venv-monai/bin/pip install monai nibabel")
+MONAI_VENV_COMMAND = (
+    "python -m venv .venv-monai && .venv-monai/bin/pip install torch==2.13.0 && "
+    ".venv-monai/bin/pip install monai nibabel"
+)
 RUN_MARKERS = {"history.jsonl", "config.yaml", "settings.json", "checkpoints", "summary.json", "arm.json"}
 
 
 # ------------------------------------------------------------------------------------------ arms
+
 
 def load_recipe(path, default_config: str) -> dict:
     """A tfmis arm from a recipe file: {"name", "config", "overrides", "description", "source"}.
@@ -91,8 +94,13 @@ def load_recipe(path, default_config: str) -> dict:
     overrides = spec.get("set") or []
     if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
         raise ValueError(f"recipe {path}: `set` must be a list of 'key=value' strings, got {overrides!r}")
-    return {"name": path.stem, "config": str(spec.get("config") or default_config), "overrides": list(overrides),
-            "description": str(spec.get("description", "")).strip(), "source": str(path)}
+    return {
+        "name": path.stem,
+        "config": str(spec.get("config") or default_config),
+        "overrides": list(overrides),
+        "description": str(spec.get("description", "")).strip(),
+        "source": str(path),
+    }
 
 
 def tfmis_arms(config: str, recipes, overrides, include_config: bool = True) -> list[dict]:
@@ -100,8 +108,15 @@ def tfmis_arms(config: str, recipes, overrides, include_config: bool = True) -> 
     (the `--set` flags) apply to all of them, after the recipe's own."""
     arms = []
     if include_config:
-        arms.append({"name": Path(config).stem, "config": config, "overrides": [], "description": "the config as is",
-                     "source": config})
+        arms.append(
+            {
+                "name": Path(config).stem,
+                "config": config,
+                "overrides": [],
+                "description": "the config as is",
+                "source": config,
+            }
+        )
     arms += [load_recipe(r, config) for r in recipes]
     names = [a["name"] for a in arms]
     if MONAI in names or len(set(names)) != len(names):
@@ -113,8 +128,12 @@ def tfmis_arms(config: str, recipes, overrides, include_config: bool = True) -> 
 
 def tfmis_command(arm: dict, run_dir: Path, max_minutes: float) -> list[str]:
     cmd = [sys.executable, "-m", "tfmis.train", "--config", arm["config"]]
-    for override in [*arm["overrides"], f"training.max_minutes={max_minutes}", f"output.dir={run_dir}",
-                     "output.progress=false"]:
+    for override in [
+        *arm["overrides"],
+        f"training.max_minutes={max_minutes}",
+        f"output.dir={run_dir}",
+        "output.progress=false",
+    ]:
         cmd += ["--set", override]
     return cmd
 
@@ -140,17 +159,43 @@ def monai_protocol_args(config) -> list[str]:
         ratios = [p.pos_neg_ratio[1]] + [p.pos_neg_ratio[0] / (classes - 1)] * (classes - 1)
     roi = v.roi_size or p.patch_size
     if list(roi) != list(p.patch_size):
-        raise ValueError(f"validation.roi_size {roi} differs from pipeline.patch_size {p.patch_size}; "
-                         "monai_demo.py validates with windows of the training patch")
-    return ["--patch", *map(str, p.patch_size), "--crops-per-volume", str(p.num_crops_per_image),
-            "--batch", str(p.num_images_per_batch), "--class-ratios", *map(str, ratios),
-            "--val-interval", str(v.val_interval), "--overlap", str(v.overlap), "--mode", v.mode,
-            "--sw-batch-size", str(v.num_sw_batch_size)]
+        raise ValueError(
+            f"validation.roi_size {roi} differs from pipeline.patch_size {p.patch_size}; "
+            "monai_demo.py validates with windows of the training patch"
+        )
+    return [
+        "--patch",
+        *map(str, p.patch_size),
+        "--crops-per-volume",
+        str(p.num_crops_per_image),
+        "--batch",
+        str(p.num_images_per_batch),
+        "--class-ratios",
+        *map(str, ratios),
+        "--val-interval",
+        str(v.val_interval),
+        "--overlap",
+        str(v.overlap),
+        "--mode",
+        v.mode,
+        "--sw-batch-size",
+        str(v.num_sw_batch_size),
+    ]
 
 
 def monai_command(args, run_dir: Path, protocol: list[str]) -> list[str]:
-    cmd = [str(args.monai_python), str(MONAI_SCRIPT), "--data", str(args.npy_dir), "--output", str(run_dir),
-           "--max-minutes", str(args.max_minutes), "--threads", str(args.threads)]
+    cmd = [
+        str(args.monai_python),
+        str(MONAI_SCRIPT),
+        "--data",
+        str(args.npy_dir),
+        "--output",
+        str(run_dir),
+        "--max-minutes",
+        str(args.max_minutes),
+        "--threads",
+        str(args.threads),
+    ]
     return cmd + list(protocol) + list(args.monai_args)
 
 
@@ -227,6 +272,7 @@ def run_arm(cmd: list[str], run_dir: Path, quiet: bool, env=None) -> dict:
 
 # ------------------------------------------------------------------------------------------ analysis
 
+
 def read_history(run_dir) -> list[dict]:
     """The epoch records of a run folder's `history.jsonl` (tfmis's Trainer and monai_demo.py write the same keys)."""
     path = Path(run_dir) / "history.jsonl"
@@ -274,10 +320,14 @@ def run_stats(records: list[dict], levels, cpu_by_epoch=None) -> dict:
         return r["data_wait_seconds"] + r["compute_seconds"]
 
     return {
-        "time_to_dice": times, "epoch_to_dice": epochs, "cpu_to_dice": cpu_times,
-        "best_dice": best["val_mean_dice"] if best else None, "best_epoch": best["epoch"] if best else None,
+        "time_to_dice": times,
+        "epoch_to_dice": epochs,
+        "cpu_to_dice": cpu_times,
+        "best_dice": best["val_mean_dice"] if best else None,
+        "best_epoch": best["epoch"] if best else None,
         "best_dice_seconds": best["elapsed_seconds"] if best else None,
-        "epochs": len(records), "elapsed_seconds": records[-1]["elapsed_seconds"],
+        "epochs": len(records),
+        "elapsed_seconds": records[-1]["elapsed_seconds"],
         "epoch_seconds": statistics.fmean(step_seconds(r) for r in steady),
         "first_epoch_seconds": step_seconds(records[0]),
         "val_seconds": statistics.fmean(r["val_seconds"] for r in validated) if validated else None,
@@ -308,8 +358,15 @@ def arm_summary(runs: list[dict], levels) -> dict:
         summary["time_to_dice_range"][key] = _range(values)
         summary["reached"][key] = sum(v is not None for v in values)
         summary["cpu_to_dice"][key] = _median(r.get("cpu_to_dice", {}).get(key) for r in runs)
-    for key in ("best_dice", "epochs", "epoch_seconds", "first_epoch_seconds", "val_seconds", "elapsed_seconds",
-                "process_seconds"):
+    for key in (
+        "best_dice",
+        "epochs",
+        "epoch_seconds",
+        "first_epoch_seconds",
+        "val_seconds",
+        "elapsed_seconds",
+        "process_seconds",
+    ):
         values = [r.get(key) for r in runs]
         summary[key] = _median(values)
         summary[f"{key}_range"] = _range(values)
@@ -333,6 +390,7 @@ def ratios(summaries: dict, levels) -> dict:
 
 # ------------------------------------------------------------------------------------------ report
 
+
 def _seconds(value, spread=None, runs: int = 1) -> str:
     if value is None:
         return "not reached"
@@ -350,36 +408,54 @@ def render_markdown(result: dict) -> str:
         "",
         f"Config `{result['config']}`, budget {result['max_minutes']:g} min per arm, {result['repeats']} repeat(s), "
         f"measured {result['created']} on {result['device']}; {result['threads']} threads for torch"
-        + (f" (environment {', '.join(result['monai_env'])})" if result.get("monai_env") else "") + ". Arms ran "
+        + (f" (environment {', '.join(result['monai_env'])})" if result.get("monai_env") else "")
+        + ". Arms ran "
         "one after the other in their own processes. Time = wall seconds from just before the first training "
         "step, validation included (tfmis: graph tracing and cache fill in epoch 1; excluded on both sides: "
         "process start-up, data conversion/export, loading the volumes, building the model). With repeats: "
         "median (min–max); a level counts as reached only if every repeat reached it.",
         "",
-        "| arm | " + " | ".join(f"time to {k}, s" for k in keys)
+        "| arm | "
+        + " | ".join(f"time to {k}, s" for k in keys)
         + " | best Dice | epochs | s/epoch | first epoch, s | validation, s | process, s |",
         "| --- | " + " | ".join("---:" for _ in keys) + " | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, s in result["summaries"].items():
         n = s["runs"]
-        cells = [_seconds(s["time_to_dice"][k], s["time_to_dice_range"][k], n)
-                 + ("" if s["reached"][k] in (0, n) else f" [{s['reached'][k]}/{n} reached]") for k in keys]
+        cells = [
+            _seconds(s["time_to_dice"][k], s["time_to_dice_range"][k], n)
+            + ("" if s["reached"][k] in (0, n) else f" [{s['reached'][k]}/{n} reached]")
+            for k in keys
+        ]
         best = "-" if s["best_dice"] is None else f"{s['best_dice']:.4f}"
         if n > 1 and s["best_dice_range"]:
             best += f" ({s['best_dice_range'][0]:.4f}–{s['best_dice_range'][1]:.4f})"
         val = "-" if s["val_seconds"] is None else f"{s['val_seconds']:.2f}"
-        lines.append(f"| {name} | " + " | ".join(cells)
-                     + f" | {best} | {s['epochs']:g} | {s['epoch_seconds']:.2f} | {s['first_epoch_seconds']:.1f} "
-                     f"| {val} | {s['process_seconds']:.0f} |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {best} | {s['epochs']:g} | {s['epoch_seconds']:.2f} | {s['first_epoch_seconds']:.1f} "
+            f"| {val} | {s['process_seconds']:.0f} |"
+        )
     if result["ratios"]:
-        lines += ["", "MONAI time / tfmis time to each level (> 1: tfmis gets there sooner):", "",
-                  "| arm | " + " | ".join(keys) + " |", "| --- | " + " | ".join("---:" for _ in keys) + " |"]
+        lines += [
+            "",
+            "MONAI time / tfmis time to each level (> 1: tfmis gets there sooner):",
+            "",
+            "| arm | " + " | ".join(keys) + " |",
+            "| --- | " + " | ".join("---:" for _ in keys) + " |",
+        ]
         for name, r in result["ratios"].items():
             lines.append(f"| {name} | " + " | ".join("-" if r[k] is None else f"{r[k]:.2f}x" for k in keys) + " |")
     if any(v is not None for s in result["summaries"].values() for v in s.get("cpu_to_dice", {}).values()):
-        lines += ["", "Process CPU seconds (all threads, start-up included) when each level was first reached: a cost "
-                  "that other work on the machine changes far less than wall time (median over repeats):", "",
-                  "| arm | " + " | ".join(keys) + " |", "| --- | " + " | ".join("---:" for _ in keys) + " |"]
+        lines += [
+            "",
+            "Process CPU seconds (all threads, start-up included) when each level was first reached: a cost "
+            "that other work on the machine changes far less than wall time (median over repeats):",
+            "",
+            "| arm | " + " | ".join(keys) + " |",
+            "| --- | " + " | ".join("---:" for _ in keys) + " |",
+        ]
         for name, s in result["summaries"].items():
             cells = ["-" if s["cpu_to_dice"].get(k) is None else f"{s['cpu_to_dice'][k]:.0f}" for k in keys]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -405,12 +481,23 @@ def plot(result: dict, path: Path) -> Path:
         for k, run in enumerate(runs):
             curve = run["curve"]
             if curve:
-                ax.plot(*zip(*curve), marker="o", ms=3, lw=1.2, color=color, alpha=1.0 if k == 0 else 0.45,
-                        label=name if k == 0 else None)
+                ax.plot(
+                    *zip(*curve),
+                    marker="o",
+                    ms=3,
+                    lw=1.2,
+                    color=color,
+                    alpha=1.0 if k == 0 else 0.45,
+                    label=name if k == 0 else None,
+                )
     for level in result["levels"]:
         ax.axhline(level, color="grey", ls=":", lw=0.8)
-    ax.set(xlabel="wall time since the first training step (s), validation included", ylabel="validation mean Dice",
-           title=f"Dice vs wall time ({result['device']})", ylim=(max(0.0, min(result["levels"]) - 0.2), 1.0))
+    ax.set(
+        xlabel="wall time since the first training step (s), validation included",
+        ylabel="validation mean Dice",
+        title=f"Dice vs wall time ({result['device']})",
+        ylim=(max(0.0, min(result["levels"]) - 0.2), 1.0),
+    )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -427,6 +514,7 @@ def _device(threads: int) -> str:
 
 # ------------------------------------------------------------------------------------------ main
 
+
 def run_benchmark(args) -> dict:
     """Prepares the data once, runs every arm `--repeats` times back to back, writes the report; returns it."""
     from tfmis.config import load_config
@@ -440,8 +528,10 @@ def run_benchmark(args) -> dict:
     names = [a["name"] for a in arms]
     if not args.skip_monai:
         if not Path(args.monai_python).is_file():
-            raise FileNotFoundError(f"{args.monai_python}: no MONAI environment; create it with {MONAI_VENV_COMMAND}"
-                                    " (or pass --monai-python, or --skip-monai)")
+            raise FileNotFoundError(
+                f"{args.monai_python}: no MONAI environment; create it with {MONAI_VENV_COMMAND}"
+                " (or pass --monai-python, or --skip-monai)"
+            )
         config = load_config(args.config, args.overrides)
         prepare_dataset(config.data, progress=not args.quiet)  # generate + convert once, before any clock runs
         from benchmarks.export_demo_npy import export_npy
@@ -463,26 +553,50 @@ def run_benchmark(args) -> dict:
         for name in names:
             run_dir = output / name / f"run{repeat}"
             done = sum(len(v) for v in runs.values()) + 1
-            _say(args, f"[{done}/{total}] {name}, repeat {repeat}, up to {args.max_minutes:g} min "
-                       f"(log: {run_dir.with_suffix('.log')})")
-            cmd = (monai_command(args, run_dir, protocol) if name == MONAI
-                   else tfmis_command(by_name[name], run_dir, args.max_minutes))
+            _say(
+                args,
+                f"[{done}/{total}] {name}, repeat {repeat}, up to {args.max_minutes:g} min "
+                f"(log: {run_dir.with_suffix('.log')})",
+            )
+            cmd = (
+                monai_command(args, run_dir, protocol)
+                if name == MONAI
+                else tfmis_command(by_name[name], run_dir, args.max_minutes)
+            )
             process = run_arm(cmd, run_dir, args.quiet, monai_env if name == MONAI else env)
             stats = {**run_stats(read_history(run_dir), args.levels, process["cpu_by_epoch"]), **process}
             runs[name].append(stats)
             reached = ", ".join(f"{k}: {_seconds(v)}" for k, v in stats["time_to_dice"].items())
-            _say(args, f"    {name}: best Dice {stats['best_dice']:.4f} in {stats['epochs']} epochs; "
-                       f"time to Dice {reached}")
+            _say(
+                args,
+                f"    {name}: best Dice {stats['best_dice']:.4f} in {stats['epochs']} epochs; time to Dice {reached}",
+            )
     summaries = {name: arm_summary(r, args.levels) for name, r in runs.items()}
     result = {
-        "config": args.config, "max_minutes": args.max_minutes, "repeats": args.repeats,
-        "levels": sorted(float(x) for x in args.levels), "threads": args.threads, "monai_env": list(args.monai_env),
-        "created": datetime.datetime.now().isoformat(timespec="seconds"), "device": _device(args.threads),
-        "arms": ([{"name": MONAI, "source": str(MONAI_SCRIPT.relative_to(REPO)),
-                   "overrides": [*protocol, *args.monai_args],
-                   "description": "MONAI 1.x UNet recipe in its own virtual environment"}] if MONAI in names else [])
+        "config": args.config,
+        "max_minutes": args.max_minutes,
+        "repeats": args.repeats,
+        "levels": sorted(float(x) for x in args.levels),
+        "threads": args.threads,
+        "monai_env": list(args.monai_env),
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": _device(args.threads),
+        "arms": (
+            [
+                {
+                    "name": MONAI,
+                    "source": str(MONAI_SCRIPT.relative_to(REPO)),
+                    "overrides": [*protocol, *args.monai_args],
+                    "description": "MONAI 1.x UNet recipe in its own virtual environment",
+                }
+            ]
+            if MONAI in names
+            else []
+        )
         + arms,
-        "runs": runs, "summaries": summaries, "ratios": ratios(summaries, args.levels),
+        "runs": runs,
+        "summaries": summaries,
+        "ratios": ratios(summaries, args.levels),
         "seconds": time.perf_counter() - started,
     }
     atomic_write_json(output / "time_to_dice.json", result)
@@ -499,31 +613,61 @@ def _say(args, message: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="benchmarks/time_to_dice.py", description=__doc__.split("\n\n")[0],
+        prog="benchmarks/time_to_dice.py",
+        description=__doc__.split("\n\n")[0],
         epilog="Writes time_to_dice.md, time_to_dice.json, time_to_dice.png and the run folders into --output.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", default="configs/demo.yaml", help="tfmis config (its own arm; the recipes' base)")
-    p.add_argument("--recipe", action="append", default=[], metavar="YAML",
-                   help="another tfmis arm: a recipe file (description, config, set: [key=value, ...]); repeatable")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override for every tfmis arm, e.g. --set training.seed=1")
+    p.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="YAML",
+        help="another tfmis arm: a recipe file (description, config, set: [key=value, ...]); repeatable",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override for every tfmis arm, e.g. --set training.seed=1",
+    )
     p.add_argument("--skip-config", action="store_true", help="run only the --recipe arms, not --config as is")
     p.add_argument("--max-minutes", type=float, default=4.0, help="wall-clock budget of every arm (default 4)")
     p.add_argument("--repeats", type=int, default=1, help="run the whole sequence of arms this many times")
     p.add_argument("--levels", type=float, nargs="+", default=list(DEFAULT_LEVELS), help="Dice levels to time")
     p.add_argument("--output", default=DEFAULT_OUTPUT, help=f"report and run folders (default {DEFAULT_OUTPUT})")
     p.add_argument("--skip-monai", action="store_true", help="tfmis arms only")
-    p.add_argument("--monai-python", default=str(DEFAULT_MONAI_PYTHON),
-                   help=f"python of the MONAI environment ({MONAI_VENV_COMMAND})")
-    p.add_argument("--monai-arg", dest="monai_args", action="append", default=[], metavar="ARG",
-                   help="extra argument for benchmarks/monai_demo.py, e.g. --monai-arg=--num-res-units=1")
-    p.add_argument("--npy-dir", default=None, help="where the MONAI arm's volumes are exported "
-                                                   "(default: next to the config's data.dataset_dir, npy/)")
+    p.add_argument(
+        "--monai-python",
+        default=str(DEFAULT_MONAI_PYTHON),
+        help=f"python of the MONAI environment ({MONAI_VENV_COMMAND})",
+    )
+    p.add_argument(
+        "--monai-arg",
+        dest="monai_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for benchmarks/monai_demo.py, e.g. --monai-arg=--num-res-units=1",
+    )
+    p.add_argument(
+        "--npy-dir",
+        default=None,
+        help="where the MONAI arm's volumes are exported (default: next to the config's data.dataset_dir, npy/)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads of the MONAI arm (default 2)")
-    p.add_argument("--monai-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment variable for the MONAI arm, e.g. OMP_WAIT_POLICY=PASSIVE on a machine shared "
-                        "with other work (PyTorch's OpenMP threads spin while waiting and collapse, 5-10x slower, "
-                        "when other processes hold the cores)")
+    p.add_argument(
+        "--monai-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment variable for the MONAI arm, e.g. OMP_WAIT_POLICY=PASSIVE on a machine shared "
+        "with other work (PyTorch's OpenMP threads spin while waiting and collapse, 5-10x slower, "
+        "when other processes hold the cores)",
+    )
     p.add_argument("--quiet", action="store_true", help="no arm output on the terminal (it still goes to the logs)")
     return p
 

@@ -43,8 +43,17 @@ def brain_like_case(rng: np.random.Generator, shape=(20, 22, 18), channels=2, nu
     return image, label
 
 
-def make_msd_dataset(root: Path, num_cases: int = 6, channels: int = 2, seed: int = 0,
-                     modalities=None, labels=None, affine=None, shape=(20, 22, 18), dtype="int16") -> Path:
+def make_msd_dataset(
+    root: Path,
+    num_cases: int = 6,
+    channels: int = 2,
+    seed: int = 0,
+    modalities=None,
+    labels=None,
+    affine=None,
+    shape=(20, 22, 18),
+    dtype="int16",
+) -> Path:
     """An MSD-style folder (dataset.json, imagesTr, labelsTr, imagesTs) of small synthetic cases."""
     rng = np.random.default_rng(seed)
     modalities = modalities or {str(i): f"MR{i}" for i in range(channels)}
@@ -59,9 +68,17 @@ def make_msd_dataset(root: Path, num_cases: int = 6, channels: int = 2, seed: in
         training.append({"image": f"./imagesTr/case_{i:03d}.nii.gz", "label": f"./labelsTr/case_{i:03d}.nii.gz"})
     image, _ = brain_like_case(rng, shape, channels, len(labels))
     write_nifti(root / "imagesTs" / "case_900.nii.gz", image[..., 0] if channels == 1 else image, affine, dtype)
-    meta = {"name": "TaskTest", "description": "unit-test data", "tensorImageSize": "4D",
-            "modality": modalities, "labels": labels, "numTraining": num_cases, "numTest": 1,
-            "training": training, "test": ["./imagesTs/case_900.nii.gz"]}
+    meta = {
+        "name": "TaskTest",
+        "description": "unit-test data",
+        "tensorImageSize": "4D",
+        "modality": modalities,
+        "labels": labels,
+        "numTraining": num_cases,
+        "numTest": 1,
+        "training": training,
+        "test": ["./imagesTs/case_900.nii.gz"],
+    }
     (root / "dataset.json").write_text(json.dumps(meta, indent=1))
     return root
 
@@ -84,16 +101,28 @@ def converted_dataset(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("converted")
     source = make_msd_dataset(root / "Task99_Test", num_cases=8)
-    convert(ConversionConfig(str(source), str(root / "tfrecords"), split=(0.75, 0.25), shards=2, workers=1,
-                             progress=False))
+    convert(
+        ConversionConfig(str(source), str(root / "tfrecords"), split=(0.75, 0.25), shards=2, workers=1, progress=False)
+    )
     return root / "tfrecords"
 
 
 TINY_TRAINING = [
-    "model.filters=[4,8]", "model.strides=[1,2]", "model.num_res_units=0", "model.norm=instance",
-    "pipeline.patch_size=[16,16,16]", "pipeline.num_images_per_batch=2", "pipeline.num_crops_per_image=2",
-    "pipeline.deterministic=true", "training.epochs=2", "training.steps_per_epoch=2", "training.precision=float32",
-    "validation.val_interval=1", "validation.num_sw_batch_size=2", "validation.overlap=0.25", "output.progress=false",
+    "model.filters=[4,8]",
+    "model.strides=[1,2]",
+    "model.num_res_units=0",
+    "model.norm=instance",
+    "pipeline.patch_size=[16,16,16]",
+    "pipeline.num_images_per_batch=2",
+    "pipeline.num_crops_per_image=2",
+    "pipeline.deterministic=true",
+    "training.epochs=2",
+    "training.steps_per_epoch=2",
+    "training.precision=float32",
+    "validation.val_interval=1",
+    "validation.num_sw_batch_size=2",
+    "validation.overlap=0.25",
+    "output.progress=false",
     "output.tensorboard=false",
 ]
 
@@ -102,5 +131,6 @@ def tiny_config(dataset_dir: Path, output_dir: Path, *overrides):
     """A training config small enough for a CPU test (real model, data and loop)."""
     from tfmis.config import load_config
 
-    return load_config(None, [f"data.dataset_dir={dataset_dir}", f"output.dir={output_dir}", *TINY_TRAINING,
-                              *overrides])
+    return load_config(
+        None, [f"data.dataset_dir={dataset_dir}", f"output.dir={output_dir}", *TINY_TRAINING, *overrides]
+    )

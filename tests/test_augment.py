@@ -7,8 +7,17 @@ import tensorflow as tf
 from scipy import ndimage
 
 from tfmis.config import AugmentConfig, ConfigError, load_config
-from tfmis.transforms.augment import (affine_resample, augment_patch, center_crop, elastic_displacement,
-                                      random_spatial, rotation_matrix, spatial_margin, spatial_seed, window)
+from tfmis.transforms.augment import (
+    affine_resample,
+    augment_patch,
+    center_crop,
+    elastic_displacement,
+    random_spatial,
+    rotation_matrix,
+    spatial_margin,
+    spatial_seed,
+    window,
+)
 
 SPATIAL_ONLY = dict(flip_prob=0.0, rot90_prob=0.0, intensity_prob=0.0, noise_std=0.0)
 
@@ -28,22 +37,41 @@ def scipy_reference(image, label, matrix, output_size, displacement=None):
     c_out = (np.array(output_size) - 1) / 2
     if displacement is None:
         offset = c_in - matrix @ c_out
-        ref_image = np.stack([ndimage.affine_transform(image[..., c].astype(np.float64), matrix, offset,
-                                                       output_shape=output_size, order=1, mode="grid-constant")
-                              for c in range(image.shape[-1])], -1)
-        ref_label = ndimage.affine_transform(label, matrix, offset, output_shape=output_size, order=0,
-                                             mode="grid-constant")
+        ref_image = np.stack(
+            [
+                ndimage.affine_transform(
+                    image[..., c].astype(np.float64),
+                    matrix,
+                    offset,
+                    output_shape=output_size,
+                    order=1,
+                    mode="grid-constant",
+                )
+                for c in range(image.shape[-1])
+            ],
+            -1,
+        )
+        ref_label = ndimage.affine_transform(
+            label, matrix, offset, output_shape=output_size, order=0, mode="grid-constant"
+        )
         return ref_image, ref_label
     grid = np.stack(np.meshgrid(*[np.arange(n) for n in output_size], indexing="ij"), -1) - c_out
     coords = np.einsum("ij,xyzj->ixyz", matrix, grid) + c_in[:, None, None, None]
     coords = coords + np.moveaxis(np.asarray(displacement, np.float64), -1, 0)
-    ref_image = np.stack([ndimage.map_coordinates(image[..., c].astype(np.float64), coords, order=1,
-                                                  mode="grid-constant") for c in range(image.shape[-1])], -1)
+    ref_image = np.stack(
+        [
+            ndimage.map_coordinates(image[..., c].astype(np.float64), coords, order=1, mode="grid-constant")
+            for c in range(image.shape[-1])
+        ],
+        -1,
+    )
     return ref_image, ndimage.map_coordinates(label, coords, order=0, mode="grid-constant")
 
 
-@pytest.mark.parametrize("angles, scale", [((0.3, -0.2, 0.5), 1.2), ((-0.52, 0.52, 0.1), 0.7), ((0.0, 0.0, 0.4), 1.4),
-                                           ((0.1, 0.25, -0.45), 1.0)])
+@pytest.mark.parametrize(
+    "angles, scale",
+    [((0.3, -0.2, 0.5), 1.2), ((-0.52, 0.52, 0.1), 0.7), ((0.0, 0.0, 0.4), 1.4), ((0.1, 0.25, -0.45), 1.0)],
+)
 def test_affine_resample_matches_scipy_affine_transform(angles, scale):
     """Trilinear image within 1e-4 and nearest label (< 0.1 % of voxels, float32 vs float64 rounding at exact
     half-voxel ties) of scipy.ndimage.affine_transform with order 1 / order 0 on the same matrix and centres,
@@ -72,8 +100,10 @@ def test_elastic_field_is_added_to_the_sampling_grid_like_scipy_map_coordinates(
 def test_elastic_field_is_smooth_and_bounded_by_its_magnitude():
     """Each component's largest |displacement| is the drawn magnitude (within [low, high]); neighbouring voxels
     move almost together (sigma 3-4 voxels); another seed gives another field."""
-    fields = [elastic_displacement(tf.constant([i, 9], tf.int64), (20, 20, 20), [3.0, 4.0], [1.0, 2.0]).numpy()
-              for i in range(3)]
+    fields = [
+        elastic_displacement(tf.constant([i, 9], tf.int64), (20, 20, 20), [3.0, 4.0], [1.0, 2.0]).numpy()
+        for i in range(3)
+    ]
     for field in fields:
         assert field.shape == (20, 20, 20, 3)
         peak = np.abs(field).max(axis=(0, 1, 2))
@@ -94,27 +124,37 @@ def test_identity_parameters_give_the_input_back_exactly():
     out_image, out_label = affine_resample(tf.constant(big_image), tf.constant(big_label), np.eye(3), (16, 16, 16))
     np.testing.assert_array_equal(out_image.numpy(), big_image[4:20, 3:19, 2:18])
     np.testing.assert_array_equal(out_label.numpy(), big_label[4:20, 3:19, 2:18])
-    config = AugmentConfig(**SPATIAL_ONLY, rotate_prob=1.0, rotate_range=[0.0, 0.0, 0.0], scale_prob=1.0,
-                           scale_range=[1.0, 1.0])
+    config = AugmentConfig(
+        **SPATIAL_ONLY, rotate_prob=1.0, rotate_range=[0.0, 0.0, 0.0], scale_prob=1.0, scale_range=[1.0, 1.0]
+    )
     for i in range(3):
-        aug_image, aug_label = augment_patch(tf.constant(big_image), tf.constant(big_label), config,
-                                             tf.constant([i, 0], tf.int64), patch_size=[16, 16, 16])
+        aug_image, aug_label = augment_patch(
+            tf.constant(big_image),
+            tf.constant(big_label),
+            config,
+            tf.constant([i, 0], tf.int64),
+            patch_size=[16, 16, 16],
+        )
         np.testing.assert_array_equal(aug_image.numpy(), big_image[4:20, 3:19, 2:18])
         np.testing.assert_array_equal(aug_label.numpy(), big_label[4:20, 3:19, 2:18])
 
 
-@pytest.mark.parametrize("angles, expected", [
-    ((0, 0, np.pi / 2), lambda v: np.rot90(v, k=-1, axes=(0, 1))),
-    ((0, 0, -np.pi / 2), lambda v: np.rot90(v, k=1, axes=(0, 1))),
-    ((0, np.pi / 2, 0), lambda v: np.rot90(v, k=1, axes=(0, 2))),
-    ((np.pi / 2, 0, 0), lambda v: np.rot90(v, k=-1, axes=(1, 2))),
-])
+@pytest.mark.parametrize(
+    "angles, expected",
+    [
+        ((0, 0, np.pi / 2), lambda v: np.rot90(v, k=-1, axes=(0, 1))),
+        ((0, 0, -np.pi / 2), lambda v: np.rot90(v, k=1, axes=(0, 1))),
+        ((0, np.pi / 2, 0), lambda v: np.rot90(v, k=1, axes=(0, 2))),
+        ((np.pi / 2, 0, 0), lambda v: np.rot90(v, k=-1, axes=(1, 2))),
+    ],
+)
 def test_rotation_by_90_degrees_equals_np_rot90(angles, expected):
     """A quarter turn about one axis is np.rot90 in the other two axes (image within 1e-5: cos(pi/2) is not
     exactly 0 in float32; labels exact)."""
     image, label = random_volume(shape=(12, 12, 12), channels=1)
-    out_image, out_label = affine_resample(tf.constant(image), tf.constant(label), rotation_matrix(angles),
-                                           (12, 12, 12))
+    out_image, out_label = affine_resample(
+        tf.constant(image), tf.constant(label), rotation_matrix(angles), (12, 12, 12)
+    )
     np.testing.assert_allclose(out_image.numpy(), expected(image), atol=1e-5)
     np.testing.assert_array_equal(out_label.numpy(), expected(label))
 
@@ -123,8 +163,15 @@ def test_labels_keep_only_existing_label_values():
     """Nearest-neighbour labels: rotated, scaled and deformed patches hold only values of the input (and 0
     outside), never a blend such as 1.5 -> 2 between 0 and 3."""
     image, label = random_volume(shape=(24, 24, 24), labels=(0, 3, 7))
-    config = AugmentConfig(**SPATIAL_ONLY, rotate_prob=1.0, scale_prob=1.0, elastic_prob=1.0,
-                           elastic_sigma=[3.0, 4.0], elastic_magnitude=[1.0, 3.0], enlarge_crop=False)
+    config = AugmentConfig(
+        **SPATIAL_ONLY,
+        rotate_prob=1.0,
+        scale_prob=1.0,
+        elastic_prob=1.0,
+        elastic_sigma=[3.0, 4.0],
+        elastic_magnitude=[1.0, 3.0],
+        enlarge_crop=False,
+    )
     for i in range(4):
         _, out = augment_patch(tf.constant(image), tf.constant(label), config, tf.constant([i, 1], tf.int64))
         assert set(np.unique(out.numpy())) <= {0, 3, 7}
@@ -135,12 +182,17 @@ def test_augment_patch_rotation_and_scaling_draw_their_probabilities():
     image, label = random_volume(shape=(30, 30, 30))
     changed = 0
     for config in (AugmentConfig(**SPATIAL_ONLY, rotate_prob=0.5), AugmentConfig(**SPATIAL_ONLY, scale_prob=0.5)):
-        outs = [augment_patch(tf.constant(image), tf.constant(label), config, tf.constant([i, 5], tf.int64),
-                              patch_size=[16, 16, 16])[0].numpy() for i in range(40)]
+        outs = [
+            augment_patch(
+                tf.constant(image), tf.constant(label), config, tf.constant([i, 5], tf.int64), patch_size=[16, 16, 16]
+            )[0].numpy()
+            for i in range(40)
+        ]
         changed = sum(not np.array_equal(o, image[7:23, 7:23, 7:23]) for o in outs)
         assert 10 <= changed <= 30, changed
-        again = augment_patch(tf.constant(image), tf.constant(label), config, tf.constant([3, 5], tf.int64),
-                              patch_size=[16, 16, 16])[0].numpy()
+        again = augment_patch(
+            tf.constant(image), tf.constant(label), config, tf.constant([3, 5], tf.int64), patch_size=[16, 16, 16]
+        )[0].numpy()
         np.testing.assert_array_equal(again, outs[3])
 
 
@@ -148,8 +200,9 @@ def test_fixed_scale_through_augment_patch_matches_scipy():
     """scale_range [1.25, 1.25] with probability 1: the patch is the scipy resampling by 1.25·I of the larger crop."""
     image, label = random_volume(shape=(26, 26, 26))
     config = AugmentConfig(**SPATIAL_ONLY, scale_prob=1.0, scale_range=[1.25, 1.25])
-    out_image, out_label = augment_patch(tf.constant(image), tf.constant(label), config,
-                                         tf.constant([1, 2], tf.int64), patch_size=[16, 16, 16])
+    out_image, out_label = augment_patch(
+        tf.constant(image), tf.constant(label), config, tf.constant([1, 2], tf.int64), patch_size=[16, 16, 16]
+    )
     ref_image, ref_label = scipy_reference(image, label, 1.25 * np.eye(3), (16, 16, 16))
     np.testing.assert_allclose(out_image.numpy(), ref_image, atol=1e-4)
     assert np.mean(out_label.numpy() != ref_label) < 1e-3
@@ -178,7 +231,10 @@ def test_spatial_margin_matches_the_geometry():
     r = 0.5236
     expected = int(np.ceil(23.5 * (np.cos(r) + np.sin(r) - 1)))
     assert spatial_margin(AugmentConfig(rotate_prob=0.2, rotate_range=[0, 0, r]), [48, 48, 48]) == [
-        expected, expected, 0]
+        expected,
+        expected,
+        0,
+    ]
     assert spatial_margin(AugmentConfig(elastic_prob=0.1, elastic_magnitude=[0, 3.5]), [48, 48, 48]) == [4, 4, 4]
     assert spatial_margin(AugmentConfig(), [48, 48, 48]) == [0, 0, 0]
     assert spatial_margin(AugmentConfig(rotate_prob=0.2, enlarge_crop=False), [48, 48, 48]) == [0, 0, 0]
@@ -187,8 +243,14 @@ def test_spatial_margin_matches_the_geometry():
 def test_enlarged_crop_keeps_every_sample_inside_the_crop():
     """With the spatial_margin context, extreme and random rotations, scales and displacements never sample the
     zeros outside the crop: on an all-ones crop every output voxel is 1 (trilinear weights all inside)."""
-    config = AugmentConfig(**SPATIAL_ONLY, rotate_prob=1.0, scale_prob=1.0, elastic_prob=1.0,
-                           elastic_sigma=[3.0, 4.0], elastic_magnitude=[0.0, 2.0])
+    config = AugmentConfig(
+        **SPATIAL_ONLY,
+        rotate_prob=1.0,
+        scale_prob=1.0,
+        elastic_prob=1.0,
+        elastic_sigma=[3.0, 4.0],
+        elastic_magnitude=[0.0, 2.0],
+    )
     patch = [12, 14, 10]
     margin = spatial_margin(config, patch)
     crop = [p + 2 * m for p, m in zip(patch, margin)]
@@ -200,29 +262,39 @@ def test_enlarged_crop_keeps_every_sample_inside_the_crop():
         out, _ = augment_patch(ones, zeros, config, tf.constant([i, 3], tf.int64), patch_size=patch)
         assert out.numpy().min() > 1 - 1e-5
     # control: without the margin, the same rotations and scales do reach the zeros outside
-    out, _ = affine_resample(tf.ones([*patch, 1]), tf.zeros(patch, tf.int32),
-                             rotation_matrix([0.5236] * 3) * 1.4, patch)
+    out, _ = affine_resample(
+        tf.ones([*patch, 1]), tf.zeros(patch, tf.int32), rotation_matrix([0.5236] * 3) * 1.4, patch
+    )
     assert out.numpy().min() < 0.5
 
 
-@pytest.mark.parametrize("override, message", [
-    ("pipeline.augment.rotate_range=[0.5,0.5]", "pipeline.augment: rotate_range"),
-    ("pipeline.augment.rotate_range=[4,0,0]", "pipeline.augment: rotate_range"),
-    ("pipeline.augment.scale_prob=1.5", "pipeline.augment: scale_prob is a probability"),
-    ("pipeline.augment.scale_range=[1.4,0.7]", "pipeline.augment: scale_range"),
-    ("pipeline.augment.scale_range=[0,1.4]", "pipeline.augment: scale_range"),
-    ("pipeline.augment.elastic_sigma=[0,3]", "pipeline.augment: elastic_sigma"),
-    ("pipeline.augment.elastic_magnitude=[-1,3]", "pipeline.augment: elastic_magnitude"),
-    ("pipeline.augment.placement=gpu", "pipeline.augment.placement"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("pipeline.augment.rotate_range=[0.5,0.5]", "pipeline.augment: rotate_range"),
+        ("pipeline.augment.rotate_range=[4,0,0]", "pipeline.augment: rotate_range"),
+        ("pipeline.augment.scale_prob=1.5", "pipeline.augment: scale_prob is a probability"),
+        ("pipeline.augment.scale_range=[1.4,0.7]", "pipeline.augment: scale_range"),
+        ("pipeline.augment.scale_range=[0,1.4]", "pipeline.augment: scale_range"),
+        ("pipeline.augment.elastic_sigma=[0,3]", "pipeline.augment: elastic_sigma"),
+        ("pipeline.augment.elastic_magnitude=[-1,3]", "pipeline.augment: elastic_magnitude"),
+        ("pipeline.augment.placement=gpu", "pipeline.augment.placement"),
+    ],
+)
 def test_invalid_spatial_augmentation_settings_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
 
 
 def test_spatial_augmentation_settings_load_from_overrides():
-    config = load_config(None, ["pipeline.augment.rotate_prob=0.2", "pipeline.augment.scale_range=[0.8,1.2]",
-                                "pipeline.augment.placement=step"])
+    config = load_config(
+        None,
+        [
+            "pipeline.augment.rotate_prob=0.2",
+            "pipeline.augment.scale_range=[0.8,1.2]",
+            "pipeline.augment.placement=step",
+        ],
+    )
     a = config.pipeline.augment
     assert (a.rotate_prob, a.scale_range, a.placement, a.scale_prob) == (0.2, [0.8, 1.2], "step", 0.0)
 
@@ -233,8 +305,15 @@ def test_resampling_in_place_equals_resampling_the_cut_out_crop(enlarge):
     on that window cut out with zeros outside the volume (window), for windows inside, across and beyond the
     volume's faces, with and without the enlarged-crop margin (without it, zeros outside the patch)."""
     image, label = random_volume(shape=(30, 26, 22))
-    config = AugmentConfig(**SPATIAL_ONLY, rotate_prob=0.7, scale_prob=0.7, elastic_prob=0.3,
-                           elastic_sigma=[3.0, 4.0], elastic_magnitude=[0.0, 2.0], enlarge_crop=enlarge)
+    config = AugmentConfig(
+        **SPATIAL_ONLY,
+        rotate_prob=0.7,
+        scale_prob=0.7,
+        elastic_prob=0.3,
+        elastic_sigma=[3.0, 4.0],
+        elastic_magnitude=[0.0, 2.0],
+        enlarge_crop=enlarge,
+    )
     patch = [12, 12, 10]
     size = [p + 2 * m for p, m in zip(patch, spatial_margin(config, patch))]
     image, label = tf.constant(image), tf.constant(label)

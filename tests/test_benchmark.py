@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import TINY_TRAINING, tiny_config
+
 from tfmis.data.pipeline import build_train_dataset
 from tfmis.data.records import load_index, read_record, split_cases
 from tfmis.data.regular import RegularSource, build_regular_train_dataset, fast_volume_order
@@ -54,8 +54,11 @@ def test_regular_stream_equals_fast_stream_batch_for_batch(converted_dataset, tm
     three epochs of reshuffled volumes: same shapes and dtypes, same labels, images equal up to float16 rounding."""
     overrides = ["pipeline.patch_size=[12,12,12]", "pipeline.num_crops_per_image=3", "pipeline.shuffle_volumes=4"]
     if not augment:
-        overrides += ["pipeline.augment.flip_prob=0", "pipeline.augment.rot90_prob=0",
-                      "pipeline.augment.intensity_prob=0"]
+        overrides += [
+            "pipeline.augment.flip_prob=0",
+            "pipeline.augment.rot90_prob=0",
+            "pipeline.augment.intensity_prob=0",
+        ]
     config = tiny_config(converted_dataset, tmp_path, *overrides)
     fast = build_train_dataset(config)
     regular = build_regular_train_dataset(config)
@@ -79,9 +82,15 @@ def test_regular_pipeline_refuses_a_source_folder_that_was_not_converted(convert
 
 # ---------------------------------------------------------------- tools/benchmark.py in real subprocesses
 
+
 def _tool(cwd: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "benchmark.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -108,8 +117,18 @@ def test_pipeline_only_writes_samples_per_second_of_both_pipelines(converted_dat
     """--pipeline-only times the regular (NIfTI) and fast (TFRecord) pipelines without a model: positive samples/s
     for both in benchmark.json and the same numbers in benchmark.md; no training run folder is made."""
     out = tmp_path / "bench"
-    _tool(tmp_path, "--config", str(_tiny_yaml(tmp_path, converted_dataset)), "--output", str(out), "--pipeline-only",
-          "--pipeline-batches", "3", "--quiet", *_tiny_sets())
+    _tool(
+        tmp_path,
+        "--config",
+        str(_tiny_yaml(tmp_path, converted_dataset)),
+        "--output",
+        str(out),
+        "--pipeline-only",
+        "--pipeline-batches",
+        "3",
+        "--quiet",
+        *_tiny_sets(),
+    )
     result = json.loads((out / "benchmark.json").read_text())
     assert "training" not in result and not (out / "regular").exists() and not (out / "fast").exists()
     p = result["pipeline"]
@@ -117,8 +136,9 @@ def test_pipeline_only_writes_samples_per_second_of_both_pipelines(converted_dat
         assert p[arm]["samples_per_second"] > 0 and p[arm]["timed_batches"] == 3
         assert p[arm]["batch_size"] == batch and p[arm]["timed_images"] == 3 * batch
         assert 0 < p[arm]["first_batch_seconds"] <= p[arm]["first_epoch_seconds"]
-    assert p["samples_per_second_ratio"] == pytest.approx(p["fast"]["samples_per_second"]
-                                                          / p["regular"]["samples_per_second"])
+    assert p["samples_per_second_ratio"] == pytest.approx(
+        p["fast"]["samples_per_second"] / p["regular"]["samples_per_second"]
+    )
     md = (out / "benchmark.md").read_text()
     regular, fast, ratio = _md_row(md, "samples/s (steady state)")
     assert float(regular) == pytest.approx(p["regular"]["samples_per_second"], abs=0.0051)
@@ -131,9 +151,19 @@ def test_benchmark_trains_both_arms_and_reports_ratios_from_their_histories(conv
     in subprocesses with the real Trainer, writes every PNG, benchmark.json and benchmark.md, and every number in
     the md's training table equals the one recomputed here from the arms' history.jsonl."""
     out = tmp_path / "bench"
-    _tool(tmp_path, "--config", str(_tiny_yaml(tmp_path, converted_dataset)), "--output", str(out),
-          "--max-minutes", "10", "--pipeline-batches", "2", "--quiet",
-          *_tiny_sets("training.epochs=3", "training.dice_thresholds=[0.0,0.99]"))
+    _tool(
+        tmp_path,
+        "--config",
+        str(_tiny_yaml(tmp_path, converted_dataset)),
+        "--output",
+        str(out),
+        "--max-minutes",
+        "10",
+        "--pipeline-batches",
+        "2",
+        "--quiet",
+        *_tiny_sets("training.epochs=3", "training.dice_thresholds=[0.0,0.99]"),
+    )
     for name in ("curves_vs_epoch.png", "curves_vs_time.png", "epoch_time.png", "time_to_dice.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         import matplotlib.image
@@ -146,35 +176,49 @@ def test_benchmark_trains_both_arms_and_reports_ratios_from_their_histories(conv
 
     regular_cfg = yaml.safe_load((out / "regular" / "config.yaml").read_text())
     fast_cfg = yaml.safe_load((out / "fast" / "config.yaml").read_text())
-    assert (regular_cfg["pipeline"]["num_images_per_batch"], regular_cfg["training"]["precision"],
-            regular_cfg["loss"]["name"], regular_cfg["optimizer"]["name"], regular_cfg["pipeline"]["cache"]) == (
-        1, "float32", "dice", "adam", "none")
-    assert (fast_cfg["pipeline"]["num_images_per_batch"], fast_cfg["loss"]["name"], fast_cfg["optimizer"]["name"],
-            fast_cfg["pipeline"]["cache"]) == (2, "dice_ce", "adamw", "memory")
+    assert (
+        regular_cfg["pipeline"]["num_images_per_batch"],
+        regular_cfg["training"]["precision"],
+        regular_cfg["loss"]["name"],
+        regular_cfg["optimizer"]["name"],
+        regular_cfg["pipeline"]["cache"],
+    ) == (1, "float32", "dice", "adam", "none")
+    assert (
+        fast_cfg["pipeline"]["num_images_per_batch"],
+        fast_cfg["loss"]["name"],
+        fast_cfg["optimizer"]["name"],
+        fast_cfg["pipeline"]["cache"],
+    ) == (2, "dice_ce", "adamw", "memory")
     assert regular_cfg["training"]["steps_per_epoch"] == 4 and fast_cfg["training"]["steps_per_epoch"] == 2
     assert regular_cfg["training"]["max_minutes"] == fast_cfg["training"]["max_minutes"] == 10
 
-    histories = {arm: [json.loads(line) for line in (out / arm / "history.jsonl").read_text().splitlines()]
-                 for arm in ("regular", "fast")}
+    histories = {
+        arm: [json.loads(line) for line in (out / arm / "history.jsonl").read_text().splitlines()]
+        for arm in ("regular", "fast")
+    }
     expected = {}
     for arm, records in histories.items():
         assert [r["epoch"] for r in records] == [1, 2, 3]
         assert json.loads((out / arm / "summary.json").read_text())["stop_reason"] == "epochs"
         steady = records[1:]
-        first = {t: next((r["elapsed_seconds"] for r in records if r.get("val_mean_dice", -1) >= t), None)
-                 for t in (0.0, 0.99)}
+        first = {
+            t: next((r["elapsed_seconds"] for r in records if r.get("val_mean_dice", -1) >= t), None)
+            for t in (0.0, 0.99)
+        }
         expected[arm] = {
             "epoch": sum(r["data_wait_seconds"] + r["compute_seconds"] for r in steady) / len(steady),
             "ips": sum(r["images_per_second"] for r in steady) / len(steady),
             "wait": sum(r["data_wait_seconds"] for r in records)
             / sum(r["data_wait_seconds"] + r["compute_seconds"] for r in records),
-            "dice": max(r["val_mean_dice"] for r in records), "first": first}
+            "dice": max(r["val_mean_dice"] for r in records),
+            "first": first,
+        }
     reg, fast = expected["regular"], expected["fast"]
     assert reg["first"][0.0] is not None and fast["first"][0.0] is not None  # the first validation reaches 0
     assert reg["first"][0.99] is None and fast["first"][0.99] is None
 
     def close(cell: str, value: float, scale: float = 1.0, decimals: int = 2):
-        assert float(cell.rstrip("x%")) == pytest.approx(value * scale, abs=0.51 * 10 ** -decimals), (cell, value)
+        assert float(cell.rstrip("x%")) == pytest.approx(value * scale, abs=0.51 * 10**-decimals), (cell, value)
 
     r, f, ratio = _md_row(md, "epoch time, s")
     close(r, reg["epoch"]), close(f, fast["epoch"]), close(ratio, reg["epoch"] / fast["epoch"])
@@ -200,10 +244,22 @@ def test_benchmark_trains_both_arms_and_reports_ratios_from_their_histories(conv
 
 def test_bad_config_key_stops_before_any_arm_runs(converted_dataset, tmp_path):
     """A misspelt --set key exits with status 2 and names the key and its likely fix; no arm folder is made."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"), "--config",
-                           str(_tiny_yaml(tmp_path, converted_dataset)), "--output", str(tmp_path / "bench"),
-                           "--set", "pipeline.patch_sise=[16,16,16]"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "benchmark.py"),
+            "--config",
+            str(_tiny_yaml(tmp_path, converted_dataset)),
+            "--output",
+            str(tmp_path / "bench"),
+            "--set",
+            "pipeline.patch_sise=[16,16,16]",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "pipeline.patch_sise" in proc.stderr and "pipeline.patch_size" in proc.stderr
     assert not (tmp_path / "bench" / "regular").exists()

@@ -14,8 +14,16 @@ def test_shipped_configs_load(name):
 
 
 def test_defaults_and_overrides():
-    config = load_config(None, ["training.epochs=3", "pipeline.patch_size=[48, 48, 32]", "loss.name=dice_focal",
-                                "optimizer.learning_rate=1e-4", "validation.roi_size=null"])
+    config = load_config(
+        None,
+        [
+            "training.epochs=3",
+            "pipeline.patch_size=[48, 48, 32]",
+            "loss.name=dice_focal",
+            "optimizer.learning_rate=1e-4",
+            "validation.roi_size=null",
+        ],
+    )
     assert config.training.epochs == 3
     assert config.pipeline.patch_size == [48, 48, 32]
     assert config.loss.name == "dice_focal" and config.optimizer.learning_rate == 1e-4
@@ -25,30 +33,39 @@ def test_defaults_and_overrides():
 def test_unknown_key_is_named_with_a_suggestion(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("pipeline:\n  patch_sise: [64, 64, 64]\n")
-    with pytest.raises(ConfigError, match=r"unknown config key 'pipeline.patch_sise'; did you mean "
-                                          r"'pipeline.patch_size'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'pipeline.patch_sise'; did you mean "
+        r"'pipeline.patch_size'\?",
+    ):
         load_config(path)
     with pytest.raises(ConfigError, match="unknown config key 'trainig'; did you mean 'training'"):
         load_config(None, ["trainig.epochs=3"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("training.epochs=three", "training.epochs: expected an integer, got str 'three'"),
-    ("training.epochs=2.5", "training.epochs: expected an integer"),
-    ("pipeline.patch_size=64", "pipeline.patch_size: expected a list of int"),
-    ("pipeline.patch_size=[64, x, 64]", r"pipeline.patch_size\[1\]: expected an integer"),
-    ("training.precision=fp16", "training.precision: 'fp16' is not one of"),
-    ("loss.name=dice_cee", "did you mean 'dice_ce'"),
-    ("output.tensorboard=1", "output.tensorboard: expected true/false"),
-    ("pipeline.patch_size=[64, 64]", "pipeline.patch_size: expected three positive sizes"),
-    ("validation.overlap=1.0", r"validation.overlap must be in \[0, 1\)"),
-    ("model.filters=[8, 16, 32]", r"model: strides needs one entry per level of filters \(8, 16, 32\)"),
-    ("training.epochs", "expected key=value"),
-    ("pipeline.cache=memroy", r"pipeline.cache: 'memroy' is not one of \['memory', 'none', 'file', 'partial'\] "
-                              r"\(did you mean 'memory'\?\)"),
-    ("pipeline.cache=/scratch/cache/demo", r"pipeline.cache: '/scratch/cache/demo' is not one of"),
-    ("pipeline.cache=file", r"pipeline.cache is 'file' but pipeline.cache_dir is not set"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("training.epochs=three", "training.epochs: expected an integer, got str 'three'"),
+        ("training.epochs=2.5", "training.epochs: expected an integer"),
+        ("pipeline.patch_size=64", "pipeline.patch_size: expected a list of int"),
+        ("pipeline.patch_size=[64, x, 64]", r"pipeline.patch_size\[1\]: expected an integer"),
+        ("training.precision=fp16", "training.precision: 'fp16' is not one of"),
+        ("loss.name=dice_cee", "did you mean 'dice_ce'"),
+        ("output.tensorboard=1", "output.tensorboard: expected true/false"),
+        ("pipeline.patch_size=[64, 64]", "pipeline.patch_size: expected three positive sizes"),
+        ("validation.overlap=1.0", r"validation.overlap must be in \[0, 1\)"),
+        ("model.filters=[8, 16, 32]", r"model: strides needs one entry per level of filters \(8, 16, 32\)"),
+        ("training.epochs", "expected key=value"),
+        (
+            "pipeline.cache=memroy",
+            r"pipeline.cache: 'memroy' is not one of \['memory', 'none', 'file', 'partial'\] "
+            r"\(did you mean 'memory'\?\)",
+        ),
+        ("pipeline.cache=/scratch/cache/demo", r"pipeline.cache: '/scratch/cache/demo' is not one of"),
+        ("pipeline.cache=file", r"pipeline.cache is 'file' but pipeline.cache_dir is not set"),
+    ],
+)
 def test_wrong_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
@@ -70,7 +87,19 @@ def test_cli_reports_config_errors():
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "tfmis.train", "--config", str(REPO / "configs" / "demo.yaml"),
-                             "--set", "model.nrom=batch"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfmis.train",
+            "--config",
+            str(REPO / "configs" / "demo.yaml"),
+            "--set",
+            "model.nrom=batch",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "unknown config key 'model.nrom'; did you mean 'model.norm'?" in result.stderr

@@ -8,8 +8,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-
 from conftest import brain_like_case, lps_affine, make_msd_dataset, update_dataset_json, write_nifti
+
 from tfmis.convert import build_parser
 from tfmis.data.convert import PLAN_FILE, ConversionConfig, ParametersChanged, assign_splits, convert
 from tfmis.data.msd import MSDDataset, load_case
@@ -20,8 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_tool(*args, timeout=300):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "tfrecord.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "tfrecord.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def records_by_case(target, split):
@@ -34,8 +38,19 @@ def records_by_case(target, split):
 @pytest.mark.parametrize("compression, image_dtype", [("NONE", "float32"), ("GZIP", "float16"), ("ZLIB", "float32")])
 def test_round_trip_is_bit_exact(msd_dataset, tmp_path, compression, image_dtype):
     target = tmp_path / "out"
-    index = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, compression=compression,
-                                     image_dtype=image_dtype, spacing=(1.5, 1.5, 2.0), workers=1, progress=False))
+    index = convert(
+        ConversionConfig(
+            str(msd_dataset),
+            str(target),
+            split=(1.0,),
+            shards=2,
+            compression=compression,
+            image_dtype=image_dtype,
+            spacing=(1.5, 1.5, 2.0),
+            workers=1,
+            progress=False,
+        )
+    )
     assert index["stats"]["records"] == 6 and not index["skipped"]
     ds = MSDDataset(msd_dataset)
     config = PreprocessConfig(spacing=(1.5, 1.5, 2.0), normalization=("zscore", "zscore"), image_dtype=image_dtype)
@@ -58,8 +73,9 @@ def test_round_trip_is_bit_exact(msd_dataset, tmp_path, compression, image_dtype
 
 def test_index_and_fingerprint_describe_the_shards(msd_dataset, tmp_path):
     target = tmp_path / "out"
-    index = convert(ConversionConfig(str(msd_dataset), str(target), split=(0.5, 0.25, 0.25), shards=2, workers=2,
-                                     progress=False))
+    index = convert(
+        ConversionConfig(str(msd_dataset), str(target), split=(0.5, 0.25, 0.25), shards=2, workers=2, progress=False)
+    )
     on_disk = load_index(target)
     assert on_disk["schema_version"] == 1 and on_disk["splits"].keys() == {"train", "val", "test"}
     assert [s["num_records"] for s in on_disk["splits"].values()] == [3, 2, 1]
@@ -71,7 +87,7 @@ def test_index_and_fingerprint_describe_the_shards(msd_dataset, tmp_path):
             assert len(list(record_dataset(target, name).as_numpy_iterator())) == split["num_records"]
     fingerprint = json.loads((target / "fingerprint.json").read_text())
     for split in on_disk["splits"]:
-        for image, label, meta in record_dataset(target, split):
+        for _image, label, meta in record_dataset(target, split):
             cid = meta["case_id"].numpy().decode()
             counts = np.bincount(label.numpy().ravel(), minlength=3).tolist()
             assert fingerprint["cases"][cid]["class_voxels"] == counts
@@ -96,8 +112,11 @@ def test_splits_are_seeded_and_folds_partition():
 
 
 def test_folds_conversion(msd_dataset, tmp_path):
-    index = convert(ConversionConfig(str(msd_dataset), str(tmp_path / "out"), split=None, folds=3, shards=1,
-                                     workers=1, progress=False))
+    index = convert(
+        ConversionConfig(
+            str(msd_dataset), str(tmp_path / "out"), split=None, folds=3, shards=1, workers=1, progress=False
+        )
+    )
     assert {k: v["num_records"] for k, v in index["splits"].items()} == {"fold0": 2, "fold1": 2, "fold2": 2}
 
 
@@ -125,8 +144,11 @@ def test_resume_after_kill(tmp_path):
     """A real conversion process killed after its first shard resumes to the same bytes."""
     source = make_msd_dataset(tmp_path / "ds", num_cases=10, shape=(48, 48, 40))
     args = ["--source-dir", source, "--split", "1", "--shards", "10", "--workers", "1", "--compression", "NONE"]
-    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "tfrecord.py"), *map(str, args),
-                             "--target-dir", tmp_path / "out"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "tfrecord.py"), *map(str, args), "--target-dir", tmp_path / "out"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     progress = tmp_path / "out" / ".progress"
     deadline = time.time() + 120
     while time.time() < deadline and not list(progress.glob("*.json")) and proc.poll() is None:
@@ -153,8 +175,11 @@ def test_changed_parameters_are_refused_or_rebuilt(msd_dataset, tmp_path):
     update_dataset_json(msd_dataset, description="edited")
     with pytest.raises(ParametersChanged, match="dataset_json_sha256"):
         convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False))
-    index = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=3, workers=1,
-                                     progress=False, overwrite=True))
+    index = convert(
+        ConversionConfig(
+            str(msd_dataset), str(target), split=(1.0,), shards=3, workers=1, progress=False, overwrite=True
+        )
+    )
     assert len(index["splits"]["train"]["shards"]) == 3
     assert sorted(p.name for p in target.glob("*.tfrecord*")) == [f"train-00{i}-of-003.tfrecord.gz" for i in range(3)]
 
@@ -168,8 +193,11 @@ def test_explicit_values_equal_to_what_a_default_resolved_to_reuse_the_conversio
     first = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False))
     resolved = json.loads((target / PLAN_FILE).read_text())["resolved"]["spacing"]  # the median spacing
     stamps = {p.name: p.stat().st_mtime_ns for p in target.glob("*.tfrecord*")}
-    again = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1,
-                                     progress=False, spacing=tuple(resolved)))
+    again = convert(
+        ConversionConfig(
+            str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False, spacing=tuple(resolved)
+        )
+    )
     assert again["splits"] == first["splits"]
     assert {p.name: p.stat().st_mtime_ns for p in target.glob("*.tfrecord*")} == stamps, "no shard rewritten"
     back = convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False))
@@ -182,8 +210,11 @@ def test_explicit_values_equal_to_what_a_default_resolved_to_reuse_the_conversio
     assert {p.name: p.stat().st_mtime_ns for p in target.glob("*.tfrecord*")} == stamps, "no shard rewritten"
     other = tuple(2 * s for s in resolved)
     with pytest.raises(ParametersChanged, match=r"spacing: "):
-        convert(ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False,
-                                 spacing=other))
+        convert(
+            ConversionConfig(
+                str(msd_dataset), str(target), split=(1.0,), shards=2, workers=1, progress=False, spacing=other
+            )
+        )
 
 
 def test_ct_zscore_conversion_measures_the_labelled_foreground_of_every_training_case(tmp_path):
@@ -202,8 +233,18 @@ def test_ct_zscore_conversion_measures_the_labelled_foreground_of_every_training
         foreground.append(image[label])
     values = np.concatenate(foreground)
     target = tmp_path / "out"
-    index = convert(ConversionConfig(str(source), str(target), split=(1.0,), shards=1, workers=1, progress=False,
-                                     ct_normalization="zscore", image_dtype="float32"))
+    index = convert(
+        ConversionConfig(
+            str(source),
+            str(target),
+            split=(1.0,),
+            shards=1,
+            workers=1,
+            progress=False,
+            ct_normalization="zscore",
+            image_dtype="float32",
+        )
+    )
     resolved = json.loads((target / PLAN_FILE).read_text())["resolved"]
     mean, std = resolved["ct_mean_std"]
     assert mean == pytest.approx(values.mean(), rel=1e-6) and std == pytest.approx(values.std(), rel=1e-6)
@@ -224,34 +265,52 @@ def make_broken_dataset(root: Path) -> dict:
     rng = np.random.default_rng(7)
     img, lab = brain_like_case(rng)
     images, labels = root / "imagesTr", root / "labelsTr"
-    (images / "case_001.nii.gz").unlink()                                             # missing file
+    (images / "case_001.nii.gz").unlink()  # missing file
     data = (images / "case_002.nii.gz").read_bytes()
-    (images / "case_002.nii.gz").write_bytes(data[: len(data) // 2])                  # truncated .nii.gz
-    write_nifti(labels / "case_003.nii.gz", lab[:-2], lps_affine(), np.uint8)         # shape mismatch
+    (images / "case_002.nii.gz").write_bytes(data[: len(data) // 2])  # truncated .nii.gz
+    write_nifti(labels / "case_003.nii.gz", lab[:-2], lps_affine(), np.uint8)  # shape mismatch
     write_nifti(labels / "case_004.nii.gz", lab, lps_affine(origin=(0, 0, 0)), np.uint8)  # affine mismatch
     bad_label = lab.copy()
     bad_label[0, 0, 0] = 7
-    write_nifti(labels / "case_005.nii.gz", bad_label, lps_affine(), np.uint8)      # undeclared label value
+    write_nifti(labels / "case_005.nii.gz", bad_label, lps_affine(), np.uint8)  # undeclared label value
     nan_image = img.copy()
     nan_image[5, 5, 5, 1] = np.nan
-    write_nifti(images / "case_006.nii.gz", nan_image, lps_affine(), np.float32)    # NaN in the image
+    write_nifti(images / "case_006.nii.gz", nan_image, lps_affine(), np.float32)  # NaN in the image
     inf_image = img.copy()
     inf_image[6, 6, 6, 0] = -np.inf
-    write_nifti(images / "case_010.nii.gz", inf_image, lps_affine(), np.float32)    # Inf in the image
+    write_nifti(images / "case_010.nii.gz", inf_image, lps_affine(), np.float32)  # Inf in the image
     write_nifti(labels / "case_007.nii.gz", np.zeros_like(lab), lps_affine(), np.uint8)  # no foreground: warning
-    (images / "case_008.nii.gz").write_bytes(b"this is not a nifti file at all")    # corrupt header
+    (images / "case_008.nii.gz").write_bytes(b"this is not a nifti file at all")  # corrupt header
     meta = json.loads((root / "dataset.json").read_text())
-    meta["training"][9]["label"] = "../../etc/passwd"                               # path outside the dataset
+    meta["training"][9]["label"] = "../../etc/passwd"  # path outside the dataset
     (root / "dataset.json").write_text(json.dumps(meta))
-    return {"case_001": "does not exist", "case_002": "cannot be read", "case_003": "does not match image shape",
-            "case_004": "affine does not match", "case_005": "not declared", "case_006": "NaN",
-            "case_008": "cannot be read", "case_009": "outside the dataset folder", "case_010": "NaN/Inf"}
+    return {
+        "case_001": "does not exist",
+        "case_002": "cannot be read",
+        "case_003": "does not match image shape",
+        "case_004": "affine does not match",
+        "case_005": "not declared",
+        "case_006": "NaN",
+        "case_008": "cannot be read",
+        "case_009": "outside the dataset folder",
+        "case_010": "NaN/Inf",
+    }
 
 
 def test_bad_cases_are_named_and_the_rest_convert(tmp_path):
     expected = make_broken_dataset(tmp_path / "broken")
-    result = run_tool("--source-dir", tmp_path / "broken", "--target-dir", tmp_path / "out", "--split", "0.5,0.5",
-                      "--shards", "2", "--workers", "2")
+    result = run_tool(
+        "--source-dir",
+        tmp_path / "broken",
+        "--target-dir",
+        tmp_path / "out",
+        "--split",
+        "0.5,0.5",
+        "--shards",
+        "2",
+        "--workers",
+        "2",
+    )
     assert result.returncode == 3, result.stderr
     index = load_index(tmp_path / "out")
     skipped = {s["case_id"]: s["reason"] for s in index["skipped"]}
@@ -268,14 +327,41 @@ def test_bad_cases_are_named_and_the_rest_convert(tmp_path):
 
 
 def test_cli_parses_tuples_and_explains_flags(msd_dataset, tmp_path):
-    args = build_parser().parse_args(["--source-dir", "a", "--target-dir", "b", "--split", "0.8, 0.2",
-                                      "--spacing", "1.5,1.5,2.0", "--compression", "ZLIB"])
+    args = build_parser().parse_args(
+        [
+            "--source-dir",
+            "a",
+            "--target-dir",
+            "b",
+            "--split",
+            "0.8, 0.2",
+            "--spacing",
+            "1.5,1.5,2.0",
+            "--compression",
+            "ZLIB",
+        ]
+    )
     assert args.split == (0.8, 0.2) and args.spacing == (1.5, 1.5, 2.0) and args.compression == "ZLIB"
-    assert build_parser().parse_args(["--source-dir", "a", "--target-dir", "b", "--reshape", "120,120,96"]
-                                     ).reshape == (120, 120, 96)
+    assert build_parser().parse_args(["--source-dir", "a", "--target-dir", "b", "--reshape", "120,120,96"]).reshape == (
+        120,
+        120,
+        96,
+    )
     help_text = run_tool("--help").stdout
-    for flag in ("--source-dir", "--target-dir", "--split", "--folds", "--spacing", "--reshape", "--shards",
-                 "--compression", "--workers", "--seed", "--ct-window", "--overwrite"):
+    for flag in (
+        "--source-dir",
+        "--target-dir",
+        "--split",
+        "--folds",
+        "--spacing",
+        "--reshape",
+        "--shards",
+        "--compression",
+        "--workers",
+        "--seed",
+        "--ct-window",
+        "--overwrite",
+    ):
         assert flag in help_text
     bad = run_tool("--source-dir", msd_dataset, "--target-dir", tmp_path / "o", "--spacing", "1.5,2")
     assert bad.returncode == 2 and "--spacing: expected 3 comma-separated values" in bad.stderr
@@ -308,8 +394,7 @@ def test_resume_reuses_measured_spacing_and_ct_window(tmp_path):
 def test_conversion_progress_to_a_log_file_is_plain_lines_without_bar_frames(msd_dataset, tmp_path):
     """tools/tfrecord.py with standard error captured (not a terminal, as in a SLURM log) reports progress as
     plain lines without carriage-return bar frames, ending with the count of all converted cases."""
-    result = run_tool("--source-dir", msd_dataset, "--target-dir", tmp_path / "out", "--split", "1",
-                      "--workers", "1")
+    result = run_tool("--source-dir", msd_dataset, "--target-dir", tmp_path / "out", "--split", "1", "--workers", "1")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "\r" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("Converting ")]

@@ -20,8 +20,9 @@ NUM_TRAINING, NUM_TEST = 3, 1
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory) -> Path:
-    return demo.make_demo_dataset(tmp_path_factory.mktemp("demo") / "Task00_DemoBrain",
-                                  num_training=NUM_TRAINING, num_test=NUM_TEST, seed=0)
+    return demo.make_demo_dataset(
+        tmp_path_factory.mktemp("demo") / "Task00_DemoBrain", num_training=NUM_TRAINING, num_test=NUM_TEST, seed=0
+    )
 
 
 def _all_image_paths(root: Path) -> list[Path]:
@@ -174,8 +175,10 @@ def test_command_line(tmp_path):
 
 REPO = Path(__file__).resolve().parents[1]
 MONAI_PYTHON = REPO / ".venv-monai" / "bin" / "python"
-needs_monai = pytest.mark.skipif(not MONAI_PYTHON.is_file(), reason="no MONAI environment at .venv-monai (see "
-                                 "benchmarks/monai_demo.py for the command that creates it)")
+needs_monai = pytest.mark.skipif(
+    not MONAI_PYTHON.is_file(),
+    reason="no MONAI environment at .venv-monai (see benchmarks/monai_demo.py for the command that creates it)",
+)
 
 
 def test_demo_config_model_gives_logits_at_patch_resolution():
@@ -237,9 +240,30 @@ def test_monai_recipe_trains_on_the_export_and_logs_each_validation(converted_da
     export = _load_export_module()
     export.export_npy(converted_dataset, tmp_path / "npy")
     out = tmp_path / "monai"
-    command = [str(MONAI_PYTHON), str(REPO / "benchmarks" / "monai_demo.py"), "--data", str(tmp_path / "npy"),
-               "--output", str(out), "--epochs", "3", "--val-interval", "2", "--patch", "16", "16", "16",
-               "--class-ratios", "1", "1", "1", "--crops-per-volume", "2", "--batch", "2"]
+    command = [
+        str(MONAI_PYTHON),
+        str(REPO / "benchmarks" / "monai_demo.py"),
+        "--data",
+        str(tmp_path / "npy"),
+        "--output",
+        str(out),
+        "--epochs",
+        "3",
+        "--val-interval",
+        "2",
+        "--patch",
+        "16",
+        "16",
+        "16",
+        "--class-ratios",
+        "1",
+        "1",
+        "1",
+        "--crops-per-volume",
+        "2",
+        "--batch",
+        "2",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
@@ -249,8 +273,9 @@ def test_monai_recipe_trains_on_the_export_and_logs_each_validation(converted_da
     for r in validated:
         assert 0.0 <= r["val_mean_dice"] <= 1.0 and len(r["val_dice"]) == 2 and r["val_seconds"] > 0
     elapsed = [r["elapsed_seconds"] for r in records]
-    assert elapsed == sorted(elapsed) and all(r["data_wait_seconds"] + r["compute_seconds"] <= r["epoch_seconds"]
-                                             for r in records)
+    assert elapsed == sorted(elapsed) and all(
+        r["data_wait_seconds"] + r["compute_seconds"] <= r["epoch_seconds"] for r in records
+    )
     settings = json.loads((out / "settings.json").read_text())
     assert settings["threads"] == 2 and settings["steps_per_epoch"] == 6  # 6 train cases x 2 crops / 2
     summary = json.loads((out / "summary.json").read_text())
@@ -261,16 +286,37 @@ def test_monai_recipe_trains_on_the_export_and_logs_each_validation(converted_da
 def test_time_to_dice_runs_monai_and_tfmis_arms_and_reports(converted_dataset, tmp_path):
     """The whole benchmark command on a tiny config: both arms in real subprocesses, then the report."""
     from conftest import tiny_config
+
     from tfmis.config import save_config
 
     config_path = tmp_path / "tiny.yaml"
-    save_config(tiny_config(converted_dataset, tmp_path / "unused", "training.epochs=2",
-                            "pipeline.class_ratios=[1,1,1]"), config_path)
+    save_config(
+        tiny_config(converted_dataset, tmp_path / "unused", "training.epochs=2", "pipeline.class_ratios=[1,1,1]"),
+        config_path,
+    )
     out = tmp_path / "ttd"
-    command = [sys.executable, str(REPO / "benchmarks" / "time_to_dice.py"), "--config", str(config_path),
-               "--max-minutes", "5", "--levels", "0.0", "0.999", "--output", str(out), "--quiet",
-               "--monai-arg=--epochs=2", "--monai-arg=--strides", "--monai-arg=2", "--monai-arg=2",
-               "--monai-arg=--channels", "--monai-arg=4", "--monai-arg=8", "--monai-arg=16"]
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "time_to_dice.py"),
+        "--config",
+        str(config_path),
+        "--max-minutes",
+        "5",
+        "--levels",
+        "0.0",
+        "0.999",
+        "--output",
+        str(out),
+        "--quiet",
+        "--monai-arg=--epochs=2",
+        "--monai-arg=--strides",
+        "--monai-arg=2",
+        "--monai-arg=2",
+        "--monai-arg=--channels",
+        "--monai-arg=4",
+        "--monai-arg=8",
+        "--monai-arg=16",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "time_to_dice.json").read_text())
@@ -283,8 +329,9 @@ def test_time_to_dice_runs_monai_and_tfmis_arms_and_reports(converted_dataset, t
     assert monai_arm["name"] == "monai" and "--patch" in monai_arm["overrides"]
     assert monai_arm["overrides"][monai_arm["overrides"].index("--patch") + 1] == "16", "the config's patch"
     ratio = report["ratios"]["tiny"]["0.00"]
-    assert ratio == pytest.approx(report["summaries"]["monai"]["time_to_dice"]["0.00"]
-                                  / report["summaries"]["tiny"]["time_to_dice"]["0.00"])
+    assert ratio == pytest.approx(
+        report["summaries"]["monai"]["time_to_dice"]["0.00"] / report["summaries"]["tiny"]["time_to_dice"]["0.00"]
+    )
     markdown = (out / "time_to_dice.md").read_text()
     assert "| monai |" in markdown and "| tiny |" in markdown and "time to 0.00, s" in markdown
     assert (out / "time_to_dice.png").stat().st_size > 10_000

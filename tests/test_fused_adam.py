@@ -21,8 +21,7 @@ from tfmis.optimizers.fused_adam import FusedAdam, FusedAdamW
 SHAPES = [(3, 4), (4,), (2, 2, 2, 1, 3)]  # a dense kernel, a bias, a 3D conv kernel
 
 
-def adam_reference(weights, gradient_steps, learning_rates, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
-                   weight_decay=0.0):
+def adam_reference(weights, gradient_steps, learning_rates, beta_1=0.9, beta_2=0.999, epsilon=1e-8, weight_decay=0.0):
     """Weights after the steps, in float64: w ← w − lr·wd·w, then m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g²,
     w ← w − lr·√(1−β2ᵗ)/(1−β1ᵗ) · m / (√v + ε)."""
     w = [np.array(x, np.float64) for x in weights]
@@ -34,15 +33,14 @@ def adam_reference(weights, gradient_steps, learning_rates, beta_1=0.9, beta_2=0
             w[i] = w[i] - lr * weight_decay * w[i]
             m[i] = beta_1 * m[i] + (1 - beta_1) * g
             v[i] = beta_2 * v[i] + (1 - beta_2) * g * g
-            w[i] = w[i] - lr * np.sqrt(1 - beta_2 ** t) / (1 - beta_1 ** t) * m[i] / (np.sqrt(v[i]) + epsilon)
+            w[i] = w[i] - lr * np.sqrt(1 - beta_2**t) / (1 - beta_1**t) * m[i] / (np.sqrt(v[i]) + epsilon)
     return w
 
 
 def random_problem(seed=0, num_steps=12):
     rng = np.random.default_rng(seed)
     weights = [rng.normal(size=shape).astype(np.float32) for shape in SHAPES]
-    steps = [[(rng.normal(size=shape) * 2.0 * 0.8 ** k).astype(np.float32) for shape in SHAPES]
-             for k in range(num_steps)]
+    steps = [[(rng.normal(size=shape) * 2.0 * 0.8**k).astype(np.float32) for shape in SHAPES] for k in range(num_steps)]
     return weights, steps
 
 
@@ -56,8 +54,10 @@ def run(optimizer, weights, gradient_steps, compiled):
     return [v.numpy() for v in variables]
 
 
-@pytest.mark.parametrize("name, weight_decay, compiled", [
-    ("adam", 0.0, False), ("adam", 0.0, True), ("adamw", 0.05, False), ("adamw", 0.05, True), ("adam", 0.05, True)])
+@pytest.mark.parametrize(
+    "name, weight_decay, compiled",
+    [("adam", 0.0, False), ("adam", 0.0, True), ("adamw", 0.05, False), ("adamw", 0.05, True), ("adam", 0.05, True)],
+)
 def test_fused_adam_matches_numpy_adam_with_decoupled_decay_and_keras_adamw(name, weight_decay, compiled):
     """Twelve steps under a warm-up + cosine schedule: the weights equal the NumPy transcription (float64) to
     float32 rounding, and Keras' own AdamW/Adam given the same gradients."""
@@ -71,8 +71,9 @@ def test_fused_adam_matches_numpy_adam_with_decoupled_decay_and_keras_adamw(name
     for a, e in zip(result, expected):
         np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6)
     keras_class = keras.optimizers.AdamW if name == "adamw" else keras.optimizers.Adam
-    reference = run(keras_class(learning_rate=schedule, epsilon=1e-8, weight_decay=weight_decay or None),
-                    weights, steps, compiled)
+    reference = run(
+        keras_class(learning_rate=schedule, epsilon=1e-8, weight_decay=weight_decay or None), weights, steps, compiled
+    )
     for a, e in zip(result, reference):  # float32 either way; the two order the moment arithmetic differently
         np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6)
 
@@ -109,8 +110,9 @@ def test_amsgrad_falls_back_to_keras_update():
 def test_loss_scale_optimizer_around_fused_adamw_unscales_and_skips_non_finite_steps():
     weights, steps = random_problem(seed=3, num_steps=5)
     plain = run(FusedAdamW(learning_rate=0.02, weight_decay=0.01), weights, steps, compiled=True)
-    scaled = keras.optimizers.LossScaleOptimizer(FusedAdamW(learning_rate=0.02, weight_decay=0.01),
-                                                 initial_scale=1024.0)
+    scaled = keras.optimizers.LossScaleOptimizer(
+        FusedAdamW(learning_rate=0.02, weight_decay=0.01), initial_scale=1024.0
+    )
     variables = [keras.Variable(w) for w in weights]
     scaled.build(variables)
     apply = tf.function(lambda grads: scaled.apply(grads, variables))
@@ -210,7 +212,7 @@ def test_fused_adamw_under_mirrored_strategy_matches_single_device():
     proc = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT], capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     assert result["replicas"] == 2 and result["slots"] == 8
     assert result["slot_types"] == ["MirroredVariable"] and result["replicas_agree"]
     assert result["moved"] > 1e-2 and result["max_weight_diff"] < 1e-5, result

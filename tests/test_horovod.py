@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import tiny_config
 
 TESTS = Path(__file__).resolve().parent
@@ -38,9 +37,11 @@ def _horovod_problem() -> str | None:
     try:
         import horovod.tensorflow  # noqa: F401
     except Exception as e:  # not installed, or built without TensorFlow ops
-        return (f"Horovod is not usable in {sys.executable} ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                "run these tests in the Horovod environment: tools/install_horovod.sh, then "
-                ".venv-horovod/bin/python -m pytest tests/test_horovod.py")
+        return (
+            f"Horovod is not usable in {sys.executable} ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            "run these tests in the Horovod environment: tools/install_horovod.sh, then "
+            ".venv-horovod/bin/python -m pytest tests/test_horovod.py"
+        )
     return None
 
 
@@ -49,8 +50,14 @@ HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 needs_horovod = pytest.mark.skipif(HOROVOD_PROBLEM is not None, reason=str(HOROVOD_PROBLEM))
 
 # momentum SGD, so that the optimizer has state that sync_initial_state must broadcast too
-SGD = ["optimizer.name=sgd", "optimizer.momentum=0.9", "optimizer.nesterov=false", "optimizer.schedule=constant",
-       "optimizer.learning_rate=0.2", "optimizer.weight_decay=0.0"]
+SGD = [
+    "optimizer.name=sgd",
+    "optimizer.momentum=0.9",
+    "optimizer.nesterov=false",
+    "optimizer.schedule=constant",
+    "optimizer.learning_rate=0.2",
+    "optimizer.weight_decay=0.0",
+]
 STEPS = 3
 PER_RANK = 2  # images per process per step; 2 processes = a global batch of 4
 
@@ -80,8 +87,9 @@ def max_diff(a, b) -> float:
 # ---------------------------------------------------------------- the error without Horovod
 
 
-@pytest.mark.skipif(HOROVOD_PROBLEM is None, reason="Horovod is importable here: the missing-Horovod error "
-                                                     "cannot occur")
+@pytest.mark.skipif(
+    HOROVOD_PROBLEM is None, reason="Horovod is importable here: the missing-Horovod error cannot occur"
+)
 def test_horovod_backend_without_horovod_names_the_setting_and_the_installer():
     """In an interpreter without Horovod, make_backend("horovod") raises a RuntimeError that names
     `runtime.distribution: horovod` and `tools/install_horovod.sh` (nothing is initialised first)."""
@@ -101,17 +109,24 @@ def test_horovod_without_tensorflow_ops_names_the_setting_and_the_installer(tmp_
     leaves) makes HorovodBackend() raise a RuntimeError naming the cause, the setting and the installer."""
     import horovod
 
-    shutil.copytree(Path(horovod.__file__).parent, tmp_path / "horovod",
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    script = ("from tfmis.engine.horovod import HorovodBackend\n"
-              "try:\n    HorovodBackend()\nexcept RuntimeError as e:\n    print('RuntimeError:', e)\n")
+    shutil.copytree(
+        Path(horovod.__file__).parent, tmp_path / "horovod", ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
+    script = (
+        "from tfmis.engine.horovod import HorovodBackend\n"
+        "try:\n    HorovodBackend()\nexcept RuntimeError as e:\n    print('RuntimeError:', e)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RuntimeError:" in result.stdout, result.stdout + result.stderr[-2000:]
     assert str(tmp_path / "horovod") in result.stdout  # it really loaded the copy without the extension
-    for part in ("horovod.tensorflow does not load", "built without TensorFlow ops", "runtime.distribution: horovod",
-                 "tools/install_horovod.sh"):
+    for part in (
+        "horovod.tensorflow does not load",
+        "built without TensorFlow ops",
+        "runtime.distribution: horovod",
+        "tools/install_horovod.sh",
+    ):
         assert part in result.stdout
 
 
@@ -208,8 +223,9 @@ def horovod_steps(converted_dataset, tmp_path_factory):
     from tfmis.data.pipeline import build_train_dataset
 
     out = tmp_path_factory.mktemp("horovod_steps")
-    images, labels = next(iter(build_train_dataset(tiny_config(converted_dataset, out / "batches"))
-                               .unbatch().batch(STEPS * 2 * PER_RANK)))
+    images, labels = next(
+        iter(build_train_dataset(tiny_config(converted_dataset, out / "batches")).unbatch().batch(STEPS * 2 * PER_RANK))
+    )
     np.savez(out / "batches.npz", images=images.numpy(), labels=labels.numpy())
     (out / "steps.py").write_text(HOROVOD_STEPS)
     (out / "single.py").write_text(ONE_PROCESS_STEPS)
@@ -217,9 +233,13 @@ def horovod_steps(converted_dataset, tmp_path_factory):
     result = horovodrun([sys.executable, str(out / "steps.py"), str(converted_dataset), str(out), str(TESTS)], out)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     horovod_seconds = time.perf_counter() - start
-    single = subprocess.run([sys.executable, str(out / "single.py"), str(converted_dataset), str(out), str(TESTS)],
-                            capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    single = subprocess.run(
+        [sys.executable, str(out / "single.py"), str(converted_dataset), str(out), str(TESTS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
     assert single.returncode == 0, single.stderr[-4000:]
     print(f"horovodrun -np 2 ({STEPS} steps): {horovod_seconds:.1f} s")
     return np.load(out / "rank0.npz"), np.load(out / "rank1.npz"), np.load(out / "single.npz")
@@ -266,9 +286,11 @@ def test_two_horovod_processes_match_one_process_on_the_global_batch(horovod_ste
     """2 processes x 2 images take the same steps as 1 process (default backend) on the same 4 images:
     the same losses and, after STEPS momentum-SGD steps, the same weights and momenta (float32 tolerance)."""
     rank0, _, single = horovod_steps
-    print(f"losses 2 processes {rank0['losses'].tolist()} vs 1 process {single['losses'].tolist()}; max |weight diff| "
-          f"{max_diff(arrays(rank0, 'final'), arrays(single, 'final')):.2e}, max |momentum diff| "
-          f"{max_diff(arrays(rank0, 'final_opt'), arrays(single, 'final_opt')):.2e}")
+    print(
+        f"losses 2 processes {rank0['losses'].tolist()} vs 1 process {single['losses'].tolist()}; max |weight diff| "
+        f"{max_diff(arrays(rank0, 'final'), arrays(single, 'final')):.2e}, max |momentum diff| "
+        f"{max_diff(arrays(rank0, 'final_opt'), arrays(single, 'final_opt')):.2e}"
+    )
     np.testing.assert_allclose(rank0["losses"], single["losses"], rtol=1e-5)
     assert len(set(np.round(single["losses"], 6))) == STEPS  # different batches: a real sequence of steps
     moved = max_diff(arrays(single, "final"), arrays(rank0, "synced"))
@@ -291,8 +313,18 @@ def test_tfmis_train_under_horovodrun_end_to_end(converted_dataset, tmp_path):
     out = tmp_path / "run"
     save_config(tiny_config(converted_dataset, out), tmp_path / "tiny.yaml")
     start = time.perf_counter()
-    result = horovodrun([sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / "tiny.yaml"),
-                         "--set", "runtime.distribution=horovod"], tmp_path)
+    result = horovodrun(
+        [
+            sys.executable,
+            "-m",
+            "tfmis.train",
+            "--config",
+            str(tmp_path / "tiny.yaml"),
+            "--set",
+            "runtime.distribution=horovod",
+        ],
+        tmp_path,
+    )
     seconds = time.perf_counter() - start
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
@@ -310,8 +342,21 @@ def test_tfmis_train_under_horovodrun_end_to_end(converted_dataset, tmp_path):
     assert [line.split()[1] for line in epoch_lines] == ["1/2", "2/2"], output[-3000:]
 
     # --resume with one more epoch: every rank restores the chief's checkpoint 2 and trains epoch 3 only
-    resumed = horovodrun([sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / "tiny.yaml"),
-                          "--set", "runtime.distribution=horovod", "--set", "training.epochs=3", "--resume"], tmp_path)
+    resumed = horovodrun(
+        [
+            sys.executable,
+            "-m",
+            "tfmis.train",
+            "--config",
+            str(tmp_path / "tiny.yaml"),
+            "--set",
+            "runtime.distribution=horovod",
+            "--set",
+            "training.epochs=3",
+            "--resume",
+        ],
+        tmp_path,
+    )
     output = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, output[-6000:]
     # (a rank that did not restore would run epochs 1-3 against the chief's epoch 3 and never finish)
@@ -364,12 +409,14 @@ def test_horovod_averages_batchnorm_statistics_and_refuses_jit_compile(converted
     with an error naming the setting."""
     from tfmis.data.pipeline import build_train_dataset
 
-    images, labels = next(iter(build_train_dataset(tiny_config(converted_dataset, tmp_path / "b"))
-                               .unbatch().batch(2 * PER_RANK)))
+    images, labels = next(
+        iter(build_train_dataset(tiny_config(converted_dataset, tmp_path / "b")).unbatch().batch(2 * PER_RANK))
+    )
     np.savez(tmp_path / "batches.npz", images=images.numpy(), labels=labels.numpy())
     (tmp_path / "stats.py").write_text(HOROVOD_STATISTICS)
-    result = horovodrun([sys.executable, str(tmp_path / "stats.py"), str(converted_dataset), str(tmp_path),
-                         str(TESTS)], tmp_path)
+    result = horovodrun(
+        [sys.executable, str(tmp_path / "stats.py"), str(converted_dataset), str(tmp_path), str(TESTS)], tmp_path
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     ranks = [np.load(tmp_path / f"stats{r}.npz") for r in (0, 1)]
     n = len([k for k in ranks[0].files if k.startswith("before_")])
@@ -395,9 +442,13 @@ def test_install_script_names_a_missing_cmake_before_installing_anything(tmp_pat
     for tool in ("dirname",):
         os.symlink(shutil.which(tool), bin_dir / tool)
     os.symlink(sys.executable, bin_dir / "python3")
-    result = subprocess.run(["/bin/bash", str(REPO / "tools" / "install_horovod.sh"), str(tmp_path / "venv")],
-                            env={"PATH": str(bin_dir), "HOME": str(tmp_path)}, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        ["/bin/bash", str(REPO / "tools" / "install_horovod.sh"), str(tmp_path / "venv")],
+        env={"PATH": str(bin_dir), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1
     assert "cmake not found" in result.stderr and "cmake >= 3.13" in result.stderr
     assert not (tmp_path / "venv").exists()
@@ -408,8 +459,13 @@ def test_install_script_names_a_missing_cmake_before_installing_anything(tmp_pat
 def test_install_script_rerun_on_a_finished_environment_skips_every_step():
     """Rerunning tools/install_horovod.sh on the environment these tests run in rebuilds nothing: every step
     reports it is already done, and it ends with horovodrun --check-build listing TensorFlow and Gloo."""
-    result = subprocess.run(["bash", str(REPO / "tools" / "install_horovod.sh"), sys.prefix], capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    result = subprocess.run(
+        ["bash", str(REPO / "tools" / "install_horovod.sh"), sys.prefix],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     for done in ("exists", "2.16.2 and keras", "already built", "already installed"):

@@ -25,21 +25,12 @@ NO_SMOOTH = dict(smooth_nr=0.0, smooth_dr=0.0)
 
 # Sample 0: labels 0, 1, 2, 1 with softmax probabilities (rows sum to one)
 LABELS_0 = [0, 1, 2, 1]
-SOFTMAX_P0 = [[0.7, 0.2, 0.1],
-              [0.1, 0.6, 0.3],
-              [0.2, 0.2, 0.6],
-              [0.5, 0.4, 0.1]]
+SOFTMAX_P0 = [[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6], [0.5, 0.4, 0.1]]
 # Sample 1: labels 0, 0, 0, 1 (class 2 absent)
 LABELS_1 = [0, 0, 0, 1]
-SOFTMAX_P1 = [[0.8, 0.1, 0.1],
-              [0.6, 0.3, 0.1],
-              [0.5, 0.25, 0.25],
-              [0.2, 0.7, 0.1]]
+SOFTMAX_P1 = [[0.8, 0.1, 0.1], [0.6, 0.3, 0.1], [0.5, 0.25, 0.25], [0.2, 0.7, 0.1]]
 # Sample 0 again with independent per-channel sigmoid probabilities
-SIGMOID_P0 = [[0.9, 0.2, 0.5],
-              [0.3, 0.8, 0.1],
-              [0.1, 0.4, 0.7],
-              [0.6, 0.5, 0.2]]
+SIGMOID_P0 = [[0.9, 0.2, 0.5], [0.3, 0.8, 0.1], [0.1, 0.4, 0.7], [0.6, 0.5, 0.2]]
 
 
 def volume_labels(*samples, dtype=tf.uint8):
@@ -61,6 +52,7 @@ def value(loss_fn, labels, logits):
 
 # ---------------------------------------------------------------- Dice, softmax
 
+
 def test_softmax_dice_by_hand():
     # class 0: g = 1,0,0,0  I = 0.7  Σp = 0.7+0.1+0.2+0.5 = 1.5  Σg = 1  dice = 1.4/2.5
     # class 1: g = 0,1,0,1  I = 0.6+0.4 = 1.0  Σp = 0.2+0.6+0.2+0.4 = 1.4  Σg = 2  dice = 2.0/3.4
@@ -70,7 +62,8 @@ def test_softmax_dice_by_hand():
     without_background = 1 - (2.0 / 3.4 + 1.2 / 2.1) / 2
     assert value(DiceLoss(**NO_SMOOTH), labels, logits) == pytest.approx(with_background, abs=1e-6)
     assert value(DiceLoss(include_background=False, **NO_SMOOTH), labels, logits) == pytest.approx(
-        without_background, abs=1e-6)
+        without_background, abs=1e-6
+    )
 
 
 def test_softmax_dice_squared_denominator():
@@ -112,6 +105,7 @@ def test_empty_class_with_default_smoothing_costs_a_full_point():
 
 # ---------------------------------------------------------------- Dice, sigmoid
 
+
 def test_sigmoid_dice_by_hand():
     # each channel on its own, against the one-hot of labels 0, 1, 2, 1
     # class 0: I = .9  Σp = .9+.3+.1+.6 = 1.9  Σg = 1  dice = 1.8/2.9
@@ -134,25 +128,43 @@ def test_single_sigmoid_channel_predicts_foreground():
 
 # ---------------------------------------------------------------- Dice + CE, Dice + focal
 
+
 def test_dice_ce_softmax_by_hand():
     # CE = mean −ln p_true = −(ln .7 + ln .6 + ln .6 + ln .4) / 4
     ce = -(ln(0.7) + ln(0.6) + ln(0.6) + ln(0.4)) / 4
     dice = 1 - (1.4 / 2.5 + 2.0 / 3.4 + 1.2 / 2.1) / 3
     loss = DiceCELoss(lambda_dice=0.5, lambda_ce=2.0, **NO_SMOOTH)
     assert value(loss, volume_labels(LABELS_0), softmax_logits(SOFTMAX_P0)) == pytest.approx(
-        0.5 * dice + 2.0 * ce, abs=1e-6)
+        0.5 * dice + 2.0 * ce, abs=1e-6
+    )
     # the CE covers background even when the Dice term leaves it out
     loss = DiceCELoss(include_background=False, **NO_SMOOTH)
     assert value(loss, volume_labels(LABELS_0), softmax_logits(SOFTMAX_P0)) == pytest.approx(
-        1 - (2.0 / 3.4 + 1.2 / 2.1) / 2 + ce, abs=1e-6)
+        1 - (2.0 / 3.4 + 1.2 / 2.1) / 2 + ce, abs=1e-6
+    )
 
 
 def test_dice_ce_sigmoid_by_hand():
     # binary CE of each (voxel, channel) against the one-hot target, averaged over all 12:
     # v0 (label 0): −ln .9 − ln .8 − ln .5     v1 (label 1): −ln .7 − ln .8 − ln .9
     # v2 (label 2): −ln .9 − ln .6 − ln .7     v3 (label 1): −ln .4 − ln .5 − ln .8
-    bce = -(ln(.9) + ln(.8) + ln(.5) + ln(.7) + ln(.8) + ln(.9) + ln(.9) + ln(.6) + ln(.7)
-            + ln(.4) + ln(.5) + ln(.8)) / 12
+    bce = (
+        -(
+            ln(0.9)
+            + ln(0.8)
+            + ln(0.5)
+            + ln(0.7)
+            + ln(0.8)
+            + ln(0.9)
+            + ln(0.9)
+            + ln(0.6)
+            + ln(0.7)
+            + ln(0.4)
+            + ln(0.5)
+            + ln(0.8)
+        )
+        / 12
+    )
     dice = 1 - (1.8 / 2.9 + 2.6 / 3.9 + 1.4 / 2.5) / 3
     loss = DiceCELoss(activation="sigmoid", **NO_SMOOTH)
     assert value(loss, volume_labels(LABELS_0), sigmoid_logits(SIGMOID_P0)) == pytest.approx(dice + bce, abs=1e-6)
@@ -163,7 +175,7 @@ def test_dice_focal_sigmoid_by_hand():
     # term −(1 − p_t)² ln p_t, mean over all 12 (voxel, channel) pairs
     # v0 g=1,0,0 p=.9,.2,.5 → p_t .9,.8,.5     v1 g=0,1,0 p=.3,.8,.1 → p_t .7,.8,.9
     # v2 g=0,0,1 p=.1,.4,.7 → p_t .9,.6,.7     v3 g=0,1,0 p=.6,.5,.2 → p_t .4,.5,.8
-    p_true = [.9, .8, .5, .7, .8, .9, .9, .6, .7, .4, .5, .8]
+    p_true = [0.9, 0.8, 0.5, 0.7, 0.8, 0.9, 0.9, 0.6, 0.7, 0.4, 0.5, 0.8]
     focal = -sum((1 - p) ** 2 * ln(p) for p in p_true) / 12
     loss = DiceFocalLoss(gamma=2.0, lambda_dice=0.0, activation="sigmoid")
     assert value(loss, volume_labels(LABELS_0), sigmoid_logits(SIGMOID_P0)) == pytest.approx(focal, abs=1e-6)
@@ -175,13 +187,14 @@ def test_dice_focal_sigmoid_by_hand():
     loss = DiceFocalLoss(gamma=2.0, lambda_focal=0.5, activation="sigmoid", include_background=False, **NO_SMOOTH)
     dice = 1 - (2.6 / 3.9 + 1.4 / 2.5) / 2  # as in test_sigmoid_dice_by_hand
     assert value(loss, volume_labels(LABELS_0), sigmoid_logits(SIGMOID_P0)) == pytest.approx(
-        dice + 0.5 * focal_fg, abs=1e-6)
+        dice + 0.5 * focal_fg, abs=1e-6
+    )
 
 
 def test_dice_focal_softmax_focal_option_by_hand():
     # focal_use_softmax (MONAI FocalLoss(use_softmax=True)): −(1 − p_t)² ln p_t on the true class of each
     # voxel (p_t = .7, .6, .6, .4), 0 on the other channels, mean over all 4 × 3 (voxel, channel) pairs
-    focal = -(0.3 ** 2 * ln(0.7) + 0.4 ** 2 * ln(0.6) + 0.4 ** 2 * ln(0.6) + 0.6 ** 2 * ln(0.4)) / 12
+    focal = -(0.3**2 * ln(0.7) + 0.4**2 * ln(0.6) + 0.4**2 * ln(0.6) + 0.6**2 * ln(0.4)) / 12
     loss = DiceFocalLoss(gamma=2.0, lambda_dice=0.0, focal_use_softmax=True)
     assert value(loss, volume_labels(LABELS_0), softmax_logits(SOFTMAX_P0)) == pytest.approx(focal, abs=1e-6)
 
@@ -204,6 +217,7 @@ def test_focal_with_gamma_zero_is_cross_entropy(activation):
 
 # ---------------------------------------------------------------- Dice + focal against MONAI
 
+
 def _log_sigmoid(x):
     return -np.logaddexp(0.0, -x)
 
@@ -221,7 +235,7 @@ def monai_dice_loss(probabilities, target, include_background, squared_pred, bat
     axes = (0,) + axes if batch else axes
     intersection = np.sum(target * probabilities, axis=axes)
     if squared_pred:
-        target, probabilities = target ** 2, probabilities ** 2
+        target, probabilities = target**2, probabilities**2
     denominator = np.sum(target, axis=axes) + np.sum(probabilities, axis=axes)
     return np.mean(1.0 - (2.0 * intersection + smooth_nr) / (denominator + smooth_dr))
 
@@ -236,7 +250,7 @@ def monai_focal_loss(logits, target, include_background, gamma, alpha=None, use_
         if not include_background:
             alpha = None  # MONAI ignores a scalar alpha here, with a warning
         input_ls = _log_softmax(logits)
-        loss = -(1 - np.exp(input_ls)) ** gamma * input_ls * target
+        loss = -((1 - np.exp(input_ls)) ** gamma) * input_ls * target
         if alpha is not None:
             loss = np.array([1 - alpha] + [alpha] * (target.shape[-1] - 1)) * loss
     else:
@@ -248,9 +262,20 @@ def monai_focal_loss(logits, target, include_background, gamma, alpha=None, use_
     return loss.mean()
 
 
-def monai_dice_focal_loss(labels, logits, activation="softmax", include_background=True, gamma=2.0, alpha=None,
-                          lambda_dice=1.0, lambda_focal=1.0, squared_pred=False, batch=False, smooth_nr=1e-5,
-                          smooth_dr=1e-5):
+def monai_dice_focal_loss(
+    labels,
+    logits,
+    activation="softmax",
+    include_background=True,
+    gamma=2.0,
+    alpha=None,
+    lambda_dice=1.0,
+    lambda_focal=1.0,
+    squared_pred=False,
+    batch=False,
+    smooth_nr=1e-5,
+    smooth_dr=1e-5,
+):
     """MONAI `DiceFocalLoss(to_onehot_y=True, softmax=..., sigmoid=...)`: the focal term never gets the
     activation (MONAI does not pass `use_softmax` to its FocalLoss), so it is always the sigmoid form."""
     logits = np.asarray(logits, np.float64)
@@ -299,6 +324,7 @@ def test_softmax_focal_option_matches_monai_focal_loss_use_softmax(include_backg
 
 # ---------------------------------------------------------------- behaviour
 
+
 def perfect_logits(labels, num_classes, activation, scale=1e4):
     """Confident and right for softmax and for per-channel sigmoids alike (which the focal term uses)."""
     return scale * (2.0 * tf.one_hot(labels, num_classes) - 1.0)
@@ -308,8 +334,12 @@ def perfect_logits(labels, num_classes, activation, scale=1e4):
 def test_perfect_prediction_gives_zero_loss(activation):
     labels = volume_labels(LABELS_0, [2, 1, 0, 0])  # every class present in every sample
     logits = perfect_logits(tf.cast(labels, tf.int32), 3, activation)
-    for loss_fn in (DiceLoss(activation=activation), DiceCELoss(activation=activation),
-                    DiceFocalLoss(activation=activation), DiceLoss(activation=activation, squared_pred=True)):
+    for loss_fn in (
+        DiceLoss(activation=activation),
+        DiceCELoss(activation=activation),
+        DiceFocalLoss(activation=activation),
+        DiceLoss(activation=activation, squared_pred=True),
+    ):
         assert value(loss_fn, labels, logits) == pytest.approx(0.0, abs=1e-5)
     # and a wrong confident prediction is far from it
     assert value(DiceLoss(activation=activation), labels, tf.reverse(logits, axis=[-1])) > 0.5
@@ -389,13 +419,23 @@ def test_mirrored_strategy_gives_the_local_batch_mean():
     assert len(local) == 1 and float(local[0]) == pytest.approx(expected, abs=1e-6)
 
 
-@pytest.mark.parametrize("loss_fn", [
-    DiceLoss(include_background=False, activation="sigmoid", squared_pred=True, batch=True, smooth_nr=0.0,
-             smooth_dr=1e-3, name="my_dice"),
-    DiceCELoss(lambda_dice=0.3, lambda_ce=0.7, include_background=False),
-    DiceFocalLoss(gamma=1.5, lambda_focal=2.0, activation="sigmoid"),
-    DiceFocalLoss(alpha=0.25, focal_use_softmax=True, include_background=False),
-])
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        DiceLoss(
+            include_background=False,
+            activation="sigmoid",
+            squared_pred=True,
+            batch=True,
+            smooth_nr=0.0,
+            smooth_dr=1e-3,
+            name="my_dice",
+        ),
+        DiceCELoss(lambda_dice=0.3, lambda_ce=0.7, include_background=False),
+        DiceFocalLoss(gamma=1.5, lambda_focal=2.0, activation="sigmoid"),
+        DiceFocalLoss(alpha=0.25, focal_use_softmax=True, include_background=False),
+    ],
+)
 def test_config_round_trip(loss_fn):
     restored = type(loss_fn).from_config(loss_fn.get_config())
     assert restored.get_config() == loss_fn.get_config()
@@ -459,6 +499,7 @@ def test_two_replicas_each_return_their_local_batch_mean():
 
 # ---------------------------------------------------------------- deep supervision
 
+
 def nearest_exact(labels: np.ndarray, size) -> np.ndarray:
     """PyTorch's `interpolate(mode="nearest-exact")` (MONAI DeepSupervisionLoss's default) of integer labels
     (B, X, Y, Z) to `size`: output voxel o takes input voxel floor((o + 0.5) * in / out) on each axis."""
@@ -477,8 +518,10 @@ def test_deep_supervision_loss_is_nnunet_weighted_sum_over_nearest_exact_labels(
     labels = rng.integers(0, 3, (2, 8, 8, 8)).astype(np.uint8)
     outputs = [rng.normal(0, 2, (2, *size, 3)).astype(np.float32) for size in ((8, 8, 8), (4, 4, 4), (4, 4, 2))]
     base = DiceCELoss(include_background=False)
-    expected = sum(w * value(base, tf.constant(nearest_exact(labels, p.shape[1:4])), tf.constant(p))
-                   for w, p in zip((4 / 7, 2 / 7, 1 / 7), outputs))
+    expected = sum(
+        w * value(base, tf.constant(nearest_exact(labels, p.shape[1:4])), tf.constant(p))
+        for w, p in zip((4 / 7, 2 / 7, 1 / 7), outputs)
+    )
     given = labels[..., None] if trailing_axis else labels
     loss = DeepSupervisionLoss(base, factors=[(2, 2, 2), (2, 2, 4)])
     assert float(loss(tf.constant(given), [tf.constant(p) for p in outputs])) == pytest.approx(expected, rel=1e-6)

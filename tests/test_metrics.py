@@ -18,10 +18,8 @@ from tfmis.metrics.segmentation import surface_distance_percentile
 nan = float("nan")
 
 # 2×3×1 label maps, classes 0..4 (class 4 appears in neither)
-TARGET = np.array([[0, 1, 1],
-                   [2, 2, 0]], np.uint8)[..., None]
-PREDICTION = np.array([[0, 1, 2],
-                       [2, 0, 3]], np.uint8)[..., None]
+TARGET = np.array([[0, 1, 1], [2, 2, 0]], np.uint8)[..., None]
+PREDICTION = np.array([[0, 1, 2], [2, 0, 3]], np.uint8)[..., None]
 # class 0: target {(0,0), (1,2)}, predicted {(0,0), (1,1)}, overlap 1 → 2·1 / (2 + 2) = 0.5
 # class 1: target {(0,1), (0,2)}, predicted {(0,1)}, overlap 1        → 2·1 / (2 + 1) = 2/3
 # class 2: target {(1,0), (1,1)}, predicted {(0,2), (1,0)}, overlap 1 → 2·1 / (2 + 2) = 0.5
@@ -34,12 +32,15 @@ EXPECTED_DICE_NOT_IGNORING_EMPTY = [0.5, 2 / 3, 0.5, 0.0, 1.0]
 def test_dice_per_class_by_hand():
     np.testing.assert_allclose(dice_per_class(PREDICTION, TARGET, 5), EXPECTED_DICE[1:])
     np.testing.assert_allclose(dice_per_class(PREDICTION, TARGET, 5, include_background=True), EXPECTED_DICE)
-    np.testing.assert_allclose(dice_per_class(PREDICTION, TARGET, 5, include_background=True, ignore_empty=False),
-                               EXPECTED_DICE_NOT_IGNORING_EMPTY)
+    np.testing.assert_allclose(
+        dice_per_class(PREDICTION, TARGET, 5, include_background=True, ignore_empty=False),
+        EXPECTED_DICE_NOT_IGNORING_EMPTY,
+    )
     np.testing.assert_allclose(dice_per_class(TARGET, TARGET, 3), [1.0, 1.0])
 
 
 # ---------------------------------------------------------------- MONAI reference (NumPy transcription)
+
 
 def monai_compute_channel(prediction_mask, target_mask, ignore_empty=True):
     """MONAI `DiceHelper.compute_channel`: the Dice of one binary channel of one case."""
@@ -54,8 +55,12 @@ def monai_compute_channel(prediction_mask, target_mask, ignore_empty=True):
 def monai_dice(predictions, targets, num_classes, include_background=False, ignore_empty=True):
     """MONAI `DiceMetric` before reduction: (cases, classes) after one-hot encoding both label maps."""
     first = 0 if include_background else 1
-    return np.array([[monai_compute_channel(p == c, t == c, ignore_empty) for c in range(first, num_classes)]
-                     for p, t in zip(predictions, targets)])
+    return np.array(
+        [
+            [monai_compute_channel(p == c, t == c, ignore_empty) for c in range(first, num_classes)]
+            for p, t in zip(predictions, targets)
+        ]
+    )
 
 
 def monai_do_metric_reduction(f, reduction):
@@ -99,8 +104,9 @@ def test_dice_matches_monai_compute_dice_with_empty_classes(ignore_empty, includ
     1/0 (not ignoring) for a class absent from the ground truth, whatever the prediction holds."""
     predictions, targets = random_cases(seed=0)
     expected = monai_dice(predictions, targets, 5, include_background, ignore_empty)
-    actual = np.array([dice_per_class(p, t, 5, include_background, ignore_empty=ignore_empty)
-                       for p, t in zip(predictions, targets)])
+    actual = np.array(
+        [dice_per_class(p, t, 5, include_background, ignore_empty=ignore_empty) for p, t in zip(predictions, targets)]
+    )
     np.testing.assert_allclose(actual, expected)
     # the random cases do exercise every branch of MONAI's rule
     first = 0 if include_background else 1
@@ -126,8 +132,9 @@ def test_accumulator_aggregates_like_monai_reductions():
     assert result["mean_dice_per_case"] == pytest.approx(monai_do_metric_reduction(table, "mean")[0])
     absent = [sum(not (t == c).any() for t in targets) for c in range(1, 5)]
     assert result["gt_empty_per_class"] == absent and sum(absent) > 0
-    false_positive = [sum(not (t == c).any() and (p == c).any() for p, t in zip(predictions, targets))
-                      for c in range(1, 5)]
+    false_positive = [
+        sum(not (t == c).any() and (p == c).any() for p, t in zip(predictions, targets)) for c in range(1, 5)
+    ]
     assert result["predicted_when_gt_empty_per_class"] == false_positive and sum(false_positive) > 0
     assert result["num_cases"] == 8
 
@@ -194,6 +201,7 @@ def monai_hd95_of_empty_masks(prediction_mask, target_mask):
     1.6.1's torch.quantile interpolation turns it into NaN instead (inf - inf), which silently drops
     the miss from the mean: MONAI issue #9095, fixed to inf in MONAI PR #9096.
     """
+
     def directed(source, target):
         if not target.any():
             distances = np.full(source.sum(), np.inf)  # inf * ones_like(target), indexed by source
@@ -204,6 +212,7 @@ def monai_hd95_of_empty_masks(prediction_mask, target_mask):
         if not distances.size:
             return nan
         return np.inf if np.isinf(distances).all() else np.percentile(distances, 95)
+
     both = [directed(prediction_mask, target_mask), directed(target_mask, prediction_mask)]
     return nan if any(math.isnan(d) for d in both) else max(both)  # torch.max propagates NaN
 
@@ -259,8 +268,10 @@ def test_accumulator_reports_missed_classes_as_infinite_mean_hd95_with_counts():
 
 def brute_force_hd95(prediction, target, spacing):
     """Independent reference: every pair of surface voxels, no distance transform, no cropping."""
+
     def surface_points(mask):
         return np.argwhere(mask & ~ndimage.binary_erosion(mask)) * np.asarray(spacing)
+
     distances = cdist(surface_points(prediction), surface_points(target))
     return max(np.percentile(distances.min(axis=1), 95), np.percentile(distances.min(axis=0), 95))
 
@@ -274,7 +285,8 @@ def test_hd95_matches_brute_force_on_blobs_touching_the_border():
         target = ndimage.shift(field, (1, 0, 2), order=0) > 0.0
         assert prediction[0].any() or prediction[-1].any()  # the border counts as surface
         assert surface_distance_percentile(prediction, target, spacing) == pytest.approx(
-            brute_force_hd95(prediction, target, spacing))
+            brute_force_hd95(prediction, target, spacing)
+        )
 
 
 def test_accumulator_averages_over_cases():
@@ -299,8 +311,7 @@ def test_accumulator_averages_over_cases():
     assert result["mean_dice_per_case"] == pytest.approx(((2 / 3 + 0.5) / 2 + 1.0) / 2)
     assert result["dice_b"] == pytest.approx(0.5) and math.isnan(result["dice_d"])
     assert result["num_cases"] == 2 and len(metrics.per_case) == 2
-    assert result["hd95_per_class"][0] == pytest.approx(
-        np.mean([hausdorff_distance_95(PREDICTION, TARGET, 5)[0], 0.0]))
+    assert result["hd95_per_class"][0] == pytest.approx(np.mean([hausdorff_distance_95(PREDICTION, TARGET, 5)[0], 0.0]))
     assert result["hd95_per_class"][2] == math.inf  # class 3 predicted in case 0, in no target
     assert math.isnan(result["hd95_per_class"][3])  # class 4 in neither map of any case
     assert "mean_hd95" in result and "hd95_a" in result
@@ -318,6 +329,7 @@ def test_accumulator_without_cases_or_hd95():
 
 
 # ---------------------------------------------------------------- predictions.csv and the prediction summary
+
 
 def test_predictions_csv_and_summary_report_classes_absent_from_the_label(tmp_path):
     """predict's per-case Dice (MONAI ignore_empty): a class absent from a case's label is NaN in
@@ -339,8 +351,11 @@ def test_predictions_csv_and_summary_report_classes_absent_from_the_label(tmp_pa
     dice_0 = dict(zip(names[1:], map(float, dice_per_class(prediction, label, 3))))  # core absent, predicted
     dice_1 = dict(zip(names[1:], map(float, dice_per_class(with_core, with_core, 3))))
     assert dice_0["organ"] == pytest.approx(2 / 3) and math.isnan(dice_0["core"])
-    results = [CaseResult("case_0", "ok", (6, 6, 4), dice=dice_0), CaseResult("case_1", "ok", (6, 6, 4), dice=dice_1),
-               CaseResult("unlabelled", "ok", (6, 6, 4))]
+    results = [
+        CaseResult("case_0", "ok", (6, 6, 4), dice=dice_0),
+        CaseResult("case_1", "ok", (6, 6, 4), dice=dice_1),
+        CaseResult("unlabelled", "ok", (6, 6, 4)),
+    ]
     write_csv(results, tmp_path / "predictions.csv", names)
     rows = {r["case"]: r for r in csv.DictReader(open(tmp_path / "predictions.csv"))}
     assert rows["case_0"]["dice_organ"] == "0.6667" and rows["case_0"]["dice_core"] == "nan"

@@ -110,8 +110,9 @@ def test_cpu_mode_follows_process_tree_cpu_and_rss_of_a_burning_allocating_grand
     with open("/proc/meminfo") as f:
         host_mb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) / 1024
     assert all(float(r["memory_total_mb"]) == pytest.approx(host_mb, abs=0.1) for r in rows)
-    assert all(float(r["memory_used_ratio"]) == pytest.approx(float(r["memory_used_mb"]) / host_mb, abs=1e-4)
-               for r in rows)
+    assert all(
+        float(r["memory_used_ratio"]) == pytest.approx(float(r["memory_used_mb"]) / host_mb, abs=1e-4) for r in rows
+    )
 
     summary = monitor.summary()
     cpu = summary["devices"]["cpu"]
@@ -130,10 +131,12 @@ def test_cpu_mode_counts_short_lived_grandchildren_that_start_and_exit_between_s
     interval: their CPU time (which the kernel moves into the child's cutime/cstime when it reaps them)
     is still in the rows: utilisation x time summed equals the kernel's CPU seconds for the whole tree."""
     csv_path = tmp_path / "resources.csv"
-    script = ("import subprocess, sys, time\n"
-              "burn = 'import time\\nc = time.process_time()\\nwhile time.process_time() - c < 0.08: pass'\n"
-              "for _ in range(12): subprocess.run([sys.executable, '-S', '-c', burn], check=True)\n"
-              "time.sleep(0.6)\n")
+    script = (
+        "import subprocess, sys, time\n"
+        "burn = 'import time\\nc = time.process_time()\\nwhile time.process_time() - c < 0.08: pass'\n"
+        "for _ in range(12): subprocess.run([sys.executable, '-S', '-c', burn], check=True)\n"
+        "time.sleep(0.6)\n"
+    )
     before = _children_cpu_seconds()
     child = subprocess.Popen([sys.executable, "-c", script])
     monitor = ResourceMonitor(csv_path, interval_s=0.5, pid=child.pid, backend="cpu").start()
@@ -153,9 +156,23 @@ def test_cli_runs_command_passes_exit_code_3_and_writes_csv_png_json(tmp_path):
     status (3), and writes monitor.csv (rows at the interval), monitor.png and monitor.json."""
     out = tmp_path / "mon"
     result = subprocess.run(
-        [sys.executable, "-m", "tfmis.monitor", "--interval", "0.2", "--output", str(out), "--",
-         sys.executable, "-c", "import time; print('child output', flush=True); time.sleep(1.2); raise SystemExit(3)"],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "tfmis.monitor",
+            "--interval",
+            "0.2",
+            "--output",
+            str(out),
+            "--",
+            sys.executable,
+            "-c",
+            "import time; print('child output', flush=True); time.sleep(1.2); raise SystemExit(3)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 3, result.stderr
     assert "child output" in result.stdout
     assert "exited with status 3" in result.stderr and "\ncpu " in result.stderr
@@ -170,11 +187,29 @@ def test_cli_forwards_ctrl_c_to_the_child_and_returns_its_status(tmp_path):
     """SIGINT to the monitor reaches the child (which runs in its own session, so only forwarding can
     deliver it): the child's handler exits 7, the monitor exits 7 and still writes its files."""
     out = tmp_path / "mon"
-    child = ("import signal, sys, time\n"
-             "def stop(signum, frame):\n    print('child got SIGINT', flush=True); sys.exit(7)\n"
-             "signal.signal(signal.SIGINT, stop)\nprint('ready', flush=True)\ntime.sleep(30)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "tfmis.monitor", "--interval", "0.2", "--output", str(out), "--",
-                             sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = (
+        "import signal, sys, time\n"
+        "def stop(signum, frame):\n    print('child got SIGINT', flush=True); sys.exit(7)\n"
+        "signal.signal(signal.SIGINT, stop)\nprint('ready', flush=True)\ntime.sleep(30)\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tfmis.monitor",
+            "--interval",
+            "0.2",
+            "--output",
+            str(out),
+            "--",
+            sys.executable,
+            "-c",
+            child,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(0.5)
@@ -192,9 +227,11 @@ def test_killed_monitor_process_leaves_complete_readable_csv(tmp_path):
     """A process sampling itself every 0.1 s is SIGKILLed: the CSV it leaves has the header and only
     complete rows (flushed per row), readable by read_resources."""
     csv_path = tmp_path / "resources.csv"
-    script = ("import sys, time\nfrom tfmis.profiling import ResourceMonitor\n"
-              "ResourceMonitor(sys.argv[1], interval_s=0.1, backend='cpu').start()\n"
-              "while True: sum(range(10000)); time.sleep(0.001)\n")
+    script = (
+        "import sys, time\nfrom tfmis.profiling import ResourceMonitor\n"
+        "ResourceMonitor(sys.argv[1], interval_s=0.1, backend='cpu').start()\n"
+        "while True: sum(range(10000)); time.sleep(0.001)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", script, str(csv_path)])
     try:
         deadline = time.monotonic() + 20
@@ -235,9 +272,14 @@ def test_bad_arguments_are_refused_with_the_flag_named(tmp_path):
     """Bad input: --gpus a,b / --interval 0 / no command → exit 2 naming the flag; a missing program →
     127; ResourceMonitor refuses interval_s <= 0 and a pid that does not exist; plot_resources refuses a
     CSV without samples and a CSV that is not a monitor CSV, naming the file."""
+
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "tfmis.monitor", "--output", str(tmp_path / "m"), *args],
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "tfmis.monitor", "--output", str(tmp_path / "m"), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     bad_gpus = cli("--gpus", "a,b", "--", "true")
     assert bad_gpus.returncode == 2 and "--gpus" in bad_gpus.stderr

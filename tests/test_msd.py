@@ -2,8 +2,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import lps_affine, make_msd_dataset, update_dataset_json, write_nifti
+
 from tfmis.data.msd import CaseError, DatasetError, MSDDataset, load_case
 
 
@@ -17,13 +17,16 @@ def test_dataset_json_is_parsed(msd_dataset):
     assert not ds.is_ct
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"labels": {"1": "organ"}}, "labels"),
-    ({"labels": {"0": "bg", "2": "x"}}, "labels"),
-    ({"modality": {}}, "modality"),
-    ({"training": [{"image": "./imagesTr/a.nii.gz"}]}, "training[0]"),
-    ({"training": []}, "training"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"labels": {"1": "organ"}}, "labels"),
+        ({"labels": {"0": "bg", "2": "x"}}, "labels"),
+        ({"modality": {}}, "modality"),
+        ({"training": [{"image": "./imagesTr/a.nii.gz"}]}, "training[0]"),
+        ({"training": []}, "training"),
+    ],
+)
 def test_malformed_dataset_json_names_the_key(msd_dataset, change, message):
     update_dataset_json(msd_dataset, **change)
     with pytest.raises(DatasetError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
 from conftest import TINY_TRAINING, tiny_config
+
 from tfmis.config import ConfigError, load_config
-from tfmis.engine.cluster import detect_launch
-from tfmis.engine.cluster import free_ports
+from tfmis.engine.cluster import detect_launch, free_ports
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -56,8 +55,12 @@ def _clean(text: str) -> str:
 def _tiny_yaml(tmp_path, dataset_dir, output_dir, **training) -> Path:
     """The tiny test config as a YAML file for `python -m tfmis.train` (one thread per worker process)."""
     data = {}
-    for override in [f"data.dataset_dir={dataset_dir}", f"output.dir={output_dir}", *TINY_TRAINING,
-                     *(f"training.{k}={v}" for k, v in training.items())]:
+    for override in [
+        f"data.dataset_dir={dataset_dir}",
+        f"output.dir={output_dir}",
+        *TINY_TRAINING,
+        *(f"training.{k}={v}" for k, v in training.items()),
+    ]:
         key, value = override.split("=", 1)
         node = data
         *parents, leaf = key.split(".")
@@ -89,8 +92,8 @@ def test_multiworker_steps_match_one_process_with_the_same_global_batch(converte
     of the 4 images of three fixed global batches, end with identical weights, and their losses and weights
     equal one process taking all 4 images per step from the same initial weights."""
     import tensorflow as tf
-
     from test_training import PLAIN_SGD, run_step
+
     from tfmis.data.pipeline import build_train_dataset
     from tfmis.engine.trainer import Trainer
 
@@ -99,9 +102,27 @@ def test_multiworker_steps_match_one_process_with_the_same_global_batch(converte
     np.savez(tmp_path / "batches.npz", images=np.stack([s[0] for s in steps]), labels=np.stack([s[1] for s in steps]))
     script = tmp_path / "steps.py"
     script.write_text(WORKER_STEPS_SCRIPT)
-    result = subprocess.run([sys.executable, "-m", "tfmis.launch", "--nproc", "2", "--", sys.executable, str(script),
-                             str(converted_dataset), str(tmp_path), str(tmp_path / "batches.npz"), str(TESTS)],
-                            capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfmis.launch",
+            "--nproc",
+            "2",
+            "--",
+            sys.executable,
+            str(script),
+            str(converted_dataset),
+            str(tmp_path),
+            str(tmp_path / "batches.npz"),
+            str(TESTS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=ROOT,
+    )
     assert result.returncode == 0, _clean(result.stdout + result.stderr)[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["replicas"] for r in ranks] == [2, 2] and [r["size"] for r in ranks] == [2, 2]
@@ -122,13 +143,22 @@ def _start_workers(config_path, workers, *args, extra_env=None):
     procs = []
     for k in range(len(workers)):
         env = _env(TF_CONFIG=_tf_config(workers, k), **(extra_env or {}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tfmis.train", "--config", str(config_path), *args],
-                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tfmis.train", "--config", str(config_path), *args],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
 def test_hand_written_tf_config_trains_and_a_killed_worker_ends_the_other_then_resume_continues(
-        converted_dataset, tmp_path):
+    converted_dataset, tmp_path
+):
     """`python -m tfmis.train` on two workers from a hand-written TF_CONFIG: the chief alone writes the history
     and logs; SIGKILL of worker 1 mid-training makes worker 0 exit by itself with the lost-worker error (no hang);
     `tfmis.launch ... --resume` continues from the last committed epoch, and its saves leave no temporary
@@ -159,10 +189,29 @@ def test_hand_written_tf_config_trains_and_a_killed_worker_ends_the_other_then_r
     leftover.mkdir(parents=True, exist_ok=True)
     (leftover / "ckpt-9.index.tempstate").write_text("")
 
-    result = subprocess.run([sys.executable, "-m", "tfmis.launch", "--nproc", "2", "--", sys.executable, "-m",
-                             "tfmis.train", "--config", str(config), "--resume", "--set",
-                             f"training.epochs={done + 2}"], capture_output=True, text=True, timeout=300, env=_env(),
-                            cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfmis.launch",
+            "--nproc",
+            "2",
+            "--",
+            sys.executable,
+            "-m",
+            "tfmis.train",
+            "--config",
+            str(config),
+            "--resume",
+            "--set",
+            f"training.epochs={done + 2}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=ROOT,
+    )
     assert result.returncode == 0, _clean(result.stdout + result.stderr)[-3000:]
     assert f"Resuming from {run / 'checkpoints'}/ckpt-{done}" in result.stderr
     assert [r["epoch"] for r in _history(run)] == list(range(1, done + 3))
@@ -182,21 +231,41 @@ def test_srun_and_mpirun_environments_form_one_cluster(converted_dataset, tmp_pa
     target = tmp_path / "tfrecords"
     config = _tiny_yaml(tmp_path, target, run, epochs=1, steps_per_epoch=2)
     data = yaml.safe_load(config.read_text())
-    data["data"].update(source_dir=str(converted_dataset.parent / "Task99_Test"),
-                        conversion={"split": [0.75, 0.25], "shards": 2, "workers": 1})
+    data["data"].update(
+        source_dir=str(converted_dataset.parent / "Task99_Test"),
+        conversion={"split": [0.75, 0.25], "shards": 2, "workers": 1},
+    )
     config.write_text(yaml.safe_dump(data))
     port = free_ports(1)[0]
     procs = []
     for rank in (0, 1):
         if launcher == "slurm":
-            env = dict(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2",
-                       SLURM_STEP_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="2", SLURM_JOB_ID="77")
+            env = dict(
+                SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank),
+                SLURM_NTASKS="2",
+                SLURM_STEP_NUM_TASKS="2",
+                SLURM_STEP_NODELIST="localhost",
+                SLURM_STEP_TASKS_PER_NODE="2",
+                SLURM_JOB_ID="77",
+            )
         else:
-            env = dict(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
-                       OMPI_COMM_WORLD_SIZE="2", OMPI_MCA_ess_base_jobid=f"test{port}")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tfmis.train", "--config", str(config), "--set", f"runtime.port={port}"],
-            env=_env(**env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            env = dict(
+                OMPI_COMM_WORLD_RANK=str(rank),
+                OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+                OMPI_COMM_WORLD_SIZE="2",
+                OMPI_MCA_ess_base_jobid=f"test{port}",
+            )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tfmis.train", "--config", str(config), "--set", f"runtime.port={port}"],
+                env=_env(**env),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     logs = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], _clean(logs[0] + logs[1])[-3000:]
     assert "on 2 replica(s) (multiworker, 2 worker process(es))" in logs[0]
@@ -209,12 +278,18 @@ def test_detect_launch_reads_each_launchers_environment():
     """Rank, size and local rank from horovodrun's, TF_CONFIG's, SLURM's, Open MPI's and MPICH's variables."""
     workers = ["a:1", "b:2", "c:3"]
     assert detect_launch({}).kind == "single"
-    assert detect_launch({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1"}) == \
-        detect_launch({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "TF_CONFIG": "x"})
+    assert detect_launch({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1"}) == detect_launch(
+        {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "TF_CONFIG": "x"}
+    )
     h = detect_launch({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1"})
     assert (h.kind, h.rank, h.size, h.local_rank) == ("horovod", 1, 4, 1)
-    t = detect_launch({"TF_CONFIG": json.dumps({"cluster": {"chief": ["z:0"], "worker": workers},
-                                                "task": {"type": "worker", "index": 2}})})
+    t = detect_launch(
+        {
+            "TF_CONFIG": json.dumps(
+                {"cluster": {"chief": ["z:0"], "worker": workers}, "task": {"type": "worker", "index": 2}}
+            )
+        }
+    )
     assert (t.kind, t.rank, t.size) == ("tf_config", 3, 4)
     s = detect_launch({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "9"})
     assert (s.kind, s.rank, s.size, s.local_rank) == ("slurm", 5, 8, 1)
@@ -253,8 +328,9 @@ def test_input_pipelines_read_disjoint_cases_that_cover_the_split(converted_data
     for i in range(pipelines):
         context = tf.distribute.InputContext(pipelines, i, pipelines)
         assert input_shard(files, cases, context)["level"] == ("file" if pipelines <= len(files) else "data")
-        seen.append([meta["case_id"].decode() for _, _, meta in
-                     _read(files, index, True, context, "train").as_numpy_iterator()])
+        seen.append(
+            [meta["case_id"].decode() for _, _, meta in _read(files, index, True, context, "train").as_numpy_iterator()]
+        )
     assert sorted(sum(seen, [])) == sorted(cases)  # disjoint and complete
     if pipelines == 3:
         assert [len(s) for s in seen] == [2, 2, 2]
@@ -270,9 +346,17 @@ def test_learning_rate_scales_with_the_global_batch(converted_dataset, tmp_path,
 
     from tfmis.engine.trainer import Trainer
 
-    trainer = Trainer(tiny_config(converted_dataset, tmp_path, "optimizer.schedule=constant",
-                                  "optimizer.learning_rate=0.01", "training.accumulation_steps=2",
-                                  f"optimizer.lr_scaling={scaling}", "optimizer.lr_reference_batch=1"))
+    trainer = Trainer(
+        tiny_config(
+            converted_dataset,
+            tmp_path,
+            "optimizer.schedule=constant",
+            "optimizer.learning_rate=0.01",
+            "training.accumulation_steps=2",
+            f"optimizer.lr_scaling={scaling}",
+            "optimizer.lr_reference_batch=1",
+        )
+    )
     assert trainer.global_batch == 4
     rate = float(keras.ops.convert_to_numpy(trainer.optimizer.learning_rate))
     assert rate == pytest.approx(0.01 * factor, rel=1e-6)

@@ -15,8 +15,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmis.optimizers import (OPTIMIZER_NAMES, ConstantLearningRate, CosineDecay, LinearWarmup, Novograd, PolyDecay,
-                              build_optimizer, build_schedule)
+from tfmis.optimizers import (
+    OPTIMIZER_NAMES,
+    ConstantLearningRate,
+    CosineDecay,
+    LinearWarmup,
+    Novograd,
+    PolyDecay,
+    build_optimizer,
+    build_schedule,
+)
 
 SHAPES = [(3, 4), (4,), (2, 2, 2, 1, 3)]  # a dense kernel, a bias, a 3D conv kernel
 NUM_STEPS = 20
@@ -26,8 +34,18 @@ NUM_STEPS = 20
 # Reference: Ginsburg et al. 2019, Algorithm 1, per variable, in float64.
 # ----------------------------------------------------------------------------------------------------------------
 
-def novograd_reference(weights, gradient_steps, learning_rates, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
-                       weight_decay=0.0, grad_averaging=False, amsgrad=False):
+
+def novograd_reference(
+    weights,
+    gradient_steps,
+    learning_rates,
+    beta_1=0.9,
+    beta_2=0.999,
+    epsilon=1e-8,
+    weight_decay=0.0,
+    grad_averaging=False,
+    amsgrad=False,
+):
     """Weights, first moments and second moments after applying `gradient_steps` (one list per step)."""
     w = [np.array(x, np.float64) for x in weights]
     m = [np.zeros_like(x) for x in w]
@@ -72,8 +90,10 @@ def run_keras(optimizer, weights, gradient_steps, compiled=False):
 
 def slots_of(optimizer, variables):
     index = [optimizer._get_variable_index(v) for v in variables]
-    return ([optimizer._first_moments[i].numpy() for i in index],
-            [float(optimizer._second_moments[i].numpy()) for i in index])
+    return (
+        [optimizer._first_moments[i].numpy() for i in index],
+        [float(optimizer._second_moments[i].numpy()) for i in index],
+    )
 
 
 def assert_close(actual, expected, rtol=1e-5, atol=1e-6):
@@ -85,18 +105,23 @@ def assert_close(actual, expected, rtol=1e-5, atol=1e-6):
 # Novograd: numerics
 # ----------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("weight_decay, grad_averaging, amsgrad, compiled", [
-    (0.0, False, False, False),
-    (0.01, False, False, False),
-    (0.0, True, False, False),
-    (0.01, True, False, False),
-    (0.0, False, True, False),
-    (0.01, True, True, True),
-])
+
+@pytest.mark.parametrize(
+    "weight_decay, grad_averaging, amsgrad, compiled",
+    [
+        (0.0, False, False, False),
+        (0.01, False, False, False),
+        (0.0, True, False, False),
+        (0.01, True, False, False),
+        (0.0, False, True, False),
+        (0.01, True, True, True),
+    ],
+)
 def test_novograd_matches_numpy_reference(weight_decay, grad_averaging, amsgrad, compiled):
     weights, steps = random_problem()
-    options = dict(beta_1=0.9, beta_2=0.98, epsilon=1e-8, weight_decay=weight_decay,
-                   grad_averaging=grad_averaging, amsgrad=amsgrad)
+    options = dict(
+        beta_1=0.9, beta_2=0.98, epsilon=1e-8, weight_decay=weight_decay, grad_averaging=grad_averaging, amsgrad=amsgrad
+    )
     optimizer = Novograd(learning_rate=0.05, **options)
     variables = run_keras(optimizer, weights, steps, compiled=compiled)
     expected_w, expected_m, expected_v = novograd_reference(weights, steps, [0.05] * NUM_STEPS, **options)
@@ -148,8 +173,9 @@ def test_novograd_rejects_invalid_hyperparameters():
 
 def test_novograd_config_round_trip():
     schedule = build_schedule("cosine", 1e-2, total_steps=100, warmup_steps=10, min_learning_rate=1e-4)
-    optimizer = Novograd(learning_rate=schedule, beta_2=0.98, weight_decay=1e-3, grad_averaging=True,
-                         amsgrad=True, clipnorm=1.0)
+    optimizer = Novograd(
+        learning_rate=schedule, beta_2=0.98, weight_decay=1e-3, grad_averaging=True, amsgrad=True, clipnorm=1.0
+    )
     config = optimizer.get_config()
     assert config["weight_decay"] == 1e-3 and config["grad_averaging"] and config["amsgrad"]
     assert config["clipnorm"] == 1.0
@@ -162,8 +188,10 @@ def test_novograd_config_round_trip():
 # Novograd against MONAI's Novograd (monai/optimizers/novograd.py, MONAI 1.6.1), written out in NumPy
 # ----------------------------------------------------------------------------------------------------------------
 
-def monai_novograd(weights, gradient_steps, lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0,
-                   grad_averaging=False, amsgrad=False):
+
+def monai_novograd(
+    weights, gradient_steps, lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0, grad_averaging=False, amsgrad=False
+):
     """MONAI `Novograd.step`, one tensor at a time, in float64: weights, `exp_avg`, `exp_avg_sq` after all
     steps. Transcribed from MONAI's source, independently of tfmis' optimizer and of `novograd_reference`."""
     beta1, beta2 = betas
@@ -172,7 +200,7 @@ def monai_novograd(weights, gradient_steps, lr, betas=(0.9, 0.98), eps=1e-8, wei
     for grads in gradient_steps:
         for p, g, st in zip(params, grads, state):
             grad = np.array(g, np.float64)
-            norm = np.sum(grad ** 2)
+            norm = np.sum(grad**2)
             if st["exp_avg_sq"] == 0:
                 st["exp_avg_sq"] = norm
             else:
@@ -192,21 +220,26 @@ def monai_novograd(weights, gradient_steps, lr, betas=(0.9, 0.98), eps=1e-8, wei
     return params, [st["exp_avg"] for st in state], [st["exp_avg_sq"] for st in state]
 
 
-@pytest.mark.parametrize("weight_decay, amsgrad, compiled", [
-    (0.01, False, False),
-    (0.01, True, False),
-    (0.05, True, True),
-])
+@pytest.mark.parametrize(
+    "weight_decay, amsgrad, compiled",
+    [
+        (0.01, False, False),
+        (0.01, True, False),
+        (0.05, True, True),
+    ],
+)
 def test_novograd_matches_monai_update_rule(weight_decay, amsgrad, compiled):
     """Without grad_averaging, tfmis' Novograd with MONAI's β2 = 0.98 takes MONAI's steps exactly over 20
     steps with weight decay: second moment initialised to ||g_1||², g / (sqrt(v) + ε), decay added after
     the normalisation, amsgrad's running maximum."""
     weights, steps = random_problem(seed=7)
-    optimizer = Novograd(learning_rate=0.05, beta_1=0.9, beta_2=0.98, epsilon=1e-8, weight_decay=weight_decay,
-                         amsgrad=amsgrad)
+    optimizer = Novograd(
+        learning_rate=0.05, beta_1=0.9, beta_2=0.98, epsilon=1e-8, weight_decay=weight_decay, amsgrad=amsgrad
+    )
     variables = run_keras(optimizer, weights, steps, compiled=compiled)
-    expected_w, expected_m, expected_v = monai_novograd(weights, steps, 0.05, weight_decay=weight_decay,
-                                                        amsgrad=amsgrad)
+    expected_w, expected_m, expected_v = monai_novograd(
+        weights, steps, 0.05, weight_decay=weight_decay, amsgrad=amsgrad
+    )
     assert_close(variables, expected_w)
     first, second = slots_of(optimizer, variables)
     assert_close(first, expected_m)
@@ -225,8 +258,8 @@ def test_novograd_grad_averaging_differs_from_monai_only_by_the_documented_first
     monai_w, monai_m, monai_v = monai_novograd(weights, steps, lr, grad_averaging=True)
     u_1 = [np.asarray(g, np.float64) / (np.linalg.norm(np.asarray(g, np.float64)) + 1e-8) for g in steps[0]]
     t = len(steps)
-    assert_close(slots_of(optimizer, variables)[0], [m + beta_1 ** t * u for m, u in zip(monai_m, u_1)])
-    shift = sum(beta_1 ** k for k in range(1, t + 1))
+    assert_close(slots_of(optimizer, variables)[0], [m + beta_1**t * u for m, u in zip(monai_m, u_1)])
+    shift = sum(beta_1**k for k in range(1, t + 1))
     assert_close(variables, [w - lr * shift * u for w, u in zip(monai_w, u_1)])
     np.testing.assert_allclose(slots_of(optimizer, variables)[1], monai_v, rtol=1e-5)
     # the difference is real: as large as several learning-rate steps
@@ -237,11 +270,11 @@ def test_novograd_grad_averaging_differs_from_monai_only_by_the_documented_first
 # Novograd: loss scaling, checkpoints, MirroredStrategy
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def test_loss_scale_optimizer_unscales_and_skips_non_finite_steps():
     weights, steps = random_problem(seed=4, num_steps=5)
     plain = Novograd(learning_rate=0.05, weight_decay=0.01)
-    scaled = keras.optimizers.LossScaleOptimizer(Novograd(learning_rate=0.05, weight_decay=0.01),
-                                                 initial_scale=1024.0)
+    scaled = keras.optimizers.LossScaleOptimizer(Novograd(learning_rate=0.05, weight_decay=0.01), initial_scale=1024.0)
     plain_vars = run_keras(plain, weights, steps)
     scaled_vars = run_keras(scaled, weights, [[g * 1024.0 for g in grads] for grads in steps], compiled=True)
     assert_close(scaled_vars, [v.numpy() for v in plain_vars], rtol=1e-6, atol=1e-7)
@@ -255,8 +288,13 @@ def test_loss_scale_optimizer_unscales_and_skips_non_finite_steps():
 
 
 def test_mixed_float16_training_with_loss_scaling():
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu", dtype="mixed_float16"),
-                              keras.layers.Dense(1, dtype="float32")])
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu", dtype="mixed_float16"),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
     optimizer = keras.optimizers.LossScaleOptimizer(Novograd(learning_rate=0.02))
     x = np.random.default_rng(5).normal(size=(64, 6)).astype(np.float32)
     y = x[:, :1] - 0.5 * x[:, 1:2]
@@ -353,7 +391,7 @@ def test_novograd_under_mirrored_strategy_matches_single_device():
     proc = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT], capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     assert result["replicas"] == 2
     assert result["slot_types"] == ["MirroredVariable"] and result["replicas_agree"]
     assert result["max_weight_diff"] < 1e-5, result
@@ -366,36 +404,46 @@ def test_novograd_under_mirrored_strategy_matches_single_device():
 # Schedules
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def values_at(schedule, steps):
     return [float(schedule(step)) for step in steps]
 
 
 def test_constant_schedule_with_warmup():
     schedule = build_schedule("constant", 1e-3, warmup_steps=4)
-    np.testing.assert_allclose(values_at(schedule, [0, 1, 2, 4, 5, 10_000]),
-                               [0.0, 2.5e-4, 5e-4, 1e-3, 1e-3, 1e-3], rtol=1e-6)
+    np.testing.assert_allclose(
+        values_at(schedule, [0, 1, 2, 4, 5, 10_000]), [0.0, 2.5e-4, 5e-4, 1e-3, 1e-3, 1e-3], rtol=1e-6
+    )
     assert float(build_schedule("constant", 3e-4)(123)) == pytest.approx(3e-4)
 
 
 def test_poly_schedule_matches_nnunet_formula():
     schedule = build_schedule("poly", 0.01, total_steps=100, power=0.9)
     # 0.01 * (1 - s/100) ** 0.9: 0.5**0.9 = 0.535887, 0.75**0.9 = 0.771890, 0.01**0.9 = 0.015849
-    np.testing.assert_allclose(values_at(schedule, [0, 25, 50, 99, 100, 500]),
-                               [0.01, 0.0077189, 0.00535887, 0.00015849, 0.0, 0.0], rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(
+        values_at(schedule, [0, 25, 50, 99, 100, 500]),
+        [0.01, 0.0077189, 0.00535887, 0.00015849, 0.0, 0.0],
+        rtol=1e-5,
+        atol=1e-9,
+    )
 
 
 def test_poly_schedule_with_warmup_and_floor():
     schedule = build_schedule("poly", 0.01, total_steps=110, warmup_steps=10, power=1.0, min_learning_rate=0.001)
     # warm-up 0 → 0.01 over 10 steps, then linear decay 0.01 → 0.001 over the remaining 100 steps
-    np.testing.assert_allclose(values_at(schedule, [0, 5, 10, 35, 60, 110, 200]),
-                               [0.0, 0.005, 0.01, 0.00775, 0.0055, 0.001, 0.001], rtol=1e-5)
+    np.testing.assert_allclose(
+        values_at(schedule, [0, 5, 10, 35, 60, 110, 200]), [0.0, 0.005, 0.01, 0.00775, 0.0055, 0.001, 0.001], rtol=1e-5
+    )
 
 
 def test_cosine_schedule_with_warmup_and_floor():
     schedule = build_schedule("cosine", 0.01, total_steps=120, warmup_steps=20, min_learning_rate=1e-4)
     # 1e-4 + 0.0099 * (1 + cos(pi * (s - 20) / 100)) / 2;  (1 + cos(pi/4)) / 2 = 0.8535534
-    np.testing.assert_allclose(values_at(schedule, [0, 10, 20, 45, 70, 120, 121]),
-                               [0.0, 0.005, 0.01, 0.0085502, 0.00505, 1e-4, 1e-4], rtol=1e-5)
+    np.testing.assert_allclose(
+        values_at(schedule, [0, 10, 20, 45, 70, 120, 121]),
+        [0.0, 0.005, 0.01, 0.0085502, 0.00505, 1e-4, 1e-4],
+        rtol=1e-5,
+    )
 
 
 def test_once_per_step_schedule_trains_as_the_schedule_with_one_evaluation_per_step():
@@ -437,12 +485,15 @@ def test_schedules_work_in_graph_mode_with_int64_steps():
     assert float(compiled(tf.constant(10, tf.int64))) == pytest.approx(0.005, rel=1e-5)
 
 
-@pytest.mark.parametrize("schedule", [
-    ConstantLearningRate(1e-3),
-    PolyDecay(1e-2, decay_steps=50, power=0.9, min_learning_rate=1e-5),
-    CosineDecay(1e-2, decay_steps=50, min_learning_rate=1e-5),
-    LinearWarmup(PolyDecay(1e-2, decay_steps=50), warmup_steps=5),
-])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        ConstantLearningRate(1e-3),
+        PolyDecay(1e-2, decay_steps=50, power=0.9, min_learning_rate=1e-5),
+        CosineDecay(1e-2, decay_steps=50, min_learning_rate=1e-5),
+        LinearWarmup(PolyDecay(1e-2, decay_steps=50), warmup_steps=5),
+    ],
+)
 def test_schedule_config_round_trip(schedule):
     restored = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(schedule))
     assert type(restored) is type(schedule) and restored.get_config() == schedule.get_config()
@@ -461,6 +512,7 @@ def test_build_schedule_rejects_bad_arguments():
 # ----------------------------------------------------------------------------------------------------------------
 # Factory
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", OPTIMIZER_NAMES)
 @pytest.mark.parametrize("use_schedule", [False, True])
@@ -488,8 +540,9 @@ def test_build_optimizer_passes_hyperparameters():
     adamw = build_optimizer("adamw", 1e-3, weight_decay=0.05, beta_2=0.99, epsilon=1e-6)
     assert isinstance(adamw, keras.optimizers.AdamW)
     assert (adamw.weight_decay, adamw.beta_2, adamw.epsilon) == (0.05, 0.99, 1e-6)
-    novograd = build_optimizer("novograd", 1e-3, weight_decay=1e-3, beta_2=0.98, grad_averaging=True,
-                               global_clipnorm=None)
+    novograd = build_optimizer(
+        "novograd", 1e-3, weight_decay=1e-3, beta_2=0.98, grad_averaging=True, global_clipnorm=None
+    )
     assert isinstance(novograd, Novograd)
     assert (novograd.weight_decay, novograd.beta_2, novograd.grad_averaging) == (1e-3, 0.98, True)
 

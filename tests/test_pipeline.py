@@ -4,14 +4,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import tiny_config
+
 from tfmis.config import AugmentConfig
-from tfmis.data.pipeline import build_train_dataset, build_val_dataset, train_steps_per_epoch
-from tfmis.data.pipeline import step_augmentation, train_crop_size
-from tfmis.transforms.augment import window
+from tfmis.data.pipeline import (
+    build_train_dataset,
+    build_val_dataset,
+    step_augmentation,
+    train_crop_size,
+    train_steps_per_epoch,
+)
 from tfmis.data.records import load_index
-from tfmis.transforms.augment import augment_patch
+from tfmis.transforms.augment import augment_patch, window
 from tfmis.transforms.crop import crop_starts, foreground_indices, rand_crop_by_pos_neg
 
 
@@ -29,8 +33,9 @@ def crops(image, label, n_calls, patch=(8, 8, 8), pos=1.0, neg=1.0, class_ratios
     fg, fg_class = foreground_indices(label, num_classes=3)
     out = []
     for i in range(n_calls):
-        _, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, patch, num_samples, pos, neg,
-                                         tf.constant([0, i], tf.int64), class_ratios)
+        _, labels = rand_crop_by_pos_neg(
+            image, label, fg, fg_class, patch, num_samples, pos, neg, tf.constant([0, i], tf.int64), class_ratios
+        )
         out.append(labels.numpy())
     return np.concatenate(out)
 
@@ -38,15 +43,17 @@ def crops(image, label, n_calls, patch=(8, 8, 8), pos=1.0, neg=1.0, class_ratios
 def test_crop_shapes_and_image_label_alignment():
     image, label = blob_volume()
     fg, fg_class = foreground_indices(label, num_classes=3)
-    images, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, (8, 12, 6), 5, 1.0, 1.0,
-                                          tf.constant([1, 2], tf.int64))
+    images, labels = rand_crop_by_pos_neg(
+        image, label, fg, fg_class, (8, 12, 6), 5, 1.0, 1.0, tf.constant([1, 2], tf.int64)
+    )
     assert images.shape == (5, 8, 12, 6, 2) and labels.shape == (5, 8, 12, 6)
     # channel 0 of the image is the label itself: every crop cuts both at the same place
     np.testing.assert_array_equal(images.numpy()[..., 0], labels.numpy().astype(np.float32))
 
 
-@pytest.mark.parametrize("pos, neg, low, high", [(1, 0, 1.0, 1.0), (0, 1, 0.0, 0.15), (1, 1, 0.45, 0.65),
-                                                 (3, 1, 0.68, 0.85)])
+@pytest.mark.parametrize(
+    "pos, neg, low, high", [(1, 0, 1.0, 1.0), (0, 1, 0.0, 0.15), (1, 1, 0.45, 0.65), (3, 1, 0.68, 0.85)]
+)
 def test_crop_balance_follows_pos_neg_ratio(pos, neg, low, high):
     """Share of crops containing foreground ~ pos/(pos+neg) (+ the few background crops that touch it)."""
     image, label = blob_volume()
@@ -98,16 +105,16 @@ def test_augmentation_keeps_image_and_label_aligned():
 
 def test_intensity_augmentation_scales_and_shifts():
     image = tf.ones((4, 4, 4, 1))
-    config = AugmentConfig(flip_prob=0, rot90_prob=0, intensity_prob=1.0, intensity_scale=0.1,
-                           intensity_shift=0.1)
-    values = {float(augment_patch(image, tf.zeros((4, 4, 4), tf.int32), config,
-                                  tf.constant([i, 1], tf.int64))[0][0, 0, 0, 0]) for i in range(20)}
+    config = AugmentConfig(flip_prob=0, rot90_prob=0, intensity_prob=1.0, intensity_scale=0.1, intensity_shift=0.1)
+    values = {
+        float(augment_patch(image, tf.zeros((4, 4, 4), tf.int32), config, tf.constant([i, 1], tf.int64))[0][0, 0, 0, 0])
+        for i in range(20)
+    }
     assert len(values) == 20 and all(0.8 <= v <= 1.2 for v in values)
 
 
 def test_train_pipeline_shapes_and_determinism(converted_dataset, tmp_path):
-    config = tiny_config(converted_dataset, tmp_path, "pipeline.patch_size=[24,24,24]",
-                         "training.accumulation_steps=2")
+    config = tiny_config(converted_dataset, tmp_path, "pipeline.patch_size=[24,24,24]", "training.accumulation_steps=2")
     batches = list(build_train_dataset(config).take(3).as_numpy_iterator())
     for images, labels in batches:
         assert images.shape == (4, 24, 24, 24, 2) and images.dtype == np.float32  # 2 per replica x 2 accumulated
@@ -117,12 +124,21 @@ def test_train_pipeline_shapes_and_determinism(converted_dataset, tmp_path):
     for (a, b), (c, d) in zip(batches, again):
         np.testing.assert_array_equal(a, c)
         np.testing.assert_array_equal(b, d)
-    other = tiny_config(converted_dataset, tmp_path, "pipeline.patch_size=[24,24,24]",
-                        "training.accumulation_steps=2", "training.seed=5")
+    other = tiny_config(
+        converted_dataset,
+        tmp_path,
+        "pipeline.patch_size=[24,24,24]",
+        "training.accumulation_steps=2",
+        "training.seed=5",
+    )
     assert not np.array_equal(next(build_train_dataset(other).as_numpy_iterator())[0], batches[0][0])
     # six volumes x two crops / (two per batch x two accumulated) = 3 optimizer steps per epoch
-    assert train_steps_per_epoch(tiny_config(converted_dataset, tmp_path, "training.steps_per_epoch=null",
-                                             "training.accumulation_steps=2")) == 3
+    assert (
+        train_steps_per_epoch(
+            tiny_config(converted_dataset, tmp_path, "training.steps_per_epoch=null", "training.accumulation_steps=2")
+        )
+        == 3
+    )
 
 
 def test_val_pipeline_gives_whole_volumes(converted_dataset, tmp_path):
@@ -158,8 +174,11 @@ def hide_shards(dataset_dir):
 
 
 def cache_overrides(mode, tmp_path):
-    return ["pipeline.cache=file", f"pipeline.cache_dir={tmp_path / 'cache'}"] if mode == "file" else [
-        f"pipeline.cache={mode}"]
+    return (
+        ["pipeline.cache=file", f"pipeline.cache_dir={tmp_path / 'cache'}"]
+        if mode == "file"
+        else [f"pipeline.cache={mode}"]
+    )
 
 
 def val_volumes(dataset):
@@ -224,8 +243,9 @@ def test_training_stream_continues_from_the_cache_once_the_shards_are_gone(mode,
     Six training volumes x two crops / two per batch = 6 batches per epoch; 30 batches need 5 more epochs.
     """
     dataset_dir = dataset_copy(converted_dataset, tmp_path)
-    reference = list(build_train_dataset(tiny_config(dataset_dir, tmp_path, "pipeline.cache=none"))
-                     .take(36).as_numpy_iterator())
+    reference = list(
+        build_train_dataset(tiny_config(dataset_dir, tmp_path, "pipeline.cache=none")).take(36).as_numpy_iterator()
+    )
     config = tiny_config(dataset_dir, tmp_path, *cache_overrides(mode, tmp_path))
     stream = build_train_dataset(config).as_numpy_iterator()
     batches = train_batches(stream, 6)  # the whole first epoch: every volume has been read and cached
@@ -259,11 +279,13 @@ def test_file_cache_is_not_reused_for_other_cached_settings(converted_dataset, t
 
 # ---- spatial augmentation crops and augmentation placement (pipeline.augment.placement)
 
+
 def coordinate_volume(size):
     """blob_volume's label, and an image whose channels are each voxel's (x, y, z) + 1: a crop shows where it
     came from, and 0 where it lies outside the volume."""
-    image, label = blob_volume(size=size, blob=(size // 2 - 2, size // 2 + 2),
-                               second_class_voxel=(size - 3, size - 3, size - 3))
+    image, label = blob_volume(
+        size=size, blob=(size // 2 - 2, size // 2 + 2), second_class_voxel=(size - 3, size - 3, size - 3)
+    )
     coords = np.stack(np.meshgrid(*[np.arange(size)] * 3, indexing="ij"), -1).astype(np.float32) + 1
     return tf.constant(coords), label
 
@@ -279,8 +301,7 @@ def test_crop_starts_locate_rand_crop_by_pos_neg_crops_and_windows_add_context(s
     for i in range(6):
         seed = tf.constant([i, 11], tf.int64)
         starts = crop_starts(label, fg, fg_class, (16, 16, 16), 4, 1.0, 1.0, seed, class_ratios)
-        images, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, (16, 16, 16), 4, 1.0, 1.0, seed,
-                                              class_ratios)
+        images, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, (16, 16, 16), 4, 1.0, 1.0, seed, class_ratios)
         for k in range(4):
             crop, crop_label = window(image, label, starts[k], (16, 16, 16))
             np.testing.assert_array_equal(crop.numpy(), images[k].numpy())
@@ -289,7 +310,8 @@ def test_crop_starts_locate_rand_crop_by_pos_neg_crops_and_windows_add_context(s
             big, big_label = big.numpy(), big_label.numpy()
             np.testing.assert_array_equal(big[3:-3, 4:-4, 5:-5], images[k].numpy())
             grid = np.stack(np.meshgrid(*[np.arange(n) for n in big.shape[:3]], indexing="ij"), -1) + (
-                starts[k].numpy() - margin)
+                starts[k].numpy() - margin
+            )
             inside = np.all((grid >= 0) & (grid < size), axis=-1)
             np.testing.assert_array_equal(big[inside], grid[inside] + 1)  # the volume's own voxels, in place
             np.testing.assert_array_equal(big_label[inside], label.numpy()[tuple(grid[inside].T)])
@@ -298,10 +320,15 @@ def test_crop_starts_locate_rand_crop_by_pos_neg_crops_and_windows_add_context(s
                 assert not inside.all()
 
 
-SPATIAL_AUGMENT = ["pipeline.augment.flip_prob=0.5", "pipeline.augment.rot90_prob=0.5",
-                   "pipeline.augment.intensity_prob=0.5", "pipeline.augment.noise_std=0.1",
-                   "pipeline.augment.noise_prob=0.5", "pipeline.augment.rotate_prob=0.5",
-                   "pipeline.augment.scale_prob=0.5"]
+SPATIAL_AUGMENT = [
+    "pipeline.augment.flip_prob=0.5",
+    "pipeline.augment.rot90_prob=0.5",
+    "pipeline.augment.intensity_prob=0.5",
+    "pipeline.augment.noise_std=0.1",
+    "pipeline.augment.noise_prob=0.5",
+    "pipeline.augment.rotate_prob=0.5",
+    "pipeline.augment.scale_prob=0.5",
+]
 
 
 def test_pipeline_placement_with_rotation_and_scaling_yields_patches(converted_dataset, tmp_path):
@@ -315,8 +342,17 @@ def test_pipeline_placement_with_rotation_and_scaling_yields_patches(converted_d
         assert set(np.unique(labels)) <= {0, 1, 2}
 
 
-@pytest.mark.parametrize("extra", [[], ["pipeline.augment.elastic_prob=0.5", "pipeline.augment.elastic_sigma=[3,4]",
-                                        "pipeline.augment.elastic_magnitude=[0,2]"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        [
+            "pipeline.augment.elastic_prob=0.5",
+            "pipeline.augment.elastic_sigma=[3,4]",
+            "pipeline.augment.elastic_magnitude=[0,2]",
+        ],
+    ],
+)
 def test_step_placement_gives_the_pipeline_placement_batches(converted_dataset, tmp_path, extra):
     """Placement step yields (un-augmented crops of train_crop_size, int32 labels, (B, 2) int64 seeds) in the
     pipeline placement's order; step_augmentation in a tf.function (as in the training step) turns them into
@@ -328,8 +364,9 @@ def test_step_placement_gives_the_pipeline_placement_batches(converted_dataset, 
     augment = tf.function(step_augmentation(step_config.pipeline))
     size = train_crop_size(step_config.pipeline)
     changed = 0
-    for (image, label), (crops, crop_labels, seeds) in zip(expected, build_train_dataset(step_config).take(6),
-                                                           strict=True):
+    for (image, label), (crops, crop_labels, seeds) in zip(
+        expected, build_train_dataset(step_config).take(6), strict=True
+    ):
         assert crops.shape == (2, *size, 2) and crops.dtype == tf.float32
         assert crop_labels.shape == (2, *size) and crop_labels.dtype == tf.int32
         assert seeds.shape == (2, 2) and seeds.dtype == tf.int64
@@ -337,8 +374,9 @@ def test_step_placement_gives_the_pipeline_placement_batches(converted_dataset, 
         np.testing.assert_array_equal(out_image.numpy(), image)
         np.testing.assert_array_equal(out_label.numpy(), label)
         margin = [(c - p) // 2 for c, p in zip(size, config.pipeline.patch_size)]
-        centre = crops.numpy()[:, margin[0]:size[0] - margin[0], margin[1]:size[1] - margin[1],
-                               margin[2]:size[2] - margin[2]]
+        centre = crops.numpy()[
+            :, margin[0] : size[0] - margin[0], margin[1] : size[1] - margin[1], margin[2] : size[2] - margin[2]
+        ]
         changed += sum(not np.array_equal(a, b) for a, b in zip(centre, image))
     assert changed >= 6  # the augmentation did change most of the 12 patches
 
@@ -347,14 +385,18 @@ def test_step_augmentation_under_xla_gives_the_pipeline_placement_batches(conver
     """training.jit_compile: step_augmentation compiled by XLA (static shapes, no py_function) draws the same
     augmentations from the same seeds (Philox named explicitly, floats made from its integer bits); XLA's own
     cos/sin/log and fusions move images by float rounding only (< 2e-5), labels by near-ties only (< 0.1 %)."""
-    extra = ["pipeline.augment.elastic_prob=0.5", "pipeline.augment.elastic_sigma=[3,4]",
-             "pipeline.augment.elastic_magnitude=[0,2]"]
+    extra = [
+        "pipeline.augment.elastic_prob=0.5",
+        "pipeline.augment.elastic_sigma=[3,4]",
+        "pipeline.augment.elastic_magnitude=[0,2]",
+    ]
     config = tiny_config(converted_dataset, tmp_path, *SPATIAL_AUGMENT, *extra)
     step_config = tiny_config(converted_dataset, tmp_path, *SPATIAL_AUGMENT, *extra, "pipeline.augment.placement=step")
     expected = list(build_train_dataset(config).take(3).as_numpy_iterator())
     augment = tf.function(step_augmentation(step_config.pipeline), jit_compile=True)
-    for (image, label), (crops, crop_labels, seeds) in zip(expected, build_train_dataset(step_config).take(3),
-                                                           strict=True):
+    for (image, label), (crops, crop_labels, seeds) in zip(
+        expected, build_train_dataset(step_config).take(3), strict=True
+    ):
         out_image, out_label = augment(crops, crop_labels, seeds)
         np.testing.assert_allclose(out_image.numpy(), image, atol=2e-5)
         assert np.mean(out_label.numpy() != label) < 1e-3
@@ -403,12 +445,23 @@ def partial_cache_dataset(tmp_path_factory):
     """30 cases of 128^3 x 2 channels converted to float32, uncompressed: 24 training volumes of 124^3 x 2 after the
     foreground crop, 17.2 MB each decoded (15.3 MB image + 1.9 MB label), 412 MB for the whole training split."""
     from conftest import make_msd_dataset
+
     from tfmis.data.convert import ConversionConfig, convert
 
     root = tmp_path_factory.mktemp("partial")
     source = make_msd_dataset(root / "Task97_Partial", num_cases=30, shape=(128, 128, 128))
-    convert(ConversionConfig(str(source), str(root / "tfrecords"), split=(0.8, 0.2), shards=4, workers=1,
-                             progress=False, compression="NONE", image_dtype="float32"))
+    convert(
+        ConversionConfig(
+            str(source),
+            str(root / "tfrecords"),
+            split=(0.8, 0.2),
+            shards=4,
+            workers=1,
+            progress=False,
+            compression="NONE",
+            image_dtype="float32",
+        )
+    )
     shutil.rmtree(source)
     return root / "tfrecords"
 
@@ -417,8 +470,11 @@ def volume_bytes(dataset_dir, split="train"):
     """Decoded bytes of the largest volume of `split`: image (at its storage dtype) + uint8 label."""
     index = load_index(dataset_dir)
     itemsize = np.dtype(index["preprocessing"]["image_dtype"]).itemsize
-    return max(int(np.prod(c["image_shape"])) * itemsize + int(np.prod(c["image_shape"][:3]))
-               for c in index["cases"].values() if c["split"] == split)
+    return max(
+        int(np.prod(c["image_shape"])) * itemsize + int(np.prod(c["image_shape"][:3]))
+        for c in index["cases"].values()
+        if c["split"] == split
+    )
 
 
 def probe_stream(dataset_dir, out, overrides, batches):
@@ -430,11 +486,17 @@ def probe_stream(dataset_dir, out, overrides, batches):
     import subprocess
     import sys
 
-    args = {"tests": str(Path(__file__).parent), "dataset": str(dataset_dir), "out": str(out),
-            "overrides": overrides, "batches": batches}
+    args = {
+        "tests": str(Path(__file__).parent),
+        "dataset": str(dataset_dir),
+        "out": str(out),
+        "overrides": overrides,
+        "batches": batches,
+    }
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    result = subprocess.run([sys.executable, "-c", PARTIAL_PROBE, json.dumps(args)], capture_output=True, text=True,
-                            env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", PARTIAL_PROBE, json.dumps(args)], capture_output=True, text=True, env=env, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -454,13 +516,19 @@ def test_partial_cache_size_follows_cache_num_cache_rate_and_replace_rate():
     assert partial_cache_size(PipelineConfig(cache="partial", cache_num=20, replace_rate=0.5), 24) == (20, 4)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("pipeline.cache_num=0", r"pipeline.cache_num must be >= 1 volume \(or null to use pipeline.cache_rate\), got 0"),
-    ("pipeline.cache_rate=0", r"pipeline.cache_rate must be in \(0, 1\]"),
-    ("pipeline.cache_rate=1.5", r"pipeline.cache_rate must be in \(0, 1\]"),
-    ("pipeline.replace_rate=0", r"pipeline.replace_rate must be in \(0, 1\]"),
-    ("pipeline.replace_rate=2", r"pipeline.replace_rate must be in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "pipeline.cache_num=0",
+            r"pipeline.cache_num must be >= 1 volume \(or null to use pipeline.cache_rate\), got 0",
+        ),
+        ("pipeline.cache_rate=0", r"pipeline.cache_rate must be in \(0, 1\]"),
+        ("pipeline.cache_rate=1.5", r"pipeline.cache_rate must be in \(0, 1\]"),
+        ("pipeline.replace_rate=0", r"pipeline.replace_rate must be in \(0, 1\]"),
+        ("pipeline.replace_rate=2", r"pipeline.replace_rate must be in \(0, 1\]"),
+    ],
+)
 def test_partial_cache_settings_out_of_range_name_the_key(override, message):
     from tfmis.config import ConfigError, load_config
 
@@ -472,8 +540,11 @@ def test_cache_num_without_partial_cache_is_refused_with_the_fix():
     """A bound given for another cache mode would be silently ignored (and the whole split cached): refused."""
     from tfmis.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"pipeline.cache_num=8 only bounds pipeline.cache=partial, but "
-                                          r"pipeline.cache is 'memory': set pipeline.cache=partial"):
+    with pytest.raises(
+        ConfigError,
+        match=r"pipeline.cache_num=8 only bounds pipeline.cache=partial, but "
+        r"pipeline.cache is 'memory': set pipeline.cache=partial",
+    ):
         load_config(None, ["pipeline.cache_num=8"])
     assert load_config(None, ["pipeline.cache=partial", "pipeline.cache_num=8"]).pipeline.cache_num == 8
 
@@ -499,13 +570,13 @@ def test_smart_cache_cycles_are_sliding_windows_of_the_record_stream(converted_d
     cached = case_ids(smart_cache(volumes(), 3, 1, seed=5), 3 * cycles)
     stream = case_ids(volumes().repeat(), 36)
     train = set(index["splits"]["train"]["cases"])
-    passes = {tuple(stream[i:i + 6]) for i in range(0, 36, 6)}
+    passes = {tuple(stream[i : i + 6]) for i in range(0, 36, 6)}
     assert len(train) == 6 and all(set(p) == train for p in passes)  # one pass = every case once
     assert len(passes) > 1  # later passes read the shards in another order
     for k in range(cycles):
-        assert sorted(cached[3 * k:3 * k + 3]) == sorted(stream[k:k + 3]), k
+        assert sorted(cached[3 * k : 3 * k + 3]) == sorted(stream[k : k + 3]), k
     assert set(cached[:12]) == train
-    assert sum(cached[3 * k:3 * k + 3] != stream[k:k + 3] for k in range(cycles)) >= cycles // 3  # shuffled
+    assert sum(cached[3 * k : 3 * k + 3] != stream[k : k + 3] for k in range(cycles)) >= cycles // 3  # shuffled
     assert case_ids(smart_cache(volumes(), 3, 1, seed=5), 3 * cycles) == cached
 
 
@@ -523,16 +594,19 @@ def test_partial_cache_holds_at_most_its_bound_of_volumes_and_sees_every_case(pa
     common = ["pipeline.patch_size=[32,32,32]", "pipeline.shuffle_crops=1", "pipeline.augment.intensity_prob=0"]
     batches, crops_per_cycle = 90, 4 * 2
     volume = volume_bytes(partial_cache_dataset)
-    partial = probe_stream(partial_cache_dataset, tmp_path, [*common, "pipeline.cache=partial", "pipeline.cache_num=4"],
-                           batches)
+    partial = probe_stream(
+        partial_cache_dataset, tmp_path, [*common, "pipeline.cache=partial", "pipeline.cache_num=4"], batches
+    )
     memory = probe_stream(partial_cache_dataset, tmp_path, [*common, "pipeline.cache=memory"], batches)
 
     windows = {}
     for name, run in (("partial", partial), ("memory", memory)):
         assert all(len(owner) == 1 for owner in run["owners"])  # every crop comes from exactly one volume
         cases = [owner[0] for owner in run["owners"]]
-        windows[name] = [len(set(cases[i:i + 3 * crops_per_cycle]))
-                         for i in range(0, len(cases) - 3 * crops_per_cycle + 1, crops_per_cycle)]
+        windows[name] = [
+            len(set(cases[i : i + 3 * crops_per_cycle]))
+            for i in range(0, len(cases) - 3 * crops_per_cycle + 1, crops_per_cycle)
+        ]
         if name == "partial":
             assert len(set(cases)) == 24
     assert max(windows["partial"]) <= 4 + 2 * 1, windows["partial"]
@@ -543,8 +617,9 @@ def test_partial_cache_holds_at_most_its_bound_of_volumes_and_sees_every_case(pa
     assert memory["growth"] > 24 * volume > bound, (memory["growth"] / 2**20, 24 * volume / 2**20)
 
 
-def test_training_with_partial_cache_on_data_larger_than_the_cache_waits_under_5_percent(partial_cache_dataset,
-                                                                                         tmp_path):
+def test_training_with_partial_cache_on_data_larger_than_the_cache_waits_under_5_percent(
+    partial_cache_dataset, tmp_path
+):
     """A real `Trainer.fit()` (U-Net 8-16-32, 4 crops of 32^3 per step, one volume per step) with
     `pipeline.cache: partial`, cache_num 4 of the 24 training volumes (replace_rate 0.2: one new volume read from the
     TFRecords every 4 steps, 17 MB decoded): every epoch after the first waits for input at most 5 % of its step
@@ -553,12 +628,24 @@ def test_training_with_partial_cache_on_data_larger_than_the_cache_waits_under_5
 
     from tfmis.engine.trainer import Trainer
 
-    config = tiny_config(partial_cache_dataset, tmp_path / "run", "model.filters=[8,16,32]", "model.strides=[1,2,2]",
-                         "pipeline.patch_size=[32,32,32]", "pipeline.num_images_per_batch=4",
-                         "pipeline.num_crops_per_image=4", "pipeline.deterministic=false", "pipeline.cache=partial",
-                         "pipeline.cache_num=4", "training.epochs=3", "training.steps_per_epoch=32",
-                         "validation.val_interval=100", "validation.max_cases=1", "validation.overlap=0",
-                         "validation.roi_size=[64,64,64]")
+    config = tiny_config(
+        partial_cache_dataset,
+        tmp_path / "run",
+        "model.filters=[8,16,32]",
+        "model.strides=[1,2,2]",
+        "pipeline.patch_size=[32,32,32]",
+        "pipeline.num_images_per_batch=4",
+        "pipeline.num_crops_per_image=4",
+        "pipeline.deterministic=false",
+        "pipeline.cache=partial",
+        "pipeline.cache_num=4",
+        "training.epochs=3",
+        "training.steps_per_epoch=32",
+        "validation.val_interval=100",
+        "validation.max_cases=1",
+        "validation.overlap=0",
+        "validation.roi_size=[64,64,64]",
+    )
     Trainer(config).fit()
     records = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3]
@@ -584,8 +671,9 @@ def test_partial_cache_of_each_worker_holds_only_its_own_share(converted_dataset
         shard = input_shard(files, index["splits"]["train"]["cases"], context)
         assert shard["level"] == ("file" if workers == 2 else "data")
         share = share_size(index, "train", shard)
-        volumes = _read(files, index, True, context, "train", refill_seed=0).map(lambda image, label, meta:
-                                                                                   meta["case_id"])
+        volumes = _read(files, index, True, context, "train", refill_seed=0).map(
+            lambda image, label, meta: meta["case_id"]
+        )
         cases = {c.decode() for c in smart_cache(volumes, 1, 1, seed=0).take(4 * share).as_numpy_iterator()}
         assert len(cases) == share == 6 // workers
         seen += sorted(cases)

@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import make_msd_dataset, tiny_config
+
 from tfmis.config import load_config, save_config
+from tfmis.hardware import CPU
 from tfmis.inference.placement import (
     AFTER_OUT_OF_MEMORY,
     KNOWN_NOT_TO_FIT,
@@ -34,15 +35,20 @@ from tfmis.inference.placement import (
     is_out_of_memory,
 )
 from tfmis.inference.sliding_window import sliding_window_inference
-from tfmis.hardware import CPU
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def capped_environment(cap_mb: int) -> dict:
     """A subprocess environment whose TensorFlow CPU allocator fails over `cap_mb` MiB, with no GPU."""
-    return {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(cap_mb),
-            "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
+    return {
+        **os.environ,
+        "TF_CPU_ALLOCATOR_USE_BFC": "true",
+        "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(cap_mb),
+        "CUDA_VISIBLE_DEVICES": "",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONPATH": str(REPO),
+    }
 
 
 # ------------------------------------------------------------------ the ladder on real out-of-memory errors
@@ -117,8 +123,14 @@ def ladder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ladder")
     script, out = folder / "ladder.py", folder / "report.json"
     script.write_text(LADDER_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300,
-                            env=capped_environment(LADDER_CAP_MB), cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(script), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=capped_environment(LADDER_CAP_MB),
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -145,11 +157,12 @@ def test_auto_walks_the_ladder_on_a_real_oom_and_remembers_what_failed(ladder):
     assert big["calls"] == [["/CPU:0", 128], ["/CPU:0", 128]] + [["/CPU:0", b] for b in halvings]
     assert big["equals_direct"]
     (event,) = big["new_events"]
-    assert event["case_id"] == "big" and event["voxels"] == 64 ** 3 and event["succeeded"] == big["placement"]
+    assert event["case_id"] == "big" and event["voxels"] == 64**3 and event["succeeded"] == big["placement"]
     assert [f.split(": ")[0] for f in event["failed"]] == ["cpu:0, sw batch 128", "cpu, sw batch 128"] + [
-        f"cpu, sw batch {b}" for b in halvings[:-1]]
+        f"cpu, sw batch {b}" for b in halvings[:-1]
+    ]
     assert all(real_oom(f) for f in event["failed"]), event["failed"]
-    assert big["cpu_from_voxels"] == 64 ** 3 and big["reduced_sw_batch"] == {str(64 ** 3): batch}
+    assert big["cpu_from_voxels"] == 64**3 and big["reduced_sw_batch"] == {str(64**3): batch}
 
     assert bigger["voxels"] > big["voxels"] and bigger["calls"][0] == ["/CPU:0", batch] and bigger["equals_direct"]
     if bigger["new_events"]:  # the remembered batch ran out of memory this time: halved from there
@@ -171,28 +184,37 @@ def test_cpu_from_voxels_seeds_what_goes_to_the_cpu(ladder):
 
 # ------------------------------------------------------------------ real MemoryErrors, in this process
 
+
 def impossible_volume(calls: list):
     """`infer` for a volume no machine can hold: it allocates the blending buffers of 2^50 voxels
     with numpy, a real MemoryError ("Unable to allocate 16.0 PiB") at every attempt. It records
     which (device, sw batch) the policy asked for; the devices are only names here."""
+
     def infer(device, sw_batch_size):
         calls.append((device, sw_batch_size))
         return np.zeros((2**50, 4), np.float32)
+
     return infer
 
 
-@pytest.mark.parametrize("mode, attempts", [
-    ("auto", [("/GPU:0", 4), (CPU, 4), (CPU, 2), (CPU, 1)]),
-    ("cpu", [(CPU, 4), (CPU, 2), (CPU, 1)]),
-])
+@pytest.mark.parametrize(
+    "mode, attempts",
+    [
+        ("auto", [("/GPU:0", 4), (CPU, 4), (CPU, 2), (CPU, 1)]),
+        ("cpu", [(CPU, 4), (CPU, 2), (CPU, 1)]),
+    ],
+)
 def test_a_volume_that_fits_nowhere_is_a_clear_error(mode, attempts):
     """Every rung of the ladder fails with a real MemoryError: `auto` tries the accelerator, then the
     CPU with 4, 2, 1 windows per forward pass; `cpu` only the CPU. The error names the case and each
     attempt. `auto` remembers the size: the next such volume skips the accelerator."""
     calls = []
     policy = VolumePlacement(mode, 4, accelerator="/GPU:0")
-    with pytest.raises(VolumeOutOfMemory, match=r"case huge \(1,125,899,906,842,624 voxels\) does not fit in memory "
-                                                r"even with its volume on the CPU and one window") as caught:
+    with pytest.raises(
+        VolumeOutOfMemory,
+        match=r"case huge \(1,125,899,906,842,624 voxels\) does not fit in memory "
+        r"even with its volume on the CPU and one window",
+    ) as caught:
         policy.run(impossible_volume(calls), 2**50, case_id="huge")
     assert calls == attempts
     assert str(caught.value).count("MemoryError: Unable to allocate 16.0 PiB") == len(attempts)
@@ -213,8 +235,10 @@ def test_accelerator_mode_stops_at_the_first_out_of_memory_naming_the_fix():
         VolumePlacement("accelerator", 4, accelerator="/GPU:0").run(impossible_volume(calls), 2**50, case_id="huge")
     assert calls == [("/GPU:0", 4)]
     message = str(caught.value)
-    assert message.startswith("case huge (1,125,899,906,842,624 voxels): out of memory with the volume and its "
-                              "blending buffers on gpu:0 (validation.validation_data_device: accelerator, sw batch 4)")
+    assert message.startswith(
+        "case huge (1,125,899,906,842,624 voxels): out of memory with the volume and its "
+        "blending buffers on gpu:0 (validation.validation_data_device: accelerator, sw batch 4)"
+    )
     assert "Set validation.validation_data_device: auto" in message
     assert "or cpu (volumes always in host memory)" in message
 
@@ -235,6 +259,7 @@ def test_seeded_auto_never_tries_the_accelerator_for_large_volumes():
 
 # ------------------------------------------------------------------ without an out-of-memory error
 
+
 def test_out_of_memory_errors_are_recognised():
     """Which errors start the ladder: ResourceExhaustedError, a real MemoryError from numpy, and GPU
     allocation failures TensorFlow reports as InternalError/UnknownError (recognised by their
@@ -245,10 +270,12 @@ def test_out_of_memory_errors_are_recognised():
         numpy_error = e
     assert is_out_of_memory(numpy_error)
     assert is_out_of_memory(tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor"))
-    for cls, message in [(tf.errors.InternalError, "cuDNN launch failure: CUDNN_STATUS_ALLOC_FAILED"),
-                         (tf.errors.InternalError, "Blas GEMM launch failed: CUBLAS_STATUS_ALLOC_FAILED"),
-                         (tf.errors.UnknownError, "failed to allocate 2.00G (2147483648 bytes) from device"),
-                         (tf.errors.InternalError, "Dst tensor is not initialized. OOM when allocating")]:
+    for cls, message in [
+        (tf.errors.InternalError, "cuDNN launch failure: CUDNN_STATUS_ALLOC_FAILED"),
+        (tf.errors.InternalError, "Blas GEMM launch failed: CUBLAS_STATUS_ALLOC_FAILED"),
+        (tf.errors.UnknownError, "failed to allocate 2.00G (2147483648 bytes) from device"),
+        (tf.errors.InternalError, "Dst tensor is not initialized. OOM when allocating"),
+    ]:
         assert is_out_of_memory(cls(None, None, message)), message
     assert not is_out_of_memory(tf.errors.InternalError(None, None, "cuDNN launch failure: bad parameter"))
     assert not is_out_of_memory(tf.errors.InvalidArgumentError(None, None, "out of range"))
@@ -263,8 +290,9 @@ def test_other_errors_are_raised_unchanged_without_a_retry():
 
     def infer(device, sw_batch_size):
         calls.append(device)
-        return sliding_window_inference(np.ones((1, 8, 8, 8, 1), np.float32), (4, 4, 4), sw_batch_size,
-                                        lambda w: w[:, :2], device=device).numpy()
+        return sliding_window_inference(
+            np.ones((1, 8, 8, 8, 1), np.float32), (4, 4, 4), sw_batch_size, lambda w: w[:, :2], device=device
+        ).numpy()
 
     with pytest.raises(ValueError, match="predictor must return shape"):
         policy.run(infer, 512, case_id="c")
@@ -277,26 +305,27 @@ def test_memory_budget_is_a_pre_check_that_allocates_nothing():
     event says it was the pre-check); one within the budget is. In `accelerator` mode it is an error."""
     volume = np.ones((1, 16, 16, 16, 2), np.float32)
     needed = aggregation_bytes(volume.shape[1:4], 2, 3)
-    assert needed == 16 ** 3 * (2 + 3 + 1) * 4
+    assert needed == 16**3 * (2 + 3 + 1) * 4
     calls = []
 
     def infer(device, sw_batch_size):
         calls.append(device)
-        return sliding_window_inference(volume, (8, 8, 8), sw_batch_size, lambda w: tf.concat([w, w[..., :1]], -1),
-                                        device=device).numpy()
+        return sliding_window_inference(
+            volume, (8, 8, 8), sw_batch_size, lambda w: tf.concat([w, w[..., :1]], -1), device=device
+        ).numpy()
 
     budget = needed / 2**20 * 0.99
     policy = VolumePlacement("auto", 4, accelerator="/GPU:0", accelerator_memory_mb=budget)
-    out, placement = policy.run(infer, 16 ** 3, case_id="over", buffer_bytes=needed)
+    out, placement = policy.run(infer, 16**3, case_id="over", buffer_bytes=needed)
     assert calls == [CPU] and str(placement) == f"cpu ({OVER_BUDGET})" and out.shape == (1, 16, 16, 16, 3)
     (event,) = policy.events
     assert event.case_id == "over" and event.failed[0].startswith("pre-check: the whole-volume buffers need 0.1 MiB")
     assert policy.cpu_from_voxels is None  # a pre-check is not an out-of-memory error: nothing learned
     within = VolumePlacement("auto", 4, accelerator=CPU, accelerator_memory_mb=needed / 2**20 * 1.01)
-    assert str(within.run(infer, 16 ** 3, buffer_bytes=needed)[1]) == "cpu:0" and not within.events
+    assert str(within.run(infer, 16**3, buffer_bytes=needed)[1]) == "cpu:0" and not within.events
     strict = VolumePlacement("accelerator", 4, accelerator="/GPU:0", accelerator_memory_mb=budget)
     with pytest.raises(VolumeOutOfMemory, match="pre-check.*validation.validation_data_device: auto"):
-        strict.run(infer, 16 ** 3, case_id="over", buffer_bytes=needed)
+        strict.run(infer, 16**3, case_id="over", buffer_bytes=needed)
     assert calls == [CPU, CPU]  # the strict policy called nothing
 
 
@@ -337,17 +366,23 @@ def large_volume_dataset(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("large")
     source = make_msd_dataset(root / "Task99_Large", num_cases=4, shape=(68, 68, 68))
-    convert(ConversionConfig(str(source), str(root / "tfrecords"), split=(0.5, 0.5), shards=1, workers=1,
-                             progress=False))
+    convert(
+        ConversionConfig(str(source), str(root / "tfrecords"), split=(0.5, 0.5), shards=1, workers=1, progress=False)
+    )
     return root / "tfrecords"
 
 
 def train_capped(dataset, folder: Path, device: str) -> subprocess.CompletedProcess:
     config = tiny_config(dataset, folder / "run", *VALIDATION, f"validation.validation_data_device={device}")
     save_config(config, folder / "config.yaml")
-    return subprocess.run([sys.executable, "-m", "tfmis.train", "--config", str(folder / "config.yaml")],
-                          capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env=capped_environment(TRAINING_CAP_MB))
+    return subprocess.run(
+        [sys.executable, "-m", "tfmis.train", "--config", str(folder / "config.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=capped_environment(TRAINING_CAP_MB),
+    )
 
 
 def test_training_survives_a_real_validation_oom(large_volume_dataset, tmp_path):
@@ -390,5 +425,7 @@ def test_training_with_accelerator_placement_stops_at_a_real_oom_naming_the_fix(
     assert "(262,144 voxels): out of memory with the volume and its blending buffers on cpu:0" in result.stderr
     assert "Set validation.validation_data_device: auto" in result.stderr and "or cpu (" in result.stderr
     assert real_oom(result.stderr)
-    assert not (tmp_path / "run" / "history.jsonl").is_file() or not (
-        tmp_path / "run" / "history.jsonl").read_text().strip()
+    assert (
+        not (tmp_path / "run" / "history.jsonl").is_file()
+        or not (tmp_path / "run" / "history.jsonl").read_text().strip()
+    )

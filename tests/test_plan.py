@@ -22,15 +22,19 @@ import yaml
 
 from tfmis.config import load_config
 from tfmis.data.demo_ct import make_ct_dataset
-from tfmis.networks.architecture import check_patch_size, required_divisor
 from tfmis.hardware import Hardware, cpu_flags, hardware_warnings, recommended_precision, resolve_precision
+from tfmis.networks.architecture import check_patch_size, required_divisor
 from tfmis.planning import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, make_plan
 from tfmis.planning.rules import pool_and_conv_props, target_spacing, training_memory_mb
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = Hardware(cpu_name="test cpu", cpu_count=2, host_memory_mb=16000, host_available_mb=12000)
-GPU_80 = Hardware(gpus=({"name": "A100", "compute_capability": (8, 0), "memory_mb": 81920},), cpu_count=16,
-                  host_memory_mb=256000, host_available_mb=200000)
+GPU_80 = Hardware(
+    gpus=({"name": "A100", "compute_capability": (8, 0), "memory_mb": 81920},),
+    cpu_count=16,
+    host_memory_mb=256000,
+    host_available_mb=200000,
+)
 
 
 def _env():
@@ -38,6 +42,7 @@ def _env():
 
 
 # ---------------------------------------------------------------- nnU-Net v2's formulas, written out independently
+
 
 def nnunet_target_spacing(spacings, sizes):
     """nnunetv2 ExperimentPlanner.determine_fullres_target_spacing (anisotropy_threshold 3)."""
@@ -90,21 +95,32 @@ def nnunet_get_pool_and_conv_props(spacing, patch_size, min_feature_map_size, ma
         for nv in other_axes:
             pool_kernel_sizes[nv] = 1
         pool_op_kernel_sizes.append(pool_kernel_sizes)
-    must_be_divisible_by = [2 ** n for n in num_pool_per_axis]
+    must_be_divisible_by = [2**n for n in num_pool_per_axis]
     patch = [int(np.ceil(p / d) * d) for p, d in zip(patch_size, must_be_divisible_by)]  # pad_shape
     return num_pool_per_axis, pool_op_kernel_sizes, patch, must_be_divisible_by
 
 
-@pytest.mark.parametrize("spacings, sizes, kind", [
-    ([[2.5, 2.5, 2.5]] * 5, [[60, 70, 60]] * 5, "isotropic: the median"),
-    ([[0.8, 0.8, 2.5], [0.7, 0.7, 2.5], [0.9, 0.9, 3.0], [0.8, 0.8, 2.0]], [[110, 100, 40]] * 4,
-     "3.1x anisotropic with many slices: the median, kept anisotropic"),
-    ([[0.78, 0.78, 5.0], [0.7, 0.7, 1.5], [0.8, 0.8, 5.0], [0.9, 0.9, 7.5], [0.75, 0.75, 1.25], [0.8, 0.8, 5.0]],
-     [[400, 380, 90], [420, 400, 300], [380, 380, 80], [400, 400, 60], [410, 400, 320], [390, 390, 90]],
-     "thick slices and few of them: z at its 10th percentile"),
-    ([[5.0, 0.8, 0.8], [4.0, 0.7, 0.7], [6.0, 0.9, 0.9]], [[30, 300, 300]] * 3,
-     "coarse axis 0 with few voxels: its 10th percentile"),
-])
+@pytest.mark.parametrize(
+    "spacings, sizes, kind",
+    [
+        ([[2.5, 2.5, 2.5]] * 5, [[60, 70, 60]] * 5, "isotropic: the median"),
+        (
+            [[0.8, 0.8, 2.5], [0.7, 0.7, 2.5], [0.9, 0.9, 3.0], [0.8, 0.8, 2.0]],
+            [[110, 100, 40]] * 4,
+            "3.1x anisotropic with many slices: the median, kept anisotropic",
+        ),
+        (
+            [[0.78, 0.78, 5.0], [0.7, 0.7, 1.5], [0.8, 0.8, 5.0], [0.9, 0.9, 7.5], [0.75, 0.75, 1.25], [0.8, 0.8, 5.0]],
+            [[400, 380, 90], [420, 400, 300], [380, 380, 80], [400, 400, 60], [410, 400, 320], [390, 390, 90]],
+            "thick slices and few of them: z at its 10th percentile",
+        ),
+        (
+            [[5.0, 0.8, 0.8], [4.0, 0.7, 0.7], [6.0, 0.9, 0.9]],
+            [[30, 300, 300]] * 3,
+            "coarse axis 0 with few voxels: its 10th percentile",
+        ),
+    ],
+)
 def test_target_spacing_is_nnunet_v2s_rule(spacings, sizes, kind):
     """tfmis.planning.rules.target_spacing returns nnU-Net v2's full-resolution spacing (formula written out
     above) for isotropic, mildly and strongly anisotropic data; the reason names the rule that applied."""
@@ -119,16 +135,19 @@ def test_target_spacing_is_nnunet_v2s_rule(spacings, sizes, kind):
         assert "median per axis" in reason and "10th" not in reason
 
 
-@pytest.mark.parametrize("spacing, patch", [
-    ([1.0, 1.0, 1.0], [128, 128, 128]),
-    ([2.5, 2.5, 2.5], [58, 74, 62]),
-    ([0.8, 0.8, 2.5], [80, 80, 40]),
-    ([0.79, 0.79, 5.0], [192, 160, 56]),
-    ([3.0, 0.7, 0.7], [40, 224, 192]),
-    ([1.5, 1.5, 2.0], [96, 96, 96]),
-    ([0.5, 0.5, 0.5], [256, 256, 256]),  # would pool 6 times: capped at 5
-    ([1.0, 1.0, 1.0], [12, 100, 100]),
-])
+@pytest.mark.parametrize(
+    "spacing, patch",
+    [
+        ([1.0, 1.0, 1.0], [128, 128, 128]),
+        ([2.5, 2.5, 2.5], [58, 74, 62]),
+        ([0.8, 0.8, 2.5], [80, 80, 40]),
+        ([0.79, 0.79, 5.0], [192, 160, 56]),
+        ([3.0, 0.7, 0.7], [40, 224, 192]),
+        ([1.5, 1.5, 2.0], [96, 96, 96]),
+        ([0.5, 0.5, 0.5], [256, 256, 256]),  # would pool 6 times: capped at 5
+        ([1.0, 1.0, 1.0], [12, 100, 100]),
+    ],
+)
 def test_pooling_is_nnunet_get_pool_and_conv_props(spacing, patch):
     """Per-axis poolings, strides, padded patch and divisor equal nnU-Net's get_pool_and_conv_props (feature
     map >= 4 voxels, spacing < 2x the finest, at most 5 per axis); a thin axis is not pooled at level 1 while
@@ -144,14 +163,25 @@ def test_pooling_is_nnunet_get_pool_and_conv_props(spacing, patch):
         assert strides[1][thick] == 1 and all(strides[1][a] == 2 for a in range(3) if a != thick)
 
 
-def _fingerprint(spacings, crop_shapes, modalities=("CT",), class_voxels=(9_000_000, 300_000, 2_000),
-                 ct_window=(-57.0, 164.0)):
+def _fingerprint(
+    spacings, crop_shapes, modalities=("CT",), class_voxels=(9_000_000, 300_000, 2_000), ct_window=(-57.0, 164.0)
+):
     n = len(spacings)
     return DatasetFingerprint(
-        name="TaskXX", modalities=list(modalities), labels=["background", "organ", "lesion"][:len(class_voxels)],
-        case_ids=[f"c{i}" for i in range(n)], spacings=np.array(spacings, float), crop_shapes=np.array(crop_shapes, float),
-        class_voxels=list(class_voxels), ct_window=ct_window if "CT" in modalities else None,
-        intensity=[], cases_without_foreground=[], skipped={}, source="test", source_dir="/data/TaskXX")
+        name="TaskXX",
+        modalities=list(modalities),
+        labels=["background", "organ", "lesion"][: len(class_voxels)],
+        case_ids=[f"c{i}" for i in range(n)],
+        spacings=np.array(spacings, float),
+        crop_shapes=np.array(crop_shapes, float),
+        class_voxels=list(class_voxels),
+        ct_window=ct_window if "CT" in modalities else None,
+        intensity=[],
+        cases_without_foreground=[],
+        skipped={},
+        source="test",
+        source_dir="/data/TaskXX",
+    )
 
 
 @pytest.mark.parametrize("hardware", [CPU, GPU_80], ids=["cpu", "gpu"])
@@ -171,16 +201,17 @@ def test_planned_network_fits_its_patch_and_budget(hardware):
     median[:2] = max(median[:2])  # square in-plane: both sides from the in-plane medians' geometric mean
     assert all(p <= m + d for p, m, d in zip(patch, median, divisor))
     assert patch[0] == patch[1] and config.pipeline.augment.rot90_prob == 0.5  # x, y medians within 1.5x
-    memory = training_memory_mb(patch, strides, config.model.filters, config.model.num_res_units, 1, 3, 2,
-                                config.training.precision)
+    memory = training_memory_mb(
+        patch, strides, config.model.filters, config.model.num_res_units, 1, 3, 2, config.training.precision
+    )
     if hardware.has_gpu:
         assert memory["total_mb"] <= 8 * 1024
-        assert config.model.filters == tuple(min(32 * 2 ** i, 320) for i in range(len(strides)))
+        assert config.model.filters == tuple(min(32 * 2**i, 320) for i in range(len(strides)))
         assert config.pipeline.num_images_per_batch >= 2 and config.optimizer.name == "sgd"
         assert config.training.precision == "mixed_float16" and config.validation.overlap == 0.5
     else:
-        assert np.prod(patch) <= 48 ** 3
-        assert config.model.filters == tuple(min(8 * 2 ** i, 128) for i in range(len(strides)))
+        assert np.prod(patch) <= 48**3
+        assert config.model.filters == tuple(min(8 * 2**i, 128) for i in range(len(strides)))
         assert config.pipeline.num_images_per_batch == 2 and config.validation.validation_data_device == "cpu"
         assert config.training.precision == "float32"
     assert config.data.conversion.ct_window == (-57.0, 164.0) and config.data.conversion.ct_normalization == "zscore"
@@ -201,11 +232,13 @@ def test_patch_is_square_in_plane_only_when_the_in_plane_medians_are_close():
 
 def test_precision_rules_and_warnings():
     """recommended_precision: fp16 on GPUs from compute capability 7, float32 below and on every CPU (bf16 flags
-    or not: bf16 trained no faster than float32 on the development CPU); resolve_precision passes explicit names through and
-    resolves auto for this machine; hardware_warnings flags mixed_float16 and XLA on a CPU-only machine (one
+    or not: bf16 trained no faster than float32 on the development CPU); resolve_precision passes explicit names
+    through and resolves auto for this machine; hardware_warnings flags mixed_float16 and XLA on a CPU-only machine (one
     line each, naming the faster setting) and nothing for the recommended settings."""
+
     def gpu(cc):
         return Hardware(gpus=({"name": "g", "compute_capability": cc, "memory_mb": 16000},))
+
     assert recommended_precision(gpu((9, 0)))[0] == "mixed_float16"
     assert recommended_precision(gpu((8, 6)))[0] == "mixed_float16"
     assert recommended_precision(gpu((7, 0)))[0] == "mixed_float16"
@@ -251,11 +284,14 @@ def test_ct_generator_writes_integer_hu_with_anisotropic_varying_spacing(tmp_pat
             assert 15 < np.median(image[label == 2]) < 45
     assert len({tuple(s) for s in spacings}) > 1
     again = make_ct_dataset(tmp_path / "again", num_cases=1, shape=(48, 48, 20))
-    np.testing.assert_array_equal(np.asarray(nib.load(str(again / meta["training"][0]["image"])).dataobj),
-                                  np.asarray(nib.load(str(root / meta["training"][0]["image"])).dataobj))
+    np.testing.assert_array_equal(
+        np.asarray(nib.load(str(again / meta["training"][0]["image"])).dataobj),
+        np.asarray(nib.load(str(root / meta["training"][0]["image"])).dataobj),
+    )
 
 
 # ---------------------------------------------------------------- the commands, in real subprocesses
+
 
 def _planned_keys(text: str) -> list[tuple[str, bool]]:
     """(dotted key, has a reason comment) for every leaf key of a plan file."""
@@ -286,9 +322,25 @@ def test_plan_command_on_the_demo_brain(demo_brain, tmp_path):
     strides 1,2,2,2, a square 48^3 patch with quarter turns, z-score normalisation, the lesion oversampled by
     class ratios 1,1,1,2)."""
     out = tmp_path / "plan.yaml"
-    result = subprocess.run([sys.executable, "-m", "tfmis.plan", "--source-dir", str(demo_brain), "--output",
-                             str(out), "--output-dir", str(tmp_path / "run"), "--quiet"],
-                            capture_output=True, text=True, env=_env(), timeout=300, cwd=tmp_path)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfmis.plan",
+            "--source-dir",
+            str(demo_brain),
+            "--output",
+            str(out),
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "patch" in result.stdout and f"--config {out}" in result.stdout
     text = out.read_text()
@@ -311,10 +363,31 @@ def tiny_ct_run(tmp_path_factory):
     source = make_ct_dataset(root / "Task91_TinyCT", num_cases=5, shape=(48, 48, 20))
     run = root / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "tfmis.train", "--source-dir", str(source), "--set", f"output.dir={run}",
-         "--set", "training.epochs=1", "--set", "training.steps_per_epoch=2", "--set", "optimizer.warmup_epochs=0",
-         "--set", "output.progress=false", "--set", "output.tensorboard=false"],
-        capture_output=True, text=True, env=_env(), timeout=600, cwd=root)
+        [
+            sys.executable,
+            "-m",
+            "tfmis.train",
+            "--source-dir",
+            str(source),
+            "--set",
+            f"output.dir={run}",
+            "--set",
+            "training.epochs=1",
+            "--set",
+            "training.steps_per_epoch=2",
+            "--set",
+            "optimizer.warmup_epochs=0",
+            "--set",
+            "output.progress=false",
+            "--set",
+            "output.tensorboard=false",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+        cwd=root,
+    )
     return {"source": source, "run": run, "result": result, "dataset_dir": root / "Task91_TinyCT_tfrecords"}
 
 
@@ -331,7 +404,9 @@ def test_train_from_source_dir_plans_converts_and_trains(tiny_ct_run):
     assert plan.model.strides[1] == (2, 2, 1)  # z (2.5 mm) is >= 2x the in-plane spacing: not pooled at level 1
     assert plan.data.conversion.ct_window is not None and plan.data.dataset_dir == str(tiny_ct_run["dataset_dir"])
     index = json.loads((tiny_ct_run["dataset_dir"] / "index.json").read_text())
-    assert index["preprocessing"]["normalization"] == ["ct_zscore"] and plan.data.conversion.ct_normalization == "zscore"
+    assert (
+        index["preprocessing"]["normalization"] == ["ct_zscore"] and plan.data.conversion.ct_normalization == "zscore"
+    )
     assert len(index["preprocessing"]["ct_mean_std"]) == 2 and index["preprocessing"]["ct_mean_std"][1] > 0
     assert index["preprocessing"]["spacing"] == list(plan.data.conversion.spacing)
     assert index["preprocessing"]["ct_window"] == list(plan.data.conversion.ct_window)
@@ -349,10 +424,27 @@ def test_train_from_source_dir_onto_a_conversion_with_other_parameters_is_one_er
     planned = load_config(tiny_ct_run["run"] / "plan.yaml").data.conversion.spacing
     doubled = "[" + ",".join(str(2 * s) for s in planned) + "]"
     result = subprocess.run(
-        [sys.executable, "-m", "tfmis.train", "--source-dir", str(tiny_ct_run["source"]), "--set", f"output.dir={run}",
-         "--set", f"data.dataset_dir={tiny_ct_run['dataset_dir']}", "--set", f"data.conversion.spacing={doubled}",
-         "--set", "output.progress=false"],
-        capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "tfmis.train",
+            "--source-dir",
+            str(tiny_ct_run["source"]),
+            "--set",
+            f"output.dir={run}",
+            "--set",
+            f"data.dataset_dir={tiny_ct_run['dataset_dir']}",
+            "--set",
+            f"data.conversion.spacing={doubled}",
+            "--set",
+            "output.progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -377,17 +469,36 @@ def test_first_pass_fingerprint_predicts_the_conversion(tiny_ct_run):
     assert a.pipeline.patch_size == b.pipeline.patch_size and a.model.strides == b.model.strides
 
 
-@pytest.mark.skipif(bool(__import__("tensorflow").config.list_physical_devices("GPU")),
-                    reason="the warnings are for CPU-only machines")
+@pytest.mark.skipif(
+    bool(__import__("tensorflow").config.list_physical_devices("GPU")), reason="the warnings are for CPU-only machines"
+)
 def test_train_warns_once_about_slow_settings_on_a_cpu(tmp_path):
     """python -m tfmis.train with mixed_float16 and jit_compile on a CPU-only machine prints one warning for each,
     naming the faster setting, before anything else happens (here the missing dataset then stops the run)."""
     result = subprocess.run(
-        [sys.executable, "-m", "tfmis.train", "--config", str(REPO / "configs" / "spleen.yaml"),
-         "--set", "training.precision=mixed_float16", "--set", "training.jit_compile=true",
-         "--set", "data.source_dir=null", "--set", f"data.dataset_dir={tmp_path / 'missing'}",
-         "--set", f"output.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, env=_env(), timeout=300, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "tfmis.train",
+            "--config",
+            str(REPO / "configs" / "spleen.yaml"),
+            "--set",
+            "training.precision=mixed_float16",
+            "--set",
+            "training.jit_compile=true",
+            "--set",
+            "data.source_dir=null",
+            "--set",
+            f"data.dataset_dir={tmp_path / 'missing'}",
+            "--set",
+            f"output.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        cwd=tmp_path,
+    )
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: training.")]
     assert len(warnings) == 2, result.stderr[-3000:]
     assert "use --set training.precision=auto" in warnings[0] and "training.jit_compile=false" in warnings[1]

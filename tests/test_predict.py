@@ -6,10 +6,10 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-
 from conftest import lps_affine, tiny_config, write_nifti
-from tfmis.engine.trainer import Trainer
+
 from tfmis.data.pipeline import build_val_dataset
+from tfmis.engine.trainer import Trainer
 from tfmis.inference.predictor import InputCase, Predictor, collect_inputs
 from tfmis.predict import main as predict_main
 
@@ -45,11 +45,15 @@ def test_dice_in_original_geometry_matches_validation(trained_run, tmp_path):
 
 
 def orientations_of(image, label, affine, axcodes):
-    ornt = nib.orientations.ornt_transform(nib.orientations.io_orientation(affine),
-                                           nib.orientations.axcodes2ornt(axcodes))
+    ornt = nib.orientations.ornt_transform(
+        nib.orientations.io_orientation(affine), nib.orientations.axcodes2ornt(axcodes)
+    )
     new_affine = affine @ nib.orientations.inv_ornt_aff(ornt, image.shape[:3])
-    return (nib.orientations.apply_orientation(image, ornt), nib.orientations.apply_orientation(label, ornt),
-            new_affine)
+    return (
+        nib.orientations.apply_orientation(image, ornt),
+        nib.orientations.apply_orientation(label, ornt),
+        new_affine,
+    )
 
 
 def test_predictions_keep_each_inputs_geometry(trained_run, tmp_path):
@@ -66,9 +70,19 @@ def test_predictions_keep_each_inputs_geometry(trained_run, tmp_path):
     thick_affine = affine.copy()
     thick_affine[:3, 2] *= 2
     write_nifti(inputs / "thick_slices.nii.gz", thick, thick_affine)
-    code = predict_main(["--config", str(trained_run["dir"] / "config.yaml"), "--checkpoint",
-                         str(trained_run["dir"] / "best.weights.h5"), "--input", str(inputs), "--output",
-                         str(tmp_path / "out"), "--quiet"])
+    code = predict_main(
+        [
+            "--config",
+            str(trained_run["dir"] / "config.yaml"),
+            "--checkpoint",
+            str(trained_run["dir"] / "best.weights.h5"),
+            "--input",
+            str(inputs),
+            "--output",
+            str(tmp_path / "out"),
+            "--quiet",
+        ]
+    )
     assert code == 0
     for name in ("as_ras", "as_lps", "thick_slices"):
         source_img = nib.load(str(inputs / f"{name}.nii.gz"))
@@ -200,17 +214,29 @@ with open(out_path, "w") as f:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status are Linux")
-@pytest.mark.parametrize("squeeze_at, environment, error", [
-    # the first large allocation, before any forward pass, is the host blend's sum of importance weights
-    # (X·Y·Z float32): MemoryError
-    ("start", {}, "MemoryError: Unable to allocate 9.38 MiB for an array with shape (160, 160, 96) and data type "
-                  "float32"),
-    # after the first window batch, before the next forward pass, the blending buffer (B·X·Y·Z·K float32)
-    ("first_forward", {}, "MemoryError: Unable to allocate 28.1 MiB for an array with shape (1, 160, 160, 96, 3) and "
-                          "data type float32"),
-], ids=["weight_sum_MemoryError", "blending_buffer_MemoryError"])
-def test_a_real_failed_allocation_falls_back_and_gives_the_same_prediction(trained_run, tmp_path, squeeze_at,
-                                                                         environment, error):
+@pytest.mark.parametrize(
+    "squeeze_at, environment, error",
+    [
+        # the first large allocation, before any forward pass, is the host blend's sum of importance weights
+        # (X·Y·Z float32): MemoryError
+        (
+            "start",
+            {},
+            "MemoryError: Unable to allocate 9.38 MiB for an array with shape (160, 160, 96) and data type float32",
+        ),
+        # after the first window batch, before the next forward pass, the blending buffer (B·X·Y·Z·K float32)
+        (
+            "first_forward",
+            {},
+            "MemoryError: Unable to allocate 28.1 MiB for an array with shape (1, 160, 160, 96, 3) and "
+            "data type float32",
+        ),
+    ],
+    ids=["weight_sum_MemoryError", "blending_buffer_MemoryError"],
+)
+def test_a_real_failed_allocation_falls_back_and_gives_the_same_prediction(
+    trained_run, tmp_path, squeeze_at, environment, error
+):
     """A real allocation fails in the first (accelerator) attempt; the fallback's result is bit-identical.
 
     In a subprocess: the address space is capped (`RLIMIT_AS`, 2 GiB above the process' size), and
@@ -226,9 +252,20 @@ def test_a_real_failed_allocation_falls_back_and_gives_the_same_prediction(train
     script = tmp_path / "real_oom.py"
     script.write_text(REAL_OOM_SCRIPT)
     out = tmp_path / "result.json"
-    result = subprocess.run([sys.executable, str(script), str(trained_run["dir"] / "config.yaml"),
-                             str(trained_run["dir"]), squeeze_at, str(out)], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, **environment})
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(trained_run["dir"] / "config.yaml"),
+            str(trained_run["dir"]),
+            squeeze_at,
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **environment},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert len(report["caught"]) == 1 and report["caught"][0].startswith(error), report
@@ -247,10 +284,26 @@ def test_a_bad_case_never_stops_the_others(trained_run, tmp_path):
     (inputs / "broken.nii.gz").write_bytes(b"not a nifti")
     write_nifti(inputs / "one_channel.nii.gz", np.ones((20, 22, 18)), lps_affine())
     (inputs / "._case_000.nii.gz").write_bytes(b"macOS junk, never read")
-    result = subprocess.run([sys.executable, "-m", "tfmis.predict", "--config", str(trained_run["dir"] / "config.yaml"),
-                             "--checkpoint", str(trained_run["dir"]), "--input", str(inputs), "--output",
-                             str(tmp_path / "out"), "--label-dir", str(source / "labelsTr")],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfmis.predict",
+            "--config",
+            str(trained_run["dir"] / "config.yaml"),
+            "--checkpoint",
+            str(trained_run["dir"]),
+            "--input",
+            str(inputs),
+            "--output",
+            str(tmp_path / "out"),
+            "--label-dir",
+            str(source / "labelsTr"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 3, result.stderr[-2000:]
     assert "broken: FAILED" in result.stderr and "one_channel: FAILED" in result.stderr
     assert "1 channel(s)" in result.stdout
@@ -283,6 +336,18 @@ def test_tta_and_probability_maps(trained_run, tmp_path):
 def test_cli_help_and_bad_arguments(trained_run, tmp_path):
     with pytest.raises(SystemExit):
         predict_main(["--help"])
-    assert predict_main(["--config", str(trained_run["dir"] / "config.yaml"), "--checkpoint",
-                         str(tmp_path / "missing.weights.h5"), "--input", str(tmp_path), "--output",
-                         str(tmp_path / "o")]) == 1
+    assert (
+        predict_main(
+            [
+                "--config",
+                str(trained_run["dir"] / "config.yaml"),
+                "--checkpoint",
+                str(tmp_path / "missing.weights.h5"),
+                "--input",
+                str(tmp_path),
+                "--output",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 1
+    )

@@ -2,8 +2,16 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from tfmis.data.preprocess import (Geometry, PreprocessConfig, bounding_box, preprocess, ras_spacing, reorient_to_ras,
-                                   restore_geometry, spacing_of)
+from tfmis.data.preprocess import (
+    Geometry,
+    PreprocessConfig,
+    bounding_box,
+    preprocess,
+    ras_spacing,
+    reorient_to_ras,
+    restore_geometry,
+    spacing_of,
+)
 
 
 def ras_volume(shape=(24, 20, 16), channels=2, seed=0):
@@ -21,11 +29,13 @@ def ras_volume(shape=(24, 20, 16), channels=2, seed=0):
 
 def to_orientation(image, label, affine, axcodes):
     """The same anatomy stored in another voxel order (what a DICOM→NIfTI tool would write)."""
-    ornt = nib.orientations.ornt_transform(nib.orientations.axcodes2ornt("RAS"),
-                                           nib.orientations.axcodes2ornt(axcodes))
+    ornt = nib.orientations.ornt_transform(nib.orientations.axcodes2ornt("RAS"), nib.orientations.axcodes2ornt(axcodes))
     new_affine = affine @ nib.orientations.inv_ornt_aff(ornt, image.shape[:3])
-    return (nib.orientations.apply_orientation(image, ornt), nib.orientations.apply_orientation(label, ornt),
-            new_affine)
+    return (
+        nib.orientations.apply_orientation(image, ornt),
+        nib.orientations.apply_orientation(label, ornt),
+        new_affine,
+    )
 
 
 def world(affine, voxel):
@@ -96,8 +106,9 @@ def test_reshape_gives_fixed_shape_and_consistent_affine():
 
 def test_zscore_uses_the_foreground_and_zeroes_background():
     image, label, affine = ras_volume(channels=1)
-    out, _, _ = preprocess(image, label, affine, PreprocessConfig(spacing=(1.0, 2.0, 3.0), crop_foreground=False,
-                                                                  image_dtype="float32"))
+    out, _, _ = preprocess(
+        image, label, affine, PreprocessConfig(spacing=(1.0, 2.0, 3.0), crop_foreground=False, image_dtype="float32")
+    )
     body = image[..., 0] != 0
     assert abs(out[body].mean()) < 1e-4 and abs(out[body].std() - 1) < 1e-4
     assert np.all(out[~body] == 0)
@@ -105,8 +116,9 @@ def test_zscore_uses_the_foreground_and_zeroes_background():
 
 def test_ct_window_clips_and_scales():
     hu = np.array([-1000, -57, 0, 53.5, 164, 3000], np.float32).reshape(6, 1, 1, 1) * np.ones((6, 2, 2, 1))
-    config = PreprocessConfig(spacing=(1, 1, 1), normalization=("ct",), ct_window=(-57, 164), crop_foreground=False,
-                              image_dtype="float32")
+    config = PreprocessConfig(
+        spacing=(1, 1, 1), normalization=("ct",), ct_window=(-57, 164), crop_foreground=False, image_dtype="float32"
+    )
     out, _, _ = preprocess(hu.astype(np.float32), None, np.eye(4), config)
     np.testing.assert_allclose(out[:, 0, 0, 0], [0, 0, 57 / 221, 110.5 / 221, 1, 1], rtol=1e-6)
 
@@ -115,8 +127,14 @@ def test_ct_zscore_clips_to_the_window_then_uses_the_dataset_statistics():
     """nnU-Net's CTNormalization written out: clip(x, p0.5, p99.5), minus the dataset foreground mean, over its
     std; the case's own statistics play no part (two cases with different contents get the same map)."""
     hu = np.array([-1000, -57, 0, 53.5, 164, 3000], np.float32).reshape(6, 1, 1, 1) * np.ones((6, 2, 2, 1))
-    config = PreprocessConfig(spacing=(1, 1, 1), normalization=("ct_zscore",), ct_window=(-57, 164),
-                              ct_mean_std=(40.0, 25.0), crop_foreground=False, image_dtype="float32")
+    config = PreprocessConfig(
+        spacing=(1, 1, 1),
+        normalization=("ct_zscore",),
+        ct_window=(-57, 164),
+        ct_mean_std=(40.0, 25.0),
+        crop_foreground=False,
+        image_dtype="float32",
+    )
     out, _, _ = preprocess(hu.astype(np.float32), None, np.eye(4), config)
     expected = [(-57 - 40) / 25, (-57 - 40) / 25, (0 - 40) / 25, (53.5 - 40) / 25, (164 - 40) / 25, (164 - 40) / 25]
     np.testing.assert_allclose(out[:, 0, 0, 0], expected, rtol=1e-6)
@@ -186,10 +204,13 @@ def dice(a, b, cls=1):
 
 
 @pytest.mark.parametrize("axcodes", ["RAS", "LPS"])
-@pytest.mark.parametrize("scan_spacing, train_spacing", [
-    ((0.8, 0.8, 0.8), (1.6, 1.6, 1.6)),  # training grid 2x coarser than the scan on every axis
-    ((1.2, 1.2, 5.0), (1.5, 1.5, 1.5)),  # thick-slice CT: coarser in-plane, finer across slices
-])
+@pytest.mark.parametrize(
+    "scan_spacing, train_spacing",
+    [
+        ((0.8, 0.8, 0.8), (1.6, 1.6, 1.6)),  # training grid 2x coarser than the scan on every axis
+        ((1.2, 1.2, 5.0), (1.5, 1.5, 1.5)),  # thick-slice CT: coarser in-plane, finer across slices
+    ],
+)
 def test_label_filling_the_crop_box_restores_exactly_on_a_coarser_grid(axcodes, scan_spacing, train_spacing):
     """Original voxels between the outermost coarse voxel centres and the crop box faces keep the label.
 

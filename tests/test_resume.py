@@ -4,15 +4,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from tfmis.data.pipeline import build_train_dataset
 
 WHOLE_VOLUMES = [  # a patch larger than every volume: each crop is its whole (padded) volume, unaugmented,
     # so a batch shows which volumes the stream visited, whatever the crop seeds are
-    "pipeline.patch_size=[32,32,32]", "pipeline.num_crops_per_image=1", "pipeline.num_images_per_batch=1",
-    "pipeline.augment.flip_prob=0", "pipeline.augment.rot90_prob=0", "pipeline.augment.intensity_prob=0",
-    "pipeline.augment.noise_prob=0", "pipeline.shuffle_crops=1",  # no crop buffer mixing one pass into the next
+    "pipeline.patch_size=[32,32,32]",
+    "pipeline.num_crops_per_image=1",
+    "pipeline.num_images_per_batch=1",
+    "pipeline.augment.flip_prob=0",
+    "pipeline.augment.rot90_prob=0",
+    "pipeline.augment.intensity_prob=0",
+    "pipeline.augment.noise_prob=0",
+    "pipeline.shuffle_crops=1",  # no crop buffer mixing one pass into the next
 ]
 
 
@@ -20,8 +25,10 @@ def _volume_order(config, seed_offset, steps=6):
     import keras
 
     keras.utils.set_random_seed(config.training.seed)  # as the trainer does before building its pipeline
-    return [float(images.sum()) for images, _ in build_train_dataset(config, seed_offset=seed_offset)
-            .take(steps).as_numpy_iterator()]
+    return [
+        float(images.sum())
+        for images, _ in build_train_dataset(config, seed_offset=seed_offset).take(steps).as_numpy_iterator()
+    ]
 
 
 def test_resumed_stream_does_not_replay_the_first_epochs_volume_order(converted_dataset, tmp_path):
@@ -99,8 +106,7 @@ def test_a_crash_between_an_epochs_outputs_leaves_them_consistent(converted_data
     monkeypatch.undo()
     run = tmp_path / "run"
     assert tf_latest(run) == f"ckpt-{committed}"
-    resumed_config = tiny_config(converted_dataset, run, f"training.epochs={committed}",
-                                 "training.keep_checkpoints=5")
+    resumed_config = tiny_config(converted_dataset, run, f"training.epochs={committed}", "training.keep_checkpoints=5")
     Trainer(resumed_config).fit(resume=True)  # nothing left to train: only the recovery runs
     epochs = [json.loads(line)["epoch"] for line in (run / "history.jsonl").read_text().splitlines()]
     assert epochs == list(range(1, committed + 1))
@@ -108,8 +114,10 @@ def test_a_crash_between_an_epochs_outputs_leaves_them_consistent(converted_data
     assert best == committed  # every epoch was a new best
     model = Trainer(resumed_config).model
     model.load_weights(str(run / BEST_WEIGHTS))
-    for a, b in zip([w.numpy() for w in model.weights],
-                    _model_weights_in_checkpoint(resumed_config, str(run / "checkpoints" / f"ckpt-{best}"))):
+    for a, b in zip(
+        [w.numpy() for w in model.weights],
+        _model_weights_in_checkpoint(resumed_config, str(run / "checkpoints" / f"ckpt-{best}")),
+    ):
         np.testing.assert_array_equal(a, b)
 
 
@@ -136,15 +144,25 @@ def test_killed_run_resumes_with_the_committed_weights_optimizer_state_and_learn
     from tfmis.config import save_config
     from tfmis.engine.trainer import Trainer
 
-    config = tiny_config(converted_dataset, tmp_path / "run", "training.epochs=8", "training.steps_per_epoch=3",
-                         "optimizer.name=adamw", "optimizer.schedule=cosine", "optimizer.learning_rate=0.01")
+    config = tiny_config(
+        converted_dataset,
+        tmp_path / "run",
+        "training.epochs=8",
+        "training.steps_per_epoch=3",
+        "optimizer.name=adamw",
+        "optimizer.schedule=cosine",
+        "optimizer.learning_rate=0.01",
+    )
     save_config(config, tmp_path / "config.yaml")
     command = [sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / "config.yaml")]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoints = tmp_path / "run" / "checkpoints"
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and \
-            not (tf.train.latest_checkpoint(str(checkpoints)) or "").endswith("ckpt-2"):
+    while (
+        time.time() < deadline
+        and proc.poll() is None
+        and not (tf.train.latest_checkpoint(str(checkpoints)) or "").endswith("ckpt-2")
+    ):
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -155,8 +173,11 @@ def test_killed_run_resumes_with_the_committed_weights_optimizer_state_and_learn
     trainer = Trainer(config)
     assert trainer.restore(resume=True) == done
     reader = tf.train.load_checkpoint(latest)
-    saved = [np.asarray(reader.get_tensor(k)) for k in reader.get_variable_to_shape_map()
-             if k != "_CHECKPOINTABLE_OBJECT_GRAPH"]
+    saved = [
+        np.asarray(reader.get_tensor(k))
+        for k in reader.get_variable_to_shape_map()
+        if k != "_CHECKPOINTABLE_OBJECT_GRAPH"
+    ]
     restored = list(trainer.model.weights) + list(trainer.optimizer.variables)  # weights, moments, iterations
     for v in restored:  # every variable equals a saved tensor: none was left at its initial value
         assert any(s.shape == tuple(v.shape) and np.array_equal(s, v.numpy()) for s in saved), v.path

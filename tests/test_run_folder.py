@@ -48,8 +48,8 @@ def test_predict_from_a_run_folder_alone_after_the_tfrecords_are_gone(tmp_path):
     import sys
 
     import nibabel as nib
-
     from conftest import make_msd_dataset, tiny_config
+
     from tfmis.config import save_config
     from tfmis.data.convert import ConversionConfig, convert
     from tfmis.engine.trainer import Trainer
@@ -62,9 +62,24 @@ def test_predict_from_a_run_folder_alone_after_the_tfrecords_are_gone(tmp_path):
     save_config(config, tmp_path / "run" / "config.yaml")  # as `python -m tfmis.train` leaves it
 
     def predict(run, output, *extra):
-        return subprocess.run([sys.executable, "-m", "tfmis.predict", "--checkpoint", str(run), "--input",
-                               str(source / "imagesTs"), "--output", str(output), "--quiet", *extra],
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tfmis.predict",
+                "--checkpoint",
+                str(run),
+                "--input",
+                str(source / "imagesTs"),
+                "--output",
+                str(output),
+                "--quiet",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     before = predict(tmp_path / "run", tmp_path / "before", "--config", str(tmp_path / "run" / "config.yaml"))
     assert before.returncode == 0, before.stderr[-2000:]
@@ -83,7 +98,15 @@ def test_predict_without_config_outside_a_run_folder_says_what_to_give(tmp_path,
     from tfmis.predict import main as predict_main
 
     (tmp_path / "loose.weights.h5").write_bytes(b"")
-    code = predict_main(["--checkpoint", str(tmp_path / "loose.weights.h5"), "--input", str(tmp_path),
-                         "--output", str(tmp_path / "out")])
+    code = predict_main(
+        [
+            "--checkpoint",
+            str(tmp_path / "loose.weights.h5"),
+            "--input",
+            str(tmp_path),
+            "--output",
+            str(tmp_path / "out"),
+        ]
+    )
     assert code == 1
     assert f"no config.yaml in or above --checkpoint {tmp_path / 'loose.weights.h5'}" in capsys.readouterr().err

@@ -28,6 +28,7 @@ BATCH = 2
 
 # -- independent reference: MONAI's formulas (monai/inferers/utils.py, monai/data/utils.py) --------
 
+
 def monai_scan_interval(image, roi, overlap):
     return roi if roi == image else max(int(roi * (1 - overlap)), 1)
 
@@ -54,7 +55,7 @@ def monai_gaussian(roi, sigma_scale=0.125):
     profiles = []
     for size in roi:
         x = np.arange(-(size - 1) / 2.0, (size - 1) / 2.0 + 1)
-        profiles.append(np.exp(x ** 2 / (-2 * (sigma_scale * size) ** 2)))
+        profiles.append(np.exp(x**2 / (-2 * (sigma_scale * size) ** 2)))
     weights = np.einsum("i,j,k->ijk", *profiles)
     return np.maximum(weights, max(weights.min(), 1e-3))
 
@@ -91,6 +92,7 @@ def random_volume(shape, channels=2, seed=0):
 
 # -- window grid ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("overlap", OVERLAPS + [0.9])
 def test_window_starts_match_monai(overlap):
     for shape in SHAPES + ([(96, 96, 96), (97, 50, 9)] if overlap < 0.9 else []):
@@ -110,6 +112,7 @@ def test_windows_are_flush_with_the_end_and_cover_the_volume():
 
 # -- pointwise predictors are reproduced exactly --------------------------------------------------
 
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("overlap", OVERLAPS)
@@ -120,8 +123,9 @@ def test_pointwise_predictor_is_reproduced(shape, mode, overlap):
         expected = predictor(volume).numpy() if predictor is with_negated_channels else predictor(volume)
         assert out.dtype == tf.float32
         assert out.shape == expected.shape
-        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6, atol=0,
-                                   err_msg=f"sw_batch_size={sw_batch_size} {predictor.__name__}")
+        np.testing.assert_allclose(
+            out.numpy(), expected, rtol=1e-6, atol=0, err_msg=f"sw_batch_size={sw_batch_size} {predictor.__name__}"
+        )
 
 
 @pytest.mark.parametrize("sw_batch_size", SW_BATCH_SIZES)
@@ -152,11 +156,16 @@ def test_integer_roi_size_and_whole_axis_roi():
 
 # -- blending ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shape, overlap", [((15, 11, 13), 0.5), ((24, 16, 8), 0.25), ((7, 13, 10), 0.75)])
 def test_blending_matches_a_numpy_reference(shape, overlap):
     volume = random_volume(shape)
-    padded = np.pad(volume, [(0, 0)] + [((r - min(s, r)) // 2, r - min(s, r) - (r - min(s, r)) // 2)
-                                        for s, r in zip(shape, ROI)] + [(0, 0)])
+    padded = np.pad(
+        volume,
+        [(0, 0)]
+        + [((r - min(s, r)) // 2, r - min(s, r) - (r - min(s, r)) // 2) for s, r in zip(shape, ROI)]
+        + [(0, 0)],
+    )
     crop = tuple(slice((r - min(s, r)) // 2, (r - min(s, r)) // 2 + s) for s, r in zip(shape, ROI))
 
     def numpy_mean(windows):
@@ -164,7 +173,8 @@ def test_blending_matches_a_numpy_reference(shape, overlap):
 
     # sw_batch_size 8 puts overlapping windows into one batch: they must still add up in order
     for (mode, weights), sw_batch_size in itertools.product(
-            [("constant", np.ones(ROI)), ("gaussian", monai_gaussian(ROI))], [1, 8]):
+        [("constant", np.ones(ROI)), ("gaussian", monai_gaussian(ROI))], [1, 8]
+    ):
         expected = reference_blend(padded, ROI, overlap, weights, numpy_mean)[(slice(None), *crop)]
         out = sliding_window_inference(volume, ROI, sw_batch_size, plus_window_mean, overlap=overlap, mode=mode)
         np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5, err_msg=f"{mode} {sw_batch_size}")
@@ -205,9 +215,11 @@ def test_importance_map_modes_and_clipping():
 
 # -- padding -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("as_tensor", [True, False], ids=["tensorflow", "numpy"])
-@pytest.mark.parametrize("mode, numpy_mode", [("constant", "constant"), ("reflect", "reflect"),
-                                              ("replicate", "edge"), ("circular", "wrap")])
+@pytest.mark.parametrize(
+    "mode, numpy_mode", [("constant", "constant"), ("reflect", "reflect"), ("replicate", "edge"), ("circular", "wrap")]
+)
 def test_padding_modes_match_numpy(mode, numpy_mode, as_tensor):
     """torch's padding modes on a tensor (TensorFlow ops, for the accelerator blend) and on an array (numpy,
     for the host blend) equal numpy's corresponding mode; torch's limits hold for both."""
@@ -225,12 +237,15 @@ def test_padding_mode_and_cval_reach_the_predictor():
     seen = []
     sliding_window_inference(volume, ROI, 2, lambda w: seen.append(w.numpy()) or w, cval=7.0)
     assert seen[0][0, 0, 0, 0, 0] == 7.0  # X is padded by (3, 4)
-    outputs = [sliding_window_inference(volume, ROI, 2, plus_window_mean, padding_mode=m).numpy()
-               for m in ("constant", "replicate")]
+    outputs = [
+        sliding_window_inference(volume, ROI, 2, plus_window_mean, padding_mode=m).numpy()
+        for m in ("constant", "replicate")
+    ]
     assert np.abs(outputs[0] - outputs[1]).max() > 1e-3
 
 
 # -- predictor outputs, devices, arguments ---------------------------------------------------------
+
 
 def test_keras_model_and_wrapped_outputs():
     inputs = keras.Input((None, None, None, 2))
@@ -299,8 +314,9 @@ def test_windows_run_on_the_accelerator_while_the_volume_stays_on_the_host():
         devices.append(windows.device)
         return 2 * windows + 1
 
-    out = sliding_window_inference(volume, ROI, 4, predictor, overlap=0.5, mode="gaussian",
-                                   device="/CPU:0", sw_device="/GPU:0")
+    out = sliding_window_inference(
+        volume, ROI, 4, predictor, overlap=0.5, mode="gaussian", device="/CPU:0", sw_device="/GPU:0"
+    )
     assert out.device.endswith("CPU:0")
     assert devices and all(d.endswith("GPU:0") for d in devices)
     np.testing.assert_allclose(out.numpy(), 2 * volume + 1, rtol=1e-6)
@@ -311,8 +327,9 @@ def test_the_tensorflow_blend_keeps_volume_and_sums_on_the_accelerator():
     """`device="/GPU:0"`: the TensorFlow blend (a scatter-add per window into a variable on the GPU) gives
     the reference result, on the GPU."""
     volume = random_volume((20, 18, 13))
-    out = sliding_window_inference(volume, ROI, 4, mean_and_sum, overlap=0.5, mode="gaussian",
-                                   device="/GPU:0", sw_device="/GPU:0")
+    out = sliding_window_inference(
+        volume, ROI, 4, mean_and_sum, overlap=0.5, mode="gaussian", device="/GPU:0", sw_device="/GPU:0"
+    )
     assert out.device.endswith("GPU:0")
     np.testing.assert_allclose(out.numpy(), reference_inference(volume, 0.5, "gaussian"), rtol=1e-5, atol=1e-5)
 
@@ -326,24 +343,27 @@ def test_progress_is_reported_in_plain_lines_off_a_terminal(capsys):
     assert "sliding window: 2/2 batch" in err and "\r" not in err
 
 
-@pytest.mark.parametrize("kwargs, argument", [
-    (dict(roi_size=(8, 8)), "roi_size"),
-    (dict(roi_size=(8, 8, 6, 1)), "roi_size"),
-    (dict(overlap=1.0), "overlap"),
-    (dict(overlap=-0.1), "overlap"),
-    (dict(overlap=(0.5, 0.5)), "overlap"),
-    (dict(sw_batch_size=0), "sw_batch_size"),
-    (dict(sw_batch_size=2.5), "sw_batch_size"),
-    (dict(mode="linear"), "mode"),
-    (dict(padding_mode="wrap"), "padding_mode"),
-    (dict(inputs=np.zeros((2, 3, 9, 9, 1), np.float32), padding_mode="reflect"), "padding_mode"),
-    (dict(inputs=np.zeros((2, 3, 9, 9, 1), np.float32), padding_mode="circular"), "padding_mode"),
-    (dict(mode="gaussian", sigma_scale=0.0), "sigma_scale"),
-    (dict(inputs=np.zeros((9, 9, 7, 2), np.float32)), "inputs"),
-    (dict(predictor=lambda w: w[..., 0]), "predictor"),
-    (dict(predictor=lambda w: w[:, ::2]), "predictor"),
-    (dict(predictor=lambda w: (w, w)), "predictor"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(roi_size=(8, 8)), "roi_size"),
+        (dict(roi_size=(8, 8, 6, 1)), "roi_size"),
+        (dict(overlap=1.0), "overlap"),
+        (dict(overlap=-0.1), "overlap"),
+        (dict(overlap=(0.5, 0.5)), "overlap"),
+        (dict(sw_batch_size=0), "sw_batch_size"),
+        (dict(sw_batch_size=2.5), "sw_batch_size"),
+        (dict(mode="linear"), "mode"),
+        (dict(padding_mode="wrap"), "padding_mode"),
+        (dict(inputs=np.zeros((2, 3, 9, 9, 1), np.float32), padding_mode="reflect"), "padding_mode"),
+        (dict(inputs=np.zeros((2, 3, 9, 9, 1), np.float32), padding_mode="circular"), "padding_mode"),
+        (dict(mode="gaussian", sigma_scale=0.0), "sigma_scale"),
+        (dict(inputs=np.zeros((9, 9, 7, 2), np.float32)), "inputs"),
+        (dict(predictor=lambda w: w[..., 0]), "predictor"),
+        (dict(predictor=lambda w: w[:, ::2]), "predictor"),
+        (dict(predictor=lambda w: (w, w)), "predictor"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, argument):
     arguments = dict(inputs=random_volume((9, 9, 7)), roi_size=ROI, sw_batch_size=2, predictor=double_plus_one)
     arguments.update(kwargs)
@@ -362,16 +382,23 @@ def test_calling_inside_tf_function_is_refused():
 
 # -- the two blends against an independent reference ------------------------------------------------
 
+
 def numpy_mean_and_sum(windows):
     """numpy twin of `mean_and_sum`."""
-    return np.concatenate([windows + windows.mean(axis=(1, 2, 3), keepdims=True),
-                           windows.sum(axis=-1, keepdims=True)], axis=-1)
+    return np.concatenate(
+        [windows + windows.mean(axis=(1, 2, 3), keepdims=True), windows.sum(axis=-1, keepdims=True)], axis=-1
+    )
 
 
 def mean_and_sum(windows):
     """Not pointwise, and K = C + 1 classes: the blend weights matter and the output has its own channels."""
-    return tf.concat([windows + tf.reduce_mean(windows, axis=(1, 2, 3), keepdims=True),
-                      tf.reduce_sum(windows, axis=-1, keepdims=True)], axis=-1)
+    return tf.concat(
+        [
+            windows + tf.reduce_mean(windows, axis=(1, 2, 3), keepdims=True),
+            tf.reduce_sum(windows, axis=-1, keepdims=True),
+        ],
+        axis=-1,
+    )
 
 
 def reference_inference(volume, overlap, mode):
@@ -395,11 +422,29 @@ def test_both_blends_match_an_independent_numpy_reference(shape, on_host):
     volume = random_volume(shape, seed=sum(shape))
     for overlap, mode, sw_batch_size in itertools.product([0.25, 0.5], MODES, [1, 3]):
         expected = reference_inference(volume, overlap, mode)
-        out = _infer(volume, ROI, sw_batch_size, mean_and_sum, overlap, mode, 0.125, "constant", 0.0, None, None,
-                     False, on_host=on_host)
+        out = _infer(
+            volume,
+            ROI,
+            sw_batch_size,
+            mean_and_sum,
+            overlap,
+            mode,
+            0.125,
+            "constant",
+            0.0,
+            None,
+            None,
+            False,
+            on_host=on_host,
+        )
         assert out.dtype == tf.float32 and out.shape == expected.shape
-        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5,
-                                   err_msg=f"overlap={overlap} mode={mode} sw_batch_size={sw_batch_size}")
+        np.testing.assert_allclose(
+            out.numpy(),
+            expected,
+            rtol=1e-5,
+            atol=1e-5,
+            err_msg=f"overlap={overlap} mode={mode} sw_batch_size={sw_batch_size}",
+        )
 
 
 def test_the_public_function_blends_in_host_memory_on_a_cpu():
@@ -416,8 +461,9 @@ def test_windows_off_a_grid_and_voxels_no_window_reaches(on_host):
     volume = random_volume((20, 14, 12))
     starts = np.array([[0, 0, 0], [5, 3, 2], [5, 3, 2], [8, 6, 4], [0, 6, 4]], np.int32)
     weights = monai_gaussian(ROI)
-    out = _aggregate(volume, ROI, starts, mean_and_sum, weights.astype(np.float32), 2, None, None, False,
-                     on_host=on_host).numpy()
+    out = _aggregate(
+        volume, ROI, starts, mean_and_sum, weights.astype(np.float32), 2, None, None, False, on_host=on_host
+    ).numpy()
     total = np.zeros(volume.shape[:4] + (3,))
     count = np.zeros(volume.shape[1:4] + (1,))
     for b, (x, y, z) in itertools.product(range(BATCH), starts):
@@ -427,8 +473,9 @@ def test_windows_off_a_grid_and_voxels_no_window_reaches(on_host):
             count[region] += weights[..., None]
     covered = count[..., 0] > 0
     assert not covered.all()
-    np.testing.assert_allclose(out[:, covered], (total / np.where(count > 0, count, 1))[:, covered],
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out[:, covered], (total / np.where(count > 0, count, 1))[:, covered], rtol=1e-5, atol=1e-5
+    )
     assert np.all(out[:, ~covered] == 0)
 
 
@@ -442,7 +489,7 @@ def test_weight_sum_equals_the_sum_over_all_windows(shape, overlap, mode):
     weights = importance_map(ROI, mode).numpy()
     expected = np.zeros(shape)
     for x, y, z in starts:
-        expected[x:x + ROI[0], y:y + ROI[1], z:z + ROI[2]] += weights
+        expected[x : x + ROI[0], y : y + ROI[1], z : z + ROI[2]] += weights
     ours = weight_sum(shape, starts, weights)
     assert ours.dtype == np.float32
     np.testing.assert_allclose(ours, expected, rtol=1e-6)
@@ -460,18 +507,18 @@ def test_window_batches_and_results_are_not_reused_memory(on_host):
         kept.append(windows)
         return double_plus_one(windows)
 
-    first = _infer(volume, ROI, 3, keeping, 0.5, "gaussian", 0.125, "constant", 0.0, None, None, False,
-                   on_host=on_host)
+    first = _infer(volume, ROI, 3, keeping, 0.5, "gaussian", 0.125, "constant", 0.0, None, None, False, on_host=on_host)
     first_copy = first.numpy().copy()
-    second = _infer(volume * 3, ROI, 3, double_plus_one, 0.5, "gaussian", 0.125, "constant", 0.0, None, None,
-                    False, on_host=on_host)
+    second = _infer(
+        volume * 3, ROI, 3, double_plus_one, 0.5, "gaussian", 0.125, "constant", 0.0, None, None, False, on_host=on_host
+    )
     np.testing.assert_array_equal(first.numpy(), first_copy)
     np.testing.assert_allclose(second.numpy(), 6 * volume + 1, rtol=1e-6, atol=1e-6)
     corners = [(b, *start) for b in range(BATCH) for start in monai_starts((15, 11, 13), ROI, 0.5)]
     windows = np.concatenate([w.numpy() for w in kept])
     assert len(windows) == len(corners)
     for window, (b, x, y, z) in zip(windows, corners):
-        np.testing.assert_array_equal(window, volume[b, x:x + ROI[0], y:y + ROI[1], z:z + ROI[2]])
+        np.testing.assert_array_equal(window, volume[b, x : x + ROI[0], y : y + ROI[1], z : z + ROI[2]])
 
 
 def test_host_blend_holds_one_sum_buffer_and_one_weight_sum():
@@ -487,8 +534,7 @@ def test_host_blend_holds_one_sum_buffer_and_one_weight_sum():
     assert windows > 1000
     tracemalloc.start()
     try:
-        out = sliding_window_inference(volume, ROI, 4, mean_and_sum, overlap=0.75, mode="gaussian",
-                                       device="/CPU:0")
+        out = sliding_window_inference(volume, ROI, 4, mean_and_sum, overlap=0.75, mode="gaussian", device="/CPU:0")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -9,14 +9,20 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import make_msd_dataset, tiny_config
+
 from tfmis.data.pipeline import build_train_dataset
 from tfmis.engine.trainer import RunExists, Trainer, TrainingDiverged
 
 TESTS = Path(__file__).resolve().parent
-PLAIN_SGD = ["optimizer.name=sgd", "optimizer.momentum=0.0", "optimizer.nesterov=false", "optimizer.schedule=constant",
-             "optimizer.learning_rate=0.5", "optimizer.weight_decay=0.0"]
+PLAIN_SGD = [
+    "optimizer.name=sgd",
+    "optimizer.momentum=0.0",
+    "optimizer.nesterov=false",
+    "optimizer.schedule=constant",
+    "optimizer.learning_rate=0.5",
+    "optimizer.weight_decay=0.0",
+]
 
 
 def fixed_batch(config, size: int):
@@ -37,10 +43,12 @@ def with_foreground_norm_term(loss_fn, weight: float = 1e-3):
     The value is finite, but d‖x‖/dx = x/‖x‖ is 0/0 = NaN for an image without foreground voxels: the
     classic "finite loss, NaN gradient" case (a norm or sqrt evaluated at zero).
     """
+
     def loss(y_true, y_pred):
         foreground = tf.cast(tf.reshape(y_true, tf.shape(y_pred)[:-1]) > 0, y_pred.dtype)[..., None]
         per_image = tf.reshape(y_pred * foreground, [tf.shape(y_pred)[0], -1])
         return loss_fn(y_true, y_pred) + weight * tf.reduce_mean(tf.norm(per_image, axis=1))
+
     return loss
 
 
@@ -53,8 +61,15 @@ def trainer_state(trainer) -> list[np.ndarray]:
 def test_gradient_accumulation_equals_one_bigger_batch(converted_dataset, tmp_path):
     """2 micro-batches of 2, accumulated, take the same optimizer step as one batch of 4."""
     big = Trainer(tiny_config(converted_dataset, tmp_path / "a", *PLAIN_SGD, "pipeline.num_images_per_batch=4"))
-    accumulated = Trainer(tiny_config(converted_dataset, tmp_path / "b", *PLAIN_SGD,
-                                      "pipeline.num_images_per_batch=2", "training.accumulation_steps=2"))
+    accumulated = Trainer(
+        tiny_config(
+            converted_dataset,
+            tmp_path / "b",
+            *PLAIN_SGD,
+            "pipeline.num_images_per_batch=2",
+            "training.accumulation_steps=2",
+        )
+    )
     accumulated.model.set_weights(big.model.get_weights())
     start = [w.copy() for w in big.model.get_weights()]
     batch = fixed_batch(big.config, 4)
@@ -110,8 +125,12 @@ def test_mirrored_strategy_step_matches_single_device(converted_dataset, tmp_pat
     two-epoch fit, then a resumed fit to epoch 3, run under the same strategy."""
     script = tmp_path / "mirrored.py"
     script.write_text(MIRRORED_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), str(converted_dataset), str(tmp_path), str(TESTS)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(script), str(converted_dataset), str(tmp_path), str(TESTS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["replicas"] == 2 and out["shapes"] == [[2, 16, 16, 16, 2], [2, 16, 16, 16, 2]]
@@ -254,8 +273,12 @@ def replica_results(converted_dataset, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("replicas")
     script = out / "replicas.py"
     script.write_text(REPLICAS_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), str(converted_dataset), str(out), str(TESTS)],
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, str(script), str(converted_dataset), str(out), str(TESTS)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -326,7 +349,9 @@ def test_fit_writes_history_checkpoints_and_reports(converted_dataset, tmp_path)
         assert r["data_wait_seconds"] + r["compute_seconds"] <= r["epoch_seconds"]
         assert "val_mean_hd95" in r
     header = (run / "history.csv").read_text().splitlines()[0].split(",")
-    assert {"epoch", "train_loss", "val_mean_dice", "val_dice/organ", "epoch_seconds", "data_wait_seconds"} <= set(header)
+    assert {"epoch", "train_loss", "val_mean_dice", "val_dice/organ", "epoch_seconds", "data_wait_seconds"} <= set(
+        header
+    )
     assert (run / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run / "best.weights.h5").is_file() and (run / "config.yaml").is_file()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -337,8 +362,15 @@ def test_fit_writes_history_checkpoints_and_reports(converted_dataset, tmp_path)
 
 
 def test_nan_loss_stops_with_a_clear_message(converted_dataset, tmp_path):
-    config = tiny_config(converted_dataset, tmp_path / "nan", "optimizer.name=sgd", "optimizer.learning_rate=1e30",
-                         "optimizer.schedule=constant", "training.epochs=3", "training.steps_per_epoch=4")
+    config = tiny_config(
+        converted_dataset,
+        tmp_path / "nan",
+        "optimizer.name=sgd",
+        "optimizer.learning_rate=1e30",
+        "optimizer.schedule=constant",
+        "training.epochs=3",
+        "training.steps_per_epoch=4",
+    )
     with pytest.raises(TrainingDiverged, match=r"the training loss became nan at epoch 1, step \d"):
         Trainer(config).fit()
     assert not (tmp_path / "nan" / "history.jsonl").exists()
@@ -349,8 +381,16 @@ def test_non_finite_gradient_with_finite_loss_skips_the_step(converted_dataset, 
     """A finite loss whose gradient is NaN (a norm at zero) through the real step: the step is skipped and
     every weight, BatchNorm moving statistic and AdamW state (moments, iteration count) is left exactly as
     it was; the next, healthy batch trains normally."""
-    trainer = Trainer(tiny_config(converted_dataset, tmp_path / "run", f"training.precision={precision}",
-                                  "model.norm=batch", "optimizer.name=adamw", "optimizer.weight_decay=1e-2"))
+    trainer = Trainer(
+        tiny_config(
+            converted_dataset,
+            tmp_path / "run",
+            f"training.precision={precision}",
+            "model.norm=batch",
+            "optimizer.name=adamw",
+            "optimizer.weight_decay=1e-2",
+        )
+    )
     trainer.loss_fn = with_foreground_norm_term(trainer.loss_fn)
     images, labels = fixed_batch(trainer.config, 2)
     assert all(np.any(labels[i] > 0) for i in range(2))  # healthy batch: foreground in every image
@@ -366,16 +406,19 @@ def test_non_finite_gradient_with_finite_loss_skips_the_step(converted_dataset, 
     assert max(float(np.abs(a - b).max()) for a, b in zip(after, before) if a.dtype.kind == "f") > 1e-4
 
 
-@pytest.mark.parametrize("steps, message", [(2, r"all 2 steps of epoch 1 were skipped"),
-                                            (25, r"20 consecutive steps were skipped \(epoch 1, steps 1-20\)")])
+@pytest.mark.parametrize(
+    "steps, message",
+    [(2, r"all 2 steps of epoch 1 were skipped"), (25, r"20 consecutive steps were skipped \(epoch 1, steps 1-20\)")],
+)
 def test_fit_stops_when_steps_keep_being_skipped(converted_dataset, tmp_path, steps, message):
     """Every gradient non-finite (the norm term over an empty region): fit stops with an error naming the
     epoch, after a whole epoch or 20 consecutive skipped steps, and writes no checkpoint, best weights or history."""
     config = tiny_config(converted_dataset, tmp_path / "run", f"training.steps_per_epoch={steps}")
     trainer = Trainer(config)
     base = trainer.loss_fn
-    trainer.loss_fn = lambda y, p: with_foreground_norm_term(base)(tf.zeros_like(y), p) + base(y, p) - base(
-        tf.zeros_like(y), p)
+    trainer.loss_fn = lambda y, p: (
+        with_foreground_norm_term(base)(tf.zeros_like(y), p) + base(y, p) - base(tf.zeros_like(y), p)
+    )
     with pytest.raises(TrainingDiverged, match=message):
         trainer.fit()
     run = tmp_path / "run"
@@ -408,8 +451,14 @@ def test_skipped_steps_are_counted_in_the_history_and_epoch_line(converted_datas
 def test_non_finite_weights_are_never_saved(converted_dataset, tmp_path):
     """A finite loss and finite gradients, but a learning rate that overflows float32: the weights become
     non-finite after the epoch's last step. fit stops naming the epoch; no checkpoint or best weights hold them."""
-    config = tiny_config(converted_dataset, tmp_path / "run", *PLAIN_SGD, "optimizer.learning_rate=1e39",
-                         "training.epochs=1", "training.steps_per_epoch=1")
+    config = tiny_config(
+        converted_dataset,
+        tmp_path / "run",
+        *PLAIN_SGD,
+        "optimizer.learning_rate=1e39",
+        "training.epochs=1",
+        "training.steps_per_epoch=1",
+    )
     with pytest.raises(TrainingDiverged, match=r"non-finite .* after epoch 1"):
         Trainer(config).fit()
     run = tmp_path / "run"
@@ -423,13 +472,21 @@ def test_batchnorm_moving_statistics_update_once_per_micro_batch(converted_datas
     Reference, written out: m ← 0.9 m + 0.1 μ₁, then m ← 0.9 m + 0.1 μ₂ (the same for the variance), with
     μₖ the per-channel statistics of the first encoder convolution's output on micro-batch k.
     """
-    trainer = Trainer(tiny_config(converted_dataset, tmp_path / "run", *PLAIN_SGD, "model.norm=batch",
-                                  "pipeline.num_images_per_batch=4", "training.accumulation_steps=2"))
+    trainer = Trainer(
+        tiny_config(
+            converted_dataset,
+            tmp_path / "run",
+            *PLAIN_SGD,
+            "model.norm=batch",
+            "pipeline.num_images_per_batch=4",
+            "training.accumulation_steps=2",
+        )
+    )
     layer = trainer.model.get_layer("encoder0")
     images, labels = fixed_batch(trainer.config, 4)
     mean, var = layer.normalization.moving_mean.numpy(), layer.normalization.moving_variance.numpy()
     for k in range(2):  # the convolution's output with the weights of this step (unchanged between micro-batches)
-        features = layer.conv(images[2 * k:2 * k + 2]).numpy().astype(np.float64)
+        features = layer.conv(images[2 * k : 2 * k + 2]).numpy().astype(np.float64)
         mean = 0.9 * mean + 0.1 * features.mean(axis=(0, 1, 2, 3))
         var = 0.9 * var + 0.1 * features.var(axis=(0, 1, 2, 3))
     run_step(trainer, (images, labels))
@@ -439,8 +496,13 @@ def test_batchnorm_moving_statistics_update_once_per_micro_batch(converted_datas
 
 @pytest.mark.parametrize("precision, jit", [("mixed_float16", False), ("mixed_bfloat16", False), ("float32", True)])
 def test_precisions_and_xla_train(converted_dataset, tmp_path, precision, jit):
-    config = tiny_config(converted_dataset, tmp_path / "run", f"training.precision={precision}",
-                         f"training.jit_compile={str(jit).lower()}", "training.epochs=1")
+    config = tiny_config(
+        converted_dataset,
+        tmp_path / "run",
+        f"training.precision={precision}",
+        f"training.jit_compile={str(jit).lower()}",
+        "training.epochs=1",
+    )
     trainer = Trainer(config)
     assert trainer.model.outputs[0].dtype == "float32"  # logits stay float32 under any policy
     summary = trainer.fit()
@@ -466,8 +528,9 @@ def test_max_minutes_stops_after_the_epoch_that_crosses_it_and_counts_resumed_ti
     assert "val_mean_dice" in history[0] and history[0]["elapsed_seconds"] >= 0.06
     resumed = Trainer(tiny_config(converted_dataset, tmp_path / "run", *budget)).fit(resume=True)
     assert resumed["stop_reason"] == "max_minutes" and resumed["epochs"] == 2
-    free = Trainer(tiny_config(converted_dataset, tmp_path / "free", "training.epochs=5",
-                               "validation.val_interval=3")).fit()
+    free = Trainer(
+        tiny_config(converted_dataset, tmp_path / "free", "training.epochs=5", "validation.val_interval=3")
+    ).fit()
     assert free["stop_reason"] == "epochs" and free["epochs"] == 5
 
 
@@ -488,13 +551,17 @@ def test_train_dataset_fn_replaces_the_training_input(converted_dataset, tmp_pat
         calls.append(seed_offset)
         return build_train_dataset(config, input_context, seed_offset).map(lambda x, y: (x, tf.zeros_like(y)))
 
-    config = tiny_config(converted_dataset, tmp_path / "run", "training.epochs=1", "loss.include_background=true",
-                         "loss.name=dice")
+    config = tiny_config(
+        converted_dataset, tmp_path / "run", "training.epochs=1", "loss.include_background=true", "loss.name=dice"
+    )
     Trainer(config, train_dataset_fn=background_only).fit()
     assert calls == [0]
     plain_loss = json.loads((tmp_path / "run" / "history.jsonl").read_text())["train_loss"]
-    standard = Trainer(tiny_config(converted_dataset, tmp_path / "std", "training.epochs=1",
-                                   "loss.include_background=true", "loss.name=dice")).fit()
+    standard = Trainer(
+        tiny_config(
+            converted_dataset, tmp_path / "std", "training.epochs=1", "loss.include_background=true", "loss.name=dice"
+        )
+    ).fit()
     standard_loss = json.loads((tmp_path / "std" / "history.jsonl").read_text())["train_loss"]
     assert standard["epochs"] == 1 and plain_loss != pytest.approx(standard_loss, rel=1e-3)
 
@@ -532,11 +599,26 @@ def test_callbacks_see_every_event_in_order_and_only_committed_epochs(converted_
 
     config = tiny_config(converted_dataset, tmp_path / "run", "validation.val_interval=2", "training.epochs=2")
     Trainer(config, callbacks=[Recorder()]).fit()
-    steps = lambda e: [("step_begin", e, 0), ("step_end", e, 0, True, True),  # noqa: E731
-                       ("step_begin", e, 1), ("step_end", e, 1, True, True)]
-    assert events == [("train_begin", 1), ("epoch_begin", 1), *steps(1), ("epoch_end", 1, True, True),
-                      ("epoch_begin", 2), *steps(2), ("validation_end", 2, True), ("epoch_end", 2, True, True),
-                      ("train_end", 2)]
+
+    def steps(e):
+        return [
+            ("step_begin", e, 0),
+            ("step_end", e, 0, True, True),
+            ("step_begin", e, 1),
+            ("step_end", e, 1, True, True),
+        ]
+
+    assert events == [
+        ("train_begin", 1),
+        ("epoch_begin", 1),
+        *steps(1),
+        ("epoch_end", 1, True, True),
+        ("epoch_begin", 2),
+        *steps(2),
+        ("validation_end", 2, True),
+        ("epoch_end", 2, True, True),
+        ("train_end", 2),
+    ]
 
 
 def test_progress_to_a_log_file_is_plain_lines_without_bar_frames(converted_dataset, tmp_path):
@@ -544,17 +626,28 @@ def test_progress_to_a_log_file_is_plain_lines_without_bar_frames(converted_data
     no carriage-return bar frames: a plain line per step (output.progress_seconds=0) and one line per epoch."""
     from tfmis.config import save_config
 
-    config = tiny_config(converted_dataset, tmp_path / "run", "output.progress=true", "output.progress_seconds=0",
-                         "training.steps_per_epoch=3")
+    config = tiny_config(
+        converted_dataset,
+        tmp_path / "run",
+        "output.progress=true",
+        "output.progress_seconds=0",
+        "training.steps_per_epoch=3",
+    )
     save_config(config, tmp_path / "tiny.yaml")
     with open(tmp_path / "train.log", "w") as log:
-        result = subprocess.run([sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / "tiny.yaml")],
-                                stdout=subprocess.DEVNULL, stderr=log, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / "tiny.yaml")],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            timeout=300,
+        )
     text = (tmp_path / "train.log").read_text()
     assert result.returncode == 0, text[-3000:]
     assert "\r" not in text
-    assert [line.split("  ")[1] for line in text.splitlines() if line.startswith("epoch 1/2  step")] == \
-        ["step 1/3", "step 2/3"]  # the last step's line is the epoch line
+    assert [line.split("  ")[1] for line in text.splitlines() if line.startswith("epoch 1/2  step")] == [
+        "step 1/3",
+        "step 2/3",
+    ]  # the last step's line is the epoch line
     assert len([line for line in text.splitlines() if line.startswith("epoch ") and "img/s" in line]) == 2
 
 
@@ -589,8 +682,10 @@ def test_curves_png_is_redrawn_at_most_every_plot_seconds_and_always_at_the_end(
         run = tmp_path / f"every{seconds}"
         png = run / "training_curves.png"
         watcher = PngAfterEpoch(png)
-        Trainer(tiny_config(converted_dataset, run, "training.epochs=3", f"output.plot_seconds={seconds}"),
-                callbacks=[watcher]).fit()
+        Trainer(
+            tiny_config(converted_dataset, run, "training.epochs=3", f"output.plot_seconds={seconds}"),
+            callbacks=[watcher],
+        ).fit()
         first, second, third = watcher.seen
         assert first is not None and first[:8] == b"\x89PNG\r\n\x1a\n"
         if seconds:
@@ -605,8 +700,9 @@ def test_profile_section_writes_a_profiler_trace_of_the_chosen_steps(converted_d
     """profile.start_step=2, num_steps=2 writes one TensorFlow profiler trace (an .xplane.pb under
     tensorboard/plugins/profile/<run>/, the files TensorBoard's Profile tab reads) holding the loop's
     train_step and data_wait ranges and the step's ops under the forward/ and optimizer_step/ name scopes."""
-    config = tiny_config(converted_dataset, tmp_path / "run", "profile.start_step=2", "profile.num_steps=2",
-                         "training.epochs=2")
+    config = tiny_config(
+        converted_dataset, tmp_path / "run", "profile.start_step=2", "profile.num_steps=2", "training.epochs=2"
+    )
     Trainer(config).fit()
     traces = list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1
@@ -622,13 +718,15 @@ def large_volume_dataset(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("large")
     source = make_msd_dataset(root / "Task98_Large", num_cases=6, shape=(128, 128, 128))
-    convert(ConversionConfig(str(source), str(root / "tfrecords"), split=(0.67, 0.33), shards=2, workers=1,
-                             progress=False))
+    convert(
+        ConversionConfig(str(source), str(root / "tfrecords"), split=(0.67, 0.33), shards=2, workers=1, progress=False)
+    )
     return root / "tfrecords"
 
 
 def test_input_bound_report_warns_for_uncached_reads_and_stays_silent_for_the_cached_pipeline(
-        large_volume_dataset, tmp_path, capsys):
+    large_volume_dataset, tmp_path, capsys
+):
     """At the default 10 % threshold, the same small step fed with 8 16^3 crops of 8 different 128^3 volumes:
     with pipeline.cache=none (every volume read and decoded again) the run gets one input-bound line naming
     pipeline.cache and its fix, and summary.json's `input_bound` holds that diagnosis with the measured wait
@@ -638,9 +736,15 @@ def test_input_bound_report_warns_for_uncached_reads_and_stays_silent_for_the_ca
 
     # 16^3 crops and 8 steps per epoch: a CI run once measured under 10 % with 24^3 crops and 4 steps (here 31-37 %),
     # most likely the prefetch buffer filling during epoch-end work and covering a 4-step epoch; now 73-78 % vs 3-5 %
-    settings = ["training.epochs=3", "training.steps_per_epoch=8", "pipeline.patch_size=[16,16,16]",
-                "pipeline.num_images_per_batch=8", "pipeline.num_crops_per_image=1", "validation.val_interval=10",
-                "validation.roi_size=[64,64,64]"]
+    settings = [
+        "training.epochs=3",
+        "training.steps_per_epoch=8",
+        "pipeline.patch_size=[16,16,16]",
+        "pipeline.num_images_per_batch=8",
+        "pipeline.num_crops_per_image=1",
+        "validation.val_interval=10",
+        "validation.roi_size=[64,64,64]",
+    ]
     slow = tiny_config(large_volume_dataset, tmp_path / "slow", *settings, "pipeline.cache=none")
     summary = Trainer(slow).fit()
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("input-bound:")]
@@ -662,6 +766,7 @@ def test_input_bound_report_warns_for_uncached_reads_and_stays_silent_for_the_ca
 
 
 # ---------------------------------------------------------------- training.steps_per_loop
+
 
 def fit_recording_steps(config, initial_weights=None, **trainer_kwargs):
     """Fits `config` (starting from `initial_weights` if given); returns (trainer, the step events in the order the
@@ -691,12 +796,19 @@ def test_steps_per_loop_trains_the_same_steps_as_one_step_per_loop(converted_dat
     from the same initial weights on the same deterministic stream (also with 2 accumulated micro-batches). The
     loop function is traced once per loop length; the callbacks get on_step_begin for every step of a loop before
     it and on_step_end for each after it, in step order; the history still reports the input wait."""
-    common = [*PLAIN_SGD, "optimizer.learning_rate=0.05", "training.steps_per_epoch=4", "training.epochs=2",
-              "validation.val_interval=2", f"training.accumulation_steps={accumulation}"]
+    common = [
+        *PLAIN_SGD,
+        "optimizer.learning_rate=0.05",
+        "training.steps_per_epoch=4",
+        "training.epochs=2",
+        "validation.val_interval=2",
+        f"training.accumulation_steps={accumulation}",
+    ]
     start = Trainer(tiny_config(converted_dataset, tmp_path / "init", *common)).model.get_weights()
     one, one_events = fit_recording_steps(tiny_config(converted_dataset, tmp_path / "k1", *common), start)
-    three, three_events = fit_recording_steps(tiny_config(converted_dataset, tmp_path / "k3", *common,
-                                                          "training.steps_per_loop=3"), start)
+    three, three_events = fit_recording_steps(
+        tiny_config(converted_dataset, tmp_path / "k3", *common, "training.steps_per_loop=3"), start
+    )
     losses = lambda events: [e[3] for e in events if e[0] == "end"]  # noqa: E731
     assert len(losses(three_events)) == 8
     np.testing.assert_allclose(losses(three_events), losses(one_events), rtol=1e-5)
@@ -707,17 +819,24 @@ def test_steps_per_loop_trains_the_same_steps_as_one_step_per_loop(converted_dat
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert int(three.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy()) == 8
     assert three._train_loop.experimental_get_tracing_count() == 2  # one per loop length: 3 and the remainder 1
+
     def per_epoch(e):  # a loop of 3 steps, then the remainder loop of 1
-        return [*[("begin", e, s) for s in range(3)], *[("end", e, s, 3) for s in range(3)],
-                ("begin", e, 3), ("end", e, 3, 1)]
+        return [
+            *[("begin", e, s) for s in range(3)],
+            *[("end", e, s, 3) for s in range(3)],
+            ("begin", e, 3),
+            ("end", e, 3, 1),
+        ]
 
     assert [ev if ev[0] == "begin" else (*ev[:3], ev[4]) for ev in three_events] == per_epoch(1) + per_epoch(2)
-    assert [(*ev[:3], ev[4]) for ev in one_events if ev[0] == "end"] == [("end", e, s, 1) for e in (1, 2)
-                                                                         for s in range(4)]
+    assert [(*ev[:3], ev[4]) for ev in one_events if ev[0] == "end"] == [
+        ("end", e, s, 1) for e in (1, 2) for s in range(4)
+    ]
     history = [json.loads(line) for line in (tmp_path / "k3" / "history.jsonl").read_text().splitlines()]
     assert [r["train_loss"] for r in history] == pytest.approx(
         [json.loads(line)["train_loss"] for line in (tmp_path / "k1" / "history.jsonl").read_text().splitlines()],
-        rel=1e-5)
+        rel=1e-5,
+    )
     for r in history:
         assert 0 <= r["data_wait_fraction"] <= 1 and r["compute_seconds"] > 0 and r["images_per_second"] > 0
         assert r["data_wait_seconds"] + r["compute_seconds"] <= r["epoch_seconds"]
@@ -727,8 +846,13 @@ def test_steps_per_loop_trains_the_same_steps_as_one_step_per_loop(converted_dat
 def test_nan_loss_inside_a_loop_stops_at_the_same_step_as_one_step_per_loop(converted_dataset, tmp_path):
     """A learning rate of 1e30 makes the loss NaN within the first epoch: with training.steps_per_loop=3 fit stops
     with the same message, naming the same epoch and step, as with one step per loop; nothing is committed."""
-    common = ["optimizer.name=sgd", "optimizer.learning_rate=1e30", "optimizer.schedule=constant",
-              "training.epochs=3", "training.steps_per_epoch=4"]
+    common = [
+        "optimizer.name=sgd",
+        "optimizer.learning_rate=1e30",
+        "optimizer.schedule=constant",
+        "training.epochs=3",
+        "training.steps_per_epoch=4",
+    ]
     messages = []
     for k in (1, 3):
         config = tiny_config(converted_dataset, tmp_path / f"k{k}", *common, f"training.steps_per_loop={k}")
@@ -739,19 +863,25 @@ def test_nan_loss_inside_a_loop_stops_at_the_same_step_as_one_step_per_loop(conv
     assert messages[0] == messages[1]
 
 
-@pytest.mark.parametrize("steps, loop, message", [
-    (2, 3, r"all 2 steps of epoch 1 were skipped"),
-    (25, 6, r"20 consecutive steps were skipped \(epoch 1, steps 1-20\)")])
+@pytest.mark.parametrize(
+    "steps, loop, message",
+    [
+        (2, 3, r"all 2 steps of epoch 1 were skipped"),
+        (25, 6, r"20 consecutive steps were skipped \(epoch 1, steps 1-20\)"),
+    ],
+)
 def test_skipped_steps_stop_fit_with_several_steps_per_loop(converted_dataset, tmp_path, steps, loop, message):
     """Every gradient non-finite, several steps per loop (a loop longer than the epoch is cut to the epoch; the
     20th consecutive skipped step lies inside a loop of 6): fit stops with the same message as one step per loop
     and commits nothing."""
-    config = tiny_config(converted_dataset, tmp_path / "run", f"training.steps_per_epoch={steps}",
-                         f"training.steps_per_loop={loop}")
+    config = tiny_config(
+        converted_dataset, tmp_path / "run", f"training.steps_per_epoch={steps}", f"training.steps_per_loop={loop}"
+    )
     trainer = Trainer(config)
     base = trainer.loss_fn
-    trainer.loss_fn = lambda y, p: with_foreground_norm_term(base)(tf.zeros_like(y), p) + base(y, p) - base(
-        tf.zeros_like(y), p)
+    trainer.loss_fn = lambda y, p: (
+        with_foreground_norm_term(base)(tf.zeros_like(y), p) + base(y, p) - base(tf.zeros_like(y), p)
+    )
     with pytest.raises(TrainingDiverged, match=message):
         trainer.fit()
     assert not list((tmp_path / "run" / "checkpoints").glob("ckpt-*"))
@@ -775,13 +905,20 @@ def test_slow_input_is_counted_as_input_wait_with_several_steps_per_loop(convert
         def sleep(images, labels):
             [images] = tf.py_function(lambda x: (time.sleep(INPUT_DELAY), x)[1], [images], [images.dtype])
             return tf.ensure_shape(images, labels.shape.as_list() + [None]), labels
+
         options = tf.data.Options()
         options.experimental_optimization.inject_prefetch = False  # no batch may be ready ahead of its step
         return build_train_dataset(config, input_context, seed_offset).map(sleep).with_options(options)
 
     stream = io.StringIO()
-    config = tiny_config(converted_dataset, tmp_path / "run", "training.steps_per_epoch=4", "training.epochs=2",
-                         "training.steps_per_loop=3", "validation.val_interval=2")
+    config = tiny_config(
+        converted_dataset,
+        tmp_path / "run",
+        "training.steps_per_epoch=4",
+        "training.epochs=2",
+        "training.steps_per_loop=3",
+        "validation.val_interval=2",
+    )
     Trainer(config, train_dataset_fn=late, callbacks=[Progress(0, stream=stream)]).fit()
     history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
     for r in history:
@@ -835,8 +972,12 @@ def test_steps_per_loop_under_mirrored_strategy_matches_one_step_per_loop(conver
     reported."""
     script = tmp_path / "loop_mirrored.py"
     script.write_text(LOOP_MIRRORED_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), str(converted_dataset), str(tmp_path), str(TESTS)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(script), str(converted_dataset), str(tmp_path), str(TESTS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["replicas"] == 2
@@ -850,11 +991,20 @@ def test_steps_per_loop_under_mirrored_strategy_matches_one_step_per_loop(conver
 def test_steps_per_loop_with_mixed_float16_loss_scaling_trains_as_one_step_per_loop(converted_dataset, tmp_path):
     """training.precision=mixed_float16 (LossScaleOptimizer) with training.steps_per_loop=3 over 4 steps: the same
     per-step losses, loss scale and weights as one step per loop from the same initial weights."""
-    common = [*PLAIN_SGD, "optimizer.learning_rate=0.05", "training.precision=mixed_float16",
-              "training.steps_per_epoch=4", "training.epochs=1"]
+    common = [
+        *PLAIN_SGD,
+        "optimizer.learning_rate=0.05",
+        "training.precision=mixed_float16",
+        "training.steps_per_epoch=4",
+        "training.epochs=1",
+    ]
     start = Trainer(tiny_config(converted_dataset, tmp_path / "init", *common)).model.get_weights()
-    runs = [fit_recording_steps(tiny_config(converted_dataset, tmp_path / f"k{k}", *common,
-                                            f"training.steps_per_loop={k}"), start) for k in (1, 3)]
+    runs = [
+        fit_recording_steps(
+            tiny_config(converted_dataset, tmp_path / f"k{k}", *common, f"training.steps_per_loop={k}"), start
+        )
+        for k in (1, 3)
+    ]
     (one, one_events), (three, three_events) = runs
     losses = [[e[3] for e in events if e[0] == "end"] for events in (one_events, three_events)]
     assert len(losses[1]) == 4 and all(np.isfinite(losses[1]))
@@ -870,8 +1020,14 @@ def test_profiler_trace_with_several_steps_per_loop(converted_dataset, tmp_path)
     """profile.start_step=2, num_steps=2 with training.steps_per_loop=2 (the trace covers the loops holding steps
     2 and 3): one profiler trace holding the host train_step range of the loops, the input fetch inside the loop
     under the data_wait/ name scope and the step's ops under train_step/forward/ and train_step/optimizer_step/."""
-    config = tiny_config(converted_dataset, tmp_path / "run", "profile.start_step=2", "profile.num_steps=2",
-                         "training.epochs=2", "training.steps_per_loop=2")
+    config = tiny_config(
+        converted_dataset,
+        tmp_path / "run",
+        "profile.start_step=2",
+        "profile.num_steps=2",
+        "training.epochs=2",
+        "training.steps_per_loop=2",
+    )
     Trainer(config).fit()
     traces = list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1
@@ -886,14 +1042,23 @@ def test_augmentation_placed_in_the_step_trains_as_in_the_pipeline(converted_dat
     compiled step) against placement=pipeline, same seed and initial weights, flips, quarter turns, intensity,
     rotation and scaling all on, 2 accumulated micro-batches: the same per-step losses and final weights over 2
     epochs of 2 steps (one or two steps per loop)."""
-    common = [*PLAIN_SGD, "optimizer.learning_rate=0.05", "training.accumulation_steps=2",
-              f"training.steps_per_loop={loop}", "validation.val_interval=2", "pipeline.augment.rotate_prob=0.5",
-              "pipeline.augment.scale_prob=0.5"]
+    common = [
+        *PLAIN_SGD,
+        "optimizer.learning_rate=0.05",
+        "training.accumulation_steps=2",
+        f"training.steps_per_loop={loop}",
+        "validation.val_interval=2",
+        "pipeline.augment.rotate_prob=0.5",
+        "pipeline.augment.scale_prob=0.5",
+    ]
     start = Trainer(tiny_config(converted_dataset, tmp_path / "init", *common)).model.get_weights()
     (piped, piped_events), (stepped, stepped_events) = (
-        fit_recording_steps(tiny_config(converted_dataset, tmp_path / placement, *common,
-                                        f"pipeline.augment.placement={placement}"), start)
-        for placement in ("pipeline", "step"))
+        fit_recording_steps(
+            tiny_config(converted_dataset, tmp_path / placement, *common, f"pipeline.augment.placement={placement}"),
+            start,
+        )
+        for placement in ("pipeline", "step")
+    )
     assert piped._step_augment is None and stepped._step_augment is not None
     losses = [[e[3] for e in events if e[0] == "end"] for events in (piped_events, stepped_events)]
     assert len(losses[1]) == 4 and len(set(losses[0])) == 4
@@ -913,15 +1078,42 @@ def test_steps_per_loop_on_two_worker_processes_trains_as_one_step_per_loop(conv
 
     records = {}
     for k in (1, 3):
-        config = tiny_config(converted_dataset, tmp_path / f"k{k}", *PLAIN_SGD, "optimizer.learning_rate=0.05",
-                             "training.steps_per_epoch=4", "training.epochs=2", "validation.val_interval=2",
-                             "runtime.distribution=multiworker", f"training.steps_per_loop={k}")
+        config = tiny_config(
+            converted_dataset,
+            tmp_path / f"k{k}",
+            *PLAIN_SGD,
+            "optimizer.learning_rate=0.05",
+            "training.steps_per_epoch=4",
+            "training.epochs=2",
+            "validation.val_interval=2",
+            "runtime.distribution=multiworker",
+            f"training.steps_per_loop={k}",
+        )
         save_config(config, tmp_path / f"k{k}.yaml")
-        env = {**{key: v for key, v in os.environ.items() if key != "TF_CONFIG"}, "TF_NUM_INTRAOP_THREADS": "1",
-               "TF_NUM_INTEROP_THREADS": "1"}
-        result = subprocess.run([sys.executable, "-m", "tfmis.launch", "--nproc", "2", "--", sys.executable, "-m",
-                                 "tfmis.train", "--config", str(tmp_path / f"k{k}.yaml")],
-                                capture_output=True, text=True, timeout=600, env=env)
+        env = {
+            **{key: v for key, v in os.environ.items() if key != "TF_CONFIG"},
+            "TF_NUM_INTRAOP_THREADS": "1",
+            "TF_NUM_INTEROP_THREADS": "1",
+        }
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tfmis.launch",
+                "--nproc",
+                "2",
+                "--",
+                sys.executable,
+                "-m",
+                "tfmis.train",
+                "--config",
+                str(tmp_path / f"k{k}.yaml"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
         assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
         records[k] = [json.loads(line) for line in (tmp_path / f"k{k}" / "history.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records[3]] == [1, 2]
@@ -932,6 +1124,7 @@ def test_steps_per_loop_on_two_worker_processes_trains_as_one_step_per_loop(conv
 
 
 # ---------------------------------------------------------------- model.deep_supervision
+
 
 def test_deep_supervision_trains_its_heads_and_saves_and_resumes_the_model(converted_dataset, tmp_path):
     """model.deep_supervision=2 on a U-Net whose first layer downsamples: a step's loss is the deep-supervision
@@ -950,11 +1143,15 @@ def test_deep_supervision_trains_its_heads_and_saves_and_resumes_the_model(conve
     assert len(trainer.training_model.outputs) == 3 and trainer.model is not trainer.training_model
     images, labels = batch = fixed_batch(config, 2)
     expected = DeepSupervisionLoss(build_loss("dice_ce", include_background=False), [(2, 2, 2), (4, 4, 4)])(
-        labels, trainer.training_model(images, training=True))
+        labels, trainer.training_model(images, training=True)
+    )
 
     def head_weights():
-        return [w.numpy().copy() for level in (0, 1)
-                for w in trainer.training_model.get_layer(f"deep_supervision{level}").weights]
+        return [
+            w.numpy().copy()
+            for level in (0, 1)
+            for w in trainer.training_model.get_layer(f"deep_supervision{level}").weights
+        ]
 
     before = head_weights()
     loss, skipped = run_step(trainer, batch)
@@ -962,8 +1159,9 @@ def test_deep_supervision_trains_its_heads_and_saves_and_resumes_the_model(conve
     assert all(np.abs(a - b).max() > 0 for a, b in zip(before, head_weights()))
 
     assert Trainer(config).fit()["epochs"] == 2
-    build = functools.partial(UNetConfig, trainer.in_channels, len(trainer.class_names),
-                              **dataclasses.asdict(config.model))
+    build = functools.partial(
+        UNetConfig, trainer.in_channels, len(trainer.class_names), **dataclasses.asdict(config.model)
+    )
     build().build().load_weights(str(tmp_path / "run" / "best.weights.h5"))
     from_checkpoint = build().build()
     load_weights(from_checkpoint, tmp_path / "run" / "checkpoints")

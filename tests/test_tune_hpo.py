@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from conftest import tiny_config
+
 from tfmis.config import ConfigError, load_config, save_config
 from tfmis.tune.hpo import NOT_REACHED_SECONDS, Objective, assign_devices, load_space, parse_space
 
@@ -41,8 +41,19 @@ def _search_files(converted_dataset, work: Path, space=GRID) -> tuple[Path, Path
 
 
 def _hpo_args(config_path, space_path, output, *extra) -> list[str]:
-    return [sys.executable, "-m", "tfmis.tune", "hpo", "--config", str(config_path), "--space", str(space_path),
-            "--output", str(output), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "tfmis.tune",
+        "hpo",
+        "--config",
+        str(config_path),
+        "--space",
+        str(space_path),
+        "--output",
+        str(output),
+        *extra,
+    ]
 
 
 def _run(args, timeout=420) -> subprocess.CompletedProcess:
@@ -63,6 +74,7 @@ def _key(hps: dict) -> tuple:
 
 # ---------------------------------------------------------------------------------------------- the space file
 
+
 def test_shipped_space_file_is_a_valid_grid_for_the_demo_config():
     """configs/hpo_space.yaml checks against configs/demo.yaml and is an 8-point grid over learning rate,
     normalization and loss, every point a valid config."""
@@ -75,22 +87,31 @@ def test_shipped_space_file_is_a_valid_grid_for_the_demo_config():
         load_config(REPO / "configs/demo.yaml", [f"{k}={json.dumps(v)}" for k, v in point.items()])
 
 
-@pytest.mark.parametrize("space, message", [
-    ({"optimizer.amsgrad": {"values": [True, False]}}, "unknown config key 'optimizer.amsgrad'"),
-    ({"optimzer.learning_rate": {"values": [0.1]}}, "did you mean 'optimizer'?"),
-    ({"model.norm": {"values": ["batch", "layer"]}}, "model.norm='layer' is not valid: model.norm: 'layer' is not one of"),
-    ({"optimizer.learning_rate": {"values": ["fast"]}}, "optimizer.learning_rate='fast' is not valid"),
-    ({"optimizer.learning_rate": {"min": 0.01, "max": 0.001}}, "optimizer.learning_rate: min (0.01) must be below max"),
-    ({"optimizer.learning_rate": {"min": 0, "max": 0.01, "sampling": "log"}}, "log sampling needs min > 0"),
-    ({"pipeline.num_images_per_batch": {"min": 1, "max": 4, "step": 0.5}}, "step must be a positive integer"),
-    ({"loss.name": {"min": 1, "max": 2}}, "loss.name=1 is not valid"),
-    ({"model": {"values": [1]}}, "model=1 is not valid"),
-    ({"optimizer": {"values": [{"name": "sgd"}]}}, "optimizer is a config section, not a value"),
-    ({"output.dir": {"values": ["a", "b"]}}, "output.dir is set by the search for each trial"),
-    ({"loss.name": {"values": []}}, "loss.name: values must be a non-empty list"),
-    ({"loss.name": {"choices": ["dice"]}}, "loss.name: unknown field(s) ['choices']"),
-    ({"validation.overlap": {"values": [0.5, 1.5]}}, "validation.overlap must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "space, message",
+    [
+        ({"optimizer.amsgrad": {"values": [True, False]}}, "unknown config key 'optimizer.amsgrad'"),
+        ({"optimzer.learning_rate": {"values": [0.1]}}, "did you mean 'optimizer'?"),
+        (
+            {"model.norm": {"values": ["batch", "layer"]}},
+            "model.norm='layer' is not valid: model.norm: 'layer' is not one of",
+        ),
+        ({"optimizer.learning_rate": {"values": ["fast"]}}, "optimizer.learning_rate='fast' is not valid"),
+        (
+            {"optimizer.learning_rate": {"min": 0.01, "max": 0.001}},
+            "optimizer.learning_rate: min (0.01) must be below max",
+        ),
+        ({"optimizer.learning_rate": {"min": 0, "max": 0.01, "sampling": "log"}}, "log sampling needs min > 0"),
+        ({"pipeline.num_images_per_batch": {"min": 1, "max": 4, "step": 0.5}}, "step must be a positive integer"),
+        ({"loss.name": {"min": 1, "max": 2}}, "loss.name=1 is not valid"),
+        ({"model": {"values": [1]}}, "model=1 is not valid"),
+        ({"optimizer": {"values": [{"name": "sgd"}]}}, "optimizer is a config section, not a value"),
+        ({"output.dir": {"values": ["a", "b"]}}, "output.dir is set by the search for each trial"),
+        ({"loss.name": {"values": []}}, "loss.name: values must be a non-empty list"),
+        ({"loss.name": {"choices": ["dice"]}}, "loss.name: unknown field(s) ['choices']"),
+        ({"validation.overlap": {"values": [0.5, 1.5]}}, "validation.overlap must be in [0, 1)"),
+    ],
+)
 def test_space_errors_name_the_key_before_anything_runs(space, message, tmp_path):
     """Every key must be a config value and every choice (and both ends of a range) valid for the config."""
     with pytest.raises(ConfigError) as e:
@@ -103,13 +124,26 @@ def test_space_ranges_lists_and_grid_order(tmp_path):
     text through Keras Tuner and come back as lists, the grid's first key varies slowest, and a
     continuous float range cannot be a grid."""
     config = tiny_config(tmp_path / "data", tmp_path / "run")
-    space = parse_space({"pipeline.patch_size": [[16, 16, 16], [32, 32, 32]],
-                         "pipeline.num_images_per_batch": {"min": 1, "max": 8, "step": 2, "sampling": "log"},
-                         "optimizer.learning_rate": ["1e-3"]}, config)  # as YAML reads 1e-3
+    space = parse_space(
+        {
+            "pipeline.patch_size": [[16, 16, 16], [32, 32, 32]],
+            "pipeline.num_images_per_batch": {"min": 1, "max": 8, "step": 2, "sampling": "log"},
+            "optimizer.learning_rate": ["1e-3"],
+        },
+        config,
+    )  # as YAML reads 1e-3
     assert space.params[1].grid_values() == [1, 2, 4, 8]
     grid = space.grid()
-    assert [(p["pipeline.patch_size"][0], p["pipeline.num_images_per_batch"]) for p in grid] == \
-        [(16, 1), (16, 2), (16, 4), (16, 8), (32, 1), (32, 2), (32, 4), (32, 8)]
+    assert [(p["pipeline.patch_size"][0], p["pipeline.num_images_per_batch"]) for p in grid] == [
+        (16, 1),
+        (16, 2),
+        (16, 4),
+        (16, 8),
+        (32, 1),
+        (32, 2),
+        (32, 4),
+        (32, 8),
+    ]
     assert grid[0]["optimizer.learning_rate"] == 0.001  # "1e-3" read as a float by the config's rules
     tuner_values = space.to_tuner(grid[-1])
     assert tuner_values["pipeline.patch_size"] == "[32, 32, 32]"
@@ -159,6 +193,7 @@ def test_device_plan_splits_cores_and_gpus_between_workers():
 
 # ---------------------------------------------------------------------------------------------- real searches
 
+
 @pytest.fixture(scope="module")
 def grid_search(converted_dataset, tmp_path_factory):
     """`python -m tfmis.tune hpo --workers 2 --num-trials 4` over the 4-point grid, run once for the tests below."""
@@ -170,8 +205,10 @@ def grid_search(converted_dataset, tmp_path_factory):
     elapsed = time.perf_counter() - start
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((output / "hpo_report.json").read_text())
-    print(f"\n4-trial grid on 2 workers: {elapsed:.1f} s; trial seconds "
-          f"{[round(t['seconds'], 1) for t in report['trials']]}")
+    print(
+        f"\n4-trial grid on 2 workers: {elapsed:.1f} s; trial seconds "
+        f"{[round(t['seconds'], 1) for t in report['trials']]}"
+    )
     return SimpleNamespace(done=done, output=output, report=report, elapsed=elapsed)
 
 
@@ -204,8 +241,11 @@ def test_two_workers_train_at_the_same_time_each_pinned_to_its_own_cores(grid_se
     CPU affinity (read from /proc when it started) was its worker's share: disjoint cores."""
     trials = grid_search.report["trials"]
     assert {t["tuner_id"] for t in trials} == {"tuner0", "tuner1"}
-    overlapping = [(a["trial_id"], b["trial_id"]) for a, b in itertools.combinations(trials, 2)
-                   if a["tuner_id"] != b["tuner_id"] and a["start"] < b["end"] and b["start"] < a["end"]]
+    overlapping = [
+        (a["trial_id"], b["trial_id"])
+        for a, b in itertools.combinations(trials, 2)
+        if a["tuner_id"] != b["tuner_id"] and a["start"] < b["end"] and b["start"] < a["end"]
+    ]
     assert overlapping, [(t["trial_id"], t["tuner_id"], t["start"], t["end"]) for t in trials]
     assert grid_search.report["peak_concurrency"] == 2
     cores = sorted(os.sched_getaffinity(0))
@@ -247,8 +287,9 @@ def test_rerunning_a_finished_search_trains_nothing_again(grid_search):
     state = json.loads((output / "oracle" / "oracle.json").read_text())
     assert state["ongoing_trials"] == {} and state["retry_queue"] == []
     starts = len([e for e in _events(output) if e["event"] == "start"])
-    args = _hpo_args(output.parent / "tiny.yaml", output.parent / "space.yaml", output, "--workers", "2",
-                     "--num-trials", "4")
+    args = _hpo_args(
+        output.parent / "tiny.yaml", output.parent / "space.yaml", output, "--workers", "2", "--num-trials", "4"
+    )
     done = _run(args, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "All trials have finished: writing the report again" in done.stderr
@@ -261,8 +302,9 @@ def test_rerunning_a_finished_search_trains_nothing_again(grid_search):
 def test_failed_training_is_a_failed_trial_with_its_error_and_the_search_goes_on(converted_dataset, tmp_path):
     """A grid point that passes the config checks but makes tfmis.train exit 1 (a patch size the strides
     cannot divide) is a failed trial with tfmis.train's last stderr line; the other point trains; exit 0."""
-    config_path, space_path = _search_files(converted_dataset, tmp_path,
-                                            {"pipeline.patch_size": {"values": [[15, 15, 15], [16, 16, 16]]}})
+    config_path, space_path = _search_files(
+        converted_dataset, tmp_path, {"pipeline.patch_size": {"values": [[15, 15, 15], [16, 16, 16]]}}
+    )
     output = tmp_path / "search"
     done = _run(_hpo_args(config_path, space_path, output, "--workers", "2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -295,8 +337,9 @@ def test_killed_search_resumes_without_rerunning_finished_trials(converted_datas
                 events = _events(output)
             except (OSError, ValueError, KeyError):
                 continue
-            training = {e["trial_id"] for e in events if e["event"] == "start"} - \
-                {e["trial_id"] for e in events if e["event"] == "end"}
+            training = {e["trial_id"] for e in events if e["event"] == "start"} - {
+                e["trial_id"] for e in events if e["event"] == "end"
+            }
             if ended and training:
                 break
         os.killpg(first.pid, signal.SIGKILL)
@@ -341,9 +384,9 @@ def _cmdline(proc: Path) -> str:
 def test_unknown_space_key_fails_the_command_before_anything_starts(converted_dataset, tmp_path):
     """A space key that is not a config key: exit 2, the message names the key and the file, and no search
     folder, process or trial is created; --resume without a search is an error too."""
-    config_path, space_path = _search_files(converted_dataset, tmp_path,
-                                            {"optimizer.learning_rate": [0.001, 0.003],
-                                             "optimizer.amsgrad": [True, False]})
+    config_path, space_path = _search_files(
+        converted_dataset, tmp_path, {"optimizer.learning_rate": [0.001, 0.003], "optimizer.amsgrad": [True, False]}
+    )
     output = tmp_path / "search"
     done = _run(_hpo_args(config_path, space_path, output, "--workers", "2"), timeout=120)
     assert done.returncode == 2

@@ -22,8 +22,9 @@ def _space(values=(1, 2, 3, 4)):
 
 
 def _search(tmp_path, oracle, evaluate, project="project", overwrite=True):
-    tuner = kt.make_tuner(evaluate, "seconds", oracle=oracle, directory=str(tmp_path), project_name=project,
-                          overwrite=overwrite)
+    tuner = kt.make_tuner(
+        evaluate, "seconds", oracle=oracle, directory=str(tmp_path), project_name=project, overwrite=overwrite
+    )
     kt.run_search(tuner)
     return tuner
 
@@ -34,8 +35,9 @@ def test_private_names_the_adapter_uses_exist_in_this_keras_tuner():
     from keras_tuner.src import config as kt_config
 
     assert isinstance(kt_config.DEBUG, bool)
-    oracle = keras_tuner.oracles.RandomSearchOracle(objective=keras_tuner.Objective("seconds", "min"),
-                                                    hyperparameters=_space(), max_trials=2)
+    oracle = keras_tuner.oracles.RandomSearchOracle(
+        objective=keras_tuner.Objective("seconds", "min"), hyperparameters=_space(), max_trials=2
+    )
     for name in ("_duplicate", "_random_values", "_get_oracle_fname", "_get_trial_dir", "_save_trial"):
         assert callable(getattr(oracle, name, None)), name
     assert oracle._retry_queue == []
@@ -48,10 +50,21 @@ def test_a_failed_trial_is_failed_with_its_reason_and_no_traceback_and_debug_is_
     from keras_tuner.src import config as kt_config
 
     before = kt_config.DEBUG
-    oracle = kt.make_oracle("grid", objective="seconds", direction="min", hyperparameters=_space(), seed=1,
-                            grid=[{"batch": b} for b in (1, 2, 3, 4)])
-    tuner = _search(tmp_path, oracle, lambda trial_id, v: (None, f"batch {v['batch']} ran out of memory")
-                    if v["batch"] > 2 else (float(v["batch"]), None))
+    oracle = kt.make_oracle(
+        "grid",
+        objective="seconds",
+        direction="min",
+        hyperparameters=_space(),
+        seed=1,
+        grid=[{"batch": b} for b in (1, 2, 3, 4)],
+    )
+    tuner = _search(
+        tmp_path,
+        oracle,
+        lambda trial_id, v: (
+            (None, f"batch {v['batch']} ran out of memory") if v["batch"] > 2 else (float(v["batch"]), None)
+        ),
+    )
     output = capsys.readouterr()
     assert "Traceback" not in output.out + output.err
     assert kt_config.DEBUG == before
@@ -71,8 +84,15 @@ def test_bayesian_proposals_never_repeat_a_point_and_the_search_stops_when_the_s
         seen.append(values["batch"])
         return 1.0, None
 
-    oracle = kt.make_oracle("bayesian", objective="seconds", direction="min", hyperparameters=_space(), seed=3,
-                            max_trials=50, num_initial_points=1)
+    oracle = kt.make_oracle(
+        "bayesian",
+        objective="seconds",
+        direction="min",
+        hyperparameters=_space(),
+        seed=3,
+        max_trials=50,
+        num_initial_points=1,
+    )
     _search(tmp_path, oracle, evaluate)
     assert sorted(seen) == [1, 2, 3, 4]
 
@@ -80,8 +100,15 @@ def test_bayesian_proposals_never_repeat_a_point_and_the_search_stops_when_the_s
 def test_stop_when_ends_the_search_before_the_next_proposal(tmp_path):
     """The caller's stop condition (the GPU-fit search's "measured enough") is asked before each proposal."""
     seen = []
-    oracle = kt.make_oracle("random", objective="seconds", direction="min", hyperparameters=_space(), seed=1,
-                            max_trials=50, stop_when=lambda: len(seen) >= 2)
+    oracle = kt.make_oracle(
+        "random",
+        objective="seconds",
+        direction="min",
+        hyperparameters=_space(),
+        seed=1,
+        max_trials=50,
+        stop_when=lambda: len(seen) >= 2,
+    )
     _search(tmp_path, oracle, lambda trial_id, v: (seen.append(v["batch"]) or 1.0, None))
     assert len(seen) == 2
 
@@ -90,8 +117,7 @@ def test_list_grid_hands_out_each_point_once_in_order(tmp_path):
     """The list grid walks its points in the given order, skipping none and repeating none."""
     seen = []
     grid = [{"batch": b} for b in (4, 1, 3, 2)]
-    oracle = kt.make_oracle("grid", objective="seconds", direction="min", hyperparameters=_space(), seed=1,
-                            grid=grid)
+    oracle = kt.make_oracle("grid", objective="seconds", direction="min", hyperparameters=_space(), seed=1, grid=grid)
     _search(tmp_path, oracle, lambda trial_id, v: (seen.append(v["batch"]) or 1.0, None))
     assert seen == [4, 1, 3, 2]
 
@@ -102,8 +128,9 @@ def test_state_files_are_complete_json_and_a_reload_never_reruns_an_ended_trial(
     an oracle file that still lists an ended trial as ongoing (a kill mid-save) does not send it back to
     the retry queue on reload (`_retry_queue`)."""
     grid = [{"batch": b} for b in (1, 2, 3, 4)]
-    oracle = kt.make_oracle("grid", objective="seconds", direction="min", hyperparameters=_space(), seed=1,
-                            max_trials=2, grid=grid)
+    oracle = kt.make_oracle(
+        "grid", objective="seconds", direction="min", hyperparameters=_space(), seed=1, max_trials=2, grid=grid
+    )
     _search(tmp_path, oracle, lambda trial_id, v: (float(v["batch"]), None))
     project = tmp_path / "project"
     assert kt.saved_oracle_state(project) == {"ongoing": [], "retry": []}
@@ -115,10 +142,17 @@ def test_state_files_are_complete_json_and_a_reload_never_reruns_an_ended_trial(
     (project / kt.ORACLE_FILE).write_text(json.dumps(state))
     kt.allow_reload(project)
     assert (project / kt.CHIEF_FILE).is_file()
-    reloaded = kt.make_oracle("grid", objective="seconds", direction="min", hyperparameters=_space(), seed=1,
-                              max_trials=4, grid=grid)
-    tuner = kt.make_tuner(lambda trial_id, v: (float(v["batch"]), None), "seconds", oracle=reloaded,
-                          directory=str(tmp_path), project_name="project", overwrite=False)
+    reloaded = kt.make_oracle(
+        "grid", objective="seconds", direction="min", hyperparameters=_space(), seed=1, max_trials=4, grid=grid
+    )
+    tuner = kt.make_tuner(
+        lambda trial_id, v: (float(v["batch"]), None),
+        "seconds",
+        oracle=reloaded,
+        directory=str(tmp_path),
+        project_name="project",
+        overwrite=False,
+    )
     assert kt.retry_queue(tuner) == []
     kt.run_search(tuner)
     statuses = kt.saved_trials(project)

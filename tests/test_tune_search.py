@@ -11,17 +11,26 @@ from tfmis.config import ConfigError
 from tfmis.tune.fit.search import MemoryModel, choose, fit_line
 from tfmis.tune.fit.specs import FitSpecs, load_specs
 
-
 # ---------------------------------------------------------------------------------------------- specs
+
 
 def test_specs_read_auto3dseg_shape_with_model_section_overriding_universal(tmp_path):
     """A MONAI Auto3DSeg specs file works as is: `universal` keys, the `unet` section overrides them,
     other algorithms' sections are ignored with a note; JSON is read as well as YAML."""
     path = tmp_path / "specs.json"
-    path.write_text(json.dumps({
-        "universal": {"num_trials": 12, "range_num_images_per_batch": [1, 20], "range_num_sw_batch_size": [2, 40]},
-        "unet": {"num_trials": 6, "search_recompute": True},
-        "segresnet": {"num_trials": 99}}))
+    path.write_text(
+        json.dumps(
+            {
+                "universal": {
+                    "num_trials": 12,
+                    "range_num_images_per_batch": [1, 20],
+                    "range_num_sw_batch_size": [2, 40],
+                },
+                "unet": {"num_trials": 6, "search_recompute": True},
+                "segresnet": {"num_trials": 99},
+            }
+        )
+    )
     specs = load_specs(path)
     assert specs.num_trials == 6 and specs.search_recompute
     assert specs.range_num_images_per_batch == (1, 20) and specs.range_num_sw_batch_size == (2, 40)
@@ -29,14 +38,17 @@ def test_specs_read_auto3dseg_shape_with_model_section_overriding_universal(tmp_
     assert load_specs(None) == FitSpecs()
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"universl": {}}, "unknown section 'universl'; did you mean 'universal'?"),
-    ({"universal": {"num_trial": 3}}, "unknown config key 'specs.num_trial'; did you mean 'specs.num_trials'?"),
-    ({"universal": {"range_num_sw_batch_size": [8, 2]}}, "range_num_sw_batch_size must be [low, high]"),
-    ({"universal": {"range_num_images_per_batch": [1, 2, 3]}}, "expected 2 values"),
-    ({"universal": {"memory_margin": 1.5}}, "memory_margin must be in (0, 1]"),
-    ({"universal": {"range_validation_data_device": ["gpu"]}}, "'gpu' is not one of ['accelerator', 'cpu']"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"universl": {}}, "unknown section 'universl'; did you mean 'universal'?"),
+        ({"universal": {"num_trial": 3}}, "unknown config key 'specs.num_trial'; did you mean 'specs.num_trials'?"),
+        ({"universal": {"range_num_sw_batch_size": [8, 2]}}, "range_num_sw_batch_size must be [low, high]"),
+        ({"universal": {"range_num_images_per_batch": [1, 2, 3]}}, "expected 2 values"),
+        ({"universal": {"memory_margin": 1.5}}, "memory_margin must be in (0, 1]"),
+        ({"universal": {"range_validation_data_device": ["gpu"]}}, "'gpu' is not one of ['accelerator', 'cpu']"),
+    ],
+)
 def test_specs_errors_name_the_key(data, message):
     with pytest.raises(ConfigError) as e:
         load_specs(data)
@@ -45,13 +57,27 @@ def test_specs_errors_name_the_key(data, message):
 
 # ---------------------------------------------------------------------------------------------- memory model
 
-def _record(n, batch, sw, train=None, validation=None, status="ok", phase=None, placement="cpu", recompute=False,
-            reason=None):
+
+def _record(
+    n, batch, sw, train=None, validation=None, status="ok", phase=None, placement="cpu", recompute=False, reason=None
+):
     peak = max(p for p in (train, validation, 0) if p is not None)
-    return {"trial": n, "values": {"num_images_per_batch": batch, "num_sw_batch_size": sw,
-                                   "validation_data_device": placement, "recompute": recompute},
-            "status": status, "failed_phase": phase, "reason": reason, "train_peak_mb": train,
-            "validation_peak_mb": validation, "peak_mb": peak, "epoch_seconds": 10.0 + n}
+    return {
+        "trial": n,
+        "values": {
+            "num_images_per_batch": batch,
+            "num_sw_batch_size": sw,
+            "validation_data_device": placement,
+            "recompute": recompute,
+        },
+        "status": status,
+        "failed_phase": phase,
+        "reason": reason,
+        "train_peak_mb": train,
+        "validation_peak_mb": validation,
+        "peak_mb": peak,
+        "epoch_seconds": 10.0 + n,
+    }
 
 
 def test_fit_line_is_ordinary_least_squares():
@@ -69,24 +95,45 @@ def test_memory_model_prunes_predicted_over_budget_and_sizes_beyond_an_out_of_me
     model.add(_record(1, 1, 4, train=800, validation=700))
     model.add(_record(2, 3, 4, train=1000, validation=950))
     # training line: 700 + 100 * batch
-    assert model.predict({"num_images_per_batch": 6, "num_sw_batch_size": 4, "validation_data_device": "cpu",
-                          "recompute": False}) == pytest.approx(1300)
-    predicted, reason = model.verdict({"num_images_per_batch": 10, "num_sw_batch_size": 4,
-                                       "validation_data_device": "cpu", "recompute": False})
+    assert model.predict(
+        {"num_images_per_batch": 6, "num_sw_batch_size": 4, "validation_data_device": "cpu", "recompute": False}
+    ) == pytest.approx(1300)
+    predicted, reason = model.verdict(
+        {"num_images_per_batch": 10, "num_sw_batch_size": 4, "validation_data_device": "cpu", "recompute": False}
+    )
     assert predicted == pytest.approx(1700) and reason == "predicted 1700 MB > budget 1500 MB"
     # 1600 MB is over the budget but within the 10 % tolerance: measured, not pruned
-    assert model.verdict({"num_images_per_batch": 9, "num_sw_batch_size": 4, "validation_data_device": "cpu",
-                          "recompute": False})[1] is None
+    assert (
+        model.verdict(
+            {"num_images_per_batch": 9, "num_sw_batch_size": 4, "validation_data_device": "cpu", "recompute": False}
+        )[1]
+        is None
+    )
     # another recompute value has no line yet: nothing is predicted for it
-    assert model.verdict({"num_images_per_batch": 10, "num_sw_batch_size": 4, "validation_data_device": "cpu",
-                          "recompute": True}) == (None, None)
-    model.add(_record(3, 5, 2, train=None, status="failed", phase="training",
-                      reason="out of memory in training: ResourceExhaustedError: OOM when allocating tensor"))
-    _, reason = model.verdict({"num_images_per_batch": 5, "num_sw_batch_size": 1, "validation_data_device": "cpu",
-                               "recompute": False})
+    assert model.verdict(
+        {"num_images_per_batch": 10, "num_sw_batch_size": 4, "validation_data_device": "cpu", "recompute": True}
+    ) == (None, None)
+    model.add(
+        _record(
+            3,
+            5,
+            2,
+            train=None,
+            status="failed",
+            phase="training",
+            reason="out of memory in training: ResourceExhaustedError: OOM when allocating tensor",
+        )
+    )
+    _, reason = model.verdict(
+        {"num_images_per_batch": 5, "num_sw_batch_size": 1, "validation_data_device": "cpu", "recompute": False}
+    )
     assert reason == "batch 5 >= 5, which ran out of memory in training in trial 3"
-    assert model.verdict({"num_images_per_batch": 4, "num_sw_batch_size": 40, "validation_data_device": "cpu",
-                          "recompute": False})[1] is None
+    assert (
+        model.verdict(
+            {"num_images_per_batch": 4, "num_sw_batch_size": 40, "validation_data_device": "cpu", "recompute": False}
+        )[1]
+        is None
+    )
 
 
 def test_memory_model_validation_line_uses_only_trials_where_validation_stood_out():
@@ -98,14 +145,34 @@ def test_memory_model_validation_line_uses_only_trials_where_validation_stood_ou
     assert model.validation_line("cpu") is None
     model.add(_record(3, 1, 16, train=800, validation=1200))
     assert model.validation_line("cpu") == pytest.approx((800.0, 25.0))
-    model.add(_record(4, 1, 24, train=800, validation=None, status="failed", phase="validation",
-                      reason="peak RSS 2100 MB > budget 2000 MB (stopped during validation)"))
-    _, reason = model.verdict({"num_images_per_batch": 2, "num_sw_batch_size": 30, "validation_data_device": "cpu",
-                               "recompute": False})
+    model.add(
+        _record(
+            4,
+            1,
+            24,
+            train=800,
+            validation=None,
+            status="failed",
+            phase="validation",
+            reason="peak RSS 2100 MB > budget 2000 MB (stopped during validation)",
+        )
+    )
+    _, reason = model.verdict(
+        {"num_images_per_batch": 2, "num_sw_batch_size": 30, "validation_data_device": "cpu", "recompute": False}
+    )
     assert "sw batch 30 >= 24, which ran out of memory in validation in trial 4" in reason
     # the failure at sw 24 says nothing about another placement
-    assert model.verdict({"num_images_per_batch": 2, "num_sw_batch_size": 30,
-                          "validation_data_device": "accelerator", "recompute": False})[1] is None
+    assert (
+        model.verdict(
+            {
+                "num_images_per_batch": 2,
+                "num_sw_batch_size": 30,
+                "validation_data_device": "accelerator",
+                "recompute": False,
+            }
+        )[1]
+        is None
+    )
 
 
 def test_choice_is_the_fastest_trial_within_the_safety_margin():
@@ -126,7 +193,6 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import yaml  # noqa: E402
-
 from conftest import tiny_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,14 +219,17 @@ def batch4_peak_mb(converted_dataset, tmp_path_factory) -> float:
 
     work = tmp_path_factory.mktemp("calibration")
     config = tiny_config(converted_dataset, work / "run", BIG_PATCH, "pipeline.num_images_per_batch=4")
-    result = run_trial({"config": to_dict(config), "volume_shape": [20, 22, 18], "warmup_steps": 1,
-                        "timed_steps": 2}, workdir=work / "trial")
+    result = run_trial(
+        {"config": to_dict(config), "volume_shape": [20, 22, 18], "warmup_steps": 1, "timed_steps": 2},
+        workdir=work / "trial",
+    )
     assert result["status"] == "ok", result["reason"]
     return result["peak_mb"]
 
 
 def test_grid_search_cli_under_a_tight_budget_fails_prunes_chooses_within_margin_and_reruns_from_cache(
-        converted_dataset, tmp_path, batch4_peak_mb):
+    converted_dataset, tmp_path, batch4_peak_mb
+):
     """`python -m tfmis.tune fit --strategy grid` on a real dataset, with a peak-RSS budget 100 MB above
     batch 4's measured peak (batch 8 needs about 160 MB more): batch 8 goes over the budget and is
     stopped (a failed trial with its reason), every larger candidate is pruned by the memory model
@@ -169,13 +238,39 @@ def test_grid_search_cli_under_a_tight_budget_fails_prunes_chooses_within_margin
     budget = batch4_peak_mb + 100
     config_path = _write_config(tiny_config(converted_dataset, tmp_path / "run", BIG_PATCH), tmp_path / "c.yaml")
     specs = tmp_path / "specs.yaml"
-    specs.write_text(yaml.safe_dump({"universal": {
-        "range_num_images_per_batch": [4, 16], "range_num_sw_batch_size": [1, 2], "sampling": "log",
-        "memory_margin": 0.95, "prune_tolerance": 1.0,  # only the out-of-memory rule prunes here
-        "warmup_steps": 1, "timed_steps": 2}}))
+    specs.write_text(
+        yaml.safe_dump(
+            {
+                "universal": {
+                    "range_num_images_per_batch": [4, 16],
+                    "range_num_sw_batch_size": [1, 2],
+                    "sampling": "log",
+                    "memory_margin": 0.95,
+                    "prune_tolerance": 1.0,  # only the out-of-memory rule prunes here
+                    "warmup_steps": 1,
+                    "timed_steps": 2,
+                }
+            }
+        )
+    )
     output, cache = tmp_path / "fit", tmp_path / "cache"
-    args = ["-m", "tfmis.tune", "fit", "--config", str(config_path), "--specs", str(specs), "--strategy", "grid",
-            "--memory-budget-mb", f"{budget:.0f}", "--output", str(output), "--cache-dir", str(cache)]
+    args = [
+        "-m",
+        "tfmis.tune",
+        "fit",
+        "--config",
+        str(config_path),
+        "--specs",
+        str(specs),
+        "--strategy",
+        "grid",
+        "--memory-budget-mb",
+        f"{budget:.0f}",
+        "--output",
+        str(output),
+        "--cache-dir",
+        str(cache),
+    ]
     done = _run(args, REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((output / "fit_report.json").read_text())
@@ -212,25 +307,44 @@ def test_grid_search_cli_under_a_tight_budget_fails_prunes_chooses_within_margin
     assert time.perf_counter() - start < 30  # no trial ran (one trial alone takes several seconds)
 
 
-def test_train_with_gpu_customization_runs_a_bayesian_search_and_trains_with_its_choice(converted_dataset,
-                                                                                         tmp_path):
+def test_train_with_gpu_customization_runs_a_bayesian_search_and_trains_with_its_choice(converted_dataset, tmp_path):
     """`python -m tfmis.train --gpu-customization`: a real Bayesian search of 3 trials (Keras Tuner),
     then training with the chosen batch size and sw batch size, recorded in the run's config.yaml."""
     run = tmp_path / "run"
     config_path = _write_config(tiny_config(converted_dataset, run), tmp_path / "c.yaml")
     specs = tmp_path / "specs.json"
-    specs.write_text(json.dumps({"universal": {"num_trials": 3, "range_num_images_per_batch": [1, 4],
-                                               "range_num_sw_batch_size": [1, 4], "warmup_steps": 1,
-                                               "timed_steps": 2}}))
-    done = _run(["-m", "tfmis.train", "--config", str(config_path), "--gpu-customization",
-                 "--gpu-customization-specs", str(specs), "--gpu-customization-cache-dir", str(tmp_path / "cache")],
-                REPO)
+    specs.write_text(
+        json.dumps(
+            {
+                "universal": {
+                    "num_trials": 3,
+                    "range_num_images_per_batch": [1, 4],
+                    "range_num_sw_batch_size": [1, 4],
+                    "warmup_steps": 1,
+                    "timed_steps": 2,
+                }
+            }
+        )
+    )
+    done = _run(
+        [
+            "-m",
+            "tfmis.train",
+            "--config",
+            str(config_path),
+            "--gpu-customization",
+            "--gpu-customization-specs",
+            str(specs),
+            "--gpu-customization-cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((run / "gpu_fit" / "fit_report.json").read_text())
     assert report["strategy"] == "bayesian" and report["counts"]["run"] == 3
     chosen = report["chosen"]["values"]
-    assert min(t["epoch_seconds"] for t in report["trials"] if t["status"] == "ok") == \
-        report["chosen"]["epoch_seconds"]
+    assert min(t["epoch_seconds"] for t in report["trials"] if t["status"] == "ok") == report["chosen"]["epoch_seconds"]
     trained = yaml.safe_load((run / "config.yaml").read_text())
     assert trained["pipeline"]["num_images_per_batch"] == chosen["num_images_per_batch"]
     assert trained["validation"]["num_sw_batch_size"] == chosen["num_sw_batch_size"]

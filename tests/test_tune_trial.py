@@ -18,21 +18,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import tiny_config
+
 from tfmis.config import to_dict
-from tfmis.inference.sliding_window import number_of_windows
 from tfmis.hardware import accelerators, host_memory
-from tfmis.tune.fit.trial import (PROGRESS_FILE, RESULT_KEYS, _check_budgets, error_line, is_out_of_memory, run_trial,
-                                  trial_device)
+from tfmis.inference.sliding_window import number_of_windows
+from tfmis.tune.fit.trial import (
+    PROGRESS_FILE,
+    RESULT_KEYS,
+    _check_budgets,
+    error_line,
+    is_out_of_memory,
+    run_trial,
+    trial_device,
+)
 
 PATCH_48 = "pipeline.patch_size=[48,48,48]"  # large enough that 8 images take clearly more memory than 1
 VOLUME = [40, 40, 40]
 
 
 def request(config, volume_shape=VOLUME, warmup_steps=1, timed_steps=2) -> dict:
-    return {"config": to_dict(config), "volume_shape": volume_shape, "warmup_steps": warmup_steps,
-            "timed_steps": timed_steps}
+    return {
+        "config": to_dict(config),
+        "volume_shape": volume_shape,
+        "warmup_steps": warmup_steps,
+        "timed_steps": timed_steps,
+    }
 
 
 def capped_cpu_allocator(megabytes: int) -> dict:
@@ -44,10 +55,15 @@ def capped_cpu_allocator(megabytes: int) -> dict:
 def measured(converted_dataset, tmp_path_factory) -> dict:
     """Two real trials, batch 1 and batch 8, of the tiny U-Net on 48³ patches (no budget)."""
     root = tmp_path_factory.mktemp("trials")
-    return {batch: run_trial(request(tiny_config(converted_dataset, root / "unused", PATCH_48,
-                                                 f"pipeline.num_images_per_batch={batch}")),
-                             workdir=root / f"batch{batch}")
-            for batch in (1, 8)}
+    return {
+        batch: run_trial(
+            request(
+                tiny_config(converted_dataset, root / "unused", PATCH_48, f"pipeline.num_images_per_batch={batch}")
+            ),
+            workdir=root / f"batch{batch}",
+        )
+        for batch in (1, 8)
+    }
 
 
 def test_trial_measures_speed_and_memory(measured):
@@ -67,8 +83,11 @@ def test_trial_measures_speed_and_memory(measured):
         assert 0 < result["train_peak_mb"] <= result["rss_peak_mb"]
         assert 0 < result["validation_peak_mb"] <= result["rss_peak_mb"]
         assert result["peak_mb"] == result["rss_peak_mb"]  # a CPU trial: the process's peak is what counts
-        assert set(result["rss_peak_mb_by_phase"]) == set(result["rss_start_mb_by_phase"]) == {
-            "setup", "training", "validation"}
+        assert (
+            set(result["rss_peak_mb_by_phase"])
+            == set(result["rss_start_mb_by_phase"])
+            == {"setup", "training", "validation"}
+        )
         for phase, start in result["rss_start_mb_by_phase"].items():
             assert 0 < start <= result["rss_peak_mb_by_phase"][phase]
         assert result["device"]["kind"] == "cpu" and result["device"]["total_mb"] > 0
@@ -104,12 +123,15 @@ def test_real_out_of_memory_in_validation_keeps_the_training_numbers(converted_d
     The sliding window blends in numpy on the host, outside TensorFlow's allocator, so what the cap
     catches in validation is the network's activations for one window batch (16·48³·4 float32 = 28 MB
     per tensor of the first level; measured: 8 windows already fail under this cap, 16 leave margin)."""
-    config = tiny_config(converted_dataset, tmp_path / "unused", "validation.roi_size=[48,48,48]",
-                         "validation.num_sw_batch_size=16")
-    result = run_trial(request(config, volume_shape=[96, 96, 96]), workdir=tmp_path / "trial",
-                       extra_env=capped_cpu_allocator(64))
-    assert result["status"] == "failed" and result["failed_phase"] == "validation" and result["out_of_memory"], \
-        result["reason"]
+    config = tiny_config(
+        converted_dataset, tmp_path / "unused", "validation.roi_size=[48,48,48]", "validation.num_sw_batch_size=16"
+    )
+    result = run_trial(
+        request(config, volume_shape=[96, 96, 96]), workdir=tmp_path / "trial", extra_env=capped_cpu_allocator(64)
+    )
+    assert result["status"] == "failed" and result["failed_phase"] == "validation" and result["out_of_memory"], result[
+        "reason"
+    ]
     assert result["reason"].startswith("out of memory in validation: ResourceExhaustedError: OOM when allocating ")
     assert result["images_per_second"] > 0 and result["train_peak_mb"] > 0 and len(result["step_seconds_all"]) == 2
     assert result["sw_seconds"] is None
@@ -142,15 +164,23 @@ def test_finished_trial_over_the_budget_fails_naming_the_phase_of_its_peak(measu
     _check_budgets(within, within["rss_peak_mb"] + 1, within["rss_peak_mb"] + 1, on_gpu=False)
     assert within["status"] == "ok"
     # a GPU trial's numbers (written out: this machine has no GPU): the allocator peaks count
-    gpu = {"status": "ok", "setup_peak_mb": 300.0, "train_peak_mb": 7000.0, "validation_peak_mb": 9000.0,
-           "peak_mb": 9000.0, "rss_peak_mb": 2500.0, "rss_peak_mb_by_phase": {"setup": 2000.0, "training": 2500.0}}
+    gpu = {
+        "status": "ok",
+        "setup_peak_mb": 300.0,
+        "train_peak_mb": 7000.0,
+        "validation_peak_mb": 9000.0,
+        "peak_mb": 9000.0,
+        "rss_peak_mb": 2500.0,
+        "rss_peak_mb_by_phase": {"setup": 2000.0, "training": 2500.0},
+    }
     _check_budgets(gpu, 8000.0, None, on_gpu=True)
     assert gpu["reason"] == "peak GPU memory 9000 MB > budget 8000 MB (in validation)"
 
 
 def test_timeout_fails_the_trial(converted_dataset, tmp_path):
-    result = run_trial(request(tiny_config(converted_dataset, tmp_path / "unused")), workdir=tmp_path / "trial",
-                       timeout_s=1)
+    result = run_trial(
+        request(tiny_config(converted_dataset, tmp_path / "unused")), workdir=tmp_path / "trial", timeout_s=1
+    )
     assert result["status"] == "failed" and not result["out_of_memory"]
     assert result["reason"] == "timed out after 1 s during setup" and result["failed_phase"] == "setup"
     assert result["wall_seconds"] < 5
@@ -161,8 +191,9 @@ def test_config_error_fails_the_trial_with_the_message(converted_dataset, tmp_pa
     config["pipeline"]["patch_sise"] = config["pipeline"].pop("patch_size")
     result = run_trial({"config": config, "volume_shape": VOLUME}, workdir=tmp_path / "trial")
     assert result["status"] == "failed" and result["failed_phase"] == "setup" and not result["out_of_memory"]
-    assert result["reason"] == ("ConfigError in setup: unknown config key 'pipeline.patch_sise'; "
-                                "did you mean 'pipeline.patch_size'?")
+    assert result["reason"] == (
+        "ConfigError in setup: unknown config key 'pipeline.patch_sise'; did you mean 'pipeline.patch_size'?"
+    )
     assert result["exit_code"] == 1
 
 
@@ -196,13 +227,15 @@ def test_killed_child_is_a_failed_trial_with_its_phase_and_partial_numbers(conve
     result = run_trial(request(config, timed_steps=50), workdir=workdir)
     killer.join()
     assert result["status"] == "failed" and result["failed_phase"] == "training"
-    assert result["reason"].startswith("exit code -9 (SIGKILL: probably the kernel's out-of-memory killer) "
-                                       "during training: ")
+    assert result["reason"].startswith(
+        "exit code -9 (SIGKILL: probably the kernel's out-of-memory killer) during training: "
+    )
     assert result["out_of_memory"] and result["import_seconds"] > 0 and result["setup_peak_mb"] > 0
     assert result["images_per_second"] is None
 
 
 # ---------------------------------------------------------------- out-of-memory signatures
+
 
 def test_is_out_of_memory_on_real_tensorflow_errors():
     """Real errors raised here (graph-mode OOMs inside the training step are covered by the trials above).
@@ -210,7 +243,7 @@ def test_is_out_of_memory_on_real_tensorflow_errors():
     Each OOM costs ~10 s (TensorFlow's allocator waits for memory to be freed), so there is one.
     """
     with pytest.raises(tf.errors.ResourceExhaustedError) as eager:
-        tf.zeros([2 ** 40])  # 4 TiB
+        tf.zeros([2**40])  # 4 TiB
     assert is_out_of_memory(eager.value)
     assert error_line(str(eager.value)).startswith("OOM when allocating tensor with shape[1099511627776]")
     try:  # an error raised while handling an OOM is still an OOM
@@ -223,37 +256,47 @@ def test_is_out_of_memory_on_real_tensorflow_errors():
     assert not is_out_of_memory(invalid.value)
 
     with pytest.raises(MemoryError) as numpy_oom:
-        np.empty(2 ** 62, np.uint8)
+        np.empty(2**62, np.uint8)
     assert is_out_of_memory(numpy_oom.value)
     assert not is_out_of_memory(ValueError("patch size (17, 16, 16) does not fit strides (1, 2)"))
 
 
 def test_error_line_picks_the_failure_out_of_tensorflow_wrappings():
     """The shape of a graph-mode error (as TensorFlow 2.21 words it) and of an error in traced user code."""
-    graph = ('Graph execution error:\n\nDetected at node ones defined at (most recent call last):\n'
-             '  File "train.py", line 15, in <module>\n\n  File "train.py", line 13, in g\n\n'
-             'OOM when allocating tensor with shape[512,1024,1024] and type float on '
-             '/job:localhost/replica:0/task:0/device:CPU:0 by allocator bfc_cpu_allocator_for_gpu\n'
-             '\t [[{{node ones}}]]\nHint: If you want to see a list of allocated tensors when OOM happens, add '
-             'report_tensor_allocations_upon_oom to RunOptions for current allocation info.\n [Op:__inference_g_18]')
-    assert error_line(graph) == ("OOM when allocating tensor with shape[512,1024,1024] and type float on "
-                                 "/job:localhost/replica:0/task:0/device:CPU:0 by allocator bfc_cpu_allocator_for_gpu")
-    traced = ('in user code:\n\n    File "x.py", line 6, in f  *\n        return tf.reshape(x, [7, -1])\n\n'
-              '    ValueError: Dimension size must be evenly divisible by 7 but is 10\n')
+    graph = (
+        "Graph execution error:\n\nDetected at node ones defined at (most recent call last):\n"
+        '  File "train.py", line 15, in <module>\n\n  File "train.py", line 13, in g\n\n'
+        "OOM when allocating tensor with shape[512,1024,1024] and type float on "
+        "/job:localhost/replica:0/task:0/device:CPU:0 by allocator bfc_cpu_allocator_for_gpu\n"
+        "\t [[{{node ones}}]]\nHint: If you want to see a list of allocated tensors when OOM happens, add "
+        "report_tensor_allocations_upon_oom to RunOptions for current allocation info.\n [Op:__inference_g_18]"
+    )
+    assert error_line(graph) == (
+        "OOM when allocating tensor with shape[512,1024,1024] and type float on "
+        "/job:localhost/replica:0/task:0/device:CPU:0 by allocator bfc_cpu_allocator_for_gpu"
+    )
+    traced = (
+        'in user code:\n\n    File "x.py", line 6, in f  *\n        return tf.reshape(x, [7, -1])\n\n'
+        "    ValueError: Dimension size must be evenly divisible by 7 but is 10\n"
+    )
     assert error_line(traced) == "ValueError: Dimension size must be evenly divisible by 7 but is 10"
     assert len(error_line("x" * 1000)) == 400
 
 
-@pytest.mark.parametrize("message", [
-    "Could not create cudnn handle: CUDNN_STATUS_NOT_INITIALIZED",
-    "Could not create cudnn handle: CUDNN_STATUS_ALLOC_FAILED",
-    "failed to create cublas handle: CUBLAS_STATUS_NOT_INITIALIZED",
-    "CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)",
-    "failed to allocate 2.00G (2147483648 bytes) from device: CUDA_ERROR_OUT_OF_MEMORY: out of memory",
-    "Dst tensor is not initialized.",
-    "OOM when allocating tensor with shape[8,32,96,96,96] and type half on /job:localhost/replica:0/task:0/device:GPU:0",
-    "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4294967296 bytes.",
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Could not create cudnn handle: CUDNN_STATUS_NOT_INITIALIZED",
+        "Could not create cudnn handle: CUDNN_STATUS_ALLOC_FAILED",
+        "failed to create cublas handle: CUBLAS_STATUS_NOT_INITIALIZED",
+        "CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)",
+        "failed to allocate 2.00G (2147483648 bytes) from device: CUDA_ERROR_OUT_OF_MEMORY: out of memory",
+        "Dst tensor is not initialized.",
+        "OOM when allocating tensor with shape[8,32,96,96,96] and type half on "
+        "/job:localhost/replica:0/task:0/device:GPU:0",
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4294967296 bytes.",
+    ],
+)
 def test_is_out_of_memory_on_gpu_message_signatures(message):
     """Messages TensorFlow reports on a GPU (not producible on this CPU-only machine), as text and as the
     InternalError/UnknownError TensorFlow raises them with."""
@@ -262,8 +305,10 @@ def test_is_out_of_memory_on_gpu_message_signatures(message):
     assert is_out_of_memory(tf.errors.UnknownError(None, None, message))
 
 
-@pytest.mark.parametrize("message", ["Could not create cudnn handle: CUDNN_STATUS_BAD_PARAM",
-                                     "Incompatible shapes: [2,16,16,16,3] vs. [2,16,16,16,4]"])
+@pytest.mark.parametrize(
+    "message",
+    ["Could not create cudnn handle: CUDNN_STATUS_BAD_PARAM", "Incompatible shapes: [2,16,16,16,3] vs. [2,16,16,16,4]"],
+)
 def test_other_gpu_errors_are_not_out_of_memory(message):
     assert not is_out_of_memory(message)
     assert not is_out_of_memory(tf.errors.InternalError(None, None, message))
@@ -271,12 +316,17 @@ def test_other_gpu_errors_are_not_out_of_memory(message):
 
 # ---------------------------------------------------------------- devices
 
+
 def test_device_helpers_on_this_machine():
     gpus = accelerators()
     assert (gpus == []) == (not tf.config.list_physical_devices("GPU"))
     assert trial_device(gpus) == (min(gpus, key=lambda g: g["total_mb"]) if gpus else None)
-    assert trial_device([{"index": 0, "total_mb": 81559.0}, {"index": 1, "total_mb": 40960.0},
-                         {"index": 2, "total_mb": 40960.0}])["index"] == 1
+    assert (
+        trial_device(
+            [{"index": 0, "total_mb": 81559.0}, {"index": 1, "total_mb": 40960.0}, {"index": 2, "total_mb": 40960.0}]
+        )["index"]
+        == 1
+    )
     host = host_memory()
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     assert host["total_mb"] == pytest.approx(int(meminfo["MemTotal"].split()[0]) / 1024)

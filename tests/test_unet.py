@@ -167,8 +167,9 @@ def test_save_load_round_trip_gives_identical_outputs(tmp_path):
     model.save(path)
     restored = keras.models.load_model(path)
     images = random_images((1, 8, 12, 16))
-    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model(images)),
-                                  keras.ops.convert_to_numpy(restored(images)))
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(model(images)), keras.ops.convert_to_numpy(restored(images))
+    )
     block = restored.get_layer("encoder1")
     assert block.recompute and block.norm == "batch" and block.dropout == 0.2
     assert block.activation == "leaky_relu"
@@ -231,8 +232,9 @@ def test_recompute_under_mixed_precision_matches_plain(mixed_policy):
 
 def test_recompute_model_trains_with_fit():
     model = build_unet(2, 2, recompute=True, norm="batch", filters=(4, 8), strides=(1, 2))
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     images = random_images((2, 8, 8, 8))
     history = model.fit(images, (images[..., 0] > 0).astype("int32"), epochs=3, batch_size=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
@@ -244,8 +246,9 @@ def test_recompute_model_trains_with_fit():
 @pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed", "transposed_image"])
 @pytest.mark.parametrize("patch", [(16, 16, 16), (32, 16, 48)])
 def test_first_level_stride_2_gives_logits_at_input_resolution(output_upsampling, patch):
-    model = build_unet(2, 4, filters=(4, 8, 16, 32), strides=(2, 2, 2, 1), num_res_units=1,
-                       output_upsampling=output_upsampling)
+    model = build_unet(
+        2, 4, filters=(4, 8, 16, 32), strides=(2, 2, 2, 1), num_res_units=1, output_upsampling=output_upsampling
+    )
     half = tuple(p // 2 for p in patch)
     assert tuple(model.get_layer("encoder0").output.shape[1:4]) == (None, None, None)  # dynamic sizes
     encoder0 = keras.Model(model.input, model.get_layer("encoder0").output)
@@ -276,8 +279,9 @@ def test_transposed_image_adds_a_zero_initialised_convolution_of_the_image_to_th
     from scipy import ndimage
 
     keras.utils.set_random_seed(3)
-    model = build_unet(2, 3, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1,
-                       output_upsampling="transposed_image")
+    model = build_unet(
+        2, 3, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1, output_upsampling="transposed_image"
+    )
     image_head = model.get_layer("image_head")
     assert image_head.kernel.shape == (3, 3, 3, 2, 3) and not image_head.use_bias
     assert float(np.abs(keras.ops.convert_to_numpy(image_head.kernel)).max()) == 0.0
@@ -285,12 +289,22 @@ def test_transposed_image_adds_a_zero_initialised_convolution_of_the_image_to_th
     image_head.kernel.assign(kernel)
     images = random_images((1, 16, 12, 8))
     transposed = keras.Model(model.input, model.get_layer("head").output)
-    expected_image_term = np.stack([
-        sum(ndimage.correlate(images[0, ..., c].astype(np.float64), kernel[..., c, o].astype(np.float64),
-                              mode="constant") for c in range(2)) for o in range(3)], axis=-1)
+    expected_image_term = np.stack(
+        [
+            sum(
+                ndimage.correlate(
+                    images[0, ..., c].astype(np.float64), kernel[..., c, o].astype(np.float64), mode="constant"
+                )
+                for c in range(2)
+            )
+            for o in range(3)
+        ],
+        axis=-1,
+    )
     logits = keras.ops.convert_to_numpy(model(images))[0]
-    np.testing.assert_allclose(logits - keras.ops.convert_to_numpy(transposed(images))[0], expected_image_term,
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        logits - keras.ops.convert_to_numpy(transposed(images))[0], expected_image_term, rtol=1e-4, atol=1e-4
+    )
 
 
 def test_full_resolution_upsample_filters_make_image_and_features_a_block_of_filters0():
@@ -323,8 +337,9 @@ def test_anisotropic_first_stride_keeps_shape_and_needs_its_divisor():
 @pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed", "transposed_image"])
 def test_first_level_stride_2_trains_every_variable(output_upsampling):
     keras.utils.set_random_seed(0)
-    model = build_unet(2, 2, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1,
-                       output_upsampling=output_upsampling)
+    model = build_unet(
+        2, 2, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1, output_upsampling=output_upsampling
+    )
     images = random_images((2, 16, 16, 16))
     labels = (images[..., 0] > 0).astype("int32")  # full-resolution detail the output must recover
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -346,8 +361,9 @@ def test_first_level_stride_2_trains_every_variable(output_upsampling):
 
 @pytest.mark.parametrize("output_upsampling", ["refine", "light", "transposed", "transposed_image"])
 def test_first_level_stride_2_save_load_and_config_round_trip(tmp_path, output_upsampling):
-    config = UNetConfig(2, 3, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1,
-                        output_upsampling=output_upsampling)
+    config = UNetConfig(
+        2, 3, filters=(4, 8, 16), strides=(2, 2, 1), num_res_units=1, output_upsampling=output_upsampling
+    )
     assert UNetConfig.from_dict(config.to_dict()) == config
     assert config.to_dict()["output_upsampling"] == output_upsampling
     assert not config.full_resolution_first_level and UNetConfig(2, 3, **TINY).full_resolution_first_level
@@ -356,8 +372,9 @@ def test_first_level_stride_2_save_load_and_config_round_trip(tmp_path, output_u
     model.save(path)
     restored = keras.models.load_model(path)
     images = random_images((1, 16, 8, 24))
-    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model(images)),
-                                  keras.ops.convert_to_numpy(restored(images)))
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(model(images)), keras.ops.convert_to_numpy(restored(images))
+    )
     with pytest.raises(ValueError, match="output_upsampling must be one of"):
         UNetConfig(2, 3, filters=(4, 8), strides=(2, 2), output_upsampling="nearest")
 
@@ -365,12 +382,15 @@ def test_first_level_stride_2_save_load_and_config_round_trip(tmp_path, output_u
 # ----------------------------------------------------------------------- deep supervision
 
 
-@pytest.mark.parametrize("filters, strides, levels, sizes", [
-    # the first layer downsamples: heads on decoder0 and decoder1
-    ((4, 8, 16), (2, 2, 1), [0, 1], [(16, 16, 8), (8, 8, 4), (4, 4, 2)]),
-    # full resolution: decoder0 is at the output's resolution, so decoder1 and decoder2 (z not pooled at level 2)
-    ((4, 8, 16, 32), (1, 2, (2, 2, 1), 2), [1, 2], [(16, 16, 8), (8, 8, 4), (4, 4, 4)]),
-])
+@pytest.mark.parametrize(
+    "filters, strides, levels, sizes",
+    [
+        # the first layer downsamples: heads on decoder0 and decoder1
+        ((4, 8, 16), (2, 2, 1), [0, 1], [(16, 16, 8), (8, 8, 4), (4, 4, 2)]),
+        # full resolution: decoder0 is at the output's resolution, so decoder1 and decoder2 (z not pooled at level 2)
+        ((4, 8, 16, 32), (1, 2, (2, 2, 1), 2), [1, 2], [(16, 16, 8), (8, 8, 4), (4, 4, 4)]),
+    ],
+)
 def test_deep_supervision_heads_sit_on_the_decoder_levels_below_the_output(filters, strides, levels, sizes):
     """build_for_training with deep_supervision=2: the training model returns [logits, head, head] at the decoder
     levels coarser than the output, finest first (anisotropic strides included); the inference model shares its
@@ -382,8 +402,9 @@ def test_deep_supervision_heads_sit_on_the_decoder_levels_below_the_output(filte
     outputs = training_model(images, training=False)
     assert [tuple(o.shape[1:4]) for o in outputs] == sizes and all(o.shape[-1] == 3 for o in outputs)
     assert all(o.dtype == "float32" for o in outputs)
-    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model(images, training=False)),
-                                  keras.ops.convert_to_numpy(outputs[0]))
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(model(images, training=False)), keras.ops.convert_to_numpy(outputs[0])
+    )
     head_weights = {id(w) for level in levels for w in training_model.get_layer(f"deep_supervision{level}").weights}
     assert {id(w) for w in model.weights} == {id(w) for w in training_model.weights} - head_weights
     plain, same = UNetConfig(2, 3, filters=filters, strides=strides).build_for_training()
@@ -397,8 +418,11 @@ def test_deep_supervision_heads_sit_on_the_decoder_levels_below_the_output(filte
 
 def _conv_kernels(model):
     """(name, kernel) of every Conv3D / Conv3DTranspose in `model`, nested blocks included."""
-    return [(layer.name, keras.ops.convert_to_numpy(layer.kernel)) for layer in model._flatten_layers()
-            if isinstance(layer, (keras.layers.Conv3D, keras.layers.Conv3DTranspose))]
+    return [
+        (layer.name, keras.ops.convert_to_numpy(layer.kernel))
+        for layer in model._flatten_layers()
+        if isinstance(layer, (keras.layers.Conv3D, keras.layers.Conv3DTranspose))
+    ]
 
 
 def _torch_fan_in(kernel: np.ndarray) -> int:
@@ -414,8 +438,16 @@ def test_pytorch_kernel_initializer_draws_every_convolution_from_torchs_kaiming_
     bound = gain * sqrt(3 / fan_in) with gain = sqrt(2 / (1 + a^2)), written out here from torch's formula; every
     kernel (blocks, residual projections, transposed convolutions, heads) lies within it and has the uniform's
     standard deviation bound / sqrt(3). The default stays He-normal (std sqrt(2 / fan_in))."""
-    config = UNetConfig(2, 4, filters=(8, 16, 32, 64), strides=(2, 2, 2, 1), num_res_units=1,
-                        output_upsampling=output_upsampling, deep_supervision=2, kernel_initializer="pytorch")
+    config = UNetConfig(
+        2,
+        4,
+        filters=(8, 16, 32, 64),
+        strides=(2, 2, 2, 1),
+        num_res_units=1,
+        output_upsampling=output_upsampling,
+        deep_supervision=2,
+        kernel_initializer="pytorch",
+    )
     _, training_model = config.build_for_training()
     kernels = _conv_kernels(training_model)
     assert any(name.startswith("deep_supervision") for name, _ in kernels) and any(n == "head" for n, _ in kernels)
@@ -424,8 +456,9 @@ def test_pytorch_kernel_initializer_draws_every_convolution_from_torchs_kaiming_
         assert np.abs(kernel).max() <= bound * (1 + 1e-6), name
         if kernel.size >= 2000:  # enough draws for the standard deviation to be within 10 %
             assert abs(kernel.std() / (bound / np.sqrt(3.0)) - 1.0) < 0.1, name
-    default = UNetConfig(2, 4, filters=(8, 16, 32, 64), strides=(2, 2, 2, 1), num_res_units=1,
-                         output_upsampling=output_upsampling).build()
+    default = UNetConfig(
+        2, 4, filters=(8, 16, 32, 64), strides=(2, 2, 2, 1), num_res_units=1, output_upsampling=output_upsampling
+    ).build()
     for name, kernel in _conv_kernels(default):
         if kernel.size >= 2000 and name != "head":
             # He-normal is truncated at 2 sd, which leaves 88 % of the variance
@@ -433,8 +466,9 @@ def test_pytorch_kernel_initializer_draws_every_convolution_from_torchs_kaiming_
 
 
 def test_kernel_initializer_is_a_validated_config_key_that_survives_save_and_load(tmp_path):
-    config = UNetConfig.from_dict({"in_channels": 2, "num_classes": 3, "filters": [8, 16], "strides": [2, 1],
-                                   "kernel_initializer": "pytorch"})
+    config = UNetConfig.from_dict(
+        {"in_channels": 2, "num_classes": 3, "filters": [8, 16], "strides": [2, 1], "kernel_initializer": "pytorch"}
+    )
     assert UNetConfig.from_dict(config.to_dict()).kernel_initializer == "pytorch"
     with pytest.raises(ValueError, match="kernel_initializer must be one of"):
         UNetConfig(1, 2, kernel_initializer="xavier")
@@ -444,5 +478,6 @@ def test_kernel_initializer_is_a_validated_config_key_that_survives_save_and_loa
     restored = keras.models.load_model(path)
     assert restored.get_layer("encoder0").kernel_initializer == "pytorch"
     images = random_images((1, 8, 8, 8))
-    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model(images)),
-                                  keras.ops.convert_to_numpy(restored(images)))
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(model(images)), keras.ops.convert_to_numpy(restored(images))
+    )

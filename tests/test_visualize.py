@@ -7,21 +7,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import lps_affine, make_msd_dataset, write_nifti
 from PIL import Image
 
-from conftest import lps_affine, make_msd_dataset, write_nifti
 from tfmis.data.convert import ConversionConfig, convert
 from tfmis.data.records import load_index, read_record, record_dataset, split_cases
-from tfmis.viz import PLANES, class_color, plot_orthogonal_planes, render_rgb, write_slice_sweep_gif
 from tfmis.visualize import main, nifti_case, orthogonal_figure
+from tfmis.viz import PLANES, class_color, plot_orthogonal_planes, render_rgb, write_slice_sweep_gif
 
 REPO = Path(__file__).resolve().parents[1]
 CLASS_NAMES = ["background", "organ", "core", "tumour"]
 
 
 def run_tool(*args, cwd=None, timeout=120):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "visualize.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "visualize.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 def written_path(result) -> Path:
@@ -45,8 +50,11 @@ def converted(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("viz")
     source = make_msd_dataset(root / "Task99_Test", num_cases=3)
     target = root / "out"
-    convert(ConversionConfig(str(source), str(target), split=(1.0,), shards=1, workers=1, progress=False,
-                             compression="NONE"))
+    convert(
+        ConversionConfig(
+            str(source), str(target), split=(1.0,), shards=1, workers=1, progress=False, compression="NONE"
+        )
+    )
     return target
 
 
@@ -61,8 +69,9 @@ def test_png_of_the_orthogonal_mid_planes(converted):
 
 def test_gif_sweeps_every_axial_slice(converted, tmp_path):
     num_slices = read_record(converted, "train", 0)["image"].shape[2]
-    path = written_path(run_tool("--dataset-dir", converted, "--sample", 0, "--no-screen",
-                                 "--output", tmp_path / "sweep.gif"))
+    path = written_path(
+        run_tool("--dataset-dir", converted, "--sample", 0, "--no-screen", "--output", tmp_path / "sweep.gif")
+    )
     assert path == tmp_path / "sweep.gif"
     with Image.open(path) as gif:
         assert gif.format == "GIF" and gif.is_animated
@@ -87,8 +96,15 @@ def test_nifti_image_and_label_in_lps(tmp_path):
     write_nifti(tmp_path / "seg.nii.gz", label, lps_affine(), np.uint8)
     work = tmp_path / "work"
     work.mkdir()
-    result = run_tool("--image", tmp_path / "scan.nii.gz", "--label", tmp_path / "seg.nii.gz",
-                      "--class-names", "background,liver,tumour", cwd=work)
+    result = run_tool(
+        "--image",
+        tmp_path / "scan.nii.gz",
+        "--label",
+        tmp_path / "seg.nii.gz",
+        "--class-names",
+        "background,liver,tumour",
+        cwd=work,
+    )
     assert (work / written_path(result)).resolve() == (work / "scan.png").resolve()
     with Image.open(work / "scan.png") as png:
         assert png.format == "PNG" and png.width >= 500
@@ -113,37 +129,54 @@ def test_reads_only_the_requested_record(converted, tmp_path):
         list(record_dataset(damaged, "train"))  # a reader that walks the shard does trip over it
 
     assert written_path(run_tool("--dataset-dir", damaged, "--sample", 1)).is_file()
-    assert_clean_error(run_tool("--dataset-dir", damaged, "--sample", 0),
-                       "record 0", first["case_id"], "could not be decoded")
+    assert_clean_error(
+        run_tool("--dataset-dir", damaged, "--sample", 0), "record 0", first["case_id"], "could not be decoded"
+    )
 
 
-@pytest.mark.parametrize("problem", ["no index.json", "unknown split", "sample out of range", "missing image",
-                                     "missing label"])
+@pytest.mark.parametrize(
+    "problem", ["no index.json", "unknown split", "sample out of range", "missing image", "missing label"]
+)
 def test_clear_errors(converted, tmp_path, problem):
     if problem == "no index.json":
         assert_clean_error(run_tool("--dataset-dir", tmp_path, "--sample", 0), "index.json", str(tmp_path))
     elif problem == "unknown split":
-        assert_clean_error(run_tool("--dataset-dir", converted, "--sample", 0, "--split", "val"),
-                           "'val'", "available splits: train")
+        assert_clean_error(
+            run_tool("--dataset-dir", converted, "--sample", 0, "--split", "val"), "'val'", "available splits: train"
+        )
     elif problem == "sample out of range":
         assert_clean_error(run_tool("--dataset-dir", converted, "--sample", 3), "sample 3", "has 3 records")
     elif problem == "missing image":
         assert_clean_error(run_tool("--image", tmp_path / "nope.nii.gz"), "--image", "nope.nii.gz", "not found")
     else:
         write_nifti(tmp_path / "scan.nii.gz", np.ones((4, 4, 4), np.float32), lps_affine())
-        assert_clean_error(run_tool("--image", tmp_path / "scan.nii.gz", "--label", tmp_path / "seg.nii.gz"),
-                           "--label", "seg.nii.gz", "not found")
+        assert_clean_error(
+            run_tool("--image", tmp_path / "scan.nii.gz", "--label", tmp_path / "seg.nii.gz"),
+            "--label",
+            "seg.nii.gz",
+            "not found",
+        )
 
 
 def test_help_explains_every_flag():
     result = run_tool("--help")
     assert result.returncode == 0
-    for flag in ("--dataset-dir", "--sample", "--split", "--no-screen", "--output", "--image", "--label",
-                 "--prediction", "--class-names"):
+    for flag in (
+        "--dataset-dir",
+        "--sample",
+        "--split",
+        "--no-screen",
+        "--output",
+        "--image",
+        "--label",
+        "--prediction",
+        "--class-names",
+    ):
         assert flag in result.stdout
 
 
 # --- the figure itself ---------------------------------------------------------------------------------
+
 
 def synthetic_case(shape=(24, 20, 16), spacing=(1.0, 1.0, 1.0)):
     """Two channels that ramp along z (each axial slice is one grey) and classes 1 and 3 present, 2 declared
@@ -264,8 +297,17 @@ def run_main(capsys, *args):
 def test_png_with_label_and_prediction(predicted_case, tmp_path, monkeypatch, capsys):
     root, _ = predicted_case
     monkeypatch.chdir(tmp_path)
-    status, out, err = run_main(capsys, "--image", root / "scan.nii.gz", "--label", root / "seg.nii.gz",
-                                "--prediction", root / "pred.nii.gz", "--class-names", PREDICTION_CLASSES)
+    status, out, err = run_main(
+        capsys,
+        "--image",
+        root / "scan.nii.gz",
+        "--label",
+        root / "seg.nii.gz",
+        "--prediction",
+        root / "pred.nii.gz",
+        "--class-names",
+        PREDICTION_CLASSES,
+    )
     assert status == 0, err
     assert Path(out.strip()) == Path("scan_prediction.png")  # the default name says a prediction is drawn
     with Image.open(tmp_path / "scan_prediction.png") as png:
@@ -274,8 +316,12 @@ def test_png_with_label_and_prediction(predicted_case, tmp_path, monkeypatch, ca
 
 def test_prediction_outline_is_where_only_the_prediction_has_the_class(predicted_case, tmp_path, capsys):
     root, ras_prediction = predicted_case
-    case = nifti_case(root / "scan.nii.gz", root / "seg.nii.gz", class_names=PREDICTION_CLASSES.split(","),
-                      prediction_path=root / "pred.nii.gz")
+    case = nifti_case(
+        root / "scan.nii.gz",
+        root / "seg.nii.gz",
+        class_names=PREDICTION_CLASSES.split(","),
+        prediction_path=root / "pred.nii.gz",
+    )
     np.testing.assert_array_equal(case.prediction, ras_prediction)  # reoriented like the image and the label
     assert "label (fill) vs prediction (outline)" in case.title
     fig = orthogonal_figure(case)
@@ -297,9 +343,19 @@ def test_prediction_outline_is_where_only_the_prediction_has_the_class(predicted
     assert grey[0] == grey[1] == grey[2]  # the ground truth alone leaves it uncoloured
 
     # and the PNG the command writes is this very figure
-    status, _, err = run_main(capsys, "--image", root / "scan.nii.gz", "--label", root / "seg.nii.gz",
-                              "--prediction", root / "pred.nii.gz", "--class-names", PREDICTION_CLASSES,
-                              "--output", tmp_path / "out.png")
+    status, _, err = run_main(
+        capsys,
+        "--image",
+        root / "scan.nii.gz",
+        "--label",
+        root / "seg.nii.gz",
+        "--prediction",
+        root / "pred.nii.gz",
+        "--class-names",
+        PREDICTION_CLASSES,
+        "--output",
+        tmp_path / "out.png",
+    )
     assert status == 0, err
     with Image.open(tmp_path / "out.png") as png:
         written = np.asarray(png.convert("RGB"))
@@ -310,8 +366,9 @@ def test_prediction_outline_is_where_only_the_prediction_has_the_class(predicted
 def test_prediction_alone_as_gif(predicted_case, tmp_path, monkeypatch, capsys):
     root, ras_prediction = predicted_case
     monkeypatch.chdir(tmp_path)
-    status, out, err = run_main(capsys, "--image", root / "scan.nii.gz", "--prediction", root / "pred.nii.gz",
-                                "--no-screen")
+    status, out, err = run_main(
+        capsys, "--image", root / "scan.nii.gz", "--prediction", root / "pred.nii.gz", "--no-screen"
+    )
     assert status == 0, err
     assert Path(out.strip()) == Path("scan_prediction.gif")
     case = nifti_case(root / "scan.nii.gz", prediction_path=root / "pred.nii.gz")
@@ -333,8 +390,17 @@ def test_prediction_alone_as_gif(predicted_case, tmp_path, monkeypatch, capsys):
 
 def test_prediction_on_another_grid_is_a_clear_error(predicted_case, tmp_path, capsys):
     root, _ = predicted_case
-    status, _, err = run_main(capsys, "--image", root / "scan.nii.gz", "--label", root / "seg.nii.gz",
-                              "--prediction", root / "short.nii.gz", "--output", tmp_path / "x.png")
+    status, _, err = run_main(
+        capsys,
+        "--image",
+        root / "scan.nii.gz",
+        "--label",
+        root / "seg.nii.gz",
+        "--prediction",
+        root / "short.nii.gz",
+        "--output",
+        tmp_path / "x.png",
+    )
     assert status == 1 and "Traceback" not in err
     message = err.strip().splitlines()[-1]
     for fragment in ("error: --prediction", "short.nii.gz", "(16, 18, 10)", "(16, 18, 12)"):

@@ -72,22 +72,32 @@ class AugmentConfig:
     placement: Literal["pipeline", "step"] = "pipeline"
 
     def __post_init__(self):
-        for key in ("flip_prob", "rot90_prob", "intensity_prob", "noise_prob", "rotate_prob", "scale_prob",
-                    "elastic_prob"):
+        for key in (
+            "flip_prob",
+            "rot90_prob",
+            "intensity_prob",
+            "noise_prob",
+            "rotate_prob",
+            "scale_prob",
+            "elastic_prob",
+        ):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ValueError(f"{key} is a probability in [0, 1], got {getattr(self, key)}")
         if any(a not in (0, 1, 2) for a in self.flip_axes):
             raise ValueError(f"flip_axes: spatial axes 0, 1, 2 only, got {self.flip_axes}")
         if len(self.rotate_range) != 3 or not all(0.0 <= r <= 3.1416 for r in self.rotate_range):
-            raise ValueError(f"rotate_range: three angles in radians in [0, pi], one per axis (0.5236 = 30 degrees), "
-                             f"got {self.rotate_range}")
+            raise ValueError(
+                f"rotate_range: three angles in radians in [0, pi], one per axis (0.5236 = 30 degrees), "
+                f"got {self.rotate_range}"
+            )
         for key, low_limit in (("scale_range", 0.0), ("elastic_sigma", 0.0)):
             value = getattr(self, key)
             if len(value) != 2 or not low_limit < value[0] <= value[1]:
                 raise ValueError(f"{key}: expected [low, high] with 0 < low <= high, got {value}")
         if len(self.elastic_magnitude) != 2 or not 0.0 <= self.elastic_magnitude[0] <= self.elastic_magnitude[1]:
-            raise ValueError(f"elastic_magnitude: expected [low, high] voxels with 0 <= low <= high, got "
-                             f"{self.elastic_magnitude}")
+            raise ValueError(
+                f"elastic_magnitude: expected [low, high] voxels with 0 <= low <= high, got {self.elastic_magnitude}"
+            )
         if self.placement not in ("pipeline", "step"):
             raise ValueError(f"placement: 'pipeline' (tf.data) or 'step' (the training step), got {self.placement!r}")
 
@@ -201,6 +211,7 @@ class ValidationConfig:
 class ProfileConfig:
     """A TensorFlow profiler trace of a few training steps, written to <output.dir>/tensorboard/plugins/profile
     (TensorBoard's Profile tab opens it); the steps carry trace ranges: data wait, train step, validation."""
+
     start_step: Optional[int] = None  # global optimizer step at which tracing starts (1 = the first); null = off
     num_steps: int = 5
     # input-bound report: epochs (after the first, whose cache is cold) that wait for input longer than this share
@@ -211,6 +222,7 @@ class ProfileConfig:
 @dataclasses.dataclass
 class RuntimeConfig:
     """Where the one training loop runs (tfmis.engine.distribution), set up before anything touches devices."""
+
     # auto: horovod under horovodrun, multiworker when TF_CONFIG / SLURM (srun) / MPI (mpirun) name several
     # workers, mirrored when this process sees several GPUs (or `devices` lists several), else none
     distribution: Literal["auto", "none", "mirrored", "multiworker", "horovod"] = "auto"
@@ -270,8 +282,10 @@ def from_dict(cls, data, prefix: str = ""):
         if key not in names:
             full = f"{prefix}{key}"
             if full in MOVED_KEYS:
-                raise ConfigError(f"config key '{full}' has moved to '{MOVED_KEYS[full]}' (the runtime: section): "
-                                  f"write it there, e.g. --set {MOVED_KEYS[full]}=...")
+                raise ConfigError(
+                    f"config key '{full}' has moved to '{MOVED_KEYS[full]}' (the runtime: section): "
+                    f"write it there, e.g. --set {MOVED_KEYS[full]}=..."
+                )
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(names)}"
             raise ConfigError(f"unknown config key '{full}'{hint}")
@@ -390,8 +404,10 @@ def parse_config(data, overrides=(), source: str = "config") -> Config:
     overrides; `source` (a file name) starts the error when the document is not a mapping."""
     data = {} if data is None else data
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping of config sections (data:, pipeline:, model:, ...), got "
-                          f"{type(data).__name__}")
+        raise ConfigError(
+            f"{source}: expected a mapping of config sections (data:, pipeline:, model:, ...), got "
+            f"{type(data).__name__}"
+        )
     for override in overrides:
         apply_override(data, override)
     config = from_dict(Config, data)
@@ -430,30 +446,43 @@ def validate(config: Config) -> None:
     if p.num_images_per_batch < 1 or p.num_crops_per_image < 1:
         raise ConfigError("pipeline.num_images_per_batch and pipeline.num_crops_per_image must be >= 1")
     if p.cache == "file" and not p.cache_dir:
-        raise ConfigError("pipeline.cache is 'file' but pipeline.cache_dir is not set: give the folder for the "
-                          "on-disk cache, e.g. pipeline.cache_dir=/scratch/tfmis-cache")
+        raise ConfigError(
+            "pipeline.cache is 'file' but pipeline.cache_dir is not set: give the folder for the "
+            "on-disk cache, e.g. pipeline.cache_dir=/scratch/tfmis-cache"
+        )
     if p.cache_num is not None and p.cache_num < 1:
-        raise ConfigError(f"pipeline.cache_num must be >= 1 volume (or null to use pipeline.cache_rate), got "
-                          f"{p.cache_num}")
+        raise ConfigError(
+            f"pipeline.cache_num must be >= 1 volume (or null to use pipeline.cache_rate), got {p.cache_num}"
+        )
     if p.cache_num is not None and p.cache != "partial":
-        raise ConfigError(f"pipeline.cache_num={p.cache_num} only bounds pipeline.cache=partial, but pipeline.cache "
-                          f"is {p.cache!r}: set pipeline.cache=partial (or pipeline.cache_num=null)")
+        raise ConfigError(
+            f"pipeline.cache_num={p.cache_num} only bounds pipeline.cache=partial, but pipeline.cache "
+            f"is {p.cache!r}: set pipeline.cache=partial (or pipeline.cache_num=null)"
+        )
     if not 0 < p.cache_rate <= 1:
-        raise ConfigError(f"pipeline.cache_rate must be in (0, 1] (the share of the training volumes held by "
-                          f"pipeline.cache=partial), got {p.cache_rate}")
+        raise ConfigError(
+            f"pipeline.cache_rate must be in (0, 1] (the share of the training volumes held by "
+            f"pipeline.cache=partial), got {p.cache_rate}"
+        )
     if not 0 < p.replace_rate <= 1:
-        raise ConfigError(f"pipeline.replace_rate must be in (0, 1] (the share of the partial cache replaced per "
-                          f"pass over it, e.g. 0.2), got {p.replace_rate}")
+        raise ConfigError(
+            f"pipeline.replace_rate must be in (0, 1] (the share of the partial cache replaced per "
+            f"pass over it, e.g. 0.2), got {p.replace_rate}"
+        )
     o = config.optimizer
     if o.lr_reference_batch is not None and o.lr_reference_batch < 1:
-        raise ConfigError(f"optimizer.lr_reference_batch must be a batch size >= 1 (or null), got {o.lr_reference_batch}")
+        raise ConfigError(
+            f"optimizer.lr_reference_batch must be a batch size >= 1 (or null), got {o.lr_reference_batch}"
+        )
     if config.training.max_minutes is not None and config.training.max_minutes <= 0:
         raise ConfigError(f"training.max_minutes must be > 0 (or null), got {config.training.max_minutes}")
     if config.training.accumulation_steps < 1:
         raise ConfigError("training.accumulation_steps must be >= 1")
     if config.training.steps_per_loop < 1:
-        raise ConfigError(f"training.steps_per_loop must be >= 1 (optimizer steps per host round-trip; 1 = "
-                          f"read every step's loss), got {config.training.steps_per_loop}")
+        raise ConfigError(
+            f"training.steps_per_loop must be >= 1 (optimizer steps per host round-trip; 1 = "
+            f"read every step's loss), got {config.training.steps_per_loop}"
+        )
     if not 0 <= config.validation.overlap < 1:
         raise ConfigError(f"validation.overlap must be in [0, 1), got {config.validation.overlap}")
     if config.validation.roi_size is not None and len(config.validation.roi_size) != 3:
@@ -462,12 +491,14 @@ def validate(config: Config) -> None:
 
 def to_dict(config) -> dict:
     """Plain nested dicts and lists (tuples become lists), as YAML writes them."""
+
     def plain(value):
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [plain(v) for v in value]
         return value
+
     return plain(dataclasses.asdict(config))
 
 

@@ -16,8 +16,14 @@ import dataclasses
 import sys
 from typing import Literal
 
-from tfmis.data.convert import (EXIT_SKIPPED, ConversionConfig, ConversionOptions, ParametersChanged, convert,
-                                summary_text)
+from tfmis.data.convert import (
+    EXIT_SKIPPED,
+    ConversionConfig,
+    ConversionOptions,
+    ParametersChanged,
+    convert,
+    summary_text,
+)
 from tfmis.data.msd import DatasetError
 
 
@@ -28,11 +34,16 @@ def _tuple_of(kind, length: int | tuple[int, ...], name: str):
         try:
             values = tuple(kind(v) for v in text.replace(" ", "").split(",") if v != "")
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a comma-separated list of {kind.__name__}s")
+            raise argparse.ArgumentTypeError(
+                f"{name}: {text!r} is not a comma-separated list of {kind.__name__}s"
+            ) from None
         if len(values) not in lengths:
-            raise argparse.ArgumentTypeError(f"{name}: expected {' or '.join(map(str, lengths))} comma-separated "
-                                             f"values, got {len(values)} in {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"{name}: expected {' or '.join(map(str, lengths))} comma-separated "
+                f"values, got {len(values)} in {text!r}"
+            )
         return values
+
     return parse
 
 
@@ -73,8 +84,14 @@ class _Parser(argparse.ArgumentParser):
         args = list(sys.argv[1:] if args is None else args)
         joined = []
         for arg in args:
-            if joined and joined[-1].startswith("--") and "=" not in joined[-1] and arg[:1] == "-" and \
-                    arg[1:2].isdigit() and "," in arg:
+            if (
+                joined
+                and joined[-1].startswith("--")
+                and "=" not in joined[-1]
+                and arg[:1] == "-"
+                and arg[1:2].isdigit()
+                and "," in arg
+            ):
                 joined[-1] = f"{joined[-1]}={arg}"
             else:
                 joined.append(arg)
@@ -85,17 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tools/tfrecord.py",
         description="Convert a Medical Segmentation Decathlon (MSD) style dataset into preprocessed TFRecord "
-                    "shards with an index.json and a fingerprint.json. Preprocessing: reorient to RAS, crop to "
-                    "the foreground, resample (linear images / nearest labels) or reshape, normalise per "
-                    "channel (z-score over the foreground for MRI, clip-and-scale window for CT).",
+        "shards with an index.json and a fingerprint.json. Preprocessing: reorient to RAS, crop to "
+        "the foreground, resample (linear images / nearest labels) or reshape, normalise per "
+        "channel (z-score over the foreground for MRI, clip-and-scale window for CT).",
         epilog="Exit status: 0 all cases converted; 3 converted, but some cases were skipped (listed in "
-               "index.json under 'skipped'); 1 the dataset or target is unusable; 2 bad arguments. "
-               "Rerunning with the same arguments resumes an interrupted conversion.")
+        "index.json under 'skipped'); 1 the dataset or target is unusable; 2 bad arguments. "
+        "Rerunning with the same arguments resumes an interrupted conversion.",
+    )
     p.add_argument("--source-dir", required=True, help="MSD dataset folder, the one holding dataset.json")
     p.add_argument("--target-dir", required=True, help="output folder for shards, index.json, fingerprint.json")
     _add_option_flags(p)
-    p.add_argument("--overwrite", action="store_true",
-                   help="rebuild when --target-dir holds a conversion made with other parameters")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="rebuild when --target-dir holds a conversion made with other parameters",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 

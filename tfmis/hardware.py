@@ -37,7 +37,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-MB = 2.0 ** 20
+MB = 2.0**20
 CPU = "/CPU:0"
 GPU_RESERVED_MB = 1024  # of a GPU's memory, for the CUDA context and libraries, outside TensorFlow's allocator
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -45,6 +45,7 @@ BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # CPU instructions with bfloat16 a
 
 
 # ---------------------------------------------------------------------------------------------- GPUs
+
 
 def nvidia_driver_present() -> bool:
     """Whether an NVIDIA driver is loaded (/proc/driver/nvidia or /dev/nvidiaN), without importing TensorFlow."""
@@ -90,8 +91,9 @@ def visible_nvml_handles(pynvml, count: int, visible: str | None = None) -> list
                     break
             elif entry.startswith("GPU-"):
                 if uuids is None:
-                    uuids = [_text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                             for i in range(count)]
+                    uuids = [
+                        _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)
+                    ]
                 matches = [i for i, uuid in enumerate(uuids) if uuid.startswith(entry)]
                 if len(matches) != 1:
                     break
@@ -125,9 +127,14 @@ def accelerators() -> list[dict]:
     try:
         devices = []
         for index, handle in visible_nvml_handles(pynvml, pynvml.nvmlDeviceGetCount()):
-            devices.append({"index": index, "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                            "total_mb": pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB,
-                            "uuid": _text(pynvml.nvmlDeviceGetUUID(handle))})
+            devices.append(
+                {
+                    "index": index,
+                    "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                    "total_mb": pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB,
+                    "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
+                }
+            )
     except pynvml.NVMLError:
         return []
     finally:
@@ -144,8 +151,12 @@ def nvml_device(index: int) -> dict | None:
         try:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            return {"name": _text(pynvml.nvmlDeviceGetName(handle)), "total_mb": memory.total / MB,
-                    "used_mb": memory.used / MB, "uuid": _text(pynvml.nvmlDeviceGetUUID(handle))}
+            return {
+                "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                "total_mb": memory.total / MB,
+                "used_mb": memory.used / MB,
+                "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
+            }
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no library, no driver, no such GPU
@@ -159,8 +170,9 @@ def visible_gpu_ids(env: dict | None = None) -> list[str]:
     if env.get("CUDA_VISIBLE_DEVICES") is not None:
         return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip() and g.strip() != "-1"]
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
@@ -176,6 +188,7 @@ def _text(value) -> str:
 
 # ---------------------------------------------------------------------------------------------- host
 
+
 def usable_cpus() -> list[int]:
     """The cores this process may run on (its affinity mask; all cores where there is none)."""
     try:
@@ -187,8 +200,14 @@ def usable_cpus() -> list[int]:
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo; the platform's processor name elsewhere)."""
     try:
-        name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), None)
+        name = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            None,
+        )
     except OSError:
         name = None
     if not name:
@@ -215,20 +234,26 @@ def host_memory() -> dict:
     total = meminfo.get("MemTotal", 0.0)
     available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0.0))
     limit = None
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             raw = Path(limit_file).read_text().strip()
-            if raw == "max" or int(raw) >= 2 ** 60:  # unlimited
+            if raw == "max" or int(raw) >= 2**60:  # unlimited
                 break
             limit = int(raw) / MB
             available = min(available, limit - int(Path(usage_file).read_text()) / MB)
             break
         except (OSError, ValueError):
             continue
-    return {"total_mb": total, "available_mb": max(available, 0.0), "cgroup_limit_mb": limit, "cpu_name": cpu_name(),
-            "cpu_count": os.cpu_count()}
+    return {
+        "total_mb": total,
+        "available_mb": max(available, 0.0),
+        "cgroup_limit_mb": limit,
+        "cpu_name": cpu_name(),
+        "cpu_count": os.cpu_count(),
+    }
 
 
 def cpu_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
@@ -249,6 +274,7 @@ def cpu_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------------------------- the machine
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -299,8 +325,11 @@ class Hardware:
         g = self.gpus[0]
         cc = self.compute_capability
         memory = f", {self.gpu_memory_mb / 1024:.0f} GB" if self.gpu_memory_mb else ""
-        return (f"{len(self.gpus)} x {g['name']} (compute capability {cc[0]}.{cc[1]}{memory})" if cc else
-                f"{len(self.gpus)} x {g['name']}{memory}") + f"; host: {cpu}"
+        return (
+            f"{len(self.gpus)} x {g['name']} (compute capability {cc[0]}.{cc[1]}{memory})"
+            if cc
+            else f"{len(self.gpus)} x {g['name']}{memory}"
+        ) + f"; host: {cpu}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -317,15 +346,26 @@ def detect_hardware() -> Hardware:
         except Exception:  # noqa: BLE001 - details are optional (e.g. non-CUDA builds)
             details = {}
         cc = details.get("compute_capability")
-        gpus.append({"name": details.get("device_name") or (nvml[i]["name"] if i < len(nvml) else device.name),
-                     "compute_capability": tuple(int(c) for c in cc) if cc else None,
-                     "memory_mb": nvml[i]["total_mb"] if i < len(nvml) else None})
+        gpus.append(
+            {
+                "name": details.get("device_name") or (nvml[i]["name"] if i < len(nvml) else device.name),
+                "compute_capability": tuple(int(c) for c in cc) if cc else None,
+                "memory_mb": nvml[i]["total_mb"] if i < len(nvml) else None,
+            }
+        )
     host = host_memory()
-    return Hardware(gpus=tuple(gpus), cpu_name=host.get("cpu_name") or "cpu", cpu_count=len(usable_cpus()),
-                    cpu_flags=cpu_flags(), host_memory_mb=host["total_mb"], host_available_mb=host["available_mb"])
+    return Hardware(
+        gpus=tuple(gpus),
+        cpu_name=host.get("cpu_name") or "cpu",
+        cpu_count=len(usable_cpus()),
+        cpu_flags=cpu_flags(),
+        host_memory_mb=host["total_mb"],
+        host_available_mb=host["available_mb"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------- precision
+
 
 def recommended_precision(hardware: Hardware) -> tuple[str, str]:
     """(precision, reason): the precision this hardware trains fastest in, the more precise one on a tie.
@@ -350,14 +390,18 @@ def recommended_precision(hardware: Hardware) -> tuple[str, str]:
         if cc is None:
             return "float32", "GPU of unknown compute capability: float32 is safe everywhere"
         if cc >= (7, 0):
-            return "mixed_float16", (f"GPU compute capability {cc[0]}.{cc[1]} >= 7.0: float16 tensor cores with "
-                                     f"dynamic loss scaling (nnU-Net's AMP; float16 keeps 3 more mantissa bits than "
-                                     f"bfloat16 at the same speed)")
+            return "mixed_float16", (
+                f"GPU compute capability {cc[0]}.{cc[1]} >= 7.0: float16 tensor cores with "
+                f"dynamic loss scaling (nnU-Net's AMP; float16 keeps 3 more mantissa bits than "
+                f"bfloat16 at the same speed)"
+            )
         return "float32", f"GPU compute capability {cc[0]}.{cc[1]} < 7.0: no tensor cores, mixed precision gains little"
     if hardware.cpu_bf16:
         flags = "/".join(f for f in BF16_CPU_FLAGS if f in hardware.cpu_flags)
-        return "float32", (f"CPU only: float16 is emulated (~30x slower); bfloat16 ({flags}) trained no faster than "
-                           f"float32 on the development CPU, so the more precise float32")
+        return "float32", (
+            f"CPU only: float16 is emulated (~30x slower); bfloat16 ({flags}) trained no faster than "
+            f"float32 on the development CPU, so the more precise float32"
+        )
     return "float32", "CPU only, no bfloat16 instructions: float16 and bfloat16 would be emulated (~30x slower)"
 
 
@@ -391,15 +435,21 @@ def hardware_warnings(training, hardware: Hardware | None = None) -> list[str]:
     best = recommended_precision(hardware)[0]
     if not hardware.has_gpu:
         if precision == "mixed_float16":
-            lines.append(f"training.precision is mixed_float16 but this machine has no GPU: CPUs emulate float16 "
-                         f"(~30x slower than float32 on the development CPU); use --set training.precision=auto "
-                         f"(here: {best})")
+            lines.append(
+                f"training.precision is mixed_float16 but this machine has no GPU: CPUs emulate float16 "
+                f"(~30x slower than float32 on the development CPU); use --set training.precision=auto "
+                f"(here: {best})"
+            )
         if training.jit_compile:
-            lines.append("training.jit_compile is true but this machine has no GPU: XLA on the CPU ran ~10x slower "
-                         "than plain TensorFlow on the development CPU; use --set training.jit_compile=false")
+            lines.append(
+                "training.jit_compile is true but this machine has no GPU: XLA on the CPU ran ~10x slower "
+                "than plain TensorFlow on the development CPU; use --set training.jit_compile=false"
+            )
     else:
         cc = hardware.compute_capability
         if precision == "mixed_bfloat16" and cc is not None and cc < (8, 0):
-            lines.append(f"training.precision is mixed_bfloat16 but the GPU's compute capability is {cc[0]}.{cc[1]} "
-                         f"(bfloat16 arithmetic needs 8.0); use --set training.precision=auto (here: {best})")
+            lines.append(
+                f"training.precision is mixed_bfloat16 but the GPU's compute capability is {cc[0]}.{cc[1]} "
+                f"(bfloat16 arithmetic needs 8.0); use --set training.precision=auto (here: {best})"
+            )
     return lines

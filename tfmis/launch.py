@@ -16,18 +16,31 @@ import sys
 
 from tfmis.utils.cli import parse_with_command
 
-USAGE = ("usage: python -m tfmis.launch --nproc N [--grace-seconds S] -- COMMAND ...\n"
-         "e.g. python -m tfmis.launch --nproc 2 -- python -m tfmis.train --config configs/demo.yaml")
+USAGE = (
+    "usage: python -m tfmis.launch --nproc N [--grace-seconds S] -- COMMAND ...\n"
+    "e.g. python -m tfmis.launch --nproc 2 -- python -m tfmis.train --config configs/demo.yaml"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfmis.launch", description="Start N local worker processes of one "
-                                "MultiWorkerMirroredStrategy cluster (TF_CONFIG on loopback ports).")
+    p = argparse.ArgumentParser(
+        prog="python -m tfmis.launch",
+        description="Start N local worker processes of one "
+        "MultiWorkerMirroredStrategy cluster (TF_CONFIG on loopback ports).",
+    )
     p.add_argument("--nproc", type=int, required=True, help="number of worker processes on this machine")
-    p.add_argument("--grace-seconds", type=float, default=60.0,
-                   help="after a worker fails, how long the others may take to stop by themselves")
-    p.add_argument("--gpus-per-worker", type=int, default=None,
-                   help="GPUs each worker sees (default: the visible GPUs shared out evenly; 0 = leave as is)")
+    p.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=60.0,
+        help="after a worker fails, how long the others may take to stop by themselves",
+    )
+    p.add_argument(
+        "--gpus-per-worker",
+        type=int,
+        default=None,
+        help="GPUs each worker sees (default: the visible GPUs shared out evenly; 0 = leave as is)",
+    )
     return p
 
 

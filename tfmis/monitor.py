@@ -19,15 +19,19 @@ import sys
 from tfmis.utils.cli import parse_with_command
 
 PREFIX = "tfmis.monitor:"
-USAGE = ("usage: python -m tfmis.monitor [--interval S] [--output DIR] [--gpus 0,1] -- COMMAND ...\n"
-         "e.g. python -m tfmis.monitor --interval 1 -- python -m tfmis.train --config configs/demo.yaml")
+USAGE = (
+    "usage: python -m tfmis.monitor [--interval S] [--output DIR] [--gpus 0,1] -- COMMAND ...\n"
+    "e.g. python -m tfmis.monitor --interval 1 -- python -m tfmis.train --config configs/demo.yaml"
+)
 
 
 def _gpu_list(text: str) -> list[int]:
     try:
         gpus = [int(g) for g in text.split(",") if g.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--gpus takes NVML indices separated by commas (e.g. 0,1), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--gpus takes NVML indices separated by commas (e.g. 0,1), got {text!r}"
+        ) from None
     if not gpus or min(gpus) < 0:
         raise argparse.ArgumentTypeError(f"--gpus takes non-negative GPU indices (e.g. 0,1), got {text!r}")
     return gpus
@@ -44,15 +48,23 @@ def _positive(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfmis.monitor", usage=USAGE.split("\n")[0][len("usage: "):],
-                                description="Runs COMMAND, samples GPU utilisation/memory (or, without NVIDIA GPUs, "
-                                            "the command's process-tree CPU and RSS) into DIR/monitor.csv, plots "
-                                            "DIR/monitor.png, prints a summary, and exits with COMMAND's status.")
+    p = argparse.ArgumentParser(
+        prog="python -m tfmis.monitor",
+        usage=USAGE.split("\n")[0][len("usage: ") :],
+        description="Runs COMMAND, samples GPU utilisation/memory (or, without NVIDIA GPUs, "
+        "the command's process-tree CPU and RSS) into DIR/monitor.csv, plots "
+        "DIR/monitor.png, prints a summary, and exits with COMMAND's status.",
+    )
     p.add_argument("--interval", type=_positive, default=1.0, help="seconds between samples (default 1)")
-    p.add_argument("--output", default=None,
-                   help="folder for monitor.csv/.png/.json (default: ./monitor-<YYYYmmdd-HHMMSS>)")
-    p.add_argument("--gpus", type=_gpu_list, default=None,
-                   help="NVML indices of the GPUs to sample, e.g. 0,1 (default: CUDA_VISIBLE_DEVICES, else all)")
+    p.add_argument(
+        "--output", default=None, help="folder for monitor.csv/.png/.json (default: ./monitor-<YYYYmmdd-HHMMSS>)"
+    )
+    p.add_argument(
+        "--gpus",
+        type=_gpu_list,
+        default=None,
+        help="NVML indices of the GPUs to sample, e.g. 0,1 (default: CUDA_VISIBLE_DEVICES, else all)",
+    )
     return p
 
 

@@ -21,9 +21,12 @@ from pathlib import Path
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tfmis.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--source-dir", required=True, help="MSD dataset folder (with dataset.json)")
-    p.add_argument("--target-dir", default=None,
-                   help="where the conversion goes (default: <source>_tfrecords next to it); when it holds a "
-                        "finished conversion, its fingerprint is used")
+    p.add_argument(
+        "--target-dir",
+        default=None,
+        help="where the conversion goes (default: <source>_tfrecords next to it); when it holds a "
+        "finished conversion, its fingerprint is used",
+    )
     p.add_argument("--output-dir", default=None, help="the run folder the plan trains into (default runs/<folder>)")
     p.add_argument("--output", default=None, help="the plan file (default: <output-dir>/plan.yaml)")
     p.add_argument("--workers", type=int, default=None, help="processes reading cases (default: CPU count, at most 8)")
@@ -39,12 +42,16 @@ def main(argv=None) -> int:
 
     source = Path(args.source_dir)
     if not (source / "dataset.json").is_file():
-        print(f"error: --source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
-              f"imagesTr and labelsTr", file=sys.stderr)
+        print(
+            f"error: --source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
+            f"imagesTr and labelsTr",
+            file=sys.stderr,
+        )
         return 2
     try:
-        plan, fingerprint = plan_dataset(source, args.target_dir, args.output_dir, args.workers,
-                                         progress=not args.quiet)
+        plan, fingerprint = plan_dataset(
+            source, args.target_dir, args.output_dir, args.workers, progress=not args.quiet
+        )
     except (DatasetError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -53,8 +60,7 @@ def main(argv=None) -> int:
     atomic_write_json(output.with_name(output.stem + "_fingerprint.json"), fingerprint.to_dict())
     print(f"Plan for {fingerprint.name} ({plan.summary['hardware']}):")
     print(plan.table())
-    print(f"Written to {output} (every value with its reason). Train with:\n"
-          f"  python -m tfmis.train --config {output}")
+    print(f"Written to {output} (every value with its reason). Train with:\n  python -m tfmis.train --config {output}")
     return 0
 
 

@@ -16,31 +16,50 @@ EXIT_FAILED_CASES = 3
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tfmis.predict", description=__doc__.split("\n\n")[0],
+        prog="python -m tfmis.predict",
+        description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 all cases written; 3 some cases failed (listed in the table and predictions.csv); "
-               "1 unusable config, checkpoint or input; 2 bad arguments.")
-    p.add_argument("--checkpoint", required=True,
-                   help="a run folder (uses its best.weights.h5), its best.weights.h5, or a checkpoints/ folder or "
-                        "ckpt-N prefix")
-    p.add_argument("--config", default=None,
-                   help="the training run's config (default: config.yaml of the run folder of --checkpoint)")
-    p.add_argument("--input", required=True,
-                   help="a NIfTI file, a folder of NIfTI files, or an MSD dataset.json (see --subset)")
+        "1 unusable config, checkpoint or input; 2 bad arguments.",
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a run folder (uses its best.weights.h5), its best.weights.h5, or a checkpoints/ folder or ckpt-N prefix",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the training run's config (default: config.yaml of the run folder of --checkpoint)",
+    )
+    p.add_argument(
+        "--input", required=True, help="a NIfTI file, a folder of NIfTI files, or an MSD dataset.json (see --subset)"
+    )
     p.add_argument("--output", required=True, help="output folder")
-    p.add_argument("--subset", default="test",
-                   help="with a dataset.json: test (its test list, default), training (all labelled cases), or "
-                        "split:NAME (a split of the converted training data, e.g. split:val)")
+    p.add_argument(
+        "--subset",
+        default="test",
+        help="with a dataset.json: test (its test list, default), training (all labelled cases), or "
+        "split:NAME (a split of the converted training data, e.g. split:val)",
+    )
     p.add_argument("--label-dir", default=None, help="ground-truth labels named like the images: adds Dice per class")
     p.add_argument("--tta", action="store_true", help="test-time augmentation: average over flips")
     p.add_argument("--tta-axes", default="0,1,2", help="axes (R,A,S = 0,1,2) flipped by --tta (default 0,1,2)")
     p.add_argument("--probabilities", action="store_true", help="also write per-class probability maps")
     p.add_argument("--sw-batch-size", type=int, default=None, help="windows per forward pass (default: the config's)")
     p.add_argument("--overlap", type=float, default=None, help="sliding-window overlap (default: the config's)")
-    p.add_argument("--device", choices=("cpu", "gpu"), default=None,
-                   help="where to run (default gpu when one is visible); gpu falls back to the CPU, then to smaller "
-                        "sliding-window batches, for volumes that do not fit")
-    p.add_argument("--accelerator-memory-mb", type=float, default=None,
-                   help="budget for whole-volume buffers on the GPU; larger volumes go to the CPU")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default=None,
+        help="where to run (default gpu when one is visible); gpu falls back to the CPU, then to smaller "
+        "sliding-window batches, for volumes that do not fit",
+    )
+    p.add_argument(
+        "--accelerator-memory-mb",
+        type=float,
+        default=None,
+        help="budget for whole-volume buffers on the GPU; larger volumes go to the CPU",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -84,9 +103,16 @@ def main(argv=None) -> int:
 
     try:
         config = load_config(args.config or run_config(args.checkpoint))
-        predictor = Predictor(config, args.checkpoint, sw_batch_size=args.sw_batch_size, overlap=args.overlap,
-                              device=args.device, tta=args.tta, tta_axes=tta_axes,
-                              accelerator_memory_mb=args.accelerator_memory_mb)
+        predictor = Predictor(
+            config,
+            args.checkpoint,
+            sw_batch_size=args.sw_batch_size,
+            overlap=args.overlap,
+            device=args.device,
+            tta=args.tta,
+            tta_axes=tta_axes,
+            accelerator_memory_mb=args.accelerator_memory_mb,
+        )
         cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -77,8 +77,9 @@ class SegmentationTask:
     # ------------------------------------------------------------------ the network
 
     def _unet(self, **changes) -> UNetConfig:
-        return UNetConfig(self.in_channels, len(self.class_names), **{**dataclasses.asdict(self.config.model),
-                                                                        **changes})
+        return UNetConfig(
+            self.in_channels, len(self.class_names), **{**dataclasses.asdict(self.config.model), **changes}
+        )
 
     def build_training_model(self) -> tuple[keras.Model, keras.Model]:
         """(model, training model): the model validates, predicts and is saved as best weights; the training
@@ -95,11 +96,16 @@ class SegmentationTask:
     def build_loss(self):
         """The `loss` section's loss; with `model.deep_supervision`, summed over the heads with nnU-Net's weights."""
         lc = self.config.loss
-        loss = build_loss(lc.name, include_background=lc.include_background, activation=lc.activation,
-                          batch=lc.batch, squared_pred=lc.squared_pred,
-                          **({"lambda_dice": lc.lambda_dice} if lc.name != "dice" else {}),
-                          **({"lambda_ce": lc.lambda_ce} if lc.name == "dice_ce" else {}),
-                          **({"lambda_focal": lc.lambda_focal, "gamma": lc.gamma} if lc.name == "dice_focal" else {}))
+        loss = build_loss(
+            lc.name,
+            include_background=lc.include_background,
+            activation=lc.activation,
+            batch=lc.batch,
+            squared_pred=lc.squared_pred,
+            **({"lambda_dice": lc.lambda_dice} if lc.name != "dice" else {}),
+            **({"lambda_ce": lc.lambda_ce} if lc.name == "dice_ce" else {}),
+            **({"lambda_focal": lc.lambda_focal, "gamma": lc.gamma} if lc.name == "dice_focal" else {}),
+        )
         m = self.config.model
         if m.deep_supervision:
             loss = DeepSupervisionLoss(loss, [factor for _, factor in m.deep_supervision_levels])
@@ -110,8 +116,10 @@ class SegmentationTask:
         `optimizer.lr_scaling` says against `optimizer.lr_reference_batch` (default: one replica's batch)."""
         o, tc = self.config.optimizer, self.config.training
         reference = o.lr_reference_batch or self.config.pipeline.num_images_per_batch * tc.accumulation_steps
-        return tuple(batch_scaled_learning_rate(rate, o.lr_scaling, global_batch, reference)
-                     for rate in (o.learning_rate, o.min_learning_rate))
+        return tuple(
+            batch_scaled_learning_rate(rate, o.lr_scaling, global_batch, reference)
+            for rate in (o.learning_rate, o.min_learning_rate)
+        )
 
     def build_optimizer(self, global_batch: int, steps_per_epoch: int):
         """The optimizer with its schedule over `training.epochs` x `steps_per_epoch` steps (warm-up first);
@@ -119,12 +127,25 @@ class SegmentationTask:
         Build it in the distribution backend's scope."""
         o, tc = self.config.optimizer, self.config.training
         learning_rate, min_learning_rate = self.learning_rates(global_batch)
-        schedule = build_schedule(o.schedule, learning_rate, total_steps=tc.epochs * steps_per_epoch,
-                                  warmup_steps=int(o.warmup_epochs * steps_per_epoch), power=o.power,
-                                  min_learning_rate=min_learning_rate)
+        schedule = build_schedule(
+            o.schedule,
+            learning_rate,
+            total_steps=tc.epochs * steps_per_epoch,
+            warmup_steps=int(o.warmup_epochs * steps_per_epoch),
+            power=o.power,
+            min_learning_rate=min_learning_rate,
+        )
         # OncePerStep: Keras would evaluate the schedule once per variable in every step
-        optimizer = build_optimizer(o.name, OncePerStep(schedule), weight_decay=o.weight_decay, momentum=o.momentum,
-                                    nesterov=o.nesterov, beta_1=o.beta_1, beta_2=o.beta_2, clipnorm=o.clipnorm)
+        optimizer = build_optimizer(
+            o.name,
+            OncePerStep(schedule),
+            weight_decay=o.weight_decay,
+            momentum=o.momentum,
+            nesterov=o.nesterov,
+            beta_1=o.beta_1,
+            beta_2=o.beta_2,
+            clipnorm=o.clipnorm,
+        )
         if self.precision == "mixed_float16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         return optimizer
@@ -141,4 +162,6 @@ class SegmentationTask:
 
     def build_metrics(self) -> SegmentationMetrics:
         """Per-class Dice (and HD95 with `validation.hd95`), as MONAI computes them."""
-        return SegmentationMetrics(len(self.class_names), class_names=self.class_names, hd95=self.config.validation.hd95)
+        return SegmentationMetrics(
+            len(self.class_names), class_names=self.class_names, hd95=self.config.validation.hd95
+        )

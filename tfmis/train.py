@@ -2,9 +2,9 @@
 (`tfmis-train`).
 
 Converts the data first when the config names an MSD source folder, trains with the one custom
-loop (one device, MirroredStrategy, MultiWorkerMirroredStrategy or Horovod; `runtime:`), validates with sliding-window inference, and writes the
-run folder: config.yaml, checkpoints/, best.weights.h5, history.jsonl/.csv, training_curves.png,
-validation_preview.png, summary.json, tensorboard/.
+loop (one device, MirroredStrategy, MultiWorkerMirroredStrategy or Horovod; `runtime:`), validates with
+sliding-window inference, and writes the run folder: config.yaml, checkpoints/, best.weights.h5,
+history.jsonl/.csv, training_curves.png, validation_preview.png, summary.json, tensorboard/.
 
 With `--source-dir DIR` instead of `--config`, the config is planned for that MSD folder on this
 machine first (`python -m tfmis.plan`: nnU-Net's rules, every value commented with its reason) and
@@ -29,14 +29,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tfmis.train", description=__doc__.split("\n\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="YAML config, e.g. configs/demo.yaml")
-    source.add_argument("--source-dir", help="an MSD dataset folder: plan a config for it on this machine (written to "
-                                             "<output.dir>/plan.yaml), convert it and train")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set training.epochs=3 --set pipeline.patch_size=[48,48,48]")
+    source.add_argument(
+        "--source-dir",
+        help="an MSD dataset folder: plan a config for it on this machine (written to "
+        "<output.dir>/plan.yaml), convert it and train",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set training.epochs=3 --set pipeline.patch_size=[48,48,48]",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output.dir")
-    g = p.add_argument_group("GPU customization", "choose pipeline.num_images_per_batch, validation.num_sw_batch_size "
-                             "and validation.validation_data_device from measured memory and speed first (the search "
-                             "of python -m tfmis.tune fit, or its cache), then train with them")
+    g = p.add_argument_group(
+        "GPU customization",
+        "choose pipeline.num_images_per_batch, validation.num_sw_batch_size "
+        "and validation.validation_data_device from measured memory and speed first (the search "
+        "of python -m tfmis.tune fit, or its cache), then train with them",
+    )
     g.add_argument("--gpu-customization", action="store_true", help="run the GPU-fit search before training")
     add_search_arguments(g, prefix="gpu-customization-")
     return p
@@ -80,45 +92,71 @@ def main(argv=None) -> int:
     from tfmis.inference.placement import VolumeOutOfMemory
     from tfmis.tune.fit import NoConfigurationFits
 
-    expected = (RunExists, TrainingDiverged, NoConfigurationFits, VolumeOutOfMemory, ParametersChanged,
-                FileNotFoundError, KeyError, ValueError)
+    expected = (
+        RunExists,
+        TrainingDiverged,
+        NoConfigurationFits,
+        VolumeOutOfMemory,
+        ParametersChanged,
+        FileNotFoundError,
+        KeyError,
+        ValueError,
+    )
     try:
         if not _prepare_on_chief(backend, lambda: prepare_dataset(config.data, progress=config.output.progress)):
             return 1
         if args.gpu_customization:
             if backend.size > 1:
-                raise ValueError("--gpu-customization runs one search per machine: run python -m tfmis.tune fit "
-                                 "first, then launch the workers with its fit.yaml")
+                raise ValueError(
+                    "--gpu-customization runs one search per machine: run python -m tfmis.tune fit "
+                    "first, then launch the workers with its fit.yaml"
+                )
             config = _gpu_customization(config, args)
         elif planned is not None and backend.size == 1:
             config = _cached_gpu_fit(config, planned, args)
         trainer = Trainer(config, backend=backend)
         if backend.is_chief:
-            lr = "" if config.optimizer.lr_scaling == "none" else (
-                f", learning rate {trainer.learning_rate:.3g} ({config.optimizer.lr_scaling} scaling)")
-            print(f"Training {trainer.model.count_params():,} parameters on {backend.num_replicas} replica(s) "
-                  f"({backend.name}, {backend.size} worker process(es)), global batch {trainer.global_batch}, "
-                  f"{trainer.steps_per_epoch} steps/epoch, precision {config.training.precision}{lr}; "
-                  f"results in {config.output.dir}", file=sys.stderr)
+            lr = (
+                ""
+                if config.optimizer.lr_scaling == "none"
+                else (f", learning rate {trainer.learning_rate:.3g} ({config.optimizer.lr_scaling} scaling)")
+            )
+            print(
+                f"Training {trainer.model.count_params():,} parameters on {backend.num_replicas} replica(s) "
+                f"({backend.name}, {backend.size} worker process(es)), global batch {trainer.global_batch}, "
+                f"{trainer.steps_per_epoch} steps/epoch, precision {config.training.precision}{lr}; "
+                f"results in {config.output.dir}",
+                file=sys.stderr,
+            )
         summary = trainer.fit(resume=args.resume)
     except expected as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.DeadlineExceededError,
-            tf.errors.AbortedError, tf.errors.InternalError) as e:
+    except (
+        tf.errors.UnavailableError,
+        tf.errors.CancelledError,
+        tf.errors.DeadlineExceededError,
+        tf.errors.AbortedError,
+        tf.errors.InternalError,
+    ) as e:
         if backend.size == 1:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: worker {backend.rank} lost contact with the other workers ({type(e).__name__}: {first[:300]}). "
-              f"A worker died or the network failed; training stopped. The last committed epoch is in "
-              f"{Path(config.output.dir) / 'checkpoints'}: restart all workers with --resume.", file=sys.stderr)
+        print(
+            f"error: worker {backend.rank} lost contact with the other workers ({type(e).__name__}: {first[:300]}). "
+            f"A worker died or the network failed; training stopped. The last committed epoch is in "
+            f"{Path(config.output.dir) / 'checkpoints'}: restart all workers with --resume.",
+            file=sys.stderr,
+        )
         return 1
     if not backend.is_chief:
         return 0
     trainer.preview(Path(config.output.dir) / "validation_preview.png")
     print(summary_table(summary))
-    print(f"Results in {config.output.dir}: training_curves.png, validation_preview.png, history.csv, "
-          "summary.json, best.weights.h5, tensorboard/")
+    print(
+        f"Results in {config.output.dir}: training_curves.png, validation_preview.png, history.csv, "
+        "summary.json, best.weights.h5, tensorboard/"
+    )
     return 0
 
 
@@ -134,8 +172,11 @@ def _plan(args) -> dict | None:
 
     source = Path(args.source_dir)
     if not (source / "dataset.json").is_file():
-        print(f"error: --source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
-              "imagesTr and labelsTr", file=sys.stderr)
+        print(
+            f"error: --source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
+            "imagesTr and labelsTr",
+            file=sys.stderr,
+        )
         return None
     given: dict = {}
     for override in args.overrides:
@@ -150,8 +191,9 @@ def _plan(args) -> dict | None:
     effective = plan.config(args.overrides)  # a bad override is named here
     path = plan.write(Path(effective.output.dir) / "plan.yaml")
     print(f"Plan for {fingerprint.name} ({plan.summary['hardware']}):\n{plan.table()}", file=sys.stderr)
-    print(f"Plan written to {path} (every value with its reason): edit it and rerun with --config {path}",
-          file=sys.stderr)
+    print(
+        f"Plan written to {path} (every value with its reason): edit it and rerun with --config {path}", file=sys.stderr
+    )
     return {"path": path, "plan": plan, "fingerprint": fingerprint, "target": target, "output": output}
 
 
@@ -165,17 +207,28 @@ def _cached_gpu_fit(config, planned: dict, args):
     hardware = detect_hardware()
     if not hardware.has_gpu:
         return config
-    measured = plan_with_cached_gpu_fit(planned["fingerprint"], hardware, config, source_dir=str(args.source_dir),
-                                        dataset_dir=config.data.dataset_dir, output_dir=planned["output"])
+    measured = plan_with_cached_gpu_fit(
+        planned["fingerprint"],
+        hardware,
+        config,
+        source_dir=str(args.source_dir),
+        dataset_dir=config.data.dataset_dir,
+        output_dir=planned["output"],
+    )
     if measured is None:
-        print("GPU-fit search: no cached result for this plan; batch sizes are estimates (add --gpu-customization "
-              "to measure them; later plans reuse the measurement)", file=sys.stderr)
+        print(
+            "GPU-fit search: no cached result for this plan; batch sizes are estimates (add --gpu-customization "
+            "to measure them; later plans reuse the measurement)",
+            file=sys.stderr,
+        )
         return config
     plan, fitted = measured
     plan.write(planned["path"])
-    print(f"GPU-fit search ({fitted['source']}): batch {fitted['num_images_per_batch']}, sw batch "
-          f"{fitted['num_sw_batch_size']}, validation on {fitted['validation_data_device']}; plan updated",
-          file=sys.stderr)
+    print(
+        f"GPU-fit search ({fitted['source']}): batch {fitted['num_images_per_batch']}, sw batch "
+        f"{fitted['num_sw_batch_size']}, validation on {fitted['validation_data_device']}; plan updated",
+        file=sys.stderr,
+    )
     updated = load_config(planned["path"], args.overrides)
     updated.training.precision = config.training.precision
     return updated

@@ -13,7 +13,7 @@ an animated GIF sweeping through the slices. The path written is printed on stdo
 
 Example:
 ```
-python tools/visualize.py --dataset-dir data/demo_tfr --sample 0            # → data/demo_tfr/visualize/train_000_demo_003.png
+python tools/visualize.py --dataset-dir data/demo_tfr --sample 0  # → data/demo_tfr/visualize/train_000_demo_003.png
 python tools/visualize.py --image ct.nii.gz --label seg.nii.gz --class-names background,liver,tumour --no-screen
 python tools/visualize.py --image ct.nii.gz --label seg.nii.gz --prediction pred.nii.gz  # → ./ct_prediction.png
 ```
@@ -68,49 +68,85 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tools/visualize.py",
         description="Draw one case: a record of a converted TFRecord dataset (--dataset-dir, --sample) or a NIfTI "
-                    "file (--image), optionally with its ground truth (--label, a translucent fill) and a "
-                    "model's prediction (--prediction, one-voxel outlines in the same class colours). Writes a "
-                    "PNG of the sagittal, coronal and axial mid-planes (one row per channel, one colour per "
-                    "class, orientation letters at the panel edges, patient's right on the screen's right), or "
-                    "with --no-screen an animated GIF sweeping through the slices. Prints the path written.",
+        "file (--image), optionally with its ground truth (--label, a translucent fill) and a "
+        "model's prediction (--prediction, one-voxel outlines in the same class colours). Writes a "
+        "PNG of the sagittal, coronal and axial mid-planes (one row per channel, one colour per "
+        "class, orientation letters at the panel edges, patient's right on the screen's right), or "
+        "with --no-screen an animated GIF sweeping through the slices. Prints the path written.",
         epilog="Exit status: 0 written; 1 a file, split or sample is missing or unreadable, or a label or "
-               "prediction does not match the image's grid; 2 bad arguments. Examples: python "
-               "tools/visualize.py --dataset-dir data/demo_tfr --sample 0 --split val;  python "
-               "tools/visualize.py --image ct.nii.gz --label seg.nii.gz --prediction pred.nii.gz")
+        "prediction does not match the image's grid; 2 bad arguments. Examples: python "
+        "tools/visualize.py --dataset-dir data/demo_tfr --sample 0 --split val;  python "
+        "tools/visualize.py --image ct.nii.gz --label seg.nii.gz --prediction pred.nii.gz",
+    )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--dataset-dir", metavar="OUT",
-                        help="converted dataset folder (the --target-dir of tools/tfrecord.py, holding index.json)")
+    source.add_argument(
+        "--dataset-dir",
+        metavar="OUT",
+        help="converted dataset folder (the --target-dir of tools/tfrecord.py, holding index.json)",
+    )
     source.add_argument("--image", metavar="FILE", help="NIfTI image (.nii or .nii.gz; 3D, or 4D with channels last)")
-    p.add_argument("--sample", type=int, metavar="N",
-                   help="with --dataset-dir: record number within the split, 0-based, in storage order")
-    p.add_argument("--split", default=None,
-                   help="with --dataset-dir: split to read (default: train, or the first split when there is "
-                        "no train split, e.g. fold0)")
-    p.add_argument("--label", metavar="FILE",
-                   help="with --image: NIfTI ground-truth label map on the same grid as the image, drawn as a "
-                        "translucent fill")
-    p.add_argument("--prediction", metavar="FILE",
-                   help="with --image: NIfTI label map predicted by a segmentation model (e.g. uint8, class "
-                        "values 0, 1, 2, ...) on the same grid as the image, drawn as one-voxel outlines in the "
-                        "class colours; with --label both are drawn, to compare them")
-    p.add_argument("--class-names", metavar="NAMES",
-                   help="with --image: comma-separated names of label values 0, 1, 2, ..., e.g. "
-                        "background,liver,tumour (default: the 'labels' of a dataset.json next to imagesTr/, "
-                        "else 'class 1', 'class 2', ...)")
-    p.add_argument("--channel-names", metavar="NAMES",
-                   help="with --image: comma-separated channel names, e.g. T1w,T2w (default: the 'modality' of "
-                        "a dataset.json next to imagesTr/, else 'channel 0', ...)")
-    p.add_argument("--no-screen", action="store_true",
-                   help="write an animated GIF sweeping through the slices instead of the PNG of the mid-planes")
-    p.add_argument("--axis", choices=sorted(PLANE_AXES), default="axial",
-                   help="with --no-screen: the direction swept (default axial)")
+    p.add_argument(
+        "--sample",
+        type=int,
+        metavar="N",
+        help="with --dataset-dir: record number within the split, 0-based, in storage order",
+    )
+    p.add_argument(
+        "--split",
+        default=None,
+        help="with --dataset-dir: split to read (default: train, or the first split when there is "
+        "no train split, e.g. fold0)",
+    )
+    p.add_argument(
+        "--label",
+        metavar="FILE",
+        help="with --image: NIfTI ground-truth label map on the same grid as the image, drawn as a translucent fill",
+    )
+    p.add_argument(
+        "--prediction",
+        metavar="FILE",
+        help="with --image: NIfTI label map predicted by a segmentation model (e.g. uint8, class "
+        "values 0, 1, 2, ...) on the same grid as the image, drawn as one-voxel outlines in the "
+        "class colours; with --label both are drawn, to compare them",
+    )
+    p.add_argument(
+        "--class-names",
+        metavar="NAMES",
+        help="with --image: comma-separated names of label values 0, 1, 2, ..., e.g. "
+        "background,liver,tumour (default: the 'labels' of a dataset.json next to imagesTr/, "
+        "else 'class 1', 'class 2', ...)",
+    )
+    p.add_argument(
+        "--channel-names",
+        metavar="NAMES",
+        help="with --image: comma-separated channel names, e.g. T1w,T2w (default: the 'modality' of "
+        "a dataset.json next to imagesTr/, else 'channel 0', ...)",
+    )
+    p.add_argument(
+        "--no-screen",
+        action="store_true",
+        help="write an animated GIF sweeping through the slices instead of the PNG of the mid-planes",
+    )
+    p.add_argument(
+        "--axis",
+        choices=sorted(PLANE_AXES),
+        default="axial",
+        help="with --no-screen: the direction swept (default axial)",
+    )
     p.add_argument("--fps", type=float, default=8.0, help="with --no-screen: frames per second (default 8)")
-    p.add_argument("--max-frames", type=int, default=96,
-                   help="with --no-screen: at most this many frames; longer sweeps skip evenly (default 96)")
-    p.add_argument("--output", metavar="PATH",
-                   help="file to write (default: OUT/visualize/{split}_{sample:03d}_{case_id}.png|.gif with "
-                        "--dataset-dir, ./{case}.png|.gif with --image, ./{case}_prediction.png|.gif with "
-                        "--image and --prediction)")
+    p.add_argument(
+        "--max-frames",
+        type=int,
+        default=96,
+        help="with --no-screen: at most this many frames; longer sweeps skip evenly (default 96)",
+    )
+    p.add_argument(
+        "--output",
+        metavar="PATH",
+        help="file to write (default: OUT/visualize/{split}_{sample:03d}_{case_id}.png|.gif with "
+        "--dataset-dir, ./{case}.png|.gif with --image, ./{case}_prediction.png|.gif with "
+        "--image and --prediction)",
+    )
     return p
 
 
@@ -119,9 +155,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _check_argument_combinations(parser, args)
     try:
-        case = dataset_case(args.dataset_dir, args.split, args.sample) if args.dataset_dir else \
-            nifti_case(args.image, args.label, _names(args.class_names), _names(args.channel_names),
-                       prediction_path=args.prediction)
+        case = (
+            dataset_case(args.dataset_dir, args.split, args.sample)
+            if args.dataset_dir
+            else nifti_case(
+                args.image,
+                args.label,
+                _names(args.class_names),
+                _names(args.channel_names),
+                prediction_path=args.prediction,
+            )
+        )
         suffix = ".gif" if args.no_screen else ".png"
         # appended, not with_suffix: case ids may contain dots
         path = Path(args.output) if args.output else case.default_stem.with_name(case.default_stem.name + suffix)
@@ -159,8 +203,14 @@ def orthogonal_figure(case: CaseView):
 
 
 def _drawing_args(case: CaseView) -> dict:
-    return dict(label=case.label, prediction=case.prediction, spacing=case.spacing,
-                channel_names=case.channel_names, class_names=case.class_names, title=case.title)
+    return dict(
+        label=case.label,
+        prediction=case.prediction,
+        spacing=case.spacing,
+        channel_names=case.channel_names,
+        class_names=case.class_names,
+        title=case.title,
+    )
 
 
 def dataset_case(dataset_dir: str | Path, split: str | None, sample: int) -> CaseView:
@@ -179,20 +229,28 @@ def dataset_case(dataset_dir: str | Path, split: str | None, sample: int) -> Cas
     cases = split_cases(index, split)
     if not 0 <= sample < len(cases):
         valid = f"0..{len(cases) - 1}" if cases else "none"
-        raise VisualizeError(f"sample {sample} is out of range: split {split!r} of {dataset_dir} has "
-                             f"{len(cases)} record{'' if len(cases) == 1 else 's'} (valid --sample: {valid})")
+        raise VisualizeError(
+            f"sample {sample} is out of range: split {split!r} of {dataset_dir} has "
+            f"{len(cases)} record{'' if len(cases) == 1 else 's'} (valid --sample: {valid})"
+        )
     record = _read_record(dataset_dir, split, sample, cases[sample])
     meta = record["metadata"]
     name = record["case_id"]
     return CaseView(
-        name=name, image=record["image"], label=record["label"], spacing=tuple(meta["geometry"]["spacing"]),
-        channel_names=meta.get("modalities"), class_names=meta.get("labels"),
+        name=name,
+        image=record["image"],
+        label=record["label"],
+        spacing=tuple(meta["geometry"]["spacing"]),
+        channel_names=meta.get("modalities"),
+        class_names=meta.get("labels"),
         title=f"{name}  ({index['source'].get('name', '')} {split} record {sample})",
-        default_stem=Path(dataset_dir) / "visualize" / f"{split}_{sample:03d}_{name}")
+        default_stem=Path(dataset_dir) / "visualize" / f"{split}_{sample:03d}_{name}",
+    )
 
 
-def nifti_case(image_path: str | Path, label_path=None, class_names=None, channel_names=None,
-               prediction_path=None) -> CaseView:
+def nifti_case(
+    image_path: str | Path, label_path=None, class_names=None, channel_names=None, prediction_path=None
+) -> CaseView:
     """A NIfTI image (and label, and prediction) reoriented to RAS, with spacing from the affine.
 
     The label and the prediction are label maps on the image's grid (each reoriented with its own
@@ -203,7 +261,9 @@ def nifti_case(image_path: str | Path, label_path=None, class_names=None, channe
 
     image, affine = _load_nifti(image_path, "--image")
     if image.ndim not in (3, 4):
-        raise VisualizeError(f"--image {image_path}: expected a 3D or 4D (channels last) image, got shape {image.shape}")
+        raise VisualizeError(
+            f"--image {image_path}: expected a 3D or 4D (channels last) image, got shape {image.shape}"
+        )
     image, ras_affine = reorient_to_ras(image.astype(np.float32, copy=False), affine)
     label = _class_map(label_path, "--label", image.shape[:3]) if label_path is not None else None
     prediction = _class_map(prediction_path, "--prediction", image.shape[:3]) if prediction_path is not None else None
@@ -213,10 +273,16 @@ def nifti_case(image_path: str | Path, label_path=None, class_names=None, channe
     if prediction is not None:
         title += "\n" + ("label (fill) vs prediction (outline)" if label is not None else "prediction (outline)")
     return CaseView(
-        name=name, image=image, label=label, prediction=prediction,
+        name=name,
+        image=image,
+        label=label,
+        prediction=prediction,
         spacing=tuple(float(s) for s in spacing_of(ras_affine)),
-        channel_names=channel_names or msd_channels, class_names=class_names or msd_classes, title=title,
-        default_stem=Path(".") / (name + ("_prediction" if prediction is not None else "")))
+        channel_names=channel_names or msd_channels,
+        class_names=class_names or msd_classes,
+        title=title,
+        default_stem=Path(".") / (name + ("_prediction" if prediction is not None else "")),
+    )
 
 
 def _class_map(path, flag: str, image_shape: tuple) -> np.ndarray:
@@ -230,8 +296,10 @@ def _class_map(path, flag: str, image_shape: tuple) -> np.ndarray:
         raise VisualizeError(f"{flag} {path}: expected a 3D label map, got shape {data.shape}")
     data, _ = reorient_to_ras(data, affine)
     if data.shape != tuple(image_shape):
-        raise VisualizeError(f"{flag} {path}: shape {data.shape} (in RAS order) does not match the image's "
-                             f"{tuple(image_shape)}; it must be on the same voxel grid as --image")
+        raise VisualizeError(
+            f"{flag} {path}: shape {data.shape} (in RAS order) does not match the image's "
+            f"{tuple(image_shape)}; it must be on the same voxel grid as --image"
+        )
     return np.rint(data).astype(np.int32) if not np.issubdtype(data.dtype, np.integer) else data
 
 
@@ -240,8 +308,10 @@ def _check_argument_combinations(parser: argparse.ArgumentParser, args) -> None:
         if args.sample is None:
             parser.error("--dataset-dir needs --sample N (the record number within the split)")
         if args.prediction is not None:
-            parser.error("--prediction goes with --image: it is a NIfTI label map on the grid of that NIfTI image, "
-                         "not of a converted record (draw it with --image scan.nii.gz --prediction FILE)")
+            parser.error(
+                "--prediction goes with --image: it is a NIfTI label map on the grid of that NIfTI image, "
+                "not of a converted record (draw it with --image scan.nii.gz --prediction FILE)"
+            )
         for flag in ("label", "class_names", "channel_names"):
             if getattr(args, flag) is not None:
                 parser.error(f"--{flag.replace('_', '-')} goes with --image; a converted record carries its own")
@@ -260,9 +330,11 @@ def _read_record(dataset_dir, split: str, sample: int, entry: dict) -> dict:
         return read_record(dataset_dir, split, sample)
     except (ValueError, tf.errors.OpError) as e:
         reason = _plain_tf_message(getattr(e, "message", None) or str(e))
-        raise VisualizeError(f"record {sample} of split {split!r} (case {entry['case_id']}, {entry['file']} at byte "
-                             f"{entry['offset']}) could not be decoded; the shard is damaged or does not match "
-                             f"index.json: {reason}") from e
+        raise VisualizeError(
+            f"record {sample} of split {split!r} (case {entry['case_id']}, {entry['file']} at byte "
+            f"{entry['offset']}) could not be decoded; the shard is damaged or does not match "
+            f"index.json: {reason}"
+        ) from e
 
 
 def _plain_tf_message(message: str) -> str:

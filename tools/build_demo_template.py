@@ -43,7 +43,7 @@ TEMPLATE_FILES = {
     "wm": "mni_icbm152_wm_tal_nlin_sym_09a_converted.nii.gz",
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "tfmis" / "data" / "assets" / "mni152_2mm.npz"
-BLOCK = 2          # 1 mm -> 2 mm
+BLOCK = 2  # 1 mm -> 2 mm
 MARGIN_VOXELS = 3  # kept around the brain's bounding box (at 2 mm)
 T1_EXTENSION_VOXELS = 2
 
@@ -52,10 +52,12 @@ def default_nilearn_data_dir() -> Path:
     """The `datasets/data` folder of an importable nilearn; exits with a hint when there is none."""
     spec = importlib.util.find_spec("nilearn")
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("nilearn is not importable. Either `pip install nilearn`, or fetch the wheel without "
-                 "installing it:\n  pip download nilearn --no-deps -d /tmp/dl && "
-                 "unzip -q /tmp/dl/nilearn-*.whl -d /tmp/dl/nl\nand pass "
-                 "--nilearn-data /tmp/dl/nl/nilearn/datasets/data")
+        sys.exit(
+            "nilearn is not importable. Either `pip install nilearn`, or fetch the wheel without "
+            "installing it:\n  pip download nilearn --no-deps -d /tmp/dl && "
+            "unzip -q /tmp/dl/nilearn-*.whl -d /tmp/dl/nl\nand pass "
+            "--nilearn-data /tmp/dl/nl/nilearn/datasets/data"
+        )
     return Path(spec.submodule_search_locations[0]) / "datasets" / "data"
 
 
@@ -149,17 +151,24 @@ def build(data_dir: Path, output: Path) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(output, affine=affine.astype(np.float64), **arrays)
     shape = arrays["t1"].shape
-    print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB): {len(arrays)} maps of shape {shape} at "
-          f"{BLOCK} mm, origin {affine[:3, 3].tolist()} mm, brain voxels (>50%) "
-          f"{int((arrays['brain'] > 127).sum())}")
+    print(
+        f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB): {len(arrays)} maps of shape {shape} at "
+        f"{BLOCK} mm, origin {affine[:3, 3].tolist()} mm, brain voxels (>50%) "
+        f"{int((arrays['brain'] > 127).sum())}"
+    )
     return output
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nilearn-data", type=Path, default=None,
-                        help="nilearn's datasets/data folder (default: that of an importable nilearn)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--nilearn-data",
+        type=Path,
+        default=None,
+        help="nilearn's datasets/data folder (default: that of an importable nilearn)",
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"default: {DEFAULT_OUTPUT}")
     args = parser.parse_args(argv)
     build(args.nilearn_data or default_nilearn_data_dir(), args.output)

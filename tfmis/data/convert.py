@@ -36,8 +36,15 @@ import numpy as np
 from tfmis.data import fingerprint as fp
 from tfmis.data.msd import Case, CaseError, DatasetError, MSDDataset, load_case
 from tfmis.data.preprocess import PreprocessConfig, preprocess, ras_spacing
-from tfmis.data.records import (COMPRESSIONS, FINGERPRINT_FILE, INDEX_FILE, SCHEMA_VERSION, encode_example,
-                                framed_size, shard_name)
+from tfmis.data.records import (
+    COMPRESSIONS,
+    FINGERPRINT_FILE,
+    INDEX_FILE,
+    SCHEMA_VERSION,
+    encode_example,
+    framed_size,
+    shard_name,
+)
 from tfmis.utils.io import atomic_write_json
 from tfmis.utils.parallel import map_ordered
 
@@ -53,11 +60,11 @@ class ParametersChanged(RuntimeError):
 DEFAULT_SPLIT = (0.7, 0.15, 0.15)
 
 
-def _option(default, help: str, flag: str | None = None, lengths: tuple[int, ...] | None = None,
-            group: str | None = None):
+def _option(
+    default, help: str, flag: str | None = None, lengths: tuple[int, ...] | None = None, group: str | None = None
+):
     """A conversion option: its default and how `tools/tfrecord.py` offers it (help, flag, value count)."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "lengths": lengths,
-                                                        "group": group})
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "lengths": lengths, "group": group})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,28 +91,41 @@ class ConversionOptions:
     """
 
     split: tuple[float, ...] | None = _option(
-        None, "fractions of the labelled cases for train,val,test (default 0.7,0.15,0.15); normalised to sum 1",
-        lengths=(1, 2, 3), group="split")
-    folds: int | None = _option(None, "K: write K folds (splits fold0..foldK-1) instead of train/val/test",
-                                group="split")
+        None,
+        "fractions of the labelled cases for train,val,test (default 0.7,0.15,0.15); normalised to sum 1",
+        lengths=(1, 2, 3),
+        group="split",
+    )
+    folds: int | None = _option(
+        None, "K: write K folds (splits fold0..foldK-1) instead of train/val/test", group="split"
+    )
     spacing: tuple[float, float, float] | None = _option(
-        None, "target voxel spacing in mm along R,A,S, e.g. 1.5,1.5,2.0 (default: the dataset's median spacing)",
-        group="grid")
+        None,
+        "target voxel spacing in mm along R,A,S, e.g. 1.5,1.5,2.0 (default: the dataset's median spacing)",
+        group="grid",
+    )
     reshape: tuple[int, int, int] | None = _option(
-        None, "fixed output shape X,Y,Z after cropping, e.g. 120,120,96 (instead of resampling)", group="grid")
+        None, "fixed output shape X,Y,Z after cropping, e.g. 120,120,96 (instead of resampling)", group="grid"
+    )
     shards: int = _option(4, "shards per split (at most one per case; default 4)")
     compression: Literal["GZIP", "ZLIB", "NONE"] = _option("GZIP", "TFRecord compression (default GZIP)")
-    workers: int | None = _option(None, "parallel preprocessing processes (default: CPU count, at most 8; "
-                                        "1 = no subprocess)")
+    workers: int | None = _option(
+        None, "parallel preprocessing processes (default: CPU count, at most 8; 1 = no subprocess)"
+    )
     seed: int = _option(0, "seed of the split (default 0)")
     image_dtype: Literal["float16", "float32"] = _option(
-        "float16", "storage dtype of the normalised images (default float16, half the bytes)")
+        "float16", "storage dtype of the normalised images (default float16, half the bytes)"
+    )
     ct_window: tuple[float, float] | None = _option(
-        None, "LOW,HIGH Hounsfield window for CT channels, e.g. -57,164 (default: 0.5/99.5 percentiles of the "
-              "labelled foreground)")
+        None,
+        "LOW,HIGH Hounsfield window for CT channels, e.g. -57,164 (default: 0.5/99.5 percentiles of the "
+        "labelled foreground)",
+    )
     ct_normalization: Literal["scale", "zscore"] = _option(
-        "scale", "CT channels after clipping to the window: scale to [0, 1] (default) or zscore with the mean and "
-                 "std of the labelled foreground over the training cases (nnU-Net)")
+        "scale",
+        "CT channels after clipping to the window: scale to [0, 1] (default) or zscore with the mean and "
+        "std of the labelled foreground over the training cases (nnU-Net)",
+    )
     crop_foreground: bool = _option(True, "do not crop to the foreground bounding box", flag="--no-crop")
     crop_margin: int = _option(0, "voxels kept around the foreground box (default 0)")
 
@@ -154,11 +174,16 @@ class ConversionConfig(ConversionOptions):
     progress: bool = True
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ConversionConfig":
+    def from_args(cls, args: argparse.Namespace) -> ConversionConfig:
         """From `build_parser()`'s arguments."""
         options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ConversionOptions)}
-        return cls(source_dir=args.source_dir, target_dir=args.target_dir, overwrite=args.overwrite,
-                   progress=not args.quiet, **options)
+        return cls(
+            source_dir=args.source_dir,
+            target_dir=args.target_dir,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+            **options,
+        )
 
     def requested(self, dataset_json_sha256: str) -> dict:
         """The parameters that decide the output (not workers/progress/overwrite)."""
@@ -181,7 +206,7 @@ def assign_splits(case_ids: list[str], split, folds, seed: int) -> dict[str, lis
     for i in np.argsort(-(exact - counts), kind="stable")[: len(order) - counts.sum()]:
         counts[i] += 1  # largest remainders get the leftover cases
     bounds = np.concatenate([[0], np.cumsum(counts)])
-    return {name: order[bounds[i]:bounds[i + 1]] for i, name in enumerate(names)}
+    return {name: order[bounds[i] : bounds[i + 1]] for i, name in enumerate(names)}
 
 
 def plan_shards(splits: dict[str, list[str]], shards: int, compression: str) -> list[dict]:
@@ -189,8 +214,14 @@ def plan_shards(splits: dict[str, list[str]], shards: int, compression: str) -> 
     for split, cases in splits.items():
         n = min(shards, len(cases))
         for k, chunk in enumerate(np.array_split(np.array(cases, dtype=object), n) if n else []):
-            plan.append({"split": split, "shard": k, "file": shard_name(split, k, n, compression),
-                         "cases": [str(c) for c in chunk]})
+            plan.append(
+                {
+                    "split": split,
+                    "shard": k,
+                    "file": shard_name(split, k, n, compression),
+                    "cases": [str(c) for c in chunk],
+                }
+            )
     return plan
 
 
@@ -205,6 +236,7 @@ def header_spacing(case: Case, dataset: MSDDataset) -> np.ndarray:
 
 # ---------------------------------------------------------------- worker side (no TensorFlow here)
 
+
 def _process_case(task: tuple) -> dict:
     case, source_dir, prep = task
     try:
@@ -215,10 +247,16 @@ def _process_case(task: tuple) -> dict:
         if label is not None and not (label > 0).any():
             warnings.append("label has no foreground voxels")
         return {
-            "case_id": case.case_id, "status": "ok", "image": image, "label": label,
-            "geometry": geometry.to_dict(), "warnings": warnings, "disk_dtype": loaded.header_dtype,
-            "fingerprint": fp.case_fingerprint(loaded.image, loaded.label, ras_spacing(loaded.affine), geometry,
-                                               label, dataset.num_classes),
+            "case_id": case.case_id,
+            "status": "ok",
+            "image": image,
+            "label": label,
+            "geometry": geometry.to_dict(),
+            "warnings": warnings,
+            "disk_dtype": loaded.header_dtype,
+            "fingerprint": fp.case_fingerprint(
+                loaded.image, loaded.label, ras_spacing(loaded.affine), geometry, label, dataset.num_classes
+            ),
         }
     except CaseError as e:
         return {"case_id": case.case_id, "status": "skipped", "reason": e.reason}
@@ -237,6 +275,7 @@ def _foreground_sample(task: tuple) -> np.ndarray | None:
 
 
 # ---------------------------------------------------------------- main side
+
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -257,19 +296,27 @@ def _prepare_target(target: Path, requested: dict, overwrite: bool, dataset: MSD
                 continue
             if old is None and new == resolved[k]:
                 previous[k] = new  # the default it resolved, now asked for by its value (as a plan writes it)
-            elif (new is None and old == resolved[k] and k == "spacing" and dataset is not None
-                  and list(_median_spacing(dataset) or []) == resolved[k]):
+            elif (
+                new is None
+                and old == resolved[k]
+                and k == "spacing"
+                and dataset is not None
+                and list(_median_spacing(dataset) or []) == resolved[k]
+            ):
                 previous[k] = None  # the value asked for then is what the default (the median) resolves to
         if previous != requested:
             changed = sorted(k for k in set(previous) | set(requested) if previous.get(k) != requested.get(k))
             details = "; ".join(f"{k}: {previous.get(k)!r} -> {requested.get(k)!r}" for k in changed)
             if not overwrite:
-                raise ParametersChanged(f"{target} holds a conversion made with other parameters ({details}); "
-                                        "use another --target-dir, or --overwrite to rebuild it")
+                raise ParametersChanged(
+                    f"{target} holds a conversion made with other parameters ({details}); "
+                    "use another --target-dir, or --overwrite to rebuild it"
+                )
             _remove_outputs(target)
     elif any(target.glob("*.tfrecord*")) and not overwrite:
-        raise ParametersChanged(f"{target} holds TFRecord files that this tool did not plan; "
-                                "use an empty --target-dir, or --overwrite")
+        raise ParametersChanged(
+            f"{target} holds TFRecord files that this tool did not plan; use an empty --target-dir, or --overwrite"
+        )
     elif overwrite:
         _remove_outputs(target)
     for tmp in list(target.glob("*.tmp")) + list((target / PROGRESS_DIR).glob("*.tmp")):
@@ -277,8 +324,13 @@ def _prepare_target(target: Path, requested: dict, overwrite: bool, dataset: MSD
 
 
 def _remove_outputs(target: Path) -> None:
-    for path in [*target.glob("*.tfrecord*"), *(target / PROGRESS_DIR).glob("*"),
-                 target / INDEX_FILE, target / FINGERPRINT_FILE, target / PLAN_FILE]:
+    for path in [
+        *target.glob("*.tfrecord*"),
+        *(target / PROGRESS_DIR).glob("*"),
+        target / INDEX_FILE,
+        target / FINGERPRINT_FILE,
+        target / PLAN_FILE,
+    ]:
         if path.is_file():
             path.unlink()
 
@@ -311,10 +363,18 @@ def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) 
 
     final = target / shard["file"]
     tmp = target / (shard["file"] + ".tmp")
-    options = tf.io.TFRecordOptions(compression_type="" if index_meta["compression"] == "NONE"
-                                    else index_meta["compression"])
-    record = {"file": shard["file"], "split": shard["split"], "shard": shard["shard"], "cases": {},
-              "skipped": {}, "warnings": {}, "fingerprints": {}}
+    options = tf.io.TFRecordOptions(
+        compression_type="" if index_meta["compression"] == "NONE" else index_meta["compression"]
+    )
+    record = {
+        "file": shard["file"],
+        "split": shard["split"],
+        "shard": shard["shard"],
+        "cases": {},
+        "skipped": {},
+        "warnings": {},
+        "fingerprints": {},
+    }
     offset = 0
     with tf.io.TFRecordWriter(str(tmp), options) as writer:
         for result in results:
@@ -323,14 +383,26 @@ def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) 
                 record["skipped"][cid] = result["reason"]
                 on_case(cid, f"skipped: {result['reason']}")
                 continue
-            metadata = {"case_id": cid, "geometry": result["geometry"], "modalities": index_meta["modalities"],
-                        "labels": index_meta["labels"], "image_disk_dtype": result["disk_dtype"]}
+            metadata = {
+                "case_id": cid,
+                "geometry": result["geometry"],
+                "modalities": index_meta["modalities"],
+                "labels": index_meta["labels"],
+                "image_disk_dtype": result["disk_dtype"],
+            }
             payload = encode_example(cid, result["image"], result["label"], metadata)
             writer.write(payload)
-            record["cases"][cid] = {"case_id": cid, "split": shard["split"], "shard": shard["shard"],
-                                    "file": shard["file"], "position": len(record["cases"]),
-                                    "offset": offset, "length": len(payload),
-                                    "image_shape": list(result["image"].shape), "geometry": result["geometry"]}
+            record["cases"][cid] = {
+                "case_id": cid,
+                "split": shard["split"],
+                "shard": shard["shard"],
+                "file": shard["file"],
+                "position": len(record["cases"]),
+                "offset": offset,
+                "length": len(payload),
+                "image_shape": list(result["image"].shape),
+                "geometry": result["geometry"],
+            }
             offset += framed_size(len(payload))
             record["fingerprints"][cid] = result["fingerprint"]
             if result["warnings"]:
@@ -370,20 +442,30 @@ def convert(config: ConversionConfig) -> dict:
             ct_mean_std = mean_std if ct_norm == "ct_zscore" else None
     if spacing is None and config.reshape is None:
         raise DatasetError(f"{dataset.root}: no readable image header to compute the median spacing; pass --spacing")
-    atomic_write_json(target / PLAN_FILE, {"requested": requested,
-                                           "resolved": {"spacing": spacing, "ct_window": ct_window,
-                                                        "ct_mean_std": ct_mean_std}})
+    atomic_write_json(
+        target / PLAN_FILE,
+        {"requested": requested, "resolved": {"spacing": spacing, "ct_window": ct_window, "ct_mean_std": ct_mean_std}},
+    )
     spacing = tuple(spacing) if spacing is not None else None
     ct_window = tuple(ct_window) if ct_window is not None else None
-    prep = PreprocessConfig(spacing=spacing, reshape=config.reshape, normalization=modal_norm, ct_window=ct_window,
-                            ct_mean_std=tuple(ct_mean_std) if ct_mean_std is not None else None,
-                            crop_foreground=config.crop_foreground, crop_margin=config.crop_margin,
-                            image_dtype=config.image_dtype)
+    prep = PreprocessConfig(
+        spacing=spacing,
+        reshape=config.reshape,
+        normalization=modal_norm,
+        ct_window=ct_window,
+        ct_mean_std=tuple(ct_mean_std) if ct_mean_std is not None else None,
+        crop_foreground=config.crop_foreground,
+        crop_margin=config.crop_margin,
+        image_dtype=config.image_dtype,
+    )
 
     splits = assign_splits([c.case_id for c in dataset.training], config.split, config.folds, config.seed)
     plan = plan_shards(splits, config.shards, config.compression)
-    done = {s["file"] for s in plan
-            if (target / s["file"]).is_file() and (target / PROGRESS_DIR / (s["file"] + ".json")).is_file()}
+    done = {
+        s["file"]
+        for s in plan
+        if (target / s["file"]).is_file() and (target / PROGRESS_DIR / (s["file"] + ".json")).is_file()
+    }
     pending = [s for s in plan if s["file"] not in done]
     by_id = {c.case_id: c for c in dataset.training}
     tasks = [(by_id[cid], str(dataset.root), prep) for s in pending for cid in s["cases"]]
@@ -391,8 +473,9 @@ def convert(config: ConversionConfig) -> dict:
 
     bar = progress_bar(len(tasks), f"Converting {dataset.name}", "case", disable=not config.progress)
     if done:
-        bar.write(f"Resuming: {len(done)} of {len(plan)} shards already complete, {len(tasks)} cases to go",
-                  file=sys.stderr)
+        bar.write(
+            f"Resuming: {len(done)} of {len(plan)} shards already complete, {len(tasks)} cases to go", file=sys.stderr
+        )
 
     def on_case(case_id: str, message: str | None):
         if message:
@@ -410,8 +493,15 @@ def convert(config: ConversionConfig) -> dict:
     return index
 
 
-def _build_index(target: Path, dataset: MSDDataset, config: ConversionConfig, requested: dict,
-                 prep: PreprocessConfig, splits: dict, plan: list) -> dict:
+def _build_index(
+    target: Path,
+    dataset: MSDDataset,
+    config: ConversionConfig,
+    requested: dict,
+    prep: PreprocessConfig,
+    splits: dict,
+    plan: list,
+) -> dict:
     progress = [json.loads((target / PROGRESS_DIR / (s["file"] + ".json")).read_text()) for s in plan]
     cases, skipped, warnings, fingerprints = {}, [], [], {}
     for record in progress:
@@ -423,30 +513,52 @@ def _build_index(target: Path, dataset: MSDDataset, config: ConversionConfig, re
         if case.case_id in cases:
             cases[case.case_id].update(image=case.image, label=case.label)
     total_bytes = sum(r["bytes"] for r in progress)
-    atomic_write_json(target / FINGERPRINT_FILE, {
-        "dataset": fp.summarize(fingerprints, dataset.labels, dataset.modalities),
-        "cases": fingerprints,
-    })
+    atomic_write_json(
+        target / FINGERPRINT_FILE,
+        {
+            "dataset": fp.summarize(fingerprints, dataset.labels, dataset.modalities),
+            "cases": fingerprints,
+        },
+    )
     return {
         "schema_version": SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "source": {"dir": str(dataset.root), "name": dataset.name, "modalities": dataset.modalities,
-                   "labels": dataset.labels, "num_training": len(dataset.training), "num_test": len(dataset.test),
-                   "dataset_json_sha256": requested["dataset_json_sha256"]},
+        "source": {
+            "dir": str(dataset.root),
+            "name": dataset.name,
+            "modalities": dataset.modalities,
+            "labels": dataset.labels,
+            "num_training": len(dataset.training),
+            "num_test": len(dataset.test),
+            "dataset_json_sha256": requested["dataset_json_sha256"],
+        },
         "requested": requested,
         "preprocessing": {**prep.to_dict(), "compression": config.compression},
-        "split": {"fractions": list(config.split) if config.split else None, "folds": config.folds,
-                  "seed": config.seed},
-        "splits": {name: {"cases": ids,
-                          "num_records": sum(r["records"] for r in progress if r["split"] == name),
-                          "shards": [{"file": r["file"], "records": r["records"], "bytes": r["bytes"]}
-                                     for r in progress if r["split"] == name]}
-                   for name, ids in splits.items()},
+        "split": {
+            "fractions": list(config.split) if config.split else None,
+            "folds": config.folds,
+            "seed": config.seed,
+        },
+        "splits": {
+            name: {
+                "cases": ids,
+                "num_records": sum(r["records"] for r in progress if r["split"] == name),
+                "shards": [
+                    {"file": r["file"], "records": r["records"], "bytes": r["bytes"]}
+                    for r in progress
+                    if r["split"] == name
+                ],
+            }
+            for name, ids in splits.items()
+        },
         "cases": cases,
         "skipped": sorted(skipped, key=lambda s: s["case_id"]),
         "warnings": sorted(warnings, key=lambda w: w["case_id"]),
-        "stats": {"records": len(cases), "bytes": total_bytes,
-                  "bytes_per_case": round(total_bytes / len(cases)) if cases else 0},
+        "stats": {
+            "records": len(cases),
+            "bytes": total_bytes,
+            "bytes_per_case": round(total_bytes / len(cases)) if cases else 0,
+        },
     }
 
 
@@ -454,10 +566,12 @@ def summary_text(index: dict) -> str:
     """A short human-readable account of a conversion."""
     prep = index["preprocessing"]
     grid = f"reshape {prep['reshape']}" if prep["reshape"] else f"spacing {prep['spacing']} mm"
-    lines = [f"{index['source']['name']}: {index['stats']['records']} cases converted, "
-             f"{len(index['skipped'])} skipped, {len(index['warnings'])} warnings "
-             f"({grid}, {prep['image_dtype']}, {prep['compression']}, "
-             f"{index['stats']['bytes_per_case'] / 1e6:.2f} MB/case, {index['run_seconds']:.1f} s)"]
+    lines = [
+        f"{index['source']['name']}: {index['stats']['records']} cases converted, "
+        f"{len(index['skipped'])} skipped, {len(index['warnings'])} warnings "
+        f"({grid}, {prep['image_dtype']}, {prep['compression']}, "
+        f"{index['stats']['bytes_per_case'] / 1e6:.2f} MB/case, {index['run_seconds']:.1f} s)"
+    ]
     for name, split in index["splits"].items():
         lines.append(f"  {name:<6} {split['num_records']:>4} records in {len(split['shards'])} shard(s)")
     for s in index["skipped"]:

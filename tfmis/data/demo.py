@@ -76,6 +76,7 @@ LICENCE = (
 # big-endian image, and 12 cases cover everything.
 # --------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class StorageStyle:
     """How one case is written to disk.
@@ -94,13 +95,13 @@ class StorageStyle:
 ISO = (2.5, 2.5, 2.5)
 STORAGE_SCHEDULE = (
     StorageStyle(("R", "A", "S"), "<i2", ISO),
-    StorageStyle(("L", "P", "S"), ">i2", ISO),             # DICOM-style voxel order, big-endian
+    StorageStyle(("L", "P", "S"), ">i2", ISO),  # DICOM-style voxel order, big-endian
     StorageStyle(("L", "P", "S"), "<i2", (2.0, 2.0, 3.0)),
     StorageStyle(("R", "A", "S"), "<f4", ISO),
-    StorageStyle(("L", "A", "S"), "<i2", ISO),             # radiological convention
+    StorageStyle(("L", "A", "S"), "<i2", ISO),  # radiological convention
     StorageStyle(("R", "A", "S"), "<i2", (2.5, 2.5, 3.5)),
     StorageStyle(("L", "P", "S"), "<i2", ISO),
-    StorageStyle(("A", "S", "L"), "<i2", ISO),             # permuted axes (sagittal-like slices)
+    StorageStyle(("A", "S", "L"), "<i2", ISO),  # permuted axes (sagittal-like slices)
     StorageStyle(("R", "A", "S"), "<i2", (2.0, 2.0, 3.0)),
     StorageStyle(("L", "P", "S"), "<i2", ISO),
     StorageStyle(("R", "A", "S"), "<i2", ISO),
@@ -116,6 +117,7 @@ def storage_style(case_number: int) -> StorageStyle:
 # --------------------------------------------------------------------------------------------
 # Template
 # --------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Template:
@@ -149,6 +151,7 @@ def load_template() -> Template:
 # --------------------------------------------------------------------------------------------
 # Random smooth fields and transforms
 # --------------------------------------------------------------------------------------------
+
 
 def smooth_random_field(rng: np.random.Generator, shape: tuple[int, ...], nodes: int, std: float) -> np.ndarray:
     """A smooth random field on `shape`: Gaussian values on a coarse `nodes`^3 grid, cubic-spline upsampled.
@@ -203,12 +206,17 @@ class SubjectPose:
 def random_pose(rng: np.random.Generator, template: Template) -> SubjectPose:
     """Rotation up to 10° per axis, scale ±8% per axis, shift up to 5 mm, about the brain centre."""
     low, high = template.brain_box_mm
-    return SubjectPose(centre=(low + high) / 2, rotation=random_rotation(rng, 10.0),
-                       scale=rng.uniform(0.92, 1.08, size=3), shift=rng.uniform(-5.0, 5.0, size=3))
+    return SubjectPose(
+        centre=(low + high) / 2,
+        rotation=random_rotation(rng, 10.0),
+        scale=rng.uniform(0.92, 1.08, size=3),
+        shift=rng.uniform(-5.0, 5.0, size=3),
+    )
 
 
-def subject_grid(rng: np.random.Generator, template: Template, pose: SubjectPose,
-                 spacing: tuple[float, float, float]) -> tuple[tuple[int, int, int], np.ndarray]:
+def subject_grid(
+    rng: np.random.Generator, template: Template, pose: SubjectPose, spacing: tuple[float, float, float]
+) -> tuple[tuple[int, int, int], np.ndarray]:
     """An RAS voxel grid covering the deformed brain plus a random 6-20 mm margin on each side.
 
     Returns:
@@ -227,8 +235,9 @@ def subject_grid(rng: np.random.Generator, template: Template, pose: SubjectPose
     return shape, affine
 
 
-def template_voxel_coordinates(rng: np.random.Generator, template: Template, pose: SubjectPose,
-                               shape: tuple[int, int, int], affine: np.ndarray) -> np.ndarray:
+def template_voxel_coordinates(
+    rng: np.random.Generator, template: Template, pose: SubjectPose, shape: tuple[int, int, int], affine: np.ndarray
+) -> np.ndarray:
     """For every subject voxel, the (fractional) template voxel it shows: (3, X, Y, Z) float32.
 
     The pose's inverse is applied to the voxel's world position, then a smooth elastic
@@ -245,8 +254,12 @@ def template_voxel_coordinates(rng: np.random.Generator, template: Template, pos
     axes = [np.arange(n, dtype=np.float32) for n in shape]
     coords = np.empty((3, *shape), dtype=np.float32)
     for row in range(3):
-        coords[row] = (voxel_map[row, 0] * axes[0][:, None, None] + voxel_map[row, 1] * axes[1][None, :, None]
-                       + voxel_map[row, 2] * axes[2][None, None, :] + voxel_map[row, 3])
+        coords[row] = (
+            voxel_map[row, 0] * axes[0][:, None, None]
+            + voxel_map[row, 1] * axes[1][None, :, None]
+            + voxel_map[row, 2] * axes[2][None, None, :]
+            + voxel_map[row, 3]
+        )
     displacement_mm = [smooth_random_field(rng, shape, nodes=5, std=2.5) for _ in range(3)]
     for row in range(3):
         coords[row] += sum(mm_to_template_voxel[row, k] * displacement_mm[k] for k in range(3))
@@ -255,17 +268,26 @@ def template_voxel_coordinates(rng: np.random.Generator, template: Template, pos
 
 def warp_template(template: Template, coords: np.ndarray) -> dict[str, np.ndarray]:
     """Samples the template maps (trilinear, zero outside) at `coords`; returns float32 maps."""
+
     def sample(volume):
         return ndimage.map_coordinates(volume, coords, order=1, mode="constant", cval=0.0, output=np.float32)
-    return {"t1": sample(template.t1), "gm": sample(template.gm), "wm": sample(template.wm),
-            "brain": sample(template.brain)}
+
+    return {
+        "t1": sample(template.t1),
+        "gm": sample(template.gm),
+        "wm": sample(template.wm),
+        "brain": sample(template.brain),
+    }
 
 
 # --------------------------------------------------------------------------------------------
 # Lesion, contrasts, labels
 # --------------------------------------------------------------------------------------------
 
-def lesion_map(rng: np.random.Generator, white_matter: np.ndarray, spacing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+
+def lesion_map(
+    rng: np.random.Generator, white_matter: np.ndarray, spacing: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """One irregular blob (a bumpy, rotated ellipsoid, semi-axes 7-12 mm) centred deep in white matter.
 
     Args:
@@ -295,7 +317,8 @@ def lesion_map(rng: np.random.Generator, white_matter: np.ndarray, spacing: np.n
     # Irregular but smooth outline: a random quadratic form of the direction reshapes the ellipsoid
     # (lobes, dents), and a coarse random field wobbles the boundary locally.
     bumps = direction @ rng.normal(0, 0.12, size=3) + np.einsum(
-        "...i,ij,...j->...", direction, rng.normal(0, 0.15, size=(3, 3)), direction)
+        "...i,ij,...j->...", direction, rng.normal(0, 0.15, size=(3, 3)), direction
+    )
     bumpy_radius = radius * (1.0 + bumps) + smooth_random_field(rng, radius.shape, nodes=5, std=0.25)
 
     soft = np.zeros(white_matter.shape, dtype=np.float32)
@@ -315,8 +338,13 @@ def tissue_labels(maps: dict[str, np.ndarray], brain: np.ndarray, lesion: np.nda
     return labels
 
 
-def synthesise_channels(rng: np.random.Generator, maps: dict[str, np.ndarray], brain: np.ndarray,
-                        lesion_soft: np.ndarray, integer_output: bool) -> np.ndarray:
+def synthesise_channels(
+    rng: np.random.Generator,
+    maps: dict[str, np.ndarray],
+    brain: np.ndarray,
+    lesion_soft: np.ndarray,
+    integer_output: bool,
+) -> np.ndarray:
     """T1w and T2w in scanner units, (X, Y, Z, 2) float32, exactly 0 outside `brain`.
 
     T1w is the template T1; T2w mixes tissue fractions (CSF 1.0, GM 0.55, WM 0.28, all relative
@@ -344,6 +372,7 @@ def synthesise_channels(rng: np.random.Generator, maps: dict[str, np.ndarray], b
 # Cases and files
 # --------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class DemoCase:
     """One generated case, already in its storage orientation.
@@ -367,8 +396,9 @@ def reorient(arrays: list[np.ndarray], affine: np.ndarray, axcodes: tuple[str, s
         >>> nib.aff2axcodes(affine)
         ('L', 'P', 'S')
     """
-    transform = orientations.ornt_transform(orientations.axcodes2ornt(("R", "A", "S")),
-                                            orientations.axcodes2ornt(axcodes))
+    transform = orientations.ornt_transform(
+        orientations.axcodes2ornt(("R", "A", "S")), orientations.axcodes2ornt(axcodes)
+    )
     new_affine = affine @ orientations.inv_ornt_aff(transform, arrays[0].shape[:3])
     return [np.ascontiguousarray(orientations.apply_orientation(a, transform)) for a in arrays], new_affine
 
@@ -423,8 +453,9 @@ def case_name(case_number: int) -> str:
     return f"demo_{case_number:03d}"
 
 
-def make_demo_dataset(output_dir: str | Path, num_training: int = 12, num_test: int = 3, seed: int = 0,
-                      overwrite: bool = False) -> Path:
+def make_demo_dataset(
+    output_dir: str | Path, num_training: int = 12, num_test: int = 3, seed: int = 0, overwrite: bool = False
+) -> Path:
     """Writes the demo dataset (MSD layout) to `output_dir`, unless it already holds a dataset.json.
 
     Args:
@@ -481,8 +512,10 @@ def dataset_json(training_numbers: list[int], test_numbers: list[int]) -> dict:
         "labels": LABELS,
         "numTraining": len(training_numbers),
         "numTest": len(test_numbers),
-        "training": [{"image": f"./imagesTr/{case_name(n)}.nii.gz", "label": f"./labelsTr/{case_name(n)}.nii.gz"}
-                     for n in training_numbers],
+        "training": [
+            {"image": f"./imagesTr/{case_name(n)}.nii.gz", "label": f"./labelsTr/{case_name(n)}.nii.gz"}
+            for n in training_numbers
+        ],
         "test": [f"./imagesTs/{case_name(n)}.nii.gz" for n in test_numbers],
     }
 
@@ -497,6 +530,7 @@ def _write_json_atomically(path: Path, content: dict) -> None:
 # Command line
 # --------------------------------------------------------------------------------------------
 
+
 def _folder_size_mb(root: Path) -> float:
     return sum(p.stat().st_size for p in root.rglob("*.nii.gz")) / 1e6
 
@@ -505,15 +539,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tfmis.data.demo",
         description="Write a small two-channel (T1w, T2w) brain MRI segmentation dataset in the Medical "
-                    "Segmentation Decathlon layout (dataset.json, imagesTr/, labelsTr/, imagesTs/). "
-                    "Labels: 0 background, 1 grey matter, 2 white matter, 3 lesion. The anatomy is the MNI "
-                    "ICBM152 2009a template, randomly deformed per case. Does nothing if DIR/dataset.json "
-                    "already exists (use --overwrite to regenerate).",
-        epilog="Example: python -m tfmis.data.demo --output data/Task00_DemoBrain --cases 12 --test-cases 3")
+        "Segmentation Decathlon layout (dataset.json, imagesTr/, labelsTr/, imagesTs/). "
+        "Labels: 0 background, 1 grey matter, 2 white matter, 3 lesion. The anatomy is the MNI "
+        "ICBM152 2009a template, randomly deformed per case. Does nothing if DIR/dataset.json "
+        "already exists (use --overwrite to regenerate).",
+        epilog="Example: python -m tfmis.data.demo --output data/Task00_DemoBrain --cases 12 --test-cases 3",
+    )
     parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="dataset folder to write")
-    parser.add_argument("--cases", type=int, default=12, metavar="N", help="number of labelled training cases (default: 12)")
-    parser.add_argument("--test-cases", type=int, default=3, metavar="N", help="number of unlabelled test cases (default: 3)")
-    parser.add_argument("--seed", type=int, default=0, metavar="S", help="random seed; same seed, same data (default: 0)")
+    parser.add_argument(
+        "--cases", type=int, default=12, metavar="N", help="number of labelled training cases (default: 12)"
+    )
+    parser.add_argument(
+        "--test-cases", type=int, default=3, metavar="N", help="number of unlabelled test cases (default: 3)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="random seed; same seed, same data (default: 0)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="regenerate even if DIR/dataset.json exists")
     args = parser.parse_args(argv)
 
@@ -525,8 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         root = make_demo_dataset(args.output, args.cases, args.test_cases, args.seed, overwrite=args.overwrite)
     except ValueError as e:
         parser.error(str(e))
-    print(f"wrote {DATASET_NAME} to {root.resolve()}: {args.cases} training + {args.test_cases} test cases, "
-          f"{_folder_size_mb(root):.1f} MB, in {time.perf_counter() - start:.1f} s")
+    print(
+        f"wrote {DATASET_NAME} to {root.resolve()}: {args.cases} training + {args.test_cases} test cases, "
+        f"{_folder_size_mb(root):.1f} MB, in {time.perf_counter() - start:.1f} s"
+    )
     return 0
 
 

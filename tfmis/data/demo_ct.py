@@ -39,8 +39,16 @@ DATASET_NAME = "Task90_DemoCT"
 MODALITIES = {"0": "CT"}
 LABELS = {"0": "background", "1": "spleen", "2": "lesion"}
 FIRST_TEST_NUMBER = 900
-HU = {"air": -1000, "padding": -1024, "fat": -100, "soft_tissue": 40, "liver": 60, "spleen": 100, "lesion": 30,
-      "bone": 700}
+HU = {
+    "air": -1000,
+    "padding": -1024,
+    "fat": -100,
+    "soft_tissue": 40,
+    "liver": 60,
+    "spleen": 100,
+    "lesion": 30,
+    "bone": 700,
+}
 NOISE_HU = 12.0
 
 
@@ -80,22 +88,33 @@ def generate_case(case_number: int, seed: int = 0, shape=(96, 96, 40)) -> tuple[
     hu[np.hypot(X - spine_c[0], Y - spine_c[1]) < rng.uniform(6.0, 8.0)] = HU["bone"]
     liver_c = np.array([-0.38 * a, 0.15 * b, rng.normal(0, 5)])
     liver_ax = np.array([0.42 * a, 0.5 * b, 40.0]) * rng.uniform(0.85, 1.1, 3)
-    liver = (((X - liver_c[0]) / liver_ax[0]) ** 2 + ((Y - liver_c[1]) / liver_ax[1]) ** 2 +
-             ((Z - liver_c[2]) / liver_ax[2]) ** 2 + 0.25 * wobble) < 1.0
+    liver = (
+        ((X - liver_c[0]) / liver_ax[0]) ** 2
+        + ((Y - liver_c[1]) / liver_ax[1]) ** 2
+        + ((Z - liver_c[2]) / liver_ax[2]) ** 2
+        + 0.25 * wobble
+    ) < 1.0
     hu[liver & body] = HU["liver"]
 
     spleen_c = np.array([0.5 * a, -0.25 * b, rng.normal(0, 0.1 * n[2] * sz)]) + rng.normal(0, 3, 3)
     spleen_ax = np.array([rng.uniform(10, 15), rng.uniform(14, 20), rng.uniform(18, 30)])
-    spleen_r = (((X - spleen_c[0]) / spleen_ax[0]) ** 2 + ((Y - spleen_c[1]) / spleen_ax[1]) ** 2 +
-                ((Z - spleen_c[2]) / spleen_ax[2]) ** 2)
+    spleen_r = (
+        ((X - spleen_c[0]) / spleen_ax[0]) ** 2
+        + ((Y - spleen_c[1]) / spleen_ax[1]) ** 2
+        + ((Z - spleen_c[2]) / spleen_ax[2]) ** 2
+    )
     spleen = (spleen_r + 0.3 * _smooth_field(rng, tuple(n), (4, 4, 2)) < 1.0) & body & ~liver
     label = spleen.astype(np.uint8)
     hu[spleen] = HU["spleen"]
     if rng.random() < 0.8 and spleen.sum() > 50:  # most cases have a lesion inside the spleen
-        inside = np.argwhere(ndimage.binary_erosion(spleen, iterations=2)) if spleen.sum() > 400 else np.argwhere(spleen)
+        inside = (
+            np.argwhere(ndimage.binary_erosion(spleen, iterations=2)) if spleen.sum() > 400 else np.argwhere(spleen)
+        )
         centre = inside[rng.integers(len(inside))]
         radius = rng.uniform(3.5, 6.0)
-        lesion = (np.sqrt((X - x[centre[0]]) ** 2 + (Y - y[centre[1]]) ** 2 + (Z - z[centre[2]]) ** 2) < radius) & spleen
+        lesion = (
+            np.sqrt((X - x[centre[0]]) ** 2 + (Y - y[centre[1]]) ** 2 + (Z - z[centre[2]]) ** 2) < radius
+        ) & spleen
         hu[lesion] = HU["lesion"]
         label[lesion] = 2
     # partial volume along each axis by its voxel size, then scanner noise
@@ -121,8 +140,9 @@ def case_name(case_number: int) -> str:
     return f"ct_{case_number:03d}"
 
 
-def make_ct_dataset(root: str | Path, num_cases: int = 20, seed: int = 0, shape=(96, 96, 40),
-                    num_test: int = 1) -> Path:
+def make_ct_dataset(
+    root: str | Path, num_cases: int = 20, seed: int = 0, shape=(96, 96, 40), num_test: int = 1
+) -> Path:
     """Writes the CT-like dataset in the MSD layout (cases already there are kept); returns `root`.
 
     Args:
@@ -154,11 +174,21 @@ def make_ct_dataset(root: str | Path, num_cases: int = 20, seed: int = 0, shape=
             image, _, affine = generate_case(i, seed, shape)
             _save(image, affine, path)
         test.append(f"./imagesTs/{case_name(i)}.nii.gz")
-    meta = {"name": root.name, "description": "Synthetic CT-like abdomen slabs made by tfmis.data.demo_ct (integer "
-                                              "HU, anisotropic voxels, a spleen-like organ with a small lesion)",
-            "tensorImageSize": "3D", "reference": "synthetic", "licence": "CC0", "release": "1.0",
-            "modality": MODALITIES, "labels": LABELS, "numTraining": num_cases, "numTest": num_test,
-            "training": training, "test": test}
+    meta = {
+        "name": root.name,
+        "description": "Synthetic CT-like abdomen slabs made by tfmis.data.demo_ct (integer "
+        "HU, anisotropic voxels, a spleen-like organ with a small lesion)",
+        "tensorImageSize": "3D",
+        "reference": "synthetic",
+        "licence": "CC0",
+        "release": "1.0",
+        "modality": MODALITIES,
+        "labels": LABELS,
+        "numTraining": num_cases,
+        "numTest": num_test,
+        "training": training,
+        "test": test,
+    }
     tmp = root / "dataset.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, root / "dataset.json")

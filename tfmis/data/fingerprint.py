@@ -13,8 +13,9 @@ PERCENTILES = (0.5, 50.0, 99.5)
 FOREGROUND_SAMPLE = 10_000  # voxels per case for the CT window and CT normalisation
 
 
-def intensity_sample(image: np.ndarray, label: np.ndarray | None, max_voxels: int,
-                     rng: np.random.Generator) -> np.ndarray:
+def intensity_sample(
+    image: np.ndarray, label: np.ndarray | None, max_voxels: int, rng: np.random.Generator
+) -> np.ndarray:
     """Up to `max_voxels` raw voxel values (N, C) from the labelled foreground (else nonzero region)."""
     mask = label > 0 if label is not None and label.any() else np.any(image != 0, axis=-1)
     values = image[mask] if mask.any() else image.reshape(-1, image.shape[-1])
@@ -41,14 +42,26 @@ def intensity_stats(values: np.ndarray) -> list[dict]:
     for c in range(values.shape[1]):
         v = values[:, c].astype(np.float64)
         p = np.percentile(v, PERCENTILES) if len(v) else [float("nan")] * len(PERCENTILES)
-        stats.append({"p00_5": float(p[0]), "p50": float(p[1]), "p99_5": float(p[2]),
-                      "mean": float(v.mean()) if len(v) else float("nan"),
-                      "std": float(v.std()) if len(v) else float("nan")})
+        stats.append(
+            {
+                "p00_5": float(p[0]),
+                "p50": float(p[1]),
+                "p99_5": float(p[2]),
+                "mean": float(v.mean()) if len(v) else float("nan"),
+                "std": float(v.std()) if len(v) else float("nan"),
+            }
+        )
     return stats
 
 
-def case_fingerprint(image: np.ndarray, label: np.ndarray | None, original_spacing, geometry,
-                     out_label: np.ndarray | None, num_classes: int) -> dict:
+def case_fingerprint(
+    image: np.ndarray,
+    label: np.ndarray | None,
+    original_spacing,
+    geometry,
+    out_label: np.ndarray | None,
+    num_classes: int,
+) -> dict:
     """The fingerprint entry of one case (raw `image`/`label`, preprocessed `out_label`)."""
     rng = np.random.default_rng(0)
     counts = np.bincount(out_label.ravel(), minlength=num_classes) if out_label is not None else None
@@ -73,11 +86,15 @@ def summarize(cases: dict[str, dict], labels: list[str], modalities: list[str]) 
     intensity = []
     for ch, name in enumerate(modalities):
         per_case = [c["intensity"][ch] for c in cases.values()]
-        intensity.append({"modality": name,
-                          "p00_5": float(np.min([s["p00_5"] for s in per_case])),
-                          "p99_5": float(np.max([s["p99_5"] for s in per_case])),
-                          "median_of_means": float(np.median([s["mean"] for s in per_case])),
-                          "median_of_stds": float(np.median([s["std"] for s in per_case]))})
+        intensity.append(
+            {
+                "modality": name,
+                "p00_5": float(np.min([s["p00_5"] for s in per_case])),
+                "p99_5": float(np.max([s["p99_5"] for s in per_case])),
+                "median_of_means": float(np.median([s["mean"] for s in per_case])),
+                "median_of_stds": float(np.median([s["std"] for s in per_case])),
+            }
+        )
     return {
         "num_cases": len(cases),
         "median_original_spacing": np.median(spacings, axis=0).tolist(),
@@ -86,7 +103,8 @@ def summarize(cases: dict[str, dict], labels: list[str], modalities: list[str]) 
         "max_shape": shapes.max(axis=0).tolist(),
         "class_voxels": {name: int(t) for name, t in zip(labels, totals)},
         "class_fraction": {name: float(t / max(totals.sum(), 1)) for name, t in zip(labels, totals)},
-        "cases_without_foreground": sorted(k for k, c in cases.items()
-                                           if c["class_voxels"] is not None and sum(c["class_voxels"][1:]) == 0),
+        "cases_without_foreground": sorted(
+            k for k, c in cases.items() if c["class_voxels"] is not None and sum(c["class_voxels"][1:]) == 0
+        ),
         "intensity": intensity,
     }

@@ -129,15 +129,17 @@ class MSDDataset:
         return path
 
     def __repr__(self) -> str:
-        return (f"MSDDataset({self.name!r}, modalities={self.modalities}, labels={self.labels}, "
-                f"training={len(self.training)}, test={len(self.test)})")
+        return (
+            f"MSDDataset({self.name!r}, modalities={self.modalities}, labels={self.labels}, "
+            f"training={len(self.training)}, test={len(self.test)})"
+        )
 
 
 def _indexed_names(meta: dict, key: str, path: Path) -> list:
     """`{"0": "T1", "1": "T2"}` → `["T1", "T2"]`; keys must be 0..N-1."""
     entry = meta.get(key)
     if not isinstance(entry, dict) or not entry:
-        raise DatasetError(f"{path}: key {key!r} must be a non-empty object like {{\"0\": \"name\"}}")
+        raise DatasetError(f'{path}: key {key!r} must be a non-empty object like {{"0": "name"}}')
     try:
         indexed = {int(k): str(v) for k, v in entry.items()}
     except ValueError as e:
@@ -148,8 +150,12 @@ def _indexed_names(meta: dict, key: str, path: Path) -> list:
 
 
 def _training_case(entry, i: int, path: Path) -> Case:
-    if not isinstance(entry, dict) or not isinstance(entry.get("image"), str) or not isinstance(entry.get("label"), str):
-        raise DatasetError(f"{path}: training[{i}] must be {{\"image\": \"...\", \"label\": \"...\"}}, got {entry!r}")
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("image"), str)
+        or not isinstance(entry.get("label"), str)
+    ):
+        raise DatasetError(f'{path}: training[{i}] must be {{"image": "...", "label": "..."}}, got {entry!r}')
     return Case(case_id_from_path(entry["image"]), entry["image"], entry["label"])
 
 
@@ -185,8 +191,9 @@ def _read_nifti(case: Case, path: Path, what: str) -> tuple[np.ndarray, np.ndarr
         img = nib.load(str(path))
         data = np.asanyarray(img.dataobj)
     except (OSError, EOFError, zlib.error, ValueError, nib.filebasedimages.ImageFileError) as e:
-        raise CaseError(case.case_id, f"{what} file {path} cannot be read (truncated or corrupt?): "
-                                      f"{type(e).__name__}: {e}") from e
+        raise CaseError(
+            case.case_id, f"{what} file {path} cannot be read (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from e
     return data, np.asarray(img.affine, dtype=np.float64), img.get_data_dtype().str
 
 
@@ -205,8 +212,11 @@ def load_image(path: str | Path, num_channels: int, case_id: str) -> tuple[np.nd
     if raw.ndim != 4:
         raise CaseError(case_id, f"image has {raw.ndim} dimensions (shape {raw.shape}); expected 3D or 4D")
     if raw.shape[-1] != num_channels:
-        raise CaseError(case_id, f"image has {raw.shape[-1]} channel(s) (shape {raw.shape}) but "
-                                 f"{num_channels} are expected (one per modality)")
+        raise CaseError(
+            case_id,
+            f"image has {raw.shape[-1]} channel(s) (shape {raw.shape}) but "
+            f"{num_channels} are expected (one per modality)",
+        )
     image = raw.astype(np.float32)  # also converts big-endian to native order
     if not np.all(np.isfinite(image)):
         bad = int(np.size(image) - np.count_nonzero(np.isfinite(image)))
@@ -229,9 +239,12 @@ def load_case(case: Case, dataset: MSDDataset, affine_tolerance: float = 1e-3) -
         if raw_label.shape != image.shape[:3]:
             raise CaseError(case.case_id, f"label shape {raw_label.shape} does not match image shape {image.shape[:3]}")
         if not np.allclose(label_affine, affine, atol=affine_tolerance, rtol=0):
-            raise CaseError(case.case_id, "label affine does not match image affine (max difference "
-                                          f"{np.abs(label_affine - affine).max():.4g}):\nimage={affine.round(4).tolist()}\n"
-                                          f"label={label_affine.round(4).tolist()}")
+            raise CaseError(
+                case.case_id,
+                "label affine does not match image affine (max difference "
+                f"{np.abs(label_affine - affine).max():.4g}):\nimage={affine.round(4).tolist()}\n"
+                f"label={label_affine.round(4).tolist()}",
+            )
         label = _validate_label(case, np.asarray(raw_label), dataset.num_classes)
     return LoadedCase(case.case_id, image, label, affine, disk_dtype)
 
@@ -239,9 +252,14 @@ def load_case(case: Case, dataset: MSDDataset, affine_tolerance: float = 1e-3) -
 def _validate_label(case: Case, raw: np.ndarray, num_classes: int) -> np.ndarray:
     values = np.unique(raw)
     if not np.all(np.isfinite(values)) or not np.all(values == np.round(values)):
-        raise CaseError(case.case_id, f"label contains non-integer values, e.g. {values[values != np.round(values)][:5]}")
+        raise CaseError(
+            case.case_id, f"label contains non-integer values, e.g. {values[values != np.round(values)][:5]}"
+        )
     undeclared = [int(v) for v in values if v < 0 or v >= num_classes]
     if undeclared:
-        raise CaseError(case.case_id, f"label contains value(s) {undeclared} not declared in dataset.json 'labels' "
-                                      f"(declared: 0..{num_classes - 1})")
+        raise CaseError(
+            case.case_id,
+            f"label contains value(s) {undeclared} not declared in dataset.json 'labels' "
+            f"(declared: 0..{num_classes - 1})",
+        )
     return raw.astype(np.uint8)

@@ -33,8 +33,14 @@ import tensorflow as tf
 
 from tfmis.data.records import load_index, parse_example, shard_paths
 from tfmis.data.smart_cache import REFILL_PARALLELISM, partial_cache_size, share_size, smart_cache
-from tfmis.transforms.augment import (augment_patch, random_spatial, spatial_enabled, spatial_margin, spatial_seed,
-                                     window)
+from tfmis.transforms.augment import (
+    augment_patch,
+    random_spatial,
+    spatial_enabled,
+    spatial_margin,
+    spatial_seed,
+    window,
+)
 from tfmis.transforms.crop import crop_starts, foreground_indices, rand_crop_by_pos_neg
 
 
@@ -52,8 +58,10 @@ def _cache(dataset: tf.data.Dataset, pipeline, name: str, fingerprint: dict) -> 
     if pipeline.cache == "memory":
         return dataset.cache()
     if pipeline.cache != "file" or not pipeline.cache_dir:
-        raise ValueError(f"pipeline.cache must be memory, none, partial or file (with pipeline.cache_dir), got "
-                         f"{pipeline.cache!r} (cache_dir {pipeline.cache_dir!r})")
+        raise ValueError(
+            f"pipeline.cache must be memory, none, partial or file (with pipeline.cache_dir), got "
+            f"{pipeline.cache!r} (cache_dir {pipeline.cache_dir!r})"
+        )
     folder = Path(pipeline.cache_dir)
     folder.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -74,13 +82,16 @@ def input_shard(files, cases, input_context=None) -> dict:
     if len(files) >= n:
         return {"level": "file", "files": list(files)[i::n], "cases": None}
     if len(cases) < n:
-        raise ValueError(f"{len(cases)} case(s) cannot be shared by {n} input pipelines (workers): every worker "
-                         "needs at least one; use fewer workers or more cases")
+        raise ValueError(
+            f"{len(cases)} case(s) cannot be shared by {n} input pipelines (workers): every worker "
+            "needs at least one; use fewer workers or more cases"
+        )
     return {"level": "data", "files": list(files), "cases": sorted(cases)[i::n]}
 
 
-def _read(files, index, deterministic: bool, input_context=None, split: str | None = None,
-          refill_seed: int | None = None) -> tf.data.Dataset:
+def _read(
+    files, index, deterministic: bool, input_context=None, split: str | None = None, refill_seed: int | None = None
+) -> tf.data.Dataset:
     """`refill_seed` set: the partial cache's reader (`tfmis.data.smart_cache`): a new seeded shard order on
     every pass, and no read-ahead (files read in turn, records parsed as they are asked for), so that only a
     few volumes are in flight besides the cached ones."""
@@ -91,11 +102,14 @@ def _read(files, index, deterministic: bool, input_context=None, split: str | No
     names = tf.data.Dataset.from_tensor_slices(files)
     if refill_seed is not None:
         names = names.shuffle(len(files), seed=refill_seed, reshuffle_each_iteration=True)
-    read_ahead = {} if refill_seed is not None else {"num_parallel_calls": tf.data.AUTOTUNE,
-                                                     "deterministic": deterministic}
+    read_ahead = (
+        {} if refill_seed is not None else {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": deterministic}
+    )
     dataset = names.interleave(
         lambda f: tf.data.TFRecordDataset(f, compression_type="" if compression == "NONE" else compression),
-        cycle_length=min(len(files), 8), **read_ahead)
+        cycle_length=min(len(files), 8),
+        **read_ahead,
+    )
     if shard["cases"] is not None:
         mine = tf.constant(shard["cases"])
 
@@ -117,8 +131,9 @@ def train_steps_per_epoch(config, num_replicas: int = 1) -> int:
     return max(1, math.ceil(volumes * config.pipeline.num_crops_per_image / global_batch))
 
 
-def build_train_dataset(config, input_context: tf.distribute.InputContext | None = None,
-                        seed_offset: int = 0) -> tf.data.Dataset:
+def build_train_dataset(
+    config, input_context: tf.distribute.InputContext | None = None, seed_offset: int = 0
+) -> tf.data.Dataset:
     """The infinite training stream of augmented patch batches (batch = per replica × accumulation).
 
     `pipeline.augment.placement: step` yields `(images, labels, seeds)` instead: the same crops in the same order,
@@ -147,20 +162,41 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
 
     # a resumed run (seed_offset = epochs done) draws a new volume order and new crops, not epoch 1's again
     stream_seed = seed + 7919 * seed_offset
-    dataset = _read(files, index, p.deterministic, input_context, config.data.train_split,
-                    refill_seed=stream_seed if p.cache == "partial" else None)
-    dataset = dataset.map(with_foreground, num_parallel_calls=REFILL_PARALLELISM if p.cache == "partial" else
-                          tf.data.AUTOTUNE, deterministic=p.deterministic)
+    dataset = _read(
+        files,
+        index,
+        p.deterministic,
+        input_context,
+        config.data.train_split,
+        refill_seed=stream_seed if p.cache == "partial" else None,
+    )
+    dataset = dataset.map(
+        with_foreground,
+        num_parallel_calls=REFILL_PARALLELISM if p.cache == "partial" else tf.data.AUTOTUNE,
+        deterministic=p.deterministic,
+    )
     pipeline_id = input_context.input_pipeline_id if input_context else 0
     if p.cache == "partial":  # a bounded, shuffled window of volumes, refilled from the TFRecords per cycle
-        share = share_size(index, config.data.train_split,
-                           input_shard(files, index["splits"][config.data.train_split]["cases"], input_context))
+        share = share_size(
+            index,
+            config.data.train_split,
+            input_shard(files, index["splits"][config.data.train_split]["cases"], input_context),
+        )
         dataset = smart_cache(dataset, *partial_cache_size(p, share), seed=stream_seed)
     else:
-        dataset = _cache(dataset, p, f"train{pipeline_id}", {
-            "index": index, "split": config.data.train_split, "seed": seed, "deterministic": p.deterministic,
-            "max_foreground_indices": p.max_foreground_indices,
-            "input_pipelines": input_context.num_input_pipelines if input_context else 1})
+        dataset = _cache(
+            dataset,
+            p,
+            f"train{pipeline_id}",
+            {
+                "index": index,
+                "split": config.data.train_split,
+                "seed": seed,
+                "deterministic": p.deterministic,
+                "max_foreground_indices": p.max_foreground_indices,
+                "input_pipelines": input_context.num_input_pipelines if input_context else 1,
+            },
+        )
         dataset = dataset.shuffle(p.shuffle_volumes, seed=stream_seed, reshuffle_each_iteration=True).repeat()
     # per-element seeds: (training seed, position in the stream), independent of thread scheduling
     dataset = dataset.enumerate()
@@ -174,8 +210,11 @@ def build_train_dataset(config, input_context: tf.distribute.InputContext | None
     # placement step: the crops (patch + spatial margin) go out un-augmented with their seeds, and the training
     # step applies `step_augmentation`; otherwise tf.data augments them here
     augment = patch_augmentation(p) if p.augment.placement == "pipeline" else _unaugmented(p)
-    dataset = dataset.flat_map(crops) if p.deterministic else dataset.interleave(
-        crops, cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+    dataset = (
+        dataset.flat_map(crops)
+        if p.deterministic
+        else dataset.interleave(crops, cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+    )
     dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
     if p.shuffle_crops > 1:
         dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
@@ -211,16 +250,37 @@ def volume_crops(pipeline, stream_seed: int, pipeline_id: int):
 
     def crops(position, image, label, fg, fg_class):
         element_seed = tf.stack([tf.constant(stream_seed + 1000 * pipeline_id, tf.int64), position])
-        seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(element_seed, 1),
-                                                       p.num_crops_per_image)
+        seeds = tf.random.experimental.stateless_split(
+            tf.random.experimental.stateless_fold_in(element_seed, 1), p.num_crops_per_image
+        )
         if spatial_enabled(p.augment):  # the same patches as below, located, not cut
-            starts = crop_starts(label, fg, fg_class, p.patch_size, p.num_crops_per_image, p.pos_neg_ratio[0],
-                                 p.pos_neg_ratio[1], element_seed, p.class_ratios)
+            starts = crop_starts(
+                label,
+                fg,
+                fg_class,
+                p.patch_size,
+                p.num_crops_per_image,
+                p.pos_neg_ratio[0],
+                p.pos_neg_ratio[1],
+                element_seed,
+                p.class_ratios,
+            )
             origins = starts - tf.constant(margin, tf.int32)
             return tf.data.Dataset.from_tensor_slices((origins, seeds)).map(
-                lambda origin, seed: (image, label, origin, seed))
-        images, labels = rand_crop_by_pos_neg(image, label, fg, fg_class, p.patch_size, p.num_crops_per_image,
-                                              p.pos_neg_ratio[0], p.pos_neg_ratio[1], element_seed, p.class_ratios)
+                lambda origin, seed: (image, label, origin, seed)
+            )
+        images, labels = rand_crop_by_pos_neg(
+            image,
+            label,
+            fg,
+            fg_class,
+            p.patch_size,
+            p.num_crops_per_image,
+            p.pos_neg_ratio[0],
+            p.pos_neg_ratio[1],
+            element_seed,
+            p.class_ratios,
+        )
         return tf.data.Dataset.from_tensor_slices((images, labels, seeds))
 
     return crops
@@ -245,8 +305,9 @@ def patch_augmentation(pipeline):
         if spatial_enabled(p.augment):
             image, label, origin, crop_seed = element
             crop_seed = tf.cast(crop_seed, tf.int32)
-            image, label = random_spatial(image, label, p.augment, spatial_seed(crop_seed), p.patch_size,
-                                          origin=origin, input_size=crop)
+            image, label = random_spatial(
+                image, label, p.augment, spatial_seed(crop_seed), p.patch_size, origin=origin, input_size=crop
+            )
         else:
             image, label, crop_seed = element
             crop_seed = tf.cast(crop_seed, tf.int32)
@@ -268,8 +329,11 @@ def _unaugmented(pipeline):
             image, label = window(volume, volume_label, origin, size)
         else:
             image, label, crop_seed = element
-        return (tf.ensure_shape(image, [*size, None]), tf.ensure_shape(tf.cast(label, tf.int32), size),
-                tf.ensure_shape(tf.cast(crop_seed, tf.int64), [2]))
+        return (
+            tf.ensure_shape(image, [*size, None]),
+            tf.ensure_shape(tf.cast(label, tf.int32), size),
+            tf.ensure_shape(tf.cast(crop_seed, tf.int64), [2]),
+        )
 
     return keep
 
@@ -305,8 +369,10 @@ def step_augmentation(pipeline):
         return image, tf.ensure_shape(tf.cast(label, tf.int32), p.patch_size)
 
     def fn(images, labels, seeds):
-        signature = (tf.TensorSpec([*p.patch_size, images.shape[-1]], tf.float32),
-                     tf.TensorSpec(p.patch_size, tf.int32))
+        signature = (
+            tf.TensorSpec([*p.patch_size, images.shape[-1]], tf.float32),
+            tf.TensorSpec(p.patch_size, tf.int32),
+        )
         return tf.map_fn(lambda crop: augment(*crop), (images, labels, seeds), fn_output_signature=signature)
 
     return fn
@@ -326,8 +392,13 @@ def build_val_dataset(config, split: str | None = None, cached: bool = True) -> 
     if config.validation.max_cases:  # before the cache: a cache read only in part is discarded
         dataset = dataset.take(config.validation.max_cases)
     if cached:
-        dataset = _cache(dataset, config.pipeline, f"val-{split}",
-                         {"index": index, "split": split, "max_cases": config.validation.max_cases})
-    dataset = dataset.map(lambda image, label, meta: (tf.cast(image, tf.float32)[None], tf.cast(label, tf.int32)[None],
-                                                      meta))
+        dataset = _cache(
+            dataset,
+            config.pipeline,
+            f"val-{split}",
+            {"index": index, "split": split, "max_cases": config.validation.max_cases},
+        )
+    dataset = dataset.map(
+        lambda image, label, meta: (tf.cast(image, tf.float32)[None], tf.cast(label, tf.int32)[None], meta)
+    )
     return dataset.prefetch(1)

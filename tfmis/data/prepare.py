@@ -27,9 +27,11 @@ def prepare_dataset(data, progress: bool = True) -> Path:
     target = Path(data.dataset_dir)
     if data.source_dir is None:
         if not (target / INDEX_FILE).is_file():
-            raise FileNotFoundError(f"data.dataset_dir {target} holds no converted dataset ({INDEX_FILE} missing): "
-                                    "convert one with tools/tfrecord.py, or set data.source_dir to an MSD folder "
-                                    "to convert it automatically")
+            raise FileNotFoundError(
+                f"data.dataset_dir {target} holds no converted dataset ({INDEX_FILE} missing): "
+                "convert one with tools/tfrecord.py, or set data.source_dir to an MSD folder "
+                "to convert it automatically"
+            )
         return target
     if data.demo:
         from tfmis.data.demo import make_demo_dataset
@@ -38,8 +40,12 @@ def prepare_dataset(data, progress: bool = True) -> Path:
         make_demo_dataset(data.source_dir)
         if progress:
             print(f"Demo dataset: {data.source_dir} ({'already there' if present else 'generated'})")
-    config = ConversionConfig(source_dir=data.source_dir, target_dir=str(target), progress=progress,
-                              **{f.name: getattr(data.conversion, f.name) for f in dataclasses.fields(ConversionOptions)})
+    config = ConversionConfig(
+        source_dir=data.source_dir,
+        target_dir=str(target),
+        progress=progress,
+        **{f.name: getattr(data.conversion, f.name) for f in dataclasses.fields(ConversionOptions)},
+    )
     index = convert(config)
     if progress:
         print(summary_text(index))

@@ -79,7 +79,7 @@ class PreprocessConfig:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PreprocessConfig":
+    def from_dict(cls, d: dict) -> PreprocessConfig:
         """From `to_dict()` output, e.g. `index["preprocessing"]` of a converted dataset (extra keys ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names})
@@ -112,7 +112,7 @@ class Geometry:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Geometry":
+    def from_dict(cls, d: dict) -> Geometry:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 
@@ -177,8 +177,9 @@ def resample(array: np.ndarray, scale: np.ndarray, out_shape, order: int) -> np.
     return np.stack([resample(array[..., c], scale, out_shape, order) for c in range(array.shape[-1])], axis=-1)
 
 
-def normalize(image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...], ct_window,
-              ct_mean_std=None) -> np.ndarray:
+def normalize(
+    image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...], ct_window, ct_mean_std=None
+) -> np.ndarray:
     """Per-channel intensity normalisation (float32 in, float32 out); see `PreprocessConfig.normalization`."""
     out = np.empty_like(image, dtype=np.float32)
     use = mask if mask.any() and not mask.all() else None
@@ -293,8 +294,14 @@ def restore_geometry(array: np.ndarray, geometry: Geometry | dict, order: int = 
     matrix = np.round(matrix, 9)  # pure permutations/flips stay exact integers
     start, stop = _crop_box_in_original_voxels(g)
     # only the crop box is interpolated; "nearest" clamps positions beyond the grid's edge voxels
-    block = ndimage.affine_transform(array, matrix[:3, :3], matrix[:3, :3] @ start + matrix[:3, 3],
-                                     output_shape=tuple(int(n) for n in stop - start), order=order, mode="nearest")
+    block = ndimage.affine_transform(
+        array,
+        matrix[:3, :3],
+        matrix[:3, :3] @ start + matrix[:3, 3],
+        output_shape=tuple(int(n) for n in stop - start),
+        order=order,
+        mode="nearest",
+    )
     out = np.full(tuple(g.original_shape), cval, dtype=block.dtype)
     out[tuple(slice(a, b) for a, b in zip(start, stop))] = block
     return out

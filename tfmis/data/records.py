@@ -36,7 +36,7 @@ INDEX_FILE = "index.json"
 FINGERPRINT_FILE = "fingerprint.json"
 COMPRESSIONS = {"NONE": "", "GZIP": ".gz", "ZLIB": ".zlib"}
 _HEADER = 12  # uint64 length + uint32 masked crc of the length
-_FOOTER = 4   # uint32 masked crc of the data
+_FOOTER = 4  # uint32 masked crc of the data
 
 
 def shard_name(split: str, shard: int, num_shards: int, compression: str) -> str:
@@ -95,8 +95,9 @@ def parse_example(serialized, image_dtype: str = "float16"):
         "metadata": tf.io.FixedLenFeature([], tf.string),
     }
     f = tf.io.parse_single_example(serialized, spec)
-    image = tf.reshape(tf.io.decode_raw(f["image"], tf.dtypes.as_dtype(image_dtype), little_endian=True),
-                       f["image_shape"])
+    image = tf.reshape(
+        tf.io.decode_raw(f["image"], tf.dtypes.as_dtype(image_dtype), little_endian=True), f["image_shape"]
+    )
     label = tf.reshape(tf.io.decode_raw(f["label"], tf.uint8), f["label_shape"])
     return image, label, {"case_id": f["case_id"], "metadata": f["metadata"]}
 
@@ -105,12 +106,16 @@ def load_index(dataset_dir: str | Path) -> dict:
     """The `index.json` of a converted dataset; a clear error if the folder is not one."""
     path = Path(dataset_dir) / INDEX_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found; is {dataset_dir} the --target-dir of tools/tfrecord.py "
-                                "(and did the conversion finish)?")
+        raise FileNotFoundError(
+            f"{path}: not found; is {dataset_dir} the --target-dir of tools/tfrecord.py "
+            "(and did the conversion finish)?"
+        )
     index = json.loads(path.read_text())
     if index.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema version {index.get('schema_version')} is not supported "
-                         f"(this tfmis reads version {SCHEMA_VERSION}); convert the dataset again")
+        raise ValueError(
+            f"{path}: schema version {index.get('schema_version')} is not supported "
+            f"(this tfmis reads version {SCHEMA_VERSION}); convert the dataset again"
+        )
     return index
 
 
@@ -123,9 +128,13 @@ def training_data_info(index: dict, dataset_dir: str | Path) -> dict:
     The preprocessing, channel names, class names and split case lists of the converted dataset, in
     the same keys as `index.json`, so that prediction works after the TFRecord folder is gone.
     """
-    return {"schema_version": index["schema_version"], "dataset_dir": str(Path(dataset_dir).resolve()),
-            "source": index["source"], "preprocessing": index["preprocessing"],
-            "splits": {name: {"cases": split["cases"]} for name, split in index["splits"].items()}}
+    return {
+        "schema_version": index["schema_version"],
+        "dataset_dir": str(Path(dataset_dir).resolve()),
+        "source": index["source"],
+        "preprocessing": index["preprocessing"],
+        "splits": {name: {"cases": split["cases"]} for name, split in index["splits"].items()},
+    }
 
 
 def load_training_data_info(run_dir: str | Path | None, dataset_dir: str | Path) -> dict:
@@ -165,12 +174,16 @@ def record_dataset(dataset_dir: str | Path, split: str, num_parallel_reads=None,
     index = load_index(dataset_dir)
     files = shard_paths(dataset_dir, split, index)
     prep = index["preprocessing"]
-    dataset = tf.data.TFRecordDataset(files, compression_type=_tf_compression(prep["compression"]),
-                                      num_parallel_reads=num_parallel_reads or tf.data.AUTOTUNE)
+    dataset = tf.data.TFRecordDataset(
+        files,
+        compression_type=_tf_compression(prep["compression"]),
+        num_parallel_reads=num_parallel_reads or tf.data.AUTOTUNE,
+    )
     options = tf.data.Options()
     options.deterministic = deterministic
-    return dataset.map(lambda s: parse_example(s, prep["image_dtype"]),
-                       num_parallel_calls=tf.data.AUTOTUNE).with_options(options)
+    return dataset.map(
+        lambda s: parse_example(s, prep["image_dtype"]), num_parallel_calls=tf.data.AUTOTUNE
+    ).with_options(options)
 
 
 def read_record_bytes(path: str | Path, offset: int, length: int, compression: str) -> bytes:
@@ -185,8 +198,10 @@ def read_record_bytes(path: str | Path, offset: int, length: int, compression: s
             raise ValueError(f"{path}: truncated at byte {offset} (record header)")
         (stored_length,) = struct.unpack("<Q", header[:8])
         if stored_length != length:
-            raise ValueError(f"{path}: record at byte {offset} has length {stored_length}, index says {length}; "
-                             "the shard does not match index.json")
+            raise ValueError(
+                f"{path}: record at byte {offset} has length {stored_length}, index says {length}; "
+                "the shard does not match index.json"
+            )
         payload = stream.read(length)
         if len(payload) != length:
             raise ValueError(f"{path}: truncated record at byte {offset}")
@@ -204,8 +219,9 @@ def read_record(dataset_dir: str | Path, split: str, sample: int) -> dict:
     if not 0 <= sample < len(cases):
         raise IndexError(f"sample {sample} out of range: split {split!r} has {len(cases)} records")
     entry = cases[sample]
-    payload = read_record_bytes(Path(dataset_dir) / entry["file"], entry["offset"], entry["length"],
-                                index["preprocessing"]["compression"])
+    payload = read_record_bytes(
+        Path(dataset_dir) / entry["file"], entry["offset"], entry["length"], index["preprocessing"]["compression"]
+    )
     image, label, meta = parse_example(payload, index["preprocessing"]["image_dtype"])
     return {
         "case_id": meta["case_id"].numpy().decode(),

@@ -72,21 +72,25 @@ class RegularSource:
         self.dataset_dir = Path(dataset_dir)
         source = Path(source_dir)
         if not (source / "dataset.json").is_file():
-            raise FileNotFoundError(f"{source / 'dataset.json'}: not found; the regular pipeline reads the MSD folder "
-                                    f"that {dataset_dir} was converted from: set data.source_dir to it")
+            raise FileNotFoundError(
+                f"{source / 'dataset.json'}: not found; the regular pipeline reads the MSD folder "
+                f"that {dataset_dir} was converted from: set data.source_dir to it"
+            )
         digest = hashlib.sha256((source / "dataset.json").read_bytes()).hexdigest()
         expected = self.index["source"].get("dataset_json_sha256")
         if expected and digest != expected:
-            raise ValueError(f"{source / 'dataset.json'} differs from the one converted into {dataset_dir} "
-                             f"(converted from {self.index['source']['dir']}): set data.source_dir to that folder, "
-                             "or convert this one again")
+            raise ValueError(
+                f"{source / 'dataset.json'} differs from the one converted into {dataset_dir} "
+                f"(converted from {self.index['source']['dir']}): set data.source_dir to that folder, "
+                "or convert this one again"
+            )
         self.dataset = MSDDataset(source)
         self.cases = {c.case_id: c for c in self.dataset.training}
         prep = PreprocessConfig.from_dict(self.index["preprocessing"])
         self.preprocessing = dataclasses.replace(prep, image_dtype=image_dtype)
 
     @classmethod
-    def from_config(cls, config, image_dtype: str = "float32") -> "RegularSource":
+    def from_config(cls, config, image_dtype: str = "float32") -> RegularSource:
         """From a training config: `data.source_dir`, or else the folder `data.dataset_dir` was converted from."""
         index = load_index(config.data.dataset_dir)
         return cls(config.data.source_dir or index["source"]["dir"], config.data.dataset_dir, image_dtype)
@@ -117,8 +121,10 @@ def fast_volume_order(index: dict, dataset_dir: str | Path, split: str, input_co
     for case in index["cases"].values():
         if case["split"] == split:
             by_file.setdefault(case["file"], []).append(case)
-    queue = [[c["case_id"] for c in sorted(by_file.get(Path(f).name, []), key=lambda c: c["position"])]
-             for f in shard["files"]]
+    queue = [
+        [c["case_id"] for c in sorted(by_file.get(Path(f).name, []), key=lambda c: c["position"])]
+        for f in shard["files"]
+    ]
     order = _interleave(queue, min(len(queue), _INTERLEAVE_CYCLE))
     if shard["cases"] is not None:
         mine = set(shard["cases"])
@@ -148,8 +154,9 @@ def _interleave(inputs: list[list], cycle_length: int) -> list:
     return out
 
 
-def build_regular_train_dataset(config, input_context: tf.distribute.InputContext | None = None,
-                                seed_offset: int = 0) -> tf.data.Dataset:
+def build_regular_train_dataset(
+    config, input_context: tf.distribute.InputContext | None = None, seed_offset: int = 0
+) -> tf.data.Dataset:
     """The regular training stream: each volume read from NIfTI and preprocessed again on every use.
 
     Same signature, element spec and random draws as `tfmis.data.pipeline.build_train_dataset`
@@ -183,9 +190,11 @@ def build_regular_train_dataset(config, input_context: tf.distribute.InputContex
         raise ValueError(f"{config.data.dataset_dir}: split {config.data.train_split!r} has no records")
     missing = [c for c in order if c not in source.cases]
     if missing:
-        raise ValueError(f"{source.dataset.root / 'dataset.json'} lists no training case {missing[:3]} of split "
-                         f"{config.data.train_split!r} of {config.data.dataset_dir}: set data.source_dir to the "
-                         "folder that was converted")
+        raise ValueError(
+            f"{source.dataset.root / 'dataset.json'} lists no training case {missing[:3]} of split "
+            f"{config.data.train_split!r} of {config.data.dataset_dir}: set data.source_dir to the "
+            "folder that was converted"
+        )
     case_ids = tf.constant(order)
 
     def read(case_id):
@@ -213,5 +222,6 @@ def build_regular_train_dataset(config, input_context: tf.distribute.InputContex
     dataset = dataset.flat_map(crops).map(patch_augmentation(p))
     if p.shuffle_crops > 1:
         dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
-    return with_channel_count(dataset.batch(p.num_images_per_batch * config.training.accumulation_steps,
-                                            drop_remainder=True), channels)
+    return with_channel_count(
+        dataset.batch(p.num_images_per_batch * config.training.accumulation_steps, drop_remainder=True), channels
+    )

@@ -74,6 +74,7 @@ def partial_cache_size(pipeline, share: int) -> tuple[int, int]:
         share: the volumes this input pipeline (worker) reads, see `share_size`.
 
     Example:
+        >>> from tfmis.config import PipelineConfig
         >>> partial_cache_size(PipelineConfig(cache="partial", cache_num=100, replace_rate=0.25), 400)
         (100, 25)
     """
@@ -106,8 +107,9 @@ def smart_cache(volumes: tf.data.Dataset, cache_num: int, replace_num: int, seed
         A dataset with the element structure of `volumes`, infinite.
     """
     if cache_num < 1 or replace_num < 0 or replace_num > cache_num:
-        raise ValueError(f"smart_cache needs cache_num >= 1 and 0 <= replace_num <= cache_num, got "
-                         f"{cache_num} and {replace_num}")
+        raise ValueError(
+            f"smart_cache needs cache_num >= 1 and 0 <= replace_num <= cache_num, got {cache_num} and {replace_num}"
+        )
     if replace_num == 0:
         return volumes.cache().shuffle(cache_num, seed=seed, reshuffle_each_iteration=True).repeat()
     windows = volumes.repeat().window(cache_num, shift=replace_num, drop_remainder=True)
@@ -118,8 +120,9 @@ def smart_cache(volumes: tf.data.Dataset, cache_num: int, replace_num: int, seed
         # a new order per cycle: rotate the window by a stateless random offset of (seed, cycle), then apply one
         # seeded shuffle (a dataset made inside this function cannot take a per-call seed once a global seed is set)
         members = tf.data.Dataset.zip(window)
-        offset = tf.random.stateless_uniform([], tf.stack([tf.constant(seed, tf.int64), number]), maxval=cache_num,
-                                             dtype=tf.int64)
+        offset = tf.random.stateless_uniform(
+            [], tf.stack([tf.constant(seed, tf.int64), number]), maxval=cache_num, dtype=tf.int64
+        )
         return members.skip(offset).concatenate(members.take(offset)).shuffle(cache_num, seed=seed)
 
     return windows.enumerate().flat_map(cycle)

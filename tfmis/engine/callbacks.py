@@ -116,8 +116,13 @@ class Progress(Callback):
         if self.stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=trainer.steps_per_epoch, desc=f"epoch {epoch}/{trainer.config.training.epochs}",
-                            unit="step", file=self.stream, leave=False)
+            self.bar = tqdm(
+                total=trainer.steps_per_epoch,
+                desc=f"epoch {epoch}/{trainer.config.training.epochs}",
+                unit="step",
+                file=self.stream,
+                leave=False,
+            )
 
     def on_step_end(self, trainer, epoch, step, logs):
         wait = logs["wait_seconds"] / max(logs["wait_seconds"] + logs["compute_seconds"], 1e-9)
@@ -128,9 +133,12 @@ class Progress(Callback):
         now = time.perf_counter()
         if now - self.last_line >= self.interval and step + 1 < trainer.steps_per_epoch:
             self.last_line = now
-            print(f"epoch {epoch}/{trainer.config.training.epochs}  step {step + 1}/{trainer.steps_per_epoch}  "
-                  f"loss {logs['mean_loss']:.4f}  input wait {wait:.0%}  {now - self.epoch_start:.0f}s",
-                  file=self.stream, flush=True)
+            print(
+                f"epoch {epoch}/{trainer.config.training.epochs}  step {step + 1}/{trainer.steps_per_epoch}  "
+                f"loss {logs['mean_loss']:.4f}  input wait {wait:.0%}  {now - self.epoch_start:.0f}s",
+                file=self.stream,
+                flush=True,
+            )
 
     def on_validation_end(self, trainer, epoch, result):
         self._close()
@@ -146,8 +154,10 @@ class Progress(Callback):
 
 def epoch_line(r: dict, epochs: int) -> str:
     """The one log line of an epoch's record: loss, images/s, input wait, time, skipped steps, validation Dice."""
-    line = (f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  {r['images_per_second']:.1f} img/s  "
-            f"input wait {r['data_wait_fraction']:.0%}  {r['epoch_seconds']:.1f}s")
+    line = (
+        f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  {r['images_per_second']:.1f} img/s  "
+        f"input wait {r['data_wait_fraction']:.0%}  {r['epoch_seconds']:.1f}s"
+    )
     if r.get("skipped_steps"):
         line += f"  skipped {r['skipped_steps']} steps (non-finite gradient)"
     if "val_mean_dice" in r:
@@ -303,17 +313,23 @@ def input_bound_diagnosis(config, records: list[dict], threshold: float = 0.10) 
         cause = "pipeline.cache is none: every epoch reads and decodes the TFRecords again"
         fix = "set pipeline.cache=memory (or pipeline.cache=file with pipeline.cache_dir when host RAM is short)"
     elif p.cache == "partial":
-        cause = (f"pipeline.cache is partial: each pass over the cached volumes waits for its new volumes "
-                 f"(pipeline.replace_rate={p.replace_rate:g} of them) to be read from the TFRecords")
-        fix = ("lower pipeline.replace_rate (e.g. 0.1), cache more volumes (pipeline.cache_num or pipeline.cache_rate), "
-               f"or draw more crops per cached volume (pipeline.num_crops_per_image, now {p.num_crops_per_image})")
+        cause = (
+            f"pipeline.cache is partial: each pass over the cached volumes waits for its new volumes "
+            f"(pipeline.replace_rate={p.replace_rate:g} of them) to be read from the TFRecords"
+        )
+        fix = (
+            "lower pipeline.replace_rate (e.g. 0.1), cache more volumes (pipeline.cache_num or pipeline.cache_rate), "
+            f"or draw more crops per cached volume (pipeline.num_crops_per_image, now {p.num_crops_per_image})"
+        )
     elif p.deterministic:
         cause = "pipeline.deterministic is true: reads, crops and augmentation run in a fixed order, one at a time"
         fix = "set pipeline.deterministic=false"
     else:
         cause = "the CPU cannot crop and augment as fast as the accelerator trains"
-        fix = (f"draw more crops per cached volume (pipeline.num_crops_per_image, now {p.num_crops_per_image}), "
-               "give tf.data more CPU cores, or lower the augmentation cost (pipeline.augment)")
+        fix = (
+            f"draw more crops per cached volume (pipeline.num_crops_per_image, now {p.num_crops_per_image}), "
+            "give tf.data more CPU cores, or lower the augmentation cost (pipeline.augment)"
+        )
     return {"data_wait_fraction": wait / total, "epochs": [r["epoch"] for r in warm], "cause": cause, "fix": fix}
 
 
@@ -329,8 +345,12 @@ class InputBoundReport(Callback):
         found = input_bound_diagnosis(trainer.config, trainer.history.records, self.threshold)
         if found and not self.warned and epoch > 1:
             self.warned = True
-            print(f"input-bound: {found['data_wait_fraction']:.0%} of step time waits for input "
-                  f"(threshold {self.threshold:.0%}): {found['cause']}; {found['fix']}", file=sys.stderr, flush=True)
+            print(
+                f"input-bound: {found['data_wait_fraction']:.0%} of step time waits for input "
+                f"(threshold {self.threshold:.0%}): {found['cause']}; {found['fix']}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def on_train_end(self, trainer, summary):
         from tfmis.utils.io import atomic_write_json

@@ -52,28 +52,38 @@ def detect_launch(env=None) -> Launch:
     """The launch this process belongs to, from its environment (see the module docstring)."""
     env = os.environ if env is None else env
     if _int(env, "HOROVOD_RANK") is not None:
-        return Launch("horovod", _int(env, "HOROVOD_RANK"), _int(env, "HOROVOD_SIZE") or 1,
-                      _int(env, "HOROVOD_LOCAL_RANK") or 0)
+        return Launch(
+            "horovod", _int(env, "HOROVOD_RANK"), _int(env, "HOROVOD_SIZE") or 1, _int(env, "HOROVOD_LOCAL_RANK") or 0
+        )
     if env.get("TF_CONFIG"):
         try:
             tf_config = json.loads(env["TF_CONFIG"])
             cluster, task = tf_config.get("cluster", {}), tf_config.get("task", {})
         except (ValueError, AttributeError) as e:
-            raise ValueError(f"TF_CONFIG is not valid JSON with 'cluster' and 'task' ({e}): {env['TF_CONFIG']!r}")
+            raise ValueError(
+                f"TF_CONFIG is not valid JSON with 'cluster' and 'task' ({e}): {env['TF_CONFIG']!r}"
+            ) from None
         size = len(cluster.get("chief", [])) + len(cluster.get("worker", []))
         index = int(task.get("index", 0))
         rank = index if task.get("type") == "chief" else index + len(cluster.get("chief", []))
         return Launch("tf_config", rank, max(size, 1), 0)
     slurm_size = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
     if slurm_size and slurm_size > 1 and _int(env, "SLURM_PROCID") is not None:
-        return Launch("slurm", _int(env, "SLURM_PROCID"), slurm_size, _int(env, "SLURM_LOCALID") or 0,
-                      f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}")
+        return Launch(
+            "slurm",
+            _int(env, "SLURM_PROCID"),
+            slurm_size,
+            _int(env, "SLURM_LOCALID") or 0,
+            f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}",
+        )
     mpi_size = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_WORLDSIZE")
     if mpi_size and mpi_size > 1:
         rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_WORLDRANK")
         local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID")
-        job = next((env[k] for k in ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_JOBID", "SLURM_JOB_ID")
-                    if env.get(k)), "mpi")
+        job = next(
+            (env[k] for k in ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_JOBID", "SLURM_JOB_ID") if env.get(k)),
+            "mpi",
+        )
         return Launch("mpi", rank or 0, mpi_size, local or 0, job)
     return Launch("single")
 
@@ -125,8 +135,10 @@ def mpi_tf_config(launch: Launch, rendezvous_dir: str | Path, port: int = 23456,
         if not missing:
             break
         if time.monotonic() > deadline:
-            raise TimeoutError(f"MPI rendezvous in {folder}: ranks {missing} did not publish their address within "
-                               f"{timeout_s:.0f} s (is runtime.rendezvous_dir on a file system all nodes share?)")
+            raise TimeoutError(
+                f"MPI rendezvous in {folder}: ranks {missing} did not publish their address within "
+                f"{timeout_s:.0f} s (is runtime.rendezvous_dir on a file system all nodes share?)"
+            )
         time.sleep(0.2)
     workers = [json.loads(found[r].read_text())["address"] for r in range(launch.size)]
     return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": launch.rank}}

@@ -190,7 +190,8 @@ class StrategyBackend(Backend):
         if not callable(getattr(inner, "_all_reduce_sum_gradients", None)):
             raise RuntimeError(
                 f"{type(inner).__name__} has no _all_reduce_sum_gradients: this Keras version reduces gradients "
-                "differently, and tfmis.engine.distribution.StrategyBackend.prepare_optimizer must be adapted")
+                "differently, and tfmis.engine.distribution.StrategyBackend.prepare_optimizer must be adapted"
+            )
         inner._all_reduce_sum_gradients = _already_reduced
 
     def reduce_gradients(self, grads):
@@ -261,9 +262,11 @@ BACKENDS = {}
 
 def register_backend(name: str):
     """Decorator: `factory(runtime, output_dir) -> Backend` becomes `runtime.distribution: <name>`."""
+
     def register(factory):
         BACKENDS[name] = factory
         return factory
+
     return register
 
 
@@ -296,8 +299,9 @@ def make_backend(runtime="auto", devices=None, output_dir: str | Path | None = N
         runtime = RuntimeConfig(distribution=runtime, devices=devices)
     name = resolve_distribution(runtime)
     if name not in BACKENDS:
-        raise ValueError(f"runtime.distribution: unknown backend {name!r}; expected auto or one of "
-                         f"{', '.join(sorted(BACKENDS))}")
+        raise ValueError(
+            f"runtime.distribution: unknown backend {name!r}; expected auto or one of {', '.join(sorted(BACKENDS))}"
+        )
     return BACKENDS[name](runtime, output_dir)
 
 
@@ -320,20 +324,25 @@ def _multiworker(runtime, output_dir):
     else:
         if launch.kind == "mpi":
             rendezvous = Path(runtime.rendezvous_dir or Path(output_dir or ".") / ".rendezvous")
-            os.environ["TF_CONFIG"] = json.dumps(mpi_tf_config(launch, rendezvous, runtime.port,
-                                                               runtime.rendezvous_timeout_seconds))
+            os.environ["TF_CONFIG"] = json.dumps(
+                mpi_tf_config(launch, rendezvous, runtime.port, runtime.rendezvous_timeout_seconds)
+            )
             _pin_local_gpu(launch.local_rank)
         elif launch.kind != "tf_config":
             raise ValueError(
                 "runtime.distribution: multiworker needs a cluster: set TF_CONFIG, or start the workers with "
-                "python -m tfmis.launch --nproc N -- python -m tfmis.train ..., srun (SLURM) or mpirun")
+                "python -m tfmis.launch --nproc N -- python -m tfmis.train ..., srun (SLURM) or mpirun"
+            )
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    implementation = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-                      "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-                      "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}[runtime.communication]
+    implementation = {
+        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+    }[runtime.communication]
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=resolver,
-        communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
+        communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
+    )
     backend = StrategyBackend(strategy, name="multiworker")
     if launch.kind == "mpi":
         backend.barrier("rendezvous")  # every rank has read the addresses: the chief may remove them
@@ -349,9 +358,11 @@ def _horovod(runtime, output_dir):
     try:
         from tfmis.engine.horovod import HorovodBackend
     except ImportError as e:
-        raise RuntimeError(f"runtime.distribution: horovod needs Horovod, which this environment lacks ({e}). "
-                           "Horovod 0.28.1 builds only against TensorFlow <= 2.16: make its environment with "
-                           "tools/install_horovod.sh, then run there") from e
+        raise RuntimeError(
+            f"runtime.distribution: horovod needs Horovod, which this environment lacks ({e}). "
+            "Horovod 0.28.1 builds only against TensorFlow <= 2.16: make its environment with "
+            "tools/install_horovod.sh, then run there"
+        ) from e
     return HorovodBackend(runtime)
 
 
@@ -362,10 +373,12 @@ def _slurm_resolver(port_base: int):
 
     if shutil.which("nvidia-smi"):
         return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base)
-    tasks_per_node = max(expand_tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE",
-                                                              os.environ.get("SLURM_TASKS_PER_NODE", "1"))))
-    return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base, gpus_per_node=tasks_per_node,
-                                                               gpus_per_task=1)
+    tasks_per_node = max(
+        expand_tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", "1")))
+    )
+    return tf.distribute.cluster_resolver.SlurmClusterResolver(
+        port_base=port_base, gpus_per_node=tasks_per_node, gpus_per_task=1
+    )
 
 
 def _pin_local_gpu(local_rank: int) -> None:

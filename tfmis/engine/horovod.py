@@ -23,8 +23,9 @@ Limits, by design of Horovod with Keras 3:
 - BatchNorm is per process (no synchronised BatchNorm): each process normalises with the mean and
   variance of its own batch and keeps its own moving statistics; the weights stay identical, the
   moving statistics do not during an epoch; after the epoch's steps they are averaged over the
-  processes (`sync_statistics`), before validation and saving. With small per-process batches prefer `model.norm: instance` (no batch statistics),
-  or `runtime.distribution: mirrored` / `multiworker`, whose BatchNorm sees the global batch.
+  processes (`sync_statistics`), before validation and saving. With small per-process batches prefer
+  `model.norm: instance` (no batch statistics), or `runtime.distribution: mirrored` / `multiworker`,
+  whose BatchNorm sees the global batch.
 - `training.jit_compile: true` fails: the replica step would hold Horovod's all-reduce, which has no
   XLA CPU kernel (`No registered 'HorovodGroupedAllreduce' OpKernel for XLA_CPU_JIT`). Horovod
   documents XLA ops for GPUs behind `HOROVOD_ENABLE_XLA_OPS=1` (not verified here).
@@ -48,11 +49,13 @@ import tensorflow as tf
 
 from tfmis.engine.distribution import Backend
 
-INSTALL_HINT = ("runtime.distribution: horovod needs Horovod built with TensorFlow ops; Horovod 0.28.1 builds "
-                "against TensorFlow 2.16 (not 2.17+), so make its environment with `tools/install_horovod.sh` "
-                "(add --gpu for NCCL) and run tfmis from it, e.g. `.venv-horovod/bin/horovodrun -np 2 -H localhost:2 "
-                "--gloo .venv-horovod/bin/python -m tfmis.train ...`; or choose another runtime.distribution "
-                "(none, mirrored, multiworker).")
+INSTALL_HINT = (
+    "runtime.distribution: horovod needs Horovod built with TensorFlow ops; Horovod 0.28.1 builds "
+    "against TensorFlow 2.16 (not 2.17+), so make its environment with `tools/install_horovod.sh` "
+    "(add --gpu for NCCL) and run tfmis from it, e.g. `.venv-horovod/bin/horovodrun -np 2 -H localhost:2 "
+    "--gloo .venv-horovod/bin/python -m tfmis.train ...`; or choose another runtime.distribution "
+    "(none, mirrored, multiworker)."
+)
 
 
 def import_horovod():
@@ -73,7 +76,8 @@ def import_horovod():
         raise RuntimeError(
             f"Horovod {version} is installed in {sys.executable} but horovod.tensorflow does not load with "
             f"TensorFlow {tf.__version__} ({type(e).__name__}: {e}): it was built without TensorFlow ops "
-            f"(HOROVOD_WITH_TENSORFLOW=1) or against another TensorFlow. {INSTALL_HINT}") from e
+            f"(HOROVOD_WITH_TENSORFLOW=1) or against another TensorFlow. {INSTALL_HINT}"
+        ) from e
     return hvd
 
 
@@ -113,7 +117,8 @@ class HorovodBackend(Backend):
                 raise RuntimeError(
                     f"runtime.distribution: horovod: process {self.rank} has local rank {self.local_rank} but its node "
                     f"has {len(gpus)} GPUs: start at most one process per GPU (horovodrun -np/-H slots, "
-                    "--ntasks-per-node = GPUs per node)")
+                    "--ntasks-per-node = GPUs per node)"
+                )
             gpu = gpus[self.local_rank]
             try:
                 tf.config.set_visible_devices(gpu, "GPU")
@@ -121,7 +126,8 @@ class HorovodBackend(Backend):
             except RuntimeError as e:
                 raise RuntimeError(
                     f"runtime.distribution: horovod must pin one GPU per process before TensorFlow initialises its "
-                    f"devices ({e}); build the backend first, before any model, tensor or device query") from e
+                    f"devices ({e}); build the backend first, before any model, tensor or device query"
+                ) from e
         self.device = f"/gpu:{self.local_rank}" if gpus else "/cpu:0"
 
     # ---------------------------------------------------------------- who am I
@@ -147,8 +153,9 @@ class HorovodBackend(Backend):
         Args:
             dataset_fn: `dataset_fn(tf.distribute.InputContext)` -> a dataset batched per replica.
         """
-        context = tf.distribute.InputContext(num_input_pipelines=self.size, input_pipeline_id=self.rank,
-                                             num_replicas_in_sync=self.size)
+        context = tf.distribute.InputContext(
+            num_input_pipelines=self.size, input_pipeline_id=self.rank, num_replicas_in_sync=self.size
+        )
         return dataset_fn(context)
 
     def run(self, fn, args):
@@ -196,8 +203,9 @@ class HorovodBackend(Backend):
                 by_dtype.setdefault(t.dtype, []).append(i)
         out = list(tensors)
         for dtype, positions in by_dtype.items():
-            reduced = self.hvd.grouped_allreduce([tensors[i] for i in positions], op=op,
-                                                 name=f"tfmis_{purpose}_{dtype.name}")
+            reduced = self.hvd.grouped_allreduce(
+                [tensors[i] for i in positions], op=op, name=f"tfmis_{purpose}_{dtype.name}"
+            )
             for i, r in zip(positions, reduced):
                 out[i] = r
         return out
@@ -216,8 +224,9 @@ class HorovodBackend(Backend):
             return
         state = [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
         if state:
-            for variable, mean in zip(state, self._all_reduce([v.value for v in state], self.hvd.Average,
-                                                              "statistics")):
+            for variable, mean in zip(
+                state, self._all_reduce([v.value for v in state], self.hvd.Average, "statistics")
+            ):
                 variable.assign(mean)
 
     # ---------------------------------------------------------------- host-side collectives

@@ -26,8 +26,9 @@ from tfmis.engine.cluster import free_ports
 from tfmis.hardware import usable_cpus, visible_gpu_ids
 
 
-def worker_environments(nproc: int, host: str = "127.0.0.1", base_env=None, gpus_per_worker: int | None = None,
-                        cpu_count: int | None = None) -> list[dict]:
+def worker_environments(
+    nproc: int, host: str = "127.0.0.1", base_env=None, gpus_per_worker: int | None = None, cpu_count: int | None = None
+) -> list[dict]:
     """The environment of each of `nproc` local workers (TF_CONFIG, threads, GPUs)."""
     base_env = dict(os.environ if base_env is None else base_env)
     workers = [f"{host}:{port}" for port in free_ports(nproc, host)]
@@ -41,7 +42,7 @@ def worker_environments(nproc: int, host: str = "127.0.0.1", base_env=None, gpus
         env.setdefault("TF_NUM_INTEROP_THREADS", str(max(1, min(2, cpus // nproc))))
         per = len(gpus) // nproc if gpus_per_worker is None else gpus_per_worker
         if gpus and per > 0:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[k * per:(k + 1) * per])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[k * per : (k + 1) * per])
         envs.append(env)
     return envs
 
@@ -60,11 +61,18 @@ def launch(command: list[str], nproc: int, grace_seconds: float = 60.0, gpus_per
     threads = []
     for k, env in enumerate(worker_environments(nproc, gpus_per_worker=gpus_per_worker)):
         quiet = k > 0
-        proc = subprocess.Popen(command, env=env, start_new_session=True, text=True,
-                                stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT if quiet else None)
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            start_new_session=True,
+            text=True,
+            stdout=subprocess.PIPE if quiet else None,
+            stderr=subprocess.STDOUT if quiet else None,
+        )
         if quiet:
-            thread = threading.Thread(target=_prefix_output, args=(proc.stdout, f"[worker {k}] ", sys.stderr),
-                                      daemon=True)
+            thread = threading.Thread(
+                target=_prefix_output, args=(proc.stdout, f"[worker {k}] ", sys.stderr), daemon=True
+            )
             thread.start()
             threads.append(thread)
         procs.append(proc)
@@ -83,8 +91,11 @@ def launch(command: list[str], nproc: int, grace_seconds: float = 60.0, gpus_per
                 if code not in (None, 0) and first_failure is None:
                     first_failure = (k, code)
                     deadline = time.monotonic() + grace_seconds
-                    print(f"tfmis.launch: worker {k} exited with status {code}; giving the others {grace_seconds:.0f} s "
-                          "to stop", file=sys.stderr)
+                    print(
+                        f"tfmis.launch: worker {k} exited with status {code}; giving the others {grace_seconds:.0f} s "
+                        "to stop",
+                        file=sys.stderr,
+                    )
             if deadline is not None and time.monotonic() > deadline:
                 for k, p in enumerate(procs):
                     if p.poll() is None:

@@ -98,8 +98,10 @@ class Trainer:
         self.global_batch = config.pipeline.num_images_per_batch * self.backend.num_replicas * tc.accumulation_steps
         self.learning_rate = self.task.learning_rates(self.global_batch)[0]
         if tc.jit_compile and self.backend.name == "horovod":
-            raise ValueError("training.jit_compile: true does not work with runtime.distribution: horovod (Horovod's "
-                             "all-reduce inside the step has no XLA kernel); set training.jit_compile=false")
+            raise ValueError(
+                "training.jit_compile: true does not work with runtime.distribution: horovod (Horovod's "
+                "all-reduce inside the step has no XLA kernel); set training.jit_compile=false"
+            )
         with self.backend.scope():
             self.model, self.training_model = self.task.build_training_model()
             self.optimizer = self.task.build_optimizer(self.global_batch, self.steps_per_epoch)
@@ -110,12 +112,18 @@ class Trainer:
             self.best_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="best_epoch")
             self.elapsed = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="elapsed_seconds")
         self.loss_fn = self.task.build_loss()
-        self.checkpoint = tf.train.Checkpoint(model=self.training_model, optimizer=self.optimizer, epoch=self.epoch,
-                                              best_dice=self.best_dice, best_epoch=self.best_epoch,
-                                              elapsed=self.elapsed)
+        self.checkpoint = tf.train.Checkpoint(
+            model=self.training_model,
+            optimizer=self.optimizer,
+            epoch=self.epoch,
+            best_dice=self.best_dice,
+            best_epoch=self.best_epoch,
+            elapsed=self.elapsed,
+        )
         # MultiWorkerMirroredStrategy: every worker saves, non-chiefs into a temporary folder they then drop
-        self.manager = tf.train.CheckpointManager(self.checkpoint, str(self.backend.checkpoint_dir(self.out)),
-                                                  max_to_keep=tc.keep_checkpoints)
+        self.manager = tf.train.CheckpointManager(
+            self.checkpoint, str(self.backend.checkpoint_dir(self.out)), max_to_keep=tc.keep_checkpoints
+        )
         self._compile()
         # one policy for the whole run: the volume sizes it learns not to fit stay learned across epochs
         self.placement = VolumePlacement.for_validation(config.validation)
@@ -127,8 +135,11 @@ class Trainer:
         if self.config.pipeline.augment.placement == "step":
             # the dataset yields un-augmented crops and their seeds; the replica step augments them on its device
             self._step_augment = step_augmentation(self.config.pipeline)
-        step = tf.function(self._replica_step, jit_compile=True) if self.config.training.jit_compile \
+        step = (
+            tf.function(self._replica_step, jit_compile=True)
+            if self.config.training.jit_compile
             else self._replica_step
+        )
         self._step = step
         self._global_step = tf.function(lambda batch: self.backend.reduce_mean(self.backend.run(step, batch)))
 
@@ -173,9 +184,11 @@ class Trainer:
         images = tf.ensure_shape(images, [None] * (len(images.shape) - 1) + [self.in_channels])
         if self._step_augment is not None:
             if seeds is None:
-                raise ValueError("pipeline.augment.placement is step but the training batches hold no crop seeds: "
-                                 "the training dataset must yield (images, labels, seeds), as "
-                                 "tfmis.data.pipeline.build_train_dataset does with that placement")
+                raise ValueError(
+                    "pipeline.augment.placement is step but the training batches hold no crop seeds: "
+                    "the training dataset must yield (images, labels, seeds), as "
+                    "tfmis.data.pipeline.build_train_dataset does with that placement"
+                )
             with tf.name_scope("augment"):
                 images, labels = self._step_augment(images, labels, seeds)
         n = self.config.training.accumulation_steps
@@ -225,6 +238,7 @@ class Trainer:
             (losses, skipped, waits): one entry per step: float32 mean loss, float32 1.0 if the step was
             skipped (non-finite gradient), float64 seconds waited for the step's batch.
         """
+
         def one_step():
             start = tf.timestamp()
             with tf.name_scope("data_wait"):
@@ -284,8 +298,16 @@ class Trainer:
         roi = tuple(v.roi_size or self.config.pipeline.patch_size)
 
         def segment(device: str, sw_batch_size: int):
-            logits = sliding_window_inference(image, roi, sw_batch_size, self.predict_windows, overlap=v.overlap,
-                                              mode=v.mode, sw_device=accelerator_device(), device=device)
+            logits = sliding_window_inference(
+                image,
+                roi,
+                sw_batch_size,
+                self.predict_windows,
+                overlap=v.overlap,
+                mode=v.mode,
+                sw_device=accelerator_device(),
+                device=device,
+            )
             with tf.device(device):  # the argmax where the logits are; numpy() finishes the attempt
                 return tf.argmax(logits, axis=-1, output_type=tf.int32)[0].numpy()
 
@@ -316,16 +338,22 @@ class Trainer:
             if mine != chief:
                 raise RuntimeError(
                     f"worker {self.backend.rank} sees checkpoint {mine} in {self.out / 'checkpoints'} but the chief "
-                    f"sees {chief} (-1 = none): output.dir must be on a file system every worker shares")
+                    f"sees {chief} (-1 = none): output.dir must be on a file system every worker shares"
+                )
         if latest and not resume:
-            raise RunExists(f"{self.out} already holds a training run (last checkpoint {Path(latest).name}); "
-                            "rerun with --resume to continue it, or set another output.dir "
-                            "(e.g. --set output.dir=runs/new)")
+            raise RunExists(
+                f"{self.out} already holds a training run (last checkpoint {Path(latest).name}); "
+                "rerun with --resume to continue it, or set another output.dir "
+                "(e.g. --set output.dir=runs/new)"
+            )
         if resume and latest:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
             if self.backend.is_chief:
-                print(f"Resuming from {latest}: epoch {int(self.epoch.numpy())} done, best mean Dice "
-                      f"{float(self.best_dice.numpy()):.4f} at epoch {int(self.best_epoch.numpy())}", file=sys.stderr)
+                print(
+                    f"Resuming from {latest}: epoch {int(self.epoch.numpy())} done, best mean Dice "
+                    f"{float(self.best_dice.numpy()):.4f} at epoch {int(self.best_epoch.numpy())}",
+                    file=sys.stderr,
+                )
         elif resume and self.backend.is_chief:
             print(f"--resume: no checkpoint in {self.out / 'checkpoints'}, starting from scratch", file=sys.stderr)
         self.backend.sync_initial_state(self.training_model, self.optimizer)
@@ -429,9 +457,13 @@ class Trainer:
             if reached or out_of_time:
                 stop_reason = "target_dice" if reached else "max_minutes"
                 if self.backend.is_chief:
-                    print(f"target Dice {tc.target_dice} reached at epoch {epoch}: stopping" if reached else
-                          f"time budget training.max_minutes={tc.max_minutes:g} used up after epoch {epoch} "
-                          f"({record['elapsed_seconds'] / 60:.1f} min): stopping", file=sys.stderr)
+                    print(
+                        f"target Dice {tc.target_dice} reached at epoch {epoch}: stopping"
+                        if reached
+                        else f"time budget training.max_minutes={tc.max_minutes:g} used up after epoch {epoch} "
+                        f"({record['elapsed_seconds'] / 60:.1f} min): stopping",
+                        file=sys.stderr,
+                    )
                 break
         summary = self._summary(self.history, stop_reason)
         callbacks.on_train_end(self, summary)
@@ -469,29 +501,46 @@ class Trainer:
                         f"the training loss became {loss} at epoch {epoch}, step {step + 1}. Training stopped; the "
                         f"last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in "
                         f"{self.out / 'checkpoints'}. Lower optimizer.learning_rate, try training.precision=float32, "
-                        "or check the data, then rerun with --resume.")
+                        "or check the data, then rerun with --resume."
+                    )
                 losses.append(loss)
                 skipped += int(was_skipped > 0)
                 self._skip_streak = self._skip_streak + [(epoch, step + 1)] if was_skipped > 0 else []
                 if len(self._skip_streak) >= MAX_CONSECUTIVE_SKIPPED_STEPS:
                     (e0, s0), (e1, s1) = self._skip_streak[0], self._skip_streak[-1]
-                    where = (f"epoch {e1}, steps {s0}-{s1}" if e0 == e1
-                             else f"epoch {e0} step {s0} to epoch {e1} step {s1}")
+                    where = (
+                        f"epoch {e1}, steps {s0}-{s1}" if e0 == e1 else f"epoch {e0} step {s0} to epoch {e1} step {s1}"
+                    )
                     raise self._skipped_error(f"{len(self._skip_streak)} consecutive steps were skipped ({where})")
-                callbacks.on_step_end(self, epoch, step, {
-                    "loss": loss, "mean_loss": float(np.mean(losses)), "skipped": bool(was_skipped > 0),
-                    "wait_seconds": wait, "compute_seconds": compute, "loop_steps": n})
+                callbacks.on_step_end(
+                    self,
+                    epoch,
+                    step,
+                    {
+                        "loss": loss,
+                        "mean_loss": float(np.mean(losses)),
+                        "skipped": bool(was_skipped > 0),
+                        "wait_seconds": wait,
+                        "compute_seconds": compute,
+                        "loop_steps": n,
+                    },
+                )
         loss_scaler = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         if skipped == self.steps_per_epoch and not loss_scaler:
             raise self._skipped_error(f"all {skipped} steps of epoch {epoch} were skipped")
         self.backend.sync_statistics(self.training_model)  # Horovod: one set of BatchNorm statistics for all processes
         self._check_finite_state(epoch)  # before validation and any save
         train_seconds = wait + compute
-        record = {"epoch": epoch, "train_loss": float(np.mean(losses)),
-                  "learning_rate": float(keras.ops.convert_to_numpy(self.optimizer.learning_rate)),
-                  "images_per_second": self.steps_per_epoch * self.global_batch / max(train_seconds, 1e-9),
-                  "data_wait_seconds": wait, "compute_seconds": compute,
-                  "data_wait_fraction": wait / max(train_seconds, 1e-9), "skipped_steps": skipped}
+        record = {
+            "epoch": epoch,
+            "train_loss": float(np.mean(losses)),
+            "learning_rate": float(keras.ops.convert_to_numpy(self.optimizer.learning_rate)),
+            "images_per_second": self.steps_per_epoch * self.global_batch / max(train_seconds, 1e-9),
+            "data_wait_seconds": wait,
+            "compute_seconds": compute,
+            "data_wait_fraction": wait / max(train_seconds, 1e-9),
+            "skipped_steps": skipped,
+        }
         if loss_scaler:
             record["loss_scale"] = float(keras.ops.convert_to_numpy(self.optimizer.dynamic_scale))
         return record
@@ -521,10 +570,15 @@ class Trainer:
         image, label, meta = next(iter(self.task.build_val_dataset(cached=False)))  # one case: no cache to fill
         case_id = meta["case_id"].numpy().decode()
         prediction, _ = self._segment_volume(image, case_id)
-        fig = plot_orthogonal_planes(image[0].numpy(), label[0].numpy(), spacing=self.spacing_by_case.get(case_id),
-                                     channel_names=self.task.data_info["source"]["modalities"], class_names=self.class_names,
-                                     title=f"{case_id}: label (fill) vs prediction of the best model (outline)",
-                                     prediction=prediction)
+        fig = plot_orthogonal_planes(
+            image[0].numpy(),
+            label[0].numpy(),
+            spacing=self.spacing_by_case.get(case_id),
+            channel_names=self.task.data_info["source"]["modalities"],
+            class_names=self.class_names,
+            title=f"{case_id}: label (fill) vs prediction of the best model (outline)",
+            prediction=prediction,
+        )
         with atomic_writer(path, "wb") as f:
             fig.savefig(f, format="png")
         return Path(path)
@@ -534,20 +588,23 @@ class Trainer:
             f"{what}: their gradients held NaN or Inf values although the loss was finite, so the weights were "
             f"left unchanged. Training stopped; the last good checkpoint (epoch {int(self.epoch.numpy())}) is kept "
             f"in {self.out / 'checkpoints'}. Look for a sqrt, norm, log or division at zero in the loss and for "
-            "NaN/Inf voxels in the data, then rerun with --resume.")
+            "NaN/Inf voxels in the data, then rerun with --resume."
+        )
 
     def _check_finite_state(self, epoch: int) -> None:
         """Raises TrainingDiverged if a model or optimizer variable holds NaN/Inf: such a state is never saved."""
         variables = list(self.training_model.variables) + list(self.optimizer.variables)
-        bad = [v.path for v in variables
-               if "float" in str(v.dtype) and not bool(tf.reduce_all(tf.math.is_finite(v.value)))]
+        bad = [
+            v.path for v in variables if "float" in str(v.dtype) and not bool(tf.reduce_all(tf.math.is_finite(v.value)))
+        ]
         if bad:
             raise TrainingDiverged(
                 f"non-finite values in {len(bad)} model/optimizer variables ({', '.join(bad[:3])}"
                 f"{', ...' if len(bad) > 3 else ''}) after epoch {epoch}, with finite losses and gradients. They "
                 f"were not saved; the last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in "
                 f"{self.out / 'checkpoints'}. Lower optimizer.learning_rate (or set optimizer.clipnorm), then rerun "
-                "with --resume.")
+                "with --resume."
+            )
 
     def _summary(self, history: History, stop_reason: str = "epochs") -> dict:
         records = history.records
@@ -579,12 +636,17 @@ def _checkpoint_number(path: str | None) -> int:
 
 def summary_table(summary: dict) -> str:
     """A readable end-of-run report."""
-    why = {"target_dice": "  (stopped: training.target_dice reached)",
-           "max_minutes": "  (stopped: training.max_minutes used up)"}.get(summary.get("stop_reason"), "")
-    lines = [f"epochs trained        {summary['epochs']}{why}",
-             f"elapsed               {summary['elapsed_seconds']:.0f} s",
-             f"best mean Dice        {summary['best_mean_dice']:.4f} (epoch {summary['best_epoch']})"
-             if summary["best_mean_dice"] is not None else "best mean Dice        -"]
+    why = {
+        "target_dice": "  (stopped: training.target_dice reached)",
+        "max_minutes": "  (stopped: training.max_minutes used up)",
+    }.get(summary.get("stop_reason"), "")
+    lines = [
+        f"epochs trained        {summary['epochs']}{why}",
+        f"elapsed               {summary['elapsed_seconds']:.0f} s",
+        f"best mean Dice        {summary['best_mean_dice']:.4f} (epoch {summary['best_epoch']})"
+        if summary["best_mean_dice"] is not None
+        else "best mean Dice        -",
+    ]
     for name, value in (summary["best_dice_per_class"] or {}).items():
         lines.append(f"  {name:<20}{value:.4f}")
     lines.append(f"throughput            {summary['images_per_second']:.1f} images/s")
@@ -592,4 +654,3 @@ def summary_table(summary: dict) -> str:
     for threshold, reached in summary["thresholds_reached"].items():
         lines.append(f"Dice >= {threshold}         epoch {reached['epoch']}, {reached['elapsed_seconds']:.0f} s")
     return "\n".join(lines)
-

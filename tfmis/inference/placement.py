@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Callable, Literal, TypeVar
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
 import tensorflow as tf
 
@@ -65,7 +66,7 @@ def aggregation_bytes(spatial_shape, channels: int, num_classes: int) -> int:
 
 
 def device_name(device: str) -> str:
-    """"/GPU:0" → "gpu:0", as the predictions table and the logs write it."""
+    """ "/GPU:0" → "gpu:0", as the predictions table and the logs write it."""
     return device.strip("/").lower()
 
 
@@ -89,8 +90,7 @@ class Placement:
     def __str__(self) -> str:
         if not self.reason:
             return device_name(self.device)
-        batch = (f", sw batch {self.sw_batch_size}" if self.sw_batch_size != self.configured_sw_batch_size
-                 else "")
+        batch = f", sw batch {self.sw_batch_size}" if self.sw_batch_size != self.configured_sw_batch_size else ""
         return f"{device_name(self.device).split(':')[0]}{batch} ({self.reason})"
 
 
@@ -104,8 +104,7 @@ class FallbackEvent:
     succeeded: str  # the Placement description
 
     def __str__(self) -> str:
-        return (f"case {self.case_id or '?'} ({self.voxels:,} voxels): {'; '.join(self.failed)}; "
-                f"ran on {self.succeeded}")
+        return f"case {self.case_id or '?'} ({self.voxels:,} voxels): {'; '.join(self.failed)}; ran on {self.succeeded}"
 
 
 class VolumePlacement:
@@ -126,10 +125,15 @@ class VolumePlacement:
         device_setting: the name of the setting the error messages tell the user to change.
     """
 
-    def __init__(self, mode: Literal["accelerator", "cpu", "auto"] = "auto", sw_batch_size: int = 4,
-                 accelerator: str | None = None, cpu_from_voxels: int | None = None,
-                 accelerator_memory_mb: float | None = None,
-                 device_setting: str = "validation.validation_data_device"):
+    def __init__(
+        self,
+        mode: Literal["accelerator", "cpu", "auto"] = "auto",
+        sw_batch_size: int = 4,
+        accelerator: str | None = None,
+        cpu_from_voxels: int | None = None,
+        accelerator_memory_mb: float | None = None,
+        device_setting: str = "validation.validation_data_device",
+    ):
         if mode not in PLACEMENT_MODES:
             raise ValueError(f"{device_setting} must be one of {PLACEMENT_MODES}, got {mode!r}")
         if sw_batch_size < 1:
@@ -144,18 +148,20 @@ class VolumePlacement:
         self.events: list[FallbackEvent] = []
 
     @classmethod
-    def for_validation(cls, validation) -> "VolumePlacement":
+    def for_validation(cls, validation) -> VolumePlacement:
         """The policy of a training config's `validation` section (a `ValidationConfig`)."""
-        return cls(validation.validation_data_device, validation.num_sw_batch_size,
-                   cpu_from_voxels=validation.cpu_from_voxels)
+        return cls(
+            validation.validation_data_device, validation.num_sw_batch_size, cpu_from_voxels=validation.cpu_from_voxels
+        )
 
     def start_sw_batch(self, voxels: int) -> int:
         """The sliding-window batch a volume of `voxels` starts with: the configured one, or what a
         volume at most this large needed."""
         return min((b for v, b in self.reduced_sw_batch.items() if voxels >= v), default=self.sw_batch_size)
 
-    def run(self, infer: Callable[[str, int], T], voxels: int, case_id: str = "",
-            buffer_bytes: int | None = None) -> tuple[T, Placement]:
+    def run(
+        self, infer: Callable[[str, int], T], voxels: int, case_id: str = "", buffer_bytes: int | None = None
+    ) -> tuple[T, Placement]:
         """Runs `infer(device, sw_batch_size)` where the policy says, down the ladder on out-of-memory.
 
         Args:
@@ -180,12 +186,15 @@ class VolumePlacement:
         failed: list[str] = []
         reason = KNOWN_NOT_TO_FIT if batch < self.sw_batch_size else ""
         if self.mode != "cpu":
-            over_budget = (self.memory_budget is not None and buffer_bytes is not None
-                           and buffer_bytes > self.memory_budget)
+            over_budget = (
+                self.memory_budget is not None and buffer_bytes is not None and buffer_bytes > self.memory_budget
+            )
             known = self.mode == "auto" and self.cpu_from_voxels is not None and voxels >= self.cpu_from_voxels
             if over_budget:
-                failed.append(f"pre-check: the whole-volume buffers need {buffer_bytes / 2**20:.1f} MiB, over the "
-                              f"accelerator budget of {self.memory_budget / 2**20:.1f} MiB (nothing was allocated)")
+                failed.append(
+                    f"pre-check: the whole-volume buffers need {buffer_bytes / 2**20:.1f} MiB, over the "
+                    f"accelerator budget of {self.memory_budget / 2**20:.1f} MiB (nothing was allocated)"
+                )
                 if self.mode == "accelerator":
                     raise VolumeOutOfMemory(self._accelerator_advice(case_id, voxels, failed[-1]))
                 reason = OVER_BUDGET
@@ -210,7 +219,8 @@ class VolumePlacement:
                 raise VolumeOutOfMemory(
                     f"case {case_id or '?'} ({voxels:,} voxels) does not fit in memory even with its volume on the "
                     f"CPU and one window per forward pass ({'; '.join(failed)}). Free memory, or use a smaller "
-                    "validation.roi_size") from outcome
+                    "validation.roi_size"
+                ) from outcome
             batch = max(1, batch // 2)
         if batch < self.start_sw_batch(voxels):
             self.reduced_sw_batch[voxels] = batch
@@ -236,10 +246,12 @@ class VolumePlacement:
         return error, summary
 
     def _accelerator_advice(self, case_id: str, voxels: int, what: str) -> str:
-        return (f"case {case_id or '?'} ({voxels:,} voxels): out of memory with the volume and its blending buffers "
-                f"on {device_name(self.accelerator)} ({self.device_setting}: accelerator, sw batch "
-                f"{self.start_sw_batch(voxels)}): {what}. Set {self.device_setting}: auto (falls back to the CPU and "
-                f"smaller sliding-window batches when memory runs out) or cpu (volumes always in host memory)")
+        return (
+            f"case {case_id or '?'} ({voxels:,} voxels): out of memory with the volume and its blending buffers "
+            f"on {device_name(self.accelerator)} ({self.device_setting}: accelerator, sw batch "
+            f"{self.start_sw_batch(voxels)}): {what}. Set {self.device_setting}: auto (falls back to the CPU and "
+            f"smaller sliding-window batches when memory runs out) or cpu (volumes always in host memory)"
+        )
 
 
 def _summary(error: BaseException) -> str:

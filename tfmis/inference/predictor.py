@@ -34,9 +34,9 @@ import tensorflow as tf
 from tfmis.data.msd import CaseError, case_id_from_path, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
+from tfmis.hardware import CPU, accelerator_device
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
 from tfmis.inference.sliding_window import sliding_window_inference
-from tfmis.hardware import CPU, accelerator_device
 from tfmis.task import SegmentationTask
 from tfmis.utils.io import atomic_writer
 from tfmis.utils.table import text_table
@@ -75,8 +75,9 @@ def run_config(checkpoint: str | Path) -> Path:
     """The config.yaml of the run that `checkpoint` belongs to; a clear error when there is none."""
     run = find_run_dir(checkpoint)
     if run is None:
-        raise FileNotFoundError(f"no config.yaml in or above --checkpoint {checkpoint}: give the training "
-                                "run's config with --config")
+        raise FileNotFoundError(
+            f"no config.yaml in or above --checkpoint {checkpoint}: give the training run's config with --config"
+        )
     return run / "config.yaml"
 
 
@@ -92,18 +93,25 @@ def load_weights(model, checkpoint: str | Path) -> Path:
         return path
     prefix = tf.train.latest_checkpoint(str(path)) if path.is_dir() else str(path)
     if prefix is None or not Path(prefix + ".index").is_file():
-        raise FileNotFoundError(f"no checkpoint at {checkpoint}: give best.weights.h5, a run folder, or a "
-                                "checkpoints/ folder or ckpt-N prefix")
+        raise FileNotFoundError(
+            f"no checkpoint at {checkpoint}: give best.weights.h5, a run folder, or a "
+            "checkpoints/ folder or ckpt-N prefix"
+        )
     try:
         # a trainer checkpoint also holds optimizer state (not needed here), but every variable of the
         # model must be in it: a checkpoint of another model must not leave random weights behind
         tf.train.Checkpoint(model=model).read(prefix).expect_partial().assert_existing_objects_matched()
     except (AssertionError, ValueError) as e:
         found = re.search(r"Found (\d+) Python objects", str(e))
-        what = (f"{found.group(1)} of the model's {len(model.weights)} weights are not in it" if found
-                else str(e).splitlines()[0].rstrip("."))
-        raise ValueError(f"checkpoint {prefix} does not fit this model (model.* of the config): {what}. "
-                         "Predict with the config.yaml of the run that wrote the checkpoint") from e
+        what = (
+            f"{found.group(1)} of the model's {len(model.weights)} weights are not in it"
+            if found
+            else str(e).splitlines()[0].rstrip(".")
+        )
+        raise ValueError(
+            f"checkpoint {prefix} does not fit this model (model.* of the config): {what}. "
+            "Predict with the config.yaml of the run that wrote the checkpoint"
+        ) from e
     return Path(prefix)
 
 
@@ -122,9 +130,18 @@ class Predictor:
             there. Useful to keep headroom on a shared GPU.
     """
 
-    def __init__(self, config, checkpoint, sw_batch_size: int | None = None, overlap: float | None = None,
-                 mode: str | None = None, device: str | None = None, tta: bool = False, tta_axes=(0, 1, 2),
-                 accelerator_memory_mb: float | None = None):
+    def __init__(
+        self,
+        config,
+        checkpoint,
+        sw_batch_size: int | None = None,
+        overlap: float | None = None,
+        mode: str | None = None,
+        device: str | None = None,
+        tta: bool = False,
+        tta_axes=(0, 1, 2),
+        accelerator_memory_mb: float | None = None,
+    ):
         self.config = config
         v = config.validation
         # preprocessing, channels and classes from the run folder (the TFRecords may be gone)
@@ -143,11 +160,18 @@ class Predictor:
         # on a machine without an accelerator, "gpu" is the CPU itself, and the fallbacks still apply
         # (a smaller sliding-window batch is what frees memory there). Not seeded with the config's
         # validation.cpu_from_voxels: that size did not fit next to training, prediction has more room.
-        self.placement = VolumePlacement("cpu" if device == "cpu" else "auto", self.sw_batch_size,
-                                         accelerator=self.compute_device, accelerator_memory_mb=accelerator_memory_mb,
-                                         device_setting="--device")
-        self.tta_flips = [list(c) for n in range(len(tta_axes) + 1) for c in itertools.combinations(
-            [a + 1 for a in tta_axes], n)] if tta else [[]]  # +1: axis 0 is the window batch
+        self.placement = VolumePlacement(
+            "cpu" if device == "cpu" else "auto",
+            self.sw_batch_size,
+            accelerator=self.compute_device,
+            accelerator_memory_mb=accelerator_memory_mb,
+            device_setting="--device",
+        )
+        self.tta_flips = (
+            [list(c) for n in range(len(tta_axes) + 1) for c in itertools.combinations([a + 1 for a in tta_axes], n)]
+            if tta
+            else [[]]
+        )  # +1: axis 0 is the window batch
         self.task.set_precision_policy()
         with tf.device(self.compute_device):
             self.model = self.task.build_inference_model()
@@ -165,17 +189,26 @@ class Predictor:
 
     def _window_logits(self, volume: np.ndarray, device: str, sw_batch_size: int) -> np.ndarray:
         """Blended logits with the volume and buffers on `device`; numpy, so the attempt is finished."""
-        return sliding_window_inference(volume[None], self.roi_size, sw_batch_size, self._forward,
-                                        overlap=self.overlap, mode=self.mode, sw_device=self.compute_device,
-                                        device=device)[0].numpy()
+        return sliding_window_inference(
+            volume[None],
+            self.roi_size,
+            sw_batch_size,
+            self._forward,
+            overlap=self.overlap,
+            mode=self.mode,
+            sw_device=self.compute_device,
+            device=device,
+        )[0].numpy()
 
     def logits(self, volume: np.ndarray, case_id: str = "") -> tuple[np.ndarray, str]:
         """Blended logits (x, y, z, K) of a preprocessed volume (x, y, z, C), and where they were aggregated
         (the `Placement` description, e.g. "gpu:0" or "cpu (fallback after out-of-memory)")."""
         logits, placement = self.placement.run(
             lambda device, sw_batch_size: self._window_logits(volume, device, sw_batch_size),
-            int(np.prod(volume.shape[:3])), case_id,
-            buffer_bytes=aggregation_bytes(volume.shape[:3], volume.shape[-1], len(self.class_names)))
+            int(np.prod(volume.shape[:3])),
+            case_id,
+            buffer_bytes=aggregation_bytes(volume.shape[:3], volume.shape[-1], len(self.class_names)),
+        )
         return logits, str(placement)
 
     def predict_array(self, image: np.ndarray, affine: np.ndarray, case_id: str = ""):
@@ -198,10 +231,16 @@ class Predictor:
             save_like(label_map, affine, header, out, np.uint8)
             if probabilities:
                 # NIfTI-1 has no float16: uint8 with a scale factor (readers get floats, step 1/255)
-                save_like(probs.astype(np.float32), affine, header,
-                          output_dir / f"{case.case_id}_probabilities.nii.gz", np.uint8)
-            result = CaseResult(case.case_id, "ok", tuple(image.shape[:3]), 0.0, int((label_map > 0).sum()),
-                                device, str(out))
+                save_like(
+                    probs.astype(np.float32),
+                    affine,
+                    header,
+                    output_dir / f"{case.case_id}_probabilities.nii.gz",
+                    np.uint8,
+                )
+            result = CaseResult(
+                case.case_id, "ok", tuple(image.shape[:3]), 0.0, int((label_map > 0).sum()), device, str(out)
+            )
             if case.label is not None:
                 result.dice = self._dice(case, label_map, affine)
         except (CaseError, OSError, ValueError, MemoryError, tf.errors.OpError) as e:
@@ -218,8 +257,7 @@ class Predictor:
         img = nib.load(str(case.label))
         label = np.asarray(img.dataobj)
         if label.shape != prediction.shape:
-            raise CaseError(case.case_id, f"label {case.label} has shape {label.shape}, the image "
-                                          f"{prediction.shape}")
+            raise CaseError(case.case_id, f"label {case.label} has shape {label.shape}, the image {prediction.shape}")
         scores = dice_per_class(prediction, np.rint(label).astype(np.int64), len(self.class_names))
         return dict(zip(self.class_names[1:], (float(s) for s in scores)))
 
@@ -235,8 +273,10 @@ def restore_probabilities(probabilities: np.ndarray, geometry) -> np.ndarray:
     from tfmis.data.preprocess import restore_geometry
 
     g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
-    channels = [restore_geometry(probabilities[..., k], g, order=1, cval=1.0 if k == 0 else 0.0)
-                for k in range(probabilities.shape[-1])]
+    channels = [
+        restore_geometry(probabilities[..., k], g, order=1, cval=1.0 if k == 0 else 0.0)
+        for k in range(probabilities.shape[-1])
+    ]
     return np.stack(channels, axis=-1)
 
 
@@ -254,8 +294,9 @@ def save_like(data: np.ndarray, affine: np.ndarray, header, path: Path, dtype) -
     tmp.replace(path)
 
 
-def collect_inputs(input_path: str | Path, subset: str = "test", label_dir: str | Path | None = None,
-                   index: dict | None = None) -> list[InputCase]:
+def collect_inputs(
+    input_path: str | Path, subset: str = "test", label_dir: str | Path | None = None, index: dict | None = None
+) -> list[InputCase]:
     """The cases named by `--input`: one NIfTI file, a folder of them, or an MSD dataset.json.
 
     Args:
@@ -272,21 +313,29 @@ def collect_inputs(input_path: str | Path, subset: str = "test", label_dir: str 
         if subset == "test":
             cases = [InputCase(c.case_id, str(dataset.resolve(c, c.image))) for c in dataset.test]
         elif subset == "training":
-            cases = [InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
-                     for c in dataset.training]
+            cases = [
+                InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
+                for c in dataset.training
+            ]
         elif subset.startswith("split:"):
             split = subset.split(":", 1)[1]
             if index is None or split not in index["splits"]:
-                raise ValueError(f"--subset {subset}: the training run's dataset has splits "
-                                 f"{sorted(index['splits']) if index else []}")
+                raise ValueError(
+                    f"--subset {subset}: the training run's dataset has splits "
+                    f"{sorted(index['splits']) if index else []}"
+                )
             ids = set(index["splits"][split]["cases"])
-            cases = [InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
-                     for c in dataset.training if c.case_id in ids]
+            cases = [
+                InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
+                for c in dataset.training
+                if c.case_id in ids
+            ]
         else:
             raise ValueError(f"--subset must be test, training or split:NAME, got {subset!r}")
     elif path.is_dir():
-        files = sorted(p for p in path.iterdir()
-                       if p.name.endswith((".nii.gz", ".nii")) and not p.name.startswith("._"))
+        files = sorted(
+            p for p in path.iterdir() if p.name.endswith((".nii.gz", ".nii")) and not p.name.startswith("._")
+        )
         cases = [InputCase(case_id_from_path(p.name), str(p)) for p in files]
     elif path.is_file():
         cases = [InputCase(case_id_from_path(path.name), str(path))]
@@ -305,9 +354,16 @@ def results_table(results: list[CaseResult]) -> str:
     """A readable table: case, shape, seconds, foreground voxels, device, status."""
     rows = [("case", "shape", "seconds", "foreground", "device", "status")]
     for r in results:
-        rows.append((r.case_id, "x".join(map(str, r.shape)) if r.shape else "-", f"{r.seconds:.2f}",
-                     str(r.foreground_voxels) if r.status == "ok" else "-", r.device or "-",
-                     "ok" if r.status == "ok" else f"FAILED: {r.reason}"))
+        rows.append(
+            (
+                r.case_id,
+                "x".join(map(str, r.shape)) if r.shape else "-",
+                f"{r.seconds:.2f}",
+                str(r.foreground_voxels) if r.status == "ok" else "-",
+                r.device or "-",
+                "ok" if r.status == "ok" else f"FAILED: {r.reason}",
+            )
+        )
     return "\n".join(text_table(rows, align="left"))
 
 
@@ -323,14 +379,40 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> 
     foreground = class_names[1:]
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    writer.writerow(["case", "status", "shape", "seconds", "foreground_voxels", "device", "output", "reason",
-                     *[f"dice_{n}" for n in foreground], "dice_mean", "absent_from_label"])
+    writer.writerow(
+        [
+            "case",
+            "status",
+            "shape",
+            "seconds",
+            "foreground_voxels",
+            "device",
+            "output",
+            "reason",
+            *[f"dice_{n}" for n in foreground],
+            "dice_mean",
+            "absent_from_label",
+        ]
+    )
     for r in results:
         dice = [r.dice.get(n, math.nan) for n in foreground] if r.dice else []
         mean = float(np.nanmean(dice)) if dice and not all(math.isnan(d) for d in dice) else ""
         absent = ";".join(n for n, d in zip(foreground, dice) if math.isnan(d))
         cells = [f"{d:.4f}" for d in dice] if dice else [""] * len(foreground)
-        writer.writerow([r.case_id, r.status, "x".join(map(str, r.shape)), f"{r.seconds:.3f}", r.foreground_voxels,
-                         r.device, r.output, r.reason, *cells, mean, absent])
+        writer.writerow(
+            [
+                r.case_id,
+                r.status,
+                "x".join(map(str, r.shape)),
+                f"{r.seconds:.3f}",
+                r.foreground_voxels,
+                r.device,
+                r.output,
+                r.reason,
+                *cells,
+                mean,
+                absent,
+            ]
+        )
     with atomic_writer(path) as f:
         f.write(buffer.getvalue())

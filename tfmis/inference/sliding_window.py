@@ -48,14 +48,16 @@ MIN_IMPORTANCE = 1e-3
 # Window geometry (pure Python / numpy: MONAI's formulas)
 # ----------------------------------------------------------------------------------------------
 
+
 def _per_axis(value: Any, name: str) -> tuple:
     """`value` repeated for the three spatial axes, or checked to have one entry per axis."""
     if value is None or np.isscalar(value):
         return (value,) * SPATIAL_DIMS
     values = tuple(value)
     if len(values) != SPATIAL_DIMS:
-        raise ValueError(f"{name} must be a single value or one per spatial axis (X, Y, Z), "
-                         f"got {len(values)} values: {value!r}")
+        raise ValueError(
+            f"{name} must be a single value or one per spatial axis (X, Y, Z), got {len(values)} values: {value!r}"
+        )
     return values
 
 
@@ -79,8 +81,9 @@ def resolve_roi_size(roi_size: int | Sequence[int | None], image_size: Sequence[
     return tuple(resolved)
 
 
-def scan_intervals(image_size: Sequence[int], roi_size: Sequence[int],
-                   overlap: float | Sequence[float]) -> tuple[int, ...]:
+def scan_intervals(
+    image_size: Sequence[int], roi_size: Sequence[int], overlap: float | Sequence[float]
+) -> tuple[int, ...]:
     """Step between window starts per axis: `int(roi · (1 - overlap))`, at least 1 (as MONAI).
 
     An axis the window covers exactly gets a step of the whole roi (one window).
@@ -104,8 +107,7 @@ def scan_intervals(image_size: Sequence[int], roi_size: Sequence[int],
     return tuple(intervals)
 
 
-def window_starts(image_size: Sequence[int], roi_size: Sequence[int],
-                  scan_interval: Sequence[int]) -> np.ndarray:
+def window_starts(image_size: Sequence[int], roi_size: Sequence[int], scan_interval: Sequence[int]) -> np.ndarray:
     """Start corners of all windows, in MONAI's order (last axis fastest).
 
     Starts step by `scan_interval`; the last one on each axis is moved back to `image - roi` so the
@@ -150,8 +152,10 @@ def symmetric_padding(image_size: Sequence[int], roi_size: Sequence[int]) -> lis
 # Importance map
 # ----------------------------------------------------------------------------------------------
 
-def importance_map(roi_size: Sequence[int], mode: str = "constant",
-                   sigma_scale: float | Sequence[float] = 0.125) -> tf.Tensor:
+
+def importance_map(
+    roi_size: Sequence[int], mode: str = "constant", sigma_scale: float | Sequence[float] = 0.125
+) -> tf.Tensor:
     """Weight of each voxel of a window when overlapping predictions are blended.
 
     Args:
@@ -191,8 +195,10 @@ def _cached_importance(roi_size: tuple[int, ...], mode: str, sigma_scale: tuple[
     else:
         sigmas = [scale * size for scale, size in zip(sigma_scale, roi_size)]
         # separable gaussian: one 1D profile per axis, centred between voxels for even sizes
-        profiles = [np.exp(-((np.arange(size) - (size - 1) / 2.0) ** 2) / (2 * sigma ** 2))
-                    for size, sigma in zip(roi_size, sigmas)]
+        profiles = [
+            np.exp(-((np.arange(size) - (size - 1) / 2.0) ** 2) / (2 * sigma**2))
+            for size, sigma in zip(roi_size, sigmas)
+        ]
         weights = profiles[0][:, None, None] * profiles[1][None, :, None] * profiles[2][None, None, :]
     weights = weights.astype(np.float32)
     weights = np.maximum(weights, max(float(weights.min()), MIN_IMPORTANCE))
@@ -203,6 +209,7 @@ def _cached_importance(roi_size: tuple[int, ...], mode: str, sigma_scale: tuple[
 # ----------------------------------------------------------------------------------------------
 # Window extraction and accumulation
 # ----------------------------------------------------------------------------------------------
+
 
 def _on(device: str | None):
     """A device scope, or no scope for None (TensorFlow's default placement)."""
@@ -250,18 +257,19 @@ def weight_sum(image_size: Sequence[int], starts: np.ndarray, weights: np.ndarra
     (rx, ry, rz), (sx, sy, sz) = weights.shape, tuple(int(s) for s in image_size)
     axes = [np.unique(starts[:, axis]) for axis in range(SPATIAL_DIMS)]
     grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, SPATIAL_DIMS)
-    if grid.shape != starts.shape or not np.array_equal(np.sort(grid.view("i8,i8,i8"), axis=0),
-                                                       np.sort(starts.view("i8,i8,i8"), axis=0)):
+    if grid.shape != starts.shape or not np.array_equal(
+        np.sort(grid.view("i8,i8,i8"), axis=0), np.sort(starts.view("i8,i8,i8"), axis=0)
+    ):
         total = np.zeros((sx, sy, sz), np.float32)  # not a grid: window by window
         for x, y, z in starts:
-            total[x:x + rx, y:y + ry, z:z + rz] += weights
+            total[x : x + rx, y : y + ry, z : z + rz] += weights
         return total
     if weights.min() == weights.max():  # e.g. constant mode: windows per voxel, times the weight
         counts = []
         for size, roi, axis_starts in zip((sx, sy, sz), weights.shape, axes):
             count = np.zeros(size, np.float32)
             for start in axis_starts:
-                count[start:start + roi] += 1
+                count[start : start + roi] += 1
             counts.append(count)
         return (counts[0][:, None, None] * counts[1][None, :, None]) * (counts[2] * weights.flat[0])[None, None, :]
     total = weights
@@ -270,7 +278,7 @@ def weight_sum(image_size: Sequence[int], starts: np.ndarray, weights: np.ndarra
         roi = total.shape[axis]
         if len(axis_starts) == 1 and axis_starts[0] == 0 and roi == size:
             continue  # one window covering the axis: nothing to shift
-        shifted = np.zeros(total.shape[:axis] + (size,) + total.shape[axis + 1:], np.float32)
+        shifted = np.zeros(total.shape[:axis] + (size,) + total.shape[axis + 1 :], np.float32)
         for start in axis_starts:
             shifted[(slice(None),) * axis + (slice(start, start + roi),)] += total
         total = shifted
@@ -279,8 +287,10 @@ def weight_sum(image_size: Sequence[int], starts: np.ndarray, weights: np.ndarra
 
 # TensorFlow takes a numpy array without a copy through DLPack when its data is aligned as Eigen needs.
 _ALIGNMENT = 64
-_DLPACK_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
-                                        "uint8", "uint16", "uint32", "uint64")}
+_DLPACK_DTYPES = {
+    np.dtype(t)
+    for t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+}
 
 
 def _aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
@@ -290,10 +300,11 @@ def _aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
     try:
         raw = np.empty(size + _ALIGNMENT, np.uint8)
     except MemoryError as e:  # numpy's message, with the shape meant rather than the raw bytes
-        raise MemoryError(f"Unable to allocate {size / 2**20:.3g} MiB for an array with shape {tuple(shape)} "
-                          f"and data type {dtype}") from e
+        raise MemoryError(
+            f"Unable to allocate {size / 2**20:.3g} MiB for an array with shape {tuple(shape)} and data type {dtype}"
+        ) from e
     offset = -raw.ctypes.data % _ALIGNMENT
-    return raw[offset:offset + size].view(dtype).reshape(shape)
+    return raw[offset : offset + size].view(dtype).reshape(shape)
 
 
 def _host_tensor(array: np.ndarray) -> tf.Tensor:
@@ -313,8 +324,13 @@ class _HostBlend:
     without a copy (`_host_tensor`).
     """
 
-    def __init__(self, volume: tf.Tensor | np.ndarray, roi_size: tuple[int, int, int], starts: np.ndarray,
-                 weights: tf.Tensor | np.ndarray):
+    def __init__(
+        self,
+        volume: tf.Tensor | np.ndarray,
+        roi_size: tuple[int, int, int],
+        starts: np.ndarray,
+        weights: tf.Tensor | np.ndarray,
+    ):
         self.volume = np.asarray(volume)  # no copy of a tensor in host memory
         self.roi_size = roi_size
         self.weights = np.asarray(weights, np.float32)
@@ -327,7 +343,7 @@ class _HostBlend:
         rx, ry, rz = self.roi_size
         batch = _aligned_empty((len(origins), rx, ry, rz, self.volume.shape[-1]), self.volume.dtype)
         for window, (b, x, y, z) in zip(batch, origins):
-            window[...] = self.volume[b, x:x + rx, y:y + ry, z:z + rz]
+            window[...] = self.volume[b, x : x + rx, y : y + ry, z : z + rz]
         return _host_tensor(batch)
 
     def allocate(self, prediction: tf.Tensor) -> None:
@@ -344,7 +360,7 @@ class _HostBlend:
         for window, (b, x, y, z) in zip(prediction, origins):
             if not self.uniform:
                 window = np.multiply(window, self.weights, out=self.scratch)
-            self.total[b, x:x + rx, y:y + ry, z:z + rz] += window
+            self.total[b, x : x + rx, y : y + ry, z : z + rz] += window
 
     def result(self, device: str | None, crop: tuple[slice, ...] | None) -> tf.Tensor:
         total, self.total = self.total, None
@@ -375,8 +391,13 @@ class _DeviceBlend:
     One scatter per window keeps the indices of each scatter distinct, so the sums are deterministic.
     """
 
-    def __init__(self, volume: tf.Tensor | np.ndarray, roi_size: tuple[int, int, int],
-                 weights: tf.Tensor | np.ndarray, device: str | None):
+    def __init__(
+        self,
+        volume: tf.Tensor | np.ndarray,
+        roi_size: tuple[int, int, int],
+        weights: tf.Tensor | np.ndarray,
+        device: str | None,
+    ):
         self.device, self.roi_size = device, roi_size
         with _on(device):
             self.volume = tf.identity(volume)
@@ -393,13 +414,14 @@ class _DeviceBlend:
     def windows(self, origins: np.ndarray) -> tf.Tensor:
         rx, ry, rz = self.roi_size
         with _on(self.device):
-            return tf.stack([self.volume[b, x:x + rx, y:y + ry, z:z + rz] for b, x, y, z in origins])
+            return tf.stack([self.volume[b, x : x + rx, y : y + ry, z : z + rz] for b, x, y, z in origins])
 
     def allocate(self, prediction: tf.Tensor) -> None:
         """The sum buffer, once the first prediction tells the channel count K (before the next forward pass)."""
         with _on(self.device):
-            self.total = tf.Variable(tf.zeros([self.strides[0] * int(self.volume.shape[0]), prediction.shape[-1] + 1]),
-                                     trainable=False)
+            self.total = tf.Variable(
+                tf.zeros([self.strides[0] * int(self.volume.shape[0]), prediction.shape[-1] + 1]), trainable=False
+            )
 
     def add(self, prediction: tf.Tensor, origins: np.ndarray) -> None:
         rx, ry, rz = self.roi_size
@@ -410,8 +432,7 @@ class _DeviceBlend:
             values = tf.reshape(tf.concat([prediction * weights, weights], axis=-1), [len(origins), -1, channels])
             for value, origin in zip(tf.unstack(values), origins):
                 corner = sum(int(o) * s for o, s in zip(origin, self.strides))
-                tf.raw_ops.ResourceScatterAdd(resource=self.total.handle, indices=self.rows + corner,
-                                              updates=value)
+                tf.raw_ops.ResourceScatterAdd(resource=self.total.handle, indices=self.rows + corner, updates=value)
 
     def result(self, device: str | None, crop: tuple[slice, ...] | None) -> tf.Tensor:
         with _on(self.device):
@@ -430,16 +451,20 @@ def _prediction_tensor(output: Any, num_windows: int, roi_size: Sequence[int]) -
     if isinstance(output, Mapping) or isinstance(output, (list, tuple)):
         outputs = list(output.values()) if isinstance(output, Mapping) else list(output)
         if len(outputs) != 1:
-            raise ValueError(f"predictor returned {len(outputs)} outputs; sliding_window_inference "
-                             "blends one, e.g. pass `lambda w: model(w)[0]`")
+            raise ValueError(
+                f"predictor returned {len(outputs)} outputs; sliding_window_inference "
+                "blends one, e.g. pass `lambda w: model(w)[0]`"
+            )
         output = outputs[0]
     if not (isinstance(output, tf.Tensor) and output.dtype == tf.float32):
         output = tf.cast(tf.convert_to_tensor(output), tf.float32)
     prediction = output
     expected = (num_windows, *roi_size)
     if prediction.shape.rank != 5 or tuple(prediction.shape[:4]) != expected:
-        raise ValueError(f"predictor must return shape (N, rx, ry, rz, K) = ({', '.join(map(str, expected))}, K) "
-                         f"for {num_windows} windows of roi_size {tuple(roi_size)}, got {tuple(prediction.shape)}")
+        raise ValueError(
+            f"predictor must return shape (N, rx, ry, rz, K) = ({', '.join(map(str, expected))}, K) "
+            f"for {num_windows} windows of roi_size {tuple(roi_size)}, got {tuple(prediction.shape)}"
+        )
     return prediction
 
 
@@ -456,10 +481,17 @@ def _window_origins(batch_size: int, starts: np.ndarray) -> np.ndarray:
     return np.concatenate([image_index[:, None], np.tile(starts, (batch_size, 1))], axis=1)
 
 
-def aggregate_windows(volume: tf.Tensor | np.ndarray, roi_size: Sequence[int], starts: np.ndarray,
-                      predictor: Callable, weights: tf.Tensor, sw_batch_size: int,
-                      device: str | None = None, sw_device: str | None = None,
-                      progress: bool = False) -> tf.Tensor:
+def aggregate_windows(
+    volume: tf.Tensor | np.ndarray,
+    roi_size: Sequence[int],
+    starts: np.ndarray,
+    predictor: Callable,
+    weights: tf.Tensor,
+    sw_batch_size: int,
+    device: str | None = None,
+    sw_device: str | None = None,
+    progress: bool = False,
+) -> tf.Tensor:
     """Σ(weight · prediction) / Σ(weight) over the windows of a volume at least roi-sized.
 
     Everything except the forward pass happens on `device`: the volume is copied there, windows
@@ -491,24 +523,46 @@ def aggregate_windows(volume: tf.Tensor | np.ndarray, roi_size: Sequence[int], s
         >>> float(tf.reduce_min(out)), float(tf.reduce_max(out))
         (3.0, 3.0)
     """
-    return _aggregate(volume, roi_size, starts, predictor, weights, sw_batch_size, device, sw_device, progress,
-                      on_host=aggregates_on_host(device))
+    return _aggregate(
+        volume,
+        roi_size,
+        starts,
+        predictor,
+        weights,
+        sw_batch_size,
+        device,
+        sw_device,
+        progress,
+        on_host=aggregates_on_host(device),
+    )
 
 
-def _aggregate(volume, roi_size, starts, predictor, weights, sw_batch_size, device, sw_device, progress,
-               on_host: bool, crop: tuple[slice, ...] | None = None) -> tf.Tensor:
+def _aggregate(
+    volume,
+    roi_size,
+    starts,
+    predictor,
+    weights,
+    sw_batch_size,
+    device,
+    sw_device,
+    progress,
+    on_host: bool,
+    crop: tuple[slice, ...] | None = None,
+) -> tf.Tensor:
     """`aggregate_windows` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`), and the
     result cropped to the spatial `crop` (the padding of a volume smaller than the window)."""
     roi_size = tuple(int(s) for s in roi_size)
     starts = np.asarray(starts, np.int32).reshape(-1, SPATIAL_DIMS)
-    blend = (_HostBlend(volume, roi_size, starts, weights) if on_host
-             else _DeviceBlend(volume, roi_size, weights, device))
+    blend = (
+        _HostBlend(volume, roi_size, starts, weights) if on_host else _DeviceBlend(volume, roi_size, weights, device)
+    )
     origins = _window_origins(int(volume.shape[0]), starts)
     bar = progress_bar(-(-len(origins) // sw_batch_size), "sliding window", "batch") if progress else None
     pending = None
     try:
         for first in range(0, len(origins), sw_batch_size):
-            batch = origins[first:first + sw_batch_size]
+            batch = origins[first : first + sw_batch_size]
             prediction = _predict(predictor, blend.windows(batch), sw_device)
             if pending is None:
                 blend.allocate(prediction)
@@ -527,6 +581,7 @@ def _aggregate(volume, roi_size, starts, predictor, weights, sw_batch_size, devi
 # ----------------------------------------------------------------------------------------------
 # Public entry point
 # ----------------------------------------------------------------------------------------------
+
 
 def _check_choice(value: str, choices: Sequence[str], name: str) -> str:
     lowered = str(value).lower()
@@ -550,8 +605,9 @@ def _check_arguments(shape: Sequence[int], sw_batch_size: int, overlap, mode: st
 _NUMPY_PADDING = {"constant": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
 
 
-def _pad_volume(volume: tf.Tensor | np.ndarray, padding: Sequence[tuple[int, int]], mode: str,
-                cval: float) -> tf.Tensor | np.ndarray:
+def _pad_volume(
+    volume: tf.Tensor | np.ndarray, padding: Sequence[tuple[int, int]], mode: str, cval: float
+) -> tf.Tensor | np.ndarray:
     """Pads the spatial axes of (B, X, Y, Z, C) with torch's modes (constant/reflect/replicate/circular).
 
     A numpy array is padded with numpy (for the host blend), a tensor with TensorFlow ops.
@@ -559,20 +615,30 @@ def _pad_volume(volume: tf.Tensor | np.ndarray, padding: Sequence[tuple[int, int
     if isinstance(volume, np.ndarray):
         for axis, (before, after) in enumerate(padding, start=1):
             if mode == "reflect" and max(before, after) >= volume.shape[axis]:
-                raise ValueError(f"padding_mode 'reflect' cannot pad an axis of size {volume.shape[axis]} "
-                                 f"by {max(before, after)}; use 'replicate' or 'constant'")
+                raise ValueError(
+                    f"padding_mode 'reflect' cannot pad an axis of size {volume.shape[axis]} "
+                    f"by {max(before, after)}; use 'replicate' or 'constant'"
+                )
             if mode == "circular" and max(before, after) > volume.shape[axis]:
-                raise ValueError(f"padding_mode 'circular' cannot pad an axis of size {volume.shape[axis]} "
-                                 f"by {max(before, after)}; use 'replicate' or 'constant'")
-        return np.pad(volume, [(0, 0), *padding, (0, 0)], mode=_NUMPY_PADDING[mode],
-                      **({"constant_values": cval} if mode == "constant" else {}))
+                raise ValueError(
+                    f"padding_mode 'circular' cannot pad an axis of size {volume.shape[axis]} "
+                    f"by {max(before, after)}; use 'replicate' or 'constant'"
+                )
+        return np.pad(
+            volume,
+            [(0, 0), *padding, (0, 0)],
+            mode=_NUMPY_PADDING[mode],
+            **({"constant_values": cval} if mode == "constant" else {}),
+        )
     if mode == "constant":
         return tf.pad(volume, [(0, 0), *padding, (0, 0)], constant_values=tf.cast(cval, volume.dtype))
     if mode == "reflect":
         for axis, (before, after) in enumerate(padding, start=1):
             if max(before, after) >= volume.shape[axis]:  # torch and tf.pad both refuse this
-                raise ValueError(f"padding_mode 'reflect' cannot pad an axis of size {volume.shape[axis]} "
-                                 f"by {max(before, after)}; use 'replicate' or 'constant'")
+                raise ValueError(
+                    f"padding_mode 'reflect' cannot pad an axis of size {volume.shape[axis]} "
+                    f"by {max(before, after)}; use 'replicate' or 'constant'"
+                )
         return tf.pad(volume, [(0, 0), *padding, (0, 0)], mode="REFLECT")
     for axis, (before, after) in enumerate(padding, start=1):
         if before == after == 0:
@@ -583,8 +649,10 @@ def _pad_volume(volume: tf.Tensor | np.ndarray, padding: Sequence[tuple[int, int
             tail = tf.repeat(tf.gather(volume, [size - 1], axis=axis), after, axis=axis)
         else:  # circular: wrap around, as torch, which needs the padding <= size
             if max(before, after) > size:
-                raise ValueError(f"padding_mode 'circular' cannot pad an axis of size {size} "
-                                 f"by {max(before, after)}; use 'replicate' or 'constant'")
+                raise ValueError(
+                    f"padding_mode 'circular' cannot pad an axis of size {size} "
+                    f"by {max(before, after)}; use 'replicate' or 'constant'"
+                )
             head = tf.gather(volume, tf.range(size - before, size), axis=axis)
             tail = tf.gather(volume, tf.range(after), axis=axis)
         volume = tf.concat([head, volume, tail], axis=axis)
@@ -647,14 +715,41 @@ def sliding_window_inference(
         True
     """
     if not tf.executing_eagerly():
-        raise RuntimeError("sliding_window_inference loops over window batches in Python; "
-                           "call it eagerly, not inside a tf.function")
-    return _infer(inputs, roi_size, sw_batch_size, predictor, overlap, mode, sigma_scale, padding_mode, cval,
-                  sw_device, device, progress, on_host=aggregates_on_host(device))
+        raise RuntimeError(
+            "sliding_window_inference loops over window batches in Python; call it eagerly, not inside a tf.function"
+        )
+    return _infer(
+        inputs,
+        roi_size,
+        sw_batch_size,
+        predictor,
+        overlap,
+        mode,
+        sigma_scale,
+        padding_mode,
+        cval,
+        sw_device,
+        device,
+        progress,
+        on_host=aggregates_on_host(device),
+    )
 
 
-def _infer(inputs, roi_size, sw_batch_size, predictor, overlap, mode, sigma_scale, padding_mode, cval, sw_device,
-           device, progress, on_host: bool) -> tf.Tensor:
+def _infer(
+    inputs,
+    roi_size,
+    sw_batch_size,
+    predictor,
+    overlap,
+    mode,
+    sigma_scale,
+    padding_mode,
+    cval,
+    sw_device,
+    device,
+    progress,
+    on_host: bool,
+) -> tf.Tensor:
     """`sliding_window_inference` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`)."""
     if not hasattr(inputs, "shape"):
         inputs = np.asarray(inputs)
@@ -671,15 +766,28 @@ def _infer(inputs, roi_size, sw_batch_size, predictor, overlap, mode, sigma_scal
     crop = None
     if any(before or after for before, after in padding):
         with _on(device):
-            volume = _pad_volume(volume if on_host else tf.convert_to_tensor(volume), padding, padding_mode.lower(),
-                                 cval)
+            volume = _pad_volume(
+                volume if on_host else tf.convert_to_tensor(volume), padding, padding_mode.lower(), cval
+            )
         crop = tuple(slice(before, before + size) for (before, _), size in zip(padding, original_size))
-    return _aggregate(volume, roi_size, starts, predictor, weights, int(sw_batch_size), device, sw_device, progress,
-                      on_host=on_host, crop=crop)
+    return _aggregate(
+        volume,
+        roi_size,
+        starts,
+        predictor,
+        weights,
+        int(sw_batch_size),
+        device,
+        sw_device,
+        progress,
+        on_host=on_host,
+        crop=crop,
+    )
 
 
-def number_of_windows(image_size: Sequence[int], roi_size: int | Sequence[int],
-                      overlap: float | Sequence[float] = 0.25) -> int:
+def number_of_windows(
+    image_size: Sequence[int], roi_size: int | Sequence[int], overlap: float | Sequence[float] = 0.25
+) -> int:
     """How many windows cover one image (the predictor sees batch × this many in total).
 
     Example:

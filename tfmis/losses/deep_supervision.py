@@ -16,7 +16,7 @@ loss = loss_fn(labels, training_model(images, training=True))   # [logits, 1/2-r
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
@@ -28,14 +28,14 @@ def deep_supervision_weights(num_outputs: int) -> list[float]:
         >>> deep_supervision_weights(3)
         [0.5714285714285714, 0.2857142857142857, 0.14285714285714285]
     """
-    raw = [0.5 ** i for i in range(num_outputs)]
+    raw = [0.5**i for i in range(num_outputs)]
     return [w / sum(raw) for w in raw]
 
 
 def subsample_labels(labels, factor: Sequence[int]):
     """Integer labels (B, X, Y, Z) or (B, X, Y, Z, 1) at 1/`factor` resolution per axis (`nearest-exact`)."""
     fx, fy, fz = (int(f) for f in factor)
-    return labels[:, fx // 2::fx, fy // 2::fy, fz // 2::fz]
+    return labels[:, fx // 2 :: fx, fy // 2 :: fy, fz // 2 :: fz]
 
 
 class DeepSupervisionLoss:
@@ -57,8 +57,10 @@ class DeepSupervisionLoss:
 
     def __call__(self, labels, outputs):
         if not isinstance(outputs, (list, tuple)) or len(outputs) != len(self.factors) + 1:
-            raise ValueError(f"deep supervision expects [logits, {len(self.factors)} head logits], got "
-                             f"{type(outputs).__name__} of {len(outputs) if isinstance(outputs, (list, tuple)) else 1}")
+            raise ValueError(
+                f"deep supervision expects [logits, {len(self.factors)} head logits], got "
+                f"{type(outputs).__name__} of {len(outputs) if isinstance(outputs, (list, tuple)) else 1}"
+            )
         total = self.weights[0] * self.loss_fn(labels, outputs[0])
         for weight, factor, logits in zip(self.weights[1:], self.factors, outputs[1:]):
             total += weight * self.loss_fn(subsample_labels(labels, factor), logits)

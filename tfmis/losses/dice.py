@@ -60,8 +60,9 @@ def _target(labels, channels: int, activation: str):
     return tf.one_hot(labels, channels, dtype=tf.float32)
 
 
-def soft_dice_loss(probabilities, target, include_background=True, squared_pred=False, batch=False,
-                   smooth_nr=1e-5, smooth_dr=1e-5):
+def soft_dice_loss(
+    probabilities, target, include_background=True, squared_pred=False, batch=False, smooth_nr=1e-5, smooth_dr=1e-5
+):
     """1 − soft Dice, averaged over classes (and samples unless `batch`), as MONAI `DiceLoss`.
 
     Args:
@@ -100,8 +101,9 @@ def cross_entropy(labels, logits, target, activation: str):
     return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=target, logits=logits))
 
 
-def focal_loss(logits, target, gamma: float = 2.0, alpha=None, include_background: bool = True,
-               use_softmax: bool = False):
+def focal_loss(
+    logits, target, gamma: float = 2.0, alpha=None, include_background: bool = True, use_softmax: bool = False
+):
     """Mean focal loss −α_t (1 − p_t)^γ · log p_t, as MONAI `FocalLoss(reduction="mean")` (Lin et al. 2017).
 
     As in MONAI, channel 0 is dropped first when `include_background` is False, and the mean runs over
@@ -181,8 +183,17 @@ class DiceLoss(keras.losses.Loss):
     ```
     """
 
-    def __init__(self, include_background=True, activation="softmax", squared_pred=False, batch=False,
-                 smooth_nr=1e-5, smooth_dr=1e-5, name="dice_loss", **kwargs):
+    def __init__(
+        self,
+        include_background=True,
+        activation="softmax",
+        squared_pred=False,
+        batch=False,
+        smooth_nr=1e-5,
+        smooth_dr=1e-5,
+        name="dice_loss",
+        **kwargs,
+    ):
         super().__init__(name=name, **kwargs)
         self.include_background = bool(include_background)
         self.activation = _validate_activation(activation)
@@ -207,8 +218,15 @@ class DiceLoss(keras.losses.Loss):
         return labels, logits, target
 
     def _dice(self, logits, target):
-        return soft_dice_loss(self._probabilities(logits), target, self.include_background, self.squared_pred,
-                              self.batch, self.smooth_nr, self.smooth_dr)
+        return soft_dice_loss(
+            self._probabilities(logits),
+            target,
+            self.include_background,
+            self.squared_pred,
+            self.batch,
+            self.smooth_nr,
+            self.smooth_dr,
+        )
 
     def call(self, y_true, y_pred):
         _, logits, target = self._inputs(y_true, y_pred)
@@ -216,9 +234,14 @@ class DiceLoss(keras.losses.Loss):
 
     def get_config(self):
         config = super().get_config()
-        config.update(include_background=self.include_background, activation=self.activation,
-                      squared_pred=self.squared_pred, batch=self.batch, smooth_nr=self.smooth_nr,
-                      smooth_dr=self.smooth_dr)
+        config.update(
+            include_background=self.include_background,
+            activation=self.activation,
+            squared_pred=self.squared_pred,
+            batch=self.batch,
+            smooth_nr=self.smooth_nr,
+            smooth_dr=self.smooth_dr,
+        )
         return config
 
 
@@ -286,8 +309,16 @@ class DiceFocalLoss(DiceLoss):
     ```
     """
 
-    def __init__(self, gamma=2.0, lambda_dice=1.0, lambda_focal=1.0, alpha=None, focal_use_softmax=False,
-                 name="dice_focal_loss", **kwargs):
+    def __init__(
+        self,
+        gamma=2.0,
+        lambda_dice=1.0,
+        lambda_focal=1.0,
+        alpha=None,
+        focal_use_softmax=False,
+        name="dice_focal_loss",
+        **kwargs,
+    ):
         super().__init__(name=name, **kwargs)
         if gamma < 0:
             raise ValueError("gamma must be >= 0")
@@ -308,8 +339,13 @@ class DiceFocalLoss(DiceLoss):
 
     def get_config(self):
         config = super().get_config()
-        config.update(gamma=self.gamma, lambda_dice=self.lambda_dice, lambda_focal=self.lambda_focal,
-                      alpha=self.alpha, focal_use_softmax=self.focal_use_softmax)
+        config.update(
+            gamma=self.gamma,
+            lambda_dice=self.lambda_dice,
+            lambda_focal=self.lambda_focal,
+            alpha=self.alpha,
+            focal_use_softmax=self.focal_use_softmax,
+        )
         return config
 
 

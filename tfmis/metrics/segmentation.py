@@ -54,7 +54,7 @@ def _classes(num_classes: int, include_background: bool) -> range:
 def _voxel_counts(prediction, target, num_classes: int):
     """(intersection, predicted, ground-truth) voxel counts per class, in one pass over the volume."""
     # confusion[t, p] counts voxels of target class t predicted as p
-    confusion = np.bincount((target * num_classes + prediction).ravel(), minlength=num_classes ** 2)
+    confusion = np.bincount((target * num_classes + prediction).ravel(), minlength=num_classes**2)
     confusion = confusion.reshape(num_classes, num_classes)
     return np.diag(confusion).astype(np.float64), confusion.sum(axis=0), confusion.sum(axis=1)
 
@@ -69,8 +69,9 @@ def _dice_from_counts(intersection, predicted, truth, ignore_empty: bool) -> np.
     return np.where(empty_truth, np.where(predicted == 0, 1.0, 0.0), dice)
 
 
-def dice_per_class(prediction, target, num_classes: int, include_background: bool = False,
-                   ignore_empty: bool = True) -> np.ndarray:
+def dice_per_class(
+    prediction, target, num_classes: int, include_background: bool = False, ignore_empty: bool = True
+) -> np.ndarray:
     """Dice 2|P∩G| / (|P| + |G|) of each class in two label maps, as MONAI `compute_dice`.
 
     A class absent from the ground truth has no Dice to measure: NaN with `ignore_empty` (MONAI's
@@ -165,8 +166,9 @@ def surface_distance_percentile(prediction_mask, target_mask, spacing=None, perc
     return float(max(np.percentile(to_target, percentile), np.percentile(to_prediction, percentile)))
 
 
-def hausdorff_distance_95(prediction, target, num_classes: int, spacing=(1.0, 1.0, 1.0),
-                          include_background: bool = False) -> np.ndarray:
+def hausdorff_distance_95(
+    prediction, target, num_classes: int, spacing=(1.0, 1.0, 1.0), include_background: bool = False
+) -> np.ndarray:
     """Per-class symmetric 95th-percentile Hausdorff distance (mm) between two label maps.
 
     Args:
@@ -186,8 +188,13 @@ def hausdorff_distance_95(prediction, target, num_classes: int, spacing=(1.0, 1.
     ```
     """
     prediction, target = _label_maps(prediction, target, num_classes)
-    return np.array([surface_distance_percentile(prediction == c, target == c, spacing, 95.0)
-                     for c in _classes(num_classes, include_background)], dtype=np.float64)
+    return np.array(
+        [
+            surface_distance_percentile(prediction == c, target == c, spacing, 95.0)
+            for c in _classes(num_classes, include_background)
+        ],
+        dtype=np.float64,
+    )
 
 
 def _finite_mean(values) -> float:
@@ -235,8 +242,14 @@ class SegmentationMetrics:
     ```
     """
 
-    def __init__(self, num_classes: int, include_background: bool = False, hd95: bool = False,
-                 class_names=None, ignore_empty: bool = True):
+    def __init__(
+        self,
+        num_classes: int,
+        include_background: bool = False,
+        hd95: bool = False,
+        class_names=None,
+        ignore_empty: bool = True,
+    ):
         if class_names is not None and len(class_names) != num_classes:
             raise ValueError(f"got {len(class_names)} class names for {num_classes} classes")
         self.num_classes = int(num_classes)
@@ -273,19 +286,23 @@ class SegmentationMetrics:
             case_id: optional identifier kept in the entry.
         """
         prediction, target = _label_maps(prediction, target, self.num_classes)
-        intersection, predicted, truth = (c[self.classes] for c in
-                                          _voxel_counts(prediction, target, self.num_classes))
+        intersection, predicted, truth = (c[self.classes] for c in _voxel_counts(prediction, target, self.num_classes))
         dice = _dice_from_counts(intersection, predicted, truth, self.ignore_empty)
         hd95 = None
         if self.hd95:
             spacing = (1.0,) * np.ndim(prediction) if spacing is None else spacing
             hd95 = hausdorff_distance_95(prediction, target, self.num_classes, spacing, self.include_background)
-        return self._add(case_id, dice, hd95, [t == 0 for t in truth], [t == 0 and p > 0 for t, p in zip(truth, predicted)])
+        return self._add(
+            case_id, dice, hd95, [t == 0 for t in truth], [t == 0 and p > 0 for t, p in zip(truth, predicted)]
+        )
 
     def _add(self, case_id, dice, hd95, gt_empty, predicted_when_gt_empty) -> dict:
-        entry = {"case_id": case_id, **self._summary(dice, hd95),
-                 "gt_empty_per_class": [bool(v) for v in gt_empty],
-                 "predicted_when_gt_empty_per_class": [bool(v) for v in predicted_when_gt_empty]}
+        entry = {
+            "case_id": case_id,
+            **self._summary(dice, hd95),
+            "gt_empty_per_class": [bool(v) for v in gt_empty],
+            "predicted_when_gt_empty_per_class": [bool(v) for v in predicted_when_gt_empty],
+        }
         self.per_case.append(entry)
         return entry
 
@@ -298,20 +315,24 @@ class SegmentationMetrics:
         """
         keys = ["dice_per_class", "gt_empty_per_class", "predicted_when_gt_empty_per_class"]
         keys += ["hd95_per_class"] if self.hd95 else []
-        return np.array([np.concatenate([np.asarray(case[k], np.float64) for k in keys]) for case in self.per_case],
-                        dtype=np.float64).reshape(len(self.per_case), len(keys) * len(self.classes))
+        return np.array(
+            [np.concatenate([np.asarray(case[k], np.float64) for k in keys]) for case in self.per_case],
+            dtype=np.float64,
+        ).reshape(len(self.per_case), len(keys) * len(self.classes))
 
     def add_case_table(self, table, case_ids=None) -> None:
         """Adds the cases of a `case_table()` (e.g. summed over workers), in row order."""
         n = len(self.classes)
         for i, row in enumerate(np.asarray(table, np.float64)):
-            hd95 = row[3 * n:4 * n] if self.hd95 else None
-            self._add(None if case_ids is None else case_ids[i], row[:n], hd95, row[n:2 * n] > 0.5,
-                      row[2 * n:3 * n] > 0.5)
+            hd95 = row[3 * n : 4 * n] if self.hd95 else None
+            self._add(
+                None if case_ids is None else case_ids[i], row[:n], hd95, row[n : 2 * n] > 0.5, row[2 * n : 3 * n] > 0.5
+            )
 
     def result(self) -> dict:
         """Per-class means over the cases so far, their means, the counts above and `num_cases`
         (NaN means and zero counts when there are no cases)."""
+
         def table(key):
             if not self.per_case:
                 return np.zeros((0, len(self.classes)))
@@ -327,13 +348,18 @@ class SegmentationMetrics:
         hd95 = table("hd95_per_class") if self.hd95 else None
         result = self._summary(per_class(dice), per_class(hd95) if self.hd95 else None)
         per_case_means = [_nanmean(row) for row in dice]
-        result.update(mean_dice_per_case=_nanmean(per_case_means),
-                      dice_cases_per_class=counts(~np.isnan(dice)),
-                      gt_empty_per_class=counts(table("gt_empty_per_class")),
-                      predicted_when_gt_empty_per_class=counts(table("predicted_when_gt_empty_per_class")))
+        result.update(
+            mean_dice_per_case=_nanmean(per_case_means),
+            dice_cases_per_class=counts(~np.isnan(dice)),
+            gt_empty_per_class=counts(table("gt_empty_per_class")),
+            predicted_when_gt_empty_per_class=counts(table("predicted_when_gt_empty_per_class")),
+        )
         if self.hd95:
             finite = per_class(hd95, _finite_mean)
-            result.update(hd95_inf_count_per_class=counts(np.isinf(hd95)),
-                          hd95_finite_per_class=[float(v) for v in finite], mean_hd95_finite=_nanmean(finite))
+            result.update(
+                hd95_inf_count_per_class=counts(np.isinf(hd95)),
+                hd95_finite_per_class=[float(v) for v in finite],
+                mean_hd95_finite=_nanmean(finite),
+            )
         result["num_cases"] = len(self.per_case)
         return result

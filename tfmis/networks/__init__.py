@@ -7,9 +7,16 @@ import Keras and TensorFlow.
 import importlib
 
 _EXPORTS = {
-    "ConvNormAct": "unet", "RecomputableBlock": "unet", "ResidualUnit": "unet", "UNetConfig": "unet",
-    "UpBlock": "unet", "build_unet": "unet", "recompute_call": "unet",
-    "UNetArchitecture": "architecture", "check_patch_size": "architecture", "required_divisor": "architecture",
+    "ConvNormAct": "unet",
+    "RecomputableBlock": "unet",
+    "ResidualUnit": "unet",
+    "UNetConfig": "unet",
+    "UpBlock": "unet",
+    "build_unet": "unet",
+    "recompute_call": "unet",
+    "UNetArchitecture": "architecture",
+    "check_patch_size": "architecture",
+    "required_divisor": "architecture",
 }
 
 __all__ = sorted(_EXPORTS)

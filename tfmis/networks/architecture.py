@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 NORMS = ("batch", "instance", "group")
 ACTIVATIONS = ("prelu", "leaky_relu")
@@ -73,8 +74,7 @@ def check_patch_size(patch, strides: Sequence) -> tuple[int, int, int]:
     bad = [axis for axis in range(3) if patch[axis] <= 0 or patch[axis] % divisor[axis]]
     if bad:
         suggestions = ", ".join(
-            f"axis {a}: {patch[a]} -> {max(divisor[a], round(patch[a] / divisor[a]) * divisor[a])}"
-            for a in bad
+            f"axis {a}: {patch[a]} -> {max(divisor[a], round(patch[a] / divisor[a]) * divisor[a])}" for a in bad
         )
         raise ValueError(
             f"patch size {patch} does not fit strides {tuple(strides)}: every spatial size "
@@ -111,8 +111,8 @@ class UNetArchitecture:
             "transposed" (MONAI's: one transposed convolution from the features straight to
             the class logits) or "transposed_image" (that, plus a 3×3×3 convolution of the image
             to the logits, zero-initialised: the image's intensities at full resolution for
-            about 1/8 the cost of one 8-channel convolution there). "refine" and "light" upsample to `filters[0] − in_channels`
-            features so that, with the image, the full-resolution tensor has `filters[0]`
+            about 1/8 the cost of one 8-channel convolution there). "refine" and "light" upsample to
+            `filters[0] − in_channels` features so that, with the image, the full-resolution tensor has `filters[0]`
             channels (see `tfmis.networks.unet.full_resolution_upsample_filters`).
         deep_supervision: extra 1×1×1 heads on the decoder levels below the output resolution, finest first
             (nnU-Net's deep supervision): training adds their losses against the labels subsampled to their
@@ -143,10 +143,14 @@ class UNetArchitecture:
     def __post_init__(self):
         # YAML/JSON give lists; tuples keep the config hashable and comparable
         self.filters = tuple(int(f) for f in self.filters)
-        self.strides = tuple(int(s) if isinstance(s, numbers.Integral) else _per_axis(s, "each stride")
-                             for s in self.strides)
-        self.kernel_size = (int(self.kernel_size) if isinstance(self.kernel_size, numbers.Integral)
-                            else _per_axis(self.kernel_size, "kernel_size"))
+        self.strides = tuple(
+            int(s) if isinstance(s, numbers.Integral) else _per_axis(s, "each stride") for s in self.strides
+        )
+        self.kernel_size = (
+            int(self.kernel_size)
+            if isinstance(self.kernel_size, numbers.Integral)
+            else _per_axis(self.kernel_size, "kernel_size")
+        )
         self.validate()
 
     def validate(self) -> None:
@@ -167,14 +171,17 @@ class UNetArchitecture:
         if self.output_upsampling not in OUTPUT_UPSAMPLINGS:
             raise ValueError(f"output_upsampling must be one of {OUTPUT_UPSAMPLINGS}, got {self.output_upsampling!r}")
         if self.kernel_initializer not in KERNEL_INITIALIZERS:
-            raise ValueError(f"kernel_initializer must be one of {KERNEL_INITIALIZERS}, "
-                             f"got {self.kernel_initializer!r}")
+            raise ValueError(
+                f"kernel_initializer must be one of {KERNEL_INITIALIZERS}, got {self.kernel_initializer!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         available = len(self._decoder_levels_below_output())
         if not 0 <= self.deep_supervision <= available:
-            raise ValueError(f"deep_supervision must be between 0 and {available} (the decoder levels below the output "
-                             f"resolution for strides {self.strides}), got {self.deep_supervision}")
+            raise ValueError(
+                f"deep_supervision must be between 0 and {available} (the decoder levels below the output "
+                f"resolution for strides {self.strides}), got {self.deep_supervision}"
+            )
 
     @property
     def patch_divisor(self) -> tuple[int, int, int]:
@@ -208,7 +215,7 @@ class UNetArchitecture:
             >>> full.deep_supervision_levels
             [(1, (2, 2, 2))]
         """
-        return self._decoder_levels_below_output()[:self.deep_supervision]
+        return self._decoder_levels_below_output()[: self.deep_supervision]
 
     def check_patch_size(self, patch) -> tuple[int, int, int]:
         """`check_patch_size(patch, self.strides)`."""

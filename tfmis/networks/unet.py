@@ -38,15 +38,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import keras
 import tensorflow as tf
 from keras import layers, ops
 
-from tfmis.networks.architecture import (ACTIVATIONS, KERNEL_INITIALIZERS, NORMS,  # noqa: F401
-                                         UNetArchitecture, _per_axis,
-                                         check_patch_size, required_divisor)
+from tfmis.networks.architecture import (  # noqa: F401
+    ACTIVATIONS,
+    KERNEL_INITIALIZERS,
+    NORMS,
+    UNetArchitecture,
+    _per_axis,
+    check_patch_size,
+    required_divisor,
+)
 
 _SPATIAL_AXES = (1, 2, 3)
 _SERIAL_PACKAGE = "tfmis"
@@ -225,9 +231,20 @@ class ConvNormAct(RecomputableBlock):
         (1, 4, 4, 4, 8)
     """
 
-    def __init__(self, filters: int, kernel_size=3, strides=1, norm: str = "instance", norm_groups: int = 8,
-                 activation: str = "prelu", dropout: float = 0.0, transposed: bool = False,
-                 conv_only: bool = False, kernel_initializer: str = "he_normal", **kwargs):
+    def __init__(
+        self,
+        filters: int,
+        kernel_size=3,
+        strides=1,
+        norm: str = "instance",
+        norm_groups: int = 8,
+        activation: str = "prelu",
+        dropout: float = 0.0,
+        transposed: bool = False,
+        conv_only: bool = False,
+        kernel_initializer: str = "he_normal",
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.filters = int(filters)
         self.kernel_size = kernel_size
@@ -241,8 +258,15 @@ class ConvNormAct(RecomputableBlock):
         self.kernel_initializer = kernel_initializer
         conv_class = layers.Conv3DTranspose if transposed else layers.Conv3D
         # a bias right before a normalization is cancelled by its mean subtraction
-        self.conv = conv_class(filters, kernel_size, strides=strides, padding="same", use_bias=conv_only,
-                               kernel_initializer=make_kernel_initializer(kernel_initializer), name="conv")
+        self.conv = conv_class(
+            filters,
+            kernel_size,
+            strides=strides,
+            padding="same",
+            use_bias=conv_only,
+            kernel_initializer=make_kernel_initializer(kernel_initializer),
+            name="conv",
+        )
         if not conv_only:
             self.normalization = make_normalization(norm, filters, norm_groups, name="norm")
             self.dropout_layer = layers.Dropout(dropout, name="dropout") if dropout > 0 else None
@@ -268,10 +292,19 @@ class ConvNormAct(RecomputableBlock):
         return self.act(x)
 
     def get_config(self):
-        return {**super().get_config(), "filters": self.filters, "kernel_size": self.kernel_size,
-                "strides": self.strides, "norm": self.norm, "norm_groups": self.norm_groups,
-                "activation": self.activation, "dropout": self.dropout, "transposed": self.transposed,
-                "conv_only": self.conv_only, "kernel_initializer": self.kernel_initializer}
+        return {
+            **super().get_config(),
+            "filters": self.filters,
+            "kernel_size": self.kernel_size,
+            "strides": self.strides,
+            "norm": self.norm,
+            "norm_groups": self.norm_groups,
+            "activation": self.activation,
+            "dropout": self.dropout,
+            "transposed": self.transposed,
+            "conv_only": self.conv_only,
+            "kernel_initializer": self.kernel_initializer,
+        }
 
 
 @keras.saving.register_keras_serializable(package=_SERIAL_PACKAGE)
@@ -295,9 +328,19 @@ class ResidualUnit(RecomputableBlock):
         (1, 4, 4, 4, 8)
     """
 
-    def __init__(self, filters: int, strides=1, subunits: int = 2, kernel_size=3, norm: str = "instance",
-                 norm_groups: int = 8, activation: str = "prelu", dropout: float = 0.0,
-                 kernel_initializer: str = "he_normal", **kwargs):
+    def __init__(
+        self,
+        filters: int,
+        strides=1,
+        subunits: int = 2,
+        kernel_size=3,
+        norm: str = "instance",
+        norm_groups: int = 8,
+        activation: str = "prelu",
+        dropout: float = 0.0,
+        kernel_initializer: str = "he_normal",
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.filters = int(filters)
         self.strides = strides
@@ -309,8 +352,17 @@ class ResidualUnit(RecomputableBlock):
         self.activation = activation
         self.dropout = float(dropout)
         self.units = [
-            ConvNormAct(filters, kernel_size, strides if i == 0 else 1, norm, norm_groups, activation, dropout,
-                        kernel_initializer=kernel_initializer, name=f"unit{i}")
+            ConvNormAct(
+                filters,
+                kernel_size,
+                strides if i == 0 else 1,
+                norm,
+                norm_groups,
+                activation,
+                dropout,
+                kernel_initializer=kernel_initializer,
+                name=f"unit{i}",
+            )
             for i in range(self.subunits)
         ]
         self.projection = None  # created in build(), once the input channel count is known
@@ -318,10 +370,14 @@ class ResidualUnit(RecomputableBlock):
     def build(self, input_shape):
         strided = any(s != 1 for s in _per_axis(self.strides, "strides"))
         if strided or input_shape[-1] != self.filters:
-            self.projection = layers.Conv3D(self.filters, self.kernel_size if strided else 1, strides=self.strides,
-                                            padding="same",
-                                            kernel_initializer=make_kernel_initializer(self.kernel_initializer),
-                                            name="residual")
+            self.projection = layers.Conv3D(
+                self.filters,
+                self.kernel_size if strided else 1,
+                strides=self.strides,
+                padding="same",
+                kernel_initializer=make_kernel_initializer(self.kernel_initializer),
+                name="residual",
+            )
             self.projection.build(input_shape)
         shape = input_shape
         for unit in self.units:
@@ -339,20 +395,60 @@ class ResidualUnit(RecomputableBlock):
         return x + residual
 
     def get_config(self):
-        return {**super().get_config(), "filters": self.filters, "strides": self.strides,
-                "subunits": self.subunits, "kernel_size": self.kernel_size, "norm": self.norm,
-                "norm_groups": self.norm_groups, "activation": self.activation, "dropout": self.dropout,
-                "kernel_initializer": self.kernel_initializer}
+        return {
+            **super().get_config(),
+            "filters": self.filters,
+            "strides": self.strides,
+            "subunits": self.subunits,
+            "kernel_size": self.kernel_size,
+            "norm": self.norm,
+            "norm_groups": self.norm_groups,
+            "activation": self.activation,
+            "dropout": self.dropout,
+            "kernel_initializer": self.kernel_initializer,
+        }
 
 
-def _level_block(filters, strides, subunits, kernel_size, norm, norm_groups, activation, dropout, name,
-                 recompute=False, kernel_initializer="he_normal"):
+def _level_block(
+    filters,
+    strides,
+    subunits,
+    kernel_size,
+    norm,
+    norm_groups,
+    activation,
+    dropout,
+    name,
+    recompute=False,
+    kernel_initializer="he_normal",
+):
     """A residual unit, or a single ConvNormAct when `subunits == 0` (MONAI's plain mode)."""
     if subunits > 0:
-        return ResidualUnit(filters, strides, subunits, kernel_size, norm, norm_groups, activation, dropout,
-                            kernel_initializer=kernel_initializer, recompute=recompute, name=name)
-    return ConvNormAct(filters, kernel_size, strides, norm, norm_groups, activation, dropout,
-                       kernel_initializer=kernel_initializer, recompute=recompute, name=name)
+        return ResidualUnit(
+            filters,
+            strides,
+            subunits,
+            kernel_size,
+            norm,
+            norm_groups,
+            activation,
+            dropout,
+            kernel_initializer=kernel_initializer,
+            recompute=recompute,
+            name=name,
+        )
+    return ConvNormAct(
+        filters,
+        kernel_size,
+        strides,
+        norm,
+        norm_groups,
+        activation,
+        dropout,
+        kernel_initializer=kernel_initializer,
+        recompute=recompute,
+        name=name,
+    )
 
 
 @keras.saving.register_keras_serializable(package=_SERIAL_PACKAGE)
@@ -376,9 +472,20 @@ class UpBlock(RecomputableBlock):
         (1, 8, 8, 8, 8)
     """
 
-    def __init__(self, filters: int, strides=2, num_res_units: int = 2, kernel_size=3, norm: str = "instance",
-                 norm_groups: int = 8, activation: str = "prelu", dropout: float = 0.0,
-                 upsample_filters: int | None = None, kernel_initializer: str = "he_normal", **kwargs):
+    def __init__(
+        self,
+        filters: int,
+        strides=2,
+        num_res_units: int = 2,
+        kernel_size=3,
+        norm: str = "instance",
+        norm_groups: int = 8,
+        activation: str = "prelu",
+        dropout: float = 0.0,
+        upsample_filters: int | None = None,
+        kernel_initializer: str = "he_normal",
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.kernel_initializer = kernel_initializer
         self.filters = int(filters)
@@ -390,11 +497,31 @@ class UpBlock(RecomputableBlock):
         self.activation = activation
         self.dropout = float(dropout)
         self.upsample_filters = int(upsample_filters) if upsample_filters else self.filters
-        self.upsample = ConvNormAct(self.upsample_filters, kernel_size, strides, norm, norm_groups, activation, dropout,
-                                    transposed=True, kernel_initializer=kernel_initializer, name="upsample")
+        self.upsample = ConvNormAct(
+            self.upsample_filters,
+            kernel_size,
+            strides,
+            norm,
+            norm_groups,
+            activation,
+            dropout,
+            transposed=True,
+            kernel_initializer=kernel_initializer,
+            name="upsample",
+        )
         self.concat = layers.Concatenate(axis=-1, name="concat")
-        self.fuse = _level_block(filters, 1, min(self.num_res_units, 1), kernel_size, norm, norm_groups,
-                                 activation, dropout, kernel_initializer=kernel_initializer, name="fuse")
+        self.fuse = _level_block(
+            filters,
+            1,
+            min(self.num_res_units, 1),
+            kernel_size,
+            norm,
+            norm_groups,
+            activation,
+            dropout,
+            kernel_initializer=kernel_initializer,
+            name="fuse",
+        )
 
     def build(self, input_shape):
         coarse_shape, skip_shape = input_shape
@@ -412,10 +539,19 @@ class UpBlock(RecomputableBlock):
         return self.fuse(self.concat([upsampled, skip]), training=training)
 
     def get_config(self):
-        return {**super().get_config(), "filters": self.filters, "strides": self.strides,
-                "num_res_units": self.num_res_units, "kernel_size": self.kernel_size, "norm": self.norm,
-                "norm_groups": self.norm_groups, "activation": self.activation, "dropout": self.dropout,
-                "upsample_filters": self.upsample_filters, "kernel_initializer": self.kernel_initializer}
+        return {
+            **super().get_config(),
+            "filters": self.filters,
+            "strides": self.strides,
+            "num_res_units": self.num_res_units,
+            "kernel_size": self.kernel_size,
+            "norm": self.norm,
+            "norm_groups": self.norm_groups,
+            "activation": self.activation,
+            "dropout": self.dropout,
+            "upsample_filters": self.upsample_filters,
+            "kernel_initializer": self.kernel_initializer,
+        }
 
 
 def full_resolution_upsample_filters(filters0: int, in_channels: int) -> int:
@@ -479,7 +615,7 @@ class UNetConfig(UNetArchitecture):
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "UNetConfig":
+    def from_dict(cls, values: dict) -> UNetConfig:
         """Like `UNetConfig(**values)` but names unknown keys in the error."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
@@ -510,8 +646,9 @@ class UNetConfig(UNetArchitecture):
         heads = []
         for level, _ in self.deep_supervision_levels:
             features = model.get_layer(f"decoder{level}").output
-            x = layers.Conv3D(self.num_classes, 1, kernel_initializer=_head_initializer(self),
-                              name=f"deep_supervision{level}")(features)
+            x = layers.Conv3D(
+                self.num_classes, 1, kernel_initializer=_head_initializer(self), name=f"deep_supervision{level}"
+            )(features)
             heads.append(layers.Activation("linear", dtype="float32", name=f"deep_supervision{level}_logits")(x))
         return model, keras.Model(model.input, [model.output, *heads], name=f"{self.name}_deep_supervision")
 
@@ -522,56 +659,110 @@ def _head_initializer(config: UNetArchitecture):
 
 
 def _build_from_config(config: UNetConfig) -> keras.Model:
-    block_options = dict(kernel_size=config.kernel_size, norm=config.norm, norm_groups=config.norm_groups,
-                         activation=config.activation, dropout=config.dropout,
-                         kernel_initializer=config.kernel_initializer)
+    block_options = dict(
+        kernel_size=config.kernel_size,
+        norm=config.norm,
+        norm_groups=config.norm_groups,
+        activation=config.activation,
+        dropout=config.dropout,
+        kernel_initializer=config.kernel_initializer,
+    )
     inputs = keras.Input(shape=(None, None, None, config.in_channels), name="image")
     skips = []
     x = inputs
     last = len(config.filters) - 1
     for level, (filters, strides) in enumerate(zip(config.filters, config.strides)):
-        x = _level_block(filters, strides, config.num_res_units, recompute=config.recompute,
-                         name="bottleneck" if level == last else f"encoder{level}", **block_options)(x)
+        x = _level_block(
+            filters,
+            strides,
+            config.num_res_units,
+            recompute=config.recompute,
+            name="bottleneck" if level == last else f"encoder{level}",
+            **block_options,
+        )(x)
         skips.append(x)
     for level in reversed(range(last)):
-        x = UpBlock(config.filters[level], config.strides[level + 1], config.num_res_units,
-                    recompute=config.recompute, name=f"decoder{level}", **block_options)([x, skips[level]])
+        x = UpBlock(
+            config.filters[level],
+            config.strides[level + 1],
+            config.num_res_units,
+            recompute=config.recompute,
+            name=f"decoder{level}",
+            **block_options,
+        )([x, skips[level]])
     if config.full_resolution_first_level:
         x = layers.Conv3D(config.num_classes, 1, kernel_initializer=_head_initializer(config), name="head")(x)
     elif config.output_upsampling == "refine":
         # the first encoder level downsampled: one more decoder level, whose skip is the image itself
-        x = UpBlock(config.filters[0], config.strides[0], config.num_res_units, recompute=config.recompute,
-                    upsample_filters=full_resolution_upsample_filters(config.filters[0], config.in_channels),
-                    name="decoder_full", **block_options)([x, inputs])
+        x = UpBlock(
+            config.filters[0],
+            config.strides[0],
+            config.num_res_units,
+            recompute=config.recompute,
+            upsample_filters=full_resolution_upsample_filters(config.filters[0], config.in_channels),
+            name="decoder_full",
+            **block_options,
+        )([x, inputs])
         x = layers.Conv3D(config.num_classes, 1, kernel_initializer=_head_initializer(config), name="head")(x)
     elif config.output_upsampling == "light":
         # upsampled features next to the image, one full-resolution convolution straight to the logits
-        x = ConvNormAct(full_resolution_upsample_filters(config.filters[0], config.in_channels),
-                        strides=config.strides[0], transposed=True, recompute=config.recompute,
-                        name="upsample_full", **block_options)(x)
+        x = ConvNormAct(
+            full_resolution_upsample_filters(config.filters[0], config.in_channels),
+            strides=config.strides[0],
+            transposed=True,
+            recompute=config.recompute,
+            name="upsample_full",
+            **block_options,
+        )(x)
         x = layers.Concatenate(axis=-1, name="concat_image")([x, inputs])
-        x = layers.Conv3D(config.num_classes, config.kernel_size, padding="same",
-                          kernel_initializer=make_kernel_initializer(config.kernel_initializer),
-                          name="head")(x)
+        x = layers.Conv3D(
+            config.num_classes,
+            config.kernel_size,
+            padding="same",
+            kernel_initializer=make_kernel_initializer(config.kernel_initializer),
+            name="head",
+        )(x)
     else:  # MONAI's last layer: a transposed convolution straight to the logits
-        x = layers.Conv3DTranspose(config.num_classes, config.kernel_size, strides=config.strides[0], padding="same",
-                                   kernel_initializer=make_kernel_initializer(config.kernel_initializer),
-                                   name="head")(x)
+        x = layers.Conv3DTranspose(
+            config.num_classes,
+            config.kernel_size,
+            strides=config.strides[0],
+            padding="same",
+            kernel_initializer=make_kernel_initializer(config.kernel_initializer),
+            name="head",
+        )(x)
         if config.output_upsampling == "transposed_image":
             # plus a convolution of the image itself: the only full-resolution input of the logits, at 1/8 the cost
             # of an 8-to-8 convolution there; zero-initialised, so training starts from "transposed"
-            image_term = layers.Conv3D(config.num_classes, config.kernel_size, padding="same", use_bias=False,
-                                       kernel_initializer="zeros", name="image_head")(inputs)
+            image_term = layers.Conv3D(
+                config.num_classes,
+                config.kernel_size,
+                padding="same",
+                use_bias=False,
+                kernel_initializer="zeros",
+                name="image_head",
+            )(inputs)
             x = layers.Add(name="head_sum")([x, image_term])
     # logits in float32 even under a mixed-precision policy (stable softmax/loss)
     outputs = layers.Activation("linear", dtype="float32", name="logits")(x)
     return keras.Model(inputs, outputs, name=config.name)
 
 
-def build_unet(in_channels: int, num_classes: int, filters: Sequence[int] = (16, 32, 64, 128, 256),
-               strides: Sequence = (1, 2, 2, 2, 2), num_res_units: int = 2, norm: str = "instance",
-               norm_groups: int = 8, dropout: float = 0.0, kernel_size=3, recompute: bool = False,
-               name: str = "unet3d", activation: str = "prelu", output_upsampling: str = "refine") -> keras.Model:
+def build_unet(
+    in_channels: int,
+    num_classes: int,
+    filters: Sequence[int] = (16, 32, 64, 128, 256),
+    strides: Sequence = (1, 2, 2, 2, 2),
+    num_res_units: int = 2,
+    norm: str = "instance",
+    norm_groups: int = 8,
+    dropout: float = 0.0,
+    kernel_size=3,
+    recompute: bool = False,
+    name: str = "unet3d",
+    activation: str = "prelu",
+    output_upsampling: str = "refine",
+) -> keras.Model:
     """Builds a 3D U-Net for `(batch, D, H, W, in_channels)` inputs returning float32 logits.
 
     Args: see `UNetConfig`. Spatial sizes are dynamic; each must be a multiple of the
@@ -589,7 +780,19 @@ def build_unet(in_channels: int, num_classes: int, filters: Sequence[int] = (16,
         >>> tuple(strided(keras.ops.zeros((1, 48, 48, 48, 2))).shape)
         (1, 48, 48, 48, 4)
     """
-    config = UNetConfig(in_channels, num_classes, filters=filters, strides=strides, num_res_units=num_res_units,
-                        norm=norm, norm_groups=norm_groups, dropout=dropout, kernel_size=kernel_size,
-                        recompute=recompute, name=name, activation=activation, output_upsampling=output_upsampling)
+    config = UNetConfig(
+        in_channels,
+        num_classes,
+        filters=filters,
+        strides=strides,
+        num_res_units=num_res_units,
+        norm=norm,
+        norm_groups=norm_groups,
+        dropout=dropout,
+        kernel_size=kernel_size,
+        recompute=recompute,
+        name=name,
+        activation=activation,
+        output_upsampling=output_upsampling,
+    )
     return config.build()

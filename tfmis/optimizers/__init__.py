@@ -8,8 +8,15 @@ Example:
 
 from tfmis.optimizers.factory import OPTIMIZER_NAMES, build_optimizer
 from tfmis.optimizers.novograd import Novograd
-from tfmis.optimizers.schedules import (SCHEDULE_NAMES, ConstantLearningRate, CosineDecay, LinearWarmup, PolyDecay,
-                                        batch_scaled_learning_rate, build_schedule)
+from tfmis.optimizers.schedules import (
+    SCHEDULE_NAMES,
+    ConstantLearningRate,
+    CosineDecay,
+    LinearWarmup,
+    PolyDecay,
+    batch_scaled_learning_rate,
+    build_schedule,
+)
 
 __all__ = [
     "OPTIMIZER_NAMES",

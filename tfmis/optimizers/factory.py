@@ -10,9 +10,18 @@ from tfmis.optimizers.novograd import Novograd
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "novograd")
 
 
-def build_optimizer(name: str, learning_rate, weight_decay: float = 0.0, momentum: float = 0.99,
-                    nesterov: bool = True, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-8,
-                    clipnorm: float | None = None, **extra) -> keras.optimizers.Optimizer:
+def build_optimizer(
+    name: str,
+    learning_rate,
+    weight_decay: float = 0.0,
+    momentum: float = 0.99,
+    nesterov: bool = True,
+    beta_1: float = 0.9,
+    beta_2: float = 0.999,
+    epsilon: float = 1e-8,
+    clipnorm: float | None = None,
+    **extra,
+) -> keras.optimizers.Optimizer:
     """A Keras optimizer by name.
 
     Weight decay semantics differ per optimizer, on purpose (each is the standard one):

@@ -33,24 +33,44 @@ class _FusedAdamUpdate:
         if cache is not None and dtype in cache:
             return cache[dtype]
         local_step = tf.cast(self.iterations + 1, dtype)
-        scalars = (tf.cast(learning_rate, dtype), tf.pow(tf.cast(self.beta_1, dtype), local_step),
-                   tf.pow(tf.cast(self.beta_2, dtype), local_step), tf.cast(self.beta_1, dtype),
-                   tf.cast(self.beta_2, dtype), tf.cast(self.epsilon, dtype))
+        scalars = (
+            tf.cast(learning_rate, dtype),
+            tf.pow(tf.cast(self.beta_1, dtype), local_step),
+            tf.pow(tf.cast(self.beta_2, dtype), local_step),
+            tf.cast(self.beta_1, dtype),
+            tf.cast(self.beta_2, dtype),
+            tf.cast(self.epsilon, dtype),
+        )
         if cache is not None:
             cache[dtype] = scalars
         return scalars
 
     def update_step(self, gradient, variable, learning_rate):
-        if (self.amsgrad or keras.backend.backend() != "tensorflow" or isinstance(gradient, tf.IndexedSlices)
-                or not hasattr(variable, "handle")):
+        if (
+            self.amsgrad
+            or keras.backend.backend() != "tensorflow"
+            or isinstance(gradient, tf.IndexedSlices)
+            or not hasattr(variable, "handle")
+        ):
             return super().update_step(gradient, variable, learning_rate)
         index = self._get_variable_index(variable)
         m, v = self._momentums[index].value, self._velocities[index].value
         lr, beta_1_power, beta_2_power, beta_1, beta_2, epsilon = self._scalars(learning_rate, variable.dtype)
         # m ← β1·m + (1−β1)·g; v ← β2·v + (1−β2)·g²; w ← w − lr·√(1−β2ᵗ)/(1−β1ᵗ) · m/(√v + ε)
-        tf.raw_ops.ResourceApplyAdam(var=variable.handle, m=m.handle, v=v.handle, beta1_power=beta_1_power,
-                                     beta2_power=beta_2_power, lr=lr, beta1=beta_1, beta2=beta_2, epsilon=epsilon,
-                                     grad=tf.cast(gradient, variable.dtype), use_locking=False, use_nesterov=False)
+        tf.raw_ops.ResourceApplyAdam(
+            var=variable.handle,
+            m=m.handle,
+            v=v.handle,
+            beta1_power=beta_1_power,
+            beta2_power=beta_2_power,
+            lr=lr,
+            beta1=beta_1,
+            beta2=beta_2,
+            epsilon=epsilon,
+            grad=tf.cast(gradient, variable.dtype),
+            use_locking=False,
+            use_nesterov=False,
+        )
 
     def _apply_weight_decay(self, variables):
         if self.weight_decay is None or keras.backend.backend() != "tensorflow":
@@ -59,8 +79,9 @@ class _FusedAdamUpdate:
 
         def decay(variable):  # w ← w − lr · wd · w, the factor computed once per dtype
             if variable.dtype not in factors:
-                factors[variable.dtype] = (tf.cast(self.learning_rate, variable.dtype)
-                                           * tf.cast(self.weight_decay, variable.dtype))
+                factors[variable.dtype] = tf.cast(self.learning_rate, variable.dtype) * tf.cast(
+                    self.weight_decay, variable.dtype
+                )
             variable.assign_sub(variable * factors[variable.dtype])
 
         def apply_all(distribution, variables):

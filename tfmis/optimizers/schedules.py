@@ -73,8 +73,7 @@ class PolyDecay(LearningRateSchedule):
         0.005359
     """
 
-    def __init__(self, base_learning_rate: float, decay_steps: int, power: float = 0.9,
-                 min_learning_rate: float = 0.0):
+    def __init__(self, base_learning_rate: float, decay_steps: int, power: float = 0.9, min_learning_rate: float = 0.0):
         if decay_steps <= 0:
             raise ValueError(f"decay_steps must be > 0, got {decay_steps}")
         self.base_learning_rate = float(base_learning_rate)
@@ -88,8 +87,12 @@ class PolyDecay(LearningRateSchedule):
         return self.min_learning_rate + span * ops.power(remaining, self.power)
 
     def get_config(self):
-        return {"base_learning_rate": self.base_learning_rate, "decay_steps": self.decay_steps,
-                "power": self.power, "min_learning_rate": self.min_learning_rate}
+        return {
+            "base_learning_rate": self.base_learning_rate,
+            "decay_steps": self.decay_steps,
+            "power": self.power,
+            "min_learning_rate": self.min_learning_rate,
+        }
 
 
 @keras.saving.register_keras_serializable(package="tfmis")
@@ -118,8 +121,11 @@ class CosineDecay(LearningRateSchedule):
         return self.min_learning_rate + (self.base_learning_rate - self.min_learning_rate) * cosine
 
     def get_config(self):
-        return {"base_learning_rate": self.base_learning_rate, "decay_steps": self.decay_steps,
-                "min_learning_rate": self.min_learning_rate}
+        return {
+            "base_learning_rate": self.base_learning_rate,
+            "decay_steps": self.decay_steps,
+            "min_learning_rate": self.min_learning_rate,
+        }
 
 
 @keras.saving.register_keras_serializable(package="tfmis")
@@ -158,13 +164,17 @@ class LinearWarmup(LearningRateSchedule):
         return ops.where(step < float(self.warmup_steps), warming, ops.cast(after, "float32"))
 
     def get_config(self):
-        return {"schedule": keras.optimizers.schedules.serialize(self.schedule),
-                "warmup_steps": self.warmup_steps}
+        return {"schedule": keras.optimizers.schedules.serialize(self.schedule), "warmup_steps": self.warmup_steps}
 
 
-def build_schedule(name: str, base_learning_rate: float, total_steps: int | None = None,
-                   warmup_steps: int = 0, power: float = 0.9,
-                   min_learning_rate: float = 0.0) -> LearningRateSchedule:
+def build_schedule(
+    name: str,
+    base_learning_rate: float,
+    total_steps: int | None = None,
+    warmup_steps: int = 0,
+    power: float = 0.9,
+    min_learning_rate: float = 0.0,
+) -> LearningRateSchedule:
     """A learning-rate schedule by name, with optional linear warm-up from 0.
 
     The decay ("poly", "cosine") runs over the `total_steps − warmup_steps` steps after the warm-up, so
@@ -198,8 +208,9 @@ def build_schedule(name: str, base_learning_rate: float, total_steps: int | None
         schedule = ConstantLearningRate(base_learning_rate)
     else:
         if total_steps is None or total_steps <= warmup_steps:
-            raise ValueError(f"{key!r} needs total_steps > warmup_steps, got total_steps={total_steps}, "
-                             f"warmup_steps={warmup_steps}")
+            raise ValueError(
+                f"{key!r} needs total_steps > warmup_steps, got total_steps={total_steps}, warmup_steps={warmup_steps}"
+            )
         decay_steps = total_steps - warmup_steps
         if key == "poly":
             schedule = PolyDecay(base_learning_rate, decay_steps, power, min_learning_rate)
@@ -208,8 +219,7 @@ def build_schedule(name: str, base_learning_rate: float, total_steps: int | None
     return LinearWarmup(schedule, warmup_steps) if warmup_steps else schedule
 
 
-def batch_scaled_learning_rate(learning_rate: float, scaling: str, global_batch: int,
-                               reference_batch: int) -> float:
+def batch_scaled_learning_rate(learning_rate: float, scaling: str, global_batch: int, reference_batch: int) -> float:
     """The learning rate for `global_batch` when `learning_rate` was tuned for `reference_batch`.
 
     `linear`: × global / reference (Goyal et al. 2017, "Accurate, Large Minibatch SGD"); `sqrt`:

@@ -16,10 +16,19 @@ or from a shell: `python -m tfmis.plan --source-dir data/Task09_Spleen`.
 """
 
 from tfmis.planning.api import plan_dataset, plan_with_cached_gpu_fit
-from tfmis.planning.fingerprint import (DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd,
-                                        has_conversion)
+from tfmis.planning.fingerprint import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, has_conversion
 from tfmis.planning.planner import ExperimentPlanner, Plan, default_dataset_dir, default_output_dir, make_plan
 
-__all__ = ["DatasetFingerprint", "ExperimentPlanner", "Plan", "default_dataset_dir", "default_output_dir",
-           "fingerprint_from_conversion", "fingerprint_msd", "has_conversion", "make_plan", "plan_dataset",
-           "plan_with_cached_gpu_fit"]
+__all__ = [
+    "DatasetFingerprint",
+    "ExperimentPlanner",
+    "Plan",
+    "default_dataset_dir",
+    "default_output_dir",
+    "fingerprint_from_conversion",
+    "fingerprint_msd",
+    "has_conversion",
+    "make_plan",
+    "plan_dataset",
+    "plan_with_cached_gpu_fit",
+]

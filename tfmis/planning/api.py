@@ -20,8 +20,9 @@ from tfmis.planning.fingerprint import DatasetFingerprint, fingerprint_from_conv
 from tfmis.planning.planner import Plan, default_dataset_dir, default_output_dir, make_plan
 
 
-def dataset_fingerprint(source_dir, target_dir, workers: int | None = None,
-                        progress: bool = True) -> DatasetFingerprint:
+def dataset_fingerprint(
+    source_dir, target_dir, workers: int | None = None, progress: bool = True
+) -> DatasetFingerprint:
     """The fingerprint of a finished conversion in `target_dir` when there is one, else a first pass over the
     MSD folder."""
     if has_conversion(target_dir):
@@ -31,8 +32,9 @@ def dataset_fingerprint(source_dir, target_dir, workers: int | None = None,
     return fingerprint_msd(source_dir, workers=workers, progress=progress)
 
 
-def plan_with_cached_gpu_fit(fingerprint: DatasetFingerprint, hardware: Hardware, config,
-                             **plan_args) -> tuple[Plan, dict] | None:
+def plan_with_cached_gpu_fit(
+    fingerprint: DatasetFingerprint, hardware: Hardware, config, **plan_args
+) -> tuple[Plan, dict] | None:
     """(the plan made again with the GPU-fit search's measured batch size, sliding-window batch size and
     placement, those values) for `config`, the planned config as it will train; None without a GPU, a
     converted dataset, or a cached search of exactly that config on this GPU.
@@ -50,8 +52,14 @@ def plan_with_cached_gpu_fit(fingerprint: DatasetFingerprint, hardware: Hardware
     return make_plan(fingerprint, hardware, gpu_fit=fitted, **plan_args), fitted
 
 
-def plan_dataset(source_dir, target_dir=None, output_dir=None, workers: int | None = None, progress: bool = True,
-                 hardware: Hardware | None = None) -> tuple[Plan, DatasetFingerprint]:
+def plan_dataset(
+    source_dir,
+    target_dir=None,
+    output_dir=None,
+    workers: int | None = None,
+    progress: bool = True,
+    hardware: Hardware | None = None,
+) -> tuple[Plan, DatasetFingerprint]:
     """(Plan, DatasetFingerprint) for an MSD folder on this machine.
 
     Uses the fingerprint of a finished conversion in `target_dir` when there is one, else a first pass

@@ -32,6 +32,7 @@ from tfmis.data import fingerprint as fp
 from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, MSDDataset, load_case
 from tfmis.data.preprocess import reorient_to_ras, spacing_of
 
+
 @dataclasses.dataclass
 class DatasetFingerprint:
     """What the planner knows about a dataset.
@@ -103,6 +104,7 @@ class DatasetFingerprint:
 
 # ---------------------------------------------------------------- first pass over an MSD folder (worker side)
 
+
 def _case_summary(task: tuple) -> dict:
     """One case reduced to what planning needs (runs in a worker process; no TensorFlow)."""
     case, root = task
@@ -116,17 +118,26 @@ def _case_summary(task: tuple) -> dict:
         projections = []
         for axis in range(3):
             reduce_axes = tuple(a for a in range(4) if a != axis)
-            projections.append({
-                "ct_max": image[..., ct].max(axis=reduce_axes).tolist() if ct else None,
-                "nonzero": (image[..., other] != 0).any(axis=reduce_axes).tolist() if other else None,
-                "label": (label > 0).any(axis=tuple(a for a in range(3) if a != axis)).tolist()
-                if label is not None else None,
-            })
+            projections.append(
+                {
+                    "ct_max": image[..., ct].max(axis=reduce_axes).tolist() if ct else None,
+                    "nonzero": (image[..., other] != 0).any(axis=reduce_axes).tolist() if other else None,
+                    "label": (label > 0).any(axis=tuple(a for a in range(3) if a != axis)).tolist()
+                    if label is not None
+                    else None,
+                }
+            )
         sample = fp.foreground_sample(loaded.image, loaded.label)
         counts = np.bincount(loaded.label.ravel(), minlength=dataset.num_classes) if loaded.label is not None else None
-        return {"case_id": case.case_id, "status": "ok", "spacing": spacing_of(affine).tolist(),
-                "ras_shape": list(image.shape[:3]), "projections": projections, "sample": sample,
-                "class_voxels": counts.tolist() if counts is not None else None}
+        return {
+            "case_id": case.case_id,
+            "status": "ok",
+            "spacing": spacing_of(affine).tolist(),
+            "ras_shape": list(image.shape[:3]),
+            "projections": projections,
+            "sample": sample,
+            "class_voxels": counts.tolist() if counts is not None else None,
+        }
     except CaseError as e:
         return {"case_id": case.case_id, "status": "skipped", "reason": e.reason}
     except Exception as e:  # noqa: BLE001 - one bad case never stops the others
@@ -160,9 +171,14 @@ def crop_shape(projections: list[dict], ct_window, margin: int = 0) -> list[int]
     return shape
 
 
-def fingerprint_msd(source_dir: str | Path, workers: int | None = None, progress: bool = True,
-                    ct_window: tuple[float, float] | None = None, crop_foreground: bool = True,
-                    crop_margin: int = 0) -> DatasetFingerprint:
+def fingerprint_msd(
+    source_dir: str | Path,
+    workers: int | None = None,
+    progress: bool = True,
+    ct_window: tuple[float, float] | None = None,
+    crop_foreground: bool = True,
+    crop_margin: int = 0,
+) -> DatasetFingerprint:
     """The first-pass fingerprint of an MSD folder (every training case read once, nothing written).
 
     Args:
@@ -194,33 +210,51 @@ def fingerprint_msd(source_dir: str | Path, workers: int | None = None, progress
         bar.update(1)
     bar.close()
     if not summaries:
-        raise DatasetError(f"{dataset.root}: no training case could be read ({len(skipped)} skipped, e.g. "
-                           f"{next(iter(skipped.items()), ('', ''))[1]})")
+        raise DatasetError(
+            f"{dataset.root}: no training case could be read ({len(skipped)} skipped, e.g. "
+            f"{next(iter(skipped.items()), ('', ''))[1]})"
+        )
     ct = [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
     if ct and ct_window is None:  # as the conversion measures it, on the same samples
         ct_window = fp.ct_window(np.concatenate([s["sample"][:, ct].ravel() for s in summaries]))
     if not ct:
         ct_window = None
-    crops = [crop_shape(s["projections"], ct_window, crop_margin) if crop_foreground else s["ras_shape"]
-             for s in summaries]
+    crops = [
+        crop_shape(s["projections"], ct_window, crop_margin) if crop_foreground else s["ras_shape"] for s in summaries
+    ]
     counts = [s["class_voxels"] for s in summaries if s["class_voxels"] is not None]
     totals = np.sum(counts, axis=0).astype(int).tolist() if counts else [0] * dataset.num_classes
-    per_case = {s["case_id"]: {"intensity": fp.intensity_stats(s["sample"]), "class_voxels": s["class_voxels"],
-                               "original_spacing": s["spacing"], "shape": crop} for s, crop in zip(summaries, crops)}
+    per_case = {
+        s["case_id"]: {
+            "intensity": fp.intensity_stats(s["sample"]),
+            "class_voxels": s["class_voxels"],
+            "original_spacing": s["spacing"],
+            "shape": crop,
+        }
+        for s, crop in zip(summaries, crops)
+    }
     intensity = fp.summarize(per_case, dataset.labels, dataset.modalities)["intensity"]
     return DatasetFingerprint(
-        name=dataset.name, modalities=list(dataset.modalities), labels=list(dataset.labels),
+        name=dataset.name,
+        modalities=list(dataset.modalities),
+        labels=list(dataset.labels),
         case_ids=[s["case_id"] for s in summaries],
         spacings=np.array([s["spacing"] for s in summaries], dtype=np.float64),
-        crop_shapes=np.array(crops, dtype=np.float64), class_voxels=totals, ct_window=ct_window,
+        crop_shapes=np.array(crops, dtype=np.float64),
+        class_voxels=totals,
+        ct_window=ct_window,
         intensity=intensity,
-        cases_without_foreground=sorted(s["case_id"] for s in summaries
-                                        if s["class_voxels"] is not None and sum(s["class_voxels"][1:]) == 0),
-        skipped=skipped, source=f"first pass over {len(summaries)} cases of {dataset.root}",
-        source_dir=str(source_dir))
+        cases_without_foreground=sorted(
+            s["case_id"] for s in summaries if s["class_voxels"] is not None and sum(s["class_voxels"][1:]) == 0
+        ),
+        skipped=skipped,
+        source=f"first pass over {len(summaries)} cases of {dataset.root}",
+        source_dir=str(source_dir),
+    )
 
 
 # ---------------------------------------------------------------- from a finished conversion
+
 
 def has_conversion(dataset_dir: str | Path) -> bool:
     """True when `dataset_dir` holds a finished conversion with its fingerprint."""
@@ -236,8 +270,10 @@ def fingerprint_from_conversion(dataset_dir: str | Path) -> DatasetFingerprint:
     """
     d = Path(dataset_dir)
     if not has_conversion(d):
-        raise FileNotFoundError(f"{d}: no finished conversion (fingerprint.json, index.json and conversion.json "
-                                "are written by tools/tfrecord.py)")
+        raise FileNotFoundError(
+            f"{d}: no finished conversion (fingerprint.json, index.json and conversion.json "
+            "are written by tools/tfrecord.py)"
+        )
     fingerprint = json.loads((d / "fingerprint.json").read_text())
     index = json.loads((d / "index.json").read_text())
     resolved = json.loads((d / "conversion.json").read_text()).get("resolved", {})
@@ -250,10 +286,17 @@ def fingerprint_from_conversion(dataset_dir: str | Path) -> DatasetFingerprint:
     labels = list(index["source"]["labels"])
     ct_window = resolved.get("ct_window")
     return DatasetFingerprint(
-        name=index["source"]["name"], modalities=list(index["source"]["modalities"]), labels=labels,
-        case_ids=ids, spacings=spacings, crop_shapes=shapes * converted_spacing / spacings,
+        name=index["source"]["name"],
+        modalities=list(index["source"]["modalities"]),
+        labels=labels,
+        case_ids=ids,
+        spacings=spacings,
+        crop_shapes=shapes * converted_spacing / spacings,
         class_voxels=[int(summary["class_voxels"].get(name, 0)) for name in labels],
-        ct_window=tuple(ct_window) if ct_window else None, intensity=summary.get("intensity", []),
+        ct_window=tuple(ct_window) if ct_window else None,
+        intensity=summary.get("intensity", []),
         cases_without_foreground=list(summary.get("cases_without_foreground", [])),
         skipped={s["case_id"]: s["reason"] for s in index.get("skipped", [])},
-        source=f"conversion in {d}", source_dir=index["source"].get("dir"))
+        source=f"conversion in {d}",
+        source_dir=index["source"].get("dir"),
+    )

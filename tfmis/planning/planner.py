@@ -34,14 +34,21 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from tfmis.planning.fingerprint import DatasetFingerprint
 from tfmis.hardware import GPU_RESERVED_MB, Hardware, recommended_precision
-from tfmis.planning.rules import (fmt_mm, inference_window_mb, initial_patch_size, shrink_patch,
-                                  square_in_plane, target_spacing, training_memory_mb)
+from tfmis.planning.fingerprint import DatasetFingerprint
+from tfmis.planning.rules import (
+    fmt_mm,
+    inference_window_mb,
+    initial_patch_size,
+    shrink_patch,
+    square_in_plane,
+    target_spacing,
+    training_memory_mb,
+)
 
 # CPU: a patch of at most 48^3 voxels keeps a training step of the small network near 0.3 s on the 2-core
 # development CPU (measured 0.26-0.40 s at batch 2), so ~1000 steps take about ten minutes
-CPU_PATCH_VOXELS = 48 ** 3
+CPU_PATCH_VOXELS = 48**3
 CPU_TRAINING_STEPS = 1000
 CPU_VALIDATIONS = 15
 CPU_FILTERS = (8, 128)  # first level, cap (the demo recipe's 8, 16, 32, 64)
@@ -146,8 +153,11 @@ class Plan:
             ("precision / XLA", f"{v['training.precision']} / {str(v['training.jit_compile']).lower()}"),
             ("optimizer", f"{v['optimizer.name']} lr {v['optimizer.learning_rate']:g} {v['optimizer.schedule']}"),
             ("training", f"{v['training.epochs']} epochs x {s['steps_per_epoch']} steps"),
-            ("validation", f"roi {fmt_shape(v['validation.roi_size'])}, sw batch {v['validation.num_sw_batch_size']}, "
-                           f"overlap {v['validation.overlap']}, every {v['validation.val_interval']} epochs"),
+            (
+                "validation",
+                f"roi {fmt_shape(v['validation.roi_size'])}, sw batch {v['validation.num_sw_batch_size']}, "
+                f"overlap {v['validation.overlap']}, every {v['validation.val_interval']} epochs",
+            ),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {val}" for k, val in rows)
@@ -191,7 +201,7 @@ def _stride_value(stride: tuple) -> int | list:
 
 
 def _filters(levels: int, first: int, cap: int) -> list[int]:
-    return [min(first * 2 ** i, cap) for i in range(levels)]
+    return [min(first * 2**i, cap) for i in range(levels)]
 
 
 def normalisation_lines(fingerprint: DatasetFingerprint) -> list[str]:
@@ -200,8 +210,10 @@ def normalisation_lines(fingerprint: DatasetFingerprint) -> list[str]:
     for i, m in enumerate(fingerprint.modalities):
         if i in fingerprint.ct_channels:
             lo, hi = fingerprint.ct_window
-            lines.append(f"channel {i} {m}: clip to [{lo:g}, {hi:g}] HU, then z-score with the labelled-foreground "
-                         f"mean and std of the training cases (measured by the conversion)")
+            lines.append(
+                f"channel {i} {m}: clip to [{lo:g}, {hi:g}] HU, then z-score with the labelled-foreground "
+                f"mean and std of the training cases (measured by the conversion)"
+            )
         else:
             lines.append(f"channel {i} {m}: z-score per case over the nonzero region")
     return lines
@@ -225,9 +237,18 @@ class ExperimentPlanner:
         seed: split and training seed.
     """
 
-    def __init__(self, fingerprint: DatasetFingerprint, hardware: Hardware, *, source_dir: str | None = None,
-                 dataset_dir: str | None = None, output_dir: str | None = None, gpu_fit: dict | None = None,
-                 split=(0.7, 0.15, 0.15), seed: int = 0):
+    def __init__(
+        self,
+        fingerprint: DatasetFingerprint,
+        hardware: Hardware,
+        *,
+        source_dir: str | None = None,
+        dataset_dir: str | None = None,
+        output_dir: str | None = None,
+        gpu_fit: dict | None = None,
+        split=(0.7, 0.15, 0.15),
+        seed: int = 0,
+    ):
         self.source_dir = source_dir or fingerprint.source_dir
         if self.source_dir is None:
             raise ValueError("make_plan: source_dir is unknown (the fingerprint does not name its MSD folder); pass it")
@@ -267,21 +288,33 @@ class ExperimentPlanner:
         self.spacing = [float(round(s, 4)) for s in spacing]
         plan.set("data.conversion.spacing", self.spacing, spacing_reason + " (mm, R,A,S)")
         self.norm = normalisation_lines(fp)
-        plan.notes["data.conversion"] = ["Normalisation, done by the conversion from the modality names: " +
-                                         "; ".join(self.norm) + " (nnU-Net: CT clipped to the foreground percentiles, "
-                                         "then z-scored with the foreground statistics; MRI z-score per case)."]
+        plan.notes["data.conversion"] = [
+            "Normalisation, done by the conversion from the modality names: "
+            + "; ".join(self.norm)
+            + " (nnU-Net: CT clipped to the foreground percentiles, "
+            "then z-scored with the foreground statistics; MRI z-score per case)."
+        ]
         if fp.ct_channels:
             lo, hi = fp.ct_window
-            plan.set("data.conversion.ct_window", [float(lo), float(hi)],
-                     f"CT: the 0.5/99.5 percentiles of the labelled-foreground HU ({fp.source}), as nnU-Net clips")
-            plan.set("data.conversion.ct_normalization", "zscore",
-                     "CT after clipping: minus the labelled-foreground mean, over its std, both over all training "
-                     "cases (nnU-Net's CTNormalization; the conversion measures them)")
+            plan.set(
+                "data.conversion.ct_window",
+                [float(lo), float(hi)],
+                f"CT: the 0.5/99.5 percentiles of the labelled-foreground HU ({fp.source}), as nnU-Net clips",
+            )
+            plan.set(
+                "data.conversion.ct_normalization",
+                "zscore",
+                "CT after clipping: minus the labelled-foreground mean, over its std, both over all training "
+                "cases (nnU-Net's CTNormalization; the conversion measures them)",
+            )
         ids = assign_splits(list(fp.case_ids), self.split, None, self.seed)
         self.n_train = len(ids["train"])
-        plan.set("data.conversion.split", list(self.split),
-                 f"train/val/test: {self.n_train}/{len(ids['val'])}/{len(ids.get('test', []))} cases (or folds: 5 "
-                 f"as nnU-Net)")
+        plan.set(
+            "data.conversion.split",
+            list(self.split),
+            f"train/val/test: {self.n_train}/{len(ids['val'])}/{len(ids.get('test', []))} cases (or folds: 5 "
+            f"as nnU-Net)",
+        )
         shards = max(1, min(8, self.n_train // 4))
         plan.set("data.conversion.shards", shards, f"about 4 training cases per shard ({self.n_train} training cases)")
         self.median_shape = fp.median_shape_at(self.spacing)
@@ -296,19 +329,30 @@ class ExperimentPlanner:
         num_res_units = self.num_res_units()
 
         def estimate(patch, strides):
-            return training_memory_mb(patch, strides, _filters(len(strides), first, cap), num_res_units,
-                                      self.in_channels, self.num_classes, 2, self.precision)["total_mb"]
+            return training_memory_mb(
+                patch,
+                strides,
+                _filters(len(strides), first, cap),
+                num_res_units,
+                self.in_channels,
+                self.num_classes,
+                2,
+                self.precision,
+            )["total_mb"]
 
         if self.gpu:
             usable = (self.hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB
             target_mb = min(GPU_MEMORY_TARGET_MB, 0.85 * usable)
-            return (lambda patch, strides: estimate(patch, strides) <= target_mb,
-                    f"an estimated training peak of at most {target_mb / 1024:.1f} GB at batch 2 (nnU-Net plans for "
-                    f"8 GB)")
+            return (
+                lambda patch, strides: estimate(patch, strides) <= target_mb,
+                f"an estimated training peak of at most {target_mb / 1024:.1f} GB at batch 2 (nnU-Net plans for 8 GB)",
+            )
         available = self.hardware.host_available_mb
         memory_cap = 0.5 * available if available else float("inf")
-        return (lambda patch, strides: int(np.prod(patch)) <= CPU_PATCH_VOXELS and estimate(patch, strides) <= memory_cap,
-                f"a CPU target of {CPU_PATCH_VOXELS:,} voxels (48^3: a training step of ~0.3 s on 2 cores, measured)")
+        return (
+            lambda patch, strides: int(np.prod(patch)) <= CPU_PATCH_VOXELS and estimate(patch, strides) <= memory_cap,
+            f"a CPU target of {CPU_PATCH_VOXELS:,} voxels (48^3: a training step of ~0.3 s on 2 cores, measured)",
+        )
 
     def filter_range(self) -> tuple[int, int]:
         """(first level's filters, cap): nnU-Net's 32 to 320 on a GPU; the demo's 8 to 128 on a CPU."""
@@ -327,14 +371,22 @@ class ExperimentPlanner:
         if square:  # the in-plane median sizes' geometric mean for both: a square patch keeps quarter turns possible
             shape_for_patch[:2] = np.sqrt(median_shape[0] * median_shape[1])
         self.initial_patch = initial_patch_size(spacing, shape_for_patch)
-        self.patch, self.strides, self.divisor, steps = shrink_patch(spacing, median_shape, self.initial_patch, fits,
-                                                                     square=square)
-        square_text = (f"; square in-plane (x, y medians {median_shape[0]:.0f}, {median_shape[1]:.0f} within 1.5x: "
-                       f"their geometric mean for both, so quarter turns can augment)" if square else "")
-        plan.set("pipeline.patch_size", [int(p) for p in self.patch],
-                 f"from the median shape {fmt_shape(median_shape)} at the target spacing: aspect ratio of the physical "
-                 f"extent, clipped to the median shape ({fmt_shape(self.initial_patch)}){square_text}, shrunk {steps} "
-                 f"step(s) to {budget_text}, divisible by the stride products {fmt_shape(self.divisor)} (nnU-Net v2)")
+        self.patch, self.strides, self.divisor, steps = shrink_patch(
+            spacing, median_shape, self.initial_patch, fits, square=square
+        )
+        square_text = (
+            f"; square in-plane (x, y medians {median_shape[0]:.0f}, {median_shape[1]:.0f} within 1.5x: "
+            f"their geometric mean for both, so quarter turns can augment)"
+            if square
+            else ""
+        )
+        plan.set(
+            "pipeline.patch_size",
+            [int(p) for p in self.patch],
+            f"from the median shape {fmt_shape(median_shape)} at the target spacing: aspect ratio of the physical "
+            f"extent, clipped to the median shape ({fmt_shape(self.initial_patch)}){square_text}, shrunk {steps} "
+            f"step(s) to {budget_text}, divisible by the stride products {fmt_shape(self.divisor)} (nnU-Net v2)",
+        )
 
     def determine_network(self, plan: Plan) -> None:
         """Filters, per-axis strides (nnU-Net's pooling rule, from `determine_patch`), residual units, norm,
@@ -343,21 +395,39 @@ class ExperimentPlanner:
         strides, gpu = self.strides, self.gpu
         pools = [sum(1 for s in strides if s[a] == 2) for a in range(3)]
         self.filters = _filters(len(strides), first, cap)
-        plan.set("model.filters", self.filters,
-                 f"{first} doubling per level, capped at {cap} (" + ("nnU-Net)" if gpu else "small enough for a CPU, "
-                                                                        "as configs/demo.yaml)"))
+        plan.set(
+            "model.filters",
+            self.filters,
+            f"{first} doubling per level, capped at {cap} ("
+            + ("nnU-Net)" if gpu else "small enough for a CPU, as configs/demo.yaml)"),
+        )
         thin = [a for a in range(3) if strides[1][a] == 1] if len(strides) > 1 else []
-        thin_text = (f"; axis {', '.join(map(str, thin))} is not pooled at level 1 (its spacing is >= 2x the "
-                     f"finest), only once the others have caught up" if thin else "")
-        plan.set("model.strides", [_stride_value(s) for s in strides],
-                 f"nnU-Net: pool an axis while its feature map stays >= 4 voxels and its spacing < 2x the finest, at "
-                 f"most 5 times: {pools[0]}/{pools[1]}/{pools[2]} poolings per axis{thin_text}")
-        plan.set("model.num_res_units", self.num_res_units(),
-                 "two convolutions per level in a residual unit (nnU-Net: two per stage)" if gpu else
-                 "one residual unit per level (for CPU speed)")
+        thin_text = (
+            f"; axis {', '.join(map(str, thin))} is not pooled at level 1 (its spacing is >= 2x the "
+            f"finest), only once the others have caught up"
+            if thin
+            else ""
+        )
+        plan.set(
+            "model.strides",
+            [_stride_value(s) for s in strides],
+            f"nnU-Net: pool an axis while its feature map stays >= 4 voxels and its spacing < 2x the finest, at "
+            f"most 5 times: {pools[0]}/{pools[1]}/{pools[2]} poolings per axis{thin_text}",
+        )
+        plan.set(
+            "model.num_res_units",
+            self.num_res_units(),
+            "two convolutions per level in a residual unit (nnU-Net: two per stage)"
+            if gpu
+            else "one residual unit per level (for CPU speed)",
+        )
         plan.set("model.norm", "instance", "instance normalisation (nnU-Net): per-sample statistics, small batches")
-        plan.set("model.kernel_size", 3, "3x3x3 at every level (nnU-Net uses 1 along a much coarser axis early on; "
-                                         "tfmis has one kernel size for all levels)")
+        plan.set(
+            "model.kernel_size",
+            3,
+            "3x3x3 at every level (nnU-Net uses 1 along a much coarser axis early on; "
+            "tfmis has one kernel size for all levels)",
+        )
 
     # ------------------------------------------------------------------ batch and sampling
 
@@ -365,8 +435,16 @@ class ExperimentPlanner:
         """Images per step: measured (GPU-fit search), estimated from the memory model (GPU), or 2 (CPU).
         Sets: `batch`, `memory` (the estimate at batch 2)."""
         patch, hardware = self.patch, self.hardware
-        self.memory = memory = training_memory_mb(patch, self.strides, self.filters, self.num_res_units(),
-                                                  self.in_channels, self.num_classes, 2, self.precision)
+        self.memory = memory = training_memory_mb(
+            patch,
+            self.strides,
+            self.filters,
+            self.num_res_units(),
+            self.in_channels,
+            self.num_classes,
+            2,
+            self.precision,
+        )
         total_voxels = float(np.prod(self.fp.shapes_at(self.spacing), axis=1).sum())
         coverage_cap = max(2, round(DATASET_COVERAGE * total_voxels / float(np.prod(patch))))
         if self.gpu and self.gpu_fit:
@@ -376,47 +454,72 @@ class ExperimentPlanner:
             budget = 0.85 * ((hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB) - memory["fixed_mb"]
             fit = max(2, int(budget // memory["per_image_mb"]))
             batch = max(2, min(fit, coverage_cap))
-            batch_reason = (f"estimated: {memory['per_image_mb']:.0f} MB per image fits {fit} in 85% of the GPU; at "
-                            f"most 5% of the dataset's voxels per batch ({coverage_cap}), at least 2 (nnU-Net); "
-                            f"`python -m tfmis.train --gpu-customization` measures it")
+            batch_reason = (
+                f"estimated: {memory['per_image_mb']:.0f} MB per image fits {fit} in 85% of the GPU; at "
+                f"most 5% of the dataset's voxels per batch ({coverage_cap}), at least 2 (nnU-Net); "
+                f"`python -m tfmis.train --gpu-customization` measures it"
+            )
         else:
             batch = 2
-            batch_reason = (f"nnU-Net's minimum; on a CPU more images per step only lengthen the step (estimated peak "
-                            f"{memory['fixed_mb'] + 2 * memory['per_image_mb']:.0f} MB of "
-                            f"{hardware.host_available_mb / 1024:.1f} GB available)")
+            batch_reason = (
+                f"nnU-Net's minimum; on a CPU more images per step only lengthen the step (estimated peak "
+                f"{memory['fixed_mb'] + 2 * memory['per_image_mb']:.0f} MB of "
+                f"{hardware.host_available_mb / 1024:.1f} GB available)"
+            )
         self.batch = batch
         plan.set("pipeline.num_images_per_batch", batch, batch_reason)
 
     def determine_sampling(self, plan: Plan) -> None:
         """Crops per volume, crop centres per class (small classes oversampled), the cache, quarter turns."""
         fp, patch = self.fp, self.patch
-        plan.set("pipeline.num_crops_per_image", 4, "4 crops per volume read (MONAI num_samples): fewer decodes per step")
+        plan.set(
+            "pipeline.num_crops_per_image", 4, "4 crops per volume read (MONAI num_samples): fewer decodes per step"
+        )
         fractions = fp.class_fraction
         small = [i for i in range(1, self.num_classes) if fractions[i] < SMALL_CLASS_FRACTION]
         if small:
             ratios = [1] + [2 if i in small else 1 for i in range(1, self.num_classes)]
             names = ", ".join(f"{fp.labels[i]} {100 * fractions[i]:.2g}%" for i in small)
-            plan.set("pipeline.class_ratios", ratios,
-                     f"crop centres per class [background, ...]: classes under {SMALL_CLASS_FRACTION:.0%} of the "
-                     f"voxels get twice the share ({names})")
+            plan.set(
+                "pipeline.class_ratios",
+                ratios,
+                f"crop centres per class [background, ...]: classes under {SMALL_CLASS_FRACTION:.0%} of the "
+                f"voxels get twice the share ({names})",
+            )
         else:
-            plan.set("pipeline.pos_neg_ratio", [2, 1], "every class has >= 1% of the voxels: 2 foreground-centred "
-                                                       "crops per background one")
+            plan.set(
+                "pipeline.pos_neg_ratio",
+                [2, 1],
+                "every class has >= 1% of the voxels: 2 foreground-centred crops per background one",
+            )
         volume_voxels = fp.shapes_at(self.spacing).prod(axis=1)
         # float16 image, uint8 label, slack
-        cache_mb = float(volume_voxels.sum()) * (2 * self.in_channels + 1 + 4) / 2 ** 20
+        cache_mb = float(volume_voxels.sum()) * (2 * self.in_channels + 1 + 4) / 2**20
         if cache_mb <= 0.3 * self.hardware.host_available_mb:
-            plan.set("pipeline.cache", "memory", f"the converted volumes (~{cache_mb:.0f} MB) fit in 30% of the "
-                                                 f"available RAM: decoded once")
+            plan.set(
+                "pipeline.cache",
+                "memory",
+                f"the converted volumes (~{cache_mb:.0f} MB) fit in 30% of the available RAM: decoded once",
+            )
         else:
-            plan.set("pipeline.cache", "file", f"~{cache_mb / 1024:.1f} GB of volumes do not fit in 30% of the RAM: "
-                                               f"cached on disk in cache_dir")
+            plan.set(
+                "pipeline.cache",
+                "file",
+                f"~{cache_mb / 1024:.1f} GB of volumes do not fit in 30% of the RAM: cached on disk in cache_dir",
+            )
             dataset_dir = Path(self.dataset_dir)
-            plan.set("pipeline.cache_dir", str(dataset_dir.parent / (dataset_dir.name + "_cache")),
-                     "on-disk cache, reused by later runs")
-        plan.set("pipeline.augment.rot90_prob", 0.5 if patch[0] == patch[1] else 0.0,
-                 "in-plane quarter turns: the patch is square in x, y" if patch[0] == patch[1] else
-                 "no quarter turns: the patch is not square in x, y")
+            plan.set(
+                "pipeline.cache_dir",
+                str(dataset_dir.parent / (dataset_dir.name + "_cache")),
+                "on-disk cache, reused by later runs",
+            )
+        plan.set(
+            "pipeline.augment.rot90_prob",
+            0.5 if patch[0] == patch[1] else 0.0,
+            "in-plane quarter turns: the patch is square in x, y"
+            if patch[0] == patch[1]
+            else "no quarter turns: the patch is not square in x, y",
+        )
 
     # ------------------------------------------------------------------ loss, optimizer, length
 
@@ -440,22 +543,33 @@ class ExperimentPlanner:
             plan.set("training.epochs", epochs, "nnU-Net: 1000 epochs (250k iterations)")
             self.validations = GPU_VALIDATIONS
         else:
-            plan.set("optimizer.name", "adamw", "AdamW converges in the short CPU budget (the demo recipe's measured "
-                                                "choice; nnU-Net's SGD needs its 250k iterations)")
+            plan.set(
+                "optimizer.name",
+                "adamw",
+                "AdamW converges in the short CPU budget (the demo recipe's measured "
+                "choice; nnU-Net's SGD needs its 250k iterations)",
+            )
             plan.set("optimizer.learning_rate", 0.003, "MONAI's demo recipe's (benchmarks/monai_demo.py)")
             plan.set("optimizer.weight_decay", 1e-5, "the demo recipe's (and MONAI's there)")
             plan.set("optimizer.schedule", "cosine", "cosine decay to 0 over the run")
             plan.set("optimizer.warmup_epochs", 1.0, "one epoch of linear warm-up")
             epochs = max(1, round(CPU_TRAINING_STEPS / steps_per_epoch))
-            plan.set("training.epochs", epochs,
-                     f"CPU budget of ~{CPU_TRAINING_STEPS} optimizer steps ({steps_per_epoch} per epoch: {self.n_train} "
-                     f"training volumes x 4 crops / batch {self.batch}); about ten minutes on 2 cores at 48^3")
+            plan.set(
+                "training.epochs",
+                epochs,
+                f"CPU budget of ~{CPU_TRAINING_STEPS} optimizer steps ({steps_per_epoch} per epoch: {self.n_train} "
+                f"training volumes x 4 crops / batch {self.batch}); about ten minutes on 2 cores at 48^3",
+            )
             self.validations = CPU_VALIDATIONS
         self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
         plan.set("training.precision", self.precision, self.precision_reason)
-        plan.set("training.jit_compile", False,
-                 "XLA: ~10x slower than plain TensorFlow on the development CPU" if not self.gpu
-                 else "off: XLA's gain on 3D convolutions varies by GPU; try true and compare epoch times")
+        plan.set(
+            "training.jit_compile",
+            False,
+            "XLA: ~10x slower than plain TensorFlow on the development CPU"
+            if not self.gpu
+            else "off: XLA's gain on 3D convolutions varies by GPU; try true and compare epoch times",
+        )
         plan.set("training.seed", self.seed, "split and weight initialisation")
 
     # ------------------------------------------------------------------ validation
@@ -463,8 +577,11 @@ class ExperimentPlanner:
     def determine_validation(self, plan: Plan) -> None:
         """How often, the window (the patch), windows per forward pass, overlap, blending, where the volume lives."""
         gpu, gpu_fit, patch = self.gpu, self.gpu_fit, self.patch
-        plan.set("validation.val_interval", max(1, round(self.epochs / self.validations)),
-                 f"about {self.validations} validations over the run")
+        plan.set(
+            "validation.val_interval",
+            max(1, round(self.epochs / self.validations)),
+            f"about {self.validations} validations over the run",
+        )
         plan.set("validation.roi_size", [int(p) for p in patch], "the training patch (nnU-Net)")
         window_mb = inference_window_mb(patch, self.strides, self.filters, self.num_classes, self.precision)
         if gpu and gpu_fit:
@@ -475,8 +592,10 @@ class ExperimentPlanner:
         elif gpu:
             budget = 0.25 * ((self.hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB)
             sw = max([s for s in (1, 2, 4, 8) if s * window_mb <= budget] or [1])
-            sw_reason = (f"estimated: {window_mb:.0f} MB per window within a quarter of the GPU, at most 8; "
-                         f"--gpu-customization measures it")
+            sw_reason = (
+                f"estimated: {window_mb:.0f} MB per window within a quarter of the GPU, at most 8; "
+                f"--gpu-customization measures it"
+            )
             placement = "auto"
             placement_reason = "the GPU, falling back to the CPU on out-of-memory"
         else:
@@ -486,8 +605,11 @@ class ExperimentPlanner:
             placement_reason = "no accelerator"
         plan.set("validation.num_sw_batch_size", sw, sw_reason)
         overlap = 0.5 if gpu else 0.25
-        plan.set("validation.overlap", overlap, "nnU-Net's half-window step" if gpu else
-                 "a quarter: fewer windows on a CPU (nnU-Net uses 0.5)")
+        plan.set(
+            "validation.overlap",
+            overlap,
+            "nnU-Net's half-window step" if gpu else "a quarter: fewer windows on a CPU (nnU-Net uses 0.5)",
+        )
         plan.set("validation.mode", "gaussian", "Gaussian-weighted window blending (nnU-Net)")
         plan.set("validation.validation_data_device", placement, placement_reason)
         plan.set("output.dir", str(self.output_dir), "the run folder")
@@ -498,8 +620,10 @@ class ExperimentPlanner:
         """The plan file's header (fingerprint, hardware, input parallelism) and the numbers behind the plan."""
         fp, hardware = self.fp, self.hardware
         fractions_text = ", ".join(f"{name} {100 * f:.3g}%" for name, f in zip(fp.labels, fp.class_fraction))
-        parallel = (f"{hardware.cpu_count} cores: the conversion uses {max(1, min(hardware.cpu_count, 8))} worker "
-                    f"processes, tf.data runs its map and interleave stages on all cores (AUTOTUNE)")
+        parallel = (
+            f"{hardware.cpu_count} cores: the conversion uses {max(1, min(hardware.cpu_count, 8))} worker "
+            f"processes, tf.data runs its map and interleave stages on all cores (AUTOTUNE)"
+        )
         if hardware.cpu_count <= 4:
             parallel += "; with so few cores the volumes are cached decoded so the step does not wait for input"
         plan.header = [
@@ -507,16 +631,26 @@ class ExperimentPlanner:
             f"{datetime.datetime.now().isoformat(timespec='minutes')}.",
             f"Fingerprint ({fp.source}): modalities {', '.join(fp.modalities)}; voxels per class {fractions_text}; "
             f"median spacing {fmt_mm(fp.median_spacing)} mm; median shape at the target spacing "
-            f"{fmt_shape(self.median_shape)}" + (f"; {len(fp.skipped)} unreadable case(s) skipped" if fp.skipped else ""),
+            f"{fmt_shape(self.median_shape)}"
+            + (f"; {len(fp.skipped)} unreadable case(s) skipped" if fp.skipped else ""),
             f"Hardware: {hardware.describe()}.",
             f"Input parallelism: {parallel}.",
             "Every planned value carries its reason; keys not written keep tfmis's defaults.",
         ]
         plan.header = [w for line in plan.header for w in (textwrap.wrap(line, 114, subsequent_indent="  ") or [""])]
-        plan.summary = {"name": fp.name, "num_cases": fp.num_cases, "modalities": list(fp.modalities),
-                        "hardware": hardware.describe(), "median_shape": [float(s) for s in self.median_shape],
-                        "normalisation": self.norm, "steps_per_epoch": self.steps_per_epoch, "num_train": self.n_train,
-                        "memory_mb": self.memory, "initial_patch": self.initial_patch, "divisor": list(self.divisor)}
+        plan.summary = {
+            "name": fp.name,
+            "num_cases": fp.num_cases,
+            "modalities": list(fp.modalities),
+            "hardware": hardware.describe(),
+            "median_shape": [float(s) for s in self.median_shape],
+            "normalisation": self.norm,
+            "steps_per_epoch": self.steps_per_epoch,
+            "num_train": self.n_train,
+            "memory_mb": self.memory,
+            "initial_patch": self.initial_patch,
+            "divisor": list(self.divisor),
+        }
 
 
 def make_plan(fingerprint: DatasetFingerprint, hardware: Hardware, **kwargs) -> Plan:

@@ -42,8 +42,15 @@ from pathlib import Path
 
 from tfmis.hardware import host_memory, visible_nvml_handles
 
-COLUMNS = ("timestamp", "elapsed_s", "device", "utilization_percent", "memory_used_mb", "memory_total_mb",
-           "memory_used_ratio")
+COLUMNS = (
+    "timestamp",
+    "elapsed_s",
+    "device",
+    "utilization_percent",
+    "memory_used_mb",
+    "memory_total_mb",
+    "memory_used_ratio",
+)
 MB = 1 << 20
 PREFIX = "tfmis.monitor:"
 
@@ -88,8 +95,14 @@ class ResourceMonitor:
     ```
     """
 
-    def __init__(self, csv_path: str | Path, interval_s: float = 1.0, pid: int | None = None,
-                 gpus: list[int] | None = None, backend: str = "auto"):
+    def __init__(
+        self,
+        csv_path: str | Path,
+        interval_s: float = 1.0,
+        pid: int | None = None,
+        gpus: list[int] | None = None,
+        backend: str = "auto",
+    ):
         if not (isinstance(interval_s, (int, float)) and math.isfinite(interval_s) and interval_s > 0):
             raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
         if backend not in ("auto", "nvml", "cpu"):
@@ -126,12 +139,18 @@ class ResourceMonitor:
         else:
             self.backend = "cpu"
             self._tree = _ProcessTree(self.pid)
-            self.devices["cpu"] = {"name": f"CPU ({self.cpu_count} cores), process {self.pid} and its children",
-                                   "memory_total_mb": host_memory()["total_mb"]}
+            self.devices["cpu"] = {
+                "name": f"CPU ({self.cpu_count} cores), process {self.pid} and its children",
+                "memory_total_mb": host_memory()["total_mb"],
+            }
             if reason is not None:
                 ignored = f"; --gpus/gpus {gpus} ignored" if gpus else ""
-                print(f"{PREFIX} no NVIDIA GPU to monitor ({reason}){ignored}; sampling the CPU utilisation and "
-                      f"RSS of process {self.pid} and its children instead", file=sys.stderr, flush=True)
+                print(
+                    f"{PREFIX} no NVIDIA GPU to monitor ({reason}){ignored}; sampling the CPU utilisation and "
+                    f"RSS of process {self.pid} and its children instead",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     # ----------------------------------------------------------------------------------- NVML
     def _open_nvml(self, gpus) -> None:
@@ -151,8 +170,10 @@ class ResourceMonitor:
                 chosen = [int(g) for g in gpus]
                 missing = [g for g in chosen if not 0 <= g < count]
                 if missing:
-                    raise ValueError(f"gpus {missing} not found: NVML sees {count} GPU(s), indices 0-{count - 1} "
-                                     "(nvidia-smi -L lists them)")
+                    raise ValueError(
+                        f"gpus {missing} not found: NVML sees {count} GPU(s), indices 0-{count - 1} "
+                        "(nvidia-smi -L lists them)"
+                    )
                 handles = [(g, pynvml.nvmlDeviceGetHandleByIndex(g)) for g in chosen]
             else:
                 handles = visible_nvml_handles(pynvml, count)
@@ -162,8 +183,10 @@ class ResourceMonitor:
                 name = pynvml.nvmlDeviceGetName(handle)
                 name = name.decode() if isinstance(name, bytes) else name
                 label = f"gpu{index}"
-                self.devices[label] = {"name": name,
-                                       "memory_total_mb": pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB}
+                self.devices[label] = {
+                    "name": name,
+                    "memory_total_mb": pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB,
+                }
                 self._handles.append((label, handle))
             self._pynvml = pynvml
         except BaseException:
@@ -199,7 +222,7 @@ class ResourceMonitor:
         return [("cpu", 100.0 * busy_s / (now - previous_t), rss / MB, total)]
 
     # ------------------------------------------------------------------------------ lifecycle
-    def start(self) -> "ResourceMonitor":
+    def start(self) -> ResourceMonitor:
         """Writes the CSV header and starts sampling; returns self."""
         if self._thread is not None:
             raise RuntimeError("ResourceMonitor.start() called twice; make a new monitor for a new CSV")
@@ -235,7 +258,7 @@ class ResourceMonitor:
             except self._pynvml.NVMLError:
                 pass
 
-    def __enter__(self) -> "ResourceMonitor":
+    def __enter__(self) -> ResourceMonitor:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -260,10 +283,27 @@ class ResourceMonitor:
         with self._lock:
             self._last_sample_t = now
             for device, utilization, used, total in rows:
-                self._writer.writerow((timestamp, f"{elapsed:.3f}", device, f"{utilization:.1f}", f"{used:.1f}",
-                                       f"{total:.1f}", f"{used / total:.4f}" if total else "nan"))
-                stats = self._stats.setdefault(device, {"samples": 0, "utilization_sum": 0.0, "utilization_n": 0,
-                                                        "max_utilization": -math.inf, "max_memory": 0.0})
+                self._writer.writerow(
+                    (
+                        timestamp,
+                        f"{elapsed:.3f}",
+                        device,
+                        f"{utilization:.1f}",
+                        f"{used:.1f}",
+                        f"{total:.1f}",
+                        f"{used / total:.4f}" if total else "nan",
+                    )
+                )
+                stats = self._stats.setdefault(
+                    device,
+                    {
+                        "samples": 0,
+                        "utilization_sum": 0.0,
+                        "utilization_n": 0,
+                        "max_utilization": -math.inf,
+                        "max_memory": 0.0,
+                    },
+                )
                 stats["samples"] += 1
                 if math.isfinite(utilization):
                     stats["utilization_sum"] += utilization
@@ -294,15 +334,22 @@ class ResourceMonitor:
                 s = self._stats.get(label, {"samples": 0, "utilization_n": 0, "max_memory": 0.0})
                 n = s["utilization_n"]
                 devices[label] = {
-                    "name": info["name"], "samples": s["samples"],
+                    "name": info["name"],
+                    "samples": s["samples"],
                     "mean_utilization_percent": round(s["utilization_sum"] / n, 2) if n else None,
                     "max_utilization_percent": round(s["max_utilization"], 2) if n else None,
                     "max_memory_used_mb": round(s["max_memory"], 1) if s["samples"] else None,
-                    "memory_total_mb": round(info["memory_total_mb"], 1)}
-            return {"backend": self.backend, "csv": str(self.csv_path), "interval_s": self.interval_s,
-                    "duration_s": round(end - self._t0, 3) if self._t0 is not None else 0.0,
-                    "cpu_count": self.cpu_count, "pid": self.pid if self.backend == "cpu" else None,
-                    "devices": devices}
+                    "memory_total_mb": round(info["memory_total_mb"], 1),
+                }
+            return {
+                "backend": self.backend,
+                "csv": str(self.csv_path),
+                "interval_s": self.interval_s,
+                "duration_s": round(end - self._t0, 3) if self._t0 is not None else 0.0,
+                "cpu_count": self.cpu_count,
+                "pid": self.pid if self.backend == "cpu" else None,
+                "devices": devices,
+            }
 
 
 class _ProcessTree:
@@ -332,7 +379,7 @@ class _ProcessTree:
                 text = f.read()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             return None
-        return text[text.rfind(b")") + 2:].split()
+        return text[text.rfind(b")") + 2 :].split()
 
     def read(self) -> tuple[int, int] | None:
         """(CPU ticks, RSS bytes) of the tree now; None if the root process is gone."""
@@ -370,8 +417,9 @@ def read_resources(csv_path: str | Path) -> dict[str, dict[str, list[float]]]:
     with open(csv_path, newline="") as f:
         reader = csv.DictReader(f)
         if tuple(reader.fieldnames or ()) != COLUMNS:
-            raise ValueError(f"{csv_path}: not a resource monitor CSV: header {reader.fieldnames}, "
-                             f"expected {list(COLUMNS)}")
+            raise ValueError(
+                f"{csv_path}: not a resource monitor CSV: header {reader.fieldnames}, expected {list(COLUMNS)}"
+            )
         series: dict[str, dict[str, list[float]]] = {}
         for row in reader:
             if any(row.get(c) in (None, "") for c in COLUMNS):  # a row cut short by a kill
@@ -408,16 +456,22 @@ def plot_resources(csv_path: str | Path, png_path: str | Path, title: str | None
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError(f"plot_resources needs matplotlib (pip install matplotlib); {csv_path} is complete "
-                          f"without the plot ({e})") from e
+        raise ImportError(
+            f"plot_resources needs matplotlib (pip install matplotlib); {csv_path} is complete without the plot ({e})"
+        ) from e
 
     from tfmis.utils.io import atomic_writer
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
     for device, columns in series.items():
         top.plot(columns["elapsed_s"], columns["utilization_percent"], "-", lw=1.2, label=device)
-        bottom.plot(columns["elapsed_s"], columns["memory_used_mb"], "-", lw=1.2,
-                    label=f"{device} (of {max(columns['memory_total_mb']):.0f} MB)")
+        bottom.plot(
+            columns["elapsed_s"],
+            columns["memory_used_mb"],
+            "-",
+            lw=1.2,
+            label=f"{device} (of {max(columns['memory_total_mb']):.0f} MB)",
+        )
     if "cpu" in series:
         top.set_ylabel("utilisation (%)\nCPU: % of one core")
         bottom.set_ylabel("memory used (MB)\nCPU: RSS of the process tree")
@@ -441,25 +495,33 @@ def plot_resources(csv_path: str | Path, png_path: str | Path, title: str | None
 
 def format_summary(summary: dict) -> str:
     """The summary as a short table, one line per device."""
-    mode = ("NVML" if summary["backend"] == "nvml"
-            else f"CPU mode, {summary['cpu_count']} cores, utilisation in % of one core, memory = RSS")
-    lines = [f"{summary['duration_s']:.1f} s sampled every {summary['interval_s']:g} s ({mode})",
-             f"{'device':<8} {'samples':>7} {'util mean %':>11} {'util max %':>10} {'mem max MB':>10} "
-             f"{'mem total MB':>12}  name"]
+    mode = (
+        "NVML"
+        if summary["backend"] == "nvml"
+        else f"CPU mode, {summary['cpu_count']} cores, utilisation in % of one core, memory = RSS"
+    )
+    lines = [
+        f"{summary['duration_s']:.1f} s sampled every {summary['interval_s']:g} s ({mode})",
+        f"{'device':<8} {'samples':>7} {'util mean %':>11} {'util max %':>10} {'mem max MB':>10} "
+        f"{'mem total MB':>12}  name",
+    ]
 
     def number(x, width):
         return f"{x:>{width}.1f}" if x is not None else f"{'-':>{width}}"
 
     for label, d in summary["devices"].items():
-        lines.append(f"{label:<8} {d['samples']:>7} {number(d['mean_utilization_percent'], 11)} "
-                     f"{number(d['max_utilization_percent'], 10)} {number(d['max_memory_used_mb'], 10)} "
-                     f"{number(d['memory_total_mb'], 12)}  {d['name']}")
+        lines.append(
+            f"{label:<8} {d['samples']:>7} {number(d['mean_utilization_percent'], 11)} "
+            f"{number(d['max_utilization_percent'], 10)} {number(d['max_memory_used_mb'], 10)} "
+            f"{number(d['memory_total_mb'], 12)}  {d['name']}"
+        )
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------- the CLI
-def monitor_command(command: list[str], output_dir: str | Path, interval_s: float = 1.0,
-                    gpus: list[int] | None = None) -> int:
+def monitor_command(
+    command: list[str], output_dir: str | Path, interval_s: float = 1.0, gpus: list[int] | None = None
+) -> int:
     """Runs `command` as a child while monitoring it (CPU mode: the child's process tree); writes
     `output_dir/monitor.csv`, `monitor.png` and `monitor.json` (the summary), prints the summary table on
     stderr, and returns the command's exit status (128 + N when signal N ended it). SIGINT and SIGTERM
@@ -514,8 +576,12 @@ def monitor_command(command: list[str], output_dir: str | Path, interval_s: floa
         plotted = str(png)
     except (ImportError, ValueError) as e:
         plotted = f"not written: {e}"
-    print(f"{PREFIX} '{shown}' exited with status {status}\n{format_summary(summary)}\n"
-          f"CSV: {monitor.csv_path}\nplot: {plotted}", file=sys.stderr, flush=True)
+    print(
+        f"{PREFIX} '{shown}' exited with status {status}\n{format_summary(summary)}\n"
+        f"CSV: {monitor.csv_path}\nplot: {plotted}",
+        file=sys.stderr,
+        flush=True,
+    )
     return status
 
 

@@ -30,8 +30,7 @@ import tensorflow as tf
 _SPATIAL_FOLD = 8  # the spatial draws come from fold_in(seed, 8): the 8 split seeds below keep their streams
 
 
-def augment_patch(image: tf.Tensor, label: tf.Tensor, config, seed: tf.Tensor, patch_size=None,
-                  spatial: bool = True):
+def augment_patch(image: tf.Tensor, label: tf.Tensor, config, seed: tf.Tensor, patch_size=None, spatial: bool = True):
     """Augments image (X, Y, Z, C) float32 and label (X, Y, Z) with the probabilities in `config`.
 
     Args:
@@ -55,8 +54,8 @@ def augment_patch(image: tf.Tensor, label: tf.Tensor, config, seed: tf.Tensor, p
     for i, axis in enumerate(config.flip_axes):
         if config.flip_prob > 0:
             flip = uniform([], seeds[i]) < config.flip_prob
-            image = tf.cond(flip, lambda a=axis: tf.reverse(image, [a]), lambda: image)
-            label = tf.cond(flip, lambda a=axis: tf.reverse(label, [a]), lambda: label)
+            image = tf.cond(flip, lambda a=axis, x=image: tf.reverse(x, [a]), lambda x=image: x)
+            label = tf.cond(flip, lambda a=axis, y=label: tf.reverse(y, [a]), lambda y=label: y)
     if config.rot90_prob > 0:
         image, label = _random_rot90(image, label, config.rot90_prob, seeds[3])
     if config.intensity_prob > 0 and (config.intensity_scale > 0 or config.intensity_shift > 0):
@@ -103,8 +102,11 @@ def normal(shape, seed) -> tf.Tensor:
 
 def _random_rot90(image, label, prob, seed):
     s_apply, s_k = tf.unstack(_split(seed, 2))
-    k = tf.where(uniform([], s_apply) < prob,
-                 tf.random.stateless_uniform([], seed=s_k, minval=1, maxval=4, dtype=tf.int32, alg="philox"), 0)
+    k = tf.where(
+        uniform([], s_apply) < prob,
+        tf.random.stateless_uniform([], seed=s_k, minval=1, maxval=4, dtype=tf.int32, alg="philox"),
+        0,
+    )
     shape = tf.shape(image)
     # rot90 turns the first two axes of an (H, W, channels) tensor: fold (Z, C) into channels
     flat_image = tf.reshape(image, [shape[0], shape[1], -1])
@@ -154,8 +156,9 @@ def _margin(rotate_range, scale_max, elastic_max, patch_size):
     # maximum is smooth or on the box's faces, which the grid includes): 61 steps of <= 1 degree for 30 degrees
     angles = np.meshgrid(*[np.linspace(-r, r, 61) if r > 0 else np.zeros(1) for r in rotate_range], indexing="ij")
     angles = [a.ravel() for a in angles]
-    matrix = np.stack([np.stack(row, -1) for row in _rotation_rows([np.cos(a) for a in angles],
-                                                                  [np.sin(a) for a in angles])], -2)
+    matrix = np.stack(
+        [np.stack(row, -1) for row in _rotation_rows([np.cos(a) for a in angles], [np.sin(a) for a in angles])], -2
+    )
     reach = (np.abs(matrix) @ half).max(axis=0) * scale_max + elastic_max
     return tuple(max(0, math.ceil(r - h - 1e-9)) for r, h in zip(reach, half))
 
@@ -163,9 +166,11 @@ def _margin(rotate_range, scale_max, elastic_max, patch_size):
 def _rotation_rows(cos, sin):
     """Rows of R = Rz(a2) Ry(a1) Rx(a0) (rotations about axes 2, 1, 0) from cos / sin of (a0, a1, a2)."""
     (c0, c1, c2), (s0, s1, s2) = cos, sin
-    return ([c2 * c1, c2 * s1 * s0 - s2 * c0, c2 * s1 * c0 + s2 * s0],
-            [s2 * c1, s2 * s1 * s0 + c2 * c0, s2 * s1 * c0 - c2 * s0],
-            [-s1, c1 * s0, c1 * c0])
+    return (
+        [c2 * c1, c2 * s1 * s0 - s2 * c0, c2 * s1 * c0 + s2 * s0],
+        [s2 * c1, s2 * s1 * s0 + c2 * c0, s2 * s1 * c0 - c2 * s0],
+        [-s1, c1 * s0, c1 * c0],
+    )
 
 
 def rotation_matrix(angles) -> tf.Tensor:
@@ -179,8 +184,9 @@ def rotation_matrix(angles) -> tf.Tensor:
     return tf.stack([tf.stack(row) for row in _rotation_rows(cos, sin)])
 
 
-def affine_resample(image: tf.Tensor, label: tf.Tensor | None, matrix, output_size, displacement=None,
-                    origin=None, input_size=None):
+def affine_resample(
+    image: tf.Tensor, label: tf.Tensor | None, matrix, output_size, displacement=None, origin=None, input_size=None
+):
     """Samples an `output_size` patch of image (X, Y, Z, C) and label (X, Y, Z) through `matrix` about the centres.
 
     Output voxel o reads the input at `matrix · (o - c_out) + c_in (+ displacement[o])`, with c = (size - 1) / 2:
@@ -211,8 +217,10 @@ def affine_resample(image: tf.Tensor, label: tf.Tensor | None, matrix, output_si
     shape = tf.shape(image)[:3]
     size = shape if origin is None else tf.constant([int(s) for s in input_size], tf.int32)
     centre_in = (tf.cast(size, tf.float32) - 1.0) / 2.0
-    grids = [tf.reshape(tf.range(n, dtype=tf.float32) - (n - 1) / 2.0, s)
-             for n, s in zip(out, ([-1, 1, 1], [1, -1, 1], [1, 1, -1]))]
+    grids = [
+        tf.reshape(tf.range(n, dtype=tf.float32) - (n - 1) / 2.0, s)
+        for n, s in zip(out, ([-1, 1, 1], [1, -1, 1], [1, 1, -1]))
+    ]
     coords = []
     for i in range(3):
         # elementwise, no matmul (the identity is exact), summed by one reduce_sum: a chain of adds is regrouped by
@@ -309,8 +317,10 @@ def elastic_displacement(seed: tf.Tensor, output_size, sigma_range, magnitude_ra
 def _static_size(image, patch_size):
     size = list(patch_size) if patch_size is not None else image.shape[:3].as_list()
     if len(size) != 3 or any(s is None for s in size):
-        raise ValueError(f"augment_patch: the spatial augmentations need a static patch size, got {size}: pass "
-                         "patch_size=[px, py, pz]")
+        raise ValueError(
+            f"augment_patch: the spatial augmentations need a static patch size, got {size}: pass "
+            "patch_size=[px, py, pz]"
+        )
     return [int(s) for s in size]
 
 
@@ -346,15 +356,16 @@ def random_spatial(image, label, config, seed, size, origin=None, input_size=Non
     def resample():
         field = None
         if config.elastic_prob > 0:
-            field = tf.cond(deform, lambda: elastic_displacement(s_field, size, config.elastic_sigma,
-                                                                 config.elastic_magnitude),
-                            lambda: tf.zeros([*size, 3]))
+            field = tf.cond(
+                deform,
+                lambda: elastic_displacement(s_field, size, config.elastic_sigma, config.elastic_magnitude),
+                lambda: tf.zeros([*size, 3]),
+            )
         return affine_resample(image, label, matrix, size, field, origin, input_size)
 
     def cut():
         if origin is None:
             return center_crop(image, label, size)
-        return window(image, label, tf.cast(origin, tf.int32) + [(i - s) // 2 for i, s in zip(input_size, size)],
-                      size)
+        return window(image, label, tf.cast(origin, tf.int32) + [(i - s) // 2 for i, s in zip(input_size, size)], size)
 
     return tf.cond(apply, resample, cut)

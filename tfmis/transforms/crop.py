@@ -69,8 +69,17 @@ def _random_foreground_voxel(fg: tf.Tensor, fg_class: tf.Tensor, class_probs, se
     return fg[tf.cast(members[pick], tf.int32)]
 
 
-def _padded_crop_starts(padded_label: tf.Tensor, fg: tf.Tensor, fg_class: tf.Tensor, patch_size, num_samples: int,
-                        pos: float, neg: float, seed: tf.Tensor, class_ratios=None) -> tf.Tensor:
+def _padded_crop_starts(
+    padded_label: tf.Tensor,
+    fg: tf.Tensor,
+    fg_class: tf.Tensor,
+    patch_size,
+    num_samples: int,
+    pos: float,
+    neg: float,
+    seed: tf.Tensor,
+    class_ratios=None,
+) -> tf.Tensor:
     """(num_samples, 3) int32 crop origins in a volume already padded to at least `patch_size` (`fg` in its
     coordinates): the one definition of how `rand_crop_by_pos_neg` and `crop_starts` draw their crops."""
     patch = tf.constant(patch_size, tf.int32)
@@ -86,26 +95,49 @@ def _padded_crop_starts(padded_label: tf.Tensor, fg: tf.Tensor, fg_class: tf.Ten
     for s in tf.unstack(tf.random.experimental.stateless_split(seed, num_samples)):
         s_choice, s_fg, s_bg = tf.unstack(tf.random.experimental.stateless_split(s, 3))
         want_fg = tf.logical_and(has_fg, tf.random.stateless_uniform([], seed=s_choice) < p_fg)
-        centre = tf.cond(want_fg, lambda: _random_foreground_voxel(fg, fg_class, class_probs, s_fg),
-                         lambda: _random_background_voxel(padded_label, s_bg))
+        centre = tf.cond(
+            want_fg,
+            lambda s=s_fg: _random_foreground_voxel(fg, fg_class, class_probs, s),
+            lambda s=s_bg: _random_background_voxel(padded_label, s),
+        )
         starts.append(tf.clip_by_value(centre - patch // 2, 0, shape - patch))
     return tf.stack(starts)
 
 
-def crop_starts(label: tf.Tensor, fg: tf.Tensor, fg_class: tf.Tensor, patch_size, num_samples: int, pos: float,
-                neg: float, seed: tf.Tensor, class_ratios=None) -> tf.Tensor:
+def crop_starts(
+    label: tf.Tensor,
+    fg: tf.Tensor,
+    fg_class: tf.Tensor,
+    patch_size,
+    num_samples: int,
+    pos: float,
+    neg: float,
+    seed: tf.Tensor,
+    class_ratios=None,
+) -> tf.Tensor:
     """(num_samples, 3) int32: where `rand_crop_by_pos_neg` with the same arguments cuts its crops, in voxels of
     the volume (negative where a volume smaller than the patch is padded): `window(image, label, start,
     patch_size)` is its crop. The same draw (`_padded_crop_starts`), so the spatial augmentations can read a
     crop's context around it without cutting anything."""
     _, padded_label, offset = pad_to_patch(tf.zeros(tf.concat([tf.shape(label), [0]], 0)), label, patch_size)
-    starts = _padded_crop_starts(padded_label, fg + offset[None, :], fg_class, patch_size, num_samples, pos, neg,
-                                 seed, class_ratios)
+    starts = _padded_crop_starts(
+        padded_label, fg + offset[None, :], fg_class, patch_size, num_samples, pos, neg, seed, class_ratios
+    )
     return starts - offset[None, :]
 
 
-def rand_crop_by_pos_neg(image: tf.Tensor, label: tf.Tensor, fg: tf.Tensor, fg_class: tf.Tensor, patch_size,
-                         num_samples: int, pos: float, neg: float, seed: tf.Tensor, class_ratios=None):
+def rand_crop_by_pos_neg(
+    image: tf.Tensor,
+    label: tf.Tensor,
+    fg: tf.Tensor,
+    fg_class: tf.Tensor,
+    patch_size,
+    num_samples: int,
+    pos: float,
+    neg: float,
+    seed: tf.Tensor,
+    class_ratios=None,
+):
     """`num_samples` crops of `patch_size` from one volume.
 
     Args:
@@ -123,8 +155,9 @@ def rand_crop_by_pos_neg(image: tf.Tensor, label: tf.Tensor, fg: tf.Tensor, fg_c
         images (num_samples, px, py, pz, C), labels (num_samples, px, py, pz).
     """
     image, label, offset = pad_to_patch(image, label, patch_size)
-    starts = _padded_crop_starts(label, fg + offset[None, :], fg_class, patch_size, num_samples, pos, neg, seed,
-                                 class_ratios)
+    starts = _padded_crop_starts(
+        label, fg + offset[None, :], fg_class, patch_size, num_samples, pos, neg, seed, class_ratios
+    )
     patch = tf.constant(patch_size, tf.int32)
     starts = tf.unstack(starts)
     images = [tf.slice(image, tf.concat([start, [0]], 0), tf.concat([patch, [-1]], 0)) for start in starts]

@@ -23,51 +23,109 @@ from pathlib import Path
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tfmis.tune", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    fit = sub.add_parser("fit", help="choose batch size, sliding-window batch size and placement from measured "
-                                     "memory and speed (Auto3DSeg's GPU customization)")
+    fit = sub.add_parser(
+        "fit",
+        help="choose batch size, sliding-window batch size and placement from measured "
+        "memory and speed (Auto3DSeg's GPU customization)",
+    )
     fit.add_argument("--config", required=True, help="training config, e.g. configs/demo.yaml")
-    fit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, as in tfmis.train")
+    fit.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, as in tfmis.train",
+    )
     add_search_arguments(fit, prefix="")
     fit.add_argument("--output", default=None, help="output folder (default: <output.dir>/gpu_fit)")
 
-    hpo = sub.add_parser("hpo", help="hyperparameter search with N trials at once, each a tfmis.train process "
-                                     "pinned to its devices (Keras Tuner's distributed mode on one machine)")
+    hpo = sub.add_parser(
+        "hpo",
+        help="hyperparameter search with N trials at once, each a tfmis.train process "
+        "pinned to its devices (Keras Tuner's distributed mode on one machine)",
+    )
     hpo.add_argument("--config", required=True, help="training config, e.g. configs/demo.yaml")
-    hpo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value of every trial, as in tfmis.train")
-    hpo.add_argument("--space", required=True, metavar="SPACE.yaml",
-                     help="dotted config keys to choices, e.g. 'optimizer.learning_rate: {values: [0.001, 0.0003]}' "
-                          "or ranges '{min: 0.0001, max: 0.01, sampling: log}' (see configs/hpo_space.yaml)")
-    hpo.add_argument("--workers", type=int, default=1,
-                     help="trials run at once, each on its share of the GPUs or CPU cores (default 1)")
-    hpo.add_argument("--num-trials", type=int, default=None,
-                     help="trials in all (default: the whole grid; 10 for random and bayesian)")
-    hpo.add_argument("--output", default=None, help="search folder (default: <output.dir>/hpo); rerunning the "
-                                                    "same command there resumes the search")
-    hpo.add_argument("--objective", default="best_mean_dice",
-                     help="best_mean_dice (maximised, default) or time_to_dice:<target> (training seconds until "
-                          "the validation mean Dice reached the target, minimised)")
-    hpo.add_argument("--strategy", choices=["grid", "random", "bayesian"], default=None,
-                     help="default: grid when every key has finitely many values, else bayesian")
-    hpo.add_argument("--resume", action="store_true",
-                     help="continue the search in --output (an error if there is none); trials that were running "
-                          "are rerun")
+    hpo.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value of every trial, as in tfmis.train",
+    )
+    hpo.add_argument(
+        "--space",
+        required=True,
+        metavar="SPACE.yaml",
+        help="dotted config keys to choices, e.g. 'optimizer.learning_rate: {values: [0.001, 0.0003]}' "
+        "or ranges '{min: 0.0001, max: 0.01, sampling: log}' (see configs/hpo_space.yaml)",
+    )
+    hpo.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="trials run at once, each on its share of the GPUs or CPU cores (default 1)",
+    )
+    hpo.add_argument(
+        "--num-trials",
+        type=int,
+        default=None,
+        help="trials in all (default: the whole grid; 10 for random and bayesian)",
+    )
+    hpo.add_argument(
+        "--output",
+        default=None,
+        help="search folder (default: <output.dir>/hpo); rerunning the same command there resumes the search",
+    )
+    hpo.add_argument(
+        "--objective",
+        default="best_mean_dice",
+        help="best_mean_dice (maximised, default) or time_to_dice:<target> (training seconds until "
+        "the validation mean Dice reached the target, minimised)",
+    )
+    hpo.add_argument(
+        "--strategy",
+        choices=["grid", "random", "bayesian"],
+        default=None,
+        help="default: grid when every key has finitely many values, else bayesian",
+    )
+    hpo.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the search in --output (an error if there is none); trials that were running are rerun",
+    )
     return p
 
 
 def add_search_arguments(parser: argparse.ArgumentParser, prefix: str) -> None:
     """The search's flags; `prefix` names them for tfmis.train (`--gpu-customization-specs`...)."""
-    parser.add_argument(f"--{prefix}specs", default=None, metavar="S.yaml",
-                        help="specs in Auto3DSeg's shape: {universal: {num_trials, range_num_images_per_batch, "
-                             "range_num_sw_batch_size, ...}} (YAML or JSON)")
+    parser.add_argument(
+        f"--{prefix}specs",
+        default=None,
+        metavar="S.yaml",
+        help="specs in Auto3DSeg's shape: {universal: {num_trials, range_num_images_per_batch, "
+        "range_num_sw_batch_size, ...}} (YAML or JSON)",
+    )
     parser.add_argument(f"--{prefix}num-trials", type=int, default=None, help="trials to measure (specs: 20)")
-    parser.add_argument(f"--{prefix}memory-budget-mb", type=float, default=None,
-                        help="memory budget (default: the GPU's total memory less 1 GB for the CUDA context; without a GPU, the available RAM)")
-    parser.add_argument(f"--{prefix}strategy", choices=["bayesian", "grid"], default="bayesian",
-                        help="Bayesian optimisation (default) or an exhaustive grid over the ranges")
-    parser.add_argument(f"--{prefix}cache-dir", default=None,
-                        help="cache folder (default: $TFMIS_CACHE_DIR/gpu_fit or ~/.cache/tfmis/gpu_fit)")
+    parser.add_argument(
+        f"--{prefix}memory-budget-mb",
+        type=float,
+        default=None,
+        help="memory budget (default: the GPU's total memory less 1 GB for the CUDA context; without a GPU, the "
+        "available RAM)",
+    )
+    parser.add_argument(
+        f"--{prefix}strategy",
+        choices=["bayesian", "grid"],
+        default="bayesian",
+        help="Bayesian optimisation (default) or an exhaustive grid over the ranges",
+    )
+    parser.add_argument(
+        f"--{prefix}cache-dir",
+        default=None,
+        help="cache folder (default: $TFMIS_CACHE_DIR/gpu_fit or ~/.cache/tfmis/gpu_fit)",
+    )
     parser.add_argument(f"--{prefix}no-cache", action="store_true", help="measure again even if a cached search fits")
 
 
@@ -77,9 +135,16 @@ def run_search(config, args, prefix: str, output_dir: Path):
 
     attr = prefix.replace("-", "_")
     specs = load_specs(getattr(args, f"{attr}specs"), num_trials=getattr(args, f"{attr}num_trials"))
-    return fit_config(config, specs, output_dir, memory_budget_mb=getattr(args, f"{attr}memory_budget_mb"),
-                      strategy=getattr(args, f"{attr}strategy"), cache_dir=getattr(args, f"{attr}cache_dir"),
-                      use_cache=not getattr(args, f"{attr}no_cache"), progress=config.output.progress)
+    return fit_config(
+        config,
+        specs,
+        output_dir,
+        memory_budget_mb=getattr(args, f"{attr}memory_budget_mb"),
+        strategy=getattr(args, f"{attr}strategy"),
+        cache_dir=getattr(args, f"{attr}cache_dir"),
+        use_cache=not getattr(args, f"{attr}no_cache"),
+        progress=config.output.progress,
+    )
 
 
 def fit_command(args) -> int:
@@ -105,8 +170,10 @@ def fit_command(args) -> int:
     except (NoConfigurationFits, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"Results in {output}: {CONFIG_FILE} (train with it: python -m tfmis.train --config {output / CONFIG_FILE}), "
-          f"{REPORT_FILE}, {PLOT_FILE}")
+    print(
+        f"Results in {output}: {CONFIG_FILE} (train with it: python -m tfmis.train --config {output / CONFIG_FILE}), "
+        f"{REPORT_FILE}, {PLOT_FILE}"
+    )
     return 0
 
 
@@ -114,16 +181,34 @@ def hpo_command(args) -> int:
     """`python -m tfmis.tune hpo` from parsed arguments. Exit status: 0 done, 1 no trial finished or a process
     died, 2 bad arguments, config or space."""
     from tfmis.config import ConfigError, load_config
-    from tfmis.tune.hpo import BEST_FILE, PLOT_FILE, REPORT_FILE, TRIALS_DIR, HpoSearch, Objective, SearchFailed, load_space
+    from tfmis.tune.hpo import (
+        BEST_FILE,
+        PLOT_FILE,
+        REPORT_FILE,
+        TRIALS_DIR,
+        HpoSearch,
+        Objective,
+        SearchFailed,
+        load_space,
+    )
 
     try:
         config = load_config(args.config, args.overrides)
         space = load_space(args.space, config)
         objective = Objective.parse(args.objective)
         output = Path(args.output or Path(config.output.dir) / "hpo")
-        search = HpoSearch(config, space, output, workers=args.workers, num_trials=args.num_trials,
-                           objective=objective, strategy=args.strategy, resume=args.resume,
-                           progress=config.output.progress, space_file=str(args.space))
+        search = HpoSearch(
+            config,
+            space,
+            output,
+            workers=args.workers,
+            num_trials=args.num_trials,
+            objective=objective,
+            strategy=args.strategy,
+            resume=args.resume,
+            progress=config.output.progress,
+            space_file=str(args.space),
+        )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -142,10 +227,16 @@ def hpo_command(args) -> int:
     except KeyboardInterrupt:
         print(f"\ninterrupted: rerun the same command to resume the search in {output}", file=sys.stderr)
         return 130
-    print(f"Results in {output}: {REPORT_FILE}, {PLOT_FILE}" + (f", {BEST_FILE} (train with it: python -m "
-          f"tfmis.train --config {output / BEST_FILE})" if report["best"] else "") + f", {TRIALS_DIR}/<trial id>/")
+    print(
+        f"Results in {output}: {REPORT_FILE}, {PLOT_FILE}"
+        + (
+            f", {BEST_FILE} (train with it: python -m tfmis.train --config {output / BEST_FILE})"
+            if report["best"]
+            else ""
+        )
+        + f", {TRIALS_DIR}/<trial id>/"
+    )
     return 0 if report["best"] else 1
-
 
 
 def main(argv=None) -> int:

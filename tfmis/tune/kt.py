@@ -40,8 +40,8 @@ import functools
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tfmis.utils.io import atomic_write_json
 
@@ -70,8 +70,11 @@ def _classes() -> dict:
             if self.stop_when is not None and self.stop_when():
                 return stopped
             response = super().populate_space(trial_id)
-            if (self.replace_repeats and response["status"] == TrialStatus.RUNNING
-                    and self._duplicate(response["values"])):
+            if (
+                self.replace_repeats
+                and response["status"] == TrialStatus.RUNNING
+                and self._duplicate(response["values"])
+            ):
                 values = self._random_values()
                 response = stopped if values is None else {"status": TrialStatus.RUNNING, "values": values}
             return response
@@ -139,13 +142,29 @@ def _classes() -> dict:
         def save_model(self, trial_id, model, step=0):
             pass  # a trial measures a configuration or trains in its own run folder: no model here
 
-    return {"keras_tuner": keras_tuner, "list_grid": ListGridOracle, "grid": GridOracle, "random": RandomOracle,
-            "bayesian": BayesianOracle, "tuner": Tuner}
+    return {
+        "keras_tuner": keras_tuner,
+        "list_grid": ListGridOracle,
+        "grid": GridOracle,
+        "random": RandomOracle,
+        "bayesian": BayesianOracle,
+        "tuner": Tuner,
+    }
 
 
-def make_oracle(strategy: str, *, objective: str, direction: str, hyperparameters, seed: int,
-                max_trials: int | None = None, num_initial_points: int | None = None, grid: list[dict] | None = None,
-                stop_when: Callable[[], bool] | None = None, replace_repeats: bool = True):
+def make_oracle(
+    strategy: str,
+    *,
+    objective: str,
+    direction: str,
+    hyperparameters,
+    seed: int,
+    max_trials: int | None = None,
+    num_initial_points: int | None = None,
+    grid: list[dict] | None = None,
+    stop_when: Callable[[], bool] | None = None,
+    replace_repeats: bool = True,
+):
     """An oracle over `hyperparameters` (a `keras_tuner.HyperParameters` declared up front, no new entries).
 
     Args:
@@ -159,9 +178,14 @@ def make_oracle(strategy: str, *, objective: str, direction: str, hyperparameter
         replace_repeats: replace a proposal of a tried or running point by a random unseen one.
     """
     classes = _classes()
-    kwargs = {"objective": classes["keras_tuner"].Objective(objective, direction), "hyperparameters": hyperparameters,
-              "allow_new_entries": False, "tune_new_entries": False, "seed": seed,
-              "max_consecutive_failed_trials": NEVER_STOP_ON_FAILURES}
+    kwargs = {
+        "objective": classes["keras_tuner"].Objective(objective, direction),
+        "hyperparameters": hyperparameters,
+        "allow_new_entries": False,
+        "tune_new_entries": False,
+        "seed": seed,
+        "max_consecutive_failed_trials": NEVER_STOP_ON_FAILURES,
+    }
     if max_trials is not None:
         kwargs["max_trials"] = max_trials
     if strategy == "grid":
@@ -230,8 +254,12 @@ def saved_trials(project_dir: str | Path) -> dict[str, dict]:
             state = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        trials[str(state["trial_id"])] = {"status": state["status"], "values": state["hyperparameters"]["values"],
-                                          "score": state.get("score"), "message": state.get("message")}
+        trials[str(state["trial_id"])] = {
+            "status": state["status"],
+            "values": state["hyperparameters"]["values"],
+            "score": state.get("score"),
+            "message": state.get("message"),
+        }
     return trials
 
 
@@ -242,5 +270,7 @@ def saved_oracle_state(project_dir: str | Path) -> dict | None:
     if not path.is_file():
         return None
     state = json.loads(path.read_text())
-    return {"ongoing": [str(t) for t in (state.get("ongoing_trials") or {}).values()],
-            "retry": [str(t) for t in state.get("retry_queue") or []]}
+    return {
+        "ongoing": [str(t) for t in (state.get("ongoing_trials") or {}).values()],
+        "retry": [str(t) for t in state.get("retry_queue") or []],
+    }

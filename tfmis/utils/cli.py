@@ -6,8 +6,9 @@ import argparse
 import sys
 
 
-def parse_with_command(parser: argparse.ArgumentParser, argv: list[str] | None,
-                       usage: str) -> tuple[argparse.Namespace, list[str]] | None:
+def parse_with_command(
+    parser: argparse.ArgumentParser, argv: list[str] | None, usage: str
+) -> tuple[argparse.Namespace, list[str]] | None:
     """(parsed options, command) of `OPTIONS -- COMMAND ...` (`argv` default: sys.argv[1:]).
 
     None, after printing `usage` to stderr, when there is no `--`; argparse's error (exit status 2) when the
@@ -18,7 +19,7 @@ def parse_with_command(parser: argparse.ArgumentParser, argv: list[str] | None,
         print(usage, file=sys.stderr)
         return None
     split = argv.index("--")
-    args, command = parser.parse_args(argv[:split]), argv[split + 1:]
+    args, command = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not command:
         parser.error("no command after --")
     return args, command

@@ -50,5 +50,8 @@ def log_tail(path: str | Path, max_bytes: int = 16384) -> list[str]:
     except OSError:
         return []
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return [line for line in lines
-            if not re.match(r"I\d{4} |WARNING: All log messages before absl|Extension modules: ", line)]
+    return [
+        line
+        for line in lines
+        if not re.match(r"I\d{4} |WARNING: All log messages before absl|Extension modules: ", line)
+    ]

@@ -14,10 +14,15 @@ import sys
 # cannot create their handles or workspaces when the GPU is full, a host-to-device copy into an
 # allocation that failed ("Dst tensor is not initialized"), XLA's and the CUDA driver's own words.
 OOM_SIGNATURES = (
-    "OOM when allocating", "failed to allocate", "Dst tensor is not initialized",
-    "CUDNN_STATUS_NOT_INITIALIZED", "CUDNN_STATUS_ALLOC_FAILED",
-    "CUBLAS_STATUS_NOT_INITIALIZED", "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDA_ERROR_OUT_OF_MEMORY", "Out of memory while trying to allocate",
+    "OOM when allocating",
+    "failed to allocate",
+    "Dst tensor is not initialized",
+    "CUDNN_STATUS_NOT_INITIALIZED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUBLAS_STATUS_NOT_INITIALIZED",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDA_ERROR_OUT_OF_MEMORY",
+    "Out of memory while trying to allocate",
 )
 
 
@@ -84,13 +89,16 @@ def error_line(message: str, limit: int = 400) -> str:
             continue
         code_indent = None
         if line in ("Graph execution error:", "in user code:") or line.startswith(
-                ("Detected at node", "Hint:", "[[{{node", "[Op:", "Traceback (most recent call last)")):
+            ("Detected at node", "Hint:", "[[{{node", "[Op:", "Traceback (most recent call last)")
+        ):
             continue
         line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", line)
         line = re.sub(r"\s*\[Op:[^\]]*\](\s*name:.*)?$", "", line)
         if line:
             kept.append(line)
-    chosen = (next((line for line in kept if has_oom_signature(line)), None)
-              or next((line for line in kept if re.match(r"^[\w.]*(Error|Exception)\b[^:]*:", line)), None)
-              or (kept[0] if kept else message.strip() or "(no message)"))
-    return chosen if len(chosen) <= limit else chosen[:limit - 3] + "..."
+    chosen = (
+        next((line for line in kept if has_oom_signature(line)), None)
+        or next((line for line in kept if re.match(r"^[\w.]*(Error|Exception)\b[^:]*:", line)), None)
+        or (kept[0] if kept else message.strip() or "(no message)")
+    )
+    return chosen if len(chosen) <= limit else chosen[: limit - 3] + "..."

@@ -24,8 +24,16 @@ class LineProgress:
         initial: units already done (a resumed run).
     """
 
-    def __init__(self, total: int, desc: str, unit: str, disable: bool = False, file=None,
-                 interval_seconds: float = 30.0, initial: int = 0):
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        unit: str,
+        disable: bool = False,
+        file=None,
+        interval_seconds: float = 30.0,
+        initial: int = 0,
+    ):
         self.total, self.desc, self.unit, self.disable = total, desc, unit, disable
         self.file = file or sys.stderr
         self.interval = float(interval_seconds)
@@ -56,12 +64,16 @@ class LineProgress:
         share = f" ({self.n / self.total:.0%})" if self.total else ""
         extra = f"  {self.postfix}" if self.postfix else ""
         plural = self.unit + ("es" if self.unit.endswith(("s", "sh", "ch", "x")) else "s")
-        print(f"{self.desc}: {self.n}/{self.total} {plural}{share}  {now - self.start:.0f}s{extra}",
-              file=self.file, flush=True)
+        print(
+            f"{self.desc}: {self.n}/{self.total} {plural}{share}  {now - self.start:.0f}s{extra}",
+            file=self.file,
+            flush=True,
+        )
 
 
-def progress_bar(total: int, desc: str, unit: str, disable: bool = False, file=None,
-                 interval_seconds: float = 30.0, initial: int = 0):
+def progress_bar(
+    total: int, desc: str, unit: str, disable: bool = False, file=None, interval_seconds: float = 30.0, initial: int = 0
+):
     """A tqdm bar when `file` (default standard error) is a terminal, else a `LineProgress`.
 
     Example:
@@ -76,5 +88,6 @@ def progress_bar(total: int, desc: str, unit: str, disable: bool = False, file=N
         from tqdm import tqdm
 
         return tqdm(total=total, desc=desc, unit=unit, disable=disable, file=file, initial=initial)
-    return LineProgress(total, desc, unit, disable=disable, file=file, interval_seconds=interval_seconds,
-                        initial=initial)
+    return LineProgress(
+        total, desc, unit, disable=disable, file=file, interval_seconds=interval_seconds, initial=initial
+    )

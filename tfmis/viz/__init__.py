@@ -14,8 +14,13 @@ fig.savefig("case.png")
 From a shell: `python tools/visualize.py --dataset-dir OUT --sample 0` (see `--help`).
 """
 
-from tfmis.viz.slices import (PLANES, class_color, intensity_window, plot_orthogonal_planes, render_rgb,
-                              write_slice_sweep_gif)
+from tfmis.viz.slices import (
+    PLANES,
+    class_color,
+    intensity_window,
+    plot_orthogonal_planes,
+    render_rgb,
+    write_slice_sweep_gif,
+)
 
-__all__ = ["PLANES", "class_color", "intensity_window", "plot_orthogonal_planes", "render_rgb",
-           "write_slice_sweep_gif"]
+__all__ = ["PLANES", "class_color", "intensity_window", "plot_orthogonal_planes", "render_rgb", "write_slice_sweep_gif"]

@@ -47,8 +47,20 @@ from tfmis.utils.io import atomic_writer
 OVERLAY_ALPHA = 0.4
 # Saturated colours that are easy to tell apart (after Sasha Trubetskoy's list); none is grey, so
 # no class can vanish into the image. Class k > 0 gets CLASS_COLORS[(k - 1) % len(CLASS_COLORS)].
-CLASS_COLORS = ("#e6194b", "#3cb44b", "#ffe119", "#4363d8", "#f58231", "#42d4f4", "#f032e6", "#911eb4",
-                "#bfef45", "#fabed4", "#469990", "#9a6324")
+CLASS_COLORS = (
+    "#e6194b",
+    "#3cb44b",
+    "#ffe119",
+    "#4363d8",
+    "#f58231",
+    "#42d4f4",
+    "#f032e6",
+    "#911eb4",
+    "#bfef45",
+    "#fabed4",
+    "#469990",
+    "#9a6324",
+)
 PNG_PANEL_INCHES = 2.8  # height of one row of the orthogonal-planes figure
 PNG_DPI = 100
 GIF_PANEL_INCHES = 2.6
@@ -74,9 +86,11 @@ class Plane:
     edge_letters: tuple[str, str, str, str]
 
 
-PLANES = (Plane("sagittal", 0, 1, 2, ("P", "A", "I", "S")),
-          Plane("coronal", 1, 0, 2, ("L", "R", "I", "S")),
-          Plane("axial", 2, 0, 1, ("L", "R", "P", "A")))
+PLANES = (
+    Plane("sagittal", 0, 1, 2, ("P", "A", "I", "S")),
+    Plane("coronal", 1, 0, 2, ("L", "R", "I", "S")),
+    Plane("axial", 2, 0, 1, ("L", "R", "P", "A")),
+)
 
 
 def class_color(value: int) -> tuple[float, float, float]:
@@ -136,8 +150,12 @@ def plane_slice(volume: np.ndarray, plane: Plane, index: int) -> np.ndarray:
 
 def plane_extent(shape, spacing, plane: Plane) -> tuple[float, float, float, float]:
     """(left, right, bottom, top) of a panel in millimetres, which gives it its physical aspect ratio."""
-    return (0.0, shape[plane.horizontal] * spacing[plane.horizontal],
-            0.0, shape[plane.vertical] * spacing[plane.vertical])
+    return (
+        0.0,
+        shape[plane.horizontal] * spacing[plane.horizontal],
+        0.0,
+        shape[plane.vertical] * spacing[plane.vertical],
+    )
 
 
 def outline(label2d: np.ndarray) -> np.ndarray:
@@ -149,8 +167,12 @@ def outline(label2d: np.ndarray) -> np.ndarray:
     """
     padded = np.pad(label2d, 1)
     centre = padded[1:-1, 1:-1]
-    differs = ((centre != padded[:-2, 1:-1]) | (centre != padded[2:, 1:-1])
-               | (centre != padded[1:-1, :-2]) | (centre != padded[1:-1, 2:]))
+    differs = (
+        (centre != padded[:-2, 1:-1])
+        | (centre != padded[2:, 1:-1])
+        | (centre != padded[1:-1, :-2])
+        | (centre != padded[1:-1, 2:])
+    )
     return differs & (centre != 0)
 
 
@@ -166,8 +188,16 @@ def render_rgb(fig: Figure) -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
-def plot_orthogonal_planes(image, label=None, spacing=(1.0, 1.0, 1.0), channel_names=None, class_names=None,
-                           title=None, center=None, prediction=None) -> Figure:
+def plot_orthogonal_planes(
+    image,
+    label=None,
+    spacing=(1.0, 1.0, 1.0),
+    channel_names=None,
+    class_names=None,
+    title=None,
+    center=None,
+    prediction=None,
+) -> Figure:
     """Sagittal, coronal and axial planes through `center`, one row per channel, label overlaid.
 
     Args:
@@ -216,8 +246,19 @@ def plot_orthogonal_planes(image, label=None, spacing=(1.0, 1.0, 1.0), channel_n
     return fig
 
 
-def write_slice_sweep_gif(path, image, label=None, spacing=(1.0, 1.0, 1.0), channel_names=None, class_names=None,
-                          title=None, axis: int = 2, fps: float = 8, max_frames: int = 96, prediction=None) -> int:
+def write_slice_sweep_gif(
+    path,
+    image,
+    label=None,
+    spacing=(1.0, 1.0, 1.0),
+    channel_names=None,
+    class_names=None,
+    title=None,
+    axis: int = 2,
+    fps: float = 8,
+    max_frames: int = 96,
+    prediction=None,
+) -> int:
     """Writes an animated GIF that steps through the slices along `axis`, all channels side by side.
 
     Args:
@@ -253,8 +294,11 @@ def write_slice_sweep_gif(path, image, label=None, spacing=(1.0, 1.0, 1.0), chan
     for c in range(num_channels):
         ax = fig.add_subplot(grid[0, c])
         ax.set_title(_channel_name(c, channel_names), fontsize=10)
-        panels.append(_Panel.create(ax, plane, shape, spacing, intensity_window(volume[..., c]),
-                                    label is not None, prediction is not None))
+        panels.append(
+            _Panel.create(
+                ax, plane, shape, spacing, intensity_window(volume[..., c]), label is not None, prediction is not None
+            )
+        )
     caption = fig.suptitle("", fontsize=10)
     _add_legend(fig, label, prediction, class_names)
 
@@ -267,8 +311,9 @@ def write_slice_sweep_gif(path, image, label=None, spacing=(1.0, 1.0, 1.0), chan
         if frame == 0:
             fig.set_layout_engine("none")  # freeze the layout: every frame gets the same geometry
     with atomic_writer(path, "wb") as f:
-        frames[0].save(f, format="GIF", save_all=True, append_images=frames[1:],
-                       duration=max(int(round(1000 / fps)), 20), loop=0)
+        frames[0].save(
+            f, format="GIF", save_all=True, append_images=frames[1:], duration=max(int(round(1000 / fps)), 20), loop=0
+        )
     return len(frames)
 
 
@@ -292,7 +337,7 @@ class _ClassColors:
     line: np.ndarray
 
     @classmethod
-    def for_maps(cls, *maps) -> "_ClassColors":
+    def for_maps(cls, *maps) -> _ClassColors:
         largest = max([int(m.max()) for m in maps if m is not None and m.size] + [0])
         fill = np.zeros((largest + 1, 4), np.float32)
         for value in range(1, largest + 1):
@@ -312,7 +357,7 @@ class _Panel:
     line: object
 
     @classmethod
-    def create(cls, ax, plane: Plane, shape, spacing, window, with_label: bool, with_prediction: bool) -> "_Panel":
+    def create(cls, ax, plane: Plane, shape, spacing, window, with_label: bool, with_prediction: bool) -> _Panel:
         extent = plane_extent(shape, spacing, plane)
         rows_cols = (shape[plane.vertical], shape[plane.horizontal])
         common = dict(origin="lower", extent=extent, interpolation="nearest")
@@ -384,8 +429,7 @@ def _channel_name(channel: int, channel_names) -> str:
 
 
 def _title_text(title, shape, spacing) -> str:
-    grid = (f"{' × '.join(str(s) for s in shape)} voxels, spacing "
-            f"{' × '.join(f'{s:g}' for s in spacing)} mm (RAS)")
+    grid = f"{' × '.join(str(s) for s in shape)} voxels, spacing {' × '.join(f'{s:g}' for s in spacing)} mm (RAS)"
     return f"{title}\n{grid}" if title else grid
 
 
@@ -398,18 +442,24 @@ def _present_classes(*maps) -> list[int]:
 
 
 def _add_legend(fig: Figure, label, prediction, class_names) -> None:
-    handles = [Patch(facecolor=class_color(v), edgecolor="black", label=class_name(v, class_names))
-               for v in _present_classes(label, prediction)]
+    handles = [
+        Patch(facecolor=class_color(v), edgecolor="black", label=class_name(v, class_names))
+        for v in _present_classes(label, prediction)
+    ]
     if prediction is not None:
         handles.append(Line2D([], [], color="black", linewidth=1.5, label="prediction: outlines"))
     if handles:
-        fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), frameon=False,
-                   fontsize=10)
+        fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), frameon=False, fontsize=10)
 
 
 def _add_edge_letters(ax, plane: Plane) -> None:
-    style = dict(transform=ax.transAxes, color="white", fontsize=9, fontweight="bold",
-                 path_effects=[patheffects.withStroke(linewidth=2, foreground="black")])
+    style = dict(
+        transform=ax.transAxes,
+        color="white",
+        fontsize=9,
+        fontweight="bold",
+        path_effects=[patheffects.withStroke(linewidth=2, foreground="black")],
+    )
     left, right, bottom, top = plane.edge_letters
     ax.text(0.02, 0.5, left, ha="left", va="center", **style)
     ax.text(0.98, 0.5, right, ha="right", va="center", **style)
@@ -417,5 +467,17 @@ def _add_edge_letters(ax, plane: Plane) -> None:
     ax.text(0.5, 0.98, top, ha="center", va="top", **style)
 
 
-__all__ = ["PLANES", "Plane", "class_color", "class_name", "intensity_window", "outline", "plane_extent",
-           "plane_slice", "plot_orthogonal_planes", "render_rgb", "sweep_indices", "write_slice_sweep_gif"]
+__all__ = [
+    "PLANES",
+    "Plane",
+    "class_color",
+    "class_name",
+    "intensity_window",
+    "outline",
+    "plane_extent",
+    "plane_slice",
+    "plot_orthogonal_planes",
+    "render_rgb",
+    "sweep_indices",
+    "write_slice_sweep_gif",
+]

@@ -6,8 +6,12 @@ from pathlib import Path
 
 from tfmis.utils.table import text_table
 
-VALUE_LABELS = (("num_images_per_batch", "batch"), ("num_sw_batch_size", "sw batch"),
-                ("validation_data_device", "placement"), ("recompute", "recompute"))
+VALUE_LABELS = (
+    ("num_images_per_batch", "batch"),
+    ("num_sw_batch_size", "sw batch"),
+    ("validation_data_device", "placement"),
+    ("recompute", "recompute"),
+)
 
 
 def _mb(value) -> str:
@@ -28,11 +32,18 @@ def measurement_status(record: dict, budget_mb: float) -> str:
 def trial_line(record: dict, budget_mb: float) -> str:
     """One trial as a line, printed as the search goes."""
     v = record["values"]
-    parts = [f"trial {record['trial']:>3}", f"batch {v['num_images_per_batch']:>2}", f"sw {v['num_sw_batch_size']:>2}",
-             f"{v['validation_data_device']:<11}", f"recompute {'on ' if v['recompute'] else 'off'}"]
+    parts = [
+        f"trial {record['trial']:>3}",
+        f"batch {v['num_images_per_batch']:>2}",
+        f"sw {v['num_sw_batch_size']:>2}",
+        f"{v['validation_data_device']:<11}",
+        f"recompute {'on ' if v['recompute'] else 'off'}",
+    ]
     if record["status"] == "ok":
-        parts.append(f"{record['images_per_second']:.1f} img/s, sw {record['sw_seconds']:.2f} s, "
-                     f"peak {record['peak_mb']:.0f} MB, epoch {record['epoch_seconds']:.1f} s")
+        parts.append(
+            f"{record['images_per_second']:.1f} img/s, sw {record['sw_seconds']:.2f} s, "
+            f"peak {record['peak_mb']:.0f} MB, epoch {record['epoch_seconds']:.1f} s"
+        )
     parts.append(measurement_status(record, budget_mb))
     return "  ".join(parts)
 
@@ -40,32 +51,57 @@ def trial_line(record: dict, budget_mb: float) -> str:
 def trials_table(report: dict) -> str:
     """The readable table: every trial with its values, measurements, prediction and status."""
     budget = report["budget_mb"]
-    header = ("trial", "batch", "sw batch", "placement", "recompute", "img/s", "step s", "sw s", "peak MB",
-              "predicted MB", "epoch s", "status")
+    header = (
+        "trial",
+        "batch",
+        "sw batch",
+        "placement",
+        "recompute",
+        "img/s",
+        "step s",
+        "sw s",
+        "peak MB",
+        "predicted MB",
+        "epoch s",
+        "status",
+    )
     rows = [header]
     for r in report["trials"]:
         v = r["values"]
         ok = r["status"] == "ok"
-        rows.append((str(r["trial"]), str(v["num_images_per_batch"]), str(v["num_sw_batch_size"]),
-                     v["validation_data_device"], "on" if v["recompute"] else "off",
-                     f"{r['images_per_second']:.2f}" if r.get("images_per_second") else "-",
-                     f"{r['step_seconds']:.3f}" if r.get("step_seconds") else "-",
-                     f"{r['sw_seconds']:.2f}" if ok else "-", _mb(r.get("peak_mb")),
-                     _mb(r.get("predicted_peak_mb")), f"{r['epoch_seconds']:.1f}" if ok else "-",
-                     measurement_status(r, budget)))
+        rows.append(
+            (
+                str(r["trial"]),
+                str(v["num_images_per_batch"]),
+                str(v["num_sw_batch_size"]),
+                v["validation_data_device"],
+                "on" if v["recompute"] else "off",
+                f"{r['images_per_second']:.2f}" if r.get("images_per_second") else "-",
+                f"{r['step_seconds']:.3f}" if r.get("step_seconds") else "-",
+                f"{r['sw_seconds']:.2f}" if ok else "-",
+                _mb(r.get("peak_mb")),
+                _mb(r.get("predicted_peak_mb")),
+                f"{r['epoch_seconds']:.1f}" if ok else "-",
+                measurement_status(r, budget),
+            )
+        )
     lines = text_table(rows)
     c = report["counts"]
-    lines.append(f"{c['run']} trials run ({c['ok']} ok, {c['failed']} failed), {c['pruned']} pruned by the memory "
-                 f"model; budget {budget:.0f} MB on {report['device']['name']} ({report['device']['kind']})"
-                 + ("; read from the cache" if report["cache"]["hit"] else ""))
+    lines.append(
+        f"{c['run']} trials run ({c['ok']} ok, {c['failed']} failed), {c['pruned']} pruned by the memory "
+        f"model; budget {budget:.0f} MB on {report['device']['name']} ({report['device']['kind']})"
+        + ("; read from the cache" if report["cache"]["hit"] else "")
+    )
     chosen = report["chosen"]
     if chosen:
         v = chosen["values"]
-        lines.append(f"chosen: trial {chosen['trial']}: batch {v['num_images_per_batch']}, sw batch "
-                     f"{v['num_sw_batch_size']}, placement {v['validation_data_device']}, recompute "
-                     f"{'on' if v['recompute'] else 'off'}: {chosen['images_per_second']:.2f} img/s, "
-                     f"{chosen['sw_seconds']:.2f} s per sliding window, peak {chosen['peak_mb']:.0f} MB "
-                     f"({chosen['peak_mb'] / budget:.0%} of the budget), estimated {chosen['epoch_seconds']:.1f} s/epoch")
+        lines.append(
+            f"chosen: trial {chosen['trial']}: batch {v['num_images_per_batch']}, sw batch "
+            f"{v['num_sw_batch_size']}, placement {v['validation_data_device']}, recompute "
+            f"{'on' if v['recompute'] else 'off'}: {chosen['images_per_second']:.2f} img/s, "
+            f"{chosen['sw_seconds']:.2f} s per sliding window, peak {chosen['peak_mb']:.0f} MB "
+            f"({chosen['peak_mb'] / budget:.0%} of the budget), estimated {chosen['epoch_seconds']:.1f} s/epoch"
+        )
     else:
         lines.append("chosen: none (no configuration within the safety margin)")
     return "\n".join(lines)
@@ -84,9 +120,16 @@ def plot_memory(report: dict, path: str | Path) -> Path:
     budget, margin = report["budget_mb"], report["memory_margin"]
     trials = report["trials"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    panels = (("num_images_per_batch", "train_peak_mb", "training", "batch size (per replica)", "recompute"),
-              ("num_sw_batch_size", "validation_peak_mb", "validation", "sliding-window batch size",
-               "validation_data_device"))
+    panels = (
+        ("num_images_per_batch", "train_peak_mb", "training", "batch size (per replica)", "recompute"),
+        (
+            "num_sw_batch_size",
+            "validation_peak_mb",
+            "validation",
+            "sliding-window batch size",
+            "validation_data_device",
+        ),
+    )
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (x_key, y_key, phase, xlabel, group_key) in zip(axes, panels):
         groups = sorted({str(t["values"][group_key]) for t in trials})
@@ -94,23 +137,46 @@ def plot_memory(report: dict, path: str | Path) -> Path:
             members = [t for t in trials if str(t["values"][group_key]) == group]
             label = f"{group_key.replace('validation_data_device', 'placement')}={group}"
             ok = [t for t in members if t.get(y_key) and t.get("failed_phase") != phase]
-            ax.scatter([t["values"][x_key] for t in ok], [t[y_key] for t in ok], color=colour, label=f"{label} measured")
+            ax.scatter(
+                [t["values"][x_key] for t in ok], [t[y_key] for t in ok], color=colour, label=f"{label} measured"
+            )
             failed = [t for t in members if t["status"] == "failed" and t.get("failed_phase") == phase]
-            ax.scatter([t["values"][x_key] for t in failed], [budget] * len(failed), color=colour, marker="x", s=60,
-                       label=f"{label} failed (out of memory / over budget)" if failed else None)
+            ax.scatter(
+                [t["values"][x_key] for t in failed],
+                [budget] * len(failed),
+                color=colour,
+                marker="x",
+                s=60,
+                label=f"{label} failed (out of memory / over budget)" if failed else None,
+            )
             # a pruned candidate belongs to the phase its reason names (validation), else to training
-            pruned = [t for t in members if t["status"] == "pruned"
-                      and ("in validation" in (t["reason"] or "")) == (phase == "validation")]
-            ax.scatter([t["values"][x_key] for t in pruned],
-                       [t.get("predicted_peak_mb") or budget for t in pruned], facecolors="none",
-                       edgecolors=colour, marker="o", s=50, label=f"{label} pruned (predicted)" if pruned else None)
+            pruned = [
+                t
+                for t in members
+                if t["status"] == "pruned" and ("in validation" in (t["reason"] or "")) == (phase == "validation")
+            ]
+            ax.scatter(
+                [t["values"][x_key] for t in pruned],
+                [t.get("predicted_peak_mb") or budget for t in pruned],
+                facecolors="none",
+                edgecolors=colour,
+                marker="o",
+                s=50,
+                label=f"{label} pruned (predicted)" if pruned else None,
+            )
             line = report["memory_model"]["lines"].get(
-                f"training (recompute={group.lower()})" if phase == "training" else f"validation ({group})")
+                f"training (recompute={group.lower()})" if phase == "training" else f"validation ({group})"
+            )
             xs = [t["values"][x_key] for t in members]
             if line and xs:
                 grid = [min(xs), max(xs)]
-                ax.plot(grid, [line["intercept_mb"] + line["slope_mb"] * g for g in grid], color=colour,
-                        linestyle="--", label=f"{label} fitted line")
+                ax.plot(
+                    grid,
+                    [line["intercept_mb"] + line["slope_mb"] * g for g in grid],
+                    color=colour,
+                    linestyle="--",
+                    label=f"{label} fitted line",
+                )
         ax.axhline(budget, color="black", linewidth=1.2, label=f"budget {budget:.0f} MB")
         ax.axhline(margin * budget, color="grey", linestyle=":", label=f"{margin:.0%} margin")
         ax.set_xlabel(xlabel)

@@ -68,6 +68,7 @@ def default_cache_dir() -> Path:
 
 # ---------------------------------------------------------------------------------------------- what is measured
 
+
 def search_context(config: Config) -> dict:
     """What the trials and the objective need from the converted dataset (index.json, fingerprint.json)."""
     from tfmis.data.records import load_index
@@ -76,8 +77,10 @@ def search_context(config: Config) -> dict:
     index = load_index(dataset_dir)
     fingerprint_path = dataset_dir / "fingerprint.json"
     if not fingerprint_path.is_file():
-        raise FileNotFoundError(f"{fingerprint_path}: not found; the GPU-fit search sizes its sliding-window test "
-                                "volume from the dataset fingerprint: convert the dataset again with tools/tfrecord.py")
+        raise FileNotFoundError(
+            f"{fingerprint_path}: not found; the GPU-fit search sizes its sliding-window test "
+            "volume from the dataset fingerprint: convert the dataset again with tools/tfrecord.py"
+        )
     fingerprint = json.loads(fingerprint_path.read_text())
     volume_shape = [int(s) for s in fingerprint["dataset"]["shape_p99_5"]]
     splits = index["splits"]
@@ -88,12 +91,14 @@ def search_context(config: Config) -> dict:
     val_cases = len(splits[config.data.val_split]["cases"])
     if config.validation.max_cases is not None:
         val_cases = min(val_cases, config.validation.max_cases)
-    return {"volume_shape": volume_shape,
-            "in_channels": len(index["source"]["modalities"]),
-            "num_classes": len(index["source"]["labels"]),
-            "train_patches_per_epoch": train_cases * config.pipeline.num_crops_per_image,
-            "validation_cases": val_cases,
-            "val_interval": config.validation.val_interval}
+    return {
+        "volume_shape": volume_shape,
+        "in_channels": len(index["source"]["modalities"]),
+        "num_classes": len(index["source"]["labels"]),
+        "train_patches_per_epoch": train_cases * config.pipeline.num_crops_per_image,
+        "validation_cases": val_cases,
+        "val_interval": config.validation.val_interval,
+    }
 
 
 def estimated_epoch_seconds(images_per_second: float, sw_seconds: float, context: dict) -> float:
@@ -118,18 +123,27 @@ def cache_key(config: Config, context: dict, device: dict, specs: FitSpecs, stra
 
     c = to_dict(config)
     measured = {
-        "model": c["model"], "loss": c["loss"], "optimizer": c["optimizer"],
+        "model": c["model"],
+        "loss": c["loss"],
+        "optimizer": c["optimizer"],
         "patch_size": c["pipeline"]["patch_size"],
         "training": {k: c["training"][k] for k in ("precision", "jit_compile", "accumulation_steps")},
         "validation": {k: c["validation"][k] for k in ("roi_size", "overlap", "mode")},
     }
-    identity = {"version": CACHE_VERSION, "tensorflow": tf.__version__,
-                "device": {k: device.get(k) for k in ("kind", "name", "total_mb", "cpu_count")},
-                "config": measured, "context": context, "specs": specs_to_dict(specs), "strategy": strategy}
+    identity = {
+        "version": CACHE_VERSION,
+        "tensorflow": tf.__version__,
+        "device": {k: device.get(k) for k in ("kind", "name", "total_mb", "cpu_count")},
+        "config": measured,
+        "context": context,
+        "specs": specs_to_dict(specs),
+        "strategy": strategy,
+    }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- memory model
+
 
 def _is_memory_failure(record: dict) -> bool:
     if record.get("out_of_memory"):
@@ -172,15 +186,27 @@ class MemoryModel:
             self.records.append(record)
 
     def train_line(self, recompute: bool):
-        return fit_line([(r["values"]["num_images_per_batch"], r["train_peak_mb"]) for r in self.records
-                         if r["values"]["recompute"] == recompute and r.get("train_peak_mb")
-                         and r.get("failed_phase") != "training"])
+        return fit_line(
+            [
+                (r["values"]["num_images_per_batch"], r["train_peak_mb"])
+                for r in self.records
+                if r["values"]["recompute"] == recompute
+                and r.get("train_peak_mb")
+                and r.get("failed_phase") != "training"
+            ]
+        )
 
     def validation_line(self, placement: str):
-        return fit_line([(r["values"]["num_sw_batch_size"], r["validation_peak_mb"]) for r in self.records
-                         if r["values"]["validation_data_device"] == placement and r.get("validation_peak_mb")
-                         and r.get("failed_phase") != "validation"
-                         and r["validation_peak_mb"] > 1.05 * (r.get("train_peak_mb") or 0)])
+        return fit_line(
+            [
+                (r["values"]["num_sw_batch_size"], r["validation_peak_mb"])
+                for r in self.records
+                if r["values"]["validation_data_device"] == placement
+                and r.get("validation_peak_mb")
+                and r.get("failed_phase") != "validation"
+                and r["validation_peak_mb"] > 1.05 * (r.get("train_peak_mb") or 0)
+            ]
+        )
 
     def predict(self, values: dict) -> float | None:
         """Predicted peak in MB, or None while the lines are not determined yet."""
@@ -201,13 +227,21 @@ class MemoryModel:
                 continue
             rv = r["values"]
             if r.get("failed_phase") == "training" and rv["num_images_per_batch"] <= b:
-                return self.predict(values), (f"batch {b} >= {rv['num_images_per_batch']}, which ran out of memory "
-                                              f"in training in trial {r['trial']}")
-            if (r.get("failed_phase") == "validation" and rv["validation_data_device"] == values["validation_data_device"]
-                    and rv["num_images_per_batch"] <= b and rv["num_sw_batch_size"] <= s):
-                return self.predict(values), (f"batch {b} >= {rv['num_images_per_batch']} and sw batch {s} >= "
-                                              f"{rv['num_sw_batch_size']}, which ran out of memory in validation in "
-                                              f"trial {r['trial']}")
+                return self.predict(values), (
+                    f"batch {b} >= {rv['num_images_per_batch']}, which ran out of memory "
+                    f"in training in trial {r['trial']}"
+                )
+            if (
+                r.get("failed_phase") == "validation"
+                and rv["validation_data_device"] == values["validation_data_device"]
+                and rv["num_images_per_batch"] <= b
+                and rv["num_sw_batch_size"] <= s
+            ):
+                return self.predict(values), (
+                    f"batch {b} >= {rv['num_images_per_batch']} and sw batch {s} >= "
+                    f"{rv['num_sw_batch_size']}, which ran out of memory in validation in "
+                    f"trial {r['trial']}"
+                )
         predicted = self.predict(values)
         if predicted is not None and predicted > self.budget_mb * (1 + self.tolerance):
             return predicted, f"predicted {predicted:.0f} MB > budget {self.budget_mb:.0f} MB"
@@ -220,23 +254,33 @@ class MemoryModel:
             line = self.train_line(recompute)
             if line:
                 lines[f"training (recompute={str(recompute).lower()})"] = {
-                    "x": "num_images_per_batch", "intercept_mb": line[0], "slope_mb": line[1]}
+                    "x": "num_images_per_batch",
+                    "intercept_mb": line[0],
+                    "slope_mb": line[1],
+                }
         for placement in sorted({r["values"]["validation_data_device"] for r in self.records}):
             line = self.validation_line(placement)
             if line:
-                lines[f"validation ({placement})"] = {"x": "num_sw_batch_size", "intercept_mb": line[0],
-                                                      "slope_mb": line[1]}
+                lines[f"validation ({placement})"] = {
+                    "x": "num_sw_batch_size",
+                    "intercept_mb": line[0],
+                    "slope_mb": line[1],
+                }
         errors = []
         for r in self.records:
             predicted = self.predict(r["values"])
             if predicted is not None and r.get("peak_mb") and r["status"] == "ok":
                 errors.append(abs(predicted - r["peak_mb"]) / r["peak_mb"])
-        return {"lines": lines, "fitted_trials": len(errors),
-                "mean_abs_error_fraction": float(np.mean(errors)) if errors else None,
-                "max_abs_error_fraction": float(np.max(errors)) if errors else None}
+        return {
+            "lines": lines,
+            "fitted_trials": len(errors),
+            "mean_abs_error_fraction": float(np.mean(errors)) if errors else None,
+            "max_abs_error_fraction": float(np.max(errors)) if errors else None,
+        }
 
 
 # ---------------------------------------------------------------------------------------------- choosing
+
 
 def choose(records: list[dict], budget_mb: float, margin: float) -> dict | None:
     """The measured trial with the shortest estimated epoch whose peak is within margin × budget."""
@@ -262,10 +306,17 @@ def fitted_config(config: Config, chosen: dict, records: list[dict], context: di
     policy_known = "cpu_from_voxels" in {f.name for f in dataclasses.fields(type(config.validation))}
     if policy_known and placement == "accelerator":
         values["validation_data_device"] = "auto"
-    elif policy_known and placement == "cpu" and any(
-            _is_memory_failure(r) and r.get("failed_phase") == "validation"
+    elif (
+        policy_known
+        and placement == "cpu"
+        and any(
+            _is_memory_failure(r)
+            and r.get("failed_phase") == "validation"
             and r["values"]["validation_data_device"] == "accelerator"
-            and r["values"]["num_sw_batch_size"] <= values["num_sw_batch_size"] for r in records):
+            and r["values"]["num_sw_batch_size"] <= values["num_sw_batch_size"]
+            for r in records
+        )
+    ):
         values["validation_data_device"] = "auto"
         extra["cpu_from_voxels"] = voxels
     fitted = apply_values(config, values)
@@ -275,6 +326,7 @@ def fitted_config(config: Config, chosen: dict, records: list[dict], context: di
 
 
 # ---------------------------------------------------------------------------------------------- the search
+
 
 class GpuFitSearch:
     """Runs (or reads from the cache) the GPU-fit search for a config and writes its outputs.
@@ -292,9 +344,19 @@ class GpuFitSearch:
         runner: the trial runner (default `tfmis.tune.fit.trial.run_trial`).
     """
 
-    def __init__(self, config: Config, specs: FitSpecs, output_dir, *, memory_budget_mb: float | None = None,
-                 strategy: str = "bayesian", cache_dir=None, use_cache: bool = True, progress: bool = True,
-                 runner=None):
+    def __init__(
+        self,
+        config: Config,
+        specs: FitSpecs,
+        output_dir,
+        *,
+        memory_budget_mb: float | None = None,
+        strategy: str = "bayesian",
+        cache_dir=None,
+        use_cache: bool = True,
+        progress: bool = True,
+        runner=None,
+    ):
         if strategy not in ("bayesian", "grid"):
             raise ValueError(f"strategy must be 'bayesian' or 'grid', got {strategy!r}")
         from tfmis.hardware import GPU_RESERVED_MB, accelerators, host_memory
@@ -313,14 +375,20 @@ class GpuFitSearch:
             # the CUDA context and libraries sit outside TensorFlow's allocator, whose peak is measured
             default_budget = gpu["total_mb"] - GPU_RESERVED_MB
         else:
-            self.device = {"kind": "cpu", "name": host.get("cpu_name", "cpu"), "total_mb": host["total_mb"],
-                           "cpu_count": os.cpu_count()}
+            self.device = {
+                "kind": "cpu",
+                "name": host.get("cpu_name", "cpu"),
+                "total_mb": host["total_mb"],
+                "cpu_count": os.cpu_count(),
+            }
             default_budget = host["available_mb"]
         self.budget_mb = float(memory_budget_mb or default_budget)
         self.placements = list(dict.fromkeys(specs.range_validation_data_device))
         if gpu is None and self.placements != ["cpu"]:
-            print("No accelerator visible: the validation placement collapses to the CPU; searching the rest.",
-                  file=sys.stderr)
+            print(
+                "No accelerator visible: the validation placement collapses to the CPU; searching the rest.",
+                file=sys.stderr,
+            )
             self.placements = ["cpu"]
         self.records: list[dict] = []
         self.model = MemoryModel(self.budget_mb, specs.prune_tolerance)
@@ -336,8 +404,10 @@ class GpuFitSearch:
         s = self.specs
         hp = keras_tuner.HyperParameters()
         log = s.sampling == "log"
-        for name, (lo, hi) in (("num_images_per_batch", s.range_num_images_per_batch),
-                               ("num_sw_batch_size", s.range_num_sw_batch_size)):
+        for name, (lo, hi) in (
+            ("num_images_per_batch", s.range_num_images_per_batch),
+            ("num_sw_batch_size", s.range_num_sw_batch_size),
+        ):
             if lo == hi:
                 hp.Fixed(name, lo)
             else:
@@ -364,10 +434,12 @@ class GpuFitSearch:
     def evaluate(self, values: dict) -> dict:
         """Prunes or measures one candidate; returns its record (also kept in `self.records`)."""
         # Keras Tuner's grid hands integers over as floats (8.0)
-        values = {"num_images_per_batch": int(values["num_images_per_batch"]),
-                  "num_sw_batch_size": int(values["num_sw_batch_size"]),
-                  "validation_data_device": str(values["validation_data_device"]),
-                  "recompute": bool(values["recompute"])}
+        values = {
+            "num_images_per_batch": int(values["num_images_per_batch"]),
+            "num_sw_batch_size": int(values["num_sw_batch_size"]),
+            "validation_data_device": str(values["validation_data_device"]),
+            "recompute": bool(values["recompute"]),
+        }
         n = len(self.records) + 1
         record = {"trial": n, "values": values, "status": None, "reason": None}
         predicted, prune_reason = self.model.verdict(values)
@@ -381,20 +453,40 @@ class GpuFitSearch:
         trial_config.output.progress = False
         trial_config.output.tensorboard = False
         workdir = self.output_dir / "trials" / f"trial_{n:03d}"
-        request = {"config": to_dict(trial_config), "volume_shape": self.context["volume_shape"],
-                   "warmup_steps": self.specs.warmup_steps, "timed_steps": self.specs.timed_steps}
-        result = self.runner(request, workdir=workdir, memory_budget_mb=self.budget_mb,
-                             timeout_s=self.specs.trial_timeout_s,
-                             gpu=self.device.get("index") if self.device["kind"] == "gpu" else None)
-        keep = ("reason", "failed_phase", "out_of_memory", "images_per_second", "step_seconds", "step_seconds_all",
-                "sw_seconds", "sw_windows", "train_peak_mb", "validation_peak_mb", "peak_mb", "rss_peak_mb",
-                "wall_seconds", "device")
+        request = {
+            "config": to_dict(trial_config),
+            "volume_shape": self.context["volume_shape"],
+            "warmup_steps": self.specs.warmup_steps,
+            "timed_steps": self.specs.timed_steps,
+        }
+        result = self.runner(
+            request,
+            workdir=workdir,
+            memory_budget_mb=self.budget_mb,
+            timeout_s=self.specs.trial_timeout_s,
+            gpu=self.device.get("index") if self.device["kind"] == "gpu" else None,
+        )
+        keep = (
+            "reason",
+            "failed_phase",
+            "out_of_memory",
+            "images_per_second",
+            "step_seconds",
+            "step_seconds_all",
+            "sw_seconds",
+            "sw_windows",
+            "train_peak_mb",
+            "validation_peak_mb",
+            "peak_mb",
+            "rss_peak_mb",
+            "wall_seconds",
+            "device",
+        )
         record.update({k: result.get(k) for k in keep if k in result})
         record["status"] = "ok" if result["status"] == "ok" else "failed"
         record["log"] = str(workdir)
         if record["status"] == "ok":
-            record[OBJECTIVE] = estimated_epoch_seconds(record["images_per_second"], record["sw_seconds"],
-                                                        self.context)
+            record[OBJECTIVE] = estimated_epoch_seconds(record["images_per_second"], record["sw_seconds"], self.context)
             record["within_margin"] = record["peak_mb"] <= self.specs.memory_margin * self.budget_mb
         self.records.append(record)
         self.model.add(record)
@@ -437,8 +529,11 @@ class GpuFitSearch:
             self.records = cached["trials"]
             for r in self.records:
                 self.model.add(r)
-            print(f"GPU-fit search: used the cache {cache_file} (searched {cached['created']} under a budget of "
-                  f"{cached['budget_mb']:.0f} MB); rerun with --no-cache to measure again", file=sys.stderr)
+            print(
+                f"GPU-fit search: used the cache {cache_file} (searched {cached['created']} under a budget of "
+                f"{cached['budget_mb']:.0f} MB); rerun with --no-cache to measure again",
+                file=sys.stderr,
+            )
         else:
             self._search()
         report = self._report(cached is not None, cache_file, time.perf_counter() - start)
@@ -447,12 +542,16 @@ class GpuFitSearch:
         self._write_outputs(report)
         if report["chosen"] is None:
             smallest = min((r for r in self.records if r.get("peak_mb")), key=lambda r: r["peak_mb"], default=None)
-            hint = (f"; the smallest measured peak was {smallest['peak_mb']:.0f} MB (trial {smallest['trial']})"
-                    if smallest else "")
+            hint = (
+                f"; the smallest measured peak was {smallest['peak_mb']:.0f} MB (trial {smallest['trial']})"
+                if smallest
+                else ""
+            )
             raise NoConfigurationFits(
                 f"no configuration fits within {self.specs.memory_margin:.0%} of the {self.budget_mb:.0f} MB memory "
                 f"budget{hint}. Lower pipeline.patch_size, try model.recompute or training.precision=mixed_float16, "
-                f"or raise --memory-budget-mb. Details: {self.output_dir / REPORT_FILE}")
+                f"or raise --memory-budget-mb. Details: {self.output_dir / REPORT_FILE}"
+            )
         return report
 
     @property
@@ -474,9 +573,11 @@ class GpuFitSearch:
         # trials measured under a larger budget are valid under a smaller one; under a larger budget
         # the candidates that did not fit before might fit now, unless nothing ran out of memory
         if self.budget_mb > cached["budget_mb"] and any(_is_memory_failure(r) for r in cached["trials"]):
-            print(f"GPU-fit cache {path} was searched under a smaller budget ({cached['budget_mb']:.0f} MB < "
-                  f"{self.budget_mb:.0f} MB) and some configurations did not fit then: searching again",
-                  file=sys.stderr)
+            print(
+                f"GPU-fit cache {path} was searched under a smaller budget ({cached['budget_mb']:.0f} MB < "
+                f"{self.budget_mb:.0f} MB) and some configurations did not fit then: searching again",
+                file=sys.stderr,
+            )
             return None
         return cached
 
@@ -485,22 +586,41 @@ class GpuFitSearch:
         from tfmis.utils.progress import progress_bar
 
         hp = self.hyperparameters()
-        common = {"objective": OBJECTIVE, "direction": "min", "hyperparameters": hp, "seed": self.specs.seed,
-                  "stop_when": self.finished}
+        common = {
+            "objective": OBJECTIVE,
+            "direction": "min",
+            "hyperparameters": hp,
+            "seed": self.specs.seed,
+            "stop_when": self.finished,
+        }
         if self.strategy == "bayesian":
             num_initial = self.specs.num_initial_points or max(3, self.specs.num_trials // 3)
             # the Gaussian process may propose a point already tried: a random unseen one instead
-            oracle = kt.make_oracle("bayesian", max_trials=10 * self.specs.num_trials + 50,
-                                    num_initial_points=num_initial, replace_repeats=True, **common)
+            oracle = kt.make_oracle(
+                "bayesian",
+                max_trials=10 * self.specs.num_trials + 50,
+                num_initial_points=num_initial,
+                replace_repeats=True,
+                **common,
+            )
         else:
             oracle = kt.make_oracle("grid", replace_repeats=False, **common)
-        tuner = kt.make_tuner(self._trial, OBJECTIVE, oracle=oracle, directory=str(self.output_dir / "keras_tuner"),
-                              project_name="gpu_fit", overwrite=True)
+        tuner = kt.make_tuner(
+            self._trial,
+            OBJECTIVE,
+            oracle=oracle,
+            directory=str(self.output_dir / "keras_tuner"),
+            project_name="gpu_fit",
+            overwrite=True,
+        )
         total = self.grid_size() if self.strategy == "grid" else self.specs.num_trials
         space = ", ".join(f"{h.name} {_describe_hp(h)}" for h in hp.space)
-        print(f"GPU-fit search ({self.strategy}, {total} trials) on {self.device['name']} "
-              f"({self.device['kind']}, budget {self.budget_mb:.0f} MB, choosing within "
-              f"{self.specs.memory_margin:.0%}): {space}", file=sys.stderr)
+        print(
+            f"GPU-fit search ({self.strategy}, {total} trials) on {self.device['name']} "
+            f"({self.device['kind']}, budget {self.budget_mb:.0f} MB, choosing within "
+            f"{self.specs.memory_margin:.0%}): {space}",
+            file=sys.stderr,
+        )
         self._bar = progress_bar(total, "GPU-fit trials", "trial", disable=not self.progress)
         try:
             kt.run_search(tuner)  # a trial that does not fit is an expected outcome, reported with its reason
@@ -523,13 +643,22 @@ class GpuFitSearch:
         counts["run"] = counts["ok"] + counts["failed"]
         return {
             "created": datetime.datetime.now().isoformat(timespec="seconds"),
-            "device": self.device, "budget_mb": self.budget_mb, "memory_margin": self.specs.memory_margin,
-            "strategy": self.strategy, "specs": specs_to_dict(self.specs), "context": self.context,
+            "device": self.device,
+            "budget_mb": self.budget_mb,
+            "memory_margin": self.specs.memory_margin,
+            "strategy": self.strategy,
+            "specs": specs_to_dict(self.specs),
+            "context": self.context,
             "objective": f"{OBJECTIVE}: training patches per epoch / images per second + validation cases x "
-                         "sliding-window seconds / val_interval (minimised)",
-            "trials": self.records, "counts": counts,
-            "chosen": None if chosen is None else {k: chosen.get(k) for k in (
-                "trial", "values", OBJECTIVE, "images_per_second", "step_seconds", "sw_seconds", "peak_mb")},
+            "sliding-window seconds / val_interval (minimised)",
+            "trials": self.records,
+            "counts": counts,
+            "chosen": None
+            if chosen is None
+            else {
+                k: chosen.get(k)
+                for k in ("trial", "values", OBJECTIVE, "images_per_second", "step_seconds", "sw_seconds", "peak_mb")
+            },
             "memory_model": self.model.summary(),
             "cache": {"key": self.key, "file": str(cache_file), "hit": from_cache},
             "elapsed_seconds": elapsed,
@@ -542,10 +671,12 @@ class GpuFitSearch:
         chosen = next((r for r in self.records if r.get("chosen")), None)
         if chosen is not None:
             fitted = fitted_config(self.config, chosen, self.records, self.context)
-            report["fitted"] = {"pipeline.num_images_per_batch": fitted.pipeline.num_images_per_batch,
-                                "validation.num_sw_batch_size": fitted.validation.num_sw_batch_size,
-                                "validation.validation_data_device": fitted.validation.validation_data_device,
-                                "model.recompute": fitted.model.recompute}
+            report["fitted"] = {
+                "pipeline.num_images_per_batch": fitted.pipeline.num_images_per_batch,
+                "validation.num_sw_batch_size": fitted.validation.num_sw_batch_size,
+                "validation.validation_data_device": fitted.validation.validation_data_device,
+                "model.recompute": fitted.model.recompute,
+            }
             if getattr(fitted.validation, "cpu_from_voxels", None) is not None:
                 report["fitted"]["validation.cpu_from_voxels"] = fitted.validation.cpu_from_voxels
             save_config(fitted, self.output_dir / CONFIG_FILE)
@@ -598,5 +729,9 @@ def cached_choice(config: Config, specs: FitSpecs | None = None) -> dict | None:
     values = dict(chosen["values"])
     if values["validation_data_device"] == "accelerator":
         values["validation_data_device"] = "auto"  # as fitted_config: larger volumes fall back, not fail
-    return {"num_images_per_batch": values["num_images_per_batch"], "num_sw_batch_size": values["num_sw_batch_size"],
-            "validation_data_device": values["validation_data_device"], "source": f"cache {search.cache_file.name}"}
+    return {
+        "num_images_per_batch": values["num_images_per_batch"],
+        "num_sw_batch_size": values["num_sw_batch_size"],
+        "validation_data_device": values["validation_data_device"],
+        "source": f"cache {search.cache_file.name}",
+    }

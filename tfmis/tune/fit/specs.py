@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 from typing import Literal, Optional
 
-
 from tfmis.config import ConfigError, from_dict, read_yaml
 
 MODEL_NAME = "unet"
@@ -109,8 +108,10 @@ def load_specs(source: str | Path | dict | None = None, **overrides) -> FitSpecs
         if key in ("universal", MODEL_NAME):
             continue
         if key in AUTO3DSEG_ALGOS:
-            print(f"{where}: section '{key}' is for MONAI Auto3DSeg's {key}; tfmis trains '{MODEL_NAME}', "
-                  "ignoring it", file=sys.stderr)
+            print(
+                f"{where}: section '{key}' is for MONAI Auto3DSeg's {key}; tfmis trains '{MODEL_NAME}', ignoring it",
+                file=sys.stderr,
+            )
             continue
         close = difflib.get_close_matches(str(key), ["universal", MODEL_NAME], n=1, cutoff=0.5)
         hint = f"; did you mean '{close[0]}'?" if close else f"; valid sections: universal, {MODEL_NAME}"

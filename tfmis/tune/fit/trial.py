@@ -62,20 +62,43 @@ LOG_FILE = "trial.log"
 RUN_DIR = "run"
 PHASES = ("setup", "training", "validation")
 POLL_SECONDS = 0.05  # how often the parent samples the child's RSS
-MB = 2.0 ** 20
+MB = 2.0**20
 
 # Every key a result has, so that a trial that failed early reads like one that did not.
 RESULT_KEYS = (
-    "status", "reason", "failed_phase", "out_of_memory", "batch_size", "images_per_second", "step_seconds",
-    "step_seconds_all", "warmup_seconds_all", "sw_seconds", "sw_first_seconds", "sw_windows", "validation_device",
-    "setup_peak_mb", "train_peak_mb", "validation_peak_mb", "peak_mb", "rss_peak_mb", "rss_peak_mb_by_phase",
-    "rss_start_mb_by_phase", "budget_mb", "device", "tf_version", "import_seconds", "build_seconds", "wall_seconds",
-    "exit_code", "log",
+    "status",
+    "reason",
+    "failed_phase",
+    "out_of_memory",
+    "batch_size",
+    "images_per_second",
+    "step_seconds",
+    "step_seconds_all",
+    "warmup_seconds_all",
+    "sw_seconds",
+    "sw_first_seconds",
+    "sw_windows",
+    "validation_device",
+    "setup_peak_mb",
+    "train_peak_mb",
+    "validation_peak_mb",
+    "peak_mb",
+    "rss_peak_mb",
+    "rss_peak_mb_by_phase",
+    "rss_start_mb_by_phase",
+    "budget_mb",
+    "device",
+    "tf_version",
+    "import_seconds",
+    "build_seconds",
+    "wall_seconds",
+    "exit_code",
+    "log",
 )
 
 
 def failure_reason(error: BaseException, phase: str) -> str:
-    """"out of memory in training: ResourceExhaustedError: OOM when ..." or "ConfigError in setup: ..."."""
+    """ "out of memory in training: ResourceExhaustedError: OOM when ..." or "ConfigError in setup: ..."."""
     line = error_line(str(error))
     name = type(error).__name__
     if is_out_of_memory(error):
@@ -84,6 +107,7 @@ def failure_reason(error: BaseException, phase: str) -> str:
 
 
 # ---------------------------------------------------------------- the trial's device (parent side)
+
 
 def trial_device(accelerators: list[dict]) -> dict | None:
     """The GPU trials run on: the one with the least total memory (one GPU's plan applies per replica).
@@ -110,9 +134,17 @@ def _status_mb(pid: int | str, field: str) -> float | None:
 
 # ---------------------------------------------------------------- parent side
 
-def run_trial(request: dict, *, workdir: Path, memory_budget_mb: float | None = None, timeout_s: float = 600,
-              gpu: int | None = None, extra_env: dict | None = None,
-              host_memory_budget_mb: float | None = None) -> dict:
+
+def run_trial(
+    request: dict,
+    *,
+    workdir: Path,
+    memory_budget_mb: float | None = None,
+    timeout_s: float = 600,
+    gpu: int | None = None,
+    extra_env: dict | None = None,
+    host_memory_budget_mb: float | None = None,
+) -> dict:
     """Runs `python -m tfmis.tune.fit.trial REQUEST RESULT` in a fresh subprocess and returns its result.
 
     Never raises for a failed trial: the result's `status` is "failed", `reason` says why in one
@@ -160,7 +192,11 @@ def run_trial(request: dict, *, workdir: Path, memory_budget_mb: float | None = 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     request_path, result_path, progress_path, log_path = (
-        workdir / REQUEST_FILE, workdir / RESULT_FILE, workdir / PROGRESS_FILE, workdir / LOG_FILE)
+        workdir / REQUEST_FILE,
+        workdir / RESULT_FILE,
+        workdir / PROGRESS_FILE,
+        workdir / LOG_FILE,
+    )
     for stale in (result_path, progress_path):
         stale.unlink(missing_ok=True)
     atomic_write_json(request_path, request)
@@ -177,8 +213,15 @@ def run_trial(request: dict, *, workdir: Path, memory_budget_mb: float | None = 
         try:
             child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(gpu, extra_env))
         except OSError as e:
-            return _finish({"status": "failed", "reason": f"cannot start the trial process: {e}",
-                            "failed_phase": "setup", "log": str(log_path), "wall_seconds": 0.0})
+            return _finish(
+                {
+                    "status": "failed",
+                    "reason": f"cannot start the trial process: {e}",
+                    "failed_phase": "setup",
+                    "log": str(log_path),
+                    "wall_seconds": 0.0,
+                }
+            )
         while True:
             try:
                 exit_code = child.wait(timeout=POLL_SECONDS)
@@ -209,19 +252,28 @@ def run_trial(request: dict, *, workdir: Path, memory_budget_mb: float | None = 
         result["peak_mb"] = result["rss_peak_mb"]
 
     if killed == "budget":
-        _fail(result, f"peak RSS {rss_seen:.0f} MB > budget {rss_budget:.0f} MB (stopped during {phase})", phase,
-              out_of_memory=True)
+        _fail(
+            result,
+            f"peak RSS {rss_seen:.0f} MB > budget {rss_budget:.0f} MB (stopped during {phase})",
+            phase,
+            out_of_memory=True,
+        )
     elif killed == "timeout":
         _fail(result, f"timed out after {timeout_s:g} s during {phase}", phase)
     elif reported is None:  # a crash: the log's last lines say what happened
         lines = log_tail(log_path)
         # faulthandler's "Fatal Python error: Segmentation fault" says more than the stack after it
-        last = next((line for line in reversed(lines) if line.startswith("Fatal Python error")),
-                    lines[-1] if lines else None)
+        last = next(
+            (line for line in reversed(lines) if line.startswith("Fatal Python error")), lines[-1] if lines else None
+        )
         # a SIGKILL we did not send is, on Linux, almost always the kernel's out-of-memory killer
         how = " (SIGKILL: probably the kernel's out-of-memory killer)" if exit_code == -9 else ""
-        _fail(result, f"exit code {exit_code}{how} during {phase}: {last or '(no error output)'}", phase,
-              out_of_memory=exit_code == -9 or any(is_out_of_memory(line) for line in lines))
+        _fail(
+            result,
+            f"exit code {exit_code}{how} during {phase}: {last or '(no error output)'}",
+            phase,
+            out_of_memory=exit_code == -9 or any(is_out_of_memory(line) for line in lines),
+        )
         result["log_tail"] = lines[-12:]
     elif result.get("status") == "ok":
         _check_budgets(result, memory_budget_mb, rss_budget, gpu is not None)
@@ -246,15 +298,29 @@ def _check_budgets(result: dict, memory_budget_mb, rss_budget, on_gpu: bool) -> 
     """Fails a finished trial whose measured peak is over its budget, naming the phase of the peak."""
     by_phase = result.get("rss_peak_mb_by_phase") or {}
     if on_gpu and memory_budget_mb is not None and (result.get("peak_mb") or 0) > memory_budget_mb:
-        peaks = {p: result.get(k) or 0 for p, k in
-                 (("setup", "setup_peak_mb"), ("training", "train_peak_mb"), ("validation", "validation_peak_mb"))}
+        peaks = {
+            p: result.get(k) or 0
+            for p, k in (
+                ("setup", "setup_peak_mb"),
+                ("training", "train_peak_mb"),
+                ("validation", "validation_peak_mb"),
+            )
+        }
         phase = max(peaks, key=peaks.get)
-        _fail(result, f"peak GPU memory {result['peak_mb']:.0f} MB > budget {memory_budget_mb:.0f} MB (in {phase})",
-              phase, out_of_memory=True)
+        _fail(
+            result,
+            f"peak GPU memory {result['peak_mb']:.0f} MB > budget {memory_budget_mb:.0f} MB (in {phase})",
+            phase,
+            out_of_memory=True,
+        )
     elif rss_budget is not None and (result.get("rss_peak_mb") or 0) > rss_budget:
         phase = max(by_phase, key=by_phase.get) if by_phase else "setup"
-        _fail(result, f"peak RSS {result['rss_peak_mb']:.0f} MB > budget {rss_budget:.0f} MB (in {phase})", phase,
-              out_of_memory=True)
+        _fail(
+            result,
+            f"peak RSS {result['rss_peak_mb']:.0f} MB > budget {rss_budget:.0f} MB (in {phase})",
+            phase,
+            out_of_memory=True,
+        )
 
 
 def _fail(result: dict, reason: str, phase: str, out_of_memory: bool = False) -> None:
@@ -273,6 +339,7 @@ def _read_json(path: Path) -> dict | None:
 
 
 # ---------------------------------------------------------------- child side
+
 
 class _ChildTrial:
     """The measurements of one trial, in the child process; `progress.json` follows them."""
@@ -302,8 +369,16 @@ class _ChildTrial:
             out_of_memory = is_out_of_memory(error)
         self.phase = "done"
         self._write_progress()
-        atomic_write_json(self.result_path, {"status": status, "reason": reason, "failed_phase": failed_phase,
-                                             "out_of_memory": out_of_memory, **self.measured})
+        atomic_write_json(
+            self.result_path,
+            {
+                "status": status,
+                "reason": reason,
+                "failed_phase": failed_phase,
+                "out_of_memory": out_of_memory,
+                **self.measured,
+            },
+        )
         return 0 if status == "ok" else 1
 
     # -------------------------------------------------------- phases
@@ -317,8 +392,10 @@ class _ChildTrial:
         self.seed = int(request.get("seed", 0))
         self.volume_shape = [int(s) for s in request["volume_shape"]]
         if len(self.volume_shape) != 3 or min(self.volume_shape) < 1 or self.warmup_steps < 0 or self.timed_steps < 1:
-            raise ValueError(f"trial request: volume_shape must be 3 positive sizes (got {request['volume_shape']}), "
-                             f"warmup_steps >= 0 (got {self.warmup_steps}), timed_steps >= 1 (got {self.timed_steps})")
+            raise ValueError(
+                f"trial request: volume_shape must be 3 positive sizes (got {request['volume_shape']}), "
+                f"warmup_steps >= 0 (got {self.warmup_steps}), timed_steps >= 1 (got {self.timed_steps})"
+            )
         config = from_dict(Config, request["config"])
         validate(config)
         config.output.dir = str(self.result_path.parent / RUN_DIR)
@@ -329,8 +406,9 @@ class _ChildTrial:
         from tfmis.engine.distribution import make_backend  # Keras and the trainer's modules
         from tfmis.engine.trainer import Trainer
 
-        self.measured.update(import_seconds=time.perf_counter() - start, tf_version=tf.__version__,
-                             device=self._device_info())
+        self.measured.update(
+            import_seconds=time.perf_counter() - start, tf_version=tf.__version__, device=self._device_info()
+        )
         self._write_progress()
         start = time.perf_counter()
         self.trainer = Trainer(config, backend=make_backend("none"))
@@ -345,13 +423,16 @@ class _ChildTrial:
             if gpus:  # a CPU trial measures the CPU, even if the environment left a GPU visible
                 tf.config.set_visible_devices([], "GPU")
         elif not gpus:
-            raise RuntimeError(f"no GPU visible to TensorFlow {tf.__version__} (CUDA_VISIBLE_DEVICES="
-                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); is it built with CUDA?")
+            raise RuntimeError(
+                f"no GPU visible to TensorFlow {tf.__version__} (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); is it built with CUDA?"
+            )
         else:
             tf.config.set_visible_devices(gpus[0], "GPU")
             if self.memory_budget_mb is not None:  # going over the budget is then a real OOM
                 tf.config.set_logical_device_configuration(
-                    gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(self.memory_budget_mb))])
+                    gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(self.memory_budget_mb))]
+                )
             else:
                 tf.config.experimental.set_memory_growth(gpus[0], True)
             self.on_gpu = True
@@ -388,8 +469,8 @@ class _ChildTrial:
     def _validate(self) -> None:
         import numpy as np
 
-        from tfmis.inference.sliding_window import number_of_windows, sliding_window_inference
         from tfmis.hardware import CPU, accelerator_device
+        from tfmis.inference.sliding_window import number_of_windows, sliding_window_inference
 
         tf, trainer = self.tf, self.trainer
         v = self.config.validation
@@ -405,8 +486,16 @@ class _ChildTrial:
 
         def one_pass() -> float:
             start = time.perf_counter()
-            logits = sliding_window_inference(volume, roi, v.num_sw_batch_size, trainer.predict_windows, overlap=v.overlap,
-                                              mode=v.mode, sw_device=accelerator_device(), device=device)
+            logits = sliding_window_inference(
+                volume,
+                roi,
+                v.num_sw_batch_size,
+                trainer.predict_windows,
+                overlap=v.overlap,
+                mode=v.mode,
+                sw_device=accelerator_device(),
+                device=device,
+            )
             with tf.device(device):  # the label map as validation makes it; numpy() waits for the pass
                 tf.argmax(logits, axis=-1, output_type=tf.int32)[0].numpy()
             return time.perf_counter() - start
@@ -457,18 +546,30 @@ class _ChildTrial:
 
     def _device_info(self) -> dict:
         if self.on_gpu:
-            info = {"kind": "gpu", "index": self.gpu, "name": None, "total_mb": None, "nvml_used_mb": None,
-                    "memory_limit_mb": self.memory_budget_mb}
+            info = {
+                "kind": "gpu",
+                "index": self.gpu,
+                "name": None,
+                "total_mb": None,
+                "nvml_used_mb": None,
+                "memory_limit_mb": self.memory_budget_mb,
+            }
             nvml = nvml_device(self.gpu)
             if nvml is not None:
                 info.update(name=nvml["name"], total_mb=nvml["total_mb"])
             else:  # NVML is extra information, the allocator peak is the measurement
                 info["name"] = self.tf.config.experimental.get_device_details(
-                    self.tf.config.list_physical_devices("GPU")[0]).get("device_name")
+                    self.tf.config.list_physical_devices("GPU")[0]
+                ).get("device_name")
             return info
         host = host_memory()
-        return {"kind": "cpu", "name": host["cpu_name"], "total_mb": host["total_mb"],
-                "available_mb": host["available_mb"], "cpu_count": host["cpu_count"]}
+        return {
+            "kind": "cpu",
+            "name": host["cpu_name"],
+            "total_mb": host["total_mb"],
+            "available_mb": host["available_mb"],
+            "cpu_count": host["cpu_count"],
+        }
 
     def _write_progress(self) -> None:
         atomic_write_json(self.progress_path, {"phase": self.phase, "pid": os.getpid(), **self.measured})
@@ -483,13 +584,19 @@ def _reset_rss_peak() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfmis.tune.fit.trial",
-                                description="Measure one GPU-fit trial (started by tfmis.tune.fit.trial.run_trial).")
+    p = argparse.ArgumentParser(
+        prog="python -m tfmis.tune.fit.trial",
+        description="Measure one GPU-fit trial (started by tfmis.tune.fit.trial.run_trial).",
+    )
     p.add_argument("request", help="request JSON: config, volume_shape, warmup_steps, timed_steps")
     p.add_argument("result", help="result JSON to write (progress.json is written next to it)")
     p.add_argument("--gpu", type=int, default=None, help="NVML index of the GPU (CUDA_VISIBLE_DEVICES set to it)")
-    p.add_argument("--memory-budget-mb", type=float, default=None,
-                   help="GPU: TensorFlow's memory limit on the device (instead of memory growth)")
+    p.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=None,
+        help="GPU: TensorFlow's memory limit on the device (instead of memory growth)",
+    )
     return p
 
 

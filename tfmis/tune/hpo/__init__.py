@@ -16,5 +16,17 @@ from tfmis.tune.hpo.folder import BEST_FILE, PLOT_FILE, REPORT_FILE, TRIALS_DIR
 from tfmis.tune.hpo.search import HpoSearch, SearchFailed
 from tfmis.tune.hpo.space import NOT_REACHED_SECONDS, Objective, SearchSpace, load_space, parse_space
 
-__all__ = ["BEST_FILE", "NOT_REACHED_SECONDS", "PLOT_FILE", "REPORT_FILE", "TRIALS_DIR", "HpoSearch", "Objective",
-           "SearchFailed", "SearchSpace", "assign_devices", "load_space", "parse_space"]
+__all__ = [
+    "BEST_FILE",
+    "NOT_REACHED_SECONDS",
+    "PLOT_FILE",
+    "REPORT_FILE",
+    "TRIALS_DIR",
+    "HpoSearch",
+    "Objective",
+    "SearchFailed",
+    "SearchSpace",
+    "assign_devices",
+    "load_space",
+    "parse_space",
+]

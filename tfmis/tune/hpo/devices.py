@@ -40,22 +40,21 @@ def assign_devices(workers: int, cpus: list[int], gpus: list[dict]) -> list[dict
         if len(cpus) >= workers:
             share, extra = divmod(len(cpus), workers)
             start = k * share + min(k, extra)
-            mine = cpus[start:start + share + (1 if k < extra else 0)]
+            mine = cpus[start : start + share + (1 if k < extra else 0)]
         else:
             mine = [cpus[k % len(cpus)]] if cpus else []
         if len(gpus) >= workers:
             per = len(gpus) // workers
-            my_gpus = gpus[k * per:(k + 1) * per]
+            my_gpus = gpus[k * per : (k + 1) * per]
         else:
             my_gpus = [gpus[k % len(gpus)]] if gpus else []
-        plan.append({"tuner_id": f"tuner{k}", "cpus": mine, "gpus": my_gpus,
-                     "gpu_shared": 0 < len(gpus) < workers})
+        plan.append({"tuner_id": f"tuner{k}", "cpus": mine, "gpus": my_gpus, "gpu_shared": 0 < len(gpus) < workers})
     return plan
 
 
 def describe_assignment(plan: list[dict], cpus: list[int]) -> str:
     gpus = {g["index"] for a in plan for g in a["gpus"]}
-    where = (f"{len(gpus)} GPU(s) and {len(cpus)} CPU core(s)" if gpus else f"{len(cpus)} CPU core(s), no GPU")
+    where = f"{len(gpus)} GPU(s) and {len(cpus)} CPU core(s)" if gpus else f"{len(cpus)} CPU core(s), no GPU"
     parts = []
     for a in plan:
         text = f"{a['tuner_id']}: cores {format_cpus(a['cpus'])}"
@@ -123,9 +122,11 @@ def dies_with_parent(command: list[str], sig: int) -> list[str]:
     """
     if _libc() is None or not sys.platform.startswith("linux"):
         return list(command)
-    wrapper = ("import ctypes, ctypes.util, os, sys; "
-               "ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6').prctl(1, int(sys.argv[1])); "
-               "os.execvp(sys.argv[2], sys.argv[2:])")
+    wrapper = (
+        "import ctypes, ctypes.util, os, sys; "
+        "ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6').prctl(1, int(sys.argv[1])); "
+        "os.execvp(sys.argv[2], sys.argv[2:])"
+    )
     return [sys.executable, "-c", wrapper, str(int(sig)), *command]
 
 
@@ -138,8 +139,9 @@ def package_env(env: dict) -> dict:
 
 def trial_env(assignment: dict, base_env: dict | None = None) -> dict:
     """The environment of a worker's training process: its GPUs (or none) and its thread counts."""
-    env = {k: v for k, v in (base_env if base_env is not None else os.environ).items()
-           if not k.startswith("KERASTUNER_")}
+    env = {
+        k: v for k, v in (base_env if base_env is not None else os.environ).items() if not k.startswith("KERASTUNER_")
+    }
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's device numbers = NVML's
     gpus = assignment["gpus"]

@@ -14,8 +14,15 @@ from tfmis.utils.table import text_table
 
 def short(value) -> str:
     """A hyperparameter value as the table shows it: 0.001, [48, 48, 48], true."""
-    return f"{value:g}" if isinstance(value, float) else json.dumps(value) if isinstance(value, (list, dict)) \
-        else str(value).lower() if isinstance(value, bool) else str(value)
+    return (
+        f"{value:g}"
+        if isinstance(value, float)
+        else json.dumps(value)
+        if isinstance(value, (list, dict))
+        else str(value).lower()
+        if isinstance(value, bool)
+        else str(value)
+    )
 
 
 def collect_trials(output_dir: Path, space: SearchSpace, objective: Objective) -> list[dict]:
@@ -31,8 +38,14 @@ def collect_trials(output_dir: Path, space: SearchSpace, objective: Objective) -
     for trial_id, state in sorted(oracle_trials(output_dir).items(), key=lambda kv: trial_order(kv[0])):
         starts = [e for e in events if e["event"] == "start" and e["trial_id"] == trial_id]
         last = starts[-1] if starts else {}
-        end = next((e for e in events if e["event"] == "end" and e["trial_id"] == trial_id
-                    and e.get("attempt") == last.get("attempt")), {})
+        end = next(
+            (
+                e
+                for e in events
+                if e["event"] == "end" and e["trial_id"] == trial_id and e.get("attempt") == last.get("attempt")
+            ),
+            {},
+        )
         status = {"COMPLETED": "ok", "FAILED": "failed"}.get(state["status"], "interrupted")
         run_dir = output_dir / TRIALS_DIR / trial_id
         summary = {}
@@ -45,12 +58,19 @@ def collect_trials(output_dir: Path, space: SearchSpace, objective: Objective) -
             "status": status,
             "objective": state.get("score") if status == "ok" else None,
             "objective_display": objective.display(state.get("score")) if status == "ok" else None,
-            "best_mean_dice": summary.get("best_mean_dice"), "best_epoch": summary.get("best_epoch"),
+            "best_mean_dice": summary.get("best_mean_dice"),
+            "best_epoch": summary.get("best_epoch"),
             "epochs": summary.get("epochs") if summary else (len(history) or None),
-            "seconds": end.get("seconds"), "train_seconds": summary.get("elapsed_seconds"),
-            "start": last.get("time"), "end": end.get("time"),
-            "tuner_id": last.get("tuner_id"), "cpus": last.get("cpus"), "child_cpus": last.get("child_cpus"),
-            "gpus": last.get("gpus"), "attempts": len(starts), "rerun": len(starts) > 1,
+            "seconds": end.get("seconds"),
+            "train_seconds": summary.get("elapsed_seconds"),
+            "start": last.get("time"),
+            "end": end.get("time"),
+            "tuner_id": last.get("tuner_id"),
+            "cpus": last.get("cpus"),
+            "child_cpus": last.get("child_cpus"),
+            "gpus": last.get("gpus"),
+            "attempts": len(starts),
+            "rerun": len(starts) > 1,
             "exit_code": end.get("exit_code"),
             "reason": end.get("reason") or (_first_line(state.get("message")) if status == "failed" else None),
             "thresholds_reached": summary.get("thresholds_reached"),
@@ -96,25 +116,50 @@ def trials_table(report: dict) -> str:
     keys = list(report["space"])
     starts = [r["start"] for r in report["trials"] if r.get("start") is not None]
     t0 = min(starts) if starts else 0.0
-    header = ("trial", "worker", *keys, report["objective"]["name"], "epochs", "seconds", "ran (s from start)", "status")
+    header = (
+        "trial",
+        "worker",
+        *keys,
+        report["objective"]["name"],
+        "epochs",
+        "seconds",
+        "ran (s from start)",
+        "status",
+    )
     rows = [header]
     for r in report["trials"]:
-        span = (f"{r['start'] - t0:.0f}-{r['end'] - t0:.0f}" if r.get("start") is not None and r.get("end") is not None
-                else "-")
-        rows.append((r["trial_id"], r.get("tuner_id") or "-", *(short(r["hyperparameters"].get(k)) for k in keys),
-                     r["objective_display"] or "-", str(r["epochs"]) if r["epochs"] is not None else "-",
-                     f"{r['seconds']:.1f}" if r.get("seconds") is not None else "-", span, run_status(r)))
+        span = (
+            f"{r['start'] - t0:.0f}-{r['end'] - t0:.0f}"
+            if r.get("start") is not None and r.get("end") is not None
+            else "-"
+        )
+        rows.append(
+            (
+                r["trial_id"],
+                r.get("tuner_id") or "-",
+                *(short(r["hyperparameters"].get(k)) for k in keys),
+                r["objective_display"] or "-",
+                str(r["epochs"]) if r["epochs"] is not None else "-",
+                f"{r['seconds']:.1f}" if r.get("seconds") is not None else "-",
+                span,
+                run_status(r),
+            )
+        )
     lines = text_table(rows)
     c = report["counts"]
-    lines.append(f"{sum(c.values())} trials ({c['ok']} ok, {c['failed']} failed, {c['interrupted']} interrupted) of "
-                 f"{report['num_trials']}, {report['strategy']} search, {report['workers']} worker(s), at most "
-                 f"{report['peak_concurrency']} at once; this run took {report['elapsed_seconds']:.0f} s")
+    lines.append(
+        f"{sum(c.values())} trials ({c['ok']} ok, {c['failed']} failed, {c['interrupted']} interrupted) of "
+        f"{report['num_trials']}, {report['strategy']} search, {report['workers']} worker(s), at most "
+        f"{report['peak_concurrency']} at once; this run took {report['elapsed_seconds']:.0f} s"
+    )
     best = report["best"]
     if best:
         hps = ", ".join(f"{k}={short(v)}" for k, v in best["hyperparameters"].items())
-        lines.append(f"best: trial {best['trial_id']} ({hps}): {report['objective']['name']} "
-                     f"{next(r['objective_display'] for r in report['trials'] if r['best'])}; config in {BEST_FILE}, "
-                     f"run folder {best['run_dir']}")
+        lines.append(
+            f"best: trial {best['trial_id']} ({hps}): {report['objective']['name']} "
+            f"{next(r['objective_display'] for r in report['trials'] if r['best'])}; config in {BEST_FILE}, "
+            f"run folder {best['run_dir']}"
+        )
     else:
         lines.append("best: none (no trial finished)")
     return "\n".join(lines)
@@ -135,18 +180,26 @@ def plot_dice(report: dict, path) -> Path:
             continue
         epochs, dice = zip(*r["val_mean_dice"])
         hps = ", ".join(f"{k.split('.')[-1]}={short(v)}" for k, v in r["hyperparameters"].items())
-        label = f"trial {r['trial_id']}: {hps}" + (" (best)" if r["best"] else "") + \
-            (" FAILED" if r["status"] == "failed" else "")
+        label = (
+            f"trial {r['trial_id']}: {hps}"
+            + (" (best)" if r["best"] else "")
+            + (" FAILED" if r["status"] == "failed" else "")
+        )
         if r["best"]:
             ax.plot(epochs, dice, "-o", color="crimson", lw=2.8, ms=5, zorder=3, label=label)
         else:
-            ax.plot(epochs, dice, marker=".", lw=1.1, alpha=0.6, ls="--" if r["status"] == "failed" else "-",
-                    label=label)
+            ax.plot(
+                epochs, dice, marker=".", lw=1.1, alpha=0.6, ls="--" if r["status"] == "failed" else "-", label=label
+            )
         plotted = True
     if not plotted:
         ax.text(0.5, 0.5, "no trial validated yet", ha="center", va="center", transform=ax.transAxes)
-    ax.set(xlabel="epoch", ylabel="validation mean Dice", ylim=(0, 1),
-           title=f"{report['strategy']} search, {report['counts']['ok']} trials, objective {report['objective']['name']}")
+    ax.set(
+        xlabel="epoch",
+        ylabel="validation mean Dice",
+        ylim=(0, 1),
+        title=f"{report['strategy']} search, {report['counts']['ok']} trials, objective {report['objective']['name']}",
+    )
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     if plotted:

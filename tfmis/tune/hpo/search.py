@@ -43,9 +43,6 @@ print(report["best"]["trial_id"], report["best"]["hyperparameters"])
 
 from __future__ import annotations
 
-
-from __future__ import annotations
-
 import datetime
 import json
 import os
@@ -59,9 +56,22 @@ from tfmis.config import Config, ConfigError, from_dict, save_config, set_key, t
 from tfmis.engine.cluster import free_ports
 from tfmis.hardware import accelerators, usable_cpus
 from tfmis.tune.hpo.devices import assign_devices, describe_assignment, dies_with_parent, format_cpus, package_env
-from tfmis.tune.hpo.folder import (BASE_FILE, BEST_FILE, LOGS_DIR, ORACLE_PROJECT, PLOT_FILE, REPORT_FILE, RUNS_LOG,
-                                   SEARCH_FILE, SEARCH_VERSION, definition_fingerprint, new_events, oracle_trials,
-                                   read_events, trial_order)
+from tfmis.tune.hpo.folder import (
+    BASE_FILE,
+    BEST_FILE,
+    LOGS_DIR,
+    ORACLE_PROJECT,
+    PLOT_FILE,
+    REPORT_FILE,
+    RUNS_LOG,
+    SEARCH_FILE,
+    SEARCH_VERSION,
+    definition_fingerprint,
+    new_events,
+    oracle_trials,
+    read_events,
+    trial_order,
+)
 from tfmis.tune.hpo.report import collect_trials, peak_concurrency, plot_dice, short, trials_table
 from tfmis.tune.hpo.space import NOT_REACHED_SECONDS, Objective, SearchSpace
 from tfmis.tune.kt import ENDED, saved_oracle_state
@@ -92,9 +102,20 @@ class HpoSearch:
         space_file: the space's file name, for the report.
     """
 
-    def __init__(self, config: Config, space: SearchSpace, output_dir, *, workers: int = 1,
-                 num_trials: int | None = None, objective: Objective | None = None, strategy: str | None = None,
-                 resume: bool = False, progress: bool = True, space_file: str | None = None):
+    def __init__(
+        self,
+        config: Config,
+        space: SearchSpace,
+        output_dir,
+        *,
+        workers: int = 1,
+        num_trials: int | None = None,
+        objective: Objective | None = None,
+        strategy: str | None = None,
+        resume: bool = False,
+        progress: bool = True,
+        space_file: str | None = None,
+    ):
         self.config, self.space = config, space
         self.output_dir = Path(output_dir)
         self.workers = int(workers)
@@ -111,8 +132,7 @@ class HpoSearch:
             raise ConfigError(f"--num-trials must be >= 1, got {num_trials}")
         if grid_size is not None:
             if num_trials is not None and num_trials > grid_size:
-                print(f"The grid has {grid_size} points: running {grid_size} trials, not {num_trials}",
-                      file=sys.stderr)
+                print(f"The grid has {grid_size} points: running {grid_size} trials, not {num_trials}", file=sys.stderr)
             num_trials = min(num_trials or grid_size, grid_size)
         self.num_trials = num_trials or 10
         self.grid_size = grid_size
@@ -124,9 +144,17 @@ class HpoSearch:
     def definition(self) -> dict:
         """What the chief and the workers read (hpo_search.json). The oracle's seed is training.seed + 1:
         Keras Tuner takes a seed of 0 as "pick one at random"."""
-        d = {"version": SEARCH_VERSION, "config": to_dict(self.config), "space": self.space.to_dict(),
-             "space_file": self.space_file, "objective": str(self.objective), "strategy": self.strategy,
-             "seed": int(self.config.training.seed) + 1, "num_trials": self.num_trials, "workers": self.workers}
+        d = {
+            "version": SEARCH_VERSION,
+            "config": to_dict(self.config),
+            "space": self.space.to_dict(),
+            "space_file": self.space_file,
+            "objective": str(self.objective),
+            "strategy": self.strategy,
+            "seed": int(self.config.training.seed) + 1,
+            "num_trials": self.num_trials,
+            "workers": self.workers,
+        }
         d["fingerprint"] = definition_fingerprint(d)
         return d
 
@@ -138,14 +166,19 @@ class HpoSearch:
         if path.is_file():
             old = json.loads(path.read_text())
             if old.get("fingerprint") != definition["fingerprint"]:
-                differ = [k for k in ("config", "space", "objective", "strategy", "seed") if old.get(k) != definition[k]]
+                differ = [
+                    k for k in ("config", "space", "objective", "strategy", "seed") if old.get(k) != definition[k]
+                ]
                 raise ConfigError(
                     f"{self.output_dir} holds a search with a different {', '.join(differ)}: resume it with the same "
                     f"config, space, --objective and --strategy, or give another --output (or delete the folder) "
-                    "to start a new search")
+                    "to start a new search"
+                )
         elif self.resume:
-            raise ConfigError(f"--resume: {self.output_dir} holds no search ({SEARCH_FILE} missing); run without "
-                              "--resume to start one")
+            raise ConfigError(
+                f"--resume: {self.output_dir} holds no search ({SEARCH_FILE} missing); run without "
+                "--resume to start one"
+            )
         atomic_write_json(path, definition)
         # the parent prepared the data: the trials read it and never convert (two would race)
         base = to_dict(self.config)
@@ -169,9 +202,15 @@ class HpoSearch:
         waiting = set((state or {}).get("ongoing", [])) | set((state or {}).get("retry", []))
         ongoing = sorted(waiting - set(ended), key=trial_order)
         if state:
-            print(f"Resuming the search in {self.output_dir}: {len(ended)} of {self.num_trials} trials finished"
-                  + (f"; trial(s) {', '.join(ongoing)} were running when it stopped and are rerun from scratch"
-                     if ongoing else ""), file=sys.stderr)
+            print(
+                f"Resuming the search in {self.output_dir}: {len(ended)} of {self.num_trials} trials finished"
+                + (
+                    f"; trial(s) {', '.join(ongoing)} were running when it stopped and are rerun from scratch"
+                    if ongoing
+                    else ""
+                ),
+                file=sys.stderr,
+            )
         errors: list[str] = []
         if len(ended) >= self.num_trials and not ongoing:
             print("All trials have finished: writing the report again", file=sys.stderr)
@@ -180,8 +219,9 @@ class HpoSearch:
         report = self.report(time.time() - start, errors)
         self.write_outputs(report)
         if errors:
-            raise SearchFailed("; ".join(errors) + f" (logs in {self.output_dir / LOGS_DIR}); rerun the same command "
-                               "to resume")
+            raise SearchFailed(
+                "; ".join(errors) + f" (logs in {self.output_dir / LOGS_DIR}); rerun the same command to resume"
+            )
         return report
 
     def _run_processes(self, already_ended: int) -> list[str]:
@@ -189,33 +229,52 @@ class HpoSearch:
         gpus = accelerators()
         plan = assign_devices(self.workers, cpus, gpus)
         space = ", ".join(f"{p.key} {p.describe()}" for p in self.space.params)
-        print(f"Hyperparameter search ({self.strategy}, {self.num_trials} trials"
-              + (f" of a {self.grid_size}-point grid" if self.grid_size and self.grid_size != self.num_trials else "")
-              + f", objective {self.objective} ({self.objective.direction}imised)) over {space}", file=sys.stderr)
+        print(
+            f"Hyperparameter search ({self.strategy}, {self.num_trials} trials"
+            + (f" of a {self.grid_size}-point grid" if self.grid_size and self.grid_size != self.num_trials else "")
+            + f", objective {self.objective} ({self.objective.direction}imised)) over {space}",
+            file=sys.stderr,
+        )
         print(describe_assignment(plan, cpus), file=sys.stderr)
         port = free_ports(1)[0]
         base_env = package_env(dict(os.environ))
-        base_env.update(KERASTUNER_ORACLE_IP="127.0.0.1", KERASTUNER_ORACLE_PORT=str(port),
-                        CUDA_VISIBLE_DEVICES="-1",  # the chief and the workers never touch a GPU; trials do
-                        TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+        base_env.update(
+            KERASTUNER_ORACLE_IP="127.0.0.1",
+            KERASTUNER_ORACLE_PORT=str(port),
+            CUDA_VISIBLE_DEVICES="-1",  # the chief and the workers never touch a GPU; trials do
+            TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+        )
         module = [sys.executable, "-m", "tfmis.tune.hpo"]
         processes: dict[str, subprocess.Popen] = {}
         logs = []
         try:
-            processes["chief"] = self._spawn(module + ["chief", str(self.output_dir)],
-                                             {**base_env, "KERASTUNER_TUNER_ID": "chief"}, "chief", logs)
+            processes["chief"] = self._spawn(
+                module + ["chief", str(self.output_dir)], {**base_env, "KERASTUNER_TUNER_ID": "chief"}, "chief", logs
+            )
             for a in plan:
-                command = module + ["worker", str(self.output_dir), "--tuner-id", a["tuner_id"],
-                                    "--cpus", format_cpus(a["cpus"]) if a["cpus"] else "",
-                                    "--gpus", json.dumps(a["gpus"])] + (["--gpu-shared"] if a["gpu_shared"] else [])
-                processes[a["tuner_id"]] = self._spawn(command, {**base_env, "KERASTUNER_TUNER_ID": a["tuner_id"]},
-                                                       a["tuner_id"], logs)
+                command = (
+                    module
+                    + [
+                        "worker",
+                        str(self.output_dir),
+                        "--tuner-id",
+                        a["tuner_id"],
+                        "--cpus",
+                        format_cpus(a["cpus"]) if a["cpus"] else "",
+                        "--gpus",
+                        json.dumps(a["gpus"]),
+                    ]
+                    + (["--gpu-shared"] if a["gpu_shared"] else [])
+                )
+                processes[a["tuner_id"]] = self._spawn(
+                    command, {**base_env, "KERASTUNER_TUNER_ID": a["tuner_id"]}, a["tuner_id"], logs
+                )
             return self._watch(processes, already_ended)
         finally:
-            for name, process in processes.items():
+            for process in processes.values():
                 if process.poll() is None:
                     process.terminate()
-            for name, process in processes.items():
+            for process in processes.values():
                 try:
                     process.wait(timeout=10)
                 except subprocess.TimeoutExpired:
@@ -229,8 +288,9 @@ class HpoSearch:
         log.write(f"\n=== {datetime.datetime.now().isoformat(timespec='seconds')}: {' '.join(command)}\n".encode())
         log.flush()
         logs.append(log)
-        return subprocess.Popen(dies_with_parent(command, signal.SIGTERM), stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
+        return subprocess.Popen(
+            dies_with_parent(command, signal.SIGTERM), stdout=log, stderr=subprocess.STDOUT, env=env
+        )
 
     def _watch(self, processes: dict, already_ended: int) -> list[str]:
         """Prints a line per finished trial until every worker has exited; returns what died."""
@@ -241,8 +301,11 @@ class HpoSearch:
         offset = log.stat().st_size if log.is_file() else 0  # earlier runs' lines were reported then
         state = {"done": already_ended, "best": None}
         for trial_id, t in oracle_trials(self.output_dir).items():  # the best of an earlier run
-            if t["status"] == "COMPLETED" and t.get("score") is not None and (
-                    state["best"] is None or self.objective.better(t["score"], state["best"][1])):
+            if (
+                t["status"] == "COMPLETED"
+                and t.get("score") is not None
+                and (state["best"] is None or self.objective.better(t["score"], state["best"][1]))
+            ):
                 state["best"] = (trial_id, t["score"])
         bar = progress_bar(self.num_trials, "HPO trials", "trial", disable=not self.progress, initial=already_ended)
 
@@ -251,8 +314,11 @@ class HpoSearch:
             offset, events = new_events(self.output_dir, offset)
             for e in events:
                 if e["event"] == "start" and e.get("rerun"):
-                    bar.write(f"trial {e['trial_id']}: rerunning it (attempt {e['attempt']}; it was running when "
-                              "the search was interrupted)", file=sys.stderr)
+                    bar.write(
+                        f"trial {e['trial_id']}: rerunning it (attempt {e['attempt']}; it was running when "
+                        "the search was interrupted)",
+                        file=sys.stderr,
+                    )
                 if e["event"] != "end":
                     continue
                 state["done"] += 1
@@ -269,8 +335,10 @@ class HpoSearch:
                 if all(p.poll() is not None for p in workers.values()):
                     break
                 if processes["chief"].poll() is not None:
-                    errors.append(f"the chief (oracle server) exited with code {processes['chief'].returncode}: "
-                                  f"{last_log_line(self.output_dir / LOGS_DIR / 'chief.log')}")
+                    errors.append(
+                        f"the chief (oracle server) exited with code {processes['chief'].returncode}: "
+                        f"{last_log_line(self.output_dir / LOGS_DIR / 'chief.log')}"
+                    )
                     break
                 time.sleep(POLL_SECONDS)
             report_new_events()
@@ -278,19 +346,32 @@ class HpoSearch:
             bar.close()
         for name, p in workers.items():
             if p.returncode not in (0, None):
-                errors.append(f"worker {name} exited with code {p.returncode}: "
-                              f"{last_log_line(self.output_dir / LOGS_DIR / f'{name}.log')}")
+                errors.append(
+                    f"worker {name} exited with code {p.returncode}: "
+                    f"{last_log_line(self.output_dir / LOGS_DIR / f'{name}.log')}"
+                )
         return errors
 
     def _progress_line(self, e: dict, done: int, best) -> str:
-        values = next((s["hyperparameters"] for s in reversed(read_events(self.output_dir))
-                       if s["event"] == "start" and s["trial_id"] == e["trial_id"]), {})
+        values = next(
+            (
+                s["hyperparameters"]
+                for s in reversed(read_events(self.output_dir))
+                if s["event"] == "start" and s["trial_id"] == e["trial_id"]
+            ),
+            {},
+        )
         hps = " ".join(f"{k}={short(v)}" for k, v in values.items())
-        result = (f"{self.objective} {self.objective.display(e['objective'])}, {e['epochs']} epochs"
-                  if e["status"] == "ok" else f"FAILED: {e['reason']}")
+        result = (
+            f"{self.objective} {self.objective.display(e['objective'])}, {e['epochs']} epochs"
+            if e["status"] == "ok"
+            else f"FAILED: {e['reason']}"
+        )
         best_text = f"; best: trial {best[0]} {self.objective.display(best[1])}" if best else ""
-        return (f"trial {e['trial_id']:>3} [{e['tuner_id']}, {e['seconds']:.1f} s] {hps}: {result} "
-                f"({done}/{self.num_trials} done{best_text})")
+        return (
+            f"trial {e['trial_id']:>3} [{e['tuner_id']}, {e['seconds']:.1f} s] {hps}: {result} "
+            f"({done}/{self.num_trials} done{best_text})"
+        )
 
     # -------------------------------------------------------------- the report
 
@@ -307,17 +388,27 @@ class HpoSearch:
         counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "failed", "interrupted")}
         return {
             "created": datetime.datetime.now().isoformat(timespec="seconds"),
-            "output_dir": str(self.output_dir), "space_file": self.space_file, "space": self.space.to_dict(),
-            "strategy": self.strategy, "num_trials": self.num_trials, "grid_size": self.grid_size,
+            "output_dir": str(self.output_dir),
+            "space_file": self.space_file,
+            "space": self.space.to_dict(),
+            "strategy": self.strategy,
+            "num_trials": self.num_trials,
+            "grid_size": self.grid_size,
             "workers": self.workers,
-            "objective": {"name": str(self.objective), "metric": self.objective.name,
-                          "direction": self.objective.direction,
-                          "not_reached_seconds": NOT_REACHED_SECONDS if self.objective.target else None},
-            "trials": records, "counts": counts,
+            "objective": {
+                "name": str(self.objective),
+                "metric": self.objective.name,
+                "direction": self.objective.direction,
+                "not_reached_seconds": NOT_REACHED_SECONDS if self.objective.target else None,
+            },
+            "trials": records,
+            "counts": counts,
             "peak_concurrency": peak_concurrency(records),
-            "best": None if best is None else {k: best[k] for k in ("trial_id", "hyperparameters", "objective",
-                                                                     "run_dir")},
-            "elapsed_seconds": elapsed, "errors": errors or [],
+            "best": None
+            if best is None
+            else {k: best[k] for k in ("trial_id", "hyperparameters", "objective", "run_dir")},
+            "elapsed_seconds": elapsed,
+            "errors": errors or [],
         }
 
     def write_outputs(self, report: dict) -> None:

@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 
-
 from tfmis.config import Config, ConfigError, from_dict, read_yaml, set_key, to_dict, validate
 
 NOT_REACHED_SECONDS = 1.0e6  # time_to_dice of a run that never reached the target
@@ -62,7 +61,7 @@ class Param:
         while v <= self.max * (1 + 1e-12) + 1e-12:
             values.append(int(round(v)) if self.kind == "int" else float(f"{v:.12g}"))
             i += 1
-            v = self.min * step ** i if log else self.min + step * i
+            v = self.min * step**i if log else self.min + step * i
         return values
 
     def add_to(self, hp) -> None:
@@ -70,8 +69,13 @@ class Param:
         if self.kind == "choice":
             hp.Choice(self.key, [json.dumps(v) for v in self.values] if self.encoded else list(self.values))
         elif self.kind == "int":
-            hp.Int(self.key, int(self.min), int(self.max), step=int(self.step) if self.step else None,
-                   sampling=self.sampling)
+            hp.Int(
+                self.key,
+                int(self.min),
+                int(self.max),
+                step=int(self.step) if self.step else None,
+                sampling=self.sampling,
+            )
         else:
             hp.Float(self.key, self.min, self.max, step=self.step, sampling=self.sampling)
 
@@ -120,8 +124,10 @@ class SearchSpace:
         for p in self.params:
             values = p.grid_values()
             if values is None:
-                raise ConfigError(f"{self.source}: {p.key} is a continuous range {p.describe()}: a grid needs "
-                                  f"`values` or a `step`; or search it with --strategy random or bayesian")
+                raise ConfigError(
+                    f"{self.source}: {p.key} is a continuous range {p.describe()}: a grid needs "
+                    f"`values` or a `step`; or search it with --strategy random or bayesian"
+                )
             columns.append(values)
         return [dict(zip(self.keys, combo)) for combo in itertools.product(*columns)]
 
@@ -162,16 +168,21 @@ def _config_value(data: dict, key: str, value, source: str):
         validate(config)
     except ConfigError as e:
         text = str(e)
-        raise ConfigError(f"{source}: {key}: {text}" if "unknown config key" in text or "not a config section" in text
-                          else f"{source}: {key}={value!r} is not valid: {text}") from e
+        raise ConfigError(
+            f"{source}: {key}: {text}"
+            if "unknown config key" in text or "not a config section" in text
+            else f"{source}: {key}={value!r} is not valid: {text}"
+        ) from e
     result = to_dict(config)
     for part in key.split("."):
         if not isinstance(result, dict) or part not in result:
             raise ConfigError(f"{source}: {key}: not a config value")
         result = result[part]
     if isinstance(result, dict):
-        raise ConfigError(f"{source}: {key} is a config section, not a value: name one of its keys, e.g. "
-                          f"{key}.{next(iter(result), '...')}")
+        raise ConfigError(
+            f"{source}: {key} is a config section, not a value: name one of its keys, e.g. "
+            f"{key}.{next(iter(result), '...')}"
+        )
     return result
 
 
@@ -194,23 +205,27 @@ def parse_space(data, config: Config, source: str = "space") -> SearchSpace:
         [{'loss.name': 'dice'}, {'loss.name': 'dice_ce'}]
     """
     if not isinstance(data, dict) or not data:
-        raise ConfigError(f"{source}: expected a mapping of dotted config keys to choices, e.g. "
-                          "'optimizer.learning_rate: {values: [0.001, 0.0003]}'")
+        raise ConfigError(
+            f"{source}: expected a mapping of dotted config keys to choices, e.g. "
+            "'optimizer.learning_rate: {values: [0.001, 0.0003]}'"
+        )
     base = to_dict(config)
     params = []
     for key, spec in data.items():
         key = str(key)
         if key in SET_PER_TRIAL:
-            raise ConfigError(f"{source}: {key} is set by the search for each trial (<output>/trials/<id>); "
-                              "remove it from the space")
+            raise ConfigError(
+                f"{source}: {key} is set by the search for each trial (<output>/trials/<id>); remove it from the space"
+            )
         if isinstance(spec, list):
             spec = {"values": spec}
         if not isinstance(spec, dict):
             raise ConfigError(f"{source}: {key}: expected {{values: [...]}} or {{min: ..., max: ...}}, got {spec!r}")
         unknown = set(spec) - {"values", "min", "max", "step", "sampling"}
         if unknown:
-            raise ConfigError(f"{source}: {key}: unknown field(s) {sorted(unknown)}; use values, or min, max, step "
-                              "and sampling")
+            raise ConfigError(
+                f"{source}: {key}: unknown field(s) {sorted(unknown)}; use values, or min, max, step and sampling"
+            )
         if "values" in spec:
             if set(spec) != {"values"}:
                 raise ConfigError(f"{source}: {key}: give either values or a range (min, max), not both")
@@ -225,13 +240,16 @@ def parse_space(data, config: Config, source: str = "space") -> SearchSpace:
             params.append(Param(key, "choice", values=values, encoded=encoded))
             continue
         if "min" not in spec or "max" not in spec:
-            raise ConfigError(f"{source}: {key}: a range needs min and max (and optionally step, sampling), "
-                              f"or give values: [...]")
+            raise ConfigError(
+                f"{source}: {key}: a range needs min and max (and optionally step, sampling), or give values: [...]"
+            )
         lo = _config_value(base, key, spec["min"], source)
         hi = _config_value(base, key, spec["max"], source)
         if isinstance(lo, bool) or not isinstance(lo, (int, float)):
-            raise ConfigError(f"{source}: {key} holds {type(lo).__name__} values: a range needs a numeric key; "
-                              "give values: [...] instead")
+            raise ConfigError(
+                f"{source}: {key} holds {type(lo).__name__} values: a range needs a numeric key; "
+                "give values: [...] instead"
+            )
         kind = "int" if isinstance(lo, int) else "float"
         sampling = spec.get("sampling", "linear")
         if sampling not in ("linear", "log"):
@@ -247,10 +265,20 @@ def parse_space(data, config: Config, source: str = "space") -> SearchSpace:
                     step = float(step)
                 except ValueError:
                     pass
-            if isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0 or \
-                    (sampling == "log" and step <= 1) or (kind == "int" and step != int(step)):
-                need = "a multiplier > 1 under log sampling" if sampling == "log" else \
-                    "a positive integer" if kind == "int" else "a positive number"
+            if (
+                isinstance(step, bool)
+                or not isinstance(step, (int, float))
+                or step <= 0
+                or (sampling == "log" and step <= 1)
+                or (kind == "int" and step != int(step))
+            ):
+                need = (
+                    "a multiplier > 1 under log sampling"
+                    if sampling == "log"
+                    else "a positive integer"
+                    if kind == "int"
+                    else "a positive number"
+                )
                 raise ConfigError(f"{source}: {key}: step must be {need}, got {spec['step']!r}")
         params.append(Param(key, kind, min=lo, max=hi, step=step, sampling=sampling))
         for value in params[-1].grid_values() or ():  # every grid value of a range is valid too
@@ -272,6 +300,7 @@ def load_space(path, config: Config) -> SearchSpace:
 
 # ---------------------------------------------------------------------------------------------- the objective
 
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """What a trial scores: `best_mean_dice` (maximised) or `time_to_dice` with a target (minimised).
@@ -287,7 +316,7 @@ class Objective:
     target: float | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "Objective":
+    def parse(cls, text: str) -> Objective:
         text = str(text).strip()
         if text == "best_mean_dice":
             return cls("best_mean_dice")
@@ -298,13 +327,18 @@ class Objective:
             except ValueError:
                 target = math.nan
             if not 0 < target <= 1:
-                raise ConfigError(f"--objective {text}: the target must be a mean Dice in (0, 1], e.g. time_to_dice:0.9")
+                raise ConfigError(
+                    f"--objective {text}: the target must be a mean Dice in (0, 1], e.g. time_to_dice:0.9"
+                )
             if abs(round(target, 2) - target) > 1e-9:
-                raise ConfigError(f"--objective {text}: summary.json records thresholds to 2 decimals; give the "
-                                  f"target as {round(target, 2)}")
+                raise ConfigError(
+                    f"--objective {text}: summary.json records thresholds to 2 decimals; give the "
+                    f"target as {round(target, 2)}"
+                )
             return cls("time_to_dice", round(target, 2))
-        raise ConfigError(f"--objective {text!r}: expected best_mean_dice or time_to_dice:<target>, e.g. "
-                          "time_to_dice:0.9")
+        raise ConfigError(
+            f"--objective {text!r}: expected best_mean_dice or time_to_dice:<target>, e.g. time_to_dice:0.9"
+        )
 
     @property
     def name(self) -> str:
@@ -338,8 +372,9 @@ class Objective:
         """
         if self.kind == "best_mean_dice":
             if summary.get("best_mean_dice") is None:
-                raise ValueError("the run never validated (best_mean_dice is null): make validation.val_interval "
-                                 "<= training.epochs")
+                raise ValueError(
+                    "the run never validated (best_mean_dice is null): make validation.val_interval <= training.epochs"
+                )
             return float(summary["best_mean_dice"])
         reached = (summary.get("thresholds_reached") or {}).get(f"{self.target:.2f}")
         return float(reached["elapsed_seconds"]) if reached else NOT_REACHED_SECONDS

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 from tfmis.tune.hpo.devices import allowed_cpus, dies_with_parent, format_cpus, parse_cpus, trial_env
-from tfmis.tune.hpo.folder import (BASE_FILE, ORACLE_PROJECT, TRIALS_DIR, append_event, read_definition,
-                                   read_events)
+from tfmis.tune.hpo.folder import BASE_FILE, ORACLE_PROJECT, TRIALS_DIR, append_event, read_definition, read_events
 from tfmis.tune.hpo.space import Objective, SearchSpace, overrides_for
 from tfmis.utils.io import log_tail
 
@@ -32,11 +31,16 @@ def make_oracle(definition: dict, space: SearchSpace, objective: Objective):
 
     strategy = definition["strategy"]
     num_initial = max(2, min(definition["num_trials"] // 3, 2 * len(space.params)))
-    return kt.make_oracle(strategy, objective=objective.name, direction=objective.direction,
-                          hyperparameters=space.hyperparameters(), seed=definition["seed"],
-                          max_trials=definition["num_trials"],
-                          num_initial_points=num_initial if strategy == "bayesian" else None,
-                          grid=[space.to_tuner(v) for v in space.grid()] if strategy == "grid" else None)
+    return kt.make_oracle(
+        strategy,
+        objective=objective.name,
+        direction=objective.direction,
+        hyperparameters=space.hyperparameters(),
+        seed=definition["seed"],
+        max_trials=definition["num_trials"],
+        num_initial_points=num_initial if strategy == "bayesian" else None,
+        grid=[space.to_tuner(v) for v in space.grid()] if strategy == "grid" else None,
+    )
 
 
 def error_line(*paths: Path) -> str:
@@ -71,29 +75,49 @@ class TrialRunner:
         run_dir = self.output_dir / TRIALS_DIR / str(trial_id)
         attempts = sum(e["event"] == "start" and e["trial_id"] == trial_id for e in read_events(self.output_dir))
         if run_dir.exists():
-            print(f"trial {trial_id} was running when the search was interrupted: rerunning it from scratch "
-                  f"(removing {run_dir})", flush=True)
+            print(
+                f"trial {trial_id} was running when the search was interrupted: rerunning it from scratch "
+                f"(removing {run_dir})",
+                flush=True,
+            )
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        overrides = [*overrides_for(values), *self.objective.trial_overrides(self.config),
-                     f"output.dir={json.dumps(str(run_dir))}", "output.progress=false"]
+        overrides = [
+            *overrides_for(values),
+            *self.objective.trial_overrides(self.config),
+            f"output.dir={json.dumps(str(run_dir))}",
+            "output.progress=false",
+        ]
         command = [sys.executable, "-m", "tfmis.train", "--config", str(self.output_dir / BASE_FILE)]
         for override in overrides:
             command += ["--set", override]
         start = time.time()
         with open(run_dir / "train.log", "wb") as out, open(run_dir / "train.err.log", "wb") as err:
             try:
-                child = subprocess.Popen(dies_with_parent(command, signal.SIGKILL), stdout=out, stderr=err,
-                                         env=trial_env(self.assignment))
+                child = subprocess.Popen(
+                    dies_with_parent(command, signal.SIGKILL), stdout=out, stderr=err, env=trial_env(self.assignment)
+                )
             except OSError as e:
                 return self._end(trial_id, attempts + 1, start, None, f"cannot start tfmis.train: {e}", None, run_dir)
-            append_event(self.output_dir, {
-                "event": "start", "trial_id": trial_id, "tuner_id": self.tuner_id, "attempt": attempts + 1,
-                "rerun": attempts > 0, "time": start, "pid": child.pid, "hyperparameters": values,
-                "cpus": self.assignment["cpus"], "child_cpus": allowed_cpus(child.pid),
-                "gpus": [g.get("uuid") or g["index"] for g in self.assignment["gpus"]],
-                "command": command, "run_dir": str(run_dir)})
-            print(f"trial {trial_id} started: {' '.join(overrides[:len(values)])}", flush=True)
+            append_event(
+                self.output_dir,
+                {
+                    "event": "start",
+                    "trial_id": trial_id,
+                    "tuner_id": self.tuner_id,
+                    "attempt": attempts + 1,
+                    "rerun": attempts > 0,
+                    "time": start,
+                    "pid": child.pid,
+                    "hyperparameters": values,
+                    "cpus": self.assignment["cpus"],
+                    "child_cpus": allowed_cpus(child.pid),
+                    "gpus": [g.get("uuid") or g["index"] for g in self.assignment["gpus"]],
+                    "command": command,
+                    "run_dir": str(run_dir),
+                },
+            )
+            print(f"trial {trial_id} started: {' '.join(overrides[: len(values)])}", flush=True)
             exit_code = child.wait()
         if exit_code != 0:
             reason = f"exit code {exit_code}: {error_line(run_dir / 'train.err.log', run_dir / 'train.log')}"
@@ -112,13 +136,24 @@ class TrialRunner:
 
     def _end(self, trial_id, attempt, start, exit_code, reason, value, run_dir, summary=None) -> dict:
         end = time.time()
-        record = {"event": "end", "trial_id": trial_id, "tuner_id": self.tuner_id, "attempt": attempt,
-                  "time": end, "seconds": end - start, "exit_code": exit_code,
-                  "status": "ok" if reason is None else "failed", "objective": value, "reason": reason,
-                  "epochs": (summary or {}).get("epochs")}
+        record = {
+            "event": "end",
+            "trial_id": trial_id,
+            "tuner_id": self.tuner_id,
+            "attempt": attempt,
+            "time": end,
+            "seconds": end - start,
+            "exit_code": exit_code,
+            "status": "ok" if reason is None else "failed",
+            "objective": value,
+            "reason": reason,
+            "epochs": (summary or {}).get("epochs"),
+        }
         append_event(self.output_dir, record)
-        print(f"trial {trial_id} {record['status']}: "
-              + (self.objective.display(value) if reason is None else reason), flush=True)
+        print(
+            f"trial {trial_id} {record['status']}: " + (self.objective.display(value) if reason is None else reason),
+            flush=True,
+        )
         return record
 
 
@@ -129,10 +164,14 @@ def chief_main(output_dir: Path) -> int:
     definition, _, space, objective = read_definition(output_dir)
     kt.allow_reload(Path(output_dir) / ORACLE_PROJECT)
     oracle = make_oracle(definition, space, objective)
-    tuner = kt.make_tuner(None, objective.name, oracle=oracle, directory=str(output_dir), project_name=ORACLE_PROJECT,
-                          overwrite=False)
-    print(f"chief: serving the oracle on {os.environ['KERASTUNER_ORACLE_IP']}:{os.environ['KERASTUNER_ORACLE_PORT']}"
-          f" ({len(tuner.oracle.trials)} trials known, {len(kt.retry_queue(tuner))} to rerun)", flush=True)
+    tuner = kt.make_tuner(
+        None, objective.name, oracle=oracle, directory=str(output_dir), project_name=ORACLE_PROJECT, overwrite=False
+    )
+    print(
+        f"chief: serving the oracle on {os.environ['KERASTUNER_ORACLE_IP']}:{os.environ['KERASTUNER_ORACLE_PORT']}"
+        f" ({len(tuner.oracle.trials)} trials known, {len(kt.retry_queue(tuner))} to rerun)",
+        flush=True,
+    )
     kt.run_search(tuner)  # blocks, serving the workers
     return 0
 
@@ -147,17 +186,25 @@ def worker_main(output_dir: Path, tuner_id: str, cpus: list[int], gpus: list[dic
     assignment = {"tuner_id": tuner_id, "cpus": cpus, "gpus": gpus, "gpu_shared": gpu_shared}
     runner = TrialRunner(output_dir, assignment)
     oracle = make_oracle(runner.definition, runner.space, runner.objective)
-    tuner = kt.make_tuner(runner.evaluate, runner.objective.name, oracle=oracle, directory=str(output_dir),
-                          project_name=ORACLE_PROJECT, overwrite=False)
+    tuner = kt.make_tuner(
+        runner.evaluate,
+        runner.objective.name,
+        oracle=oracle,
+        directory=str(output_dir),
+        project_name=ORACLE_PROJECT,
+        overwrite=False,
+    )
     print(f"{tuner_id}: cores {format_cpus(cpus)}, GPUs {[g['index'] for g in gpus] or 'none'}", flush=True)
     kt.run_search(tuner)  # a failed trial is reported with its reason, not a traceback
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfmis.tune.hpo",
-                                description="The chief and worker processes of `python -m tfmis.tune hpo` (started "
-                                            "by it, with the KERASTUNER_* environment variables set).")
+    p = argparse.ArgumentParser(
+        prog="python -m tfmis.tune.hpo",
+        description="The chief and worker processes of `python -m tfmis.tune hpo` (started "
+        "by it, with the KERASTUNER_* environment variables set).",
+    )
     sub = p.add_subparsers(dest="role", required=True)
     chief = sub.add_parser("chief", help="serve the oracle")
     chief.add_argument("output")
@@ -175,5 +222,4 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.role == "chief":
         return chief_main(Path(args.output))
-    return worker_main(Path(args.output), args.tuner_id, parse_cpus(args.cpus), json.loads(args.gpus),
-                       args.gpu_shared)
+    return worker_main(Path(args.output), args.tuner_id, parse_cpus(args.cpus), json.loads(args.gpus), args.gpu_shared)
