@@ -196,7 +196,8 @@ def main(argv=None) -> int:
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    from tfmis.inference.sliding_window import aggregates_on_host, number_of_windows, sliding_window_inference
+    from tfmis.inference import number_of_windows, sliding_window_inference
+    from tfmis.inference.blending import aggregates_on_host
     from tfmis.utils.io import atomic_write_json
 
     predictors = {"tanh": tf.tanh, "poly": lambda x: x * x - x / 2}

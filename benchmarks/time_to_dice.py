@@ -40,7 +40,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -508,8 +507,9 @@ def plot(result: dict, path: Path) -> Path:
 
 
 def _device(threads: int) -> str:
-    cpu = platform.processor() or platform.machine()
-    return f"CPU ({cpu}, {os.cpu_count()} cores visible)"
+    from tfmis.hardware import detect_hardware
+
+    return detect_hardware().describe()
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -10,7 +10,8 @@ from conftest import make_msd_dataset
 from tfmis.config import ConfigError, load_config
 from tfmis.convert import build_parser
 from tfmis.data.convert import ConversionConfig, ConversionOptions
-from tfmis.networks.unet import UNetArchitecture, UNetConfig
+from tfmis.networks.architecture import UNetArchitecture
+from tfmis.networks.unet import UNetConfig
 
 # a non-default value for every conversion option, as YAML and as command-line flags
 NON_DEFAULT_CONVERSION = {

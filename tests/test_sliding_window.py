@@ -14,7 +14,8 @@ import pytest
 import tensorflow as tf
 
 from tfmis.inference import importance_map, number_of_windows, sliding_window_inference, window_starts
-from tfmis.inference.sliding_window import _aggregate, _infer, _pad_volume, aggregates_on_host, weight_sum
+from tfmis.inference.blending import aggregate, aggregates_on_host, weight_sum
+from tfmis.inference.sliding_window import _infer, _pad_volume
 
 ROI = (12, 8, 8)  # anisotropic, so swapped axes show; at overlap 0.75 the steps are (3, 2, 2)
 # divisible by the roi, odd and non-divisible, even and non-divisible, smaller than the roi on
@@ -461,7 +462,7 @@ def test_windows_off_a_grid_and_voxels_no_window_reaches(on_host):
     volume = random_volume((20, 14, 12))
     starts = np.array([[0, 0, 0], [5, 3, 2], [5, 3, 2], [8, 6, 4], [0, 6, 4]], np.int32)
     weights = monai_gaussian(ROI)
-    out = _aggregate(
+    out = aggregate(
         volume, ROI, starts, mean_and_sum, weights.astype(np.float32), 2, None, None, False, on_host=on_host
     ).numpy()
     total = np.zeros(volume.shape[:4] + (3,))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from tfmis.config import ConfigError
-from tfmis.tune.fit.search import MemoryModel, choose, fit_line
+from tfmis.tune.fit.memory import MemoryModel, fit_line
+from tfmis.tune.fit.search import choose
 from tfmis.tune.fit.specs import FitSpecs, load_specs
 
 # ---------------------------------------------------------------------------------------------- specs

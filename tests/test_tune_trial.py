@@ -22,7 +22,7 @@ from conftest import tiny_config
 
 from tfmis.config import to_dict
 from tfmis.hardware import accelerators, host_memory
-from tfmis.inference.sliding_window import number_of_windows
+from tfmis.inference.windows import number_of_windows
 from tfmis.tune.fit.trial import (
     PROGRESS_FILE,
     RESULT_KEYS,

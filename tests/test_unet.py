@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tfmis.networks import ConvNormAct, ResidualUnit, UNetConfig, build_unet, check_patch_size
-from tfmis.networks.unet import UpBlock, full_resolution_upsample_filters
+from tfmis.networks.blocks import UpBlock, full_resolution_upsample_filters
 
 TINY = dict(filters=(4, 8, 16), strides=(1, 2, 2))  # patch sides must be multiples of 4
 

@@ -32,7 +32,8 @@ from tfmis.data.records import load_index
 from tfmis.hardware import resolve_precision
 from tfmis.losses import DeepSupervisionLoss, build_loss
 from tfmis.metrics.segmentation import SegmentationMetrics
-from tfmis.networks.unet import UNetConfig, check_patch_size
+from tfmis.networks.architecture import check_patch_size
+from tfmis.networks.unet import UNetConfig
 from tfmis.optimizers import batch_scaled_learning_rate, build_optimizer, build_schedule
 from tfmis.optimizers.schedules import OncePerStep
 

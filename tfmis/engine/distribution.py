@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmis.engine.cluster import Launch, detect_launch, mpi_tf_config, rendezvous_folder
+from tfmis.hardware import nvidia_smi_available, physical_gpus
 
 
 class Backend:
@@ -279,7 +280,7 @@ def resolve_distribution(runtime, launch: Launch | None = None) -> str:
         return "horovod"
     if launch.size > 1:
         return "multiworker"
-    gpus = tf.config.list_physical_devices("GPU")  # physical: does not initialise the runtime
+    gpus = physical_gpus()  # physical: does not initialise the runtime
     several = len(runtime.devices) > 1 if runtime.devices else len(gpus) > 1
     return "mirrored" if several else "none"
 
@@ -371,7 +372,7 @@ def _slurm_resolver(port_base: int):
     tasks by GPU slots and would otherwise find no room for any task (its GPU count comes from nvidia-smi)."""
     from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import expand_tasks_per_node
 
-    if shutil.which("nvidia-smi"):
+    if nvidia_smi_available():
         return tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base)
     tasks_per_node = max(
         expand_tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", "1")))
@@ -383,6 +384,6 @@ def _slurm_resolver(port_base: int):
 
 def _pin_local_gpu(local_rank: int) -> None:
     """One GPU per process when several ranks share a node (before the runtime initialises)."""
-    gpus = tf.config.list_physical_devices("GPU")
+    gpus = physical_gpus()
     if len(gpus) > 1:
         tf.config.set_visible_devices(gpus[local_rank % len(gpus)], "GPU")

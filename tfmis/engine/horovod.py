@@ -48,6 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmis.engine.distribution import Backend
+from tfmis.hardware import physical_gpus
 
 INSTALL_HINT = (
     "runtime.distribution: horovod needs Horovod built with TensorFlow ops; Horovod 0.28.1 builds "
@@ -111,7 +112,7 @@ class HorovodBackend(Backend):
         hvd.init()
         self.rank, self.size = int(hvd.rank()), int(hvd.size())
         self.local_rank, self.local_size = int(hvd.local_rank()), int(hvd.local_size())
-        gpus = tf.config.list_physical_devices("GPU")
+        gpus = physical_gpus()
         if gpus:
             if self.local_rank >= len(gpus):
                 raise RuntimeError(

@@ -1,15 +1,15 @@
-"""Inference on whole volumes: sliding-window prediction with overlap blending (MONAI-like)."""
+"""Inference on whole volumes: sliding-window prediction with overlap blending (MONAI-like).
 
-from tfmis.inference.sliding_window import (
-    BLEND_MODES,
-    PADDING_MODES,
-    aggregate_windows,
-    importance_map,
-    number_of_windows,
-    scan_intervals,
-    sliding_window_inference,
-    window_starts,
-)
+- `windows.py`: the window grid and the importance map (MONAI's formulas);
+- `blending.py`: Σ(weight · prediction) / Σ(weight) in host memory or on a device;
+- `sliding_window.py`: `sliding_window_inference`, MONAI's signature;
+- `placement.py`: where a volume and its buffers live, with the out-of-memory fallback;
+- `predictor.py`: whole scans in, NIfTI out, in the original geometry.
+"""
+
+from tfmis.inference.blending import aggregate_windows
+from tfmis.inference.sliding_window import PADDING_MODES, sliding_window_inference
+from tfmis.inference.windows import BLEND_MODES, importance_map, number_of_windows, scan_intervals, window_starts
 
 __all__ = [
     "BLEND_MODES",

@@ -7,13 +7,13 @@ import Keras and TensorFlow.
 import importlib
 
 _EXPORTS = {
-    "ConvNormAct": "unet",
-    "RecomputableBlock": "unet",
-    "ResidualUnit": "unet",
+    "ConvNormAct": "blocks",
+    "RecomputableBlock": "blocks",
+    "ResidualUnit": "blocks",
     "UNetConfig": "unet",
-    "UpBlock": "unet",
+    "UpBlock": "blocks",
     "build_unet": "unet",
-    "recompute_call": "unet",
+    "recompute_call": "blocks",
     "UNetArchitecture": "architecture",
     "check_patch_size": "architecture",
     "required_divisor": "architecture",

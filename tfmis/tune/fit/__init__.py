@@ -3,6 +3,7 @@ memory and speed (MONAI Auto3DSeg's "GPU customization").
 
 - `specs.py`: what is searched (`FitSpecs`, `load_specs`, in Auto3DSeg's shape);
 - `trial.py`: one measured configuration in a fresh subprocess (`run_trial`);
+- `memory.py`: the memory model that prunes candidates predicted over the budget (`MemoryModel`);
 - `search.py`: Keras Tuner proposes, the memory model prunes, the choice and its cache (`GpuFitSearch`,
   `fit_config`, `cached_choice` for the planner);
 - `report.py`: the trial table and `memory.png`.

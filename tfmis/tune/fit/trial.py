@@ -51,7 +51,7 @@ from pathlib import Path
 
 # No TensorFlow at module level: the child sets its environment and GPU options before the import,
 # and the parent (the search) must never initialise a GPU.
-from tfmis.hardware import host_memory, nvml_device
+from tfmis.hardware import host_memory, nvml_device, physical_gpus
 from tfmis.utils.io import atomic_write_json, log_tail
 from tfmis.utils.memory import error_line, is_out_of_memory
 
@@ -208,7 +208,6 @@ def run_trial(
         command += ["--memory-budget-mb", str(memory_budget_mb)]
 
     start = time.monotonic()
-    killed, rss_seen, exit_code = None, 0.0, None
     with open(log_path, "wb") as log:
         try:
             child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(gpu, extra_env))
@@ -222,22 +221,7 @@ def run_trial(
                     "wall_seconds": 0.0,
                 }
             )
-        while True:
-            try:
-                exit_code = child.wait(timeout=POLL_SECONDS)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            rss = _status_mb(child.pid, "VmRSS") or 0.0
-            rss_seen = max(rss_seen, rss)
-            if rss_budget is not None and rss > rss_budget:
-                killed = "budget"
-            elif time.monotonic() - start > timeout_s:
-                killed = "timeout"
-            if killed:
-                child.kill()
-                exit_code = child.wait()
-                break
+        killed, rss_seen, exit_code = _watch(child, rss_budget, start + timeout_s)
     wall = time.monotonic() - start
 
     progress = _read_json(progress_path) or {}
@@ -260,24 +244,53 @@ def run_trial(
         )
     elif killed == "timeout":
         _fail(result, f"timed out after {timeout_s:g} s during {phase}", phase)
-    elif reported is None:  # a crash: the log's last lines say what happened
-        lines = log_tail(log_path)
-        # faulthandler's "Fatal Python error: Segmentation fault" says more than the stack after it
-        last = next(
-            (line for line in reversed(lines) if line.startswith("Fatal Python error")), lines[-1] if lines else None
-        )
-        # a SIGKILL we did not send is, on Linux, almost always the kernel's out-of-memory killer
-        how = " (SIGKILL: probably the kernel's out-of-memory killer)" if exit_code == -9 else ""
-        _fail(
-            result,
-            f"exit code {exit_code}{how} during {phase}: {last or '(no error output)'}",
-            phase,
-            out_of_memory=exit_code == -9 or any(is_out_of_memory(line) for line in lines),
-        )
-        result["log_tail"] = lines[-12:]
+    elif reported is None:
+        _fail_crash(result, log_path, exit_code, phase)
     elif result.get("status") == "ok":
         _check_budgets(result, memory_budget_mb, rss_budget, gpu is not None)
     return _finish(result)
+
+
+def _watch(child: subprocess.Popen, rss_budget: float | None, deadline: float) -> tuple[str | None, float, int]:
+    """Waits for the trial process, sampling its RSS; kills it over the RSS budget or past the deadline.
+
+    Returns:
+        (why it was killed: "budget", "timeout" or None, the largest RSS seen in MB, its exit code).
+    """
+    rss_seen = 0.0
+    while True:
+        try:
+            return None, rss_seen, child.wait(timeout=POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        rss = _status_mb(child.pid, "VmRSS") or 0.0
+        rss_seen = max(rss_seen, rss)
+        killed = (
+            "budget"
+            if rss_budget is not None and rss > rss_budget
+            else ("timeout" if time.monotonic() > deadline else None)
+        )
+        if killed:
+            child.kill()
+            return killed, rss_seen, child.wait()
+
+
+def _fail_crash(result: dict, log_path: Path, exit_code: int, phase: str) -> None:
+    """Fails a trial whose process died without a result: the log's last lines say what happened."""
+    lines = log_tail(log_path)
+    # faulthandler's "Fatal Python error: Segmentation fault" says more than the stack after it
+    last = next(
+        (line for line in reversed(lines) if line.startswith("Fatal Python error")), lines[-1] if lines else None
+    )
+    # a SIGKILL we did not send is, on Linux, almost always the kernel's out-of-memory killer
+    how = " (SIGKILL: probably the kernel's out-of-memory killer)" if exit_code == -9 else ""
+    _fail(
+        result,
+        f"exit code {exit_code}{how} during {phase}: {last or '(no error output)'}",
+        phase,
+        out_of_memory=exit_code == -9 or any(is_out_of_memory(line) for line in lines),
+    )
+    result["log_tail"] = lines[-12:]
 
 
 def _child_env(gpu: int | None, extra_env: dict | None) -> dict:
@@ -418,7 +431,7 @@ class _ChildTrial:
         """Imports TensorFlow with the trial's device set up before it initialises."""
         import tensorflow as tf
 
-        gpus = tf.config.list_physical_devices("GPU")
+        gpus = physical_gpus()
         if self.gpu is None:
             if gpus:  # a CPU trial measures the CPU, even if the environment left a GPU visible
                 tf.config.set_visible_devices([], "GPU")
@@ -470,7 +483,7 @@ class _ChildTrial:
         import numpy as np
 
         from tfmis.hardware import CPU, accelerator_device
-        from tfmis.inference.sliding_window import number_of_windows, sliding_window_inference
+        from tfmis.inference import number_of_windows, sliding_window_inference
 
         tf, trainer = self.tf, self.trainer
         v = self.config.validation
@@ -558,9 +571,7 @@ class _ChildTrial:
             if nvml is not None:
                 info.update(name=nvml["name"], total_mb=nvml["total_mb"])
             else:  # NVML is extra information, the allocator peak is the measurement
-                info["name"] = self.tf.config.experimental.get_device_details(
-                    self.tf.config.list_physical_devices("GPU")[0]
-                ).get("device_name")
+                info["name"] = self.tf.config.experimental.get_device_details(physical_gpus()[0]).get("device_name")
             return info
         host = host_memory()
         return {

@@ -1,0 +1,386 @@
+"""Blending the windows' predictions into the volume: Σ(weight · prediction) / Σ(weight), with one in-place add
+per window, in host memory (numpy) or on a TensorFlow device.
+
+`sliding_window_inference` (`tfmis.inference.sliding_window`) cuts a volume into windows (`tfmis.inference.windows`)
+and hands them here: the windows are cut and blended on `device`, only they travel to `sw_device` for the forward
+pass, and the next batch goes to the predictor before the previous one is blended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfmis.inference.windows import SPATIAL_DIMS
+from tfmis.utils.progress import progress_bar
+
+
+def device_scope(device: str | None):
+    """A device scope, or no scope for None (TensorFlow's default placement)."""
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+def aggregates_on_host(device: str | None) -> bool:
+    """True if `device` (the one holding the volume and the blending buffers) is host memory.
+
+    A CPU device string, or None on a machine without a GPU (TensorFlow's default placement is then
+    the CPU). There the windows are cut and blended with numpy's in-place adds; elsewhere with
+    TensorFlow ops on `device`.
+
+    Example:
+        >>> aggregates_on_host("/CPU:0"), aggregates_on_host("/job:localhost/replica:0/task:0/device:GPU:1")
+        (True, False)
+    """
+    if not device:
+        return not tf.config.list_logical_devices("GPU")
+    return (tf.DeviceSpec.from_string(device).device_type or "").upper() == "CPU"
+
+
+def weight_sum(image_size: Sequence[int], starts: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Σ(weight) per voxel over all windows: the denominator of the blend (MONAI's count map).
+
+    It depends only on the geometry. When the starts form a grid (as `window_starts` makes them),
+    a uniform importance map gives the product of the window counts per axis, and any other is
+    summed one axis at a time, shifting the map along X, then the result along Y, then along Z:
+    about twice the volume in additions instead of every window's voxels.
+
+    Args:
+        image_size: spatial size (X, Y, Z) of the (padded) volume.
+        starts: window corners (num_windows, 3), e.g. from `window_starts`; any list works.
+        weights: importance map of shape roi_size.
+
+    Returns:
+        float32 array `image_size`; zero where no window reaches.
+
+    Example:
+        >>> from tfmis.inference.windows import window_starts
+        >>> weight_sum((6, 4, 4), window_starts((6, 4, 4), (4, 4, 4), (2, 4, 4)), np.ones((4, 4, 4)))[:, 0, 0].tolist()
+        [1.0, 1.0, 2.0, 2.0, 1.0, 1.0]
+    """
+    weights = np.asarray(weights, np.float32)
+    starts = np.asarray(starts, np.int64).reshape(-1, SPATIAL_DIMS)
+    (rx, ry, rz), (sx, sy, sz) = weights.shape, tuple(int(s) for s in image_size)
+    axes = [np.unique(starts[:, axis]) for axis in range(SPATIAL_DIMS)]
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, SPATIAL_DIMS)
+    if grid.shape != starts.shape or not np.array_equal(
+        np.sort(grid.view("i8,i8,i8"), axis=0), np.sort(starts.view("i8,i8,i8"), axis=0)
+    ):
+        total = np.zeros((sx, sy, sz), np.float32)  # not a grid: window by window
+        for x, y, z in starts:
+            total[x : x + rx, y : y + ry, z : z + rz] += weights
+        return total
+    if weights.min() == weights.max():  # e.g. constant mode: windows per voxel, times the weight
+        counts = []
+        for size, roi, axis_starts in zip((sx, sy, sz), weights.shape, axes):
+            count = np.zeros(size, np.float32)
+            for start in axis_starts:
+                count[start : start + roi] += 1
+            counts.append(count)
+        return (counts[0][:, None, None] * counts[1][None, :, None]) * (counts[2] * weights.flat[0])[None, None, :]
+    total = weights
+    for axis, (size, axis_starts) in enumerate(zip((sx, sy, sz), axes)):
+        # shift the partial sum along this axis to every start: (X, ry, rz), then (X, Y, rz), then (X, Y, Z)
+        roi = total.shape[axis]
+        if len(axis_starts) == 1 and axis_starts[0] == 0 and roi == size:
+            continue  # one window covering the axis: nothing to shift
+        shifted = np.zeros(total.shape[:axis] + (size,) + total.shape[axis + 1 :], np.float32)
+        for start in axis_starts:
+            shifted[(slice(None),) * axis + (slice(start, start + roi),)] += total
+        total = shifted
+    return np.array(total) if total is weights else total  # the weights may be shared: a copy
+
+
+# TensorFlow takes a numpy array without a copy through DLPack when its data is aligned as Eigen needs.
+_ALIGNMENT = 64
+_DLPACK_DTYPES = {
+    np.dtype(t)
+    for t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+}
+
+
+def _aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    try:
+        raw = np.empty(size + _ALIGNMENT, np.uint8)
+    except MemoryError as e:  # numpy's message, with the shape meant rather than the raw bytes
+        raise MemoryError(
+            f"Unable to allocate {size / 2**20:.3g} MiB for an array with shape {tuple(shape)} and data type {dtype}"
+        ) from e
+    offset = -raw.ctypes.data % _ALIGNMENT
+    return raw[offset : offset + size].view(dtype).reshape(shape)
+
+
+def _host_tensor(array: np.ndarray) -> tf.Tensor:
+    """A CPU tensor of an array from `_aligned_empty`, sharing its memory (tf.convert_to_tensor copies)."""
+    if array.dtype in _DLPACK_DTYPES and array.flags.c_contiguous and array.ctypes.data % _ALIGNMENT == 0:
+        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+    return tf.convert_to_tensor(array)
+
+
+class HostBlend:
+    """Σ(weight · prediction) in one numpy array, added in place window by window, and divided once
+    by Σ(weight) at the end (what MONAI does with torch tensors).
+
+    Numpy's in-place add of a window into a strided region of the volume touches each voxel of
+    the window once; TensorFlow on a CPU has no such op (a strided-slice assignment is ~20x slower
+    per voxel), so host memory is blended with numpy. Windows and the result reach TensorFlow
+    without a copy (`_host_tensor`).
+    """
+
+    def __init__(
+        self,
+        volume: tf.Tensor | np.ndarray,
+        roi_size: tuple[int, int, int],
+        starts: np.ndarray,
+        weights: tf.Tensor | np.ndarray,
+    ):
+        self.volume = np.asarray(volume)  # no copy of a tensor in host memory
+        self.roi_size = roi_size
+        self.weights = np.asarray(weights, np.float32)
+        self.uniform = bool(self.weights.min() == self.weights.max() == 1)  # constant mode: no products
+        # the first whole-volume allocation, before any forward pass (a MemoryError here is a clean one)
+        self.weight_sum = weight_sum(self.volume.shape[1:4], starts, self.weights)
+        self.total = self.scratch = None
+
+    def windows(self, origins: np.ndarray) -> tf.Tensor:
+        rx, ry, rz = self.roi_size
+        batch = _aligned_empty((len(origins), rx, ry, rz, self.volume.shape[-1]), self.volume.dtype)
+        for window, (b, x, y, z) in zip(batch, origins):
+            window[...] = self.volume[b, x : x + rx, y : y + ry, z : z + rz]
+        return _host_tensor(batch)
+
+    def allocate(self, prediction: tf.Tensor) -> None:
+        """The sum buffer, once the first prediction tells the channel count K (before the next forward pass)."""
+        shape = tuple(prediction.shape[1:])
+        self.total = _aligned_empty((*self.volume.shape[:4], shape[-1]), np.float32)
+        self.total.fill(0)
+        self.scratch = np.empty(shape, np.float32)
+        self.weights = np.ascontiguousarray(np.broadcast_to(self.weights[..., None], shape))
+
+    def add(self, prediction: tf.Tensor, origins: np.ndarray) -> None:
+        rx, ry, rz = self.roi_size
+        prediction = np.asarray(prediction)  # waits for this batch only: the next one is already queued
+        for window, (b, x, y, z) in zip(prediction, origins):
+            if not self.uniform:
+                window = np.multiply(window, self.weights, out=self.scratch)
+            self.total[b, x : x + rx, y : y + ry, z : z + rz] += window
+
+    def result(self, device: str | None, crop: tuple[slice, ...] | None) -> tf.Tensor:
+        total, self.total = self.total, None
+        weights = self.weight_sum[None, ..., None]
+        if weights.min() > 0:
+            np.divide(total, weights, out=total)
+        else:  # starts that leave voxels uncovered: those stay 0
+            np.divide(total, weights, out=total, where=weights > 0)
+        if crop is not None:
+            region = total[(slice(None), *crop)]
+            total = _aligned_empty(region.shape, np.float32)
+            total[...] = region
+        output = _host_tensor(total)
+        if device:
+            with tf.device(device):
+                output = tf.identity(output)
+        return output
+
+
+class DeviceBlend:
+    """Σ(weight · prediction) and Σ(weight) in one TensorFlow variable on `device` (K + 1 channels),
+    one scatter-add per window, divided once at the end.
+
+    For buffers in accelerator memory: every op is queued on the device and nothing waits for the
+    host until the caller reads the result. The variable is flat, (B·X·Y·Z, K + 1), and a window
+    adds its rx·ry·rz rows at precomputed offsets from its corner. A slice read-add-assign would
+    not do: TensorFlow copies the whole variable on every read once a slice of it was assigned.
+    One scatter per window keeps the indices of each scatter distinct, so the sums are deterministic.
+    """
+
+    def __init__(
+        self,
+        volume: tf.Tensor | np.ndarray,
+        roi_size: tuple[int, int, int],
+        weights: tf.Tensor | np.ndarray,
+        device: str | None,
+    ):
+        self.device, self.roi_size = device, roi_size
+        with device_scope(device):
+            self.volume = tf.identity(volume)
+            self.weights = tf.cast(tf.identity(weights), tf.float32)[..., None]
+        batch, sx, sy, sz = (int(s) for s in self.volume.shape[:4])
+        self.strides = (sx * sy * sz, sy * sz, sz, 1)
+        self.index_dtype = tf.int32 if batch * sx * sy * sz < 2**31 else tf.int64
+        rx, ry, rz = roi_size
+        rows = (np.arange(rx)[:, None, None] * sy + np.arange(ry)[None, :, None]) * sz + np.arange(rz)
+        with device_scope(device):
+            self.rows = tf.constant(rows.reshape(-1), self.index_dtype)
+        self.total = None
+
+    def windows(self, origins: np.ndarray) -> tf.Tensor:
+        rx, ry, rz = self.roi_size
+        with device_scope(self.device):
+            return tf.stack([self.volume[b, x : x + rx, y : y + ry, z : z + rz] for b, x, y, z in origins])
+
+    def allocate(self, prediction: tf.Tensor) -> None:
+        """The sum buffer, once the first prediction tells the channel count K (before the next forward pass)."""
+        with device_scope(self.device):
+            self.total = tf.Variable(
+                tf.zeros([self.strides[0] * int(self.volume.shape[0]), prediction.shape[-1] + 1]), trainable=False
+            )
+
+    def add(self, prediction: tf.Tensor, origins: np.ndarray) -> None:
+        rx, ry, rz = self.roi_size
+        with device_scope(self.device):
+            prediction = tf.identity(prediction) if self.device else prediction
+            channels = int(prediction.shape[-1]) + 1
+            weights = tf.broadcast_to(self.weights, [len(origins), rx, ry, rz, 1])
+            values = tf.reshape(tf.concat([prediction * weights, weights], axis=-1), [len(origins), -1, channels])
+            for value, origin in zip(tf.unstack(values), origins):
+                corner = sum(int(o) * s for o, s in zip(origin, self.strides))
+                tf.raw_ops.ResourceScatterAdd(resource=self.total.handle, indices=self.rows + corner, updates=value)
+
+    def result(self, device: str | None, crop: tuple[slice, ...] | None) -> tf.Tensor:
+        with device_scope(self.device):
+            total = tf.reshape(self.total.read_value(), [*self.volume.shape[:4], -1])
+            self.total = None  # frees the variable before the division allocates the output
+            if crop is not None:
+                total = total[(slice(None), *crop)]
+            return tf.math.divide_no_nan(total[..., :-1], total[..., -1:])
+
+
+def _prediction_tensor(output: Any, num_windows: int, roi_size: Sequence[int]) -> tf.Tensor:
+    """The predictor's output as one float32 tensor (N, rx, ry, rz, K), checked.
+
+    Keras models may return a one-element list or dict; several outputs are ambiguous here.
+    """
+    if isinstance(output, Mapping) or isinstance(output, (list, tuple)):
+        outputs = list(output.values()) if isinstance(output, Mapping) else list(output)
+        if len(outputs) != 1:
+            raise ValueError(
+                f"predictor returned {len(outputs)} outputs; sliding_window_inference "
+                "blends one, e.g. pass `lambda w: model(w)[0]`"
+            )
+        output = outputs[0]
+    if not (isinstance(output, tf.Tensor) and output.dtype == tf.float32):
+        output = tf.cast(tf.convert_to_tensor(output), tf.float32)
+    prediction = output
+    expected = (num_windows, *roi_size)
+    if prediction.shape.rank != 5 or tuple(prediction.shape[:4]) != expected:
+        raise ValueError(
+            f"predictor must return shape (N, rx, ry, rz, K) = ({', '.join(map(str, expected))}, K) "
+            f"for {num_windows} windows of roi_size {tuple(roi_size)}, got {tuple(prediction.shape)}"
+        )
+    return prediction
+
+
+def run_predictor(predictor: Callable, windows: tf.Tensor, sw_device: str | None) -> tf.Tensor:
+    """Runs `predictor` on `sw_device`; its output (float32, checked) stays where it was computed."""
+    with device_scope(sw_device):
+        output = predictor(tf.identity(windows) if sw_device else windows)
+    return _prediction_tensor(output, int(windows.shape[0]), windows.shape[1:4])
+
+
+def _window_origins(batch_size: int, starts: np.ndarray) -> np.ndarray:
+    """[b, x, y, z] per window in MONAI's order: all windows of image 0, then image 1, ..."""
+    image_index = np.repeat(np.arange(batch_size, dtype=np.int32), len(starts))
+    return np.concatenate([image_index[:, None], np.tile(starts, (batch_size, 1))], axis=1)
+
+
+def aggregate_windows(
+    volume: tf.Tensor | np.ndarray,
+    roi_size: Sequence[int],
+    starts: np.ndarray,
+    predictor: Callable,
+    weights: tf.Tensor,
+    sw_batch_size: int,
+    device: str | None = None,
+    sw_device: str | None = None,
+    progress: bool = False,
+) -> tf.Tensor:
+    """Σ(weight · prediction) / Σ(weight) over the windows of a volume at least roi-sized.
+
+    Everything except the forward pass happens on `device`: the volume is copied there, windows
+    are cut there, and the sum of weighted predictions (B·X·Y·Z·K floats, plus X·Y·Z for the sum
+    of weights) lives there. In host memory (`aggregates_on_host`) numpy adds each window in place;
+    on an accelerator TensorFlow ops do, queued without waiting for the host. Calling again with
+    `device="/CPU:0"` is the way out when the accelerator cannot hold the buffers. The next batch
+    of windows goes to the predictor before the previous batch is blended, so an accelerator
+    computes while the host blends.
+
+    Args:
+        volume: (B, X, Y, Z, C), X, Y, Z >= roi_size.
+        roi_size: window size (rx, ry, rz).
+        starts: window corners (num_windows, 3) from `window_starts`.
+        predictor: maps (N, rx, ry, rz, C) with N <= sw_batch_size to (N, rx, ry, rz, K).
+        weights: importance map of shape roi_size, from `importance_map`.
+        sw_batch_size: windows per predictor call; one call may hold windows of two images.
+        device: where the volume and buffers live; None is TensorFlow's default placement.
+        sw_device: where the predictor runs; None is TensorFlow's default placement.
+        progress: show progress over the predictor calls (a bar on a terminal, else plain lines).
+
+    Returns:
+        float32 (B, X, Y, Z, K) on `device`.
+
+    Example:
+        >>> from tfmis.inference.windows import importance_map, window_starts
+        >>> starts = window_starts((8, 8, 8), (4, 4, 4), (4, 4, 4))
+        >>> out = aggregate_windows(np.ones((1, 8, 8, 8, 1), np.float32), (4, 4, 4), starts,
+        ...                         lambda w: w * 3, importance_map((4, 4, 4)), sw_batch_size=2)
+        >>> float(tf.reduce_min(out)), float(tf.reduce_max(out))
+        (3.0, 3.0)
+    """
+    return aggregate(
+        volume,
+        roi_size,
+        starts,
+        predictor,
+        weights,
+        sw_batch_size,
+        device,
+        sw_device,
+        progress,
+        on_host=aggregates_on_host(device),
+    )
+
+
+def aggregate(
+    volume,
+    roi_size,
+    starts,
+    predictor,
+    weights,
+    sw_batch_size,
+    device,
+    sw_device,
+    progress,
+    on_host: bool,
+    crop: tuple[slice, ...] | None = None,
+) -> tf.Tensor:
+    """`aggregate_windows` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`), and the
+    result cropped to the spatial `crop` (the padding of a volume smaller than the window)."""
+    roi_size = tuple(int(s) for s in roi_size)
+    starts = np.asarray(starts, np.int32).reshape(-1, SPATIAL_DIMS)
+    blend = HostBlend(volume, roi_size, starts, weights) if on_host else DeviceBlend(volume, roi_size, weights, device)
+    origins = _window_origins(int(volume.shape[0]), starts)
+    bar = progress_bar(-(-len(origins) // sw_batch_size), "sliding window", "batch") if progress else None
+    pending = None
+    try:
+        for first in range(0, len(origins), sw_batch_size):
+            batch = origins[first : first + sw_batch_size]
+            prediction = run_predictor(predictor, blend.windows(batch), sw_device)
+            if pending is None:
+                blend.allocate(prediction)
+            else:  # the previous batch, while this one may still be computing
+                blend.add(*pending)
+            pending = prediction, batch
+            if bar is not None:
+                bar.update(1)
+        blend.add(*pending)
+    finally:
+        if bar is not None:
+            bar.close()
+    return blend.result(device, crop)
