@@ -26,6 +26,7 @@ NON_DEFAULT_CONVERSION = {
     "crop_foreground": False,
     "crop_margin": 2,
     "ct_normalization": "zscore",
+    "crop_to_label_mm": 15.0,
 }
 NON_DEFAULT_FLAGS = [
     "--folds",
@@ -49,6 +50,8 @@ NON_DEFAULT_FLAGS = [
     "2",
     "--ct-normalization",
     "zscore",
+    "--crop-to-label-mm",
+    "15",
 ]
 
 

@@ -1,8 +1,8 @@
 """Typed training configuration: dataclasses, YAML files and `--set key=value` overrides.
 
 A YAML file mirrors the dataclass tree (`data`, `pipeline`, `model`, `loss`, `optimizer`,
-`training`, `validation`, `runtime`, `profile`, `output`). Unknown keys and wrong types are errors that name the key
-(and suggest the closest valid one); values not given keep the defaults below.
+`training`, `validation`, `runtime`, `profile`, `output`, `cascade`). Unknown keys and wrong types are errors
+that name the key (and suggest the closest valid one); values not given keep the defaults below.
 
 Example:
 ```python
@@ -252,6 +252,21 @@ class OutputConfig:
 
 
 @dataclasses.dataclass
+class CascadeConfig:
+    """The fine stage of a coarse-to-fine cascade (docs/planning.md, "Stages"): `python -m tfmis.predict` runs the
+    coarse run on the whole scan, cuts the box around what it finds grown by `margin_mm`, and runs this run's
+    model only there (the whole scan when the coarse stage finds nothing). Training is unchanged: the fine stage
+    trains on cases cropped around their labels (`data.conversion.crop_to_label_mm`)."""
+
+    coarse_run: Optional[str] = None  # the coarse stage's run folder; null = not a cascade
+    margin_mm: float = 20.0  # kept around the coarse stage's foreground box, per side
+
+    def __post_init__(self):
+        if self.margin_mm < 0:
+            raise ValueError(f"margin_mm must be >= 0 mm, got {self.margin_mm}")
+
+
+@dataclasses.dataclass
 class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
@@ -263,6 +278,7 @@ class Config:
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    cascade: CascadeConfig = dataclasses.field(default_factory=CascadeConfig)
 
 
 # ---------------------------------------------------------------- loading and checking
@@ -433,7 +449,56 @@ def read_yaml(path: str | Path, kind: str = "config"):
 def load_config(path: str | Path | None = None, overrides=()) -> Config:
     """Reads a YAML config (or the defaults when `path` is None) and applies `key=value` overrides."""
     data = read_yaml(path) if path is not None else {}
+    if isinstance(data, dict) and STAGES_KEY in data:
+        stages = ", ".join(f"{s.get('name')}: {s.get('config')}" for s in data[STAGES_KEY] if isinstance(s, dict))
+        raise ConfigError(
+            f"{path} is a plan of several stages ({stages}): python -m tfmis.train --config {path} trains them in "
+            f"order; give one stage's config file to use that stage alone"
+        )
     return parse_config(data, overrides, str(path) if path is not None else "config")
+
+
+# ---------------------------------------------------------------- plans of several stages
+
+STAGES_KEY = "stages"
+
+
+def write_stages(path: str | Path, stages, comments=()) -> Path:
+    """Writes a stages file: the stage configs (name, path) to train in order, with comment lines on top."""
+    from tfmis.utils.io import atomic_writer
+
+    path = Path(path)
+    body = yaml.safe_dump({STAGES_KEY: [{"name": n, "config": str(p)} for n, p in stages]}, sort_keys=False)
+    header = "".join(f"# {line}\n" for line in comments)
+    with atomic_writer(path) as f:
+        f.write(
+            f"# tfmis plan of {len(stages)} stages, trained in order by: python -m tfmis.train --config {path}\n"
+            + header
+            + body
+        )
+    return path
+
+
+def load_stages(path: str | Path) -> list[tuple[str, Path]] | None:
+    """The (name, config path) list of a stages file; None when `path` is a plain config.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or a stage is malformed or missing (named).
+    """
+    data = read_yaml(path)
+    if not isinstance(data, dict) or STAGES_KEY not in data:
+        return None
+    stages = data[STAGES_KEY]
+    if not isinstance(stages, list) or not stages:
+        raise ConfigError(f"{path}: '{STAGES_KEY}' must be a list of {{name, config}} entries")
+    result = []
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, dict) or not {"name", "config"} <= set(stage):
+            raise ConfigError(f"{path}: {STAGES_KEY}[{i}] needs a name and a config (a stage's config file)")
+        if not Path(stage["config"]).is_file():
+            raise ConfigError(f"{path}: stage {stage['name']}: config file {stage['config']} does not exist")
+        result.append((str(stage["name"]), Path(stage["config"])))
+    return result
 
 
 def validate(config: Config) -> None:

@@ -31,13 +31,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="the plan file (default: <output-dir>/plan.yaml)")
     p.add_argument("--workers", type=int, default=None, help="processes reading cases (default: CPU count, at most 8)")
     p.add_argument("--quiet", action="store_true", help="no progress")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="a training budget in minutes, shared by the stages (training.max_minutes of each)",
+    )
+    p.add_argument(
+        "--configuration",
+        choices=("fullres", "lowres", "cascade"),
+        default=None,
+        help="force one stage at full resolution, one at low resolution, or a coarse-to-fine cascade (default: "
+        "chosen from the fingerprint and the affordable patch; docs/planning.md)",
+    )
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from tfmis.data.msd import DatasetError
-    from tfmis.planning import plan_dataset
+    from tfmis.planning import plan_dataset_stages
     from tfmis.utils.io import atomic_write_json
 
     source = Path(args.source_dir)
@@ -49,17 +62,22 @@ def main(argv=None) -> int:
         )
         return 2
     try:
-        plan, fingerprint = plan_dataset(
-            source, args.target_dir, args.output_dir, args.workers, progress=not args.quiet
+        staged, fingerprint = plan_dataset_stages(
+            source,
+            args.target_dir,
+            args.output_dir,
+            args.workers,
+            progress=not args.quiet,
+            max_minutes=args.max_minutes,
+            configuration=args.configuration,
         )
     except (DatasetError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    output = Path(args.output or Path(plan.values["output.dir"]) / "plan.yaml")
-    plan.write(output)
+    output = staged.write(args.output)
     atomic_write_json(output.with_name(output.stem + "_fingerprint.json"), fingerprint.to_dict())
-    print(f"Plan for {fingerprint.name} ({plan.summary['hardware']}):")
-    print(plan.table())
+    print(f"Plan for {fingerprint.name} ({staged.final.summary['hardware']}):")
+    print(staged.table())
     print(f"Written to {output} (every value with its reason). Train with:\n  python -m tfmis.train --config {output}")
     return 0
 

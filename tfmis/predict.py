@@ -2,7 +2,9 @@
 
 Writes `<case>.nii.gz` label maps (uint8) in each input's own geometry (shape, affine, orientation,
 header), optional `<case>_probabilities.nii.gz` (one channel per class), `predictions.csv` (and Dice
-per class per case when labels are available), and prints a summary table.
+per class per case when labels are available), and prints a summary table. A cascade (the folder of a plan of
+stages, or its fine stage) predicts the whole scan at low resolution first and the region it finds at full
+resolution (`tfmis.inference.cascade`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="a run folder (uses its best.weights.h5), its best.weights.h5, or a checkpoints/ folder or ckpt-N prefix",
+        help="a run folder (uses its best.weights.h5), its best.weights.h5, or a checkpoints/ folder or ckpt-N "
+        "prefix; the folder of a cascade plan (or its fine stage) runs the coarse stage on the whole scan and the "
+        "fine stage on the region it finds",
     )
     p.add_argument(
         "--config",
@@ -90,6 +94,18 @@ def dice_summary(results, class_names) -> str:
     return f"mean Dice over {len(scored)} case(s): " + ", ".join(parts) + f"; mean {overall:.4f}"
 
 
+def final_stage(checkpoint: str) -> str:
+    """The run that predicts: `checkpoint` itself, or, for the folder of a plan of several stages (its plan.yaml
+    names them), the last stage's run folder (a cascade's fine stage, which runs the coarse stage first)."""
+    from tfmis.config import load_config, load_stages
+
+    plan = Path(checkpoint) / "plan.yaml"
+    if not Path(checkpoint).is_dir() or (Path(checkpoint) / "config.yaml").is_file() or not plan.is_file():
+        return checkpoint
+    stages = load_stages(plan)
+    return load_config(stages[-1][1]).output.dir if stages else checkpoint
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -99,13 +115,15 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from tfmis.config import ConfigError, load_config
-    from tfmis.inference.predictor import Predictor, collect_inputs, results_table, run_config, write_csv
+    from tfmis.inference.cascade import make_predictor
+    from tfmis.inference.predictor import collect_inputs, results_table, run_config, write_csv
 
     try:
-        config = load_config(args.config or run_config(args.checkpoint))
-        predictor = Predictor(
+        checkpoint = final_stage(args.checkpoint) if args.config is None else args.checkpoint
+        config = load_config(args.config or run_config(checkpoint))
+        predictor = make_predictor(
             config,
-            args.checkpoint,
+            checkpoint,
             sw_batch_size=args.sw_batch_size,
             overlap=args.overlap,
             device=args.device,

@@ -42,7 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set training.epochs=3 --set pipeline.patch_size=[48,48,48]",
     )
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output.dir")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the last checkpoint in output.dir (with --source-dir: the plan written there, "
+        "stage by stage: finished stages are skipped)",
+    )
+    p.add_argument(
+        "--configuration",
+        choices=("fullres", "lowres", "cascade"),
+        default=None,
+        help="with --source-dir: force one stage at full resolution, one at low resolution, or a coarse-to-fine "
+        "cascade (default: chosen from the fingerprint and the affordable patch; docs/planning.md)",
+    )
     g = p.add_argument_group(
         "GPU customization",
         "choose pipeline.num_images_per_batch, validation.num_sw_batch_size "
@@ -58,7 +70,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.gpu_customization:  # this process must not hold GPU memory while the search's trials measure it
         os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
-    from tfmis.config import ConfigError, load_config
+    from tfmis.config import ConfigError, load_config, load_stages
 
     planned = None
     try:
@@ -66,17 +78,41 @@ def main(argv=None) -> int:
             planned = _plan(args)
             if planned is None:
                 return 1
-        config = load_config(planned["path"] if planned else args.config, args.overrides)
+            stages = planned["stages"]
+        else:
+            stages = load_stages(args.config) or [("", Path(args.config))]
+        overrides = args.overrides if len(stages) == 1 else _stage_overrides(args.overrides)[1]
+        configs = [(name, load_config(path, overrides)) for name, path in stages]
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if len(configs) > 1 and args.gpu_customization:
+        print("error: --gpu-customization measures one config: run it on a stage's plan.yaml", file=sys.stderr)
         return 2
     from tfmis.engine.distribution import make_backend
 
     try:  # first: MultiWorkerMirroredStrategy and Horovod must set up the devices themselves
-        backend = make_backend(config.runtime, output_dir=config.output.dir)
+        backend = make_backend(configs[0][1].runtime, output_dir=configs[0][1].output.dir)
     except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    for i, (name, config) in enumerate(configs):
+        if len(configs) > 1:
+            done = Path(config.output.dir) / "summary.json"
+            if args.resume and done.is_file():
+                if backend.is_chief:
+                    print(f"Stage {i + 1}/{len(configs)} ({name}): finished earlier ({done}), skipped", file=sys.stderr)
+                continue
+            if backend.is_chief:
+                print(f"Stage {i + 1}/{len(configs)} ({name}): {config.output.dir}", file=sys.stderr)
+        status = _train(config, backend, args, planned if len(configs) == 1 else None)
+        if status != 0:
+            return status
+    return 0
+
+
+def _train(config, backend, args, planned: dict | None) -> int:
+    """Converts (on the chief), trains and reports one run; the exit status."""
     import tensorflow as tf
 
     from tfmis.hardware import hardware_warnings, resolve_precision
@@ -160,15 +196,36 @@ def main(argv=None) -> int:
     return 0
 
 
-def _plan(args) -> dict | None:
-    """Plans a config for `--source-dir` on this machine and writes it to `<output.dir>/plan.yaml`.
+STAGE_PLAN_KEYS = ("data.dataset_dir", "output.dir", "training.max_minutes")
 
-    The overrides' `data.dataset_dir` and `output.dir` (if any) are where the plan converts to and trains
-    into. Returns {"path", "plan", "fingerprint"}, or None after an error line.
-    """
+
+def _stage_overrides(overrides) -> tuple[dict, list[str]]:
+    """(the overrides the planner takes for the whole plan, as a nested dict; the rest, for every stage): the
+    dataset folder and run folder are where the stages go, and a time budget is shared by the stages."""
     from tfmis.config import apply_override
+
+    given: dict = {}
+    rest = []
+    for override in overrides:
+        if override.split("=", 1)[0].strip() in STAGE_PLAN_KEYS:
+            apply_override(given, override)
+        else:
+            rest.append(override)
+    return given, rest
+
+
+def _plan(args) -> dict | None:
+    """Plans `--source-dir` on this machine (one stage, or a low-resolution stage and a cascade) and writes the
+    stage plans (`<output.dir>/plan.yaml`; for a cascade also `<output.dir>/<stage>/plan.yaml`). With
+    `--resume` and a plan there, that plan is kept (the run continues as it was planned).
+
+    The overrides' `data.dataset_dir`, `output.dir` and `training.max_minutes` (a budget the stages share) are
+    the plan's. Returns {"stages": [(name, path)], "path", "plan", "fingerprint", "target", "output"}, or None
+    after an error line.
+    """
+    from tfmis.config import load_stages
     from tfmis.data.msd import DatasetError
-    from tfmis.planning import plan_dataset
+    from tfmis.planning import default_output_dir, plan_dataset_stages
 
     source = Path(args.source_dir)
     if not (source / "dataset.json").is_file():
@@ -178,23 +235,45 @@ def _plan(args) -> dict | None:
             file=sys.stderr,
         )
         return None
-    given: dict = {}
-    for override in args.overrides:
-        apply_override(given, override)
+    given, _ = _stage_overrides(args.overrides)
     target = (given.get("data") or {}).get("dataset_dir")
     output = (given.get("output") or {}).get("dir")
+    minutes = (given.get("training") or {}).get("max_minutes")
+    existing = Path(output or default_output_dir(source)) / "plan.yaml"
+    if args.resume and existing.is_file():
+        print(f"Resuming with the plan in {existing}", file=sys.stderr)
+        stages = load_stages(existing) or [("", existing)]
+        return {
+            "stages": stages,
+            "path": existing,
+            "plan": None,
+            "fingerprint": None,
+            "target": target,
+            "output": output,
+        }
     try:
-        plan, fingerprint = plan_dataset(source, target, output)
+        staged, fingerprint = plan_dataset_stages(
+            source, target, output, max_minutes=minutes, configuration=args.configuration
+        )
     except (DatasetError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    effective = plan.config(args.overrides)  # a bad override is named here
-    path = plan.write(Path(effective.output.dir) / "plan.yaml")
-    print(f"Plan for {fingerprint.name} ({plan.summary['hardware']}):\n{plan.table()}", file=sys.stderr)
+    for _, plan in staged.stages:
+        plan.config(args.overrides if len(staged.stages) == 1 else _stage_overrides(args.overrides)[1])
+    path = staged.write()
+    print(f"Plan for {fingerprint.name} ({staged.final.summary['hardware']}):\n{staged.table()}", file=sys.stderr)
     print(
         f"Plan written to {path} (every value with its reason): edit it and rerun with --config {path}", file=sys.stderr
     )
-    return {"path": path, "plan": plan, "fingerprint": fingerprint, "target": target, "output": output}
+    stages = staged.stage_paths() if len(staged.stages) > 1 else [("", path)]
+    return {
+        "stages": stages,
+        "path": path,
+        "plan": staged.final,
+        "fingerprint": fingerprint,
+        "target": target,
+        "output": output,
+    }
 
 
 def _cached_gpu_fit(config, planned: dict, args):
@@ -205,7 +284,7 @@ def _cached_gpu_fit(config, planned: dict, args):
     from tfmis.planning import plan_with_cached_gpu_fit
 
     hardware = detect_hardware()
-    if not hardware.has_gpu:
+    if not hardware.has_gpu or planned["fingerprint"] is None:  # resumed with its plan: kept as it is
         return config
     measured = plan_with_cached_gpu_fit(
         planned["fingerprint"],

@@ -88,6 +88,7 @@ class ConversionOptions:
             the mean, over the standard deviation, of the labelled foreground intensities of all training
             cases (nnU-Net's CTNormalization; measured in the same first pass).
         crop_foreground, crop_margin: crop to the non-background bounding box (+ margin voxels).
+        crop_to_label_mm: crop to the labelled voxels' box + this many mm instead (a cascade's fine stage).
     """
 
     split: tuple[float, ...] | None = _option(
@@ -128,6 +129,11 @@ class ConversionOptions:
     )
     crop_foreground: bool = _option(True, "do not crop to the foreground bounding box", flag="--no-crop")
     crop_margin: int = _option(0, "voxels kept around the foreground box (default 0)")
+    crop_to_label_mm: float | None = _option(
+        None,
+        "crop each case to its labelled voxels' box grown by MM millimetres instead of the foreground box (the "
+        "region a cascade's fine stage sees; cases without labelled voxels keep the foreground crop)",
+    )
 
     def __post_init__(self):
         if self.split is not None and self.folds is not None:
@@ -150,6 +156,8 @@ class ConversionOptions:
             raise ValueError("shards and workers must be at least 1")
         if self.crop_margin < 0:
             raise ValueError(f"crop_margin must be >= 0, got {self.crop_margin}")
+        if self.crop_to_label_mm is not None and self.crop_to_label_mm < 0:
+            raise ValueError(f"crop_to_label_mm must be >= 0 mm (or null), got {self.crop_to_label_mm}")
 
     @property
     def num_workers(self) -> int:
@@ -456,6 +464,7 @@ def convert(config: ConversionConfig) -> dict:
         ct_mean_std=tuple(ct_mean_std) if ct_mean_std is not None else None,
         crop_foreground=config.crop_foreground,
         crop_margin=config.crop_margin,
+        crop_to_label_mm=config.crop_to_label_mm,
         image_dtype=config.image_dtype,
     )
 

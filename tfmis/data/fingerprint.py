@@ -72,7 +72,25 @@ def case_fingerprint(
         "spacing": list(geometry.spacing),
         "intensity": intensity_stats(intensity_sample(image, label, 100_000, rng)),
         "class_voxels": [int(c) for c in counts] if counts is not None else None,
+        "label_extent_mm": label_extent_mm(out_label, geometry.spacing) if out_label is not None else None,
     }
+
+
+def label_extent_mm(label: np.ndarray, spacing) -> list[float] | None:
+    """Size in mm of the box around the labelled (non-zero) voxels along each axis; None when nothing is labelled.
+
+    Example:
+        >>> lab = np.zeros((10, 10, 10), np.uint8); lab[2:5, 3:4, 0:10] = 1
+        >>> label_extent_mm(lab, (1.0, 2.0, 0.5))
+        [3.0, 2.0, 5.0]
+    """
+    sizes = []
+    for axis in range(3):
+        hit = np.flatnonzero(np.any(label, axis=tuple(a for a in range(3) if a != axis)))
+        if not len(hit):
+            return None
+        sizes.append(float((hit[-1] + 1 - hit[0]) * spacing[axis]))
+    return sizes
 
 
 def summarize(cases: dict[str, dict], labels: list[str], modalities: list[str]) -> dict:

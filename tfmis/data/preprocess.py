@@ -44,6 +44,9 @@ class PreprocessConfig:
         ct_mean_std: (mean, std) of the dataset's foreground intensities, for `ct_zscore` channels.
         crop_foreground: crop to the bounding box of the non-background region (and the label).
         crop_margin: voxels kept around that bounding box.
+        crop_to_label_mm: crop to the bounding box of the labelled voxels grown by this many mm per side instead
+            (the fine stage of a cascade trains on the region the coarse stage will cut; a case without a label
+            or without labelled voxels keeps the foreground crop). Normalisation statistics come from the crop.
         image_dtype: `float16` or `float32` storage of the normalised image.
     """
 
@@ -54,6 +57,7 @@ class PreprocessConfig:
     ct_mean_std: tuple[float, float] | None = None
     crop_foreground: bool = True
     crop_margin: int = 0
+    crop_to_label_mm: float | None = None
     image_dtype: str = "float16"
 
     def __post_init__(self):
@@ -74,6 +78,8 @@ class PreprocessConfig:
             raise ValueError(f"reshape must be three positive sizes, got {self.reshape}")
         if self.spacing is not None and (len(self.spacing) != 3 or min(self.spacing) <= 0):
             raise ValueError(f"spacing must be three positive values, got {self.spacing}")
+        if self.crop_to_label_mm is not None and self.crop_to_label_mm < 0:
+            raise ValueError(f"crop_to_label_mm must be >= 0 mm (or None), got {self.crop_to_label_mm}")
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
@@ -162,6 +168,20 @@ def bounding_box(mask: np.ndarray, margin: int = 0) -> tuple[np.ndarray, np.ndar
     return np.maximum(np.array(start) - margin, 0), np.minimum(np.array(stop) + margin, shape)
 
 
+def label_box(mask: np.ndarray, spacing, margin_mm: float) -> tuple[np.ndarray, np.ndarray]:
+    """(start, stop) of the True voxels of `mask` grown by `margin_mm` on each side (ceil(margin / spacing)
+    voxels per axis), clipped to the grid: the region a cascade's fine stage sees.
+
+    Example:
+        >>> m = np.zeros((20, 20, 10), bool); m[8:10, 8:10, 4:6] = True
+        >>> [v.tolist() for v in label_box(m, (1.0, 1.0, 2.5), 5.0)]
+        [[3, 3, 2], [15, 15, 8]]
+    """
+    margin = np.ceil(float(margin_mm) / np.asarray(spacing, dtype=np.float64) - 1e-9).astype(int)
+    start, stop = bounding_box(mask)
+    return np.maximum(start - margin, 0), np.minimum(stop + margin, np.array(mask.shape))
+
+
 def resample(array: np.ndarray, scale: np.ndarray, out_shape, order: int) -> np.ndarray:
     """Resamples the first three axes: output voxel j reads input coordinate (j + .5) * scale - .5.
 
@@ -220,7 +240,9 @@ def preprocess(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, 
 
     ras_shape = [int(n) for n in ras_image.shape[:3]]
     mask = foreground_mask(ras_image, config.normalization, config.ct_window)
-    if config.crop_foreground:
+    if config.crop_to_label_mm is not None and ras_label is not None and ras_label.any():
+        start, stop = label_box(ras_label > 0, spacing_of(ras_affine), config.crop_to_label_mm)
+    elif config.crop_foreground:
         box_mask = mask | (ras_label > 0) if ras_label is not None else mask
         start, stop = bounding_box(box_mask, config.crop_margin)
     else:

@@ -60,6 +60,7 @@ class CaseResult:
     output: str = ""
     reason: str = ""
     dice: dict | None = None
+    region: str = ""  # a cascade: the box the fine stage saw
 
 
 def find_run_dir(checkpoint: str | Path) -> Path | None:
@@ -351,8 +352,9 @@ def collect_inputs(
 
 
 def results_table(results: list[CaseResult]) -> str:
-    """A readable table: case, shape, seconds, foreground voxels, device, status."""
-    rows = [("case", "shape", "seconds", "foreground", "device", "status")]
+    """A readable table: case, shape, seconds, foreground voxels, device, (a cascade's region,) status."""
+    cascade = any(r.region for r in results)
+    rows = [("case", "shape", "seconds", "foreground", "device", *(("fine stage on",) if cascade else ()), "status")]
     for r in results:
         rows.append(
             (
@@ -361,6 +363,7 @@ def results_table(results: list[CaseResult]) -> str:
                 f"{r.seconds:.2f}",
                 str(r.foreground_voxels) if r.status == "ok" else "-",
                 r.device or "-",
+                *((r.region or "-",) if cascade else ()),
                 "ok" if r.status == "ok" else f"FAILED: {r.reason}",
             )
         )
@@ -371,7 +374,8 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> 
     """predictions.csv: one row per case with timing, device and (when labels exist) Dice per class.
 
     A class absent from a case's label has Dice `nan` (MONAI ignore_empty), is named in the
-    `absent_from_label` column (`;`-separated) and is left out of `dice_mean`.
+    `absent_from_label` column (`;`-separated) and is left out of `dice_mean`. `region`: the box a cascade's fine
+    stage saw (empty for one stage).
     """
     import csv
     import io
@@ -392,6 +396,7 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> 
             *[f"dice_{n}" for n in foreground],
             "dice_mean",
             "absent_from_label",
+            "region",
         ]
     )
     for r in results:
@@ -412,6 +417,7 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> 
                 *cells,
                 mean,
                 absent,
+                r.region,
             ]
         )
     with atomic_writer(path) as f:

@@ -1,7 +1,9 @@
 """Auto-configuration: a training plan from the dataset fingerprint and the hardware (nnU-Net v2's rules).
 
 - `api.py`: `plan_dataset` (the front door: fingerprint, hardware, plan, the GPU-fit search's cached measurement);
-- `planner.py`: `ExperimentPlanner` (overridable `determine_*` steps), `make_plan`, `Plan` (values with reasons);
+- `planner.py`: `ExperimentPlanner` (overridable `determine_*` steps), `make_plan`; `plan_file.py`: `Plan` (values
+  with reasons, written as a commented config);
+- `stages.py`: `StagePlanner` / `plan_stages`: full resolution, a low-resolution stage, or a coarse-to-fine cascade;
 - `rules.py`: nnU-Net's formulas (target spacing, pooling, patch shrinking, memory estimates);
 - `fingerprint.py`: `DatasetFingerprint` from a first pass over an MSD folder or from a conversion.
 
@@ -15,7 +17,7 @@ plan.write("runs/Task09_Spleen/plan.yaml")
 or from a shell: `python -m tfmis.plan --source-dir data/Task09_Spleen`.
 """
 
-from tfmis.planning.api import plan_dataset, plan_with_cached_gpu_fit
+from tfmis.planning.api import plan_dataset, plan_dataset_stages, plan_with_cached_gpu_fit
 from tfmis.planning.fingerprint import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, has_conversion
 from tfmis.planning.planner import ExperimentPlanner, Plan, default_dataset_dir, default_output_dir, make_plan
 
@@ -30,5 +32,6 @@ __all__ = [
     "has_conversion",
     "make_plan",
     "plan_dataset",
+    "plan_dataset_stages",
     "plan_with_cached_gpu_fit",
 ]

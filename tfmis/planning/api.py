@@ -18,6 +18,7 @@ import sys
 from tfmis.hardware import Hardware, detect_hardware
 from tfmis.planning.fingerprint import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, has_conversion
 from tfmis.planning.planner import Plan, default_dataset_dir, default_output_dir, make_plan
+from tfmis.planning.stages import StagedPlan, plan_stages
 
 
 def dataset_fingerprint(
@@ -83,3 +84,36 @@ def plan_dataset(
         if measured is not None:
             plan = measured[0]
     return plan, fingerprint
+
+
+def plan_dataset_stages(
+    source_dir,
+    target_dir=None,
+    output_dir=None,
+    workers: int | None = None,
+    progress: bool = True,
+    hardware: Hardware | None = None,
+    max_minutes: float | None = None,
+    configuration: str | None = None,
+) -> tuple[StagedPlan, DatasetFingerprint]:
+    """(StagedPlan, DatasetFingerprint): `plan_dataset`'s plan, or a low-resolution stage alone, or a cascade
+    (`tfmis.planning.stages`), as the fingerprint and the affordable patch decide.
+
+    Args:
+        source_dir, target_dir, output_dir, workers, progress, hardware: as `plan_dataset`.
+        max_minutes: a training budget the stages share.
+        configuration: force "fullres", "lowres" or "cascade".
+    """
+    target_dir = target_dir or default_dataset_dir(source_dir)
+    output_dir = output_dir or default_output_dir(source_dir)
+    fingerprint = dataset_fingerprint(source_dir, target_dir, workers, progress)
+    hardware = hardware or detect_hardware()
+    plan_args = {"source_dir": str(source_dir), "dataset_dir": str(target_dir), "output_dir": str(output_dir)}
+    staged = plan_stages(fingerprint, hardware, max_minutes=max_minutes, configuration=configuration, **plan_args)
+    if staged.configuration == "fullres" and has_conversion(target_dir):
+        measured = plan_with_cached_gpu_fit(
+            fingerprint, hardware, staged.final.config(), max_minutes=max_minutes, **plan_args
+        )
+        if measured is not None:
+            staged.stages = [("fullres", measured[0])]
+    return staged, fingerprint

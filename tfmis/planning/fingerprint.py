@@ -50,6 +50,9 @@ class DatasetFingerprint:
         skipped: case id -> reason, for unreadable cases.
         source: where the numbers come from ("first pass over DIR" or "conversion in DIR").
         source_dir: the MSD folder (None when unknown).
+        class_volumes_mm3: (N, K) volume of each label value per case in mm^3 (None when unknown).
+        label_extents_mm: (N, 3) size in mm of the box around each case's labelled voxels, NaN for a case with
+            none (None when unknown, e.g. a conversion written before tfmis recorded it).
     """
 
     name: str
@@ -65,6 +68,8 @@ class DatasetFingerprint:
     skipped: dict[str, str]
     source: str
     source_dir: str | None = None
+    class_volumes_mm3: np.ndarray | None = None
+    label_extents_mm: np.ndarray | None = None
 
     @property
     def num_cases(self) -> int:
@@ -99,6 +104,8 @@ class DatasetFingerprint:
         d["ct_window"] = list(self.ct_window) if self.ct_window else None
         d["median_spacing"] = self.median_spacing.tolist()
         d["class_fraction"] = self.class_fraction
+        for key in ("class_volumes_mm3", "label_extents_mm"):
+            d[key] = getattr(self, key).tolist() if getattr(self, key) is not None else None
         return d
 
 
@@ -250,7 +257,27 @@ def fingerprint_msd(
         skipped=skipped,
         source=f"first pass over {len(summaries)} cases of {dataset.root}",
         source_dir=str(source_dir),
+        class_volumes_mm3=_class_volumes([s["class_voxels"] for s in summaries], [s["spacing"] for s in summaries]),
+        label_extents_mm=np.array([_label_extent(s["projections"], s["spacing"]) for s in summaries], dtype=np.float64),
     )
+
+
+def _class_volumes(counts: list, spacings: list) -> np.ndarray | None:
+    """(N, K) mm^3 per label value from voxel counts and spacings; None if any case has no label."""
+    if not counts or any(c is None for c in counts):
+        return None
+    return np.array(counts, dtype=np.float64) * np.prod(np.asarray(spacings, dtype=np.float64), axis=1)[:, None]
+
+
+def _label_extent(projections: list[dict], spacing) -> list[float]:
+    """Size in mm of the labelled voxels' box from the per-axis label projections; NaN when none."""
+    sizes = []
+    for axis, p in enumerate(projections):
+        hit = np.flatnonzero(np.asarray(p["label"], dtype=bool)) if p["label"] is not None else []
+        if not len(hit):
+            return [float("nan")] * 3
+        sizes.append(float((hit[-1] + 1 - hit[0]) * spacing[axis]))
+    return sizes
 
 
 # ---------------------------------------------------------------- from a finished conversion
@@ -299,4 +326,8 @@ def fingerprint_from_conversion(dataset_dir: str | Path) -> DatasetFingerprint:
         skipped={s["case_id"]: s["reason"] for s in index.get("skipped", [])},
         source=f"conversion in {d}",
         source_dir=index["source"].get("dir"),
+        class_volumes_mm3=_class_volumes([cases[c]["class_voxels"] for c in ids], [cases[c]["spacing"] for c in ids]),
+        label_extents_mm=np.array([cases[c]["label_extent_mm"] or [float("nan")] * 3 for c in ids], dtype=np.float64)
+        if all("label_extent_mm" in cases[c] for c in ids)
+        else None,
     )

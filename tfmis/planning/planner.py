@@ -25,17 +25,16 @@ print(plan.table())
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 import textwrap
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from tfmis.hardware import GPU_RESERVED_MB, Hardware, recommended_precision
 from tfmis.planning.fingerprint import DatasetFingerprint
+from tfmis.planning.plan_file import SECTIONS, Plan, fmt_shape, fmt_stride, format_value  # noqa: F401 (re-exported)
 from tfmis.planning.rules import (
     fmt_mm,
     inference_window_mb,
@@ -58,132 +57,6 @@ GPU_STEPS_PER_EPOCH, GPU_EPOCHS = 250, 1000  # nnU-Net
 GPU_VALIDATIONS = 50
 SMALL_CLASS_FRACTION = 0.01  # classes under 1% of the labelled voxels get twice the crop centres
 DATASET_COVERAGE = 0.05  # nnU-Net: one batch covers at most 5% of the dataset's voxels
-SECTIONS = ("data", "pipeline", "model", "loss", "optimizer", "training", "validation", "runtime", "output")
-
-
-@dataclasses.dataclass
-class Plan:
-    """Planned config values with their reasons.
-
-    Attributes:
-        values: dotted config key (e.g. `model.strides`) -> value, in writing order.
-        reasons: dotted config key -> why that value.
-        notes: section (e.g. `data.conversion`) -> comment lines written above the section's keys.
-        header: comment lines at the top of the file.
-        summary: the numbers behind the plan (fingerprint and hardware), for the table and tests.
-    """
-
-    values: dict = dataclasses.field(default_factory=dict)
-    reasons: dict = dataclasses.field(default_factory=dict)
-    notes: dict = dataclasses.field(default_factory=dict)
-    header: list = dataclasses.field(default_factory=list)
-    summary: dict = dataclasses.field(default_factory=dict)
-
-    def set(self, key: str, value, reason: str) -> None:
-        self.values[key] = value
-        self.reasons[key] = reason
-
-    def to_yaml(self, path: str | Path | None = None) -> str:
-        """The plan as YAML text: sections in config order, a comment with the reason on every key."""
-        lines = [f"# {line}" if line else "#" for line in self.header]
-        if path is not None:
-            lines += ["#", "# Edit any value and train with:", f"#   python -m tfmis.train --config {path}"]
-        tree: dict = {}
-        for key in self.values:
-            node = tree
-            parts = key.split(".")
-            for part in parts[:-1]:
-                node = node.setdefault(part, {})
-            node[parts[-1]] = key
-        for section in sorted(tree, key=lambda s: SECTIONS.index(s) if s in SECTIONS else len(SECTIONS)):
-            lines.append("")
-            self._render(lines, section, tree[section], 0, section)
-        return "\n".join(lines) + "\n"
-
-    def _render(self, lines: list, name: str, node, depth: int, prefix: str) -> None:
-        indent = "  " * depth
-        if isinstance(node, str):  # a leaf: the dotted key
-            text = f"{indent}{name}: {format_value(self.values[node])}"
-            reason = self.reasons[node]
-            if len(text) + len(reason) + 4 <= 118:
-                lines.append(f"{text}  # {reason}")
-            else:
-                lines += [f"{indent}# {w}" for w in textwrap.wrap(reason, 116 - len(indent))]
-                lines.append(text)
-            return
-        for note in self.notes.get(prefix, []):
-            lines += [f"{indent}# {w}" for w in textwrap.wrap(note, 116 - len(indent))]
-        lines.append(f"{indent}{name}:")
-        for key, child in node.items():
-            self._render(lines, key, child, depth + 1, f"{prefix}.{key}")
-
-    def config(self, overrides=()):
-        """The plan as a validated `tfmis.config.Config` (with `key=value` overrides applied: a bad one is named)."""
-        from tfmis.config import parse_config
-
-        return parse_config(yaml.safe_load(self.to_yaml()), overrides, "plan")
-
-    def write(self, path: str | Path) -> Path:
-        """Writes the commented YAML atomically and reads it back with `load_config` (a plan that does not
-        load is a bug here, not the user's)."""
-        from tfmis.config import load_config
-        from tfmis.utils.io import atomic_writer
-
-        path = Path(path)
-        with atomic_writer(path) as f:
-            f.write(self.to_yaml(path))
-        load_config(path)
-        return path
-
-    def table(self) -> str:
-        """A short table of the main choices."""
-        v = self.values
-        s = self.summary
-        rows = [
-            ("dataset", f"{s['name']}: {s['num_cases']} cases, {', '.join(s['modalities'])}"),
-            ("hardware", s["hardware"]),
-            ("target spacing (mm)", fmt_mm(v["data.conversion.spacing"])),
-            ("median shape", fmt_shape(s["median_shape"])),
-            ("patch", fmt_shape(v["pipeline.patch_size"])),
-            ("strides", ", ".join(fmt_stride(x) for x in v["model.strides"])),
-            ("filters", ", ".join(str(f) for f in v["model.filters"])),
-            ("batch / crops per volume", f"{v['pipeline.num_images_per_batch']} / {v['pipeline.num_crops_per_image']}"),
-            ("class ratios", str(v.get("pipeline.class_ratios"))),
-            ("normalisation", "; ".join(s["normalisation"])),
-            ("precision / XLA", f"{v['training.precision']} / {str(v['training.jit_compile']).lower()}"),
-            ("optimizer", f"{v['optimizer.name']} lr {v['optimizer.learning_rate']:g} {v['optimizer.schedule']}"),
-            ("training", f"{v['training.epochs']} epochs x {s['steps_per_epoch']} steps"),
-            (
-                "validation",
-                f"roi {fmt_shape(v['validation.roi_size'])}, sw batch {v['validation.num_sw_batch_size']}, "
-                f"overlap {v['validation.overlap']}, every {v['validation.val_interval']} epochs",
-            ),
-        ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"  {k:<{width}}  {val}" for k, val in rows)
-
-
-def format_value(value) -> str:
-    """A value as YAML flow text: [1, [2, 2, 1], 2], 0.003, true, null."""
-    value = _plain(value)
-    text = yaml.safe_dump([value], default_flow_style=True, width=10_000).strip()
-    return text[1:-1]
-
-
-def _plain(value):
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def fmt_shape(shape) -> str:
-    return "x".join(str(int(round(s))) for s in shape)
-
-
-def fmt_stride(stride) -> str:
-    return str(stride) if isinstance(stride, int) else "(" + ",".join(str(s) for s in stride) + ")"
 
 
 def default_dataset_dir(source_dir: str | Path) -> str:
@@ -235,6 +108,13 @@ class ExperimentPlanner:
             validation_data_device, source) to use instead of estimates.
         split: train/val/test fractions.
         seed: split and training seed.
+        spacing: a fixed target spacing (mm) with its reason, `(spacing, reason)`, instead of nnU-Net's
+            full-resolution rule (a low-resolution stage; `tfmis.planning.stages`).
+        roi_margin_mm: plan the fine stage of a cascade: cases cropped to their labels' box grown by this many mm
+            (the median of those boxes sizes the patch) and `cascade.coarse_run` set to `coarse_run`.
+        coarse_run: the coarse stage's run folder (with `roi_margin_mm`).
+        training_share: share of the CPU step budget this stage gets (stages share one budget).
+        max_minutes: `training.max_minutes` of this stage (null: none).
     """
 
     def __init__(
@@ -248,6 +128,11 @@ class ExperimentPlanner:
         gpu_fit: dict | None = None,
         split=(0.7, 0.15, 0.15),
         seed: int = 0,
+        spacing: tuple | None = None,
+        roi_margin_mm: float | None = None,
+        coarse_run: str | None = None,
+        training_share: float = 1.0,
+        max_minutes: float | None = None,
     ):
         self.source_dir = source_dir or fingerprint.source_dir
         if self.source_dir is None:
@@ -258,6 +143,8 @@ class ExperimentPlanner:
         self.gpu = hardware.has_gpu
         self.in_channels, self.num_classes = len(fingerprint.modalities), len(fingerprint.labels)
         self.precision, self.precision_reason = recommended_precision(hardware)
+        self.fixed_spacing, self.roi_margin_mm, self.coarse_run = spacing, roi_margin_mm, coarse_run
+        self.training_share, self.max_minutes = training_share, max_minutes
 
     def plan(self) -> Plan:
         """The plan: every step in order, then the header and the summary."""
@@ -269,6 +156,7 @@ class ExperimentPlanner:
         self.determine_sampling(plan)
         self.determine_schedule(plan)
         self.determine_validation(plan)
+        self.determine_cascade(plan)
         self.describe(plan)
         return plan
 
@@ -284,7 +172,7 @@ class ExperimentPlanner:
         fp = self.fp
         plan.set("data.source_dir", str(self.source_dir), "the MSD folder this plan was made from")
         plan.set("data.dataset_dir", str(self.dataset_dir), "converted TFRecords (written on first use)")
-        spacing, spacing_reason = target_spacing(fp.spacings, fp.crop_shapes)
+        spacing, spacing_reason = self.fixed_spacing or target_spacing(fp.spacings, fp.crop_shapes)
         self.spacing = [float(round(s, 4)) for s in spacing]
         plan.set("data.conversion.spacing", self.spacing, spacing_reason + " (mm, R,A,S)")
         self.norm = normalisation_lines(fp)
@@ -318,6 +206,14 @@ class ExperimentPlanner:
         shards = max(1, min(8, self.n_train // 4))
         plan.set("data.conversion.shards", shards, f"about 4 training cases per shard ({self.n_train} training cases)")
         self.median_shape = fp.median_shape_at(self.spacing)
+        if self.roi_margin_mm is not None:
+            self.median_shape = roi_median_shape(fp, self.spacing, self.roi_margin_mm)
+            plan.set(
+                "data.conversion.crop_to_label_mm",
+                float(self.roi_margin_mm),
+                f"the fine stage trains on the labels' box grown by {self.roi_margin_mm:g} mm per side, the region "
+                f"the coarse stage cuts at prediction (median {fmt_shape(self.median_shape)} voxels)",
+            )
 
     # ------------------------------------------------------------------ patch and network
 
@@ -553,12 +449,15 @@ class ExperimentPlanner:
             plan.set("optimizer.weight_decay", 1e-5, "the demo recipe's (and MONAI's there)")
             plan.set("optimizer.schedule", "cosine", "cosine decay to 0 over the run")
             plan.set("optimizer.warmup_epochs", 1.0, "one epoch of linear warm-up")
-            epochs = max(1, round(CPU_TRAINING_STEPS / steps_per_epoch))
+            budget = round(CPU_TRAINING_STEPS * self.training_share)
+            share = f"{self.training_share:.0%} of " if self.training_share < 1 else ""
+            epochs = max(1, round(budget / steps_per_epoch))
             plan.set(
                 "training.epochs",
                 epochs,
-                f"CPU budget of ~{CPU_TRAINING_STEPS} optimizer steps ({steps_per_epoch} per epoch: {self.n_train} "
-                f"training volumes x 4 crops / batch {self.batch}); about ten minutes on 2 cores at 48^3",
+                f"{share}a CPU budget of ~{CPU_TRAINING_STEPS} optimizer steps ({steps_per_epoch} per epoch: "
+                f"{self.n_train} training volumes x 4 crops / batch {self.batch}); about ten minutes on 2 cores at "
+                f"48^3 for the whole budget",
             )
             self.validations = CPU_VALIDATIONS
         self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
@@ -571,6 +470,12 @@ class ExperimentPlanner:
             else "off: XLA's gain on 3D convolutions varies by GPU; try true and compare epoch times",
         )
         plan.set("training.seed", self.seed, "split and weight initialisation")
+        if self.max_minutes is not None:
+            plan.set(
+                "training.max_minutes",
+                round(float(self.max_minutes), 2),
+                f"{share if self.training_share < 1 else ''}the time budget given to the plan",
+            )
 
     # ------------------------------------------------------------------ validation
 
@@ -614,6 +519,17 @@ class ExperimentPlanner:
         plan.set("validation.validation_data_device", placement, placement_reason)
         plan.set("output.dir", str(self.output_dir), "the run folder")
 
+    def determine_cascade(self, plan: Plan) -> None:
+        """The fine stage of a cascade: which coarse run finds its region, and the margin around it."""
+        if self.roi_margin_mm is None or self.coarse_run is None:
+            return
+        plan.set("cascade.coarse_run", str(self.coarse_run), "the coarse stage finds the region on the whole scan")
+        plan.set(
+            "cascade.margin_mm",
+            float(self.roi_margin_mm),
+            "kept around the coarse stage's foreground box, as around the labels in training",
+        )
+
     # ------------------------------------------------------------------ header and summary
 
     def describe(self, plan: Plan) -> None:
@@ -651,6 +567,18 @@ class ExperimentPlanner:
             "initial_patch": self.initial_patch,
             "divisor": list(self.divisor),
         }
+
+
+def roi_median_shape(fingerprint: DatasetFingerprint, spacing, margin_mm: float) -> np.ndarray:
+    """Median shape (voxels at `spacing`) of the cases' labelled boxes grown by `margin_mm` per side, each within
+    its foreground crop; a case with no labelled voxels, or a fingerprint without label boxes, counts its crop."""
+    spacing = np.asarray(spacing, dtype=np.float64)
+    crop_mm = fingerprint.crop_shapes * fingerprint.spacings
+    extents = fingerprint.label_extents_mm
+    if extents is None:
+        extents = np.full_like(crop_mm, np.nan)
+    roi_mm = np.where(np.isnan(extents), crop_mm, np.minimum(extents + 2 * margin_mm, crop_mm))
+    return np.median(np.maximum(np.round(roi_mm / spacing), 1), axis=0)
 
 
 def make_plan(fingerprint: DatasetFingerprint, hardware: Hardware, **kwargs) -> Plan:

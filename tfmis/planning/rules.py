@@ -200,6 +200,74 @@ def shrink_patch(spacing, median_shape, patch_size, fits, square: bool = False, 
     return patch, strides, divisor, steps
 
 
+# ---------------------------------------------------------------- a low-resolution stage
+
+LOWRES_COVERAGE = 0.25  # nnU-Net v2 (lowres_creation_threshold): plan 3d_lowres when the patch covers less
+LOWRES_SPACING_STEP = 1.03  # nnU-Net v2 (spacing_increase_factor): the spacing grows 3% a step
+
+
+def patch_coverage(patch_size, median_shape) -> float:
+    """Share of the median image's voxels one patch covers (capped at 1).
+
+    Example:
+        >>> round(patch_coverage([48, 48, 48], [96, 96, 96]), 3)
+        0.125
+    """
+    return float(
+        min(
+            1.0, np.prod(np.asarray(patch_size, dtype=np.float64)) / np.prod(np.asarray(median_shape, dtype=np.float64))
+        )
+    )
+
+
+def lowres_spacing(
+    spacing,
+    median_shape,
+    patch_at,
+    threshold: float = LOWRES_COVERAGE,
+    step: float = LOWRES_SPACING_STEP,
+    max_steps: int = 1000,
+):
+    """nnU-Net v2's 3d_lowres spacing: grow the spacing by `step` (only the axes more than 2x finer than the
+    coarsest while there are such, so an anisotropic grid becomes less so first) until the patch planned at that
+    spacing covers `threshold` of the median image there.
+
+    Args:
+        spacing: the full-resolution target spacing (mm).
+        median_shape: the median image shape at that spacing (voxels).
+        patch_at: `patch_at(spacing, median_shape) -> patch` (the planner's patch at another spacing).
+
+    Returns:
+        (spacing, median shape at it, patch, steps taken).
+
+    Example:
+        >>> s, m, p, n = lowres_spacing([1, 1, 1], [160, 160, 160], lambda s, m: [min(48, round(x)) for x in m])
+        >>> [float(round(v, 2)) for v in s], p, round(patch_coverage(p, m), 2), n
+        ([2.16, 2.16, 2.16], [48, 48, 48], 0.27, 26)
+    """
+    full = np.asarray(spacing, dtype=np.float64)
+    current = full.copy()
+    median = np.asarray(median_shape, dtype=np.float64)
+    shape, patch, steps = median, patch_at(current, median), 0
+    while patch_coverage(patch, shape) < threshold and steps < max_steps:
+        fine_axes = current.max() / current > 2
+        current = current * np.where(fine_axes, step, 1.0) if fine_axes.any() else current * step
+        shape = full / current * median
+        patch = patch_at(current, shape)
+        steps += 1
+    return current, shape, patch, steps
+
+
+def equivalent_diameter_mm(volume_mm3: float) -> float:
+    """Diameter of the sphere of that volume: a structure's size in one number.
+
+    Example:
+        >>> round(equivalent_diameter_mm(4 / 3 * math.pi * 10**3), 6)
+        20.0
+    """
+    return float((6.0 * max(volume_mm3, 0.0) / math.pi) ** (1.0 / 3.0))
+
+
 # ---------------------------------------------------------------- memory of tfmis's U-Net
 
 

@@ -1,0 +1,114 @@
+"""Prediction through a coarse-to-fine cascade (seed 003's coarse localisation + fine region of interest).
+
+The coarse stage (a low-resolution run) predicts the whole scan; the box around its foreground, grown by
+`cascade.margin_mm` per side, is cut from the original scan and only that box goes through the fine stage (a
+full-resolution run trained on cases cropped the same way, `data.conversion.crop_to_label_mm`); outside the box
+the label is background. When the coarse stage finds nothing, the fine stage sees the whole scan. The written
+label map has the input's geometry, as with one stage.
+
+Example:
+```python
+predictor = make_predictor(load_config("runs/Task03/fullres/config.yaml"), "runs/Task03/fullres")
+result = predictor.predict_file(InputCase("ct_001", "ct_001.nii.gz"), "predictions/")
+print(result.region)  # "box 212x180x96 = 6.1% of the scan"
+```
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tfmis.data.preprocess import label_box
+from tfmis.inference.predictor import Predictor, run_config
+
+
+def region_of_interest(mask: np.ndarray, affine: np.ndarray, margin_mm: float) -> tuple[slice, ...] | None:
+    """The box (slices on the file's voxel grid) around the True voxels of `mask` grown by `margin_mm` on each
+    side; None when `mask` is empty.
+
+    Example:
+        >>> m = np.zeros((40, 40, 20), bool); m[10:12, 20:30, 5] = True
+        >>> region_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 10.0)
+        (slice(5, 17, None), slice(15, 35, None), slice(3, 8, None))
+    """
+    if not mask.any():
+        return None
+    spacing = np.linalg.norm(np.asarray(affine, dtype=np.float64)[:3, :3], axis=0)
+    start, stop = label_box(mask, spacing, margin_mm)
+    return tuple(slice(int(a), int(b)) for a, b in zip(start, stop))
+
+
+def crop_affine(affine: np.ndarray, box: tuple[slice, ...]) -> np.ndarray:
+    """The affine of `image[box]`: the same axes, the origin moved to the box's first voxel."""
+    out = np.array(affine, dtype=np.float64, copy=True)
+    out[:3, 3] = out[:3, :3] @ np.array([s.start for s in box], dtype=np.float64) + out[:3, 3]
+    return out
+
+
+class CascadePredictor(Predictor):
+    """A `Predictor` for the fine stage that first runs `coarse` on the whole scan to find where to look.
+
+    Args:
+        config, checkpoint: the fine stage's run (its `cascade.margin_mm` is the margin).
+        coarse: the coarse stage's `Predictor`.
+        kwargs: `Predictor`'s (sliding-window settings, device, test-time augmentation), for both stages.
+
+    After each case, `last_region` describes what the fine stage saw (also in `CaseResult.region`).
+    """
+
+    def __init__(self, config, checkpoint, coarse: Predictor, **kwargs):
+        super().__init__(config, checkpoint, **kwargs)
+        if list(coarse.class_names) != list(self.class_names):
+            raise ValueError(
+                f"cascade.coarse_run: its classes {coarse.class_names} differ from this run's {self.class_names}"
+            )
+        self.coarse = coarse
+        self.margin_mm = float(config.cascade.margin_mm)
+        self.last_region = ""
+
+    def predict_array(self, image: np.ndarray, affine: np.ndarray, case_id: str = ""):
+        """(label map, probabilities (X, Y, Z, K) or None, device) on the grid of `image` / `affine`: the coarse
+        stage over the whole scan, the fine stage over the box around what it found."""
+        coarse_labels, _, coarse_device = self.coarse.predict_array(image, affine, case_id)
+        box = region_of_interest(coarse_labels > 0, affine, self.margin_mm)
+        del coarse_labels
+        if box is None:
+            self.last_region = "whole scan (the coarse stage found nothing)"
+            labels, probabilities, device = super().predict_array(image, affine, case_id)
+            return labels, probabilities, device
+        sub_labels, sub_probabilities, device = super().predict_array(image[box], crop_affine(affine, box), case_id)
+        shape = image.shape[:3]
+        share = float(np.prod(sub_labels.shape)) / float(np.prod(shape))
+        self.last_region = f"box {'x'.join(str(s.stop - s.start) for s in box)} = {100 * share:.3g}% of the scan"
+        labels = np.zeros(shape, dtype=sub_labels.dtype)
+        labels[box] = sub_labels
+        probabilities = None
+        if sub_probabilities is not None:
+            probabilities = np.zeros((*shape, sub_probabilities.shape[-1]), dtype=sub_probabilities.dtype)
+            probabilities[..., 0] = 1  # background outside the box
+            probabilities[box] = sub_probabilities
+        return labels, probabilities, f"{coarse_device} / {device}" if coarse_device != device else device
+
+    def predict_file(self, case, output_dir, probabilities: bool = False):
+        result = super().predict_file(case, output_dir, probabilities)
+        result.region = self.last_region if result.status == "ok" else ""
+        return result
+
+
+def make_predictor(config, checkpoint, **kwargs) -> Predictor:
+    """A `Predictor` for the run of `config`, or a `CascadePredictor` when it is a cascade's fine stage
+    (`cascade.coarse_run` set): the coarse run's config and best weights are loaded from its folder."""
+    coarse_run = config.cascade.coarse_run
+    if not coarse_run:
+        return Predictor(config, checkpoint, **kwargs)
+    from tfmis.config import load_config
+
+    if not Path(coarse_run).is_dir():
+        raise FileNotFoundError(
+            f"cascade.coarse_run: {coarse_run} is not a run folder; train the coarse stage first (python -m "
+            f"tfmis.train --config <its plan.yaml>) or set cascade.coarse_run to where it is"
+        )
+    coarse = Predictor(load_config(run_config(coarse_run)), coarse_run, **kwargs)
+    return CascadePredictor(config, checkpoint, coarse, **kwargs)
