@@ -662,3 +662,33 @@ def test_predictions_csv_appends_region_hd95_and_nsd_columns(tmp_path):
     assert all(rows["test_0"][c] == "" for c in columns)
     # without regions, HD95 or NSD nothing is appended: the file is as before
     assert score_columns(SegmentationMetrics(4, class_names=names)) == []
+
+
+def test_workers_tables_summed_give_the_cases_of_one_accumulator():
+    """Trainer.evaluate on several workers: each scores every other case, puts its rows at the cases'
+    positions in a zero table of `table_width` columns, the tables are summed; NaN (absent) and inf (missed)
+    survive the sum, so the summed table gives what one accumulator over all cases gives."""
+    rng = np.random.default_rng(5)
+    cases = [random_brats_maps(rng) for _ in range(3)]
+    missed = cases[2][0].copy()
+    missed[missed == 3] = 2  # enhancing tumour missed: HD95 inf, NSD 0
+    cases.append((missed, cases[2][1]))
+    kwargs = dict(hd95=True, regions=BRATS_REGIONS, nsd=True, nsd_tolerance_mm=1.0)
+    one = SegmentationMetrics(4, **kwargs)
+    for prediction, target in cases:
+        one.update(prediction, target, spacing=(1.0, 1.2, 2.0))
+    assert math.isinf(one.result()["hd95_per_class"][2]) and one.result()["nsd_per_region"][2] < 1
+    summed = np.zeros((len(cases), one.table_width))
+    for rank in (0, 1):
+        worker = SegmentationMetrics(4, **kwargs)
+        for prediction, target in cases[rank::2]:
+            worker.update(prediction, target, spacing=(1.0, 1.2, 2.0))
+        table = np.zeros_like(summed)
+        table[rank::2] = worker.case_table()
+        summed += table
+    merged = SegmentationMetrics(4, **kwargs)
+    merged.add_case_table(summed)
+    _assert_same(merged.result(), one.result())
+    np.testing.assert_allclose(
+        [c["nsd_per_region"] for c in merged.per_case], [c["nsd_per_region"] for c in one.per_case]
+    )
