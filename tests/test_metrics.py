@@ -366,3 +366,329 @@ def test_predictions_csv_and_summary_report_classes_absent_from_the_label(tmp_pa
     # organ (2/3 + 1) / 2; core only from case_1; the mean weighs each class once: (5/6 + 1) / 2
     assert summary.startswith("mean Dice over 2 case(s): organ 0.8333, core 1.0000 (absent from 1 of 2 labels)")
     assert summary.endswith("; mean 0.9167")
+
+
+# ---------------------------------------------------------------- normalised surface Dice (NSD) and regions
+
+
+def listed_surface_voxels(mask):
+    """Independent reference surface: every voxel of the mask listed with a face neighbour outside the mask
+    or the volume, checked one voxel and one neighbour at a time (no erosion)."""
+    points = []
+    for voxel in np.argwhere(mask):
+        for axis in range(mask.ndim):
+            for step in (-1, 1):
+                neighbour = voxel.copy()
+                neighbour[axis] += step
+                outside = not 0 <= neighbour[axis] < mask.shape[axis] or not mask[tuple(neighbour)]
+                if outside:
+                    points.append(voxel)
+                    break
+            else:
+                continue
+            break
+    return np.array(points).reshape(-1, mask.ndim)
+
+
+def brute_force_nsd(prediction, target, tolerance, spacing):
+    """NSD written out: (|pred surface within tol of gt surface| + |gt surface within tol of pred surface|)
+    / (|pred surface| + |gt surface|), with all pairwise distances in mm; MONAI's empty-mask rules."""
+    if not prediction.any() and not target.any():
+        return nan
+    if not prediction.any() or not target.any():
+        return 0.0
+    p, t = listed_surface_voxels(prediction), listed_surface_voxels(target)
+    # index offsets times the spacing: a one-voxel step is exactly one spacing, so ties with the tolerance
+    # (tolerance = a spacing below) are decided as a distance transform decides them
+    distances = np.sqrt((((p[:, None, :] - t[None, :, :]) * np.asarray(spacing)) ** 2).sum(-1))
+    within = (distances.min(axis=1) <= tolerance).sum() + (distances.min(axis=0) <= tolerance).sum()
+    return within / (len(p) + len(t))
+
+
+def test_nsd_matches_brute_force_on_random_shapes_with_anisotropic_spacing():
+    from tfmis.metrics import surface_dice
+
+    rng = np.random.default_rng(1)
+    for trial in range(4):
+        shape = tuple(rng.integers(6, 12, size=3))
+        spacing = tuple(rng.uniform(0.4, 3.0, size=3))
+        field = ndimage.gaussian_filter(rng.normal(size=shape), 1.5)
+        prediction = field > rng.uniform(-0.05, 0.05)
+        target = (ndimage.shift(field, rng.integers(-2, 3, size=3), order=0) + rng.normal(0, 0.05, shape)) > 0.0
+        assert prediction.any() and target.any()
+        for tolerance in (0.0, 0.5, min(spacing), 1.7, 3.0, 10.0):
+            assert surface_dice(prediction, target, tolerance, spacing) == pytest.approx(
+                brute_force_nsd(prediction, target, tolerance, spacing), abs=1e-12
+            ), (trial, tolerance)
+
+
+def test_nsd_of_a_shifted_cube_below_and_above_the_shift():
+    """A 4×4×4 cube and the same cube one slice (2.5 mm) on along z. Each has 56 surface voxels: 16 in
+    each end face, 12 in each of the two middle rings. Of the first cube's: the ring at z=3 lies on the
+    second cube's end face and the ring at z=4 and the ring of its face at z=5 on the second's rings
+    (0 mm, 36 voxels); the 4 inner voxels of its face at z=5 are 1 mm (in-plane) from the second's ring
+    at z=5; its face at z=2 is 2.5 mm from the second's face at z=3. The other way round is the mirror."""
+    from tfmis.metrics import normalized_surface_dice, surface_dice
+
+    a = np.zeros((8, 8, 9), bool)
+    a[2:6, 2:6, 2:6] = True
+    b = np.roll(a, 1, axis=2)
+    spacing = (1.0, 1.0, 2.5)
+    assert surface_dice(a, b, 0.0, spacing) == pytest.approx(2 * 36 / 112)
+    assert surface_dice(a, b, 0.99, spacing) == pytest.approx(2 * 36 / 112)
+    assert surface_dice(a, b, 1.0, spacing) == pytest.approx(2 * 40 / 112)  # inclusive, as MONAI (d <= tau)
+    assert surface_dice(a, b, 2.49, spacing) == pytest.approx(2 * 40 / 112)  # below the shift
+    assert surface_dice(a, b, 2.5, spacing) == 1.0  # at and above the shift: every surface voxel
+    assert surface_dice(b, a, 3.0, spacing) == 1.0
+    # the same shift along x (1 mm) is within a 1 mm tolerance
+    assert surface_dice(a, np.roll(a, 1, axis=0), 1.0, spacing) == 1.0
+    # disjoint slabs 2 slices (5 mm) apart: the facing layers are 2.5 mm off, the far ones 5 mm
+    slab = np.zeros((6, 6, 8), bool)
+    slab[1:5, 1:5, 1:3] = True
+    moved = np.roll(slab, 2, axis=2)
+    assert [surface_dice(slab, moved, t, spacing) for t in (2.4, 2.5, 4.9, 5.0)] == [0.0, 0.5, 0.5, 1.0]
+    # per class from label maps, one tolerance per class
+    labels_a, labels_b = a.astype(np.uint8), b.astype(np.uint8)
+    labels_a[slab.nonzero()[0] + 0, slab.nonzero()[1], slab.nonzero()[2] + 6] = 2
+    labels_b[moved.nonzero()[0], moved.nonzero()[1], moved.nonzero()[2] + 1] = 2
+    np.testing.assert_allclose(
+        normalized_surface_dice(labels_b, labels_a, 3, [2.0, 2.5], spacing),
+        [
+            surface_dice(labels_b == 1, labels_a == 1, 2.0, spacing),
+            surface_dice(labels_b == 2, labels_a == 2, 2.5, spacing),
+        ],
+    )
+
+
+def test_nsd_follows_monai_when_a_mask_is_empty():
+    from tfmis.metrics import normalized_surface_dice, surface_dice
+
+    empty, cube = np.zeros((5, 5, 5), bool), np.zeros((5, 5, 5), bool)
+    cube[1:3, 1:3, 1:3] = True
+    assert math.isnan(surface_dice(empty, empty, 1.0))  # nothing to score
+    assert surface_dice(cube, empty, 100.0) == 0.0 and surface_dice(empty, cube, 100.0) == 0.0
+    # class 1 in both, class 2 predicted only (Dice NaN with ignore_empty, NSD 0), class 3 in neither
+    prediction = np.where(cube, 1, 0)
+    prediction[4, 4, 4] = 2
+    scores = normalized_surface_dice(prediction, cube.astype(int), 4, 1.0)
+    assert scores[0] == 1.0 and scores[1] == 0.0 and math.isnan(scores[2])
+    with pytest.raises(ValueError, match="finite distance >= 0"):
+        surface_dice(cube, cube, -1.0)
+    with pytest.raises(ValueError, match="one per class"):
+        normalized_surface_dice(prediction, cube.astype(int), 4, [1.0, 2.0])
+
+
+# BraTS-like label maps (MSD Task01 labels: 1 edema, 2 non-enhancing tumour, 3 enhancing tumour)
+BRATS_REGIONS = {"whole_tumour": [1, 2, 3], "tumour_core": [2, 3], "enhancing_tumour": [3]}
+
+
+def random_brats_maps(rng, shape=(9, 10, 8)):
+    field = ndimage.gaussian_filter(rng.normal(size=shape), 1.2)
+    target = np.digitize(field, [0.0, 0.05, 0.1]).astype(np.uint8)  # nested shells: 1 ⊃ 2 ⊃ 3
+    noisy = ndimage.gaussian_filter(field + rng.normal(0, 0.05, shape), 0.5)
+    prediction = np.digitize(noisy, [0.01, 0.05, 0.12]).astype(np.uint8)
+    return prediction, target
+
+
+def union_dice_by_hand(prediction, target, labels):
+    p, t = np.isin(prediction, labels), np.isin(target, labels)
+    return 2 * (p & t).sum() / (p.sum() + t.sum()) if t.any() else nan
+
+
+def test_region_dice_is_the_dice_of_the_unioned_masks():
+    from tfmis.metrics import region_dice
+
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        prediction, target = random_brats_maps(rng)
+        expected = [union_dice_by_hand(prediction, target, labels) for labels in BRATS_REGIONS.values()]
+        np.testing.assert_allclose(region_dice(prediction, target, 4, BRATS_REGIONS), expected)
+    # a region of one label is that class's Dice; a region absent from the target is NaN (ignore_empty)
+    np.testing.assert_allclose(region_dice(PREDICTION, TARGET, 5, {"b": [2], "cd": [3, 4]}), [0.5, nan])
+    # by hand on the 2×3 maps: {1, 2} target 4 voxels, predicted 3 ((0,1), (0,2), (1,0)), all 3 inside
+    assert region_dice(PREDICTION, TARGET, 5, {"ab": [1, 2]})[0] == pytest.approx(2 * 3 / (3 + 4))
+
+
+def test_accumulator_scores_regions_and_nsd_like_the_brute_force_formulas():
+    rng = np.random.default_rng(3)
+    spacing = (0.9, 1.3, 2.2)
+    names = ["background", "edema", "non_enhancing", "enhancing"]
+    tolerances = [1.0, 2.0, 1.5]
+    metrics = SegmentationMetrics(
+        4, hd95=True, class_names=names, regions=BRATS_REGIONS, nsd=True, nsd_tolerance_mm=tolerances
+    )
+    cases = [random_brats_maps(rng) for _ in range(3)]
+    expected_region_dice, expected_region_nsd, expected_class_nsd = [], [], []
+    for i, (prediction, target) in enumerate(cases):
+        entry = metrics.update(prediction, target, spacing=spacing, case_id=f"case_{i}")
+        region_dice = [union_dice_by_hand(prediction, target, labels) for labels in BRATS_REGIONS.values()]
+        # a region without its own tolerance takes the smallest of its labels': 1.0, 1.5, 1.5
+        region_nsd = [
+            brute_force_nsd(np.isin(prediction, labels), np.isin(target, labels), tol, spacing)
+            for labels, tol in zip(BRATS_REGIONS.values(), [1.0, 1.5, 1.5])
+        ]
+        class_nsd = [brute_force_nsd(prediction == c, target == c, tolerances[c - 1], spacing) for c in (1, 2, 3)]
+        np.testing.assert_allclose(entry["dice_per_region"], region_dice)
+        np.testing.assert_allclose(entry["nsd_per_region"], region_nsd)
+        np.testing.assert_allclose(entry["nsd_per_class"], class_nsd)
+        assert entry["dice_whole_tumour"] == pytest.approx(region_dice[0])
+        assert entry["nsd_enhancing_tumour"] == pytest.approx(region_nsd[2])
+        assert entry["hd95_tumour_core"] == pytest.approx(
+            brute_force_hd95(np.isin(prediction, [2, 3]), np.isin(target, [2, 3]), spacing)
+        )
+        np.testing.assert_allclose(entry["dice_per_class"], dice_per_class(prediction, target, 4))
+        expected_region_dice.append(region_dice)
+        expected_region_nsd.append(region_nsd)
+        expected_class_nsd.append(class_nsd)
+    result = metrics.result()
+    np.testing.assert_allclose(result["dice_per_region"], np.nanmean(expected_region_dice, axis=0))
+    np.testing.assert_allclose(result["nsd_per_region"], np.nanmean(expected_region_nsd, axis=0))
+    np.testing.assert_allclose(result["nsd_per_class"], np.nanmean(expected_class_nsd, axis=0))
+    assert result["dice_whole_tumour"] == pytest.approx(np.mean([d[0] for d in expected_region_dice]))
+    assert result["mean_region_dice"] == pytest.approx(np.mean(np.nanmean(expected_region_dice, axis=0)))
+    assert result["mean_nsd"] == pytest.approx(np.mean(np.nanmean(expected_class_nsd, axis=0)))
+    assert result["dice_cases_per_region"] == [3, 3, 3] and result["num_cases"] == 3
+    # the workers' table round trip (tfmis.engine.trainer.evaluate with several workers) keeps every number
+    table = metrics.case_table()
+    assert table.shape == (3, metrics.table_width) == (3, 5 * (3 + 3))
+    again = SegmentationMetrics(
+        4, hd95=True, class_names=names, regions=BRATS_REGIONS, nsd=True, nsd_tolerance_mm=tolerances
+    )
+    again.add_case_table(table)
+    _assert_same(again.result(), result)
+
+
+def _assert_same(a: dict, b: dict):
+    assert list(a) == list(b)
+    for key in a:
+        np.testing.assert_allclose(np.asarray(a[key], float), np.asarray(b[key], float), err_msg=key)
+
+
+def test_accumulator_keys_are_unchanged_without_regions_or_nsd():
+    """Existing outputs stay as they were: the same keys, in the same order, and the same table layout."""
+    metrics = SegmentationMetrics(5, hd95=True, class_names=["bg", "a", "b", "c", "d"])
+    entry = metrics.update(PREDICTION, TARGET, case_id="x")
+    assert list(entry) == [
+        "case_id", "dice_per_class", "mean_dice", "dice_a", "dice_b", "dice_c", "dice_d", "hd95_per_class",
+        "mean_hd95", "hd95_a", "hd95_b", "hd95_c", "hd95_d", "gt_empty_per_class", "predicted_when_gt_empty_per_class",
+    ]  # fmt: skip
+    assert list(metrics.result()) == [
+        "dice_per_class", "mean_dice", "dice_a", "dice_b", "dice_c", "dice_d", "hd95_per_class", "mean_hd95",
+        "hd95_a", "hd95_b", "hd95_c", "hd95_d", "mean_dice_per_case", "dice_cases_per_class", "gt_empty_per_class",
+        "predicted_when_gt_empty_per_class", "hd95_inf_count_per_class", "hd95_finite_per_class", "mean_hd95_finite",
+        "num_cases",
+    ]  # fmt: skip
+    row = metrics.case_table()[0]
+    np.testing.assert_allclose(row[:4], EXPECTED_DICE[1:])  # Dice, then ground truth empty, predicted when empty, HD95
+    np.testing.assert_array_equal(row[4:12], [0, 0, 1, 1, 0, 0, 1, 0])
+
+
+def test_regions_and_tolerances_are_checked_against_the_classes():
+    with pytest.raises(ValueError, match=r"validation.regions.whole_tumour: .* labels in 1..3"):
+        SegmentationMetrics(4, regions={"whole_tumour": [1, 2, 4]})  # BraTS's own 4 is label 3 in MSD Task01
+    with pytest.raises(ValueError, match="also a class name"):
+        SegmentationMetrics(3, class_names=["background", "organ", "core"], regions={"core": [2]})
+    with pytest.raises(ValueError, match="nsd_tolerance_mm"):
+        SegmentationMetrics(3, nsd=True)
+    with pytest.raises(ValueError, match="one per scored class"):
+        SegmentationMetrics(4, nsd=True, nsd_tolerance_mm=[1.0, 2.0], regions=BRATS_REGIONS)
+    # one per class then one per region
+    metrics = SegmentationMetrics(4, nsd=True, nsd_tolerance_mm=[1, 2, 3, 4, 5, 6], regions=BRATS_REGIONS)
+    assert metrics.nsd_tolerances == [1, 2, 3, 4, 5, 6]
+
+
+def test_config_keys_for_regions_and_nsd():
+    from tfmis.config import ConfigError, load_config, parse_config, to_dict
+
+    default = load_config(None).validation
+    assert (default.nsd, default.nsd_tolerance_mm, default.regions) == (False, None, {})  # off by default
+    config = load_config(
+        None,
+        [
+            "validation.regions={whole_tumour: [1, 2, 3], tumour_core: [2, 3], enhancing_tumour: [3]}",
+            "validation.nsd=true",
+            "validation.nsd_tolerance_mm=[1, 2.5, 1]",
+        ],
+    )
+    assert config.validation.regions == BRATS_REGIONS and config.validation.nsd_tolerance_mm == [1.0, 2.5, 1.0]
+    assert parse_config(to_dict(config)).validation == config.validation  # what save_config writes reads back
+    assert load_config(None, ["validation.nsd_tolerance_mm=2"]).validation.nsd_tolerance_mm == 2.0
+    for override, message in [
+        ("validation.nsd=true", "validation.nsd is true but validation.nsd_tolerance_mm is not set"),
+        ("validation.nsd_tolerance_mm=-1", "validation.nsd_tolerance_mm: expected distances >= 0"),
+        ("validation.regions={whole tumour: [1]}", "rename it"),
+        ("validation.regions={wt: [0, 1]}", r"validation.regions.wt: expected a list of distinct foreground"),
+        ("validation.regions={wt: [1, x]}", r"validation.regions.wt\[1\]: expected an integer"),
+        ("validation.regions=[1, 2]", "validation.regions: expected a mapping"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [override])
+
+
+def test_predictions_csv_appends_region_hd95_and_nsd_columns(tmp_path):
+    """The class columns keep their names and order; the scores follow, blank for an unlabelled case."""
+    import csv
+
+    from tfmis.inference.predictor import CaseResult, score_columns, score_keys, write_csv
+
+    names = ["background", "edema", "non_enhancing", "enhancing"]
+    metrics = SegmentationMetrics(
+        4, hd95=True, class_names=names, regions=BRATS_REGIONS, nsd=True, nsd_tolerance_mm=1.0
+    )
+    columns = score_columns(metrics)
+    assert columns == [
+        "dice_whole_tumour", "dice_tumour_core", "dice_enhancing_tumour", "dice_mean_regions",
+        "hd95_edema", "hd95_non_enhancing", "hd95_enhancing", "hd95_whole_tumour", "hd95_tumour_core",
+        "hd95_enhancing_tumour", "nsd_edema", "nsd_non_enhancing", "nsd_enhancing", "nsd_whole_tumour",
+        "nsd_tumour_core", "nsd_enhancing_tumour", "nsd_mean",
+    ]  # fmt: skip
+    prediction, target = random_brats_maps(np.random.default_rng(4))
+    entry = metrics.update(prediction, target)
+    scores = {column: entry[key] for column, key in score_keys(metrics).items()}
+    dice = dict(zip(names[1:], entry["dice_per_class"]))
+    results = [CaseResult("case_0", "ok", (9, 10, 8), dice=dice, scores=scores), CaseResult("test_0", "ok", (9, 10, 8))]
+    write_csv(results, tmp_path / "predictions.csv", names, columns)
+    header = next(csv.reader(open(tmp_path / "predictions.csv")))
+    assert header[:14] == [
+        "case", "status", "shape", "seconds", "foreground_voxels", "device", "output", "reason",
+        "dice_edema", "dice_non_enhancing", "dice_enhancing", "dice_mean", "absent_from_label", "dice_whole_tumour",
+    ]  # fmt: skip
+    assert header[13:] == columns
+    rows = {r["case"]: r for r in csv.DictReader(open(tmp_path / "predictions.csv"))}
+    assert float(rows["case_0"]["dice_whole_tumour"]) == pytest.approx(
+        union_dice_by_hand(prediction, target, [1, 2, 3]), abs=1e-4
+    )
+    assert float(rows["case_0"]["nsd_mean"]) == pytest.approx(entry["mean_nsd"], abs=1e-4)
+    assert all(rows["test_0"][c] == "" for c in columns)
+    # without regions, HD95 or NSD nothing is appended: the file is as before
+    assert score_columns(SegmentationMetrics(4, class_names=names)) == []
+
+
+def test_workers_tables_summed_give_the_cases_of_one_accumulator():
+    """Trainer.evaluate on several workers: each scores every other case, puts its rows at the cases'
+    positions in a zero table of `table_width` columns, the tables are summed; NaN (absent) and inf (missed)
+    survive the sum, so the summed table gives what one accumulator over all cases gives."""
+    rng = np.random.default_rng(5)
+    cases = [random_brats_maps(rng) for _ in range(3)]
+    missed = cases[2][0].copy()
+    missed[missed == 3] = 2  # enhancing tumour missed: HD95 inf, NSD 0
+    cases.append((missed, cases[2][1]))
+    kwargs = dict(hd95=True, regions=BRATS_REGIONS, nsd=True, nsd_tolerance_mm=1.0)
+    one = SegmentationMetrics(4, **kwargs)
+    for prediction, target in cases:
+        one.update(prediction, target, spacing=(1.0, 1.2, 2.0))
+    assert math.isinf(one.result()["hd95_per_class"][2]) and one.result()["nsd_per_region"][2] < 1
+    summed = np.zeros((len(cases), one.table_width))
+    for rank in (0, 1):
+        worker = SegmentationMetrics(4, **kwargs)
+        for prediction, target in cases[rank::2]:
+            worker.update(prediction, target, spacing=(1.0, 1.2, 2.0))
+        table = np.zeros_like(summed)
+        table[rank::2] = worker.case_table()
+        summed += table
+    merged = SegmentationMetrics(4, **kwargs)
+    merged.add_case_table(summed)
+    _assert_same(merged.result(), one.result())
+    np.testing.assert_allclose(
+        [c["nsd_per_region"] for c in merged.per_case], [c["nsd_per_region"] for c in one.per_case]
+    )

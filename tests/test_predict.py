@@ -351,3 +351,94 @@ def test_cli_help_and_bad_arguments(trained_run, tmp_path):
         )
         == 1
     )
+
+
+REGION_OVERRIDES = [
+    "validation.regions={lesion: [1, 2], core_only: [2]}",  # organ ∪ core, and a one-label region
+    "validation.hd95=true",
+    "validation.nsd=true",
+    "validation.nsd_tolerance_mm=[1.5, 3.0]",  # organ, core; regions take the smallest of their labels'
+]
+
+
+def test_predict_writes_region_hd95_and_nsd_columns(trained_run, tmp_path):
+    """A real `predict` run with regions, HD95 and NSD configured: predictions.csv keeps its class columns and
+    appends the scores, each equal to the formula computed here from the written prediction and the label
+    (union Dice by hand, NSD and HD95 by brute force over listed surface voxels, spacing from the affine)."""
+    from test_metrics import brute_force_hd95, brute_force_nsd, union_dice_by_hand
+
+    from tfmis.config import load_config, save_config
+
+    config = load_config(trained_run["dir"] / "config.yaml", REGION_OVERRIDES)
+    save_config(config, tmp_path / "config.yaml")
+    args = ["--config", str(tmp_path / "config.yaml"), "--checkpoint", str(trained_run["dir"] / "best.weights.h5")]
+    args += ["--input", str(trained_run["source"] / "dataset.json"), "--subset", "split:val"]
+    assert predict_main([*args, "--output", str(tmp_path / "out"), "--quiet"]) == 0
+    with open(tmp_path / "out" / "predictions.csv") as f:
+        header = next(csv.reader(f))
+    with open(tmp_path / "out" / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert header == [
+        "case", "status", "shape", "seconds", "foreground_voxels", "device", "output", "reason",
+        "dice_organ", "dice_core", "dice_mean", "absent_from_label",
+        "dice_lesion", "dice_core_only", "dice_mean_regions",
+        "hd95_organ", "hd95_core", "hd95_lesion", "hd95_core_only",
+        "nsd_organ", "nsd_core", "nsd_lesion", "nsd_core_only", "nsd_mean",
+    ]  # fmt: skip
+    assert len(rows) == 2
+    source = trained_run["source"]
+    for row in rows:
+        predicted = nib.load(row["output"])
+        prediction = np.asanyarray(predicted.dataobj)
+        label = np.asanyarray(nib.load(str(source / "labelsTr" / f"{row['case']}.nii.gz")).dataobj).astype(int)
+        spacing = nib.affines.voxel_sizes(predicted.affine)
+        assert tuple(spacing) == pytest.approx((1.5, 1.5, 2.0))  # anisotropic (conftest.lps_affine)
+        lesion_dice = union_dice_by_hand(prediction, label, [1, 2])
+        assert float(row["dice_lesion"]) == pytest.approx(lesion_dice, abs=1e-4)
+        assert row["dice_core_only"] == row["dice_core"]  # a one-label region is that class
+        assert float(row["dice_mean_regions"]) == pytest.approx(
+            np.nanmean([lesion_dice, float(row["dice_core"])]), abs=1e-4
+        )
+        masks = {"organ": [1], "core": [2], "lesion": [1, 2], "core_only": [2]}
+        tolerances = {"organ": 1.5, "core": 3.0, "lesion": 1.5, "core_only": 3.0}
+        for name, labels in masks.items():
+            p, t = np.isin(prediction, labels), np.isin(label, labels)
+            assert float(row[f"nsd_{name}"]) == pytest.approx(
+                brute_force_nsd(p, t, tolerances[name], spacing), abs=1e-4
+            )
+            hd95 = brute_force_hd95(p, t, spacing) if p.any() and t.any() else float("inf")
+            assert float(row[f"hd95_{name}"]) == pytest.approx(hd95, abs=1e-4)
+        assert float(row["nsd_mean"]) == pytest.approx(np.mean([float(row["nsd_organ"]), float(row["nsd_core"])]), 1e-3)
+
+
+def test_validation_reports_region_and_nsd_metrics_in_history(converted_dataset, trained_run, tmp_path):
+    """Training with regions and NSD configured records them per epoch (history.jsonl / history.csv) and in
+    summary.json; the validation's region Dice (preprocessed grid, whole volumes) equals predict's (original
+    grid) averaged over the same cases, as the class Dice does."""
+    import json
+
+    config = tiny_config(converted_dataset, tmp_path / "run", "training.epochs=1", *REGION_OVERRIDES)
+    trainer = Trainer(config)
+    summary = trainer.fit()
+    record = json.loads((tmp_path / "run" / "history.jsonl").read_text().splitlines()[-1])
+    for key in ("val_dice_lesion", "val_dice_core_only", "val_mean_region_dice", "val_mean_nsd", "val_nsd_lesion"):
+        assert key in record, key
+    assert set(record["val_nsd"]) == {"organ", "core"} and "val_hd95_lesion" in record
+    assert record["val_dice_core_only"] == pytest.approx(record["val_dice"]["core"], nan_ok=True)
+    header = (tmp_path / "run" / "history.csv").read_text().splitlines()[0].split(",")
+    assert {"val_dice_lesion", "val_nsd/organ", "val_mean_nsd"} <= set(header)
+    assert summary["best_dice_per_region"] == {
+        "lesion": record["val_dice_lesion"],
+        "core_only": pytest.approx(record["val_dice_core_only"], nan_ok=True),
+    }
+    assert (
+        json.loads((tmp_path / "run" / "summary.json").read_text())["best_dice_per_region"]["lesion"]
+        == (record["val_dice_lesion"])
+    )
+    # the same cases through predict: its per-case region Dice averages to the validation's
+    validation = trainer.evaluate(build_val_dataset(config))
+    predictor = Predictor(config, tmp_path / "run")
+    cases = collect_inputs(trained_run["source"] / "dataset.json", "split:val", index=predictor.index)
+    results = [predictor.predict_file(c, tmp_path / "out") for c in cases]
+    assert np.nanmean([r.scores["dice_lesion"] for r in results]) == pytest.approx(validation["dice_lesion"], abs=1e-3)
+    assert validation["dice_lesion"] == pytest.approx(record["val_dice_lesion"])  # best = last (one epoch)

@@ -198,6 +198,18 @@ class ValidationConfig:
     # writes it when it measured that size not fitting); null = learn from the first OOM
     cpu_from_voxels: Optional[int] = None
     hd95: bool = False  # also compute the 95th-percentile Hausdorff distance (slower)
+    # normalised surface Dice, the Decathlon's second metric: the share of both surfaces within a tolerance of
+    # the other (MONAI compute_surface_dice; two distance transforms per class and region, like hd95)
+    nsd: bool = False
+    # the accepted deviation in mm: one number, one per foreground class, or one per foreground class then one
+    # per region (a region without one takes the smallest tolerance of its labels); the MSD set it per task and
+    # class from the spread between annotators, so there is no default
+    nsd_tolerance_mm: Optional[float | list[float]] = None
+    # label unions scored like classes besides them (Dice, and hd95 / nsd when on): name -> labels, e.g. BraTS
+    # (MSD Task01 labels) {whole_tumour: [1, 2, 3], tumour_core: [2, 3], enhancing_tumour: [3]}; the names become
+    # metric keys (val_dice_whole_tumour) and predictions.csv columns (dice_whole_tumour); the model still
+    # predicts the classes, the regions are unioned from its label map
+    regions: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     max_cases: Optional[int] = None  # validate on the first N cases only
 
     def __post_init__(self):
@@ -348,6 +360,15 @@ def _coerce(tp, value, key: str):
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}{hint}")
         return value
+    if origin is dict:
+        key_type, item = typing.get_args(tp)
+        if value is None:  # `regions:` with nothing under it
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of name: value, got {type(value).__name__} {value!r}")
+        return {
+            _coerce(key_type, k, f"{key} (the key {k!r})"): _coerce(item, v, f"{key}.{k}") for k, v in value.items()
+        }
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
@@ -552,6 +573,37 @@ def validate(config: Config) -> None:
         raise ConfigError(f"validation.overlap must be in [0, 1), got {config.validation.overlap}")
     if config.validation.roi_size is not None and len(config.validation.roi_size) != 3:
         raise ConfigError(f"validation.roi_size: expected three sizes, got {config.validation.roi_size}")
+    _validate_surface_and_regions(config.validation)
+
+
+def _validate_surface_and_regions(v: ValidationConfig) -> None:
+    """validation.nsd / nsd_tolerance_mm / regions; the labels are checked against the dataset's classes when the
+    metrics are built (tfmis.metrics.check_regions), as the config does not know them."""
+    import math
+    import re
+
+    tolerances = v.nsd_tolerance_mm if isinstance(v.nsd_tolerance_mm, list) else [v.nsd_tolerance_mm]
+    if v.nsd and v.nsd_tolerance_mm is None:
+        raise ConfigError(
+            "validation.nsd is true but validation.nsd_tolerance_mm is not set: give the accepted surface "
+            "deviation in mm, one number or one per foreground class, e.g. validation.nsd_tolerance_mm=2.0"
+        )
+    if v.nsd_tolerance_mm is not None and (not tolerances or not all(math.isfinite(t) and t >= 0 for t in tolerances)):
+        raise ConfigError(
+            f"validation.nsd_tolerance_mm: expected distances >= 0 mm (one, or one per foreground class), "
+            f"got {v.nsd_tolerance_mm}"
+        )
+    for name, labels in v.regions.items():
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
+            raise ConfigError(
+                f"validation.regions: the name {name!r} must be a letter then letters, digits or _ (it names "
+                "metrics and CSV columns, e.g. dice_whole_tumour): rename it, e.g. whole_tumour"
+            )
+        if not labels or min(labels) < 1 or len(set(labels)) != len(labels):
+            raise ConfigError(
+                f"validation.regions.{name}: expected a list of distinct foreground labels >= 1 (the classes "
+                f"it unites, e.g. [1, 2, 3]), got {labels}"
+            )
 
 
 def to_dict(config) -> dict:

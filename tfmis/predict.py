@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         for event in predictor.placement.events[logged:]:  # what ran out of memory, and what worked
             tqdm.write(f"  {event}", file=sys.stderr)
         results.append(result)
-    write_csv(results, output / "predictions.csv", predictor.class_names)
+    write_csv(results, output / "predictions.csv", predictor.class_names, predictor.score_columns)
     print(results_table(results))
     if any(r.dice for r in results):
         print(dice_summary(results, predictor.class_names))

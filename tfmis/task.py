@@ -162,7 +162,15 @@ class SegmentationTask:
         return build_val_dataset(self.config, cached=cached)
 
     def build_metrics(self) -> SegmentationMetrics:
-        """Per-class Dice (and HD95 with `validation.hd95`), as MONAI computes them."""
+        """Per-class Dice (and HD95 with `validation.hd95`, NSD with `validation.nsd`), and the same of the label
+        unions in `validation.regions`, as MONAI computes them; ValueError naming the key when a region's labels
+        are not classes of the dataset."""
+        v = self.config.validation
         return SegmentationMetrics(
-            len(self.class_names), class_names=self.class_names, hd95=self.config.validation.hd95
+            len(self.class_names),
+            class_names=self.class_names,
+            hd95=v.hd95,
+            regions=v.regions,
+            nsd=v.nsd,
+            nsd_tolerance_mm=v.nsd_tolerance_mm,
         )

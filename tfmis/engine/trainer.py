@@ -95,6 +95,7 @@ class Trainer:
         self.precision = self.task.set_precision_policy()  # auto: this machine's best
         self.steps_per_epoch = train_steps_per_epoch(config, self.backend.num_replicas)
         self.task.check_sizes()
+        self.task.build_metrics()  # validation.regions' labels against the dataset's classes, before training
         self.global_batch = config.pipeline.num_images_per_batch * self.backend.num_replicas * tc.accumulation_steps
         self.learning_rate = self.task.learning_rates(self.global_batch)[0]
         if tc.jit_compile and self.backend.name == "horovod":
@@ -263,12 +264,12 @@ class Trainer:
     # ------------------------------------------------------------------ validation
 
     def evaluate(self, dataset) -> dict:
-        """Sliding-window inference on each whole validation volume; per-class Dice (and HD95).
+        """Sliding-window inference on each whole validation volume; per-class Dice (and HD95, NSD), and the same
+        of the regions in `validation.regions` (`SegmentationMetrics.result()`).
 
         The result also holds `fallbacks`: how many cases were not aggregated on the first-choice
         placement of `validation.validation_data_device` (see `tfmis.inference.placement`).
         """
-        v = self.config.validation
         metrics = self.task.build_metrics()
         fallbacks = 0
         positions = []
@@ -283,7 +284,7 @@ class Trainer:
             positions.append(rank + i * size)
         if size > 1:  # one table of all cases on every worker, so that all take the same decisions
             total = int(self.backend.all_reduce_sum([len(positions)])[0])
-            table = np.zeros((total, (4 if v.hd95 else 3) * len(metrics.classes)))
+            table = np.zeros((total, metrics.table_width))
             table[positions] = metrics.case_table()
             summed = self.backend.all_reduce_sum(np.append(table.reshape(-1), fallbacks))
             metrics.reset()
@@ -555,6 +556,15 @@ class Trainer:
         if "mean_hd95" in result:  # inf when a class was missed in some case; the misses are counted
             record["val_mean_hd95"] = result["mean_hd95"]
             record["val_hd95_misses"] = int(sum(result["hd95_inf_count_per_class"]))
+        if "mean_nsd" in result:
+            record["val_mean_nsd"] = result["mean_nsd"]
+            record["val_nsd"] = dict(zip(self.class_names[1:], result["nsd_per_class"]))
+        for region in self.config.validation.regions:  # flat keys: val_dice_whole_tumour, ...
+            for metric in ("dice", "hd95", "nsd"):
+                if f"{metric}_{region}" in result:
+                    record[f"val_{metric}_{region}"] = result[f"{metric}_{region}"]
+        if "mean_region_dice" in result:
+            record["val_mean_region_dice"] = result["mean_region_dice"]
         if result["fallbacks"]:
             record["val_fallbacks"] = result["fallbacks"]
         record["val_seconds"] = time.perf_counter() - val_start
@@ -616,6 +626,11 @@ class Trainer:
             "best_epoch": best["epoch"] if best else None,
             "best_mean_dice": best["val_mean_dice"] if best else None,
             "best_dice_per_class": best["val_dice"] if best else None,
+        }
+        regions = self.config.validation.regions
+        if regions:  # the best epoch's (by mean class Dice) region Dice; absent without regions
+            summary["best_dice_per_region"] = {r: best.get(f"val_dice_{r}") for r in regions} if best else None
+        summary |= {
             "final_mean_dice": next((r["val_mean_dice"] for r in reversed(records) if "val_mean_dice" in r), None),
             "images_per_second": float(np.mean([r["images_per_second"] for r in records])) if records else None,
             "data_wait_fraction": sum(r["data_wait_seconds"] for r in records) / max(train_time, 1e-9),
@@ -649,6 +664,8 @@ def summary_table(summary: dict) -> str:
     ]
     for name, value in (summary["best_dice_per_class"] or {}).items():
         lines.append(f"  {name:<20}{value:.4f}")
+    for name, value in (summary.get("best_dice_per_region") or {}).items():
+        lines.append(f"  {name:<20}{value:.4f}  (region)" if value is not None else f"  {name:<20}-  (region)")
     lines.append(f"throughput            {summary['images_per_second']:.1f} images/s")
     lines.append(f"input wait            {summary['data_wait_fraction']:.1%} of step time")
     for threshold, reached in summary["thresholds_reached"].items():

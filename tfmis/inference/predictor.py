@@ -60,6 +60,7 @@ class CaseResult:
     output: str = ""
     reason: str = ""
     dice: dict | None = None
+    scores: dict | None = None  # the `score_columns` of a labelled case (regions, HD95, NSD when configured)
     region: str = ""  # a cascade: the box the fine stage saw
 
 
@@ -150,6 +151,9 @@ class Predictor:
         self.task = SegmentationTask(config, data_info=self.index)
         self.preprocessing = PreprocessConfig.from_dict(self.index["preprocessing"])
         self.class_names = self.task.class_names
+        # predictions.csv's columns after the class Dice (validation.regions, .hd95, .nsd), and the regions'
+        # labels checked against the classes before any case is predicted
+        self.score_columns = score_columns(self.task.build_metrics())
         self.modalities = list(self.index["source"]["modalities"])
         self.roi_size = tuple(v.roi_size or config.pipeline.patch_size)
         self.sw_batch_size = sw_batch_size or v.num_sw_batch_size
@@ -243,24 +247,46 @@ class Predictor:
                 case.case_id, "ok", tuple(image.shape[:3]), 0.0, int((label_map > 0).sum()), device, str(out)
             )
             if case.label is not None:
-                result.dice = self._dice(case, label_map, affine)
+                result.dice, result.scores = self._dice(case, label_map, affine)
         except (CaseError, OSError, ValueError, MemoryError, tf.errors.OpError) as e:
             reason = e.reason if isinstance(e, CaseError) else f"{type(e).__name__}: {e}"
             result = CaseResult(case.case_id, "failed", reason=reason.splitlines()[0][:300])
         result.seconds = time.perf_counter() - start
         return result
 
-    def _dice(self, case: InputCase, prediction: np.ndarray, affine: np.ndarray) -> dict:
-        """Dice per foreground class against the case's label map, as MONAI `compute_dice`
-        (ignore_empty): NaN for a class absent from the label, whatever the prediction holds."""
-        from tfmis.metrics.segmentation import dice_per_class
-
+    def _dice(self, case: InputCase, prediction: np.ndarray, affine: np.ndarray) -> tuple[dict, dict]:
+        """Dice per foreground class against the case's label map, as MONAI `compute_dice` (ignore_empty): NaN for
+        a class absent from the label, whatever the prediction holds; and the `score_columns` (regions, HD95,
+        NSD as `SegmentationMetrics` scores them, in mm on the input's grid)."""
         img = nib.load(str(case.label))
         label = np.asarray(img.dataobj)
         if label.shape != prediction.shape:
             raise CaseError(case.case_id, f"label {case.label} has shape {label.shape}, the image {prediction.shape}")
-        scores = dice_per_class(prediction, np.rint(label).astype(np.int64), len(self.class_names))
-        return dict(zip(self.class_names[1:], (float(s) for s in scores)))
+        metrics = self.task.build_metrics()
+        entry = metrics.update(prediction, np.rint(label).astype(np.int64), spacing=nib.affines.voxel_sizes(affine))
+        dice = dict(zip(self.class_names[1:], (float(s) for s in entry["dice_per_class"])))
+        return dice, {column: entry[key] for column, key in score_keys(metrics).items()}
+
+
+def score_keys(metrics) -> dict[str, str]:
+    """predictions.csv column -> `SegmentationMetrics` case entry key, for the scores after the class Dice:
+    `dice_<region>` and `dice_mean_regions` (with regions), `hd95_<class or region>` (hd95),
+    `nsd_<class or region>` and `nsd_mean` (nsd; the mean over classes, NaN left out, like `dice_mean`)."""
+    names = [metrics.class_names[c] for c in metrics.classes] + list(metrics.regions)
+    keys = {f"dice_{r}": f"dice_{r}" for r in metrics.regions}
+    if metrics.regions:
+        keys["dice_mean_regions"] = "mean_region_dice"
+    if metrics.hd95:
+        keys.update({f"hd95_{n}": f"hd95_{n}" for n in names})
+    if metrics.nsd:
+        keys.update({f"nsd_{n}": f"nsd_{n}" for n in names})
+        keys["nsd_mean"] = "mean_nsd"
+    return keys
+
+
+def score_columns(metrics) -> list[str]:
+    """The columns predictions.csv appends after the class Dice for this `SegmentationMetrics`."""
+    return list(score_keys(metrics))
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -370,17 +396,19 @@ def results_table(results: list[CaseResult]) -> str:
     return "\n".join(text_table(rows, align="left"))
 
 
-def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> None:
+def write_csv(results: list[CaseResult], path: Path, class_names: list[str], extra_columns=()) -> None:
     """predictions.csv: one row per case with timing, device and (when labels exist) Dice per class.
 
     A class absent from a case's label has Dice `nan` (MONAI ignore_empty), is named in the
-    `absent_from_label` column (`;`-separated) and is left out of `dice_mean`. `region`: the box a cascade's fine
-    stage saw (empty for one stage).
+    `absent_from_label` column (`;`-separated) and is left out of `dice_mean`. `extra_columns`
+    (`Predictor.score_columns`: regions' Dice, HD95, NSD) follow, from each result's `scores`; last, for a cascade,
+    `region`: the box its fine stage saw.
     """
     import csv
     import io
 
     foreground = class_names[1:]
+    cascade = any(r.region for r in results)
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(
@@ -396,7 +424,8 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> 
             *[f"dice_{n}" for n in foreground],
             "dice_mean",
             "absent_from_label",
-            "region",
+            *extra_columns,
+            *(["region"] if cascade else []),
         ]
     )
     for r in results:
@@ -404,6 +433,8 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> 
         mean = float(np.nanmean(dice)) if dice and not all(math.isnan(d) for d in dice) else ""
         absent = ";".join(n for n, d in zip(foreground, dice) if math.isnan(d))
         cells = [f"{d:.4f}" for d in dice] if dice else [""] * len(foreground)
+        scores = r.scores or {}
+        extra = [f"{scores[c]:.4f}" if c in scores else "" for c in extra_columns]
         writer.writerow(
             [
                 r.case_id,
@@ -417,7 +448,8 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str]) -> 
                 *cells,
                 mean,
                 absent,
-                r.region,
+                *extra,
+                *([r.region] if cascade else []),
             ]
         )
     with atomic_writer(path) as f:

@@ -1,18 +1,33 @@
-"""Full-volume segmentation metrics: per-class Dice, HD95 and a validation accumulator.
+"""Full-volume segmentation metrics: per-class and per-region Dice, HD95, NSD and a validation accumulator.
 
 Example:
 ```python
 from tfmis.metrics import SegmentationMetrics
-metrics = SegmentationMetrics(num_classes=3, hd95=True)
+metrics = SegmentationMetrics(num_classes=3, hd95=True, nsd=True, nsd_tolerance_mm=2.0, regions={"both": [1, 2]})
 ```
 """
 
 from tfmis.metrics.segmentation import (
     SegmentationMetrics,
+    check_regions,
     dice_per_class,
     hausdorff_distance_95,
     mean_dice,
-    surface_distance_percentile,
+    normalized_surface_dice,
+    region_dice,
 )
+from tfmis.metrics.surface import surface, surface_dice, surface_distance_percentile, surface_distances
 
-__all__ = ["SegmentationMetrics", "dice_per_class", "mean_dice", "hausdorff_distance_95", "surface_distance_percentile"]
+__all__ = [
+    "SegmentationMetrics",
+    "check_regions",
+    "dice_per_class",
+    "mean_dice",
+    "hausdorff_distance_95",
+    "normalized_surface_dice",
+    "region_dice",
+    "surface",
+    "surface_dice",
+    "surface_distance_percentile",
+    "surface_distances",
+]

@@ -1,4 +1,5 @@
-"""Full-volume segmentation metrics (numpy/scipy): per-class Dice and 95% Hausdorff distance.
+"""Full-volume segmentation metrics (numpy/scipy): per-class and per-region Dice, 95% Hausdorff distance
+and normalised surface Dice (NSD; the surfaces and distances are `tfmis.metrics.surface`'s).
 
 Used on whole validation volumes after sliding-window inference and argmax, so inputs are integer
 label maps of the same shape (e.g. (X, Y, Z)).
@@ -10,7 +11,11 @@ exactly one of prediction / ground truth holds the class and NaN when neither do
 HD95 inf. The accumulator also counts these cases so that they stay visible. (MONAI 1.6's
 `percentile=95` path returns NaN instead of inf for a miss, an artefact of interpolating between
 infinities that drops misses from its mean: MONAI issue #9095. Its `percentile=None` path, its tests
-and the proposed fix give inf, as here.)
+and the proposed fix give inf, as here.) NSD is NaN when neither map holds the class and 0 when exactly
+one does (`compute_surface_dice`).
+
+Regions are label unions scored like classes on the unioned masks: BraTS's whole tumour, tumour core and
+enhancing tumour are {1, 2, 3}, {2, 3} and {3} in MSD Task01's labels (BraTS's own: {1, 2, 4}, {1, 4}, {4}).
 
 Example:
 ```python
@@ -19,13 +24,18 @@ hd95 = hausdorff_distance_95(prediction, target, 3, spacing=(1.0, 1.0, 2.5))
 metrics = SegmentationMetrics(3, hd95=True, class_names=["background", "edema", "tumour"])
 metrics.update(prediction, target, spacing=(1.0, 1.0, 2.5), case_id="case_007")
 print(metrics.result()["mean_dice"])
+regions = {"whole_tumour": [1, 2, 3], "tumour_core": [2, 3], "enhancing_tumour": [3]}
+metrics = SegmentationMetrics(4, regions=regions, nsd=True, nsd_tolerance_mm=1.0)
 ```
 """
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
-from scipy import ndimage
+
+from tfmis.metrics.surface import check_tolerance, surface_dice, surface_distance_percentile
 
 
 def _label_maps(prediction, target, num_classes: int):
@@ -51,12 +61,59 @@ def _classes(num_classes: int, include_background: bool) -> range:
     return range(0 if include_background else 1, num_classes)
 
 
+def _confusion(prediction, target, num_classes: int) -> np.ndarray:
+    """confusion[t, p]: the number of voxels of target class t predicted as p, in one pass over the volume."""
+    confusion = np.bincount((target * num_classes + prediction).ravel(), minlength=num_classes**2)
+    return confusion.reshape(num_classes, num_classes)
+
+
 def _voxel_counts(prediction, target, num_classes: int):
     """(intersection, predicted, ground-truth) voxel counts per class, in one pass over the volume."""
-    # confusion[t, p] counts voxels of target class t predicted as p
-    confusion = np.bincount((target * num_classes + prediction).ravel(), minlength=num_classes**2)
-    confusion = confusion.reshape(num_classes, num_classes)
+    confusion = _confusion(prediction, target, num_classes)
     return np.diag(confusion).astype(np.float64), confusion.sum(axis=0), confusion.sum(axis=1)
+
+
+def _region_counts(confusion: np.ndarray, regions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(intersection, predicted, ground-truth) voxel counts of each label union, from the class confusion:
+    a voxel is in region R's intersection when both its target and its predicted label are in R."""
+    counts = np.zeros((3, len(regions)))
+    for i, labels in enumerate(regions):
+        labels = list(labels)
+        counts[:, i] = confusion[np.ix_(labels, labels)].sum(), confusion[:, labels].sum(), confusion[labels].sum()
+    return counts[0], counts[1], counts[2]
+
+
+def check_regions(regions, num_classes: int, class_names=None) -> dict[str, tuple[int, ...]]:
+    """Label unions {name: labels} checked against the classes; ValueError naming `validation.regions`.
+
+    Names are identifiers (they become metric keys and CSV columns such as `dice_whole_tumour`) that no
+    class name takes; labels are foreground classes of this dataset, each once.
+    """
+    checked = {}
+    for name, labels in dict(regions or {}).items():
+        key = f"validation.regions.{name}"
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
+            raise ValueError(
+                f"{key}: a region name is a letter then letters, digits or _ (it names metrics and CSV "
+                "columns), e.g. whole_tumour"
+            )
+        if class_names is not None and name in class_names:
+            raise ValueError(f"{key}: '{name}' is also a class name, so dice_{name} would mean both: rename the region")
+        labels = list(labels) if isinstance(labels, (list, tuple)) else [labels]
+        bad = [v for v in labels if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
+        bad += [v for v in labels if v not in bad and not 1 <= v < num_classes]
+        if not labels or bad or len(set(labels)) != len(labels):
+            raise ValueError(
+                f"{key}: expected a list of distinct foreground labels in 1..{num_classes - 1} (the classes it "
+                f"unites), got {labels}"
+            )
+        checked[name] = tuple(int(v) for v in labels)
+    return checked
+
+
+def region_masks(label_map, labels) -> np.ndarray:
+    """The voxels of `label_map` whose label is one of `labels` (a label union, e.g. BraTS's whole tumour)."""
+    return np.isin(np.asarray(label_map), list(labels))
 
 
 def _dice_from_counts(intersection, predicted, truth, ignore_empty: bool) -> np.ndarray:
@@ -117,53 +174,63 @@ def mean_dice(per_class) -> float:
     return _nanmean(per_class)
 
 
-def _bounding_box(mask: np.ndarray) -> tuple[slice, ...]:
-    box = []
-    for axis in range(mask.ndim):
-        other_axes = tuple(a for a in range(mask.ndim) if a != axis)
-        indices = np.flatnonzero(mask.any(axis=other_axes))
-        box.append(slice(indices[0], indices[-1] + 1))
-    return tuple(box)
-
-
-def _surface(mask: np.ndarray) -> np.ndarray:
-    """Mask voxels with a face neighbour outside the mask (voxels outside the volume count as outside)."""
-    return mask & ~ndimage.binary_erosion(mask, border_value=0)
-
-
-def surface_distance_percentile(prediction_mask, target_mask, spacing=None, percentile: float = 95.0) -> float:
-    """Symmetric percentile Hausdorff distance between the surfaces of two binary masks, in mm.
-
-    The larger of the two directed distances (percentile of the distances from each prediction
-    surface voxel to the nearest target surface voxel, and the reverse), as MONAI
-    `compute_hausdorff_distance(percentile=95)`. As there: inf when exactly one mask is empty (a
-    missed or spurious structure is infinitely far off), NaN when both are (nothing to measure).
+def region_dice(prediction, target, num_classes: int, regions, ignore_empty: bool = True) -> np.ndarray:
+    """Dice of label unions (regions) in two label maps: 2|P_R ∩ G_R| / (|P_R| + |G_R|) where P_R, G_R hold
+    the voxels labelled with any label of region R, with `dice_per_class`'s rule for a region absent from
+    the ground truth (NaN with `ignore_empty`).
 
     Args:
-        prediction_mask, target_mask: boolean arrays of one shape.
-        spacing: voxel size per axis in mm (default 1 mm).
-        percentile: 100 gives the classic Hausdorff distance.
+        regions: {name: labels}, e.g. BraTS's {"whole_tumour": [1, 2, 3], "tumour_core": [2, 3],
+            "enhancing_tumour": [3]} (MSD Task01 labels: 1 edema, 2 non-enhancing tumour, 3 enhancing).
+
+    Returns:
+        float64 array, one entry per region in the mapping's order.
 
     Example:
     ```python
-    surface_distance_percentile(label == 1, prediction == 1, spacing=(1.0, 1.0, 3.0))
+    region_dice(np.array([[1, 2]]), np.array([[2, 2]]), 3, {"either": [1, 2]})   # array([1.0])
     ```
     """
-    prediction_mask, target_mask = np.asarray(prediction_mask, bool), np.asarray(target_mask, bool)
-    spacing = np.ones(prediction_mask.ndim) if spacing is None else np.asarray(spacing, np.float64)
-    if spacing.shape != (prediction_mask.ndim,):
-        raise ValueError(f"spacing {tuple(spacing)} does not match {prediction_mask.ndim} dimensions")
-    if not prediction_mask.any() or not target_mask.any():
-        return float("nan") if prediction_mask.any() == target_mask.any() else float("inf")
-    # Work in the bounding box of both masks, padded by one empty voxel: every surface voxel lies
-    # inside it, so distances are exact, and the zero padding plays the role of erosion's border.
-    box = _bounding_box(prediction_mask | target_mask)
-    prediction_surface = _surface(np.pad(prediction_mask[box], 1))
-    target_surface = _surface(np.pad(target_mask[box], 1))
-    # distance_transform_edt gives each voxel's distance to the nearest zero, i.e. to the surface
-    to_target = ndimage.distance_transform_edt(~target_surface, sampling=spacing)[prediction_surface]
-    to_prediction = ndimage.distance_transform_edt(~prediction_surface, sampling=spacing)[target_surface]
-    return float(max(np.percentile(to_target, percentile), np.percentile(to_prediction, percentile)))
+    regions = check_regions(regions, num_classes)
+    prediction, target = _label_maps(prediction, target, num_classes)
+    counts = _region_counts(_confusion(prediction, target, num_classes), regions.values())
+    return _dice_from_counts(*counts, ignore_empty)
+
+
+def _tolerances(tolerance_mm, count: int, what: str = "class") -> list[float]:
+    """One tolerance per scored structure from one number or a list of `count`."""
+    if np.ndim(tolerance_mm) == 0:
+        return [check_tolerance(tolerance_mm)] * count
+    if len(tolerance_mm) != count:
+        raise ValueError(f"expected one NSD tolerance or one per {what} ({count}), got {len(tolerance_mm)}")
+    return [check_tolerance(t) for t in tolerance_mm]
+
+
+def normalized_surface_dice(
+    prediction, target, num_classes: int, tolerance_mm, spacing=(1.0, 1.0, 1.0), include_background: bool = False
+) -> np.ndarray:
+    """Per-class normalised surface Dice (NSD) of two label maps, as MONAI `compute_surface_dice`.
+
+    See `tfmis.metrics.surface.surface_dice` for the definition and conventions.
+
+    Args:
+        tolerance_mm: one tolerance in mm, or one per scored class (foreground unless include_background).
+        spacing: voxel size per axis in mm.
+
+    Returns:
+        float64 array, one entry per class; NaN where neither map holds the class, 0 where one does.
+
+    Example:
+    ```python
+    normalized_surface_dice(prediction, target, num_classes=3, tolerance_mm=[2.0, 1.0], spacing=(0.8, 0.8, 2.0))
+    ```
+    """
+    prediction, target = _label_maps(prediction, target, num_classes)
+    classes = _classes(num_classes, include_background)
+    tolerances = _tolerances(tolerance_mm, len(classes))
+    return np.array(
+        [surface_dice(prediction == c, target == c, t, spacing) for c, t in zip(classes, tolerances)], np.float64
+    )
 
 
 def hausdorff_distance_95(
@@ -205,10 +272,13 @@ def _finite_mean(values) -> float:
 
 
 class SegmentationMetrics:
-    """Accumulates per-case Dice (and optionally HD95) over a validation set, with MONAI's semantics.
+    """Accumulates per-case Dice (optionally HD95 and NSD, of classes and of label unions) over a validation
+    set, with MONAI's semantics.
 
     Per case and class: Dice as `dice_per_class` (NaN for a class absent from the ground truth, with
-    `ignore_empty`), HD95 as `hausdorff_distance_95` (inf when exactly one map holds the class).
+    `ignore_empty`), HD95 as `hausdorff_distance_95` (inf when exactly one map holds the class), NSD as
+    `normalized_surface_dice` (NaN when neither map holds the class, 0 when one does). Each region (a
+    label union, e.g. BraTS's whole tumour) is scored the same way on its unioned masks.
 
     `result()` aggregates like MONAI's metric reductions, leaving out NaN (never inf):
 
@@ -223,6 +293,11 @@ class SegmentationMetrics:
     - `hd95_per_class` / `mean_hd95`: means over cases (then classes) with NaN left out and inf kept,
       so one missed (or spurious) class makes them inf; `hd95_inf_count_per_class` counts such cases,
       and `hd95_finite_per_class` / `mean_hd95_finite` average the finite values only.
+    - with `nsd`: `nsd_per_class` / `mean_nsd` and `nsd_<class>`, means leaving out NaN.
+    - with `regions`: the same per region under `_per_region` keys (`dice_per_region`, `gt_empty_per_region`,
+      `hd95_per_region`, `nsd_per_region`, ...), `dice_<region>` (`hd95_<region>`, `nsd_<region>`) and
+      `mean_region_dice` (`mean_region_nsd`), the mean over regions. Class keys and `mean_dice` are the
+      same with or without regions.
 
     Args:
         num_classes: number of classes, background (0) included.
@@ -232,13 +307,17 @@ class SegmentationMetrics:
             `dice_tumour`; optional.
         ignore_empty: Dice NaN for classes absent from the ground truth (MONAI default); False scores
             them 1.0 if also absent from the prediction, else 0.0.
+        regions: {name: labels} label unions to score besides the classes (`check_regions`).
+        nsd: also compute the normalised surface Dice (two distance transforms per class and region).
+        nsd_tolerance_mm: its tolerance in mm: one number, one per scored class, or one per scored class
+            then one per region (without those, a region takes the smallest tolerance of its classes).
 
     Example:
     ```python
-    metrics = SegmentationMetrics(3, class_names=["background", "liver", "tumour"])
+    metrics = SegmentationMetrics(3, class_names=["background", "liver", "tumour"], regions={"both": [1, 2]})
     for case_id, prediction, target in cases:
         metrics.update(prediction, target, case_id=case_id)
-    metrics.result()   # {'dice_per_class': [...], 'mean_dice': ..., 'dice_liver': ..., ...}
+    metrics.result()   # {'dice_per_class': [...], 'mean_dice': ..., 'dice_liver': ..., 'dice_both': ..., ...}
     ```
     """
 
@@ -249,31 +328,78 @@ class SegmentationMetrics:
         hd95: bool = False,
         class_names=None,
         ignore_empty: bool = True,
+        regions=None,
+        nsd: bool = False,
+        nsd_tolerance_mm=None,
     ):
         if class_names is not None and len(class_names) != num_classes:
             raise ValueError(f"got {len(class_names)} class names for {num_classes} classes")
         self.num_classes = int(num_classes)
         self.include_background = bool(include_background)
         self.hd95 = bool(hd95)
+        self.nsd = bool(nsd)
         self.ignore_empty = bool(ignore_empty)
         self.class_names = list(class_names) if class_names is not None else None
         self.classes = list(_classes(self.num_classes, self.include_background))
+        self.regions = check_regions(regions, self.num_classes, self.class_names)
+        self.nsd_tolerances = self._nsd_tolerances(nsd_tolerance_mm) if self.nsd else None
         self.per_case: list[dict] = []
+        self._rows: list[dict] = []  # per case: arrays over the classes, then the regions
+
+    def _nsd_tolerances(self, tolerance_mm) -> list[float]:
+        if tolerance_mm is None:
+            raise ValueError("nsd needs nsd_tolerance_mm (validation.nsd_tolerance_mm): the accepted deviation in mm")
+        n, r = len(self.classes), len(self.regions)
+        if np.ndim(tolerance_mm) == 1 and len(tolerance_mm) == n + r and r:
+            return _tolerances(tolerance_mm, n + r)
+        per_class = _tolerances(tolerance_mm, n, "scored class (or one per class, then one per region)")
+        by_class = dict(zip(self.classes, per_class))
+        return per_class + [min(by_class[label] for label in labels) for labels in self.regions.values()]
+
+    @property
+    def keys(self) -> list[str]:
+        """The per-structure arrays of a case, in `case_table` order."""
+        return ["dice", "gt_empty", "predicted_when_gt_empty"] + ["hd95"] * self.hd95 + ["nsd"] * self.nsd
+
+    @property
+    def table_width(self) -> int:
+        """Columns of `case_table()`."""
+        return len(self.keys) * (len(self.classes) + len(self.regions))
 
     def reset(self) -> None:
         self.per_case = []
+        self._rows = []
 
     def _named(self, prefix: str, values) -> dict:
-        if self.class_names is None:
-            return {}
-        return {f"{prefix}_{self.class_names[c]}": float(v) for c, v in zip(self.classes, values)}
+        """{prefix_<class>: value} (with class names) then {prefix_<region>: value}, from values over both."""
+        names = (
+            [self.class_names[c] for c in self.classes] if self.class_names is not None else [None] * len(self.classes)
+        )
+        names += list(self.regions)
+        return {f"{prefix}_{name}": float(v) for name, v in zip(names, values) if name is not None}
 
-    def _summary(self, dice, hd95) -> dict:
-        summary = {"dice_per_class": [float(v) for v in dice], "mean_dice": mean_dice(dice)}
+    def _split(self, values) -> tuple[list[float], list[float]]:
+        n = len(self.classes)
+        return [float(v) for v in values[:n]], [float(v) for v in values[n:]]
+
+    def _summary(self, dice, hd95=None, nsd=None) -> dict:
+        dice_classes, dice_regions = self._split(dice)
+        summary = {"dice_per_class": dice_classes, "mean_dice": mean_dice(dice_classes)}
         summary.update(self._named("dice", dice))
+        if self.regions:
+            summary.update(dice_per_region=dice_regions, mean_region_dice=_nanmean(dice_regions))
         if self.hd95:
-            summary.update(hd95_per_class=[float(v) for v in hd95], mean_hd95=_nanmean(hd95))
+            hd95_classes, hd95_regions = self._split(hd95)
+            summary.update(hd95_per_class=hd95_classes, mean_hd95=_nanmean(hd95_classes))
             summary.update(self._named("hd95", hd95))
+            if self.regions:
+                summary.update(hd95_per_region=hd95_regions)
+        if self.nsd:
+            nsd_classes, nsd_regions = self._split(nsd)
+            summary.update(nsd_per_class=nsd_classes, mean_nsd=_nanmean(nsd_classes))
+            summary.update(self._named("nsd", nsd))
+            if self.regions:
+                summary.update(nsd_per_region=nsd_regions, mean_region_nsd=_nanmean(nsd_regions))
         return summary
 
     def update(self, prediction, target, spacing=None, case_id=None) -> dict:
@@ -282,84 +408,116 @@ class SegmentationMetrics:
         Args:
             prediction: integer label map (after argmax).
             target: integer label map of the same shape.
-            spacing: voxel size in mm for HD95 (default 1 mm per axis).
+            spacing: voxel size in mm for HD95 and NSD (default 1 mm per axis).
             case_id: optional identifier kept in the entry.
         """
         prediction, target = _label_maps(prediction, target, self.num_classes)
-        intersection, predicted, truth = (c[self.classes] for c in _voxel_counts(prediction, target, self.num_classes))
-        dice = _dice_from_counts(intersection, predicted, truth, self.ignore_empty)
-        hd95 = None
-        if self.hd95:
+        confusion = _confusion(prediction, target, self.num_classes)
+        intersection, predicted, truth = self._counts(confusion)
+        row = {
+            "dice": _dice_from_counts(intersection, predicted, truth, self.ignore_empty),
+            "gt_empty": (truth == 0).astype(np.float64),
+            "predicted_when_gt_empty": ((truth == 0) & (predicted > 0)).astype(np.float64),
+        }
+        if self.hd95 or self.nsd:
             spacing = (1.0,) * np.ndim(prediction) if spacing is None else spacing
-            hd95 = hausdorff_distance_95(prediction, target, self.num_classes, spacing, self.include_background)
-        return self._add(
-            case_id, dice, hd95, [t == 0 for t in truth], [t == 0 and p > 0 for t, p in zip(truth, predicted)]
-        )
+            masks = [(prediction == c, target == c) for c in self.classes]
+            masks += [
+                (region_masks(prediction, labels), region_masks(target, labels)) for labels in self.regions.values()
+            ]
+            if self.hd95:
+                row["hd95"] = np.array([surface_distance_percentile(p, t, spacing, 95.0) for p, t in masks])
+            if self.nsd:
+                row["nsd"] = np.array(
+                    [surface_dice(p, t, tol, spacing) for (p, t), tol in zip(masks, self.nsd_tolerances)]
+                )
+        return self._add(case_id, row)
 
-    def _add(self, case_id, dice, hd95, gt_empty, predicted_when_gt_empty) -> dict:
+    def _counts(self, confusion):
+        """(intersection, predicted, ground-truth) over the scored classes, then the regions."""
+        classes = (
+            np.diag(confusion)[self.classes],
+            confusion.sum(axis=0)[self.classes],
+            confusion.sum(axis=1)[self.classes],
+        )
+        regions = _region_counts(confusion, self.regions.values())
+        return tuple(np.concatenate([c.astype(np.float64), r]) for c, r in zip(classes, regions))
+
+    def _add(self, case_id, row: dict) -> dict:
+        gt_empty, predicted = (self._split(row[k] > 0.5) for k in ("gt_empty", "predicted_when_gt_empty"))
         entry = {
             "case_id": case_id,
-            **self._summary(dice, hd95),
-            "gt_empty_per_class": [bool(v) for v in gt_empty],
-            "predicted_when_gt_empty_per_class": [bool(v) for v in predicted_when_gt_empty],
+            **self._summary(row["dice"], row.get("hd95"), row.get("nsd")),
+            "gt_empty_per_class": [bool(v) for v in gt_empty[0]],
+            "predicted_when_gt_empty_per_class": [bool(v) for v in predicted[0]],
         }
+        if self.regions:
+            entry["gt_empty_per_region"] = [bool(v) for v in gt_empty[1]]
+            entry["predicted_when_gt_empty_per_region"] = [bool(v) for v in predicted[1]]
         self.per_case.append(entry)
+        self._rows.append(row)
         return entry
 
     def case_table(self) -> np.ndarray:
-        """The cases so far as float64 rows: Dice, ground truth empty, predicted when empty (and HD95) per class.
+        """The cases so far as float64 rows: per key of `keys` (Dice, ground truth empty, predicted when
+        empty, then HD95 and NSD when on), its values over the classes then the regions.
 
         Workers that scored different cases put their rows at the cases' positions in a zero table and sum
         the tables (`Backend.all_reduce_sum`); `add_case_table` turns the sum back into cases (NaN and inf
         survive a sum with zeros).
         """
-        keys = ["dice_per_class", "gt_empty_per_class", "predicted_when_gt_empty_per_class"]
-        keys += ["hd95_per_class"] if self.hd95 else []
         return np.array(
-            [np.concatenate([np.asarray(case[k], np.float64) for k in keys]) for case in self.per_case],
+            [np.concatenate([np.asarray(row[k], np.float64) for k in self.keys]) for row in self._rows],
             dtype=np.float64,
-        ).reshape(len(self.per_case), len(keys) * len(self.classes))
+        ).reshape(len(self._rows), self.table_width)
 
     def add_case_table(self, table, case_ids=None) -> None:
         """Adds the cases of a `case_table()` (e.g. summed over workers), in row order."""
-        n = len(self.classes)
-        for i, row in enumerate(np.asarray(table, np.float64)):
-            hd95 = row[3 * n : 4 * n] if self.hd95 else None
-            self._add(
-                None if case_ids is None else case_ids[i], row[:n], hd95, row[n : 2 * n] > 0.5, row[2 * n : 3 * n] > 0.5
-            )
+        width = len(self.classes) + len(self.regions)
+        for i, values in enumerate(np.asarray(table, np.float64)):
+            row = {k: values[j * width : (j + 1) * width] for j, k in enumerate(self.keys)}
+            self._add(None if case_ids is None else case_ids[i], row)
 
     def result(self) -> dict:
-        """Per-class means over the cases so far, their means, the counts above and `num_cases`
-        (NaN means and zero counts when there are no cases)."""
+        """Per-class (and per-region) means over the cases so far, their means, the counts above and
+        `num_cases` (NaN means and zero counts when there are no cases)."""
+        width = len(self.classes) + len(self.regions)
 
         def table(key):
-            if not self.per_case:
-                return np.zeros((0, len(self.classes)))
-            return np.array([case[key] for case in self.per_case], dtype=np.float64)
+            if not self._rows:
+                return np.zeros((0, width))
+            return np.array([row[key] for row in self._rows], dtype=np.float64)
 
-        def per_class(values, reduce=_nanmean):
+        def per_structure(values, reduce=_nanmean):
             return np.array([reduce(column) for column in values.T])
 
         def counts(values):
-            return [int(n) for n in values.sum(axis=0)]
+            classes, regions = self._split(values.sum(axis=0))
+            return [int(n) for n in classes], [int(n) for n in regions]
 
-        dice = table("dice_per_class")
-        hd95 = table("hd95_per_class") if self.hd95 else None
-        result = self._summary(per_class(dice), per_class(hd95) if self.hd95 else None)
-        per_case_means = [_nanmean(row) for row in dice]
-        result.update(
-            mean_dice_per_case=_nanmean(per_case_means),
-            dice_cases_per_class=counts(~np.isnan(dice)),
-            gt_empty_per_class=counts(table("gt_empty_per_class")),
-            predicted_when_gt_empty_per_class=counts(table("predicted_when_gt_empty_per_class")),
+        def add_counts(name, values):
+            classes, regions = counts(values)
+            result[f"{name}_per_class"] = classes
+            if self.regions:
+                result[f"{name}_per_region"] = regions
+
+        dice = table("dice")
+        hd95 = table("hd95") if self.hd95 else None
+        nsd = table("nsd") if self.nsd else None
+        result = self._summary(
+            per_structure(dice),
+            per_structure(hd95) if self.hd95 else None,
+            per_structure(nsd) if self.nsd else None,
         )
+        result["mean_dice_per_case"] = _nanmean([_nanmean(row[: len(self.classes)]) for row in dice])
+        add_counts("dice_cases", ~np.isnan(dice))
+        add_counts("gt_empty", table("gt_empty"))
+        add_counts("predicted_when_gt_empty", table("predicted_when_gt_empty"))
         if self.hd95:
-            finite = per_class(hd95, _finite_mean)
-            result.update(
-                hd95_inf_count_per_class=counts(np.isinf(hd95)),
-                hd95_finite_per_class=[float(v) for v in finite],
-                mean_hd95_finite=_nanmean(finite),
-            )
-        result["num_cases"] = len(self.per_case)
+            add_counts("hd95_inf_count", np.isinf(hd95))
+            finite_classes, finite_regions = self._split(per_structure(hd95, _finite_mean))
+            result.update(hd95_finite_per_class=finite_classes, mean_hd95_finite=_nanmean(finite_classes))
+            if self.regions:
+                result["hd95_finite_per_region"] = finite_regions
+        result["num_cases"] = len(self._rows)
         return result
