@@ -171,6 +171,108 @@ def test_command_line(tmp_path):
     assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
+# ------------------------------------------------------------------ real-size variants (small versions here)
+
+
+def test_brats_size_dataset_through_nibabel(tmp_path):
+    root = demo.make_demo_dataset(tmp_path / "brats", num_training=2, num_test=1, size="brats", channels=3, spacing=4.0)
+    meta = json.loads((root / "dataset.json").read_text())
+    assert meta["name"] == "Task01_DemoBraTS"
+    assert meta["modality"] == {"0": "FLAIR", "1": "T1w", "2": "t1gd"}
+    assert meta["labels"] == {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
+    for name in ("demo_000", "demo_001"):
+        img = nib.load(str(root / "imagesTr" / f"{name}.nii.gz"))
+        label = nib.load(str(root / "labelsTr" / f"{name}.nii.gz"))
+        assert img.shape == (60, 60, 39, 3) and label.shape == img.shape[:3]  # 240 x 240 x 155 mm at 4 mm
+        assert np.allclose(img.header.get_zooms()[:3], 4.0) and np.array_equal(img.affine, label.affine)
+        assert nib.aff2axcodes(img.affine) == ("L", "P", "S")
+        assert img.get_data_dtype() == np.int16 and label.get_data_dtype() == np.uint8
+        image, labels = np.asanyarray(img.dataobj), np.asanyarray(label.dataobj)
+        assert np.unique(labels).tolist() == [0, 1, 2, 3], name
+        brain = image[..., 0] > 0
+        assert np.all(brain[labels > 0]) and all(np.array_equal(brain, image[..., c] > 0) for c in range(3))
+        flair = image[..., 0].astype(np.float32)
+        assert flair[labels == 1].mean() > flair[brain & (labels == 0)].mean(), "oedema is bright on FLAIR"
+    dataset = MSDDataset(root)
+    assert dataset.num_channels == 3 and dataset.num_classes == 4 and len(dataset.test) == 1
+    # deterministic per (seed, case); another seed gives another case
+    again = demo.generate_brats_case(1, seed=0, spacing=4.0, channels=3)
+    assert np.array_equal(again.image, np.asanyarray(nib.load(str(root / "imagesTr" / "demo_001.nii.gz")).dataobj))
+    other = demo.generate_brats_case(1, seed=1, spacing=4.0, channels=3)
+    assert not np.array_equal(other.label, again.label)
+
+
+def test_brats_size_grid_is_the_brats_box_and_tumour_sizes_vary():
+    template = demo.load_template()
+    rng = np.random.default_rng(0)
+    shape, affine = demo.brats_grid(rng, template, demo.brats_pose(rng, template), 1.0)
+    assert shape == (240, 240, 155) and np.allclose(nib.affines.voxel_sizes(affine), 1.0)
+    tumour_mm3 = [np.count_nonzero(demo.generate_brats_case(n, spacing=3.0).label) * 27 for n in range(6)]
+    assert min(tumour_mm3) < 0.25 * max(tumour_mm3), tumour_mm3
+    with pytest.raises(ValueError, match="channels"):
+        demo.make_demo_dataset("/nonexistent/never", size="brats", channels=5)
+
+
+def test_ct_full_size_dataset_through_nibabel(tmp_path):
+    from tfmis.data import demo_ct
+
+    root = demo_ct.make_ct_dataset(
+        tmp_path / "ct", num_cases=2, num_test=0, size="full", slices=(20, 30), in_plane=64, seed=3
+    )
+    meta = json.loads((root / "dataset.json").read_text())
+    assert meta["labels"] == demo_ct.FULL_LABELS and meta["modality"] == {"0": "CT"}
+    for i in range(2):
+        img = nib.load(str(root / "imagesTr" / f"ct_{i:03d}.nii.gz"))
+        label = nib.load(str(root / "labelsTr" / f"ct_{i:03d}.nii.gz"))
+        assert img.shape[:2] == (64, 64) and 20 <= img.shape[2] <= 30 and label.shape == img.shape
+        sx, sy, sz = img.header.get_zooms()
+        assert sx == sy and 0.7 * 8 <= sx <= 0.9 * 8 and sz in demo_ct.FULL_SLICE_MM  # 512 / 64 = 8
+        assert img.get_data_dtype() == np.int16 and label.get_data_dtype() == np.uint8
+        assert nib.aff2axcodes(img.affine) == ("L", "P", "S")
+        image, labels = np.asanyarray(img.dataobj), np.asanyarray(label.dataobj)
+        assert set(np.unique(labels).tolist()) <= set(range(6)) and {1, 2, 3} <= set(labels.ravel().tolist())
+        assert image.min() == -1024 and abs(np.median(image[labels == 1]) - demo_ct.HU["liver"]) < 20
+        again_image, again_label, again_affine = demo_ct.generate_full_case(i, 3, (20, 30), 64)
+        assert np.array_equal(again_image, image) and np.array_equal(again_label, labels)
+        assert np.allclose(again_affine, img.affine)
+    other = demo_ct.generate_full_case(0, 4, (20, 30), 64)[0]
+    assert other.shape != image.shape or not np.array_equal(other, image)
+
+
+def test_ct_full_size_case_is_real_size_and_built_slab_by_slab():
+    import tracemalloc
+
+    from tfmis.data import demo_ct
+
+    tracemalloc.start()
+    try:
+        image, label, affine = demo_ct.generate_full_case(0, slices=(100, 100))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert image.shape == (512, 512, 100) and image.dtype == np.int16 and label.dtype == np.uint8
+    sizes = nib.affines.voxel_sizes(affine)
+    assert 0.7 <= sizes[0] == sizes[1] <= 0.9 and 1.5 <= sizes[2] <= 5.0
+    counts = np.bincount(label.ravel(), minlength=6)
+    assert np.all(counts > 0), counts
+    assert counts[1] > 20 * counts[4] and counts[1] > 50 * counts[5], "organs of very different sizes"
+    # the returned arrays plus a few 32-slice slabs, whatever the number of slices
+    overhead = peak - image.nbytes - label.nbytes
+    assert overhead < 250e6, f"{overhead / 1e6:.0f} MB traced beyond the {image.nbytes / 1e6:.0f} MB case"
+    # a slab boundary (slice 32) is invisible: same noise-free statistics either side
+    assert abs(float(image[:, :, 31].mean()) - float(image[:, :, 32].mean())) < 30
+
+
+def test_ct_command_line_full_size(tmp_path):
+    out = tmp_path / "ctcli"
+    command = [sys.executable, "-m", "tfmis.data.demo_ct", "--size", "full", "--output", str(out)]
+    command += ["--cases", "1", "--test-cases", "0", "--slices", "12,16", "--in-plane", "48"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "1 CT-like training cases" in result.stdout
+    assert nib.load(str(out / "imagesTr" / "ct_000.nii.gz")).shape[:2] == (48, 48)
+
+
 # ------------------------------------------------------------------ the demo recipe and the MONAI comparison
 
 REPO = Path(__file__).resolve().parents[1]

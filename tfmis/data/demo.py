@@ -27,6 +27,22 @@ root = make_demo_dataset("data/Task00_DemoBrain")   # about a second per case; n
 ```
 or from a shell: `python -m tfmis.data.demo --output data/Task00_DemoBrain`.
 
+BraTS size (`--size brats`, `generate_brats_case`): the same template, deformed and resampled at
+1 mm onto the BraTS box (240 x 240 x 155, LPS, int16), with up to four channels (`--channels C`, the
+first C of FLAIR, T1w, T1gd, T2w; contrasts synthesised from the tissue maps) and BraTS-like labels:
+0 background, 1 edema, 2 non-enhancing tumor, 3 enhancing tumour (MSD Task01 names). One tumour per
+case, its core radius log-uniform in 4-30 mm (many small ones), an enhancing rim 1.5-4 mm thick
+around a non-enhancing core, irregular oedema reaching 1.4-2.6 radii along white matter. About 5-10 s
+and ~0.9 GB per case:
+
+```bash
+python -m tfmis.data.demo --size brats --output data/Task01_DemoBraTS --cases 6 --test-cases 0
+```
+
+Command line: `--output DIR` (required), `--cases N` (12), `--test-cases N` (3), `--seed S` (0),
+`--overwrite`, `--size demo|brats` (demo), `--channels C` (brats: 2-4, default 4), `--spacing MM`
+(brats: default 1.0; coarser only for tests, e.g. 2.0 gives 120 x 120 x 78).
+
 Only numpy, scipy and nibabel are used; every case is a deterministic function of (seed, case number).
 """
 
@@ -430,6 +446,179 @@ def generate_case(case_number: int, seed: int = 0) -> DemoCase:
     return DemoCase(image=image.astype(style.dtype), label=label.astype(np.uint8), affine=affine)
 
 
+# --------------------------------------------------------------------------------------------
+# BraTS-size variant (`--size brats`): 1 mm, 240 x 240 x 155, FLAIR / T1w / T1gd / T2w, tumour labels
+# --------------------------------------------------------------------------------------------
+
+BRATS_DATASET_NAME = "Task01_DemoBraTS"
+BRATS_MODALITIES = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
+BRATS_LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
+BRATS_BOX_MM = (240.0, 240.0, 155.0)
+BRATS_DESCRIPTION = (
+    "Synthetic BraTS-size demo dataset made by tfmis.data.demo --size brats: the anatomy is the MNI "
+    "ICBM152 2009a nonlinear symmetric template (Copyright (C) 1993-2009 Louis Collins, McConnell Brain "
+    "Imaging Centre, Montreal Neurological Institute, McGill University), randomly deformed per case on a "
+    "1 mm 240 x 240 x 155 grid; FLAIR, T1w, T1gd and T2w contrasts and one synthetic glioma-like tumour "
+    "(oedema, non-enhancing core, enhancing rim) per case are simulated. Not for clinical or research use."
+)
+# Relative intensity of (healthy, oedema, enhancing rim, non-enhancing core) per contrast; "healthy"
+# is a tissue mix (CSF, GM, WM) or the template's own T1.
+_BRATS_CONTRASTS = {
+    "FLAIR": ((0.15, 0.6, 0.45), 0.95, 0.75, 0.4),
+    "T1w": ("t1", 0.8, 0.65, 0.35),  # multiplies the template T1
+    "t1gd": ("t1", 0.8, 1.5, 0.35),
+    "T2w": ((1.0, 0.55, 0.28), 0.8, 0.6, 0.95),
+}
+
+
+def brats_pose(rng: np.random.Generator, template: Template) -> SubjectPose:
+    """A milder pose than `random_pose` (BraTS scans are co-registered): 5°, scale 0.92-1.04 (z 0.9-1.0)."""
+    low, high = template.brain_box_mm
+    return SubjectPose(
+        centre=(low + high) / 2,
+        rotation=random_rotation(rng, 5.0),
+        scale=np.array([rng.uniform(0.92, 1.04), rng.uniform(0.92, 1.04), rng.uniform(0.9, 1.0)]),
+        shift=rng.uniform(-3.0, 3.0, size=3),
+    )
+
+
+def brats_grid(
+    rng: np.random.Generator, template: Template, pose: SubjectPose, spacing: float
+) -> tuple[tuple[int, int, int], np.ndarray]:
+    """The fixed BraTS box (240 x 240 x 155 mm) on an RAS grid of `spacing` mm, centred on the brain ±2 mm."""
+    shape = tuple(int(round(mm / spacing)) for mm in BRATS_BOX_MM)
+    centre = pose.centre + pose.shift + rng.uniform(-2.0, 2.0, size=3)
+    affine = np.diag([spacing, spacing, spacing, 1.0])
+    affine[:3, 3] = np.round(centre - (np.array(shape) - 1) / 2 * spacing, 1)
+    return shape, affine
+
+
+def tumour_maps(
+    rng: np.random.Generator, maps: dict[str, np.ndarray], brain: np.ndarray, spacing: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """One glioma-like tumour: an enhancing rim around a non-enhancing core inside irregular oedema.
+
+    The core's radius is log-uniform in 4-30 mm (many small tumours), the rim 1.5-4 mm thick (at most
+    half the radius, so a core always remains), the oedema reaches 1.4-2.6 radii along white matter.
+
+    Returns:
+        (label uint8: 1 oedema, 2 non-enhancing core, 3 enhancing rim, 0 elsewhere;
+         partial-volume memberships {"edema", "enhancing", "core"} float32 summing to <= 1).
+    """
+    shape = brain.shape
+    step = max(1, int(round(2.0 / spacing)))  # the depth map on a ~2 mm grid is plenty and 8x faster
+    coarse_wm = maps["wm"][::step, ::step, ::step] > 0.5
+    depth = ndimage.distance_transform_edt(brain[::step, ::step, ::step], sampling=step * spacing)
+    deep = coarse_wm & (depth >= min(15.0, depth.max()))
+    candidates = np.argwhere(deep if deep.any() else depth >= depth.max())
+    centre_mm = (candidates[rng.integers(len(candidates))] * step + rng.integers(0, step, size=3)) * spacing
+
+    radius = float(np.exp(rng.uniform(np.log(4.0), np.log(30.0))))
+    semi_axes = radius * rng.uniform(0.8, 1.2, size=3)
+    rim_mm = min(rng.uniform(1.5, 4.0), 0.5 * radius)
+    edema_factor = rng.uniform(1.4, 2.6)
+    rotation = random_rotation(rng, 180.0)
+
+    reach = int(np.ceil((edema_factor + 0.8) * semi_axes.max() / spacing))
+    centre_voxel = np.round(centre_mm / spacing).astype(int)
+    lo = np.maximum(centre_voxel - reach, 0)
+    hi = np.minimum(centre_voxel + reach + 1, shape)
+    box = tuple(slice(a, b) for a, b in zip(lo, hi))
+    grids = np.meshgrid(*[np.arange(a, b, dtype=np.float32) * spacing for a, b in zip(lo, hi)], indexing="ij")
+    local = np.stack([g - c for g, c in zip(grids, centre_mm)], axis=-1) @ rotation / semi_axes
+    del grids
+    rho = np.linalg.norm(local, axis=-1)
+    direction = local / np.maximum(rho, 1e-6)[..., None]
+    bumps = direction @ rng.normal(0, 0.1, size=3) + np.einsum(
+        "...i,ij,...j->...", direction, rng.normal(0, 0.12, size=(3, 3)), direction
+    )
+    del local, direction
+    tumour_rho = rho * (1.0 + bumps) + smooth_random_field(rng, rho.shape, nodes=5, std=0.12)
+    edema_rho = rho * (1.0 + 1.5 * bumps) + smooth_random_field(rng, rho.shape, nodes=6, std=0.35)
+    inner = 1.0 - rim_mm / radius
+
+    in_brain = brain[box]
+    along_wm = (maps["wm"][box] > 0.3) | (tumour_rho < 1.3)
+    core = (tumour_rho < inner) & in_brain
+    rim = (tumour_rho < 1.0) & ~core & in_brain
+    edema = (edema_rho < edema_factor) & ~core & ~rim & along_wm & in_brain
+    label = np.zeros(shape, dtype=np.uint8)
+    label[box][edema] = 1
+    label[box][core] = 2
+    label[box][rim] = 3
+
+    memberships = {}
+    for name, mask in (("edema", edema), ("enhancing", rim), ("core", core)):
+        soft = np.zeros(shape, dtype=np.float32)
+        soft[box] = ndimage.gaussian_filter(mask.astype(np.float32), sigma=0.6 / spacing)
+        memberships[name] = soft
+    return label, memberships
+
+
+def synthesise_brats_channels(
+    rng: np.random.Generator,
+    maps: dict[str, np.ndarray],
+    brain: np.ndarray,
+    memberships: dict[str, np.ndarray],
+    modalities: list[str],
+) -> np.ndarray:
+    """(X, Y, Z, C) float32 scanner units, 0 outside `brain`, >= 1 inside; C = len(modalities)."""
+    fraction = np.maximum(maps["brain"], 1e-3)
+    gm = np.clip(maps["gm"] / fraction, 0, 1)
+    wm = np.clip(maps["wm"] / fraction, 0, 1)
+    csf = np.clip(1.0 - gm - wm, 0, 1)
+    tumour = np.clip(memberships["edema"] + memberships["enhancing"] + memberships["core"], 0, 1)
+    channels = []
+    for name in modalities:
+        healthy, edema, enhancing, core = _BRATS_CONTRASTS[name]
+        if healthy == "t1":
+            base = maps["t1"]
+            contrast = (
+                base * (1.0 - tumour)
+                + base * (edema * memberships["edema"] + core * memberships["core"])
+                + np.float32(enhancing * 0.75) * memberships["enhancing"]
+            )  # rim relative to WM (~0.75)
+        else:
+            base = healthy[0] * csf + healthy[1] * gm + healthy[2] * wm
+            contrast = base * (1.0 - tumour) + (
+                edema * memberships["edema"] + enhancing * memberships["enhancing"] + core * memberships["core"]
+            )
+        bias = np.exp(smooth_random_field(rng, brain.shape, nodes=4, std=0.1))
+        noise = rng.standard_normal(brain.shape, dtype=np.float32) * np.float32(rng.uniform(0.015, 0.03))
+        scanner = (contrast * bias + noise) * np.float32(rng.uniform(300.0, 3000.0))
+        channels.append(np.where(brain, np.maximum(scanner, 1.0), 0.0).astype(np.float32))
+        del bias, noise, scanner, contrast
+    return np.stack(channels, axis=-1)
+
+
+def generate_brats_case(case_number: int, seed: int = 0, spacing: float = 1.0, channels: int = 4) -> DemoCase:
+    """One BraTS-size case (LPS, int16, `spacing` mm; 1 mm gives 240 x 240 x 155); deterministic in (seed, case).
+
+    Args:
+        channels: 2-4, the first of FLAIR, T1w, T1gd, T2w.
+
+    Example:
+        >>> case = generate_brats_case(0, spacing=4.0, channels=2)
+        >>> case.image.shape, case.image.dtype, sorted(np.unique(case.label).tolist())
+        ((60, 60, 39, 2), dtype('int16'), [0, 1, 2, 3])
+    """
+    if not 1 <= channels <= len(BRATS_MODALITIES):
+        raise ValueError(f"channels must be 1-{len(BRATS_MODALITIES)}, got {channels}")
+    rng = np.random.default_rng([seed, case_number, 240])
+    template = load_template()
+    pose = brats_pose(rng, template)
+    shape, affine = brats_grid(rng, template, pose, spacing)
+    maps = warp_template(template, template_voxel_coordinates(rng, template, pose, shape, affine))
+    brain = maps["brain"] >= 0.5
+    label, memberships = tumour_maps(rng, maps, brain, spacing)
+    modalities = [BRATS_MODALITIES[str(c)] for c in range(channels)]
+    image = synthesise_brats_channels(rng, maps, brain, memberships, modalities)
+    del maps, memberships
+    image = np.clip(np.rint(image), 0, np.iinfo(np.int16).max).astype(np.int16)
+    (image, label), affine = reorient([image, label], affine, ("L", "P", "S"))
+    return DemoCase(image=image, label=label, affine=affine)
+
+
 def _nifti(data: np.ndarray, affine: np.ndarray) -> nib.Nifti1Image:
     """A NIfTI image storing `data` in its own dtype and byte order, with scanner qform/sform."""
     header = nib.Nifti1Header(endianness=data.dtype.byteorder if data.dtype.byteorder in "<>" else "=")
@@ -454,7 +643,14 @@ def case_name(case_number: int) -> str:
 
 
 def make_demo_dataset(
-    output_dir: str | Path, num_training: int = 12, num_test: int = 3, seed: int = 0, overwrite: bool = False
+    output_dir: str | Path,
+    num_training: int = 12,
+    num_test: int = 3,
+    seed: int = 0,
+    overwrite: bool = False,
+    size: str = "demo",
+    channels: int = 4,
+    spacing: float = 1.0,
 ) -> Path:
     """Writes the demo dataset (MSD layout) to `output_dir`, unless it already holds a dataset.json.
 
@@ -464,6 +660,10 @@ def make_demo_dataset(
         num_test: unlabelled cases, written as imagesTs demo_100, demo_101, ...
         seed: every case is a deterministic function of (seed, case number).
         overwrite: regenerate even if `output_dir/dataset.json` exists.
+        size: "demo" (the small two-channel tissue dataset) or "brats" (1 mm 240 x 240 x 155,
+            FLAIR/T1w/T1gd/T2w, tumour labels; see `generate_brats_case`).
+        channels: with size="brats", how many of FLAIR, T1w, T1gd, T2w (2-4; default all).
+        spacing: with size="brats", the voxel size in mm (1.0 as BraTS; coarser only for tests).
 
     Returns:
         The dataset folder as a `Path`.
@@ -473,6 +673,10 @@ def make_demo_dataset(
         >>> sorted(p.name for p in root.iterdir())
         ['dataset.json', 'imagesTr', 'imagesTs', 'labelsTr']
     """
+    if size not in ("demo", "brats"):
+        raise ValueError(f"size must be 'demo' or 'brats', got {size!r}")
+    if size == "brats" and not 2 <= channels <= len(BRATS_MODALITIES):
+        raise ValueError(f"channels must be 2-{len(BRATS_MODALITIES)}, got {channels}")
     if num_training < 1 or num_test < 0:
         raise ValueError(f"need num_training >= 1 and num_test >= 0, got {num_training} and {num_test}")
     root = Path(output_dir)
@@ -488,28 +692,33 @@ def make_demo_dataset(
     first_test = max(FIRST_TEST_NUMBER, num_training)
     test_numbers = list(range(first_test, first_test + num_test))
     for number in training_numbers + test_numbers:
-        case = generate_case(number, seed)
+        case = generate_brats_case(number, seed, spacing, channels) if size == "brats" else generate_case(number, seed)
         is_test = number >= first_test
         image_dir = root / ("imagesTs" if is_test else "imagesTr")
         _save_atomically(_nifti(case.image, case.affine), image_dir / f"{case_name(number)}.nii.gz")
         if not is_test:
             _save_atomically(_nifti(case.label, case.affine), root / "labelsTr" / f"{case_name(number)}.nii.gz")
 
-    _write_json_atomically(manifest, dataset_json(training_numbers, test_numbers))
+    if size == "brats":
+        meta = dataset_json(training_numbers, test_numbers, brats_channels=channels)
+    else:
+        meta = dataset_json(training_numbers, test_numbers)
+    _write_json_atomically(manifest, meta)
     return root
 
 
-def dataset_json(training_numbers: list[int], test_numbers: list[int]) -> dict:
-    """The dataset.json content, in the shape of the real MSD ones."""
+def dataset_json(training_numbers: list[int], test_numbers: list[int], brats_channels: int = 0) -> dict:
+    """The dataset.json content, in the shape of the real MSD ones (`brats_channels` > 0: the BraTS-size one)."""
+    brats = brats_channels > 0
     return {
-        "name": DATASET_NAME,
-        "description": DESCRIPTION,
+        "name": BRATS_DATASET_NAME if brats else DATASET_NAME,
+        "description": BRATS_DESCRIPTION if brats else DESCRIPTION,
         "reference": REFERENCE,
         "licence": LICENCE,
         "release": "1.0",
         "tensorImageSize": "4D",
-        "modality": MODALITIES,
-        "labels": LABELS,
+        "modality": {str(c): BRATS_MODALITIES[str(c)] for c in range(brats_channels)} if brats else MODALITIES,
+        "labels": BRATS_LABELS if brats else LABELS,
         "numTraining": len(training_numbers),
         "numTest": len(test_numbers),
         "training": [
@@ -556,6 +765,23 @@ def main(argv: list[str] | None = None) -> int:
         "--seed", type=int, default=0, metavar="S", help="random seed; same seed, same data (default: 0)"
     )
     parser.add_argument("--overwrite", action="store_true", help="regenerate even if DIR/dataset.json exists")
+    parser.add_argument(
+        "--size",
+        choices=("demo", "brats"),
+        default="demo",
+        help="demo: the small two-channel tissue dataset (default); brats: BraTS size, 1 mm 240 x 240 x 155, "
+        "FLAIR/T1w/T1gd/T2w, labels 1 edema, 2 non-enhancing tumor, 3 enhancing tumour",
+    )
+    parser.add_argument(
+        "--channels",
+        type=int,
+        default=4,
+        metavar="C",
+        help="brats: the first C of FLAIR, T1w, T1gd, T2w (2-4; default 4)",
+    )
+    parser.add_argument(
+        "--spacing", type=float, default=1.0, metavar="MM", help="brats: voxel size in mm (default 1.0, as BraTS)"
+    )
     args = parser.parse_args(argv)
 
     if (args.output / "dataset.json").exists() and not args.overwrite:
@@ -563,11 +789,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     try:
-        root = make_demo_dataset(args.output, args.cases, args.test_cases, args.seed, overwrite=args.overwrite)
+        root = make_demo_dataset(
+            args.output,
+            args.cases,
+            args.test_cases,
+            args.seed,
+            overwrite=args.overwrite,
+            size=args.size,
+            channels=args.channels,
+            spacing=args.spacing,
+        )
     except ValueError as e:
         parser.error(str(e))
+    name = BRATS_DATASET_NAME if args.size == "brats" else DATASET_NAME
     print(
-        f"wrote {DATASET_NAME} to {root.resolve()}: {args.cases} training + {args.test_cases} test cases, "
+        f"wrote {name} to {root.resolve()}: {args.cases} training + {args.test_cases} test cases, "
         f"{_folder_size_mb(root):.1f} MB, in {time.perf_counter() - start:.1f} s"
     )
     return 0

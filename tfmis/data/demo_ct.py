@@ -21,19 +21,39 @@ from tfmis.data.demo_ct import make_ct_dataset
 root = make_ct_dataset("data/Task90_DemoCT", num_cases=20)     # about 0.2 s per case
 ```
 or from a shell: `python -m tfmis.data.demo_ct --output data/Task90_DemoCT --cases 20`.
+
+Real size (`--size full`, `generate_full_case`): abdominal CT as users have it, 512 x 512 x 100-600
+(slices drawn per case from `--slices MIN,MAX`), 0.7-0.9 mm pixels, 1.5/2/2.5/3/5 mm slices (one
+that gives a 300-950 mm scan), int16 HU, LPS. A body whose outline changes along z, subcutaneous
+fat, spine, lung bases at the top of long scans, and labels of very different sizes: 1 liver
+(~1.5 l), 2 spleen, 3 kidney (both), 4 pancreas (a thin elongated organ), 5 lesion (a hypodense
+liver lesion, radius 4-30 mm, often small; absent when outside the scanned range). Cases are built
+32 slices at a time, so a 512 x 512 x 600 case (315 MB of int16) needs ~0.7 GB peak and ~10 s:
+
+```bash
+python -m tfmis.data.demo_ct --size full --output data/Task91_DemoCTFull --cases 20 --slices 100,600
+```
+
+Command line: `--output DIR`, `--cases N` (default 20), `--test-cases N` (default 1), `--seed S`,
+`--size small|full` (default small), `--shape X,Y,Z` (small only, default 96,96,40),
+`--slices MIN,MAX` (full only, default 100,600), `--in-plane N` (full only, default 512; smaller
+values scale the pixel size up and keep the anatomy, for tests).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
-from scipy import ndimage
+from scipy import interpolate, ndimage
 
 DATASET_NAME = "Task90_DemoCT"
 MODALITIES = {"0": "CT"}
@@ -50,6 +70,14 @@ HU = {
     "bone": 700,
 }
 NOISE_HU = 12.0
+SMALL_DESCRIPTION = (
+    "Synthetic CT-like abdomen slabs made by tfmis.data.demo_ct (integer "
+    "HU, anisotropic voxels, a spleen-like organ with a small lesion)"
+)
+FULL_DESCRIPTION = (
+    "Synthetic real-size abdominal CT made by tfmis.data.demo_ct --size full (512 x 512 x 100-600, "
+    "integer HU, 0.7-0.9 mm pixels, 1.5-5 mm slices; liver, spleen, kidneys, pancreas, a liver lesion)"
+)
 
 
 def _smooth_field(rng: np.random.Generator, shape, sigma_voxels) -> np.ndarray:
@@ -127,6 +155,254 @@ def generate_case(case_number: int, seed: int = 0, shape=(96, 96, 40)) -> tuple[
     return image, label, affine
 
 
+# --------------------------------------------------------------------------------------------
+# Real-size CT (`--size full`): 512 x 512 x 100-600, generated slab by slab
+# --------------------------------------------------------------------------------------------
+
+FULL_DATASET_NAME = "Task91_DemoCTFull"
+FULL_LABELS = {"0": "background", "1": "liver", "2": "spleen", "3": "kidney", "4": "pancreas", "5": "lesion"}
+FULL_HU = {"kidney": 150, "pancreas": 80, "liver_lesion": 25, "lung": -850}
+FULL_SLICE_MM = (1.5, 2.0, 2.5, 3.0, 5.0)
+FULL_IN_PLANE = 512
+FULL_SLICES = (100, 600)
+SLAB_SLICES = 32  # slices generated at a time; part of the recipe (the noise is drawn per slab)
+_BLUR = (0.6, 0.6, 0.4)
+_HALO = 2  # slices either side of a slab that the z blur (sigma 0.4, truncate 4) reaches
+
+
+@functools.lru_cache(maxsize=32)
+def _spline_weights(nodes: int, n: int) -> np.ndarray:
+    """(n, nodes) float32 cubic-spline weights, first node on sample 0, last on sample n-1."""
+    spline = interpolate.make_interp_spline(np.linspace(0.0, 1.0, nodes), np.eye(nodes), k=3)
+    return spline(np.linspace(0.0, 1.0, n)).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SmoothField:
+    """A smooth random field (unit-ish sd) on a coarse grid, evaluated on any box of the volume."""
+
+    coarse: np.ndarray
+    shape: tuple[int, int, int]
+
+    def box(self, xs: slice, ys: slice, zs: slice) -> np.ndarray:
+        wx, wy, wz = (_spline_weights(c, n)[s] for c, n, s in zip(self.coarse.shape, self.shape, (xs, ys, zs)))
+        field = np.tensordot(self.coarse, wz, axes=([2], [1]))  # (cx, cy, z)
+        field = np.einsum("yj,ijz->iyz", wy, field)
+        return np.einsum("xi,iyz->xyz", wx, field)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Organ:
+    """An ellipsoid (semi-axes mm, turned by `angle` about the slice axis) with a wobbly outline."""
+
+    label: int
+    hu: float
+    centre: np.ndarray  # mm from the grid centre along L, P, S (the voxel axes: LPS order)
+    semi_axes: np.ndarray
+    angle: float
+    wobble: float
+    inside: int = 0  # only painted over this label (0: over background only)
+
+
+@dataclasses.dataclass(frozen=True)
+class FullCaseLayout:
+    """Everything random about one real-size case except the noise: grid, body and organs."""
+
+    shape: tuple[int, int, int]
+    spacing: tuple[float, float, float]
+    body_axes: tuple[float, float]
+    body_taper: tuple[float, float]  # relative change of the body axes per 100 mm along z, and its phase
+    fat_mm: float
+    spine: tuple[float, float, float]  # x, y, radius mm
+    organs: tuple[_Organ, ...]
+    field: _SmoothField
+
+    def axis_mm(self, axis: int) -> np.ndarray:
+        n, s = self.shape[axis], self.spacing[axis]
+        return ((np.arange(n) - (n - 1) / 2) * s).astype(np.float32)
+
+    @property
+    def affine(self) -> np.ndarray:
+        sxy, _, sz = self.spacing
+        affine = np.diag([-sxy, -sxy, sz, 1.0])  # LPS voxel order
+        affine[:3, 3] = [self.axis_mm(0)[-1], self.axis_mm(1)[-1], self.axis_mm(2)[0]]
+        return affine
+
+
+def full_case_layout(
+    case_number: int, seed: int = 0, slices: tuple[int, int] = FULL_SLICES, in_plane: int = FULL_IN_PLANE
+) -> FullCaseLayout:
+    """Draws the grid and anatomy of real-size case `case_number`.
+
+    Args:
+        slices: (min, max) slices per case, inclusive; each case draws its own count.
+        in_plane: voxels per in-plane axis; 512 gives 0.7-0.9 mm pixels, smaller values scale the
+            pixel size up so the same ~360-460 mm field of view (and anatomy) fits (for tests).
+    """
+    rng = np.random.default_rng([seed, case_number, 512])
+    n_z = int(rng.integers(slices[0], slices[1] + 1))
+    sxy = float(np.round(rng.uniform(0.7, 0.9), 3)) * FULL_IN_PLANE / in_plane
+    # slice thickness: any of the usual ones that gives a 300-950 mm scan, else the nearest
+    lengths = np.array(FULL_SLICE_MM) * n_z
+    fits = [s for s, length in zip(FULL_SLICE_MM, lengths) if 300 <= length <= 950]
+    sz = float(rng.choice(fits)) if fits else float(FULL_SLICE_MM[int(np.argmin(np.abs(lengths - 600)))])
+    shape = (in_plane, in_plane, n_z)
+    fov = in_plane * sxy / 2
+    a, b = fov * rng.uniform(0.78, 0.88), fov * rng.uniform(0.58, 0.68)
+    # anatomical z: 0 near the first lumbar vertebra; the scan centre sits a little above it
+    z0 = -rng.uniform(0.0, 40.0)  # the anatomy's 0 in scan mm
+
+    def jitter(*values):
+        return np.array(values, dtype=np.float64) * rng.uniform(0.85, 1.15, len(values))
+
+    organs = [
+        _Organ(
+            1,
+            HU["liver"],
+            np.array([-0.35 * a, -0.1 * b, z0 + 60]) + rng.normal(0, 5, 3),
+            jitter(0.42 * a, 0.55 * b, 85),
+            rng.uniform(-0.3, 0.3),
+            0.25,
+        ),
+        _Organ(
+            2,
+            HU["spleen"],
+            np.array([0.55 * a, 0.3 * b, z0 + 45]) + rng.normal(0, 5, 3),
+            jitter(25, 45, 50) * rng.uniform(0.7, 1.2),
+            rng.uniform(-0.6, 0.6),
+            0.3,
+        ),
+    ]
+    for side in (-1, 1):  # two kidneys, one label
+        organs.append(
+            _Organ(
+                3,
+                FULL_HU["kidney"],
+                np.array([side * 0.3 * a, 0.45 * b, z0 - 25 + side * 8]) + rng.normal(0, 4, 3),
+                jitter(25, 28, 52),
+                side * rng.uniform(0.2, 0.5),
+                0.15,
+            )
+        )
+    organs.append(
+        _Organ(
+            4,
+            FULL_HU["pancreas"],
+            np.array([0.1 * a, 0.05 * b, z0 + 10]) + rng.normal(0, 5, 3),
+            jitter(65, 11, 12),
+            rng.uniform(-0.4, 0.1),
+            0.35,
+        )
+    )
+    # a liver lesion of very varying size (4-30 mm radius, log-uniform: many small ones)
+    liver = organs[0]
+    radius = float(np.exp(rng.uniform(np.log(4.0), np.log(30.0))))
+    offset = rng.uniform(-0.45, 0.45, 3) * (liver.semi_axes - radius).clip(0)
+    organs.append(_Organ(5, FULL_HU["liver_lesion"], liver.centre + offset, np.full(3, radius), 0.0, 0.15, inside=1))
+    nodes = tuple(max(4, int(np.ceil(n * s / 60.0))) for n, s in zip(shape, (sxy, sxy, sz)))
+    return FullCaseLayout(
+        shape=shape,
+        spacing=(sxy, sxy, sz),
+        body_axes=(a, b),
+        body_taper=(rng.uniform(0.02, 0.06), rng.uniform(0, 2 * np.pi)),
+        fat_mm=rng.uniform(5.0, 25.0),
+        spine=(rng.normal(0, 2), 0.62 * b, rng.uniform(14.0, 20.0)),
+        organs=tuple(organs),
+        field=_SmoothField(rng.normal(size=nodes).astype(np.float32), shape),
+    )
+
+
+def _organ_boxes(layout: FullCaseLayout, organ: _Organ) -> tuple[slice, slice, slice]:
+    """The voxel box that can hold `organ` (its semi-axes plus room for the wobble)."""
+    reach = 1.4 * organ.semi_axes.max()
+    boxes = []
+    for axis in range(3):
+        mm = layout.axis_mm(axis)
+        lo, hi = np.searchsorted(mm, [organ.centre[axis] - reach, organ.centre[axis] + reach])
+        boxes.append(slice(int(lo), int(hi)))
+    return tuple(boxes)
+
+
+def _render_slab(layout: FullCaseLayout, z_lo: int, z_hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Noise-free HU (float32) and labels (uint8) of slices [z_lo, z_hi)."""
+    x, y = layout.axis_mm(0)[:, None, None], layout.axis_mm(1)[None, :, None]
+    z = layout.axis_mm(2)[None, None, z_lo:z_hi]
+    nx, ny, nz = layout.shape[0], layout.shape[1], z_hi - z_lo
+    a, b = (np.float32(v) for v in layout.body_axes)
+    taper, phase = (np.float32(v) for v in layout.body_taper)
+    scale = np.float32(1.0) + taper * np.sin(z / np.float32(100.0) + phase)
+    body_r = np.sqrt((x / (a * scale)) ** 2 + (y / (b * scale)) ** 2)  # (X, Y, k) float32
+    hu = np.full((nx, ny, nz), np.float32(HU["air"]), dtype=np.float32)
+    body = body_r < 1.0
+    hu[body] = HU["soft_tissue"]
+    hu[body & (body_r > 1.0 - layout.fat_mm / min(a, b))] = HU["fat"]
+    del body_r
+    sx, sy, sr = layout.spine
+    hu[np.broadcast_to((x - sx) ** 2 + (y - sy) ** 2 < sr**2, hu.shape)] = HU["bone"]
+    # lung bases: the top of long scans, above the liver dome
+    liver = layout.organs[0]
+    lung_top = liver.centre[2] + 0.6 * liver.semi_axes[2]
+    if z[0, 0, -1] > lung_top:
+        lung = (((np.abs(x) - 0.45 * a) / (0.35 * a)) ** 2 + (y / (0.7 * b)) ** 2 < 1.0) & (z > lung_top) & body
+        hu[lung] = FULL_HU["lung"]
+    del body
+    label = np.zeros((nx, ny, nz), dtype=np.uint8)
+    for organ in layout.organs:
+        xs, ys, zs = _organ_boxes(layout, organ)
+        zs = slice(max(zs.start, z_lo), min(zs.stop, z_hi))
+        if xs.start >= xs.stop or ys.start >= ys.stop or zs.start >= zs.stop:
+            continue
+        centre, axes = organ.centre.astype(np.float32), organ.semi_axes.astype(np.float32)
+        dx = layout.axis_mm(0)[xs, None, None] - centre[0]
+        dy = layout.axis_mm(1)[None, ys, None] - centre[1]
+        dz = layout.axis_mm(2)[None, None, zs] - centre[2]
+        c, s = np.float32(np.cos(organ.angle)), np.float32(np.sin(organ.angle))
+        q = ((c * dx + s * dy) / axes[0]) ** 2 + ((c * dy - s * dx) / axes[1]) ** 2  # (X, Y, 1) in-plane
+        q = q + (dz / axes[2]) ** 2
+        q += np.float32(organ.wobble) * layout.field.box(xs, ys, zs)
+        local = (xs, ys, slice(zs.start - z_lo, zs.stop - z_lo))
+        inside = label[local] == organ.inside
+        mask = (q < 1.0) & inside & (hu[local] > HU["fat"]) & (hu[local] < HU["bone"])
+        label[local][mask] = organ.label
+        hu[local][mask] = organ.hu
+    return hu, label
+
+
+def generate_full_case(
+    case_number: int, seed: int = 0, slices: tuple[int, int] = FULL_SLICES, in_plane: int = FULL_IN_PLANE
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One real-size case: (image int16 (X, Y, Z) HU, label uint8 (X, Y, Z), 4x4 LPS affine).
+
+    Deterministic in (seed, case_number, slices, in_plane). Built `SLAB_SLICES` slices at a time, so
+    the working memory beyond the returned arrays is a few slabs (~50 MB at 512 x 512), whatever Z is.
+
+    Example:
+        >>> image, label, affine = generate_full_case(0, slices=(20, 20), in_plane=64)
+        >>> image.shape, image.dtype, label.dtype
+        ((64, 64, 20), dtype('int16'), dtype('uint8'))
+    """
+    layout = full_case_layout(case_number, seed, slices, in_plane)
+    nx, ny, nz = layout.shape
+    image = np.empty(layout.shape, dtype=np.int16)
+    label = np.empty(layout.shape, dtype=np.uint8)
+    x, y = layout.axis_mm(0)[:, None], layout.axis_mm(1)[None, :]
+    outside_circle = np.hypot(x, y) > min(nx, ny) * layout.spacing[0] / 2 * 1.02
+    for index, z_lo in enumerate(range(0, nz, SLAB_SLICES)):
+        z_hi = min(z_lo + SLAB_SLICES, nz)
+        lo, hi = max(z_lo - _HALO, 0), min(z_hi + _HALO, nz)
+        hu, lab = _render_slab(layout, lo, hi)
+        # partial volume (a volume-wide blur: the halo makes slab edges exact), then scanner noise
+        hu = ndimage.gaussian_filter(hu, sigma=_BLUR)[:, :, z_lo - lo : z_hi - lo]
+        noise_rng = np.random.default_rng([seed, case_number, 512, index])
+        hu += noise_rng.standard_normal(hu.shape, dtype=np.float32) * np.float32(NOISE_HU)
+        hu[outside_circle] = HU["padding"]
+        np.rint(hu, out=hu)
+        np.clip(hu, -1024, 3071, out=hu)
+        image[:, :, z_lo:z_hi] = hu
+        label[:, :, z_lo:z_hi] = lab[:, :, z_lo - lo : z_hi - lo]
+    return image, label, layout.affine
+
+
 def _save(data: np.ndarray, affine: np.ndarray, path: Path) -> None:
     img = nib.Nifti1Image(data, affine)
     img.set_data_dtype(data.dtype)
@@ -141,7 +417,14 @@ def case_name(case_number: int) -> str:
 
 
 def make_ct_dataset(
-    root: str | Path, num_cases: int = 20, seed: int = 0, shape=(96, 96, 40), num_test: int = 1
+    root: str | Path,
+    num_cases: int = 20,
+    seed: int = 0,
+    shape=(96, 96, 40),
+    num_test: int = 1,
+    size: str = "small",
+    slices: tuple[int, int] = FULL_SLICES,
+    in_plane: int = FULL_IN_PLANE,
 ) -> Path:
     """Writes the CT-like dataset in the MSD layout (cases already there are kept); returns `root`.
 
@@ -151,10 +434,22 @@ def make_ct_dataset(
         seed: the dataset's seed.
         shape: nominal voxels per case (each case varies by a few voxels).
         num_test: unlabelled test cases.
+        size: "small" (the slabs above; `shape` applies) or "full" (real-size abdominal CT from
+            `generate_full_case`: 512 x 512 x `slices`, labels liver, spleen, kidney, pancreas, lesion).
+        slices: with size="full", the (min, max) slices per case.
+        in_plane: with size="full", voxels per in-plane axis (512; smaller only for tests).
 
     Example:
         >>> root = make_ct_dataset("/tmp/Task90_DemoCT", num_cases=4, shape=(48, 48, 20))
     """
+    if size not in ("small", "full"):
+        raise ValueError(f"size must be 'small' or 'full', got {size!r}")
+
+    def generate(number):
+        if size == "full":
+            return generate_full_case(number, seed, slices, in_plane)
+        return generate_case(number, seed, shape)
+
     root = Path(root)
     for sub in ("imagesTr", "labelsTr", "imagesTs"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -163,7 +458,7 @@ def make_ct_dataset(
         name = case_name(i)
         image_path, label_path = root / "imagesTr" / f"{name}.nii.gz", root / "labelsTr" / f"{name}.nii.gz"
         if not (image_path.is_file() and label_path.is_file()):
-            image, label, affine = generate_case(i, seed, shape)
+            image, label, affine = generate(i)
             _save(label, affine, label_path)
             _save(image, affine, image_path)
         training.append({"image": f"./imagesTr/{name}.nii.gz", "label": f"./labelsTr/{name}.nii.gz"})
@@ -171,19 +466,18 @@ def make_ct_dataset(
     for i in range(FIRST_TEST_NUMBER, FIRST_TEST_NUMBER + num_test):
         path = root / "imagesTs" / f"{case_name(i)}.nii.gz"
         if not path.is_file():
-            image, _, affine = generate_case(i, seed, shape)
+            image, _, affine = generate(i)
             _save(image, affine, path)
         test.append(f"./imagesTs/{case_name(i)}.nii.gz")
     meta = {
         "name": root.name,
-        "description": "Synthetic CT-like abdomen slabs made by tfmis.data.demo_ct (integer "
-        "HU, anisotropic voxels, a spleen-like organ with a small lesion)",
+        "description": FULL_DESCRIPTION if size == "full" else SMALL_DESCRIPTION,
         "tensorImageSize": "3D",
         "reference": "synthetic",
         "licence": "CC0",
         "release": "1.0",
         "modality": MODALITIES,
-        "labels": LABELS,
+        "labels": FULL_LABELS if size == "full" else LABELS,
         "numTraining": num_cases,
         "numTest": num_test,
         "training": training,
@@ -195,16 +489,66 @@ def make_ct_dataset(
     return root
 
 
+def _pair(text: str) -> tuple[int, int]:
+    values = [int(v) for v in text.split(",")]
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2 or not 1 <= values[0] <= values[1]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 1 <= MIN <= MAX (or one number), got {text!r}")
+    return values[0], values[1]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tfmis.data.demo_ct", description=__doc__.split("\n\n")[0])
-    p.add_argument("--output", default=f"data/{DATASET_NAME}", help=f"dataset folder (default data/{DATASET_NAME})")
+    p.add_argument(
+        "--output",
+        default=None,
+        help=f"dataset folder (default data/{DATASET_NAME}, or data/{FULL_DATASET_NAME} with --size full)",
+    )
     p.add_argument("--cases", type=int, default=20, help="labelled training cases (default 20)")
+    p.add_argument("--test-cases", type=int, default=1, help="unlabelled test cases (default 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shape", default="96,96,40", help="nominal voxels per case X,Y,Z (default 96,96,40)")
+    p.add_argument(
+        "--size",
+        choices=("small", "full"),
+        default="small",
+        help="small: slabs of --shape voxels (default); full: real-size 512 x 512 x --slices",
+    )
+    p.add_argument("--shape", default="96,96,40", help="small: nominal voxels per case X,Y,Z (default 96,96,40)")
+    p.add_argument(
+        "--slices",
+        type=_pair,
+        default=FULL_SLICES,
+        metavar="MIN,MAX",
+        help="full: slices per case, drawn per case in [MIN, MAX] (default 100,600)",
+    )
+    p.add_argument(
+        "--in-plane",
+        type=int,
+        default=FULL_IN_PLANE,
+        metavar="N",
+        help="full: voxels per in-plane axis (default 512; smaller keeps the anatomy, for tests)",
+    )
     args = p.parse_args(argv)
     shape = tuple(int(v) for v in args.shape.split(","))
-    root = make_ct_dataset(args.output, args.cases, args.seed, shape)
-    print(f"{root}: {args.cases} CT-like training cases (nominal {args.shape} voxels)")
+    output = args.output or f"data/{FULL_DATASET_NAME if args.size == 'full' else DATASET_NAME}"
+    start = time.perf_counter()
+    root = make_ct_dataset(
+        output,
+        args.cases,
+        args.seed,
+        shape,
+        args.test_cases,
+        size=args.size,
+        slices=args.slices,
+        in_plane=args.in_plane,
+    )
+    nominal = (
+        args.shape if args.size == "small" else f"{args.in_plane},{args.in_plane},{args.slices[0]}-{args.slices[1]}"
+    )
+    print(
+        f"{root}: {args.cases} CT-like training cases (nominal {nominal} voxels) in {time.perf_counter() - start:.1f} s"
+    )
     return 0
 
 
