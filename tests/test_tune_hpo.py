@@ -349,7 +349,11 @@ def test_killed_search_resumes_without_rerunning_finished_trials(converted_datas
     assert not survivors  # nothing of the killed search goes on running
     killed = json.loads(oracle_file.read_text())  # the state the resumed search starts from
     finished = set(killed["end_order"])
-    interrupted = sorted((set(killed["ongoing_trials"].values()) | set(killed["retry_queue"])) - finished, key=int)
+    # running when killed: ongoing or queued in oracle.json, or RUNNING in a trial.json written after it
+    trial_states = [json.loads(p.read_text()) for p in oracle_file.parent.glob("trial_*/trial.json")]
+    running = {str(t["trial_id"]) for t in trial_states if t["status"] == "RUNNING"}
+    waiting = set(killed["ongoing_trials"].values()) | set(killed["retry_queue"]) | running
+    interrupted = sorted(waiting - finished, key=int)
     assert finished and interrupted
     before = Counter(e["trial_id"] for e in _events(output) if e["event"] == "start")
     histories = {t: (output / "trials" / t / "history.jsonl").read_text() for t in finished}

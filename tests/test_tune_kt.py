@@ -159,6 +159,47 @@ def test_state_files_are_complete_json_and_a_reload_never_reruns_an_ended_trial(
     assert len(statuses) == 4 and sorted(t["values"]["batch"] for t in statuses.values()) == [1, 2, 3, 4]
 
 
+def test_a_trial_started_after_the_oracle_last_saved_is_rerun_on_reload(tmp_path):
+    """Keras Tuner writes a new trial's trial.json before oracle.json; a search killed between the two leaves a
+    RUNNING trial the saved oracle state does not list. The reloaded oracle queues it for a rerun
+    (`_retry_queue`), `saved_oracle_state` names it as ongoing, and the resumed grid runs every point."""
+    grid = [{"batch": b} for b in (1, 2, 3, 4)]
+    oracle = kt.make_oracle(
+        "grid", objective="seconds", direction="min", hyperparameters=_space(), seed=1, max_trials=3, grid=grid
+    )
+    _search(tmp_path, oracle, lambda trial_id, v: (float(v["batch"]), None))
+    project = tmp_path / "project"
+    trials = kt.saved_trials(project)
+    assert len(trials) == 3
+    last = max(trials, key=kt.trial_order)
+    trial_file = next(project.glob(f"trial_*{last}/trial.json"))
+    state = json.loads(trial_file.read_text())
+    state["status"], state["score"], state["metrics"] = "RUNNING", None, {"metrics": {}}
+    trial_file.write_text(json.dumps(state))  # started, but oracle.json (below) was saved before it
+    oracle_state = json.loads((project / kt.ORACLE_FILE).read_text())
+    oracle_state["end_order"] = [t for t in oracle_state["end_order"] if t != last]
+    (project / kt.ORACLE_FILE).write_text(json.dumps(oracle_state))
+    assert kt.saved_oracle_state(project)["ongoing"] == [last]
+    kt.allow_reload(project)
+    reloaded = kt.make_oracle(
+        "grid", objective="seconds", direction="min", hyperparameters=_space(), seed=1, max_trials=4, grid=grid
+    )
+    seen = []
+    tuner = kt.make_tuner(
+        lambda trial_id, v: (seen.append(trial_id) or float(v["batch"]), None),
+        "seconds",
+        oracle=reloaded,
+        directory=str(tmp_path),
+        project_name="project",
+        overwrite=False,
+    )
+    assert kt.retry_queue(tuner) == [last]
+    kt.run_search(tuner)
+    statuses = kt.saved_trials(project)
+    assert last in seen and all(t["status"] == "COMPLETED" for t in statuses.values())
+    assert sorted(t["values"]["batch"] for t in statuses.values()) == [1, 2, 3, 4]
+
+
 def test_an_unknown_strategy_is_refused():
     with pytest.raises(ValueError, match="grid, random or bayesian"):
         kt.make_oracle("hyperband", objective="seconds", direction="min", hyperparameters=_space(), seed=1)

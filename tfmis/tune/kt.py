@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -95,6 +96,11 @@ def _classes() -> dict:
         def reload(self):
             super().reload()  # sends the trials that were ongoing to the retry queue
             self._retry_queue = [t for t in self._retry_queue if self.trials[t].status not in ENDED]
+            # Keras Tuner writes a new trial's trial.json before oracle.json: a search stopped between the two
+            # leaves a running trial the saved state does not know, and its grid point would never run
+            for trial_id in sorted(self.trials, key=trial_order):
+                if self.trials[trial_id].status == TrialStatus.RUNNING and trial_id not in self._retry_queue:
+                    self._retry_queue.append(trial_id)
 
     class ListGridOracle(TfmisOracle, keras_tuner.Oracle):
         """The whole grid, each point once, handed to whichever worker asks first.
@@ -246,6 +252,11 @@ def allow_reload(project_dir: str | Path) -> None:
         atomic_write_json(project / CHIEF_FILE, {})
 
 
+def trial_order(trial_id: str):
+    """Sort key: numeric trial ids in numeric order, others after them."""
+    return (int(trial_id), trial_id) if str(trial_id).isdigit() else (math.inf, str(trial_id))
+
+
 def saved_trials(project_dir: str | Path) -> dict[str, dict]:
     """The trials saved in a project folder, by trial id: {"status", "values", "score", "message"}."""
     trials = {}
@@ -265,12 +276,15 @@ def saved_trials(project_dir: str | Path) -> dict[str, dict]:
 
 def saved_oracle_state(project_dir: str | Path) -> dict | None:
     """{"ongoing": trial ids that were running, "retry": trial ids queued to rerun} of a saved oracle, or None
-    when the project has none."""
+    when the project has none. A trial whose own trial.json says it was running counts as ongoing even when the
+    oracle's file was saved before it started (the reloaded oracle reruns it)."""
     path = Path(project_dir) / ORACLE_FILE
     if not path.is_file():
         return None
     state = json.loads(path.read_text())
+    ongoing = {str(t) for t in (state.get("ongoing_trials") or {}).values()}
+    ongoing |= {t for t, trial in saved_trials(project_dir).items() if trial["status"] == "RUNNING"}
     return {
-        "ongoing": [str(t) for t in (state.get("ongoing_trials") or {}).values()],
+        "ongoing": sorted(ongoing, key=trial_order),
         "retry": [str(t) for t in state.get("retry_queue") or []],
     }

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from pathlib import Path
 
 from tfmis.config import Config, from_dict
 from tfmis.tune.hpo.space import Objective, SearchSpace, parse_space
+from tfmis.tune.kt import trial_order  # noqa: F401 (re-exported)
 
 REPORT_FILE = "hpo_report.json"
 PLOT_FILE = "hpo_dice.png"
@@ -88,11 +88,6 @@ def new_events(output_dir: Path, offset: int) -> tuple[int, list[dict]]:
         except json.JSONDecodeError:
             pass
     return offset + end, events
-
-
-def trial_order(trial_id: str):
-    """Sort key: numeric trial ids in numeric order, others after them."""
-    return (int(trial_id), trial_id) if str(trial_id).isdigit() else (math.inf, str(trial_id))
 
 
 def oracle_trials(output_dir: Path) -> dict[str, dict]:
