@@ -2,7 +2,8 @@
 
 Writes `<case>.nii.gz` label maps (uint8) in each input's own geometry (shape, affine, orientation,
 header), optional `<case>_probabilities.nii.gz` (one channel per class), `predictions.csv` (and Dice
-per class per case when labels are available), and prints a summary table.
+per class per case when labels are available), and prints a summary table. Each case's seconds and
+peak resident memory (`peak_rss_mb`) are logged, in the table and in the CSV.
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ def main(argv=None) -> int:
             tqdm.write(f"  {case.case_id}: FAILED: {result.reason}", file=sys.stderr)
         for event in predictor.placement.events[logged:]:  # what ran out of memory, and what worked
             tqdm.write(f"  {event}", file=sys.stderr)
+        if result.peak_rss_mb is not None:
+            tqdm.write(
+                f"  {case.case_id}: {result.seconds:.1f} s, peak RSS {result.peak_rss_mb:.0f} MiB", file=sys.stderr
+            )
         results.append(result)
     write_csv(results, output / "predictions.csv", predictor.class_names)
     print(results_table(results))
