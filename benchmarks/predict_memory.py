@@ -9,6 +9,7 @@ spacing `--spacing`), then predicts the scan once per setting, each in a fresh s
 - `before`: the Predictor of an earlier commit (`--before-rev`, default the branch point from
   `main`), extracted with `git archive` into a temporary folder;
 - `after`: this tree's Predictor (label map only);
+- `after-f16`: the same with float16 sliding-window buffers (`buffer_dtype="float16"`);
 - `after+probs`: this tree's Predictor with the probability maps written (`--probabilities`).
 
 Each worker builds the Predictor and predicts a small crop of the scan first (tracing, thread pools),
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SETTINGS = ("before", "after", "after+probs")
+SETTINGS = ("before", "after", "after-f16", "after+probs")
 
 
 def status_kb(field: str) -> int:
@@ -145,7 +146,8 @@ def worker(args) -> int:
     from tfmis.inference.predictor import InputCase, Predictor
 
     config = load_config(str(Path(args.run) / "config.yaml"))
-    predictor = Predictor(config, args.run, device="cpu")
+    options = {"buffer_dtype": "float16"} if args.f16 else {}
+    predictor = Predictor(config, args.run, device="cpu", **options)
     out = Path(args.output)
     predictor.predict_file(InputCase("warmup", args.warmup), out / "warmup", probabilities=args.probabilities)
     baseline_kb = status_kb("VmRSS")
@@ -201,6 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--output", help=argparse.SUPPRESS)
     p.add_argument("--report", help=argparse.SUPPRESS)
     p.add_argument("--probabilities", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--f16", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -271,6 +274,7 @@ def main(argv=None) -> int:
                 "--report",
                 str(report),
                 *(["--probabilities"] if setting == "after+probs" else []),
+                *(["--f16"] if setting == "after-f16" else []),
             ]
             env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
             done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True)

@@ -384,8 +384,8 @@ def resampled_case(trained_run, spacing=(1.0, 1.2, 1.5), shape=(40, 34, 30)):
 
 
 def test_label_maps_equal_the_whole_volume_computation(trained_run, tmp_path):
-    """The slab-wise restore gives the old whole-volume label map and probabilities (float32 buffers), and
-    float16 sliding-window buffers (the label-only default) change almost no voxel; through a real NIfTI."""
+    """The slab-wise restore gives the old whole-volume label map and probabilities (float32 buffers), with
+    or without probabilities; float16 sliding-window buffers change almost no voxel; through a real NIfTI."""
     image, affine = resampled_case(trained_run)
     write_nifti(tmp_path / "in" / "fine.nii.gz", image, affine)
     predictor = Predictor(trained_run["config"], trained_run["dir"])
@@ -396,11 +396,15 @@ def test_label_maps_equal_the_whole_volume_computation(trained_run, tmp_path):
     assert probabilities.dtype == np.float32 and probabilities.shape == image.shape[:3] + (3,)
     np.testing.assert_array_equal(labels, reference)
     np.testing.assert_allclose(probabilities, reference_probabilities, atol=1e-6)
-    # predict_file without probabilities: float16 buffers, slab-wise argmax
-    result = predictor.predict_file(InputCase("fine", str(tmp_path / "in" / "fine.nii.gz")), tmp_path / "out")
+    case = InputCase("fine", str(tmp_path / "in" / "fine.nii.gz"))
+    result = predictor.predict_file(case, tmp_path / "out")  # labels only: slab-wise argmax
     assert result.status == "ok" and result.peak_rss_mb > 0
     written = np.asanyarray(nib.load(str(tmp_path / "out" / "fine.nii.gz")).dataobj)
-    assert written.shape == reference.shape and (reference > 0).sum() > 100
+    np.testing.assert_array_equal(written, reference)
+    assert (reference > 0).sum() > 100
+    half = Predictor(trained_run["config"], trained_run["dir"], buffer_dtype="float16")
+    assert half.predict_file(case, tmp_path / "half").status == "ok"
+    written = np.asanyarray(nib.load(str(tmp_path / "half" / "fine.nii.gz")).dataobj)
     assert np.mean(written != reference) <= 1e-3
 
 
@@ -432,7 +436,8 @@ def test_roi_prediction(trained_run):
     outside[tuple(slice(a, b) for a, b in zip(start, stop))] = False
     assert not labels[outside].any() and np.all(probabilities[outside][:, 0] == 1)
     only_labels, none, _ = predictor.predict_array(image, affine, roi=(start, stop), probabilities=False)
-    assert none is None and np.mean(only_labels[inside] != whole[inside]) <= 1e-3
+    assert none is None
+    np.testing.assert_array_equal(only_labels, labels)
     empty, _, device = predictor.predict_array(image, affine, roi=((0, 0, 0), (1, 1, 1)))
     assert not empty.any()
 
@@ -452,8 +457,8 @@ from test_predict import whole_volume_reference
 
 config_path, checkpoint, path, _, which = sys.argv[1:6]
 rng = np.random.default_rng(0)
-image = rng.normal(100, 10, (192, 192, 160, 2)).astype(np.float32)
-image[60:130, 50:140, 40:120, 0] += 30
+image = rng.normal(100, 10, (256, 256, 192, 2)).astype(np.float32)
+image[80:170, 70:190, 50:140, 0] += 30
 affine = np.diag([0.75, 0.75, 1.0, 1.0])  # a finer grid than the training's 1.5 x 1.5 x 2 mm
 predictor = Predictor(load_config(config_path), checkpoint)
 predictor.predict_array(image[:40, :40, :40], affine)  # traces the model before the baseline
@@ -469,10 +474,9 @@ with open(path, "w") as f:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status and clear_refs are Linux")
 def test_label_only_prediction_needs_less_memory_than_the_whole_volume_way(trained_run, tmp_path):
-    """Peak resident memory over the baseline on a 192x192x160x2 scan (float32: 45 MiB), in fresh
-    subprocesses: the label-only path (float16 buffers, slab-wise restore) against the whole-volume
-    computation of before (K float32 maps on the original grid, stacked). Measured: about 1.5 against 6.3
-    times the scan; asserted with a wide margin."""
+    """Peak resident memory over the baseline on a 256x256x192x2 scan, in fresh subprocesses: the label-only
+    path (slab-wise restore, normalisation in place) against the whole-volume computation of before (K float32
+    maps on the original grid, stacked). Measured: 222 against 367 MiB (0.61); asserted below 0.8."""
     import json
     import os
 
@@ -502,4 +506,4 @@ def test_label_only_prediction_needs_less_memory_than_the_whole_volume_way(train
         if not report["reset"]:
             pytest.skip("this kernel does not let a process reset its peak RSS")
         over[which] = report["over_baseline"]
-    assert over["new"] < 0.6 * over["old"], over
+    assert over["new"] < 0.8 * over["old"], over

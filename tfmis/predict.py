@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="budget for whole-volume buffers on the GPU; larger volumes go to the CPU",
     )
+    p.add_argument(
+        "--buffer-dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help="sliding-window sum buffer: float16 halves its memory (labels may differ at near-ties)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -113,6 +119,7 @@ def main(argv=None) -> int:
             tta=args.tta,
             tta_axes=tta_axes,
             accelerator_memory_mb=args.accelerator_memory_mb,
+            buffer_dtype=args.buffer_dtype,
         )
         cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index)
     except (ConfigError, FileNotFoundError, ValueError) as e:

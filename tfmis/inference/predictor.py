@@ -133,8 +133,9 @@ class Predictor:
             checked before allocating: a volume needing more goes to the CPU without being tried
             there. Useful to keep headroom on a shared GPU.
         buffer_dtype: dtype of the sliding window's whole-volume sum buffer (and of the logits):
-            `float32`, `float16` (half the memory, probabilities rounded to about 1e-3), or None
-            (the default): float32 when probabilities are returned, float16 for label maps only.
+            `float32` (the default: the label maps and probabilities of the whole-volume computation)
+            or `float16` (half that memory, probabilities rounded to about 1e-3: for large
+            preprocessed volumes, e.g. a training spacing near the scan's).
     """
 
     def __init__(
@@ -148,10 +149,10 @@ class Predictor:
         tta: bool = False,
         tta_axes=(0, 1, 2),
         accelerator_memory_mb: float | None = None,
-        buffer_dtype: str | None = None,
+        buffer_dtype: str = "float32",
     ):
         self.config = config
-        self.buffer_dtype = None if buffer_dtype is None else check_buffer_dtype(buffer_dtype).name
+        self.buffer_dtype = check_buffer_dtype(buffer_dtype).name
         self._logits_dtype = "float32"
         v = config.validation
         # preprocessing, channels and classes from the run folder (the TFRecords may be gone)
@@ -269,7 +270,6 @@ class Predictor:
     ) -> tuple[np.ndarray, np.ndarray | None, str]:
         """`predict_array` after the preprocessing; `holder` is [volume], emptied once the logits exist."""
         volume = holder.pop()
-        buffer_dtype = self.buffer_dtype or ("float32" if probabilities else "float16")
         box = None
         region = (np.zeros(3, int), np.array(volume.shape[:3]))
         if roi is not None:
@@ -287,7 +287,7 @@ class Predictor:
             return np.zeros(shape, np.uint8), restored, "-"
         low, high = region
         volume = volume[tuple(slice(a, b) for a, b in zip(low, high))]
-        logits, device = self.logits(volume, case_id, buffer_dtype)
+        logits, device = self.logits(volume, case_id, self.buffer_dtype)
         del volume  # the preprocessed image is no longer needed
         softmax_in_place(logits)
         labels, restored = restore_labels(logits, geometry, offset=low, box=box, probabilities_out=probabilities)
