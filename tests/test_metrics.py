@@ -649,11 +649,11 @@ def test_predictions_csv_appends_region_hd95_and_nsd_columns(tmp_path):
     results = [CaseResult("case_0", "ok", (9, 10, 8), dice=dice, scores=scores), CaseResult("test_0", "ok", (9, 10, 8))]
     write_csv(results, tmp_path / "predictions.csv", names, columns)
     header = next(csv.reader(open(tmp_path / "predictions.csv")))
-    assert header[:14] == [
-        "case", "status", "shape", "seconds", "foreground_voxels", "device", "output", "reason",
+    assert header[:15] == [
+        "case", "status", "shape", "seconds", "peak_rss_mb", "foreground_voxels", "device", "output", "reason",
         "dice_edema", "dice_non_enhancing", "dice_enhancing", "dice_mean", "absent_from_label", "dice_whole_tumour",
     ]  # fmt: skip
-    assert header[13:] == columns
+    assert header[14:] == columns
     rows = {r["case"]: r for r in csv.DictReader(open(tmp_path / "predictions.csv"))}
     assert float(rows["case_0"]["dice_whole_tumour"]) == pytest.approx(
         union_dice_by_hand(prediction, target, [1, 2, 3]), abs=1e-4

@@ -379,7 +379,7 @@ def test_predict_writes_region_hd95_and_nsd_columns(trained_run, tmp_path):
     with open(tmp_path / "out" / "predictions.csv") as f:
         rows = list(csv.DictReader(f))
     assert header == [
-        "case", "status", "shape", "seconds", "foreground_voxels", "device", "output", "reason",
+        "case", "status", "shape", "seconds", "peak_rss_mb", "foreground_voxels", "device", "output", "reason",
         "dice_organ", "dice_core", "dice_mean", "absent_from_label",
         "dice_lesion", "dice_core_only", "dice_mean_regions",
         "hd95_organ", "hd95_core", "hd95_lesion", "hd95_core_only",
@@ -442,3 +442,159 @@ def test_validation_reports_region_and_nsd_metrics_in_history(converted_dataset,
     results = [predictor.predict_file(c, tmp_path / "out") for c in cases]
     assert np.nanmean([r.scores["dice_lesion"] for r in results]) == pytest.approx(validation["dice_lesion"], abs=1e-3)
     assert validation["dice_lesion"] == pytest.approx(record["val_dice_lesion"])  # best = last (one epoch)
+
+
+def whole_volume_reference(predictor, image, affine):
+    """The label map and probabilities as whole-scan prediction computed them before the memory work:
+    float32 logits of the whole volume, softmax, `restore_geometry` per class, stack, argmax."""
+    from tfmis.data.preprocess import preprocess, restore_geometry
+
+    volume, _, geometry = preprocess(image, None, affine, predictor.preprocessing)
+    logits, _ = predictor.logits(volume.astype(np.float32))
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probabilities = e / e.sum(axis=-1, keepdims=True)
+    restored = np.stack(
+        [
+            restore_geometry(probabilities[..., k], geometry, order=1, cval=1.0 if k == 0 else 0.0)
+            for k in range(probabilities.shape[-1])
+        ],
+        axis=-1,
+    )
+    return np.argmax(restored, axis=-1).astype(np.uint8), restored
+
+
+def resampled_case(trained_run, spacing=(1.0, 1.2, 1.5), shape=(40, 34, 30)):
+    """A case of the test dataset on a finer grid (resampled on the way in and out), as a real NIfTI file."""
+    from scipy import ndimage
+
+    img = nib.load(str(trained_run["source"] / "imagesTr" / "case_000.nii.gz"))
+    image = np.asanyarray(img.dataobj).astype(np.float32)
+    zoom = [n / s for n, s in zip(shape, image.shape[:3])]
+    fine = np.stack([ndimage.zoom(image[..., c], zoom, order=1) for c in range(image.shape[-1])], axis=-1)
+    return fine, lps_affine(spacing)
+
+
+def test_label_maps_equal_the_whole_volume_computation(trained_run, tmp_path):
+    """The slab-wise restore gives the old whole-volume label map and probabilities (float32 buffers), with
+    or without probabilities; float16 sliding-window buffers change almost no voxel; through a real NIfTI."""
+    image, affine = resampled_case(trained_run)
+    write_nifti(tmp_path / "in" / "fine.nii.gz", image, affine)
+    predictor = Predictor(trained_run["config"], trained_run["dir"])
+    loaded = nib.load(str(tmp_path / "in" / "fine.nii.gz"))
+    image = np.asanyarray(loaded.dataobj).astype(np.float32)
+    reference, reference_probabilities = whole_volume_reference(predictor, image, loaded.affine)
+    labels, probabilities, _ = predictor.predict_array(image, loaded.affine)
+    assert probabilities.dtype == np.float32 and probabilities.shape == image.shape[:3] + (3,)
+    np.testing.assert_array_equal(labels, reference)
+    np.testing.assert_allclose(probabilities, reference_probabilities, atol=1e-6)
+    case = InputCase("fine", str(tmp_path / "in" / "fine.nii.gz"))
+    result = predictor.predict_file(case, tmp_path / "out")  # labels only: slab-wise argmax
+    assert result.status == "ok" and result.peak_rss_mb > 0
+    written = np.asanyarray(nib.load(str(tmp_path / "out" / "fine.nii.gz")).dataobj)
+    np.testing.assert_array_equal(written, reference)
+    assert (reference > 0).sum() > 100
+    half = Predictor(trained_run["config"], trained_run["dir"], buffer_dtype="float16")
+    assert half.predict_file(case, tmp_path / "half").status == "ok"
+    written = np.asanyarray(nib.load(str(tmp_path / "half" / "fine.nii.gz")).dataobj)
+    assert np.mean(written != reference) <= 1e-3
+
+
+def test_roi_prediction(trained_run):
+    """An ROI covering the image equals no ROI; a smaller ROI equals the whole prediction inside it away
+    from its faces (a pointwise model: windows at other places give the same logits), background outside."""
+    import tensorflow as tf
+
+    image, affine = resampled_case(trained_run, shape=(60, 52, 44))
+    predictor = Predictor(trained_run["config"], trained_run["dir"])
+    whole, whole_probabilities, _ = predictor.predict_array(image, affine)
+    covering, covering_probabilities, _ = predictor.predict_array(image, affine, roi=((0, 0, 0), image.shape[:3]))
+    np.testing.assert_array_equal(covering, whole)
+    np.testing.assert_array_equal(covering_probabilities, whole_probabilities)
+
+    predictor._forward = (
+        lambda w: tf.concat(  # a 1x1x1 "network": logits of each voxel from that voxel alone
+            [w[..., :1], w[..., 1:2], 0.5 * (w[..., :1] + w[..., 1:2]) + 0.3], axis=-1
+        )
+    )
+    whole, whole_probabilities, _ = predictor.predict_array(image, affine)
+    assert len(np.unique(whole)) == 3
+    start, stop = np.array([12, 10, 9]), np.array([50, 40, 35])
+    labels, probabilities, _ = predictor.predict_array(image, affine, roi=(start, stop))
+    inside = tuple(slice(a + 2, b - 2) for a, b in zip(start, stop))
+    np.testing.assert_array_equal(labels[inside], whole[inside])
+    np.testing.assert_allclose(probabilities[inside], whole_probabilities[inside], atol=1e-5)
+    outside = np.ones(image.shape[:3], bool)
+    outside[tuple(slice(a, b) for a, b in zip(start, stop))] = False
+    assert not labels[outside].any() and np.all(probabilities[outside][:, 0] == 1)
+    only_labels, none, _ = predictor.predict_array(image, affine, roi=(start, stop), probabilities=False)
+    assert none is None
+    np.testing.assert_array_equal(only_labels, labels)
+    empty, _, device = predictor.predict_array(image, affine, roi=((0, 0, 0), (1, 1, 1)))
+    assert not empty.any()
+
+
+MEMORY_SCRIPT = r"""
+import json
+import sys
+
+import numpy as np
+
+from tfmis.config import load_config
+from tfmis.inference.predictor import Predictor
+from tfmis.utils.memory import peak_rss_mb, reset_peak_rss
+
+sys.path.insert(0, sys.argv[4])
+from test_predict import whole_volume_reference
+
+config_path, checkpoint, path, _, which = sys.argv[1:6]
+rng = np.random.default_rng(0)
+image = rng.normal(100, 10, (256, 256, 192, 2)).astype(np.float32)
+image[80:170, 70:190, 50:140, 0] += 30
+affine = np.diag([0.75, 0.75, 1.0, 1.0])  # a finer grid than the training's 1.5 x 1.5 x 2 mm
+predictor = Predictor(load_config(config_path), checkpoint)
+predictor.predict_array(image[:40, :40, :40], affine)  # traces the model before the baseline
+baseline = (reset_peak_rss(), peak_rss_mb())
+if which == "old":
+    whole_volume_reference(predictor, image, affine)
+else:
+    predictor.predict_array(image, affine, probabilities=False)
+with open(path, "w") as f:
+    json.dump({"reset": baseline[0], "over_baseline": peak_rss_mb() - baseline[1]}, f)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status and clear_refs are Linux")
+def test_label_only_prediction_needs_less_memory_than_the_whole_volume_way(trained_run, tmp_path):
+    """Peak resident memory over the baseline on a 256x256x192x2 scan, in fresh subprocesses: the label-only
+    path (slab-wise restore, normalisation in place) against the whole-volume computation of before (K float32
+    maps on the original grid, stacked). Measured: 222 against 367 MiB (0.61); asserted below 0.8."""
+    import json
+    import os
+
+    script = tmp_path / "memory.py"
+    script.write_text(MEMORY_SCRIPT)
+    over = {}
+    for which in ("old", "new"):
+        out = tmp_path / f"{which}.json"
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                str(trained_run["dir"] / "config.yaml"),
+                str(trained_run["dir"]),
+                str(out),
+                str(REPO / "tests"),
+                which,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(out.read_text())
+        if not report["reset"]:
+            pytest.skip("this kernel does not let a process reset its peak RSS")
+        over[which] = report["over_baseline"]
+    assert over["new"] < 0.8 * over["old"], over

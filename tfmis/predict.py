@@ -4,7 +4,8 @@ Writes `<case>.nii.gz` label maps (uint8) in each input's own geometry (shape, a
 header), optional `<case>_probabilities.nii.gz` (one channel per class), `predictions.csv` (and Dice
 per class per case when labels are available), and prints a summary table. A cascade (the folder of a plan of
 stages, or its fine stage) predicts the whole scan at low resolution first and the region it finds at full
-resolution (`tfmis.inference.cascade`).
+resolution (`tfmis.inference.cascade`). Each case's seconds and
+peak resident memory (`peak_rss_mb`) are logged, in the table and in the CSV.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="budget for whole-volume buffers on the GPU; larger volumes go to the CPU",
+    )
+    p.add_argument(
+        "--buffer-dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help="sliding-window sum buffer: float16 halves its memory (labels may differ at near-ties)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -130,6 +137,7 @@ def main(argv=None) -> int:
             tta=args.tta,
             tta_axes=tta_axes,
             accelerator_memory_mb=args.accelerator_memory_mb,
+            buffer_dtype=args.buffer_dtype,
         )
         cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index)
     except (ConfigError, FileNotFoundError, ValueError) as e:
@@ -144,6 +152,10 @@ def main(argv=None) -> int:
             tqdm.write(f"  {case.case_id}: FAILED: {result.reason}", file=sys.stderr)
         for event in predictor.placement.events[logged:]:  # what ran out of memory, and what worked
             tqdm.write(f"  {event}", file=sys.stderr)
+        if result.peak_rss_mb is not None:
+            tqdm.write(
+                f"  {case.case_id}: {result.seconds:.1f} s, peak RSS {result.peak_rss_mb:.0f} MiB", file=sys.stderr
+            )
         results.append(result)
     write_csv(results, output / "predictions.csv", predictor.class_names, predictor.score_columns)
     print(results_table(results))

@@ -137,13 +137,16 @@ def ras_spacing(affine: np.ndarray) -> np.ndarray:
     return out
 
 
-def reorient_to_ras(array: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Permutes/flips the first three axes of `array` to RAS; returns (array, new affine)."""
+def reorient_to_ras(array: np.ndarray, affine: np.ndarray, copy: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Permutes/flips the first three axes of `array` to RAS; returns (array, new affine).
+
+    With `copy=False` the array is a view of the input (strided, no memory) where a permutation/flip allows.
+    """
     ornt = nib.orientations.io_orientation(affine)
     transform = nib.orientations.ornt_transform(ornt, nib.orientations.axcodes2ornt("RAS"))
     out = nib.orientations.apply_orientation(array, transform)
     new_affine = affine @ nib.orientations.inv_ornt_aff(transform, array.shape[:3])
-    return np.ascontiguousarray(out), new_affine
+    return (np.ascontiguousarray(out) if copy else out), new_affine
 
 
 def foreground_mask(image: np.ndarray, normalization: tuple[str, ...], ct_window) -> np.ndarray:
@@ -205,17 +208,24 @@ def normalize(
     use = mask if mask.any() and not mask.all() else None
     for c, norm in enumerate(_per_channel(normalization, image.shape[-1])):
         x = image[..., c]
-        if norm == "ct":
+        if norm == "ct":  # in place in the output: no whole-volume temporaries
             lo, hi = ct_window
-            out[..., c] = (np.clip(x, lo, hi) - lo) / (hi - lo)
+            channel = out[..., c]
+            np.clip(x, lo, hi, out=channel)
+            np.subtract(channel, lo, out=channel)
+            np.divide(channel, hi - lo, out=channel)
         elif norm == "ct_zscore":  # the dataset's foreground statistics, not the case's (as nnU-Net)
             mean, std = ct_mean_std
             out[..., c] = (np.clip(x, *ct_window) - mean) / max(std, 1e-8)
         elif norm == "zscore":
             values = x[use] if use is not None else x
-            std = float(values.std())
-            y = (x - float(values.mean())) / max(std, 1e-8)
-            out[..., c] = np.where(use, y, 0.0) if use is not None else y
+            mean, std = float(values.mean()), float(values.std())
+            del values
+            channel = out[..., c]  # in place in the output: no whole-volume temporaries
+            np.subtract(x, mean, out=channel)
+            np.divide(channel, max(std, 1e-8), out=channel)
+            if use is not None:
+                np.copyto(channel, 0.0, where=~use)
         else:
             out[..., c] = x
     return out
@@ -235,7 +245,7 @@ def preprocess(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, 
     """
     affine = np.asarray(affine, dtype=np.float64)
     original_shape = image.shape[:3]
-    ras_image, ras_affine = reorient_to_ras(image, affine)
+    ras_image, ras_affine = reorient_to_ras(image, affine, copy=False)  # normalize() makes the copy
     ras_label = reorient_to_ras(label, affine)[0] if label is not None else None
 
     ras_shape = [int(n) for n in ras_image.shape[:3]]

@@ -123,9 +123,24 @@ def _host_tensor(array: np.ndarray) -> tf.Tensor:
     return tf.convert_to_tensor(array)
 
 
+BUFFER_DTYPES = ("float32", "float16")
+
+
+def check_buffer_dtype(buffer_dtype) -> np.dtype:
+    """`buffer_dtype` as a numpy dtype: float32 (the default, MONAI's) or float16 (half the memory)."""
+    dtype = np.dtype(buffer_dtype)
+    if dtype.name not in BUFFER_DTYPES:
+        raise ValueError(f"buffer_dtype must be one of {BUFFER_DTYPES}, got {buffer_dtype!r}")
+    return dtype
+
+
 class HostBlend:
     """Σ(weight · prediction) in one numpy array, added in place window by window, and divided once
     by Σ(weight) at the end (what MONAI does with torch tensors).
+
+    With a float16 `buffer_dtype` each window is divided by Σ(weight) over its voxels before it is
+    added (the weight sum stays float32), so the buffer holds the blended mean itself, in the range
+    of the predictions, and no whole-volume division or float32 copy is needed at the end.
 
     Numpy's in-place add of a window into a strided region of the volume touches each voxel of
     the window once; TensorFlow on a CPU has no such op (a strided-slice assignment is ~20x slower
@@ -139,8 +154,11 @@ class HostBlend:
         roi_size: tuple[int, int, int],
         starts: np.ndarray,
         weights: tf.Tensor | np.ndarray,
+        buffer_dtype="float32",
     ):
         self.volume = np.asarray(volume)  # no copy of a tensor in host memory
+        self.buffer_dtype = check_buffer_dtype(buffer_dtype)
+        self.normalise_per_window = self.buffer_dtype != np.float32
         self.roi_size = roi_size
         self.weights = np.asarray(weights, np.float32)
         self.uniform = bool(self.weights.min() == self.weights.max() == 1)  # constant mode: no products
@@ -158,7 +176,7 @@ class HostBlend:
     def allocate(self, prediction: tf.Tensor) -> None:
         """The sum buffer, once the first prediction tells the channel count K (before the next forward pass)."""
         shape = tuple(prediction.shape[1:])
-        self.total = _aligned_empty((*self.volume.shape[:4], shape[-1]), np.float32)
+        self.total = _aligned_empty((*self.volume.shape[:4], shape[-1]), self.buffer_dtype)
         self.total.fill(0)
         self.scratch = np.empty(shape, np.float32)
         self.weights = np.ascontiguousarray(np.broadcast_to(self.weights[..., None], shape))
@@ -167,20 +185,30 @@ class HostBlend:
         rx, ry, rz = self.roi_size
         prediction = np.asarray(prediction)  # waits for this batch only: the next one is already queued
         for window, (b, x, y, z) in zip(prediction, origins):
-            if not self.uniform:
+            if self.normalise_per_window:  # weight / Σ(weight) here, the buffer's precision kept for the mean
+                region = self.weight_sum[x : x + rx, y : y + ry, z : z + rz, None]
+                if self.uniform:
+                    window = np.divide(window, region, out=self.scratch)
+                else:
+                    window = np.multiply(window, self.weights, out=self.scratch)
+                    np.divide(window, region, out=window, where=region > 0)
+            elif not self.uniform:
                 window = np.multiply(window, self.weights, out=self.scratch)
             self.total[b, x : x + rx, y : y + ry, z : z + rz] += window
 
     def result(self, device: str | None, crop: tuple[slice, ...] | None) -> tf.Tensor:
         total, self.total = self.total, None
-        weights = self.weight_sum[None, ..., None]
-        if weights.min() > 0:
+        weights, self.weight_sum = self.weight_sum[None, ..., None], None
+        if self.normalise_per_window:
+            pass  # divided window by window
+        elif weights.min() > 0:
             np.divide(total, weights, out=total)
         else:  # starts that leave voxels uncovered: those stay 0
             np.divide(total, weights, out=total, where=weights > 0)
+        del weights
         if crop is not None:
             region = total[(slice(None), *crop)]
-            total = _aligned_empty(region.shape, np.float32)
+            total = _aligned_empty(region.shape, total.dtype)
             total[...] = region
         output = _host_tensor(total)
         if device:
@@ -191,7 +219,8 @@ class HostBlend:
 
 class DeviceBlend:
     """Σ(weight · prediction) and Σ(weight) in one TensorFlow variable on `device` (K + 1 channels),
-    one scatter-add per window, divided once at the end.
+    one scatter-add per window, divided once at the end. A float16 `buffer_dtype` holds both sums in
+    float16 (half the memory; relative rounding about 1e-3).
 
     For buffers in accelerator memory: every op is queued on the device and nothing waits for the
     host until the caller reads the result. The variable is flat, (B·X·Y·Z, K + 1), and a window
@@ -206,8 +235,10 @@ class DeviceBlend:
         roi_size: tuple[int, int, int],
         weights: tf.Tensor | np.ndarray,
         device: str | None,
+        buffer_dtype="float32",
     ):
         self.device, self.roi_size = device, roi_size
+        self.buffer_dtype = tf.as_dtype(check_buffer_dtype(buffer_dtype))
         with device_scope(device):
             self.volume = tf.identity(volume)
             self.weights = tf.cast(tf.identity(weights), tf.float32)[..., None]
@@ -229,7 +260,8 @@ class DeviceBlend:
         """The sum buffer, once the first prediction tells the channel count K (before the next forward pass)."""
         with device_scope(self.device):
             self.total = tf.Variable(
-                tf.zeros([self.strides[0] * int(self.volume.shape[0]), prediction.shape[-1] + 1]), trainable=False
+                tf.zeros([self.strides[0] * int(self.volume.shape[0]), prediction.shape[-1] + 1], self.buffer_dtype),
+                trainable=False,
             )
 
     def add(self, prediction: tf.Tensor, origins: np.ndarray) -> None:
@@ -239,6 +271,7 @@ class DeviceBlend:
             channels = int(prediction.shape[-1]) + 1
             weights = tf.broadcast_to(self.weights, [len(origins), rx, ry, rz, 1])
             values = tf.reshape(tf.concat([prediction * weights, weights], axis=-1), [len(origins), -1, channels])
+            values = tf.cast(values, self.buffer_dtype)
             for value, origin in zip(tf.unstack(values), origins):
                 corner = sum(int(o) * s for o, s in zip(origin, self.strides))
                 tf.raw_ops.ResourceScatterAdd(resource=self.total.handle, indices=self.rows + corner, updates=value)
@@ -300,6 +333,7 @@ def aggregate_windows(
     device: str | None = None,
     sw_device: str | None = None,
     progress: bool = False,
+    buffer_dtype="float32",
 ) -> tf.Tensor:
     """Σ(weight · prediction) / Σ(weight) over the windows of a volume at least roi-sized.
 
@@ -321,9 +355,10 @@ def aggregate_windows(
         device: where the volume and buffers live; None is TensorFlow's default placement.
         sw_device: where the predictor runs; None is TensorFlow's default placement.
         progress: show progress over the predictor calls (a bar on a terminal, else plain lines).
+        buffer_dtype: dtype of the sum buffer and of the result: float32, or float16 (half the memory).
 
     Returns:
-        float32 (B, X, Y, Z, K) on `device`.
+        (B, X, Y, Z, K) in `buffer_dtype` on `device`.
 
     Example:
         >>> from tfmis.inference.windows import importance_map, window_starts
@@ -344,6 +379,7 @@ def aggregate_windows(
         sw_device,
         progress,
         on_host=aggregates_on_host(device),
+        buffer_dtype=buffer_dtype,
     )
 
 
@@ -359,12 +395,17 @@ def aggregate(
     progress,
     on_host: bool,
     crop: tuple[slice, ...] | None = None,
+    buffer_dtype="float32",
 ) -> tf.Tensor:
     """`aggregate_windows` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`), and the
     result cropped to the spatial `crop` (the padding of a volume smaller than the window)."""
     roi_size = tuple(int(s) for s in roi_size)
     starts = np.asarray(starts, np.int32).reshape(-1, SPATIAL_DIMS)
-    blend = HostBlend(volume, roi_size, starts, weights) if on_host else DeviceBlend(volume, roi_size, weights, device)
+    blend = (
+        HostBlend(volume, roi_size, starts, weights, buffer_dtype)
+        if on_host
+        else DeviceBlend(volume, roi_size, weights, device, buffer_dtype)
+    )
     origins = _window_origins(int(volume.shape[0]), starts)
     bar = progress_bar(-(-len(origins) // sw_batch_size), "sliding window", "batch") if progress else None
     pending = None

@@ -68,28 +68,38 @@ class CascadePredictor(Predictor):
         self.margin_mm = float(config.cascade.margin_mm)
         self.last_region = ""
 
-    def predict_array(self, image: np.ndarray, affine: np.ndarray, case_id: str = ""):
-        """(label map, probabilities (X, Y, Z, K) or None, device) on the grid of `image` / `affine`: the coarse
-        stage over the whole scan, the fine stage over the box around what it found."""
-        coarse_labels, _, coarse_device = self.coarse.predict_array(image, affine, case_id)
+    def predict_image(self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True):
+        """(label map, probabilities (X, Y, Z, K) or None, device) of the image in `holder` ([image], emptied
+        once the fine stage's box is cut): the coarse stage over the whole scan, the fine stage over the box around
+        what it found (cut from the original scan, so it is preprocessed as the fine stage's training crops)."""
+        image = holder.pop()
+        shape = image.shape[:3]
+        coarse_labels, _, coarse_device = self.coarse.predict_array(image, affine, case_id, probabilities=False)
         box = region_of_interest(coarse_labels > 0, affine, self.margin_mm)
         del coarse_labels
         if box is None:
             self.last_region = "whole scan (the coarse stage found nothing)"
-            labels, probabilities, device = super().predict_array(image, affine, case_id)
-            return labels, probabilities, device
-        sub_labels, sub_probabilities, device = super().predict_array(image[box], crop_affine(affine, box), case_id)
-        shape = image.shape[:3]
+            return super().predict_image([image], affine, case_id, probabilities)
+        sub = [np.ascontiguousarray(image[box])]
+        del image
+        sub_labels, sub_probabilities, device = super().predict_image(
+            sub, crop_affine(affine, box), case_id, probabilities
+        )
         share = float(np.prod(sub_labels.shape)) / float(np.prod(shape))
         self.last_region = f"box {'x'.join(str(s.stop - s.start) for s in box)} = {100 * share:.3g}% of the scan"
         labels = np.zeros(shape, dtype=sub_labels.dtype)
         labels[box] = sub_labels
-        probabilities = None
+        full = None
         if sub_probabilities is not None:
-            probabilities = np.zeros((*shape, sub_probabilities.shape[-1]), dtype=sub_probabilities.dtype)
-            probabilities[..., 0] = 1  # background outside the box
-            probabilities[box] = sub_probabilities
-        return labels, probabilities, f"{coarse_device} / {device}" if coarse_device != device else device
+            full = np.zeros((*shape, sub_probabilities.shape[-1]), dtype=sub_probabilities.dtype)
+            full[..., 0] = 1  # background outside the box
+            full[box] = sub_probabilities
+        return labels, full, f"{coarse_device} / {device}" if coarse_device != device else device
+
+    def predict_array(self, image, affine, case_id: str = "", roi=None, probabilities: bool = True):
+        if roi is not None:
+            raise ValueError("a cascade chooses its own region: predict_array(roi=...) is for one stage")
+        return self.predict_image([image], affine, case_id, probabilities)
 
     def predict_file(self, case, output_dir, probabilities: bool = False):
         result = super().predict_file(case, output_dir, probabilities)

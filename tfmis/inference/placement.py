@@ -56,13 +56,20 @@ class VolumeOutOfMemory(tf.errors.ResourceExhaustedError):
         super().__init__(None, None, message)
 
 
-def aggregation_bytes(spatial_shape, channels: int, num_classes: int) -> int:
-    """Bytes the whole-volume tensors need where the volume is aggregated: the float32 volume
-    (C channels), the running mean (K classes) and the weight sum (1)."""
+def aggregation_bytes(
+    spatial_shape, channels: int, num_classes: int, buffer_dtype="float32", volume_dtype="float32"
+) -> int:
+    """Bytes the whole-volume tensors need where the volume is aggregated: the volume (C channels of
+    `volume_dtype`), the running mean (K classes of `buffer_dtype`) and the float32 weight sum (1).
+
+    Example:
+        >>> aggregation_bytes((10, 10, 10), 1, 4), aggregation_bytes((10, 10, 10), 1, 4, "float16", "float16")
+        (24000, 14000)
+    """
     voxels = 1
     for size in spatial_shape:
         voxels *= int(size)
-    return voxels * (channels + num_classes + 1) * 4
+    return voxels * (channels * tf.as_dtype(volume_dtype).size + num_classes * tf.as_dtype(buffer_dtype).size + 4)
 
 
 def device_name(device: str) -> str:

@@ -35,10 +35,13 @@ from tfmis.data.msd import CaseError, case_id_from_path, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
 from tfmis.hardware import CPU, accelerator_device
+from tfmis.inference.blending import check_buffer_dtype
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
+from tfmis.inference.restore import crop_box, preprocessed_box, restore_labels, softmax_in_place
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.task import SegmentationTask
 from tfmis.utils.io import atomic_writer
+from tfmis.utils.memory import peak_rss_mb, reset_peak_rss
 from tfmis.utils.table import text_table
 
 
@@ -62,6 +65,7 @@ class CaseResult:
     dice: dict | None = None
     scores: dict | None = None  # the `score_columns` of a labelled case (regions, HD95, NSD when configured)
     region: str = ""  # a cascade: the box the fine stage saw
+    peak_rss_mb: float | None = None  # the process' peak resident memory while predicting this case
 
 
 def find_run_dir(checkpoint: str | Path) -> Path | None:
@@ -130,6 +134,10 @@ class Predictor:
         accelerator_memory_mb: optional budget for the whole-volume buffers on the accelerator,
             checked before allocating: a volume needing more goes to the CPU without being tried
             there. Useful to keep headroom on a shared GPU.
+        buffer_dtype: dtype of the sliding window's whole-volume sum buffer (and of the logits):
+            `float32` (the default: the label maps and probabilities of the whole-volume computation)
+            or `float16` (half that memory, probabilities rounded to about 1e-3: for large
+            preprocessed volumes, e.g. a training spacing near the scan's).
     """
 
     def __init__(
@@ -143,8 +151,11 @@ class Predictor:
         tta: bool = False,
         tta_axes=(0, 1, 2),
         accelerator_memory_mb: float | None = None,
+        buffer_dtype: str = "float32",
     ):
         self.config = config
+        self.buffer_dtype = check_buffer_dtype(buffer_dtype).name
+        self._logits_dtype = "float32"
         v = config.validation
         # preprocessing, channels and classes from the run folder (the TFRecords may be gone)
         self.index = load_training_data_info(find_run_dir(checkpoint), config.data.dataset_dir)
@@ -185,6 +196,7 @@ class Predictor:
 
     def _tta_logits(self, windows):
         total = None
+        windows = tf.cast(windows, tf.float32)  # the volume may be stored in float16
         for axes in self.tta_flips:
             x = tf.reverse(windows, axes) if axes else windows
             y = tf.cast(self.model(x, training=False), tf.float32)
@@ -193,7 +205,8 @@ class Predictor:
         return total / len(self.tta_flips)
 
     def _window_logits(self, volume: np.ndarray, device: str, sw_batch_size: int) -> np.ndarray:
-        """Blended logits with the volume and buffers on `device`; numpy, so the attempt is finished."""
+        """Blended logits with the volume and buffers on `device`; numpy, so the attempt is finished.
+        The sum buffer's dtype is `logits`'s `buffer_dtype` of the current call."""
         return sliding_window_inference(
             volume[None],
             self.roi_size,
@@ -203,55 +216,130 @@ class Predictor:
             mode=self.mode,
             sw_device=self.compute_device,
             device=device,
+            buffer_dtype=self._logits_dtype,
         )[0].numpy()
 
-    def logits(self, volume: np.ndarray, case_id: str = "") -> tuple[np.ndarray, str]:
-        """Blended logits (x, y, z, K) of a preprocessed volume (x, y, z, C), and where they were aggregated
-        (the `Placement` description, e.g. "gpu:0" or "cpu (fallback after out-of-memory)")."""
+    def logits(self, volume: np.ndarray, case_id: str = "", buffer_dtype: str = "float32") -> tuple[np.ndarray, str]:
+        """Blended logits (x, y, z, K) in `buffer_dtype` of a preprocessed volume (x, y, z, C), and where they were
+        aggregated (the `Placement` description, e.g. "gpu:0" or "cpu (fallback after out-of-memory)")."""
+        self._logits_dtype = check_buffer_dtype(buffer_dtype).name
         logits, placement = self.placement.run(
             lambda device, sw_batch_size: self._window_logits(volume, device, sw_batch_size),
             int(np.prod(volume.shape[:3])),
             case_id,
-            buffer_bytes=aggregation_bytes(volume.shape[:3], volume.shape[-1], len(self.class_names)),
+            buffer_bytes=aggregation_bytes(
+                volume.shape[:3], volume.shape[-1], len(self.class_names), buffer_dtype, volume.dtype
+            ),
         )
         return logits, str(placement)
 
-    def predict_array(self, image: np.ndarray, affine: np.ndarray, case_id: str = ""):
-        """(label map, probabilities (X, Y, Z, K), device) on the grid of `image` (X, Y, Z, C) / `affine`."""
+    def predict_array(
+        self,
+        image: np.ndarray,
+        affine: np.ndarray,
+        case_id: str = "",
+        roi=None,
+        probabilities: bool = True,
+    ) -> tuple[np.ndarray, np.ndarray | None, str]:
+        """Predicts one image: (label map, probabilities, device) on the grid of `image` / `affine`.
+
+        Args:
+            image: float32 (X, Y, Z, C) in the file's voxel order; `affine` its 4x4 affine.
+            case_id: names the case in the placement policy's events.
+            roi: None (the whole image), or a box ((x0, y0, z0), (x1, y1, z1)) in the voxel indices of
+                `image` (start inclusive, stop exclusive; clipped to the image), e.g. a coarse stage's
+                organ box plus a margin. The image is preprocessed whole (same grid and normalisation as
+                without `roi`), the sliding window runs only on the part of the preprocessed volume
+                that the box needs (grown to at least one window where the volume allows), and only
+                the box is resampled back: voxels outside it are background (label 0, background
+                probability 1). Inside the box the prediction equals the whole-image one except near
+                the box's faces, where the windows see less context.
+            probabilities: also return the (X, Y, Z, K) float32 probabilities (else None: faster and
+                smaller, the argmax is taken slab by slab).
+
+        Returns:
+            (uint8 label map (X, Y, Z), float32 probabilities (X, Y, Z, K) or None, device description).
+
+        Example:
+        ```python
+        coarse, _, _ = predictor.predict_array(image, affine, probabilities=False)
+        box = np.argwhere(coarse == 1)
+        labels, _, _ = fine.predict_array(image, affine, roi=(box.min(0) - 10, box.max(0) + 11), probabilities=False)
+        ```
+        """
+        if roi is None:
+            return self.predict_image([image], affine, case_id, probabilities)
         volume, _, geometry = preprocess(image, None, affine, self.preprocessing)
-        logits, device = self.logits(volume.astype(np.float32), case_id)
-        probabilities = _softmax(logits)
-        restored = restore_probabilities(probabilities, geometry)
-        return np.argmax(restored, axis=-1).astype(np.uint8), restored, device
+        return self._predict_preprocessed([volume], geometry, case_id, roi, probabilities)
+
+    def predict_image(
+        self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True
+    ) -> tuple[np.ndarray, np.ndarray | None, str]:
+        """`predict_array` of the whole image in `holder` ([image]), which is emptied as soon as the image is no
+        longer needed (only the preprocessed volume is held from then on). A cascade overrides this step."""
+        image = holder.pop()
+        volume, _, geometry = preprocess(image, None, affine, self.preprocessing)
+        del image
+        return self._predict_preprocessed([volume], geometry, case_id, None, probabilities)
+
+    def _predict_preprocessed(
+        self, holder: list, geometry, case_id: str, roi, probabilities: bool
+    ) -> tuple[np.ndarray, np.ndarray | None, str]:
+        """`predict_array` after the preprocessing; `holder` is [volume], emptied once the logits exist."""
+        volume = holder.pop()
+        box = None
+        region = (np.zeros(3, int), np.array(volume.shape[:3]))
+        if roi is not None:
+            shape = np.array(geometry.original_shape)
+            box = (np.clip(np.asarray(roi[0], int), 0, shape), np.clip(np.asarray(roi[1], int), 0, shape))
+            start, stop = crop_box(geometry)
+            region = preprocessed_box(
+                np.maximum(start, box[0]), np.minimum(stop, box[1]), geometry, volume.shape, min_size=self.roi_size
+            )
+        if region is None:  # the box holds no foreground of the preprocessing: all background
+            shape, classes = tuple(geometry.original_shape), len(self.class_names)
+            restored = np.zeros((*shape, classes), np.float32) if probabilities else None
+            if restored is not None:
+                restored[..., 0] = 1.0
+            return np.zeros(shape, np.uint8), restored, "-"
+        low, high = region
+        volume = volume[tuple(slice(a, b) for a, b in zip(low, high))]
+        logits, device = self.logits(volume, case_id, self.buffer_dtype)
+        del volume  # the preprocessed image is no longer needed
+        softmax_in_place(logits)
+        labels, restored = restore_labels(logits, geometry, offset=low, box=box, probabilities_out=probabilities)
+        return labels, restored, device
 
     def predict_file(self, case: InputCase, output_dir: str | Path, probabilities: bool = False) -> CaseResult:
-        """Predicts one NIfTI file and writes `<case_id>.nii.gz` (and `<case_id>_probabilities.nii.gz`)."""
+        """Predicts one NIfTI file and writes `<case_id>.nii.gz` (and `<case_id>_probabilities.nii.gz`).
+
+        The result's `peak_rss_mb` is the process' peak resident memory during the case (the kernel's
+        high-water mark, reset at the start of the case where Linux allows it, else since the start).
+        """
         start = time.perf_counter()
         output_dir = Path(output_dir)
+        reset_peak_rss()
         try:
             image, affine, _ = load_image(case.image, len(self.modalities), case.case_id)
             header = nib.load(str(case.image)).header
-            label_map, probs, device = self.predict_array(image, affine, case.case_id)
+            shape = tuple(image.shape[:3])
+            holder = [image]
+            del image  # predict_image lets it go once preprocessed
+            label_map, probs, device = self.predict_image(holder, affine, case.case_id, probabilities)
             out = output_dir / f"{case.case_id}.nii.gz"
             save_like(label_map, affine, header, out, np.uint8)
             if probabilities:
                 # NIfTI-1 has no float16: uint8 with a scale factor (readers get floats, step 1/255)
-                save_like(
-                    probs.astype(np.float32),
-                    affine,
-                    header,
-                    output_dir / f"{case.case_id}_probabilities.nii.gz",
-                    np.uint8,
-                )
-            result = CaseResult(
-                case.case_id, "ok", tuple(image.shape[:3]), 0.0, int((label_map > 0).sum()), device, str(out)
-            )
+                save_like(probs, affine, header, output_dir / f"{case.case_id}_probabilities.nii.gz", np.uint8)
+                del probs
+            result = CaseResult(case.case_id, "ok", shape, 0.0, int((label_map > 0).sum()), device, str(out))
             if case.label is not None:
                 result.dice, result.scores = self._dice(case, label_map, affine)
         except (CaseError, OSError, ValueError, MemoryError, tf.errors.OpError) as e:
             reason = e.reason if isinstance(e, CaseError) else f"{type(e).__name__}: {e}"
             result = CaseResult(case.case_id, "failed", reason=reason.splitlines()[0][:300])
         result.seconds = time.perf_counter() - start
+        result.peak_rss_mb = peak_rss_mb()
         return result
 
     def _dice(self, case: InputCase, prediction: np.ndarray, affine: np.ndarray) -> tuple[dict, dict]:
@@ -289,22 +377,13 @@ def score_columns(metrics) -> list[str]:
     return list(score_keys(metrics))
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    e = np.exp(shifted)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 def restore_probabilities(probabilities: np.ndarray, geometry) -> np.ndarray:
-    """Per-class probabilities back on the original grid (linear), background = 1 outside the crop."""
-    from tfmis.data.preprocess import restore_geometry
+    """Per-class probabilities back on the original grid (linear), background = 1 outside the crop.
 
+    One float32 (X, Y, Z, K) array, filled slab by slab (`tfmis.inference.restore.restore_labels`).
+    """
     g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
-    channels = [
-        restore_geometry(probabilities[..., k], g, order=1, cval=1.0 if k == 0 else 0.0)
-        for k in range(probabilities.shape[-1])
-    ]
-    return np.stack(channels, axis=-1)
+    return restore_labels(probabilities, g, probabilities_out=True)[1]
 
 
 def save_like(data: np.ndarray, affine: np.ndarray, header, path: Path, dtype) -> None:
@@ -378,15 +457,28 @@ def collect_inputs(
 
 
 def results_table(results: list[CaseResult]) -> str:
-    """A readable table: case, shape, seconds, foreground voxels, device, (a cascade's region,) status."""
+    """A readable table: case, shape, seconds, peak memory, foreground voxels, device, (a cascade's region,)
+    status."""
     cascade = any(r.region for r in results)
-    rows = [("case", "shape", "seconds", "foreground", "device", *(("fine stage on",) if cascade else ()), "status")]
+    rows = [
+        (
+            "case",
+            "shape",
+            "seconds",
+            "peak MiB",
+            "foreground",
+            "device",
+            *(("fine stage on",) if cascade else ()),
+            "status",
+        )
+    ]
     for r in results:
         rows.append(
             (
                 r.case_id,
                 "x".join(map(str, r.shape)) if r.shape else "-",
                 f"{r.seconds:.2f}",
+                f"{r.peak_rss_mb:.0f}" if r.peak_rss_mb is not None else "-",
                 str(r.foreground_voxels) if r.status == "ok" else "-",
                 r.device or "-",
                 *((r.region or "-",) if cascade else ()),
@@ -397,7 +489,7 @@ def results_table(results: list[CaseResult]) -> str:
 
 
 def write_csv(results: list[CaseResult], path: Path, class_names: list[str], extra_columns=()) -> None:
-    """predictions.csv: one row per case with timing, device and (when labels exist) Dice per class.
+    """predictions.csv: one row per case with timing, peak memory, device and (when labels exist) Dice per class.
 
     A class absent from a case's label has Dice `nan` (MONAI ignore_empty), is named in the
     `absent_from_label` column (`;`-separated) and is left out of `dice_mean`. `extra_columns`
@@ -417,6 +509,7 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str], ext
             "status",
             "shape",
             "seconds",
+            "peak_rss_mb",
             "foreground_voxels",
             "device",
             "output",
@@ -441,6 +534,7 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str], ext
                 r.status,
                 "x".join(map(str, r.shape)),
                 f"{r.seconds:.3f}",
+                f"{r.peak_rss_mb:.1f}" if r.peak_rss_mb is not None else "",
                 r.foreground_voxels,
                 r.device,
                 r.output,

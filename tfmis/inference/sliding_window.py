@@ -130,6 +130,7 @@ def sliding_window_inference(
     sw_device: str | None = None,
     device: str | None = None,
     progress: bool = False,
+    buffer_dtype: str = "float32",
 ) -> tf.Tensor:
     """Predicts a whole volume window by window and blends the overlapping predictions.
 
@@ -158,9 +159,13 @@ def sliding_window_inference(
             and numpy arrays usually sit in host memory even when the GPU is meant to do the work).
         progress: show progress over the predictor calls (`tfmis.utils.progress.progress_bar`: a
             bar on a terminal, plain lines in a log).
+        buffer_dtype: dtype of the whole-volume sum buffer and of the result: `float32` (default,
+            as MONAI) or `float16`, half the memory for B·X·Y·Z·K values. With float16 in host
+            memory, each window is divided by the (float32) sum of weights over its voxels before
+            it is added, so the buffer holds the mean itself (rounding about 1e-3 relative).
 
     Returns:
-        float32 tensor (B, X, Y, Z, K) on `device`.
+        tensor (B, X, Y, Z, K) in `buffer_dtype` (float32 by default) on `device`.
 
     Raises:
         ValueError: a bad argument (the message names it) or a predictor output of the wrong shape.
@@ -190,6 +195,7 @@ def sliding_window_inference(
         device,
         progress,
         on_host=aggregates_on_host(device),
+        buffer_dtype=buffer_dtype,
     )
 
 
@@ -207,6 +213,7 @@ def _infer(
     device,
     progress,
     on_host: bool,
+    buffer_dtype: str = "float32",
 ) -> tf.Tensor:
     """`sliding_window_inference` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`)."""
     if not hasattr(inputs, "shape"):
@@ -240,4 +247,5 @@ def _infer(
         progress,
         on_host=on_host,
         crop=crop,
+        buffer_dtype=buffer_dtype,
     )

@@ -1,0 +1,168 @@
+"""From blended logits on the preprocessed grid to a label map (and probabilities) on the original grid,
+with bounded memory.
+
+Whole-scan prediction used to hold several full-size float32 arrays at once: the logits, their
+softmax and its temporaries, K probability maps resampled to the original grid and their stack.
+Here the softmax is taken in place, a few slices at a time, in the logits' own buffer (float32 or
+float16), and the original grid is filled slab by slab (`SLAB_VOXELS` output voxels at a time): each
+slab reads only the part of the preprocessed grid it needs, resamples the K classes linearly
+(`scipy.ndimage.affine_transform`, order 1, edges clamped, as `restore_geometry`) and takes their
+argmax. Full-size memory is then the label map (uint8) plus, only when asked for, the probabilities.
+
+With float32 logits the label map and probabilities are those of the whole-volume computation
+(softmax, `restore_geometry` per class, argmax) but for rounding in the last bit of interpolation
+coordinates; float16 logits round the probabilities to about 1e-3.
+
+The logits may cover only a box of the preprocessed grid (`offset`), and only a box of the original
+grid may be filled (`box`, e.g. a cascade's region of interest): the rest is background.
+
+Example:
+```python
+softmax_in_place(logits)                                    # (x, y, z, K) → probabilities
+labels, _ = restore_labels(logits, geometry)                # uint8 on the original grid
+labels, probabilities = restore_labels(logits, geometry, probabilities=True)
+```
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import ndimage
+
+from tfmis.data.preprocess import Geometry, _crop_box_in_original_voxels
+
+SLAB_VOXELS = 2**23  # output voxels resampled at a time (K float32 slabs of 32 MiB)
+SOFTMAX_VOXELS = 2**22  # preprocessed voxels per in-place softmax chunk
+
+
+def softmax_in_place(logits: np.ndarray, chunk_voxels: int = SOFTMAX_VOXELS) -> np.ndarray:
+    """Softmax over the last axis of (x, y, z, K) logits, written over them, a few x-slices at a time.
+
+    The arithmetic is float32 whatever the buffer's dtype (exactly `e / e.sum()` with `e = exp(l - max l)`),
+    so float32 logits give the same bits as a whole-volume softmax without its K-channel temporaries.
+    """
+    per_slice = max(1, int(np.prod(logits.shape[1:-1])))
+    step = max(1, chunk_voxels // per_slice)
+    for first in range(0, logits.shape[0], step):
+        chunk = logits[first : first + step].astype(np.float32)
+        shifted = chunk - chunk.max(axis=-1, keepdims=True)
+        del chunk
+        e = np.exp(shifted, out=shifted)
+        logits[first : first + step] = e / e.sum(axis=-1, keepdims=True)
+    return logits
+
+
+def original_to_preprocessed(geometry) -> np.ndarray:
+    """4x4 matrix from original voxel indices to preprocessed voxel indices (as `restore_geometry`)."""
+    g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
+    matrix = np.linalg.inv(np.array(g.affine)) @ np.array(g.original_affine)
+    return np.round(matrix, 9)  # pure permutations/flips stay exact integers
+
+
+def crop_box(geometry) -> tuple[np.ndarray, np.ndarray]:
+    """(start, stop) of the preprocessing's foreground crop in original voxel indices: outside it is background."""
+    g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
+    return _crop_box_in_original_voxels(g)
+
+
+def preprocessed_box(
+    start, stop, geometry, shape, margin: int = 1, min_size=None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The box of the preprocessed grid (`shape`) that linear resampling of original voxels [start, stop)
+    reads, grown by `margin` voxels and, where the grid allows, to at least `min_size` (e.g. the sliding
+    window, so that no padding is needed); None if the two do not meet."""
+    start, stop = np.asarray(start), np.asarray(stop)
+    if np.any(stop <= start):
+        return None
+    matrix = original_to_preprocessed(geometry)
+    corners = np.array(np.meshgrid(*zip(start, stop - 1), indexing="ij")).reshape(3, -1)
+    points = matrix[:3, :3] @ corners + matrix[:3, 3:4]
+    shape = np.asarray(shape[:3])
+    low = np.maximum(np.floor(points.min(axis=1)).astype(int) - margin, 0)
+    high = np.minimum(np.ceil(points.max(axis=1)).astype(int) + 1 + margin, shape)
+    if np.any(high <= low):
+        return None
+    if min_size is not None:
+        for axis, size in enumerate(min_size):
+            missing = min(int(size), int(shape[axis])) - (high[axis] - low[axis])
+            if missing > 0:
+                low[axis] = max(0, low[axis] - missing // 2)
+                high[axis] = min(int(shape[axis]), low[axis] + int(size))
+                low[axis] = max(0, high[axis] - int(size))
+    return low, high
+
+
+def restore_labels(
+    probabilities: np.ndarray,
+    geometry,
+    offset=(0, 0, 0),
+    box: tuple | None = None,
+    probabilities_out: bool = False,
+    slab_voxels: int = SLAB_VOXELS,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Label map (and optionally probabilities) on the original grid from probabilities on the preprocessed grid.
+
+    Args:
+        probabilities: (x, y, z, K) float32 or float16 softmax on a box of the preprocessed grid
+            (e.g. after `softmax_in_place`); read, not changed.
+        geometry: the case's `Geometry` (or its dict).
+        offset: where `probabilities` starts on the preprocessed grid (its box's lower corner).
+        box: (start, stop) in original voxel indices to fill; default the whole preprocessing crop.
+            Only its part inside the crop is resampled; everything else is background.
+        probabilities_out: also return the (X, Y, Z, K) float32 probabilities on the original grid
+            (background 1 outside the filled part).
+        slab_voxels: output voxels resampled at a time (bounds the temporary memory).
+
+    Returns:
+        (uint8 label map of the original shape, float32 probabilities or None).
+    """
+    g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
+    shape = tuple(int(s) for s in g.original_shape)
+    classes = probabilities.shape[-1]
+    labels = np.zeros(shape, np.uint8)
+    restored = None
+    if probabilities_out:
+        restored = np.zeros((*shape, classes), np.float32)
+        restored[..., 0] = 1.0
+    start, stop = crop_box(g)
+    if box is not None:
+        start, stop = np.maximum(start, np.asarray(box[0])), np.minimum(stop, np.asarray(box[1]))
+    if np.any(stop <= start):
+        return labels, restored
+    matrix = original_to_preprocessed(g)
+    linear, translation = matrix[:3, :3], matrix[:3, 3] - np.asarray(offset)
+    source_shape = probabilities.shape[:3]
+    per_slice = int(np.prod(stop[1:] - start[1:]))
+    step = max(1, slab_voxels // per_slice)
+    for first in range(int(start[0]), int(stop[0]), step):
+        slab_start = np.array([first, start[1], start[2]])
+        slab_stop = np.array([min(first + step, int(stop[0])), stop[1], stop[2]])
+        read = preprocessed_box(slab_start, slab_stop, _shifted(g, offset), source_shape)
+        low, high = read if read is not None else (np.zeros(3, int), np.asarray(source_shape))
+        region = tuple(slice(a, b) for a, b in zip(low, high))
+        slab = []
+        for k in range(classes):
+            source = np.ascontiguousarray(probabilities[(*region, k)], dtype=np.float32)
+            slab.append(
+                ndimage.affine_transform(
+                    source,
+                    linear,
+                    linear @ slab_start + translation - low,
+                    output_shape=tuple(int(n) for n in slab_stop - slab_start),
+                    order=1,
+                    mode="nearest",
+                )
+            )
+        slab = np.stack(slab, axis=-1)
+        where = tuple(slice(a, b) for a, b in zip(slab_start, slab_stop))
+        labels[where] = np.argmax(slab, axis=-1)
+        if restored is not None:
+            restored[where] = slab
+    return labels, restored
+
+
+def _shifted(g: Geometry, offset) -> Geometry:
+    """`g` with its preprocessed grid starting at `offset` (a box of it)."""
+    affine = np.array(g.affine, dtype=np.float64)
+    affine[:3, 3] = affine[:3, :3] @ np.asarray(offset, dtype=np.float64) + affine[:3, 3]
+    return Geometry(**{**g.to_dict(), "affine": affine.tolist()})
