@@ -290,3 +290,53 @@ def test_restored_probabilities_take_the_nearest_edge_value_inside_the_crop_box(
     confident = np.stack([np.full(n, 0.2), np.full(n, 0.8)], axis=-1).astype(np.float32)
     argmax = np.argmax(restore_probabilities(confident, geo), axis=-1)
     assert dice(argmax, lab) == 1.0, dice(argmax, lab)
+
+
+# ---------------------------------------------------------------- memory-lean paths give the same numbers
+
+
+def test_resample_into_a_dtype_equals_resample_then_astype():
+    from tfmis.data.preprocess import resample
+
+    image = np.random.default_rng(1).normal(size=(21, 17, 37, 2)).astype(np.float32)
+    for scale, shape in (((0.7, 1.3, 0.45), (30, 13, 82)), ((1.0, 1.0, 1.0), (21, 17, 37))):
+        expected = resample(image, scale, shape, order=1).astype(np.float16)
+        out = resample(image, scale, shape, order=1, dtype="float16")
+        assert out.dtype == np.float16 and np.array_equal(out, expected)
+    out = resample(image[::-1, :, ::-1], (0.7, 1.3, 0.45), (30, 13, 82), order=1)  # a flipped view as input
+    assert np.array_equal(out, resample(np.ascontiguousarray(image[::-1, :, ::-1]), (0.7, 1.3, 0.45), (30, 13, 82), 1))
+
+
+def test_normalize_by_slabs_equals_the_whole_volume_formulas():
+    from tfmis.data.preprocess import NORMALIZE_SLICES, normalize
+
+    rng = np.random.default_rng(2)
+    depth = 2 * NORMALIZE_SLICES + 5  # a last, partial slab
+    image = rng.normal(40, 300, size=(9, 11, depth, 4)).astype(np.float32)[:, ::-1]  # a non-contiguous view
+    mask = rng.random((9, 11, depth)) > 0.3
+    window, mean_std = (-57.0, 164.0), (60.0, 30.0)
+    out = normalize(image, mask, ("ct", "ct_zscore", "zscore", "none"), window, mean_std)
+    x = [image[..., c] for c in range(4)]
+    np.testing.assert_array_equal(out[..., 0], (np.clip(x[0], *window) - window[0]) / (window[1] - window[0]))
+    np.testing.assert_array_equal(out[..., 1], (np.clip(x[1], *window) - 60.0) / 30.0)
+    values = x[2][mask]
+    y = (x[2] - float(values.mean())) / max(float(values.std()), 1e-8)
+    np.testing.assert_array_equal(out[..., 2], np.where(mask, y, 0.0))
+    np.testing.assert_array_equal(out[..., 3], x[3])
+
+
+def test_preprocess_leaves_its_input_alone():
+    image, label, affine = to_orientation(*ras_volume(), ("L", "P", "S"))
+    before = image.copy(), label.copy()
+    preprocess(image, label, affine, PreprocessConfig(spacing=(1.5, 1.5, 2.0)))
+    assert np.array_equal(image, before[0]) and np.array_equal(label, before[1])
+
+
+def test_class_voxels_equals_bincount_across_chunks():
+    from tfmis.data.fingerprint import class_voxels
+
+    label = np.random.default_rng(3).integers(0, 4, size=(13, 7, 5)).astype(np.uint8)
+    label[0, 0, 0] = 6  # a value beyond num_classes still counted, as bincount does
+    expected = np.bincount(label.ravel(), minlength=4)
+    for chunk in (1, 50, 455, 10_000):
+        assert class_voxels(label, 4, chunk=chunk).tolist() == expected.tolist()

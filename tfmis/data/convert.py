@@ -418,6 +418,9 @@ def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) 
                 on_case(cid, "warning: " + "; ".join(result["warnings"]))
             else:
                 on_case(cid, None)
+            # let this case's arrays go before the next one is read: with workers=1 the next case is
+            # preprocessed in this process while `result` and `payload` would still hold this one
+            del result, payload
     os.replace(tmp, final)
     record["records"] = len(record["cases"])
     record["bytes"] = final.stat().st_size

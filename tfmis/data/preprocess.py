@@ -25,6 +25,7 @@ import numpy as np
 from scipy import ndimage
 
 NORMALIZATIONS = ("zscore", "ct", "ct_zscore", "none")
+NORMALIZE_SLICES = 16  # slices per step of the voxel-wise normalisation (bounds its temporaries)
 CT_NORMALIZATIONS = ("ct", "ct_zscore")
 
 
@@ -140,7 +141,7 @@ def ras_spacing(affine: np.ndarray) -> np.ndarray:
 def reorient_to_ras(array: np.ndarray, affine: np.ndarray, copy: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Permutes/flips the first three axes of `array` to RAS; returns (array, new affine).
 
-    With `copy=False` the array is a view of the input (strided, no memory) where a permutation/flip allows.
+    With `copy=False` the array is a view of `array` (flipped/transposed strides, no memory).
     """
     ornt = nib.orientations.io_orientation(affine)
     transform = nib.orientations.ornt_transform(ornt, nib.orientations.axcodes2ornt("RAS"))
@@ -185,47 +186,57 @@ def label_box(mask: np.ndarray, spacing, margin_mm: float) -> tuple[np.ndarray, 
     return np.maximum(start - margin, 0), np.minimum(stop + margin, np.array(mask.shape))
 
 
-def resample(array: np.ndarray, scale: np.ndarray, out_shape, order: int) -> np.ndarray:
+def resample(array: np.ndarray, scale: np.ndarray, out_shape, order: int, dtype=None) -> np.ndarray:
     """Resamples the first three axes: output voxel j reads input coordinate (j + .5) * scale - .5.
 
     That convention keeps the volume's centre and extent; the identity scale copies exactly.
+    `dtype`: the result's dtype (default: the input's); the same values as `resample(...).astype(dtype)`,
+    but each channel is cast into the result as soon as it is interpolated, so no second full-size copy.
     """
     scale = np.asarray(scale, dtype=np.float64)
     out_shape = tuple(int(s) for s in out_shape)
+    dtype = np.dtype(dtype or array.dtype)
     if np.all(scale == 1) and out_shape == array.shape[:3]:
-        return array.copy()
+        return array.astype(dtype)  # always a copy
     offset = 0.5 * scale - 0.5
     if array.ndim == 3:
-        return ndimage.affine_transform(array, scale, offset, output_shape=out_shape, order=order, mode="nearest")
-    return np.stack([resample(array[..., c], scale, out_shape, order) for c in range(array.shape[-1])], axis=-1)
+        out = ndimage.affine_transform(array, scale, offset, output_shape=out_shape, order=order, mode="nearest")
+        return out.astype(dtype, copy=False)
+    out = np.empty((*out_shape, array.shape[-1]), dtype=dtype)
+    for c in range(array.shape[-1]):
+        out[..., c] = resample(array[..., c], scale, out_shape, order)
+    return out
 
 
 def normalize(
     image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...], ct_window, ct_mean_std=None
 ) -> np.ndarray:
-    """Per-channel intensity normalisation (float32 in, float32 out); see `PreprocessConfig.normalization`."""
-    out = np.empty_like(image, dtype=np.float32)
+    """Per-channel intensity normalisation (float32 in, float32 out); see `PreprocessConfig.normalization`.
+
+    The voxel-wise formulas run `NORMALIZE_SLICES` slices at a time (same values, temporaries of a slab
+    instead of the volume), so a real-size CT needs only its output beside its input.
+    """
+    out = np.empty(image.shape, dtype=np.float32)
     use = mask if mask.any() and not mask.all() else None
+    slabs = [slice(z, z + NORMALIZE_SLICES) for z in range(0, image.shape[2], NORMALIZE_SLICES)]
     for c, norm in enumerate(_per_channel(normalization, image.shape[-1])):
         x = image[..., c]
         if norm == "ct":  # in place in the output: no whole-volume temporaries
             lo, hi = ct_window
-            channel = out[..., c]
-            np.clip(x, lo, hi, out=channel)
-            np.subtract(channel, lo, out=channel)
-            np.divide(channel, hi - lo, out=channel)
+            for z in slabs:
+                out[:, :, z, c] = (np.clip(x[:, :, z], lo, hi) - lo) / (hi - lo)
         elif norm == "ct_zscore":  # the dataset's foreground statistics, not the case's (as nnU-Net)
             mean, std = ct_mean_std
-            out[..., c] = (np.clip(x, *ct_window) - mean) / max(std, 1e-8)
+            for z in slabs:
+                out[:, :, z, c] = (np.clip(x[:, :, z], *ct_window) - mean) / max(std, 1e-8)
         elif norm == "zscore":
             values = x[use] if use is not None else x
-            mean, std = float(values.mean()), float(values.std())
+            std = float(values.std())
+            mean = float(values.mean())
             del values
-            channel = out[..., c]  # in place in the output: no whole-volume temporaries
-            np.subtract(x, mean, out=channel)
-            np.divide(channel, max(std, 1e-8), out=channel)
-            if use is not None:
-                np.copyto(channel, 0.0, where=~use)
+            for z in slabs:
+                y = (x[:, :, z] - mean) / max(std, 1e-8)
+                out[:, :, z, c] = np.where(use[:, :, z], y, 0.0) if use is not None else y
         else:
             out[..., c] = x
     return out
@@ -245,16 +256,16 @@ def preprocess(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, 
     """
     affine = np.asarray(affine, dtype=np.float64)
     original_shape = image.shape[:3]
-    ras_image, ras_affine = reorient_to_ras(image, affine, copy=False)  # normalize() makes the copy
-    ras_label = reorient_to_ras(label, affine)[0] if label is not None else None
+    # views, not copies: the flips/permutation cost nothing until the normalised copy is made
+    ras_image, ras_affine = reorient_to_ras(image, affine, copy=False)
+    ras_label = reorient_to_ras(label, affine, copy=False)[0] if label is not None else None
 
     ras_shape = [int(n) for n in ras_image.shape[:3]]
     mask = foreground_mask(ras_image, config.normalization, config.ct_window)
     if config.crop_to_label_mm is not None and ras_label is not None and ras_label.any():
         start, stop = label_box(ras_label > 0, spacing_of(ras_affine), config.crop_to_label_mm)
     elif config.crop_foreground:
-        box_mask = mask | (ras_label > 0) if ras_label is not None else mask
-        start, stop = bounding_box(box_mask, config.crop_margin)
+        start, stop = bounding_box(mask | (ras_label > 0) if ras_label is not None else mask, config.crop_margin)
     else:
         start, stop = np.zeros(3, dtype=int), np.array(ras_image.shape[:3])
     crop = tuple(slice(a, b) for a, b in zip(start, stop))
@@ -273,8 +284,10 @@ def preprocess(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, 
         scale = np.array(config.spacing) / in_spacing
         scale = np.where(out_shape == in_shape, np.where(np.isclose(scale, 1, atol=1e-3), 1.0, scale), scale)
     normalized = normalize(ras_image, mask, config.normalization, config.ct_window, config.ct_mean_std)
-    out_image = resample(normalized, scale, out_shape, order=1).astype(config.image_dtype)
-    out_label = resample(ras_label, scale, out_shape, order=0).astype(np.uint8) if ras_label is not None else None
+    del mask
+    out_image = resample(normalized, scale, out_shape, order=1, dtype=config.image_dtype)
+    del normalized
+    out_label = resample(ras_label, scale, out_shape, order=0, dtype=np.uint8) if ras_label is not None else None
 
     step = np.eye(4)
     step[:3, :3] = np.diag(scale)
