@@ -101,9 +101,10 @@ def test_brats_sized_large_structures_get_one_low_resolution_stage():
 
 
 def test_ct_sized_small_organ_gets_a_cascade():
-    """Abdominal CT at 0.8 mm: a small organ (a few mm^3 thousands) in a box a fraction of the scan: a coarse stage
-    on the whole scan and a fine full-resolution stage on the labels' box + margin, sharing the time budget."""
-    fp = fingerprint([0.8, 0.8, 2.5], [480, 360, 240], [5e7, 2e5, 2e3], [120, 90, 80], labels=None, modality="MRI")
+    """Abdominal CT at 0.8 mm: a large organ and a small one (2 cm^3) in a box a fraction of the scan: a coarse stage
+    on the whole scan and a fine full-resolution stage on the labels' box + margin, sharing the time budget; the
+    small class is the fine stage's, the large one the coarse stage's."""
+    fp = fingerprint([0.8, 0.8, 2.5], [480, 360, 240], [5e7, 3e6, 2e3], [120, 90, 80], labels=None, modality="MRI")
     staged = plan_stages(fp, CPU, output_dir="runs/ct", dataset_dir="data/ct_tfrecords", max_minutes=10)
     assert staged.configuration == "cascade"
     (coarse_name, coarse), (fine_name, fine) = staged.stages
@@ -117,6 +118,11 @@ def test_ct_sized_small_organ_gets_a_cascade():
     assert coarse.values["training.epochs"] < fine.values["training.epochs"] * 2  # the budget is shared
     header = "\n".join(fine.header)
     assert "cascade" in header and "covers" in header
+    # the classes under 10 low-resolution voxels across are the fine stage's; the large ones stay the coarse one's
+    coarsest = max(coarse.values["data.conversion.spacing"])
+    across = [(6 * v / math.pi) ** (1 / 3) / coarsest for v in (3e6, 2e3)]  # the foreground classes
+    assert across[0] >= MIN_VOXELS_ACROSS > across[1]
+    assert fine.values["cascade.fine_classes"] == [2]
 
 
 def test_labels_filling_the_image_keep_full_resolution():
@@ -248,3 +254,25 @@ def test_predict_through_the_cascade_writes_labels_only_inside_the_region(cascad
         labels = nib.load(str(out / f"{row['case']}.nii.gz"))
         assert labels.shape == image.shape
         np.testing.assert_allclose(labels.affine, image.affine)
+
+
+def test_fine_classes_come_from_the_fine_stage_and_the_rest_from_the_coarse_stage(cascade_run):
+    """With `cascade.fine_classes`, the cascade's label map is the coarse stage's wherever neither stage says a
+    fine class, and a fine class appears only inside the fine stage's box."""
+    from tfmis.inference.cascade import make_predictor, region_of_interest
+
+    root, _, _ = cascade_run
+    config = load_config(root / "run" / "fullres" / "config.yaml")
+    config.cascade.fine_classes = [2]
+    predictor = make_predictor(config, root / "run" / "fullres")
+    img = nib.load(str(root / "ct" / "imagesTr" / "ct_000.nii.gz"))
+    image = np.asarray(img.dataobj, dtype=np.float32)[..., None]
+    labels = predictor.predict_array(image, img.affine, probabilities=False)[0]
+    coarse = predictor.coarse.predict_array(image, img.affine, probabilities=False)[0]
+    keep = (labels != 2) & (coarse != 2)
+    np.testing.assert_array_equal(labels[keep], coarse[keep])
+    box = region_of_interest(coarse > 0, img.affine, config.cascade.margin_mm)
+    outside = np.ones(labels.shape, bool)
+    if box is not None:
+        outside[box] = False
+    assert not (labels[outside] == 2).any()

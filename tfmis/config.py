@@ -272,10 +272,15 @@ class CascadeConfig:
 
     coarse_run: Optional[str] = None  # the coarse stage's run folder; null = not a cascade
     margin_mm: float = 20.0  # kept around the coarse stage's foreground box, per side
+    # the label values the fine stage decides (inside its box); the others come from the coarse stage, which draws
+    # large structures from more context than the fine patch holds; null = the fine stage decides every class
+    fine_classes: Optional[list[int]] = None
 
     def __post_init__(self):
         if self.margin_mm < 0:
             raise ValueError(f"margin_mm must be >= 0 mm, got {self.margin_mm}")
+        if self.fine_classes is not None and (not self.fine_classes or min(self.fine_classes) < 1):
+            raise ValueError(f"fine_classes: foreground label values (>= 1), or null for all, got {self.fine_classes}")
 
 
 @dataclasses.dataclass

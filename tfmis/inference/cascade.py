@@ -66,17 +66,22 @@ class CascadePredictor(Predictor):
             )
         self.coarse = coarse
         self.margin_mm = float(config.cascade.margin_mm)
+        fine = config.cascade.fine_classes
+        self.fine_classes = sorted(fine) if fine else None
+        if self.fine_classes and max(self.fine_classes) >= len(self.class_names):
+            raise ValueError(f"cascade.fine_classes {fine}: this run has labels 0..{len(self.class_names) - 1}")
         self.last_region = ""
 
     def predict_image(self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True):
         """(label map, probabilities (X, Y, Z, K) or None, device) of the image in `holder` ([image], emptied
         once the fine stage's box is cut): the coarse stage over the whole scan, the fine stage over the box around
-        what it found (cut from the original scan, so it is preprocessed as the fine stage's training crops)."""
+        what it found (cut from the original scan, so it is preprocessed as the fine stage's training crops). With
+        `cascade.fine_classes` the label map is the coarse stage's with those classes taken from the fine stage
+        (inside the box); the probabilities are the fine stage's inside the box either way."""
         image = holder.pop()
         shape = image.shape[:3]
         coarse_labels, _, coarse_device = self.coarse.predict_array(image, affine, case_id, probabilities=False)
         box = region_of_interest(coarse_labels > 0, affine, self.margin_mm)
-        del coarse_labels
         if box is None:
             self.last_region = "whole scan (the coarse stage found nothing)"
             return super().predict_image([image], affine, case_id, probabilities)
@@ -87,8 +92,16 @@ class CascadePredictor(Predictor):
         )
         share = float(np.prod(sub_labels.shape)) / float(np.prod(shape))
         self.last_region = f"box {'x'.join(str(s.stop - s.start) for s in box)} = {100 * share:.3g}% of the scan"
-        labels = np.zeros(shape, dtype=sub_labels.dtype)
-        labels[box] = sub_labels
+        if self.fine_classes is None:
+            labels = np.zeros(shape, dtype=sub_labels.dtype)
+            labels[box] = sub_labels
+        else:  # large structures from the coarse stage, the fine classes painted over them from the fine stage
+            labels = coarse_labels.astype(sub_labels.dtype)
+            labels[np.isin(labels, self.fine_classes)] = 0
+            inside = labels[box]
+            fine = np.isin(sub_labels, self.fine_classes)
+            inside[fine] = sub_labels[fine]
+        del coarse_labels
         full = None
         if sub_probabilities is not None:
             full = np.zeros((*shape, sub_probabilities.shape[-1]), dtype=sub_probabilities.dtype)

@@ -160,6 +160,7 @@ class StagePlanner:
                 max_minutes=self._minutes(1 - COARSE_SHARE),
                 **self.common,
             ).plan()
+            self.determine_fine_classes(fine, lowres)
             stages = [("lowres", self.plan_lowres(lowres, coarse_dir, COARSE_SHARE)), ("fullres", fine)]
         for i, (name, plan) in enumerate(stages):
             plan.header[1:1] = [f"Stage {i + 1} of {len(stages)} ({name}) of a {configuration} plan:"] + [
@@ -252,6 +253,32 @@ class StagePlanner:
                 f"{100 * patch_coverage(patch, shape):.3g}% of the median image {fmt_shape(shape)}"
             ),
         }
+
+    def determine_fine_classes(self, fine: Plan, lowres: dict) -> None:
+        """`cascade.fine_classes`: the classes under `MIN_VOXELS_ACROSS` low-resolution voxels across; the others the
+        coarse stage draws from the context of the whole scan (a fine patch holds a small piece of a large organ)."""
+        across = self.class_diameters_mm() / float(np.max(lowres["spacing"]))
+        fine_classes = [k + 1 for k, n in enumerate(across) if n < MIN_VOXELS_ACROSS]
+        if not fine_classes or len(fine_classes) == len(across):
+            return
+        names = ", ".join(f"{self.fp.labels[k + 1]} {n:.3g}" for k, n in enumerate(across))
+        fine.set(
+            "cascade.fine_classes",
+            fine_classes,
+            f"classes under {MIN_VOXELS_ACROSS:g} low-resolution voxels across come from this stage, the others from "
+            f"the coarse stage (voxels across: {names})",
+        )
+
+    def class_diameters_mm(self) -> np.ndarray:
+        """Per foreground class, the median over cases (where present) of its equivalent-sphere diameter in mm."""
+        fp = self.fp
+        if fp.class_volumes_mm3 is not None:
+            volumes = np.asarray(fp.class_volumes_mm3, dtype=np.float64)
+            medians = [float(np.median(v[v > 0])) if (v > 0).any() else 0.0 for v in volumes.T[1:]]
+        else:  # the total over the cases, per case, at the median spacing
+            per_case = np.asarray(fp.class_voxels[1:], dtype=np.float64) / max(fp.num_cases, 1)
+            medians = list(per_case * float(np.prod(fp.median_spacing)))
+        return np.array([equivalent_diameter_mm(v) for v in medians])
 
     def determine_smallest_structure(self) -> dict:
         """The foreground class with the smallest median per-case volume: {name, volume_mm3, diameter_mm}."""
