@@ -10,9 +10,9 @@ process each:
 - `cascade`: the coarse stage on the whole scan, the fine stage on the box around what it found
   (`tfmis.inference.cascade`);
 
-and prints seconds, peak resident memory (VmHWM, and over the process's resident memory once the models are
-loaded), the ratio of that growth to the scan's float32 size, the fine stage's region, and Dice per class against
-the label.
+and prints seconds, peak resident memory (VmHWM, and its growth over the process's resident memory once the models
+are loaded, the scan's reading included), the ratio of that growth to the scan's float32 size, the fine stage's
+region, and Dice per class against the label.
 
 Example:
     python benchmarks/cascade_inference.py --run runs/Task91_DemoCTFull \
@@ -55,13 +55,14 @@ def child(mode: str, run: str, image: str, label: str) -> None:
     if mode == "full":
         config.cascade.coarse_run = None
         predictor = Predictor(config, fine_dir, device="cpu")
+    baseline = _rss_mb("VmRSS")  # models loaded; the scan itself counts in the growth
     img = nib.load(image)
     scan = np.asarray(img.dataobj, dtype=np.float32)
     scan = scan[..., None] if scan.ndim == 3 else scan
-    baseline = _rss_mb("VmRSS")
     start = time.perf_counter()
     labels = predictor.predict_array(scan, img.affine, Path(image).name)[0]
     seconds = time.perf_counter() - start
+    peak = _rss_mb("VmHWM")  # of the prediction, before scoring it
     truth = np.rint(np.asarray(nib.load(label).dataobj)).astype(np.int64)
     dice = dice_per_class(labels, truth, len(predictor.class_names))
     print(
@@ -69,7 +70,7 @@ def child(mode: str, run: str, image: str, label: str) -> None:
             {
                 "mode": mode,
                 "seconds": seconds,
-                "peak_mb": _rss_mb("VmHWM"),
+                "peak_mb": peak,
                 "baseline_mb": baseline,
                 "scan_float32_mb": scan[..., 0].size * 4 / 2**20,
                 "shape": list(scan.shape[:3]),

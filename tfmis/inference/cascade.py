@@ -23,18 +23,36 @@ import numpy as np
 from tfmis.data.preprocess import label_box
 from tfmis.inference.predictor import Predictor, run_config
 
+MIN_COMPONENT_SHARE = 0.01  # coarse foreground specks below this share of it do not widen the region
 
-def region_of_interest(mask: np.ndarray, affine: np.ndarray, margin_mm: float) -> tuple[slice, ...] | None:
+
+def region_of_interest(
+    mask: np.ndarray, affine: np.ndarray, margin_mm: float, min_share: float = MIN_COMPONENT_SHARE
+) -> tuple[slice, ...] | None:
     """The box (slices on the file's voxel grid) around the True voxels of `mask` grown by `margin_mm` on each
-    side; None when `mask` is empty.
+    side; None when `mask` is empty. Connected pieces holding less than `min_share` of the True voxels are left out:
+    a coarse stage's specks at the scan's edge would otherwise stretch the box over the whole scan (seen on a
+    512x512x600 CT: three specks of 10-43 voxels at the first and last slices, against 2.5 million in the organs).
 
     Example:
         >>> m = np.zeros((40, 40, 20), bool); m[10:12, 20:30, 5] = True
         >>> region_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 10.0)
         (slice(5, 17, None), slice(15, 35, None), slice(3, 8, None))
+        >>> m[39, 39, 19] = True  # a speck: 1 of 21 voxels is under 10%
+        >>> region_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 10.0, min_share=0.1)
+        (slice(5, 17, None), slice(15, 35, None), slice(3, 8, None))
     """
     if not mask.any():
         return None
+    if min_share > 0:
+        from scipy import ndimage
+
+        pieces, count = ndimage.label(mask)
+        if count > 1:
+            sizes = np.bincount(pieces.ravel())[1:]
+            keep = np.flatnonzero(sizes >= min_share * sizes.sum()) + 1
+            mask = np.isin(pieces, keep)
+            del pieces
     spacing = np.linalg.norm(np.asarray(affine, dtype=np.float64)[:3, :3], axis=0)
     start, stop = label_box(mask, spacing, margin_mm)
     return tuple(slice(int(a), int(b)) for a, b in zip(start, stop))
