@@ -211,11 +211,14 @@ def write_report(out: Path, info: list[dict], runs: dict[int, dict], summaries: 
         ratios = [row[f"ratio_w{workers}"] for row in rows if f"ratio_w{workers}" in row]
         secs = [row[f"seconds_w{workers}"] for row in rows if f"seconds_w{workers}" in row]
         if ratios:
+            peaks = [row[f"peak_MB_w{workers}"] for row in rows if f"peak_MB_w{workers}" in row]
+            # with --workers 1 the cases run in the converting process and reset its VmHWM: its peak is theirs
+            process_peak = max([s["parent_peak_mb"], *peaks]) if workers == 1 else s["parent_peak_mb"]
             lines.append(
                 f"- workers {workers}: {s['records']} cases in {s['wall_seconds']} s wall "
                 f"({sum(secs):.0f} s of case work), target spacing {s['spacing']}; peak RSS over baseline "
                 f"{min(ratios):.2f}-{max(ratios):.2f} x the case's float32 size (median "
-                f"{sorted(ratios)[len(ratios) // 2]:.2f}); converting process peak {s['parent_peak_mb']:.0f} MB"
+                f"{sorted(ratios)[len(ratios) // 2]:.2f}); converting (main) process peak {process_peak:.0f} MB"
             )
     lines.append(
         f"- baseline: a fresh interpreter with the worker's imports (numpy, scipy, nibabel, tfmis.data.convert) "
@@ -233,25 +236,33 @@ def _plot(path: Path, rows: list[dict], workers: list[int]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for w, marker in zip(workers, "os^"):
+    fig, (ax_t, ax_m, ax_g) = plt.subplots(1, 3, figsize=(15, 4.4))
+    for w, (marker, colour) in zip(workers, [("o", "tab:blue"), ("s", "tab:orange"), ("^", "tab:green")]):
         pts = [r for r in rows if f"seconds_w{w}" in r]
         vox = [r["voxels_M"] for r in pts]
-        ax_t.plot(vox, [r[f"seconds_w{w}"] for r in pts], marker, label=f"--workers {w}")
-        ax_m.plot(vox, [r[f"peak_MB_w{w}"] for r in pts], marker, label=f"peak, --workers {w}")
-        ax_m.plot(vox, [r[f"baseline_MB_w{w}"] for r in pts], marker, mfc="none", alpha=0.5, label=f"baseline, w{w}")
+        ax_t.plot(vox, [r[f"seconds_w{w}"] for r in pts], marker, color=colour, label=f"--workers {w}")
+        ax_m.plot(vox, [r[f"peak_MB_w{w}"] for r in pts], marker, color=colour, label=f"peak, --workers {w}")
+        ax_m.plot(vox, [r[f"baseline_MB_w{w}"] for r in pts], marker, color=colour, mfc="none", alpha=0.6)
+        growth = [r[f"peak_MB_w{w}"] - r[f"baseline_MB_w{w}"] for r in pts]
+        ax_g.plot(vox, growth, marker, color=colour, label=f"--workers {w}")
     vox = sorted(r["voxels_M"] for r in rows)
     if vox:
-        base = min(r.get(f"baseline_MB_w{workers[-1]}", 0) for r in rows) if workers else 0
-        ax_m.plot(vox, [base + 4 * v * 4e6 / 2**20 for v in vox], "k--", lw=1, label="baseline + 4 x float32 case")
+        for k, style in ((4, "k--"), (1, "k:")):
+            ax_g.plot(vox, [k * v * 4e6 / 2**20 for v in vox], style, lw=1, label=f"{k} x the case's float32 size")
     ax_t.set(xlabel="voxels (millions)", ylabel="seconds per case (in its worker)", title="time per case")
-    ax_m.set(xlabel="voxels (millions)", ylabel="MB", title="peak RSS of the worker per case")
-    for ax in (ax_t, ax_m):
+    ax_m.set(
+        xlabel="voxels (millions)",
+        ylabel="MB",
+        title="peak RSS of the worker (filled) and its RSS before the case (open)",
+    )
+    ax_g.set(xlabel="voxels (millions)", ylabel="MB", title="peak RSS minus RSS before the case")
+    for ax in (ax_t, ax_m, ax_g):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("tfmis conversion of 512 x 512 x Z CT (int16, 1 channel)")
+    ax_m.title.set_fontsize(9)
+    fig.suptitle("tfmis conversion of 512 x 512 x Z CT (int16, 1 channel, to float16 at the median spacing)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 # ---------------------------------------------------------------- command line
@@ -271,6 +282,7 @@ def main(argv=None) -> int:
     p.add_argument("--data", type=Path, default=REPO / "data" / "Task91_ConversionSize", help="generated cases")
     p.add_argument("--output", type=Path, default=REPO / "runs" / "conversion_size")
     p.add_argument("--ct-window", type=float, nargs=2, default=(-160.0, 240.0), metavar=("LOW", "HIGH"))
+    p.add_argument("--report-only", action="store_true", help="redo the table and plot from --output's logs")
     p.add_argument("--run-one", type=int, default=None, help=argparse.SUPPRESS)  # internal: one conversion
     p.add_argument("--target", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -279,11 +291,20 @@ def main(argv=None) -> int:
 
     args.output.mkdir(parents=True, exist_ok=True)
     info = make_dataset(args.data, args.cases, args.slices, args.seed)
-    base = baseline_rss()
+    base_file = args.output / "baseline.json"
+    if args.report_only and base_file.is_file():
+        base = json.loads(base_file.read_text())
+    else:
+        base = baseline_rss()
+        base_file.write_text(json.dumps(base))
     print(f"baseline RSS: {base}", flush=True)
     runs, summaries = {}, {}
     for workers in args.workers:
         log = args.output / f"cases_w{workers}.jsonl"
+        if args.report_only:
+            runs[workers] = {r["case_id"]: r for r in map(json.loads, log.read_text().splitlines())}
+            summaries[workers] = json.loads(log.with_suffix(".summary.json").read_text())
+            continue
         log.unlink(missing_ok=True)
         env = {**os.environ, LOG_ENV: str(log), "PYTHONPATH": str(REPO)}
         command = [sys.executable, __file__, "--run-one", str(workers), "--data", str(args.data)]
@@ -292,6 +313,8 @@ def main(argv=None) -> int:
         subprocess.run(command, env=env, check=True, cwd=REPO)
         runs[workers] = {r["case_id"]: r for r in map(json.loads, log.read_text().splitlines())}
         summaries[workers] = json.loads(log.with_suffix(".summary.json").read_text())
+        print(write_report(args.output, info, runs, summaries, base), flush=True)
+    if args.report_only:
         print(write_report(args.output, info, runs, summaries, base), flush=True)
     return 0
 

@@ -340,3 +340,19 @@ def test_class_voxels_equals_bincount_across_chunks():
     expected = np.bincount(label.ravel(), minlength=4)
     for chunk in (1, 50, 455, 10_000):
         assert class_voxels(label, 4, chunk=chunk).tolist() == expected.tolist()
+
+
+def test_overwrite_image_gives_the_same_results():
+    for axcodes in (("R", "A", "S"), ("L", "P", "S"), ("A", "S", "L")):
+        image, label, affine = to_orientation(*ras_volume(channels=2), axcodes)
+        for config in (
+            PreprocessConfig(spacing=(1.5, 1.5, 2.0), normalization=("zscore", "ct"), ct_window=(20.0, 80.0)),
+            PreprocessConfig(reshape=(10, 9, 8), crop_margin=2, image_dtype="float32"),
+        ):
+            expected = preprocess(image, label, affine, config)
+            own = np.array(image, dtype=np.float32)  # a caller done with its image
+            result = preprocess(own, label, affine, config, overwrite_image=True)
+            assert np.array_equal(result[0], expected[0]) and np.array_equal(result[1], expected[1])
+            assert result[2] == expected[2]
+    with pytest.raises(ValueError, match="float32"):
+        preprocess(image.astype(np.float64), label, affine, config, overwrite_image=True)

@@ -250,7 +250,9 @@ def _process_case(task: tuple) -> dict:
     try:
         dataset = MSDDataset(source_dir)
         loaded = load_case(case, dataset)
-        image, label, geometry = preprocess(loaded.image, loaded.label, loaded.affine, prep)
+        # the raw intensities are sampled first: preprocess then normalises in the loaded image's own memory
+        intensity = fp.case_intensity(loaded.image, loaded.label)
+        image, label, geometry = preprocess(loaded.image, loaded.label, loaded.affine, prep, overwrite_image=True)
         warnings = []
         if label is not None and not (label > 0).any():
             warnings.append("label has no foreground voxels")
@@ -263,7 +265,7 @@ def _process_case(task: tuple) -> dict:
             "warnings": warnings,
             "disk_dtype": loaded.header_dtype,
             "fingerprint": fp.case_fingerprint(
-                loaded.image, loaded.label, ras_spacing(loaded.affine), geometry, label, dataset.num_classes
+                None, loaded.label, ras_spacing(loaded.affine), geometry, label, dataset.num_classes, intensity
             ),
         }
     except CaseError as e:

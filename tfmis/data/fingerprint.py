@@ -72,6 +72,11 @@ def intensity_stats(values: np.ndarray) -> list[dict]:
     return stats
 
 
+def case_intensity(image: np.ndarray, label: np.ndarray | None) -> list[dict]:
+    """A case's raw intensity statistics per channel, over a seeded sample of its labelled foreground."""
+    return intensity_stats(intensity_sample(image, label, 100_000, np.random.default_rng(0)))
+
+
 def case_fingerprint(
     image: np.ndarray,
     label: np.ndarray | None,
@@ -79,16 +84,19 @@ def case_fingerprint(
     geometry,
     out_label: np.ndarray | None,
     num_classes: int,
+    intensity: list[dict] | None = None,
 ) -> dict:
-    """The fingerprint entry of one case (raw `image`/`label`, preprocessed `out_label`)."""
-    rng = np.random.default_rng(0)
+    """The fingerprint entry of one case (raw `image`/`label`, preprocessed `out_label`).
+
+    `image` may be None when `intensity` (`case_intensity` of the raw image and label) is given.
+    """
     counts = class_voxels(out_label, num_classes) if out_label is not None else None
     return {
         "original_shape": [int(s) for s in geometry.original_shape],
         "original_spacing": [float(s) for s in original_spacing],
         "shape": list(geometry.shape),
         "spacing": list(geometry.spacing),
-        "intensity": intensity_stats(intensity_sample(image, label, 100_000, rng)),
+        "intensity": intensity if intensity is not None else case_intensity(image, label),
         "class_voxels": [int(c) for c in counts] if counts is not None else None,
         "label_extent_mm": label_extent_mm(out_label, geometry.spacing) if out_label is not None else None,
     }

@@ -217,7 +217,9 @@ def load_image(path: str | Path, num_channels: int, case_id: str) -> tuple[np.nd
             f"image has {raw.shape[-1]} channel(s) (shape {raw.shape}) but "
             f"{num_channels} are expected (one per modality)",
         )
-    image = raw.astype(np.float32)  # also converts big-endian to native order
+    # also converts big-endian to native order; C order (NIfTI data is Fortran-ordered) so that the
+    # crop, normalisation and resampling downstream read memory in the order they loop
+    image = raw.astype(np.float32, order="C")
     if not np.all(np.isfinite(image)):
         bad = int(np.size(image) - np.count_nonzero(np.isfinite(image)))
         raise CaseError(case_id, f"image contains {bad} NaN/Inf voxel(s)")
@@ -262,4 +264,4 @@ def _validate_label(case: Case, raw: np.ndarray, num_classes: int) -> np.ndarray
             f"label contains value(s) {undeclared} not declared in dataset.json 'labels' "
             f"(declared: 0..{num_classes - 1})",
         )
-    return raw.astype(np.uint8)
+    return raw.astype(np.uint8, order="C")

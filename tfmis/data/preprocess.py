@@ -209,14 +209,16 @@ def resample(array: np.ndarray, scale: np.ndarray, out_shape, order: int, dtype=
 
 
 def normalize(
-    image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...], ct_window, ct_mean_std=None
+    image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...], ct_window, ct_mean_std=None, out=None
 ) -> np.ndarray:
     """Per-channel intensity normalisation (float32 in, float32 out); see `PreprocessConfig.normalization`.
 
     The voxel-wise formulas run `NORMALIZE_SLICES` slices at a time (same values, temporaries of a slab
-    instead of the volume), so a real-size CT needs only its output beside its input.
+    instead of the volume), so a real-size CT needs only its output beside its input. `out`: a float32 array
+    of `image`'s shape to write into, which may be `image` itself (each channel's statistics are taken
+    before that channel is written).
     """
-    out = np.empty(image.shape, dtype=np.float32)
+    out = np.empty(image.shape, dtype=np.float32) if out is None else out
     use = mask if mask.any() and not mask.all() else None
     slabs = [slice(z, z + NORMALIZE_SLICES) for z in range(0, image.shape[2], NORMALIZE_SLICES)]
     for c, norm in enumerate(_per_channel(normalization, image.shape[-1])):
@@ -237,12 +239,18 @@ def normalize(
             for z in slabs:
                 y = (x[:, :, z] - mean) / max(std, 1e-8)
                 out[:, :, z, c] = np.where(use[:, :, z], y, 0.0) if use is not None else y
-        else:
+        elif out is not image:
             out[..., c] = x
     return out
 
 
-def preprocess(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, config: PreprocessConfig):
+def preprocess(
+    image: np.ndarray,
+    label: np.ndarray | None,
+    affine: np.ndarray,
+    config: PreprocessConfig,
+    overwrite_image: bool = False,
+):
     """Runs the whole deterministic chain on one case.
 
     Args:
@@ -250,6 +258,9 @@ def preprocess(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, 
         label: uint8 (X, Y, Z) or None.
         affine: the file's 4x4 affine.
         config: a `PreprocessConfig` with `spacing` or `reshape` set.
+        overwrite_image: normalise in `image`'s own memory (it is left holding the normalised values in its
+            foreground box) instead of a new array: the same results with one volume less at the peak, for a
+            caller that is done with `image` (the conversion worker).
 
     Returns:
         (image (x, y, z, C) in `config.image_dtype`, label (x, y, z) uint8 or None, `Geometry`).
@@ -283,7 +294,16 @@ def preprocess(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, 
         out_shape = np.maximum(np.round(in_shape * in_spacing / np.array(config.spacing)), 1).astype(int)
         scale = np.array(config.spacing) / in_spacing
         scale = np.where(out_shape == in_shape, np.where(np.isclose(scale, 1, atol=1e-3), 1.0, scale), scale)
-    normalized = normalize(ras_image, mask, config.normalization, config.ct_window, config.ct_mean_std)
+    if overwrite_image and image.dtype != np.float32:
+        raise ValueError(f"overwrite_image needs a float32 image, got {image.dtype}")
+    normalized = normalize(
+        ras_image,
+        mask,
+        config.normalization,
+        config.ct_window,
+        config.ct_mean_std,
+        out=ras_image if overwrite_image else None,
+    )
     del mask
     out_image = resample(normalized, scale, out_shape, order=1, dtype=config.image_dtype)
     del normalized
