@@ -18,7 +18,8 @@ peak RSS vs voxels) into `--output`. The conversion uses a fixed `--ct-window` (
 the dataset's median spacing, as `tfmis.convert` does by default.
 
 Example:
-    python benchmarks/conversion_size.py --cases 20 --output runs/conversion_size           # ~30 min on 2 cores
+    python benchmarks/conversion_size.py --cases 20 --output runs/conversion_size           # ~15 min on 2 cores
+    python benchmarks/conversion_size.py --cases 20 --output runs/conversion_size --report-only    # table + plot again
     python benchmarks/conversion_size.py --cases 3 --slices 100,200 --workers 1 --output /tmp/cs   # a quick look
 """
 
