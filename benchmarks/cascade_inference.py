@@ -60,7 +60,7 @@ def child(mode: str, run: str, image: str, label: str) -> None:
     scan = np.asarray(img.dataobj, dtype=np.float32)
     scan = scan[..., None] if scan.ndim == 3 else scan
     start = time.perf_counter()
-    labels = predictor.predict_array(scan, img.affine, Path(image).name)[0]
+    labels = predictor.predict_array(scan, img.affine, Path(image).name, probabilities=False)[0]  # as predict does
     seconds = time.perf_counter() - start
     peak = _rss_mb("VmHWM")  # of the prediction, before scoring it
     truth = np.rint(np.asarray(nib.load(label).dataobj)).astype(np.int64)

@@ -50,9 +50,10 @@ def region_of_interest(
         pieces, count = ndimage.label(mask)
         if count > 1:
             sizes = np.bincount(pieces.ravel())[1:]
-            keep = np.flatnonzero(sizes >= min_share * sizes.sum()) + 1
-            mask = np.isin(pieces, keep)
-            del pieces
+            kept = np.zeros(count + 1, dtype=bool)  # a lookup table: np.isin sorts, with int64 copies of the scan
+            kept[1:] = sizes >= min_share * sizes.sum()
+            mask = kept[pieces]
+        del pieces
     spacing = np.linalg.norm(np.asarray(affine, dtype=np.float64)[:3, :3], axis=0)
     start, stop = label_box(mask, spacing, margin_mm)
     return tuple(slice(int(a), int(b)) for a, b in zip(start, stop))
@@ -114,10 +115,12 @@ class CascadePredictor(Predictor):
             labels = np.zeros(shape, dtype=sub_labels.dtype)
             labels[box] = sub_labels
         else:  # large structures from the coarse stage, the fine classes painted over them from the fine stage
+            is_fine = np.zeros(256, dtype=bool)  # a lookup table on the uint8 labels (np.isin sorts a copy)
+            is_fine[self.fine_classes] = True
             labels = coarse_labels.astype(sub_labels.dtype)
-            labels[np.isin(labels, self.fine_classes)] = 0
+            labels[is_fine[labels]] = 0
             inside = labels[box]
-            fine = np.isin(sub_labels, self.fine_classes)
+            fine = is_fine[sub_labels]
             inside[fine] = sub_labels[fine]
         del coarse_labels
         full = None
