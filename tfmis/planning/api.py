@@ -73,17 +73,28 @@ def plan_dataset(
         workers: processes reading cases in a first pass (default: CPU count, at most 8).
         hardware: default `detect_hardware()`.
     """
+    fingerprint, hardware, plan_args = _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hardware)
+    return _with_cached_gpu_fit(
+        make_plan(fingerprint, hardware, **plan_args), fingerprint, hardware, plan_args
+    ), fingerprint
+
+
+def _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hardware) -> tuple:
+    """(fingerprint, hardware, the planner's folder arguments) with the default folders filled in."""
     target_dir = target_dir or default_dataset_dir(source_dir)
     output_dir = output_dir or default_output_dir(source_dir)
     fingerprint = dataset_fingerprint(source_dir, target_dir, workers, progress)
-    hardware = hardware or detect_hardware()
     plan_args = {"source_dir": str(source_dir), "dataset_dir": str(target_dir), "output_dir": str(output_dir)}
-    plan = make_plan(fingerprint, hardware, **plan_args)
-    if has_conversion(target_dir):
-        measured = plan_with_cached_gpu_fit(fingerprint, hardware, plan.config(), **plan_args)
+    return fingerprint, hardware or detect_hardware(), plan_args
+
+
+def _with_cached_gpu_fit(plan: Plan, fingerprint, hardware, plan_args: dict, **extra) -> Plan:
+    """`plan`, or the plan made again with the GPU-fit search's cached measurement when its dataset is converted."""
+    if has_conversion(plan_args["dataset_dir"]):
+        measured = plan_with_cached_gpu_fit(fingerprint, hardware, plan.config(), **extra, **plan_args)
         if measured is not None:
-            plan = measured[0]
-    return plan, fingerprint
+            return measured[0]
+    return plan
 
 
 def plan_dataset_stages(
@@ -104,16 +115,9 @@ def plan_dataset_stages(
         max_minutes: a training budget the stages share.
         configuration: force "fullres", "lowres" or "cascade".
     """
-    target_dir = target_dir or default_dataset_dir(source_dir)
-    output_dir = output_dir or default_output_dir(source_dir)
-    fingerprint = dataset_fingerprint(source_dir, target_dir, workers, progress)
-    hardware = hardware or detect_hardware()
-    plan_args = {"source_dir": str(source_dir), "dataset_dir": str(target_dir), "output_dir": str(output_dir)}
+    fingerprint, hardware, plan_args = _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hardware)
     staged = plan_stages(fingerprint, hardware, max_minutes=max_minutes, configuration=configuration, **plan_args)
-    if staged.configuration == "fullres" and has_conversion(target_dir):
-        measured = plan_with_cached_gpu_fit(
-            fingerprint, hardware, staged.final.config(), max_minutes=max_minutes, **plan_args
-        )
-        if measured is not None:
-            staged.stages = [("fullres", measured[0])]
+    if staged.configuration == "fullres":
+        fitted = _with_cached_gpu_fit(staged.final, fingerprint, hardware, plan_args, max_minutes=max_minutes)
+        staged.stages = [("fullres", fitted)]
     return staged, fingerprint
