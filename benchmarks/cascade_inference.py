@@ -45,6 +45,7 @@ def child(mode: str, run: str, image: str, label: str) -> None:
     import numpy as np
 
     from tfmis.config import load_config
+    from tfmis.data.msd import load_image
     from tfmis.inference.cascade import make_predictor
     from tfmis.inference.predictor import Predictor
     from tfmis.metrics.segmentation import dice_per_class
@@ -57,8 +58,7 @@ def child(mode: str, run: str, image: str, label: str) -> None:
         predictor = Predictor(config, fine_dir, device="cpu")
     baseline = _rss_mb("VmRSS")  # models loaded; the scan itself counts in the growth
     img = nib.load(image)
-    scan = np.asarray(img.dataobj, dtype=np.float32)
-    scan = scan[..., None] if scan.ndim == 3 else scan
+    scan = load_image(image, len(predictor.modalities), Path(image).name, integers=True)[0]  # as predict reads it
     start = time.perf_counter()
     labels = predictor.predict_array(scan, img.affine, Path(image).name, probabilities=False)[0]  # as predict does
     seconds = time.perf_counter() - start

@@ -258,7 +258,8 @@ def test_predict_through_the_cascade_writes_labels_only_inside_the_region(cascad
 
 def test_fine_classes_come_from_the_fine_stage_and_the_rest_from_the_coarse_stage(cascade_run):
     """With `cascade.fine_classes`, the cascade's label map is the coarse stage's wherever neither stage says a
-    fine class, and a fine class appears only inside the fine stage's box."""
+    fine class, and a fine class appears only inside the fine stage's box, which holds the coarse stage's
+    foreground (found on its own grid) and the margin."""
     from tfmis.inference.cascade import make_predictor, region_of_interest
 
     root, _, _ = cascade_run
@@ -271,8 +272,10 @@ def test_fine_classes_come_from_the_fine_stage_and_the_rest_from_the_coarse_stag
     coarse = predictor.coarse.predict_array(image, img.affine, probabilities=False)[0]
     keep = (labels != 2) & (coarse != 2)
     np.testing.assert_array_equal(labels[keep], coarse[keep])
-    box = region_of_interest(coarse > 0, img.affine, config.cascade.margin_mm)
+    box = predictor.last_box
+    assert box is not None, "the coarse stage found nothing on a training case"
     outside = np.ones(labels.shape, bool)
-    if box is not None:
-        outside[box] = False
+    outside[box] = False
     assert not (labels[outside] == 2).any()
+    tight = region_of_interest(coarse > 0, img.affine, config.cascade.margin_mm / 2)
+    assert all(b.start <= t.start and t.stop <= b.stop for b, t in zip(box, tight)), (box, tight)

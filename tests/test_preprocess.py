@@ -356,3 +356,35 @@ def test_overwrite_image_gives_the_same_results():
             assert result[2] == expected[2]
     with pytest.raises(ValueError, match="float32"):
         preprocess(image.astype(np.float64), label, affine, config, overwrite_image=True)
+
+
+@pytest.mark.parametrize("normalization", [("ct",), ("ct_zscore",), ("zscore",), ("none",)])
+def test_an_int16_image_preprocesses_as_its_float32_copy(normalization, tmp_path):
+    """A CT kept as the int16 it is stored in (`load_image(..., integers=True)`, from a real NIfTI) gives the same
+    bits as its float32 copy, for every normalisation, in an LPS voxel order with resampling."""
+    from tfmis.data.msd import load_image
+
+    rng = np.random.default_rng(4)
+    hu = rng.integers(-1024, 1500, (30, 26, 12)).astype(np.int16)
+    hu[:4] = -1024  # air, outside a CT's foreground
+    affine = np.diag([-0.8, -0.8, 2.5, 1.0])
+    nib.save(nib.Nifti1Image(hu, affine), tmp_path / "ct.nii.gz")
+    kept, read_affine, _ = load_image(tmp_path / "ct.nii.gz", 1, "ct", integers=True)
+    as_float, _, _ = load_image(tmp_path / "ct.nii.gz", 1, "ct")
+    assert kept.dtype == np.int16 and as_float.dtype == np.float32
+    np.testing.assert_array_equal(kept, as_float)
+    config = PreprocessConfig(
+        spacing=(1.3, 1.1, 2.0),
+        normalization=normalization,
+        ct_window=(-100.0, 300.0),
+        ct_mean_std=(80.0, 50.0),
+        image_dtype="float32",
+    )
+    a, _, ga = preprocess(kept, None, read_affine, config)
+    b, _, gb = preprocess(as_float, None, read_affine, config)
+    assert ga == gb
+    np.testing.assert_array_equal(a, b)
+    scaled = nib.Nifti1Image(hu, affine)
+    scaled.header.set_slope_inter(0.5, 10.0)  # a scale factor: the values are not the stored integers
+    nib.save(scaled, tmp_path / "scaled.nii.gz")
+    assert load_image(tmp_path / "scaled.nii.gz", 1, "ct", integers=True)[0].dtype == np.float32

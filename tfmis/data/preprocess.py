@@ -152,9 +152,10 @@ def reorient_to_ras(array: np.ndarray, affine: np.ndarray, copy: bool = True) ->
 
 def foreground_mask(image: np.ndarray, normalization: tuple[str, ...], ct_window) -> np.ndarray:
     """Non-background voxels: nonzero for MRI-like channels, above the window's low end for CT."""
-    mask = np.zeros(image.shape[:3], dtype=bool)
+    mask = None
     for c, norm in enumerate(_per_channel(normalization, image.shape[-1])):
-        mask |= image[..., c] > ct_window[0] if norm in CT_NORMALIZATIONS else image[..., c] != 0
+        channel = image[..., c] > ct_window[0] if norm in CT_NORMALIZATIONS else image[..., c] != 0
+        mask = channel if mask is None else np.logical_or(mask, channel, out=mask)
     return mask
 
 
@@ -211,7 +212,9 @@ def resample(array: np.ndarray, scale: np.ndarray, out_shape, order: int, dtype=
 def normalize(
     image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...], ct_window, ct_mean_std=None, out=None
 ) -> np.ndarray:
-    """Per-channel intensity normalisation (float32 in, float32 out); see `PreprocessConfig.normalization`.
+    """Per-channel intensity normalisation (float32 out); see `PreprocessConfig.normalization`. The image may also
+    hold integers (a CT's int16 read as it is stored): each slab is made float32 before any arithmetic, so the values
+    are those of the float32 image.
 
     The voxel-wise formulas run `NORMALIZE_SLICES` slices at a time (same values, temporaries of a slab
     instead of the volume), so a real-size CT needs only its output beside its input. `out`: a float32 array
@@ -226,22 +229,26 @@ def normalize(
         if norm == "ct":  # in place in the output: no whole-volume temporaries
             lo, hi = ct_window
             for z in slabs:
-                out[:, :, z, c] = (np.clip(x[:, :, z], lo, hi) - lo) / (hi - lo)
+                out[:, :, z, c] = (np.clip(_float32(x[:, :, z]), lo, hi) - lo) / (hi - lo)
         elif norm == "ct_zscore":  # the dataset's foreground statistics, not the case's (as nnU-Net)
             mean, std = ct_mean_std
             for z in slabs:
-                out[:, :, z, c] = (np.clip(x[:, :, z], *ct_window) - mean) / max(std, 1e-8)
+                out[:, :, z, c] = (np.clip(_float32(x[:, :, z]), *ct_window) - mean) / max(std, 1e-8)
         elif norm == "zscore":
-            values = x[use] if use is not None else x
+            values = _float32(x[use] if use is not None else x)
             std = float(values.std())
             mean = float(values.mean())
             del values
             for z in slabs:
-                y = (x[:, :, z] - mean) / max(std, 1e-8)
+                y = (_float32(x[:, :, z]) - mean) / max(std, 1e-8)
                 out[:, :, z, c] = np.where(use[:, :, z], y, 0.0) if use is not None else y
         elif out is not image:
             out[..., c] = x
     return out
+
+
+def _float32(array: np.ndarray) -> np.ndarray:
+    return array.astype(np.float32, copy=False)
 
 
 def preprocess(
@@ -254,7 +261,8 @@ def preprocess(
     """Runs the whole deterministic chain on one case.
 
     Args:
-        image: float32 (X, Y, Z, C) in file voxel order.
+        image: float32 (X, Y, Z, C) in file voxel order, or integers (`load_image(..., integers=True)`: the same
+            results from a half or a quarter of the memory).
         label: uint8 (X, Y, Z) or None.
         affine: the file's 4x4 affine.
         config: a `PreprocessConfig` with `spacing` or `reshape` set.
@@ -272,7 +280,8 @@ def preprocess(
     ras_label = reorient_to_ras(label, affine, copy=False)[0] if label is not None else None
 
     ras_shape = [int(n) for n in ras_image.shape[:3]]
-    mask = foreground_mask(ras_image, config.normalization, config.ct_window)
+    # on the file's memory order (a contiguous read, ~7x faster on a CT than through the flipped view), then a view
+    mask = reorient_to_ras(foreground_mask(image, config.normalization, config.ct_window), affine, copy=False)[0]
     if config.crop_to_label_mm is not None and ras_label is not None and ras_label.any():
         start, stop = label_box(ras_label > 0, spacing_of(ras_affine), config.crop_to_label_mm)
     elif config.crop_foreground:

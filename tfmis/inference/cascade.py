@@ -20,28 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data.preprocess import label_box
-from tfmis.inference.predictor import Predictor, run_config
+from tfmis.data.preprocess import bounding_box
+from tfmis.inference.predictor import GridPrediction, Predictor, run_config
+from tfmis.inference.restore import original_box
 
 MIN_COMPONENT_SHARE = 0.01  # coarse foreground specks below this share of it do not widen the region
 
 
-def region_of_interest(
-    mask: np.ndarray, affine: np.ndarray, margin_mm: float, min_share: float = MIN_COMPONENT_SHARE
-) -> tuple[slice, ...] | None:
-    """The box (slices on the file's voxel grid) around the True voxels of `mask` grown by `margin_mm` on each
-    side; None when `mask` is empty. Connected pieces holding less than `min_share` of the True voxels are left out:
-    a coarse stage's specks at the scan's edge would otherwise stretch the box over the whole scan (seen on a
-    512x512x600 CT: three specks of 10-43 voxels at the first and last slices, against 2.5 million in the organs).
-
-    Example:
-        >>> m = np.zeros((40, 40, 20), bool); m[10:12, 20:30, 5] = True
-        >>> region_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 10.0)
-        (slice(5, 17, None), slice(15, 35, None), slice(3, 8, None))
-        >>> m[39, 39, 19] = True  # a speck: 1 of 21 voxels is under 10%
-        >>> region_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 10.0, min_share=0.1)
-        (slice(5, 17, None), slice(15, 35, None), slice(3, 8, None))
-    """
+def main_box(mask: np.ndarray, min_share: float = MIN_COMPONENT_SHARE) -> tuple[np.ndarray, np.ndarray] | None:
+    """(start, stop) of the True voxels of `mask` without the connected pieces holding less than `min_share` of them;
+    None when `mask` is empty. A coarse stage's specks at the scan's edge would otherwise stretch the box over the
+    whole scan (seen on a 512x512x600 CT: three specks of 10-43 voxels at the first and last slices, against 2.5
+    million in the organs)."""
     if not mask.any():
         return None
     if min_share > 0:
@@ -54,9 +44,50 @@ def region_of_interest(
             kept[1:] = sizes >= min_share * sizes.sum()
             mask = kept[pieces]
         del pieces
+    return bounding_box(mask)
+
+
+def grow_box(start, stop, affine: np.ndarray, margin_mm: float, shape) -> tuple[slice, ...]:
+    """The box [start, stop) grown by `margin_mm` on each side (ceil(margin / spacing) voxels per axis of the grid
+    of `affine`), clipped to `shape`, as slices."""
     spacing = np.linalg.norm(np.asarray(affine, dtype=np.float64)[:3, :3], axis=0)
-    start, stop = label_box(mask, spacing, margin_mm)
+    margin = np.ceil(float(margin_mm) / spacing - 1e-9).astype(int)
+    start = np.maximum(np.asarray(start) - margin, 0)
+    stop = np.minimum(np.asarray(stop) + margin, np.asarray(shape[:3]))
     return tuple(slice(int(a), int(b)) for a, b in zip(start, stop))
+
+
+def region_of_interest(
+    mask: np.ndarray, affine: np.ndarray, margin_mm: float, min_share: float = MIN_COMPONENT_SHARE
+) -> tuple[slice, ...] | None:
+    """The box (slices on the grid of `mask` and `affine`) around the True voxels of `mask`, specks left out
+    (`main_box`), grown by `margin_mm` on each side; None when `mask` is empty.
+
+    Example:
+        >>> m = np.zeros((40, 40, 20), bool); m[10:12, 20:30, 5] = True
+        >>> region_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 10.0)
+        (slice(5, 17, None), slice(15, 35, None), slice(3, 8, None))
+        >>> m[39, 39, 19] = True  # a speck: 1 of 21 voxels is under 10%
+        >>> region_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 10.0, min_share=0.1)
+        (slice(5, 17, None), slice(15, 35, None), slice(3, 8, None))
+    """
+    found = main_box(mask, min_share)
+    return None if found is None else grow_box(*found, affine, margin_mm, mask.shape)
+
+
+def coarse_region(grid: GridPrediction, affine: np.ndarray, margin_mm: float) -> tuple[slice, ...] | None:
+    """The fine stage's box on the scan's grid (`affine`): the coarse stage's foreground found on its own grid
+    (`main_box` of the argmax, a few hundred times fewer voxels than the scan), mapped to the scan's voxels and grown
+    by `margin_mm`; None when the coarse stage found nothing."""
+    if grid.probabilities is None:
+        return None
+    foreground = np.argmax(grid.probabilities, axis=-1) > 0
+    found = main_box(foreground)
+    if found is None:
+        return None
+    offset = np.asarray(grid.offset)
+    start, stop = original_box(found[0] + offset, found[1] + offset, grid.geometry)
+    return grow_box(start, stop, affine, margin_mm, grid.geometry.original_shape)
 
 
 def crop_affine(affine: np.ndarray, box: tuple[slice, ...]) -> np.ndarray:
@@ -74,7 +105,8 @@ class CascadePredictor(Predictor):
         coarse: the coarse stage's `Predictor`.
         kwargs: `Predictor`'s (sliding-window settings, device, test-time augmentation), for both stages.
 
-    After each case, `last_region` describes what the fine stage saw (also in `CaseResult.region`).
+    After each case, `last_region` describes what the fine stage saw (also in `CaseResult.region`) and `last_box` is
+    that box (slices of the scan's grid; None for the whole scan).
     """
 
     def __init__(self, config, checkpoint, coarse: Predictor, **kwargs):
@@ -90,17 +122,22 @@ class CascadePredictor(Predictor):
         if self.fine_classes and max(self.fine_classes) >= len(self.class_names):
             raise ValueError(f"cascade.fine_classes {fine}: this run has labels 0..{len(self.class_names) - 1}")
         self.last_region = ""
+        self.last_box = None
 
     def predict_image(self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True):
         """(label map, probabilities (X, Y, Z, K) or None, device) of the image in `holder` ([image], emptied
         once the fine stage's box is cut): the coarse stage over the whole scan, the fine stage over the box around
         what it found (cut from the original scan, so it is preprocessed as the fine stage's training crops). With
         `cascade.fine_classes` the label map is the coarse stage's with those classes taken from the fine stage
-        (inside the box); the probabilities are the fine stage's inside the box either way."""
+        (inside the box); the probabilities are the fine stage's inside the box either way. The coarse stage's
+        labels are restored to the scan's grid only when `fine_classes` needs them."""
         image = holder.pop()
         shape = image.shape[:3]
-        coarse_labels, _, coarse_device = self.coarse.predict_array(image, affine, case_id, probabilities=False)
-        box = region_of_interest(coarse_labels > 0, affine, self.margin_mm)
+        grid = self.coarse.grid_prediction(image, affine, case_id)
+        coarse_device = grid.device
+        box = self.last_box = coarse_region(grid, affine, self.margin_mm)
+        coarse_labels = grid.restore()[0] if box is not None and self.fine_classes is not None else None
+        del grid
         if box is None:
             self.last_region = "whole scan (the coarse stage found nothing)"
             return super().predict_image([image], affine, case_id, probabilities)
@@ -117,7 +154,7 @@ class CascadePredictor(Predictor):
         else:  # large structures from the coarse stage, the fine classes painted over them from the fine stage
             is_fine = np.zeros(256, dtype=bool)  # a lookup table on the uint8 labels (np.isin sorts a copy)
             is_fine[self.fine_classes] = True
-            labels = coarse_labels.astype(sub_labels.dtype)
+            labels = coarse_labels.astype(sub_labels.dtype, copy=False)
             labels[is_fine[labels]] = 0
             inside = labels[box]
             fine = is_fine[sub_labels]

@@ -68,6 +68,35 @@ class CaseResult:
     peak_rss_mb: float | None = None  # the process' peak resident memory while predicting this case
 
 
+@dataclasses.dataclass
+class GridPrediction:
+    """A prediction on the preprocessed grid and how to map it back to the image's grid.
+
+    `probabilities` (x, y, z, K, the sliding window's buffer dtype) cover the preprocessed grid from `offset`; None
+    when the requested box holds no foreground (all background). `box`: the (start, stop) original voxels to fill,
+    None for the whole preprocessing crop.
+    """
+
+    probabilities: np.ndarray | None
+    geometry: Geometry
+    offset: np.ndarray
+    box: tuple | None
+    classes: int
+    device: str
+
+    def restore(self, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """(uint8 label map, float32 (X, Y, Z, K) probabilities or None) on the original grid."""
+        if self.probabilities is None:
+            shape = tuple(self.geometry.original_shape)
+            restored = np.zeros((*shape, self.classes), np.float32) if probabilities else None
+            if restored is not None:
+                restored[..., 0] = 1.0
+            return np.zeros(shape, np.uint8), restored
+        return restore_labels(
+            self.probabilities, self.geometry, offset=self.offset, box=self.box, probabilities_out=probabilities
+        )
+
+
 def find_run_dir(checkpoint: str | Path) -> Path | None:
     """The training run folder (the one holding config.yaml) of a run folder, its best weights or a checkpoint."""
     path = Path(checkpoint)
@@ -244,7 +273,8 @@ class Predictor:
         """Predicts one image: (label map, probabilities, device) on the grid of `image` / `affine`.
 
         Args:
-            image: float32 (X, Y, Z, C) in the file's voxel order; `affine` its 4x4 affine.
+            image: (X, Y, Z, C) in the file's voxel order, float32 or integers (`load_image(..., integers=True)`);
+                `affine` its 4x4 affine.
             case_id: names the case in the placement policy's events.
             roi: None (the whole image), or a box ((x0, y0, z0), (x1, y1, z1)) in the voxel indices of
                 `image` (start inclusive, stop exclusive; clipped to the image), e.g. a coarse stage's
@@ -286,6 +316,17 @@ class Predictor:
         self, holder: list, geometry, case_id: str, roi, probabilities: bool
     ) -> tuple[np.ndarray, np.ndarray | None, str]:
         """`predict_array` after the preprocessing; `holder` is [volume], emptied once the logits exist."""
+        grid = self._grid_prediction(holder, geometry, case_id, roi)
+        return (*grid.restore(probabilities), grid.device)
+
+    def grid_prediction(self, image: np.ndarray, affine: np.ndarray, case_id: str = "") -> GridPrediction:
+        """The softmax of the whole `image` on the preprocessed grid, before `predict_array` maps it back to the
+        image's grid: for a caller that needs less than every voxel (a cascade's coarse stage finds its region on
+        this grid and restores labels only when it needs them). `image` is left as it is."""
+        volume, _, geometry = preprocess(image, None, affine, self.preprocessing)
+        return self._grid_prediction([volume], geometry, case_id, None)
+
+    def _grid_prediction(self, holder: list, geometry, case_id: str, roi) -> GridPrediction:
         volume = holder.pop()
         box = None
         region = (np.zeros(3, int), np.array(volume.shape[:3]))
@@ -297,18 +338,13 @@ class Predictor:
                 np.maximum(start, box[0]), np.minimum(stop, box[1]), geometry, volume.shape, min_size=self.roi_size
             )
         if region is None:  # the box holds no foreground of the preprocessing: all background
-            shape, classes = tuple(geometry.original_shape), len(self.class_names)
-            restored = np.zeros((*shape, classes), np.float32) if probabilities else None
-            if restored is not None:
-                restored[..., 0] = 1.0
-            return np.zeros(shape, np.uint8), restored, "-"
+            return GridPrediction(None, geometry, np.zeros(3, int), box, len(self.class_names), "-")
         low, high = region
         volume = volume[tuple(slice(a, b) for a, b in zip(low, high))]
         logits, device = self.logits(volume, case_id, self.buffer_dtype)
         del volume  # the preprocessed image is no longer needed
         softmax_in_place(logits)
-        labels, restored = restore_labels(logits, geometry, offset=low, box=box, probabilities_out=probabilities)
-        return labels, restored, device
+        return GridPrediction(logits, geometry, low, box, len(self.class_names), device)
 
     def predict_file(self, case: InputCase, output_dir: str | Path, probabilities: bool = False) -> CaseResult:
         """Predicts one NIfTI file and writes `<case_id>.nii.gz` (and `<case_id>_probabilities.nii.gz`).
@@ -320,7 +356,7 @@ class Predictor:
         output_dir = Path(output_dir)
         reset_peak_rss()
         try:
-            image, affine, _ = load_image(case.image, len(self.modalities), case.case_id)
+            image, affine, _ = load_image(case.image, len(self.modalities), case.case_id, integers=True)
             header = nib.load(str(case.image)).header
             shape = tuple(image.shape[:3])
             holder = [image]
