@@ -48,6 +48,7 @@ BEST_WEIGHTS = "best.weights.h5"
 # an epoch's outputs before its checkpoint commits them (see Trainer._commit_epoch)
 STAGED_EPOCH = "epoch.staged.json"
 STAGED_BEST = "best.staged.weights.h5"
+STAGED_BEST_TMP = "best.tmp.weights.h5"  # being written; renamed to STAGED_BEST when complete
 # A step whose gradient holds NaN/Inf is skipped. In float32/bfloat16 that is an outlier batch; this many in a
 # row means the loss or the model is broken (under mixed_float16 the loss scaler would have lowered its scale
 # 2^20-fold by then, far past any float16 overflow), and so does an epoch in which every step was skipped.
@@ -391,8 +392,12 @@ class Trainer:
             return
         self._discard_staged()
         if improved:  # fit() checked the weights are finite right after the epoch's steps
-            tmp = self.out / "best.tmp.weights.h5"  # Keras wants the .weights.h5 suffix; rename is atomic
-            self.model.save_weights(str(tmp))
+            tmp = self.out / STAGED_BEST_TMP  # Keras wants the .weights.h5 suffix; rename is atomic
+            try:
+                self.model.save_weights(str(tmp))
+            except BaseException:  # a full disk (h5py's RuntimeError) or a kill: no half-written file stays
+                tmp.unlink(missing_ok=True)
+                raise
             os.replace(tmp, self.out / STAGED_BEST)
         atomic_write_json(self.out / STAGED_EPOCH, record)
         self.manager.save(checkpoint_number=record["epoch"])
@@ -407,7 +412,7 @@ class Trainer:
         (self.out / STAGED_EPOCH).unlink(missing_ok=True)
 
     def _discard_staged(self) -> None:
-        for name in (STAGED_EPOCH, STAGED_BEST):
+        for name in (STAGED_EPOCH, STAGED_BEST, STAGED_BEST_TMP):
             (self.out / name).unlink(missing_ok=True)
 
     def fit(self, resume: bool = False) -> dict:
