@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_msd_dataset
+from conftest import TINY_TRAINING, make_msd_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
@@ -162,6 +162,30 @@ def test_convert_on_a_full_disk_exits_1_removes_the_half_written_shard_and_resum
     result = run(*args)
     assert result.returncode == 0, result.stderr
     assert len(json.loads((target / "index.json").read_text())["cases"]) == 3
+
+
+def test_train_on_a_full_disk_at_the_epoch_commit_exits_1_and_leaves_no_temp_weights(
+    tmp_path, full_disk, converted_dataset
+):
+    """The run folder's disk fills before epoch 1's best weights are written (h5py would crash on a full disk, so
+    the space is checked first): exit 1, the last stderr line names best.tmp.weights.h5 and the fix (--resume),
+    no traceback, and no `*.tmp*` file stays in the run folder."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text("{}\n")
+    out = full_disk.mount / "run"
+    full_disk.fill(free_bytes=16 * 1024)  # config.yaml and training_data.json fit; the weights do not
+    overrides = [*TINY_TRAINING, f"data.dataset_dir={converted_dataset}", f"output.dir={out}"]
+    overrides += ["training.epochs=1", "training.steps_per_epoch=1"]
+    result = run("tfmis.train", "--config", config, *sets(*overrides), timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"error: disk full writing {out / 'best.tmp.weights.h5'}: free space and rerun with --resume (it continues "
+        "from the last committed epoch)"
+    ]
+    assert result.stderr.strip().splitlines()[-1] == errors[0]
+    assert temp_files(out) == []
 
 
 # ---------------------------------------------------------------------------------------------- configs
