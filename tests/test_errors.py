@@ -306,3 +306,30 @@ def test_launch_of_a_missing_program_exits_2_naming_it(tmp_path):
     result = run("tfmis.launch", "--nproc", "1", "--", script, timeout=60)
     assert result.returncode == 2, result.stderr
     assert one_line(result) == f"error: program '{script}' after -- is not an executable file: check the command"
+
+
+# ---------------------------------------------------------------------------------------------- the one line
+
+
+def test_os_error_line_names_the_file_and_the_fix(tmp_path):
+    """tfmis.utils.cli.os_error_line, which every command's edge uses: a full disk (ENOSPC, EFBIG, or a
+    library's text), a file in the way of a folder, a permission problem, a missing file."""
+    import errno
+
+    from tfmis.utils.cli import is_disk_full, os_error_line
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "a.tmp"))
+    assert os_error_line(full, rerun="rerun with --resume") == (
+        f"disk full writing {tmp_path / 'a.tmp'}: free space and rerun with --resume"
+    )
+    assert os_error_line(OSError(errno.EFBIG, "File too large"), writing="x.h5").startswith("disk full writing x.h5")
+    assert is_disk_full(RuntimeError("file write failed: errno = 28, error message = 'No space left on device'"))
+    assert not is_disk_full(RuntimeError("OOM when allocating tensor"))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    error = NotADirectoryError(errno.ENOTDIR, "Not a directory", str(blocker / "sub" / ".progress"))
+    assert os_error_line(error) == f"{blocker} is a file, not a folder: remove it or give another folder"
+    denied = PermissionError(errno.EACCES, "Permission denied", "/root/x")
+    assert os_error_line(denied) == "/root/x: permission denied: change its permissions or choose another path"
+    missing = FileNotFoundError(errno.ENOENT, "No such file or directory", "ckpt")
+    assert os_error_line(missing) == "ckpt: not found: check the path"

@@ -19,6 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from tfmis.utils.cli import os_error_line
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tfmis.tune", description=__doc__.split("\n\n")[0])
@@ -185,6 +187,9 @@ def fit_command(args) -> int:
     except (NoConfigurationFits, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # the output is a file, unwritable, or the disk is full
+        print(f"error: {os_error_line(e, output)}", file=sys.stderr)
+        return 1
     print(
         f"Results in {output}: {CONFIG_FILE} (train with it: python -m tfmis.train --config {output / CONFIG_FILE}), "
         f"{REPORT_FILE}, {PLOT_FILE}"
@@ -238,6 +243,9 @@ def hpo_command(args) -> int:
         return 2
     except (SearchFailed, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the output is a file, unwritable, or the disk is full
+        print(f"error: {os_error_line(e, output, 'rerun the same command (it resumes)')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"\ninterrupted: rerun the same command to resume the search in {output}", file=sys.stderr)
