@@ -61,13 +61,14 @@ def main(argv=None) -> int:
     if parsed is None:
         return 2
     args, command = parsed
-    problem = check_command(command)
     if args.nproc < 1:
         problem = f"--nproc must be >= 1 (worker processes on this machine), got {args.nproc}"
     elif args.gpus_per_worker is not None and args.gpus_per_worker < 0:
         problem = f"--gpus-per-worker must be >= 0 (0 = leave the GPUs as they are), got {args.gpus_per_worker}"
     elif args.grace_seconds < 0:
         problem = f"--grace-seconds must be >= 0, got {args.grace_seconds}"
+    else:
+        problem = check_command(command)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

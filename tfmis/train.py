@@ -175,7 +175,7 @@ def _train(config, backend, args, planned: dict | None) -> int:
         left = _remove_temp_files(config)
         print(f"error: {os_error_line(e, left[0] if left else config.output.dir, RERUN)}", file=sys.stderr)
         return 1
-    except (RuntimeError, tf.errors.ResourceExhaustedError) as e:  # h5py and TensorFlow wrap a full disk so
+    except (RuntimeError, tf.errors.ResourceExhaustedError) as e:  # how h5py and TensorFlow report a full disk
         if not is_disk_full(e):
             raise
         left = _remove_temp_files(config)
