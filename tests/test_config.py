@@ -64,6 +64,16 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
         ),
         ("pipeline.cache=/scratch/cache/demo", r"pipeline.cache: '/scratch/cache/demo' is not one of"),
         ("pipeline.cache=file", r"pipeline.cache is 'file' but pipeline.cache_dir is not set"),
+        ("optimizer.learning_rate=-0.001", r"optimizer.learning_rate must be a number > 0 \(e.g. 0.001\), got -0.001"),
+        ("optimizer.learning_rate=0", r"optimizer.learning_rate must be a number > 0"),
+        ("optimizer.learning_rate=.nan", r"optimizer.learning_rate must be a number > 0"),
+        ("optimizer.weight_decay=-1e-5", r"optimizer.weight_decay must be a number >= 0 \(0 = off\)"),
+        ("optimizer.beta_2=1.0", r"optimizer.beta_2 must be in \[0, 1\)"),
+        ("optimizer.momentum=-0.9", r"optimizer.momentum must be in \[0, 1\)"),
+        ("optimizer.warmup_epochs=-1", r"optimizer.warmup_epochs must be a number >= 0"),
+        ("optimizer.min_learning_rate=-1e-6", r"optimizer.min_learning_rate must be a number >= 0"),
+        ("optimizer.clipnorm=0", r"optimizer.clipnorm must be > 0 \(or null = no clipping\)"),
+        ("optimizer.power=0", r"optimizer.power must be > 0"),
     ],
 )
 def test_wrong_values_name_the_key(override, message):

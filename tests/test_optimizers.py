@@ -165,10 +165,24 @@ def test_excluded_variables_get_no_weight_decay():
     assert_close([variables[1]], [plain[1]])
 
 
-def test_novograd_rejects_invalid_hyperparameters():
-    for bad in (dict(beta_1=1.0), dict(beta_2=-0.1), dict(epsilon=-1.0), dict(weight_decay=-1e-3)):
-        with pytest.raises(ValueError):
-            Novograd(**bad)
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        (dict(learning_rate=-0.01), "learning_rate"),
+        (dict(learning_rate=0.0), "learning_rate"),
+        (dict(learning_rate=float("nan")), "learning_rate"),
+        (dict(beta_1=1.0), "beta_1"),
+        (dict(beta_2=-0.1), "beta_2"),
+        (dict(epsilon=-1.0), "epsilon"),
+        (dict(weight_decay=-1e-3), "weight_decay"),
+        (dict(weight_decay=float("inf")), "weight_decay"),
+    ],
+)
+def test_novograd_rejects_invalid_hyperparameters_naming_the_key(bad, key):
+    """A negative or zero learning rate, betas outside [0, 1), a negative epsilon or weight decay: a ValueError
+    naming the argument and the value."""
+    with pytest.raises(ValueError, match=rf"Novograd: {key} must be .*, got {bad[key]}"):
+        Novograd(**bad)
 
 
 def test_novograd_config_round_trip():

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from tfmis.hardware import detect_hardware
 from tfmis.profiling.comparison import ARMS, PNGS, arm_stats, compare, plot_all, read_history, render_markdown
+from tfmis.utils.cli import os_error_line
 from tfmis.utils.io import atomic_write_json, atomic_writer
 
 DEFAULT_OUTPUT = "runs/benchmark"
@@ -442,6 +443,9 @@ def main(argv=None) -> int:
         return 2
     except (FileNotFoundError, KeyError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the output is a file, unwritable, or the disk is full
+        print(f"error: {os_error_line(e, args.output)}", file=sys.stderr)
         return 1
     print(render_markdown(result))
     print(

@@ -467,9 +467,19 @@ def read_yaml(path: str | Path, kind: str = "config"):
     if not path.is_file():
         raise ConfigError(f"{kind} file {path} does not exist")
     try:
-        return yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start : e.start + 1]!r} at offset {e.start}): save the "
+            f"{kind} file as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the {kind} file ({e.strerror or e})") from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})") from e
+        detail = " ".join(str(e).split())  # one line: PyYAML's message spans several
+        raise ConfigError(f"{path}: not valid YAML ({detail})") from e
 
 
 def load_config(path: str | Path | None = None, overrides=()) -> Config:
@@ -561,6 +571,7 @@ def validate(config: Config) -> None:
             f"pass over it, e.g. 0.2), got {p.replace_rate}"
         )
     o = config.optimizer
+    _validate_optimizer(o)
     if o.lr_reference_batch is not None and o.lr_reference_batch < 1:
         raise ConfigError(
             f"optimizer.lr_reference_batch must be a batch size >= 1 (or null), got {o.lr_reference_batch}"
@@ -579,6 +590,33 @@ def validate(config: Config) -> None:
     if config.validation.roi_size is not None and len(config.validation.roi_size) != 3:
         raise ConfigError(f"validation.roi_size: expected three sizes, got {config.validation.roi_size}")
     _validate_surface_and_regions(config.validation)
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
+    """Hyperparameters no optimizer can use (a negative learning rate trains uphill): named with the fix."""
+    import math
+
+    def finite(x) -> bool:
+        return isinstance(x, (int, float)) and math.isfinite(x)
+
+    if not (finite(o.learning_rate) and o.learning_rate > 0):
+        raise ConfigError(f"optimizer.learning_rate must be a number > 0 (e.g. 0.001), got {o.learning_rate}")
+    for key, hint in (
+        ("min_learning_rate", "where the schedule ends"),
+        ("weight_decay", "0 = off"),
+        ("warmup_epochs", "0 = no warm-up"),
+    ):
+        value = getattr(o, key)
+        if not (finite(value) and value >= 0):
+            raise ConfigError(f"optimizer.{key} must be a number >= 0 ({hint}), got {value}")
+    for key in ("momentum", "beta_1", "beta_2"):
+        value = getattr(o, key)
+        if not (finite(value) and 0 <= value < 1):
+            raise ConfigError(f"optimizer.{key} must be in [0, 1) (e.g. 0.9), got {value}")
+    if not (finite(o.power) and o.power > 0):
+        raise ConfigError(f"optimizer.power must be > 0 (the poly schedule's exponent, e.g. 0.9), got {o.power}")
+    if o.clipnorm is not None and not (finite(o.clipnorm) and o.clipnorm > 0):
+        raise ConfigError(f"optimizer.clipnorm must be > 0 (or null = no clipping), got {o.clipnorm}")
 
 
 def _validate_surface_and_regions(v: ValidationConfig) -> None:

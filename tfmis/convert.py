@@ -6,7 +6,8 @@ Example:
         --split 0.7,0.15,0.15 --spacing 1.5,1.5,2.0 --ct-window -57,164 --shards 4 --workers 2
 
 Exit status: 0 all cases converted; 3 converted, but some cases were skipped (listed in index.json under
-'skipped'); 1 the dataset or target is unusable; 2 bad arguments.
+'skipped'); 1 the dataset or target is unusable, no case could be converted, or the disk is full (one line
+naming the file; the half-written shard is removed, and rerunning resumes); 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Literal
 
 from tfmis.data.convert import (
     EXIT_SKIPPED,
+    PROGRESS_DIR,
     ConversionConfig,
     ConversionOptions,
     ParametersChanged,
@@ -25,6 +27,7 @@ from tfmis.data.convert import (
     summary_text,
 )
 from tfmis.data.msd import DatasetError
+from tfmis.utils.cli import error_line, is_disk_full, os_error_line, remove_temp_files
 
 
 def _tuple_of(kind, length: int | tuple[int, ...], name: str):
@@ -106,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the foreground, resample (linear images / nearest labels) or reshape, normalise per "
         "channel (z-score over the foreground for MRI, clip-and-scale window for CT).",
         epilog="Exit status: 0 all cases converted; 3 converted, but some cases were skipped (listed in "
-        "index.json under 'skipped'); 1 the dataset or target is unusable; 2 bad arguments. "
+        "index.json under 'skipped'); 1 the dataset or target is unusable, no case could be converted, or the "
+        "disk is full; 2 bad arguments. "
         "Rerunning with the same arguments resumes an interrupted conversion.",
     )
     p.add_argument("--source-dir", required=True, help="MSD dataset folder, the one holding dataset.json")
@@ -121,16 +125,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+RERUN = "rerun the same command (it resumes)"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = ConversionConfig.from_args(args)
         index = convert(config)
     except (ValueError, DatasetError, ParametersChanged) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the target is a file, not writable, or the disk is full
+        left = _remove_temp_files(args.target_dir)
+        print(f"error: {os_error_line(e, left[0] if left else args.target_dir, RERUN)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # TensorFlow's ResourceExhaustedError when a shard write fills the disk
+        if not is_disk_full(e):
+            raise
+        left = _remove_temp_files(args.target_dir)
+        print(
+            f"error: disk full writing {left[0] if left else args.target_dir}: free space and {RERUN}", file=sys.stderr
+        )
         return 1
     print(summary_text(index))
     return EXIT_SKIPPED if index["skipped"] else 0
+
+
+def _remove_temp_files(target_dir: str) -> list:
+    """The half-written files (`*.tmp`) an error left in the target folder, removed."""
+    from pathlib import Path
+
+    return remove_temp_files(target_dir, Path(target_dir) / PROGRESS_DIR)
 
 
 if __name__ == "__main__":

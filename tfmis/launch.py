@@ -6,12 +6,15 @@ chief) prints the log; the others' output gets a `[worker k]` prefix. When a wor
 `--grace-seconds` to notice and end by themselves, then they are stopped. For several machines, use SLURM
 (`srun`), `mpirun` or a TF_CONFIG per machine instead (docs/scale-out.md).
 
-Exit status: 0 every worker succeeded, else the first failure's status; 2 bad arguments.
+Exit status: 0 every worker succeeded, else the first failure's status; 2 bad arguments (`--nproc` below 1, a
+program after `--` that is not found or not executable).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 
 from tfmis.utils.cli import parse_with_command
@@ -20,6 +23,15 @@ USAGE = (
     "usage: python -m tfmis.launch --nproc N [--grace-seconds S] -- COMMAND ...\n"
     "e.g. python -m tfmis.launch --nproc 2 -- python -m tfmis.train --config configs/demo.yaml"
 )
+
+
+def check_command(command: list[str]) -> str | None:
+    """Why `command` cannot be started (its program is not found or not executable), or None."""
+    program = command[0]
+    if shutil.which(program) is None:
+        where = "is not an executable file" if os.path.exists(program) else "is not found (on PATH or as a path)"
+        return f"program {program!r} after -- {where}: check the command"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,9 +61,24 @@ def main(argv=None) -> int:
     if parsed is None:
         return 2
     args, command = parsed
+    if args.nproc < 1:
+        problem = f"--nproc must be >= 1 (worker processes on this machine), got {args.nproc}"
+    elif args.gpus_per_worker is not None and args.gpus_per_worker < 0:
+        problem = f"--gpus-per-worker must be >= 0 (0 = leave the GPUs as they are), got {args.gpus_per_worker}"
+    elif args.grace_seconds < 0:
+        problem = f"--grace-seconds must be >= 0, got {args.grace_seconds}"
+    else:
+        problem = check_command(command)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     from tfmis.engine.launch import launch
 
-    return launch(command, args.nproc, args.grace_seconds, args.gpus_per_worker)
+    try:
+        return launch(command, args.nproc, args.grace_seconds, args.gpus_per_worker)
+    except OSError as e:  # the program went away or is not executable
+        print(f"error: cannot start {command[0]}: {e.strerror or e}; check the command after --", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from tfmis.utils.cli import os_error_line
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tfmis.plan", description=__doc__.split("\n\n")[0])
@@ -71,11 +73,14 @@ def main(argv=None) -> int:
             max_minutes=args.max_minutes,
             configuration=args.configuration,
         )
+        output = staged.write(args.output)
+        atomic_write_json(output.with_name(output.stem + "_fingerprint.json"), fingerprint.to_dict())
     except (DatasetError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    output = staged.write(args.output)
-    atomic_write_json(output.with_name(output.stem + "_fingerprint.json"), fingerprint.to_dict())
+    except OSError as e:  # the target or output is a file, unwritable, or the disk is full
+        print(f"error: {os_error_line(e, args.output)}", file=sys.stderr)
+        return 1
     print(f"Plan for {fingerprint.name} ({staged.final.summary['hardware']}):")
     print(staged.table())
     print(f"Written to {output} (every value with its reason). Train with:\n  python -m tfmis.train --config {output}")

@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from tfmis.utils.cli import os_error_line
+
 EXIT_FAILED_CASES = 3
 
 
@@ -143,6 +145,9 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # an unreadable checkpoint or input folder
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 1
     output = Path(args.output)
     results = []
     for case in tqdm(cases, desc="Predicting", unit="case", disable=args.quiet, file=sys.stderr):
@@ -157,7 +162,11 @@ def main(argv=None) -> int:
                 f"  {case.case_id}: {result.seconds:.1f} s, peak RSS {result.peak_rss_mb:.0f} MiB", file=sys.stderr
             )
         results.append(result)
-    write_csv(results, output / "predictions.csv", predictor.class_names, predictor.score_columns)
+    try:
+        write_csv(results, output / "predictions.csv", predictor.class_names, predictor.score_columns)
+    except OSError as e:  # a full disk or an unwritable --output
+        print(f"error: {os_error_line(e, output / 'predictions.csv')}", file=sys.stderr)
+        return 1
     print(results_table(results))
     if any(r.dice for r in results):
         print(dice_summary(results, predictor.class_names))

@@ -22,7 +22,8 @@ import os
 import sys
 from pathlib import Path
 
-from tfmis.tune.cli import add_search_arguments, run_search
+from tfmis.tune.cli import add_search_arguments, run_search, search_specs
+from tfmis.utils.cli import is_disk_full, os_error_line, remove_temp_files
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
             stages = load_stages(args.config) or [("", Path(args.config))]
         overrides = args.overrides if len(stages) == 1 else _stage_overrides(args.overrides)[1]
         configs = [(name, load_config(path, overrides)) for name, path in stages]
+        if args.gpu_customization:  # the specs too, before anything is converted or trained
+            search_specs(args, "gpu-customization-")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -168,6 +171,19 @@ def _train(config, backend, args, planned: dict | None) -> int:
     except expected as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a full disk, an unwritable output folder: one line, no half-written file left
+        left = _remove_temp_files(config)
+        print(f"error: {os_error_line(e, left[0] if left else config.output.dir, RERUN)}", file=sys.stderr)
+        return 1
+    except (RuntimeError, tf.errors.ResourceExhaustedError) as e:  # how h5py and TensorFlow report a full disk
+        if not is_disk_full(e):
+            raise
+        left = _remove_temp_files(config)
+        print(
+            f"error: disk full writing {left[0] if left else config.output.dir}: free space and {RERUN}",
+            file=sys.stderr,
+        )
+        return 1
     except (
         tf.errors.UnavailableError,
         tf.errors.CancelledError,
@@ -194,6 +210,17 @@ def _train(config, backend, args, planned: dict | None) -> int:
         "summary.json, best.weights.h5, tensorboard/"
     )
     return 0
+
+
+RERUN = "rerun with --resume (it continues from the last committed epoch)"
+
+
+def _remove_temp_files(config) -> list:
+    """The half-written files an error left in the run folder and its checkpoints, removed."""
+    out, data = Path(config.output.dir), Path(config.data.dataset_dir)
+    from tfmis.data.convert import PROGRESS_DIR
+
+    return remove_temp_files(data, data / PROGRESS_DIR, out, out / "checkpoints")
 
 
 STAGE_PLAN_KEYS = ("data.dataset_dir", "output.dir", "training.max_minutes")

@@ -57,6 +57,10 @@ class ParametersChanged(RuntimeError):
     """The target folder holds a conversion made with other parameters."""
 
 
+class NothingConverted(DatasetError):
+    """Every case was skipped: no record was written (the outputs are removed so a rerun starts afresh)."""
+
+
 DEFAULT_SPLIT = (0.7, 0.15, 0.15)
 
 
@@ -502,6 +506,13 @@ def convert(config: ConversionConfig) -> dict:
     bar.close()
 
     index = _build_index(target, dataset, config, requested, prep, splits, plan)
+    if not index["cases"]:  # an index of 0 records is no conversion: say why, and do not resume from it
+        _remove_outputs(target)
+        first = index["skipped"][0] if index["skipped"] else {"case_id": "-", "reason": "no case listed"}
+        raise NothingConverted(
+            f"{dataset.root}: 0 of {len(dataset.training)} cases converted, all skipped (first: "
+            f"{first['case_id']}: {first['reason']}); fix the files dataset.json lists and rerun"
+        )
     index["run_seconds"] = round(time.time() - start, 2)
     atomic_write_json(target / INDEX_FILE, index)
     return index

@@ -12,7 +12,9 @@ Task09_Spleen/
 ```
 
 Only files referenced by `dataset.json` are ever opened: the real MSD tarballs carry macOS `._*`
-files next to the images, and a path that resolves outside the dataset folder is refused.
+files next to the images, and a path that leads outside the dataset folder (`..`, an absolute path) is
+refused. The check is lexical: `imagesTr` or `labelsTr` as symlinks to another disk (a common cluster
+layout) are inside the folder.
 
 Example:
 ```python
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -122,10 +125,15 @@ class MSDDataset:
         return any(str(m).upper() in CT_MODALITIES for m in self.modalities)
 
     def resolve(self, case: Case, relpath: str) -> Path:
-        """The absolute path of a file of `case`; refuses paths that leave the dataset folder."""
-        path = (self.root / relpath).resolve()
+        """The absolute path of a file of `case`; refuses paths that leave the dataset folder.
+
+        The containment check is lexical (`..` and `.` normalised, symlinks not followed): `imagesTr` as a
+        symlink to another disk stays inside the folder, `../other/x.nii.gz` or an absolute path elsewhere
+        does not.
+        """
+        path = Path(os.path.normpath(self.root / relpath))
         if path != self.root and self.root not in path.parents:
-            raise CaseError(case.case_id, f"path {relpath!r} resolves outside the dataset folder {self.root}")
+            raise CaseError(case.case_id, f"path {relpath!r} leads outside the dataset folder {self.root}")
         return path
 
     def __repr__(self) -> str:

@@ -21,9 +21,11 @@ summary = trainer.fit(resume=False)
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -48,6 +50,7 @@ BEST_WEIGHTS = "best.weights.h5"
 # an epoch's outputs before its checkpoint commits them (see Trainer._commit_epoch)
 STAGED_EPOCH = "epoch.staged.json"
 STAGED_BEST = "best.staged.weights.h5"
+STAGED_BEST_TMP = "best.tmp.weights.h5"  # being written; renamed to STAGED_BEST when complete
 # A step whose gradient holds NaN/Inf is skipped. In float32/bfloat16 that is an outlier batch; this many in a
 # row means the loss or the model is broken (under mixed_float16 the loss scaler would have lowered its scale
 # 2^20-fold by then, far past any float16 overflow), and so does an epoch in which every step was skipped.
@@ -391,8 +394,13 @@ class Trainer:
             return
         self._discard_staged()
         if improved:  # fit() checked the weights are finite right after the epoch's steps
-            tmp = self.out / "best.tmp.weights.h5"  # Keras wants the .weights.h5 suffix; rename is atomic
-            self.model.save_weights(str(tmp))
+            tmp = self.out / STAGED_BEST_TMP  # Keras wants the .weights.h5 suffix; rename is atomic
+            _check_free_space(tmp, _weights_file_bytes(self.model))
+            try:
+                self.model.save_weights(str(tmp))
+            except BaseException:  # a full disk (h5py's RuntimeError) or a kill: no half-written file stays
+                tmp.unlink(missing_ok=True)
+                raise
             os.replace(tmp, self.out / STAGED_BEST)
         atomic_write_json(self.out / STAGED_EPOCH, record)
         self.manager.save(checkpoint_number=record["epoch"])
@@ -407,7 +415,7 @@ class Trainer:
         (self.out / STAGED_EPOCH).unlink(missing_ok=True)
 
     def _discard_staged(self) -> None:
-        for name in (STAGED_EPOCH, STAGED_BEST):
+        for name in (STAGED_EPOCH, STAGED_BEST, STAGED_BEST_TMP):
             (self.out / name).unlink(missing_ok=True)
 
     def fit(self, resume: bool = False) -> dict:
@@ -642,6 +650,24 @@ class Trainer:
         if self.backend.is_chief:
             atomic_write_json(self.out / "summary.json", summary)
         return summary
+
+
+def _weights_file_bytes(model) -> int:
+    """A generous estimate of `model.save_weights`' file size: the weights plus HDF5's per-dataset overhead."""
+    return (
+        sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in model.weights)
+        + 4096 * len(model.weights)
+        + 65536
+    )
+
+
+def _check_free_space(path: Path, needed: int) -> None:
+    """An OSError(ENOSPC) naming `path` when its file system has less than `needed` bytes free. h5py cannot be
+    trusted with a full disk (its write errors surface while it frees objects, and the process may crash), so
+    the weights are written only when they fit."""
+    free = shutil.disk_usage(path.parent).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"No space left on device ({free} bytes free, about {needed} needed)", str(path))
 
 
 def _checkpoint_number(path: str | None) -> int:

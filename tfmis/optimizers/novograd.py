@@ -7,6 +7,8 @@ Deep Networks" (arXiv:1905.11286), written for the Keras 3 optimizer API (tensor
 
 from __future__ import annotations
 
+import math
+
 import keras
 from keras import ops
 
@@ -93,17 +95,20 @@ class Novograd(keras.optimizers.Optimizer):
     ):
         # `weight_decay` reaches the base class (so get_config/from_config and exclude_from_weight_decay
         # work) but the base class's decoupled decay is disabled in `_apply_weight_decay` below.
-        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, name=name, **kwargs)
+        # checked first, so a bad value is named before Keras builds anything (`not x >= 0` also refuses NaN)
+        if isinstance(learning_rate, (int, float)) and not (learning_rate > 0.0 and math.isfinite(learning_rate)):
+            raise ValueError(f"Novograd: learning_rate must be a finite number > 0, got {learning_rate}")
         if not 0.0 <= beta_1 < 1.0:
-            raise ValueError(f"beta_1 must be in [0, 1), got {beta_1}")
+            raise ValueError(f"Novograd: beta_1 must be in [0, 1), got {beta_1}")
         if not 0.0 <= beta_2 < 1.0:
-            raise ValueError(f"beta_2 must be in [0, 1), got {beta_2}")
-        if epsilon < 0.0:
-            raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+            raise ValueError(f"Novograd: beta_2 must be in [0, 1), got {beta_2}")
+        if not (epsilon >= 0.0 and math.isfinite(epsilon)):
+            raise ValueError(f"Novograd: epsilon must be a finite number >= 0, got {epsilon}")
+        if weight_decay is not None and not (weight_decay >= 0.0 and math.isfinite(weight_decay)):
+            raise ValueError(f"Novograd: weight_decay must be a finite number >= 0, got {weight_decay}")
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, name=name, **kwargs)
         if weight_decay is None:
             self.weight_decay = weight_decay = 0.0
-        if weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         self.beta_1 = beta_1
         self.beta_2 = beta_2
         self.epsilon = epsilon

@@ -19,6 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from tfmis.utils.cli import os_error_line
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tfmis.tune", description=__doc__.split("\n\n")[0])
@@ -129,12 +131,22 @@ def add_search_arguments(parser: argparse.ArgumentParser, prefix: str) -> None:
     parser.add_argument(f"--{prefix}no-cache", action="store_true", help="measure again even if a cached search fits")
 
 
-def run_search(config, args, prefix: str, output_dir: Path):
-    """Runs the search from parsed arguments; returns (fitted config, report)."""
-    from tfmis.tune.fit import fit_config, load_specs
+def search_specs(args, prefix: str):
+    """The search's specs from parsed arguments (file and flags); a `ConfigError` naming the file or key. Cheap:
+    callers check it before converting or training anything."""
+    from tfmis.tune.fit import load_specs
 
     attr = prefix.replace("-", "_")
-    specs = load_specs(getattr(args, f"{attr}specs"), num_trials=getattr(args, f"{attr}num_trials"))
+    return load_specs(getattr(args, f"{attr}specs"), num_trials=getattr(args, f"{attr}num_trials"))
+
+
+def run_search(config, args, prefix: str, output_dir: Path, specs=None):
+    """Runs the search from parsed arguments (`specs`: from `search_specs`, read here when None); returns
+    (fitted config, report)."""
+    from tfmis.tune.fit import fit_config
+
+    attr = prefix.replace("-", "_")
+    specs = search_specs(args, prefix) if specs is None else specs
     return fit_config(
         config,
         specs,
@@ -157,18 +169,26 @@ def fit_command(args) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    try:  # every input checked before the dataset is converted (minutes to hours)
+        specs = search_specs(args, "")
+    except ConfigError as e:
+        print(f"specs error: {e}", file=sys.stderr)
+        return 2
     from tfmis.data.prepare import prepare_dataset
     from tfmis.tune.fit.search import CONFIG_FILE, PLOT_FILE, REPORT_FILE, NoConfigurationFits
 
     output = Path(args.output or Path(config.output.dir) / "gpu_fit")
     try:
         prepare_dataset(config.data, progress=config.output.progress)
-        run_search(config, args, "", output)
+        run_search(config, args, "", output, specs)
     except ConfigError as e:
         print(f"specs error: {e}", file=sys.stderr)
         return 2
     except (NoConfigurationFits, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the output is a file, unwritable, or the disk is full
+        print(f"error: {os_error_line(e, output)}", file=sys.stderr)
         return 1
     print(
         f"Results in {output}: {CONFIG_FILE} (train with it: python -m tfmis.train --config {output / CONFIG_FILE}), "
@@ -223,6 +243,9 @@ def hpo_command(args) -> int:
         return 2
     except (SearchFailed, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the output is a file, unwritable, or the disk is full
+        print(f"error: {os_error_line(e, output, 'rerun the same command (it resumes)')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"\ninterrupted: rerun the same command to resume the search in {output}", file=sys.stderr)
