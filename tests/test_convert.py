@@ -140,6 +140,49 @@ def test_resume_rebuilds_only_unfinished_shards(msd_dataset, tmp_path):
     assert not list(target.glob("*.tmp")) and index["stats"]["records"] == 6
 
 
+def test_resume_rewrites_a_recorded_shard_whose_size_or_checksum_does_not_match(msd_dataset, tmp_path, capsys):
+    """Each shard's size and sha256 are in its progress record and in index.json. A recorded shard truncated to
+    half (conversion finished: the size check) or with one byte flipped (an interrupted conversion, no
+    index.json: the checksum check) is named on stderr and written again, the others are kept, and the records
+    (and bytes) equal a clean conversion's."""
+    import hashlib
+
+    target = tmp_path / "out"
+    config = ConversionConfig(str(msd_dataset), str(target), split=(1.0,), shards=3, workers=1, progress=False)
+    index = convert(config)
+    shards = sorted(target.glob("train-*.tfrecord.gz"))
+    for entry in index["splits"]["train"]["shards"]:
+        data = (target / entry["file"]).read_bytes()
+        assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
+        progress = json.loads((target / ".progress" / (entry["file"] + ".json")).read_text())
+        assert (progress["bytes"], progress["sha256"]) == (entry["bytes"], entry["sha256"])
+    clean = records_by_case(target, "train")
+    original = {p.name: p.read_bytes() for p in shards}
+    capsys.readouterr()
+
+    truncated = shards[1]
+    truncated.write_bytes(original[truncated.name][: len(original[truncated.name]) // 2])
+    kept = {p.name: p.stat().st_mtime_ns for p in shards if p != truncated}
+    convert(config)
+    err = capsys.readouterr().err
+    half = len(original[truncated.name]) // 2
+    assert f"{truncated.name}: {half} bytes on disk, {len(original[truncated.name])} recorded: writing it again" in err
+    assert {p.name: p.stat().st_mtime_ns for p in shards if p != truncated} == kept, "only the bad shard rewritten"
+
+    flipped = shards[2]
+    data = bytearray(original[flipped.name])
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    (target / "index.json").unlink()  # an interrupted conversion: resuming checks the checksums
+    convert(config)
+    err = capsys.readouterr().err
+    assert f"{flipped.name}: sha256 " in err and "differs from the recorded" in err and shards[0].name not in err
+    assert {p.name: p.read_bytes() for p in shards} == original
+    assert records_by_case(target, "train").keys() == clean.keys()
+    for cid, (image, label, meta) in records_by_case(target, "train").items():
+        assert np.array_equal(image, clean[cid][0]) and np.array_equal(label, clean[cid][1]) and meta == clean[cid][2]
+
+
 def test_resume_after_kill(tmp_path):
     """A real conversion process killed after its first shard resumes to the same bytes."""
     source = make_msd_dataset(tmp_path / "ds", num_cases=10, shape=(48, 48, 40))

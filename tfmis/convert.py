@@ -6,8 +6,9 @@ Example:
         --split 0.7,0.15,0.15 --spacing 1.5,1.5,2.0 --ct-window -57,164 --shards 4 --workers 2
 
 Exit status: 0 all cases converted; 3 converted, but some cases were skipped (listed in index.json under
-'skipped'); 1 the dataset or target is unusable, no case could be converted, or the disk is full (one line
-naming the file; the half-written shard is removed, and rerunning resumes); 2 bad arguments.
+'skipped'); 1 the dataset or target is unusable, another conversion is writing the target, no case could be
+converted, or the disk is full (one line naming the file; the half-written shard is removed, and rerunning
+resumes); 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tfmis.data.convert import (
 )
 from tfmis.data.msd import DatasetError
 from tfmis.utils.cli import error_line, is_disk_full, os_error_line, remove_temp_files
+from tfmis.utils.lock import FolderLocked
 
 
 def _tuple_of(kind, length: int | tuple[int, ...], name: str):
@@ -109,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the foreground, resample (linear images / nearest labels) or reshape, normalise per "
         "channel (z-score over the foreground for MRI, clip-and-scale window for CT).",
         epilog="Exit status: 0 all cases converted; 3 converted, but some cases were skipped (listed in "
-        "index.json under 'skipped'); 1 the dataset or target is unusable, no case could be converted, or the "
-        "disk is full; 2 bad arguments. "
+        "index.json under 'skipped'); 1 the dataset or target is unusable, another conversion holds the target, "
+        "no case could be converted, or the disk is full; 2 bad arguments. "
         "Rerunning with the same arguments resumes an interrupted conversion.",
     )
     p.add_argument("--source-dir", required=True, help="MSD dataset folder, the one holding dataset.json")
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
     try:
         config = ConversionConfig.from_args(args)
         index = convert(config)
-    except (ValueError, DatasetError, ParametersChanged) as e:
+    except (ValueError, DatasetError, ParametersChanged, FolderLocked) as e:
         print(f"error: {error_line(e)}", file=sys.stderr)
         return 1
     except OSError as e:  # the target is a file, not writable, or the disk is full

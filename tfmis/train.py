@@ -115,6 +115,20 @@ def main(argv=None) -> int:
 
 
 def _train(config, backend, args, planned: dict | None) -> int:
+    """Converts (on the chief), trains and reports one run, holding its run folder's lock on the chief (the other
+    workers do not touch it); the exit status (1 with one line naming the holder when another run has it)."""
+    from tfmis.engine.trainer import run_folder_lock
+    from tfmis.utils.lock import FolderLocked
+
+    try:
+        with run_folder_lock(backend, config.output.dir):
+            return _run(config, backend, args, planned)
+    except FolderLocked as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(config, backend, args, planned: dict | None) -> int:
     """Converts (on the chief), trains and reports one run; the exit status."""
     import tensorflow as tf
 
@@ -342,11 +356,13 @@ def _cached_gpu_fit(config, planned: dict, args):
 
 def _prepare_on_chief(backend, prepare) -> bool:
     """The chief converts the data while the other workers wait; False (after an error line) if it failed."""
+    from tfmis.utils.lock import FolderLocked
+
     ok = 1.0
     if backend.is_chief:
         try:
             prepare()
-        except (FileNotFoundError, KeyError, ValueError) as e:
+        except (FileNotFoundError, KeyError, ValueError, FolderLocked) as e:
             if backend.size == 1:
                 raise
             print(f"error: {e}", file=sys.stderr)

@@ -45,7 +45,8 @@ from tfmis.data.records import (
     framed_size,
     shard_name,
 )
-from tfmis.utils.io import atomic_write_json
+from tfmis.utils.io import TEMP_SUFFIX, atomic_write_json, fsync_dir, remove_temp_files, temp_path
+from tfmis.utils.lock import folder_lock
 from tfmis.utils.parallel import map_ordered
 
 PLAN_FILE = "conversion.json"
@@ -295,7 +296,12 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _prepare_target(target: Path, requested: dict, overwrite: bool, dataset: MSDDataset | None = None) -> None:
+def _prepare_target(
+    target: Path, requested: dict, overwrite: bool, dataset: MSDDataset | None = None, locked: bool = True
+) -> None:
+    if locked:  # every writer of the target holds its lock: these are the leftovers of a dead conversion
+        remove_temp_files(target)
+        remove_temp_files(target / PROGRESS_DIR)
     plan_path = target / PLAN_FILE
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())
@@ -327,19 +333,17 @@ def _prepare_target(target: Path, requested: dict, overwrite: bool, dataset: MSD
                     "use another --target-dir, or --overwrite to rebuild it"
                 )
             _remove_outputs(target)
-    elif any(target.glob("*.tfrecord*")) and not overwrite:
+    elif _shard_files(target) and not overwrite:
         raise ParametersChanged(
             f"{target} holds TFRecord files that this tool did not plan; use an empty --target-dir, or --overwrite"
         )
     elif overwrite:
         _remove_outputs(target)
-    for tmp in list(target.glob("*.tmp")) + list((target / PROGRESS_DIR).glob("*.tmp")):
-        tmp.unlink()  # leftovers of an interrupted run
 
 
 def _remove_outputs(target: Path) -> None:
     for path in [
-        *target.glob("*.tfrecord*"),
+        *_shard_files(target),
         *(target / PROGRESS_DIR).glob("*"),
         target / INDEX_FILE,
         target / FINGERPRINT_FILE,
@@ -347,6 +351,11 @@ def _remove_outputs(target: Path) -> None:
     ]:
         if path.is_file():
             path.unlink()
+
+
+def _shard_files(target: Path) -> list[Path]:
+    """The TFRecord files in `target` (not a writer's temporaries)."""
+    return [p for p in target.glob("*.tfrecord*") if not p.name.endswith(TEMP_SUFFIX)]
 
 
 def _median_spacing(dataset: MSDDataset) -> tuple[float, float, float] | None:
@@ -376,7 +385,7 @@ def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) 
     import tensorflow as tf
 
     final = target / shard["file"]
-    tmp = target / (shard["file"] + ".tmp")
+    tmp = temp_path(final)
     options = tf.io.TFRecordOptions(
         compression_type="" if index_meta["compression"] == "NONE" else index_meta["compression"]
     )
@@ -427,23 +436,73 @@ def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) 
             # let this case's arrays go before the next one is read: with workers=1 the next case is
             # preprocessed in this process while `result` and `payload` would still hold this one
             del result, payload
+    # durable before the progress file says it is done: the shard's bytes, then its name in the folder
+    record["bytes"], record["sha256"] = _file_digest(tmp, sync=True)
     os.replace(tmp, final)
+    fsync_dir(target)
     record["records"] = len(record["cases"])
-    record["bytes"] = final.stat().st_size
     atomic_write_json(target / PROGRESS_DIR / (shard["file"] + ".json"), record)
     return record
 
 
-def convert(config: ConversionConfig) -> dict:
-    """Runs (or resumes) a conversion; returns the written index (plus `run_seconds`)."""
-    from tfmis.utils.progress import progress_bar
+def _file_digest(path: Path, sync: bool = False) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file, read in 4 MiB blocks; `sync`: fsync it too."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+            size += len(block)
+        if sync:
+            os.fsync(f.fileno())
+    return size, digest.hexdigest()
 
+
+def _finished_shards(target: Path, plan: list[dict], checksums: bool, say) -> set[str]:
+    """The planned shards whose file and progress record exist and agree: the size always, the sha256 too with
+    `checksums`. A shard that disagrees is reported through `say` and left out (so it is written again)."""
+    done = set()
+    for shard in plan:
+        path, progress = target / shard["file"], target / PROGRESS_DIR / (shard["file"] + ".json")
+        if not (path.is_file() and progress.is_file()):
+            continue
+        record = json.loads(progress.read_text())
+        size = path.stat().st_size
+        if "bytes" in record and size != record["bytes"]:
+            say(f"{shard['file']}: {size} bytes on disk, {record['bytes']} recorded: writing it again")
+            continue
+        if checksums and "sha256" in record:
+            _, sha256 = _file_digest(path)
+            if sha256 != record["sha256"]:
+                say(
+                    f"{shard['file']}: sha256 {sha256[:12]}... differs from the recorded {record['sha256'][:12]}...: "
+                    "writing it again"
+                )
+                continue
+        done.add(shard["file"])
+    return done
+
+
+def convert(config: ConversionConfig) -> dict:
+    """Runs (or resumes) a conversion; returns the written index (plus `run_seconds`).
+
+    The conversion holds the target's lock (`tfmis.utils.lock.folder_lock`) from start to end.
+
+    Raises:
+        FolderLocked: another live conversion holds the target (the message names it).
+    """
     start = time.time()
     dataset = MSDDataset(config.source_dir)
     target = Path(config.target_dir)
+    with folder_lock(target, "tfmis-convert") as locked:
+        return _convert(config, dataset, target, start, locked)
+
+
+def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start: float, locked: bool) -> dict:
+    from tfmis.utils.progress import progress_bar
+
     (target / PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
     requested = config.requested(_sha256(dataset.root / "dataset.json"))
-    _prepare_target(target, requested, config.overwrite, dataset)
+    _prepare_target(target, requested, config.overwrite, dataset, locked)
     previous = json.loads((target / PLAN_FILE).read_text()) if (target / PLAN_FILE).is_file() else {}
     ct_norm = "ct_zscore" if config.ct_normalization == "zscore" else "ct"
     modal_norm = tuple(ct_norm if m.upper() == "CT" else "zscore" for m in dataset.modalities)
@@ -479,11 +538,11 @@ def convert(config: ConversionConfig) -> dict:
 
     splits = assign_splits([c.case_id for c in dataset.training], config.split, config.folds, config.seed)
     plan = plan_shards(splits, config.shards, config.compression)
-    done = {
-        s["file"]
-        for s in plan
-        if (target / s["file"]).is_file() and (target / PROGRESS_DIR / (s["file"] + ".json")).is_file()
-    }
+    # a finished conversion (index.json, written after every shard was synced) checks sizes only, which is cheap
+    # at every training start; resuming an unfinished one checks the checksums of the shards it keeps too
+    done = _finished_shards(
+        target, plan, not (target / INDEX_FILE).is_file(), lambda line: print(line, file=sys.stderr)
+    )
     pending = [s for s in plan if s["file"] not in done]
     by_id = {c.case_id: c for c in dataset.training}
     tasks = [(by_id[cid], str(dataset.root), prep) for s in pending for cid in s["cases"]]
@@ -569,7 +628,7 @@ def _build_index(
                 "cases": ids,
                 "num_records": sum(r["records"] for r in progress if r["split"] == name),
                 "shards": [
-                    {"file": r["file"], "records": r["records"], "bytes": r["bytes"]}
+                    {"file": r["file"], "records": r["records"], "bytes": r["bytes"], "sha256": r.get("sha256")}
                     for r in progress
                     if r["split"] == name
                 ],

@@ -21,6 +21,7 @@ summary = trainer.fit(resume=False)
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -44,7 +45,8 @@ from tfmis.hardware import accelerator_device
 from tfmis.inference.placement import VolumePlacement
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.task import SegmentationTask
-from tfmis.utils.io import atomic_write_json
+from tfmis.utils.io import atomic_write_json, remove_temp_files
+from tfmis.utils.lock import FolderLocked, folder_lock
 
 BEST_WEIGHTS = "best.weights.h5"
 # an epoch's outputs before its checkpoint commits them (see Trainer._commit_epoch)
@@ -424,7 +426,18 @@ class Trainer:
 
         The loop runs the steps, validates, commits each epoch and applies the stopping rules; the
         progress display, logs, TensorBoard, plots and monitors are callbacks (`tfmis.engine.callbacks`).
+
+        The chief holds the run folder's lock (`run_folder_lock`) throughout.
+
+        Raises:
+            FolderLocked: another live process holds the run folder (on every worker of a multi-worker run).
         """
+        with run_folder_lock(self.backend, self.out) as locked:
+            if locked:  # temporaries of a writer that died (every writer holds the lock)
+                remove_temp_files(self.out)
+            return self._fit(resume)
+
+    def _fit(self, resume: bool) -> dict:
         cfg, tc = self.config, self.config.training
         done = self.restore(resume)
         self.history = History(self.out, tc.dice_thresholds)
@@ -668,6 +681,35 @@ def _check_free_space(path: Path, needed: int) -> None:
     free = shutil.disk_usage(path.parent).free
     if free < needed:
         raise OSError(errno.ENOSPC, f"No space left on device ({free} bytes free, about {needed} needed)", str(path))
+
+
+@contextlib.contextmanager
+def run_folder_lock(backend: Backend, folder: str | Path):
+    """The chief holds `folder`'s lock (`tfmis.utils.lock.folder_lock`) while the block runs; the other workers
+    of a multi-worker run do not touch it (only the chief writes the run folder) and learn from one broadcast
+    whether the chief got it, so that all workers go on or all stop: none waits for a chief that has left.
+
+    Yields:
+        True on the chief when it holds the lock; False on the other workers (and without flock support).
+
+    Raises:
+        FolderLocked: on every worker, when another live process holds the lock (the chief's message names it).
+    """
+    with contextlib.ExitStack() as stack:
+        error, locked = None, False
+        if backend.is_chief:
+            try:
+                locked = stack.enter_context(folder_lock(folder, "tfmis-train"))
+            except FolderLocked as e:
+                error = e
+        if backend.size > 1 and not backend.broadcast([error is None])[0] and error is None:
+            error = FolderLocked(
+                f"worker {backend.rank}: the chief could not lock the run folder {folder}: another run uses it "
+                "(see the chief's log)"
+            )
+        if error is not None:
+            raise error
+        yield locked
 
 
 def _checkpoint_number(path: str | None) -> int:

@@ -6,12 +6,50 @@ import contextlib
 import json
 import os
 import re
+import secrets
 from pathlib import Path
+
+TEMP_SUFFIX = ".tmp"
+
+
+def temp_path(path: str | Path) -> Path:
+    """A temporary name for writing `path`, unique to this writer: `<name>.<pid>.<random>.tmp` in the same folder
+    (a rename within one file system is atomic), so that two writers of one file never share a temporary."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Makes a rename (or a new file) in `folder` durable: fsync of the directory itself."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_temp_files(folder: str | Path) -> list[Path]:
+    """Removes the `*.tmp` files directly in `folder`; returns them.
+
+    Only for a folder whose lock (`tfmis.utils.lock.folder_lock`) this process holds: every writer of such a
+    folder holds its lock, so any temporary left there belongs to a writer that died.
+    """
+    removed = []
+    for tmp in Path(folder).glob("*" + TEMP_SUFFIX):
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+            removed.append(tmp)
+    return removed
 
 
 @contextlib.contextmanager
 def atomic_writer(path: str | Path, mode: str = "w"):
-    """Opens `path.tmp` for writing and renames it to `path` only if the block succeeds.
+    """Opens a temporary file next to `path` (`temp_path`) and renames it to `path` only if the block succeeds.
+
+    The data are fsynced before the rename and the folder after it, so after a crash `path` holds the old or
+    the new version, whole. Each call has its own temporary, removed on every exit path (an exception in the
+    block, a failed rename): any number of threads and processes may write one file at once, and the file
+    always holds one writer's complete version (the last rename wins).
 
     Example:
     ```python
@@ -21,15 +59,16 @@ def atomic_writer(path: str | Path, mode: str = "w"):
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_path(path)
     try:
         with open(tmp, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
-        if tmp.exists():
+        with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
 
 

@@ -1,0 +1,207 @@
+"""One writer per folder (`tfmis.utils.lock`) and per-writer temporaries (`tfmis.utils.io`): real files, real
+processes, real conversions and training runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_msd_dataset, tiny_config
+
+from tfmis.utils.io import atomic_writer
+from tfmis.utils.lock import LOCK_FILE, FolderLocked, folder_lock, holds_lock
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+# writes `path` WRITES times, each a complete JSON version of PAYLOAD bytes; prints the exceptions it met
+WRITER = """
+import json, sys
+from tfmis.utils.io import atomic_writer
+path, name, writes, payload = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+errors = []
+for i in range(writes):
+    try:
+        with atomic_writer(path) as f:
+            json.dump({"writer": name, "i": i, "payload": "x" * payload, "length": payload}, f)
+    except Exception as e:
+        errors.append(f"{type(e).__name__}: {e}")
+print(json.dumps(errors))
+"""
+
+# holds a folder's lock until its stdin closes (or it is killed)
+HOLDER = """
+import sys
+from tfmis.utils.lock import folder_lock
+with folder_lock(sys.argv[1], "lock holder of the test"):
+    print("locked", flush=True)
+    sys.stdin.read()
+"""
+
+
+def _check_version(text: str) -> dict:
+    version = json.loads(text)
+    assert len(version["payload"]) == version["length"], "a partial version"
+    return version
+
+
+def test_concurrent_atomic_writers_threads_and_processes_never_raise_and_leave_one_complete_version(tmp_path):
+    """4 processes and 4 threads write one file 100 times each (400 + 400 writes of 64 kB JSON) while a thread
+    reads it in a loop: no writer raises, every read (and the final file) is one writer's whole version, and no
+    temporary is left behind."""
+    path = tmp_path / "shared.json"
+    writes, payload = 100, 64 * 1024
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path), f"process{k}", str(writes), str(payload)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+        for k in range(4)
+    ]
+    thread_errors, reads, stop = [], [], threading.Event()
+
+    def write(name):
+        for i in range(writes):
+            try:
+                with atomic_writer(path) as f:
+                    json.dump({"writer": name, "i": i, "payload": "x" * payload, "length": payload}, f)
+            except Exception as e:
+                thread_errors.append(f"{type(e).__name__}: {e}")
+
+    def read():
+        while not stop.is_set():
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                continue  # before the first rename
+            reads.append(_check_version(text)["writer"])
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    threads = [threading.Thread(target=write, args=(f"thread{k}",)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    process_errors = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    stop.set()
+    reader.join()
+    assert all(p.returncode == 0 for p in procs)
+    assert thread_errors == [] and process_errors == [[]] * 4
+    final = _check_version(path.read_text())
+    assert final["writer"] in {f"process{k}" for k in range(4)} | {f"thread{k}" for k in range(4)}
+    assert len(reads) > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.json"], "a temporary was left behind"
+
+
+def test_atomic_writer_removes_its_temporary_when_the_block_raises(tmp_path):
+    """An exception inside the block leaves the old version and no temporary."""
+    path = tmp_path / "a.txt"
+    path.write_text("old")
+    with pytest.raises(RuntimeError), atomic_writer(path) as f:
+        f.write("new, half")
+        raise RuntimeError("stop")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+def _start_holder(folder: Path) -> subprocess.Popen:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
+    )
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_folder_lock_refuses_a_second_process_naming_it_and_is_taken_over_after_it_is_killed(tmp_path):
+    """A live holder process makes `folder_lock` raise FolderLocked naming its pid, host, start time and
+    command; after SIGKILL (the kernel drops its flock, its lock file stays) the lock is taken over at once and
+    the file names the new holder. Within one process the lock is re-entrant."""
+    folder = tmp_path / "run"
+    holder = _start_holder(folder)
+    try:
+        with pytest.raises(FolderLocked) as refused, folder_lock(folder):
+            pass
+        message = str(refused.value)
+        info = json.loads((folder / LOCK_FILE).read_text())
+        assert f"pid {holder.pid} on host {socket.gethostname()} since {info['since']}" in message
+        assert "(lock holder of the test)" in message and "\n" not in message
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (folder / LOCK_FILE).is_file(), "the dead holder's lock file is still there: a stale lock"
+    with folder_lock(folder, "second") as locked:
+        assert locked and holds_lock(folder)
+        info = json.loads((folder / LOCK_FILE).read_text())
+        assert info["pid"] == os.getpid() and info["command"] == "second"
+        with folder_lock(folder) as again:  # re-entrant in one process
+            assert again
+        assert holds_lock(folder), "the inner block does not release the outer one's lock"
+    assert not holds_lock(folder)
+
+
+def test_second_conversion_into_a_locked_target_exits_1_and_keeps_the_holders_temporaries(tmp_path):
+    """`tfmis-convert` into a target whose lock a live process holds exits 1 with one error line naming the
+    holder, and leaves the holder's temporary file alone; once the holder is killed, the same command converts
+    (exit 0) and removes the dead writer's temporary."""
+    source = make_msd_dataset(tmp_path / "ds", num_cases=4)
+    target = tmp_path / "out"
+    holder = _start_holder(target)
+    theirs = target / f"train-000-of-001.tfrecord.gz.{holder.pid}.0a1b2c3d.tmp"
+    theirs.write_bytes(b"a shard being written")
+    command = [sys.executable, "-m", "tfmis.convert", "--source-dir", str(source), "--target-dir", str(target)]
+    command += ["--split", "1", "--shards", "1", "--workers", "1", "--quiet"]
+    try:
+        refused = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert refused.returncode == 1, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and f"pid {holder.pid} on host" in lines[0]
+    assert theirs.read_bytes() == b"a shard being written", "the second conversion removed the holder's temporary"
+    assert [p for p in target.glob("*.tfrecord*") if p.suffix != ".tmp"] == [], "the refused conversion wrote"
+    converted = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV)
+    assert converted.returncode == 0, converted.stderr
+    assert not theirs.exists() and not list(target.glob("*.tmp"))
+
+
+def test_second_training_run_into_a_locked_run_folder_exits_1_and_its_lock_is_stale_once_killed(
+    converted_dataset, tmp_path
+):
+    """A real `tfmis.train` holds its run folder: a second `tfmis.train --resume` into it exits 1 with one line
+    naming the first's pid and host, and does not touch the folder; once the first is SIGKILLed its lock file
+    stays but its lock is free (stale) and is taken over."""
+    from tfmis.config import save_config
+
+    run = tmp_path / "run"
+    config = tiny_config(converted_dataset, run, "training.epochs=1000", "training.steps_per_epoch=1")
+    save_config(config, tmp_path / "config.yaml")
+    command = [sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / "config.yaml")]
+    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        # the run writes config.yaml only while it holds the lock
+        while first.poll() is None and not (run / "config.yaml").is_file():
+            time.sleep(0.05)
+        assert first.poll() is None, first.stderr.read()[-3000:]
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == first.pid
+        config_before = (run / "config.yaml").stat().st_mtime_ns
+        second = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=120, env=ENV)
+        assert second.returncode == 1
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"in use by pid {first.pid} on host {socket.gethostname()}" in errors[0]
+        assert "Resuming" not in second.stderr and (run / "config.yaml").stat().st_mtime_ns == config_before
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    with folder_lock(run) as locked:
+        assert locked and json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
