@@ -114,6 +114,31 @@ def test_atomic_writer_removes_its_temporary_when_the_block_raises(tmp_path):
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
 
 
+def test_remove_temp_files_removes_dead_writers_temporaries_and_keeps_live_ones(tmp_path):
+    """`remove_temp_files` (run under a folder's lock) removes a temporary named after a killed process and an
+    old-style `<name>.tmp`, and keeps those of live processes: this one's and another running process's."""
+    from tfmis.utils.io import remove_temp_files, temp_path
+
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        names = {
+            "mine": temp_path(tmp_path / "a.json").name,
+            "live": f"b.json.{other.pid}.0a1b2c3d.tmp",
+            "dead": f"c.json.{dead.pid}.0a1b2c3d.tmp",
+            "old-style": "d.json.tmp",
+        }
+        for name in names.values():
+            (tmp_path / name).write_text("x")
+        removed = remove_temp_files(tmp_path)
+    finally:
+        other.stdin.close()
+        other.wait()
+    assert sorted(p.name for p in removed) == sorted([names["dead"], names["old-style"]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["mine"], names["live"]])
+
+
 def _start_holder(folder: Path) -> subprocess.Popen:
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
@@ -205,3 +230,37 @@ def test_second_training_run_into_a_locked_run_folder_exits_1_and_its_lock_is_st
         first.wait()
     with folder_lock(run) as locked:
         assert locked and json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_multiworker_run_into_a_locked_run_folder_stops_every_worker_with_exit_1(converted_dataset, tmp_path):
+    """`tfmis.launch --nproc 2` of a MultiWorkerMirroredStrategy `tfmis.train` into a run folder a live process
+    holds: only the chief tries the lock, and one broadcast stops both workers (no worker waits for a chief that
+    has left): exit 1, the chief's line names the holder, worker 1's says the chief could not lock, and the
+    non-chief never touched the lock file."""
+    from test_multiworker import _clean, _env, _tiny_yaml
+
+    run = tmp_path / "run"
+    config = _tiny_yaml(tmp_path, converted_dataset, run)
+    holder = _start_holder(run)
+    lock_before = (run / LOCK_FILE).read_bytes()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "tfmis.launch", "--nproc", "2", "--"]
+            + [sys.executable, "-m", "tfmis.train", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=_env(),
+            cwd=REPO,
+        )
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    log = _clean(result.stdout + result.stderr)
+    assert result.returncode == 1, log[-3000:]
+    errors = [line for line in log.splitlines() if "error:" in line]
+    chief = [line for line in errors if "[worker 1]" not in line]
+    assert len(chief) == 1 and f"in use by pid {holder.pid} on host" in chief[0], log[-3000:]
+    assert any("[worker 1]" in line and "the chief could not lock the run folder" in line for line in errors), log
+    assert (run / LOCK_FILE).read_bytes() == lock_before
+    assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()

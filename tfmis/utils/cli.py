@@ -43,7 +43,12 @@ def is_disk_full(error: BaseException) -> bool:
 
 
 def remove_temp_files(*folders, patterns=("*.tmp", "*.tmp.*")) -> list[Path]:
-    """Deletes the temporary files (`x.tmp`, `x.tmp.weights.h5`) directly in `folders`; returns them, sorted."""
+    """Deletes the temporary files (`x.tmp`, `x.tmp.weights.h5`) directly in `folders`; returns them, sorted.
+
+    A temporary of another live writer on this host (`tfmis.utils.io.temp_path` names hold the writer's pid) is
+    kept: this process's and dead writers' are removed."""
+    from tfmis.utils.io import writer_alive
+
     removed = []
     for folder in folders:
         folder = Path(folder)
@@ -51,6 +56,8 @@ def remove_temp_files(*folders, patterns=("*.tmp", "*.tmp.*")) -> list[Path]:
             continue
         for pattern in patterns:
             for path in folder.glob(pattern):
+                if writer_alive(path, including_self=False):
+                    continue
                 if path.is_file() or path.is_symlink():
                     path.unlink(missing_ok=True)
                     removed.append(path)

@@ -28,14 +28,38 @@ def fsync_dir(folder: str | Path) -> None:
         os.close(fd)
 
 
-def remove_temp_files(folder: str | Path) -> list[Path]:
-    """Removes the `*.tmp` files directly in `folder`; returns them.
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
-    Only for a folder whose lock (`tfmis.utils.lock.folder_lock`) this process holds: every writer of such a
-    folder holds its lock, so any temporary left there belongs to a writer that died.
+
+def writer_alive(path: str | Path, including_self: bool = True) -> bool:
+    """Whether the writer of a `temp_path` temporary (the pid in its name) is alive on this host; False for
+    other names. `including_self=False`: this process's own temporaries count as not alive."""
+    writer = re.search(r"\.(\d+)\.[0-9a-f]{8}" + re.escape(TEMP_SUFFIX), Path(path).name)
+    if writer is None:
+        return False
+    pid = int(writer.group(1))
+    return including_self if pid == os.getpid() else _alive(pid)
+
+
+def remove_temp_files(folder: str | Path) -> list[Path]:
+    """Removes the `*.tmp` files directly in `folder` whose writer is gone; returns them.
+
+    For a folder whose lock (`tfmis.utils.lock.folder_lock`) this process holds: every writer of such a folder
+    holds its lock, so a temporary left there belongs to a writer that died. As a second guard, a temporary
+    whose writer (the pid in its `temp_path` name) is alive on this host is kept: a process that writes into
+    the folder without its lock (e.g. `tfmis-monitor` next to a run) never loses its temporary.
     """
     removed = []
     for tmp in Path(folder).glob("*" + TEMP_SUFFIX):
+        if writer_alive(tmp):
+            continue
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
             removed.append(tmp)
