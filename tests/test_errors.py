@@ -8,6 +8,7 @@ what tfmis prints.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -155,8 +156,11 @@ def test_convert_on_a_full_disk_exits_1_removes_the_half_written_shard_and_resum
     args = convert_args(source, target, "--compression", "NONE")
     result = run(*args)
     assert result.returncode == 1, result.stderr
-    shard = target / "train-000-of-002.tfrecord.tmp"
-    assert one_line(result) == f"error: disk full writing {shard}: free space and rerun the same command (it resumes)"
+    # the shard's temporary has this writer's own name: <shard>.<pid>.<random>.tmp
+    shard = re.escape(str(target / "train-000-of-002.tfrecord")) + r"\.\d+\.[0-9a-f]{8}\.tmp"
+    assert re.fullmatch(
+        f"error: disk full writing {shard}: free space and rerun the same command \\(it resumes\\)", one_line(result)
+    )
     assert temp_files(target) == []
     full_disk.free()
     result = run(*args)
