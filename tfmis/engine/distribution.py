@@ -134,9 +134,13 @@ class Backend:
         if arrived != self.size:
             raise RuntimeError(f"barrier {name!r}: {arrived} of {self.size} workers arrived")
 
-    def finish(self) -> None:
+    def finish(self, exit_status: int | None = None, timeout_s: float = 60.0, barrier_s: float = 3600.0) -> None:
         """Called by every worker process once, after its last piece of work in a successful run (not after a
-        failure: a lost worker would never arrive), so that the processes leave in order; nothing for one process."""
+        failure: a lost worker would never arrive), so that the processes leave together: here a barrier (the
+        chief's last writes are done); nothing for one process. `StrategyBackend` orders the exit itself and
+        may end the process with `exit_status`; here the caller returns it as usual."""
+        if self.size > 1:
+            self.barrier("finish")
 
 
 class StrategyBackend(Backend):
