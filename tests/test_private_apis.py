@@ -49,3 +49,13 @@ def test_slurm_task_list_expansion_reads_slurms_compressed_form():
     from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import expand_tasks_per_node
 
     assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+
+
+def test_eager_context_has_the_coordination_service_barrier():
+    """`tensorflow.python.eager.context.context().wait_at_barrier(barrier_id, timeout_in_ms)`
+    (`StrategyBackend.finish`, the ordered end of a multi-worker run) exists with that signature."""
+    import inspect
+
+    from tensorflow.python.eager import context
+
+    assert list(inspect.signature(context.context().wait_at_barrier).parameters) == ["barrier_id", "timeout_in_ms"]

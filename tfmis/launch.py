@@ -1,10 +1,11 @@
 """`python -m tfmis.launch --nproc N [--grace-seconds S] [--gpus-per-worker G] -- COMMAND ...` (`tfmis-launch`).
 
 Starts N local worker processes of one MultiWorkerMirroredStrategy cluster, each with its TF_CONFIG on a free
-loopback port, its share of the CPU threads and, with GPUs, its own GPU (`tfmis.engine.launch`). Worker 0 (the
-chief) prints the log; the others' output gets a `[worker k]` prefix. When a worker fails, the others get
-`--grace-seconds` to notice and end by themselves, then they are stopped. For several machines, use SLURM
-(`srun`), `mpirun` or a TF_CONFIG per machine instead (docs/scale-out.md).
+port addressed through loopback (TensorFlow's gRPC server still listens on it on all interfaces, unauthenticated;
+the first line printed names the ports), its share of the CPU threads and, with GPUs, its own GPU
+(`tfmis.engine.launch`). Worker 0 (the chief) prints the log; the others' output gets a `[worker k]` prefix. When
+a worker fails, the others get `--grace-seconds` to notice and end by themselves, then they are stopped. For
+several machines, use SLURM (`srun`), `mpirun` or a TF_CONFIG per machine instead (docs/scale-out.md).
 
 Exit status: 0 every worker succeeded, else the first failure's status; 2 bad arguments (`--nproc` below 1, a
 program after `--` that is not found or not executable).
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tfmis.launch",
         description="Start N local worker processes of one "
-        "MultiWorkerMirroredStrategy cluster (TF_CONFIG on loopback ports).",
+        "MultiWorkerMirroredStrategy cluster (TF_CONFIG with loopback addresses; TensorFlow's gRPC "
+        "servers listen on their ports on all interfaces, unauthenticated).",
     )
     p.add_argument("--nproc", type=int, required=True, help="number of worker processes on this machine")
     p.add_argument(

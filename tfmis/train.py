@@ -111,6 +111,16 @@ def main(argv=None) -> int:
         status = _train(config, backend, args, planned if len(configs) == 1 else None)
         if status != 0:
             return status
+    import tensorflow as tf
+
+    try:
+        backend.finish(exit_status=0)  # several workers: all done, the others end, then the chief (a quiet end)
+    except tf.errors.OpError as e:  # a worker ended before the final barrier (it failed after training)
+        print(
+            f"error: worker {backend.rank}: another worker ended before the end of the run ({type(e).__name__})",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

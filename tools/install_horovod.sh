@@ -6,11 +6,17 @@
 #
 #   VENV_DIR  where the environment goes (default: .venv-horovod, relative to the current directory)
 #   --gpu     tensorflow[and-cuda]==2.16.2 and Horovod with NCCL (HOROVOD_GPU_OPERATIONS=NCCL);
-#             default: tensorflow-cpu==2.16.2 (never downloads CUDA wheels) and Horovod with Gloo only.
+#             default: tensorflow-cpu==2.16.2 (never downloads CUDA wheels).
+#
+# Controllers: Horovod is always built with Gloo (horovodrun --gloo), and also with MPI
+# (HOROVOD_WITH_MPI=1: `mpirun -np N python -m tfmis.train ...` and `horovodrun --mpi`) when an MPI
+# compiler wrapper (mpicxx or mpicc) is on PATH; without one it says how to get MPI (Debian/Ubuntu:
+# apt-get install openmpi-bin libopenmpi-dev) and builds Gloo only. An environment built without MPI
+# is rebuilt when MPI has appeared since.
 #
 # Why a separate environment: Horovod 0.28.1 (its last release) does not build against TensorFlow
 # 2.17+, so this environment holds TensorFlow 2.16.2, a Keras 3 that works with it, Horovod 0.28.1
-# built from source with TensorFlow + Gloo (no MPI, no PyTorch, no MXNet), and tfmis itself (editable,
+# built from source with TensorFlow + Gloo (+ MPI when present; no PyTorch, no MXNet), and tfmis itself (editable,
 # with its `dev` extra; NOT the `cpu`/`gpu` extras, which would pull the newest TensorFlow).
 #
 # Needs: python3 3.10-3.12 (TensorFlow 2.16 has no wheels for 3.13), cmake >= 3.13, g++ with C++17.
@@ -64,6 +70,15 @@ if [ "$GPU" = 1 ]; then
     command -v nvcc >/dev/null || die "--gpu: nvcc not found: building Horovod with NCCL needs the CUDA toolkit on PATH ('module load cuda' on a cluster)"
 fi
 
+# MPI: built in when an MPI compiler wrapper is there (Horovod's CMake finds MPI through it)
+if command -v mpicxx >/dev/null || command -v mpicc >/dev/null; then
+    MPI=1
+    MPI_NOTE="MPI $(mpirun --version 2>/dev/null | head -1 || echo '(mpirun not found)') via $(command -v mpicxx || command -v mpicc)"
+else
+    MPI=0
+    MPI_NOTE="no MPI compiler wrapper (mpicxx/mpicc) on PATH: Horovod gets Gloo only (horovodrun --gloo); for mpirun and horovodrun --mpi install MPI first (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev; a cluster: 'module load openmpi') and rerun this script"
+fi
+
 # ---- 1. the virtual environment -------------------------------------------------------------------
 if [ -x "$VENV_DIR/bin/python" ]; then
     step "virtual environment $VENV_DIR exists"
@@ -103,21 +118,30 @@ fi
 
 # ---- 3. Horovod, compiled against that TensorFlow -------------------------------------------------
 horovod_ok() {  # importing horovod.tensorflow fails when Horovod was built without TensorFlow ops
-    "$PY" - "$GPU" <<'EOF' 2>/dev/null
+    "$PY" - "$GPU" "$MPI" <<'EOF' 2>/dev/null
 import sys
 import horovod.tensorflow as hvd
-sys.exit(0 if hvd.gloo_built() and (sys.argv[1] != "1" or hvd.nccl_built()) else 1)
+gpu, mpi = sys.argv[1] == "1", sys.argv[2] == "1"
+sys.exit(0 if hvd.gloo_built() and (not gpu or hvd.nccl_built()) and (not mpi or hvd.mpi_built()) else 1)
 EOF
 }
+CONTROLLERS="Gloo"
+[ "$MPI" = 1 ] && CONTROLLERS="$CONTROLLERS + MPI"
+[ "$GPU" = 1 ] && CONTROLLERS="$CONTROLLERS + NCCL"
+step "controllers: $MPI_NOTE"
 if [ "$(dist_version horovod)" = "$HOROVOD_VERSION" ] && horovod_ok; then
-    step "horovod $HOROVOD_VERSION with TensorFlow ops already built"
+    step "horovod $HOROVOD_VERSION with TensorFlow ops and $CONTROLLERS already built"
 else
-    step "building horovod $HOROVOD_VERSION against TensorFlow $TF_VERSION (compiles C++: minutes)"
+    step "building horovod $HOROVOD_VERSION against TensorFlow $TF_VERSION with $CONTROLLERS (compiles C++: minutes)"
     # no build isolation: Horovod's build imports the TensorFlow installed above, so its own build
     # requirements must be in the environment first
     "${PIP[@]}" install -q "setuptools<70" wheel cffi cloudpickle psutil pyyaml packaging -c "$CONSTRAINTS"
-    export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-           HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+    export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+    if [ "$MPI" = 1 ]; then
+        export HOROVOD_WITH_MPI=1; unset HOROVOD_WITHOUT_MPI || true
+    else
+        export HOROVOD_WITHOUT_MPI=1; unset HOROVOD_WITH_MPI || true
+    fi
     if [ "$GPU" = 1 ]; then export HOROVOD_GPU_OPERATIONS=NCCL; else unset HOROVOD_GPU_OPERATIONS || true; fi
     export MAKEFLAGS="${MAKEFLAGS:--j$(nproc 2>/dev/null || echo 2)}"
     # --no-cache-dir: never reuse a wheel cached from a build with other flags (CPU vs GPU)
@@ -140,7 +164,7 @@ else
         tail -40 "$BUILD_LOG" >&2
         die "building horovod $HOROVOD_VERSION failed (pip exit $rc); full log: $BUILD_LOG"
     fi
-    horovod_ok || die "horovod $HOROVOD_VERSION was not built with TensorFlow + Gloo$([ "$GPU" = 1 ] && echo ' + NCCL'); rerun with 'pip install -v' output: $PY -m pip install -v --no-build-isolation --no-cache-dir --force-reinstall --no-deps horovod==$HOROVOD_VERSION"
+    horovod_ok || die "horovod $HOROVOD_VERSION was not built with TensorFlow + $CONTROLLERS; rerun with 'pip install -v' output: $PY -m pip install -v --no-build-isolation --no-cache-dir --force-reinstall --no-deps horovod==$HOROVOD_VERSION"
 fi
 
 # ---- 4. tfmis itself (editable, dev extra; TensorFlow stays at 2.16) ------------------------------

@@ -21,6 +21,7 @@ if launch.kind == "mpi":
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import socket
@@ -148,3 +149,42 @@ def rendezvous_folder(launch: Launch, rendezvous_dir: str | Path) -> Path:
     """Where `mpi_tf_config` exchanges this job's addresses; the chief removes it once the cluster is up,
     so that a later job with the same id does not read stale addresses."""
     return Path(rendezvous_dir) / ("job-" + (launch.job_id or "mpi").replace("/", "_"))
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `host:port` (or `host`) names this machine's loopback interface (127.0.0.0/8, ::1, or a name that
+    resolves there, such as Debian's 127.0.1.1 for the host name); an unresolvable name is not."""
+    if address.startswith("["):  # [v6]:port
+        host = address[1 : address.index("]")]
+    else:
+        host = address.split(":")[0] if address.count(":") == 1 else address  # host:port, host or a bare v6
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
+def _listening(address: str, timeout_s: float = 1.0) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except OSError:  # refused: nobody listens there any more (or the host is gone)
+        return False
+
+
+def wait_until_closed(addresses: list[str], timeout_s: float = 60.0, poll_s: float = 0.2) -> list[str]:
+    """Waits until nothing accepts connections on any of `addresses` (`host:port`: the other workers' servers,
+    which close only when their processes end); returns those still open after `timeout_s` (empty: all closed)."""
+    deadline = time.monotonic() + timeout_s
+    open_ = list(addresses)
+    while open_:
+        open_ = [a for a in open_ if _listening(a)]
+        if not open_ or time.monotonic() > deadline:
+            break
+        time.sleep(poll_s)
+    return open_

@@ -6,6 +6,8 @@ the non-finite check, so that both see the global gradient), apply an update onl
 holds on every replica, reduce metrics, and synchronise the initial state. Between steps, worker
 processes agree through `barrier`, `broadcast` (rank 0's decision) and `all_reduce_sum` (e.g. the
 validation cases each worker scored), so that no worker waits in a collective the others skipped.
+After its last piece of work, every process of a successful run calls `finish()`, which leaves the
+cluster in order (the chief last) so that the run ends without errors.
 
 Backends are chosen by name (`runtime.distribution`) from a registry, and are built *before*
 anything touches TensorFlow's devices: MultiWorkerMirroredStrategy must configure the runtime
@@ -31,12 +33,20 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
 
-from tfmis.engine.cluster import Launch, detect_launch, mpi_tf_config, rendezvous_folder
+from tfmis.engine.cluster import (
+    Launch,
+    detect_launch,
+    is_loopback,
+    mpi_tf_config,
+    rendezvous_folder,
+    wait_until_closed,
+)
 from tfmis.hardware import nvidia_smi_available, physical_gpus
 
 
@@ -123,6 +133,14 @@ class Backend:
         arrived = int(round(float(self.all_reduce_sum([1.0])[0])))
         if arrived != self.size:
             raise RuntimeError(f"barrier {name!r}: {arrived} of {self.size} workers arrived")
+
+    def finish(self, exit_status: int | None = None, timeout_s: float = 60.0, barrier_s: float = 3600.0) -> None:
+        """Called by every worker process once, after its last piece of work in a successful run (not after a
+        failure: a lost worker would never arrive), so that the processes leave together: here a barrier (the
+        chief's last writes are done); nothing for one process. `StrategyBackend` orders the exit itself and
+        may end the process with `exit_status`; here the caller returns it as usual."""
+        if self.size > 1:
+            self.barrier("finish")
 
 
 class StrategyBackend(Backend):
@@ -247,6 +265,62 @@ class StrategyBackend(Backend):
         flat = values.reshape(-1)
         return self._sum_fn(tf.constant(flat)).numpy().reshape(values.shape)
 
+    def peer_addresses(self) -> list[str]:
+        """The other workers' `host:port` (their TensorFlow gRPC servers), from the cluster spec."""
+        resolver = getattr(self.strategy, "cluster_resolver", None)
+        if resolver is None:
+            return []
+        spec = resolver.cluster_spec().as_dict()
+        own = (resolver.task_type, int(resolver.task_id or 0))
+        peers = []
+        for job in ("chief", "worker"):
+            tasks = spec.get(job, [])
+            items = tasks.items() if isinstance(tasks, dict) else enumerate(tasks)
+            peers += [address for index, address in items if (job, int(index)) != own]
+        return peers
+
+    def finish(self, exit_status: int | None = None, timeout_s: float = 60.0, barrier_s: float = 3600.0) -> None:
+        """Leaves a MultiWorkerMirroredStrategy cluster in order: every worker first, the chief last.
+
+        TensorFlow's coordination service runs in the chief (task 0) and every worker's agent sends it heartbeats
+        until the process ends. A worker still running when the chief's process ends logs `Failed to send RPC to
+        coordination service ... Connection refused` and `BaseCollectiveExecutor::StartAbort UNAVAILABLE`; a
+        chief still running some seconds after a worker ended logs `StartAbort UNAVAILABLE: ... The following
+        tasks are unhealthy (stopped sending heartbeats)`. TensorFlow has no call that disconnects an agent or
+        stops the gRPC server (`GrpcServer::Stop` is unimplemented), so the order is made here:
+
+        1. every worker waits at a coordination-service barrier (the chief arrives after its last writes, e.g.
+           the prediction preview); unlike a collective, nobody needs data from a worker that has passed it;
+        2. the other workers then end, and the chief waits until their gRPC servers no longer accept
+           connections (their processes are gone; at most `timeout_s`);
+        3. with `exit_status`, each process ends right there (`os._exit` after flushing stdout and stderr):
+           TensorFlow's teardown of a process holding a server takes seconds, long enough for the chief's
+           service to report a gone worker as unhealthy, and a worker's teardown cannot be ordered at all.
+           Without it (a script that continues), the caller must end the process soon.
+
+        Args:
+            exit_status: end the process with this status once its part is done (`tfmis.train` passes 0).
+            timeout_s: how long the chief waits for the other workers' processes to end.
+            barrier_s: how long a worker waits at the barrier for the others (a lost worker fails it sooner).
+        """
+        if self.size == 1:
+            return
+        from tensorflow.python.eager import context  # no public API for the coordination service's barrier
+
+        context.context().wait_at_barrier("tfmis_finish", int(barrier_s * 1000))
+        if self.is_chief:
+            still_open = wait_until_closed(self.peer_addresses(), timeout_s)
+            if still_open:
+                print(
+                    f"warning: worker(s) at {', '.join(still_open)} were still running {timeout_s:.0f} s after "
+                    "training ended; the chief ends anyway (they may log a lost coordination service)",
+                    file=sys.stderr,
+                )
+        if exit_status is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_status)
+
 
 def _already_reduced(grads_and_vars):
     return list(grads_and_vars)
@@ -345,6 +419,8 @@ def _multiworker(runtime, output_dir):
         communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
     )
     backend = StrategyBackend(strategy, name="multiworker")
+    if backend.is_chief:
+        _warn_exposure(resolver.cluster_spec().as_dict())
     if launch.kind == "mpi":
         backend.barrier("rendezvous")  # every rank has read the addresses: the chief may remove them
         if backend.is_chief:
@@ -365,6 +441,26 @@ def _horovod(runtime, output_dir):
             "tools/install_horovod.sh, then run there"
         ) from e
     return HorovodBackend(runtime)
+
+
+EXPOSURE = (
+    "every worker runs TensorFlow's gRPC server, which listens on ALL network interfaces of its machine "
+    "(TensorFlow binds 0.0.0.0 whatever host the cluster names; it has no option for one address) and "
+    "accepts any client without authentication"
+)
+
+
+def _warn_exposure(spec: dict) -> None:
+    """Once, on the chief: a cluster whose addresses are not all loopback spans a network, so say what listens.
+    (All-loopback clusters are single-host: `tfmis.launch` says what it exposes when it starts them.)"""
+    addresses = [a for job in spec.values() for a in (job.values() if isinstance(job, dict) else job)]
+    if all(is_loopback(a) for a in addresses):
+        return
+    print(
+        f"warning: multiworker: {EXPOSURE}: {', '.join(addresses)}. Run the workers on a private cluster "
+        "network or behind a firewall that admits only the other workers (docs/scale-out.md#network-exposure)",
+        file=sys.stderr,
+    )
 
 
 def _slurm_resolver(port_base: int):

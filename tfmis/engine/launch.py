@@ -2,12 +2,15 @@
 
 `launch(["python", "-m", "tfmis.train", "--config", "X.yaml"], nproc=2)` runs the command N times,
 worker k with `TF_CONFIG = {"cluster": {"worker": [127.0.0.1:p0, ...]}, "task": {"type": "worker",
-"index": k}}` on free loopback ports, so that `runtime.distribution: auto` (or `multiworker`) trains
-one model with MultiWorkerMirroredStrategy over them. Each worker gets its share of the CPU threads
-(`TF_NUM_INTRAOP_THREADS`, unless set) and, with GPUs, its own GPU (`CUDA_VISIBLE_DEVICES`) unless
-`--gpus-per-worker 0`. Worker 0 (the chief) prints the log; the others' output gets a `[worker k]`
-prefix. When a worker fails, the others get `--grace-seconds` to notice and end by themselves (they
-report the lost worker), then they are stopped; the exit status is the first failure's.
+"index": k}}` on free ports, addressed through loopback, so that `runtime.distribution: auto` (or
+`multiworker`) trains one model with MultiWorkerMirroredStrategy over them. The workers talk over
+loopback, but TensorFlow's gRPC server listens on each port on all network interfaces (it cannot
+bind one address), without authentication: `launch` says so, with the ports, when it starts them.
+Each worker gets its share of the CPU threads (`TF_NUM_INTRAOP_THREADS`, unless set) and, with GPUs,
+its own GPU (`CUDA_VISIBLE_DEVICES`) unless `--gpus-per-worker 0`. Worker 0 (the chief) prints the
+log; the others' output gets a `[worker k]` prefix. When a worker fails, the others get
+`--grace-seconds` to notice and end by themselves (they report the lost worker), then they are
+stopped; the exit status is the first failure's.
 
 For several machines, use SLURM (`srun`), `mpirun` or a TF_CONFIG per machine instead (README).
 """
@@ -47,6 +50,17 @@ def worker_environments(
     return envs
 
 
+def exposure_note(workers: list[str]) -> str:
+    """The line `launch` prints first: which ports its workers' TensorFlow gRPC servers use, and where they listen."""
+    return (
+        f"tfmis.launch: {len(workers)} workers: TensorFlow gRPC servers on {', '.join(workers)} (the addresses the "
+        "workers use to reach each other). TensorFlow listens on these ports on ALL network interfaces, without "
+        "authentication (it has no option to bind loopback only); while training runs, keep them unreachable from "
+        "other machines (a firewall) if this machine is on a network you do not trust "
+        "(docs/scale-out.md#network-exposure)"
+    )
+
+
 def _prefix_output(stream, prefix: str, sink) -> None:
     for line in iter(stream.readline, ""):
         sink.write(prefix + line)
@@ -59,7 +73,10 @@ def launch(command: list[str], nproc: int, grace_seconds: float = 60.0, gpus_per
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     procs = []
     threads = []
-    for k, env in enumerate(worker_environments(nproc, gpus_per_worker=gpus_per_worker)):
+    environments = worker_environments(nproc, gpus_per_worker=gpus_per_worker)
+    if nproc > 1:
+        print(exposure_note(json.loads(environments[0]["TF_CONFIG"])["cluster"]["worker"]), file=sys.stderr)
+    for k, env in enumerate(environments):
         quiet = k > 0
         proc = subprocess.Popen(
             command,

@@ -1,0 +1,196 @@
+"""MultiWorkerMirroredStrategy under a real Open MPI `mpirun -np 2` and under `tfmis.launch`: training, identical
+weights on both ranks, an orderly end (no error lines in any rank's output) and what listens on the network.
+
+`mpirun` is the real launcher (Open MPI's: `-x` passes PYTHONPATH, `--output-filename` keeps each rank's output
+apart); the ranks find each other through tfmis's file rendezvous (tfmis/engine/cluster.py). Skipped with the
+reason when Open MPI's mpirun is missing (CI installs it: .ci/run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import TINY_TRAINING
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+MPIRUN = shutil.which("mpirun")
+
+
+def _mpi_problem() -> str | None:
+    if MPIRUN is None:
+        return "mpirun not found: install Open MPI (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev)"
+    version = subprocess.run([MPIRUN, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" not in version:
+        return f"these tests drive Open MPI's mpirun (-x, --output-filename); found: {version.splitlines()[:1]}"
+    return None
+
+
+MPI_PROBLEM = _mpi_problem()
+needs_mpirun = pytest.mark.skipif(MPI_PROBLEM is not None, reason=str(MPI_PROBLEM))
+
+# Lines that mean something went wrong in a worker. TensorFlow also logs, at ERROR severity, that oneDNN has no
+# uint8 kernels without AVX-512 (a CPU capability note, printed by single-process runs too): not an error.
+ERROR_MARKERS = ("E0000", "UNAVAILABLE", "StartAbort", "Traceback", "Connection refused", "coordination service")
+NOT_ERRORS = ("oneDNN supports DT_UINT8 only on platforms with AVX-512",)
+
+
+def error_lines(text: str) -> list[str]:
+    return [
+        line
+        for line in text.splitlines()
+        if any(m in line for m in ERROR_MARKERS) and not any(n in line for n in NOT_ERRORS)
+    ]
+
+
+def mpirun(args: list[str], cwd: Path, out: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`mpirun -np 2 <args>` with PYTHONPATH passed to the ranks and each rank's output in out/1/rank.R/."""
+    command = [MPIRUN, "-np", "2", "--oversubscribe", "--output-filename", str(out)]
+    if os.geteuid() == 0:
+        command.append("--allow-run-as-root")
+    command += ["-x", "PYTHONPATH", "-x", "TF_NUM_INTRAOP_THREADS=1", "-x", "TF_NUM_INTEROP_THREADS=1", *args]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def rank_output(out: Path, rank: int) -> str:
+    """Everything rank `rank` wrote (Open MPI's --output-filename: out/<job>/rank.<rank>/{stdout,stderr})."""
+    return "".join(p.read_text() for p in sorted(out.glob(f"*/rank.{rank}/std*")))
+
+
+def tiny_yaml(path: Path, dataset_dir: Path, output_dir: Path, *overrides: str) -> Path:
+    data = {}
+    for override in [f"data.dataset_dir={dataset_dir}", f"output.dir={output_dir}", *TINY_TRAINING, *overrides]:
+        key, value = override.split("=", 1)
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+FIT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from tfmis.engine.distribution import make_backend
+    from tfmis.config import load_config
+    config = load_config(sys.argv[1])
+    backend = make_backend(config.runtime, output_dir=config.output.dir)  # auto: mpirun's env -> multiworker
+    from tfmis.engine.trainer import Trainer
+    trainer = Trainer(config, backend=backend)
+    trainer.fit()
+    np.savez(f"{sys.argv[2]}/rank{backend.rank}.npz", *trainer.model.get_weights())
+    print(f"rank {backend.rank} of {backend.size}: {backend.name}, {backend.num_replicas} replicas", file=sys.stderr)
+    if backend.rank == 1:
+        time.sleep(5)  # rank 1 ends 5 s after the chief is done: the chief must still outlive it
+    backend.finish(exit_status=0)  # as tfmis.train: barrier, the others end, the chief last
+    raise SystemExit(3)  # not reached: finish ended the process
+""")
+
+
+@needs_mpirun
+def test_mpirun_multiworker_fit_gives_identical_weights_and_ends_quietly_when_a_worker_ends_late(
+    converted_dataset, tmp_path
+):
+    """Real `mpirun -np 2` runs `Trainer.fit` (2 epochs, validation, checkpoints) with `runtime.distribution: auto`:
+    both ranks pick multiworker from Open MPI's environment (2 replicas), end with identical weights, exit 0
+    (through `Backend.finish(exit_status=0)`), and neither rank's output holds an error line, although rank 1 ends
+    5 s after the chief is done. (Without the ordered end the chief ends first and rank 1 logs `StartAbort
+    UNAVAILABLE: Failed to send RPC to coordination service ... Connection refused`, the user's report.)"""
+    config = tiny_yaml(tmp_path / "tiny.yaml", converted_dataset, tmp_path / "run")
+    (tmp_path / "fit.py").write_text(FIT_SCRIPT)
+    out = tmp_path / "out"
+    start = time.monotonic()
+    result = mpirun([sys.executable, str(tmp_path / "fit.py"), str(config), str(tmp_path)], tmp_path, out)
+    logs = [rank_output(out, r) for r in (0, 1)]
+    assert result.returncode == 0, (result.stdout + result.stderr)[-2000:] + logs[0][-2000:] + logs[1][-2000:]
+    assert time.monotonic() - start > 5  # mpirun returned after the slow rank 1, which the chief waited for
+    for rank, log in enumerate(logs):
+        assert f"rank {rank} of 2: multiworker, 2 replicas" in log
+        assert error_lines(log) == [], f"rank {rank}:\n" + "\n".join(error_lines(log))
+    weights = [list(np.load(tmp_path / f"rank{r}.npz").values()) for r in (0, 1)]
+    assert len(weights[0]) == len(weights[1]) > 0
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in history] == [1, 2]
+
+
+@needs_mpirun
+def test_tfmis_train_under_mpirun_trains_resumes_and_ends_quietly(converted_dataset, tmp_path):
+    """`mpirun -np 2 python -m tfmis.train --config tiny.yaml` (the user's command, on the tiny config): exit 0,
+    2 replicas, the chief's history has both epochs, no error line in either rank's output; then the same command
+    with `--resume --set training.epochs=3` continues from the chief's checkpoint of epoch 2, quietly too."""
+    config = tiny_yaml(tmp_path / "tiny.yaml", converted_dataset, tmp_path / "run")
+    command = [sys.executable, "-m", "tfmis.train", "--config", str(config)]
+    for attempt, extra in enumerate([[], ["--resume", "--set", "training.epochs=3"]]):
+        out = tmp_path / f"out{attempt}"
+        result = mpirun(command + extra, ROOT, out)
+        logs = [rank_output(out, r) for r in (0, 1)]
+        assert result.returncode == 0, (result.stdout + result.stderr)[-2000:] + logs[0][-3000:] + logs[1][-3000:]
+        assert "on 2 replica(s) (multiworker, 2 worker process(es))" in logs[0]
+        for rank, log in enumerate(logs):
+            assert error_lines(log) == [], f"rank {rank}:\n" + "\n".join(error_lines(log))
+    assert f"Resuming from {tmp_path / 'run' / 'checkpoints'}/ckpt-2" in logs[0]
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in history] == [1, 2, 3]
+    assert not (tmp_path / "run" / ".rendezvous").exists()
+
+
+def test_tfmis_launch_says_what_it_exposes_and_two_workers_end_quietly(converted_dataset, tmp_path):
+    """`python -m tfmis.launch --nproc 2 -- python -m tfmis.train ...` on loopback: it first says which ports its
+    workers' TensorFlow gRPC servers use and that TensorFlow listens on them on all interfaces; the 2-worker
+    training exits 0 and neither worker's output (the chief's own, worker 1's `[worker 1]` lines) holds an error."""
+    config = tiny_yaml(tmp_path / "tiny.yaml", converted_dataset, tmp_path / "run")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env.update(PYTHONPATH=str(ROOT), TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "tfmis.launch", "--nproc", "2", "--"]
+        + [sys.executable, "-m", "tfmis.train", "--config", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    exposure = re.search(
+        r"tfmis.launch: 2 workers: TensorFlow gRPC servers on 127\.0\.0\.1:(\d+), 127\.0\.0\.1:(\d+)", output
+    )
+    assert exposure, output[:2000]
+    assert "ALL network interfaces" in output and "without authentication" in output
+    assert "on 2 replica(s) (multiworker, 2 worker process(es))" in output
+    assert error_lines(output) == [], "\n".join(error_lines(output))
+
+
+def test_exposure_warning_is_printed_for_a_cluster_beyond_loopback_only(capsys):
+    """The chief's start-up warning (`tfmis.engine.distribution._warn_exposure`) names every address and the
+    private-network advice when any worker address is not loopback, and says nothing for 127.0.0.1 / localhost
+    / ::1 clusters (tfmis.launch prints its own line for those); `is_loopback` reads host:port, [v6]:port and
+    names that resolve to loopback."""
+    from tfmis.engine.cluster import is_loopback
+    from tfmis.engine.distribution import _warn_exposure
+
+    assert all(is_loopback(a) for a in ("127.0.0.1:5000", "localhost:1", "[::1]:2", "127.0.1.1:3"))
+    assert not any(is_loopback(a) for a in ("10.1.2.3:5000", "[2001:db8::1]:4", "no-such-host.invalid:1"))
+    _warn_exposure({"worker": ["127.0.0.1:5000", "localhost:5001"]})
+    assert capsys.readouterr().err == ""
+    _warn_exposure({"worker": ["10.1.2.3:23456", "10.1.2.4:23456"]})
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "10.1.2.3:23456, 10.1.2.4:23456" in err
+    assert "ALL network interfaces" in err and "without authentication" in err and "private cluster network" in err
