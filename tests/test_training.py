@@ -724,14 +724,21 @@ def large_volume_dataset(tmp_path_factory) -> Path:
     return root / "tfrecords"
 
 
-def test_input_bound_report_warns_for_uncached_reads_and_stays_silent_for_the_cached_pipeline(
+def test_input_bound_report_diagnoses_the_uncached_pipeline_and_agrees_with_its_measured_wait(
     large_volume_dataset, tmp_path, capsys
 ):
-    """At the default 10 % threshold, the same small step fed with 8 16^3 crops of 8 different 128^3 volumes:
-    with pipeline.cache=none (every volume read and decoded again) the run gets one input-bound line naming
-    pipeline.cache and its fix, and summary.json's `input_bound` holds that diagnosis with the measured wait
-    share of the epochs after the first; with the cached, parallel pipeline it prints nothing and
-    `input_bound` is null."""
+    """The same small step fed with 8 16^3 crops of 8 different 128^3 volumes, with pipeline.cache=none (every
+    volume read and decoded again) and with the cached, parallel pipeline, both in this test:
+
+    - ordering, measured within this run: the uncached run's input-wait share of the epochs after the first is at
+      least 2x the cached one's (measured 73-78 % vs 3-5 % on an idle machine: a 2x margin survives a busy
+      2-core box slowing either side, while a cache that did nothing would give about 1x);
+    - at a threshold between the two measured shares, `input_bound_diagnosis` names pipeline.cache and its fix for
+      the uncached run and nothing for the cached one;
+    - the report at the default 10 % threshold is consistent with each run's own measurement: summary.json's
+      `input_bound` holds the measured share (recomputed here from history.jsonl) and exactly one `input-bound:`
+      line naming pipeline.cache when that share is above 10 %, else null and no line. (Whether a run lands above
+      10 % depends on the machine's load; the asserts above do not.)"""
     from tfmis.engine.callbacks import input_bound_diagnosis
 
     # 16^3 crops and 8 steps per epoch: a CI run once measured under 10 % with 24^3 crops and 4 steps (here 31-37 %),
@@ -745,24 +752,29 @@ def test_input_bound_report_warns_for_uncached_reads_and_stays_silent_for_the_ca
         "validation.val_interval=10",
         "validation.roi_size=[64,64,64]",
     ]
-    slow = tiny_config(large_volume_dataset, tmp_path / "slow", *settings, "pipeline.cache=none")
-    summary = Trainer(slow).fit()
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("input-bound:")]
-    saved = json.loads((tmp_path / "slow" / "summary.json").read_text())["input_bound"]
-    records = [json.loads(line) for line in (tmp_path / "slow" / "history.jsonl").read_text().splitlines()]
-    warm = records[1:]
-    wait = sum(r["data_wait_seconds"] for r in warm)
-    assert saved["data_wait_fraction"] == pytest.approx(wait / (wait + sum(r["compute_seconds"] for r in warm)))
-    assert saved["data_wait_fraction"] > 0.10 and saved["epochs"] == [2, 3]
-    assert len(lines) == 1 and "pipeline.cache is none" in lines[0] and "pipeline.cache=memory" in lines[0]
-    assert summary["input_bound"] == saved
-    assert input_bound_diagnosis(slow, records, threshold=1.0) is None
-
-    fast = tiny_config(large_volume_dataset, tmp_path / "fast", *settings, "pipeline.deterministic=false")
-    summary = Trainer(fast).fit()
-    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("input-bound:")]
-    assert summary["input_bound"] is None
-    assert json.loads((tmp_path / "fast" / "summary.json").read_text())["input_bound"] is None
+    shares, configs, records = {}, {}, {}
+    for name, extra in (("uncached", "pipeline.cache=none"), ("cached", "pipeline.deterministic=false")):
+        configs[name] = tiny_config(large_volume_dataset, tmp_path / name, *settings, extra)
+        summary = Trainer(configs[name]).fit()
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("input-bound:")]
+        saved = json.loads((tmp_path / name / "summary.json").read_text())["input_bound"]
+        records[name] = [json.loads(line) for line in (tmp_path / name / "history.jsonl").read_text().splitlines()]
+        warm = records[name][1:]
+        wait = sum(r["data_wait_seconds"] for r in warm)
+        shares[name] = wait / (wait + sum(r["compute_seconds"] for r in warm))
+        assert summary["input_bound"] == saved
+        if shares[name] > 0.10:
+            assert saved["data_wait_fraction"] == pytest.approx(shares[name]) and saved["epochs"] == [2, 3]
+            assert len(lines) == 1 and "pipeline.cache" in lines[0], lines
+        else:
+            assert saved is None and not lines, (saved, lines)
+    assert shares["uncached"] >= 2 * shares["cached"], shares
+    between = (shares["uncached"] + shares["cached"]) / 2
+    diagnosis = input_bound_diagnosis(configs["uncached"], records["uncached"], threshold=between)
+    assert diagnosis["data_wait_fraction"] == pytest.approx(shares["uncached"])
+    assert "pipeline.cache is none" in diagnosis["cause"] and "pipeline.cache=memory" in diagnosis["fix"]
+    assert input_bound_diagnosis(configs["cached"], records["cached"], threshold=between) is None
+    assert input_bound_diagnosis(configs["uncached"], records["uncached"], threshold=1.0) is None
 
 
 # ---------------------------------------------------------------- training.steps_per_loop
