@@ -117,6 +117,7 @@ def _model_weights_in_checkpoint(config, prefix):
     "crash, committed",
     [("shards written, not merged", 1), ("files written, not indexed", 1), ("after the checkpoint", 2)],
 )
+@pytest.mark.slow
 def test_a_kill_inside_or_after_the_real_checkpoint_save_leaves_the_epochs_outputs_consistent(
     converted_dataset, tmp_path, crash, committed
 ):
@@ -177,6 +178,7 @@ def tf_latest(run):
     return Path(tf.train.latest_checkpoint(str(run / "checkpoints"))).name
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_with_the_committed_weights_optimizer_state_and_learning_rate(converted_dataset, tmp_path):
     """SIGKILL a real training process mid-run; a resumed trainer holds exactly the last checkpoint's model
     and optimizer variables, optimizer.iterations = epochs done x steps per epoch, and the cosine learning
