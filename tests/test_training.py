@@ -737,8 +737,9 @@ def test_input_bound_report_diagnoses_the_uncached_pipeline_and_agrees_with_its_
     pipeline.cache=memory, both in this test:
 
     - ordering, measured within this run: the uncached run's input-wait share of the epochs after the first is at
-      least 2x the cached one's (measured 73-78 % vs 3-5 % on an idle machine: a 2x margin survives a busy
-      2-core box slowing either side, while a cache that did nothing would give about 1x);
+      least 2x the cached one's and 25 points above it (measured 73-78 % vs 3-5 % on an idle machine; on a busy
+      2-core box two identical cached runs measured up to 14 % vs 4 %, so a ratio alone can be met by noise and
+      the 25-point gap is what tells a cache=none that reads again from one that does not);
     - at a threshold between the two measured shares, `input_bound_diagnosis` names pipeline.cache and its fix for
       the uncached run and nothing for the cached one;
     - the report at the default 10 % threshold is consistent with each run's own measurement: summary.json's
@@ -783,7 +784,7 @@ def test_input_bound_report_diagnoses_the_uncached_pipeline_and_agrees_with_its_
         assert len(lines) == (first is not None), lines
         if first:
             assert first["cause"] in lines[0] and first["fix"] in lines[0], lines
-    assert shares["uncached"] >= 2 * shares["cached"], shares
+    assert shares["uncached"] >= 2 * shares["cached"] and shares["uncached"] - shares["cached"] >= 0.25, shares
     between = (shares["uncached"] + shares["cached"]) / 2
     diagnosis = input_bound_diagnosis(configs["uncached"], records["uncached"], threshold=between)
     assert diagnosis["data_wait_fraction"] == pytest.approx(shares["uncached"])
