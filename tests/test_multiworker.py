@@ -87,6 +87,7 @@ def _history(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
 
 
+@pytest.mark.slow
 def test_multiworker_steps_match_one_process_with_the_same_global_batch(converted_dataset, tmp_path):
     """Two MultiWorkerMirroredStrategy workers started by `python -m tfmis.launch --nproc 2`, each taking 2
     of the 4 images of three fixed global batches, end with identical weights, and their losses and weights
@@ -156,6 +157,7 @@ def _start_workers(config_path, workers, *args, extra_env=None):
     return procs
 
 
+@pytest.mark.slow
 def test_hand_written_tf_config_trains_and_a_killed_worker_ends_the_other_then_resume_continues(
     converted_dataset, tmp_path
 ):
@@ -221,6 +223,7 @@ def test_hand_written_tf_config_trains_and_a_killed_worker_ends_the_other_then_r
 
 
 @pytest.mark.parametrize("launcher", ["slurm", "mpi"])
+@pytest.mark.slow
 def test_srun_and_mpirun_environments_form_one_cluster(converted_dataset, tmp_path, launcher):
     """Two `python -m tfmis.train` processes with the environment `srun` (SLURM_PROCID, SLURM_STEP_NODELIST, ...)
     or Open MPI's `mpirun` (OMPI_COMM_WORLD_RANK/SIZE, no host list: a file rendezvous) sets, and no TF_CONFIG,

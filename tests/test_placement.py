@@ -139,6 +139,7 @@ def real_oom(text: str) -> bool:
     return "ResourceExhaustedError: OOM when allocating" in text and "bfc_cpu_allocator" in text
 
 
+@pytest.mark.slow
 def test_auto_walks_the_ladder_on_a_real_oom_and_remembers_what_failed(ladder):
     """`auto`, 128 windows per forward pass, real OOM errors from the capped allocator: a small
     volume runs on the accelerator (here the CPU); a big one fails there and with the volume on the
@@ -174,6 +175,7 @@ def test_auto_walks_the_ladder_on_a_real_oom_and_remembers_what_failed(ladder):
     assert small_again["placement"] == "cpu:0" and small_again["calls"] == [["/CPU:0", 128]]
 
 
+@pytest.mark.slow
 def test_cpu_from_voxels_seeds_what_goes_to_the_cpu(ladder):
     """A policy seeded with `cpu_from_voxels` at the small volume's size sends it to the CPU
     straight away (it fits there): the description says the size is known not to fit."""
@@ -385,6 +387,7 @@ def train_capped(dataset, folder: Path, device: str) -> subprocess.CompletedProc
     )
 
 
+@pytest.mark.slow
 def test_training_survives_a_real_validation_oom(large_volume_dataset, tmp_path):
     """`python -m tfmis.train` with `validation_data_device: auto` in a process whose memory is
     capped so that the training steps fit but validating a whole volume with 64 windows per
@@ -417,6 +420,7 @@ def test_training_survives_a_real_validation_oom(large_volume_dataset, tmp_path)
     assert (tmp_path / "run" / "validation_preview.png").is_file()
 
 
+@pytest.mark.slow
 def test_training_with_accelerator_placement_stops_at_a_real_oom_naming_the_fix(large_volume_dataset, tmp_path):
     """The same capped run with `validation_data_device: accelerator`: the real OOM at the first
     validation ends the run with a message naming the case and `validation_data_device: auto` or `cpu`."""

@@ -1,4 +1,5 @@
 import csv
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -315,12 +316,35 @@ def test_a_bad_case_never_stops_the_others(trained_run, tmp_path):
     assert (tmp_path / "out" / "case_001.nii.gz").is_file()
 
 
-def test_tta_and_probability_maps(trained_run, tmp_path):
+def test_tta_logits_are_the_mean_over_all_eight_flips_and_probabilities_their_softmax(trained_run, tmp_path):
+    """`tta=True` against the definition, computed here without the TTA code path: the test-time-augmented logits
+    of a preprocessed case equal the mean over all 2^3 flip combinations of (flip the volume along those axes ->
+    the same model's plain sliding-window logits -> flip back), to 1e-4 (float32 sums of 8 passes). They differ
+    from the un-augmented logits by far more than that (so the check can tell TTA from no TTA). The probabilities
+    on the preprocessed grid are the softmax of those averaged logits; the written probability map is a
+    distribution per voxel whose argmax is the written label map. `tta_axes=(0,)` keeps 2 passes."""
+    from tfmis.data.msd import load_image
+    from tfmis.data.preprocess import preprocess
+
     source = trained_run["source"]
     predictor = Predictor(trained_run["config"], trained_run["dir"], tta=True)
-    assert len(predictor.tta_flips) == 8  # every combination of the three axes
-    case = InputCase("case_002", str(source / "imagesTr" / "case_002.nii.gz"))
-    result = predictor.predict_file(case, tmp_path, probabilities=True)
+    plain = Predictor(trained_run["config"], trained_run["dir"])
+    flips = [axes for n in range(4) for axes in itertools.combinations((0, 1, 2), n)]  # spatial axes of a volume
+    assert len(flips) == 8 and sorted(map(tuple, predictor.tta_flips)) == sorted(tuple(a + 1 for a in f) for f in flips)
+    path = source / "imagesTr" / "case_002.nii.gz"
+    image, affine, _ = load_image(path, len(predictor.modalities), "case_002", integers=True)
+    volume, _, _ = preprocess(image, None, affine, predictor.preprocessing)
+    augmented, _ = predictor.logits(volume)
+    passes = [np.flip(plain.logits(np.ascontiguousarray(np.flip(volume, f)))[0], f) for f in flips]
+    expected = np.mean(passes, axis=0)
+    assert augmented.shape == expected.shape == volume.shape[:3] + (3,)
+    np.testing.assert_allclose(augmented, expected, atol=1e-4, rtol=0)
+    assert np.abs(augmented - plain.logits(volume)[0]).max() > 1e-2  # TTA changes the logits measurably
+    grid = predictor.grid_prediction(image, affine)
+    e = np.exp(expected - expected.max(axis=-1, keepdims=True))
+    np.testing.assert_allclose(grid.probabilities, e / e.sum(axis=-1, keepdims=True), atol=1e-5, rtol=0)
+
+    result = predictor.predict_file(InputCase("case_002", str(path)), tmp_path, probabilities=True)
     assert result.status == "ok"
     probs = nib.load(str(tmp_path / "case_002_probabilities.nii.gz")).get_fdata()
     labels = np.asanyarray(nib.load(str(tmp_path / "case_002.nii.gz")).dataobj)
