@@ -194,3 +194,41 @@ def test_exposure_warning_is_printed_for_a_cluster_beyond_loopback_only(capsys):
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "10.1.2.3:23456, 10.1.2.4:23456" in err
     assert "ALL network interfaces" in err and "without authentication" in err and "private cluster network" in err
+
+
+def _slurm_problem() -> str | None:
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return (
+            "srun not found: SLURM is not installed (CI: .ci/run sets up a one-node SLURM, tools/slurm_single_node.sh)"
+        )
+    idle = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    if idle.returncode != 0 or not idle.stdout.strip():
+        return (
+            f"no SLURM controller answers (sinfo: {idle.stderr.strip()[:200]}): start one, tools/slurm_single_node.sh"
+        )
+    return None
+
+
+@pytest.mark.skipif(_slurm_problem() is not None, reason=str(_slurm_problem()))
+def test_tfmis_train_under_a_real_srun_trains_on_two_replicas_and_ends_quietly(converted_dataset, tmp_path):
+    """`srun -n 2 python -m tfmis.train --config tiny.yaml` on a real (one-node) SLURM: both tasks pick multiworker
+    from SLURM's environment (2 replicas), exit 0, and neither task's output holds an error line."""
+    config = tiny_yaml(tmp_path / "tiny.yaml", converted_dataset, tmp_path / "run")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env.update(PYTHONPATH=str(ROOT), TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
+    result = subprocess.run(
+        ["srun", "-N", "1", "-n", "2", "--output", str(tmp_path / "task%t.log")]
+        + [sys.executable, "-m", "tfmis.train", "--config", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    logs = [(tmp_path / f"task{t}.log").read_text() for t in (0, 1)]
+    assert result.returncode == 0, result.stderr[-2000:] + logs[0][-3000:] + logs[1][-3000:]
+    assert "on 2 replica(s) (multiworker, 2 worker process(es))" in logs[0]
+    for task, log in enumerate(logs):
+        assert error_lines(log) == [], f"task {task}:\n" + "\n".join(error_lines(log))
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in history] == [1, 2]
