@@ -103,7 +103,7 @@ def test_shipped_space_file_is_a_valid_grid_for_the_demo_config():
             {"optimizer.learning_rate": {"min": 0.01, "max": 0.001}},
             "optimizer.learning_rate: min (0.01) must be below max",
         ),
-        ({"optimizer.learning_rate": {"min": 0, "max": 0.01, "sampling": "log"}}, "log sampling needs min > 0"),
+        ({"optimizer.weight_decay": {"min": 0, "max": 0.01, "sampling": "log"}}, "log sampling needs min > 0"),
         ({"pipeline.num_images_per_batch": {"min": 1, "max": 4, "step": 0.5}}, "step must be a positive integer"),
         ({"loss.name": {"min": 1, "max": 2}}, "loss.name=1 is not valid"),
         ({"model": {"values": [1]}}, "model=1 is not valid"),
