@@ -126,7 +126,8 @@ class CascadePredictor(Predictor):
         full = None
         if sub_probabilities is not None:
             full = np.zeros((*shape, sub_probabilities.shape[-1]), dtype=sub_probabilities.dtype)
-            full[..., 0] = 1  # background outside the box
+            if self.task.regions is None:  # background outside the box (region probabilities stay 0 there)
+                full[..., 0] = 1
             full[box] = sub_probabilities
         return labels, full, f"{coarse_device} / {device}" if coarse_device != device else device
 

@@ -3,7 +3,9 @@
 The prediction is mapped back through the recorded geometry (crop, resampling, reorientation), so
 the written label map has the input's shape, affine and orientation. Logits are blended across
 windows (and averaged over flips with test-time augmentation); probabilities are resampled to the
-original grid before the argmax, as nnU-Net does.
+original grid before the argmax, as nnU-Net does. A model trained on regions (`model.output: regions`)
+has one sigmoid per region: its region probabilities are resampled and painted into labels instead
+(`tfmis.inference.restore.paint_regions`).
 
 Memory safety is training validation's policy (`tfmis.inference.placement.VolumePlacement`, as
 MONAI's `SlidingWindowInfererAdapt`): the whole volume and the blending buffers live on the
@@ -37,7 +39,13 @@ from tfmis.data.records import load_training_data_info
 from tfmis.hardware import CPU, accelerator_device
 from tfmis.inference.blending import check_buffer_dtype
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
-from tfmis.inference.restore import crop_box, preprocessed_box, restore_labels, softmax_in_place
+from tfmis.inference.restore import (
+    crop_box,
+    preprocessed_box,
+    restore_labels,
+    sigmoid_in_place,
+    softmax_in_place,
+)
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.task import SegmentationTask
 from tfmis.utils.io import atomic_writer
@@ -221,14 +229,15 @@ class Predictor:
 
     def logits(self, volume: np.ndarray, case_id: str = "", buffer_dtype: str = "float32") -> tuple[np.ndarray, str]:
         """Blended logits (x, y, z, K) in `buffer_dtype` of a preprocessed volume (x, y, z, C), and where they were
-        aggregated (the `Placement` description, e.g. "gpu:0" or "cpu (fallback after out-of-memory)")."""
+        aggregated (the `Placement` description, e.g. "gpu:0" or "cpu (fallback after out-of-memory)"). K is the
+        model's output channels: the classes, or with `model.output: regions` the regions."""
         self._logits_dtype = check_buffer_dtype(buffer_dtype).name
         logits, placement = self.placement.run(
             lambda device, sw_batch_size: self._window_logits(volume, device, sw_batch_size),
             int(np.prod(volume.shape[:3])),
             case_id,
             buffer_bytes=aggregation_bytes(
-                volume.shape[:3], volume.shape[-1], len(self.class_names), buffer_dtype, volume.dtype
+                volume.shape[:3], volume.shape[-1], self.task.out_channels, buffer_dtype, volume.dtype
             ),
         )
         return logits, str(placement)
@@ -255,7 +264,8 @@ class Predictor:
                 probability 1). Inside the box the prediction equals the whole-image one except near
                 the box's faces, where the windows see less context.
             probabilities: also return the (X, Y, Z, K) float32 probabilities (else None: faster and
-                smaller, the argmax is taken slab by slab).
+                smaller, the argmax is taken slab by slab); with `model.output: regions` the (X, Y, Z, R)
+                region probabilities (0 outside what was predicted).
 
         Returns:
             (uint8 label map (X, Y, Z), float32 probabilities (X, Y, Z, K) or None, device description).
@@ -297,17 +307,20 @@ class Predictor:
                 np.maximum(start, box[0]), np.minimum(stop, box[1]), geometry, volume.shape, min_size=self.roi_size
             )
         if region is None:  # the box holds no foreground of the preprocessing: all background
-            shape, classes = tuple(geometry.original_shape), len(self.class_names)
-            restored = np.zeros((*shape, classes), np.float32) if probabilities else None
-            if restored is not None:
+            shape, channels = tuple(geometry.original_shape), self.task.out_channels
+            restored = np.zeros((*shape, channels), np.float32) if probabilities else None
+            if restored is not None and self.task.regions is None:
                 restored[..., 0] = 1.0
             return np.zeros(shape, np.uint8), restored, "-"
         low, high = region
         volume = volume[tuple(slice(a, b) for a, b in zip(low, high))]
         logits, device = self.logits(volume, case_id, self.buffer_dtype)
         del volume  # the preprocessed image is no longer needed
-        softmax_in_place(logits)
-        labels, restored = restore_labels(logits, geometry, offset=low, box=box, probabilities_out=probabilities)
+        paint_labels = self.task.paint_labels  # None: classes (softmax, argmax); else regions (sigmoid, painting)
+        (softmax_in_place if paint_labels is None else sigmoid_in_place)(logits)
+        labels, restored = restore_labels(
+            logits, geometry, offset=low, box=box, probabilities_out=probabilities, paint_labels=paint_labels
+        )
         return labels, restored, device
 
     def predict_file(self, case: InputCase, output_dir: str | Path, probabilities: bool = False) -> CaseResult:
