@@ -525,6 +525,12 @@ LOSS_CASES = [
         dict(gamma=0.5, alpha=0.75, activation="sigmoid", include_background=False),
         (LABELS, SIGMOID_LOGITS),
     ),
+    (
+        "DiceCELoss-regions",
+        DiceCELoss,
+        dict(activation="sigmoid", regions=[[1, 2], [2]], batch=True),
+        (LABELS, SIGMOID_LOGITS),
+    ),
 ]
 SCHEDULE_CASES = [
     ("ConstantLearningRate", ConstantLearningRate, dict(learning_rate=3e-4), None),

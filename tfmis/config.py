@@ -131,7 +131,10 @@ class PipelineConfig:
 @dataclasses.dataclass
 class LossConfig:
     name: Literal["dice", "dice_ce", "dice_focal"] = "dice_ce"
+    # softmax over the classes, or one sigmoid per channel (required by model.output: regions)
     activation: Literal["softmax", "sigmoid"] = "softmax"
+    # keep the background channel in the Dice term; model.output: regions has no background channel (every
+    # channel is a region and counts), so it does not apply there
     include_background: bool = False
     batch: bool = False  # batch Dice: sum over the batch before dividing
     squared_pred: bool = False  # squared denominator
@@ -207,8 +210,10 @@ class ValidationConfig:
     nsd_tolerance_mm: Optional[float | list[float]] = None
     # label unions scored like classes besides them (Dice, and hd95 / nsd when on): name -> labels, e.g. BraTS
     # (MSD Task01 labels) {whole_tumour: [1, 2, 3], tumour_core: [2, 3], enhancing_tumour: [3]}; the names become
-    # metric keys (val_dice_whole_tumour) and predictions.csv columns (dice_whole_tumour); the model still
-    # predicts the classes, the regions are unioned from its label map
+    # metric keys (val_dice_whole_tumour) and predictions.csv columns (dice_whole_tumour); scored on the label map
+    # (with model.output: classes the model predicts the classes and the regions are unioned from its label map;
+    # with model.output: regions it predicts these regions, one sigmoid each, painted into a label map in this
+    # order: see region_paint_labels)
     regions: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     max_cases: Optional[int] = None  # validate on the first N cases only
 
@@ -590,6 +595,62 @@ def validate(config: Config) -> None:
     if config.validation.roi_size is not None and len(config.validation.roi_size) != 3:
         raise ConfigError(f"validation.roi_size: expected three sizes, got {config.validation.roi_size}")
     _validate_surface_and_regions(config.validation)
+    if config.model.output == "regions":
+        _validate_region_output(config)
+
+
+BRATS_REGIONS_EXAMPLE = "{whole_tumour: [1, 2, 3], tumour_core: [2, 3], enhancing_tumour: [3]}"
+
+
+def region_paint_labels(regions: dict[str, list[int]]) -> list[int]:
+    """The label each region paints when region outputs become a label map (`model.output: regions`).
+
+    The label map starts as background and the regions are painted in their order, each where its sigmoid
+    exceeds 0.5, with the one label it holds that no later region holds (nnU-Net's `regions_class_order`): for
+    BraTS's {whole_tumour: [1, 2, 3], tumour_core: [2, 3], enhancing_tumour: [3]} that is 1, 2, 3. So a region
+    must add exactly one label to the regions after it; then painting the true regions of a label map gives that
+    label map back.
+
+    Raises:
+        ConfigError: a region adds no label or several (named, with the fix).
+
+    Example:
+        >>> region_paint_labels({"whole_tumour": [1, 2, 3], "tumour_core": [2, 3], "enhancing_tumour": [3]})
+        [1, 2, 3]
+        >>> region_paint_labels({"organ": [1, 2], "lesion": [2]})
+        [1, 2]
+    """
+    names = list(regions)
+    paint = []
+    for i, name in enumerate(names):
+        later = {label for other in names[i + 1 :] for label in regions[other]}
+        own = sorted(set(regions[name]) - later)
+        if len(own) != 1:
+            what = "no label" if not own else f"the labels {own}"
+            raise ConfigError(
+                f"validation.regions.{name}: with model.output=regions the regions are painted into a label map "
+                f"in their order, each painting the one label that no later region holds, but {name} adds {what}. "
+                f"List the regions from the largest to the smallest, each adding exactly one label to the ones "
+                f"after it, e.g. BraTS {BRATS_REGIONS_EXAMPLE}, or set model.output=classes"
+            )
+        paint.append(own[0])
+    return paint
+
+
+def _validate_region_output(config: Config) -> None:
+    """model.output: regions needs regions to predict, a sigmoid per channel and a painting order; that the regions
+    cover every foreground class is checked with the dataset's classes (`tfmis.task.SegmentationTask`)."""
+    if not config.validation.regions:
+        raise ConfigError(
+            "model.output is regions but validation.regions is empty: give the label unions the model predicts, "
+            f"largest first, e.g. validation.regions={BRATS_REGIONS_EXAMPLE} (BraTS), or set model.output=classes"
+        )
+    if config.loss.activation != "sigmoid":
+        raise ConfigError(
+            f"model.output is regions but loss.activation is {config.loss.activation!r}: regions overlap, so each "
+            "has its own sigmoid: set loss.activation=sigmoid"
+        )
+    region_paint_labels(config.validation.regions)
 
 
 def _validate_optimizer(o: OptimizerConfig) -> None:

@@ -1,7 +1,7 @@
 """Segment NIfTI scans with a trained model: `python -m tfmis.predict --checkpoint RUN_DIR --input ...`.
 
 Writes `<case>.nii.gz` label maps (uint8) in each input's own geometry (shape, affine, orientation,
-header), optional `<case>_probabilities.nii.gz` (one channel per class), `predictions.csv` (and Dice
+header), optional `<case>_probabilities.nii.gz` (one channel per class, or per region), `predictions.csv` (and Dice
 per class per case when labels are available), and prints a summary table. A cascade (the folder of a plan of
 stages, or its fine stage) predicts the whole scan at low resolution first and the region it finds at full
 resolution (`tfmis.inference.cascade`). Each case's seconds and
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-dir", default=None, help="ground-truth labels named like the images: adds Dice per class")
     p.add_argument("--tta", action="store_true", help="test-time augmentation: average over flips")
     p.add_argument("--tta-axes", default="0,1,2", help="axes (R,A,S = 0,1,2) flipped by --tta (default 0,1,2)")
-    p.add_argument("--probabilities", action="store_true", help="also write per-class probability maps")
+    p.add_argument("--probabilities", action="store_true", help="also write per-class (or per-region) probability maps")
     p.add_argument("--sw-batch-size", type=int, default=None, help="windows per forward pass (default: the config's)")
     p.add_argument("--overlap", type=float, default=None, help="sliding-window overlap (default: the config's)")
     p.add_argument(

@@ -7,7 +7,9 @@ trains is the network it predicts with, in the same precision, and the GPU-fit s
 what training will run:
 
 - the numeric precision (`training.precision: auto` resolved for this machine) and its Keras policy;
-- the U-Net (`model`), for training (with its deep-supervision heads) or for inference;
+- the U-Net (`model`), for training (with its deep-supervision heads) or for inference, and what its output
+  channels mean: classes (softmax, argmax) or, with `model.output: regions`, the label unions of
+  `validation.regions` (one sigmoid each, painted into a label map: `label_map`);
 - the loss (`loss`, wrapped for deep supervision), the optimizer and its learning-rate schedule
   (`optimizer`, scaled with the global batch, with loss scaling under mixed_float16);
 - the input pipelines (`pipeline`, `data`) and the metrics (`validation`).
@@ -26,12 +28,14 @@ from __future__ import annotations
 import dataclasses
 
 import keras
+import tensorflow as tf
 
+from tfmis.config import region_paint_labels
 from tfmis.data.pipeline import build_train_dataset, build_val_dataset
 from tfmis.data.records import load_index
 from tfmis.hardware import resolve_precision
 from tfmis.losses import DeepSupervisionLoss, build_loss
-from tfmis.metrics.segmentation import SegmentationMetrics
+from tfmis.metrics.segmentation import SegmentationMetrics, check_regions
 from tfmis.networks.architecture import check_patch_size
 from tfmis.networks.unet import UNetConfig
 from tfmis.optimizers import batch_scaled_learning_rate, build_optimizer, build_schedule
@@ -54,6 +58,14 @@ class SegmentationTask:
         class_names: the label names, background first.
         in_channels: the image channels (modalities).
         precision: the Keras mixed-precision policy name (`auto` resolved for this machine).
+        regions: with `model.output: regions`, the label unions the network predicts, in painting order
+            ({name: labels}, `validation.regions`); None when it predicts the classes.
+        paint_labels: with regions, the label each region paints (`tfmis.config.region_paint_labels`); else None.
+        out_channels: the network's output channels: one per class, or one per region.
+
+    Raises:
+        ValueError: `model.output: regions` with regions that leave a foreground class out (it could never be
+            predicted) or name labels that are not classes of the dataset.
     """
 
     def __init__(self, config, data_info: dict | None = None, train_dataset_fn=None):
@@ -63,6 +75,24 @@ class SegmentationTask:
         self.in_channels = len(self.data_info["source"]["modalities"])
         self.precision = resolve_precision(config.training.precision)
         self.train_dataset_fn = train_dataset_fn or build_train_dataset
+        self.regions = self.paint_labels = None
+        if config.model.output == "regions":
+            self.regions = self._check_output_regions(config.validation.regions)
+            self.paint_labels = region_paint_labels(self.regions)
+        self.out_channels = len(self.regions) if self.regions is not None else len(self.class_names)
+
+    def _check_output_regions(self, regions: dict) -> dict[str, tuple[int, ...]]:
+        """`validation.regions` as the network's outputs: labels of this dataset, every foreground class in one."""
+        checked = check_regions(regions, len(self.class_names), self.class_names)
+        missing = sorted(set(range(1, len(self.class_names))) - {k for labels in checked.values() for k in labels})
+        if missing:
+            names = ", ".join(f"{k} ({self.class_names[k]})" for k in missing)
+            raise ValueError(
+                f"model.output is regions but no region of validation.regions holds the label {names}: it could "
+                "never be predicted. Add it to a region (the largest holds every foreground label, e.g. BraTS's "
+                "whole_tumour: [1, 2, 3]), or set model.output=classes"
+            )
+        return checked
 
     def set_precision_policy(self) -> str:
         """Sets Keras' global mixed-precision policy to `precision` (before any layer is built); returns it."""
@@ -78,9 +108,7 @@ class SegmentationTask:
     # ------------------------------------------------------------------ the network
 
     def _unet(self, **changes) -> UNetConfig:
-        return UNetConfig(
-            self.in_channels, len(self.class_names), **{**dataclasses.asdict(self.config.model), **changes}
-        )
+        return UNetConfig(self.in_channels, self.out_channels, **{**dataclasses.asdict(self.config.model), **changes})
 
     def build_training_model(self) -> tuple[keras.Model, keras.Model]:
         """(model, training model): the model validates, predicts and is saved as best weights; the training
@@ -92,6 +120,17 @@ class SegmentationTask:
         """The model without what only training needs (recomputation saves memory only in a backward pass)."""
         return self._unet(recompute=False).build()
 
+    def label_map(self, logits):
+        """Integer (int32) labels (...) of blended logits (..., out_channels): the argmax over the classes, or with
+        regions each region painted in order with its label where its sigmoid exceeds 0.5 (logit > 0), starting
+        from background (nnU-Net's `regions_class_order`)."""
+        if self.regions is None:
+            return tf.argmax(logits, axis=-1, output_type=tf.int32)
+        labels = tf.zeros(tf.shape(logits)[:-1], tf.int32)
+        for channel, label in enumerate(self.paint_labels):
+            labels = tf.where(logits[..., channel] > 0, label, labels)
+        return labels
+
     # ------------------------------------------------------------------ loss and optimizer
 
     def build_loss(self):
@@ -101,6 +140,7 @@ class SegmentationTask:
             lc.name,
             include_background=lc.include_background,
             activation=lc.activation,
+            regions=None if self.regions is None else [list(labels) for labels in self.regions.values()],
             batch=lc.batch,
             squared_pred=lc.squared_pred,
             **({"lambda_dice": lc.lambda_dice} if lc.name != "dice" else {}),

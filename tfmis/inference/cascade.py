@@ -81,7 +81,7 @@ def coarse_region(grid: GridPrediction, affine: np.ndarray, margin_mm: float) ->
     by `margin_mm`; None when the coarse stage found nothing."""
     if grid.probabilities is None:
         return None
-    foreground = np.argmax(grid.probabilities, axis=-1) > 0
+    foreground = grid.grid_labels() > 0
     found = main_box(foreground)
     if found is None:
         return None
@@ -163,7 +163,8 @@ class CascadePredictor(Predictor):
         full = None
         if sub_probabilities is not None:
             full = np.zeros((*shape, sub_probabilities.shape[-1]), dtype=sub_probabilities.dtype)
-            full[..., 0] = 1  # background outside the box
+            if self.task.regions is None:  # background outside the box (region probabilities stay 0 there)
+                full[..., 0] = 1
             full[box] = sub_probabilities
         return labels, full, f"{coarse_device} / {device}" if coarse_device != device else device
 

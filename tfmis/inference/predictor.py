@@ -3,7 +3,9 @@
 The prediction is mapped back through the recorded geometry (crop, resampling, reorientation), so
 the written label map has the input's shape, affine and orientation. Logits are blended across
 windows (and averaged over flips with test-time augmentation); probabilities are resampled to the
-original grid before the argmax, as nnU-Net does.
+original grid before the argmax, as nnU-Net does. A model trained on regions (`model.output: regions`)
+has one sigmoid per region: its region probabilities are resampled and painted into labels instead
+(`tfmis.inference.restore.paint_regions`).
 
 Memory safety is training validation's policy (`tfmis.inference.placement.VolumePlacement`, as
 MONAI's `SlidingWindowInfererAdapt`): the whole volume and the blending buffers live on the
@@ -37,7 +39,14 @@ from tfmis.data.records import load_training_data_info
 from tfmis.hardware import CPU, accelerator_device
 from tfmis.inference.blending import check_buffer_dtype
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
-from tfmis.inference.restore import crop_box, preprocessed_box, restore_labels, softmax_in_place
+from tfmis.inference.restore import (
+    crop_box,
+    paint_regions,
+    preprocessed_box,
+    restore_labels,
+    sigmoid_in_place,
+    softmax_in_place,
+)
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.task import SegmentationTask
 from tfmis.utils.io import atomic_writer
@@ -81,19 +90,31 @@ class GridPrediction:
     geometry: Geometry
     offset: np.ndarray
     box: tuple | None
-    classes: int
+    channels: int
     device: str
+    paint_labels: list | None = None  # None: class probabilities (argmax); else the label each region paints
+
+    def grid_labels(self) -> np.ndarray:
+        """uint8 label map on (the box of) the preprocessed grid: the argmax, or the regions painted."""
+        if self.paint_labels is None:
+            return np.argmax(self.probabilities, axis=-1).astype(np.uint8)
+        return paint_regions(self.probabilities, self.paint_labels)
 
     def restore(self, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-        """(uint8 label map, float32 (X, Y, Z, K) probabilities or None) on the original grid."""
+        """(uint8 label map, float32 (X, Y, Z, channels) probabilities or None) on the original grid."""
         if self.probabilities is None:
             shape = tuple(self.geometry.original_shape)
-            restored = np.zeros((*shape, self.classes), np.float32) if probabilities else None
-            if restored is not None:
+            restored = np.zeros((*shape, self.channels), np.float32) if probabilities else None
+            if restored is not None and self.paint_labels is None:
                 restored[..., 0] = 1.0
             return np.zeros(shape, np.uint8), restored
         return restore_labels(
-            self.probabilities, self.geometry, offset=self.offset, box=self.box, probabilities_out=probabilities
+            self.probabilities,
+            self.geometry,
+            offset=self.offset,
+            box=self.box,
+            probabilities_out=probabilities,
+            paint_labels=self.paint_labels,
         )
 
 
@@ -250,14 +271,15 @@ class Predictor:
 
     def logits(self, volume: np.ndarray, case_id: str = "", buffer_dtype: str = "float32") -> tuple[np.ndarray, str]:
         """Blended logits (x, y, z, K) in `buffer_dtype` of a preprocessed volume (x, y, z, C), and where they were
-        aggregated (the `Placement` description, e.g. "gpu:0" or "cpu (fallback after out-of-memory)")."""
+        aggregated (the `Placement` description, e.g. "gpu:0" or "cpu (fallback after out-of-memory)"). K is the
+        model's output channels: the classes, or with `model.output: regions` the regions."""
         self._logits_dtype = check_buffer_dtype(buffer_dtype).name
         logits, placement = self.placement.run(
             lambda device, sw_batch_size: self._window_logits(volume, device, sw_batch_size),
             int(np.prod(volume.shape[:3])),
             case_id,
             buffer_bytes=aggregation_bytes(
-                volume.shape[:3], volume.shape[-1], len(self.class_names), buffer_dtype, volume.dtype
+                volume.shape[:3], volume.shape[-1], self.task.out_channels, buffer_dtype, volume.dtype
             ),
         )
         return logits, str(placement)
@@ -285,7 +307,8 @@ class Predictor:
                 probability 1). Inside the box the prediction equals the whole-image one except near
                 the box's faces, where the windows see less context.
             probabilities: also return the (X, Y, Z, K) float32 probabilities (else None: faster and
-                smaller, the argmax is taken slab by slab).
+                smaller, the argmax is taken slab by slab); with `model.output: regions` the (X, Y, Z, R)
+                region probabilities (0 outside what was predicted).
 
         Returns:
             (uint8 label map (X, Y, Z), float32 probabilities (X, Y, Z, K) or None, device description).
@@ -320,9 +343,10 @@ class Predictor:
         return (*grid.restore(probabilities), grid.device)
 
     def grid_prediction(self, image: np.ndarray, affine: np.ndarray, case_id: str = "") -> GridPrediction:
-        """The softmax of the whole `image` on the preprocessed grid, before `predict_array` maps it back to the
-        image's grid: for a caller that needs less than every voxel (a cascade's coarse stage finds its region on
-        this grid and restores labels only when it needs them). `image` is left as it is."""
+        """The probabilities (softmax, or the regions' sigmoids) of the whole `image` on the preprocessed grid,
+        before `predict_array` maps them back to the image's grid: for a caller that needs less than every voxel (a
+        cascade's coarse stage finds its region on this grid and restores labels only when it needs them). `image`
+        is left as it is."""
         volume, _, geometry = preprocess(image, None, affine, self.preprocessing)
         return self._grid_prediction([volume], geometry, case_id, None)
 
@@ -338,13 +362,16 @@ class Predictor:
                 np.maximum(start, box[0]), np.minimum(stop, box[1]), geometry, volume.shape, min_size=self.roi_size
             )
         if region is None:  # the box holds no foreground of the preprocessing: all background
-            return GridPrediction(None, geometry, np.zeros(3, int), box, len(self.class_names), "-")
+            return GridPrediction(
+                None, geometry, np.zeros(3, int), box, self.task.out_channels, "-", self.task.paint_labels
+            )
         low, high = region
         volume = volume[tuple(slice(a, b) for a, b in zip(low, high))]
         logits, device = self.logits(volume, case_id, self.buffer_dtype)
         del volume  # the preprocessed image is no longer needed
-        softmax_in_place(logits)
-        return GridPrediction(logits, geometry, low, box, len(self.class_names), device)
+        paint_labels = self.task.paint_labels  # None: classes (softmax, argmax); else regions (sigmoid, painting)
+        (softmax_in_place if paint_labels is None else sigmoid_in_place)(logits)
+        return GridPrediction(logits, geometry, low, box, self.task.out_channels, device, paint_labels)
 
     def predict_file(self, case: InputCase, output_dir: str | Path, probabilities: bool = False) -> CaseResult:
         """Predicts one NIfTI file and writes `<case_id>.nii.gz` (and `<case_id>_probabilities.nii.gz`).

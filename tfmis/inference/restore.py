@@ -22,11 +22,18 @@ On a 512x512x600 CT restored from a 4.3 mm grid this took the restore from 28 s 
 The logits may cover only a box of the preprocessed grid (`offset`), and only a box of the original
 grid may be filled (`box`, e.g. a cascade's region of interest): the rest is background.
 
+Region outputs (`model.output: regions`, one sigmoid per label union) take the same path: `sigmoid_in_place`,
+then `restore_labels(..., paint_labels=...)` resamples the R region probabilities slab by slab and paints each
+region's label where its probability exceeds 0.5, in order (nnU-Net's `regions_class_order`), instead of the
+argmax.
+
 Example:
 ```python
 softmax_in_place(logits)                                    # (x, y, z, K) → probabilities
 labels, _ = restore_labels(logits, geometry)                # uint8 on the original grid
-labels, probabilities = restore_labels(logits, geometry, probabilities=True)
+labels, probabilities = restore_labels(logits, geometry, probabilities_out=True)
+sigmoid_in_place(region_logits)                             # (x, y, z, R) → region probabilities
+labels, _ = restore_labels(region_logits, geometry, paint_labels=[1, 2, 3])   # BraTS: WT→1, TC→2, ET→3
 ```
 """
 
@@ -60,6 +67,31 @@ def softmax_in_place(logits: np.ndarray, chunk_voxels: int = SOFTMAX_VOXELS) -> 
         e = np.exp(shifted, out=shifted)
         logits[first : first + step] = e / e.sum(axis=-1, keepdims=True)
     return logits
+
+
+def sigmoid_in_place(logits: np.ndarray, chunk_voxels: int = SOFTMAX_VOXELS) -> np.ndarray:
+    """The logistic sigmoid of (x, y, z, R) region logits, written over them, a few x-slices at a time (float32
+    arithmetic whatever the buffer's dtype, as `softmax_in_place`)."""
+    per_slice = max(1, int(np.prod(logits.shape[1:-1])))
+    step = max(1, chunk_voxels // per_slice)
+    for first in range(0, logits.shape[0], step):
+        chunk = logits[first : first + step].astype(np.float32)
+        logits[first : first + step] = 0.5 + 0.5 * np.tanh(0.5 * chunk, out=chunk)  # no overflow in exp
+    return logits
+
+
+def paint_regions(probabilities: np.ndarray, paint_labels, threshold: float = 0.5) -> np.ndarray:
+    """uint8 label map (...) of region probabilities (..., R): background, then region r painted with
+    `paint_labels[r]` where its probability exceeds `threshold`, in order (nnU-Net's `regions_class_order`).
+
+    Example:
+        >>> paint_regions(np.array([[0.9, 0.2, 0.1], [0.9, 0.8, 0.6], [0.4, 0.9, 0.9]]), [1, 2, 3])
+        array([1, 3, 3], dtype=uint8)
+    """
+    labels = np.zeros(probabilities.shape[:-1], np.uint8)
+    for channel, label in enumerate(paint_labels):
+        labels[probabilities[..., channel] > threshold] = label
+    return labels
 
 
 def original_to_preprocessed(geometry) -> np.ndarray:
@@ -131,12 +163,14 @@ def restore_labels(
     box: tuple | None = None,
     probabilities_out: bool = False,
     slab_voxels: int = SLAB_VOXELS,
+    paint_labels=None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Label map (and optionally probabilities) on the original grid from probabilities on the preprocessed grid.
 
     Args:
         probabilities: (x, y, z, K) float32 or float16 softmax on a box of the preprocessed grid
-            (e.g. after `softmax_in_place`); read, not changed.
+            (e.g. after `softmax_in_place`), or with `paint_labels` (x, y, z, R) region probabilities (after
+            `sigmoid_in_place`); read, not changed.
         geometry: the case's `Geometry` (or its dict).
         offset: where `probabilities` starts on the preprocessed grid (its box's lower corner).
         box: (start, stop) in original voxel indices to fill; default the whole preprocessing crop.
@@ -144,6 +178,8 @@ def restore_labels(
         probabilities_out: also return the (X, Y, Z, K) float32 probabilities on the original grid
             (background 1 outside the filled part).
         slab_voxels: output voxels resampled at a time (bounds the temporary memory).
+        paint_labels: None (the channels are classes: argmax), or the label each region channel paints
+            (`paint_regions`); the probabilities returned are then the regions', 0 outside the filled part.
 
     Returns:
         (uint8 label map of the original shape, float32 probabilities or None).
@@ -155,7 +191,8 @@ def restore_labels(
     restored = None
     if probabilities_out:
         restored = np.zeros((*shape, classes), np.float32)
-        restored[..., 0] = 1.0
+        if paint_labels is None:
+            restored[..., 0] = 1.0
     start, stop = crop_box(g)
     if box is not None:
         start, stop = np.maximum(start, np.asarray(box[0])), np.minimum(stop, np.asarray(box[1]))
@@ -164,7 +201,7 @@ def restore_labels(
     matrix = original_to_preprocessed(g)
     linear, translation = matrix[:3, :3], matrix[:3, 3] - np.asarray(offset)
     source_axes = _source_axes(linear)
-    if restored is None and source_axes is not None:
+    if restored is None and source_axes is not None and paint_labels is None:  # argmax only
         _labels_by_cells(
             probabilities, linear, translation, source_axes, start, stop, labels, min(slab_voxels, LOOKUP_SLAB_VOXELS)
         )
@@ -193,7 +230,7 @@ def restore_labels(
             )
         slab = np.stack(slab, axis=-1)
         where = tuple(slice(a, b) for a, b in zip(slab_start, slab_stop))
-        labels[where] = np.argmax(slab, axis=-1)
+        labels[where] = np.argmax(slab, axis=-1) if paint_labels is None else paint_regions(slab, paint_labels)
         if restored is not None:
             restored[where] = slab
     return labels, restored

@@ -5,10 +5,15 @@ logits `y_pred` of shape (B, *spatial, C) in any float dtype; they compute in fl
 mixed precision) and return one scalar: the mean over the local batch. Under a distribution
 strategy the training loop divides that by the number of replicas.
 
+With `regions` (nnU-Net's region-based training, its BraTS setting) the C channels are label unions, one
+sigmoid each: the target of channel r is "the voxel's label is one of regions[r]", looked up from the integer
+labels in a (labels × regions) membership table, and every channel counts (there is no background channel).
+
 Example:
 ```python
 loss_fn = DiceCELoss(include_background=False)           # or build_loss("dice_ce", ...)
 loss = loss_fn(labels, model(images, training=True))     # labels (B, X, Y, Z) uint8
+regions = DiceCELoss(activation="sigmoid", regions=[[1, 2, 3], [2, 3], [3]])  # Dice + BCE per region
 ```
 """
 
@@ -58,6 +63,27 @@ def _target(labels, channels: int, activation: str):
     if activation == "sigmoid" and channels == 1:
         return tf.cast(labels > 0, tf.float32)[..., tf.newaxis]
     return tf.one_hot(labels, channels, dtype=tf.float32)
+
+
+def region_membership(regions) -> list[list[float]]:
+    """The (L + 2) × R membership table of `regions` (R lists of labels, L the largest label): row k holds 1.0
+    in column r when label k is in regions[r]; the last row, all 0, is the row of any label above L.
+
+    Example:
+        >>> region_membership([[1, 2], [2]])
+        [[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+    """
+    regions = [[int(label) for label in region] for region in regions]
+    if not regions or any(not region or min(region) < 0 for region in regions):
+        raise ValueError(f"regions: expected one or more non-empty lists of labels >= 0, got {regions}")
+    largest = max(max(region) for region in regions)
+    return [[float(k in region) for region in regions] for k in range(largest + 2)]
+
+
+def region_target(labels, membership):
+    """(B, *spatial, R) float32 region target of integer `labels` from a `region_membership` table."""
+    table = tf.constant(membership, tf.float32)
+    return tf.gather(table, tf.minimum(labels, table.shape[0] - 1))
 
 
 def soft_dice_loss(
@@ -170,6 +196,9 @@ class DiceLoss(keras.losses.Loss):
         include_background: keep class 0 in the average.
         activation: `softmax` (mutually exclusive classes) or `sigmoid` (one sigmoid per class;
             with a single channel, that channel predicts label > 0).
+        regions: None (the channels are classes), or one list of labels per channel: channel r predicts
+            membership of the label union regions[r] (needs `activation="sigmoid"`; `include_background` does
+            not apply: every channel is a region and counts).
         squared_pred: use Σp² + Σg² in the denominator.
         batch: one Dice per class over the whole local batch instead of one per sample.
         smooth_nr, smooth_dr: numerator and denominator smoothing.
@@ -191,12 +220,17 @@ class DiceLoss(keras.losses.Loss):
         batch=False,
         smooth_nr=1e-5,
         smooth_dr=1e-5,
+        regions=None,
         name="dice_loss",
         **kwargs,
     ):
         super().__init__(name=name, **kwargs)
         self.include_background = bool(include_background)
         self.activation = _validate_activation(activation)
+        self.regions = None if regions is None else [[int(label) for label in region] for region in regions]
+        self._membership = None if regions is None else region_membership(self.regions)
+        if self.regions is not None and self.activation != "sigmoid":
+            raise ValueError("regions overlap, so they need activation='sigmoid' (one sigmoid per region)")
         self.squared_pred = bool(squared_pred)
         self.batch = bool(batch)
         self.smooth_nr = float(smooth_nr)
@@ -211,17 +245,26 @@ class DiceLoss(keras.losses.Loss):
     def _probabilities(self, logits):
         return tf.nn.softmax(logits, axis=-1) if self.activation == "softmax" else tf.sigmoid(logits)
 
+    @property
+    def _keep_channel_0(self) -> bool:
+        """Whether channel 0 counts: with regions it is a region, not the background."""
+        return self.include_background or self.regions is not None
+
     def _inputs(self, y_true, y_pred):
-        """(labels, logits, one-hot target), validated and in float32."""
+        """(labels, logits, target: one-hot or regions), validated and in float32."""
         labels, logits = _labels_and_logits(y_true, y_pred)
-        target = _target(labels, _num_channels(logits, self.activation), self.activation)
-        return labels, logits, target
+        channels = _num_channels(logits, self.activation)
+        if self.regions is None:
+            return labels, logits, _target(labels, channels, self.activation)
+        if channels != len(self.regions):
+            raise ValueError(f"{len(self.regions)} regions but the logits have {channels} channels")
+        return labels, logits, region_target(labels, self._membership)
 
     def _dice(self, logits, target):
         return soft_dice_loss(
             self._probabilities(logits),
             target,
-            self.include_background,
+            self._keep_channel_0,
             self.squared_pred,
             self.batch,
             self.smooth_nr,
@@ -241,6 +284,7 @@ class DiceLoss(keras.losses.Loss):
             batch=self.batch,
             smooth_nr=self.smooth_nr,
             smooth_dr=self.smooth_dr,
+            regions=self.regions,
         )
         return config
 
@@ -331,10 +375,12 @@ class DiceFocalLoss(DiceLoss):
         self.lambda_focal = float(lambda_focal)
         self.alpha = None if alpha is None else float(alpha)
         self.focal_use_softmax = bool(focal_use_softmax)
+        if self.focal_use_softmax and self.regions is not None:
+            raise ValueError("focal_use_softmax: regions overlap, the focal term of regions is the sigmoid form")
 
     def call(self, y_true, y_pred):
         _, logits, target = self._inputs(y_true, y_pred)
-        focal = focal_loss(logits, target, self.gamma, self.alpha, self.include_background, self.focal_use_softmax)
+        focal = focal_loss(logits, target, self.gamma, self.alpha, self._keep_channel_0, self.focal_use_softmax)
         return self.lambda_dice * self._dice(logits, target) + self.lambda_focal * focal
 
     def get_config(self):

@@ -22,6 +22,7 @@ NORMS = ("batch", "instance", "group")
 ACTIVATIONS = ("prelu", "leaky_relu")
 OUTPUT_UPSAMPLINGS = ("refine", "light", "transposed", "transposed_image")
 KERNEL_INITIALIZERS = ("he_normal", "pytorch")
+OUTPUTS = ("classes", "regions")
 
 
 def _per_axis(value, what: str) -> tuple[int, int, int]:
@@ -123,6 +124,10 @@ class UNetArchitecture:
             for every convolution and head. Its weights are about 2.4× smaller than He-normal's; behind a
             normalization that scales Adam's relative update up by as much (on the demo: grey and white matter
             learn sooner, the lesion swings more).
+        output: what the output channels mean: "classes" (one logit per class, background included: softmax,
+            argmax) or "regions" (nnU-Net's region-based training, its BraTS setting: one sigmoid logit per label
+            union of the training config's `validation.regions`, painted back into a label map in their order;
+            `tfmis.task.SegmentationTask` sets the channel count). The network itself is the same.
         name: model name.
     """
 
@@ -138,6 +143,7 @@ class UNetArchitecture:
     output_upsampling: Literal["refine", "light", "transposed", "transposed_image"] = "refine"
     deep_supervision: int = 0
     kernel_initializer: Literal["he_normal", "pytorch"] = "he_normal"
+    output: Literal["classes", "regions"] = "classes"
     name: str = "unet3d"
 
     def __post_init__(self):
@@ -174,6 +180,8 @@ class UNetArchitecture:
             raise ValueError(
                 f"kernel_initializer must be one of {KERNEL_INITIALIZERS}, got {self.kernel_initializer!r}"
             )
+        if self.output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         available = len(self._decoder_levels_below_output())

@@ -510,7 +510,7 @@ class _ChildTrial:
                 device=device,
             )
             with tf.device(device):  # the label map as validation makes it; numpy() waits for the pass
-                tf.argmax(logits, axis=-1, output_type=tf.int32)[0].numpy()
+                trainer.task.label_map(logits)[0].numpy()
             return time.perf_counter() - start
 
         self.measured["sw_first_seconds"] = one_pass()  # traces the predictor for this window batch
