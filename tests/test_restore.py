@@ -67,3 +67,21 @@ def test_label_only_restore_of_a_box_with_an_offset():
     inside = np.zeros(shape, bool)
     inside[tuple(slice(a, b) for a, b in zip(*box))] = True
     assert not labels[~inside].any() and labels[inside].any()
+
+
+def test_label_only_restore_of_region_outputs_paints_them_as_the_probability_path():
+    """Region outputs (`paint_labels`, sigmoids per label union) restored as a label map only give the regions painted
+    in order from the resampled region probabilities (the probability path's `paint_regions`), not an argmax over the
+    region channels (which the class lookup would give)."""
+    from tfmis.inference.restore import paint_regions, sigmoid_in_place
+
+    shape = (40, 36, 30)
+    geometry = case_geometry(shape, np.diag([1.0, 1.0, 2.0, 1.0]), (2.2, 1.7, 2.9))
+    rng = np.random.default_rng(5)
+    logits = np.stack([ndimage.gaussian_filter(rng.normal(size=tuple(geometry.shape)), 2.0) * 40 for _ in range(3)], -1)
+    regions = sigmoid_in_place(logits.astype(np.float32))
+    _, restored = restore_labels(regions, geometry, probabilities_out=True, paint_labels=[1, 2, 3])
+    labels, _ = restore_labels(regions, geometry, paint_labels=[1, 2, 3])
+    expected = paint_regions(restored, [1, 2, 3])
+    np.testing.assert_array_equal(labels, expected)
+    assert not np.array_equal(expected, np.argmax(restored, axis=-1))  # the two rules differ on this case
