@@ -95,6 +95,11 @@ def test_convert_with_every_case_missing_exits_1_and_leaves_nothing_to_resume_fr
     assert "does not exist" in lines[-1] and "fix the files dataset.json lists and rerun" in lines[-1]
     assert not (target / "index.json").exists()
     assert not list(target.glob("*.tfrecord*")) and not list((target / ".progress").glob("*"))
+    result = run(*convert_args(source, tmp_path / "out2"))  # no --spacing: no header gives a median spacing
+    assert result.returncode == 1, result.stderr
+    line = one_line(result)
+    assert line.startswith(f"error: {source.resolve()}: 0 of 3 cases readable, so nothing to convert (first: case_000:")
+    assert "does not exist" in line and "fix the files dataset.json lists and rerun" in line
 
 
 def test_convert_to_a_target_that_is_a_file_exits_1_naming_it(tmp_path):

@@ -241,6 +241,8 @@ def plan_shards(splits: dict[str, list[str]], shards: int, compression: str) -> 
 def header_spacing(case: Case, dataset: MSDDataset) -> np.ndarray:
     """RAS voxel spacing from the image header alone (no voxel data read)."""
     path = dataset.resolve(case, case.image)
+    if not Path(path).is_file():
+        raise CaseError(case.case_id, f"image file {path} does not exist")
     try:
         return ras_spacing(nib.load(str(path)).affine)
     except Exception as e:  # any header problem: the worker reports it with the full reason
@@ -366,6 +368,16 @@ def _median_spacing(dataset: MSDDataset) -> tuple[float, float, float] | None:
         except CaseError:
             pass  # the worker reports this case with its reason
     return tuple(float(s) for s in np.round(np.median(spacings, axis=0), 4)) if spacings else None
+
+
+def _first_unreadable(dataset: MSDDataset) -> str:
+    """The first training case whose image header cannot be read, with the reason (`case_id: why`)."""
+    for case in dataset.training:
+        try:
+            header_spacing(case, dataset)
+        except CaseError as e:
+            return f"{case.case_id}: {e.reason}"
+    return "none"
 
 
 def _ct_foreground_statistics(dataset: MSDDataset, workers: int) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -516,8 +528,11 @@ def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start:
             window, mean_std = _ct_foreground_statistics(dataset, config.num_workers)
             ct_window = ct_window if ct_window is not None else window
             ct_mean_std = mean_std if ct_norm == "ct_zscore" else None
-    if spacing is None and config.reshape is None:
-        raise DatasetError(f"{dataset.root}: no readable image header to compute the median spacing; pass --spacing")
+    if spacing is None and config.reshape is None:  # not one header could be read: nothing can be converted
+        raise NothingConverted(
+            f"{dataset.root}: 0 of {len(dataset.training)} cases readable, so nothing to convert "
+            f"(first: {_first_unreadable(dataset)}); fix the files dataset.json lists and rerun"
+        )
     atomic_write_json(
         target / PLAN_FILE,
         {"requested": requested, "resolved": {"spacing": spacing, "ct_window": ct_window, "ct_mean_std": ct_mean_std}},
