@@ -134,7 +134,9 @@ def _train(config, backend, args, planned: dict | None) -> int:
         with run_folder_lock(backend, config.output.dir):
             return _run(config, backend, args, planned)
     except FolderLocked as e:
-        print(f"error: {e}", file=sys.stderr)
+        # one write: the other workers' lines share this stream, and print() writes the newline apart when unbuffered
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         return 1
 
 
