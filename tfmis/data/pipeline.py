@@ -31,7 +31,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from tfmis.data.records import load_index, parse_example, shard_paths
+from tfmis.data.records import image_as_float32, load_index, parse_example, shard_paths
 from tfmis.data.smart_cache import REFILL_PARALLELISM, partial_cache_size, share_size, smart_cache
 from tfmis.transforms.augment import (
     augment_patch,
@@ -118,7 +118,7 @@ def _read(
             return tf.reduce_any(tf.equal(case_id["case_id"], mine))
 
         dataset = dataset.filter(is_mine)
-    return dataset.map(lambda s: parse_example(s, dtype), **read_ahead)
+    return dataset.map(lambda s: parse_example(s, dtype, half_as_bits=True), **read_ahead)
 
 
 def train_steps_per_epoch(config, num_replicas: int = 1) -> int:
@@ -205,7 +205,7 @@ def build_train_dataset(
 
     def crops(position, element):
         image, label, fg, fg_class = element
-        return crop(position, tf.cast(image, tf.float32), label, fg, fg_class)
+        return crop(position, image_as_float32(image), label, fg, fg_class)
 
     # placement step: the crops (patch + spatial margin) go out un-augmented with their seeds, and the training
     # step applies `step_augmentation`; otherwise tf.data augments them here
@@ -399,6 +399,6 @@ def build_val_dataset(config, split: str | None = None, cached: bool = True) -> 
             {"index": index, "split": split, "max_cases": config.validation.max_cases},
         )
     dataset = dataset.map(
-        lambda image, label, meta: (tf.cast(image, tf.float32)[None], tf.cast(label, tf.int32)[None], meta)
+        lambda image, label, meta: (image_as_float32(image)[None], tf.cast(label, tf.int32)[None], meta)
     )
     return dataset.prefetch(1)

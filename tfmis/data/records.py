@@ -73,16 +73,19 @@ def encode_example(case_id: str, image: np.ndarray, label: np.ndarray | None, me
     return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString(deterministic=True)
 
 
-def parse_example(serialized, image_dtype: str = "float16"):
+def parse_example(serialized, image_dtype: str = "float16", half_as_bits: bool = False):
     """Parses one serialized record into (image, label, metadata) tensors.
 
     Args:
         serialized: a scalar string tensor (one record).
         image_dtype: the storage dtype written at conversion (`index["preprocessing"]["image_dtype"]`).
+        half_as_bits: a float16 image comes as its uint16 bits (`image_as_float32` reads it). For tf.data
+            functions: a float16 tensor leaving a function asks oneDNN for a float16 kernel, which CPUs without
+            AVX512-FP16 answer with an error line in the log.
 
     Returns:
-        image (x, y, z, C) of `image_dtype`; label (x, y, z) uint8 (shape (0, 0, 0) for unlabelled
-        cases); metadata dict with `case_id` (string) and `metadata` (JSON string).
+        image (x, y, z, C) of `image_dtype` (uint16 bits with `half_as_bits`); label (x, y, z) uint8 (shape
+        (0, 0, 0) for unlabelled cases); metadata dict with `case_id` (string) and `metadata` (JSON string).
     """
     import tensorflow as tf
 
@@ -95,11 +98,25 @@ def parse_example(serialized, image_dtype: str = "float16"):
         "metadata": tf.io.FixedLenFeature([], tf.string),
     }
     f = tf.io.parse_single_example(serialized, spec)
-    image = tf.reshape(
-        tf.io.decode_raw(f["image"], tf.dtypes.as_dtype(image_dtype), little_endian=True), f["image_shape"]
-    )
+    # float16 is decoded and reshaped as its uint16 bits, then bitcast: oneDNN has no float16 kernels on CPUs
+    # without AVX512-FP16, and any float16 op it is asked about (DecodeRaw, Reshape, slicing) logs an error line
+    # once per process. Consumers cast to float32 before they slice (Bitcast and Cast do not ask oneDNN).
+    raw = tf.uint16 if image_dtype == "float16" else tf.dtypes.as_dtype(image_dtype)
+    image = tf.reshape(tf.io.decode_raw(f["image"], raw, little_endian=True), f["image_shape"])
+    if image_dtype == "float16" and not half_as_bits:
+        image = tf.bitcast(image, tf.float16)
     label = tf.reshape(tf.io.decode_raw(f["label"], tf.uint8), f["label_shape"])
     return image, label, {"case_id": f["case_id"], "metadata": f["metadata"]}
+
+
+def image_as_float32(image):
+    """A parsed image in float32: stored float32, float16, or float16's uint16 bits (`parse_example`'s
+    `half_as_bits`), without a float16 op besides the bitcast."""
+    import tensorflow as tf
+
+    if image.dtype == tf.uint16:
+        return tf.cast(tf.bitcast(image, tf.float16), tf.float32)
+    return tf.cast(image, tf.float32)
 
 
 def load_index(dataset_dir: str | Path) -> dict:
