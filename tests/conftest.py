@@ -9,6 +9,10 @@ import nibabel as nib
 import numpy as np
 import pytest
 
+# first, before any test module imports TensorFlow: tfmis decides oneDNN and the thread pools for this machine
+# (TensorFlow reads both once, at its import), so the suite runs as fast as the commands do
+import tfmis  # noqa: F401, E402
+
 
 def write_nifti(path: Path, data: np.ndarray, affine: np.ndarray, dtype=None) -> Path:
     """Writes `data` as NIfTI with the given on-disk dtype (e.g. '>i2' for big-endian int16)."""

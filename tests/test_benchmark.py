@@ -146,6 +146,7 @@ def test_pipeline_only_writes_samples_per_second_of_both_pipelines(converted_dat
     assert float(ratio.rstrip("x")) == pytest.approx(p["samples_per_second_ratio"], abs=0.0051)
 
 
+@pytest.mark.slow
 def test_benchmark_trains_both_arms_and_reports_ratios_from_their_histories(converted_dataset, tmp_path):
     """tools/benchmark.py trains the regular arm (NIfTI, batch 1, float32, Dice, Adam) and the fast arm (the config)
     in subprocesses with the real Trainer, writes every PNG, benchmark.json and benchmark.md, and every number in

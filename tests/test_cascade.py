@@ -197,6 +197,7 @@ def cascade_run(tmp_path_factory):
     return root, args, done
 
 
+@pytest.mark.slow
 def test_train_source_dir_trains_each_stage_into_its_run_folder_and_resume_skips_finished_ones(cascade_run):
     """`train --source-dir` on a cascade plan converts and trains the coarse then the fine stage, each a normal
     run folder with its own converted data (the fine one cropped to the labels); --resume keeps the plan and skips
@@ -223,6 +224,7 @@ def test_train_source_dir_trains_each_stage_into_its_run_folder_and_resume_skips
     assert "Stage 2/2 (fullres): finished earlier" in resumed.stderr
 
 
+@pytest.mark.slow
 def test_predict_through_the_cascade_writes_labels_only_inside_the_region(cascade_run):
     """`predict --checkpoint <cascade folder>` runs the coarse stage on the whole scan and the fine stage on the
     box it finds: the label map has the input's geometry, nothing outside the box, and the region is reported."""
@@ -256,6 +258,7 @@ def test_predict_through_the_cascade_writes_labels_only_inside_the_region(cascad
         np.testing.assert_allclose(labels.affine, image.affine)
 
 
+@pytest.mark.slow
 def test_fine_classes_come_from_the_fine_stage_and_the_rest_from_the_coarse_stage(cascade_run):
     """With `cascade.fine_classes`, the cascade's label map is the coarse stage's wherever neither stage says a
     fine class, and a fine class appears only inside the fine stage's box, which holds the coarse stage's

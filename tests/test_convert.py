@@ -183,6 +183,7 @@ def test_resume_rewrites_a_recorded_shard_whose_size_or_checksum_does_not_match(
         assert np.array_equal(image, clean[cid][0]) and np.array_equal(label, clean[cid][1]) and meta == clean[cid][2]
 
 
+@pytest.mark.slow
 def test_resume_after_kill(tmp_path):
     """A real conversion process killed after its first shard resumes to the same bytes."""
     source = make_msd_dataset(tmp_path / "ds", num_cases=10, shape=(48, 48, 40))

@@ -200,6 +200,7 @@ def test_second_conversion_into_a_locked_target_exits_1_and_keeps_the_holders_te
     assert not theirs.exists() and not list(target.glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_second_training_run_into_a_locked_run_folder_exits_1_and_its_lock_is_stale_once_killed(
     converted_dataset, tmp_path
 ):

@@ -352,6 +352,10 @@ def test_plan_command_on_the_demo_brain(demo_brain, tmp_path):
     assert config.pipeline.class_ratios == [1, 1, 1, 2] and config.training.precision == "float32"
     assert config.data.conversion.spacing == (2.5, 2.5, 2.5) and config.data.conversion.ct_window is None
     assert "z-score" in text and "square in-plane" in text
+    # oneDNN: decided on the machine that trains, with this machine's decision and its reason in the comment
+    assert config.runtime.onednn == "auto"
+    flat = " ".join(line.strip().lstrip("#").strip() for line in text.splitlines())  # comments are wrapped
+    assert "onednn: auto" in text and "here: oneDNN " in flat and "Hardware: CPU only" in flat
     assert config.output.dir == str(tmp_path / "run")
     assert json.loads((tmp_path / "plan_fingerprint.json").read_text())["labels"][3] == "lesion"
 
@@ -391,6 +395,7 @@ def tiny_ct_run(tmp_path_factory):
     return {"source": source, "run": run, "result": result, "dataset_dir": root / "Task91_TinyCT_tfrecords"}
 
 
+@pytest.mark.slow
 def test_train_from_source_dir_plans_converts_and_trains(tiny_ct_run):
     """python -m tfmis.train --source-dir (no --config) on a CT-like dataset: writes plan.yaml in the run folder
     and says how to rerun with it, converts with the planned anisotropic spacing and CT window, trains an epoch
@@ -416,6 +421,7 @@ def test_train_from_source_dir_plans_converts_and_trains(tiny_ct_run):
     assert used == resolve_precision("auto") and used != "auto"
 
 
+@pytest.mark.slow
 def test_train_from_source_dir_onto_a_conversion_with_other_parameters_is_one_error_line(tiny_ct_run, tmp_path):
     """--source-dir whose planned target holds a conversion made with another spacing (here: the tiny CT
     conversion, asked for with its planned spacing doubled): exit 1 with one `error:` line naming the folder, the
@@ -453,6 +459,7 @@ def test_train_from_source_dir_onto_a_conversion_with_other_parameters_is_one_er
     assert not (run / "history.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_first_pass_fingerprint_predicts_the_conversion(tiny_ct_run):
     """The first-pass fingerprint (no conversion) predicts each case's converted shape exactly and the CT window
     the conversion measured; the fingerprint read back from the conversion gives the same spacing and patch."""

@@ -588,6 +588,7 @@ with open(path, "w") as f:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status and clear_refs are Linux")
+@pytest.mark.slow
 def test_label_only_prediction_needs_less_memory_than_the_whole_volume_way(trained_run, tmp_path):
     """Peak resident memory over the baseline on a 256x256x192x2 scan, in fresh subprocesses: the label-only
     path (slab-wise restore, normalisation in place) against the whole-volume computation of before (K float32

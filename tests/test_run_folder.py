@@ -40,6 +40,7 @@ def test_tf_checkpoint_of_the_same_model_loads_every_weight(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_predict_from_a_run_folder_alone_after_the_tfrecords_are_gone(tmp_path):
     """`python -m tfmis.predict --checkpoint RUN` works with no --config after the TFRecord folder is deleted
     and the run folder moved, and writes the same label maps as before."""

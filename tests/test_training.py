@@ -120,6 +120,7 @@ MIRRORED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_step_matches_single_device(converted_dataset, tmp_path):
     """One real training step under MirroredStrategy over two logical CPUs equals the single-device step; a
     two-epoch fit, then a resumed fit to epoch 3, run under the same strategy."""
@@ -286,6 +287,7 @@ def replica_results(converted_dataset, tmp_path_factory) -> dict:
 CLIPNORM = 0.01  # below every per-variable gradient norm of the tiny model's first step: clipping binds
 
 
+@pytest.mark.slow
 def test_clipnorm_clips_the_gradient_summed_over_replicas(replica_results):
     """optimizer.clipnorm bounds the per-variable norm of the global gradient, on one device or two replicas.
 
@@ -302,6 +304,7 @@ def test_clipnorm_clips_the_gradient_summed_over_replicas(replica_results):
 
 
 @pytest.mark.parametrize("case", ["bn", "bn_accumulated", "bn_recompute"])
+@pytest.mark.slow
 def test_batchnorm_statistics_are_the_global_batch_statistics_on_every_replica(replica_results, case):
     """norm=batch under MirroredStrategy: batch statistics over all replicas' images (synchronised BatchNorm).
 
@@ -320,6 +323,7 @@ def test_batchnorm_statistics_are_the_global_batch_statistics_on_every_replica(r
 
 
 @pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
+@pytest.mark.slow
 def test_non_finite_gradient_on_one_replica_skips_the_step_on_every_replica(replica_results, precision):
     """A NaN gradient (finite loss) on replica 0 only: both replicas skip the step, the model and optimizer
     state stay exactly as they were (moving statistics included), and the next step trains normally."""
@@ -517,6 +521,7 @@ def test_target_dice_stops_training(converted_dataset, tmp_path):
     assert summary["epochs"] == 1 and summary["stop_reason"] == "target_dice"
 
 
+@pytest.mark.slow
 def test_max_minutes_stops_after_the_epoch_that_crosses_it_and_counts_resumed_time(converted_dataset, tmp_path):
     """training.max_minutes=0.001 (60 ms) is crossed by the first epoch: training stops after it, validating it
     although val_interval is 3; a resumed run starts with that time already spent and stops after one more
@@ -993,6 +998,7 @@ LOOP_MIRRORED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_steps_per_loop_under_mirrored_strategy_matches_one_step_per_loop(converted_dataset, tmp_path):
     """MirroredStrategy over two logical CPUs with 2 accumulated micro-batches: a fit with training.steps_per_loop=3
     (loops of 3 and 1 steps over the distributed iterator) gives the same 4 per-step losses and the same final
@@ -1096,6 +1102,7 @@ def test_augmentation_placed_in_the_step_trains_as_in_the_pipeline(converted_dat
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_steps_per_loop_on_two_worker_processes_trains_as_one_step_per_loop(converted_dataset, tmp_path):
     """`python -m tfmis.launch --nproc 2 -- python -m tfmis.train` (MultiWorkerMirroredStrategy over two local
     worker processes), 4 steps per epoch: training.steps_per_loop=3 (loops of 3 and 1) gives the same epoch losses
@@ -1154,6 +1161,7 @@ def test_steps_per_loop_on_two_worker_processes_trains_as_one_step_per_loop(conv
 # ---------------------------------------------------------------- model.deep_supervision
 
 
+@pytest.mark.slow
 def test_deep_supervision_trains_its_heads_and_saves_and_resumes_the_model(converted_dataset, tmp_path):
     """model.deep_supervision=2 on a U-Net whose first layer downsamples: a step's loss is the deep-supervision
     loss of the training model's three outputs and moves the heads' weights; fit writes best.weights.h5 that a

@@ -309,6 +309,7 @@ def test_rerunning_a_finished_search_trains_nothing_again(grid_search):
     assert [t["attempts"] for t in again["trials"]] == [1, 1, 1, 1]
 
 
+@pytest.mark.slow
 def test_failed_training_is_a_failed_trial_with_its_error_and_the_search_goes_on(converted_dataset, tmp_path):
     """A grid point that passes the config checks but makes tfmis.train exit 1 (a patch size the strides
     cannot divide) is a failed trial with tfmis.train's last stderr line; the other point trains; exit 0."""

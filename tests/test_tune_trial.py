@@ -21,7 +21,7 @@ import tensorflow as tf
 from conftest import tiny_config
 
 from tfmis.config import to_dict
-from tfmis.hardware import accelerators, host_memory
+from tfmis.hardware import accelerators, host_memory, usable_cpu_count
 from tfmis.inference.windows import number_of_windows
 from tfmis.tune.fit.trial import (
     PROGRESS_FILE,
@@ -105,6 +105,7 @@ def test_training_peak_grows_with_the_batch_size(measured):
     assert abs(large["setup_peak_mb"] - small["setup_peak_mb"]) < 30
 
 
+@pytest.mark.slow
 def test_real_out_of_memory_in_training_fails_the_trial_with_its_phase(converted_dataset, tmp_path):
     """The capped allocator raises a genuine ResourceExhaustedError in the training step."""
     config = tiny_config(converted_dataset, tmp_path / "unused", PATCH_48, "pipeline.num_images_per_batch=8")
@@ -117,6 +118,7 @@ def test_real_out_of_memory_in_training_fails_the_trial_with_its_phase(converted
     assert "ResourceExhaustedError" in Path(result["log"]).read_text()  # the whole traceback for the user
 
 
+@pytest.mark.slow
 def test_real_out_of_memory_in_validation_keeps_the_training_numbers(converted_dataset, tmp_path):
     """Training (16³ crops) fits under the cap; the forward pass of 16 windows of 48³ does not.
 
@@ -237,6 +239,7 @@ def test_killed_child_is_a_failed_trial_with_its_phase_and_partial_numbers(conve
 # ---------------------------------------------------------------- out-of-memory signatures
 
 
+@pytest.mark.slow
 def test_is_out_of_memory_on_real_tensorflow_errors():
     """Real errors raised here (graph-mode OOMs inside the training step are covered by the trials above).
 
@@ -331,4 +334,4 @@ def test_device_helpers_on_this_machine():
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     assert host["total_mb"] == pytest.approx(int(meminfo["MemTotal"].split()[0]) / 1024)
     assert 0 < host["available_mb"] <= host["total_mb"]
-    assert host["cpu_name"] and host["cpu_count"] == os.cpu_count()
+    assert host["cpu_name"] and 1 <= host["cpu_count"] == usable_cpu_count() <= os.cpu_count()

@@ -250,6 +250,10 @@ class RuntimeConfig:
     # MPI launches: the folder where workers exchange their addresses (shared by all nodes); null = output.dir
     rendezvous_dir: Optional[str] = None
     rendezvous_timeout_seconds: float = 300.0
+    # TensorFlow's oneDNN CPU kernels, decided before TensorFlow is imported: auto = on where they were measured
+    # faster for 3D convolutions (x86-64 with AVX2 and FMA), TensorFlow's default elsewhere, and a
+    # TF_ENABLE_ONEDNN_OPTS set in the environment is respected; on / off force it (docs/training.md, "CPU speed")
+    onednn: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclasses.dataclass

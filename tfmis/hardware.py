@@ -21,7 +21,7 @@ Example:
 from tfmis.hardware import detect_hardware, hardware_warnings, resolve_precision
 
 hardware = detect_hardware()
-print(hardware.describe())                       # "CPU only: 2 cores (avx512_bf16), 23.5 GB RAM"
+print(hardware.describe())  # "CPU only: 2 cores of AMD EPYC (avx, avx2, fma, ...), 23.5 GB RAM; oneDNN on (...)"
 keras.mixed_precision.set_global_policy(resolve_precision("auto"))
 for line in hardware_warnings(config.training, hardware):
     print("warning:", line)
@@ -35,6 +35,7 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 MB = 2.0**20
@@ -197,6 +198,82 @@ def usable_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def cgroup_cpu_quota(proc_cgroup: str | None = None, root: str | Path = "/sys/fs/cgroup") -> float | None:
+    """The CPUs this process's cgroup lets it use (CPU quota / period), or None when there is no quota.
+
+    Reads the process's own cgroup (`/proc/self/cgroup`) and its ancestors, cgroup v2 (`cpu.max`, "max" =
+    none) and v1 (`cpu.cfs_quota_us` / `cpu.cfs_period_us`, -1 = none); the smallest quota on the path wins,
+    as the kernel throttles at each level. A container or a SLURM allocation (with cgroup CPU limits) that
+    shows all the host's cores to `os.cpu_count()` shows its real share here.
+
+    Example (a cgroup v1 tree with a 1.5-CPU quota on the job's cgroup):
+        >>> import tempfile
+        >>> job = Path(tempfile.mkdtemp()) / "cpu" / "job"
+        >>> job.mkdir(parents=True)
+        >>> _ = (job / "cpu.cfs_quota_us").write_text("150000"), (job / "cpu.cfs_period_us").write_text("100000")
+        >>> cgroup_cpu_quota("3:cpu:/job\\n", root=job.parent.parent)
+        1.5
+    """
+    if proc_cgroup is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    root = Path(root)
+    quotas = []
+    for line in proc_cgroup.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if not path:
+            continue
+        if hierarchy == "0" and not controllers:  # cgroup v2: one tree, mounted at root or at root/unified
+            bases = [root, root / "unified"]
+            reader = _cgroup2_quota
+        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's tree
+            bases = [root / controllers, root / "cpu"]
+            reader = _cgroup1_quota
+        else:
+            continue
+        base = next((b for b in bases if b.is_dir()), None)
+        if base is None:
+            continue
+        folder = base / path.strip("/")
+        for level in (folder, *folder.parents):
+            quota = reader(level)
+            if quota is not None:
+                quotas.append(quota)
+            if level == base:
+                break
+    return min(quotas) if quotas else None
+
+
+def _cgroup2_quota(folder: Path) -> float | None:
+    try:
+        quota, _, period = (folder / "cpu.max").read_text().strip().partition(" ")
+        return None if quota == "max" else int(quota) / int(period or 100000)
+    except (OSError, ValueError):
+        return None
+
+
+def _cgroup1_quota(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def usable_cpu_count() -> int:
+    """How many CPUs this process can keep busy: its affinity mask, capped by its cgroup's CPU quota (rounded
+    down, at least 1). The count every thread pool and worker pool of tfmis is sized from."""
+    count = len(usable_cpus())
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        count = min(count, max(1, int(quota)))
+    return max(1, count)
+
+
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo; the platform's processor name elsewhere)."""
     try:
@@ -252,7 +329,7 @@ def host_memory() -> dict:
         "available_mb": max(available, 0.0),
         "cgroup_limit_mb": limit,
         "cpu_name": cpu_name(),
-        "cpu_count": os.cpu_count(),
+        "cpu_count": usable_cpu_count(),
     }
 
 
@@ -273,6 +350,191 @@ def cpu_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
     return tuple(flag for flag in BF16_CPU_FLAGS if flag in present)
 
 
+# ---------------------------------------------------------------------------------------------- CPU runtime
+#
+# Decided before TensorFlow is imported (tfmis/__init__.py applies `auto`; a command applies the config's
+# `runtime.onednn` as soon as it has read it): TensorFlow reads TF_ENABLE_ONEDNN_OPTS and its thread counts
+# once, at import.
+
+ONEDNN_ENV = "TF_ENABLE_ONEDNN_OPTS"
+ONEDNN_SETTINGS = ("auto", "on", "off")
+# the value tfmis itself put in TF_ENABLE_ONEDNN_OPTS: a child process (a launcher's worker, a test's subprocess)
+# inherits both and decides again, while a value that differs from it was set by the user and is respected
+_DECIDED_ENV = "TFMIS_ONEDNN_DECIDED"
+THREAD_ENVS = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+_THREADS_DECIDED_ENV = "TFMIS_THREADS_DECIDED"
+# instruction-set flags that decide TensorFlow's CPU kernels (/proc/cpuinfo names)
+ISA_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_tile",
+    "asimd",
+    "sve",
+)
+# measured on the README's demo step (benchmarks/cpu_kinds.py; docs/benchmarks.md, "Per CPU kind")
+ONEDNN_MEASURED = "oneDNN's 3D convolutions trained the demo 17-24x faster than Eigen's (docs/benchmarks.md)"
+
+
+def cpu_isa(cpuinfo: str | None = None) -> tuple[str, ...]:
+    """The CPU's instruction-set flags among `ISA_FLAGS` (first `flags` / `Features` line of /proc/cpuinfo).
+
+    Example:
+        >>> cpu_isa("processor : 0\\nflags : fpu sse avx avx2 fma avx512f\\n")
+        ('avx', 'avx2', 'fma', 'avx512f')
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ()
+    line = next((line for line in cpuinfo.splitlines() if line.split(":")[0].strip() in ("flags", "Features")), "")
+    present = set(line.partition(":")[2].split())
+    return tuple(flag for flag in ISA_FLAGS if flag in present)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDNNChoice:
+    """Whether TensorFlow's oneDNN CPU kernels are on, and why.
+
+    Args:
+        enabled: True/False, or None when TensorFlow's own default stands (a CPU kind not measured).
+        setting: `runtime.onednn` (auto, on, off).
+        reason: why, in words (the setting, the user's environment variable, or the measured rule).
+    """
+
+    enabled: bool | None
+    setting: str
+    reason: str
+
+    def describe(self) -> str:
+        state = {True: "on", False: "off", None: "TensorFlow's default"}[self.enabled]
+        return f"oneDNN {state} ({self.reason})"
+
+
+def onednn_choice(setting: str = "auto", env=None, isa: tuple[str, ...] | None = None, machine: str | None = None):
+    """The `OneDNNChoice` for `runtime.onednn` on this machine (pure: reads `env`, sets nothing).
+
+    `on`/`off` are the config's word. `auto` respects a `TF_ENABLE_ONEDNN_OPTS` the user set; otherwise it
+    turns oneDNN on where it was measured faster for 3D convolutions (x86-64 with AVX2 and FMA; TensorFlow
+    itself turns it on only for AVX512_VNNI / AVX512_BF16 / AMX CPUs, and leaves AVX2-only CPUs such as AMD EPYC
+    Zen 2/3 on its ~20x slower Eigen kernels) and leaves TensorFlow's default elsewhere (ARM, x86-64 without
+    AVX2: not measured).
+
+    Example:
+        >>> onednn_choice("auto", env={}, isa=("avx", "avx2", "fma"), machine="x86_64").enabled
+        True
+        >>> onednn_choice("auto", env={"TF_ENABLE_ONEDNN_OPTS": "0"}, isa=("avx2", "fma"), machine="x86_64").enabled
+        False
+        >>> onednn_choice("auto", env={}, isa=("asimd",), machine="aarch64").enabled is None
+        True
+    """
+    if setting not in ONEDNN_SETTINGS:
+        raise ValueError(f"runtime.onednn: {setting!r} is not one of {list(ONEDNN_SETTINGS)}")
+    env = os.environ if env is None else env
+    if setting != "auto":
+        return OneDNNChoice(setting == "on", setting, f"runtime.onednn: {setting}")
+    user = env.get(ONEDNN_ENV)
+    if user is not None and user != env.get(_DECIDED_ENV):
+        on = user.strip().lower() in ("1", "true", "yes", "on")
+        return OneDNNChoice(on, setting, f"{ONEDNN_ENV}={user} in the environment")
+    isa = cpu_isa() if isa is None else isa
+    if machine is None:
+        import platform
+
+        machine = platform.machine()
+    if machine.lower() in ("x86_64", "amd64"):
+        if "avx2" in isa and "fma" in isa:
+            return OneDNNChoice(True, setting, f"x86-64 with AVX2 and FMA: {ONEDNN_MEASURED}")
+        return OneDNNChoice(None, setting, "x86-64 without AVX2: not measured, TensorFlow decides")
+    return OneDNNChoice(None, setting, f"{machine} CPU: not measured, TensorFlow decides")
+
+
+_onednn: OneDNNChoice | None = None
+
+
+def apply_onednn(setting: str = "auto") -> OneDNNChoice:
+    """Decides oneDNN for this process (`onednn_choice`) and sets `TF_ENABLE_ONEDNN_OPTS` for TensorFlow.
+
+    Must run before TensorFlow is imported (tfmis/__init__.py runs it with `auto`; a command again with its
+    config's `runtime.onednn`). After TensorFlow's import the state cannot change: the returned choice then says
+    what TensorFlow is running with and that it was imported first.
+    """
+    global _onednn
+    choice = onednn_choice(setting)
+    if "tensorflow" in sys.modules:
+        running = onednn_running()
+        if running is not None and choice.enabled not in (None, running):
+            choice = OneDNNChoice(
+                running,
+                setting,
+                f"TensorFlow was imported before tfmis could set {ONEDNN_ENV}; import tfmis first "
+                f"(wanted {'on' if choice.enabled else 'off'}: {choice.reason})",
+            )
+    elif choice.enabled is not None and not choice.reason.startswith(ONEDNN_ENV):
+        value = "1" if choice.enabled else "0"
+        os.environ[ONEDNN_ENV] = value
+        os.environ[_DECIDED_ENV] = value
+    _onednn = choice
+    return choice
+
+
+def onednn_running() -> bool | None:
+    """Whether the imported TensorFlow runs its oneDNN kernels (None before TensorFlow's import or if unknown)."""
+    if "tensorflow" not in sys.modules:
+        return None
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return None
+
+
+def current_onednn() -> OneDNNChoice:
+    """The choice `apply_onednn` made last in this process (made now with `auto` if none was)."""
+    return _onednn or apply_onednn("auto")
+
+
+def threads_set_by_user(env=None) -> bool:
+    """Whether `TF_NUM_INTRAOP_THREADS` / `TF_NUM_INTEROP_THREADS` in `env` are the user's (not tfmis's own)."""
+    env = os.environ if env is None else env
+    values = [env.get(name) for name in THREAD_ENVS]
+    return any(v is not None for v in values) and ",".join(v or "" for v in values) != env.get(_THREADS_DECIDED_ENV)
+
+
+def set_thread_env(env, intra: int, inter: int) -> None:
+    """Puts tfmis's thread counts in `env` (os.environ or a child's), marked as tfmis's (`threads_set_by_user`)."""
+    env["TF_NUM_INTRAOP_THREADS"], env["TF_NUM_INTEROP_THREADS"] = str(intra), str(inter)
+    env[_THREADS_DECIDED_ENV] = f"{intra},{inter}"
+
+
+def data_threads() -> int | None:
+    """tf.data's private thread pool size where a cgroup CPU quota is below the affinity mask (tf.data sizes its
+    pools from the mask), else None: tf.data's own default."""
+    count = usable_cpu_count()
+    return count if count < len(usable_cpus()) else None
+
+
+def apply_cpu_threads() -> int:
+    """Sizes TensorFlow's intra-op and inter-op thread pools from `usable_cpu_count()`, before its import.
+
+    TensorFlow sizes them from the affinity mask and does not see a cgroup CPU quota (a container, a SLURM job):
+    there it would run more threads than the CPUs it gets, and each would be throttled. Sets
+    `TF_NUM_INTRAOP_THREADS` / `TF_NUM_INTEROP_THREADS` only where the quota is below the affinity mask and the
+    user has set neither. Returns the usable CPU count.
+    """
+    count = usable_cpu_count()
+    if count < len(usable_cpus()) and not threads_set_by_user() and "tensorflow" not in sys.modules:
+        set_thread_env(os.environ, count, count)
+    return count
+
+
 # ---------------------------------------------------------------------------------------------- the machine
 
 
@@ -284,9 +546,11 @@ class Hardware:
         gpus: one dict per GPU TensorFlow sees: name, compute_capability (major, minor) or None,
             memory_mb (NVML's total, or None).
         cpu_name: the CPU model name.
-        cpu_count: logical cores this process may use.
+        cpu_count: logical cores this process may use (`usable_cpu_count`: affinity and cgroup CPU quota).
         cpu_flags: the bfloat16-related instruction-set flags of the CPU (amx_bf16, avx512_bf16).
         host_memory_mb, host_available_mb: total and available RAM (a container's limit applied).
+        cpu_isa: the CPU's instruction-set flags that decide TensorFlow's kernels (`cpu_isa`).
+        onednn: this process's oneDNN choice with its reason (`OneDNNChoice.describe`), or "".
     """
 
     gpus: tuple[dict, ...] = ()
@@ -295,6 +559,8 @@ class Hardware:
     cpu_flags: tuple[str, ...] = ()
     host_memory_mb: float = 0.0
     host_available_mb: float = 0.0
+    cpu_isa: tuple[str, ...] = ()
+    onednn: str = ""
 
     @property
     def has_gpu(self) -> bool:
@@ -317,9 +583,13 @@ class Hardware:
         return any(flag in self.cpu_flags for flag in BF16_CPU_FLAGS)
 
     def describe(self) -> str:
-        """One line: the GPUs (or "CPU only"), the cores with their bfloat16 flags, the RAM."""
-        flags = f" ({', '.join(self.cpu_flags)})" if self.cpu_flags else ""
-        cpu = f"{self.cpu_count} cores{flags}, {self.host_memory_mb / 1024:.1f} GB RAM"
+        """One line: the GPUs (or "CPU only"), the usable cores with the CPU's model and instruction sets, the RAM,
+        and the oneDNN choice with its reason."""
+        flags = ", ".join(self.cpu_isa or self.cpu_flags)
+        cpu = f"{self.cpu_count} cores" + (f" of {self.cpu_name}" if self.cpu_name != "cpu" else "")
+        cpu += (f" ({flags})" if flags else "") + f", {self.host_memory_mb / 1024:.1f} GB RAM"
+        if self.onednn:
+            cpu += f"; {self.onednn}"
         if not self.gpus:
             return f"CPU only: {cpu}"
         g = self.gpus[0]
@@ -357,10 +627,12 @@ def detect_hardware() -> Hardware:
     return Hardware(
         gpus=tuple(gpus),
         cpu_name=host.get("cpu_name") or "cpu",
-        cpu_count=len(usable_cpus()),
+        cpu_count=usable_cpu_count(),
         cpu_flags=cpu_flags(),
         host_memory_mb=host["total_mb"],
         host_available_mb=host["available_mb"],
+        cpu_isa=cpu_isa(),
+        onednn=current_onednn().describe(),
     )
 
 
@@ -427,10 +699,26 @@ def hardware_warnings(training, hardware: Hardware | None = None) -> list[str]:
     """One line per setting of `training` (a `TrainingConfig`) that this machine runs badly, naming the fix.
 
     CPU only: `mixed_float16` (float16 emulated: ~30x slower than float32 here) and `jit_compile: true`
-    (XLA ~10x slower than plain TensorFlow here). GPUs below compute capability 8.0: `mixed_bfloat16`.
+    (XLA ~10x slower than plain TensorFlow here). GPUs below compute capability 8.0: `mixed_bfloat16`. Any
+    machine: oneDNN off (by the environment or the config) where tfmis's `auto` would turn it on, and thread
+    counts set above the CPUs this process may use.
     """
     hardware = hardware or detect_hardware()
     lines = []
+    onednn = current_onednn()
+    if onednn.enabled is False and onednn_choice("auto", env={}).enabled:
+        lines.append(
+            f"oneDNN is off ({onednn.reason}) on an x86-64 CPU with AVX2 and FMA, where {ONEDNN_MEASURED}; "
+            f"unset {ONEDNN_ENV} and use runtime.onednn: auto"
+        )
+    usable = usable_cpu_count()
+    for name in THREAD_ENVS:
+        value = os.environ.get(name, "")
+        if threads_set_by_user() and value.isdigit() and int(value) > usable:
+            lines.append(
+                f"{name}={value} but this process may use {usable} CPU(s) (affinity and cgroup quota): threads "
+                f"beyond that are throttled; unset it and tfmis sizes the pools"
+            )
     precision = training.precision
     best = recommended_precision(hardware)[0]
     if not hardware.has_gpu:

@@ -92,6 +92,9 @@ def main(argv=None) -> int:
     if len(configs) > 1 and args.gpu_customization:
         print("error: --gpu-customization measures one config: run it on a stage's plan.yaml", file=sys.stderr)
         return 2
+    from tfmis.hardware import apply_onednn
+
+    apply_onednn(configs[0][1].runtime.onednn)  # before TensorFlow's import (by the backend below)
     from tfmis.engine.distribution import make_backend
 
     try:  # first: MultiWorkerMirroredStrategy and Horovod must set up the devices themselves
@@ -144,7 +147,7 @@ def _run(config, backend, args, planned: dict | None) -> int:
     """Converts (on the chief), trains and reports one run; the exit status."""
     import tensorflow as tf
 
-    from tfmis.hardware import hardware_warnings, resolve_precision
+    from tfmis.hardware import detect_hardware, hardware_warnings, resolve_precision
 
     if backend.is_chief:
         for line in hardware_warnings(config.training):
@@ -180,7 +183,8 @@ def _run(config, backend, args, planned: dict | None) -> int:
         elif planned is not None and backend.size == 1:
             config = _cached_gpu_fit(config, planned, args)
         trainer = Trainer(config, backend=backend)
-        if backend.is_chief:
+        if backend.is_chief:  # here, not earlier: a config or data error before it stays one line
+            print(f"Hardware: {detect_hardware().describe()}", file=sys.stderr)
             lr = (
                 ""
                 if config.optimizer.lr_scaling == "none"

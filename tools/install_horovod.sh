@@ -2,11 +2,16 @@
 # Builds a virtual environment for tfmis with Horovod (runtime.distribution: horovod).
 #
 # Usage:
-#   tools/install_horovod.sh [VENV_DIR] [--gpu]
+#   tools/install_horovod.sh [VENV_DIR] [--gpu] [--cache]
 #
 #   VENV_DIR  where the environment goes (default: .venv-horovod, relative to the current directory)
 #   --gpu     tensorflow[and-cuda]==2.16.2 and Horovod with NCCL (HOROVOD_GPU_OPERATIONS=NCCL);
 #             default: tensorflow-cpu==2.16.2 (never downloads CUDA wheels).
+#   --cache   build (or reuse) the environment in a cache outside the checkout, one folder per set of
+#             versions (Python, TensorFlow, Keras, Horovod, MPI, CPU/GPU) under
+#             ${TFMIS_CACHE_DIR:-~/.cache/tfmis}/horovod-<key>, and make VENV_DIR a symbolic link to it:
+#             a new clone on the same machine reuses a finished build (CI: .ci/run). A lock keeps two
+#             builds of one key apart.
 #
 # Controllers: Horovod is always built with Gloo (horovodrun --gloo), and also with MPI
 # (HOROVOD_WITH_MPI=1: `mpirun -np N python -m tfmis.train ...` and `horovodrun --mpi`) when an MPI
@@ -42,11 +47,13 @@ KERAS_SPEC="keras==3.15.1"
 
 VENV_DIR=".venv-horovod"
 GPU=0
+CACHE=0
 for arg in "$@"; do
     case "$arg" in
         --gpu) GPU=1 ;;
+        --cache) CACHE=1 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-        -*) echo "install_horovod.sh: unknown option $arg (usage: tools/install_horovod.sh [VENV_DIR] [--gpu])" >&2; exit 2 ;;
+        -*) echo "install_horovod.sh: unknown option $arg (usage: tools/install_horovod.sh [VENV_DIR] [--gpu] [--cache])" >&2; exit 2 ;;
         *) VENV_DIR="$arg" ;;
     esac
 done
@@ -77,6 +84,24 @@ if command -v mpicxx >/dev/null || command -v mpicc >/dev/null; then
 else
     MPI=0
     MPI_NOTE="no MPI compiler wrapper (mpicxx/mpicc) on PATH: Horovod gets Gloo only (horovodrun --gloo); for mpirun and horovodrun --mpi install MPI first (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev; a cluster: 'module load openmpi') and rerun this script"
+fi
+
+# ---- 0. --cache: the environment lives in a cache keyed by its versions, VENV_DIR links to it -------
+if [ "$CACHE" = 1 ]; then
+    PY_TAG=$("$PYTHON" -c 'import sys; print(f"py{sys.version_info[0]}.{sys.version_info[1]}")')
+    MPI_TAG=$([ "$MPI" = 1 ] && (mpirun --version 2>/dev/null | head -1 | tr -cs 'A-Za-z0-9.' '-' | sed 's/-*$//') || echo nompi)
+    KEY="$PY_TAG-tf$TF_VERSION-${KERAS_SPEC#keras==}-hvd$HOROVOD_VERSION-$([ "$GPU" = 1 ] && echo gpu || echo cpu)-${MPI_TAG:-mpi}"
+    CACHE_ROOT="${TFMIS_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tfmis}"
+    CACHED="$CACHE_ROOT/horovod-$KEY"
+    mkdir -p "$CACHE_ROOT"
+    if [ -e "$VENV_DIR" ] && [ ! -L "$VENV_DIR" ]; then
+        die "--cache: $VENV_DIR exists and is not a link to the cache; remove it or name another VENV_DIR"
+    fi
+    ln -sfn "$CACHED" "$VENV_DIR"
+    step "cached environment $CACHED (key: $KEY)"
+    exec 9>"$CACHED.lock"
+    flock -w 3600 9 || die "--cache: another build of $CACHED holds $CACHED.lock for over an hour"
+    VENV_DIR="$CACHED"
 fi
 
 # ---- 1. the virtual environment -------------------------------------------------------------------

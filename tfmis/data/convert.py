@@ -45,6 +45,7 @@ from tfmis.data.records import (
     framed_size,
     shard_name,
 )
+from tfmis.hardware import usable_cpu_count
 from tfmis.utils.io import TEMP_SUFFIX, atomic_write_json, fsync_dir, remove_temp_files, temp_path
 from tfmis.utils.lock import folder_lock
 from tfmis.utils.parallel import map_ordered
@@ -166,7 +167,7 @@ class ConversionOptions:
 
     @property
     def num_workers(self) -> int:
-        return self.workers or max(1, min(os.cpu_count() or 1, 8))
+        return self.workers or min(usable_cpu_count(), 8)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import threading
 import time
 
 from tfmis.engine.cluster import free_ports
-from tfmis.hardware import usable_cpus, visible_gpu_ids
+from tfmis.hardware import set_thread_env, threads_set_by_user, usable_cpu_count, visible_gpu_ids
 
 
 def worker_environments(
@@ -35,14 +35,15 @@ def worker_environments(
     """The environment of each of `nproc` local workers (TF_CONFIG, threads, GPUs)."""
     base_env = dict(os.environ if base_env is None else base_env)
     workers = [f"{host}:{port}" for port in free_ports(nproc, host)]
-    cpus = cpu_count or len(usable_cpus())
+    cpus = cpu_count or usable_cpu_count()
+    user_threads = threads_set_by_user(base_env)
     gpus = visible_gpu_ids(base_env)
     envs = []
     for k in range(nproc):
         env = dict(base_env)
         env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": k}})
-        env.setdefault("TF_NUM_INTRAOP_THREADS", str(max(1, cpus // nproc)))
-        env.setdefault("TF_NUM_INTEROP_THREADS", str(max(1, min(2, cpus // nproc))))
+        if not user_threads:  # the user's counts stand; tfmis's own (from this process's CPUs) are re-shared
+            set_thread_env(env, max(1, cpus // nproc), max(1, min(2, cpus // nproc)))
         per = len(gpus) // nproc if gpus_per_worker is None else gpus_per_worker
         if gpus and per > 0:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[k * per : (k + 1) * per])

@@ -31,6 +31,7 @@ import numpy as np
 from tfmis.data import fingerprint as fp
 from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, MSDDataset, load_case
 from tfmis.data.preprocess import reorient_to_ras, spacing_of
+from tfmis.hardware import usable_cpu_count
 
 
 @dataclasses.dataclass
@@ -198,13 +199,12 @@ def fingerprint_msd(
     Raises:
         DatasetError: dataset.json is unusable, or no case could be read.
     """
-    import os
 
     from tfmis.utils.parallel import map_ordered
     from tfmis.utils.progress import progress_bar
 
     dataset = MSDDataset(source_dir)
-    workers = workers or max(1, min(os.cpu_count() or 1, 8))
+    workers = workers or min(usable_cpu_count(), 8)
     tasks = [(case, str(dataset.root)) for case in dataset.training]
     bar = progress_bar(len(tasks), f"Fingerprinting {dataset.name}", "case", disable=not progress)
     summaries, skipped = [], {}

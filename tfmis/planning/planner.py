@@ -157,6 +157,7 @@ class ExperimentPlanner:
         self.determine_schedule(plan)
         self.determine_validation(plan)
         self.determine_cascade(plan)
+        self.determine_runtime(plan)
         self.describe(plan)
         return plan
 
@@ -528,6 +529,16 @@ class ExperimentPlanner:
             "cascade.margin_mm",
             float(self.roi_margin_mm),
             "kept around the coarse stage's foreground box, as around the labels in training",
+        )
+
+    def determine_runtime(self, plan: Plan) -> None:
+        """oneDNN: decided on each machine that trains (the plan may travel), with this machine's decision."""
+        here = f"; here: {self.hardware.onednn}" if self.hardware.onednn else ""
+        plan.set(
+            "runtime.onednn",
+            "auto",
+            "TensorFlow's oneDNN CPU kernels, decided on the machine that trains before TensorFlow starts: on for "
+            f"x86-64 CPUs with AVX2 and FMA, TensorFlow's default elsewhere{here}",
         )
 
     # ------------------------------------------------------------------ header and summary

@@ -110,9 +110,11 @@ def _random_rot90(image, label, prob, seed):
     shape = tf.shape(image)
     # rot90 turns the first two axes of an (H, W, channels) tensor: fold (Z, C) into channels
     flat_image = tf.reshape(image, [shape[0], shape[1], -1])
-    flat_label = tf.reshape(label, [shape[0], shape[1], -1])
+    # turned as float32 (exact for label values): an integer Transpose asks oneDNN for a kernel it lacks, which
+    # logs an error line once per process; the cast back keeps the label's dtype
+    flat_label = tf.cast(tf.reshape(label, [shape[0], shape[1], -1]), tf.float32)
     rot_image = tf.image.rot90(flat_image, k)
-    rot_label = tf.image.rot90(flat_label, k)
+    rot_label = tf.cast(tf.image.rot90(flat_label, k), label.dtype)
     new_xy = tf.shape(rot_image)[:2]
     image = tf.reshape(rot_image, tf.concat([new_xy, shape[2:]], 0))
     label = tf.reshape(rot_label, tf.concat([new_xy, shape[2:3]], 0))

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from tfmis.config import Config, from_dict, save_config, to_dict
+from tfmis.hardware import usable_cpu_count
 from tfmis.tune.fit.memory import MemoryModel, is_memory_failure
 from tfmis.tune.fit.specs import FitSpecs, load_specs, specs_to_dict
 from tfmis.utils.io import atomic_write_json
@@ -243,7 +244,7 @@ class GpuFitSearch:
                 "kind": "cpu",
                 "name": host.get("cpu_name", "cpu"),
                 "total_mb": host["total_mb"],
-                "cpu_count": os.cpu_count(),
+                "cpu_count": usable_cpu_count(),
             }
             default_budget = host["available_mb"]
         self.budget_mb = float(memory_budget_mb or default_budget)
