@@ -27,7 +27,8 @@ import collections, json, os, sys
 import tfmis
 from tfmis.data.convert import ConversionConfig
 from tfmis.engine.launch import worker_environments
-from tfmis.hardware import current_onednn, data_threads, usable_cpu_count
+from tfmis.data.pipeline import pipeline_options
+from tfmis.hardware import current_onednn, usable_cpu_count
 import tensorflow as tf
 x = tf.random.normal([1, 16, 16, 16, 4])
 for _ in range(2):
@@ -41,7 +42,7 @@ print(json.dumps({
     "intra_env": os.environ.get("TF_NUM_INTRAOP_THREADS"),
     "inter_env": os.environ.get("TF_NUM_INTEROP_THREADS"),
     "tf_inter_op_threads": names["tf_Compute"],
-    "data_threads": data_threads(),
+    "data_threads": pipeline_options(True).threading.private_threadpool_size,
     "conversion_workers": ConversionConfig("src", "dst").num_workers,
     "launch_intra": int(launch["TF_NUM_INTRAOP_THREADS"]),
     "onednn": current_onednn().describe(),
@@ -138,6 +139,7 @@ def test_cgroup_quota_reader_takes_the_smallest_quota_on_the_path_of_v1_and_v2_t
 
     v2 = tmp_path / "v2"
     (v2 / "container").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
     (v2 / "container" / "cpu.max").write_text("max 100000\n")
     assert cgroup_cpu_quota("0::/container\n", root=v2) is None
     (v2 / "container" / "cpu.max").write_text("150000 100000\n")

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from tfmis.data.records import image_as_float32, load_index, parse_example, shard_paths
 from tfmis.data.smart_cache import REFILL_PARALLELISM, partial_cache_size, share_size, smart_cache
+from tfmis.hardware import data_threads
 from tfmis.transforms.augment import (
     augment_patch,
     random_spatial,
@@ -221,9 +222,18 @@ def build_train_dataset(
     batch = p.num_images_per_batch * config.training.accumulation_steps
     dataset = dataset.batch(batch, drop_remainder=True)
     dataset = with_channel_count(dataset, len(index["source"]["modalities"]))
+    return dataset.prefetch(tf.data.AUTOTUNE).with_options(pipeline_options(p.deterministic))
+
+
+def pipeline_options(deterministic: bool) -> tf.data.Options:
+    """tf.data options of tfmis's pipelines: the order rule, and a private thread pool of the usable CPUs where a
+    cgroup CPU quota is below the affinity mask (tf.data sizes its pools from the mask: `hardware.data_threads`)."""
     options = tf.data.Options()
-    options.deterministic = p.deterministic
-    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+    options.deterministic = deterministic
+    threads = data_threads()
+    if threads:
+        options.threading.private_threadpool_size = threads
+    return options
 
 
 def with_channel_count(batches: tf.data.Dataset, channels: int) -> tf.data.Dataset:
@@ -401,4 +411,4 @@ def build_val_dataset(config, split: str | None = None, cached: bool = True) -> 
     dataset = dataset.map(
         lambda image, label, meta: (image_as_float32(image)[None], tf.cast(label, tf.int32)[None], meta)
     )
-    return dataset.prefetch(1)
+    return dataset.prefetch(1).with_options(pipeline_options(True))
