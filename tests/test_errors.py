@@ -173,6 +173,7 @@ def test_convert_on_a_full_disk_exits_1_removes_the_half_written_shard_and_resum
     assert len(json.loads((target / "index.json").read_text())["cases"]) == 3
 
 
+@pytest.mark.slow
 def test_train_on_a_full_disk_at_the_epoch_commit_exits_1_and_leaves_no_temp_weights(
     tmp_path, full_disk, converted_dataset
 ):

@@ -164,6 +164,7 @@ def test_tfmis_train_under_mpirun_trains_resumes_and_ends_quietly(converted_data
     assert not (tmp_path / "run" / ".rendezvous").exists()
 
 
+@pytest.mark.slow
 def test_tfmis_launch_says_what_it_exposes_and_two_workers_end_quietly(converted_dataset, tmp_path):
     """`python -m tfmis.launch --nproc 2 -- python -m tfmis.train ...` on loopback: it first says which ports its
     workers' TensorFlow gRPC servers use and that TensorFlow listens on them on all interfaces; the 2-worker

@@ -400,6 +400,7 @@ MIRRORED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_novograd_under_mirrored_strategy_matches_single_device():
     """2 logical CPUs must be configured before TensorFlow initialises, hence a fresh interpreter."""
     proc = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT], capture_output=True, text=True, timeout=300)

@@ -381,6 +381,7 @@ def test_step_placement_gives_the_pipeline_placement_batches(converted_dataset, 
     assert changed >= 6  # the augmentation did change most of the 12 patches
 
 
+@pytest.mark.slow
 def test_step_augmentation_under_xla_gives_the_pipeline_placement_batches(converted_dataset, tmp_path):
     """training.jit_compile: step_augmentation compiled by XLA (static shapes, no py_function) draws the same
     augmentations from the same seeds (Philox named explicitly, floats made from its integer bits); XLA's own

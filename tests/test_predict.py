@@ -235,6 +235,7 @@ with open(out_path, "w") as f:
     ],
     ids=["weight_sum_MemoryError", "blending_buffer_MemoryError"],
 )
+@pytest.mark.slow
 def test_a_real_failed_allocation_falls_back_and_gives_the_same_prediction(
     trained_run, tmp_path, squeeze_at, environment, error
 ):

@@ -626,6 +626,7 @@ def test_callbacks_see_every_event_in_order_and_only_committed_epochs(converted_
     ]
 
 
+@pytest.mark.slow
 def test_progress_to_a_log_file_is_plain_lines_without_bar_frames(converted_dataset, tmp_path):
     """`python -m tfmis.train` with standard error redirected to a file (not a terminal) and progress on writes
     no carriage-return bar frames: a plain line per step (output.progress_seconds=0) and one line per epoch."""
@@ -1022,6 +1023,7 @@ def test_steps_per_loop_under_mirrored_strategy_matches_one_step_per_loop(conver
     assert all(0 <= f <= 1 for f in out["wait_fraction"])
 
 
+@pytest.mark.slow
 def test_steps_per_loop_with_mixed_float16_loss_scaling_trains_as_one_step_per_loop(converted_dataset, tmp_path):
     """training.precision=mixed_float16 (LossScaleOptimizer) with training.steps_per_loop=3 over 4 steps: the same
     per-step losses, loss scale and weights as one step per loop from the same initial weights."""

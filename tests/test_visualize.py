@@ -115,6 +115,7 @@ def test_nifti_image_and_label_in_lps(tmp_path):
     assert case.spacing == (1.5, 1.5, 2.0) and case.class_names[2] == "tumour"
 
 
+@pytest.mark.slow
 def test_reads_only_the_requested_record(converted, tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(converted, damaged)
