@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tfmis.hardware import ONEDNN_ENV, cgroup_cpu_quota, onednn_choice
+from tfmis.hardware import ONEDNN_ENV, cgroup_cpu_quota, onednn_choice, usable_cpu_count
 
 REPO = Path(__file__).resolve().parents[1]
 # a clean environment: neither the user's nor this test process's own oneDNN / thread decisions
@@ -213,28 +213,46 @@ def test_a_training_run_and_a_prediction_print_the_hardware_line_and_no_tensorfl
 
     save_config(tiny_config(converted_dataset, tmp_path / "run", *ALL_PATHS), tmp_path / "config.yaml")
     env = clean_env(TF_CPP_MIN_LOG_LEVEL="0")  # TensorFlow's ERROR lines are printed at every level below 2
-    train = subprocess.run(
-        [sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / "config.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert train.returncode == 0, train.stderr[-3000:]
+
+    def command(*args) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            [sys.executable, "-m", *map(str, args)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result
+
+    train = command("tfmis.train", "--config", tmp_path / "config.yaml")
     hardware = [line for line in train.stderr.splitlines() if line.startswith("Hardware: ")]
-    assert len(hardware) == 1 and f"{len(os.sched_getaffinity(0))} cores" in hardware[0], hardware
+    assert len(hardware) == 1 and f"{usable_cpu_count()} cores" in hardware[0], hardware
     assert "; oneDNN " in hardware[0] and onednn_choice("auto", env={}).reason in hardware[0], hardware
-    predict = subprocess.run(
-        [sys.executable, "-m", "tfmis.predict", "--checkpoint", str(tmp_path / "run")]
-        + ["--input", str(msd_dataset / "imagesTs"), "--output", str(tmp_path / "pred")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert predict.returncode == 0, predict.stderr[-3000:]
+    run, scans = tmp_path / "run", msd_dataset / "imagesTs"
+    predict = command("tfmis.predict", "--checkpoint", run, "--input", scans, "--output", tmp_path / "predictions")
     for name, result in (("train", train), ("predict", predict)):
         errors = [line for line in result.stderr.splitlines() if line.startswith("E0000") or " E0000 " in line]
         assert errors == [], f"{name}: {errors}"
+
+
+def test_train_prints_one_hint_each_for_onednn_turned_off_and_threads_beyond_the_usable_cpus(tmp_path):
+    """`python -m tfmis.train` with TF_ENABLE_ONEDNN_OPTS=0 (where `auto` would turn oneDNN on) and
+    TF_NUM_INTRAOP_THREADS above the usable CPUs prints one `warning:` line for each, naming the fix, before anything
+    else happens (here the missing dataset then stops the run)."""
+    too_many = str(4 * usable_cpu_count())
+    result = subprocess.run(
+        [sys.executable, "-m", "tfmis.train", "--config", str(REPO / "configs" / "demo.yaml")]
+        + ["--set", "data.source_dir=null", "--set", f"data.dataset_dir={tmp_path / 'missing'}"]
+        + ["--set", f"output.dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(**{ONEDNN_ENV: "0", "TF_NUM_INTRAOP_THREADS": too_many}),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1 and "holds no converted dataset" in result.stderr, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    onednn = [w for w in warnings if "oneDNN is off" in w]
+    threads = [w for w in warnings if w.startswith(f"warning: TF_NUM_INTRAOP_THREADS={too_many} ")]
+    assert len(threads) == 1 and "unset it" in threads[0], warnings
+    if onednn_choice("auto", env={}).enabled:
+        assert len(onednn) == 1 and f"unset {ONEDNN_ENV}" in onednn[0] and "runtime.onednn: auto" in onednn[0]
+    else:
+        assert onednn == [], warnings
