@@ -406,11 +406,13 @@ class OneDNNChoice:
         enabled: True/False, or None when TensorFlow's own default stands (a CPU kind not measured).
         setting: `runtime.onednn` (auto, on, off).
         reason: why, in words (the setting, the user's environment variable, or the measured rule).
+        users_variable: the user's `TF_ENABLE_ONEDNN_OPTS` decided it (tfmis leaves the variable as it is).
     """
 
     enabled: bool | None
     setting: str
     reason: str
+    users_variable: bool = False
 
     def describe(self) -> str:
         state = {True: "on", False: "off", None: "TensorFlow's default"}[self.enabled]
@@ -442,7 +444,7 @@ def onednn_choice(setting: str = "auto", env=None, isa: tuple[str, ...] | None =
     user = env.get(ONEDNN_ENV)
     if user is not None and user != env.get(_DECIDED_ENV):
         on = user.strip().lower() in ("1", "true", "yes", "on")
-        return OneDNNChoice(on, setting, f"{ONEDNN_ENV}={user} in the environment")
+        return OneDNNChoice(on, setting, f"{ONEDNN_ENV}={user} in the environment", users_variable=True)
     isa = cpu_isa() if isa is None else isa
     if machine is None:
         import platform
@@ -476,7 +478,7 @@ def apply_onednn(setting: str = "auto") -> OneDNNChoice:
                 f"TensorFlow was imported before tfmis could set {ONEDNN_ENV}; import tfmis first "
                 f"(wanted {'on' if choice.enabled else 'off'}: {choice.reason})",
             )
-    elif choice.enabled is not None and not choice.reason.startswith(ONEDNN_ENV):
+    elif choice.enabled is not None and not choice.users_variable:
         value = "1" if choice.enabled else "0"
         os.environ[ONEDNN_ENV] = value
         os.environ[_DECIDED_ENV] = value
