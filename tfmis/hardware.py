@@ -340,13 +340,7 @@ def cpu_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
         >>> cpu_flags("processor : 0\\nflags : fpu sse avx512f avx512_bf16\\n")
         ('avx512_bf16',)
     """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return ()
-    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    present = set(line.partition(":")[2].split())
+    present = cpu_isa(cpuinfo)  # one reader of the flags line; BF16_CPU_FLAGS are among its ISA_FLAGS
     return tuple(flag for flag in BF16_CPU_FLAGS if flag in present)
 
 
