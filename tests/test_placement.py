@@ -102,8 +102,10 @@ def run(policy, name):
     out, placement = policy.run(infer, voxels, case_id=name)
     return {"volume": name, "voxels": voxels, "calls": calls, "placement": str(placement),
             "sw_batch_size": placement.sw_batch_size, "fallback": placement.is_fallback,
-            # a direct run, one window per forward pass (it always fits; a window's logits do not depend on the batch)
-            "equals_direct": bool(np.allclose(out, logits(name, "/CPU:0", 1), rtol=1e-5, atol=1e-6)),
+            # a direct run, one window per forward pass (it always fits; a window's logits do not depend on the batch,
+            # up to float32 rounding: oneDNN picks its convolution kernel by batch size and sums in another order,
+            # which once gave a difference above 1e-6 at batch 32 in 1 of 4 CI runs)
+            "equals_direct": bool(np.allclose(out, logits(name, "/CPU:0", 1), rtol=1e-5, atol=1e-5)),
             "new_events": [{"case_id": e.case_id, "voxels": e.voxels, "failed": list(e.failed),
                             "succeeded": e.succeeded} for e in policy.events[events:]],
             "cpu_from_voxels": policy.cpu_from_voxels, "reduced_sw_batch": dict(policy.reduced_sw_batch)}
