@@ -193,12 +193,15 @@ else
 fi
 
 # ---- 4. tfmis itself (editable, dev extra; TensorFlow stays at 2.16) ------------------------------
-if "$PY" - "$REPO_ROOT" <<'EOF' 2>/dev/null
+# checked from / : in REPO_ROOT the interpreter would import ./tfmis through the current directory even when
+# the environment's editable install points at another (perhaps deleted) clone that shared this cache
+if (cd / && "$PY" - "$REPO_ROOT" <<'EOF' 2>/dev/null
 import importlib.metadata as m, pathlib, sys
 import pytest, tfmis  # noqa: F401
 m.version("tfmis")
 sys.exit(0 if pathlib.Path(tfmis.__file__).resolve().parent == pathlib.Path(sys.argv[1]) / "tfmis" else 1)
 EOF
+)
 then
     step "tfmis (editable, $REPO_ROOT) already installed"
 else
