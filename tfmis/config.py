@@ -237,6 +237,32 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass
+class ModelParallelConfig:
+    """One model over several devices (tfmis.networks.parallel, docs/model-parallel.md): for a patch or a network
+    whose activations do not fit one device."""
+
+    # none; pipeline: the layers cut into `devices` stages, the batch into `micro_batches` (GPipe); spatial: each
+    # patch cut into `devices` slabs along `axis`, convolutions exchanging halos, norms reducing over all slabs
+    mode: Literal["none", "pipeline", "spatial"] = "none"
+    devices: int = 2  # devices per model: GPUs when there are enough, else the CPU split into logical devices
+    micro_batches: int = 2  # pipeline: micro-batches per step (must divide the images per step)
+    axis: Optional[int] = None  # spatial: the patch axis (0, 1, 2) to cut; null = the longest that can be cut
+    data: int = 1  # data-parallel groups of `devices` devices each (a data x model mesh): data x devices in all
+
+    def __post_init__(self):
+        if self.devices < 1 or self.data < 1 or self.micro_batches < 1:
+            raise ValueError(
+                f"devices, data and micro_batches must be >= 1, got {self.devices}, {self.data}, {self.micro_batches}"
+            )
+        if self.axis is not None and self.axis not in (0, 1, 2):
+            raise ValueError(f"axis: a patch axis 0, 1 or 2, or null for the longest; got {self.axis}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+
+@dataclasses.dataclass
 class RuntimeConfig:
     """Where the one training loop runs (tfmis.engine.distribution), set up before anything touches devices."""
 
@@ -254,6 +280,8 @@ class RuntimeConfig:
     # faster for 3D convolutions (x86-64 with AVX2 and FMA), TensorFlow's default elsewhere, and a
     # TF_ENABLE_ONEDNN_OPTS set in the environment is respected; on / off force it (docs/training.md, "CPU speed")
     onednn: Literal["auto", "on", "off"] = "auto"
+    # model parallelism (pipeline or spatial partitioning of one model over several devices); see ModelParallelConfig
+    model_parallel: ModelParallelConfig = dataclasses.field(default_factory=ModelParallelConfig)
 
 
 @dataclasses.dataclass

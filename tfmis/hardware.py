@@ -67,6 +67,39 @@ def accelerator_device() -> str:
     return "/GPU:0" if tf.config.list_logical_devices("GPU") else CPU
 
 
+def model_parallel_devices(count: int) -> list[str]:
+    """`count` devices for one model split over devices: the first `count` GPUs, or on a machine without GPUs
+    the CPU split into `count` logical devices (`tf.config.set_logical_device_configuration`; they share the
+    cores, so equality and the cross-device exchanges are real but no speed-up is). Call it before TensorFlow
+    initialises its devices; afterwards it only checks that enough logical devices exist.
+
+    Raises:
+        ValueError: fewer GPUs than `count` (naming the key and the fix), or a CPU already initialised with
+            fewer logical devices.
+    """
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if len(gpus) < count:
+            raise ValueError(
+                f"runtime.model_parallel needs {count} devices (devices x data) but this process sees {len(gpus)} "
+                f"GPU(s): lower runtime.model_parallel.devices / data, or make more GPUs visible"
+            )
+        return [f"/GPU:{i}" for i in range(count)]
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if count > 1 and len(tf.config.get_logical_device_configuration(cpu) or []) < count:
+        try:
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+        except RuntimeError as e:  # the runtime is initialised
+            raise ValueError(
+                f"runtime.model_parallel needs {count} logical CPU devices, but TensorFlow's devices were "
+                f"initialised with {len(tf.config.list_logical_devices('CPU'))}: set them up first "
+                "(tfmis.engine.distribution.make_backend does, before anything touches a device)"
+            ) from e
+    return [f"/CPU:{i}" for i in range(count)]
+
+
 def visible_nvml_handles(pynvml, count: int, visible: str | None = None) -> list[tuple[int, object]]:
     """(NVML index, handle) of the GPUs `CUDA_VISIBLE_DEVICES` shows (all when unset), in its order.
 

@@ -37,6 +37,7 @@ from tfmis.hardware import resolve_precision
 from tfmis.losses import DeepSupervisionLoss, build_loss
 from tfmis.metrics.segmentation import SegmentationMetrics, check_regions
 from tfmis.networks.architecture import check_patch_size
+from tfmis.networks.parallel import ModelParallel
 from tfmis.networks.unet import UNetConfig
 from tfmis.optimizers import batch_scaled_learning_rate, build_optimizer, build_schedule
 from tfmis.optimizers.schedules import OncePerStep
@@ -115,6 +116,27 @@ class SegmentationTask:
         model is what the optimizer trains: the same object, or with deep supervision the model plus its
         lower-resolution heads."""
         return self._unet().build_for_training()
+
+    def build_model_parallel(self, model: keras.Model, devices: list[str], training: bool = True):
+        """`model` run over `devices` as `runtime.model_parallel` says (`tfmis.networks.parallel.ModelParallel`), or
+        None when it is off. `devices` are the `data` groups' devices one group after another; `training: false`
+        (validation windows) runs a pipeline without micro-batches."""
+        mp = self.config.runtime.model_parallel
+        if not mp.enabled:
+            return None
+        groups = [devices[g * mp.devices : (g + 1) * mp.devices] for g in range(mp.data)]
+        return ModelParallel(
+            model,
+            mp.mode,
+            groups,
+            strides=self.config.model.strides,
+            axis=mp.axis,
+            micro_batches=mp.micro_batches if training else 1,
+            patch_size=self.config.pipeline.patch_size
+            if training
+            else self.config.validation.roi_size or self.config.pipeline.patch_size,
+            in_channels=self.in_channels,
+        )
 
     def build_inference_model(self) -> keras.Model:
         """The model without what only training needs (recomputation saves memory only in a backward pass)."""

@@ -197,6 +197,8 @@ def _run(config, backend, args, planned: dict | None) -> int:
                 f"results in {config.output.dir}",
                 file=sys.stderr,
             )
+            if trainer.parallel is not None:
+                print(f"Model parallel: {trainer.parallel.describe()}", file=sys.stderr)
         summary = trainer.fit(resume=args.resume)
     except expected as e:
         print(f"error: {e}", file=sys.stderr)

@@ -47,7 +47,7 @@ from tfmis.engine.cluster import (
     rendezvous_folder,
     wait_until_closed,
 )
-from tfmis.hardware import nvidia_smi_available, physical_gpus
+from tfmis.hardware import model_parallel_devices, nvidia_smi_available, physical_gpus
 
 
 class Backend:
@@ -349,6 +349,9 @@ def resolve_distribution(runtime, launch: Launch | None = None) -> str:
     """The backend name `runtime.distribution: auto` stands for in this process (devices are not initialised)."""
     if runtime.distribution != "auto":
         return runtime.distribution
+    parallel = getattr(runtime, "model_parallel", None)
+    if parallel is not None and parallel.enabled:
+        return "none"  # one process runs the model over its devices
     launch = launch or detect_launch()
     if launch.kind == "horovod":
         return "horovod"
@@ -373,6 +376,15 @@ def make_backend(runtime="auto", devices=None, output_dir: str | Path | None = N
 
         runtime = RuntimeConfig(distribution=runtime, devices=devices)
     name = resolve_distribution(runtime)
+    parallel = getattr(runtime, "model_parallel", None)
+    if parallel is not None and parallel.enabled:
+        if name != "none":
+            raise ValueError(
+                f"runtime.model_parallel.mode: {parallel.mode} runs one process over its devices and takes "
+                f"runtime.distribution: none (got {name}); for data parallelism with it use "
+                "runtime.model_parallel.data: groups of devices"
+            )
+        model_parallel_devices(parallel.devices * parallel.data)  # before anything touches the devices
     if name not in BACKENDS:
         raise ValueError(
             f"runtime.distribution: unknown backend {name!r}; expected auto or one of {', '.join(sorted(BACKENDS))}"

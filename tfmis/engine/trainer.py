@@ -41,7 +41,7 @@ from tfmis.data.records import RUN_DATA_FILE, training_data_info
 from tfmis.engine.callbacks import CallbackList, default_callbacks
 from tfmis.engine.distribution import Backend, make_backend
 from tfmis.engine.history import History
-from tfmis.hardware import accelerator_device
+from tfmis.hardware import accelerator_device, model_parallel_devices
 from tfmis.inference.placement import VolumePlacement
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.task import SegmentationTask
@@ -103,6 +103,20 @@ class Trainer:
         self.task.build_metrics()  # validation.regions' labels against the dataset's classes, before training
         self.global_batch = config.pipeline.num_images_per_batch * self.backend.num_replicas * tc.accumulation_steps
         self.learning_rate = self.task.learning_rates(self.global_batch)[0]
+        mp = config.runtime.model_parallel
+        if mp.enabled and tc.jit_compile:
+            raise ValueError(
+                "training.jit_compile: true does not work with runtime.model_parallel (XLA compiles for one device); "
+                "set training.jit_compile=false"
+            )
+        if mp.enabled and config.pipeline.num_images_per_batch % (
+            mp.data * (mp.micro_batches if mp.mode == "pipeline" else 1)
+        ):
+            raise ValueError(
+                f"pipeline.num_images_per_batch={config.pipeline.num_images_per_batch} must be a multiple of "
+                f"runtime.model_parallel.data ({mp.data}) x micro_batches ({mp.micro_batches}, pipeline mode): the "
+                "step's images are split over the data groups and then into micro-batches"
+            )
         if tc.jit_compile and self.backend.name == "horovod":
             raise ValueError(
                 "training.jit_compile: true does not work with runtime.distribution: horovod (Horovod's "
@@ -110,6 +124,14 @@ class Trainer:
             )
         with self.backend.scope():
             self.model, self.training_model = self.task.build_training_model()
+            # one model over several devices: the same variables, placed computation (None when off)
+            self.parallel = self.parallel_inference = None
+            if mp.enabled:
+                devices = model_parallel_devices(mp.devices * mp.data)
+                self.parallel = self.task.build_model_parallel(self.training_model, devices)
+                self.parallel_inference = self.task.build_model_parallel(
+                    self.model, devices[: mp.devices], training=False
+                )
             self.optimizer = self.task.build_optimizer(self.global_batch, self.steps_per_epoch)
             self.optimizer.build(self.training_model.trainable_variables)
             self.backend.prepare_optimizer(self.optimizer)  # the step reduces gradients before apply() clips them
@@ -155,7 +177,8 @@ class Trainer:
         # no AutoGraph: the step is plain TensorFlow (explicit tf.cond / tf.while_loop), and converting it took
         # 0.6 of the first epoch's 2.9 s of tracing on the demo
         self._train_loop = tf.function(train_loop, autograph=False)
-        self._forward = tf.function(lambda x: self.model(x, training=False), reduce_retracing=True, autograph=False)
+        forward = self.parallel_inference or self.model
+        self._forward = tf.function(lambda x: forward(x, training=False), reduce_retracing=True, autograph=False)
 
     def train_step(self, batch):
         """One optimizer step on a global batch `(images, labels)` (or `(images, labels, seeds)` with
@@ -209,7 +232,10 @@ class Trainer:
         for x, y in zip(tf.split(images, n), tf.split(labels, n)):
             # the name scopes prefix the ops' names, so a profiler trace shows the phases of the step
             with tf.GradientTape() as tape, tf.name_scope("forward"):
-                loss = self.loss_fn(y, self.training_model(x, training=True))
+                if self.parallel is not None:  # the model over its devices; the loss on the whole patch
+                    loss = self.parallel.loss(self.loss_fn, y, x, training=True)
+                else:
+                    loss = self.loss_fn(y, self.training_model(x, training=True))
                 scaled = loss * scaled_loss_factor
                 if loss_scaler:
                     scaled = self.optimizer.scale_loss(scaled)
