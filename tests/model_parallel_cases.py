@@ -9,7 +9,8 @@ A case is `net:mode:devices[:option...]`:
     devices   devices per model
     options   axisK (cut patch axis K), batch (BatchNorm), data2 (2 data groups), nohalo / nostats (spatial with
               the halo exchange / the cross-slab statistics taken out: must differ), mixed (mixed_float16),
-              f64 (float64: the same arithmetic without float32's rounding)
+              f64 (float64: the same arithmetic without float32's rounding), recompute (every block recomputed in
+              the backward pass)
 
 For each case: the largest |difference| of every output (inference), the loss, every gradient (relative to that
 gradient's largest |value|), and the BatchNorm moving statistics after the step.
@@ -77,7 +78,7 @@ def run(case: str) -> dict:
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(0)
     arch, patch = NETS[net]
-    arch = dict(arch, norm="batch" if "batch" in options else "instance")
+    arch = dict(arch, norm="batch" if "batch" in options else "instance", recompute="recompute" in options)
     config = UNetConfig(**arch)
     model, training_model = config.build_for_training()
     axis = next((int(o[4:]) for o in options if o.startswith("axis")), None)

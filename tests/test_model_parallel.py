@@ -32,7 +32,14 @@ TESTS = Path(__file__).parent
 
 # the default suite's share (a minute on 2 cores); the slow marker adds the rest
 FLOAT64_CASES = ["demo:spatial:2:f64", "deep:spatial:4:axis2:f64", "demo:pipeline:2:f64", "deep:pipeline:4:f64"]
-FLOAT64_SLOW = ["demo:spatial:4:f64", "deep:spatial:2:f64", "demo:pipeline:4:f64", "deep:pipeline:2:f64"]
+FLOAT64_SLOW = [
+    "demo:spatial:4:f64",
+    "deep:spatial:2:f64",
+    "demo:pipeline:4:f64",
+    "deep:pipeline:2:f64",
+    "demo:spatial:2:recompute:f64",
+    "deep:pipeline:2:recompute:f64",
+]
 FLOAT32_CASES = ["demo:spatial:2", "deep:pipeline:2"]
 FLOAT32_SLOW = ["deep:spatial:4", "demo:pipeline:4"]
 ABLATIONS = ["demo:spatial:2:nohalo", "demo:spatial:2:nostats"]
@@ -171,3 +178,139 @@ def test_balanced_cuts_minimise_the_largest_stage():
         max(sum(costs[a:b]) for a, b in zip((0, i, j), (i, j, 6))) for i, j in itertools.combinations(range(1, 6), 2)
     )
     assert largest == best == 6.0  # [5, 1] [1, 3, 2] [6]
+
+
+def _train(config_path: Path, *overrides: str, resume: bool = False) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "tfmis.train", "--config", str(config_path)]
+    for override in overrides:
+        command += ["--set", override]
+    result = subprocess.run(command + (["--resume"] if resume else []), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr and "E0000" not in result.stderr, result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.slow
+def test_train_spatial_then_resume_on_one_device_then_pipeline_and_predict_on_one_device(converted_dataset, tmp_path):
+    """The training command on 2 logical devices in spatial mode (with recompute, gradient accumulation, deep
+    supervision and validation on 2 devices), resumed from its checkpoint on one device, then resumed again in
+    pipeline mode (2 stages, 2 micro-batches); the run's best weights then predict on one device with the Dice
+    validation reported. Checkpoints are the model's variables whatever the placement, so the modes interchange."""
+    import json
+
+    from conftest import tiny_config
+
+    from tfmis.config import save_config
+
+    config = tiny_config(
+        converted_dataset,
+        tmp_path / "run",
+        "model.filters=[4,8,16]",
+        "model.strides=[1,2,2]",
+        "model.deep_supervision=1",
+        "model.recompute=true",
+        "training.accumulation_steps=2",
+        "training.epochs=2",
+    )
+    save_config(config, tmp_path / "config.yaml")
+    spatial = _train(tmp_path / "config.yaml", "runtime.model_parallel.mode=spatial")
+    assert "Model parallel: spatial partitioning over 2 devices (axis 0" in spatial.stderr
+    one = _train(tmp_path / "config.yaml", "training.epochs=3", resume=True)
+    assert "Resuming from" in one.stderr and "Model parallel" not in one.stderr
+    pipeline = _train(
+        tmp_path / "config.yaml", "training.epochs=4", "runtime.model_parallel.mode=pipeline", resume=True
+    )
+    assert "Resuming from" in pipeline.stderr and "pipeline over 2 devices x 2 micro-batches" in pipeline.stderr
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4]
+    assert all(np.isfinite(h["train_loss"]) for h in history)
+    source = converted_dataset.parent / "Task99_Test"
+    predicted = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfmis.predict",
+            "--config",
+            str(tmp_path / "config.yaml"),
+            "--checkpoint",
+            str(tmp_path / "run"),
+            "--input",
+            str(source / "imagesTr"),
+            "--output",
+            str(tmp_path / "predicted"),
+            "--label-dir",
+            str(source / "labelsTr"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    assert "mean Dice over 8 case(s)" in predicted.stdout
+
+
+def _gpus(count: int, memory_mb: float):
+    from tfmis.hardware import Hardware
+
+    gpu = {"name": "g", "compute_capability": (8, 0), "memory_mb": memory_mb}
+    return Hardware(gpus=(gpu,) * count, cpu_count=16, host_memory_mb=256000, host_available_mb=200000)
+
+
+def test_planner_splits_the_wanted_patch_over_the_fewest_gpus_that_hold_it():
+    """A CT fingerprint whose nnU-Net patch (192x192x128, 1 mm) needs more than one GPU's 8 GB budget: on 4 GPUs
+    the plan keeps that patch, cut into the fewest slabs (N) whose per-GPU estimate - weights, 1.15/N of the
+    activations (halos), and the whole patch's logits, softmax, gradient and one-hot for the loss - fits, N/2 GPUs
+    not fitting; the reason gives both sides in numbers. On one GPU the patch shrinks and the reason says why
+    there is no split; on the CPU neither."""
+    from test_plan import _fingerprint
+
+    from tfmis.planning import make_plan
+    from tfmis.planning.planner import GPU_MEMORY_TARGET_MB, ExperimentPlanner
+    from tfmis.planning.rules import pool_and_conv_props, training_memory_mb
+
+    fp = _fingerprint([[1.0, 1.0, 1.0]] * 10, [[192, 160, 128]] * 10)
+    plan = make_plan(fp, _gpus(4, 81920))
+    config = plan.config()
+    mp = config.runtime.model_parallel
+    patch = config.pipeline.patch_size
+    planner = ExperimentPlanner(fp, _gpus(4, 81920))
+    planner.plan()
+    wanted = pool_and_conv_props(planner.spacing, planner.initial_patch)[2]  # nnU-Net's patch, to the divisors
+    assert mp.mode == "spatial" and list(patch) == [int(p) for p in wanted] == [192, 192, 128]
+    memory = training_memory_mb(patch, config.model.strides, config.model.filters, 2, 1, 3, 2, "mixed_float16")
+    logits = 2 * np.prod(patch) * 3 * 4 * 4 / 2**20
+
+    def per_gpu(n):
+        return memory["fixed_mb"] + (memory["total_mb"] - memory["fixed_mb"]) * 1.15 / n + logits
+
+    assert memory["total_mb"] > GPU_MEMORY_TARGET_MB
+    assert per_gpu(mp.devices) <= GPU_MEMORY_TARGET_MB < per_gpu(mp.devices // 2)
+    reason = plan.reasons["runtime.model_parallel.mode"]
+    assert (
+        f"~{memory['total_mb'] / 1024:.1f} GB" in reason and f"~{per_gpu(mp.devices) / 1024:.1f} GB per GPU" in reason
+    )
+    assert config.runtime.distribution == "none" and config.pipeline.num_images_per_batch == 2 * mp.data
+
+    one = make_plan(fp, _gpus(1, 81920))
+    assert (
+        one.config().runtime.model_parallel.mode == "none" and "one GPU" in one.reasons["runtime.model_parallel.mode"]
+    )
+    assert np.prod(one.config().pipeline.patch_size) < np.prod(patch)
+    from test_plan import CPU
+
+    cpu = make_plan(fp, CPU)
+    assert "no GPU" in cpu.reasons["runtime.model_parallel.mode"]
+
+
+def test_planner_says_what_a_split_would_give_when_even_all_gpus_cannot_hold_the_wanted_patch():
+    """A 512x512x400 CT at 1 mm (nnU-Net's patch 256^3) on 8 GPUs of 24 GB: no split, and the reason names the
+    larger patch 8 GPUs would allow and its voxel ratio to the planned one."""
+    from test_plan import _fingerprint
+
+    from tfmis.planning import make_plan
+
+    plan = make_plan(_fingerprint([[1.0, 1.0, 1.0]] * 10, [[512, 512, 400]] * 10), _gpus(8, 24000))
+    reason = plan.reasons["runtime.model_parallel.mode"]
+    assert plan.config().runtime.model_parallel.mode == "none"
+    assert "does not fit even when split over this machine's 8 GPUs; split over 8 it could be" in reason
+    assert "runtime.model_parallel.devices=8" in reason

@@ -461,8 +461,10 @@ class _SpatialRunner:
     def operation(self, layer):
         return lambda *args, **kwargs: self.call(layer, *args, **kwargs)
 
-    def call(self, layer, inputs, *args, training=None, **kwargs):
+    def call(self, layer, inputs, *args, training=None, recompute=True, **kwargs):
         training = self.training if training is None else bool(training)
+        if recompute and training and getattr(layer, "recompute", False):
+            return self.recomputed(layer, inputs, training)
         if isinstance(layer, ResidualUnit):
             residual = inputs if layer.projection is None else self.conv(layer.projection, inputs)
             x = inputs
@@ -503,6 +505,34 @@ class _SpatialRunner:
             f"spatial partitioning has no slab-wise version of {type(layer).__name__} ({layer.name}); use "
             "runtime.model_parallel.mode=pipeline for this network"
         )
+
+    def recomputed(self, layer, inputs, training: bool):
+        """A block with `recompute: true`: its slab-wise forward pass is run again in the backward pass instead of
+        keeping its activations (`tf.recompute_grad` over every slab's tensors at once, on their devices).
+        BatchNorm would update its moving statistics twice, so blocks with it are not recomputed here."""
+        if getattr(layer, "norm", None) == "batch":
+            return self.call(layer, inputs, training=training, recompute=False)
+        slabs = inputs if isinstance(inputs, (list, tuple)) else [inputs]
+        sizes = [len(s.parts) * len(s.parts[0]) for s in slabs]
+
+        def forward(*tensors):
+            rebuilt, start = [], 0
+            for s, size in zip(slabs, sizes):
+                flat = list(tensors[start : start + size])
+                width = len(s.parts[0])
+                rebuilt.append(s.like([flat[g * width : (g + 1) * width] for g in range(len(s.parts))]))
+                start += size
+            out = self.call(
+                layer, rebuilt if isinstance(inputs, (list, tuple)) else rebuilt[0], training=training, recompute=False
+            )
+            shapes.append(out)
+            return [t for row in out.parts for t in row]
+
+        shapes: list[Slabs] = []
+        flat = tf.recompute_grad(forward)(*[t for s in slabs for row in s.parts for t in row])
+        first = shapes[0]
+        width = len(first.parts[0])
+        return first.like([list(flat[g * width : (g + 1) * width]) for g in range(len(first.parts))])
 
     @staticmethod
     def elementwise(fn, *slabs: Slabs) -> Slabs:

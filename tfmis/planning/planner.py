@@ -39,6 +39,7 @@ from tfmis.planning.rules import (
     fmt_mm,
     inference_window_mb,
     initial_patch_size,
+    pool_and_conv_props,
     shrink_patch,
     square_in_plane,
     target_spacing,
@@ -52,6 +53,9 @@ CPU_TRAINING_STEPS = 1000
 CPU_VALIDATIONS = 15
 CPU_FILTERS = (8, 128)  # first level, cap (the demo recipe's 8, 16, 32, 64)
 GPU_FILTERS = (32, 320)  # nnU-Net
+# spatial model parallelism: a slab's activations with its halos and the concatenations that make them, against
+# 1/N of the whole (the graph count of benchmarks/model_parallel_memory.py)
+SPATIAL_OVERHEAD = 1.15
 GPU_MEMORY_TARGET_MB = 8 * 1024  # nnU-Net plans its 3d_fullres patch for 8 GB at batch 2
 GPU_STEPS_PER_EPOCH, GPU_EPOCHS = 250, 1000  # nnU-Net
 GPU_VALIDATIONS = 50
@@ -151,6 +155,7 @@ class ExperimentPlanner:
         plan = Plan()
         self.determine_data(plan)
         self.determine_patch(plan)
+        self.determine_model_parallel(plan)
         self.determine_network(plan)
         self.determine_batch(plan)
         self.determine_sampling(plan)
@@ -271,6 +276,7 @@ class ExperimentPlanner:
         self.patch, self.strides, self.divisor, steps = shrink_patch(
             spacing, median_shape, self.initial_patch, fits, square=square
         )
+        self.shrink_steps, self.square = steps, square
         square_text = (
             f"; square in-plane (x, y medians {median_shape[0]:.0f}, {median_shape[1]:.0f} within 1.5x: "
             f"their geometric mean for both, so quarter turns can augment)"
@@ -284,6 +290,114 @@ class ExperimentPlanner:
             f"extent, clipped to the median shape ({fmt_shape(self.initial_patch)}){square_text}, shrunk {steps} "
             f"step(s) to {budget_text}, divisible by the stride products {fmt_shape(self.divisor)} (nnU-Net v2)",
         )
+
+    def determine_model_parallel(self, plan: Plan) -> None:
+        """Weighs spatial model parallelism against the smaller patch `determine_patch` chose: on a machine with
+        several GPUs, when the patch the dataset wants (`initial_patch`) is over one GPU's budget, the smallest
+        number of GPUs N (2, 4, 8) whose slabs of it each fit that budget takes it, and the remaining GPUs
+        become data-parallel groups. Per GPU: the weights, 1/N of the activations plus a halo share, and the
+        whole patch's logits for the loss (`runtime.model_parallel`, docs/model-parallel.md). The reason says
+        both sides in numbers. Sets: `model_parallel` (None or (mode, N, groups)); may restore `patch`,
+        `strides` and `divisor` to the initial patch's."""
+        self.model_parallel = None
+        gpus = len(self.hardware.gpus)
+        why_not = None
+        if not self.gpu:
+            why_not = "no GPU (logical CPU devices share the same cores and memory: no gain)"
+        elif not self.shrink_steps:
+            why_not = "the patch the dataset wants fits one GPU"
+        elif gpus < 2:
+            why_not = "one GPU"
+        choice = None if why_not else self._spatial_choice(gpus)
+        if choice is None:
+            if why_not is None:  # what N GPUs would give, for a user who wants the larger patch anyway
+                n = 1 << (min(gpus, 8).bit_length() - 1)
+                larger = self._shrunk_patch(
+                    lambda patch, strides: self._spatial_mb(patch, strides, n)[0] <= self._gpu_target_mb()
+                )
+                why_not = (
+                    f"the patch the dataset wants, {fmt_shape(self.initial_patch)}, does not fit even when split over "
+                    f"this machine's {gpus} GPUs; split over {n} it could be {fmt_shape(larger)} "
+                    f"({np.prod(larger) / np.prod(self.patch):.2f}x the voxels of {fmt_shape(self.patch)}): set "
+                    f"runtime.model_parallel.mode=spatial, runtime.model_parallel.devices={n} and that patch to use it"
+                )
+            plan.set("runtime.model_parallel.mode", "none", f"one model per device: {why_not}")
+            return
+        n, per_device_mb, full_mb, target_mb, axis = choice
+        _, strides, patch, divisor = pool_and_conv_props(self.spacing, self.initial_patch)
+        shrunk = [int(p) for p in self.patch]
+        ratio = float(np.prod(patch) / np.prod(shrunk))
+        self.patch, self.strides, self.divisor = list(patch), strides, divisor
+        self.model_parallel = ("spatial", n, gpus // n)
+        plan.set(
+            "pipeline.patch_size",
+            [int(p) for p in patch],
+            f"the patch the median shape {fmt_shape(self.median_shape)} wants (nnU-Net's initial patch), not shrunk: "
+            f"it is split over {n} GPUs (runtime.model_parallel); on one GPU it would shrink to {fmt_shape(shrunk)}, "
+            f"{ratio:.2f}x fewer voxels",
+        )
+        plan.set(
+            "runtime.model_parallel.mode",
+            "spatial",
+            f"the patch {fmt_shape(patch)} needs ~{full_mb / 1024:.1f} GB per step at batch 2, over one GPU's "
+            f"{target_mb / 1024:.1f} GB budget; cut along axis {axis} into {n} slabs it needs "
+            f"~{per_device_mb / 1024:.1f} GB per GPU (the alternatives: a {ratio:.2f}x smaller patch, which costs "
+            f"Dice on large structures, or a low-resolution stage / cascade); costs: halo exchanges every "
+            f"convolution, and {n} GPUs per model",
+        )
+        plan.set(
+            "runtime.model_parallel.devices", n, f"the fewest GPUs whose slabs fit the {target_mb / 1024:.1f} GB budget"
+        )
+        plan.set(
+            "runtime.model_parallel.axis", axis, "the longest axis of the patch that can be cut into aligned slabs"
+        )
+        if gpus // n > 1:
+            plan.set("runtime.model_parallel.data", gpus // n, f"{gpus} GPUs: {gpus // n} data-parallel groups of {n}")
+        plan.set("runtime.distribution", "none", "one process drives all its GPUs (runtime.model_parallel)")
+
+    def _gpu_target_mb(self) -> float:
+        usable = (self.hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB
+        return min(GPU_MEMORY_TARGET_MB, 0.85 * usable)
+
+    def _spatial_mb(self, patch, strides, n: int) -> tuple[float, float]:
+        """(estimated training peak per GPU at batch 2 with the patch split over `n` GPUs, the same on one GPU)."""
+        first, cap = self.filter_range()
+        memory = training_memory_mb(
+            patch,
+            strides,
+            _filters(len(strides), first, cap),
+            self.num_res_units(),
+            self.in_channels,
+            self.num_classes,
+            2,
+            self.precision,
+        )
+        if n == 1:
+            return memory["total_mb"], memory["total_mb"]
+        logits_mb = 2 * int(np.prod(patch)) * self.num_classes * 4 * 4 / 2**20  # logits, softmax, gradient, one-hot
+        activations = memory["total_mb"] - memory["fixed_mb"]
+        return memory["fixed_mb"] + activations * SPATIAL_OVERHEAD / n + logits_mb, memory["total_mb"]
+
+    def _shrunk_patch(self, fits) -> list[int]:
+        return [
+            int(p)
+            for p in shrink_patch(self.spacing, self.median_shape, self.initial_patch, fits, square=self.square)[0]
+        ]
+
+    def _spatial_choice(self, gpus: int):
+        """(N, per-GPU MB, one-GPU MB, budget MB, axis) of the fewest GPUs whose slabs of the initial patch fit the
+        budget, or None."""
+        _, strides, patch, divisor = pool_and_conv_props(self.spacing, self.initial_patch)
+        target_mb = self._gpu_target_mb()
+        units = [p // d for p, d in zip(patch, divisor)]
+        axis = int(np.argmax(units))
+        for n in (2, 4, 8):
+            if n > gpus or units[axis] < n:
+                break
+            per_device, full = self._spatial_mb(patch, strides, n)
+            if per_device <= target_mb:
+                return n, per_device, full, target_mb, axis
+        return None
 
     def determine_network(self, plan: Plan) -> None:
         """Filters, per-axis strides (nnU-Net's pooling rule, from `determine_patch`), residual units, norm,
@@ -347,6 +461,14 @@ class ExperimentPlanner:
         if self.gpu and self.gpu_fit:
             batch = int(self.gpu_fit["num_images_per_batch"])
             batch_reason = f"measured by the GPU-fit search ({self.gpu_fit.get('source', 'its cache')})"
+        elif self.gpu and self.model_parallel is not None:
+            # one model over N GPUs: nnU-Net's 2 per model, the data groups make the step's batch
+            _, n, groups = self.model_parallel
+            batch = 2 * groups
+            batch_reason = (
+                f"2 images per model (nnU-Net's minimum; the patch was sized for it on {n} GPUs) x {groups} "
+                f"data-parallel group(s) (runtime.model_parallel.data)"
+            )
         elif self.gpu:
             budget = 0.85 * ((hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB) - memory["fixed_mb"]
             fit = max(2, int(budget // memory["per_image_mb"]))
