@@ -225,28 +225,26 @@ def test_train_spatial_then_resume_on_one_device_then_pipeline_and_predict_on_on
     assert [h["epoch"] for h in history] == [1, 2, 3, 4]
     assert all(np.isfinite(h["train_loss"]) for h in history)
     source = converted_dataset.parent / "Task99_Test"
-    predicted = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfmis.predict",
-            "--config",
-            str(tmp_path / "config.yaml"),
-            "--checkpoint",
-            str(tmp_path / "run"),
-            "--input",
-            str(source / "imagesTr"),
-            "--output",
-            str(tmp_path / "predicted"),
-            "--label-dir",
-            str(source / "labelsTr"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert predicted.returncode == 0, predicted.stderr[-3000:]
-    assert "mean Dice over 8 case(s)" in predicted.stdout
+
+    def predict(output: str, *flags: str) -> str:
+        command = [sys.executable, "-m", "tfmis.predict", "--config", str(tmp_path / "config.yaml"), "--checkpoint"]
+        command += [str(tmp_path / "run"), "--input", str(source / "imagesTr"), "--output", str(tmp_path / output)]
+        result = subprocess.run(
+            command + ["--label-dir", str(source / "labelsTr"), *flags], capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    assert "mean Dice over 8 case(s)" in predict("one_device")
+    # the same windows cut into 2 slabs on 2 devices: the same labels; then windows twice as long along axis 0
+    predict("spatial", "--model-parallel", "spatial:2")
+    predict("spatial_large", "--model-parallel", "spatial:2", "--roi-size", "32,16,16")
+    import nibabel as nib
+
+    for case in sorted((tmp_path / "one_device").glob("*.nii.gz")):
+        one = np.asarray(nib.load(case).dataobj)
+        assert np.mean(one == np.asarray(nib.load(tmp_path / "spatial" / case.name).dataobj)) > 0.999
+        assert (tmp_path / "spatial_large" / case.name).is_file()
 
 
 def _gpus(count: int, memory_mb: float):

@@ -73,8 +73,44 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="sliding-window sum buffer: float16 halves its memory (labels may differ at near-ties)",
     )
+    p.add_argument(
+        "--model-parallel",
+        default=None,
+        metavar="MODE:N",
+        help="one model over N devices for each window batch: spatial:N (each window cut into N slabs: windows "
+        "N times larger fit), pipeline:N, or none (default: the run config's runtime.model_parallel); weights "
+        "trained either way work",
+    )
+    p.add_argument(
+        "--roi-size",
+        default=None,
+        metavar="X,Y,Z",
+        help="sliding-window size (default: the config's validation.roi_size or training patch); multiples of the "
+        "network's stride products",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def _model_parallel_override(config, value: str | None, roi: str | None, parser):
+    """The config with --model-parallel and --roi-size applied (a usage error names the flag)."""
+    import dataclasses
+
+    if value is not None:
+        mode, _, n = value.partition(":")
+        if mode not in ("none", "spatial", "pipeline") or (mode != "none" and not n.isdigit()) or (n and int(n) < 1):
+            parser.error(f"--model-parallel: expected none, spatial:N or pipeline:N, got {value!r}")
+        mp = dataclasses.replace(config.runtime.model_parallel, mode=mode, devices=int(n or 1), data=1)
+        config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, model_parallel=mp))
+    if roi is not None:
+        try:
+            size = [int(v) for v in roi.split(",")]
+        except ValueError:
+            size = []
+        if len(size) != 3 or min(size) < 1:
+            parser.error(f"--roi-size: expected three positive integers like 96,96,96, got {roi!r}")
+        config = dataclasses.replace(config, validation=dataclasses.replace(config.validation, roi_size=size))
+    return config
 
 
 def dice_summary(results, class_names) -> str:
@@ -130,6 +166,7 @@ def main(argv=None) -> int:
     try:
         checkpoint = final_stage(args.checkpoint) if args.config is None else args.checkpoint
         config = load_config(args.config or run_config(checkpoint))
+        config = _model_parallel_override(config, args.model_parallel, args.roi_size, build_parser())
         predictor = make_predictor(
             config,
             checkpoint,

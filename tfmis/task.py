@@ -120,11 +120,11 @@ class SegmentationTask:
     def build_model_parallel(self, model: keras.Model, devices: list[str], training: bool = True):
         """`model` run over `devices` as `runtime.model_parallel` says (`tfmis.networks.parallel.ModelParallel`), or
         None when it is off. `devices` are the `data` groups' devices one group after another; `training: false`
-        (validation windows) runs a pipeline without micro-batches."""
+        (validation and prediction windows) runs one group, and a pipeline without micro-batches."""
         mp = self.config.runtime.model_parallel
         if not mp.enabled:
             return None
-        groups = [devices[g * mp.devices : (g + 1) * mp.devices] for g in range(mp.data)]
+        groups = [devices[g * mp.devices : (g + 1) * mp.devices] for g in range(mp.data if training else 1)]
         return ModelParallel(
             model,
             mp.mode,

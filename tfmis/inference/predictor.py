@@ -36,7 +36,7 @@ import tensorflow as tf
 from tfmis.data.msd import CaseError, case_id_from_path, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
-from tfmis.hardware import CPU, accelerator_device
+from tfmis.hardware import CPU, accelerator_device, model_parallel_devices
 from tfmis.inference.blending import check_buffer_dtype
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
 from tfmis.inference.restore import (
@@ -222,6 +222,9 @@ class Predictor:
         self.mode = mode or v.mode
         if device not in (None, "gpu", "cpu"):
             raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
+        mp = config.runtime.model_parallel
+        # one model over several devices (runtime.model_parallel), set up before anything touches a device
+        parallel_devices = model_parallel_devices(mp.devices) if mp.enabled else None
         self.compute_device = CPU if device == "cpu" else accelerator_device()
         # on a machine without an accelerator, "gpu" is the CPU itself, and the fallbacks still apply
         # (a smaller sliding-window batch is what frees memory there). Not seeded with the config's
@@ -242,6 +245,11 @@ class Predictor:
         with tf.device(self.compute_device):
             self.model = self.task.build_inference_model()
         self.checkpoint = load_weights(self.model, checkpoint)
+        self.parallel = (
+            None
+            if parallel_devices is None
+            else self.task.build_model_parallel(self.model, parallel_devices, training=False)
+        )
         self._forward = tf.function(self._tta_logits, reduce_retracing=True)
 
     def _tta_logits(self, windows):
@@ -249,7 +257,7 @@ class Predictor:
         windows = tf.cast(windows, tf.float32)  # the volume may be stored in float16
         for axes in self.tta_flips:
             x = tf.reverse(windows, axes) if axes else windows
-            y = tf.cast(self.model(x, training=False), tf.float32)
+            y = tf.cast((self.parallel or self.model)(x, training=False), tf.float32)
             y = tf.reverse(y, axes) if axes else y
             total = y if total is None else total + y
         return total / len(self.tta_flips)
