@@ -109,6 +109,15 @@ def test_model_parallel_equals_one_device_on_the_other_device_counts(equality_sl
 
 
 @pytest.mark.slow
+def test_spatial_split_under_mixed_float16_stays_within_half_precision_of_one_device(tmp_path):
+    """Under mixed_float16 (float16 convolutions, float32 statistics, loss and weights) the spatial split of the
+    demo U-Net gives outputs within 1e-2 of their largest |value|, the loss within 1e-3 and gradients within 5e-2
+    of the model's largest gradient of one device's, float16's rounding (2^-11) amplified through the network."""
+    results = run_cases(["demo:spatial:2:mixed"], tmp_path / "mixed.json")
+    assert_equal_to_one_device(results["demo:spatial:2:mixed"], 1e-2, 1e-3, 5e-2, own_scale=False)
+
+
+@pytest.mark.slow
 def test_model_parallel_equals_one_device_in_float32_with_eigen_kernels(tmp_path):
     """With oneDNN off (Eigen's float32 kernels), the spatial and pipeline splits of the demo U-Net equal one
     device's within 1e-5 of the model's largest gradient."""
