@@ -31,8 +31,9 @@ from tfmis.networks.parallel import _balanced_cuts, same_padding, slab_bounds
 TESTS = Path(__file__).parent
 
 # the default suite's share (a minute on 2 cores); the slow marker adds the rest
-FLOAT64_CASES = ["demo:spatial:2:f64", "deep:spatial:4:axis2:f64", "demo:pipeline:2:f64", "deep:pipeline:4:f64"]
+FLOAT64_CASES = ["demo:spatial:2:f64", "deep:spatial:4:axis2:f64", "deep:pipeline:4:f64"]
 FLOAT64_SLOW = [
+    "demo:pipeline:2:f64",
     "demo:spatial:4:f64",
     "deep:spatial:2:f64",
     "demo:pipeline:4:f64",
@@ -40,8 +41,8 @@ FLOAT64_SLOW = [
     "demo:spatial:2:recompute:f64",
     "deep:pipeline:2:recompute:f64",
 ]
-FLOAT32_CASES = ["demo:spatial:2", "deep:pipeline:2"]
-FLOAT32_SLOW = ["deep:spatial:4", "demo:pipeline:4"]
+FLOAT32_CASES = ["demo:spatial:2"]
+FLOAT32_SLOW = ["deep:spatial:4", "demo:pipeline:4", "deep:pipeline:2"]
 ABLATIONS = ["demo:spatial:2:nohalo", "demo:spatial:2:nostats"]
 NORM_CASES = ["deep:spatial:2:batch:f64", "deep:spatial:2:batch:data2:f64", "demo:pipeline:2:data2:f64"]
 

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from tfmis.config import ConfigError
+from tfmis.config import Config, ConfigError
 from tfmis.tune.fit.memory import MemoryModel, fit_line
-from tfmis.tune.fit.search import choose
+from tfmis.tune.fit.search import apply_values, choose, model_parallel_settings, model_parallel_skip_reason
 from tfmis.tune.fit.specs import FitSpecs, load_specs
 
 # ---------------------------------------------------------------------------------------------- specs
@@ -56,11 +56,97 @@ def test_specs_errors_name_the_key(data, message):
     assert message in str(e.value)
 
 
+def test_specs_range_model_parallel_reads_yaml_entries_in_canonical_form(tmp_path):
+    """`range_model_parallel: [none, spatial:2, Spatial:2, pipeline:4]` in YAML: entries lower-cased, repeats
+    dropped, order kept; left out, the search keeps the config's own setting (none, or the config's mode:devices)."""
+    path = tmp_path / "specs.yaml"
+    path.write_text("universal:\n  range_model_parallel: [none, spatial:2, Spatial:2, pipeline:4]\n")
+    assert load_specs(path).range_model_parallel == ("none", "spatial:2", "pipeline:4")
+    assert load_specs(None).range_model_parallel is None
+    config = Config()
+    assert model_parallel_settings(config, load_specs(None)) == ["none"]
+    config.runtime.model_parallel.mode, config.runtime.model_parallel.devices = "spatial", 4
+    assert model_parallel_settings(config, load_specs(None)) == ["spatial:4"]
+    assert model_parallel_settings(config, load_specs(path)) == ["none", "spatial:2", "pipeline:4"]
+
+
+@pytest.mark.parametrize(
+    "entries, message",
+    [
+        (["spatial"], "range_model_parallel: 'spatial' names no device count: write spatial:2 (mode:devices)"),
+        (
+            ["spatil:2"],
+            "range_model_parallel: 'spatil:2' is not a model-parallel setting (did you mean 'spatial'?): write none, "
+            "or mode:devices with mode pipeline or spatial and 2 or more devices, e.g. spatial:2",
+        ),
+        (["pipeline:1"], "range_model_parallel: 'pipeline:1': the device count must be an integer >= 2"),
+        (["spatial:two"], "range_model_parallel: 'spatial:two': the device count must be an integer >= 2"),
+        (
+            ["none", {"spatial": 2}],
+            "specs.range_model_parallel: {spatial: 2} is a mapping; write the entry without a space after the "
+            "colon or quote it, e.g. spatial:2",
+        ),
+        ([], "range_model_parallel must name at least one setting, e.g. [none, spatial:2]"),
+    ],
+)
+def test_specs_range_model_parallel_errors_name_the_key_and_the_fix(entries, message):
+    with pytest.raises(ConfigError) as e:
+        load_specs({"unet": {"range_model_parallel": entries}})
+    assert message in str(e.value)
+
+
+def test_apply_values_sets_the_model_parallel_keys_and_distribution_none():
+    """`spatial:2` sets runtime.model_parallel.mode/devices and runtime.distribution none, keeping the config's
+    micro_batches, axis and data; `none` sets only the mode."""
+    config = Config()
+    config.runtime.model_parallel.micro_batches, config.runtime.model_parallel.axis = 4, 1
+    spatial = apply_values(config, {"model_parallel": "spatial:2", "num_images_per_batch": 4})
+    mp = spatial.runtime.model_parallel
+    assert (mp.mode, mp.devices, mp.micro_batches, mp.axis, mp.data) == ("spatial", 2, 4, 1, 1)
+    assert spatial.runtime.distribution == "none" and spatial.pipeline.num_images_per_batch == 4
+    assert config.runtime.model_parallel.mode == "none" and config.runtime.distribution == "auto"  # a copy
+    one = apply_values(spatial, {"model_parallel": "none"})
+    assert one.runtime.model_parallel.mode == "none" and not one.runtime.model_parallel.enabled
+
+
+def test_model_parallel_skip_reasons_more_gpus_than_visible_jit_and_micro_batches():
+    """What makes a model-parallel candidate unrunnable here, without a trial: more GPUs than visible (not on a
+    CPU machine: logical devices), training.jit_compile, a batch the data groups x micro-batches do not divide."""
+    config = Config()
+    values = {"model_parallel": "spatial:4", "num_images_per_batch": 3}
+    assert model_parallel_skip_reason(config, values, gpu_count=2) == (
+        "spatial:4 needs 4 GPUs (devices 4 x runtime.model_parallel.data 1) but 2 are visible"
+    )
+    assert model_parallel_skip_reason(config, values, gpu_count=4) is None
+    assert model_parallel_skip_reason(config, values, gpu_count=None) is None
+    assert model_parallel_skip_reason(config, {**values, "model_parallel": "none"}, gpu_count=1) is None
+    pipeline = {"model_parallel": "pipeline:2", "num_images_per_batch": 3}
+    assert model_parallel_skip_reason(config, pipeline, gpu_count=None) == (
+        "pipeline:2: batch 3 is not a multiple of runtime.model_parallel.data 1 x micro_batches 2 (the step's "
+        "images are split over them)"
+    )
+    assert model_parallel_skip_reason(config, {**pipeline, "num_images_per_batch": 4}, gpu_count=None) is None
+    config.training.jit_compile = True
+    assert model_parallel_skip_reason(config, values, gpu_count=None).startswith(
+        "spatial:4: training.jit_compile: true does not work with runtime.model_parallel"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- memory model
 
 
 def _record(
-    n, batch, sw, train=None, validation=None, status="ok", phase=None, placement="cpu", recompute=False, reason=None
+    n,
+    batch,
+    sw,
+    train=None,
+    validation=None,
+    status="ok",
+    phase=None,
+    placement="cpu",
+    recompute=False,
+    reason=None,
+    model_parallel="none",
 ):
     peak = max(p for p in (train, validation, 0) if p is not None)
     return {
@@ -70,6 +156,7 @@ def _record(
             "num_sw_batch_size": sw,
             "validation_data_device": placement,
             "recompute": recompute,
+            "model_parallel": model_parallel,
         },
         "status": status,
         "failed_phase": phase,
@@ -174,6 +261,50 @@ def test_memory_model_validation_line_uses_only_trials_where_validation_stood_ou
         )[1]
         is None
     )
+
+
+def test_memory_model_keeps_one_line_per_recompute_and_model_parallel_setting():
+    """Trials on one device and trials of the model over 2 devices are fitted apart (training and validation),
+    and an out-of-memory at batch 4 on one device does not prune batch 4 over 2 devices."""
+    model = MemoryModel(budget_mb=2000, tolerance=0.1)
+    model.add(_record(1, 1, 1, train=800, validation=900))
+    model.add(_record(2, 2, 2, train=1000, validation=1100))  # one device: 600 + 200 per image
+    model.add(_record(3, 1, 1, train=700, validation=760, model_parallel="spatial:2"))
+    model.add(_record(4, 3, 2, train=850, validation=900, model_parallel="spatial:2"))  # 625 + 75 per image
+    assert model.train_line(False) == pytest.approx((600.0, 200.0))
+    assert model.train_line(False, "spatial:2") == pytest.approx((625.0, 75.0))
+    assert model.validation_line("cpu") == pytest.approx((700.0, 200.0))
+    assert model.validation_line("cpu", "spatial:2") == pytest.approx((620.0, 140.0))
+    assert model.train_line(True, "spatial:2") is None
+    model.add(
+        _record(
+            5,
+            4,
+            1,
+            status="failed",
+            phase="training",
+            reason="out of memory in training: ResourceExhaustedError: OOM when allocating tensor",
+        )
+    )
+    one = {"num_images_per_batch": 4, "num_sw_batch_size": 1, "validation_data_device": "cpu", "recompute": False}
+    assert model.verdict({**one, "model_parallel": "none"})[1] == (
+        "batch 4 >= 4, which ran out of memory in training in trial 5"
+    )
+    predicted, reason = model.verdict({**one, "model_parallel": "spatial:2"})
+    assert reason is None and predicted == pytest.approx(max(625 + 75 * 4, 620 + 140 * 1))
+    assert model.verdict({**one, "num_images_per_batch": 8, "model_parallel": "spatial:2"})[0] == pytest.approx(1225)
+    lines = model.summary()["lines"]
+    assert set(lines) == {
+        "training (recompute=false)",
+        "training (recompute=false, model_parallel=spatial:2)",
+        "validation (cpu)",
+        "validation (cpu, model_parallel=spatial:2)",
+    }
+    # a record read from a cache made before the key existed ran on one device
+    old = _record(6, 3, 1, train=1200)
+    del old["values"]["model_parallel"]
+    model.add(old)
+    assert model.train_line(False) == pytest.approx((600.0, 200.0))
 
 
 def test_choice_is_the_fastest_trial_within_the_safety_margin():
@@ -296,7 +427,7 @@ def test_grid_search_cli_under_a_tight_budget_fails_prunes_chooses_within_margin
     assert chosen["values"]["num_images_per_batch"] == 4
     assert chosen["peak_mb"] <= 0.95 * budget
     assert all(t["peak_mb"] <= budget for t in trials if t["status"] == "ok")
-    assert report["counts"] == {"ok": 2, "failed": 1, "pruned": 3, "run": 3}
+    assert report["counts"] == {"ok": 2, "failed": 1, "pruned": 3, "skipped": 0, "run": 3}
     fitted = yaml.safe_load((output / "fit.yaml").read_text())
     assert fitted["pipeline"]["num_images_per_batch"] == 4
     assert fitted["validation"]["num_sw_batch_size"] == chosen["values"]["num_sw_batch_size"]

@@ -84,8 +84,13 @@ def main(argv=None) -> int:
             stages = load_stages(args.config) or [("", Path(args.config))]
         overrides = args.overrides if len(stages) == 1 else _stage_overrides(args.overrides)[1]
         configs = [(name, load_config(path, overrides)) for name, path in stages]
+        fit_devices = 1
         if args.gpu_customization:  # the specs too, before anything is converted or trained
-            search_specs(args, "gpu-customization-")
+            specs = search_specs(args, "gpu-customization-")
+            from tfmis.tune.fit.specs import parse_model_parallel
+
+            # the devices the chosen model-parallel setting may need exist before TensorFlow starts
+            fit_devices = max([parse_model_parallel(e)[1] for e in specs.range_model_parallel or ()] + [1])
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -99,6 +104,10 @@ def main(argv=None) -> int:
 
     try:  # first: MultiWorkerMirroredStrategy and Horovod must set up the devices themselves
         backend = make_backend(configs[0][1].runtime, output_dir=configs[0][1].output.dir)
+        from tfmis.hardware import model_parallel_devices, physical_gpus
+
+        if fit_devices > 1 and not physical_gpus():  # on GPUs the search skips settings needing more of them
+            model_parallel_devices(fit_devices)
     except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,5 +1,5 @@
-"""The GPU-fit search: batch size, sliding-window batch size, placement (and recompute) chosen from measured
-memory and speed (MONAI Auto3DSeg's "GPU customization").
+"""The GPU-fit search: batch size, sliding-window batch size, placement (recompute, model parallelism) chosen from
+measured memory and speed (MONAI Auto3DSeg's "GPU customization").
 
 - `specs.py`: what is searched (`FitSpecs`, `load_specs`, in Auto3DSeg's shape);
 - `trial.py`: one measured configuration in a fresh subprocess (`run_trial`);

@@ -11,6 +11,27 @@ from __future__ import annotations
 
 import numpy as np
 
+NO_MODEL_PARALLEL = "none"
+
+
+def model_parallel_of(values: dict) -> str:
+    """A candidate's model-parallel setting (`none`, `spatial:2`, ...); records from before the search had
+    the key (a cache) ran on one device."""
+    return values.get("model_parallel") or NO_MODEL_PARALLEL
+
+
+def train_line_name(recompute: bool, model_parallel: str = NO_MODEL_PARALLEL) -> str:
+    """The summary's name of a training line: `training (recompute=false)`, `training (recompute=false,
+    model_parallel=spatial:2)`."""
+    extra = "" if model_parallel == NO_MODEL_PARALLEL else f", model_parallel={model_parallel}"
+    return f"training (recompute={str(bool(recompute)).lower()}{extra})"
+
+
+def validation_line_name(placement: str, model_parallel: str = NO_MODEL_PARALLEL) -> str:
+    """The summary's name of a validation line: `validation (cpu)`, `validation (cpu, model_parallel=spatial:2)`."""
+    extra = "" if model_parallel == NO_MODEL_PARALLEL else f", model_parallel={model_parallel}"
+    return f"validation ({placement}{extra})"
+
 
 def is_memory_failure(record: dict) -> bool:
     """Whether a trial ran out of memory or over its budget (its flag, or its reason says so)."""
@@ -32,12 +53,14 @@ def fit_line(points) -> tuple[float, float] | None:
 class MemoryModel:
     """Predicts a candidate's peak memory from the trials measured so far.
 
-    Training peak ≈ a + b · batch, one line per `recompute` value; validation peak ≈ c + d · sw
-    batch, one line per placement, fitted on trials whose validation peak stood out from their
-    training peak (on a CPU the validation phase's resident memory includes what training left,
-    so a flat validation peak says nothing about the sw batch). A candidate's peak is the larger
-    of the two. A candidate at least as large as one that ran out of memory in the same phase
-    cannot fit either.
+    Training peak ≈ a + b · batch, one line per (`recompute`, model-parallel setting); validation
+    peak ≈ c + d · sw batch, one line per (placement, model-parallel setting), fitted on trials
+    whose validation peak stood out from their training peak (on a CPU the validation phase's
+    resident memory includes what training left, so a flat validation peak says nothing about the
+    sw batch). A model cut over N devices holds a different share of its activations per device
+    (on GPUs the measured peak is the largest device's), so its lines are its own. A candidate's
+    peak is the larger of the two. A candidate at least as large as one that ran out of memory in
+    the same phase, with the same recompute and model-parallel setting, cannot fit either.
 
     Args:
         budget_mb: the memory budget.
@@ -50,26 +73,29 @@ class MemoryModel:
         self.records: list[dict] = []
 
     def add(self, record: dict) -> None:
-        if record["status"] != "pruned":
+        """Keeps a measured record (ok or failed); pruned and skipped candidates measured nothing."""
+        if record["status"] in ("ok", "failed"):
             self.records.append(record)
 
-    def train_line(self, recompute: bool):
+    def train_line(self, recompute: bool, model_parallel: str = NO_MODEL_PARALLEL):
         return fit_line(
             [
                 (r["values"]["num_images_per_batch"], r["train_peak_mb"])
                 for r in self.records
                 if r["values"]["recompute"] == recompute
+                and model_parallel_of(r["values"]) == model_parallel
                 and r.get("train_peak_mb")
                 and r.get("failed_phase") != "training"
             ]
         )
 
-    def validation_line(self, placement: str):
+    def validation_line(self, placement: str, model_parallel: str = NO_MODEL_PARALLEL):
         return fit_line(
             [
                 (r["values"]["num_sw_batch_size"], r["validation_peak_mb"])
                 for r in self.records
                 if r["values"]["validation_data_device"] == placement
+                and model_parallel_of(r["values"]) == model_parallel
                 and r.get("validation_peak_mb")
                 and r.get("failed_phase") != "validation"
                 and r["validation_peak_mb"] > 1.05 * (r.get("train_peak_mb") or 0)
@@ -79,10 +105,11 @@ class MemoryModel:
     def predict(self, values: dict) -> float | None:
         """Predicted peak in MB, or None while the lines are not determined yet."""
         predictions = []
-        train = self.train_line(values["recompute"])
+        model_parallel = model_parallel_of(values)
+        train = self.train_line(values["recompute"], model_parallel)
         if train is not None:
             predictions.append(train[0] + train[1] * values["num_images_per_batch"])
-        validation = self.validation_line(values["validation_data_device"])
+        validation = self.validation_line(values["validation_data_device"], model_parallel)
         if validation is not None:
             predictions.append(validation[0] + validation[1] * values["num_sw_batch_size"])
         return max(predictions) if predictions else None
@@ -91,7 +118,11 @@ class MemoryModel:
         """(predicted peak, reason to prune or None)."""
         b, s = values["num_images_per_batch"], values["num_sw_batch_size"]
         for r in self.records:
-            if not is_memory_failure(r) or r["values"]["recompute"] != values["recompute"]:
+            if (
+                not is_memory_failure(r)
+                or r["values"]["recompute"] != values["recompute"]
+                or model_parallel_of(r["values"]) != model_parallel_of(values)
+            ):
                 continue
             rv = r["values"]
             if r.get("failed_phase") == "training" and rv["num_images_per_batch"] <= b:
@@ -118,18 +149,22 @@ class MemoryModel:
     def summary(self) -> dict:
         """The fitted lines and, per measured trial, the fitted value against the measurement."""
         lines = {}
-        for recompute in sorted({r["values"]["recompute"] for r in self.records}):
-            line = self.train_line(recompute)
+        for recompute, model_parallel in sorted(
+            {(r["values"]["recompute"], model_parallel_of(r["values"])) for r in self.records}
+        ):
+            line = self.train_line(recompute, model_parallel)
             if line:
-                lines[f"training (recompute={str(recompute).lower()})"] = {
+                lines[train_line_name(recompute, model_parallel)] = {
                     "x": "num_images_per_batch",
                     "intercept_mb": line[0],
                     "slope_mb": line[1],
                 }
-        for placement in sorted({r["values"]["validation_data_device"] for r in self.records}):
-            line = self.validation_line(placement)
+        for placement, model_parallel in sorted(
+            {(r["values"]["validation_data_device"], model_parallel_of(r["values"])) for r in self.records}
+        ):
+            line = self.validation_line(placement, model_parallel)
             if line:
-                lines[f"validation ({placement})"] = {
+                lines[validation_line_name(placement, model_parallel)] = {
                     "x": "num_sw_batch_size",
                     "intercept_mb": line[0],
                     "slope_mb": line[1],

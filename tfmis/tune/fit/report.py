@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tfmis.tune.fit.memory import model_parallel_of, train_line_name, validation_line_name
 from tfmis.utils.table import text_table
 
 VALUE_LABELS = (
@@ -11,6 +12,7 @@ VALUE_LABELS = (
     ("num_sw_batch_size", "sw batch"),
     ("validation_data_device", "placement"),
     ("recompute", "recompute"),
+    ("model_parallel", "model parallel"),
 )
 
 
@@ -19,9 +21,9 @@ def _mb(value) -> str:
 
 
 def measurement_status(record: dict, budget_mb: float) -> str:
-    """A measured trial's status column: ok (chosen), pruned: reason, FAILED: reason, over the margin."""
-    if record["status"] == "pruned":
-        return f"pruned: {record['reason']}"
+    """A trial's status column: ok (chosen), pruned: reason, skipped: reason, FAILED: reason, over the margin."""
+    if record["status"] in ("pruned", "skipped"):
+        return f"{record['status']}: {record['reason']}"
     if record["status"] == "failed":
         return f"FAILED: {record['reason']}"
     if not record.get("within_margin", True):
@@ -38,6 +40,7 @@ def trial_line(record: dict, budget_mb: float) -> str:
         f"sw {v['num_sw_batch_size']:>2}",
         f"{v['validation_data_device']:<11}",
         f"recompute {'on ' if v['recompute'] else 'off'}",
+        f"model parallel {model_parallel_of(v):<10}",
     ]
     if record["status"] == "ok":
         parts.append(
@@ -57,6 +60,7 @@ def trials_table(report: dict) -> str:
         "sw batch",
         "placement",
         "recompute",
+        "model parallel",
         "img/s",
         "step s",
         "sw s",
@@ -76,6 +80,7 @@ def trials_table(report: dict) -> str:
                 str(v["num_sw_batch_size"]),
                 v["validation_data_device"],
                 "on" if v["recompute"] else "off",
+                model_parallel_of(v),
                 f"{r['images_per_second']:.2f}" if r.get("images_per_second") else "-",
                 f"{r['step_seconds']:.3f}" if r.get("step_seconds") else "-",
                 f"{r['sw_seconds']:.2f}" if ok else "-",
@@ -87,9 +92,10 @@ def trials_table(report: dict) -> str:
         )
     lines = text_table(rows)
     c = report["counts"]
+    skipped = f", {c['skipped']} skipped (cannot run here)" if c.get("skipped") else ""
     lines.append(
         f"{c['run']} trials run ({c['ok']} ok, {c['failed']} failed), {c['pruned']} pruned by the memory "
-        f"model; budget {budget:.0f} MB on {report['device']['name']} ({report['device']['kind']})"
+        f"model{skipped}; budget {budget:.0f} MB on {report['device']['name']} ({report['device']['kind']})"
         + ("; read from the cache" if report["cache"]["hit"] else "")
     )
     chosen = report["chosen"]
@@ -98,7 +104,8 @@ def trials_table(report: dict) -> str:
         lines.append(
             f"chosen: trial {chosen['trial']}: batch {v['num_images_per_batch']}, sw batch "
             f"{v['num_sw_batch_size']}, placement {v['validation_data_device']}, recompute "
-            f"{'on' if v['recompute'] else 'off'}: {chosen['images_per_second']:.2f} img/s, "
+            f"{'on' if v['recompute'] else 'off'}, model parallel {model_parallel_of(v)}: "
+            f"{chosen['images_per_second']:.2f} img/s, "
             f"{chosen['sw_seconds']:.2f} s per sliding window, peak {chosen['peak_mb']:.0f} MB "
             f"({chosen['peak_mb'] / budget:.0%} of the budget), estimated {chosen['epoch_seconds']:.1f} s/epoch"
         )
@@ -108,8 +115,9 @@ def trials_table(report: dict) -> str:
 
 
 def plot_memory(report: dict, path: str | Path) -> Path:
-    """memory.png: measured peak vs batch size (per placement and recompute) and vs sw batch size,
-    the fitted lines of the memory model, the budget and the safety margin; failures marked."""
+    """memory.png: measured peak vs batch size (per recompute and model-parallel setting) and vs sw batch size
+    (per placement and model-parallel setting), the fitted lines of the memory model, the budget and the safety
+    margin; failures marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,7 +126,7 @@ def plot_memory(report: dict, path: str | Path) -> Path:
     from tfmis.utils.io import atomic_writer
 
     budget, margin = report["budget_mb"], report["memory_margin"]
-    trials = report["trials"]
+    trials = [t for t in report["trials"] if t["status"] != "skipped"]  # skipped: nothing measured
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     panels = (
         ("num_images_per_batch", "train_peak_mb", "training", "batch size (per replica)", "recompute"),
@@ -132,10 +140,17 @@ def plot_memory(report: dict, path: str | Path) -> Path:
     )
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (x_key, y_key, phase, xlabel, group_key) in zip(axes, panels):
-        groups = sorted({str(t["values"][group_key]) for t in trials})
-        for colour, group in zip(colours, groups):
-            members = [t for t in trials if str(t["values"][group_key]) == group]
+
+        def group_of(t, group_key=group_key):  # one colour (and one memory-model line) per group
+            return str(t["values"][group_key]), model_parallel_of(t["values"])
+
+        groups = sorted({group_of(t) for t in trials})
+        several_mp = len({mp for _, mp in groups}) > 1
+        for colour, (group, model_parallel) in zip(colours, groups):
+            members = [t for t in trials if group_of(t) == (group, model_parallel)]
             label = f"{group_key.replace('validation_data_device', 'placement')}={group}"
+            if several_mp:
+                label += f", model parallel {model_parallel}"
             ok = [t for t in members if t.get(y_key) and t.get("failed_phase") != phase]
             ax.scatter(
                 [t["values"][x_key] for t in ok], [t[y_key] for t in ok], color=colour, label=f"{label} measured"
@@ -165,7 +180,9 @@ def plot_memory(report: dict, path: str | Path) -> Path:
                 label=f"{label} pruned (predicted)" if pruned else None,
             )
             line = report["memory_model"]["lines"].get(
-                f"training (recompute={group.lower()})" if phase == "training" else f"validation ({group})"
+                train_line_name(group == "True", model_parallel)
+                if phase == "training"
+                else validation_line_name(group, model_parallel)
             )
             xs = [t["values"][x_key] for t in members]
             if line and xs:

@@ -1,4 +1,5 @@
-"""GPU-fit search: batch size, sliding-window batch size, placement (and recompute) from measured memory and speed.
+"""GPU-fit search: batch size, sliding-window batch size, placement (recompute, model parallelism) from measured
+memory and speed.
 
 Keras Tuner proposes configurations (Bayesian optimisation by default, an exhaustive grid on
 request) over a search space declared up front; each one is measured in a fresh subprocess
@@ -14,6 +15,11 @@ training steps, one sliding-window pass over a volume of the dataset's 99.5th-pe
   candidate whose predicted peak clearly exceeds the budget as pruned without running it; a
   candidate at least as large as one that ran out of memory is pruned too.
 - The choice: the fastest measured configuration whose peak is within `memory_margin` of the budget.
+- Model parallelism (`range_model_parallel`: `none`, `spatial:2`, `pipeline:2`, ...): a candidate runs the
+  model over N devices (`runtime.model_parallel.mode` / `devices`, `runtime.distribution: none`): N GPUs, or
+  on a machine without GPUs N logical CPU devices. A candidate that cannot run here (more GPUs than are
+  visible, `training.jit_compile`, a batch the pipeline's micro-batches do not divide, a setting that
+  already failed to set up) is `skipped` with its reason, without a trial.
 - The result is cached by device (name, total memory), TensorFlow version, the measured part of
   the config, the dataset shape and the specs — never by free memory — and reused at once.
 
@@ -39,8 +45,8 @@ import numpy as np
 
 from tfmis.config import Config, from_dict, save_config, to_dict
 from tfmis.hardware import usable_cpu_count
-from tfmis.tune.fit.memory import MemoryModel, is_memory_failure
-from tfmis.tune.fit.specs import FitSpecs, load_specs, specs_to_dict
+from tfmis.tune.fit.memory import NO_MODEL_PARALLEL, MemoryModel, is_memory_failure, model_parallel_of
+from tfmis.tune.fit.specs import FitSpecs, load_specs, model_parallel_setting, parse_model_parallel, specs_to_dict
 from tfmis.utils.io import atomic_write_json
 
 OBJECTIVE = "epoch_seconds"
@@ -55,6 +61,8 @@ VALUE_KEYS = {
     "num_sw_batch_size": ("validation", "num_sw_batch_size"),
     "validation_data_device": ("validation", "validation_data_device"),
     "recompute": ("model", "recompute"),
+    # `none` or `mode:devices`: runtime.model_parallel.mode and .devices (apply_values)
+    "model_parallel": ("runtime", "model_parallel"),
 }
 
 
@@ -111,12 +119,75 @@ def estimated_epoch_seconds(images_per_second: float, sw_seconds: float, context
 
 
 def apply_values(config: Config, values: dict) -> Config:
-    """A copy of `config` with the searched values set."""
+    """A copy of `config` with the searched values set.
+
+    `model_parallel` (`none`, `spatial:2`, ...) sets `runtime.model_parallel.mode` and `.devices`, and with a
+    mode `runtime.distribution: none` (one process runs the model over its devices); `micro_batches`, `axis`
+    and `data` stay the config's.
+    """
     data = to_dict(config)
     for name, value in values.items():
         section, key = VALUE_KEYS[name]
+        if name == "model_parallel":
+            mode, devices = parse_model_parallel(value)
+            data["runtime"]["model_parallel"]["mode"] = mode
+            if mode != NO_MODEL_PARALLEL:
+                data["runtime"]["model_parallel"]["devices"] = devices
+                data["runtime"]["distribution"] = "none"
+            continue
         data[section][key] = value
     return from_dict(Config, data)
+
+
+def model_parallel_settings(config: Config, specs: FitSpecs) -> list[str]:
+    """The model-parallel settings searched: the specs' `range_model_parallel`, else the config's own one."""
+    if specs.range_model_parallel is not None:
+        return list(specs.range_model_parallel)
+    mp = config.runtime.model_parallel
+    return [model_parallel_setting(mp.mode, mp.devices) if mp.enabled else NO_MODEL_PARALLEL]
+
+
+def model_parallel_skip_reason(config: Config, values: dict, gpu_count: int | None) -> str | None:
+    """Why a candidate's model-parallel setting cannot run here (no trial is started), or None.
+
+    Args:
+        config: the searched config (its `runtime.model_parallel.data`, `micro_batches`, `training.jit_compile`).
+        values: the candidate (`model_parallel`, `num_images_per_batch`).
+        gpu_count: the GPUs visible to the search; None on a machine without GPUs (logical CPU devices: any N).
+
+    Example:
+        >>> from tfmis.config import Config
+        >>> values = {"model_parallel": "spatial:4", "num_images_per_batch": 2}
+        >>> model_parallel_skip_reason(Config(), values, gpu_count=2)
+        'spatial:4 needs 4 GPUs (devices 4 x runtime.model_parallel.data 1) but 2 are visible'
+        >>> model_parallel_skip_reason(Config(), values, gpu_count=None) is None
+        True
+    """
+    setting = values.get("model_parallel") or NO_MODEL_PARALLEL
+    mode, devices = parse_model_parallel(setting)
+    if mode == NO_MODEL_PARALLEL:
+        return None
+    mp = config.runtime.model_parallel
+    needed = devices * mp.data
+    if gpu_count is not None and needed > gpu_count:
+        return (
+            f"{setting} needs {needed} GPUs (devices {devices} x runtime.model_parallel.data {mp.data}) "
+            f"but {gpu_count} {'is' if gpu_count == 1 else 'are'} visible"
+        )
+    if config.training.jit_compile:
+        return (
+            f"{setting}: training.jit_compile: true does not work with runtime.model_parallel (XLA compiles for one "
+            "device); search with training.jit_compile=false to measure it"
+        )
+    groups = mp.data * (mp.micro_batches if mode == "pipeline" else 1)
+    batch = values["num_images_per_batch"]
+    if batch % groups:
+        what = f"data {mp.data} x micro_batches {mp.micro_batches}" if mode == "pipeline" else f"data {mp.data}"
+        return (
+            f"{setting}: batch {batch} is not a multiple of runtime.model_parallel.{what} (the step's images are "
+            "split over them)"
+        )
+    return None
 
 
 def cache_key(config: Config, context: dict, device: dict, specs: FitSpecs, strategy: str) -> str:
@@ -132,13 +203,21 @@ def cache_key(config: Config, context: dict, device: dict, specs: FitSpecs, stra
         "training": {k: c["training"][k] for k in ("precision", "jit_compile", "accumulation_steps")},
         "validation": {k: c["validation"][k] for k in ("roi_size", "overlap", "mode")},
     }
+    device_keys = ["kind", "name", "total_mb", "cpu_count"]
+    specs_dict = specs_to_dict(specs)
+    if model_parallel_settings(config, specs) != [NO_MODEL_PARALLEL]:
+        # micro_batches, axis and data shape the trials; how many GPUs there are decides which settings run
+        measured["model_parallel"] = c["runtime"]["model_parallel"]
+        device_keys.append("gpu_count")
+    if specs.range_model_parallel is None:  # the default: the key of a search without it is what it was before
+        specs_dict["universal"].pop("range_model_parallel")
     identity = {
         "version": CACHE_VERSION,
         "tensorflow": tf.__version__,
-        "device": {k: device.get(k) for k in ("kind", "name", "total_mb", "cpu_count")},
+        "device": {k: device.get(k) for k in device_keys},
         "config": measured,
         "context": context,
-        "specs": specs_to_dict(specs),
+        "specs": specs_dict,
         "strategy": strategy,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
@@ -233,10 +312,19 @@ class GpuFitSearch:
         self.use_cache, self.progress = use_cache, progress
         self.runner = runner or run_trial
         self.context = search_context(config)
-        gpu = trial_device(accelerators())
+        gpus = accelerators()
+        gpu = trial_device(gpus)
+        # a trial over N GPUs takes the N with the least memory (the first is `trial_device`'s); the budget is per GPU
+        self.gpus = sorted(gpus, key=lambda a: (a["total_mb"], a["index"]))
         host = host_memory()
         if gpu is not None:
-            self.device = {"kind": "gpu", "index": gpu["index"], "name": gpu["name"], "total_mb": gpu["total_mb"]}
+            self.device = {
+                "kind": "gpu",
+                "index": gpu["index"],
+                "name": gpu["name"],
+                "total_mb": gpu["total_mb"],
+                "gpu_count": len(gpus),
+            }
             # the CUDA context and libraries sit outside TensorFlow's allocator, whose peak is measured
             default_budget = gpu["total_mb"] - GPU_RESERVED_MB
         else:
@@ -255,6 +343,13 @@ class GpuFitSearch:
                 file=sys.stderr,
             )
             self.placements = ["cpu"]
+        self.model_parallel = model_parallel_settings(config, specs)
+        if gpu is None and self.model_parallel != [NO_MODEL_PARALLEL]:
+            print(
+                "No accelerator visible: model-parallel candidates run on logical CPU devices sharing one memory "
+                "(their peak is the process's).",
+                file=sys.stderr,
+            )
         self.records: list[dict] = []
         self.model = MemoryModel(self.budget_mb, specs.prune_tolerance)
         self.key = cache_key(config, self.context, self.device, specs, strategy)
@@ -285,6 +380,10 @@ class GpuFitSearch:
             hp.Boolean("recompute")
         else:
             hp.Fixed("recompute", bool(self.config.model.recompute))
+        if len(self.model_parallel) > 1:
+            hp.Choice("model_parallel", self.model_parallel)
+        else:
+            hp.Fixed("model_parallel", self.model_parallel[0])
         return hp
 
     def grid_size(self) -> int:
@@ -304,9 +403,16 @@ class GpuFitSearch:
             "num_sw_batch_size": int(values["num_sw_batch_size"]),
             "validation_data_device": str(values["validation_data_device"]),
             "recompute": bool(values["recompute"]),
+            "model_parallel": str(values.get("model_parallel") or NO_MODEL_PARALLEL),
         }
         n = len(self.records) + 1
         record = {"trial": n, "values": values, "status": None, "reason": None}
+        skip_reason = self._skip_reason(values)
+        if skip_reason:
+            record.update(status="skipped", reason=skip_reason, out_of_memory=False)
+            self.records.append(record)
+            self._report_progress(record)
+            return record
         predicted, prune_reason = self.model.verdict(values)
         record["predicted_peak_mb"] = predicted
         if prune_reason and self.specs.prune:
@@ -324,12 +430,17 @@ class GpuFitSearch:
             "warmup_steps": self.specs.warmup_steps,
             "timed_steps": self.specs.timed_steps,
         }
+        gpu = None
+        if self.device["kind"] == "gpu":
+            mp = trial_config.runtime.model_parallel
+            # one GPU, or the N x data GPUs the model runs over (the trial sees exactly these)
+            gpu = [g["index"] for g in self.gpus[: mp.devices * mp.data]] if mp.enabled else self.device["index"]
         result = self.runner(
             request,
             workdir=workdir,
             memory_budget_mb=self.budget_mb,
             timeout_s=self.specs.trial_timeout_s,
-            gpu=self.device.get("index") if self.device["kind"] == "gpu" else None,
+            gpu=gpu,
         )
         keep = (
             "reason",
@@ -346,6 +457,8 @@ class GpuFitSearch:
             "rss_peak_mb",
             "wall_seconds",
             "device",
+            "model_devices",
+            "peak_mb_by_device",
         )
         record.update({k: result.get(k) for k in keep if k in result})
         record["status"] = "ok" if result["status"] == "ok" else "failed"
@@ -358,8 +471,28 @@ class GpuFitSearch:
         self._report_progress(record)
         return record
 
+    def _skip_reason(self, values: dict) -> str | None:
+        """Why this candidate's model-parallel setting cannot run here (`model_parallel_skip_reason`), or why a
+        trial of the same setting (and recompute) already failed to set up, for a reason other than memory (a
+        patch that cannot be cut into the slabs, a model the stages cannot split: the same for every batch)."""
+        gpu_count = len(self.gpus) if self.device["kind"] == "gpu" else None
+        reason = model_parallel_skip_reason(self.config, values, gpu_count)
+        if reason or values["model_parallel"] == NO_MODEL_PARALLEL:
+            return reason
+        for r in self.records:
+            if (
+                r["status"] == "failed"
+                and r.get("failed_phase") == "setup"
+                and not is_memory_failure(r)
+                and not (r.get("reason") or "").startswith("timed out")
+                and model_parallel_of(r["values"]) == values["model_parallel"]
+                and r["values"]["recompute"] == values["recompute"]
+            ):
+                return f"{values['model_parallel']} failed to set up in trial {r['trial']}: {r['reason']}"
+        return None
+
     def runs(self) -> int:
-        return sum(r["status"] != "pruned" for r in self.records)
+        return sum(r["status"] in ("ok", "failed") for r in self.records)
 
     def finished(self) -> bool:
         """Bayesian: num_trials measured, or far more candidates pruned than measured (nothing left to try)."""
@@ -373,7 +506,7 @@ class GpuFitSearch:
         from tfmis.tune.fit.report import trial_line
 
         self._bar.write(trial_line(record, self.budget_mb))
-        if record["status"] != "pruned" or self.strategy == "grid":  # the bar counts runs, or grid points
+        if record["status"] in ("ok", "failed") or self.strategy == "grid":  # the bar counts runs, or grid points
             self._bar.update(1)
         best = choose(self.records, self.budget_mb, self.specs.memory_margin)
         if best is not None:
@@ -504,7 +637,8 @@ class GpuFitSearch:
         chosen = choose(self.records, self.budget_mb, self.specs.memory_margin)
         for r in self.records:
             r["chosen"] = chosen is not None and r["trial"] == chosen["trial"]
-        counts = {status: sum(r["status"] == status for r in self.records) for status in ("ok", "failed", "pruned")}
+        statuses = ("ok", "failed", "pruned", "skipped")
+        counts = {status: sum(r["status"] == status for r in self.records) for status in statuses}
         counts["run"] = counts["ok"] + counts["failed"]
         return {
             "created": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -541,7 +675,11 @@ class GpuFitSearch:
                 "validation.num_sw_batch_size": fitted.validation.num_sw_batch_size,
                 "validation.validation_data_device": fitted.validation.validation_data_device,
                 "model.recompute": fitted.model.recompute,
+                "runtime.model_parallel.mode": fitted.runtime.model_parallel.mode,
             }
+            if fitted.runtime.model_parallel.enabled:
+                report["fitted"]["runtime.model_parallel.devices"] = fitted.runtime.model_parallel.devices
+                report["fitted"]["runtime.distribution"] = fitted.runtime.distribution
             if getattr(fitted.validation, "cpu_from_voxels", None) is not None:
                 report["fitted"]["validation.cpu_from_voxels"] = fitted.validation.cpu_from_voxels
             save_config(fitted, self.output_dir / CONFIG_FILE)
@@ -572,8 +710,9 @@ def cached_choice(config: Config, specs: FitSpecs | None = None) -> dict | None:
     None when there is no GPU, no converted dataset, or no cached search of exactly this config and device.
 
     Returns:
-        {"num_images_per_batch", "num_sw_batch_size", "validation_data_device", "source"}; a chosen
-        accelerator placement becomes `auto`.
+        {"num_images_per_batch", "num_sw_batch_size", "validation_data_device", "model_parallel_mode",
+        "model_parallel_devices", "source"}; a chosen accelerator placement becomes `auto`; the model-parallel
+        keys are `runtime.model_parallel.mode` / `.devices` of the choice (`none`, None without a mode).
     """
     import tempfile
 
@@ -594,9 +733,12 @@ def cached_choice(config: Config, specs: FitSpecs | None = None) -> dict | None:
     values = dict(chosen["values"])
     if values["validation_data_device"] == "accelerator":
         values["validation_data_device"] = "auto"  # as fitted_config: larger volumes fall back, not fail
+    mode, devices = parse_model_parallel(model_parallel_of(values))
     return {
         "num_images_per_batch": values["num_images_per_batch"],
         "num_sw_batch_size": values["num_sw_batch_size"],
         "validation_data_device": values["validation_data_device"],
+        "model_parallel_mode": mode,
+        "model_parallel_devices": devices if mode != NO_MODEL_PARALLEL else None,
         "source": f"cache {search.cache_file.name}",
     }

@@ -12,6 +12,7 @@ universal:
   range_num_sw_batch_size: [1, 40]
 unet:
   search_recompute: true       # also try activation recomputation, so that a larger batch can fit
+  range_model_parallel: [none, spatial:2]   # also try the model cut into 2 slabs over 2 devices
 ```
 """
 
@@ -26,6 +27,8 @@ from typing import Literal, Optional
 from tfmis.config import ConfigError, from_dict, read_yaml
 
 MODEL_NAME = "unet"
+MODEL_PARALLEL_KEY = "range_model_parallel"
+MODEL_PARALLEL_MODES = ("pipeline", "spatial")  # tfmis.networks.parallel.MODES
 # Auto3DSeg's algorithm names: their sections are read by MONAI, not by tfmis
 AUTO3DSEG_ALGOS = ("dints", "segresnet", "segresnet2d", "swinunetr")
 
@@ -42,6 +45,12 @@ class FitSpecs:
         range_validation_data_device: placements tried for the whole validation volume
             (`accelerator`, `cpu`); on a machine without an accelerator only `cpu` is searched.
         search_recompute: also try `model.recompute` true and false (else the config's value).
+        range_model_parallel: model-parallel settings tried (`runtime.model_parallel`): `none` (one
+            device) and `mode:devices` entries such as `spatial:2`, `spatial:4`, `pipeline:2`; a pipeline
+            keeps the config's `micro_batches` (default 2), and `axis` and `data` are the config's too.
+            On GPUs an entry needing more GPUs than are visible is skipped with its reason; on a CPU it
+            runs on logical CPU devices (one memory, so its peak is the whole process's). Default
+            (null): the config's own setting only (`none` unless the config sets one).
         sampling: `linear` (every integer in the ranges) or `log` (powers of two from the lower
             bound: 1, 2, 4, ...): a grid over log ranges stays small enough to run exhaustively.
         memory_margin: the chosen configuration's measured peak must be at most this fraction of
@@ -60,6 +69,7 @@ class FitSpecs:
     range_num_sw_batch_size: tuple[int, int] = (1, 40)
     range_validation_data_device: tuple[Literal["accelerator", "cpu"], ...] = ("accelerator", "cpu")
     search_recompute: bool = False
+    range_model_parallel: Optional[tuple[str, ...]] = None
     sampling: Literal["linear", "log"] = "linear"
     memory_margin: float = 0.9
     prune: bool = True
@@ -87,6 +97,52 @@ class FitSpecs:
             raise ValueError("warmup_steps must be >= 0 and timed_steps >= 1")
         if self.trial_timeout_s <= 0:
             raise ValueError(f"trial_timeout_s must be > 0, got {self.trial_timeout_s}")
+        if self.range_model_parallel is not None:
+            if not self.range_model_parallel:
+                raise ValueError(
+                    f"{MODEL_PARALLEL_KEY} must name at least one setting, e.g. [none, spatial:2]; "
+                    "leave it out to keep the config's runtime.model_parallel"
+                )
+            settings = [model_parallel_setting(*parse_model_parallel(e)) for e in self.range_model_parallel]
+            object.__setattr__(self, "range_model_parallel", tuple(dict.fromkeys(settings)))  # canonical, no repeats
+
+
+def parse_model_parallel(entry: str) -> tuple[str, int]:
+    """(mode, devices) of a `range_model_parallel` entry: `none` (one device) or `mode:devices`.
+
+    Raises:
+        ValueError: an entry that is neither, naming the key and what to write.
+
+    Example:
+        >>> parse_model_parallel("none"), parse_model_parallel(" Spatial:4 ")
+        (('none', 1), ('spatial', 4))
+    """
+    text = str(entry).strip().lower()
+    if text == "none":
+        return "none", 1
+    mode, sep, count = text.partition(":")
+    mode = mode.strip()
+    fix = "write none, or mode:devices with mode pipeline or spatial and 2 or more devices, e.g. spatial:2"
+    if mode not in MODEL_PARALLEL_MODES:
+        close = difflib.get_close_matches(mode, ["none", *MODEL_PARALLEL_MODES], n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{MODEL_PARALLEL_KEY}: {entry!r} is not a model-parallel setting{hint}: {fix}")
+    if not sep:
+        raise ValueError(f"{MODEL_PARALLEL_KEY}: {entry!r} names no device count: write {mode}:2 (mode:devices)")
+    try:
+        devices = int(count.strip())
+    except ValueError:
+        devices = 0
+    if devices < 2:
+        raise ValueError(
+            f"{MODEL_PARALLEL_KEY}: {entry!r}: the device count must be an integer >= 2 (one device is `none`): {fix}"
+        )
+    return mode, devices
+
+
+def model_parallel_setting(mode: str, devices: int) -> str:
+    """The canonical entry: `none` or `mode:devices` (the search's value and its report's column)."""
+    return "none" if mode == "none" else f"{mode}:{devices}"
 
 
 def load_specs(source: str | Path | dict | None = None, **overrides) -> FitSpecs:
@@ -121,6 +177,13 @@ def load_specs(source: str | Path | dict | None = None, **overrides) -> FitSpecs
             raise ConfigError(f"{where}: section '{section}' must be a mapping of keys")
     merged = {**(data.get("universal") or {}), **(data.get(MODEL_NAME) or {})}
     merged.update({k: v for k, v in overrides.items() if v is not None})
+    for entry in merged.get(MODEL_PARALLEL_KEY) or []:
+        if isinstance(entry, dict):  # YAML reads `spatial: 2` (a space after the colon) as a mapping
+            written = ", ".join(f"{k}: {v}" for k, v in entry.items())
+            raise ConfigError(
+                f"{where}: specs.{MODEL_PARALLEL_KEY}: {{{written}}} is a mapping; write the entry without a "
+                f"space after the colon or quote it, e.g. {', '.join(f'{k}:{v}' for k, v in entry.items())}"
+            )
     try:
         return from_dict(FitSpecs, merged, prefix="specs.")
     except ConfigError as e:

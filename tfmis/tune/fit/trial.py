@@ -2,15 +2,18 @@
 
 A TensorFlow process never gives device memory back, and an out-of-memory error can leave it
 broken, so every configuration the search tries runs in a process of its own (`run_trial`), pinned
-to one device. The child (`python -m tfmis.tune.fit.trial REQUEST RESULT`) builds the real `Trainer`
-from the config (model, loss, optimizer, loss scaling, precision, jit_compile), feeds synthetic
-batches of the training pipeline's shapes and dtypes to the trainer's compiled step (warm-up steps,
-then timed steps), then runs sliding-window inference as `Trainer.validate` does on a volume of the
-dataset's 99.5th-percentile shape (one pass to trace, one timed pass).
+to one device (with `runtime.model_parallel`, to the N GPUs the model runs over; on a machine
+without GPUs to N logical CPU devices, which `make_backend` sets up before TensorFlow initialises).
+The child (`python -m tfmis.tune.fit.trial REQUEST RESULT`) builds the real `Trainer` from the
+config (model, loss, optimizer, loss scaling, precision, jit_compile), feeds synthetic batches of
+the training pipeline's shapes and dtypes to the trainer's compiled step (warm-up steps, then timed
+steps), then runs sliding-window inference as `Trainer.validate` does on a volume of the dataset's
+99.5th-percentile shape (one pass to trace, one timed pass).
 
 Memory is measured per phase (setup, training, validation): on a GPU, TensorFlow's allocator peak
-(`get_memory_info(...)["peak"]` after `reset_memory_stats`) and NVML's view of the device; on a
-CPU, the peak resident set size (VmHWM, reset per phase through /proc/self/clear_refs). The parent
+(`get_memory_info(...)["peak"]` after `reset_memory_stats`; over several GPUs the largest device's,
+since the budget is per device) and NVML's view of the device; on a CPU, the peak resident set
+size (VmHWM, reset per phase through /proc/self/clear_refs; logical CPU devices share it). The parent
 watches the child's RSS, its clock and its exit: an out-of-memory error, any other error, a crash,
 a timeout or a peak over the budget is a failed result with a one-line reason and the phase, never
 an exception, so the search goes on. Numbers measured before a failure are kept.
@@ -47,6 +50,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 # No TensorFlow at module level: the child sets its environment and GPU options before the import,
@@ -83,6 +87,8 @@ RESULT_KEYS = (
     "train_peak_mb",
     "validation_peak_mb",
     "peak_mb",
+    "peak_mb_by_device",
+    "model_devices",
     "rss_peak_mb",
     "rss_peak_mb_by_phase",
     "rss_start_mb_by_phase",
@@ -141,7 +147,7 @@ def run_trial(
     workdir: Path,
     memory_budget_mb: float | None = None,
     timeout_s: float = 600,
-    gpu: int | None = None,
+    gpu: int | Sequence[int] | None = None,
     extra_env: dict | None = None,
     host_memory_budget_mb: float | None = None,
 ) -> dict:
@@ -161,8 +167,9 @@ def run_trial(
             trial. CPU trial: the child is killed as soon as its RSS exceeds it, and a peak RSS
             above it fails the trial. None: no budget.
         timeout_s: the child is killed after this many seconds.
-        gpu: NVML index of the GPU to run on (see `trial_device`); None runs on the CPU with every
-            GPU hidden.
+        gpu: NVML index of the GPU to run on (see `trial_device`), or the indices of the GPUs a
+            model-parallel config runs over (the child sees exactly these, as GPU:0, GPU:1, ... in this
+            order; the memory budget applies to each); None runs on the CPU with every GPU hidden.
         extra_env: environment variables added for the child.
         host_memory_budget_mb: GPU trial only: the child's RSS limit on the host (e.g. for
             validation_data_device=cpu), enforced like a CPU trial's budget; None: no limit.
@@ -176,9 +183,11 @@ def run_trial(
           steps), step_seconds_all, warmup_seconds_all (the first one traces the step);
         - sw_seconds (the timed sliding-window pass), sw_first_seconds (the pass that traced),
           sw_windows, validation_device (where the volume and its buffers lived);
-        - setup/train/validation_peak_mb (per phase: the GPU allocator's peak, or on a CPU the peak
-          RSS, which includes what earlier phases left allocated), peak_mb (compared with the
-          budget: the largest GPU phase peak, or the process's peak RSS), rss_peak_mb,
+        - setup/train/validation_peak_mb (per phase: the GPU allocator's peak, the largest of the
+          model's GPUs', or on a CPU the peak RSS, which includes what earlier phases left allocated,
+          logical CPU devices included), peak_mb (compared with the budget: the largest GPU phase peak,
+          or the process's peak RSS), peak_mb_by_device (GPU: {phase: {"GPU:i": MB}}), model_devices
+          (the devices the model ran over, e.g. ["/CPU:0", "/CPU:1"]), rss_peak_mb,
           rss_peak_mb_by_phase, rss_start_mb_by_phase (host RSS as each phase began), budget_mb;
         - device ({"kind": "gpu" | "cpu", "name", "total_mb", "nvml_used_mb" (GPU)}), tf_version,
           import_seconds (importing TensorFlow, Keras, the trainer), build_seconds (the trainer),
@@ -200,10 +209,12 @@ def run_trial(
     for stale in (result_path, progress_path):
         stale.unlink(missing_ok=True)
     atomic_write_json(request_path, request)
+    gpus = None if gpu is None else ([int(g) for g in gpu] if isinstance(gpu, Sequence) else [int(gpu)])
+    gpu = gpus or None  # below: None for a CPU trial, else the list of the trial's GPUs
     rss_budget = memory_budget_mb if gpu is None else host_memory_budget_mb
     command = [sys.executable, "-m", "tfmis.tune.fit.trial", str(request_path), str(result_path)]
-    if gpu is not None:
-        command += ["--gpu", str(gpu)]
+    if gpus:
+        command += ["--gpu", ",".join(map(str, gpus))]
     if memory_budget_mb is not None:
         command += ["--memory-budget-mb", str(memory_budget_mb)]
 
@@ -293,13 +304,16 @@ def _fail_crash(result: dict, log_path: Path, exit_code: int, phase: str) -> Non
     result["log_tail"] = lines[-12:]
 
 
-def _child_env(gpu: int | None, extra_env: dict | None) -> dict:
+def _child_env(gpus: list[int] | None, extra_env: dict | None) -> dict:
     env = dict(os.environ)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's device numbers = NVML's (nvidia-smi's)
-    # one GPU per trial, named by UUID where NVML knows it; "-1" hides every GPU from a CPU trial
-    device = None if gpu is None else nvml_device(gpu)
-    env["CUDA_VISIBLE_DEVICES"] = "-1" if gpu is None else (device["uuid"] if device else str(gpu))
+    # the trial's GPU(s), named by UUID where NVML knows them; "-1" hides every GPU from a CPU trial
+    names = []
+    for index in gpus or []:
+        device = nvml_device(index)
+        names.append(device["uuid"] if device else str(index))
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(names) if names else "-1"
     # the child imports this copy of tfmis, wherever the caller runs from
     package_root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
@@ -357,10 +371,13 @@ def _read_json(path: Path) -> dict | None:
 class _ChildTrial:
     """The measurements of one trial, in the child process; `progress.json` follows them."""
 
-    def __init__(self, request_path: Path, result_path: Path, gpu: int | None, memory_budget_mb: float | None):
+    def __init__(self, request_path: Path, result_path: Path, gpus: list[int] | None, memory_budget_mb: float | None):
         self.request_path, self.result_path = request_path, result_path
         self.progress_path = result_path.with_name(PROGRESS_FILE)
-        self.gpu, self.memory_budget_mb = gpu, memory_budget_mb
+        # NVML indices of the trial's GPUs (TensorFlow's GPU:0, GPU:1, ... in this order); None: a CPU trial
+        self.gpus, self.memory_budget_mb = gpus or None, memory_budget_mb
+        self.gpu = self.gpus[0] if self.gpus else None
+        self.gpu_names: list[str] = []  # "GPU:0", ...: the devices whose allocator peaks are measured
         self.phase = "setup"
         self.measured: dict = {"rss_peak_mb_by_phase": {}, "rss_start_mb_by_phase": {}}
         self.tf = None
@@ -397,6 +414,8 @@ class _ChildTrial:
     # -------------------------------------------------------- phases
 
     def _setup(self) -> None:
+        import dataclasses
+
         from tfmis.config import Config, from_dict, validate
 
         request = json.loads(self.request_path.read_text())
@@ -418,14 +437,22 @@ class _ChildTrial:
         tf = self._import_tensorflow()
         from tfmis.engine.distribution import make_backend  # Keras and the trainer's modules
         from tfmis.engine.trainer import Trainer
+        from tfmis.hardware import accelerator_device
 
         self.measured.update(
             import_seconds=time.perf_counter() - start, tf_version=tf.__version__, device=self._device_info()
         )
         self._write_progress()
         start = time.perf_counter()
-        self.trainer = Trainer(config, backend=make_backend("none"))
+        # one process: runtime.distribution none; with runtime.model_parallel, make_backend sets up its devices
+        # (on a CPU the logical devices) here, before anything touches a device
+        backend = make_backend(dataclasses.replace(config.runtime, distribution="none", devices=None))
+        self.trainer = Trainer(config, backend=backend)
         self.measured["build_seconds"] = time.perf_counter() - start
+        parallel = self.trainer.parallel
+        self.measured["model_devices"] = (
+            [d for group in parallel.devices for d in group] if parallel is not None else [accelerator_device()]
+        )
 
     def _import_tensorflow(self):
         """Imports TensorFlow with the trial's device set up before it initialises."""
@@ -440,14 +467,22 @@ class _ChildTrial:
                 f"no GPU visible to TensorFlow {tf.__version__} (CUDA_VISIBLE_DEVICES="
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); is it built with CUDA?"
             )
+        elif len(gpus) < len(self.gpus):
+            raise RuntimeError(
+                f"the trial runs over {len(self.gpus)} GPUs but TensorFlow sees {len(gpus)} (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
         else:
-            tf.config.set_visible_devices(gpus[0], "GPU")
-            if self.memory_budget_mb is not None:  # going over the budget is then a real OOM
-                tf.config.set_logical_device_configuration(
-                    gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(self.memory_budget_mb))]
-                )
-            else:
-                tf.config.experimental.set_memory_growth(gpus[0], True)
+            used = gpus[: len(self.gpus)]
+            tf.config.set_visible_devices(used, "GPU")
+            for device in used:  # the budget is per device: each one's allocator is capped at it
+                if self.memory_budget_mb is not None:  # going over the budget is then a real OOM
+                    tf.config.set_logical_device_configuration(
+                        device, [tf.config.LogicalDeviceConfiguration(memory_limit=int(self.memory_budget_mb))]
+                    )
+                else:
+                    tf.config.experimental.set_memory_growth(device, True)
+            self.gpu_names = [f"GPU:{i}" for i in range(len(used))]
             self.on_gpu = True
         self.tf = tf
         return tf
@@ -523,14 +558,19 @@ class _ChildTrial:
         self.phase = phase
         if phase != "setup":  # setup's peaks count from the process start
             _reset_rss_peak()
-            if self.on_gpu:
-                self.tf.config.experimental.reset_memory_stats("GPU:0")
+            for name in self.gpu_names:
+                self.tf.config.experimental.reset_memory_stats(name)
         # what the process holds when the phase starts (on a CPU, the phase's own need is its peak minus this)
         self.measured["rss_start_mb_by_phase"][phase] = _status_mb("self", "VmRSS")
         self._write_progress()
 
     def _measure_memory(self, phase: str) -> None:
-        """This phase's peaks: host RSS always; the GPU allocator's (and NVML's) on a GPU."""
+        """This phase's peaks: host RSS always; on GPUs the allocator's (and NVML's), the largest of the devices.
+
+        The trial's process sees exactly the GPUs the model runs over (GPU:0, or GPU:0..N-1 with
+        `runtime.model_parallel`), so the phase's peak is the largest `get_memory_info("GPU:i")["peak"]`
+        over them: the memory budget is per device. On a CPU (logical devices included: they share the
+        process's memory) the peak is the process's resident set, as measured above."""
         m = self.measured
         rss = _status_mb("self", "VmHWM")
         start = m["rss_start_mb_by_phase"].get(phase)
@@ -544,15 +584,20 @@ class _ChildTrial:
         key = {"setup": "setup_peak_mb", "training": "train_peak_mb", "validation": "validation_peak_mb"}[phase]
         if self.on_gpu:
             try:  # after an OOM the runtime may refuse; the failure itself is what matters then
-                m[key] = self.tf.config.experimental.get_memory_info("GPU:0")["peak"] / MB
-                nvml = nvml_device(self.gpu)
-                if nvml is not None and m.get("device"):
-                    m["device"]["nvml_used_mb"] = max(m["device"].get("nvml_used_mb") or 0.0, nvml["used_mb"])
+                by_device = {
+                    name: self.tf.config.experimental.get_memory_info(name)["peak"] / MB for name in self.gpu_names
+                }
+                m.setdefault("peak_mb_by_device", {})[phase] = by_device
+                m[key] = max(by_device.values())
+                for index in self.gpus:
+                    nvml = nvml_device(index)
+                    if nvml is not None and m.get("device"):
+                        m["device"]["nvml_used_mb"] = max(m["device"].get("nvml_used_mb") or 0.0, nvml["used_mb"])
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
             peaks = [m.get(k) for k in ("setup_peak_mb", "train_peak_mb", "validation_peak_mb")]
             m["peak_mb"] = max((p for p in peaks if p is not None), default=None)
-        else:
+        else:  # a CPU trial: the process's RSS (one memory, whatever the number of logical devices)
             m[key] = rss
             m["peak_mb"] = m.get("rss_peak_mb")
         self._write_progress()
@@ -562,6 +607,7 @@ class _ChildTrial:
             info = {
                 "kind": "gpu",
                 "index": self.gpu,
+                "indices": self.gpus,
                 "name": None,
                 "total_mb": None,
                 "nvml_used_mb": None,
@@ -601,12 +647,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("request", help="request JSON: config, volume_shape, warmup_steps, timed_steps")
     p.add_argument("result", help="result JSON to write (progress.json is written next to it)")
-    p.add_argument("--gpu", type=int, default=None, help="NVML index of the GPU (CUDA_VISIBLE_DEVICES set to it)")
+    p.add_argument(
+        "--gpu",
+        type=lambda text: [int(i) for i in text.split(",")],
+        default=None,
+        help="NVML index of the GPU, or comma-separated indices of the model's GPUs (CUDA_VISIBLE_DEVICES set to them)",
+    )
     p.add_argument(
         "--memory-budget-mb",
         type=float,
         default=None,
-        help="GPU: TensorFlow's memory limit on the device (instead of memory growth)",
+        help="GPU: TensorFlow's memory limit on each device (instead of memory growth)",
     )
     return p
 

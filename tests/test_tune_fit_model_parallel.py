@@ -1,0 +1,128 @@
+"""The GPU-fit search over model parallelism (`range_model_parallel`), measured for real on this CPU.
+
+Every trial is a fresh `python -m tfmis.tune.fit.trial` process with the real Trainer: a model-parallel
+candidate runs over 2 logical CPU devices (set up by `make_backend` before TensorFlow initialises), and
+its peak is the process's resident memory, which the logical devices share.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import tiny_config
+
+from tfmis.config import to_dict
+from tfmis.tune.fit.search import apply_values, fit_config, fitted_config
+from tfmis.tune.fit.specs import load_specs
+from tfmis.tune.fit.trial import run_trial
+
+
+@pytest.mark.slow
+def test_spatial_2_trial_runs_over_two_logical_cpu_devices_and_reports_the_process_rss(converted_dataset, tmp_path):
+    """One real trial of the config as the search makes it for `spatial:2` (runtime.model_parallel spatial over 2
+    devices, distribution none) on this CPU: it finishes, its model ran over /CPU:0 and /CPU:1, and its peak is
+    the process's peak RSS (logical devices share one memory; no per-GPU peaks)."""
+    config = apply_values(tiny_config(converted_dataset, tmp_path / "run"), {"model_parallel": "spatial:2"})
+    result = run_trial(
+        {"config": to_dict(config), "volume_shape": [20, 22, 18], "warmup_steps": 1, "timed_steps": 2},
+        workdir=tmp_path / "trial",
+    )
+    assert result["status"] == "ok", result["reason"]
+    assert result["model_devices"] == ["/CPU:0", "/CPU:1"]
+    assert result["images_per_second"] > 0 and result["sw_seconds"] > 0
+    assert result["peak_mb"] == result["rss_peak_mb"] > 0 and result["peak_mb_by_device"] is None
+
+
+def test_setting_that_fails_to_set_up_is_skipped_for_the_next_batch_sizes(converted_dataset, tmp_path):
+    """A real grid search of `spatial:16` on 16³ patches (strides 1, 2: no side can be cut into 16 slabs whose
+    sizes are multiples of the strides): the first candidate's trial fails in setup with the trainer's own reason;
+    the next batch size of the same setting is skipped without a trial, naming that trial; nothing is chosen."""
+    from tfmis.tune.fit.search import GpuFitSearch, NoConfigurationFits
+
+    config = tiny_config(converted_dataset, tmp_path / "run")
+    specs = load_specs(
+        {
+            "universal": {
+                "range_num_images_per_batch": [1, 2],
+                "range_num_sw_batch_size": [1, 1],
+                "range_model_parallel": ["spatial:16"],
+                "warmup_steps": 1,
+                "timed_steps": 1,
+            }
+        }
+    )
+    search = GpuFitSearch(
+        config, specs, tmp_path / "fit", strategy="grid", cache_dir=tmp_path / "cache", use_cache=False, progress=False
+    )
+    with pytest.raises(NoConfigurationFits):
+        search.run()
+    first, second = search.records
+    assert first["status"] == "failed" and first["failed_phase"] == "setup" and not first["out_of_memory"]
+    assert first["reason"].startswith("ValueError in setup: ") and "16 slabs" in first["reason"], first["reason"]
+    assert second["status"] == "skipped" and second["values"]["num_images_per_batch"] == 2
+    assert second["reason"].startswith(f"spatial:16 failed to set up in trial {first['trial']}: ")
+    assert not (tmp_path / "fit" / "trials" / f"trial_{second['trial']:03d}").exists()  # never ran
+    report = json.loads((tmp_path / "fit" / "fit_report.json").read_text())
+    assert report["counts"] == {"ok": 0, "failed": 1, "pruned": 0, "skipped": 1, "run": 1}
+
+
+@pytest.mark.slow
+def test_grid_search_measures_none_and_spatial_2_on_logical_cpu_devices_and_writes_the_choice_back(
+    converted_dataset, tmp_path, capsys
+):
+    """A real grid search with `range_model_parallel: [none, spatial:2]` (batch 2, sw batch 2) on the tiny
+    dataset: two trials, both ok with measured images/s, step and sliding-window seconds and peak RSS; the
+    spatial one ran its model over /CPU:0 and /CPU:1, the other over /CPU:0 only. The faster one (shorter
+    estimated epoch) is chosen, and fit.yaml, report["fitted"] and the returned config carry its
+    runtime.model_parallel.mode (and devices, distribution none for spatial); the table shows both settings.
+    The spatial record, passed to `fitted_config` as a choice, gives mode spatial, 2 devices, distribution none."""
+    config = tiny_config(converted_dataset, tmp_path / "run")
+    specs = load_specs(
+        {
+            "universal": {
+                "range_num_images_per_batch": [2, 2],
+                "range_num_sw_batch_size": [2, 2],
+                "range_model_parallel": ["none", "spatial:2"],
+                "warmup_steps": 1,
+                "timed_steps": 2,
+            }
+        }
+    )
+    output = tmp_path / "fit"
+    fitted, report = fit_config(
+        config, specs, output, strategy="grid", cache_dir=tmp_path / "cache", use_cache=False, progress=False
+    )
+
+    trials = {t["values"]["model_parallel"]: t for t in report["trials"]}
+    assert sorted(trials) == ["none", "spatial:2"] and report["counts"]["run"] == 2
+    for trial in trials.values():
+        assert trial["status"] == "ok", trial["reason"]
+        assert trial["values"]["num_images_per_batch"] == 2 and trial["values"]["num_sw_batch_size"] == 2
+        assert trial["images_per_second"] > 0 and trial["step_seconds"] > 0 and trial["sw_seconds"] > 0
+        assert trial["train_peak_mb"] > 0 and trial["peak_mb"] == trial["rss_peak_mb"] > 0  # the process's RSS
+        assert trial["epoch_seconds"] > 0
+    assert trials["none"]["model_devices"] == ["/CPU:0"]
+    assert trials["spatial:2"]["model_devices"] == ["/CPU:0", "/CPU:1"]
+
+    chosen = min(trials.values(), key=lambda t: t["epoch_seconds"])
+    assert report["chosen"]["trial"] == chosen["trial"]
+    mode = "none" if chosen["values"]["model_parallel"] == "none" else "spatial"
+    written = yaml.safe_load((output / "fit.yaml").read_text())
+    assert written["runtime"]["model_parallel"]["mode"] == mode == fitted.runtime.model_parallel.mode
+    assert report["fitted"]["runtime.model_parallel.mode"] == mode
+    assert json.loads((output / "fit_report.json").read_text())["fitted"] == report["fitted"]
+    if mode == "spatial":
+        assert written["runtime"]["model_parallel"]["devices"] == 2 and written["runtime"]["distribution"] == "none"
+        assert report["fitted"]["runtime.model_parallel.devices"] == 2
+    else:
+        assert "runtime.model_parallel.devices" not in report["fitted"]
+
+    spatial = fitted_config(config, trials["spatial:2"], report["trials"], report["context"])
+    mp = spatial.runtime.model_parallel
+    assert (mp.mode, mp.devices, spatial.runtime.distribution) == ("spatial", 2, "none")
+
+    table = capsys.readouterr().out
+    assert "model parallel" in table and "spatial:2" in table
+    assert f"model parallel {chosen['values']['model_parallel']}:" in table  # the "chosen:" line
