@@ -96,12 +96,13 @@ def run(case: str) -> dict:
     state = [v for v in training_model.non_trainable_variables if "float" in str(v.dtype)]
     start = [v.numpy() for v in state]
 
-    def step(forward_loss, forward):
+    def step(forward_loss, forward, colocated=False):
         @tf.function(autograph=False)
         def fn(x, y):
             with tf.GradientTape() as tape:
                 loss = forward_loss(x, y)
-            return loss, tape.gradient(loss, variables), tf.nest.flatten(forward(x))
+            grads = parallel.ModelParallel.gradients(loss, variables) if colocated else tape.gradient(loss, variables)
+            return loss, grads, tf.nest.flatten(forward(x))
 
         for v, s in zip(state, start):
             v.assign(s)
@@ -146,7 +147,11 @@ def run(case: str) -> dict:
 
         parallel._SpatialRunner.norm = per_slab
     try:
-        many = step(lambda x, y: mp_train.loss(loss_fn, y, x, training=True), lambda x: mp_infer(x, training=False))
+        many = step(  # the gradients as the trainer takes them: backward ops on their forward ops' devices
+            lambda x, y: mp_train.loss(loss_fn, y, x, training=True),
+            lambda x: mp_infer(x, training=False),
+            colocated=True,
+        )
     finally:
         parallel.Slabs.gather_range, parallel._SpatialRunner.norm = gather, norm
     exact = {}

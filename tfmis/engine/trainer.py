@@ -240,7 +240,10 @@ class Trainer:
                 if loss_scaler:
                     scaled = self.optimizer.scale_loss(scaled)
             with tf.name_scope("backward"):
-                g = tape.gradient(scaled, variables)
+                if self.parallel is not None:  # each backward op on its forward op's device, not all on the first
+                    g = self.parallel.gradients(scaled, variables)
+                else:
+                    g = tape.gradient(scaled, variables)
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             total_loss += tf.cast(loss, tf.float32)
         with tf.name_scope("gradient_reduce"):

@@ -344,6 +344,15 @@ class ModelParallel:
         with tf.device(self.devices[0][0]):
             return tf.add_n(losses) / len(losses)
 
+    @staticmethod
+    def gradients(loss, variables):
+        """d loss / d variables with each backward op placed on its forward op's device (`tf.gradients`, inside a
+        `tf.function`): `tf.GradientTape.gradient` leaves the backward ops unplaced, so TensorFlow would run the
+        whole backward pass, and hold its tensors, on the first device (tensorflow/tensorflow#54460)."""
+        if tf.executing_eagerly():
+            raise RuntimeError("ModelParallel.gradients runs inside a tf.function (graph mode), as training does")
+        return tf.gradients(loss, variables)
+
     def _loss_device(self, group: int) -> str:
         if self.mode == "pipeline":
             return self.devices[group][self.stages.get("logits", self.size - 1)]
