@@ -55,12 +55,33 @@ class DeepSupervisionLoss:
         if len(self.weights) != len(self.factors) + 1:
             raise ValueError(f"deep supervision: {len(self.weights)} weights for {len(self.factors) + 1} outputs")
 
-    def __call__(self, labels, outputs):
+    @property
+    def supports_partial_sums(self) -> bool:
+        return bool(getattr(self.loss_fn, "supports_partial_sums", False))
+
+    def partial_sums(self, labels, outputs) -> list:
+        """Each output's `loss_fn.partial_sums` over a part of the patch (labels subsampled per head; a part
+        starting at a multiple of every head's factor subsamples the voxels the whole patch would)."""
+        self._check(outputs)
+        sums = [self.loss_fn.partial_sums(labels, outputs[0])]
+        for factor, logits in zip(self.factors, outputs[1:]):
+            sums.append(self.loss_fn.partial_sums(subsample_labels(labels, factor), logits))
+        return sums
+
+    def from_sums(self, sums: list):
+        """The weighted loss from the totals of `partial_sums` over all parts."""
+        total = sum(w * self.loss_fn.from_sums(s) for w, s in zip(self.weights, sums))
+        return tf.cast(total, tf.float32)
+
+    def _check(self, outputs):
         if not isinstance(outputs, (list, tuple)) or len(outputs) != len(self.factors) + 1:
             raise ValueError(
                 f"deep supervision expects [logits, {len(self.factors)} head logits], got "
                 f"{type(outputs).__name__} of {len(outputs) if isinstance(outputs, (list, tuple)) else 1}"
             )
+
+    def __call__(self, labels, outputs):
+        self._check(outputs)
         total = self.weights[0] * self.loss_fn(labels, outputs[0])
         for weight, factor, logits in zip(self.weights[1:], self.factors, outputs[1:]):
             total += weight * self.loss_fn(subsample_labels(labels, factor), logits)

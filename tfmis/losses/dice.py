@@ -275,6 +275,38 @@ class DiceLoss(keras.losses.Loss):
         _, logits, target = self._inputs(y_true, y_pred)
         return self._dice(logits, target)
 
+    # a loss of sums over voxels: a patch cut into parts (tfmis.networks.parallel, spatial) sums them part by part
+    supports_partial_sums = True
+
+    def partial_sums(self, y_true, y_pred) -> dict:
+        """The sums this loss is made of, over the voxels of `y_pred` (a part of the patch): per sample and class
+        the Dice intersection and denominator. `from_sums` of their totals over all parts is `call` on the whole
+        patch."""
+        labels, logits, target = self._inputs(y_true, y_pred)
+        return self._dice_sums(logits, target)
+
+    def _dice_sums(self, logits, target) -> dict:
+        probabilities = self._probabilities(logits)
+        if not self._keep_channel_0 and probabilities.shape[-1] > 1:  # one channel: kept, as soft_dice_loss does
+            probabilities, target = probabilities[..., 1:], target[..., 1:]
+        axes = list(range(1, probabilities.shape.rank - 1))
+        if self.squared_pred:
+            denominator = tf.reduce_sum(tf.square(probabilities), axes) + tf.reduce_sum(tf.square(target), axes)
+        else:
+            denominator = tf.reduce_sum(probabilities, axes) + tf.reduce_sum(target, axes)
+        return {"intersection": tf.reduce_sum(probabilities * target, axes), "denominator": denominator}
+
+    def _dice_from_sums(self, sums: dict):
+        intersection, denominator = sums["intersection"], sums["denominator"]
+        if self.batch:
+            intersection, denominator = tf.reduce_sum(intersection, 0), tf.reduce_sum(denominator, 0)
+        dice = (2.0 * intersection + self.smooth_nr) / (denominator + self.smooth_dr)
+        return tf.reduce_mean(1.0 - dice)
+
+    def from_sums(self, sums: dict):
+        """The loss from the totals of `partial_sums` over all parts of the patch."""
+        return self._dice_from_sums(sums)
+
     def get_config(self):
         config = super().get_config()
         config.update(
@@ -320,6 +352,21 @@ class DiceCELoss(DiceLoss):
         ce = cross_entropy(labels, logits, target, self.activation)
         return self.lambda_dice * self._dice(logits, target) + self.lambda_ce * ce
 
+    def partial_sums(self, y_true, y_pred) -> dict:
+        """`DiceLoss.partial_sums` plus the cross-entropy summed over the part's voxels (and channels) and how
+        many terms it sums."""
+        labels, logits, target = self._inputs(y_true, y_pred)
+        if self.activation == "softmax":
+            terms = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        else:
+            terms = tf.nn.sigmoid_cross_entropy_with_logits(labels=target, logits=logits)
+        count = tf.cast(tf.size(terms), tf.float32)
+        return {**self._dice_sums(logits, target), "ce_sum": tf.reduce_sum(terms), "ce_count": count}
+
+    def from_sums(self, sums: dict):
+        ce = sums["ce_sum"] / sums["ce_count"]
+        return self.lambda_dice * self._dice_from_sums(sums) + self.lambda_ce * ce
+
     def get_config(self):
         config = super().get_config()
         config.update(lambda_dice=self.lambda_dice, lambda_ce=self.lambda_ce)
@@ -352,6 +399,8 @@ class DiceFocalLoss(DiceLoss):
     loss_fn = DiceFocalLoss(gamma=2.0, include_background=False)   # MONAI DiceFocalLoss(..., softmax=True)
     ```
     """
+
+    supports_partial_sums = False  # its focal term is not split into parts here: the patch is joined first
 
     def __init__(
         self,

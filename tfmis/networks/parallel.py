@@ -114,6 +114,13 @@ def _zero_pad(x, paddings):
     return x
 
 
+def _slice_labels(labels, axis: int, start: int, stop: int):
+    """Rows [start, stop) along spatial tensor axis `axis` of labels (B, X, Y, Z) or (B, X, Y, Z, 1)."""
+    index = [slice(None)] * labels.shape.rank
+    index[axis] = slice(start, stop)
+    return labels[tuple(index)]
+
+
 def _static_side(x, axis: int) -> int:
     side = x.shape[axis]
     if side is None:
@@ -332,7 +339,13 @@ class ModelParallel:
             return tf.nest.map_structure(lambda *xs: tf.concat(xs, 0), *outputs)
 
     def loss(self, loss_fn, labels, images, training: bool = True):
-        """`loss_fn(labels, outputs)` of the whole batch (one group), or the mean of the groups' losses."""
+        """`loss_fn(labels, outputs)` of the whole batch (one group), or the mean of the groups' losses.
+
+        Spatial, with a loss made of sums over voxels (`loss_fn.supports_partial_sums`: Dice, Dice + CE, and deep
+        supervision over them), each slab's sums are taken on its device and only their totals meet, so the first
+        device never holds the whole patch's logits; other losses see the joined outputs."""
+        if self.mode == "spatial" and getattr(loss_fn, "supports_partial_sums", False):
+            return self._spatial_loss(loss_fn, labels, images, training)
         outputs = self.group_outputs(images, training)
         label_shares = self._split_batch(labels)
         losses = []
@@ -391,7 +404,7 @@ class ModelParallel:
 
     # ------------------------------------------------------------------ spatial
 
-    def _spatial(self, shares, training: bool):
+    def _spatial(self, shares, training: bool, join: bool = True):
         axis = self.axis if self.axis is not None else self.choose_axis(tuple(shares[0].shape[1:4]), None)
         tensor_axis = axis + 1
         length = _static_side(shares[0], tensor_axis)
@@ -407,9 +420,31 @@ class ModelParallel:
         slabs = Slabs(parts, bounds, tensor_axis, self.devices)
         runner = _SpatialRunner(training)
         outputs = self.model._run_through_graph(slabs, operation_fn=runner.operation)
-        return [
-            tf.nest.map_structure(lambda s, g=g: s.join(g, self.devices[g][0]), outputs) for g in range(self.groups)
-        ]
+        if join:
+            return [
+                tf.nest.map_structure(lambda s, g=g: s.join(g, self.devices[g][0]), outputs) for g in range(self.groups)
+            ]
+        return outputs
+
+    def _spatial_loss(self, loss_fn, labels, images, training: bool):
+        """A loss of sums (`loss_fn.partial_sums`) slab by slab on the slabs' devices, its totals on the first device:
+        the whole patch's loss without joining the whole patch's outputs there."""
+        outputs = self._spatial(self._split_batch(images), training, join=False)
+        first = tf.nest.flatten(outputs)[0]
+        losses = []
+        for g, y in enumerate(self._split_batch(labels)):
+            sums = []
+            for i, ((a, b), device) in enumerate(zip(first.bounds, self.devices[g])):
+                with tf.device(device):
+                    part = tf.nest.map_structure(lambda s, g=g, i=i: s.parts[g][i], outputs)
+                    sums.append(loss_fn.partial_sums(tf.identity(_slice_labels(y, first.axis, a, b)), part))
+            with tf.device(self.devices[g][0]):
+                totals = tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)), *sums)
+                losses.append(tf.cast(loss_fn.from_sums(totals), tf.float32))
+        if len(losses) == 1:
+            return losses[0]
+        with tf.device(self.devices[0][0]):
+            return tf.add_n(losses) / len(losses)
 
 
 def _execution_order(model: keras.Model) -> list:
