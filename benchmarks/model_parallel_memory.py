@@ -9,11 +9,12 @@ runs it) for each net, cube patch, mode and device count, and counts each device
 `tfmis.profiling.graph_memory.placed_memory`: the peak of live tensor bytes per device in the graph's op order,
 and the bytes crossing devices. Two placements of the backward pass are counted:
 
-- `tape`: `tf.GradientTape().gradient`, as the trainer takes it. Its backward ops get no device, so TensorFlow
+- `tape`: `tf.GradientTape().gradient`, as a plain Keras step takes it. Its backward ops get no device, so TensorFlow
   runs them all on the default device (/CPU:0, a GPU's /GPU:0): the saved activations of every other device are
   sent there.
 - `colocated`: `tf.gradients`, which in TensorFlow 2 colocates each backward op with its forward op (the same
-  gradient values): each slab's or stage's backward pass on its own device.
+  gradient values): each slab's or stage's backward pass on its own device. The trainer takes model-parallel
+  gradients this way (`ModelParallel.gradients`).
 
 Nets: the demo U-Net (`demo`: 2 channels, 4 classes, filters 8-64, strides (2, 2, 2, 1), transposed-convolution
 output with the image, deep supervision 2, 2 residual units, instance norm) and `large`, a net of roughly the
@@ -492,7 +493,7 @@ def plot(rows, nets, path: Path):
     fig.text(
         0.01,
         0.005,
-        "solid: tape.gradient (the trainer's; backward on device 0), dashed: tf.gradients (backward colocated). "
+        "solid: tape.gradient (backward on device 0), dashed: tf.gradients (backward colocated: the trainer's). "
         "Spatial kinks: unequal slabs (aligned to the strides' product) where the side is not a multiple of it x N.",
         fontsize=7,
     )

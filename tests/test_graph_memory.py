@@ -2,9 +2,9 @@
 
 On one device: small graphs whose peak is worked out by hand here (lifetimes to the last consumer, views that
 allocate nothing). On two logical CPU devices (a fresh process: they must exist before TensorFlow initialises its
-devices): a tensor crossing devices, and the demo U-Net's training step split spatially, with the trainer's
+devices): a tensor crossing devices, and the demo U-Net's training step split spatially, with
 `tape.gradient` (its backward ops get no device, so they run on the default device /CPU:0) and with `tf.gradients`
-(each backward op colocated with its forward op).
+(each backward op colocated with its forward op, as the trainer takes model-parallel gradients).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ excluded) where the allocator's peak rises 95.8 MiB while it runs (96³: 331 aga
   bytes of everything allocated there.
 - `parameter_bytes(variables)`: weights + gradients + Adam's two slots, counted apart from the graph.
 - `step_graph(...)`: the traced graph of one training step (forward, loss, gradient), never run; the gradient by
-  `tape.gradient` as the trainer takes it (TensorFlow runs its backward ops, which get no device, all on the
-  default device) or by `tf.gradients` (each backward op colocated with its forward op).
+  `tape.gradient` (TensorFlow runs its backward ops, which get no device, all on the default device) or by
+  `tf.gradients` (each backward op colocated with its forward op, as the trainer takes model-parallel gradients).
 - `summary(memory)`, `spatial_halo(graph, memory)`: the largest peak and the transfers; the halo exchange of a
   spatially partitioned step.
 
@@ -364,10 +364,10 @@ def step_graph(
         parallel: None for one device (`loss_fn(labels, training_model(images, training=True))`), or a
             `tfmis.networks.parallel.ModelParallel` over `training_model` (`parallel.loss(loss_fn, labels,
             images)`).
-        gradients: "tape": `tf.GradientTape().gradient` outside every `tf.device` scope, as the trainer takes it
+        gradients: "tape": `tf.GradientTape().gradient` outside every `tf.device` scope
             (its backward ops get no device, so TensorFlow runs them all on the default device); "colocated":
             `tf.gradients`, which in TensorFlow 2 colocates each backward op with its forward op (the same
-            values; the backward pass of each slab or stage on its own device).
+            values; the backward pass of each slab or stage on its own device: the trainer's way).
         label_dtype: the labels' dtype.
 
     Returns:
