@@ -203,20 +203,19 @@ def test_the_counted_one_device_peak_is_within_15_percent_of_the_allocators_peak
     assert 0.85 < counted / two_devices["run_peak"] < 1.15, (counted, two_devices["run_peak"])
 
 
-def test_spatial_split_of_the_demo_unet_puts_cpu1_below_0_7x_one_device_cpu0_keeps_the_whole_patch_loss(two_devices):
-    """The demo U-Net at 64^3 over two slabs: /CPU:1's peak is below 0.7x the one-device peak, the largest peak of
-    the two below the one-device peak, but /CPU:0's stays far above /CPU:1's: the outputs are joined there and the
-    loss (softmax, one-hot labels, its gradients) works on the whole patch, so at its peak at least three
-    whole-patch (2, 64, 64, 64, 4) float32 tensors are live. With tape.gradient every backward transfer goes to
-    /CPU:0 (the backward pass runs on the default device); with tf.gradients some go to /CPU:1."""
+def test_spatial_split_of_the_demo_unet_with_the_trainers_gradients_puts_each_device_below_0_75x_one_device(
+    two_devices,
+):
+    """The demo U-Net at 64^3 over two slabs, the loss summed slab by slab: with tf.gradients (the trainer's: each
+    backward op on its forward op's device) each device's peak is below 0.75x the one-device peak and no
+    whole-patch (2, 64, 64, 64, 4) float32 tensor is live at /CPU:0's peak. With tape.gradient every backward op
+    runs on /CPU:0 (the default device), every backward transfer goes there, and its peak is the higher one."""
     whole = 2 * 64**3 * 4 * 4
     one = two_devices["one_device"]
-    for gradients in ("tape", "colocated"):
-        peaks = two_devices[gradients]["peaks"]
-        assert peaks["/CPU:1"] < 0.7 * one, (gradients, peaks, one)
-        assert max(peaks.values()) < one, (gradients, peaks, one)
-        assert peaks["/CPU:0"] - peaks["/CPU:1"] > 3 * whole, (gradients, peaks)
-        assert sum(b >= whole for b in two_devices[gradients]["peak_tensors_0"]) >= 3
+    colocated, tape = two_devices["colocated"]["peaks"], two_devices["tape"]["peaks"]
+    assert max(colocated.values()) < 0.75 * one, (colocated, one)
+    assert not any(b >= whole for b in two_devices["colocated"]["peak_tensors_0"])
+    assert max(tape.values()) < one and tape["/CPU:0"] > colocated["/CPU:0"], (tape, colocated)
     assert two_devices["tape"]["backward_destinations"] == ["/CPU:0"]
     assert "/CPU:1" in two_devices["colocated"]["backward_destinations"]
 
