@@ -12,8 +12,10 @@ printed with the figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
@@ -32,21 +34,15 @@ def main() -> None:
 
     import keras
 
+    from tfmis.config import load_config
     from tfmis.hardware import cpu_name, usable_cpu_count
     from tfmis.losses import DeepSupervisionLoss, build_loss
     from tfmis.networks.parallel import ModelParallel
     from tfmis.networks.unet import UNetConfig
 
     keras.utils.set_random_seed(0)
-    config = UNetConfig(  # configs/demo.yaml's network
-        in_channels=2,
-        num_classes=4,
-        filters=(8, 16, 32, 64),
-        strides=(2, 2, 2, 1),
-        output_upsampling="transposed_image",
-        deep_supervision=2,
-        kernel_initializer="pytorch",
-    )
+    demo = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")  # the demo's network
+    config = UNetConfig(in_channels=2, num_classes=4, **dataclasses.asdict(demo.model))
     _, training_model = config.build_for_training()
     loss_fn = DeepSupervisionLoss(build_loss("dice_ce"), [f for _, f in config.deep_supervision_levels])
     optimizer = keras.optimizers.AdamW(1e-3)

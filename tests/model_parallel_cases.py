@@ -18,34 +18,31 @@ gradient's largest |value|), and the BatchNorm moving statistics after the step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
 
 CASES = sys.argv[2:]
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 DEVICES = 4
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * DEVICES)
 
 import keras  # noqa: E402
 
+from tfmis.config import load_config  # noqa: E402
 from tfmis.losses import DeepSupervisionLoss, build_loss  # noqa: E402
 from tfmis.networks import parallel  # noqa: E402
 from tfmis.networks.unet import UNetConfig  # noqa: E402
 
 NETS = {
+    # configs/demo.yaml's network (strides (2, 2, 2, 1), transposed output with the image, deep supervision 2)
     "demo": (
-        dict(
-            in_channels=2,
-            num_classes=4,
-            filters=(8, 16, 32, 64),
-            strides=(2, 2, 2, 1),
-            output_upsampling="transposed_image",
-            deep_supervision=2,
-            kernel_initializer="pytorch",
-        ),
+        dict(in_channels=2, num_classes=4, **dataclasses.asdict(load_config(DEMO_CONFIG).model)),
         (48, 32, 16),
     ),
     "deep": (
