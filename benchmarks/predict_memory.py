@@ -10,19 +10,26 @@ spacing `--spacing`), then predicts the scan once per setting, each in a fresh s
   `main`), extracted with `git archive` into a temporary folder;
 - `after`: this tree's Predictor (label map only);
 - `after-f16`: the same with float16 sliding-window buffers (`buffer_dtype="float16"`);
-- `after+probs`: this tree's Predictor with the probability maps written (`--probabilities`).
+- `after+probs`: this tree's Predictor with the probability maps written (`--probabilities`);
+- `after+score` / `before+score`: with a label NIfTI of the phantom's organs (uint8, classes 1..K-1), scored as
+  `predict --label-dir` does with the run's default `validation` settings (Dice per class);
+- `after+surface` / `before+surface`: the same scored with `validation.hd95`, `validation.nsd` (tolerance
+  `--nsd-tolerance` mm) and a region uniting all foreground classes, as a challenge config would. The `before+`
+  settings (minutes and GiB more) run only when `--settings` names them.
 
 Each worker builds the Predictor and predicts a small crop of the scan first (tracing, thread pools),
 then reads its resident memory (the baseline: interpreter, TensorFlow, model), resets the kernel's
 high-water mark (`/proc/self/clear_refs`), predicts the scan, and reads `VmHWM` (peak RSS). The table
 gives the peak over the baseline and its ratio to the scan's float32 size (X·Y·Z·4 bytes), the raw
 peak, the seconds of `predict_file` (reading, preprocessing, sliding window, restoring, writing), and
-the fraction of voxels whose label differs from the `before` label map.
+the fraction of voxels whose label differs from the `before` label map. A scored setting also gives the largest
+difference of its scores (Dice, and HD95 / NSD / region Dice when on) from its `before` counterpart's.
 
 Example:
     python benchmarks/predict_memory.py                       # 512x512x600, K=4, 1.5x1.5x2.0 mm
     python benchmarks/predict_memory.py --classes 6 --spacing 0.8,0.8,1.0 --settings before,after
     python benchmarks/predict_memory.py --shape 256,256,200 --json /tmp/predict_memory.json
+    python benchmarks/predict_memory.py --settings after,after+score,after+surface,before+score,before+surface
 """
 
 from __future__ import annotations
@@ -38,7 +45,25 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SETTINGS = ("before", "after", "after-f16", "after+probs")
+SETTINGS = (
+    "before",
+    "after",
+    "after-f16",
+    "after+probs",
+    "after+score",
+    "after+surface",
+    "before+score",
+    "before+surface",
+)
+DEFAULT_SETTINGS = SETTINGS[:6]  # the before+ settings take minutes and GiB more: ask for them with --settings
+# the phantom's organ-like ellipsoids: centre and radii in mm (from the volume's centre), HU, and label in the
+# scored label map (1 + index mod (K - 1))
+ORGANS = [
+    ((-60, -20, 40), (70, 60, 90), 60),  # liver-like
+    ((70, 10, 60), (30, 35, 50), 100),  # spleen-like
+    ((40, 30, -80), (25, 25, 40), 30),  # kidney-like
+    ((-40, 30, -80), (25, 25, 40), 30),
+]
 
 
 def status_kb(field: str) -> int:
@@ -64,35 +89,53 @@ def phantom(shape, spacing, seed: int = 0):
     image = np.empty(shape, np.int16)
     image[...] = plane[:, :, None]
     z = (np.arange(sz, dtype=np.float32) - sz / 2) * spacing[2]
-    for centre, radii, hu in [
-        ((-60, -20, 40), (70, 60, 90), 60),  # liver-like
-        ((70, 10, 60), (30, 35, 50), 100),  # spleen-like
-        ((40, 30, -80), (25, 25, 40), 30),  # kidney-like
-        ((-40, 30, -80), (25, 25, 40), 30),
-    ]:
-        d = (
-            ((x - centre[0]) / radii[0])[:, None, None] ** 2
-            + ((y - centre[1]) / radii[1])[None, :, None] ** 2
-            + ((z - centre[2]) / radii[2])[None, None, :] ** 2
-        )
-        image[d <= 1] = hu
-        del d
+    for centre, radii, hu in ORGANS:
+        image[organ_mask(x, y, z, centre, radii)] = hu
     for k in range(sz):  # noise slice by slice: no whole-volume float temporaries
         image[:, :, k] += rng.integers(-12, 13, (sx, sy), dtype=np.int16)
+    return image, phantom_affine(shape, spacing)
+
+
+def phantom_affine(shape, spacing):
+    """The phantom's affine: LPS voxel order, the volume's centre at the origin."""
+    import numpy as np
+
     affine = np.diag([-spacing[0], -spacing[1], spacing[2], 1.0])
-    affine[:3, 3] = [sx * spacing[0] / 2, sy * spacing[1] / 2, -sz * spacing[2] / 2]
-    return image, affine
+    affine[:3, 3] = [shape[0] * spacing[0] / 2, shape[1] * spacing[1] / 2, -shape[2] * spacing[2] / 2]
+    return affine
+
+
+def organ_mask(x, y, z, centre, radii):
+    """The voxels of one ellipsoid, from the axes' coordinates in mm."""
+    d = (
+        ((x - centre[0]) / radii[0])[:, None, None] ** 2
+        + ((y - centre[1]) / radii[1])[None, :, None] ** 2
+        + ((z - centre[2]) / radii[2])[None, None, :] ** 2
+    )
+    return d <= 1
+
+
+def phantom_label(shape, spacing, classes: int):
+    """The phantom's label map: uint8, each organ ellipsoid labelled 1 + its index mod (classes - 1)."""
+    import numpy as np
+
+    x, y, z = ((np.arange(n, dtype=np.float32) - n / 2) * s for n, s in zip(shape, spacing))
+    label = np.zeros(shape, np.uint8)
+    for i, (centre, radii, _) in enumerate(ORGANS):
+        label[organ_mask(x, y, z, centre, radii)] = 1 + i % (classes - 1)
+    return label
 
 
 def write_scan(path: Path, image, affine) -> None:
-    """NIfTI written uncompressed, then gzipped fast (nibabel's own gzip level is slow at this size)."""
+    """NIfTI written uncompressed, then gzipped fast (nibabel's own gzip level is slow at this size); in the
+    array's dtype (the scan's int16, a label's uint8)."""
     import gzip
     import shutil
 
     import nibabel as nib
 
     img = nib.Nifti1Image(image, affine)
-    img.set_data_dtype("int16")
+    img.set_data_dtype(image.dtype)
     raw = path.with_name(path.name.removesuffix(".gz"))
     nib.save(img, str(raw))
     with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=1) as dst:
@@ -103,7 +146,9 @@ def write_scan(path: Path, image, affine) -> None:
 def make_run(run: Path, classes: int, spacing, roi: int, filters: str) -> None:
     """A run folder (config.yaml, training_data.json, best.weights.h5) with an untrained U-Net."""
     sys.path.insert(0, str(REPO))
-    from tfmis.config import load_config, save_config
+    import yaml
+
+    from tfmis.config import load_config, to_dict
     from tfmis.data.preprocess import PreprocessConfig
     from tfmis.data.records import RUN_DATA_FILE, SCHEMA_VERSION
     from tfmis.task import SegmentationTask
@@ -134,10 +179,26 @@ def make_run(run: Path, classes: int, spacing, roi: int, filters: str) -> None:
             "validation.mode=gaussian",
         ],
     )
-    save_config(config, run / "config.yaml")
+    # only the keys that differ from the defaults: the `before` tree reads the file too, and may predate newer keys
+    (run / "config.yaml").write_text(
+        yaml.safe_dump(changed(to_dict(config), to_dict(load_config(None))), sort_keys=False)
+    )
     task = SegmentationTask(config, data_info=info)
     model = task.build_inference_model()
     model.save_weights(str(run / "best.weights.h5"))
+
+
+def changed(values: dict, defaults: dict) -> dict:
+    """The entries of a nested dict that differ from `defaults`."""
+    out = {}
+    for key, value in values.items():
+        default = defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            if sub := changed(value, default):
+                out[key] = sub
+        elif value != default:
+            out[key] = value
+    return out
 
 
 def worker(args) -> int:
@@ -145,11 +206,20 @@ def worker(args) -> int:
     from tfmis.config import load_config
     from tfmis.inference.predictor import InputCase, Predictor
 
-    config = load_config(str(Path(args.run) / "config.yaml"))
+    surface = [
+        "validation.hd95=true",
+        "validation.nsd=true",
+        f"validation.nsd_tolerance_mm={args.nsd_tolerance}",
+        f"validation.regions={{organs: [{', '.join(map(str, range(1, args.classes)))}]}}",
+    ]
+    config = load_config(str(Path(args.run) / "config.yaml"), surface if args.surface else [])
     options = {"buffer_dtype": "float16"} if args.f16 else {}
     predictor = Predictor(config, args.run, device="cpu", **options)
     out = Path(args.output)
-    predictor.predict_file(InputCase("warmup", args.warmup), out / "warmup", probabilities=args.probabilities)
+    warmup = InputCase("warmup", args.warmup, args.warmup_label if args.label else None)
+    result = predictor.predict_file(warmup, out / "warmup", probabilities=args.probabilities)
+    if result.status != "ok":
+        raise RuntimeError(f"warm-up failed: {result.reason}")
     baseline_kb = status_kb("VmRSS")
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
@@ -157,9 +227,10 @@ def worker(args) -> int:
     except OSError:
         reset = False
     start = time.perf_counter()
-    result = predictor.predict_file(InputCase("scan", args.image), out, probabilities=args.probabilities)
+    result = predictor.predict_file(InputCase("scan", args.image, args.label), out, probabilities=args.probabilities)
     seconds = time.perf_counter() - start
     report = {
+        "scores": {**(result.dice or {}), **(result.scores or {})},
         "status": result.status,
         "reason": result.reason,
         "seconds": seconds,
@@ -192,10 +263,15 @@ def main(argv=None) -> int:
     p.add_argument("--classes", type=int, default=4, help="K, background included")
     p.add_argument("--roi", type=int, default=96, help="sliding window (and patch) size")
     p.add_argument("--filters", default="8,16,32")
-    p.add_argument("--settings", default=",".join(SETTINGS), help=f"some of {','.join(SETTINGS)}")
+    p.add_argument(
+        "--settings",
+        default=",".join(DEFAULT_SETTINGS),
+        help=f"some of {','.join(SETTINGS)} (default {','.join(DEFAULT_SETTINGS)})",
+    )
     p.add_argument("--before-rev", default=None, help="commit of `before` (default: git merge-base HEAD main)")
     p.add_argument("--workdir", default=None, help="keep the scan, run and outputs here (default: a temp folder)")
     p.add_argument("--json", default=None, help="also write the rows as JSON")
+    p.add_argument("--nsd-tolerance", type=float, default=2.0, help="NSD tolerance (mm) of the +surface settings")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--image", help=argparse.SUPPRESS)
@@ -204,6 +280,9 @@ def main(argv=None) -> int:
     p.add_argument("--report", help=argparse.SUPPRESS)
     p.add_argument("--probabilities", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--f16", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--label", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--warmup-label", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--surface", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -221,11 +300,20 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     scan = work / f"ct_{'x'.join(map(str, shape))}.nii.gz"
     warmup = work / "warmup.nii.gz"
+    label = work / f"label_{'x'.join(map(str, shape))}_k{args.classes}.nii.gz"
+    warmup_label = work / f"warmup_label_k{args.classes}.nii.gz"
+    crop = tuple(slice(int(a * n), int(a * n) + 80) for a, n in zip((160 / 512, 160 / 512, 1 / 3), shape))
     if not scan.is_file():
         image, affine = phantom(shape, scan_spacing)
-        write_scan(warmup, np.ascontiguousarray(image[160:240, 160:240, 200:280]), affine)
+        write_scan(warmup, np.ascontiguousarray(image[crop]), affine)
         write_scan(scan, image, affine)
         del image
+    if not label.is_file() and any("score" in s or "surface" in s for s in settings):
+        affine = phantom_affine(shape, scan_spacing)
+        labels = phantom_label(shape, scan_spacing, args.classes)
+        write_scan(warmup_label, np.ascontiguousarray(labels[crop]), affine)
+        write_scan(label, labels, affine)
+        del labels
     run = work / f"run_k{args.classes}_{'x'.join(map(str, spacing))}"
     if not (run / "best.weights.h5").is_file():
         subprocess.run(
@@ -253,12 +341,13 @@ def main(argv=None) -> int:
     scan_mb = np.prod(shape) * 4 / 2**20
     rows = []
     with tempfile.TemporaryDirectory(prefix="predict_memory_before_") as before_tree:
-        if "before" in settings:
+        if any(s.startswith("before") for s in settings):
             extract_tree(rev, Path(before_tree))
         for setting in settings:
             out = work / f"out_{setting}"
             report = work / f"report_{setting}.json"
-            tree = before_tree if setting == "before" else str(REPO)
+            tree = before_tree if setting.startswith("before") else str(REPO)
+            scored = "score" in setting or "surface" in setting
             command = [
                 sys.executable,
                 __file__,
@@ -275,6 +364,8 @@ def main(argv=None) -> int:
                 str(report),
                 *(["--probabilities"] if setting == "after+probs" else []),
                 *(["--f16"] if setting == "after-f16" else []),
+                *(["--label", str(label), "--warmup-label", str(warmup_label)] if scored else []),
+                *(["--surface", "--nsd-tolerance", str(args.nsd_tolerance)] if "surface" in setting else []),
             ]
             env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
             done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True)
@@ -294,23 +385,43 @@ def main(argv=None) -> int:
         for row in rows:
             labels = np.asanyarray(nib.load(str(work / f"out_{row['setting']}" / "scan.nii.gz")).dataobj)
             row["labels_differ"] = float(np.mean(labels != ref))
+    by_setting = {r["setting"]: r for r in rows}
+    for row in rows:
+        before = by_setting.get(row["setting"].replace("after", "before"))
+        if row["setting"].startswith("after+") and before is not None and row["scores"]:
+            row["scores_differ"] = max(score_difference(a, before["scores"].get(k)) for k, a in row["scores"].items())
     print(
         f"scan {'x'.join(map(str, shape))} int16 ({scan_spacing} mm; float32 {scan_mb:.0f} MiB), K={args.classes}, "
         f"training spacing {spacing} mm, roi {args.roi}, before = {rev[:10]}"
     )
     print(
-        f"{'setting':<12} {'seconds':>8} {'baseline MiB':>12} {'peak MiB':>9} {'over base':>9} "
-        f"{'x scan f32':>10} {'labels differ':>13}"
+        f"{'setting':<14} {'seconds':>8} {'baseline MiB':>12} {'peak MiB':>9} {'over base':>9} "
+        f"{'x scan f32':>10} {'labels differ':>13} {'scores differ':>13}"
     )
     for r in rows:
         differ = f"{r['labels_differ']:.2e}" if "labels_differ" in r else "-"
+        scores = f"{r['scores_differ']:.1e}" if "scores_differ" in r else "-"
         print(
-            f"{r['setting']:<12} {r['seconds']:8.1f} {r['baseline_mb']:12.0f} {r['peak_mb']:9.0f} "
-            f"{r['over_baseline_mb']:9.0f} {r['ratio']:10.2f} {differ:>13}"
+            f"{r['setting']:<14} {r['seconds']:8.1f} {r['baseline_mb']:12.0f} {r['peak_mb']:9.0f} "
+            f"{r['over_baseline_mb']:9.0f} {r['ratio']:10.2f} {differ:>13} {scores:>13}"
         )
+    for r in rows:
+        if r["scores"]:
+            print(f"{r['setting']}: " + ", ".join(f"{k} {v:.4f}" for k, v in r["scores"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": shape, "classes": args.classes, "rows": rows}, indent=1))
     return 0
+
+
+def score_difference(a, b) -> float:
+    """|a - b|, 0 when both are NaN or the same infinity, inf when only one is a number."""
+    import math
+
+    if b is None:
+        return math.inf
+    if (math.isnan(a) and math.isnan(b)) or a == b:
+        return 0.0
+    return abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
 
 
 def parse_run(argv):

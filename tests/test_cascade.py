@@ -4,6 +4,7 @@ order with --resume per stage, and prediction through the cascade."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import subprocess
 import sys
@@ -131,7 +132,27 @@ def test_labels_filling_the_image_keep_full_resolution():
     fp = fingerprint([0.8, 0.8, 2.5], [480, 360, 240], [5e7, 2e5, 2e3], [384, 288, 600])
     staged = plan_stages(fp, CPU)
     assert staged.configuration == "fullres"
-    assert "a coarse stage cannot narrow the region" in staged.decision[-1]
+    assert "a coarse stage cannot narrow them" in staged.decision[-1]
+
+
+def test_far_apart_structures_get_a_cascade_when_their_regions_are_small_though_their_box_is_large():
+    """Two small structures at opposite ends of the scan: the labels' single box + 20 mm fills the image (full
+    resolution without label pieces, as before), but a box per piece is a few percent of it, so with the
+    fingerprint's label pieces the plan is a cascade and says why."""
+    one_box = fingerprint([0.8, 0.8, 2.5], [480, 360, 240], [5e7, 2e5, 2e3], [384, 288, 600])
+    assert plan_stages(one_box, CPU).configuration == "fullres"
+    cell = [4.0, 4.0, 5.0]
+    pieces = {
+        "cell_mm": cell,
+        "shape": [96, 72, 120],
+        "pieces": [[[5, 5, 2], [15, 15, 10]], [[80, 60, 110], [90, 70, 118]]],
+    }
+    far = dataclasses.replace(one_box, label_pieces=[pieces] * one_box.num_cases)
+    staged = plan_stages(far, CPU, output_dir="runs/far")
+    assert staged.configuration == "cascade"
+    assert any("regions (a box per connected piece" in line and "median 2 per case" in line for line in staged.decision)
+    fine = staged.stages[-1][1]
+    assert fine.summary["regions"]["per_case"] == [2] * one_box.num_cases
 
 
 def test_stages_file_round_trip_and_clear_errors(tmp_path):
@@ -225,9 +246,11 @@ def test_train_source_dir_trains_each_stage_into_its_run_folder_and_resume_skips
 
 
 @pytest.mark.slow
-def test_predict_through_the_cascade_writes_labels_only_inside_the_region(cascade_run):
+def test_predict_through_the_cascade_writes_the_input_geometry_and_reports_the_regions(cascade_run):
     """`predict --checkpoint <cascade folder>` runs the coarse stage on the whole scan and the fine stage on the
-    box it finds: the label map has the input's geometry, nothing outside the box, and the region is reported."""
+    regions it finds: the label map has the input's geometry and each case's regions (or the whole-scan fallback)
+    are in predictions.csv. What lies inside and outside the regions is checked in test_cascade_regions.py, with
+    stages whose output is known."""
     root, _, _ = cascade_run
     out = root / "pred"
     done = _run(
@@ -251,7 +274,7 @@ def test_predict_through_the_cascade_writes_labels_only_inside_the_region(cascad
     rows = list(csv.DictReader((out / "predictions.csv").open()))
     assert len(rows) == 6
     for row in rows:
-        assert row["region"].startswith(("box ", "whole scan"))
+        assert " region" in row["region"] or row["region"] == "whole scan (the coarse stage found nothing)", row
         image = nib.load(str(root / "ct" / "imagesTr" / f"{row['case']}.nii.gz"))
         labels = nib.load(str(out / f"{row['case']}.nii.gz"))
         assert labels.shape == image.shape
@@ -263,7 +286,7 @@ def test_fine_classes_come_from_the_fine_stage_and_the_rest_from_the_coarse_stag
     """With `cascade.fine_classes`, the cascade's label map is the coarse stage's wherever neither stage says a
     fine class, and a fine class appears only inside the fine stage's box, which holds the coarse stage's
     foreground (found on its own grid) and the margin."""
-    from tfmis.inference.cascade import make_predictor, region_of_interest
+    from tfmis.inference.cascade import make_predictor, regions_of_interest
 
     root, _, _ = cascade_run
     config = load_config(root / "run" / "fullres" / "config.yaml")
@@ -275,10 +298,11 @@ def test_fine_classes_come_from_the_fine_stage_and_the_rest_from_the_coarse_stag
     coarse = predictor.coarse.predict_array(image, img.affine, probabilities=False)[0]
     keep = (labels != 2) & (coarse != 2)
     np.testing.assert_array_equal(labels[keep], coarse[keep])
-    box = predictor.last_box
-    assert box is not None, "the coarse stage found nothing on a training case"
+    boxes = predictor.last_boxes
+    assert boxes, "the coarse stage found nothing on a training case"
     outside = np.ones(labels.shape, bool)
-    outside[box] = False
+    for box in boxes:
+        outside[box] = False
     assert not (labels[outside] == 2).any()
-    tight = region_of_interest(coarse > 0, img.affine, config.cascade.margin_mm / 2)
-    assert all(b.start <= t.start and t.stop <= b.stop for b, t in zip(box, tight)), (box, tight)
+    for tight in regions_of_interest(coarse > 0, img.affine, config.cascade.margin_mm / 2):
+        assert any(all(b.start <= t.start and t.stop <= b.stop for b, t in zip(box, tight)) for box in boxes), tight

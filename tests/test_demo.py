@@ -273,6 +273,95 @@ def test_ct_command_line_full_size(tmp_path):
     assert nib.load(str(out / "imagesTr" / "ct_000.nii.gz")).shape[:2] == (48, 48)
 
 
+def _world_centroid_mm(mask: np.ndarray, affine: np.ndarray) -> np.ndarray:
+    """The centroid of `mask` in world (RAS+) millimetres."""
+    return nib.affines.apply_affine(affine, np.argwhere(mask).mean(axis=0))
+
+
+def test_ct_far_anatomy_puts_the_bladder_far_below_the_liver_and_the_lesion_inside_the_left_kidney(tmp_path):
+    """anatomy="far" (read back through nibabel): labels 0-6 all present (6 bladder, in dataset.json too); the
+    bladder's centroid >= 200 world mm below the liver's; the lesion is one piece whose every face neighbour
+    is the left kidney (the kidney piece on the patient's left); lung HU in the top slice; and the foreground's
+    z extent spans most (> 60 %) of the scan. World mm come from the affine, so the check holds at any
+    `in_plane` (128 here: ~3 mm pixels, 5 mm slices for the ~560 mm scan)."""
+    from scipy import ndimage
+
+    from tfmis.data import demo_ct
+
+    root = demo_ct.make_ct_dataset(
+        tmp_path / "far", num_cases=2, num_test=0, size="full", slices=(112, 124), in_plane=128, anatomy="far"
+    )
+    meta = json.loads((root / "dataset.json").read_text())
+    assert meta["labels"] == demo_ct.FAR_LABELS and meta["labels"]["6"] == "bladder"
+    assert meta["description"] == demo_ct.FAR_DESCRIPTION
+    for i in range(2):
+        img = nib.load(str(root / "imagesTr" / f"ct_{i:03d}.nii.gz"))
+        label = np.asanyarray(nib.load(str(root / "labelsTr" / f"ct_{i:03d}.nii.gz")).dataobj)
+        image, affine = np.asanyarray(img.dataobj), img.affine
+        assert image.dtype == np.int16 and nib.aff2axcodes(affine) == ("L", "P", "S")
+        assert set(np.unique(label).tolist()) == set(range(7))
+        assert 0 <= np.median(image[label == 6]) <= 30, "fluid-filled bladder"
+        # far apart along z (S is the third world axis; the voxel z axis runs inferior to superior)
+        liver_z, bladder_z = _world_centroid_mm(label == 1, affine)[2], _world_centroid_mm(label == 6, affine)[2]
+        assert liver_z - bladder_z >= 200, (liver_z, bladder_z)
+        assert np.count_nonzero(np.abs(image[:, :, -1] - demo_ct.FULL_HU["lung"]) < 50) > 500, "lung bases on top"
+        slices_with_foreground = np.flatnonzero(label.any(axis=(0, 1)))
+        assert slices_with_foreground[-1] - slices_with_foreground[0] + 1 > 0.6 * label.shape[2]
+        # the lesion: one small piece, every face neighbour in the left kidney
+        lesion = label == 5
+        assert ndimage.label(lesion)[1] == 1
+        kidneys, count = ndimage.label(label == 3)
+        assert count == 2
+        left = 1 + int(np.argmin([_world_centroid_mm(kidneys == k, affine)[0] for k in (1, 2)]))  # RAS x < 0: left
+        ring = ndimage.binary_dilation(lesion) & ~lesion
+        assert np.all(kidneys[ring] == left)
+        assert np.count_nonzero(lesion) < 0.2 * np.count_nonzero(kidneys == left)
+
+
+def test_ct_far_anatomy_option_leaves_the_default_cases_bit_identical():
+    """Omitting `anatomy` gives the same arrays as anatomy="abdomen", and those match sha256 digests recorded
+    before the option existed; no label above 5 (lesion) in them, and anatomy="far" does change the case."""
+    import hashlib
+
+    from tfmis.data import demo_ct
+
+    image, label, affine = demo_ct.generate_full_case(1, 3, (20, 30), 64)
+    explicit = demo_ct.generate_full_case(1, 3, (20, 30), 64, anatomy="abdomen")
+    assert all(np.array_equal(a, b) for a, b in zip((image, label, affine), explicit))
+    assert hashlib.sha256(image.tobytes()).hexdigest() == (
+        "93d3ceb2ccef38dbd16c5e4e53c961578c68a8214c8c41c40281b6638d14e78c"
+    )
+    assert hashlib.sha256(label.tobytes()).hexdigest() == (
+        "86b0e7fe44ca8c4bb22f103158868a9907c182f24c779ad1f09841b881dbff73"
+    )
+    assert label.max() <= 5
+    far_image = demo_ct.generate_full_case(1, 3, (20, 30), 64, anatomy="far")[0]
+    assert far_image.shape != image.shape or not np.array_equal(far_image, image)
+
+
+def test_ct_command_line_far_anatomy(tmp_path, monkeypatch, capsys):
+    """`--anatomy far` writes data/Task92_DemoCTFar (the default name) with the bladder label; `--help` lists the
+    option; `--anatomy far` without `--size full` and an unknown anatomy are refused (CLI and Python API)."""
+    from tfmis.data import demo_ct
+
+    with pytest.raises(SystemExit) as exit_help:
+        demo_ct.main(["--help"])
+    assert exit_help.value.code == 0 and "--anatomy {abdomen,far}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_small:
+        demo_ct.main(["--anatomy", "far"])
+    assert exit_small.value.code == 2 and "--anatomy far needs --size full" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs size='full'"):
+        demo_ct.make_ct_dataset(tmp_path / "never", anatomy="far")
+    with pytest.raises(ValueError, match="anatomy must be one of"):
+        demo_ct.generate_full_case(0, anatomy="pelvis")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--size", "full", "--anatomy", "far", "--cases", "1", "--test-cases", "0", "--slices", "112,112"]
+    assert demo_ct.main([*argv, "--in-plane", "48"]) == 0
+    root = tmp_path / "data" / demo_ct.FAR_DATASET_NAME
+    assert json.loads((root / "dataset.json").read_text())["labels"]["6"] == "bladder"
+    assert 6 in np.unique(np.asanyarray(nib.load(str(root / "labelsTr" / "ct_000.nii.gz")).dataobj))
+
+
 # ------------------------------------------------------------------ the demo recipe and the MONAI comparison
 
 REPO = Path(__file__).resolve().parents[1]

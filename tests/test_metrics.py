@@ -13,7 +13,7 @@ from scipy import ndimage
 from scipy.spatial.distance import cdist
 
 from tfmis.metrics import SegmentationMetrics, dice_per_class, hausdorff_distance_95, mean_dice
-from tfmis.metrics.segmentation import surface_distance_percentile
+from tfmis.metrics.surface import surface_distance_percentile
 
 nan = float("nan")
 
@@ -692,3 +692,182 @@ def test_workers_tables_summed_give_the_cases_of_one_accumulator():
     np.testing.assert_allclose(
         [c["nsd_per_region"] for c in merged.per_case], [c["nsd_per_region"] for c in one.per_case]
     )
+
+
+# ---------------------------------------------------------------- bounded memory: label types, boxes, one distance pair
+
+
+def uncropped_surface_distances(prediction, target, spacing):
+    """The reference computation written out on the whole volume, without any crop: surfaces by erosion (the
+    volume's border counts as outside), scipy's distance transform (with distances) of the whole volume, read at
+    the other mask's surface voxels."""
+    prediction_surface = prediction & ~ndimage.binary_erosion(prediction)
+    target_surface = target & ~ndimage.binary_erosion(target)
+    return (
+        ndimage.distance_transform_edt(~target_surface, sampling=spacing)[prediction_surface],
+        ndimage.distance_transform_edt(~prediction_surface, sampling=spacing)[target_surface],
+    )
+
+
+def small_structures_in_a_large_volume(rng, shape=(70, 40, 36)):
+    """Label maps (classes 0..3) whose structures fill a small part of a volume longer than two slabs along the
+    first axis: class 1 blobs against the volume's border (x = 0 and the last y), class 2 blobs in the middle with
+    a displaced prediction, class 3 in opposite corners of the label and the prediction (boxes far apart)."""
+    target, prediction = np.zeros(shape, np.uint8), np.zeros(shape, np.uint8)
+    corner = (slice(0, 12), slice(shape[1] - 10, shape[1]), slice(4, 16))
+    blob = ndimage.gaussian_filter(rng.normal(size=(12, 10, 12)), 1.5)
+    target[corner] = np.where(blob > 0.0, 1, 0)
+    prediction[corner] = np.where(ndimage.shift(blob, (1, 0, -1), order=0) > 0.02, 1, 0)
+    middle = (slice(30, 44), slice(14, 26), slice(12, 24))
+    blob = ndimage.gaussian_filter(rng.normal(size=(14, 12, 12)), 1.5)
+    target[middle] = np.where(blob > 0.0, 2, target[middle])
+    prediction[middle] = np.where(np.roll(blob, 2, axis=0) > -0.02, 2, prediction[middle])
+    target[60:66, 2:7, 28:33] = 3
+    prediction[3:7, 30:35, 1:5] = 3
+    return prediction, target
+
+
+def test_distances_to_surface_are_scipys_distances_at_the_points():
+    """`distances_to_surface` keeps only the feature transform and computes distances at the points, a few slices at
+    a time: the very numbers of scipy's distance transform (with distances) read at those points, bit for bit, with
+    anisotropic spacing and points spread over several query slabs."""
+    from tfmis.metrics.surface import QUERY_SLICES, distances_to_surface
+
+    rng = np.random.default_rng(11)
+    for spacing in [(0.8, 0.8, 2.5), (1.3, 0.7, 0.9)]:
+        field = ndimage.gaussian_filter(rng.normal(size=(3 * QUERY_SLICES + 5, 17, 13)), 2.0)
+        features, points = field > 0.05, field < -0.05
+        expected = ndimage.distance_transform_edt(~features, sampling=spacing)[points]
+        actual = distances_to_surface(points, features, spacing)
+        assert actual.dtype == np.float64 and actual.size == points.sum() > 1000
+        np.testing.assert_array_equal(actual, expected)
+
+
+def test_surface_distances_in_the_union_box_equal_the_uncropped_distance_transform():
+    """Every surface voxel lies in the bounding box of both masks, so distances computed in that box (padded by one
+    voxel) are the whole volume's: structures against the volume's border, displaced, and far apart."""
+    from tfmis.metrics import surface, surface_distances
+    from tfmis.metrics.surface import off_surface
+
+    rng = np.random.default_rng(12)
+    spacing = (0.9, 1.4, 2.2)
+    for _ in range(3):
+        prediction, target = small_structures_in_a_large_volume(rng)
+        assert np.array_equal(off_surface(target == 2), ~surface(target == 2))
+        for c in (1, 2, 3):
+            expected = uncropped_surface_distances(prediction == c, target == c, spacing)
+            actual = surface_distances(prediction == c, target == c, spacing)
+            for a, e in zip(actual, expected):
+                assert a.size == e.size > 0
+                np.testing.assert_allclose(a, e, rtol=1e-12, atol=0)
+
+
+def test_hd95_and_nsd_come_from_one_distance_pair_and_equal_the_reference_formulas(monkeypatch):
+    """`surface_scores` gives `surface_distance_percentile` and `surface_dice` (and the brute-force formulas) from one
+    pair of distances, with MONAI's empty-mask values; the accumulator with HD95 and NSD runs one distance
+    transform per direction per structure present in both maps (two per structure, where HD95 and NSD took two
+    each before)."""
+    import importlib
+
+    from tfmis.metrics import surface_dice, surface_scores
+
+    surface_module = importlib.import_module("tfmis.metrics.surface")  # the package's `surface` is the function
+
+    rng = np.random.default_rng(13)
+    spacing = (0.9, 1.4, 2.2)
+    prediction, target = small_structures_in_a_large_volume(rng)
+    for c in (1, 2, 3):
+        p, t = prediction == c, target == c
+        hd95, nsd = surface_scores(p, t, spacing, 95.0, 2.0)
+        assert hd95 == surface_distance_percentile(p, t, spacing) == pytest.approx(brute_force_hd95(p, t, spacing))
+        assert nsd == surface_dice(p, t, 2.0, spacing) == pytest.approx(brute_force_nsd(p, t, 2.0, spacing))
+        assert surface_scores(p, t, spacing, None, 2.0) == (None, nsd)
+        assert surface_scores(p, t, spacing, 95.0, None) == (hd95, None)
+    empty = np.zeros_like(prediction, bool)
+    assert surface_scores(prediction == 1, empty, spacing, 95.0, 1.0) == (math.inf, 0.0)
+    assert all(math.isnan(v) for v in surface_scores(empty, empty, spacing, 95.0, 1.0))
+
+    calls = []
+    edt = ndimage.distance_transform_edt
+    monkeypatch.setattr(
+        surface_module.ndimage, "distance_transform_edt", lambda *a, **k: calls.append(1) or edt(*a, **k)
+    )
+    prediction[prediction == 3] = 0  # class 3 missed: HD95 inf, NSD 0, no distance transform
+    metrics = SegmentationMetrics(4, hd95=True, nsd=True, nsd_tolerance_mm=2.0, regions={"one_two": [1, 2]})
+    entry = metrics.update(prediction, target, spacing=spacing)
+    assert len(calls) == 2 * 3  # classes 1, 2 and the region
+    assert entry["hd95_per_class"][2] == math.inf and entry["nsd_per_class"][2] == 0.0
+    union_p, union_t = np.isin(prediction, [1, 2]), np.isin(target, [1, 2])
+    assert entry["nsd_per_region"][0] == pytest.approx(brute_force_nsd(union_p, union_t, 2.0, spacing))
+    assert entry["hd95_per_region"][0] == pytest.approx(brute_force_hd95(union_p, union_t, spacing))
+
+
+def test_accumulator_on_small_structures_in_a_large_volume_equals_the_reference_formulas():
+    """Counts slab by slab (70 slices: three slabs) and each structure's masks inside its box only give Dice equal to
+    MONAI's per-channel formula (to the last bit), HD95 and NSD equal to the brute-force formulas over listed surface
+    voxels, with structures against the volume's border and structures whose boxes are far apart; maps stored as
+    uint8, uint16, int64 and float64, or in Fortran order, give the same numbers to the last bit."""
+    from tfmis.metrics.segmentation import SLAB_SLICES
+
+    rng = np.random.default_rng(14)
+    spacing = (0.9, 1.4, 2.2)
+    tolerances = [1.0, 2.0, 1.5]
+    regions = {"one_two": [1, 2], "all": [1, 2, 3]}
+    prediction, target = small_structures_in_a_large_volume(rng)
+    assert prediction.shape[0] > 2 * SLAB_SLICES
+    reference = None
+    for p, t in [
+        (prediction, target),
+        (prediction.astype(np.uint16), target.astype(np.uint16)),
+        (prediction.astype(np.int64), target.astype(np.float64)),
+        (np.asfortranarray(prediction), np.asfortranarray(target)),
+    ]:
+        metrics = SegmentationMetrics(4, hd95=True, regions=regions, nsd=True, nsd_tolerance_mm=tolerances)
+        entry = metrics.update(p, t, spacing=spacing)
+        if reference is None:
+            reference = entry
+            for i, c in enumerate((1, 2, 3)):
+                assert entry["dice_per_class"][i] == monai_compute_channel(prediction == c, target == c)
+                assert entry["hd95_per_class"][i] == pytest.approx(
+                    brute_force_hd95(prediction == c, target == c, spacing), rel=1e-12
+                )
+                assert entry["nsd_per_class"][i] == pytest.approx(
+                    brute_force_nsd(prediction == c, target == c, tolerances[i], spacing), rel=1e-12
+                )
+            for i, (labels, tolerance) in enumerate(zip(regions.values(), [1.0, 1.0])):
+                p_union, t_union = np.isin(prediction, labels), np.isin(target, labels)
+                assert entry["dice_per_region"][i] == union_dice_by_hand(prediction, target, labels)
+                assert entry["hd95_per_region"][i] == pytest.approx(brute_force_hd95(p_union, t_union, spacing))
+                assert entry["nsd_per_region"][i] == pytest.approx(
+                    brute_force_nsd(p_union, t_union, tolerance, spacing)
+                )
+        else:
+            assert list(entry) == list(reference)
+            for key in entry:
+                np.testing.assert_array_equal(np.asarray(entry[key], float), np.asarray(reference[key], float), key)
+
+
+def test_label_maps_are_kept_as_stored_or_cast_to_the_smallest_unsigned_type():
+    """uint8 and uint16 maps are scored without a copy (booleans as a uint8 view); other integer maps and integral
+    float maps become uint8 (uint16 beyond 256 classes) with the same labels; the errors are unchanged."""
+    from tfmis.metrics.segmentation import _label_maps
+
+    labels = np.arange(24).reshape(2, 3, 4) % 3
+    for stored in (np.uint8, np.uint16):
+        array = labels.astype(stored)
+        kept, _ = _label_maps(array, array, 3)
+        assert kept is array
+    mask = labels > 0
+    viewed, _ = _label_maps(mask, mask, 2)
+    assert viewed.dtype == np.uint8 and np.shares_memory(viewed, mask)
+    for stored in (np.int64, np.int16, np.float64, np.float32, np.uint32):
+        cast, _ = _label_maps(labels.astype(stored), labels, 3)
+        assert cast.dtype == np.uint8 and np.array_equal(cast, labels)
+    wide, _ = _label_maps(labels.astype(np.int32) * 100, labels, 300)
+    assert wide.dtype == np.uint16 and np.array_equal(wide, labels * 100)
+    with pytest.raises(ValueError, match=r"target labels must lie in \[0, 3\), got \[0, 5\]"):
+        _label_maps(labels, labels + 3 * (labels == 2), 3)
+    with pytest.raises(ValueError, match=r"prediction labels must lie in \[0, 3\), got \[-1, 2\]"):
+        _label_maps(labels - (labels == 0), labels, 3)
+    with pytest.raises(ValueError, match="target must hold integer class labels"):
+        _label_maps(labels, np.where(labels == 1, np.nan, labels), 3)

@@ -469,6 +469,115 @@ def test_validation_reports_region_and_nsd_metrics_in_history(converted_dataset,
     assert validation["dice_lesion"] == pytest.approx(record["val_dice_lesion"])  # best = last (one epoch)
 
 
+NSD_OVERRIDES = ["validation.hd95=true", "validation.nsd=true", "validation.nsd_tolerance_mm=[1.5, 2.0]"]
+
+
+def test_read_label_map_gives_the_rounded_labels_as_uint8_from_real_nifti_files(tmp_path):
+    """Scoring reads a label NIfTI slab by slab (70 slices along the file's last axis: three slabs) into uint8
+    (uint16 beyond 256 classes): from .nii.gz and .nii, float32 near integers, big-endian int16 and int16 with a
+    scale factor, the values equal what scoring read before (`np.rint` of nibabel's whole array, then integers);
+    a value that is no class (too large, NaN) is a ValueError, a shape other than the image's a CaseError."""
+    from tfmis.data.msd import CaseError
+    from tfmis.inference.predictor import LABEL_SLAB_SLICES, read_label_map
+
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, (9, 11, 70)).astype(np.uint8)
+    assert labels.shape[-1] > 2 * LABEL_SLAB_SLICES
+    affine = lps_affine()
+    scaled = nib.Nifti1Image(labels.astype(np.int16) * 2, affine)  # stored 0, 2, 4 with scl_slope 0.5
+    scaled.header.set_slope_inter(0.5, 0.0)
+    nib.save(scaled, str(tmp_path / "scaled.nii.gz"))
+    files = [
+        write_nifti(tmp_path / "uint8.nii.gz", labels, affine),
+        write_nifti(tmp_path / "uint8.nii", labels, affine),
+        write_nifti(tmp_path / "float32.nii.gz", labels + rng.uniform(-0.2, 0.2, labels.shape), affine, np.float32),
+        write_nifti(tmp_path / "int16_big_endian.nii.gz", labels, affine, ">i2"),
+        tmp_path / "scaled.nii.gz",
+    ]
+    for path in files:
+        before = np.rint(np.asanyarray(nib.load(str(path)).dataobj)).astype(np.int64)
+        read = read_label_map(path, 3, "case", labels.shape)
+        assert read.dtype == np.uint8 and read.shape == labels.shape, path.name
+        np.testing.assert_array_equal(read, before, err_msg=path.name)
+        np.testing.assert_array_equal(read, labels, err_msg=path.name)
+    many = write_nifti(tmp_path / "many.nii.gz", labels.astype(np.uint16) * 150, affine)
+    read = read_label_map(many, 301)
+    assert read.dtype == np.uint16 and np.array_equal(read, labels.astype(np.uint16) * 150)
+    with pytest.raises(ValueError, match=r"outside the classes 0\.\.1 \(in \[0, 2\]"):
+        read_label_map(files[0], 2)
+    holes = labels.astype(np.float32)
+    holes[4, 5, 66] = np.nan
+    with pytest.raises(ValueError, match="outside the classes 0..2"):
+        read_label_map(write_nifti(tmp_path / "nan.nii.gz", holes, affine), 3)
+    with pytest.raises(CaseError, match="has shape"):
+        read_label_map(files[0], 3, "case", (9, 11, 69))
+
+
+def test_validation_nsd_equals_predict_nsd_when_the_preprocessed_grid_is_the_original_grid(trained_run, tmp_path):
+    """The test dataset is stored at the training spacing (1.5 x 1.5 x 2 mm, its median): preprocessing only crops
+    to the foreground and reorients, which changes no distance between surfaces. So validation's HD95 and NSD
+    (Trainer.evaluate: the preprocessed grid and spacing) equal predict's (the original grid and the file's
+    spacing), per class averaged over the same cases."""
+    from tfmis.config import load_config
+
+    overrides = [f"output.dir={tmp_path / 'run'}", *NSD_OVERRIDES]
+    config = load_config(trained_run["dir"] / "config.yaml", overrides)
+    trainer = Trainer(config)
+    trainer.model.load_weights(str(trained_run["dir"] / "best.weights.h5"))
+    validation = trainer.evaluate(build_val_dataset(config))
+    predictor = Predictor(config, trained_run["dir"])
+    cases = collect_inputs(trained_run["source"] / "dataset.json", "split:val", index=predictor.index)
+    results = [predictor.predict_file(c, tmp_path / "out") for c in cases]
+    assert len(results) == 2 and all(r.status == "ok" for r in results)
+    for k, name in enumerate(predictor.class_names[1:]):
+        for metric in ("nsd", "hd95"):
+            per_case = [r.scores[f"{metric}_{name}"] for r in results]
+            assert np.nanmean(per_case) == pytest.approx(validation[f"{metric}_per_class"][k], rel=1e-12), name
+    assert 0 < validation["mean_nsd"] < 1  # a partly right prediction: a real comparison
+
+
+def test_on_a_resampled_case_validation_and_predict_nsd_are_different_definitions(trained_run, tmp_path):
+    """A scan finer than the training grid (1.0 x 1.2 x 1.5 mm against 1.5 x 1.5 x 2 mm): validation scores the
+    prediction on the preprocessed grid against the label resampled as the training data is, with the preprocessed
+    spacing (the `SegmentationMetrics.update` call of Trainer.evaluate); predict scores the restored prediction
+    against the label as stored, with the file's spacing. Each equals the brute-force NSD on its own grid, and the
+    two differ: docs/training.md calls the first "NSD on the preprocessed grid", docs/predicting.md the second
+    "NSD on the original grid"."""
+    from scipy import ndimage
+    from test_metrics import brute_force_nsd
+
+    from tfmis.config import load_config
+    from tfmis.data.preprocess import preprocess
+
+    config = load_config(trained_run["dir"] / "config.yaml", NSD_OVERRIDES)
+    image, affine = resampled_case(trained_run)
+    stored = np.asanyarray(nib.load(str(trained_run["source"] / "labelsTr" / "case_000.nii.gz")).dataobj)
+    zoom = [n / s for n, s in zip(image.shape[:3], stored.shape)]
+    label = ndimage.zoom(stored, zoom, order=0)
+    write_nifti(tmp_path / "in" / "fine.nii.gz", image, affine)
+    write_nifti(tmp_path / "labels" / "fine.nii.gz", label, affine, np.uint8)
+    predictor = Predictor(config, trained_run["dir"])
+    case = InputCase("fine", str(tmp_path / "in" / "fine.nii.gz"), str(tmp_path / "labels" / "fine.nii.gz"))
+    result = predictor.predict_file(case, tmp_path / "out")
+    assert result.status == "ok"
+    written = np.asanyarray(nib.load(str(tmp_path / "out" / "fine.nii.gz")).dataobj)
+
+    _, grid_label, geometry = preprocess(image, label, affine, predictor.preprocessing)
+    grid_prediction = predictor.grid_prediction(image, affine).grid_labels()
+    assert grid_prediction.shape == grid_label.shape != written.shape
+    validation = predictor.task.build_metrics().update(grid_prediction, grid_label, spacing=geometry.spacing)
+
+    tolerances = {"organ": 1.5, "core": 2.0}
+    differences = []
+    for c, (name, tolerance) in enumerate(tolerances.items(), start=1):
+        original = brute_force_nsd(written == c, label == c, tolerance, (1.0, 1.2, 1.5))
+        preprocessed = brute_force_nsd(grid_prediction == c, grid_label == c, tolerance, geometry.spacing)
+        assert result.scores[f"nsd_{name}"] == pytest.approx(original, rel=1e-12)
+        assert validation[f"nsd_{name}"] == pytest.approx(preprocessed, rel=1e-12)
+        differences.append(abs(original - preprocessed))
+    assert max(differences) > 0.01, differences
+
+
 def whole_volume_reference(predictor, image, affine):
     """The label map and probabilities as whole-scan prediction computed them before the memory work:
     float32 logits of the whole volume, softmax, `restore_geometry` per class, stack, argmax."""

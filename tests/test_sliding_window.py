@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmis.data.demo import smooth_random_field
 from tfmis.inference import importance_map, number_of_windows, sliding_window_inference, window_starts
 from tfmis.inference.blending import aggregate, aggregates_on_host, weight_sum
 from tfmis.inference.sliding_window import _infer, _pad_volume
@@ -448,6 +449,69 @@ def test_both_blends_match_an_independent_numpy_reference(shape, on_host):
         )
 
 
+DEMO_SHAPE = (60, 75, 62)  # a preprocessed demo case (configs/demo.yaml: "about 60 x 75 x 62 voxels")
+DEMO_ROI = (48, 48, 48)  # the demo's patch size, its validation roi; at overlap 0.25, 2 x 2 x 2 windows
+
+
+def logits_in_the_hundreds(shape, classes, seed=0):
+    """(1, X, Y, Z, K) smooth random logits around 200 (about 100-310): float16's step there is 0.125 or 0.25."""
+    rng = np.random.default_rng(seed)
+    return np.stack([200 + smooth_random_field(rng, shape, nodes=4, std=30.0) for _ in range(classes)], axis=-1)[None]
+
+
+def plus_tenth_of_window_mean(windows):
+    """Not pointwise: every class score moves by a tenth of its window mean, so overlapping windows disagree."""
+    return windows + 0.1 * tf.reduce_mean(windows, axis=(1, 2, 3), keepdims=True)
+
+
+def numpy_plus_tenth_of_window_mean(windows):
+    """numpy twin of `plus_tenth_of_window_mean`."""
+    return windows + 0.1 * windows.mean(axis=(1, 2, 3), keepdims=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_blends_on_device_and_host_give_the_same_labels_for_logits_in_the_hundreds(mode):
+    """float16 buffers, 4 classes of logits around 100-310 on a demo-case-sized volume with the demo's roi and overlap
+    (8 windows that disagree where they overlap): the TensorFlow blend (what a GPU `device` gets, run here on the CPU)
+    gives the numpy blend's (host memory) argmax at every voxel, and its float16 values bit for bit (both add
+    weight · prediction / Σ(weight) window by window, rounding once per add). Both are within 8 windows' float16
+    rounding of a float64 Σ w·p / Σ w, and where a label differs from that reference's, the two classes are within
+    twice that rounding there (a near-tie). Summing the raw weighted logits in float16 on the device, as before,
+    changed 0.1-0.2% of the labels against the host."""
+    volume = logits_in_the_hundreds(DEMO_SHAPE, 4)
+    weights = np.ones(DEMO_ROI) if mode == "constant" else monai_gaussian(DEMO_ROI)
+    expected = reference_blend(volume.astype(np.float64), DEMO_ROI, 0.25, weights, numpy_plus_tenth_of_window_mean)
+    host, device = (
+        _infer(
+            volume,
+            DEMO_ROI,
+            4,
+            plus_tenth_of_window_mean,
+            0.25,
+            mode,
+            0.125,
+            "constant",
+            0.0,
+            None,
+            None,
+            False,
+            on_host=on_host,
+            buffer_dtype="float16",
+        ).numpy()
+        for on_host in (True, False)
+    )
+    assert host.dtype == device.dtype == np.float16 and device.shape == expected.shape
+    np.testing.assert_array_equal(device.argmax(-1), host.argmax(-1))
+    np.testing.assert_array_equal(device, host)
+    windows = len(monai_starts(DEMO_SHAPE, DEMO_ROI, 0.25))
+    rounding = windows * np.spacing(np.float16(expected.max())).astype(np.float64) / 2
+    assert np.abs(device - expected).max() <= rounding
+    labels, best = device.argmax(-1), expected.max(-1)
+    differs = labels != expected.argmax(-1)
+    assert differs.mean() < 0.01
+    assert np.all(np.take_along_axis(expected, labels[..., None], -1)[..., 0][differs] >= best[differs] - 2 * rounding)
+
+
 def test_the_public_function_blends_in_host_memory_on_a_cpu():
     """On a CPU `device` (or None without a GPU) the numpy blend runs; another device gets TensorFlow's."""
     assert aggregates_on_host("/CPU:0") and aggregates_on_host("/job:localhost/replica:0/task:0/device:CPU:0")
@@ -455,16 +519,29 @@ def test_the_public_function_blends_in_host_memory_on_a_cpu():
     assert aggregates_on_host(None) == (not tf.config.list_physical_devices("GPU"))
 
 
+@pytest.mark.parametrize("buffer_dtype, tolerance", [("float32", 1e-5), ("float16", 2e-3)])
 @pytest.mark.parametrize("on_host", [True, False], ids=["numpy_blend", "tensorflow_blend"])
-def test_windows_off_a_grid_and_voxels_no_window_reaches(on_host):
+def test_windows_off_a_grid_and_voxels_no_window_reaches(on_host, buffer_dtype, tolerance):
     """`aggregate_windows` with corners that are no grid (one repeated, some voxels uncovered): Σ w·p / Σ w
-    window by window, and 0 where no window reaches, in both blends."""
+    window by window (within 1e-5 in float32, within float16 rounding in float16, whose Σ w then comes from
+    the corners themselves), and 0 where no window reaches, in both blends."""
     volume = random_volume((20, 14, 12))
     starts = np.array([[0, 0, 0], [5, 3, 2], [5, 3, 2], [8, 6, 4], [0, 6, 4]], np.int32)
     weights = monai_gaussian(ROI)
     out = aggregate(
-        volume, ROI, starts, mean_and_sum, weights.astype(np.float32), 2, None, None, False, on_host=on_host
+        volume,
+        ROI,
+        starts,
+        mean_and_sum,
+        weights.astype(np.float32),
+        2,
+        None,
+        None,
+        False,
+        on_host=on_host,
+        buffer_dtype=buffer_dtype,
     ).numpy()
+    assert out.dtype == buffer_dtype
     total = np.zeros(volume.shape[:4] + (3,))
     count = np.zeros(volume.shape[1:4] + (1,))
     for b, (x, y, z) in itertools.product(range(BATCH), starts):
@@ -475,7 +552,7 @@ def test_windows_off_a_grid_and_voxels_no_window_reaches(on_host):
     covered = count[..., 0] > 0
     assert not covered.all()
     np.testing.assert_allclose(
-        out[:, covered], (total / np.where(count > 0, count, 1))[:, covered], rtol=1e-5, atol=1e-5
+        out[:, covered], (total / np.where(count > 0, count, 1))[:, covered], rtol=tolerance, atol=tolerance
     )
     assert np.all(out[:, ~covered] == 0)
 

@@ -303,12 +303,15 @@ class OutputConfig:
 @dataclasses.dataclass
 class CascadeConfig:
     """The fine stage of a coarse-to-fine cascade (docs/planning.md, "Stages"): `python -m tfmis.predict` runs the
-    coarse run on the whole scan, cuts the box around what it finds grown by `margin_mm`, and runs this run's
-    model only there (the whole scan when the coarse stage finds nothing). Training is unchanged: the fine stage
-    trains on cases cropped around their labels (`data.conversion.crop_to_label_mm`)."""
+    coarse run on the whole scan, cuts a box around each connected piece of what it finds grown by `margin_mm`
+    (overlapping boxes merged), and runs this run's model only there (the whole scan when the coarse stage finds
+    nothing). Training is unchanged: the fine stage trains on cases cropped around their labels
+    (`data.conversion.crop_to_label_mm`)."""
 
     coarse_run: Optional[str] = None  # the coarse stage's run folder; null = not a cascade
-    margin_mm: float = 20.0  # kept around the coarse stage's foreground box, per side
+    margin_mm: float = 20.0  # kept around each piece of the coarse stage's foreground, per side
+    # coarse pieces smaller than this (mm3, on the coarse grid) get no region of their own; 0 = every piece is kept
+    min_region_mm3: float = 0.0
     # the label values the fine stage decides (inside its box); the others come from the coarse stage, which draws
     # large structures from more context than the fine patch holds; null = the fine stage decides every class
     fine_classes: Optional[list[int]] = None
@@ -316,6 +319,8 @@ class CascadeConfig:
     def __post_init__(self):
         if self.margin_mm < 0:
             raise ValueError(f"margin_mm must be >= 0 mm, got {self.margin_mm}")
+        if not self.min_region_mm3 >= 0:
+            raise ValueError(f"min_region_mm3 must be >= 0 mm3, got {self.min_region_mm3}")
         if self.fine_classes is not None and (not self.fine_classes or min(self.fine_classes) < 1):
             raise ValueError(f"fine_classes: foreground label values (>= 1), or null for all, got {self.fine_classes}")
 

@@ -226,7 +226,12 @@ class SegmentationTask:
     def build_metrics(self) -> SegmentationMetrics:
         """Per-class Dice (and HD95 with `validation.hd95`, NSD with `validation.nsd`), and the same of the label
         unions in `validation.regions`, as MONAI computes them; ValueError naming the key when a region's labels
-        are not classes of the dataset."""
+        are not classes of the dataset.
+
+        The distances are in mm on the grid the maps are given on: validation (`Trainer.evaluate`) scores the
+        preprocessed grid with its spacing ("NSD on the preprocessed grid": `val_nsd`, `val_mean_nsd`),
+        `Predictor` the scan's own grid with the file's spacing ("NSD on the original grid": predictions.csv's
+        `nsd_<class>`); the two agree when preprocessing does not resample (docs/training.md)."""
         v = self.config.validation
         return SegmentationMetrics(
             len(self.class_names),

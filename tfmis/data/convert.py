@@ -34,7 +34,7 @@ import nibabel as nib
 import numpy as np
 
 from tfmis.data import fingerprint as fp
-from tfmis.data.msd import Case, CaseError, DatasetError, MSDDataset, load_case
+from tfmis.data.msd import CT_MODALITIES, Case, CaseError, DatasetError, MSDDataset, load_case
 from tfmis.data.preprocess import PreprocessConfig, preprocess, ras_spacing
 from tfmis.data.records import (
     COMPRESSIONS,
@@ -259,7 +259,9 @@ def _process_case(task: tuple) -> dict:
         dataset = MSDDataset(source_dir)
         loaded = load_case(case, dataset)
         # the raw intensities are sampled first: preprocess then normalises in the loaded image's own memory
-        intensity = fp.case_intensity(loaded.image, loaded.label)
+        ct = _ct_channels(dataset)
+        intensity = fp.case_intensity(loaded.image, loaded.label, ct)
+        background = fp.case_background(loaded.image, ct)  # what preprocess's foreground_mask finds (6 faces read)
         image, label, geometry = preprocess(loaded.image, loaded.label, loaded.affine, prep, overwrite_image=True)
         warnings = []
         if label is not None and not (label > 0).any():
@@ -273,7 +275,14 @@ def _process_case(task: tuple) -> dict:
             "warnings": warnings,
             "disk_dtype": loaded.header_dtype,
             "fingerprint": fp.case_fingerprint(
-                None, loaded.label, ras_spacing(loaded.affine), geometry, label, dataset.num_classes, intensity
+                None,
+                loaded.label,
+                ras_spacing(loaded.affine),
+                geometry,
+                label,
+                dataset.num_classes,
+                intensity,
+                background,
             ),
         }
     except CaseError as e:
@@ -287,9 +296,13 @@ def _foreground_sample(task: tuple) -> np.ndarray | None:
     try:
         dataset = MSDDataset(source_dir)
         loaded = load_case(case, dataset)
-        return fp.foreground_sample(loaded.image, loaded.label)
+        return fp.foreground_sample(loaded.image, loaded.label, _ct_channels(dataset))
     except Exception:
         return None  # reported by the main pass
+
+
+def _ct_channels(dataset: MSDDataset) -> list[int]:
+    return [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
 
 
 # ---------------------------------------------------------------- main side
@@ -613,13 +626,8 @@ def _build_index(
         if case.case_id in cases:
             cases[case.case_id].update(image=case.image, label=case.label)
     total_bytes = sum(r["bytes"] for r in progress)
-    atomic_write_json(
-        target / FINGERPRINT_FILE,
-        {
-            "dataset": fp.summarize(fingerprints, dataset.labels, dataset.modalities),
-            "cases": fingerprints,
-        },
-    )
+    summary = fp.summarize(fingerprints, dataset.labels, dataset.modalities)
+    atomic_write_json(target / FINGERPRINT_FILE, {"dataset": summary, "cases": fingerprints})
     return {
         "schema_version": SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -652,6 +660,8 @@ def _build_index(
             for name, ids in splits.items()
         },
         "cases": cases,
+        # per channel: the cases whose background is a non-zero border constant (z-scored), cropped against it
+        "background": summary.get("background"),
         "skipped": sorted(skipped, key=lambda s: s["case_id"]),
         "warnings": sorted(warnings, key=lambda w: w["case_id"]),
         "stats": {
@@ -674,6 +684,7 @@ def summary_text(index: dict) -> str:
     ]
     for name, split in index["splits"].items():
         lines.append(f"  {name:<6} {split['num_records']:>4} records in {len(split['shards'])} shard(s)")
+    lines += [f"  {line}" for line in fp.background_lines(index.get("background"))]
     for s in index["skipped"]:
         lines.append(f"  SKIPPED {s['case_id']}: {s['reason']}")
     for w in index["warnings"]:

@@ -39,9 +39,18 @@ and ~0.9 GB per case:
 python -m tfmis.data.demo --size brats --output data/Task01_DemoBraTS --cases 6 --test-cases 0
 ```
 
+Z-scored (`--zscore`, brats only; `generate_brats_case(..., zscore=True)`): the same cases written as many public
+MRI sets come, float32, each channel (x - mean) / std over its body (the non-zero voxels), so the background is a
+per-case, per-channel constant such as -3.6 instead of 0 (the anatomy, labels and affines are those of the raw
+cases):
+
+```bash
+python -m tfmis.data.demo --size brats --zscore --output data/Task01_DemoBraTS_z --cases 6 --test-cases 0
+```
+
 Command line: `--output DIR` (required), `--cases N` (12), `--test-cases N` (3), `--seed S` (0),
 `--overwrite`, `--size demo|brats` (demo), `--channels C` (brats: 2-4, default 4), `--spacing MM`
-(brats: default 1.0; coarser only for tests, e.g. 2.0 gives 120 x 120 x 78).
+(brats: default 1.0; coarser only for tests, e.g. 2.0 gives 120 x 120 x 78), `--zscore` (brats: float32 z-scored).
 
 Only numpy, scipy and nibabel are used; every case is a deterministic function of (seed, case number).
 """
@@ -591,11 +600,15 @@ def synthesise_brats_channels(
     return np.stack(channels, axis=-1)
 
 
-def generate_brats_case(case_number: int, seed: int = 0, spacing: float = 1.0, channels: int = 4) -> DemoCase:
+def generate_brats_case(
+    case_number: int, seed: int = 0, spacing: float = 1.0, channels: int = 4, zscore: bool = False
+) -> DemoCase:
     """One BraTS-size case (LPS, int16, `spacing` mm; 1 mm gives 240 x 240 x 155); deterministic in (seed, case).
 
     Args:
         channels: 2-4, the first of FLAIR, T1w, T1gd, T2w.
+        zscore: float32, each channel z-scored over its body (`zscore_over_body`): the background becomes a
+            non-zero constant per channel (e.g. -3.6), as in many public MRI sets; same anatomy and label.
 
     Example:
         >>> case = generate_brats_case(0, spacing=4.0, channels=2)
@@ -615,8 +628,27 @@ def generate_brats_case(case_number: int, seed: int = 0, spacing: float = 1.0, c
     image = synthesise_brats_channels(rng, maps, brain, memberships, modalities)
     del maps, memberships
     image = np.clip(np.rint(image), 0, np.iinfo(np.int16).max).astype(np.int16)
+    if zscore:
+        image = zscore_over_body(image)
     (image, label), affine = reorient([image, label], affine, ("L", "P", "S"))
     return DemoCase(image=image, label=label, affine=affine)
+
+
+def zscore_over_body(image: np.ndarray) -> np.ndarray:
+    """(X, Y, Z, C) float32: per channel (x - mean) / std, mean and std over the body (its non-zero voxels); the
+    zero background becomes the constant -mean / std of that channel, as in z-scored public MRI sets.
+
+    Example:
+        >>> x = np.zeros((4, 4, 4, 1), np.int16); x[1:3, 1:3, 1:3, 0] = [[[1, 3], [1, 3]], [[1, 3], [1, 3]]]
+        >>> z = zscore_over_body(x); float(z[0, 0, 0, 0]), float(z[1, 1, 1, 0]), float(z[1, 1, 2, 0])
+        (-2.0, -1.0, 1.0)
+    """
+    out = np.empty(image.shape, dtype=np.float32)
+    for c in range(image.shape[-1]):
+        x = image[..., c].astype(np.float64)
+        body = x[x != 0]
+        out[..., c] = (x - body.mean()) / max(float(body.std()), 1e-8)
+    return out
 
 
 def _nifti(data: np.ndarray, affine: np.ndarray) -> nib.Nifti1Image:
@@ -651,6 +683,7 @@ def make_demo_dataset(
     size: str = "demo",
     channels: int = 4,
     spacing: float = 1.0,
+    zscore: bool = False,
 ) -> Path:
     """Writes the demo dataset (MSD layout) to `output_dir`, unless it already holds a dataset.json.
 
@@ -664,6 +697,8 @@ def make_demo_dataset(
             FLAIR/T1w/T1gd/T2w, tumour labels; see `generate_brats_case`).
         channels: with size="brats", how many of FLAIR, T1w, T1gd, T2w (2-4; default all).
         spacing: with size="brats", the voxel size in mm (1.0 as BraTS; coarser only for tests).
+        zscore: with size="brats", write float32 images z-scored per channel over the body (background a
+            non-zero constant per case and channel; see `zscore_over_body`).
 
     Returns:
         The dataset folder as a `Path`.
@@ -675,6 +710,8 @@ def make_demo_dataset(
     """
     if size not in ("demo", "brats"):
         raise ValueError(f"size must be 'demo' or 'brats', got {size!r}")
+    if zscore and size != "brats":
+        raise ValueError("zscore is for size='brats'")
     if size == "brats" and not 2 <= channels <= len(BRATS_MODALITIES):
         raise ValueError(f"channels must be 2-{len(BRATS_MODALITIES)}, got {channels}")
     if num_training < 1 or num_test < 0:
@@ -692,7 +729,10 @@ def make_demo_dataset(
     first_test = max(FIRST_TEST_NUMBER, num_training)
     test_numbers = list(range(first_test, first_test + num_test))
     for number in training_numbers + test_numbers:
-        case = generate_brats_case(number, seed, spacing, channels) if size == "brats" else generate_case(number, seed)
+        if size == "brats":
+            case = generate_brats_case(number, seed, spacing, channels, zscore)
+        else:
+            case = generate_case(number, seed)
         is_test = number >= first_test
         image_dir = root / ("imagesTs" if is_test else "imagesTr")
         _save_atomically(_nifti(case.image, case.affine), image_dir / f"{case_name(number)}.nii.gz")
@@ -700,19 +740,25 @@ def make_demo_dataset(
             _save_atomically(_nifti(case.label, case.affine), root / "labelsTr" / f"{case_name(number)}.nii.gz")
 
     if size == "brats":
-        meta = dataset_json(training_numbers, test_numbers, brats_channels=channels)
+        meta = dataset_json(training_numbers, test_numbers, brats_channels=channels, zscored=zscore)
     else:
         meta = dataset_json(training_numbers, test_numbers)
     _write_json_atomically(manifest, meta)
     return root
 
 
-def dataset_json(training_numbers: list[int], test_numbers: list[int], brats_channels: int = 0) -> dict:
-    """The dataset.json content, in the shape of the real MSD ones (`brats_channels` > 0: the BraTS-size one)."""
+def dataset_json(
+    training_numbers: list[int], test_numbers: list[int], brats_channels: int = 0, zscored: bool = False
+) -> dict:
+    """The dataset.json content, in the shape of the real MSD ones (`brats_channels` > 0: the BraTS-size one;
+    `zscored`: its images are z-scored, which the description says)."""
     brats = brats_channels > 0
+    description = BRATS_DESCRIPTION if brats else DESCRIPTION
+    if zscored:
+        description += " Images z-scored per channel over the brain (background a non-zero constant)."
     return {
         "name": BRATS_DATASET_NAME if brats else DATASET_NAME,
-        "description": BRATS_DESCRIPTION if brats else DESCRIPTION,
+        "description": description,
         "reference": REFERENCE,
         "licence": LICENCE,
         "release": "1.0",
@@ -782,6 +828,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--spacing", type=float, default=1.0, metavar="MM", help="brats: voxel size in mm (default 1.0, as BraTS)"
     )
+    parser.add_argument(
+        "--zscore",
+        action="store_true",
+        help="brats: write float32 images z-scored per channel over the brain, so the background is a non-zero "
+        "constant per case and channel (e.g. -3.6), as in many public MRI sets",
+    )
     args = parser.parse_args(argv)
 
     if (args.output / "dataset.json").exists() and not args.overwrite:
@@ -798,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
             size=args.size,
             channels=args.channels,
             spacing=args.spacing,
+            zscore=args.zscore,
         )
     except ValueError as e:
         parser.error(str(e))

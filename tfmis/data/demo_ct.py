@@ -34,10 +34,25 @@ liver lesion, radius 4-30 mm, often small; absent when outside the scanned range
 python -m tfmis.data.demo_ct --size full --output data/Task91_DemoCTFull --cases 20 --slices 100,600
 ```
 
+Structures far apart (`--size full --anatomy far`, `anatomy="far"`, default name Task92_DemoCTFar),
+for coarse-to-fine cascades: the same body, fat, spine, noise, int16 HU, LPS order and pixels, but a
+long scan from the lung bases to the pelvis (slices of 1.0-5 mm, the thin 1.0/1.25 mm ones included:
+any that gives a 560-700 mm scan, else the one nearest 630 mm; 450-600 slices give 1.0-1.5 mm). The
+liver is at the top end, label 6 "bladder" (a fluid-filled ellipsoid, 10-20 HU, ~0.2 l, centre ~340
+mm below the liver's) at the bottom end, so one box around all foreground covers most of the scan.
+Label 5 "lesion" is in the LEFT kidney instead of the liver (a hypodense sphere, 20 HU, radius 4-12
+mm, surrounded by kidney): a small piece away from the big organs. A scan shorter than the lung bases
+to the pelvis (~470-570 mm) loses both ends equally.
+
+```bash
+python -m tfmis.data.demo_ct --size full --anatomy far --cases 6 --slices 450,600
+```
+
 Command line: `--output DIR`, `--cases N` (default 20), `--test-cases N` (default 1), `--seed S`,
 `--size small|full` (default small), `--shape X,Y,Z` (small only, default 96,96,40),
 `--slices MIN,MAX` (full only, default 100,600), `--in-plane N` (full only, default 512; smaller
-values scale the pixel size up and keep the anatomy, for tests).
+values scale the pixel size up and keep the anatomy, for tests), `--anatomy abdomen|far` (full only,
+default abdomen: the labels and cases above, unchanged).
 """
 
 from __future__ import annotations
@@ -161,8 +176,20 @@ def generate_case(case_number: int, seed: int = 0, shape=(96, 96, 40)) -> tuple[
 
 FULL_DATASET_NAME = "Task91_DemoCTFull"
 FULL_LABELS = {"0": "background", "1": "liver", "2": "spleen", "3": "kidney", "4": "pancreas", "5": "lesion"}
-FULL_HU = {"kidney": 150, "pancreas": 80, "liver_lesion": 25, "lung": -850}
+FULL_HU = {"kidney": 150, "pancreas": 80, "liver_lesion": 25, "lung": -850, "kidney_lesion": 20}
 FULL_SLICE_MM = (1.5, 2.0, 2.5, 3.0, 5.0)
+ANATOMIES = ("abdomen", "far")  # `anatomy=` of the real-size cases; "abdomen" is the default
+FAR_DATASET_NAME = "Task92_DemoCTFar"
+FAR_LABELS = {**FULL_LABELS, "6": "bladder"}
+# the far anatomy's slices: the usual ones and the thin (1.0/1.25 mm) ones of chest-abdomen-pelvis scans,
+# the scan lengths it prefers (lung bases to pelvis is ~470-570 mm) and the one it takes when none fits
+FAR_SLICE_MM = (1.0, 1.25) + FULL_SLICE_MM
+FAR_SCAN_MM = (560.0, 700.0, 630.0)
+FAR_DESCRIPTION = (
+    "Synthetic real-size CT from the lung bases to the pelvis made by tfmis.data.demo_ct --size full "
+    "--anatomy far (512 x 512 x Z, integer HU, 0.7-0.9 mm pixels, 1-5 mm slices, ~560-700 mm scans; liver, "
+    "spleen, kidneys, pancreas, a lesion in the left kidney, a bladder ~340 mm below the liver)"
+)
 FULL_IN_PLANE = 512
 FULL_SLICES = (100, 600)
 SLAB_SLICES = 32  # slices generated at a time; part of the recipe (the noise is drawn per slab)
@@ -230,7 +257,11 @@ class FullCaseLayout:
 
 
 def full_case_layout(
-    case_number: int, seed: int = 0, slices: tuple[int, int] = FULL_SLICES, in_plane: int = FULL_IN_PLANE
+    case_number: int,
+    seed: int = 0,
+    slices: tuple[int, int] = FULL_SLICES,
+    in_plane: int = FULL_IN_PLANE,
+    anatomy: str = "abdomen",
 ) -> FullCaseLayout:
     """Draws the grid and anatomy of real-size case `case_number`.
 
@@ -238,14 +269,20 @@ def full_case_layout(
         slices: (min, max) slices per case, inclusive; each case draws its own count.
         in_plane: voxels per in-plane axis; 512 gives 0.7-0.9 mm pixels, smaller values scale the
             pixel size up so the same ~360-460 mm field of view (and anatomy) fits (for tests).
+        anatomy: "abdomen" (liver lesion, no bladder) or "far" (lung bases to pelvis: a bladder,
+            label 6, at the bottom and the lesion in the left kidney; see the module docstring).
     """
+    if anatomy not in ANATOMIES:
+        raise ValueError(f"anatomy must be one of {ANATOMIES}, got {anatomy!r}")
+    far = anatomy == "far"
     rng = np.random.default_rng([seed, case_number, 512])
     n_z = int(rng.integers(slices[0], slices[1] + 1))
     sxy = float(np.round(rng.uniform(0.7, 0.9), 3)) * FULL_IN_PLANE / in_plane
-    # slice thickness: any of the usual ones that gives a 300-950 mm scan, else the nearest
-    lengths = np.array(FULL_SLICE_MM) * n_z
-    fits = [s for s, length in zip(FULL_SLICE_MM, lengths) if 300 <= length <= 950]
-    sz = float(rng.choice(fits)) if fits else float(FULL_SLICE_MM[int(np.argmin(np.abs(lengths - 600)))])
+    # slice thickness: any of the usual ones that gives a 300-950 mm scan (far: 560-700 mm), else the nearest
+    thicknesses, (shortest, longest, nearest) = (FAR_SLICE_MM, FAR_SCAN_MM) if far else (FULL_SLICE_MM, (300, 950, 600))
+    lengths = np.array(thicknesses) * n_z
+    fits = [s for s, length in zip(thicknesses, lengths) if shortest <= length <= longest]
+    sz = float(rng.choice(fits)) if fits else float(thicknesses[int(np.argmin(np.abs(lengths - nearest)))])
     shape = (in_plane, in_plane, n_z)
     fov = in_plane * sxy / 2
     a, b = fov * rng.uniform(0.78, 0.88), fov * rng.uniform(0.58, 0.68)
@@ -294,11 +331,16 @@ def full_case_layout(
             0.35,
         )
     )
-    # a liver lesion of very varying size (4-30 mm radius, log-uniform: many small ones)
-    liver = organs[0]
-    radius = float(np.exp(rng.uniform(np.log(4.0), np.log(30.0))))
-    offset = rng.uniform(-0.45, 0.45, 3) * (liver.semi_axes - radius).clip(0)
-    organs.append(_Organ(5, FULL_HU["liver_lesion"], liver.centre + offset, np.full(3, radius), 0.0, 0.15, inside=1))
+    if far:
+        organs = _far_organs(rng, organs, b, n_z, sz)
+    else:
+        # a liver lesion of very varying size (4-30 mm radius, log-uniform: many small ones)
+        liver = organs[0]
+        radius = float(np.exp(rng.uniform(np.log(4.0), np.log(30.0))))
+        offset = rng.uniform(-0.45, 0.45, 3) * (liver.semi_axes - radius).clip(0)
+        organs.append(
+            _Organ(5, FULL_HU["liver_lesion"], liver.centre + offset, np.full(3, radius), 0.0, 0.15, inside=1)
+        )
     nodes = tuple(max(4, int(np.ceil(n * s / 60.0))) for n, s in zip(shape, (sxy, sxy, sz)))
     return FullCaseLayout(
         shape=shape,
@@ -310,6 +352,42 @@ def full_case_layout(
         organs=tuple(organs),
         field=_SmoothField(rng.normal(size=nodes).astype(np.float32), shape),
     )
+
+
+def _far_organs(rng: np.random.Generator, organs: list[_Organ], b: float, n_z: int, sz: float) -> list[_Organ]:
+    """The far anatomy from the abdomen's organs [liver, spleen, right kidney, left kidney, pancreas].
+
+    Adds a lesion inside the left kidney and a bladder in the pelvis, then moves everything along z so
+    the scan runs from the lung bases (above the liver) to below the bladder. The left kidney and its
+    lesion are painted before the spleen, so the spleen never cuts into the kidney around the lesion.
+    """
+    liver, spleen, right_kidney, left_kidney, pancreas = organs
+    # a hypodense lesion well inside the left kidney: its edge at most ~0.45 of the kidney's semi-axes from the
+    # kidney's centre (0.56 for the largest lesion in the smallest kidney), clear of the kidney's wobbly outline
+    radius = float(np.exp(rng.uniform(np.log(4.0), np.log(12.0))))
+    budget = max(0.0, 0.45 - 1.15 * radius / float(left_kidney.semi_axes.min()))
+    u, v, w = rng.uniform(-1.0, 1.0, 3) * budget / np.sqrt(3.0) * left_kidney.semi_axes  # mm, the kidney's frame
+    c, s = np.cos(left_kidney.angle), np.sin(left_kidney.angle)
+    centre = left_kidney.centre + np.array([c * u - s * v, s * u + c * v, w])
+    lesion = _Organ(5, FULL_HU["kidney_lesion"], centre, np.full(3, radius), 0.0, 0.1, inside=3)
+    # the bladder: midline, anterior, ~340 mm below the liver's centre (L1 to the pubis)
+    bladder = _Organ(
+        6,
+        rng.uniform(10.0, 20.0),
+        np.array([0.0, -0.25 * b, liver.centre[2] - 340.0]) + rng.normal(0, [5, 5, 10]),
+        np.array([45.0, 35.0, 35.0]) * rng.uniform(0.8, 1.2, 3),
+        rng.uniform(-0.2, 0.2),
+        0.1,
+    )
+    # along z: from the lung bases (30-70 mm of lung) to 20-50 mm below the bladder; the spare length of
+    # a longer scan is 10-50 % above (chest), the rest below (thighs); a shorter scan loses both ends
+    top = liver.centre[2] + 0.6 * liver.semi_axes[2] + rng.uniform(30.0, 70.0)
+    bottom = bladder.centre[2] - bladder.semi_axes[2] - rng.uniform(20.0, 50.0)
+    half, above = (n_z - 1) / 2 * sz, rng.uniform(0.1, 0.5)
+    slack = 2 * half - (top - bottom)
+    shift = half - above * slack - top if slack >= 0 else -(top + bottom) / 2
+    painted = [liver, right_kidney, left_kidney, lesion, spleen, pancreas, bladder]  # liver first: the lungs need it
+    return [dataclasses.replace(o, centre=o.centre + np.array([0.0, 0.0, shift])) for o in painted]
 
 
 def _organ_boxes(layout: FullCaseLayout, organ: _Organ) -> tuple[slice, slice, slice]:
@@ -369,19 +447,25 @@ def _render_slab(layout: FullCaseLayout, z_lo: int, z_hi: int) -> tuple[np.ndarr
 
 
 def generate_full_case(
-    case_number: int, seed: int = 0, slices: tuple[int, int] = FULL_SLICES, in_plane: int = FULL_IN_PLANE
+    case_number: int,
+    seed: int = 0,
+    slices: tuple[int, int] = FULL_SLICES,
+    in_plane: int = FULL_IN_PLANE,
+    anatomy: str = "abdomen",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One real-size case: (image int16 (X, Y, Z) HU, label uint8 (X, Y, Z), 4x4 LPS affine).
 
-    Deterministic in (seed, case_number, slices, in_plane). Built `SLAB_SLICES` slices at a time, so
-    the working memory beyond the returned arrays is a few slabs (~50 MB at 512 x 512), whatever Z is.
+    Deterministic in (seed, case_number, slices, in_plane, anatomy); `anatomy="far"` gives the lung
+    bases to pelvis scan with a bladder (label 6) and a left-kidney lesion (module docstring). Built
+    `SLAB_SLICES` slices at a time, so the working memory beyond the returned arrays is a few slabs
+    (~50 MB at 512 x 512), whatever Z is.
 
     Example:
         >>> image, label, affine = generate_full_case(0, slices=(20, 20), in_plane=64)
         >>> image.shape, image.dtype, label.dtype
         ((64, 64, 20), dtype('int16'), dtype('uint8'))
     """
-    layout = full_case_layout(case_number, seed, slices, in_plane)
+    layout = full_case_layout(case_number, seed, slices, in_plane, anatomy)
     nx, ny, nz = layout.shape
     image = np.empty(layout.shape, dtype=np.int16)
     label = np.empty(layout.shape, dtype=np.uint8)
@@ -425,6 +509,7 @@ def make_ct_dataset(
     size: str = "small",
     slices: tuple[int, int] = FULL_SLICES,
     in_plane: int = FULL_IN_PLANE,
+    anatomy: str = "abdomen",
 ) -> Path:
     """Writes the CT-like dataset in the MSD layout (cases already there are kept); returns `root`.
 
@@ -438,16 +523,22 @@ def make_ct_dataset(
             `generate_full_case`: 512 x 512 x `slices`, labels liver, spleen, kidney, pancreas, lesion).
         slices: with size="full", the (min, max) slices per case.
         in_plane: with size="full", voxels per in-plane axis (512; smaller only for tests).
+        anatomy: with size="full", "abdomen" (default) or "far" (lung bases to pelvis, labels 1-6 with
+            6 bladder, the lesion in the left kidney; see the module docstring).
 
     Example:
         >>> root = make_ct_dataset("/tmp/Task90_DemoCT", num_cases=4, shape=(48, 48, 20))
     """
     if size not in ("small", "full"):
         raise ValueError(f"size must be 'small' or 'full', got {size!r}")
+    if anatomy not in ANATOMIES:
+        raise ValueError(f"anatomy must be one of {ANATOMIES}, got {anatomy!r}")
+    if anatomy != "abdomen" and size != "full":
+        raise ValueError(f"anatomy={anatomy!r} needs size='full'")
 
     def generate(number):
         if size == "full":
-            return generate_full_case(number, seed, slices, in_plane)
+            return generate_full_case(number, seed, slices, in_plane, anatomy)
         return generate_case(number, seed, shape)
 
     root = Path(root)
@@ -469,15 +560,19 @@ def make_ct_dataset(
             image, _, affine = generate(i)
             _save(image, affine, path)
         test.append(f"./imagesTs/{case_name(i)}.nii.gz")
+    if anatomy == "far":
+        description, labels = FAR_DESCRIPTION, FAR_LABELS
+    else:
+        description, labels = (FULL_DESCRIPTION, FULL_LABELS) if size == "full" else (SMALL_DESCRIPTION, LABELS)
     meta = {
         "name": root.name,
-        "description": FULL_DESCRIPTION if size == "full" else SMALL_DESCRIPTION,
+        "description": description,
         "tensorImageSize": "3D",
         "reference": "synthetic",
         "licence": "CC0",
         "release": "1.0",
         "modality": MODALITIES,
-        "labels": FULL_LABELS if size == "full" else LABELS,
+        "labels": labels,
         "numTraining": num_cases,
         "numTest": num_test,
         "training": training,
@@ -503,7 +598,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--output",
         default=None,
-        help=f"dataset folder (default data/{DATASET_NAME}, or data/{FULL_DATASET_NAME} with --size full)",
+        help=f"dataset folder (default data/{DATASET_NAME}, or data/{FULL_DATASET_NAME} with --size full, "
+        f"data/{FAR_DATASET_NAME} with --anatomy far)",
     )
     p.add_argument("--cases", type=int, default=20, help="labelled training cases (default 20)")
     p.add_argument("--test-cases", type=int, default=1, help="unlabelled test cases (default 1)")
@@ -529,9 +625,19 @@ def main(argv=None) -> int:
         metavar="N",
         help="full: voxels per in-plane axis (default 512; smaller keeps the anatomy, for tests)",
     )
+    p.add_argument(
+        "--anatomy",
+        choices=ANATOMIES,
+        default="abdomen",
+        help="full: abdomen (default: liver lesion) or far (a long scan from the lung bases to the pelvis: "
+        "label 6 bladder at the bottom, the lesion in the left kidney)",
+    )
     args = p.parse_args(argv)
+    if args.anatomy != "abdomen" and args.size != "full":
+        p.error(f"--anatomy {args.anatomy} needs --size full")
     shape = tuple(int(v) for v in args.shape.split(","))
-    output = args.output or f"data/{FULL_DATASET_NAME if args.size == 'full' else DATASET_NAME}"
+    names = {"small": DATASET_NAME, "full": FULL_DATASET_NAME if args.anatomy == "abdomen" else FAR_DATASET_NAME}
+    output = args.output or f"data/{names[args.size]}"
     start = time.perf_counter()
     root = make_ct_dataset(
         output,
@@ -542,6 +648,7 @@ def main(argv=None) -> int:
         size=args.size,
         slices=args.slices,
         in_plane=args.in_plane,
+        anatomy=args.anatomy,
     )
     nominal = (
         args.shape if args.size == "small" else f"{args.in_plane},{args.in_plane},{args.slices[0]}-{args.slices[1]}"

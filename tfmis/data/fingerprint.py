@@ -1,33 +1,60 @@
 """Dataset fingerprint: the statistics later used for auto-configuration and the GPU-fit search.
 
 Per case: original shape/spacing, preprocessed shape/spacing, raw intensity statistics per channel
-over the labelled foreground (as nnU-Net does), class voxel counts. For the dataset: median spacing,
-median and 99.5th-percentile preprocessed shape, class totals/fractions, intensity summaries.
+over the labelled foreground (as nnU-Net does), class voxel counts, each channel's background value.
+For the dataset: median spacing, median and 99.5th-percentile preprocessed shape, class totals/fractions,
+intensity summaries, how many cases have a z-scored background (a non-zero border constant) per channel.
+
+The foreground is `tfmis.data.preprocess.foreground_mask`'s, the one the conversion crops to: for MRI-like
+channels the voxels that differ from the channel's background (the border constant, the value more than half of
+the voxels on the volume's 6 faces hold, when it is not 0, e.g. -3.6 for a z-scored BraTS-style scan; else 0).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from tfmis.data.preprocess import channel_backgrounds, foreground_mask
+
 PERCENTILES = (0.5, 50.0, 99.5)
 FOREGROUND_SAMPLE = 10_000  # voxels per case for the CT window and CT normalisation
 
 
+def body_mask(image: np.ndarray, ct_channels=()) -> np.ndarray:
+    """The voxels of a case that are not background, before any CT window is known: `foreground_mask` of the
+    MRI-like channels (each differs from its own background: a z-scored channel's border constant, else 0), or a
+    CT channel's non-zero voxels (its window is measured from the sample this mask feeds)."""
+    ct = [int(c) for c in ct_channels]
+    other = [c for c in range(image.shape[-1]) if c not in ct]
+    mask = foreground_mask(image, ("zscore",), None, channels=other)
+    for c in ct:
+        np.logical_or(mask, image[..., c] != 0, out=mask)
+    return mask
+
+
 def intensity_sample(
-    image: np.ndarray, label: np.ndarray | None, max_voxels: int, rng: np.random.Generator
+    image: np.ndarray, label: np.ndarray | None, max_voxels: int, rng: np.random.Generator, ct_channels=()
 ) -> np.ndarray:
-    """Up to `max_voxels` raw voxel values (N, C) from the labelled foreground (else nonzero region)."""
-    mask = label > 0 if label is not None and label.any() else np.any(image != 0, axis=-1)
+    """Up to `max_voxels` raw voxel values (N, C) from the labelled foreground (else `body_mask`'s region)."""
+    mask = label > 0 if label is not None and label.any() else body_mask(image, ct_channels)
     values = image[mask] if mask.any() else image.reshape(-1, image.shape[-1])
     if len(values) > max_voxels:
         values = values[rng.choice(len(values), max_voxels, replace=False)]
     return values
 
 
-def foreground_sample(image: np.ndarray, label: np.ndarray | None) -> np.ndarray:
+def foreground_sample(image: np.ndarray, label: np.ndarray | None, ct_channels=()) -> np.ndarray:
     """The sample of a case's raw foreground intensities that the CT window and CT normalisation are measured
     from (`FOREGROUND_SAMPLE` voxels, seed 0): the conversion and the planner's first pass draw the same one."""
-    return intensity_sample(image, label, FOREGROUND_SAMPLE, np.random.default_rng(0))
+    return intensity_sample(image, label, FOREGROUND_SAMPLE, np.random.default_rng(0), ct_channels)
+
+
+def case_background(image: np.ndarray, ct_channels=()) -> list[float | None]:
+    """Per channel, the background value the crop and the z-score use (`channel_backgrounds`): a z-scored channel's
+    border constant, 0 for the others, None for a CT channel (its window decides). Reads the 6 faces only."""
+    ct = {int(c) for c in ct_channels}
+    norms = tuple("ct" if c in ct else "zscore" for c in range(image.shape[-1]))
+    return [None if b is None else float(b) for b in channel_backgrounds(image, norms)]
 
 
 def ct_window(values: np.ndarray) -> tuple[float, float]:
@@ -72,9 +99,9 @@ def intensity_stats(values: np.ndarray) -> list[dict]:
     return stats
 
 
-def case_intensity(image: np.ndarray, label: np.ndarray | None) -> list[dict]:
+def case_intensity(image: np.ndarray, label: np.ndarray | None, ct_channels=()) -> list[dict]:
     """A case's raw intensity statistics per channel, over a seeded sample of its labelled foreground."""
-    return intensity_stats(intensity_sample(image, label, 100_000, np.random.default_rng(0)))
+    return intensity_stats(intensity_sample(image, label, 100_000, np.random.default_rng(0), ct_channels))
 
 
 def case_fingerprint(
@@ -85,10 +112,12 @@ def case_fingerprint(
     out_label: np.ndarray | None,
     num_classes: int,
     intensity: list[dict] | None = None,
+    background: list[float | None] | None = None,
 ) -> dict:
     """The fingerprint entry of one case (raw `image`/`label`, preprocessed `out_label`).
 
-    `image` may be None when `intensity` (`case_intensity` of the raw image and label) is given.
+    `image` may be None when `intensity` (`case_intensity` of the raw image and label) is given; `background`:
+    the case's `case_background` (recorded when given).
     """
     counts = class_voxels(out_label, num_classes) if out_label is not None else None
     return {
@@ -99,6 +128,8 @@ def case_fingerprint(
         "intensity": intensity if intensity is not None else case_intensity(image, label),
         "class_voxels": [int(c) for c in counts] if counts is not None else None,
         "label_extent_mm": label_extent_mm(out_label, geometry.spacing) if out_label is not None else None,
+        "label_pieces": label_pieces(out_label, geometry.spacing) if out_label is not None else None,
+        **({"background": background} if background is not None else {}),
     }
 
 
@@ -117,6 +148,37 @@ def label_extent_mm(label: np.ndarray, spacing) -> list[float] | None:
             return None
         sizes.append(float((hit[-1] + 1 - hit[0]) * spacing[axis]))
     return sizes
+
+
+PIECE_CELL_MM = 4.0  # the grid the labels' connected pieces are found on: about a coarse stage's voxel
+
+
+def label_pieces(label: np.ndarray, spacing, cell_mm: float = PIECE_CELL_MM) -> dict:
+    """The connected pieces of the labelled voxels (26-connected, classes that touch are one piece), found on cells
+    of about `cell_mm` (each cell labelled when any of its voxels is): {"cell_mm": [x, y, z], "shape": cells per
+    axis, "pieces": [[start, stop], ...] boxes in cells}. Cheap at any scan size (a 512x512x600 CT has about
+    100x100x300 cells); what a cascade's coarse stage would find if it found the labels.
+
+    Example:
+        >>> lab = np.zeros((40, 40, 20), np.uint8); lab[0:8, 0:8, 0:4] = 1; lab[30:32, 30:32, 15] = 2
+        >>> label_pieces(lab, (1.0, 1.0, 2.0))
+        {'cell_mm': [4.0, 4.0, 4.0], 'shape': [10, 10, 10], 'pieces': [[[0, 0, 0], [2, 2, 2]], [[7, 7, 7], [8, 8, 8]]]}
+    """
+    from scipy import ndimage
+
+    factors = [max(1, int(round(cell_mm / float(s)))) for s in spacing]
+    cells = [-(-n // f) for n, f in zip(label.shape[:3], factors)]
+    pooled = np.zeros(cells, dtype=bool)
+    for z in range(0, label.shape[2], factors[2]):  # a slab of cells at a time: no copy of the whole label
+        slab = label[:, :, z : z + factors[2]] > 0
+        padded = np.zeros((cells[0] * factors[0], cells[1] * factors[1], factors[2]), dtype=bool)
+        padded[: slab.shape[0], : slab.shape[1], : slab.shape[2]] = slab
+        pooled[:, :, z // factors[2]] = padded.reshape(cells[0], factors[0], cells[1], factors[1], -1).any(
+            axis=(1, 3, 4)
+        )
+    labelled, _ = ndimage.label(pooled, structure=np.ones((3, 3, 3), bool))
+    boxes = [[[s.start for s in b], [s.stop for s in b]] for b in ndimage.find_objects(labelled) if b is not None]
+    return {"cell_mm": [float(f * s) for f, s in zip(factors, spacing)], "shape": cells, "pieces": boxes}
 
 
 def summarize(cases: dict[str, dict], labels: list[str], modalities: list[str]) -> dict:
@@ -151,4 +213,48 @@ def summarize(cases: dict[str, dict], labels: list[str], modalities: list[str]) 
             k for k, c in cases.items() if c["class_voxels"] is not None and sum(c["class_voxels"][1:]) == 0
         ),
         "intensity": intensity,
+        "background": background_summary(cases, modalities),
     }
+
+
+def background_summary(cases: dict[str, dict], modalities: list[str]) -> list[dict]:
+    """Per channel: how many of the cases that record a `background` have a z-scored one (a non-zero border
+    constant), and the range of those constants.
+
+    Example:
+        >>> cases = {"a": {"background": [-3.6, 0.0]}, "b": {"background": [-3.2, 0.0]}, "c": {}}
+        >>> flair, t1 = background_summary(cases, ["FLAIR", "T1w"])
+        >>> flair["num_cases"], flair["border_constant_cases"], flair["border_constants"], t1["border_constants"]
+        (2, 2, [-3.6, -3.2], None)
+    """
+    recorded = [c["background"] for c in cases.values() if c.get("background") is not None]
+    out = []
+    for ch, name in enumerate(modalities):
+        constants = [b[ch] for b in recorded if b[ch] is not None and b[ch] != 0]
+        out.append(
+            {
+                "channel": ch,
+                "modality": name,
+                "num_cases": len(recorded),
+                "border_constant_cases": len(constants),
+                "border_constants": [min(constants), max(constants)] if constants else None,
+            }
+        )
+    return out
+
+
+def background_lines(summary: list[dict] | None) -> list[str]:
+    """One line per channel whose background is a non-zero border constant in some case (`background_summary`), e.g.
+    "background: channel 0 FLAIR is the border constant -3.6 (not 0) in 4 of 4 cases"; none when every background
+    is 0 (or CT, or not recorded)."""
+    lines = []
+    for c in summary or []:
+        if not c["border_constant_cases"]:
+            continue
+        lo, hi = c["border_constants"]
+        value = f"{lo:.3g}" if lo == hi else f"{lo:.3g} to {hi:.3g}"
+        lines.append(
+            f"background: channel {c['channel']} {c['modality']} is the border constant {value} (not 0) in "
+            f"{c['border_constant_cases']} of {c['num_cases']} cases: the crop and the z-score use it"
+        )
+    return lines

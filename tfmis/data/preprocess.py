@@ -150,13 +150,65 @@ def reorient_to_ras(array: np.ndarray, affine: np.ndarray, copy: bool = True) ->
     return (np.ascontiguousarray(out) if copy else out), new_affine
 
 
-def foreground_mask(image: np.ndarray, normalization: tuple[str, ...], ct_window) -> np.ndarray:
-    """Non-background voxels: nonzero for MRI-like channels, above the window's low end for CT."""
+def border_constant(channel: np.ndarray):
+    """The value that more than half of the voxels on the 6 faces of the 3-D `channel` hold (a numpy scalar of its
+    dtype), or None when no value does (a noisy border). A z-scored scan's background (e.g. -3.6) holds all of the
+    border, or nearly all where the body touches a face. Reads the faces only (face-sized copies, never the volume).
+
+    Example:
+        >>> x = np.full((6, 6, 6), -3.6, np.float32); x[1:5, 1:5, 2:] = 1.0   # the body touches the top face
+        >>> float(border_constant(x)) == float(np.float32(-3.6))
+        True
+        >>> border_constant(np.random.default_rng(0).normal(size=(6, 6, 6))) is None
+        True
+    """
+    faces = np.concatenate(
+        [channel[(slice(None),) * axis + (end,)].ravel() for axis in range(channel.ndim) for end in (0, -1)]
+    )
+    for candidate in (faces[0], None):  # a corner first (cheap); else the value that sorts to the middle
+        if candidate is None:  # a value held by more than half of the faces' voxels covers their median
+            candidate = np.partition(faces, faces.size // 2)[faces.size // 2]
+        if 2 * np.count_nonzero(faces == candidate) > faces.size:
+            return candidate
+    return None
+
+
+def channel_background(channel: np.ndarray):
+    """The background value of an MRI-like 3-D `channel`: its border constant (`border_constant`, the value most of
+    the 6 faces hold) when it is not 0 (a z-scored scan, e.g. BraTS-style data whose air is -3.6), else 0 (the rule
+    for scanner units: zero outside the body). A numpy scalar of the channel's dtype, so comparisons are exact."""
+    value = border_constant(channel)
+    return value if value is not None and value != 0 else channel.dtype.type(0)
+
+
+def channel_backgrounds(image: np.ndarray, normalization: tuple[str, ...]) -> list:
+    """Per channel of `image` (X, Y, Z, C): `channel_background`, or None for a CT channel (whose background is
+    everything at or below the CT window's low end, whatever the border holds). Reads the 6 faces only."""
+    return [
+        None if norm in CT_NORMALIZATIONS else channel_background(image[..., c])
+        for c, norm in enumerate(_per_channel(normalization, image.shape[-1]))
+    ]
+
+
+def foreground_mask(image: np.ndarray, normalization: tuple[str, ...], ct_window, channels=None) -> np.ndarray:
+    """Non-background voxels of `image` (X, Y, Z, C): where any channel differs from its background. A CT channel's
+    foreground is above the window's low end (`ct_window[0]`); any other channel's is where it differs from
+    `channel_background`: the border constant when most of the volume's 6 faces hold one value that is not 0 (a
+    z-scored scan), else 0. Each case finds its own border constant (conversion, fingerprint and prediction alike).
+
+    The one definition of the foreground: the crop, the z-score's `use_mask_for_norm` region and the fingerprint
+    (crop shapes, the intensity sample of an unlabelled case) all come from here.
+
+    Args:
+        channels: the channel indices to look at (default all); e.g. the non-CT ones.
+    """
+    norms = _per_channel(normalization, image.shape[-1])
     mask = None
-    for c, norm in enumerate(_per_channel(normalization, image.shape[-1])):
-        channel = image[..., c] > ct_window[0] if norm in CT_NORMALIZATIONS else image[..., c] != 0
+    for c in range(image.shape[-1]) if channels is None else channels:
+        x = image[..., c]
+        channel = x > ct_window[0] if norms[c] in CT_NORMALIZATIONS else x != channel_background(x)
         mask = channel if mask is None else np.logical_or(mask, channel, out=mask)
-    return mask
+    return mask if mask is not None else np.zeros(image.shape[:3], dtype=bool)
 
 
 def bounding_box(mask: np.ndarray, margin: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -215,6 +267,11 @@ def normalize(
     """Per-channel intensity normalisation (float32 out); see `PreprocessConfig.normalization`. The image may also
     hold integers (a CT's int16 read as it is stored): each slab is made float32 before any arithmetic, so the values
     are those of the float32 image.
+
+    `mask`: the case's `foreground_mask` (as `preprocess` passes it). A `zscore` channel takes its mean and std over
+    it and is 0 outside it (nnU-Net's use_mask_for_norm), unless the mask is empty or the whole grid; so a scan
+    z-scored before it reached tfmis (background a constant such as -3.6) is normalised over its body, as its raw
+    version would be, not over the air around it.
 
     The voxel-wise formulas run `NORMALIZE_SLICES` slices at a time (same values, temporaries of a slab
     instead of the volume), so a real-size CT needs only its output beside its input. `out`: a float32 array

@@ -299,7 +299,9 @@ class Trainer:
 
     def evaluate(self, dataset) -> dict:
         """Sliding-window inference on each whole validation volume; per-class Dice (and HD95, NSD), and the same
-        of the regions in `validation.regions` (`SegmentationMetrics.result()`).
+        of the regions in `validation.regions` (`SegmentationMetrics.result()`). Scored on the preprocessed grid
+        with the preprocessed spacing: HD95 and NSD here are "on the preprocessed grid", `tfmis-predict`'s on the
+        scan's original grid (the same when preprocessing does not resample; docs/training.md).
 
         The result also holds `fallbacks`: how many cases were not aggregated on the first-choice
         placement of `validation.validation_data_device` (see `tfmis.inference.placement`).
@@ -606,7 +608,7 @@ class Trainer:
         if "mean_hd95" in result:  # inf when a class was missed in some case; the misses are counted
             record["val_mean_hd95"] = result["mean_hd95"]
             record["val_hd95_misses"] = int(sum(result["hd95_inf_count_per_class"]))
-        if "mean_nsd" in result:
+        if "mean_nsd" in result:  # NSD on the preprocessed grid (predict's nsd_<class>: on the original grid)
             record["val_mean_nsd"] = result["mean_nsd"]
             record["val_nsd"] = dict(zip(self.class_names[1:], result["nsd_per_class"]))
         for region in self.config.validation.regions:  # flat keys: val_dice_whole_tumour, ...

@@ -196,7 +196,9 @@ class HostBlend:
                 window = np.multiply(window, self.weights, out=self.scratch)
             self.total[b, x : x + rx, y : y + ry, z : z + rz] += window
 
-    def result(self, device: str | None, crop: tuple[slice, ...] | None) -> tf.Tensor:
+    def result(self, device: str | None, crop: tuple[slice, ...] | None, as_numpy: bool = False):
+        """The blend as a tensor on `device` sharing the host buffer, or with `as_numpy` the writable buffer itself
+        (a tensor's numpy view is read-only, and `Tensor.numpy()` copies it)."""
         total, self.total = self.total, None
         weights, self.weight_sum = self.weight_sum[None, ..., None], None
         if self.normalise_per_window:
@@ -210,6 +212,9 @@ class HostBlend:
             region = total[(slice(None), *crop)]
             total = _aligned_empty(region.shape, total.dtype)
             total[...] = region
+            del region
+        if as_numpy:
+            return total
         output = _host_tensor(total)
         if device:
             with tf.device(device):
@@ -218,13 +223,27 @@ class HostBlend:
 
 
 class DeviceBlend:
-    """Σ(weight · prediction) and Σ(weight) in one TensorFlow variable on `device` (K + 1 channels),
-    one scatter-add per window, divided once at the end. A float16 `buffer_dtype` holds both sums in
-    float16 (half the memory; relative rounding about 1e-3).
+    """The blend in one TensorFlow variable on `device`, one sparse update per window.
+
+    float32 (MONAI's): Σ(weight · prediction) and Σ(weight) in K + 1 float32 channels, one scatter-add
+    per window, divided once at the end.
+
+    float16 (half the memory for the K classes), normalised per window as `HostBlend` does, so a device run
+    and its host fallback give the same result: Σ(weight) is computed first (`weight_sum`, float32, from the
+    window corners and the importance map), and each window's weight · prediction / Σ(weight) is added in
+    float32 to the running mean read from the buffer, then rounded once to float16 and written back (what
+    numpy's in-place float16 += float32 does). The buffer holds the blended mean itself, in the range of the
+    predictions: no final division. Summing raw weighted logits in float16 instead would round them at the
+    step of the sums (0.125 between 128 and 256) and could change labels against the host.
+
+    Memory on `device` besides the volume, for B images of X·Y·Z voxels and K classes: float32, B·X·Y·Z·(K + 1)
+    float32; float16, B·X·Y·Z·K float16 plus X·Y·Z float32 for Σ(weight) (2K + 4 bytes per voxel of one
+    image, against 2K + 2 when both sums were float16; the Σ(weight) map is released before the result is
+    read, which needs no division buffer).
 
     For buffers in accelerator memory: every op is queued on the device and nothing waits for the
-    host until the caller reads the result. The variable is flat, (B·X·Y·Z, K + 1), and a window
-    adds its rx·ry·rz rows at precomputed offsets from its corner. A slice read-add-assign would
+    host until the caller reads the result. The variable is flat, (B·X·Y·Z, channels), and a window
+    touches its rx·ry·rz rows at precomputed offsets from its corner. A slice read-add-assign would
     not do: TensorFlow copies the whole variable on every read once a slice of it was assigned.
     One scatter per window keeps the indices of each scatter distinct, so the sums are deterministic.
     """
@@ -233,15 +252,19 @@ class DeviceBlend:
         self,
         volume: tf.Tensor | np.ndarray,
         roi_size: tuple[int, int, int],
+        starts: np.ndarray,
         weights: tf.Tensor | np.ndarray,
         device: str | None,
         buffer_dtype="float32",
     ):
         self.device, self.roi_size = device, roi_size
         self.buffer_dtype = tf.as_dtype(check_buffer_dtype(buffer_dtype))
+        self.normalise_per_window = self.buffer_dtype != tf.float32
+        weights = np.asarray(weights, np.float32)
+        self.uniform = bool(weights.min() == weights.max() == 1)  # constant mode: no products
         with device_scope(device):
             self.volume = tf.identity(volume)
-            self.weights = tf.cast(tf.identity(weights), tf.float32)[..., None]
+            self.weights = tf.identity(tf.constant(weights[..., None]))
         batch, sx, sy, sz = (int(s) for s in self.volume.shape[:4])
         self.strides = (sx * sy * sz, sy * sz, sz, 1)
         self.index_dtype = tf.int32 if batch * sx * sy * sz < 2**31 else tf.int64
@@ -249,6 +272,12 @@ class DeviceBlend:
         rows = (np.arange(rx)[:, None, None] * sy + np.arange(ry)[None, :, None]) * sz + np.arange(rz)
         with device_scope(device):
             self.rows = tf.constant(rows.reshape(-1), self.index_dtype)
+            # the whole-volume Σ(weight) of the float16 blend (X·Y·Z rows, float32), before any forward pass
+            self.weight_sum = (
+                tf.identity(tf.constant(weight_sum((sx, sy, sz), starts, weights).reshape(-1, 1)))
+                if self.normalise_per_window
+                else None
+            )
         self.total = None
 
     def windows(self, origins: np.ndarray) -> tf.Tensor:
@@ -257,10 +286,12 @@ class DeviceBlend:
             return tf.stack([self.volume[b, x : x + rx, y : y + ry, z : z + rz] for b, x, y, z in origins])
 
     def allocate(self, prediction: tf.Tensor) -> None:
-        """The sum buffer, once the first prediction tells the channel count K (before the next forward pass)."""
+        """The buffer, once the first prediction tells the channel count K (before the next forward pass):
+        K + 1 channels (the sums) in float32, K (the running mean) in float16."""
+        channels = int(prediction.shape[-1]) + (0 if self.normalise_per_window else 1)
         with device_scope(self.device):
             self.total = tf.Variable(
-                tf.zeros([self.strides[0] * int(self.volume.shape[0]), prediction.shape[-1] + 1], self.buffer_dtype),
+                tf.zeros([self.strides[0] * int(self.volume.shape[0]), channels], self.buffer_dtype),
                 trainable=False,
             )
 
@@ -268,6 +299,9 @@ class DeviceBlend:
         rx, ry, rz = self.roi_size
         with device_scope(self.device):
             prediction = tf.identity(prediction) if self.device else prediction
+            if self.normalise_per_window:
+                self._add_normalised(prediction, origins)
+                return
             channels = int(prediction.shape[-1]) + 1
             weights = tf.broadcast_to(self.weights, [len(origins), rx, ry, rz, 1])
             values = tf.reshape(tf.concat([prediction * weights, weights], axis=-1), [len(origins), -1, channels])
@@ -276,12 +310,35 @@ class DeviceBlend:
                 corner = sum(int(o) * s for o, s in zip(origin, self.strides))
                 tf.raw_ops.ResourceScatterAdd(resource=self.total.handle, indices=self.rows + corner, updates=value)
 
-    def result(self, device: str | None, crop: tuple[slice, ...] | None) -> tf.Tensor:
+    def _add_normalised(self, prediction: tf.Tensor, origins: np.ndarray) -> None:
+        """mean[window] = float16(float32(mean[window]) + weight · prediction / Σ(weight)), window by window:
+        the float32 values and the single rounding of `HostBlend`'s float16 add."""
+        values = tf.reshape(prediction, [len(origins), -1, int(prediction.shape[-1])])
+        if not self.uniform:
+            values = values * tf.reshape(self.weights, [1, -1, 1])
+        for value, (b, x, y, z) in zip(tf.unstack(values), origins):
+            rows = self.rows + (int(x) * self.strides[1] + int(y) * self.strides[2] + int(z))
+            value = tf.math.divide_no_nan(value, tf.gather(self.weight_sum, rows))
+            rows = rows + int(b) * self.strides[0]
+            mean = tf.cast(self.total.sparse_read(rows), tf.float32) + value
+            tf.raw_ops.ResourceScatterUpdate(
+                resource=self.total.handle, indices=rows, updates=tf.cast(mean, self.buffer_dtype)
+            )
+
+    def result(self, device: str | None, crop: tuple[slice, ...] | None, as_numpy: bool = False):
+        """The blend as a tensor on the device, or with `as_numpy` copied to a numpy array."""
+        output = self._result(crop)
+        return output.numpy() if as_numpy else output
+
+    def _result(self, crop: tuple[slice, ...] | None) -> tf.Tensor:
+        self.weight_sum = None
         with device_scope(self.device):
             total = tf.reshape(self.total.read_value(), [*self.volume.shape[:4], -1])
-            self.total = None  # frees the variable before the division allocates the output
+            self.total = None  # frees the variable before the division (or the crop) allocates the output
             if crop is not None:
                 total = total[(slice(None), *crop)]
+            if self.normalise_per_window:
+                return total  # the mean already
             return tf.math.divide_no_nan(total[..., :-1], total[..., -1:])
 
 
@@ -396,15 +453,17 @@ def aggregate(
     on_host: bool,
     crop: tuple[slice, ...] | None = None,
     buffer_dtype="float32",
-) -> tf.Tensor:
+    as_numpy: bool = False,
+):
     """`aggregate_windows` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`), and the
-    result cropped to the spatial `crop` (the padding of a volume smaller than the window)."""
+    result cropped to the spatial `crop` (the padding of a volume smaller than the window). With `as_numpy` the
+    result is a writable numpy array: the host buffer itself (no copy), or the device result copied to the host."""
     roi_size = tuple(int(s) for s in roi_size)
     starts = np.asarray(starts, np.int32).reshape(-1, SPATIAL_DIMS)
     blend = (
         HostBlend(volume, roi_size, starts, weights, buffer_dtype)
         if on_host
-        else DeviceBlend(volume, roi_size, weights, device, buffer_dtype)
+        else DeviceBlend(volume, roi_size, starts, weights, device, buffer_dtype)
     )
     origins = _window_origins(int(volume.shape[0]), starts)
     bar = progress_bar(-(-len(origins) // sw_batch_size), "sliding window", "batch") if progress else None
@@ -424,4 +483,4 @@ def aggregate(
     finally:
         if bar is not None:
             bar.close()
-    return blend.result(device, crop)
+    return blend.result(device, crop, as_numpy)

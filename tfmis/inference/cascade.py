@@ -1,16 +1,19 @@
-"""Prediction through a coarse-to-fine cascade (seed 003's coarse localisation + fine region of interest).
+"""Prediction through a coarse-to-fine cascade: a coarse stage finds the structures, a fine stage segments each.
 
-The coarse stage (a low-resolution run) predicts the whole scan; the box around its foreground, grown by
-`cascade.margin_mm` per side, is cut from the original scan and only that box goes through the fine stage (a
-full-resolution run trained on cases cropped the same way, `data.conversion.crop_to_label_mm`); outside the box
-the label is background. When the coarse stage finds nothing, the fine stage sees the whole scan. The written
-label map has the input's geometry, as with one stage.
+The coarse stage (a low-resolution run) predicts the whole scan. Each connected piece of its foreground (classes
+that touch form one piece) gets its own box, grown by `cascade.margin_mm` per side; boxes that overlap are merged.
+Each box is cut from the original scan and goes through the fine stage (a full-resolution run trained on cases
+cropped the same way, `data.conversion.crop_to_label_mm`). Small pieces are regions like any other: only pieces
+under `cascade.min_region_mm3` (0 by default) are left out. Outside the boxes the label is background, or the
+coarse stage's label for the classes the fine stage does not decide (`cascade.fine_classes`). When the coarse stage
+finds nothing, the fine stage runs over the whole scan and decides every class; the CSV's `region` column says so.
+The written label map has the input's geometry, as with one stage.
 
 Example:
 ```python
 predictor = make_predictor(load_config("runs/Task03/fullres/config.yaml"), "runs/Task03/fullres")
 result = predictor.predict_file(InputCase("ct_001", "ct_001.nii.gz"), "predictions/")
-print(result.region)  # "box 212x180x96 = 6.1% of the scan"
+print(result.region)  # "3 regions = 6.1% of the scan: 212x180x96, 40x38x22, 96x90x60"
 ```
 """
 
@@ -19,35 +22,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from scipy import ndimage
 
-from tfmis.data.preprocess import bounding_box
 from tfmis.inference.predictor import GridPrediction, Predictor, run_config
 from tfmis.inference.restore import original_box
 
-MIN_COMPONENT_SHARE = 0.01  # coarse foreground specks below this share of it do not widen the region
+Box = tuple[slice, ...]
 
 
-def main_box(mask: np.ndarray, min_share: float = MIN_COMPONENT_SHARE) -> tuple[np.ndarray, np.ndarray] | None:
-    """(start, stop) of the True voxels of `mask` without the connected pieces holding less than `min_share` of them;
-    None when `mask` is empty. A coarse stage's specks at the scan's edge would otherwise stretch the box over the
-    whole scan (seen on a 512x512x600 CT: three specks of 10-43 voxels at the first and last slices, against 2.5
-    million in the organs)."""
-    if not mask.any():
-        return None
-    if min_share > 0:
-        from scipy import ndimage
-
-        pieces, count = ndimage.label(mask)
-        if count > 1:
-            sizes = np.bincount(pieces.ravel())[1:]
-            kept = np.zeros(count + 1, dtype=bool)  # a lookup table: np.isin sorts, with int64 copies of the scan
-            kept[1:] = sizes >= min_share * sizes.sum()
-            mask = kept[pieces]
-        del pieces
-    return bounding_box(mask)
-
-
-def grow_box(start, stop, affine: np.ndarray, margin_mm: float, shape) -> tuple[slice, ...]:
+def grow_box(start, stop, affine: np.ndarray, margin_mm: float, shape) -> Box:
     """The box [start, stop) grown by `margin_mm` on each side (ceil(margin / spacing) voxels per axis of the grid
     of `affine`), clipped to `shape`, as slices."""
     spacing = np.linalg.norm(np.asarray(affine, dtype=np.float64)[:3, :3], axis=0)
@@ -57,40 +40,103 @@ def grow_box(start, stop, affine: np.ndarray, margin_mm: float, shape) -> tuple[
     return tuple(slice(int(a), int(b)) for a, b in zip(start, stop))
 
 
-def region_of_interest(
-    mask: np.ndarray, affine: np.ndarray, margin_mm: float, min_share: float = MIN_COMPONENT_SHARE
-) -> tuple[slice, ...] | None:
-    """The box (slices on the grid of `mask` and `affine`) around the True voxels of `mask`, specks left out
-    (`main_box`), grown by `margin_mm` on each side; None when `mask` is empty.
+def _overlap(a: Box, b: Box) -> bool:
+    return all(x.start < y.stop and y.start < x.stop for x, y in zip(a, b))
+
+
+def _union(a: Box, b: Box) -> Box:
+    return tuple(slice(min(x.start, y.start), max(x.stop, y.stop)) for x, y in zip(a, b))
+
+
+def merge_boxes(boxes: list[Box]) -> list[Box]:
+    """`boxes` with every overlapping pair replaced by the box around both, until no two overlap; in the order of
+    their first corners. Boxes that only touch stay apart (they share no voxel).
 
     Example:
-        >>> m = np.zeros((40, 40, 20), bool); m[10:12, 20:30, 5] = True
-        >>> region_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 10.0)
-        (slice(5, 17, None), slice(15, 35, None), slice(3, 8, None))
-        >>> m[39, 39, 19] = True  # a speck: 1 of 21 voxels is under 10%
-        >>> region_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 10.0, min_share=0.1)
-        (slice(5, 17, None), slice(15, 35, None), slice(3, 8, None))
+        >>> boxes = merge_boxes([(slice(0, 4), slice(0, 4)), (slice(3, 6), slice(3, 6)), (slice(10, 12), slice(0, 2))])
+        >>> [[(s.start, s.stop) for s in box] for box in boxes]
+        [[(0, 6), (0, 6)], [(10, 12), (0, 2)]]
     """
-    found = main_box(mask, min_share)
-    return None if found is None else grow_box(*found, affine, margin_mm, mask.shape)
+    merged = list(boxes)
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(merged)):
+            for j in range(i + 1, len(merged)):
+                if _overlap(merged[i], merged[j]):
+                    merged[i] = _union(merged[i], merged.pop(j))
+                    changed = True
+                    break
+            if changed:
+                break
+    return sorted(merged, key=lambda b: tuple(s.start for s in b))
 
 
-def coarse_region(grid: GridPrediction, affine: np.ndarray, margin_mm: float) -> tuple[slice, ...] | None:
-    """The fine stage's box on the scan's grid (`affine`): the coarse stage's foreground found on its own grid
-    (`main_box` of the argmax, a few hundred times fewer voxels than the scan), mapped to the scan's voxels and grown
-    by `margin_mm`; None when the coarse stage found nothing."""
+def pieces(mask: np.ndarray, min_voxels: float = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(start, stop) of each connected piece of the True voxels of `mask` (26-connected: pieces that touch at a
+    corner are one) with at least `min_voxels` voxels, in label order; [] when `mask` is empty."""
+    labelled, count = ndimage.label(mask, structure=np.ones((3, 3, 3), bool))
+    if count == 0:
+        return []
+    sizes = np.bincount(labelled.ravel(), minlength=count + 1)[1:] if min_voxels > 0 else None
+    found = []
+    for index, slices in enumerate(ndimage.find_objects(labelled)):
+        if slices is None or (sizes is not None and sizes[index] < min_voxels):
+            continue
+        found.append((np.array([s.start for s in slices]), np.array([s.stop for s in slices])))
+    return found
+
+
+def regions_of_interest(
+    mask: np.ndarray, affine: np.ndarray, margin_mm: float, min_volume_mm3: float = 0.0
+) -> list[Box]:
+    """The boxes (slices on the grid of `mask` and `affine`) around each connected piece of the True voxels of
+    `mask` of at least `min_volume_mm3`, each grown by `margin_mm` per side, overlapping boxes merged; [] when no
+    piece is left.
+
+    Example:
+        >>> m = np.zeros((40, 40, 20), bool); m[10:12, 20:30, 5] = True; m[39, 39, 19] = True
+        >>> boxes = regions_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 4.0)
+        >>> [[(s.start, s.stop) for s in box] for box in boxes]
+        [[(8, 14), (18, 32), (4, 7)], [(37, 40), (37, 40), (18, 20)]]
+        >>> len(regions_of_interest(m, np.diag([2.0, 2.0, 5.0, 1.0]), 4.0, min_volume_mm3=40.0))  # the speck: 20 mm3
+        1
+    """
+    voxel_mm3 = float(abs(np.linalg.det(np.asarray(affine, dtype=np.float64)[:3, :3])))
+    found = pieces(mask, min_volume_mm3 / voxel_mm3 if min_volume_mm3 > 0 else 0)
+    return merge_boxes([grow_box(a, b, affine, margin_mm, mask.shape) for a, b in found])
+
+
+def coarse_regions(
+    grid: GridPrediction, affine: np.ndarray, margin_mm: float, min_volume_mm3: float = 0.0
+) -> list[Box]:
+    """The fine stage's boxes on the scan's grid (`affine`): each connected piece of the coarse stage's foreground,
+    found on its own grid (the argmax, a few hundred times fewer voxels than the scan), mapped to the scan's voxels
+    (flips and anisotropic spacings included), grown by `margin_mm`; overlapping boxes merged. Pieces under
+    `min_volume_mm3` (measured on the coarse grid) are left out. [] when the coarse stage found nothing."""
     if grid.probabilities is None:
-        return None
-    foreground = grid.grid_labels() > 0
-    found = main_box(foreground)
-    if found is None:
-        return None
+        return []
+    coarse_voxel_mm3 = float(np.prod(grid.geometry.spacing))
+    min_voxels = min_volume_mm3 / coarse_voxel_mm3 if min_volume_mm3 > 0 else 0
     offset = np.asarray(grid.offset)
-    start, stop = original_box(found[0] + offset, found[1] + offset, grid.geometry)
-    return grow_box(start, stop, affine, margin_mm, grid.geometry.original_shape)
+    shape = grid.geometry.original_shape
+    boxes = []
+    for start, stop in pieces(grid.grid_labels() > 0, min_voxels):
+        first, last = original_box(start + offset, stop + offset, grid.geometry)
+        if np.all(last > first):
+            boxes.append(grow_box(first, last, affine, margin_mm, shape))
+    return merge_boxes(boxes)
 
 
-def crop_affine(affine: np.ndarray, box: tuple[slice, ...]) -> np.ndarray:
+def describe_regions(boxes: list[Box], shape) -> str:
+    """One line for the CSV's `region` column: the number of boxes, their share of the scan and their sizes."""
+    share = sum(float(np.prod([s.stop - s.start for s in b])) for b in boxes) / float(np.prod(shape[:3]))
+    sizes = ", ".join("x".join(str(s.stop - s.start) for s in b) for b in boxes)
+    what = "1 region" if len(boxes) == 1 else f"{len(boxes)} regions"
+    return f"{what} = {100 * share:.3g}% of the scan: {sizes}"
+
+
+def crop_affine(affine: np.ndarray, box: Box) -> np.ndarray:
     """The affine of `image[box]`: the same axes, the origin moved to the box's first voxel."""
     out = np.array(affine, dtype=np.float64, copy=True)
     out[:3, 3] = out[:3, :3] @ np.array([s.start for s in box], dtype=np.float64) + out[:3, 3]
@@ -101,12 +147,13 @@ class CascadePredictor(Predictor):
     """A `Predictor` for the fine stage that first runs `coarse` on the whole scan to find where to look.
 
     Args:
-        config, checkpoint: the fine stage's run (its `cascade.margin_mm` is the margin).
+        config, checkpoint: the fine stage's run (its `cascade.margin_mm`, `cascade.min_region_mm3` and
+            `cascade.fine_classes`).
         coarse: the coarse stage's `Predictor`.
         kwargs: `Predictor`'s (sliding-window settings, device, test-time augmentation), for both stages.
 
-    After each case, `last_region` describes what the fine stage saw (also in `CaseResult.region`) and `last_box` is
-    that box (slices of the scan's grid; None for the whole scan).
+    After each case, `last_region` describes what the fine stage saw (also in `CaseResult.region`) and `last_boxes`
+    are its boxes (slices of the scan's grid; [] when it saw the whole scan).
     """
 
     def __init__(self, config, checkpoint, coarse: Predictor, **kwargs):
@@ -117,60 +164,69 @@ class CascadePredictor(Predictor):
             )
         self.coarse = coarse
         self.margin_mm = float(config.cascade.margin_mm)
+        self.min_region_mm3 = float(config.cascade.min_region_mm3)
         fine = config.cascade.fine_classes
         self.fine_classes = sorted(fine) if fine else None
         if self.fine_classes and max(self.fine_classes) >= len(self.class_names):
             raise ValueError(f"cascade.fine_classes {fine}: this run has labels 0..{len(self.class_names) - 1}")
         self.last_region = ""
-        self.last_box = None
+        self.last_boxes: list[Box] = []
 
     def predict_image(self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True):
         """(label map, probabilities (X, Y, Z, K) or None, device) of the image in `holder` ([image], emptied
-        once the fine stage's box is cut): the coarse stage over the whole scan, the fine stage over the box around
-        what it found (cut from the original scan, so it is preprocessed as the fine stage's training crops). With
-        `cascade.fine_classes` the label map is the coarse stage's with those classes taken from the fine stage
-        (inside the box); the probabilities are the fine stage's inside the box either way. The coarse stage's
-        labels are restored to the scan's grid only when `fine_classes` needs them."""
+        once the fine stage's boxes are cut): the coarse stage over the whole scan, the fine stage over each box
+        around what it found (cut from the original scan, so it is preprocessed as the fine stage's training crops).
+        Without `cascade.fine_classes` the label map is the fine stage's inside the boxes and background outside;
+        with them, the coarse stage's everywhere, those classes replaced inside the boxes by the fine stage's. The
+        probabilities are the fine stage's inside the boxes, background outside. When the coarse stage found
+        nothing, the fine stage's over the whole scan, every class."""
         image = holder.pop()
         shape = image.shape[:3]
         grid = self.coarse.grid_prediction(image, affine, case_id)
-        coarse_device = grid.device
-        box = self.last_box = coarse_region(grid, affine, self.margin_mm)
-        coarse_labels = grid.restore()[0] if box is not None and self.fine_classes is not None else None
-        del grid
-        if box is None:
+        boxes = self.last_boxes = coarse_regions(grid, affine, self.margin_mm, self.min_region_mm3)
+        if not boxes:
             self.last_region = "whole scan (the coarse stage found nothing)"
+            del grid
             return super().predict_image([image], affine, case_id, probabilities)
-        sub = [np.ascontiguousarray(image[box])]
+        # every box cut first, so the scan goes before the first fine sliding window (the boxes are a part of it)
+        subs = [np.ascontiguousarray(image[box]) for box in boxes]
         del image
-        sub_labels, sub_probabilities, device = super().predict_image(
-            sub, crop_affine(affine, box), case_id, probabilities
-        )
-        share = float(np.prod(sub_labels.shape)) / float(np.prod(shape))
-        self.last_region = f"box {'x'.join(str(s.stop - s.start) for s in box)} = {100 * share:.3g}% of the scan"
+        fine_results, full, devices = [], None, [grid.device]
+        for number, box in enumerate(boxes):
+            sub_labels, sub_probabilities, device = super().predict_image(
+                [subs[number]], crop_affine(affine, box), case_id, probabilities
+            )
+            subs[number] = None
+            devices.append(device)
+            fine_results.append(sub_labels)
+            if sub_probabilities is not None:
+                if full is None:
+                    full = np.zeros((*shape, sub_probabilities.shape[-1]), dtype=sub_probabilities.dtype)
+                    if self.task.regions is None:  # background outside the boxes (region probabilities stay 0)
+                        full[..., 0] = 1
+                full[box] = sub_probabilities
+            del sub_probabilities
+        # the scan-sized label map only now: the coarse labels (restored from the small coarse grid) or background
         if self.fine_classes is None:
-            labels = np.zeros(shape, dtype=sub_labels.dtype)
-            labels[box] = sub_labels
-        else:  # large structures from the coarse stage, the fine classes painted over them from the fine stage
+            labels = np.zeros(shape, dtype=np.uint8)
+            is_fine = np.ones(256, dtype=bool)
+        else:
+            labels = grid.restore()[0].astype(np.uint8, copy=False)
             is_fine = np.zeros(256, dtype=bool)  # a lookup table on the uint8 labels (np.isin sorts a copy)
             is_fine[self.fine_classes] = True
-            labels = coarse_labels.astype(sub_labels.dtype, copy=False)
-            labels[is_fine[labels]] = 0
+        del grid
+        # the boxes are disjoint (merged), so each writes its own voxels
+        for box, sub_labels in zip(boxes, fine_results):
             inside = labels[box]
+            inside[is_fine[inside]] = 0
             fine = is_fine[sub_labels]
             inside[fine] = sub_labels[fine]
-        del coarse_labels
-        full = None
-        if sub_probabilities is not None:
-            full = np.zeros((*shape, sub_probabilities.shape[-1]), dtype=sub_probabilities.dtype)
-            if self.task.regions is None:  # background outside the box (region probabilities stay 0 there)
-                full[..., 0] = 1
-            full[box] = sub_probabilities
-        return labels, full, f"{coarse_device} / {device}" if coarse_device != device else device
+        self.last_region = describe_regions(boxes, shape)
+        return labels, full, " / ".join(dict.fromkeys(devices))
 
     def predict_array(self, image, affine, case_id: str = "", roi=None, probabilities: bool = True):
         if roi is not None:
-            raise ValueError("a cascade chooses its own region: predict_array(roi=...) is for one stage")
+            raise ValueError("a cascade chooses its own regions: predict_array(roi=...) is for one stage")
         return self.predict_image([image], affine, case_id, probabilities)
 
     def predict_file(self, case, output_dir, probabilities: bool = False):

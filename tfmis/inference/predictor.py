@@ -275,7 +275,8 @@ class Predictor:
             sw_device=self.compute_device,
             device=device,
             buffer_dtype=self._logits_dtype,
-        )[0].numpy()
+            output="numpy",  # the host buffer itself, writable for the in-place softmax: no copy of the logits
+        )[0]
 
     def logits(self, volume: np.ndarray, case_id: str = "", buffer_dtype: str = "float32") -> tuple[np.ndarray, str]:
         """Blended logits (x, y, z, K) in `buffer_dtype` of a preprocessed volume (x, y, z, C), and where they were
@@ -416,15 +417,60 @@ class Predictor:
     def _dice(self, case: InputCase, prediction: np.ndarray, affine: np.ndarray) -> tuple[dict, dict]:
         """Dice per foreground class against the case's label map, as MONAI `compute_dice` (ignore_empty): NaN for
         a class absent from the label, whatever the prediction holds; and the `score_columns` (regions, HD95,
-        NSD as `SegmentationMetrics` scores them, in mm on the input's grid)."""
-        img = nib.load(str(case.label))
-        label = np.asarray(img.dataobj)
-        if label.shape != prediction.shape:
-            raise CaseError(case.case_id, f"label {case.label} has shape {label.shape}, the image {prediction.shape}")
+        NSD as `SegmentationMetrics` scores them, in mm on the input's grid).
+
+        The label is read as uint8 (`read_label_map`, no float64 copy) and scored without whole-volume copies
+        (`tfmis.metrics.segmentation`): the scan's label map and the prediction are the only full-size arrays."""
+        label = read_label_map(case.label, len(self.class_names), case.case_id, prediction.shape)
         metrics = self.task.build_metrics()
-        entry = metrics.update(prediction, np.rint(label).astype(np.int64), spacing=nib.affines.voxel_sizes(affine))
+        entry = metrics.update(prediction, label, spacing=nib.affines.voxel_sizes(affine))
+        del label
         dice = dict(zip(self.class_names[1:], (float(s) for s in entry["dice_per_class"])))
         return dice, {column: entry[key] for column, key in score_keys(metrics).items()}
+
+
+LABEL_SLAB_SLICES = 32  # slices (the file's last axis) of a label NIfTI read and cast at a time
+
+
+def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=None) -> np.ndarray:
+    """A label NIfTI as an unsigned integer array (uint8; uint16 beyond 256 classes) in the file's voxel order.
+
+    Read `LABEL_SLAB_SLICES` slices along the file's last axis at a time from nibabel's array proxy (the file kept
+    open, so a .nii.gz is decompressed once, front to back), each slab cast to the small type: no float64 (or
+    int64) copy of the volume. Labels stored as floats (or scaled integers) are rounded to the nearest integer
+    first, as nibabel's floats near an integer deserve.
+
+    Raises:
+        CaseError: the label's shape is not `shape` (when given).
+        ValueError: a value that is not one of the classes 0..num_classes-1.
+
+    Example:
+    ```python
+    label = read_label_map("labelsTr/liver_3.nii.gz", num_classes=3)   # uint8 (X, Y, Z)
+    ```
+    """
+    img = nib.load(str(path), keep_file_open=True)
+    if shape is not None and tuple(img.shape) != tuple(shape):
+        raise CaseError(case_id, f"label {path} has shape {tuple(img.shape)}, the image {tuple(shape)}")
+    out = np.empty(img.shape, np.uint8 if num_classes <= 2**8 else np.uint16)
+    outside = []  # (min, max) of the slabs holding a value that is not a class (NaN included)
+    for start in range(0, img.shape[-1], LABEL_SLAB_SLICES):
+        part = (..., slice(start, start + LABEL_SLAB_SLICES))
+        slab = np.asanyarray(img.dataobj[part])
+        if slab.dtype.kind == "f":
+            slab = np.rint(slab)
+        if slab.size:
+            low, high = slab.min(), slab.max()
+            if low >= 0 and high < num_classes:  # False for NaN
+                out[part] = slab
+            else:
+                outside.append((low, high))
+    if outside:
+        low, high = min(low for low, _ in outside), max(high for _, high in outside)
+        raise ValueError(
+            f"label {path} holds values outside the classes 0..{num_classes - 1} (in [{low}, {high}] where it does)"
+        )
+    return out
 
 
 def score_keys(metrics) -> dict[str, str]:
@@ -528,8 +574,8 @@ def collect_inputs(
 
 
 def results_table(results: list[CaseResult]) -> str:
-    """A readable table: case, shape, seconds, peak memory, foreground voxels, device, (a cascade's region,)
-    status."""
+    """A readable table: case, shape, seconds, peak memory, foreground voxels, device, (a cascade's regions: their
+    number and share of the scan,) status."""
     cascade = any(r.region for r in results)
     rows = [
         (
@@ -552,7 +598,7 @@ def results_table(results: list[CaseResult]) -> str:
                 f"{r.peak_rss_mb:.0f}" if r.peak_rss_mb is not None else "-",
                 str(r.foreground_voxels) if r.status == "ok" else "-",
                 r.device or "-",
-                *((r.region or "-",) if cascade else ()),
+                *((r.region.split(":")[0] or "-",) if cascade else ()),  # the box sizes are in the CSV
                 "ok" if r.status == "ok" else f"FAILED: {r.reason}",
             )
         )

@@ -131,7 +131,8 @@ def sliding_window_inference(
     device: str | None = None,
     progress: bool = False,
     buffer_dtype: str = "float32",
-) -> tf.Tensor:
+    output: str = "tensor",
+) -> tf.Tensor | np.ndarray:
     """Predicts a whole volume window by window and blends the overlapping predictions.
 
     The channels-last TensorFlow counterpart of `monai.inferers.sliding_window_inference`.
@@ -160,12 +161,17 @@ def sliding_window_inference(
         progress: show progress over the predictor calls (`tfmis.utils.progress.progress_bar`: a
             bar on a terminal, plain lines in a log).
         buffer_dtype: dtype of the whole-volume sum buffer and of the result: `float32` (default,
-            as MONAI) or `float16`, half the memory for B·X·Y·Z·K values. With float16 in host
-            memory, each window is divided by the (float32) sum of weights over its voxels before
-            it is added, so the buffer holds the mean itself (rounding about 1e-3 relative).
+            as MONAI) or `float16`, half the memory for B·X·Y·Z·K values. With float16, in host
+            memory and on a device alike, each window is divided by the (float32) sum of weights over
+            its voxels before it is added, so the buffer holds the mean itself (rounding about 1e-3
+            relative) and both give the same values.
+
+        output: `tensor`, or `numpy` for a writable numpy array: the host buffer itself when the blend ran in
+            host memory (a tensor's `.numpy()` would copy the whole volume's predictions once more), else the
+            device's result copied to the host.
 
     Returns:
-        tensor (B, X, Y, Z, K) in `buffer_dtype` (float32 by default) on `device`.
+        (B, X, Y, Z, K) in `buffer_dtype` (float32 by default): a tensor on `device`, or a numpy array.
 
     Raises:
         ValueError: a bad argument (the message names it) or a predictor output of the wrong shape.
@@ -181,6 +187,8 @@ def sliding_window_inference(
         raise RuntimeError(
             "sliding_window_inference loops over window batches in Python; call it eagerly, not inside a tf.function"
         )
+    if output not in ("tensor", "numpy"):
+        raise ValueError(f"output must be 'tensor' or 'numpy', got {output!r}")
     return _infer(
         inputs,
         roi_size,
@@ -196,6 +204,7 @@ def sliding_window_inference(
         progress,
         on_host=aggregates_on_host(device),
         buffer_dtype=buffer_dtype,
+        as_numpy=output == "numpy",
     )
 
 
@@ -214,7 +223,8 @@ def _infer(
     progress,
     on_host: bool,
     buffer_dtype: str = "float32",
-) -> tf.Tensor:
+    as_numpy: bool = False,
+):
     """`sliding_window_inference` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`)."""
     if not hasattr(inputs, "shape"):
         inputs = np.asarray(inputs)
@@ -248,4 +258,5 @@ def _infer(
         on_host=on_host,
         crop=crop,
         buffer_dtype=buffer_dtype,
+        as_numpy=as_numpy,
     )

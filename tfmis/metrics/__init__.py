@@ -1,4 +1,6 @@
-"""Full-volume segmentation metrics: per-class and per-region Dice, HD95, NSD and a validation accumulator.
+"""Full-volume segmentation metrics: per-class and per-region Dice, HD95, NSD and a validation accumulator, in
+bounded memory (label maps as stored, slab-wise counts, one structure's masks at a time inside its box, one pair of
+surface distances for HD95 and NSD).
 
 Example:
 ```python
@@ -16,7 +18,13 @@ from tfmis.metrics.segmentation import (
     normalized_surface_dice,
     region_dice,
 )
-from tfmis.metrics.surface import surface, surface_dice, surface_distance_percentile, surface_distances
+from tfmis.metrics.surface import (
+    surface,
+    surface_dice,
+    surface_distance_percentile,
+    surface_distances,
+    surface_scores,
+)
 
 __all__ = [
     "SegmentationMetrics",
@@ -30,4 +38,5 @@ __all__ = [
     "surface_dice",
     "surface_distance_percentile",
     "surface_distances",
+    "surface_scores",
 ]

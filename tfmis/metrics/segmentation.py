@@ -14,6 +14,15 @@ infinities that drops misses from its mean: MONAI issue #9095. Its `percentile=N
 and the proposed fix give inf, as here.) NSD is NaN when neither map holds the class and 0 when exactly
 one does (`compute_surface_dice`).
 
+Memory: label maps stay as stored (uint8 / uint16; other integer or integral float maps are checked and cast to
+the smallest unsigned type, a slab at a time for floats); the confusion counts are built `SLAB_SLICES` slices at a
+time; each class's or region's masks are built one structure at a time and only inside the bounding box of its
+voxels in both maps (found slab by slab), where HD95 and NSD share one pair of surface distances
+(`tfmis.metrics.surface.surface_scores`). So the only whole-volume allocation is the cast of a map not stored as
+uint8 / uint16; the rest is a slab's or a box's: a structure's padded masks and surfaces and the distance transform's
+int32 feature transform, about 15 bytes per voxel of the box (a structure spread over the whole volume makes that the
+volume).
+
 Regions are label unions scored like classes on the unioned masks: BraTS's whole tumour, tumour core and
 enhancing tumour are {1, 2, 3}, {2, 3} and {3} in MSD Task01's labels (BraTS's own: {1, 2, 4}, {1, 4}, {4}).
 
@@ -35,26 +44,73 @@ import re
 
 import numpy as np
 
-from tfmis.metrics.surface import check_tolerance, surface_dice, surface_distance_percentile
+from tfmis.metrics.surface import (
+    check_tolerance,
+    empty_mask_scores,
+    off_surface,
+    surface_scores_in_box,
+    union_box,
+)
+
+SLAB_SLICES = 32  # slices along the first axis per slab of the whole-map passes (confusion, boxes, casts)
+
+
+def _slabs(length: int, size: int = SLAB_SLICES):
+    for start in range(0, length, size):
+        yield slice(start, min(start + size, length))
+
+
+def _unsigned_dtype(num_classes: int) -> np.dtype:
+    """The smallest unsigned integer type holding the labels 0..num_classes-1."""
+    return np.dtype(np.uint8 if num_classes <= 2**8 else np.uint16 if num_classes <= 2**16 else np.uint32)
+
+
+def _label_map(array: np.ndarray, name: str, num_classes: int) -> np.ndarray:
+    """One map as an unsigned integer array with labels in [0, num_classes); ValueError naming `name` otherwise.
+
+    uint8 and uint16 maps are returned as they are and booleans viewed as uint8 (no copy); other integer maps are
+    cast to the smallest unsigned type after their range is checked; float maps (integral values, e.g. nibabel's
+    `get_fdata`) are checked and cast a slab at a time.
+    """
+    if array.dtype == bool:
+        return array.view(np.uint8)
+    if np.issubdtype(array.dtype, np.integer):
+        if array.size:
+            _check_range(name, array.min(), array.max(), num_classes)
+        if array.dtype.kind == "u" and array.dtype.itemsize <= 2:
+            return array
+        return array.astype(_unsigned_dtype(num_classes))
+    out = np.empty(array.shape, _unsigned_dtype(num_classes))
+    low = high = None
+    for s in _slabs(len(array)):
+        slab = array[s]
+        if not np.array_equal(slab, np.round(slab)):
+            raise ValueError(f"{name} must hold integer class labels")
+        if slab.size:
+            slab_low, slab_high = slab.min(), slab.max()
+            low = slab_low if low is None else min(low, slab_low)
+            high = slab_high if high is None else max(high, slab_high)
+            if 0 <= slab_low and slab_high < num_classes:  # else the range check below fails
+                out[s] = slab
+    if low is not None:
+        _check_range(name, low, high, num_classes)
+    return out
+
+
+def _check_range(name: str, low, high, num_classes: int) -> None:
+    if low < 0 or high >= num_classes:
+        raise ValueError(f"{name} labels must lie in [0, {num_classes}), got [{low}, {high}]")
 
 
 def _label_maps(prediction, target, num_classes: int):
-    """Both maps as int64 arrays of one shape with labels in [0, num_classes)."""
-    prediction, target = np.asarray(prediction), np.asarray(target)
+    """Both maps as unsigned integer arrays of one shape with labels in [0, num_classes) (`_label_map`): uint8 and
+    uint16 maps are not copied."""
+    prediction, target = np.atleast_1d(np.asarray(prediction)), np.atleast_1d(np.asarray(target))
     if prediction.shape != target.shape:
         raise ValueError(f"prediction shape {prediction.shape} differs from target shape {target.shape}")
     if num_classes < 1:
         raise ValueError("num_classes must be >= 1")
-    maps = []
-    for name, array in (("prediction", prediction), ("target", target)):
-        if not (np.issubdtype(array.dtype, np.integer) or array.dtype == bool):
-            if not np.array_equal(array, np.round(array)):
-                raise ValueError(f"{name} must hold integer class labels")
-        array = array.astype(np.int64)
-        if array.size and (array.min() < 0 or array.max() >= num_classes):
-            raise ValueError(f"{name} labels must lie in [0, {num_classes}), got [{array.min()}, {array.max()}]")
-        maps.append(array)
-    return maps
+    return [_label_map(array, name, num_classes) for name, array in (("prediction", prediction), ("target", target))]
 
 
 def _classes(num_classes: int, include_background: bool) -> range:
@@ -62,8 +118,13 @@ def _classes(num_classes: int, include_background: bool) -> range:
 
 
 def _confusion(prediction, target, num_classes: int) -> np.ndarray:
-    """confusion[t, p]: the number of voxels of target class t predicted as p, in one pass over the volume."""
-    confusion = np.bincount((target * num_classes + prediction).ravel(), minlength=num_classes**2)
+    """confusion[t, p]: the number of voxels of target class t predicted as p, `SLAB_SLICES` slices at a time."""
+    confusion = np.zeros(num_classes**2, np.int64)
+    for s in _slabs(len(prediction)):
+        codes = target[s].astype(np.intp)
+        codes *= num_classes
+        codes += prediction[s]
+        confusion += np.bincount(codes.ravel(order="K"), minlength=num_classes**2)
     return confusion.reshape(num_classes, num_classes)
 
 
@@ -111,9 +172,69 @@ def check_regions(regions, num_classes: int, class_names=None) -> dict[str, tupl
     return checked
 
 
+def _in(label_map: np.ndarray, labels) -> np.ndarray:
+    """The voxels whose label is one of `labels`, as a union of equalities (np.isin's table would take an int64
+    copy of the map)."""
+    labels = list(labels)
+    mask = label_map == labels[0]
+    for label in labels[1:]:
+        mask |= label_map == label
+    return mask
+
+
 def region_masks(label_map, labels) -> np.ndarray:
     """The voxels of `label_map` whose label is one of `labels` (a label union, e.g. BraTS's whole tumour)."""
-    return np.isin(np.asarray(label_map), list(labels))
+    return _in(np.asarray(label_map), labels)
+
+
+def _structure_box(label_map: np.ndarray, labels) -> tuple[slice, ...] | None:
+    """The bounding box of the voxels labelled with one of `labels`, found a slab at a time; None if there are
+    none."""
+    projections = [np.zeros(n, bool) for n in label_map.shape]
+    axes = range(label_map.ndim)
+    for s in _slabs(len(label_map)):
+        mask = _in(label_map[s], labels)
+        projections[0][s] = mask.any(axis=tuple(axes[1:]))
+        for axis in axes[1:]:
+            projections[axis] |= mask.any(axis=tuple(a for a in axes if a != axis))
+    box = []
+    for projection in projections:
+        indices = np.flatnonzero(projection)
+        if not indices.size:
+            return None
+        box.append(slice(int(indices[0]), int(indices[-1]) + 1))
+    return tuple(box)
+
+
+def _padded_mask(label_map: np.ndarray, labels, box) -> np.ndarray:
+    """The voxels of `box` labelled with one of `labels`, padded by one empty voxel on every side."""
+    padded = np.zeros(tuple(s.stop - s.start + 2 for s in box), bool)
+    padded[tuple(slice(1, -1) for _ in box)] = _in(label_map[box], labels)
+    return padded
+
+
+def _spacing(spacing, ndim: int) -> np.ndarray:
+    spacing = np.ones(ndim) if spacing is None else np.asarray(spacing, np.float64)
+    if spacing.shape != (ndim,):
+        raise ValueError(f"spacing {tuple(spacing)} does not match {ndim} dimensions")
+    return spacing
+
+
+def _surface_scores(prediction, target, structures, spacing, percentile, tolerances):
+    """(HD, NSD) of each structure (a tuple of labels) of two checked label maps, as
+    `tfmis.metrics.surface.surface_scores` of its masks: one structure at a time, its masks only inside the
+    bounding box of its voxels in both maps, padded by one voxel, and one pair of surface distances for both
+    scores. `percentile` None: no HD; a tolerance None: no NSD."""
+    spacing = _spacing(spacing, prediction.ndim)
+    for labels, tolerance in zip(structures, tolerances):
+        prediction_box, target_box = _structure_box(prediction, labels), _structure_box(target, labels)
+        if prediction_box is None or target_box is None:
+            yield empty_mask_scores(prediction_box is not None, target_box is not None, percentile, tolerance)
+            continue
+        box = union_box(prediction_box, target_box)
+        off_prediction = off_surface(_padded_mask(prediction, labels, box))
+        off_target = off_surface(_padded_mask(target, labels, box))
+        yield surface_scores_in_box(off_prediction, off_target, spacing, percentile, tolerance)
 
 
 def _dice_from_counts(intersection, predicted, truth, ignore_empty: bool) -> np.ndarray:
@@ -228,9 +349,8 @@ def normalized_surface_dice(
     prediction, target = _label_maps(prediction, target, num_classes)
     classes = _classes(num_classes, include_background)
     tolerances = _tolerances(tolerance_mm, len(classes))
-    return np.array(
-        [surface_dice(prediction == c, target == c, t, spacing) for c, t in zip(classes, tolerances)], np.float64
-    )
+    scores = _surface_scores(prediction, target, [(c,) for c in classes], spacing, None, tolerances)
+    return np.array([nsd for _, nsd in scores], np.float64)
 
 
 def hausdorff_distance_95(
@@ -255,13 +375,9 @@ def hausdorff_distance_95(
     ```
     """
     prediction, target = _label_maps(prediction, target, num_classes)
-    return np.array(
-        [
-            surface_distance_percentile(prediction == c, target == c, spacing, 95.0)
-            for c in _classes(num_classes, include_background)
-        ],
-        dtype=np.float64,
-    )
+    classes = _classes(num_classes, include_background)
+    scores = _surface_scores(prediction, target, [(c,) for c in classes], spacing, 95.0, [None] * len(classes))
+    return np.array([hd for hd, _ in scores], np.float64)
 
 
 def _finite_mean(values) -> float:
@@ -302,13 +418,14 @@ class SegmentationMetrics:
     Args:
         num_classes: number of classes, background (0) included.
         include_background: also score class 0.
-        hd95: also compute the 95% Hausdorff distance (slower: two distance transforms per class).
+        hd95: also compute the 95% Hausdorff distance (slower: two distance transforms per class and region, in
+            the bounding box of its masks; shared with NSD).
         class_names: one name per class (background included) for readable keys such as
             `dice_tumour`; optional.
         ignore_empty: Dice NaN for classes absent from the ground truth (MONAI default); False scores
             them 1.0 if also absent from the prediction, else 0.0.
         regions: {name: labels} label unions to score besides the classes (`check_regions`).
-        nsd: also compute the normalised surface Dice (two distance transforms per class and region).
+        nsd: also compute the normalised surface Dice (the same two distance transforms as HD95's).
         nsd_tolerance_mm: its tolerance in mm: one number, one per scored class, or one per scored class
             then one per region (without those, a region takes the smallest tolerance of its classes).
 
@@ -420,17 +537,14 @@ class SegmentationMetrics:
             "predicted_when_gt_empty": ((truth == 0) & (predicted > 0)).astype(np.float64),
         }
         if self.hd95 or self.nsd:
-            spacing = (1.0,) * np.ndim(prediction) if spacing is None else spacing
-            masks = [(prediction == c, target == c) for c in self.classes]
-            masks += [
-                (region_masks(prediction, labels), region_masks(target, labels)) for labels in self.regions.values()
-            ]
+            structures = [(c,) for c in self.classes] + list(self.regions.values())
+            tolerances = self.nsd_tolerances if self.nsd else [None] * len(structures)
+            percentile = 95.0 if self.hd95 else None
+            scores = list(_surface_scores(prediction, target, structures, spacing, percentile, tolerances))
             if self.hd95:
-                row["hd95"] = np.array([surface_distance_percentile(p, t, spacing, 95.0) for p, t in masks])
+                row["hd95"] = np.array([hd for hd, _ in scores], np.float64)
             if self.nsd:
-                row["nsd"] = np.array(
-                    [surface_dice(p, t, tol, spacing) for (p, t), tol in zip(masks, self.nsd_tolerances)]
-                )
+                row["nsd"] = np.array([nsd for _, nsd in scores], np.float64)
         return self._add(case_id, row)
 
     def _counts(self, confusion):

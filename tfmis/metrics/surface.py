@@ -16,10 +16,17 @@ Conventions are MONAI 1.6's (`monai.metrics.utils.get_mask_edges` / `get_surface
   each surface element by its area and places surfaces between voxels; the two differ by a few percent on
   coarse or anisotropic grids (MONAI issue #4103), so compare NSD values only within one convention.
 
+Memory: HD95 and NSD come from one pair of distances (`surface_scores`), computed in the bounding box of both
+masks padded by one voxel (every surface voxel lies inside it, so the distances are exact), with only the
+distance transform's feature transform held (`distances_to_surface`: 12 bytes per voxel of that box instead of
+about 50), one direction at a time, each direction's distances reduced to their percentile and count within the
+tolerance before the next. `tfmis.metrics.segmentation` builds each structure's masks inside its box only.
+
 Example:
 ```python
 surface_dice(prediction == 1, label == 1, tolerance_mm=2.0, spacing=(0.8, 0.8, 3.0))
 surface_distance_percentile(prediction == 1, label == 1, spacing=(0.8, 0.8, 3.0))   # HD95
+hd95, nsd = surface_scores(prediction == 1, label == 1, spacing=(0.8, 0.8, 3.0), tolerance_mm=2.0)  # one pass
 ```
 """
 
@@ -30,14 +37,34 @@ import math
 import numpy as np
 from scipy import ndimage
 
+QUERY_SLICES = 32  # slices of a box whose surface voxels look up their nearest feature at a time
 
-def _bounding_box(mask: np.ndarray) -> tuple[slice, ...]:
+
+def bounding_box(mask: np.ndarray) -> tuple[slice, ...] | None:
+    """The smallest box holding every voxel of `mask` (one slice per axis); None when it holds none.
+
+    Example:
+    ```python
+    bounding_box(label == 2)   # (slice(40, 97), slice(12, 60), slice(3, 41))
+    ```
+    """
+    mask = np.asarray(mask, bool)
     box = []
     for axis in range(mask.ndim):
         other_axes = tuple(a for a in range(mask.ndim) if a != axis)
         indices = np.flatnonzero(mask.any(axis=other_axes))
-        box.append(slice(indices[0], indices[-1] + 1))
+        if not indices.size:
+            return None
+        box.append(slice(int(indices[0]), int(indices[-1]) + 1))
     return tuple(box)
+
+
+def union_box(*boxes) -> tuple[slice, ...] | None:
+    """The smallest box holding all `boxes` (a None is an empty box); None when all are empty."""
+    boxes = [b for b in boxes if b is not None]
+    if not boxes:
+        return None
+    return tuple(slice(min(s.start for s in axis), max(s.stop for s in axis)) for axis in zip(*boxes))
 
 
 def surface(mask: np.ndarray) -> np.ndarray:
@@ -62,10 +89,68 @@ def _masks_and_spacing(prediction_mask, target_mask, spacing):
     return prediction_mask, target_mask, spacing
 
 
+def off_surface(mask: np.ndarray) -> np.ndarray:
+    """`~surface(mask)`: True off the mask's surface (outside the mask or inside its erosion), which is what the
+    distance transform takes, built without a second temporary of the mask's size.
+
+    Example:
+    ```python
+    off_surface(np.ones((3, 3, 3), bool)).sum()   # 1: the centre voxel
+    ```
+    """
+    mask = np.asarray(mask, bool)
+    off = ndimage.binary_erosion(mask, border_value=0)
+    off |= ~mask
+    return off
+
+
+def _nearest_distances(off_points: np.ndarray, off_features: np.ndarray, spacing) -> np.ndarray:
+    """`distances_to_surface(~off_points, ~off_features, spacing)`, from the complements (`off_surface`'s), so that
+    the distance transform takes `off_features` as it is and the points are read a few slices at a time."""
+    spacing = np.asarray(spacing, np.float64)
+    nearest = ndimage.distance_transform_edt(
+        off_features, sampling=spacing, return_distances=False, return_indices=True
+    )  # (ndim, *shape) int32: the nearest feature voxel of every voxel
+    distances = []
+    for start in range(0, off_points.shape[0], QUERY_SLICES):
+        where = np.nonzero(~off_points[start : start + QUERY_SLICES])
+        where = (where[0] + start, *where[1:])
+        squared = None
+        for axis, index in enumerate(where):  # distance_transform_edt's arithmetic, at these voxels only
+            offset = (nearest[axis][where] - index).astype(np.float64)
+            offset *= spacing[axis]
+            offset *= offset
+            squared = offset if squared is None else np.add(squared, offset, out=squared)
+        distances.append(np.sqrt(squared, out=squared))
+    del nearest  # before the distances are joined
+    return np.concatenate(distances) if distances else np.zeros(0)
+
+
+def distances_to_surface(points: np.ndarray, features: np.ndarray, spacing) -> np.ndarray:
+    """The distance in mm from each voxel of `points` (in C order) to the nearest voxel of `features`: boolean
+    arrays of one shape, `features` holding at least one voxel; float64.
+
+    scipy's exact Euclidean distance transform of `~features` with `sampling=spacing`, of which only the feature
+    transform is kept (the nearest feature voxel of every voxel, int32 per axis: 12 bytes per voxel). The distances
+    are then computed at `points` alone, a few slices at a time, with the arithmetic `distance_transform_edt`
+    applies to every voxel (index offset as float64, times the spacing, squared, summed over the axes in order,
+    square root): the same numbers as `distance_transform_edt(~features, sampling=spacing)[points]`, without its
+    whole-array float64 offsets and distances (about 50 bytes per voxel).
+
+    Example:
+    ```python
+    distances_to_surface(surface(a), surface(b), spacing=(0.8, 0.8, 2.0))   # from a's surface to b's
+    ```
+    """
+    return _nearest_distances(~np.asarray(points, bool), ~np.asarray(features, bool), spacing)
+
+
 def surface_distances(prediction_mask, target_mask, spacing=None) -> tuple[np.ndarray, np.ndarray]:
     """(distance of each prediction surface voxel to the target's surface, and the reverse), in mm.
 
-    Both masks must hold at least one voxel (each then has a surface). Float64, in the voxels' C order.
+    Both masks must hold at least one voxel (each then has a surface). Float64, in the voxels' C order. Computed in
+    the bounding box of both masks padded by one empty voxel: every surface voxel lies inside it, so the distances
+    are exact, and the padding plays the role of erosion's border.
 
     Example:
     ```python
@@ -73,17 +158,93 @@ def surface_distances(prediction_mask, target_mask, spacing=None) -> tuple[np.nd
     ```
     """
     prediction_mask, target_mask, spacing = _masks_and_spacing(prediction_mask, target_mask, spacing)
-    if not prediction_mask.any() or not target_mask.any():
+    prediction_box, target_box = bounding_box(prediction_mask), bounding_box(target_mask)
+    if prediction_box is None or target_box is None:
         raise ValueError("surface distances need two non-empty masks")
-    # Work in the bounding box of both masks, padded by one empty voxel: every surface voxel lies
-    # inside it, so distances are exact, and the zero padding plays the role of erosion's border.
-    box = _bounding_box(prediction_mask | target_mask)
-    prediction_surface = surface(np.pad(prediction_mask[box], 1))
-    target_surface = surface(np.pad(target_mask[box], 1))
-    # distance_transform_edt gives each voxel's distance to the nearest zero, i.e. to the surface
-    to_target = ndimage.distance_transform_edt(~target_surface, sampling=spacing)[prediction_surface]
-    to_prediction = ndimage.distance_transform_edt(~prediction_surface, sampling=spacing)[target_surface]
+    box = union_box(prediction_box, target_box)
+    off_prediction = off_surface(np.pad(prediction_mask[box], 1))
+    off_target = off_surface(np.pad(target_mask[box], 1))
+    return distances_between_surfaces(off_prediction, off_target, spacing)
+
+
+def distances_between_surfaces(off_prediction, off_target, spacing) -> tuple[np.ndarray, np.ndarray]:
+    """`surface_distances` from `off_surface` of both masks in a box holding both, padded by one voxel: one
+    feature transform per direction, one after the other (the box's two boolean arrays, the transform's int8
+    input and its int32 feature transform: about 15 bytes per voxel of the box at the peak)."""
+    to_target = _nearest_distances(off_prediction, off_target, spacing)
+    to_prediction = _nearest_distances(off_target, off_prediction, spacing)
     return to_target, to_prediction
+
+
+def check_tolerance(tolerance_mm) -> float:
+    """A tolerance as a float; ValueError unless finite and >= 0 (MONAI's `class_thresholds` rule)."""
+    tolerance = float(tolerance_mm)
+    if not math.isfinite(tolerance) or tolerance < 0:
+        raise ValueError(f"an NSD tolerance is a finite distance >= 0 mm, got {tolerance_mm}")
+    return tolerance
+
+
+def empty_mask_scores(has_prediction: bool, has_target: bool, percentile=95.0, tolerance_mm=None):
+    """(HD, NSD) as MONAI when a mask is empty: (NaN, NaN) when both are (nothing to measure), (inf, 0.0) when one
+    is (a missed or spurious structure is infinitely far off); None for a score not asked for (`percentile` or
+    `tolerance_mm` None)."""
+    both = has_prediction == has_target
+    return (
+        None if percentile is None else (math.nan if both else math.inf),
+        None if tolerance_mm is None else (math.nan if both else 0.0),
+    )
+
+
+def _directed_summary(distances, percentile, tolerance):
+    """(percentile of one direction's distances or None, how many lie within `tolerance` or None, how many)."""
+    return (
+        None if percentile is None else np.percentile(distances, percentile),
+        None if tolerance is None else np.count_nonzero(distances <= tolerance),
+        distances.size,
+    )
+
+
+def _scores_from_summaries(first, second, percentile, tolerance):
+    """(HD, NSD) from the two directions' `_directed_summary`: the larger percentile, and the share of both surfaces
+    within the tolerance."""
+    hd = None if percentile is None else float(max(first[0], second[0]))
+    nsd = None if tolerance is None else float((first[1] + second[1]) / (first[2] + second[2]))
+    return hd, nsd
+
+
+def surface_scores_in_box(off_prediction, off_target, spacing, percentile=95.0, tolerance_mm=None):
+    """(percentile Hausdorff distance, NSD) from `off_surface` of two non-empty masks in a box holding both, padded by
+    one voxel (`distances_between_surfaces`' distances); None for a score not asked for (`percentile` or
+    `tolerance_mm` None). Each direction's distances are reduced to their percentile and their count within the
+    tolerance before the other direction's feature transform is made, so they are never held next to it."""
+    tolerance = None if tolerance_mm is None else check_tolerance(tolerance_mm)
+    first = _directed_summary(_nearest_distances(off_prediction, off_target, spacing), percentile, tolerance)
+    second = _directed_summary(_nearest_distances(off_target, off_prediction, spacing), percentile, tolerance)
+    return _scores_from_summaries(first, second, percentile, tolerance)
+
+
+def surface_scores(prediction_mask, target_mask, spacing=None, percentile=95.0, tolerance_mm=None):
+    """(percentile Hausdorff distance, NSD) of two binary masks from ONE pair of surface distances: the values of
+    `surface_distance_percentile` and `surface_dice` for the distance transforms of one of them. A score is None
+    when its parameter is (`percentile=None` or `tolerance_mm=None`).
+
+    Example:
+    ```python
+    hd95, nsd = surface_scores(prediction == 1, label == 1, spacing=(0.8, 0.8, 2.0), tolerance_mm=2.0)
+    ```
+    """
+    if tolerance_mm is not None:
+        check_tolerance(tolerance_mm)
+    prediction_mask, target_mask, spacing = _masks_and_spacing(prediction_mask, target_mask, spacing)
+    has_prediction, has_target = bool(prediction_mask.any()), bool(target_mask.any())
+    if not has_prediction or not has_target:
+        return empty_mask_scores(has_prediction, has_target, percentile, tolerance_mm)
+    if percentile is None and tolerance_mm is None:
+        return None, None
+    box = union_box(bounding_box(prediction_mask), bounding_box(target_mask))
+    off_prediction = off_surface(np.pad(prediction_mask[box], 1))
+    off_target = off_surface(np.pad(target_mask[box], 1))
+    return surface_scores_in_box(off_prediction, off_target, spacing, percentile, tolerance_mm)
 
 
 def surface_distance_percentile(prediction_mask, target_mask, spacing=None, percentile: float = 95.0) -> float:
@@ -104,19 +265,7 @@ def surface_distance_percentile(prediction_mask, target_mask, spacing=None, perc
     surface_distance_percentile(label == 1, prediction == 1, spacing=(1.0, 1.0, 3.0))
     ```
     """
-    prediction_mask, target_mask, spacing = _masks_and_spacing(prediction_mask, target_mask, spacing)
-    if not prediction_mask.any() or not target_mask.any():
-        return float("nan") if prediction_mask.any() == target_mask.any() else float("inf")
-    to_target, to_prediction = surface_distances(prediction_mask, target_mask, spacing)
-    return float(max(np.percentile(to_target, percentile), np.percentile(to_prediction, percentile)))
-
-
-def check_tolerance(tolerance_mm) -> float:
-    """A tolerance as a float; ValueError unless finite and >= 0 (MONAI's `class_thresholds` rule)."""
-    tolerance = float(tolerance_mm)
-    if not math.isfinite(tolerance) or tolerance < 0:
-        raise ValueError(f"an NSD tolerance is a finite distance >= 0 mm, got {tolerance_mm}")
-    return tolerance
+    return surface_scores(prediction_mask, target_mask, spacing, percentile=percentile)[0]
 
 
 def surface_dice(prediction_mask, target_mask, tolerance_mm: float, spacing=None) -> float:
@@ -148,10 +297,4 @@ def surface_dice(prediction_mask, target_mask, tolerance_mm: float, spacing=None
     surface_dice(a, b, tolerance_mm=2.5, spacing=(1, 1, 2.5))  # 1.0
     ```
     """
-    tolerance = check_tolerance(tolerance_mm)
-    prediction_mask, target_mask, spacing = _masks_and_spacing(prediction_mask, target_mask, spacing)
-    if not prediction_mask.any() or not target_mask.any():
-        return float("nan") if prediction_mask.any() == target_mask.any() else 0.0
-    to_target, to_prediction = surface_distances(prediction_mask, target_mask, spacing)
-    within = np.count_nonzero(to_target <= tolerance) + np.count_nonzero(to_prediction <= tolerance)
-    return float(within / (to_target.size + to_prediction.size))
+    return surface_scores(prediction_mask, target_mask, spacing, percentile=None, tolerance_mm=tolerance_mm)[1]

@@ -4,11 +4,13 @@ Two sources:
 
 - `fingerprint_msd(source_dir)`: a first pass straight over an MSD folder, before any conversion. Each
   case is read once (in worker processes, numpy/nibabel only) and reduced to what planning needs: its
-  RAS spacing, the crop box the conversion will cut (foreground = nonzero for MRI-like channels, above
-  the CT window's low end for CT channels, or labelled; kept as per-slice projections, so the box is
-  exact for any window), its class voxel counts and a foreground intensity sample. The CT window is the
-  0.5/99.5 percentiles of the labelled-foreground sample, the same numbers `tfmis.data.convert` measures
-  (same sample, same seed).
+  RAS spacing, the crop box the conversion will cut (foreground = `tfmis.data.preprocess.foreground_mask`:
+  for MRI-like channels the voxels that differ from the channel's background, which is the border constant
+  (the value more than half of the volume's 6 faces hold) when it is not 0 (a z-scored scan), else 0;
+  above the CT window's low end for CT channels; or labelled; kept as per-slice projections, so the box is
+  exact for any window), each channel's background, its class voxel counts and a foreground intensity
+  sample. The CT window is the 0.5/99.5 percentiles of the labelled-foreground sample, the same numbers
+  `tfmis.data.convert` measures (same sample, same seed).
 - `fingerprint_from_conversion(dataset_dir)`: the `fingerprint.json` a conversion wrote (and its
   resolved spacing and CT window); cropped shapes are the converted shapes scaled back to each case's
   original spacing.
@@ -24,13 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from tfmis.data import fingerprint as fp
 from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, MSDDataset, load_case
-from tfmis.data.preprocess import reorient_to_ras, spacing_of
+from tfmis.data.preprocess import foreground_mask, reorient_to_ras, spacing_of
 from tfmis.hardware import usable_cpu_count
 
 
@@ -54,6 +57,11 @@ class DatasetFingerprint:
         class_volumes_mm3: (N, K) volume of each label value per case in mm^3 (None when unknown).
         label_extents_mm: (N, 3) size in mm of the box around each case's labelled voxels, NaN for a case with
             none (None when unknown, e.g. a conversion written before tfmis recorded it).
+        label_pieces: per case, the connected pieces of its labels on a grid of about 4 mm cells
+            (`tfmis.data.fingerprint.label_pieces`; None when unknown): what a cascade's regions are made from.
+        background: per channel {channel, modality, num_cases, border_constant_cases, border_constants}: how many
+            cases have a z-scored background (most of their border is one non-zero constant, the value the crop
+            and the z-score then treat as background; `tfmis.data.fingerprint.background_summary`); None when unknown.
     """
 
     name: str
@@ -71,6 +79,8 @@ class DatasetFingerprint:
     source_dir: str | None = None
     class_volumes_mm3: np.ndarray | None = None
     label_extents_mm: np.ndarray | None = None
+    background: list[dict] | None = None
+    label_pieces: list[dict | None] | None = None
 
     @property
     def num_cases(self) -> int:
@@ -79,6 +89,11 @@ class DatasetFingerprint:
     @property
     def ct_channels(self) -> list[int]:
         return [i for i, m in enumerate(self.modalities) if str(m).upper() in CT_MODALITIES]
+
+    @property
+    def background_lines(self) -> list[str]:
+        """One line per channel whose background is a non-zero border constant in some case (none otherwise)."""
+        return fp.background_lines(self.background)
 
     @property
     def median_spacing(self) -> np.ndarray:
@@ -105,6 +120,7 @@ class DatasetFingerprint:
         d["ct_window"] = list(self.ct_window) if self.ct_window else None
         d["median_spacing"] = self.median_spacing.tolist()
         d["class_fraction"] = self.class_fraction
+        d["background_lines"] = self.background_lines
         for key in ("class_volumes_mm3", "label_extents_mm"):
             d[key] = getattr(self, key).tolist() if getattr(self, key) is not None else None
         return d
@@ -123,19 +139,21 @@ def _case_summary(task: tuple) -> dict:
         label = reorient_to_ras(loaded.label, loaded.affine)[0] if loaded.label is not None else None
         ct = [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
         other = [i for i in range(image.shape[-1]) if i not in ct]
+        # the conversion's foreground of the MRI-like channels (each against its own background), once
+        body = foreground_mask(image, ("zscore",), None, channels=other) if other else None
         projections = []
         for axis in range(3):
             reduce_axes = tuple(a for a in range(4) if a != axis)
+            spatial = tuple(a for a in range(3) if a != axis)
             projections.append(
                 {
                     "ct_max": image[..., ct].max(axis=reduce_axes).tolist() if ct else None,
-                    "nonzero": (image[..., other] != 0).any(axis=reduce_axes).tolist() if other else None,
-                    "label": (label > 0).any(axis=tuple(a for a in range(3) if a != axis)).tolist()
-                    if label is not None
-                    else None,
+                    "foreground": body.any(axis=spatial).tolist() if body is not None else None,
+                    "label": (label > 0).any(axis=spatial).tolist() if label is not None else None,
                 }
             )
-        sample = fp.foreground_sample(loaded.image, loaded.label)
+        del body
+        sample = fp.foreground_sample(loaded.image, loaded.label, ct)
         counts = np.bincount(loaded.label.ravel(), minlength=dataset.num_classes) if loaded.label is not None else None
         return {
             "case_id": case.case_id,
@@ -144,7 +162,9 @@ def _case_summary(task: tuple) -> dict:
             "ras_shape": list(image.shape[:3]),
             "projections": projections,
             "sample": sample,
+            "background": fp.case_background(image, ct),
             "class_voxels": counts.tolist() if counts is not None else None,
+            "label_pieces": fp.label_pieces(label, spacing_of(affine)) if label is not None else None,
         }
     except CaseError as e:
         return {"case_id": case.case_id, "status": "skipped", "reason": e.reason}
@@ -156,8 +176,9 @@ def crop_shape(projections: list[dict], ct_window, margin: int = 0) -> list[int]
     """Shape of the box `tfmis.data.preprocess` crops (foreground mask or label, grown by `margin`).
 
     Args:
-        projections: per axis {"ct_max": per-slice max of the CT channels, "nonzero": per-slice any nonzero
-            voxel of the other channels, "label": per-slice any labelled voxel} (entries may be None).
+        projections: per axis {"ct_max": per-slice max of the CT channels, "foreground": per-slice any voxel of the
+            other channels' `foreground_mask` (differs from its background), "label": per-slice any labelled voxel}
+            (entries may be None).
         ct_window: (low, high); CT voxels above `low` are foreground.
         margin: voxels kept around the box.
     """
@@ -167,8 +188,8 @@ def crop_shape(projections: list[dict], ct_window, margin: int = 0) -> list[int]
         keep = np.zeros(n, dtype=bool)
         if p["ct_max"] is not None:
             keep |= np.asarray(p["ct_max"]) > ct_window[0]
-        if p["nonzero"] is not None:
-            keep |= np.asarray(p["nonzero"], dtype=bool)
+        if p["foreground"] is not None:
+            keep |= np.asarray(p["foreground"], dtype=bool)
         if p["label"] is not None:
             keep |= np.asarray(p["label"], dtype=bool)
         if not keep.any():
@@ -237,10 +258,13 @@ def fingerprint_msd(
             "class_voxels": s["class_voxels"],
             "original_spacing": s["spacing"],
             "shape": crop,
+            "background": s["background"],
         }
         for s, crop in zip(summaries, crops)
     }
-    intensity = fp.summarize(per_case, dataset.labels, dataset.modalities)["intensity"]
+    summary = fp.summarize(per_case, dataset.labels, dataset.modalities)
+    for line in fp.background_lines(summary["background"]) if progress else []:
+        print(line, file=sys.stderr)
     return DatasetFingerprint(
         name=dataset.name,
         modalities=list(dataset.modalities),
@@ -250,7 +274,7 @@ def fingerprint_msd(
         crop_shapes=np.array(crops, dtype=np.float64),
         class_voxels=totals,
         ct_window=ct_window,
-        intensity=intensity,
+        intensity=summary["intensity"],
         cases_without_foreground=sorted(
             s["case_id"] for s in summaries if s["class_voxels"] is not None and sum(s["class_voxels"][1:]) == 0
         ),
@@ -259,6 +283,8 @@ def fingerprint_msd(
         source_dir=str(source_dir),
         class_volumes_mm3=_class_volumes([s["class_voxels"] for s in summaries], [s["spacing"] for s in summaries]),
         label_extents_mm=np.array([_label_extent(s["projections"], s["spacing"]) for s in summaries], dtype=np.float64),
+        background=summary["background"],
+        label_pieces=[s["label_pieces"] for s in summaries],
     )
 
 
@@ -330,4 +356,6 @@ def fingerprint_from_conversion(dataset_dir: str | Path) -> DatasetFingerprint:
         label_extents_mm=np.array([cases[c]["label_extent_mm"] or [float("nan")] * 3 for c in ids], dtype=np.float64)
         if all("label_extent_mm" in cases[c] for c in ids)
         else None,
+        background=summary.get("background"),
+        label_pieces=[cases[c]["label_pieces"] for c in ids] if all("label_pieces" in cases[c] for c in ids) else None,
     )

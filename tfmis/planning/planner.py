@@ -650,7 +650,7 @@ class ExperimentPlanner:
         plan.set(
             "cascade.margin_mm",
             float(self.roi_margin_mm),
-            "kept around the coarse stage's foreground box, as around the labels in training",
+            "kept around each piece of the coarse stage's foreground, as around the labels in training",
         )
 
     def determine_runtime(self, plan: Plan) -> None:

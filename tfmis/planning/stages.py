@@ -161,6 +161,7 @@ class StagePlanner:
                 **self.common,
             ).plan()
             self.determine_fine_classes(fine, lowres)
+            self.determine_regions(fine)
             stages = [("lowres", self.plan_lowres(lowres, coarse_dir, COARSE_SHARE)), ("fullres", fine)]
         for i, (name, plan) in enumerate(stages):
             plan.header[1:1] = [f"Stage {i + 1} of {len(stages)} ({name}) of a {configuration} plan:"] + [
@@ -211,6 +212,14 @@ class StagePlanner:
             f"labelled region + {CASCADE_MARGIN_MM:g} mm: median {fmt_shape(roi_shape)} voxels at full resolution, "
             f"{100 * roi_fraction:.3g}% of the median image"
         )
+        regions = measure_regions(self.fp, CASCADE_MARGIN_MM)
+        if regions is not None:  # the fine stage runs on a box per structure, not on one box around all of them
+            counts, _, shares = regions
+            roi_fraction = float(np.median(shares))
+            lines.append(
+                f"regions (a box per connected piece of the labels + {CASCADE_MARGIN_MM:g} mm, overlapping ones "
+                f"merged): median {np.median(counts):g} per case, {100 * roi_fraction:.3g}% of the foreground crop"
+            )
         if self.forced is not None:
             lines.append(f"configuration {self.forced}: forced")
             return self.forced, lines, lowres
@@ -222,14 +231,14 @@ class StagePlanner:
             return "lowres", lines, lowres
         if roi_fraction <= MAX_ROI_FRACTION:
             lines.append(
-                f"cascade: < {MIN_VOXELS_ACROSS:g} voxels across needs full resolution, and the region is "
-                f"<= {MAX_ROI_FRACTION:.0%} of the image: the coarse stage locates it on the whole scan, the fine "
-                f"stage segments only its box ({COARSE_SHARE:.0%} / {1 - COARSE_SHARE:.0%} of the budget)"
+                f"cascade: < {MIN_VOXELS_ACROSS:g} voxels across needs full resolution, and the regions are "
+                f"<= {MAX_ROI_FRACTION:.0%} of the image: the coarse stage locates them on the whole scan, the fine "
+                f"stage segments only their boxes ({COARSE_SHARE:.0%} / {1 - COARSE_SHARE:.0%} of the budget)"
             )
             return "cascade", lines, lowres
         lines.append(
-            f"fullres: < {MIN_VOXELS_ACROSS:g} voxels across needs full resolution and the labels fill more than "
-            f"{MAX_ROI_FRACTION:.0%} of the image, so a coarse stage cannot narrow the region"
+            f"fullres: < {MIN_VOXELS_ACROSS:g} voxels across needs full resolution and the labelled regions fill "
+            f"more than {MAX_ROI_FRACTION:.0%} of the image, so a coarse stage cannot narrow them"
         )
         return "fullres", lines, None
 
@@ -269,6 +278,31 @@ class StagePlanner:
             f"the coarse stage (voxels across: {names})",
         )
 
+    def determine_regions(self, fine: Plan) -> None:
+        """`cascade.min_region_mm3` 0 (every piece the coarse stage finds gets a region), with the regions the
+        training labels would give: per case, a box per connected piece grown by the margin, overlapping boxes
+        merged (`measure_regions`); their number and volume, and their share of the foreground crop."""
+        found = measure_regions(self.fp, CASCADE_MARGIN_MM)
+        measured = "no label pieces in the fingerprint"
+        if found is not None:
+            counts, volumes, shares = found
+            measured = (
+                f"the training labels give {np.median(counts):g} region(s) per case (median; {min(counts)}-"
+                f"{max(counts)}), {np.median(volumes) / 1000:.3g} ml = {100 * np.median(shares):.3g}% of the "
+                f"foreground crop ({100 * min(shares):.3g}-{100 * max(shares):.3g}%)"
+            )
+            fine.summary["regions"] = {
+                "per_case": [int(c) for c in counts],
+                "volume_ml": [round(float(v) / 1000, 1) for v in volumes],
+                "share_of_crop": [round(float(x), 4) for x in shares],
+            }
+        fine.set(
+            "cascade.min_region_mm3",
+            0.0,
+            f"every connected piece the coarse stage finds gets its own region (+{CASCADE_MARGIN_MM:g} mm, "
+            f"overlapping regions merged), small ones too: a lesion away from the organs is such a piece; {measured}",
+        )
+
     def class_diameters_mm(self) -> np.ndarray:
         """Per foreground class, the median over cases (where present) of its equivalent-sphere diameter in mm."""
         fp = self.fp
@@ -292,6 +326,30 @@ class StagePlanner:
         k = int(np.argmin(medians))
         volume = medians[k] if np.isfinite(medians[k]) else 0.0
         return {"name": fp.labels[k + 1], "volume_mm3": volume, "diameter_mm": equivalent_diameter_mm(volume)}
+
+
+def measure_regions(fingerprint: DatasetFingerprint, margin_mm: float) -> tuple[list, list, list] | None:
+    """Per case with labels, (number of regions, their volume in mm^3, their share of the foreground crop's volume)
+    that a cascade would cut if its coarse stage found the labels: each piece of `fingerprint.label_pieces` grown by
+    `margin_mm` (in whole cells, within the case's grid), overlapping boxes merged. None without label pieces."""
+    from tfmis.inference.cascade import grow_box, merge_boxes
+
+    if not fingerprint.label_pieces:
+        return None
+    counts, volumes, shares = [], [], []
+    for i, case in enumerate(fingerprint.label_pieces):
+        if not case or not case["pieces"]:
+            continue
+        cell = np.asarray(case["cell_mm"], dtype=np.float64)
+        boxes = merge_boxes(
+            [grow_box(a, b, np.diag([*cell, 1.0]), margin_mm, case["shape"]) for a, b in case["pieces"]]
+        )
+        volume = sum(float(np.prod([s.stop - s.start for s in b])) for b in boxes) * float(np.prod(cell))
+        crop = float(np.prod(fingerprint.crop_shapes[i] * fingerprint.spacings[i]))
+        counts.append(len(boxes))
+        volumes.append(volume)
+        shares.append(min(volume / crop, 1.0) if crop > 0 else 1.0)
+    return (counts, volumes, shares) if counts else None
 
 
 def plan_stages(fingerprint: DatasetFingerprint, hardware: Hardware, **kwargs) -> StagedPlan:
