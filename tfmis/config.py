@@ -202,7 +202,7 @@ class ValidationConfig:
     cpu_from_voxels: Optional[int] = None
     hd95: bool = False  # also compute the 95th-percentile Hausdorff distance (slower)
     # normalised surface Dice, the Decathlon's second metric: the share of both surfaces within a tolerance of
-    # the other (MONAI compute_surface_dice; two distance transforms per class and region, like hd95)
+    # the other (MONAI compute_surface_dice; one pair of distance transforms per class and region, shared with hd95)
     nsd: bool = False
     # the accepted deviation in mm: one number, one per foreground class, or one per foreground class then one
     # per region (a region without one takes the smallest tolerance of its labels); the MSD set it per task and

@@ -92,7 +92,10 @@ def normalisation_lines(fingerprint: DatasetFingerprint) -> list[str]:
                 f"mean and std of the training cases (measured by the conversion)"
             )
         else:
-            lines.append(f"channel {i} {m}: z-score per case over the nonzero region")
+            lines.append(
+                f"channel {i} {m}: z-score per case over the foreground (voxels unlike the background: 0, or a "
+                "z-scored scan's border constant)"
+            )
     return lines
 
 
