@@ -32,13 +32,29 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass
+class SplitConfig:
+    """Cross-validation (docs/crossval.md, "Folds"): the dataset is converted once into K folds, stratified by the
+    classes each case holds (or read from `file`), and this run trains on every other fold and validates on fold
+    `fold`. It sets data.conversion.folds, data.train_split (e.g. fold0+fold1+fold3+fold4) and data.val_split
+    (fold2) when the config is loaded."""
+
+    folds: int = 5  # K (nnU-Net's 5); a `file` sets it
+    fold: int = 0  # the fold this run validates on, 0..K-1
+    # a splits_final.json in nnU-Net v2's format, [{"train": [case ids], "val": [case ids]}, ...] (case ids: image file
+    # names without .nii.gz): its val lists are the folds; null = stratified folds seeded by data.conversion.seed
+    file: Optional[str] = None
+
+
+@dataclasses.dataclass
 class DataConfig:
     dataset_dir: str = "data/demo/tfrecords"  # converted TFRecord folder (tools/tfrecord.py --target-dir)
     source_dir: Optional[str] = None  # MSD folder converted into dataset_dir first if needed
     demo: bool = False  # generate the built-in demo dataset into source_dir if it is missing
+    # a split name of the converted dataset, or several joined by + (fold0+fold1); set by `split` when it is given
     train_split: str = "train"
     val_split: str = "val"
     conversion: ConversionOptions = dataclasses.field(default_factory=ConversionOptions)  # tools/tfrecord.py flags
+    split: Optional[SplitConfig] = None  # cross-validation folds; null = data.conversion's split, no folds
 
 
 @dataclasses.dataclass
@@ -326,6 +342,24 @@ class CascadeConfig:
 
 
 @dataclasses.dataclass
+class PostprocessingConfig:
+    """What `python -m tfmis.predict` does to each label map after predicting it: nnU-Net's removal of all but the
+    largest connected component (26-connected), the removed voxels set to background. Off by default; chosen by
+    cross-validation (`tfmis-crossval` keeps a step only where it raised the out-of-fold Dice, docs/crossval.md)."""
+
+    largest_foreground_component: bool = False  # all foreground labels as one structure: only its largest piece stays
+    # each entry a structure (a class [c], or a region: several labels as one [a, b]); only its largest piece stays
+    largest_component_labels: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        for labels in self.largest_component_labels:
+            if not labels or min(labels) < 1:
+                raise ValueError(
+                    f"largest_component_labels: each entry a list of foreground labels (>= 1), got {labels}"
+                )
+
+
+@dataclasses.dataclass
 class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
@@ -338,6 +372,7 @@ class Config:
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     cascade: CascadeConfig = dataclasses.field(default_factory=CascadeConfig)
+    postprocessing: PostprocessingConfig = dataclasses.field(default_factory=PostprocessingConfig)
 
 
 # ---------------------------------------------------------------- loading and checking
@@ -462,7 +497,9 @@ def set_key(data: dict, key: str, value) -> None:
     node = data
     *path, leaf = key.strip().split(".")
     for part in path:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or null in the file (e.g. data.split: null)
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ConfigError(f"{key}: '{part}' is not a config section")
     node[leaf] = value
@@ -580,7 +617,8 @@ def load_stages(path: str | Path) -> list[tuple[str, Path]] | None:
 
 
 def validate(config: Config) -> None:
-    """Cross-field checks that types alone cannot express."""
+    """Cross-field checks that types alone cannot express (and the splits `data.split` derives)."""
+    _resolve_data_split(config.data)
     p = config.pipeline
     if len(p.patch_size) != 3 or min(p.patch_size) < 1:
         raise ConfigError(f"pipeline.patch_size: expected three positive sizes, got {p.patch_size}")
@@ -634,6 +672,60 @@ def validate(config: Config) -> None:
     _validate_surface_and_regions(config.validation)
     if config.model.output == "regions":
         _validate_region_output(config)
+
+
+def _resolve_data_split(data: DataConfig) -> None:
+    """With `data.split` set: K folds from the conversion (data.conversion.folds = K, split null), trained on every
+    fold but `fold` (data.train_split, the joined fold names) and validated on `fold` (data.val_split). Derived the
+    same every time, so a run folder's config.yaml loads to the same splits (and one made for another fold is
+    re-derived for this one).
+
+    Raises:
+        ConfigError: a fold out of range, fewer than 2 folds, a bad splits file, or a conflicting
+            data.conversion.split / folds or data.train_split / val_split (named, with the fix).
+    """
+    import re
+
+    from tfmis.data.convert import DEFAULT_SPLIT, read_splits_file
+    from tfmis.data.records import SPLIT_JOIN, cross_validation_splits
+
+    s = data.split
+    if s is None:
+        return
+    # K from the file; a run folder's config.yaml whose file has gone keeps the K it was made with
+    if s.file is not None and Path(s.file).is_file():
+        try:
+            s.folds = len(read_splits_file(s.file))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"data.split.file: {e}") from None
+    if s.folds < 2:
+        raise ConfigError(f"data.split.folds must be at least 2 (nnU-Net uses 5), got {s.folds}")
+    if not 0 <= s.fold < s.folds:
+        raise ConfigError(
+            f"data.split.fold={s.fold} is out of range for {s.folds} folds: set data.split.fold to 0..{s.folds - 1}"
+        )
+    c = data.conversion
+    if c.split is not None and c.split != DEFAULT_SPLIT:
+        raise ConfigError(
+            f"data.conversion.split={list(c.split)} asks for train/val/test fractions, but data.split asks for "
+            f"{s.folds} folds: set data.conversion.split=null (data.split sets data.conversion.folds)"
+        )
+    if c.folds is not None and c.folds != s.folds:
+        raise ConfigError(
+            f"data.conversion.folds={c.folds} but data.split makes {s.folds} folds: set data.conversion.folds=null "
+            "(data.split sets it)"
+        )
+    train, val = cross_validation_splits(s.folds, s.fold)
+    for key, default in (("train_split", "train"), ("val_split", "val")):
+        value = getattr(data, key)
+        derived_before = all(re.fullmatch(r"fold\d+", part) for part in value.split(SPLIT_JOIN))
+        if value != default and not derived_before:
+            raise ConfigError(
+                f"data.{key}={value!r} conflicts with data.split (fold {s.fold} of {s.folds} trains on {train} and "
+                f"validates on {val}): remove data.{key}"
+            )
+    data.train_split, data.val_split = train, val
+    data.conversion = dataclasses.replace(c, split=None, folds=s.folds)
 
 
 BRATS_REGIONS_EXAMPLE = "{whole_tumour: [1, 2, 3], tumour_core: [2, 3], enhancing_tumour: [3]}"

@@ -119,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-dir", required=True, help="output folder for shards, index.json, fingerprint.json")
     _add_option_flags(p)
     p.add_argument(
+        "--splits-file",
+        default=None,
+        metavar="JSON",
+        help='a splits_final.json in nnU-Net v2\'s format (a list of {"train": [case ids], "val": [case ids]}, '
+        "one per fold): its val lists become the folds fold0..foldK-1, K from the file (instead of --split or "
+        "--folds; case ids are the image file names without .nii.gz)",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="rebuild when --target-dir holds a conversion made with other parameters",

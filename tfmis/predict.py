@@ -4,8 +4,10 @@ Writes `<case>.nii.gz` label maps (uint8) in each input's own geometry (shape, a
 header), optional `<case>_probabilities.nii.gz` (one channel per class, or per region), `predictions.csv` (and Dice
 per class per case when labels are available), and prints a summary table. A cascade (the folder of a plan of
 stages, or its fine stage) predicts the whole scan at low resolution first and the region it finds at full
-resolution (`tfmis.inference.cascade`). Each case's seconds and
-peak resident memory (`peak_rss_mb`) are logged, in the table and in the CSV.
+resolution (`tfmis.inference.cascade`). A folder of folds (`fold_<k>` run folders) predicts with the ensemble of its
+folds, a cross-validation folder (`crossval.json`) with the configuration(s) and postprocessing it chose
+(`tfmis.inference.ensemble`). Each case's seconds and peak resident memory (`peak_rss_mb`) are logged, in the table
+and in the CSV.
 """
 
 from __future__ import annotations
@@ -31,7 +33,22 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="a run folder (uses its best.weights.h5), its best.weights.h5, or a checkpoints/ folder or ckpt-N "
         "prefix; the folder of a cascade plan (or its fine stage) runs the coarse stage on the whole scan and the "
-        "fine stage on the region it finds",
+        "fine stage on the region it finds; a folder of folds (fold_0, fold_1, ... run folders, e.g. <cv>/fullres) "
+        "predicts with the ensemble of the folds (their probabilities averaged); a cross-validation folder "
+        "(crossval.json, from tfmis-crossval) with the configuration(s) it chose, each the ensemble of its folds, "
+        "and the postprocessing it chose",
+    )
+    p.add_argument(
+        "--folds",
+        default=None,
+        metavar="K,K,...",
+        help="with a folder of folds or a cross-validation folder: only these folds (e.g. 0,2; default all)",
+    )
+    p.add_argument(
+        "--no-postprocessing",
+        action="store_true",
+        help="write the label maps as predicted: no postprocessing (default: the run config's postprocessing, or "
+        "for a cross-validation folder the one it chose)",
     )
     p.add_argument(
         "--config",
@@ -151,25 +168,44 @@ def final_stage(checkpoint: str) -> str:
     return load_config(stages[-1][1]).output.dir if stages else checkpoint
 
 
+def _folds(value: str | None, parser) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        folds = [int(k) for k in value.split(",")]
+    except ValueError:
+        folds = []
+    if not folds or min(folds) < 0 or len(set(folds)) != len(folds):
+        parser.error(f"--folds: expected distinct fold numbers like 0,2, got {value!r}")
+    return folds
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         tta_axes = tuple(int(a) for a in args.tta_axes.split(","))
     except ValueError:
         build_parser().error(f"--tta-axes: expected comma-separated axes like 0,1,2, got {args.tta_axes!r}")
+    folds = _folds(args.folds, build_parser())
     from tqdm import tqdm
 
     from tfmis.config import ConfigError, load_config
-    from tfmis.inference.cascade import make_predictor
-    from tfmis.inference.predictor import collect_inputs, results_table, run_config, write_csv
+    from tfmis.inference.ensemble import build_predictor, resolve_checkpoint
+    from tfmis.inference.predictor import collect_inputs, describe_postprocessing, results_table, write_csv
 
     try:
-        checkpoint = final_stage(args.checkpoint) if args.config is None else args.checkpoint
-        config = load_config(args.config or run_config(checkpoint))
-        config = _model_parallel_override(config, args.model_parallel, args.roi_size, build_parser())
-        predictor = make_predictor(
-            config,
-            checkpoint,
+        source = resolve_checkpoint(args.checkpoint, folds)
+        if source.kind == "run" and args.config is None:  # the folder of a plan of stages: its last stage
+            source = resolve_checkpoint(final_stage(args.checkpoint))
+        if source.models > 1 and args.subset.startswith("split:"):
+            raise ValueError(
+                f"--subset {args.subset}: a split of one run's training data, but {source.models} runs predict, each "
+                "trained on other cases: predict the test set (--subset test) or a folder of scans"
+            )
+        predictor = build_predictor(
+            source,
+            config=load_config(args.config) if args.config else None,
+            adjust=lambda c: _model_parallel_override(c, args.model_parallel, args.roi_size, build_parser()),
             sw_batch_size=args.sw_batch_size,
             overlap=args.overlap,
             device=args.device,
@@ -178,6 +214,8 @@ def main(argv=None) -> int:
             accelerator_memory_mb=args.accelerator_memory_mb,
             buffer_dtype=args.buffer_dtype,
         )
+        if args.no_postprocessing:
+            predictor.postprocessing = None
         cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -185,14 +223,18 @@ def main(argv=None) -> int:
     except OSError as e:  # an unreadable checkpoint or input folder
         print(f"error: {os_error_line(e)}", file=sys.stderr)
         return 1
+    where = " (--no-postprocessing)" if args.no_postprocessing else ""
+    where = where or (" (crossval.json's choice)" if source.postprocessing is not None else "")
+    print(f"Predicting with {source.describe()}")
+    print(f"Postprocessing: {describe_postprocessing(predictor.postprocessing)}{where}", flush=True)
     output = Path(args.output)
     results = []
     for case in tqdm(cases, desc="Predicting", unit="case", disable=args.quiet, file=sys.stderr):
-        logged = len(predictor.placement.events)
+        logged = len(predictor.events)
         result = predictor.predict_file(case, output, probabilities=args.probabilities)
         if result.status != "ok":
             tqdm.write(f"  {case.case_id}: FAILED: {result.reason}", file=sys.stderr)
-        for event in predictor.placement.events[logged:]:  # what ran out of memory, and what worked
+        for event in predictor.events[logged:]:  # what ran out of memory, and what worked
             tqdm.write(f"  {event}", file=sys.stderr)
         if result.peak_rss_mb is not None:
             tqdm.write(

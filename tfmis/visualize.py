@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--split",
         default=None,
-        help="with --dataset-dir: split to read (default: train, or the first split when there is "
-        "no train split, e.g. fold0)",
+        help="with --dataset-dir: split to read, or several joined by + (fold0+fold1) (default: train, or the "
+        "first split when there is no train split, e.g. fold0)",
     )
     p.add_argument(
         "--label",
@@ -219,13 +219,19 @@ def dataset_case(dataset_dir: str | Path, split: str | None, sample: int) -> Cas
     The split and the record number are checked against index.json first, so mistakes are
     reported without starting TensorFlow.
     """
-    from tfmis.data.records import load_index, split_cases
+    from tfmis.data.records import load_index, split_cases, split_parts
 
     index = load_index(dataset_dir)
     splits = list(index["splits"])
     split = split or ("train" if "train" in splits or not splits else splits[0])
-    if split not in index["splits"]:
-        raise VisualizeError(f"split {split!r} is not in {dataset_dir}; available splits: {', '.join(splits)}")
+    try:
+        split_parts(index, split)  # one split, or several joined: fold0+fold1
+    except KeyError:
+        raise VisualizeError(
+            f"split {split!r} is not in {dataset_dir}; available splits: {', '.join(splits)}"
+        ) from None
+    except ValueError as e:  # a split joined twice
+        raise VisualizeError(f"{e} ({dataset_dir})") from None
     cases = split_cases(index, split)
     if not 0 <= sample < len(cases):
         valid = f"0..{len(cases) - 1}" if cases else "none"

@@ -1,6 +1,7 @@
 """MSD folder → preprocessed TFRecord shards + index.json + fingerprint.json.
 
-The conversion is planned up front (seeded split or K folds, shards per split), then cases are
+The conversion is planned up front (seeded split, or K folds stratified by the classes each case holds or read
+from a splits_final.json; shards per split), then cases are
 preprocessed in parallel worker processes (numpy/scipy/nibabel only) and written by the main
 process, shard by shard, in plan order. Each shard is written under a temporary name and renamed
 when complete, and a small progress file records what it holds; a rerun with the same parameters
@@ -19,6 +20,7 @@ print(report["skipped"])
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import hashlib
@@ -42,6 +44,7 @@ from tfmis.data.records import (
     INDEX_FILE,
     SCHEMA_VERSION,
     encode_example,
+    fold_name,
     framed_size,
     shard_name,
 )
@@ -52,6 +55,7 @@ from tfmis.utils.parallel import map_ordered
 
 PLAN_FILE = "conversion.json"
 PROGRESS_DIR = ".progress"
+SPLITS_FILE = "splits_final.json"  # a fold conversion's folds, in nnU-Net v2's format
 EXIT_SKIPPED = 3  # conversion finished, but some cases were skipped
 
 
@@ -80,7 +84,8 @@ class ConversionOptions:
 
     Args:
         split: fractions for train/val/test (1 to 3 values); the default 0.7,0.15,0.15 unless `folds` is set.
-        folds: K for K-fold splits `fold0..fold{K-1}` instead of `split`.
+        folds: K for K-fold splits `fold0..fold{K-1}` instead of `split`, stratified by the classes each case
+            holds (`assign_splits`).
         spacing: target spacing (mm, RAS order); None = the dataset's median spacing.
         reshape: fixed output shape instead of resampling to a spacing.
         shards: shards per split (at most one per case).
@@ -179,6 +184,8 @@ class ConversionConfig(ConversionOptions):
         target_dir: output folder for shards, index.json and fingerprint.json.
         overwrite: rebuild when the target holds a conversion with other parameters.
         progress: show a progress bar.
+        splits_file: a splits_final.json (nnU-Net v2's format, `read_splits_file`) whose val lists are the folds;
+            sets `folds` to its number of folds. Its content, not its path, is a parameter of the conversion.
         **options: the `ConversionOptions`.
     """
 
@@ -186,6 +193,20 @@ class ConversionConfig(ConversionOptions):
     target_dir: str
     overwrite: bool = False
     progress: bool = True
+    splits_file: str | None = None
+
+    def __post_init__(self):
+        if self.splits_file is not None:
+            if self.split is not None:
+                raise ValueError(f"set only one of split {list(self.split)} and splits_file {self.splits_file}")
+            folds = len(read_splits_file(self.splits_file))
+            if self.folds is not None and self.folds != folds:
+                raise ValueError(
+                    f"folds is {self.folds} but splits_file {self.splits_file} holds {folds} folds: leave folds "
+                    "unset (the file sets it)"
+                )
+            object.__setattr__(self, "folds", folds)
+        super().__post_init__()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ConversionConfig:
@@ -196,23 +217,43 @@ class ConversionConfig(ConversionOptions):
             target_dir=args.target_dir,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            splits_file=args.splits_file,
             **options,
         )
 
-    def requested(self, dataset_json_sha256: str) -> dict:
-        """The parameters that decide the output (not workers/progress/overwrite)."""
+    def requested(self, dataset_json_sha256: str, splits_sha256: str | None = None) -> dict:
+        """The parameters that decide the output (not workers/progress/overwrite, nor where a splits file is).
+
+        Args:
+            splits_sha256: `splits_sha256` of the splits file's folds, when folds come from one.
+        """
         keep = {f.name for f in dataclasses.fields(ConversionOptions)} - {"workers"}
         d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items() if k in keep}
         d["dataset_json_sha256"] = dataset_json_sha256
         d["schema_version"] = SCHEMA_VERSION
+        if self.folds is not None:  # how the folds were made (absent for fractions: older conversions stay valid)
+            d["fold_assignment"] = "splits_file" if splits_sha256 else "stratified"
+            if splits_sha256:
+                d["splits_file_sha256"] = splits_sha256
         return d
 
 
-def assign_splits(case_ids: list[str], split, folds, seed: int) -> dict[str, list[str]]:
-    """Seeded assignment of cases to `train/val/test` fractions or to `fold0..foldK-1`."""
-    order = [case_ids[i] for i in np.random.default_rng(seed).permutation(len(case_ids))]
+def assign_splits(
+    case_ids: list[str], split, folds, seed: int, case_classes: dict[str, set[int]] | None = None
+) -> dict[str, list[str]]:
+    """Seeded assignment of cases to `train/val/test` fractions or to `fold0..foldK-1` (`stratified_folds`).
+
+    Args:
+        case_ids: the cases to assign.
+        split: fractions for train/val/test (with `folds` None).
+        folds: K, or None for `split`.
+        seed: seeds the order (the same arguments always give the same assignment).
+        case_classes: with `folds`: case id -> the foreground labels its label map holds (missing = none).
+    """
+    rng = np.random.default_rng(seed)
+    order = [case_ids[i] for i in rng.permutation(len(case_ids))]
     if folds is not None:
-        return {f"fold{k}": order[k::folds] for k in range(folds)}
+        return stratified_folds(order, folds, case_classes or {}, rng)
     names = ("train", "val", "test")[: len(split)]
     fractions = np.array(split, dtype=float) / sum(split)
     exact = fractions * len(order)
@@ -221,6 +262,181 @@ def assign_splits(case_ids: list[str], split, folds, seed: int) -> dict[str, lis
         counts[i] += 1  # largest remainders get the leftover cases
     bounds = np.concatenate([[0], np.cumsum(counts)])
     return {name: order[bounds[i] : bounds[i + 1]] for i, name in enumerate(names)}
+
+
+def stratified_folds(
+    order: list[str], folds: int, case_classes: dict[str, set[int]], rng: np.random.Generator
+) -> dict[str, list[str]]:
+    """K folds of equal size (differing by at most one case), stratified by the classes the cases hold.
+
+    Only classes held by at least 2 cases count (a class of one case is missing from its fold's training part
+    whatever the split). The cases are taken rarest class first (a case's key: how many cases hold its rarest class,
+    then its next rarest, ...; at an equal start, more classes first; cases without such classes last; `order`, a
+    seeded shuffle, among equal keys). Each goes to the fold with room whose validation part holds the fewest cases
+    of its classes (its rarest class first), then the smallest fold, then a seeded draw. Then, while a class has
+    all its cases in one fold, a case of it is swapped with one of another fold where that leaves fewer such
+    classes. So the rare classes are spread over the validation folds and every fold's training part sees every
+    class of at least 2 cases wherever equal fold sizes allow it (and the swaps find it). Each fold's cases are
+    returned sorted.
+    """
+    if not 2 <= folds <= len(order):
+        raise ValueError(f"{folds} folds need at least {folds} cases (one per fold), and there are {len(order)}")
+    holders = collections.Counter(int(c) for case in order for c in set(case_classes.get(case, ())))
+    present = {case: sorted({int(c) for c in case_classes.get(case, ()) if holders[int(c)] >= 2}) for case in order}
+    rarity = {case: sorted(present[case], key=lambda c: (holders[c], c)) for case in order}
+    last = (float("inf"), float("inf"))  # ends each key: of two keys alike so far, the case of more classes first
+    keys = {case: (not present[case], [(holders[c], c) for c in rarity[case]] + [last]) for case in order}
+    ranked = sorted(order, key=keys.__getitem__)  # stable: the seeded order among equal keys
+    low, extra = divmod(len(order), folds)  # sizes: `extra` folds of low + 1 cases, the others of low
+    val: list[list[str]] = [[] for _ in range(folds)]
+    counts = [collections.Counter() for _ in range(folds)]  # fold -> class -> its cases in the fold
+    for case in ranked:
+        full = sum(len(v) > low for v in val)
+        room = [k for k in range(folds) if len(val[k]) < low or (len(val[k]) == low and full < extra)]
+        score = {k: ([counts[k][c] for c in rarity[case]], len(val[k])) for k in room}
+        best = min(score.values())
+        tied = [k for k in room if score[k] == best]
+        k = tied[int(rng.integers(len(tied)))]
+        val[k].append(case)
+        counts[k].update(present[case])
+    _spread_lone_classes(val, counts, present)
+    return {fold_name(k): sorted(cases) for k, cases in enumerate(val)}
+
+
+def _spread_lone_classes(val: list[list[str]], counts: list[collections.Counter], present: dict) -> None:
+    """Swaps cases between folds (sizes kept) while a swap lowers the number of lone classes, those whose cases all
+    share one fold (whose training part then lacks them): the first such swap in fold and case order, so the result
+    is deterministic. Each swap lowers the number, so this ends."""
+
+    def homes(c: int) -> int:
+        return sum(1 for fold in counts if fold[c] > 0)
+
+    def move(case: str, source: int, target: int) -> None:
+        val[source].remove(case)
+        val[target].append(case)
+        counts[source].subtract(present[case])
+        counts[target].update(present[case])
+
+    def improving_swap() -> bool:
+        lone = sorted({c for fold in counts for c, n in fold.items() if n > 0 and homes(c) == 1})
+        for c in lone:
+            k = next(i for i, fold in enumerate(counts) if fold[c] > 0)
+            for case in [case for case in val[k] if c in present[case]]:
+                for j in range(len(val)):
+                    for other in list(val[j]) if j != k else []:
+                        affected = set(present[case]) | set(present[other])
+                        before = sum(homes(a) == 1 for a in affected)
+                        move(case, k, j)
+                        move(other, j, k)
+                        if sum(homes(a) == 1 for a in affected) < before:
+                            return True
+                        move(other, k, j)  # undo
+                        move(case, j, k)
+        return False
+
+    while improving_swap():
+        pass
+
+
+def read_splits_file(path: str | Path) -> list[dict[str, list[str]]]:
+    """The folds of a splits_final.json in nnU-Net v2's format: a list of K >= 2 `{"train": [case ids], "val":
+    [case ids]}`. Checked: the val lists are disjoint and not empty, and each fold's train list is exactly the
+    other folds' val cases (as nnU-Net's generated splits are). Case ids are the image file names without
+    `.nii.gz` (`hippocampus_001`), in tfmis (`Case.case_id`) and in nnU-Net alike.
+
+    Raises:
+        ValueError: one line naming the file (missing, not JSON, not this format), and the fold and case at fault.
+    """
+    path = Path(path)
+    if not path.is_file():  # a ValueError, as a missing dataset.json (DatasetError): commands print it as one line
+        raise ValueError(
+            f"splits file {path} does not exist: give a splits_final.json (nnU-Net v2's format: a list of "
+            '{"train": [case ids], "val": [case ids]}, one per fold)'
+        )
+    try:
+        folds = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    shape = '{"train": [case ids], "val": [case ids]}'
+    if not isinstance(folds, list) or len(folds) < 2:
+        raise ValueError(f"{path}: expected a list of at least 2 folds, each {shape} (nnU-Net v2's splits_final.json)")
+    for k, fold in enumerate(folds):
+        lists = [fold.get(key) for key in ("train", "val")] if isinstance(fold, dict) else [None]
+        if not all(isinstance(v, list) and all(isinstance(c, str) for c in v) for v in lists):
+            raise ValueError(f"{path}: fold {k} is not {shape}")
+        if not fold["val"]:
+            raise ValueError(f"{path}: fold {k}'s val list is empty: each fold validates on at least one case")
+    home = {}  # case -> the fold it validates in
+    for k, fold in enumerate(folds):
+        for case in fold["val"]:
+            if case in home:
+                where = "twice in its val list" if home[case] == k else f"also in fold {home[case]}'s val list"
+                raise ValueError(f"{path}: fold {k}'s val list holds case {case!r} {where}: each case validates once")
+            home[case] = k
+    for k, fold in enumerate(folds):
+        train = fold["train"]
+        for case in train:
+            if case not in home:
+                raise ValueError(
+                    f"{path}: fold {k}'s train list holds case {case!r}, which is in no fold's val list: each fold "
+                    "trains on exactly the other folds' val cases"
+                )
+            if home[case] == k:
+                raise ValueError(f"{path}: fold {k}'s train list holds case {case!r} of its own val list")
+        missing = sorted(set(home) - set(train) - set(fold["val"]), key=lambda c: (home[c], c))
+        if missing:
+            raise ValueError(
+                f"{path}: fold {k}'s train list lacks case {missing[0]!r} (in fold {home[missing[0]]}'s val list"
+                f"{f', and {len(missing) - 1} more' if len(missing) > 1 else ''}): each fold trains on exactly the "
+                "other folds' val cases"
+            )
+        if len(set(train)) != len(train):
+            raise ValueError(f"{path}: fold {k}'s train list names a case twice")
+    return [{"train": list(fold["train"]), "val": list(fold["val"])} for fold in folds]
+
+
+def splits_sha256(folds: list[dict[str, list[str]]]) -> str:
+    """The identity of a splits file's folds: the sha256 of each fold's sorted val list, in fold order (the same
+    folds written with other spacing or list order are the same conversion)."""
+    canonical = json.dumps([sorted(fold["val"]) for fold in folds], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def folds_from_file(folds: list[dict[str, list[str]]], dataset: MSDDataset, path: str | Path) -> dict[str, list[str]]:
+    """`fold0..foldK-1` from a splits file's val lists (`read_splits_file`), checked against dataset.json: every
+    case named must be a training case, and every training case in a fold.
+
+    Raises:
+        ValueError: one line naming the file, the fold and the case.
+    """
+    known = {c.case_id for c in dataset.training}
+    for k, fold in enumerate(folds):
+        unknown = [c for c in fold["val"] if c not in known]
+        if unknown:
+            raise ValueError(
+                f"{path}: fold {k}'s val list names case {unknown[0]!r}, which {dataset.root / 'dataset.json'} does "
+                f"not list for training (case ids are the image file names without .nii.gz, e.g. "
+                f"{dataset.training[0].case_id!r}): fix the file or the dataset"
+            )
+    placed = {c for fold in folds for c in fold["val"]}
+    left_out = [c.case_id for c in dataset.training if c.case_id not in placed]
+    if left_out:
+        raise ValueError(
+            f"{path}: case {left_out[0]!r} of {dataset.root / 'dataset.json'} is in no fold's val list"
+            f"{f' (and {len(left_out) - 1} more)' if len(left_out) > 1 else ''}: add it to one fold (or remove it "
+            "from the dataset's training list)"
+        )
+    return {fold_name(k): sorted(fold["val"]) for k, fold in enumerate(folds)}
+
+
+def nnunet_splits(splits: dict[str, list[str]]) -> list[dict[str, list[str]]]:
+    """A fold conversion's folds as nnU-Net v2's splits_final.json: per fold, the sorted cases of the other folds
+    (train) and its own (val)."""
+    folds = list(splits.values())
+    return [
+        {"train": sorted(c for j, other in enumerate(folds) if j != k for c in other), "val": sorted(own)}
+        for k, own in enumerate(folds)
+    ]
 
 
 def plan_shards(splits: dict[str, list[str]], shards: int, compression: str) -> list[dict]:
@@ -289,6 +505,22 @@ def _process_case(task: tuple) -> dict:
         return {"case_id": case.case_id, "status": "skipped", "reason": e.reason}
     except Exception as e:  # never let one case stop the others
         return {"case_id": case.case_id, "status": "skipped", "reason": f"unexpected {type(e).__name__}: {e}"}
+
+
+def _label_classes(task: tuple) -> list[int]:
+    """The foreground label values a case's label file holds (read once, nothing else); [] if it cannot be read
+    (the main pass reports the case)."""
+    case, source_dir = task
+    try:
+        dataset = MSDDataset(source_dir)
+        label = np.asanyarray(nib.load(str(dataset.resolve(case, case.label))).dataobj)
+        if label.dtype == np.uint8:
+            values = np.flatnonzero(np.bincount(label.ravel(), minlength=1))
+        else:
+            values = np.unique(label)
+        return sorted({int(v) for v in values if 0 < v < dataset.num_classes and float(v).is_integer()})
+    except Exception:
+        return []
 
 
 def _foreground_sample(task: tuple) -> np.ndarray | None:
@@ -364,6 +596,7 @@ def _remove_outputs(target: Path) -> None:
         target / INDEX_FILE,
         target / FINGERPRINT_FILE,
         target / PLAN_FILE,
+        target / SPLITS_FILE,
     ]:
         if path.is_file():
             path.unlink()
@@ -526,15 +759,21 @@ def convert(config: ConversionConfig) -> dict:
 def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start: float, locked: bool) -> dict:
     from tfmis.utils.progress import progress_bar
 
+    # read before the target is touched: a splits file inside it (an earlier conversion's) is removed by overwrite
+    file_folds = read_splits_file(config.splits_file) if config.splits_file is not None else None
     (target / PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
-    requested = config.requested(_sha256(dataset.root / "dataset.json"))
+    requested = config.requested(
+        _sha256(dataset.root / "dataset.json"), splits_sha256(file_folds) if file_folds is not None else None
+    )
     _prepare_target(target, requested, config.overwrite, dataset, locked)
     previous = json.loads((target / PLAN_FILE).read_text()) if (target / PLAN_FILE).is_file() else {}
     ct_norm = "ct_zscore" if config.ct_normalization == "zscore" else "ct"
     modal_norm = tuple(ct_norm if m.upper() == "CT" else "zscore" for m in dataset.modalities)
+    splits = None
     if previous.get("requested") == requested and "resolved" in previous:  # resuming
         spacing, ct_window = previous["resolved"]["spacing"], previous["resolved"]["ct_window"]
         ct_mean_std = previous["resolved"].get("ct_mean_std")
+        splits = previous["resolved"].get("splits")  # planned once: stratified folds read every label
     else:
         spacing = config.spacing or _median_spacing(dataset)
         ct_window, ct_mean_std = config.ct_window, None
@@ -547,9 +786,14 @@ def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start:
             f"{dataset.root}: 0 of {len(dataset.training)} cases readable, so nothing to convert "
             f"(first: {_first_unreadable(dataset)}); fix the files dataset.json lists and rerun"
         )
+    if splits is None:
+        splits = _plan_splits(config, dataset, file_folds)
     atomic_write_json(
         target / PLAN_FILE,
-        {"requested": requested, "resolved": {"spacing": spacing, "ct_window": ct_window, "ct_mean_std": ct_mean_std}},
+        {
+            "requested": requested,
+            "resolved": {"spacing": spacing, "ct_window": ct_window, "ct_mean_std": ct_mean_std, "splits": splits},
+        },
     )
     spacing = tuple(spacing) if spacing is not None else None
     ct_window = tuple(ct_window) if ct_window is not None else None
@@ -565,7 +809,6 @@ def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start:
         image_dtype=config.image_dtype,
     )
 
-    splits = assign_splits([c.case_id for c in dataset.training], config.split, config.folds, config.seed)
     plan = plan_shards(splits, config.shards, config.compression)
     # a finished conversion (index.json, written after every shard was synced) checks sizes only, which is cheap
     # at every training start; resuming an unfinished one checks the checksums of the shards it keeps too
@@ -602,8 +845,23 @@ def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start:
             f"{first['case_id']}: {first['reason']}); fix the files dataset.json lists and rerun"
         )
     index["run_seconds"] = round(time.time() - start, 2)
+    if config.folds is not None:  # before index.json, whose presence says the conversion is complete
+        atomic_write_json(target / SPLITS_FILE, nnunet_splits(splits))
     atomic_write_json(target / INDEX_FILE, index)
     return index
+
+
+def _plan_splits(config: ConversionConfig, dataset: MSDDataset, file_folds: list[dict] | None) -> dict:
+    """The cases of each split: the splits file's folds, stratified folds (every training label read once, in
+    parallel), or seeded fractions."""
+    if file_folds is not None:
+        return folds_from_file(file_folds, dataset, config.splits_file)
+    ids = [c.case_id for c in dataset.training]
+    classes = None
+    if config.folds is not None:
+        tasks = [(c, str(dataset.root)) for c in dataset.training]
+        classes = dict(zip(ids, map_ordered(_label_classes, tasks, config.num_workers)))
+    return assign_splits(ids, config.split, config.folds, config.seed, classes)
 
 
 def _build_index(
@@ -646,6 +904,8 @@ def _build_index(
             "fractions": list(config.split) if config.split else None,
             "folds": config.folds,
             "seed": config.seed,
+            "fold_assignment": requested.get("fold_assignment"),  # stratified or splits_file (folds only)
+            "splits_file": config.splits_file,
         },
         "splits": {
             name: {

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from tfmis.data.records import image_as_float32, load_index, parse_example, shard_paths
+from tfmis.data.records import image_as_float32, load_index, parse_example, shard_paths, split_entry
 from tfmis.data.smart_cache import REFILL_PARALLELISM, partial_cache_size, share_size, smart_cache
 from tfmis.hardware import data_threads
 from tfmis.transforms.augment import (
@@ -98,7 +98,7 @@ def _read(
     few volumes are in flight besides the cached ones."""
     compression = index["preprocessing"]["compression"]
     dtype = index["preprocessing"]["image_dtype"]
-    shard = input_shard(files, index["splits"][split]["cases"] if split else [], input_context)
+    shard = input_shard(files, split_entry(index, split)["cases"] if split else [], input_context)
     files = shard["files"]
     names = tf.data.Dataset.from_tensor_slices(files)
     if refill_seed is not None:
@@ -127,7 +127,7 @@ def train_steps_per_epoch(config, num_replicas: int = 1) -> int:
     if config.training.steps_per_epoch:
         return config.training.steps_per_epoch
     index = load_index(config.data.dataset_dir)
-    volumes = index["splits"][config.data.train_split]["num_records"]
+    volumes = split_entry(index, config.data.train_split)["num_records"]
     global_batch = config.pipeline.num_images_per_batch * num_replicas * config.training.accumulation_steps
     return max(1, math.ceil(volumes * config.pipeline.num_crops_per_image / global_batch))
 
@@ -181,7 +181,7 @@ def build_train_dataset(
         share = share_size(
             index,
             config.data.train_split,
-            input_shard(files, index["splits"][config.data.train_split]["cases"], input_context),
+            input_shard(files, split_entry(index, config.data.train_split)["cases"], input_context),
         )
         dataset = smart_cache(dataset, *partial_cache_size(p, share), seed=stream_seed)
     else:

@@ -44,6 +44,7 @@ def prepare_dataset(data, progress: bool = True) -> Path:
         source_dir=data.source_dir,
         target_dir=str(target),
         progress=progress,
+        splits_file=data.split.file if data.split is not None else None,  # the folds of a cross-validation
         **{f.name: getattr(data.conversion, f.name) for f in dataclasses.fields(ConversionOptions)},
     )
     index = convert(config)

@@ -162,19 +162,71 @@ def load_training_data_info(run_dir: str | Path | None, dataset_dir: str | Path)
     return load_index(dataset_dir)
 
 
+SPLIT_JOIN = "+"  # "fold0+fold1+fold3": the union of those splits, e.g. the training part of a fold
+
+
+def fold_name(fold: int) -> str:
+    """The split name of fold `fold` of a K-fold conversion (`fold0`, `fold1`, ...)."""
+    return f"fold{fold}"
+
+
+def cross_validation_splits(folds: int, fold: int) -> tuple[str, str]:
+    """(training split, validation split) of fold `fold` of `folds`: every other fold joined, and fold `fold`.
+
+    Example:
+        >>> cross_validation_splits(5, 2)
+        ('fold0+fold1+fold3+fold4', 'fold2')
+    """
+    if not 0 <= fold < folds:
+        raise ValueError(f"fold {fold} is out of range for {folds} folds (0..{folds - 1})")
+    return SPLIT_JOIN.join(fold_name(k) for k in range(folds) if k != fold), fold_name(fold)
+
+
+def split_parts(index: dict, name: str) -> list[str]:
+    """The split names in `name` (one name, or several joined by `SPLIT_JOIN`), each checked against `index`.
+
+    Raises:
+        KeyError: a part is not a split of this dataset (named, with the available ones).
+        ValueError: a part is named twice.
+    """
+    parts = name.split(SPLIT_JOIN)
+    for part in parts:
+        if part not in index["splits"]:
+            raise KeyError(
+                f"split {part!r}{f' (in {name!r})' if part != name else ''} not in this dataset; available: "
+                f"{sorted(index['splits'])}"
+            )
+    repeated = sorted({p for p in parts if parts.count(p) > 1})
+    if repeated:
+        raise ValueError(f"split {name!r} names {repeated[0]!r} twice; join each split once")
+    return parts
+
+
+def split_entry(index: dict, name: str) -> dict:
+    """`index["splits"][name]`, also for joined names "a+b+c": their `cases`, `num_records` and `shards`
+    merged in the order given (so a joined split reads like one split of the combined cases). Also for a run's
+    `training_data_info`, whose splits hold only `cases`: then only `cases` is returned."""
+    entries = [index["splits"][part] for part in split_parts(index, name)]
+    merged = {"cases": [case for entry in entries for case in entry["cases"]]}
+    if all("num_records" in entry for entry in entries):
+        merged["num_records"] = sum(entry["num_records"] for entry in entries)
+    if all("shards" in entry for entry in entries):
+        merged["shards"] = [shard for entry in entries for shard in entry["shards"]]
+    return merged
+
+
 def split_cases(index: dict, split: str) -> list[dict]:
-    """The records of `split` in storage order (entries of `index["cases"]`)."""
-    if split not in index["splits"]:
-        raise KeyError(f"split {split!r} not in this dataset; available: {sorted(index['splits'])}")
-    cases = [c for c in index["cases"].values() if c["split"] == split]
-    return sorted(cases, key=lambda c: (c["shard"], c["position"]))
+    """The records of `split` (a name or joined names) in storage order (entries of `index["cases"]`): the
+    parts in the order given, each by shard and position."""
+    order = {part: i for i, part in enumerate(split_parts(index, split))}
+    cases = [c for c in index["cases"].values() if c["split"] in order]
+    return sorted(cases, key=lambda c: (order[c["split"]], c["shard"], c["position"]))
 
 
 def shard_paths(dataset_dir: str | Path, split: str, index: dict | None = None) -> list[str]:
+    """The shard files of `split` (a name or joined names) that hold records, in `split_entry` order."""
     index = index or load_index(dataset_dir)
-    if split not in index["splits"]:
-        raise KeyError(f"split {split!r} not in this dataset; available: {sorted(index['splits'])}")
-    return [str(Path(dataset_dir) / s["file"]) for s in index["splits"][split]["shards"] if s["records"] > 0]
+    return [str(Path(dataset_dir) / s["file"]) for s in split_entry(index, split)["shards"] if s["records"] > 0]
 
 
 def record_dataset(dataset_dir: str | Path, split: str, num_parallel_reads=None, deterministic: bool = True):
@@ -182,7 +234,7 @@ def record_dataset(dataset_dir: str | Path, split: str, num_parallel_reads=None,
 
     Args:
         dataset_dir: the converted dataset folder.
-        split: e.g. `train`, `val`, `test` or `fold0`.
+        split: e.g. `train`, `val`, `test`, `fold0`, or joined splits `fold0+fold1`.
         num_parallel_reads: shards read concurrently (default: AUTOTUNE).
         deterministic: keep storage order (set False for throughput when order does not matter).
     """

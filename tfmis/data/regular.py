@@ -41,7 +41,7 @@ import tensorflow as tf
 from tfmis.data.msd import MSDDataset, load_case
 from tfmis.data.pipeline import input_shard, patch_augmentation, volume_crops, with_channel_count
 from tfmis.data.preprocess import PreprocessConfig, preprocess
-from tfmis.data.records import load_index, shard_paths
+from tfmis.data.records import load_index, shard_paths, split_entry, split_parts
 from tfmis.transforms.crop import foreground_indices
 
 # the fast pipeline reads at most this many shard files at once (tfmis.data.pipeline._read)
@@ -116,10 +116,11 @@ def fast_volume_order(index: dict, dataset_dir: str | Path, split: str, input_co
     pipeline's files or cases; this is that order, computed from `index.json` without reading a record.
     """
     files = shard_paths(dataset_dir, split, index)
-    shard = input_shard(files, index["splits"][split]["cases"], input_context)
+    shard = input_shard(files, split_entry(index, split)["cases"], input_context)
+    parts = set(split_parts(index, split))
     by_file = {}
     for case in index["cases"].values():
-        if case["split"] == split:
+        if case["split"] in parts:
             by_file.setdefault(case["file"], []).append(case)
     queue = [
         [c["case_id"] for c in sorted(by_file.get(Path(f).name, []), key=lambda c: c["position"])]

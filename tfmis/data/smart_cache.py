@@ -42,6 +42,8 @@ from pathlib import Path
 
 import tensorflow as tf
 
+from tfmis.data.records import split_entry
+
 # volumes the partial cache's reader parses (and computes foreground indices for) at once: enough to refill
 # replace_num volumes per cycle in the background, few enough to keep the in-flight memory a small constant
 REFILL_PARALLELISM = 2
@@ -88,7 +90,7 @@ def share_size(index: dict, split: str, shard: dict) -> int:
     """How many volumes of `split` one input pipeline reads, given its `tfmis.data.pipeline.input_shard`."""
     if shard["cases"] is not None:  # data-level sharding: every N-th case
         return len(shard["cases"])
-    records = {s["file"]: s["records"] for s in index["splits"][split]["shards"]}
+    records = {s["file"]: s["records"] for s in split_entry(index, split)["shards"]}
     return sum(records[Path(f).name] for f in shard["files"])
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from scipy import ndimage
 
+from tfmis.config import load_config
 from tfmis.inference.predictor import GridPrediction, Predictor, run_config
 from tfmis.inference.restore import original_box
 
@@ -148,8 +149,8 @@ class CascadePredictor(Predictor):
 
     Args:
         config, checkpoint: the fine stage's run (its `cascade.margin_mm`, `cascade.min_region_mm3` and
-            `cascade.fine_classes`).
-        coarse: the coarse stage's `Predictor`.
+            `cascade.fine_classes`), or its folds (a list: `Predictor`'s fold ensemble).
+        coarse: the coarse stage's `Predictor` (for folds, the fold ensemble of their coarse runs).
         kwargs: `Predictor`'s (sliding-window settings, device, test-time augmentation), for both stages.
 
     After each case, `last_region` describes what the fine stage saw (also in `CaseResult.region`) and `last_boxes`
@@ -229,24 +230,35 @@ class CascadePredictor(Predictor):
             raise ValueError("a cascade chooses its own regions: predict_array(roi=...) is for one stage")
         return self.predict_image([image], affine, case_id, probabilities)
 
-    def predict_file(self, case, output_dir, probabilities: bool = False):
-        result = super().predict_file(case, output_dir, probabilities)
-        result.region = self.last_region if result.status == "ok" else ""
-        return result
-
 
 def make_predictor(config, checkpoint, **kwargs) -> Predictor:
     """A `Predictor` for the run of `config`, or a `CascadePredictor` when it is a cascade's fine stage
-    (`cascade.coarse_run` set): the coarse run's config and best weights are loaded from its folder."""
-    coarse_run = config.cascade.coarse_run
-    if not coarse_run:
-        return Predictor(config, checkpoint, **kwargs)
-    from tfmis.config import load_config
+    (`cascade.coarse_run` set): the coarse run's config and best weights are loaded from its folder.
 
-    if not Path(coarse_run).is_dir():
-        raise FileNotFoundError(
-            f"cascade.coarse_run: {coarse_run} is not a run folder; train the coarse stage first (python -m "
-            f"tfmis.train --config <its plan.yaml>) or set cascade.coarse_run to where it is"
-        )
-    coarse = Predictor(load_config(run_config(coarse_run)), coarse_run, **kwargs)
+    `checkpoint` may be a list of runs of one configuration (its folds: `Predictor`'s fold ensemble). For a
+    cascade's folds, each fold's config.yaml names its own coarse run (`cascade.coarse_run`, the coarse
+    configuration's fold of the same number), and the coarse stage is the fold ensemble of those runs.
+    """
+    checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
+    if len(checkpoints) == 1:
+        coarse_runs = [config.cascade.coarse_run] if config.cascade.coarse_run else []
+    else:
+        coarse_runs = [load_config(run_config(run)).cascade.coarse_run for run in checkpoints]
+        if any(coarse_runs) and not all(coarse_runs):
+            missing = next(run for run, coarse in zip(checkpoints, coarse_runs) if not coarse)
+            raise ValueError(
+                f"{missing}: its config.yaml has no cascade.coarse_run, other folds of this ensemble have one: the "
+                "folds of an ensemble must be one configuration"
+            )
+        coarse_runs = coarse_runs if all(coarse_runs) else []
+    if not coarse_runs:
+        return Predictor(config, checkpoint, **kwargs)
+    for coarse_run in coarse_runs:
+        if not Path(coarse_run).is_dir():
+            raise FileNotFoundError(
+                f"cascade.coarse_run: {coarse_run} is not a run folder; train the coarse stage first (python -m "
+                f"tfmis.train --config <its plan.yaml>) or set cascade.coarse_run to where it is"
+            )
+    coarse_config = load_config(run_config(coarse_runs[0]))
+    coarse = Predictor(coarse_config, coarse_runs if len(coarse_runs) > 1 else coarse_runs[0], **kwargs)
     return CascadePredictor(config, checkpoint, coarse, **kwargs)

@@ -7,6 +7,12 @@ original grid before the argmax, as nnU-Net does. A model trained on regions (`m
 has one sigmoid per region: its region probabilities are resampled and painted into labels instead
 (`tfmis.inference.restore.paint_regions`).
 
+Several runs of one configuration (the folds of a cross-validation) predict as one: `Predictor(config,
+[fold_0, fold_1, ...])` builds one model per run, and each window batch goes through all of them, one after the
+other (each with its test-time augmentation); their probabilities are averaged and the window returns the logits
+of that mean (`mean_probability_logits`), so the sliding window blends one sum buffer as for one model. With one
+run it is exactly the one-model prediction.
+
 Memory safety is training validation's policy (`tfmis.inference.placement.VolumePlacement`, as
 MONAI's `SlidingWindowInfererAdapt`): the whole volume and the blending buffers live on the
 accelerator unless that runs out of memory; then the case is retried with them on the CPU, then
@@ -35,10 +41,11 @@ import tensorflow as tf
 
 from tfmis.data.msd import CaseError, case_id_from_path, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
-from tfmis.data.records import load_training_data_info
+from tfmis.data.records import load_training_data_info, split_entry
 from tfmis.hardware import CPU, accelerator_device, model_parallel_devices
 from tfmis.inference.blending import check_buffer_dtype
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
+from tfmis.inference.postprocess import apply_postprocessing
 from tfmis.inference.restore import (
     crop_box,
     paint_regions,
@@ -74,6 +81,8 @@ class CaseResult:
     dice: dict | None = None
     scores: dict | None = None  # the `score_columns` of a labelled case (regions, HD95, NSD when configured)
     region: str = ""  # a cascade: the box the fine stage saw
+    postprocessing: str = ""  # the postprocessing applied to the label map ("" when none was configured)
+    removed_voxels: int | None = None  # the foreground voxels it set to background (None without postprocessing)
     peak_rss_mb: float | None = None  # the process' peak resident memory while predicting this case
 
 
@@ -171,12 +180,174 @@ def load_weights(model, checkpoint: str | Path) -> Path:
     return Path(prefix)
 
 
-class Predictor:
-    """Predicts whole scans with a trained model, exactly as it was trained to see them.
+def postprocessing_enabled(spec) -> bool:
+    """Whether a `PostprocessingConfig` (or None) changes anything."""
+    return spec is not None and bool(spec.largest_foreground_component or spec.largest_component_labels)
+
+
+def describe_postprocessing(spec) -> str:
+    """What a `PostprocessingConfig` does, in a few words ("none" when nothing).
+
+    Example:
+        >>> from tfmis.config import PostprocessingConfig
+        >>> describe_postprocessing(PostprocessingConfig(True, [[2], [1, 2]]))
+        'largest foreground component, largest component of 2, of 1+2'
+    """
+    if not postprocessing_enabled(spec):
+        return "none"
+    steps = ["largest foreground component"] if spec.largest_foreground_component else []
+    if spec.largest_component_labels:
+        pieces = ", of ".join("+".join(map(str, labels)) for labels in spec.largest_component_labels)
+        steps.append(f"largest component of {pieces}")
+    return ", ".join(steps)
+
+
+def _check_same_training_data(index: dict, checkpoint, first, dataset_dir) -> None:
+    """An ensemble's runs must see the scans alike: the preprocessing, channels and classes of `checkpoint`'s run
+    (its training_data.json) must be those of `first`'s (`index`)."""
+    other = load_training_data_info(find_run_dir(checkpoint), dataset_dir)
+    for key, what in (("preprocessing", "preprocessing"), ("source", "channels and classes")):
+        mine = other[key] if key == "preprocessing" else (other[key]["modalities"], other[key]["labels"])
+        theirs = index[key] if key == "preprocessing" else (index[key]["modalities"], index[key]["labels"])
+        if mine != theirs:
+            raise ValueError(
+                f"{checkpoint}: its {what} (training_data.json) differ from those of {first}: the runs of an "
+                "ensemble must be folds of one configuration"
+            )
+
+
+class ScanPredictor:
+    """Predicts NIfTI files (`predict_file`) with a subclass's `predict_image`, postprocesses and scores them.
+
+    A subclass sets `task`, `class_names`, `modalities`, `score_columns`, `postprocessing` (a `PostprocessingConfig`
+    applied to each label map, or None) and `events` (what its placement policy did, in order), and after each case
+    `last_region` (a cascade's boxes, else "").
+    """
+
+    last_region = ""
+
+    def predict_image(self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True):
+        raise NotImplementedError
+
+    def predict_file(self, case: InputCase, output_dir: str | Path, probabilities: bool = False) -> CaseResult:
+        """Predicts one NIfTI file and writes `<case_id>.nii.gz` (and `<case_id>_probabilities.nii.gz`).
+
+        The label map is postprocessed (`postprocessing`) before it is written and scored; the probabilities are
+        the prediction's, as nnU-Net writes them.
+
+        The result's `peak_rss_mb` is the process' peak resident memory during the case (the kernel's
+        high-water mark, reset at the start of the case where Linux allows it, else since the start).
+        """
+        start = time.perf_counter()
+        output_dir = Path(output_dir)
+        reset_peak_rss()
+        try:
+            image, affine, _ = load_image(case.image, len(self.modalities), case.case_id, integers=True)
+            header = nib.load(str(case.image)).header
+            shape = tuple(image.shape[:3])
+            holder = [image]
+            del image  # predict_image lets it go once preprocessed
+            label_map, probs, device = self.predict_image(holder, affine, case.case_id, probabilities)
+            removed = self._postprocess(label_map)
+            out = output_dir / f"{case.case_id}.nii.gz"
+            save_like(label_map, affine, header, out, np.uint8)
+            if probabilities:
+                # NIfTI-1 has no float16: uint8 with a scale factor (readers get floats, step 1/255)
+                save_like(probs, affine, header, output_dir / f"{case.case_id}_probabilities.nii.gz", np.uint8)
+                del probs
+            result = CaseResult(case.case_id, "ok", shape, 0.0, int(np.count_nonzero(label_map)), device, str(out))
+            result.region = self.last_region
+            if removed is not None:
+                result.postprocessing, result.removed_voxels = describe_postprocessing(self.postprocessing), removed
+            if case.label is not None:
+                result.dice, result.scores = self._dice(case, label_map, affine)
+        except (CaseError, OSError, ValueError, MemoryError, tf.errors.OpError) as e:
+            reason = e.reason if isinstance(e, CaseError) else f"{type(e).__name__}: {e}"
+            result = CaseResult(case.case_id, "failed", reason=reason.splitlines()[0][:300])
+        result.seconds = time.perf_counter() - start
+        result.peak_rss_mb = peak_rss_mb()
+        return result
+
+    def _dice(self, case: InputCase, prediction: np.ndarray, affine: np.ndarray) -> tuple[dict, dict]:
+        """Dice per foreground class against the case's label map, as MONAI `compute_dice` (ignore_empty): NaN for
+        a class absent from the label, whatever the prediction holds; and the `score_columns` (regions, HD95,
+        NSD as `SegmentationMetrics` scores them, in mm on the input's grid).
+
+        The label is read as uint8 (`read_label_map`, no float64 copy) and scored without whole-volume copies
+        (`tfmis.metrics.segmentation`): the scan's label map and the prediction are the only full-size arrays."""
+        label = read_label_map(case.label, len(self.class_names), case.case_id, prediction.shape)
+        metrics = self.task.build_metrics()
+        entry = metrics.update(prediction, label, spacing=nib.affines.voxel_sizes(affine))
+        del label
+        dice = dict(zip(self.class_names[1:], (float(s) for s in entry["dice_per_class"])))
+        return dice, {column: entry[key] for column, key in score_keys(metrics).items()}
+
+    def _postprocess(self, labels: np.ndarray) -> int | None:
+        """Applies `postprocessing` to the uint8 label map in place: the foreground voxels it removed (set to
+        background), None when nothing is configured."""
+        if not postprocessing_enabled(self.postprocessing):
+            return None
+        foreground = np.count_nonzero(labels)  # no whole-scan temporary
+        apply_postprocessing(labels, self.postprocessing)
+        return int(foreground - np.count_nonzero(labels))
+
+
+ENSEMBLE_TINY = 1e-30  # floor of a mean probability before its log: a class every model rules out stays finite
+
+
+def mean_probability_logits(logits: list, regions: bool = False) -> tf.Tensor:
+    """Logits whose softmax (or, for `regions`, sigmoid) is the mean of the models' probabilities.
+
+    `logits`: one (..., K) tensor per model (each after its test-time augmentation). Classes: log(mean softmax), and
+    softmax(log m) = m / sum(m) = m since the mean of distributions sums to 1. Regions: logit(mean sigmoid) =
+    log(mean sigmoid(z)) - log(mean sigmoid(-z)); 1 - p is summed as the models' sigmoid(-z), so a probability near 1
+    keeps its precision (no 1 - p cancellation in float32). Each mean is floored at `ENSEMBLE_TINY` (1e-30) before
+    its log, so a class whose probability underflowed to 0 in every model gets a finite logit (about -69) instead of
+    -inf. One model's logits are returned as they are.
+
+    Example:
+    ```python
+    z = mean_probability_logits([logits_fold_0, logits_fold_1])  # tf.nn.softmax(z) == (softmax(l0) + softmax(l1)) / 2
+    ```
+    """
+    if len(logits) == 1:
+        return logits[0]
+    inside = outside = None  # sums of p (and, for regions, of 1 - p) over the models
+    for z in logits:
+        p = tf.sigmoid(z) if regions else tf.nn.softmax(z, axis=-1)
+        inside = p if inside is None else inside + p
+        if regions:
+            q = tf.sigmoid(-z)
+            outside = q if outside is None else outside + q
+    count = float(len(logits))
+    log_mean = tf.math.log(tf.maximum(inside / count, ENSEMBLE_TINY))
+    if not regions:
+        return log_mean
+    return log_mean - tf.math.log(tf.maximum(outside / count, ENSEMBLE_TINY))
+
+
+class Predictor(ScanPredictor):
+    """Predicts whole scans with a trained model (or the fold ensemble of several), exactly as it was trained to
+    see them.
 
     Args:
         config: the training run's `Config` (its `config.yaml`).
-        checkpoint: `best.weights.h5`, a run folder, or a tf.train checkpoint.
+        checkpoint: `best.weights.h5`, a run folder, or a tf.train checkpoint; or a list of them: the runs of one
+            configuration (e.g. the folds of a cross-validation, all with `config`'s model and the same
+            preprocessing), predicted as one ensemble. Per window batch each model's output (after its test-time
+            augmentation) becomes probabilities (softmax, or sigmoid for a region run), the K probabilities are
+            averaged, and the window returns the logits of the mean (`mean_probability_logits`); the sliding window,
+            the in-place softmax and the restore to the scan's grid are those of one model, so the memory is one
+            model's: one whole-volume sum buffer whatever K, never K whole-scan maps (the K models' weights and the
+            K outputs of the current window batch are the only additions; the models run one after the other, so
+            one model's activations are held at a time); the time is K times the forward passes. Overlapping
+            windows blend these logits (log mean probabilities), as for one model: exactly the mean of the models'
+            probabilities where one window covers a voxel, a normalised geometric blend of the windows' means
+            where several do. nnU-Net v2 averages the folds' logits instead, each fold's whole sliding window at a
+            time (`nnUNetPredictor.predict_logits_from_preprocessed_data`, nnunetv2/inference/
+            predict_from_raw_data.py: a running sum of `predict_sliding_window_return_logits` over
+            `list_of_parameters`, then divided by their number); tfmis averages probabilities, as `nnUNetv2_ensemble`
+            does between configurations (nnunetv2/ensembling/ensemble.py, `average_probabilities`).
         sw_batch_size, overlap, mode: sliding-window settings (default: the config's validation ones).
         device: "gpu" (the placement policy's `auto`: the accelerator, falling back to the CPU and
             to smaller sliding-window batches on out-of-memory) or "cpu"; None = gpu if one is visible.
@@ -207,8 +378,14 @@ class Predictor:
         self.buffer_dtype = check_buffer_dtype(buffer_dtype).name
         self._logits_dtype = "float32"
         v = config.validation
+        checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
+        if not checkpoints:
+            raise ValueError("Predictor: no checkpoint given (an empty list of runs)")
         # preprocessing, channels and classes from the run folder (the TFRecords may be gone)
-        self.index = load_training_data_info(find_run_dir(checkpoint), config.data.dataset_dir)
+        self.index = load_training_data_info(find_run_dir(checkpoints[0]), config.data.dataset_dir)
+        for other in checkpoints[1:]:
+            _check_same_training_data(self.index, other, checkpoints[0], config.data.dataset_dir)
+        self.postprocessing = config.postprocessing if postprocessing_enabled(config.postprocessing) else None
         self.task = SegmentationTask(config, data_info=self.index)
         self.preprocessing = PreprocessConfig.from_dict(self.index["preprocessing"])
         self.class_names = self.task.class_names
@@ -243,24 +420,50 @@ class Predictor:
         )  # +1: axis 0 is the window batch
         self.task.set_precision_policy()
         with tf.device(self.compute_device):
-            self.model = self.task.build_inference_model()
-        self.checkpoint = load_weights(self.model, checkpoint)
-        self.parallel = (
-            None
-            if parallel_devices is None
-            else self.task.build_model_parallel(self.model, parallel_devices, training=False)
-        )
-        self._forward = tf.function(self._tta_logits, reduce_retracing=True)
+            self.models = [self.task.build_inference_model() for _ in checkpoints]
+        self.checkpoints = [load_weights(model, c) for model, c in zip(self.models, checkpoints)]
+        self.parallels = [
+            None if parallel_devices is None else self.task.build_model_parallel(m, parallel_devices, training=False)
+            for m in self.models
+        ]
+        self._forward = tf.function(self._window_output, reduce_retracing=True)
 
-    def _tta_logits(self, windows):
+    @property
+    def events(self) -> list:
+        """The placement policy's events (what ran out of memory, and what worked), in order."""
+        return self.placement.events
+
+    @property
+    def model(self):
+        """The (first) model; with one run, the model."""
+        return self.models[0]
+
+    @model.setter
+    def model(self, model) -> None:
+        self.models[0] = model
+
+    def _tta_logits(self, network, windows):
+        """`network`'s logits of a float32 window batch, averaged over the test-time flips."""
         total = None
-        windows = tf.cast(windows, tf.float32)  # the volume may be stored in float16
         for axes in self.tta_flips:
             x = tf.reverse(windows, axes) if axes else windows
-            y = tf.cast((self.parallel or self.model)(x, training=False), tf.float32)
+            y = tf.cast(network(x, training=False), tf.float32)
             y = tf.reverse(y, axes) if axes else y
             total = y if total is None else total + y
         return total / len(self.tta_flips)
+
+    def _window_output(self, windows):
+        """What the sliding window blends for a window batch: the model's logits, or for several models the logits
+        of their mean probabilities (`mean_probability_logits`)."""
+        windows = tf.cast(windows, tf.float32)  # the volume may be stored in float16
+        logits = []
+        for parallel, model in zip(self.parallels, self.models):
+            inputs = windows
+            if logits:  # one model at a time (not K at once in the graph): one model's activations are held
+                with tf.control_dependencies([logits[-1]]):
+                    inputs = tf.identity(windows)
+            logits.append(self._tta_logits(parallel or model, inputs))
+        return mean_probability_logits(logits, regions=self.task.paint_labels is not None)
 
     def _window_logits(self, volume: np.ndarray, device: str, sw_batch_size: int) -> np.ndarray:
         """Blended logits with the volume and buffers on `device`; numpy, so the attempt is finished.
@@ -382,52 +585,6 @@ class Predictor:
         (softmax_in_place if paint_labels is None else sigmoid_in_place)(logits)
         return GridPrediction(logits, geometry, low, box, self.task.out_channels, device, paint_labels)
 
-    def predict_file(self, case: InputCase, output_dir: str | Path, probabilities: bool = False) -> CaseResult:
-        """Predicts one NIfTI file and writes `<case_id>.nii.gz` (and `<case_id>_probabilities.nii.gz`).
-
-        The result's `peak_rss_mb` is the process' peak resident memory during the case (the kernel's
-        high-water mark, reset at the start of the case where Linux allows it, else since the start).
-        """
-        start = time.perf_counter()
-        output_dir = Path(output_dir)
-        reset_peak_rss()
-        try:
-            image, affine, _ = load_image(case.image, len(self.modalities), case.case_id, integers=True)
-            header = nib.load(str(case.image)).header
-            shape = tuple(image.shape[:3])
-            holder = [image]
-            del image  # predict_image lets it go once preprocessed
-            label_map, probs, device = self.predict_image(holder, affine, case.case_id, probabilities)
-            out = output_dir / f"{case.case_id}.nii.gz"
-            save_like(label_map, affine, header, out, np.uint8)
-            if probabilities:
-                # NIfTI-1 has no float16: uint8 with a scale factor (readers get floats, step 1/255)
-                save_like(probs, affine, header, output_dir / f"{case.case_id}_probabilities.nii.gz", np.uint8)
-                del probs
-            result = CaseResult(case.case_id, "ok", shape, 0.0, int((label_map > 0).sum()), device, str(out))
-            if case.label is not None:
-                result.dice, result.scores = self._dice(case, label_map, affine)
-        except (CaseError, OSError, ValueError, MemoryError, tf.errors.OpError) as e:
-            reason = e.reason if isinstance(e, CaseError) else f"{type(e).__name__}: {e}"
-            result = CaseResult(case.case_id, "failed", reason=reason.splitlines()[0][:300])
-        result.seconds = time.perf_counter() - start
-        result.peak_rss_mb = peak_rss_mb()
-        return result
-
-    def _dice(self, case: InputCase, prediction: np.ndarray, affine: np.ndarray) -> tuple[dict, dict]:
-        """Dice per foreground class against the case's label map, as MONAI `compute_dice` (ignore_empty): NaN for
-        a class absent from the label, whatever the prediction holds; and the `score_columns` (regions, HD95,
-        NSD as `SegmentationMetrics` scores them, in mm on the input's grid).
-
-        The label is read as uint8 (`read_label_map`, no float64 copy) and scored without whole-volume copies
-        (`tfmis.metrics.segmentation`): the scan's label map and the prediction are the only full-size arrays."""
-        label = read_label_map(case.label, len(self.class_names), case.case_id, prediction.shape)
-        metrics = self.task.build_metrics()
-        entry = metrics.update(prediction, label, spacing=nib.affines.voxel_sizes(affine))
-        del label
-        dice = dict(zip(self.class_names[1:], (float(s) for s in entry["dice_per_class"])))
-        return dice, {column: entry[key] for column, key in score_keys(metrics).items()}
-
 
 LABEL_SLAB_SLICES = 32  # slices (the file's last axis) of a label NIfTI read and cast at a time
 
@@ -542,12 +699,13 @@ def collect_inputs(
             ]
         elif subset.startswith("split:"):
             split = subset.split(":", 1)[1]
-            if index is None or split not in index["splits"]:
+            try:
+                ids = set(split_entry(index, split)["cases"])  # one split, or several joined: fold0+fold1
+            except (KeyError, TypeError, ValueError):
                 raise ValueError(
                     f"--subset {subset}: the training run's dataset has splits "
                     f"{sorted(index['splits']) if index else []}"
-                )
-            ids = set(index["splits"][split]["cases"])
+                ) from None
             cases = [
                 InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
                 for c in dataset.training
@@ -575,8 +733,9 @@ def collect_inputs(
 
 def results_table(results: list[CaseResult]) -> str:
     """A readable table: case, shape, seconds, peak memory, foreground voxels, device, (a cascade's regions: their
-    number and share of the scan,) status."""
+    number and share of the scan; with postprocessing, the voxels it removed,) status."""
     cascade = any(r.region for r in results)
+    postprocessed = any(r.removed_voxels is not None for r in results)
     rows = [
         (
             "case",
@@ -586,6 +745,7 @@ def results_table(results: list[CaseResult]) -> str:
             "foreground",
             "device",
             *(("fine stage on",) if cascade else ()),
+            *(("postprocessing removed",) if postprocessed else ()),
             "status",
         )
     ]
@@ -599,6 +759,7 @@ def results_table(results: list[CaseResult]) -> str:
                 str(r.foreground_voxels) if r.status == "ok" else "-",
                 r.device or "-",
                 *((r.region.split(":")[0] or "-",) if cascade else ()),  # the box sizes are in the CSV
+                *((str(r.removed_voxels) if r.removed_voxels is not None else "-",) if postprocessed else ()),
                 "ok" if r.status == "ok" else f"FAILED: {r.reason}",
             )
         )
@@ -611,13 +772,15 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str], ext
     A class absent from a case's label has Dice `nan` (MONAI ignore_empty), is named in the
     `absent_from_label` column (`;`-separated) and is left out of `dice_mean`. `extra_columns`
     (`Predictor.score_columns`: regions' Dice, HD95, NSD) follow, from each result's `scores`; last, for a cascade,
-    `region`: the box its fine stage saw.
+    `region`: the box its fine stage saw; with postprocessing, `postprocessing` (what was applied) and
+    `postprocessing_removed_voxels`.
     """
     import csv
     import io
 
     foreground = class_names[1:]
     cascade = any(r.region for r in results)
+    postprocessed = any(r.removed_voxels is not None for r in results)
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(
@@ -636,6 +799,7 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str], ext
             "absent_from_label",
             *extra_columns,
             *(["region"] if cascade else []),
+            *(["postprocessing", "postprocessing_removed_voxels"] if postprocessed else []),
         ]
     )
     for r in results:
@@ -661,6 +825,7 @@ def write_csv(results: list[CaseResult], path: Path, class_names: list[str], ext
                 absent,
                 *extra,
                 *([r.region] if cascade else []),
+                *([r.postprocessing, "" if r.removed_voxels is None else r.removed_voxels] if postprocessed else []),
             ]
         )
     with atomic_writer(path) as f:

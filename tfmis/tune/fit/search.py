@@ -81,7 +81,7 @@ def default_cache_dir() -> Path:
 
 def search_context(config: Config) -> dict:
     """What the trials and the objective need from the converted dataset (index.json, fingerprint.json)."""
-    from tfmis.data.records import load_index
+    from tfmis.data.records import load_index, split_entry
 
     dataset_dir = Path(config.data.dataset_dir)
     index = load_index(dataset_dir)
@@ -93,12 +93,11 @@ def search_context(config: Config) -> dict:
         )
     fingerprint = json.loads(fingerprint_path.read_text())
     volume_shape = [int(s) for s in fingerprint["dataset"]["shape_p99_5"]]
-    splits = index["splits"]
-    for split in (config.data.train_split, config.data.val_split):
-        if split not in splits:
-            raise KeyError(f"data: split {split!r} is not in {dataset_dir}; available: {sorted(splits)}")
-    train_cases = len(splits[config.data.train_split]["cases"])
-    val_cases = len(splits[config.data.val_split]["cases"])
+    try:
+        train_cases = len(split_entry(index, config.data.train_split)["cases"])
+        val_cases = len(split_entry(index, config.data.val_split)["cases"])
+    except KeyError as e:
+        raise KeyError(f"data: {e.args[0]} ({dataset_dir})") from None
     if config.validation.max_cases is not None:
         val_cases = min(val_cases, config.validation.max_cases)
     return {

@@ -1,0 +1,212 @@
+"""tfmis-crossval: K folds of real tiny trainings run as parallel experiments, out-of-fold predictions on the original
+grid, the configuration and postprocessing chosen from them, and a killed cross-validation continued."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from tests.conftest import make_msd_dataset, tiny_config
+from tfmis.config import load_config, save_config
+from tfmis.crossval.cli import main
+from tfmis.crossval.experiment import (
+    DEFINITION_FILE,
+    job_config,
+    parse_configurations,
+    read_job_events,
+)
+
+
+def write_config(tmp_path: Path, name: str, *overrides, cases: int = 6) -> Path:
+    """A tiny config file for a real synthetic MSD folder (converted on first use)."""
+    source = tmp_path / "Task99_Test"
+    if not (source / "dataset.json").is_file():
+        make_msd_dataset(source, num_cases=cases)
+    config = tiny_config(
+        tmp_path / "tfrecords",
+        tmp_path / f"runs_{name}",
+        f"data.source_dir={source}",
+        "data.conversion.shards=1",
+        *overrides,
+    )
+    path = tmp_path / f"{name}.yaml"
+    save_config(config, path)
+    return path
+
+
+def nnunet_dice(prediction: np.ndarray, reference: np.ndarray, label: int) -> float:
+    """nnU-Net's Dice written out: 2TP / (2TP + FP + FN), NaN when the label is in neither."""
+    p, r = prediction == label, reference == label
+    tp, fp, fn = int((p & r).sum()), int((p & ~r).sum()), int((~p & r).sum())
+    return float("nan") if tp + fp + fn == 0 else 2 * tp / (2 * tp + fp + fn)
+
+
+def test_job_config_trains_on_the_other_folds_and_writes_into_the_cv_folder(tmp_path):
+    """A fold's config validates on its fold, trains on the others, converts into the `-folds<K>` folder next to
+    the configuration's own conversion, and writes its run folder inside the CV folder."""
+    path = write_config(tmp_path, "tiny")
+    (configuration,) = parse_configurations([str(path)])
+    assert configuration.name == "tiny"
+    config = job_config(tmp_path / "cv", configuration, 2, 4, None)
+    assert config.data.val_split == "fold2"
+    assert config.data.train_split == "fold0+fold1+fold3"
+    assert config.data.dataset_dir == f"{tmp_path / 'tfrecords'}-folds4"
+    assert Path(config.output.dir) == tmp_path / "cv" / "tiny" / "fold_2"
+    assert config.output.progress is False
+
+
+def test_a_plans_cascade_follows_the_same_folds_coarse_stage(tmp_path):
+    """In a plan of stages, the cascade's fold k finds its regions with the coarse stage's fold k."""
+    from tfmis.config import write_stages
+
+    coarse = write_config(tmp_path, "lowres")
+    coarse_dir = load_config(coarse).output.dir
+    fine = write_config(tmp_path, "cascade", f"cascade.coarse_run={coarse_dir}")
+    plan = write_stages(tmp_path / "plan.yaml", [("lowres", coarse), ("cascade", fine)])
+    configurations = parse_configurations([f"ct={plan}"])
+    assert [c.name for c in configurations] == ["ct_lowres", "ct_cascade"]
+    assert configurations[1].coarse == "ct_lowres"
+    config = job_config(tmp_path / "cv", configurations[1], 1, 5, None)
+    assert Path(config.cascade.coarse_run) == tmp_path / "cv" / "ct_lowres" / "fold_1"
+
+
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys):
+    """A cascade's fine stage alone, one fold, and two configurations of one name are refused before anything runs."""
+    path = write_config(tmp_path, "tiny")
+    fine = write_config(tmp_path, "fine", "cascade.coarse_run=/elsewhere")
+    for argv, words in (
+        (["--config", str(fine)], "coarse stage"),
+        (["--config", str(path), "--folds", "1"], "--folds must be at least 2"),
+        (["--config", str(path), "--config", str(path)], "two configurations are named"),
+        (["--config", str(path), "--run-folds", "7"], "folds are 0..4"),
+    ):
+        assert main([*argv, "--output", str(tmp_path / "cv")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+    assert not (tmp_path / "cv" / DEFINITION_FILE).exists()
+
+
+@pytest.mark.slow
+def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsys):
+    """Three folds of two configurations trained by two pinned worker processes: every case predicted once out of
+    fold on its original grid, scored with nnU-Net's Dice (checked here from the written maps), the best of the two
+    configurations and their average chosen by the foreground mean, and the plan written with the postprocessing."""
+    a = write_config(tmp_path, "a")
+    b = write_config(tmp_path, "b", "model.filters=[4,4]")
+    cv = tmp_path / "cv"
+    code = main(["--config", str(a), "--config", str(b), "--folds", "3", "--workers", "2", "--output", str(cv)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "cross-validation progress" in out
+    result = json.loads((cv / "crossval.json").read_text())
+    assert set(result["candidates"]) == {"a", "b", "a+b"}
+    best = max(result["candidates"], key=lambda c: result["candidates"][c]["dice"]["foreground_mean"])
+    assert result["chosen"]["candidate"] == best
+    # every training case exactly once out of fold, scored as nnU-Net scores it
+    seen = []
+    for fold in range(3):
+        info = json.loads((cv / "a" / f"fold_{fold}" / "training_data.json").read_text())
+        held_out = info["splits"][f"fold{fold}"]["cases"]
+        scores = json.loads((cv / "a" / f"fold_{fold}" / "validation" / "scores.json").read_text())
+        assert sorted(scores["cases"]) == sorted(held_out)
+        for case, dice in scores["cases"].items():
+            prediction = np.asarray(nib.load(cv / "a" / f"fold_{fold}" / "validation" / f"{case}.nii.gz").dataobj)
+            reference = np.asarray(nib.load(scores["references"][case]).dataobj)
+            assert prediction.shape == reference.shape  # the original grid
+            for label, name in ((1, "organ"), (2, "core")):
+                expected = nnunet_dice(prediction, reference, label)
+                got = dice[name] if dice[name] is not None else float("nan")
+                assert np.isclose(got, expected, equal_nan=True), (case, name, got, expected)
+        seen += held_out
+    assert sorted(seen) == sorted(f"case_{i:03d}" for i in range(6))
+    # the two workers each trained folds (pinned to one core each on this machine)
+    workers = {e["worker"] for e in read_job_events(cv) if e["event"] == "start"}
+    assert workers == {"worker0", "worker1"}
+    plan = load_config(cv / "plan.yaml")
+    assert (
+        plan.postprocessing.largest_foreground_component
+        == result["chosen"]["postprocessing"]["largest_foreground_component"]
+    )
+    assert (cv / "crossval_dice.png").stat().st_size > 1000
+    assert "Chosen:" in (cv / "crossval.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_cross_validation_continues_without_retraining_finished_folds(tmp_path):
+    """The command killed while fold 1 trains (after fold 0 finished), then rerun: fold 0 is not trained again,
+    fold 1 continues from its last committed epoch, and the cross-validation completes."""
+    path = write_config(tmp_path, "tiny", "training.epochs=12", "training.steps_per_epoch=3")
+    cv = tmp_path / "cv"
+    command = [sys.executable, "-m", "tfmis.crossval", "--config", str(path), "--folds", "3", "--output", str(cv)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    history = cv / "tiny" / "fold_1" / "history.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if history.is_file() and len(history.read_text().splitlines()) >= 3:
+            break
+        assert child.poll() is None, "the command ended before fold 1 trained"
+        time.sleep(0.5)
+    child.send_signal(signal.SIGKILL)  # the worker and its training die with it (PR_SET_PDEATHSIG)
+    child.wait()
+    fold0 = cv / "tiny" / "fold_0" / "summary.json"
+    assert fold0.is_file() and not (cv / "tiny" / "fold_1" / "summary.json").is_file()
+    stamp = fold0.stat().st_mtime_ns
+    time.sleep(1.0)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert fold0.stat().st_mtime_ns == stamp
+    starts = [e for e in read_job_events(cv) if e["event"] == "start" and e["job"] == "train"]
+    assert [e["fold"] for e in starts].count(0) == 1
+    resumed = [e for e in starts if e["fold"] == 1]
+    assert len(resumed) == 2 and resumed[1]["resumed"]
+    epochs = [json.loads(line)["epoch"] for line in history.read_text().splitlines()]
+    assert epochs == list(range(1, 13))  # continued, not restarted
+    assert (cv / "crossval.json").is_file()
+
+
+def _mpirun_problem() -> str | None:
+    import shutil
+
+    if shutil.which("mpirun") is None:
+        return "mpirun not found: install Open MPI (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev)"
+    version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
+    return None if "Open MPI" in version else f"this test drives Open MPI's mpirun; found {version.splitlines()[:1]}"
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("launcher", ["mpirun", "tfmis-launch"])
+def test_folds_over_the_ranks_of_a_real_launcher(tmp_path, launcher):
+    """`mpirun -np 2 tfmis-crossval` (Open MPI) and `tfmis-launch --nproc 2 -- tfmis-crossval`: each rank trains its
+    own folds alone (rank 0 folds 0 and 2, rank 1 fold 1), rank 0 chooses after both ranks ended, and no training
+    joined a cluster (each trained on one replica)."""
+    if launcher == "mpirun" and _mpirun_problem():
+        pytest.skip(_mpirun_problem())
+    path = write_config(tmp_path, "tiny")
+    cv = tmp_path / "cv"
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["PYTHONPATH"] = str(root)
+    command = [sys.executable, "-m", "tfmis.crossval", "--config", str(path), "--folds", "3", "--output", str(cv)]
+    if launcher == "mpirun":
+        prefix = ["mpirun", "-np", "2", "--oversubscribe", "-x", "PYTHONPATH"]
+        prefix += ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    else:
+        prefix = [sys.executable, "-m", "tfmis.launch", "--nproc", "2", "--"]
+    done = subprocess.run([*prefix, *command], capture_output=True, text=True, env=env, timeout=900, cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    starts = [e for e in read_job_events(cv) if e["event"] == "start" and e["job"] == "train"]
+    assert sorted((e["fold"], e["worker"]) for e in starts) == [(0, "worker0"), (1, "worker1"), (2, "worker0")]
+    for fold in range(3):
+        summary = json.loads((cv / "tiny" / f"fold_{fold}" / "summary.json").read_text())
+        assert summary["num_replicas"] == 1  # alone, not a worker of a MultiWorker cluster
+    assert json.loads((cv / "crossval.json").read_text())["chosen"]["configurations"] == ["tiny"]

@@ -1,0 +1,5 @@
+import sys
+
+from tfmis.crossval.cli import main
+
+sys.exit(main())

@@ -1,0 +1,409 @@
+"""K-fold cross-validation as parallel experiments: `tfmis-crossval --config CONFIG --folds 5 --output DIR`.
+
+Trains every fold of every configuration (a config file, several `--config`, or a plan of stages: its coarse stage
+and its cascade) as independent trainings, predicts each fold's held-out cases from the original scans, and chooses
+the configuration (or two averaged) by the out-of-fold Dice and the postprocessing where it raises it, as nnU-Net
+does (docs/crossval.md). The data are converted once, into K stratified folds shared by every configuration.
+
+Where the folds run:
+- `--workers N`: N processes on this machine, each pinned to its share of the cores and GPUs, each taking every
+  N-th fold (default 1: one fold after another);
+- under `mpirun -np N`, `srun`, or `tfmis-launch --nproc N`: each rank takes every N-th fold (a folder shared by
+  the nodes); rank 0 converts first and chooses last.
+
+Rerun the same command to continue: finished trainings are kept, an interrupted one continues from its last
+committed epoch. Exit status: 0 done; 1 a fold failed (the others finished; rerun to retry it) or bad data;
+2 bad arguments or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tfmis.config import ConfigError
+from tfmis.crossval.experiment import (
+    DEFINITION_FILE,
+    LOGS_DIR,
+    SPLITS_FILE,
+    Definition,
+    fold_run_dir,
+    job_config,
+    job_config_path,
+    parse_configurations,
+    read_definition,
+    read_job_events,
+    write_job_configs,
+)
+from tfmis.crossval.jobs import fold_done, oof_done, training_done
+from tfmis.utils.io import atomic_write_json
+from tfmis.utils.table import text_table
+
+DEFINITION_WAIT_SECONDS = 6 * 3600.0  # ranks other than 0 wait this long for rank 0's conversion
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tfmis-crossval",
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit status: 0 done; 1 a fold failed or bad data (one line says which; rerun to continue); 2 bad "
+        "arguments or config.",
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        required=True,
+        metavar="[NAME=]PATH",
+        help="a config, or a plan of stages (its stages are the configurations); repeat to compare configurations",
+    )
+    p.add_argument("--folds", type=int, default=5, help="K (default 5, as nnU-Net)")
+    p.add_argument(
+        "--run-folds", default=None, metavar="0,1,...", help="train only these folds (default all); choose on them"
+    )
+    p.add_argument("--splits-file", default=None, help="a splits_final.json (nnU-Net's format) to use as the folds")
+    p.add_argument("--output", required=True, help="the cross-validation folder")
+    p.add_argument("--workers", type=int, default=1, help="folds trained at once on this machine (default 1)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value in every configuration, e.g. --set training.epochs=40",
+    )
+    return p
+
+
+def definition_from_args(args) -> Definition:
+    if args.folds < 2:
+        raise ConfigError(f"--folds must be at least 2, got {args.folds}")
+    configurations = parse_configurations(args.config, args.overrides)
+    folds = args.folds
+    splits_file = None
+    if args.splits_file:
+        path = Path(args.splits_file)
+        try:
+            entries = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--splits-file {path}: not a readable JSON list of folds ({e})") from None
+        folds = len(entries)
+        splits_file = str(path.resolve())
+    run_folds = list(range(folds))
+    if args.run_folds:
+        try:
+            run_folds = sorted({int(f) for f in args.run_folds.split(",")})
+        except ValueError:
+            raise ConfigError(f"--run-folds: comma-separated fold numbers, got {args.run_folds!r}") from None
+        if not run_folds or min(run_folds) < 0 or max(run_folds) >= folds:
+            raise ConfigError(f"--run-folds {args.run_folds}: folds are 0..{folds - 1}")
+    return Definition(configurations, folds, run_folds, splits_file)
+
+
+def prepare(cv_dir: Path, definition: Definition) -> None:
+    """Converts each configuration's data into its K folds (once; a rerun finds them), checks every configuration
+    has the same folds, and writes the job configs, splits_final.json and the definition (last: other ranks wait
+    for it)."""
+    from tfmis.data.prepare import prepare_dataset
+    from tfmis.data.records import load_index
+
+    existing = cv_dir / DEFINITION_FILE
+    if existing.is_file():
+        old = read_definition(cv_dir)
+        if old.identity() != definition.identity():
+            raise ConfigError(
+                f"{cv_dir} holds another cross-validation (other configurations, folds or splits): give another "
+                "--output, or the same --config, --set and --folds as before to continue it"
+            )
+    folds_seen = None
+    for configuration in definition.configurations:
+        config = job_config(cv_dir, configuration, definition.run_folds[0], definition.folds, definition.splits_file)
+        print(f"Data of {configuration.name}: {config.data.dataset_dir} ({definition.folds} folds)", file=sys.stderr)
+        prepare_dataset(config.data, progress=True)
+        index = load_index(config.data.dataset_dir)
+        folds = [sorted(index["splits"][f"fold{k}"]["cases"]) for k in range(definition.folds)]
+        if folds_seen is None:
+            folds_seen = folds
+            splits = Path(config.data.dataset_dir) / SPLITS_FILE
+            if splits.is_file():
+                shutil.copyfile(splits, cv_dir / SPLITS_FILE)
+        elif folds != folds_seen:
+            raise ValueError(
+                f"configuration {configuration.name}: its conversion {config.data.dataset_dir} has other folds than "
+                f"{definition.configurations[0].name}'s: give both the same --splits-file"
+            )
+    write_job_configs(cv_dir, definition)
+    atomic_write_json(existing, definition.to_json())
+
+
+def progress_rows(cv_dir: Path, definition: Definition) -> list[tuple]:
+    """One row per fold: each configuration's state (waiting, epoch e/E, trained with its best validation Dice),
+    the out-of-fold prediction's."""
+    running = {}
+    for e in read_job_events(cv_dir):
+        key = (e["job"], e.get("configuration"), e["fold"])
+        running[key] = e["event"] == "start"
+    rows = [("fold", *definition.names, "out-of-fold")]
+    for fold in definition.run_folds:
+        cells = []
+        for name in definition.names:
+            run = fold_run_dir(cv_dir, name, fold)
+            if training_done(run):
+                summary = _json(run / "summary.json")
+                dice = summary.get("best_mean_dice")
+                cells.append(f"trained, Dice {dice:.3f}" if isinstance(dice, float) else "trained")
+            elif running.get(("train", name, fold)):
+                done = _lines(run / "history.jsonl")
+                cells.append(f"training, epoch {done + 1}/{_epochs(job_config_path(cv_dir, name, fold))}")
+            else:
+                cells.append("waiting")
+        if all(oof_done(cv_dir, name, fold) for name in definition.names):
+            cells.append("scored")
+        elif running.get(("oof", None, fold)):
+            cells.append("predicting")
+        else:
+            cells.append("-")
+        rows.append((str(fold), *cells))
+    return rows
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _lines(path: Path) -> int:
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
+def _epochs(path: Path) -> str:
+    import yaml
+
+    try:
+        return str(yaml.safe_load(path.read_text())["training"]["epochs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "?"
+
+
+class Progress:
+    """Prints the folds' table whenever a cell changes (checked every `seconds`), from a thread."""
+
+    def __init__(self, cv_dir: Path, definition: Definition, seconds: float = 5.0):
+        self.cv_dir, self.definition, self.seconds = cv_dir, definition, seconds
+        self.last = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def show(self) -> None:
+        rows = progress_rows(self.cv_dir, self.definition)
+        if rows != self.last:
+            self.last = rows
+            stamp = time.strftime("%H:%M:%S")
+            print(f"[{stamp}] cross-validation progress:\n" + "\n".join(text_table(rows, "left")), flush=True)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.seconds):
+            try:
+                self.show()
+            except (OSError, ValueError):
+                pass  # a file being written: next time
+
+    def __enter__(self):
+        self.show()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.show()
+
+
+def run_local_workers(cv_dir: Path, definition: Definition, workers: int) -> int:
+    """`workers` worker processes, each pinned to its share of the cores and GPUs (the hyperparameter search's
+    assignment), each taking every workers-th fold; 0 when all succeeded."""
+    from tfmis.hardware import accelerators, usable_cpu_count, usable_cpus
+    from tfmis.tune.hpo.devices import assign_devices, describe_assignment, dies_with_parent, trial_env
+
+    cpus = usable_cpus()[: usable_cpu_count()]
+    gpus = accelerators() if workers > 1 else []
+    plan = assign_devices(workers, cpus, gpus)
+    if workers > 1:
+        print(f"Folds on {describe_assignment(plan, cpus).replace('tuner', 'worker')}", file=sys.stderr)
+    logs = cv_dir / LOGS_DIR
+    logs.mkdir(parents=True, exist_ok=True)
+    children = []
+    for rank, share in enumerate(plan):
+        command = [sys.executable, "-m", "tfmis.crossval", "worker", str(cv_dir), "--rank", str(rank)]
+        command += ["--size", str(workers)]
+        if workers > 1:
+            command += ["--cpus", ",".join(map(str, share["cpus"]))]
+        env = trial_env(share) if workers > 1 else dict(os.environ)
+        out = open(logs / f"worker{rank}.log", "ab")  # noqa: SIM115 (closed below, after the child ends)
+        children.append((subprocess.Popen(dies_with_parent(command, 9), stdout=out, stderr=out, env=env), out))
+    codes = []
+    for child, out in children:
+        codes.append(child.wait())
+        out.close()
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def wait_for_ranks(cv_dir: Path, definition: Definition, size: int, since: float) -> None:
+    """Rank 0: until every rank said it ended (a `worker_end` line in jobs.jsonl after `since`)."""
+    while True:
+        ended = {e["rank"] for e in read_job_events(cv_dir) if e["event"] == "worker_end" and e["time"] >= since - 60}
+        if len(ended) >= size:
+            return
+        time.sleep(2.0)
+
+
+def failures(cv_dir: Path, definition: Definition) -> list[str]:
+    """Why each unfinished fold is unfinished: the last failed job's reason, or "not run"."""
+    last = {}
+    for e in read_job_events(cv_dir):
+        if e["event"] == "end":
+            last[(e["job"], e.get("configuration"), e["fold"])] = e
+    out = []
+    for fold in definition.run_folds:
+        if fold_done(cv_dir, definition, fold):
+            continue
+        failed = [e for (job, _, f), e in last.items() if f == fold and e["exit_code"] != 0]
+        if failed:
+            e = failed[-1]
+            what = f"{e.get('configuration') or 'out-of-fold prediction'} fold {fold}"
+            out.append(f"{what} failed (exit {e['exit_code']}): {e['reason']}")
+        else:
+            out.append(f"fold {fold}: not finished")
+    return out
+
+
+def finish(cv_dir: Path, definition: Definition) -> int:
+    from tfmis.crossval.selection import postprocessing_lines, select, table_text, write_results
+
+    result = select(cv_dir, definition)
+    paths = write_results(cv_dir, definition, result)
+    print(table_text(result))
+    for line in postprocessing_lines(result):
+        print(f"postprocessing: {line}")
+    wall = result["wall_seconds"]
+    print(
+        f"Chosen: {' + '.join(result['chosen']['configurations'])}. Wall time {wall['span'] / 60:.1f} min "
+        f"(the jobs' own times add up to {wall['sum'] / 60:.1f} min). Results: {', '.join(p.name for p in paths)} "
+        f"in {cv_dir}"
+    )
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("worker", "oof"):
+        return internal_main(argv)
+    args = build_parser().parse_args(argv)
+    from tfmis.engine.cluster import detect_launch
+
+    try:
+        launch = detect_launch()
+        definition = definition_from_args(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.workers < 1:
+        print(f"config error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
+    cv_dir = Path(args.output)
+    start = time.time()
+    if launch.rank == 0:
+        from tfmis.data.convert import ParametersChanged
+        from tfmis.utils.lock import FolderLocked
+
+        try:
+            cv_dir.mkdir(parents=True, exist_ok=True)
+            prepare(cv_dir, definition)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, FileNotFoundError, ParametersChanged, FolderLocked, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    else:
+        deadline = time.time() + DEFINITION_WAIT_SECONDS
+        while not (cv_dir / DEFINITION_FILE).is_file():
+            if time.time() > deadline:
+                print(f"error: rank {launch.rank}: rank 0 did not prepare {cv_dir} in time", file=sys.stderr)
+                return 1
+            time.sleep(2.0)
+        definition = read_definition(cv_dir)
+    if launch.size > 1:
+        from tfmis.crossval.jobs import run_worker
+
+        if launch.rank == 0:
+            print(f"Folds over the {launch.size} ranks of the launch ({launch.kind})", file=sys.stderr)
+        progress = Progress(cv_dir, definition) if launch.rank == 0 else None
+        if progress:
+            progress.__enter__()
+        code = run_worker(cv_dir, definition, launch.rank, launch.size)
+        from tfmis.crossval.experiment import append_job_event
+
+        append_job_event(cv_dir, {"event": "worker_end", "rank": launch.rank, "time": time.time(), "code": code})
+        if launch.rank != 0:
+            return code
+        wait_for_ranks(cv_dir, definition, launch.size, start)
+        progress.__exit__(None, None, None)
+    else:
+        with Progress(cv_dir, definition):
+            run_local_workers(cv_dir, definition, args.workers)
+    unfinished = failures(cv_dir, definition)
+    if unfinished:
+        for line in unfinished:
+            print(f"error: {line}", file=sys.stderr)
+        print(f"error: {len(unfinished)} fold(s) unfinished: rerun the same command to continue", file=sys.stderr)
+        return 1
+    return finish(cv_dir, definition)
+
+
+def internal_main(argv: list[str]) -> int:
+    """`python -m tfmis.crossval worker CV --rank R --size N [--cpus LIST]` and `... oof CV --fold K`: the processes
+    the command starts."""
+    p = argparse.ArgumentParser(prog="python -m tfmis.crossval")
+    sub = p.add_subparsers(dest="role", required=True)
+    worker = sub.add_parser("worker")
+    worker.add_argument("cv_dir")
+    worker.add_argument("--rank", type=int, required=True)
+    worker.add_argument("--size", type=int, required=True)
+    worker.add_argument("--cpus", default="")
+    oof = sub.add_parser("oof")
+    oof.add_argument("cv_dir")
+    oof.add_argument("--fold", type=int, required=True)
+    oof.add_argument("--device", choices=("cpu", "gpu"), default=None)
+    args = p.parse_args(argv)
+    if args.role == "worker":
+        from tfmis.crossval.jobs import run_worker
+
+        if args.cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])  # the trainings inherit it
+        return run_worker(Path(args.cv_dir), read_definition(args.cv_dir), args.rank, args.size)
+    from tfmis.hardware import apply_onednn
+
+    apply_onednn("auto")
+    from tfmis.crossval.oof import predict_fold
+
+    try:
+        return predict_fold(args.cv_dir, args.fold, args.device)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: fold {args.fold}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

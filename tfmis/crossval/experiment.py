@@ -1,0 +1,217 @@
+"""The cross-validation folder: its configurations, its folds and the training job of each (configuration, fold).
+
+    <cv>/crossval_definition.json   what the command was asked (configurations, folds), written once
+    <cv>/splits_final.json          the folds (nnU-Net's format), the same for every configuration
+    <cv>/<name>.yaml                each configuration's config before the folds
+    <cv>/<name>/fold_<k>.yaml       the config that trains fold k (`python -m tfmis.train --config`)
+    <cv>/<name>/fold_<k>/           its run folder; validation/ holds its out-of-fold predictions and scores.json
+    <cv>/ensembles/<a>+<b>/fold_<k>/validation/   the out-of-fold predictions of two configurations averaged
+    <cv>/jobs.jsonl                 one line per job started and ended, appended by the workers
+    <cv>/logs/                      each training's and each out-of-fold prediction's output
+    <cv>/crossval.json, crossval.md, crossval_dice.png, plan.yaml    the result (`tfmis.crossval.selection`)
+
+Every file a worker reads is written before the workers start; a worker writes only its own folds' folders and
+appends whole lines to jobs.jsonl, so workers on several nodes need nothing but a shared folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from tfmis.config import (
+    Config,
+    ConfigError,
+    from_dict,
+    load_config,
+    load_stages,
+    parse_config,
+    save_config,
+    to_dict,
+)
+
+DEFINITION_FILE = "crossval_definition.json"
+RESULTS_FILE = "crossval.json"
+SPLITS_FILE = "splits_final.json"
+JOBS_LOG = "jobs.jsonl"
+LOGS_DIR = "logs"
+ENSEMBLES_DIR = "ensembles"
+VALIDATION_DIR = "validation"
+SCORES_FILE = "scores.json"
+VERSION = 1
+
+
+@dataclasses.dataclass
+class Configuration:
+    """One configuration to cross-validate: its name, its config (a dict, before the folds) and, for a cascade's
+    fine stage, the configuration whose fold k is its coarse stage."""
+
+    name: str
+    config: dict
+    coarse: str | None = None
+
+
+def parse_configurations(specs: list[str], overrides=()) -> list[Configuration]:
+    """The configurations of `--config` values: `PATH` (named after the file) or `NAME=PATH`; a plan of stages
+    (a plan.yaml that lists `stages:`) gives each of its stages, named as in the plan, a cascade's fine stage
+    pointing at its coarse stage. `overrides` (`--set`) apply to every configuration."""
+    out: list[Configuration] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = "", spec
+        stages = load_stages(path)
+        if stages:
+            runs = {}
+            for stage_name, stage_path in stages:
+                config = load_config(stage_path, overrides)
+                full_name = f"{name}{'_' if name else ''}{stage_name}"
+                runs[str(Path(config.output.dir).resolve())] = full_name
+                coarse = config.cascade.coarse_run
+                coarse_name = runs.get(str(Path(coarse).resolve())) if coarse else None
+                if coarse and coarse_name is None:
+                    raise ConfigError(
+                        f"{stage_path}: cascade.coarse_run {coarse} is none of the plan's earlier stages; "
+                        "cross-validate the coarse stage in the same command"
+                    )
+                out.append(Configuration(full_name, to_dict(config), coarse_name))
+            continue
+        config = load_config(path, overrides)
+        if config.cascade.coarse_run:
+            raise ConfigError(
+                f"{path}: a cascade's fine stage (cascade.coarse_run set) is cross-validated with its coarse stage: "
+                "give the plan of stages (the plan.yaml that lists both) as --config"
+            )
+        out.append(Configuration(name or Path(path).stem, to_dict(config)))
+    names = [c.name for c in out]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"--config: two configurations are named {name!r}: name them, e.g. --config a=PATH")
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"--config: configuration name {name!r}: use letters, digits, - and _ only")
+    return out
+
+
+def fold_dataset_dir(config: Config, folds: int) -> str:
+    """Where the configuration's K-fold conversion goes: its own dataset_dir when it already asks for these folds,
+    else the folder next to it named `<dataset_dir>-folds<K>` (a conversion into train/val/test fractions is
+    another conversion: a folder holds one)."""
+    if config.data.split is not None or config.data.conversion.folds == folds:
+        return config.data.dataset_dir
+    return f"{config.data.dataset_dir.rstrip('/')}-folds{folds}"
+
+
+def fold_run_dir(cv_dir: str | Path, name: str, fold: int) -> Path:
+    return Path(cv_dir) / name / f"fold_{fold}"
+
+
+def job_config_path(cv_dir: str | Path, name: str, fold: int) -> Path:
+    return Path(cv_dir) / name / f"fold_{fold}.yaml"
+
+
+def job_config(cv_dir, configuration: Configuration, fold: int, folds: int, splits_file: str | None) -> Config:
+    """The config that trains `fold` of `configuration`: trains on the other folds, validates on this one, writes
+    its run folder in the CV folder; a cascade's fine stage finds its regions with the same fold's coarse stage."""
+    config = from_dict(Config, json.loads(json.dumps(configuration.config)))
+    data = to_dict(config)
+    data["data"]["dataset_dir"] = fold_dataset_dir(config, folds)
+    data["data"]["split"] = {"folds": folds, "fold": fold, "file": splits_file}
+    data["data"]["conversion"]["split"] = None  # the folds replace a plan's train/val/test fractions
+    data["data"]["train_split"], data["data"]["val_split"] = "train", "val"  # derived from the folds
+    data["output"]["dir"] = str(fold_run_dir(cv_dir, configuration.name, fold))
+    data["output"]["progress"] = False  # the CV command shows every fold's progress in one table
+    if configuration.coarse:
+        data["cascade"]["coarse_run"] = str(fold_run_dir(cv_dir, configuration.coarse, fold))
+    try:
+        return parse_config(data, source=f"{configuration.name} fold {fold}")
+    except ConfigError as e:
+        raise ConfigError(f"configuration {configuration.name}, fold {fold}: {e}") from None
+
+
+@dataclasses.dataclass
+class Definition:
+    """What a cross-validation runs: the configurations (in training order: a coarse stage before its cascade),
+    the number of folds, the folds to run, the splits file (None: the conversion's stratified folds)."""
+
+    configurations: list[Configuration]
+    folds: int
+    run_folds: list[int]
+    splits_file: str | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "version": VERSION,
+            "configurations": [dataclasses.asdict(c) for c in self.configurations],
+            "folds": self.folds,
+            "run_folds": self.run_folds,
+            "splits_file": self.splits_file,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Definition:
+        return cls(
+            [Configuration(**c) for c in data["configurations"]], data["folds"], data["run_folds"], data["splits_file"]
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.configurations]
+
+    def configuration(self, name: str) -> Configuration:
+        return next(c for c in self.configurations if c.name == name)
+
+    def identity(self) -> dict:
+        """What must match for a rerun to continue this cross-validation (and not start another in its folder)."""
+        return {k: v for k, v in self.to_json().items() if k != "run_folds"}
+
+
+def read_definition(cv_dir: str | Path) -> Definition:
+    path = Path(cv_dir) / DEFINITION_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{cv_dir}: no {DEFINITION_FILE}: not a cross-validation folder (tfmis-crossval)")
+    return Definition.from_json(json.loads(path.read_text()))
+
+
+def write_job_configs(cv_dir: str | Path, definition: Definition) -> None:
+    """Every (configuration, fold)'s config file, and each configuration's base config (`<cv>/<name>.yaml`)."""
+    for configuration in definition.configurations:
+        save_config(from_dict(Config, configuration.config), Path(cv_dir) / f"{configuration.name}.yaml")
+        for fold in definition.run_folds:
+            config = job_config(cv_dir, configuration, fold, definition.folds, definition.splits_file)
+            save_config(config, job_config_path(cv_dir, configuration.name, fold))
+
+
+def append_job_event(cv_dir: str | Path, event: dict) -> None:
+    """One JSON line in jobs.jsonl, appended with a single write (O_APPEND keeps concurrent workers' lines whole)."""
+    line = (json.dumps(event) + "\n").encode()
+    fd = os.open(Path(cv_dir) / JOBS_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_job_events(cv_dir: str | Path) -> list[dict]:
+    path = Path(cv_dir) / JOBS_LOG
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut by a kill
+    return events
+
+
+def pair_name(a: str, b: str) -> str:
+    return f"{a}+{b}"
+
+
+def candidate_dir(cv_dir: str | Path, candidate: str, fold: int) -> Path:
+    """The out-of-fold predictions of a configuration, or of two configurations averaged ("a+b")."""
+    if "+" in candidate:
+        return Path(cv_dir) / ENSEMBLES_DIR / candidate / f"fold_{fold}" / VALIDATION_DIR
+    return fold_run_dir(cv_dir, candidate, fold) / VALIDATION_DIR

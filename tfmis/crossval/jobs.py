@@ -1,0 +1,128 @@
+"""The folds as independent experiments: each worker takes its share of the folds and, for each, trains every
+configuration (a `python -m tfmis.train` process per training) and predicts the fold's held-out cases
+(`python -m tfmis.crossval oof`).
+
+A worker is a process pinned to its share of the machine (`python -m tfmis.crossval worker`, started by the
+command with `--workers N`), or one rank of a launch (`mpirun`, `srun`, `tfmis-launch`): rank r of n takes folds
+r, r + n, ... . Everything is resumable from the folder: a training with `summary.json` is finished and skipped, an
+interrupted one continues from its last committed epoch (`--resume`), a fold whose `validation/scores.json` exists
+is not predicted again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tfmis.crossval.experiment import (
+    LOGS_DIR,
+    SCORES_FILE,
+    VALIDATION_DIR,
+    Definition,
+    append_job_event,
+    fold_run_dir,
+    job_config_path,
+)
+from tfmis.tune.hpo.devices import dies_with_parent, package_env
+from tfmis.utils.io import log_tail
+
+# the variables by which a launcher tells a process its rank: a fold's training runs alone, so they are left out
+LAUNCH_PREFIXES = ("TF_CONFIG", "HOROVOD_", "OMPI_", "PMI_", "PMIX_", "MPI_", "SLURM_", "KERASTUNER_")
+
+
+def single_process_env(env: dict | None = None) -> dict:
+    """The environment of a fold's processes: this worker's (its GPUs, threads), without the launcher's rank
+    variables, with this copy of tfmis importable."""
+    base = os.environ if env is None else env
+    out = {k: v for k, v in base.items() if not k.startswith(LAUNCH_PREFIXES)}
+    out.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return package_env(out)
+
+
+def training_done(run_dir: Path) -> bool:
+    return (Path(run_dir) / "summary.json").is_file()
+
+
+def oof_done(cv_dir: str | Path, name: str, fold: int) -> bool:
+    return (fold_run_dir(cv_dir, name, fold) / VALIDATION_DIR / SCORES_FILE).is_file()
+
+
+def fold_done(cv_dir: str | Path, definition: Definition, fold: int) -> bool:
+    return all(oof_done(cv_dir, name, fold) for name in definition.names)
+
+
+def failure_line(log: Path) -> str:
+    lines = [line for line in log_tail(log) if not line.startswith(("W0000", "I0000", "E0000"))]
+    error = [line for line in lines if line.startswith("error")]
+    return (error or lines or ["(no output)"])[-1][:300]
+
+
+def _run(cv_dir: Path, command: list[str], log: Path, event: dict, env: dict) -> tuple[int, str]:
+    """Runs one step of a fold as a child process (killed with its worker), its output in `log`; appends its
+    start and end to jobs.jsonl; (exit code, the log's error line or "")."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    append_job_event(cv_dir, {**event, "event": "start", "time": start, "pid": os.getpid()})
+    with open(log, "ab") as out:
+        out.write(f"\n== {' '.join(command)}\n".encode())
+        out.flush()
+        try:
+            code = subprocess.call(dies_with_parent(command, signal.SIGKILL), stdout=out, stderr=out, env=env)
+        except OSError as e:
+            code, reason = 1, f"cannot start {command[2]}: {e}"
+        else:
+            reason = "" if code == 0 else failure_line(log)
+    end = time.time()
+    append_job_event(
+        cv_dir,
+        {**event, "event": "end", "time": end, "seconds": end - start, "exit_code": code, "reason": reason},
+    )
+    return code, reason
+
+
+def run_fold(cv_dir: str | Path, definition: Definition, fold: int, env: dict, worker: str) -> str | None:
+    """Trains every configuration of `fold` not yet trained and predicts its held-out cases; None, or why it failed
+    (one line naming the configuration, the fold and its log)."""
+    cv_dir = Path(cv_dir)
+    for configuration in definition.configurations:
+        name = configuration.name
+        run = fold_run_dir(cv_dir, name, fold)
+        if training_done(run):
+            continue
+        log = cv_dir / LOGS_DIR / f"{name}_fold_{fold}.train.log"
+        command = [sys.executable, "-m", "tfmis.train", "--config", str(job_config_path(cv_dir, name, fold))]
+        command.append("--resume")  # an interrupted training continues from its last committed epoch
+        event = {"job": "train", "configuration": name, "fold": fold, "worker": worker, "resumed": run.exists()}
+        code, reason = _run(cv_dir, command, log, event, env)
+        if code != 0:
+            return f"{name} fold {fold}: training failed (exit {code}): {reason} (log: {log})"
+    if fold_done(cv_dir, definition, fold):
+        return None
+    log = cv_dir / LOGS_DIR / f"fold_{fold}.oof.log"
+    command = [sys.executable, "-m", "tfmis.crossval", "oof", str(cv_dir), "--fold", str(fold)]
+    code, reason = _run(cv_dir, command, log, {"job": "oof", "fold": fold, "worker": worker}, env)
+    if code != 0:
+        return f"fold {fold}: out-of-fold prediction failed (exit {code}): {reason} (log: {log})"
+    return None
+
+
+def worker_folds(definition: Definition, rank: int, size: int) -> list[int]:
+    """The folds of worker `rank` of `size`: every size-th, starting at its rank."""
+    return definition.run_folds[rank::size]
+
+
+def run_worker(cv_dir: str | Path, definition: Definition, rank: int, size: int, env: dict | None = None) -> int:
+    """Worker `rank` of `size`: its folds one after another; 0, or 1 after a failed fold (the others still run,
+    so a rerun has less to do)."""
+    env = single_process_env(env)
+    failed = []
+    for fold in worker_folds(definition, rank, size):
+        reason = run_fold(cv_dir, definition, fold, env, f"worker{rank}")
+        if reason:
+            print(f"error: {reason}", file=sys.stderr, flush=True)
+            failed.append(reason)
+    return 1 if failed else 0

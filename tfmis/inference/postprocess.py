@@ -1,0 +1,502 @@
+"""Postprocessing chosen by evidence, as nnU-Net v2: keep only the largest connected piece of a structure, and keep
+that step only where it raised the out-of-fold Dice.
+
+- `keep_largest_component`: all voxels of a structure (a class, or a region: several labels as one) outside its
+  largest 26-connected piece become background 0, in place, working inside the structure's bounding box;
+- `apply_postprocessing`: a `tfmis.config.PostprocessingConfig` applied to one label map (the whole foreground
+  first, then each listed structure in order, as nnU-Net applies its list of functions);
+- `structure_dice` (label maps), `case_dice` (NIfTI files), `dice_summary`: nnU-Net's scores (Dice NaN when
+  prediction and reference are both empty, the mean over cases leaving NaN out, the foreground mean an ordinary
+  mean of those means);
+- `choose_postprocessing`: nnU-Net v2's `determine_postprocessing` decision procedure on out-of-fold predictions.
+
+Following nnU-Net v2 (`nnunetv2/postprocessing/remove_connected_components.py`, `nnunetv2/evaluation/
+evaluate_predictions.py`, `acvl_utils/morphology/morphology_helper.py`):
+
+- connectivity: nnU-Net labels components with `skimage.measure.label(mask, connectivity=None)`, full
+  connectivity (26 neighbours in 3-D); here `scipy.ndimage.label` with a full 3x3x3 structure, the same pieces;
+- ties: nnU-Net keeps every piece whose size equals the largest (`j == max(y)`), so two equal largest pieces both
+  stay; so here;
+- a piece removed becomes background 0, whatever other structures lie around it.
+
+Memory: `keep_largest_component` finds the structure's bounding box `SLAB_SLICES` slices at a time (a slab's boolean
+mask), then works inside the box only: at most about 4 bytes per voxel of the box (the uint16 piece numbers, the
+mask of removed voxels and a comparison's temporary; 6 beyond 65535 pieces) plus a slab's temporaries; a small
+structure in a large map never costs a map-sized array. `choose_postprocessing` holds one case at a time: its
+prediction and reference (uint8, 2 bytes per voxel), a step's box as above and the slab-wise confusion counts'
+temporaries (`tfmis.metrics.segmentation`), plus one K x K confusion matrix per case (e.g. 512x512x300 cases whose
+foreground box is half the scan: 330 MiB above the baseline, 4.4x one uint8 map).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from scipy import ndimage
+
+from tfmis.config import PostprocessingConfig
+from tfmis.metrics.segmentation import SLAB_SLICES, _confusion, region_masks
+
+# a step: the labels of one structure, or None for the whole foreground (every label but 0)
+Step = tuple[int, ...] | None
+FOREGROUND = "foreground"  # the report's name for the whole-foreground step
+
+
+# ---------------------------------------------------------------- largest connected component
+
+
+def _structure_mask(array: np.ndarray, structure: Step) -> np.ndarray:
+    """The voxels of `array` in the structure: labelled with one of its labels, or any foreground label (None)."""
+    return array != 0 if structure is None else region_masks(array, structure)
+
+
+def _bounding_box(labels: np.ndarray, structure: Step) -> tuple[slice, ...] | None:
+    """The bounding box of the structure's voxels, found `SLAB_SLICES` slices (first axis) at a time through the
+    masks' projections on each axis; None when the structure has no voxel."""
+    axes = range(labels.ndim)
+    projections = [np.zeros(n, bool) for n in labels.shape]
+    for start in range(0, labels.shape[0], SLAB_SLICES):
+        slab = slice(start, start + SLAB_SLICES)
+        mask = _structure_mask(labels[slab], structure)
+        projections[0][slab] = mask.any(axis=tuple(axes[1:]))
+        for axis in axes[1:]:
+            projections[axis] |= mask.any(axis=tuple(a for a in axes if a != axis))
+        del mask  # one slab's mask at a time
+    box = []
+    for projection in projections:
+        indices = np.flatnonzero(projection)
+        if not indices.size:
+            return None
+        box.append(slice(int(indices[0]), int(indices[-1]) + 1))
+    return tuple(box)
+
+
+def _label_pieces(mask: np.ndarray) -> tuple[np.ndarray, int]:
+    """(pieces, count): full-connectivity components of `mask` numbered 1..count, as uint16 when they fit (half the
+    memory of int32; scipy refuses an output too small for the count, and then int32 is used)."""
+    full = np.ones((3,) * mask.ndim, bool)
+    try:
+        return ndimage.label(mask, structure=full, output=np.uint16)
+    except RuntimeError:  # more than 65535 pieces
+        return ndimage.label(mask, structure=full, output=np.int32)
+
+
+def _removal(labels: np.ndarray, structure: Step) -> tuple[tuple[slice, ...], np.ndarray] | None:
+    """(box, removed): the voxels of `labels[box]` that nnU-Net's step would set to background (the structure's
+    voxels outside its largest full-connectivity pieces); None when it removes nothing.
+
+    Inside the box: the structure's mask (1 byte per voxel), its pieces (2, or 4 beyond 65535 pieces) and the
+    removed voxels' mask with one comparison's temporary (2); piece sizes are counted a slab at a time, since
+    `np.bincount` on the whole box would take an int64 copy of it."""
+    box = _bounding_box(labels, structure)
+    if box is None:
+        return None
+    pieces, count = _label_pieces(_structure_mask(labels[box], structure))
+    if count < 2:
+        return None
+    sizes = np.zeros(count + 1, np.int64)
+    for start in range(0, pieces.shape[0], SLAB_SLICES):
+        sizes += np.bincount(pieces[start : start + SLAB_SLICES].ravel(), minlength=count + 1)
+    sizes[0] = 0  # background is no piece
+    removed = pieces != 0
+    for piece in np.flatnonzero(sizes == sizes.max()):  # nnU-Net keeps every piece as large as the largest
+        removed &= pieces != piece
+    return box, removed
+
+
+def keep_largest_component(labels: np.ndarray, structure_labels: Sequence[int]) -> int:
+    """In place: the voxels of the structure (labelled with any of `structure_labels`) outside its largest
+    26-connected piece become background 0; returns the number of voxels removed.
+
+    nnU-Net v2's `remove_all_but_largest_component_from_segmentation`: pieces are full-connectivity components (26
+    neighbours in 3-D, every neighbour sharing a face, edge or corner; `skimage.measure.label(connectivity=None)` in
+    nnU-Net, `scipy.ndimage.label` with a 3x3x3 structure here), and every piece as large as the largest stays
+    (a tie keeps them all). Any number of dimensions (full connectivity in each).
+
+    Memory: the structure's bounding box is found `SLAB_SLICES` slices at a time, then only the box is labelled:
+    at most about 4 bytes per voxel of the box (uint16 piece numbers, the removed voxels' mask, a comparison's
+    temporary) plus a slab's temporaries; a map-sized allocation only when the structure spans the map.
+
+    Example:
+    ```python
+    removed = keep_largest_component(label_map, [2])        # class 2 only
+    removed = keep_largest_component(label_map, [1, 2, 3])  # a region: labels 1-3 as one structure
+    ```
+    """
+    structure = tuple(int(label) for label in structure_labels)
+    if not structure or min(structure) < 1:
+        raise ValueError(f"keep_largest_component: structure_labels must be foreground labels (>= 1), got {structure}")
+    return _keep_largest(labels, structure)
+
+
+def _keep_largest(labels: np.ndarray, structure: Step) -> int:
+    found = _removal(labels, structure)
+    if found is None:
+        return 0
+    box, removed = found
+    labels[box][removed] = 0  # labels[box] is a view: basic slicing
+    return int(np.count_nonzero(removed))
+
+
+def _steps(spec: PostprocessingConfig) -> list[Step]:
+    """The spec's steps in the order they apply: the whole foreground first, then each listed structure."""
+    steps: list[Step] = [None] if spec.largest_foreground_component else []
+    return steps + [tuple(int(label) for label in labels) for labels in spec.largest_component_labels]
+
+
+def apply_postprocessing(labels: np.ndarray, spec: PostprocessingConfig) -> np.ndarray:
+    """`spec` applied to one label map, in place (the same array is returned): first, when
+    `largest_foreground_component`, all foreground labels (every label but 0) as one structure keep only their
+    largest piece; then each entry of `largest_component_labels` in order, as nnU-Net's `apply_postprocessing`
+    runs its list of functions. Removed voxels become 0.
+
+    Example:
+    ```python
+    spec = PostprocessingConfig(largest_foreground_component=True, largest_component_labels=[[2]])
+    apply_postprocessing(label_map, spec)
+    ```
+    """
+    for step in _steps(spec):
+        _keep_largest(labels, step)
+    return labels
+
+
+# ---------------------------------------------------------------- nnU-Net's scores
+
+
+def nnunet_dice(tp: int, fp: int, fn: int) -> float:
+    """nnU-Net's Dice 2TP / (2TP + FP + FN); NaN when TP + FP + FN = 0 (prediction and reference both empty; a
+    prediction on an empty reference scores 0, unlike `tfmis.metrics.dice_per_class`'s MONAI rule)."""
+    if tp + fp + fn == 0:
+        return math.nan
+    return 2.0 * tp / (2.0 * tp + fp + fn)
+
+
+def _dice_from_confusion(confusion: np.ndarray, structures: Mapping[str, Sequence[int]]) -> dict[str, float]:
+    """nnU-Net's Dice of each structure (a label union, as nnU-Net's `region_or_label_to_mask`) from one case's
+    confusion counts confusion[reference, prediction]."""
+    dice = {}
+    for name, labels in structures.items():
+        labels = list(labels)
+        tp = int(confusion[np.ix_(labels, labels)].sum())
+        predicted, reference = int(confusion[:, labels].sum()), int(confusion[labels].sum())
+        dice[name] = nnunet_dice(tp, predicted - tp, reference - tp)
+    return dice
+
+
+def structure_dice(
+    prediction: np.ndarray, reference: np.ndarray, structures: Mapping[str, Sequence[int]]
+) -> dict[str, float]:
+    """nnU-Net's Dice (`nnunet_dice`) of each structure {name: labels} in one case's label maps (nnU-Net's
+    `compute_metrics`, no ignore label): a structure's voxels are those labelled with any of its labels.
+
+    Example:
+    ```python
+    structure_dice(prediction, reference, {"1": [1], "2": [2], "tumour": [1, 2]})
+    ```
+    """
+    if prediction.shape != reference.shape:
+        raise ValueError(f"prediction shape {prediction.shape} differs from reference shape {reference.shape}")
+    highest = max(max(labels) for labels in structures.values())
+    if prediction.size:
+        highest = max(highest, int(prediction.max()), int(reference.max()))
+    return _dice_from_confusion(_confusion(prediction, reference, highest + 1), structures)
+
+
+def case_dice(
+    prediction_path: str | Path,
+    reference_path: str | Path,
+    class_labels: Sequence[int],
+    regions: Mapping[str, Sequence[int]] | None = None,
+) -> dict[str, float]:
+    """nnU-Net's Dice of one case's prediction NIfTI against its reference, per structure as `choose_postprocessing`
+    scores them: {"1": ..., "2": ...} per class, or {region name: ...} when `regions` are given. NaN when both maps
+    lack the structure.
+
+    Raises:
+        FileNotFoundError: a file is missing. ValueError: shapes differ, or a label above max(class_labels).
+    """
+    _, structures = _check_structures(class_labels, regions)
+    prediction_path, reference_path = _check_cases([(prediction_path, reference_path)], None)[0]
+    num_classes = max(int(c) for c in class_labels) + 1
+    prediction = _read_labels(prediction_path, num_classes)
+    reference = _read_reference(reference_path, num_classes, prediction.shape)
+    return _dice_from_confusion(_confusion(prediction, reference, num_classes), structures)
+
+
+def _nanmean(values) -> float:
+    """np.nanmean without its warning: the mean of the non-NaN values, NaN when there are none."""
+    values = np.asarray(list(values), np.float64)
+    finite = values[~np.isnan(values)]
+    return float(finite.mean()) if finite.size else math.nan
+
+
+def dice_summary(per_case: Sequence[Mapping[str, float]]) -> dict:
+    """nnU-Net's `compute_metrics_on_folder` means: {"mean": {structure: mean over cases, NaN left out (nanmean)},
+    "foreground_mean": the ordinary mean of those means (np.mean, so one structure with no finite Dice makes it
+    NaN)}. Structures are those of the first case."""
+    names = list(per_case[0]) if per_case else []
+    means = {name: _nanmean(case[name] for case in per_case) for name in names}
+    foreground_mean = float(np.mean(list(means.values()))) if means else math.nan
+    return {"mean": means, "foreground_mean": foreground_mean}
+
+
+# ---------------------------------------------------------------- choosing by out-of-fold Dice
+
+
+def _json_number(value: float) -> float | None:
+    """A float for JSON: NaN (no Dice to measure) as null."""
+    return None if value is None or math.isnan(value) else float(value)
+
+
+def _json_scores(summary: dict) -> dict:
+    return {
+        "dice": {name: _json_number(value) for name, value in summary["mean"].items()},
+        "foreground_mean": _json_number(summary["foreground_mean"]),
+    }
+
+
+def _check_structures(class_labels, regions) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(classes, scored structures): {str(label): (label,)} and, with regions, {name: labels} (what nnU-Net scores
+    and decides on: its foreground regions for region-based training, else its foreground labels)."""
+    labels = list(class_labels)
+    bad = [v for v in labels if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1]
+    if not labels or bad or len(set(labels)) != len(labels):
+        raise ValueError(f"class_labels: expected distinct foreground labels (>= 1), got {labels}")
+    classes = {str(int(c)): (int(c),) for c in labels}
+    if regions is None:
+        return classes, classes
+    checked = {}
+    for name, members in dict(regions).items():
+        members = list(members)
+        if not members or len(set(members)) != len(members) or not set(members) <= set(labels):
+            raise ValueError(f"regions.{name}: expected distinct labels among class_labels {labels}, got {members}")
+        checked[str(name)] = tuple(int(m) for m in members)
+    if not checked:
+        raise ValueError("regions: give at least one region, or None to decide per class")
+    return classes, checked
+
+
+def _check_cases(cases, output_folder) -> list[tuple[Path, Path]]:
+    pairs = [(Path(prediction), Path(reference)) for prediction, reference in cases]
+    if not pairs:
+        raise ValueError(
+            "choose_postprocessing: no cases; give (prediction, reference) NIfTI paths of out-of-fold maps"
+        )
+    for prediction, reference in pairs:
+        for path, what in ((prediction, "prediction"), (reference, "reference")):
+            if not path.is_file():
+                raise FileNotFoundError(f"{what} {path} not found: every case needs its prediction and reference")
+    if output_folder is not None:
+        names = [prediction.name for prediction, _ in pairs]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"output_folder: predictions share file names {twice[:3]}; give each case its own name")
+    return pairs
+
+
+def _read_labels(path: Path, num_classes: int) -> np.ndarray:
+    """A label NIfTI as uint8 (uint16 beyond 256 classes), read slab-wise; ValueError for a label >= num_classes."""
+    # the predictor applies postprocessing, so it imports this module: imported here, not at the top, so that the
+    # two modules do not import each other at load time
+    from tfmis.inference.predictor import read_label_map
+
+    return read_label_map(path, num_classes)
+
+
+def _read_reference(path: Path, num_classes: int, shape) -> np.ndarray:
+    """The reference label map of a prediction of `shape`; ValueError naming it when its shape differs."""
+    reference = _read_labels(path, num_classes)
+    if reference.shape != tuple(shape):
+        raise ValueError(
+            f"reference {path} has shape {reference.shape}, its prediction {tuple(shape)}: out-of-fold predictions "
+            "must lie on their reference's grid"
+        )
+    return reference
+
+
+def _case_id(path: Path) -> str:
+    return path.name.removesuffix(".gz").removesuffix(".nii")
+
+
+def choose_postprocessing(
+    cases: Iterable[tuple[str | Path, str | Path]],
+    class_labels: Sequence[int],
+    regions: Mapping[str, Sequence[int]] | None = None,
+    output_folder: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[PostprocessingConfig, dict]:
+    """nnU-Net v2's `determine_postprocessing` on out-of-fold predictions: which largest-component steps raise Dice.
+
+    The scored structures are the classes (`class_labels`), or the regions {name: labels} when given (as nnU-Net
+    scores its foreground regions for region-based training). In order, each on the predictions with the steps
+    kept so far applied:
+
+    1. the whole foreground (every label but 0, nnU-Net's foreground labels as one structure): kept when the
+       foreground mean Dice rises strictly and no structure's mean Dice falls (nnU-Net's defensive check);
+    2. only when there is more than one structure, each structure in order: kept when its mean Dice rises strictly.
+
+    Means are nnU-Net's (`dice_summary`): per structure over cases leaving NaN out; a NaN mean fails every
+    comparison, as in nnU-Net. Exactly what `apply_postprocessing` does with the returned spec is what was scored.
+
+    One case at a time: each step reads every prediction again (and a reference only when the step removes voxels
+    from that case), applies the kept steps and the tried one, and updates that case's confusion counts from the
+    removed voxels; nothing but a K x K matrix per case is held across cases.
+
+    Args:
+        cases: (prediction, reference) NIfTI paths on one grid per case, read as uint8 labels 0..max(class_labels).
+        output_folder: when given, each prediction with the chosen steps applied is written there under its own
+            file name (the prediction's affine and header), as nnU-Net's `postprocessed` folder.
+        log: called with one line per step tried (e.g. `print`).
+
+    Returns:
+        (spec, report): the `PostprocessingConfig` of the kept steps, and a JSON-serialisable report (NaN as null):
+        "structures", "cases", one "steps" entry per step tried (structure, labels, voxels removed, cases changed,
+        Dice before/after per structure and foreground mean, kept), and "final" (per class, and per region when
+        given, Dice means before and after the chosen steps, and per case).
+
+    Raises:
+        FileNotFoundError: a case's prediction or reference is missing.
+        ValueError: no cases; bad class_labels/regions; a map whose shape differs from its pair's or that holds a
+            label above max(class_labels).
+    """
+    classes, structures = _check_structures(class_labels, regions)
+    pairs = _check_cases(cases, output_folder)
+    foreground_labels = [int(c) for c in class_labels]
+    num_classes = max(foreground_labels) + 1
+    say = log or (lambda line: None)
+
+    def read(path: Path) -> np.ndarray:
+        return _read_labels(path, num_classes)
+
+    def read_reference(path: Path, shape) -> np.ndarray:
+        return _read_reference(path, num_classes, shape)
+
+    def confusion_change(prediction: np.ndarray, reference, reference_path: Path, step: Step):
+        """Applies `step` to `prediction` in place; returns the change of the case's confusion counts
+        (confusion[reference, prediction]) and the voxels removed. The reference is read only when needed (None:
+        not read yet)."""
+        change = np.zeros((num_classes, num_classes), np.int64)
+        found = _removal(prediction, step)
+        if found is None:
+            return change, 0
+        box, removed = found
+        if reference is None:
+            reference = read_reference(reference_path, prediction.shape)
+        was = prediction[box][removed].astype(np.intp)
+        truth = reference[box][removed].astype(np.intp)
+        moved = np.bincount(truth * num_classes + was, minlength=num_classes**2).reshape(num_classes, num_classes)
+        change -= moved
+        change[:, 0] += moved.sum(axis=1)  # the removed voxels now predict background
+        prediction[box][removed] = 0
+        return change, int(was.size)
+
+    def summary(confusions, names) -> dict:
+        return dice_summary([_dice_from_confusion(c, names) for c in confusions])
+
+    kept: list[Step] = []
+    baseline: list[np.ndarray] = []  # each case's confusion as predicted
+    current: list[np.ndarray] = []  # each case's confusion with the kept steps applied
+
+    def try_step(step: Step, name: str) -> tuple[list[np.ndarray], dict, dict, dict]:
+        """(each case's confusion with `step` added to the kept ones, Dice before, after, the report entry)."""
+        tried, removed_total, changed = [], 0, 0
+        for i, (prediction_path, reference_path) in enumerate(pairs):
+            prediction, reference = read(prediction_path), None
+            if len(baseline) == i:  # the first pass also scores the predictions as they are
+                reference = read_reference(reference_path, prediction.shape)
+                baseline.append(_confusion(prediction, reference, num_classes))
+                current.append(baseline[i])
+            for done in kept:
+                _keep_largest(prediction, done)
+            change, removed = confusion_change(prediction, reference, reference_path, step)
+            del reference
+            tried.append(current[i] + change)
+            removed_total += removed
+            changed += removed > 0
+            del prediction
+        before, after = summary(current, structures), summary(tried, structures)
+        entry = {
+            "structure": name,
+            "labels": foreground_labels if step is None else list(step),
+            "voxels_removed": removed_total,
+            "cases_changed": changed,
+            "before": _json_scores(before),
+            "after": _json_scores(after),
+        }
+        return tried, before, after, entry
+
+    steps_report = []
+
+    # 1. the whole foreground: nnU-Net keeps it only if the foreground mean rises and no structure's mean falls
+    tried, before, after, entry = try_step(None, FOREGROUND)
+    keep = after["foreground_mean"] > before["foreground_mean"] and not any(
+        after["mean"][name] < before["mean"][name] for name in structures
+    )
+    steps_report.append(entry | {"kept": bool(keep)})
+    say(
+        f"largest foreground component: foreground mean Dice {before['foreground_mean']:.5f} -> "
+        f"{after['foreground_mean']:.5f}, {'kept' if keep else 'not kept'}"
+    )
+    if keep:
+        kept.append(None)
+        current[:] = tried
+
+    # 2. each structure, only when there are several (nnU-Net: `if len(labels_or_regions) > 1`)
+    if len(structures) > 1:
+        for name, labels in structures.items():
+            tried, before, after, entry = try_step(labels, name)
+            keep = after["mean"][name] > before["mean"][name]
+            steps_report.append(entry | {"kept": bool(keep)})
+            say(
+                f"largest component of {name}: Dice {before['mean'][name]:.5f} -> {after['mean'][name]:.5f}, "
+                f"{'kept' if keep else 'not kept'}"
+            )
+            if keep:
+                kept.append(labels)
+                current[:] = tried
+
+    spec = PostprocessingConfig(
+        largest_foreground_component=None in kept,
+        largest_component_labels=[list(step) for step in kept if step is not None],
+    )
+    scored = {"classes": classes} | ({"regions": structures} if regions is not None else {})
+    final = {
+        kind: {"before": _json_scores(summary(baseline, names)), "after": _json_scores(summary(current, names))}
+        for kind, names in scored.items()
+    }
+    final["per_case"] = [
+        {
+            "case": _case_id(prediction_path),
+            "prediction": str(prediction_path),
+            "before": {k: _json_number(v) for k, v in _dice_from_confusion(was, structures).items()},
+            "after": {k: _json_number(v) for k, v in _dice_from_confusion(now, structures).items()},
+        }
+        for (prediction_path, _), was, now in zip(pairs, baseline, current)
+    ]
+    report = {
+        "structures": {name: list(labels) for name, labels in structures.items()},
+        "cases": len(pairs),
+        "steps": steps_report,
+        "postprocessing": dataclasses.asdict(spec),
+        "final": final,
+    }
+    if output_folder is not None:
+        _write_postprocessed(pairs, spec, Path(output_folder), read)
+    return spec, report
+
+
+def _write_postprocessed(pairs, spec: PostprocessingConfig, folder: Path, read) -> None:
+    """Each prediction with `spec` applied, written to `folder` under its own name with its affine and header."""
+    import nibabel as nib
+
+    from tfmis.inference.predictor import save_like
+
+    for prediction_path, _ in pairs:
+        labels = apply_postprocessing(read(prediction_path), spec)
+        image = nib.load(str(prediction_path))
+        save_like(labels, image.affine, image.header, folder / prediction_path.name, labels.dtype)
