@@ -104,24 +104,34 @@ def main() -> int:
         rows = []
         names = result["chosen"]["configurations"]
         dice, per_class, seconds = predict(cv, args.test, args.output / "test_ensemble")
-        rows.append(
-            (f"ensemble of {len(result['folds'])} folds ({' + '.join(names)}, chosen postprocessing)", dice, seconds)
-        )
-        plain, _, seconds = predict(cv, args.test, args.output / "test_ensemble_raw", ["--no-postprocessing"])
-        rows.append(("ensemble, no postprocessing", plain, seconds))
+        what = f"ensemble of {len(result['folds'])} folds ({' + '.join(names)}, chosen postprocessing)"
+        rows.append((what, dice, seconds, per_class))
+        plain, classes, seconds = predict(cv, args.test, args.output / "test_ensemble_raw", ["--no-postprocessing"])
+        rows.append(("ensemble, no postprocessing", plain, seconds, classes))
+        for name in names:  # the folds of one configuration, without the pair or the postprocessing
+            d, classes, seconds = predict(cv / name, args.test, args.output / f"test_folds_{name}")
+            rows.append((f"ensemble of the {len(result['folds'])} folds of {name} alone", d, seconds, classes))
         best_fold, best_val = None, -1.0
         for fold in result["folds"]:
             run_dir = Path(result["configurations"][names[0]]["folds"][str(fold)])
             val = json.loads((run_dir / "summary.json").read_text())["best_mean_dice"]
-            d, _, seconds = predict(run_dir, args.test, args.output / f"test_fold_{fold}", ["--no-postprocessing"])
-            rows.append((f"{names[0]} fold {fold} alone (validation Dice {val:.3f})", d, seconds))
+            d, classes, seconds = predict(
+                run_dir, args.test, args.output / f"test_fold_{fold}", ["--no-postprocessing"]
+            )
+            rows.append((f"{names[0]} fold {fold} alone (validation Dice {val:.3f})", d, seconds, classes))
             if val > best_val:
                 best_fold, best_val = fold, val
+        singles = [row for row in rows if " alone (validation" in row[0]]
+        mean_classes = {c: sum(r[3][c] for r in singles) / len(singles) for c in singles[0][3]}
+        mean_single = sum(r[1] for r in singles) / len(singles)
+        rows.append((f"mean of the {len(singles)} single folds", mean_single, 0.0, mean_classes))
         report["test"] = {"rows": rows, "per_class_ensemble": per_class, "best_fold_by_validation": best_fold}
-        print(f"\nHeld-out test cases ({args.test}): mean Dice per case over classes")
-        for name, d, seconds in rows:
+        print(f"\nHeld-out test cases ({args.test}): Dice per class (mean over cases) and their mean")
+        print(f"  {'':<70} {'mean':>6}  " + "  ".join(f"{c:>12}" for c in per_class))
+        for name, d, seconds, classes in rows:
             mark = "  <- best fold by validation Dice" if name.startswith(f"{names[0]} fold {best_fold} ") else ""
-            print(f"  {name:<70} {d:.4f}  ({seconds:.0f} s){mark}")
+            values = "  ".join(f"{classes[c]:>12.4f}" for c in per_class)
+            print(f"  {name:<70} {d:.4f}  {values}  ({seconds:.0f} s){mark}")
     (args.output / "report.json").write_text(json.dumps(report, indent=1))
     print(f"\nReport: {args.output / 'report.json'}")
     return 0

@@ -141,6 +141,34 @@ def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsy
 
 
 @pytest.mark.slow
+def test_a_plans_coarse_stage_and_cascade_cross_validated_together(tmp_path):
+    """A plan of a coarse stage and its cascade: both trained per fold, the cascade's out-of-fold predictions made
+    with the same fold's coarse stage (a region per fold), both and their average scored, one chosen."""
+    from tfmis.config import write_stages
+
+    coarse = write_config(tmp_path, "lowres")
+    fine = write_config(
+        tmp_path,
+        "cascade",
+        f"cascade.coarse_run={load_config(coarse).output.dir}",
+        f"data.dataset_dir={tmp_path / 'tfrecords_fine'}",
+        "data.conversion.crop_to_label_mm=6",
+    )
+    plan = write_stages(tmp_path / "plan.yaml", [("lowres", coarse), ("cascade", fine)])
+    cv = tmp_path / "cv"
+    assert main(["--config", str(plan), "--folds", "2", "--workers", "2", "--output", str(cv)]) == 0
+    result = json.loads((cv / "crossval.json").read_text())
+    assert set(result["candidates"]) == {"lowres", "cascade", "lowres+cascade"}
+    for fold in range(2):
+        config = load_config(cv / "cascade" / f"fold_{fold}" / "config.yaml")
+        assert Path(config.cascade.coarse_run) == cv / "lowres" / f"fold_{fold}"
+        scores = json.loads((cv / "cascade" / f"fold_{fold}" / "validation" / "scores.json").read_text())
+        assert len(scores["cases"]) == 3
+    log = (cv / "logs" / "fold_0.oof.log").read_text()
+    assert "cascade fold 0" in log
+
+
+@pytest.mark.slow
 def test_a_killed_cross_validation_continues_without_retraining_finished_folds(tmp_path):
     """The command killed while fold 1 trains (after fold 0 finished), then rerun: fold 0 is not trained again,
     fold 1 continues from its last committed epoch, and the cross-validation completes."""

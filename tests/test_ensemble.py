@@ -132,6 +132,7 @@ def test_fold_ensemble_probabilities_are_the_mean_of_the_folds_probabilities_whe
     np.testing.assert_array_equal(one, singles[1].logits(volume)[0])
 
 
+@pytest.mark.slow
 def test_fold_ensemble_of_region_runs_averages_the_regions_sigmoids(converted_dataset, runs, tmp_path):
     """Two folds trained on regions (`model.output: regions`, one sigmoid per region), one window over the scan:
     the ensemble's region probabilities are the mean of the two runs' sigmoids (1e-5) and its label map paints
@@ -158,6 +159,7 @@ def test_fold_ensemble_of_region_runs_averages_the_regions_sigmoids(converted_da
     np.testing.assert_array_equal(labels[clear], paint_regions(restored, ensemble.task.paint_labels)[clear])
 
 
+@pytest.mark.slow
 def test_fold_ensemble_with_overlapping_windows_is_close_to_the_mean_of_the_folds(runs):
     """16^3 windows overlapping by half: the windows blend log-mean-probabilities, so the ensemble is a normalised
     blend of the windows' means, not exactly the mean of the folds' blended probabilities; on this scan it stays
@@ -250,6 +252,7 @@ def resolve_error(checkpoint) -> str:
     return str(e.value)
 
 
+@pytest.mark.slow
 def test_configurations_of_different_classes_cannot_be_averaged(runs, tmp_path):
     """A chosen configuration whose runs have other classes: one error naming it, before any case."""
     other = tmp_path / "cv" / "b"
@@ -264,6 +267,7 @@ def test_configurations_of_different_classes_cannot_be_averaged(runs, tmp_path):
         build_predictor(resolve_checkpoint(cv), device="cpu")
 
 
+@pytest.mark.slow
 def test_a_cascade_configurations_coarse_stage_is_the_ensemble_of_its_folds_coarse_runs(runs, tmp_path, capsys):
     """A cascade configuration's folds, each naming its coarse fold (cascade.coarse_run = <cv>/b/fold_k): the
     coarse stage is the fold ensemble of those coarse runs, the fine stage of the folds themselves, and the case is
@@ -291,6 +295,7 @@ def test_a_cascade_configurations_coarse_stage_is_the_ensemble_of_its_folds_coar
         resolve_checkpoint(fine)
 
 
+@pytest.mark.slow
 def test_k_folds_add_no_whole_scan_buffer(runs, tmp_path):
     """Memory: the fold ensemble runs the sliding window once, with one sum buffer, whatever K. On an 80x80x40 scan
     (a float32 map of its 3 classes on the preprocessed grid: 3.1 MB) the peak of the host allocations while

@@ -32,7 +32,7 @@ from tfmis.networks.parallel import _balanced_cuts, same_padding, slab_bounds
 
 TESTS = Path(__file__).parent
 
-# the default suite's share (a minute on 2 cores); the slow marker adds the rest
+# the default suite's share (a minute on 2 cores); the slow marker adds the rest (the ablations among them)
 FLOAT64_CASES = ["demo:spatial:2:f64", "deep:spatial:4:axis2:f64", "deep:pipeline:4:f64"]
 FLOAT64_SLOW = [
     "demo:pipeline:2:f64",
@@ -65,12 +65,12 @@ def run_cases(cases: list[str], out: Path, onednn: bool = True) -> dict:
 
 @pytest.fixture(scope="module")
 def equality(tmp_path_factory):
-    return run_cases(FLOAT64_CASES + FLOAT32_CASES + ABLATIONS, tmp_path_factory.mktemp("mp") / "cases.json")
+    return run_cases(FLOAT64_CASES + FLOAT32_CASES, tmp_path_factory.mktemp("mp") / "cases.json")
 
 
 @pytest.fixture(scope="module")
 def equality_slow(tmp_path_factory):
-    return run_cases(FLOAT64_SLOW + FLOAT32_SLOW, tmp_path_factory.mktemp("mp") / "slow_cases.json")
+    return run_cases(FLOAT64_SLOW + FLOAT32_SLOW + ABLATIONS, tmp_path_factory.mktemp("mp") / "slow_cases.json")
 
 
 def float64_gradient_tolerance(case: str) -> float:
@@ -135,12 +135,13 @@ def test_model_parallel_equals_one_device_in_float32_with_eigen_kernels(tmp_path
         assert_equal_to_one_device(result, 1e-5, 1e-6, 1e-5, own_scale=False)
 
 
-def test_spatial_split_differs_without_the_halo_exchange_or_the_cross_slab_statistics(equality):
+@pytest.mark.slow
+def test_spatial_split_differs_without_the_halo_exchange_or_the_cross_slab_statistics(equality_slow):
     """Taking the halo exchange out (each slab sees zeros past its own rows) or the cross-slab normalisation
     statistics (each slab normalised by its own) makes outputs and gradients differ from one device's by far more
     than the tolerances: the equality above depends on both."""
     for case in ABLATIONS:
-        result = equality[case]
+        result = equality_slow[case]
         assert max(result["outputs"]) > 0.05 * max(result["output_scale"]), case
         assert max(result["gradients"]) > 0.1, case
 

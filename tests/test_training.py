@@ -823,7 +823,7 @@ def fit_recording_steps(config, initial_weights=None, **trainer_kwargs):
     return trainer, events
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("accumulation", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_steps_per_loop_trains_the_same_steps_as_one_step_per_loop(converted_dataset, tmp_path, accumulation):
     """training.steps_per_loop=3 with 4 steps per epoch (a loop of 3, then a remainder loop of 1, over 2 epochs):
     the same per-step losses and the same final weights, optimizer state and iteration count as steps_per_loop=1
@@ -1072,7 +1072,7 @@ def test_profiler_trace_with_several_steps_per_loop(converted_dataset, tmp_path)
     assert b"train_step/forward/" in content and b"train_step/optimizer_step/" in content
 
 
-@pytest.mark.parametrize("loop", [1, 2])
+@pytest.mark.parametrize("loop", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_augmentation_placed_in_the_step_trains_as_in_the_pipeline(converted_dataset, tmp_path, loop):
     """pipeline.augment.placement=step (un-augmented crops and their seeds from tf.data, augmented inside the
     compiled step) against placement=pipeline, same seed and initial weights, flips, quarter turns, intensity,

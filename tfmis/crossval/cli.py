@@ -262,7 +262,7 @@ def run_local_workers(cv_dir: Path, definition: Definition, workers: int) -> int
 def wait_for_ranks(cv_dir: Path, definition: Definition, size: int, since: float) -> None:
     """Rank 0: until every rank said it ended (a `worker_end` line in jobs.jsonl after `since`)."""
     while True:
-        ended = {e["rank"] for e in read_job_events(cv_dir) if e["event"] == "worker_end" and e["time"] >= since - 60}
+        ended = {e["rank"] for e in read_job_events(cv_dir, jobs=False) if e["time"] >= since - 60}
         if len(ended) >= size:
             return
         time.sleep(2.0)

@@ -24,6 +24,7 @@ from pathlib import Path
 from tfmis.config import (
     Config,
     ConfigError,
+    PostprocessingConfig,
     from_dict,
     load_config,
     load_stages,
@@ -122,6 +123,7 @@ def job_config(cv_dir, configuration: Configuration, fold: int, folds: int, spli
     data["data"]["train_split"], data["data"]["val_split"] = "train", "val"  # derived from the folds
     data["output"]["dir"] = str(fold_run_dir(cv_dir, configuration.name, fold))
     data["output"]["progress"] = False  # the CV command shows every fold's progress in one table
+    data["postprocessing"] = to_dict(PostprocessingConfig())  # the out-of-fold maps as predicted: the CV decides it
     if configuration.coarse:
         data["cascade"]["coarse_run"] = str(fold_run_dir(cv_dir, configuration.coarse, fold))
     try:
@@ -193,16 +195,19 @@ def append_job_event(cv_dir: str | Path, event: dict) -> None:
         os.close(fd)
 
 
-def read_job_events(cv_dir: str | Path) -> list[dict]:
+def read_job_events(cv_dir: str | Path, jobs: bool = True) -> list[dict]:
+    """The lines of jobs.jsonl: the jobs' starts and ends (`jobs`), or the launch ranks' `worker_end` lines."""
     path = Path(cv_dir) / JOBS_LOG
     if not path.is_file():
         return []
     events = []
     for line in path.read_text().splitlines():
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
-            pass  # a line cut by a kill
+            continue  # a line cut by a kill
+        if ("job" in event) == jobs:
+            events.append(event)
     return events
 
 

@@ -116,7 +116,8 @@ def class_names(config, cv_dir, name: str, fold: int) -> list[str]:
 
 def wall_seconds(cv_dir: str | Path) -> dict:
     """From jobs.jsonl: the seconds of every training and out-of-fold prediction (the last attempt of each), their
-    sum (each as it ran, on its worker's share) and the wall time from the first start to the last end of this command's runs."""
+    sum (each as it ran, on its worker's share) and the wall time from the first start to the last end of this
+    command's runs."""
     events = read_job_events(cv_dir)
     jobs = {}
     for e in events:
