@@ -122,9 +122,9 @@ def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsy
             prediction = np.asarray(nib.load(cv / "a" / f"fold_{fold}" / "validation" / f"{case}.nii.gz").dataobj)
             reference = np.asarray(nib.load(scores["references"][case]).dataobj)
             assert prediction.shape == reference.shape  # the original grid
-            for label, name in ((1, "organ"), (2, "core")):
+            for label in (1, 2):  # scores.json names a class by its label, as nnU-Net's summary does
                 expected = nnunet_dice(prediction, reference, label)
-                got = dice[name] if dice[name] is not None else float("nan")
+                got = dice[str(label)] if dice[str(label)] is not None else float("nan")
                 assert np.isclose(got, expected, equal_nan=True), (case, name, got, expected)
         seen += held_out
     assert sorted(seen) == sorted(f"case_{i:03d}" for i in range(6))
@@ -211,14 +211,26 @@ def _mpirun_problem() -> str | None:
     return None if "Open MPI" in version else f"this test drives Open MPI's mpirun; found {version.splitlines()[:1]}"
 
 
+def _slurm_problem() -> str | None:
+    import shutil
+
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return "srun not found: SLURM is not installed (CI: .ci/run sets up a one-node SLURM)"
+    idle = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    if idle.returncode != 0 or not idle.stdout.strip():
+        return f"no SLURM controller answers (sinfo: {idle.stderr.strip()[:200]}): tools/slurm_single_node.sh"
+    return None
+
+
 @pytest.mark.launcher
-@pytest.mark.parametrize("launcher", ["mpirun", "tfmis-launch"])
+@pytest.mark.parametrize("launcher", ["mpirun", "srun", "tfmis-launch"])
 def test_folds_over_the_ranks_of_a_real_launcher(tmp_path, launcher):
-    """`mpirun -np 2 tfmis-crossval` (Open MPI) and `tfmis-launch --nproc 2 -- tfmis-crossval`: each rank trains its
-    own folds alone (rank 0 folds 0 and 2, rank 1 fold 1), rank 0 chooses after both ranks ended, and no training
-    joined a cluster (each trained on one replica)."""
-    if launcher == "mpirun" and _mpirun_problem():
-        pytest.skip(_mpirun_problem())
+    """`mpirun -np 2 tfmis-crossval` (Open MPI), `srun -n 2 tfmis-crossval` (a real one-node SLURM) and
+    `tfmis-launch --nproc 2 -- tfmis-crossval`: each rank trains its own folds alone (rank 0 folds 0 and 2, rank 1
+    fold 1), rank 0 chooses after both ranks ended, and no training joined a cluster (each trained on one replica)."""
+    problem = {"mpirun": _mpirun_problem, "srun": _slurm_problem}.get(launcher, lambda: None)()
+    if problem:
+        pytest.skip(problem)
     path = write_config(tmp_path, "tiny")
     cv = tmp_path / "cv"
     root = Path(__file__).resolve().parents[1]
@@ -228,10 +240,13 @@ def test_folds_over_the_ranks_of_a_real_launcher(tmp_path, launcher):
     if launcher == "mpirun":
         prefix = ["mpirun", "-np", "2", "--oversubscribe", "-x", "PYTHONPATH"]
         prefix += ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    elif launcher == "srun":
+        prefix = ["srun", "-N", "1", "-n", "2", "--output", str(tmp_path / "task%t.log")]
     else:
         prefix = [sys.executable, "-m", "tfmis.launch", "--nproc", "2", "--"]
     done = subprocess.run([*prefix, *command], capture_output=True, text=True, env=env, timeout=900, cwd=root)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    tasks = "".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("task*.log")))  # srun's per-task output
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:] + tasks
     starts = [e for e in read_job_events(cv) if e["event"] == "start" and e["job"] == "train"]
     assert sorted((e["fold"], e["worker"]) for e in starts) == [(0, "worker0"), (1, "worker1"), (2, "worker0")]
     for fold in range(3):
