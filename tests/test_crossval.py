@@ -125,7 +125,7 @@ def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsy
             for label in (1, 2):  # scores.json names a class by its label, as nnU-Net's summary does
                 expected = nnunet_dice(prediction, reference, label)
                 got = dice[str(label)] if dice[str(label)] is not None else float("nan")
-                assert np.isclose(got, expected, equal_nan=True), (case, name, got, expected)
+                assert np.isclose(got, expected, equal_nan=True), (case, label, got, expected)
         seen += held_out
     assert sorted(seen) == sorted(f"case_{i:03d}" for i in range(6))
     # the two workers each trained folds (pinned to one core each on this machine)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 from tfmis.config import (
@@ -32,6 +31,7 @@ from tfmis.config import (
     save_config,
     to_dict,
 )
+from tfmis.utils.io import append_json_line, read_json_lines
 
 DEFINITION_FILE = "crossval_definition.json"
 RESULTS_FILE = "crossval.json"
@@ -186,29 +186,13 @@ def write_job_configs(cv_dir: str | Path, definition: Definition) -> None:
 
 
 def append_job_event(cv_dir: str | Path, event: dict) -> None:
-    """One JSON line in jobs.jsonl, appended with a single write (O_APPEND keeps concurrent workers' lines whole)."""
-    line = (json.dumps(event) + "\n").encode()
-    fd = os.open(Path(cv_dir) / JOBS_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    """One line in jobs.jsonl (concurrent workers' lines stay whole)."""
+    append_json_line(Path(cv_dir) / JOBS_LOG, event)
 
 
 def read_job_events(cv_dir: str | Path, jobs: bool = True) -> list[dict]:
     """The lines of jobs.jsonl: the jobs' starts and ends (`jobs`), or the launch ranks' `worker_end` lines."""
-    path = Path(cv_dir) / JOBS_LOG
-    if not path.is_file():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill
-        if ("job" in event) == jobs:
-            events.append(event)
-    return events
+    return [event for event in read_json_lines(Path(cv_dir) / JOBS_LOG) if ("job" in event) == jobs]
 
 
 def pair_name(a: str, b: str) -> str:

@@ -118,3 +118,28 @@ def log_tail(path: str | Path, max_bytes: int = 16384) -> list[str]:
         for line in lines
         if not re.match(r"I\d{4} |WARNING: All log messages before absl|Extension modules: ", line)
     ]
+
+
+def append_json_line(path: str | Path, record: dict) -> None:
+    """One JSON line appended to the log at `path` with a single write: O_APPEND keeps the lines of concurrent
+    writers (processes, nodes on one file system) whole."""
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_json_lines(path: str | Path) -> list[dict]:
+    """Every complete line of the JSON-lines log at `path` ([] when there is none); a line cut by a kill is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return records

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from tfmis.config import Config, from_dict
 from tfmis.tune.hpo.space import Objective, SearchSpace, parse_space
 from tfmis.tune.kt import trial_order  # noqa: F401 (re-exported)
+from tfmis.utils.io import append_json_line, read_json_lines
 
 REPORT_FILE = "hpo_report.json"
 PLOT_FILE = "hpo_dice.png"
@@ -48,28 +48,13 @@ def read_definition(output_dir: Path) -> tuple[dict, Config, SearchSpace, Object
 
 
 def append_event(output_dir: Path, event: dict) -> None:
-    """One JSON line in the runs log, appended with a single write (O_APPEND keeps concurrent workers' lines
-    whole)."""
-    line = (json.dumps(event) + "\n").encode()
-    fd = os.open(Path(output_dir) / RUNS_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    """One JSON line in the runs log (concurrent workers' lines stay whole)."""
+    append_json_line(Path(output_dir) / RUNS_LOG, event)
 
 
 def read_events(output_dir: Path) -> list[dict]:
     """Every complete line of the runs log."""
-    path = Path(output_dir) / RUNS_LOG
-    if not path.is_file():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut by a kill
-    return events
+    return read_json_lines(Path(output_dir) / RUNS_LOG)
 
 
 def new_events(output_dir: Path, offset: int) -> tuple[int, list[dict]]:
