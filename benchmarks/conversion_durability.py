@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What durable, verified conversion costs (issue 23): the sha256 and fsync of every shard against the whole
+"""What durable, verified conversion costs: the sha256 and fsync of every shard against the whole
 conversion, and the raw speed of sha256 and crc32 over 1 GB.
 
 Converts the demo dataset (generated under `--data` if missing) with `tfmis.data.convert.convert` once with GZIP

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Conversion of real-size CT (issue 22): seconds and peak resident memory per case against its voxel count.
+"""Conversion of real-size CT: seconds and peak resident memory per case against its voxel count.
 
 Generates `--cases` CT-size cases with `tfmis.data.demo_ct.generate_full_case` (512 x 512 x Z, Z spread evenly
 from `--slices` MIN to MAX, 0.7-0.9 mm pixels, 1.5-5 mm slices, int16 HU), then converts the folder with
@@ -11,7 +11,7 @@ records, in the process that ran it:
 - `baseline_mb`: VmRSS just before the case (the interpreter, numpy/scipy/nibabel, with --workers 1 also TensorFlow
   and what the writer holds);
 - `peak_mb`: VmHWM over the case (reset through /proc/self/clear_refs just before it);
-- `ratio`: (peak - baseline) / the case's float32 size (X*Y*Z*C*4 bytes), the bound the issue asks for (<= 4).
+- `ratio`: (peak - baseline) / the case's float32 size (X*Y*Z*C*4 bytes), to hold to 4 at most.
 
 Prints a table, writes `conversion_size.csv`, `conversion_size.md` and `conversion_size.png` (time per case and
 peak RSS vs voxels) into `--output`. The conversion uses a fixed `--ct-window` (so no first pass over the data) and

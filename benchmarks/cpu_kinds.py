@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The README's main job on this CPU: tfmis's own CPU settings against every setting tried by hand (issue 27).
+"""The README's main job on this CPU: tfmis's own CPU settings against every setting tried by hand.
 
 Prints, first, the machine as the benchmark sees it (`lscpu`'s model name, the instruction sets that decide
 TensorFlow's kernels, usable cores, TensorFlow's version, and tfmis's oneDNN choice with its reason). Then each

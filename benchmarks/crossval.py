@@ -1,4 +1,4 @@
-"""K-fold cross-validation end to end, and what the folds' ensemble buys on held-out cases (issue 30).
+"""K-fold cross-validation end to end, and what the folds' ensemble buys on held-out cases.
 
 1. `tfmis-crossval --config CONFIG --folds K --output OUT/cv --workers W` (or under `--launcher "mpirun -np 2"`):
    its wall time, the out-of-fold Dice table, the chosen configuration and postprocessing (from crossval.json);

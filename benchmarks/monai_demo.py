@@ -9,7 +9,7 @@ Runs in its own virtual environment (torch + MONAI are never tfmis dependencies)
 torch, monai, numpy and nibabel.
 
 It trains on the volumes `benchmarks/export_demo_npy.py` exported from tfmis's TFRecords (the same
-preprocessed voxels and the same train/val split) with the recipe of issue 11, each setting a flag:
+preprocessed voxels and the same train/val split) with MONAI's recipe below, each setting a flag:
 
 - model: `monai.networks.nets.UNet`, channels 8-16-32-64, strides 2,2,2, `--num-res-units` (default 2, MONAI's
   tutorials), instance norm, PReLU;

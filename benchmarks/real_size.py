@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Real scan sizes, no config: what `train --source-dir` plans and reaches in a time budget, against a hand-written
-coarse config in the same budget (issue 22's first "done means").
+coarse config in the same budget.
 
 For `brats` (the MNI brain at 1 mm, 240x240x155, four channels: `python -m tfmis.data.demo --size brats`) or `ct`
 (512x512x100-600 abdominal CT, int16 HU, five organs: `python -m tfmis.data.demo_ct --size full`) it

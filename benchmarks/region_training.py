@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Region-based training against class training on BraTS-like data, same data, network, steps and time budget
-(issue 22: "region-based training if it lifts tumour core / enhancing Dice on BraTS-like data: measure and decide").
+(whether regions lift tumour core / enhancing Dice on BraTS-like data, which decides whether the planner uses them).
 
 1. generates the BraTS-like demo at `--spacing` mm into `--workdir` if missing (`python -m tfmis.data.demo --size
    brats`: FLAIR/T1w/T1gd/T2w, labels 1 edema, 2 non-enhancing core, 3 enhancing, one tumour per case, many small);

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Paper estimate of data-parallel scaling to 8 and 32 GPUs from measured step and all-reduce times (issue 9).
+"""Paper estimate of data-parallel scaling to 8 and 32 GPUs from measured step and all-reduce times.
 
 Measured on this machine, for each config's U-Net (built from its `model` section as the Trainer does,
 trained by the Trainer's own `train_step` on synthetic batches of the config's per-replica batch):

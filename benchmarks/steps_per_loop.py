@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training throughput with `training.steps_per_loop` K against one step per host round-trip (issue 11).
+"""Training throughput with `training.steps_per_loop` K against one step per host round-trip.
 
 Each arm is a real `python -m tfmis.train` run of the config (validation off, `--epochs` epochs), one at a
 time in its own process; the arms alternate (`--repeats` rounds: K=1, K=k2, ..., then again) so every

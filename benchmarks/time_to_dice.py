@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time to a given Dice, tfmis against MONAI's recipe on the same data and cores (issue 11).
+"""Time to a given Dice, tfmis against MONAI's recipe on the same data and cores.
 
 Arms, each in its own process, one after the other (never two at once), each with the same wall-clock
 budget (`--max-minutes`):

@@ -1,6 +1,6 @@
 """Background found, not assumed: a channel whose border is a non-zero constant (a z-scored MRI, e.g. BraTS-style data
 whose air is -3.6) is cropped, z-scored and fingerprinted against that constant; other channels keep zero as their
-background and CT channels keep the window's low end (issue 29, item 6)."""
+background and CT channels keep the window's low end."""
 
 from __future__ import annotations
 

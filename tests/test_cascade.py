@@ -196,7 +196,9 @@ def cascade_run(tmp_path_factory):
     from tfmis.data.demo_ct import make_ct_dataset
 
     root = tmp_path_factory.mktemp("cascade")
-    make_ct_dataset(root / "ct", num_cases=6, num_test=1)
+    # large enough that the CPU patch (at most 48^3 voxels) covers under 25% of the median image, so the forced
+    # cascade has a real low-resolution stage (a smaller image is refused: its coarse stage would be full resolution)
+    make_ct_dataset(root / "ct", num_cases=6, num_test=1, shape=(128, 128, 56))
     args = [
         "-m",
         "tfmis.train",

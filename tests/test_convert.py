@@ -15,6 +15,7 @@ from tfmis.data.convert import PLAN_FILE, ConversionConfig, ParametersChanged, a
 from tfmis.data.msd import MSDDataset, load_case
 from tfmis.data.preprocess import PreprocessConfig, preprocess
 from tfmis.data.records import load_index, read_record, record_dataset, split_cases
+from tfmis.utils.io import host_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,14 +131,17 @@ def test_resume_rebuilds_only_unfinished_shards(msd_dataset, tmp_path):
     victim = shards[1]
     victim.unlink()
     (target / ".progress" / (victim.name + ".json")).unlink()
-    (target / (victim.name + ".tmp")).write_bytes(b"half a shard")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    half = target / f"{victim.name}.{host_name()}.{dead.pid}.0a1b2c3d.tmp"  # its writer's temporary, the writer dead
+    half.write_bytes(b"half a shard")
     (target / "index.json").unlink()
     mtimes = {p.name: p.stat().st_mtime_ns for p in shards if p != victim}
     time.sleep(0.01)
     index = convert(config)
     assert {p.name: p.read_bytes() for p in sorted(target.glob("train-*.tfrecord.gz"))} == original
     assert {p.name: p.stat().st_mtime_ns for p in shards if p != victim} == mtimes
-    assert not list(target.glob("*.tmp")) and index["stats"]["records"] == 6
+    assert not half.exists() and not list(target.glob("*.tmp")) and index["stats"]["records"] == 6
 
 
 def test_resume_rewrites_a_recorded_shard_whose_size_or_checksum_does_not_match(msd_dataset, tmp_path, capsys):
@@ -412,7 +416,7 @@ def test_cli_parses_tuples_and_explains_flags(msd_dataset, tmp_path):
     both = run_tool("--source-dir", msd_dataset, "--target-dir", tmp_path / "o", "--split", "1", "--folds", "3")
     assert both.returncode == 2 and "not allowed with" in both.stderr
     missing = run_tool("--source-dir", tmp_path / "nowhere", "--target-dir", tmp_path / "o")
-    assert missing.returncode == 1 and "dataset.json" in missing.stderr
+    assert missing.returncode == 2 and "dataset.json" in missing.stderr  # as in every command
 
 
 def test_ct_window_is_measured_when_not_given(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 
 from tfmis.data import demo
 from tfmis.data.msd import MSDDataset, load_case
+from tfmis.utils.io import parse_temp_name
 
 NUM_TRAINING, NUM_TEST = 3, 1
 
@@ -58,7 +59,7 @@ def test_dataset_json_matches_files(demo_root):
     referenced = [e["image"] for e in meta["training"]] + [e["label"] for e in meta["training"]] + meta["test"]
     assert all((demo_root / p).is_file() for p in referenced)
     assert not list((demo_root / "labelsTr").glob("demo_1*")), "test cases must have no label"
-    assert not list(demo_root.rglob(".tmp-*")), "temporary files must be renamed away"
+    assert not [p for p in demo_root.rglob("*") if parse_temp_name(p.name)], "temporary files must be renamed away"
 
 
 def test_images_and_labels_are_consistent(demo_root):

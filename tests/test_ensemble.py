@@ -219,10 +219,11 @@ def test_folds_subset_predicts_with_those_folds_only(runs, tmp_path, capsys):
 
 
 def test_a_missing_or_unfinished_fold_is_one_error_line_and_exit_1(runs, tmp_path, capsys):
-    """Through the command: an unfinished fold (no best.weights.h5) of a folder of folds, a fold crossval.json
-    expects that is not there, and --folds naming a fold that does not exist each end in exit 1 with one line
-    naming the fold, as do --folds for one run and a training split (`--subset split:val`, one run's) for an
-    ensemble; --folds that is not a list of numbers is a usage error (exit 2)."""
+    """Through the command: an unfinished fold (no best.weights.h5) of a folder of folds and a fold crossval.json
+    expects that is not there each end in exit 1 with one line naming the fold; --folds naming a fold that does
+    not exist, --folds for one run and a training split (`--subset split:val`, one run's) for an ensemble are
+    arguments that do not fit the checkpoint: exit 2 with one line; --folds that is not a list of numbers is
+    argparse's usage error (exit 2)."""
     folder = tmp_path / "a"
     shutil.copytree(runs["a"][0], folder / "fold_0")
     (folder / "fold_1").mkdir()
@@ -230,14 +231,14 @@ def test_a_missing_or_unfinished_fold_is_one_error_line_and_exit_1(runs, tmp_pat
     cv = write_crossval(tmp_path / "cv", runs, ["a"], folds=4)  # fold 3 was never trained
     common = ["--input", str(runs["image"]), "--output", str(tmp_path / "out")]
     cases = [
-        (["--checkpoint", str(folder)], f"fold 1 of a: {folder / 'fold_1'} has no best.weights.h5"),
-        (["--checkpoint", str(cv)], f"fold 3 of a: {cv / 'a' / 'fold_3'} is missing"),
-        (["--checkpoint", str(runs["a"][0].parent), "--folds", "0,5"], "has no fold 5 (its folds: 0, 1, 2)"),
-        (["--checkpoint", str(runs["a"][0]), "--folds", "0"], "is one run, not a folder of folds"),
-        (["--checkpoint", str(runs["a"][0].parent), "--subset", "split:val"], "3 runs predict, each trained on"),
+        (["--checkpoint", str(folder)], f"fold 1 of a: {folder / 'fold_1'} has no best.weights.h5", 1),
+        (["--checkpoint", str(cv)], f"fold 3 of a: {cv / 'a' / 'fold_3'} is missing", 1),
+        (["--checkpoint", str(runs["a"][0].parent), "--folds", "0,5"], "has no fold 5 (its folds: 0, 1, 2)", 2),
+        (["--checkpoint", str(runs["a"][0]), "--folds", "0"], "is one run, not a folder of folds", 2),
+        (["--checkpoint", str(runs["a"][0].parent), "--subset", "split:val"], "3 runs predict, each trained on", 2),
     ]
-    for args, message in cases:
-        assert predict_main(args + common) == 1
+    for args, message, code in cases:
+        assert predict_main(args + common) == code
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith("error: ") and message in err, err
     assert "rerun tfmis-crossval" in resolve_error(folder) and "--folds 0" in resolve_error(folder)

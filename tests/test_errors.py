@@ -1,4 +1,4 @@
-"""Bad inputs at the commands' edge (issue 23): each ends in one line on stderr naming the file or key and the
+"""Bad inputs at the commands' edge: each ends in one line on stderr naming the file or key and the
 fix, the documented exit code (docs/exit-codes.md), no traceback, and no half-written file left behind.
 
 Every test runs the real command as a subprocess (`python -m tfmis.<command>`) on real files. TensorFlow's
@@ -8,7 +8,6 @@ what tfmis prints.
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -153,19 +152,17 @@ def full_disk(tmp_path):
 
 
 def test_convert_on_a_full_disk_exits_1_removes_the_half_written_shard_and_resumes_after(tmp_path, full_disk):
-    """The disk fills during the first shard write (TensorFlow's ResourceExhaustedError): one line naming the
-    shard and the fix, exit 1, no `.tfrecord.tmp` left; once space is freed the same command finishes (exit 0)."""
+    """The disk fills during the first shard write (TensorFlow's ResourceExhaustedError, which names no file):
+    one line naming the shard and the fix, exit 1, no temporary left; once space is freed the same command
+    finishes (exit 0)."""
     source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=3)
     target = full_disk.mount / "out"
     full_disk.fill(free_bytes=16 * 1024)  # room for conversion.json, not for a shard of ~31 KB cases
     args = convert_args(source, target, "--compression", "NONE")
     result = run(*args)
     assert result.returncode == 1, result.stderr
-    # the shard's temporary has this writer's own name: <shard>.<pid>.<random>.tmp
-    shard = re.escape(str(target / "train-000-of-002.tfrecord")) + r"\.\d+\.[0-9a-f]{8}\.tmp"
-    assert re.fullmatch(
-        f"error: disk full writing {shard}: free space and rerun the same command \\(it resumes\\)", one_line(result)
-    )
+    shard = target / "train-000-of-002.tfrecord"  # the file being written, not its temporary
+    assert one_line(result) == f"error: disk full writing {shard}: free space and rerun the same command (it resumes)"
     assert temp_files(target) == []
     full_disk.free()
     result = run(*args)
@@ -178,7 +175,7 @@ def test_train_on_a_full_disk_at_the_epoch_commit_exits_1_and_leaves_no_temp_wei
     tmp_path, full_disk, converted_dataset
 ):
     """The run folder's disk fills before epoch 1's best weights are written (h5py would crash on a full disk, so
-    the space is checked first): exit 1, the last stderr line names best.tmp.weights.h5 and the fix (--resume),
+    the space is checked first): exit 1, the last stderr line names best.staged.weights.h5 and the fix (--resume),
     no traceback, and no `*.tmp*` file stays in the run folder."""
     config = tmp_path / "tiny.yaml"
     config.write_text("{}\n")
@@ -191,7 +188,7 @@ def test_train_on_a_full_disk_at_the_epoch_commit_exits_1_and_leaves_no_temp_wei
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert errors == [
-        f"error: disk full writing {out / 'best.tmp.weights.h5'}: free space and rerun with --resume (it continues "
+        f"error: disk full writing {out / 'best.staged.weights.h5'}: free space and rerun with --resume (it continues "
         "from the last committed epoch)"
     ]
     assert result.stderr.strip().splitlines()[-1] == errors[0]
@@ -281,7 +278,7 @@ def test_train_gpu_customization_checks_its_specs_before_converting_the_dataset(
     )
     assert result.returncode == 2, result.stderr
     line = one_line(result)
-    assert line.startswith(f"config error: {specs}: not UTF-8 text") and "save the specs file as UTF-8" in line
+    assert line.startswith(f"specs error: {specs}: not UTF-8 text") and "save the specs file as UTF-8" in line
     assert not converted.exists() and not (tmp_path / "run").exists()
 
 

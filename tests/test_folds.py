@@ -194,7 +194,7 @@ def nnunet_generate_crossval_split(identifiers: list[str], seed: int = 12345, n_
 
 def test_an_nnunet_splits_final_json_gives_its_folds(folds_data, tmp_path):
     """A splits_final.json as nnU-Net v2 writes it for this dataset (identifiers: the label file names without
-    .nii.gz, as nnU-Net's MSD conversion names them; 3 folds) converted by tools/tfrecord.py --splits-file: fold k
+    .nii.gz, as nnU-Net's MSD conversion names them; 3 folds) converted by tfmis-convert --splits-file: fold k
     holds exactly nnU-Net's val list k, and the index names the file and its assignment."""
     identifiers = [p.name[: -len(".nii.gz")] for p in (folds_data["source"] / "labelsTr").glob("*.nii.gz")]
     nnunet = nnunet_generate_crossval_split(identifiers, n_splits=3)

@@ -196,7 +196,7 @@ def test_tensorflow_reports_one_process_wide_number_for_every_logical_cpu_device
 def test_the_counted_one_device_peak_is_within_15_percent_of_the_allocators_peak_when_the_step_runs(two_devices):
     """The demo U-Net's training step at 64^3 on one device, run: the CPU allocator's peak during the step (above
     the weights and the inputs allocated before it; oneDNN's allocator keeps the statistics) against the count
-    (less the inputs, which it includes). Measured on an AMD EPYC: 95.8 MiB run, 98.1 MiB counted."""
+    (less the inputs, which it includes); the measured pair is in docs/model-parallel.md, "Memory per device"."""
     if two_devices["run_peak"] is None:
         pytest.skip("TensorFlow keeps no CPU allocator statistics here (oneDNN off)")
     counted = two_devices["one_device"] - two_devices["inputs"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import make_msd_dataset, tiny_config
 
-from tfmis.utils.io import atomic_writer
+from tfmis.utils.io import OTHER_HOST_STALE_SECONDS, atomic_writer, host_name
 from tfmis.utils.lock import LOCK_FILE, FolderLocked, folder_lock, holds_lock
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +44,19 @@ from tfmis.utils.lock import folder_lock
 with folder_lock(sys.argv[1], "lock holder of the test"):
     print("locked", flush=True)
     sys.stdin.read()
+"""
+
+# opens an atomic write of `path`, writes half, prints its temporary's path, then waits for stdin to close
+# before finishing the write (or is killed before that)
+BLOCKED_WRITER = """
+import sys
+from tfmis.utils.io import atomic_writer
+with atomic_writer(sys.argv[1], "w") as f:
+    f.write("first half, ")
+    f.flush()
+    print(f.name, flush=True)
+    sys.stdin.read()
+    f.write("second half")
 """
 
 
@@ -114,35 +127,15 @@ def test_atomic_writer_removes_its_temporary_when_the_block_raises(tmp_path):
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
 
 
-def test_remove_temp_files_removes_dead_writers_temporaries_and_keeps_live_ones(tmp_path):
-    """`remove_temp_files` (run under a folder's lock) removes a temporary named after a killed process and an
-    old-style `<name>.tmp`, and keeps those of live processes: this one's and another running process's."""
-    from tfmis.utils.io import remove_temp_files, temp_path
-
-    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    try:
-        names = {
-            "mine": temp_path(tmp_path / "a.json").name,
-            "live": f"b.json.{other.pid}.0a1b2c3d.tmp",
-            "dead": f"c.json.{dead.pid}.0a1b2c3d.tmp",
-            "old-style": "d.json.tmp",
-        }
-        for name in names.values():
-            (tmp_path / name).write_text("x")
-        removed = remove_temp_files(tmp_path)
-    finally:
-        other.stdin.close()
-        other.wait()
-    assert sorted(p.name for p in removed) == sorted([names["dead"], names["old-style"]])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["mine"], names["live"]])
+def _start(script: str, path: Path) -> subprocess.Popen:
+    """`script` in a new Python process, `path` its argument, its stdin and stdout pipes."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
+    )
 
 
 def _start_holder(folder: Path) -> subprocess.Popen:
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
-    )
+    holder = _start(HOLDER, folder)
     assert holder.stdout.readline().strip() == "locked"
     return holder
 
@@ -174,6 +167,50 @@ def test_folder_lock_refuses_a_second_process_naming_it_and_is_taken_over_after_
     assert not holds_lock(folder)
 
 
+def test_taking_a_folders_lock_removes_a_killed_writers_temporary_and_keeps_live_and_other_hosts_ones(tmp_path):
+    """While another process holds a folder's lock, a writer SIGKILLed inside `atomic_writer` leaves its temporary
+    (in a subfolder here), and a process refused the lock removes nothing. Once the holder has left, the process
+    that takes the lock removes the killed writer's temporary and another host's unchanged for over a day, and
+    keeps a live writer's (which then completes its write) and another host's fresh one."""
+    folder = tmp_path / "run"
+    (folder / "progress").mkdir(parents=True)
+    holder = _start_holder(folder)
+    killed = _start(BLOCKED_WRITER, folder / "progress" / "a.json")
+    live = _start(BLOCKED_WRITER, folder / "b.json")
+    try:
+        killed_tmp, live_tmp = Path(killed.stdout.readline().strip()), Path(live.stdout.readline().strip())
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert killed_tmp.read_text() == "first half, ", "the killed writer's temporary"
+        # another host's: its pid means nothing here (it is the killed writer's, dead on this host)
+        other = f"{host_name()}-other"
+        fresh = folder / f"c.json.{other}.{killed.pid}.0a1b2c3d.tmp"
+        stale = folder / f"d.json.{other}.{killed.pid}.0a1b2c3d.tmp"
+        for path in (fresh, stale):
+            path.write_text("another host's")
+        old = time.time() - OTHER_HOST_STALE_SECONDS - 3600
+        os.utime(stale, (old, old))
+
+        with pytest.raises(FolderLocked), folder_lock(folder):
+            pass
+        assert killed_tmp.exists() and stale.exists(), "a process refused the lock removed a temporary"
+        holder.stdin.close()
+        assert holder.wait() == 0
+
+        with folder_lock(folder):
+            remaining = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+            assert remaining == sorted([".tfmis.lock", live_tmp.name, fresh.name])
+        live.stdin.close()
+        assert live.wait() == 0
+    finally:
+        for proc in (holder, killed, live):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert (folder / "b.json").read_text() == "first half, second half"
+    assert not live_tmp.exists()
+
+
 def test_second_conversion_into_a_locked_target_exits_1_and_keeps_the_holders_temporaries(tmp_path):
     """`tfmis-convert` into a target whose lock a live process holds exits 1 with one error line naming the
     holder, and leaves the holder's temporary file alone; once the holder is killed, the same command converts
@@ -181,7 +218,7 @@ def test_second_conversion_into_a_locked_target_exits_1_and_keeps_the_holders_te
     source = make_msd_dataset(tmp_path / "ds", num_cases=4)
     target = tmp_path / "out"
     holder = _start_holder(target)
-    theirs = target / f"train-000-of-001.tfrecord.gz.{holder.pid}.0a1b2c3d.tmp"
+    theirs = target / f"train-000-of-001.tfrecord.gz.{host_name()}.{holder.pid}.0a1b2c3d.tmp"
     theirs.write_bytes(b"a shard being written")
     command = [sys.executable, "-m", "tfmis.convert", "--source-dir", str(source), "--target-dir", str(target)]
     command += ["--split", "1", "--shards", "1", "--workers", "1", "--quiet"]

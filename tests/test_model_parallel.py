@@ -291,8 +291,8 @@ def test_planner_splits_the_wanted_patch_over_the_fewest_gpus_that_hold_it():
     mp = config.runtime.model_parallel
     patch = config.pipeline.patch_size
     planner = ExperimentPlanner(fp, _gpus(4, 81920))
-    planner.plan()
-    wanted = pool_and_conv_props(planner.spacing, planner.initial_patch)[2]  # nnU-Net's patch, to the divisors
+    data = planner.determine_data()
+    wanted = pool_and_conv_props(data.spacing, planner.determine_patch(data).initial_patch)[2]  # to the divisors
     assert mp.mode == "spatial" and list(patch) == [int(p) for p in wanted] == [192, 192, 128]
     memory = training_memory_mb(patch, config.model.strides, config.model.filters, 2, 1, 3, 2, "mixed_float16")
     logits = 2 * np.prod(patch) * 3 * 4 * 4 / 2**20

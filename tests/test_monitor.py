@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tfmis.hardware import usable_cpu_count
 from tfmis.profiling import COLUMNS, ResourceMonitor, plot_resources, read_resources
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -123,7 +124,7 @@ def test_cpu_mode_follows_process_tree_cpu_and_rss_of_a_burning_allocating_grand
 
     summary = monitor.summary()
     cpu = summary["devices"]["cpu"]
-    assert summary["backend"] == "cpu" and summary["cpu_count"] == os.cpu_count() and summary["pid"] == child.pid
+    assert summary["backend"] == "cpu" and summary["cpu_count"] == usable_cpu_count() and summary["pid"] == child.pid
     assert cpu["samples"] == len(rows)
     assert cpu["max_utilization_percent"] == pytest.approx(max(utilization), abs=0.051)  # CSV: 0.1 %
     assert cpu["mean_utilization_percent"] == pytest.approx(statistics.mean(utilization), abs=0.05)

@@ -675,7 +675,7 @@ import numpy as np
 
 from tfmis.config import load_config
 from tfmis.inference.predictor import Predictor
-from tfmis.utils.memory import peak_rss_mb, reset_peak_rss
+from tfmis.hardware import peak_rss_mb, reset_peak_rss
 
 sys.path.insert(0, sys.argv[4])
 from test_predict import whole_volume_reference

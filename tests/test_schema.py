@@ -56,7 +56,7 @@ NON_DEFAULT_FLAGS = [
 
 
 def test_every_conversion_option_is_settable_from_the_config_and_the_command_line():
-    """Each field of ConversionOptions can be set in data.conversion and by a tools/tfrecord.py flag, and both
+    """Each field of ConversionOptions can be set in data.conversion and by a tfmis-convert flag, and both
     give the same ConversionConfig."""
     names = {f.name for f in dataclasses.fields(ConversionOptions)}
     assert names == set(NON_DEFAULT_CONVERSION) | {"split", "reshape"}

@@ -676,7 +676,7 @@ def test_monitor_switch_writes_resources_csv_and_png_during_training(converted_d
 
 
 def test_curves_png_is_redrawn_at_most_every_plot_seconds_and_always_at_the_end(converted_dataset, tmp_path):
-    """output.plot_seconds bounds how often training_curves.png is redrawn (a redraw costs ~0.25 s): with 3600 s,
+    """output.plot_seconds bounds how often training_curves.png is redrawn (a redraw is not free): with 3600 s,
     a 3-epoch fit draws it after epoch 1 and at the end of training only (the end's drawing holds all 3 epochs, the
     PNG differs from epoch 1's); with 0 it is redrawn after every epoch."""
     from tfmis.engine.callbacks import Callback

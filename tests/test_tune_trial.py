@@ -21,15 +21,19 @@ import tensorflow as tf
 from conftest import tiny_config
 
 from tfmis.config import to_dict
+from tfmis.data.pipeline import build_train_dataset, train_crop_size
 from tfmis.hardware import accelerators, host_memory, usable_cpu_count
 from tfmis.inference.windows import number_of_windows
 from tfmis.tune.fit.trial import (
     PROGRESS_FILE,
+    RESULT_FILE,
     RESULT_KEYS,
     _check_budgets,
+    _ChildTrial,
     error_line,
     is_out_of_memory,
     run_trial,
+    synthetic_train_batches,
     trial_device,
 )
 
@@ -72,7 +76,7 @@ def test_trial_measures_speed_and_memory(measured):
         assert set(RESULT_KEYS) <= set(result)
         assert result["status"] == "ok", result["reason"]
         assert result["reason"] is None and result["failed_phase"] is None and result["out_of_memory"] is False
-        assert result["batch_size"] == batch
+        assert result["batch_size"] == batch and result["steps_per_loop"] == 1  # the config's default
         assert len(result["step_seconds_all"]) == 2 and len(result["warmup_seconds_all"]) == 1
         assert result["step_seconds"] == pytest.approx(float(np.median(result["step_seconds_all"])))
         assert result["images_per_second"] == pytest.approx(batch / result["step_seconds"])
@@ -103,6 +107,83 @@ def test_training_peak_grows_with_the_batch_size(measured):
     assert large["train_peak_mb"] - small["train_peak_mb"] > 50, (small["train_peak_mb"], large["train_peak_mb"])
     # setup (TensorFlow, the model, the optimizer) does not depend on the batch
     assert abs(large["setup_peak_mb"] - small["setup_peak_mb"]) < 30
+
+
+def test_trial_times_whole_loops_of_steps_per_loop_steps(converted_dataset, tmp_path):
+    """training.steps_per_loop=3 (6 steps per epoch): the trial times calls of the 3-step loop fit runs, warm-up
+    and timed steps rounded up to whole loops (1 -> one loop, 4 -> two loops), and reports per-step seconds
+    (a timed loop's seconds / 3); the warm-up loop, which traced the loop, took longer than a timed loop."""
+    config = tiny_config(
+        converted_dataset, tmp_path / "unused", "training.steps_per_epoch=6", "training.steps_per_loop=3"
+    )
+    result = run_trial(request(config, warmup_steps=1, timed_steps=4), workdir=tmp_path / "trial")
+    assert result["status"] == "ok", result["reason"]
+    assert result["steps_per_loop"] == 3
+    assert len(result["warmup_seconds_all"]) == 1 and len(result["step_seconds_all"]) == 2
+    assert all(np.isfinite(result["step_seconds_all"])) and min(result["step_seconds_all"]) > 0
+    assert result["step_seconds"] == pytest.approx(float(np.median(result["step_seconds_all"])))
+    assert result["images_per_second"] == pytest.approx(2 / result["step_seconds"])
+    assert result["warmup_seconds_all"][0] > 3 * max(result["step_seconds_all"])
+
+
+def test_trial_with_step_augmentation_trains_on_crops_and_seeds(converted_dataset, tmp_path):
+    """pipeline.augment.placement=step with rotations (crops larger than the patch): the trial's batches carry
+    the un-augmented crops and their seeds, as the training stream's do, and the step augments them."""
+    config = tiny_config(
+        converted_dataset,
+        tmp_path / "unused",
+        "pipeline.augment.placement=step",
+        "pipeline.augment.rotate_prob=0.2",
+        "training.steps_per_loop=2",
+    )
+    assert train_crop_size(config.pipeline) != list(config.pipeline.patch_size)
+    result = run_trial(request(config), workdir=tmp_path / "trial")
+    assert result["status"] == "ok", result["reason"]
+    assert result["steps_per_loop"] == 2 and result["images_per_second"] > 0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["training.accumulation_steps=2"],
+        ["pipeline.augment.placement=step", "pipeline.augment.rotate_prob=0.2"],
+    ],
+    ids=["pipeline", "step"],
+)
+def test_synthetic_batches_have_the_training_streams_element_spec(converted_dataset, tmp_path, overrides):
+    """The trial's stream has exactly the element spec (shapes, dtypes) of build_train_dataset's: patches and
+    labels (a batch of num_images_per_batch x accumulation_steps), or with placement=step crops, labels and seeds."""
+    config = tiny_config(converted_dataset, tmp_path / "run", *overrides)
+    synthetic = synthetic_train_batches(config, in_channels=2, num_classes=3)
+    assert synthetic.element_spec == build_train_dataset(config).element_spec
+    assert len(synthetic.element_spec) == (3 if config.pipeline.augment.placement == "step" else 2)
+
+
+def test_fit_runs_the_loop_graph_the_trial_timed(converted_dataset, tmp_path):
+    """The trial's own code (`_ChildTrial.run`, in this process) with training.steps_per_loop=2, then `fit` on the
+    trainer it timed (4 steps per epoch: loops of 2 only): the loop function was traced once, by the trial's
+    warm-up, and fit ran that traced graph on the real training stream."""
+    config = tiny_config(
+        converted_dataset,
+        tmp_path / "unused",
+        "training.steps_per_epoch=4",
+        "training.steps_per_loop=2",
+        "training.epochs=1",
+    )
+    workdir = tmp_path / "trial"
+    workdir.mkdir()
+    (workdir / "request.json").write_text(json.dumps(request(config, warmup_steps=1, timed_steps=2)))
+    child = _ChildTrial(workdir / "request.json", workdir / RESULT_FILE, gpus=None, memory_budget_mb=None)
+    assert child.run() == 0, json.loads((workdir / RESULT_FILE).read_text())["reason"]
+    result = json.loads((workdir / RESULT_FILE).read_text())
+    assert result["steps_per_loop"] == 2 and len(result["step_seconds_all"]) == 1
+    trainer = child.trainer
+    assert trainer._train_loop.experimental_get_tracing_count() == 1
+    iterations = int(trainer.optimizer.iterations.numpy())
+    assert iterations == 4  # one warm-up loop and one timed loop of 2 steps
+    summary = trainer.fit()
+    assert summary["epochs"] == 1 and int(trainer.optimizer.iterations.numpy()) == iterations + 4
+    assert trainer._train_loop.experimental_get_tracing_count() == 1
 
 
 @pytest.mark.slow

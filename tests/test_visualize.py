@@ -289,7 +289,7 @@ def predicted_case(tmp_path_factory):
 
 
 def run_main(capsys, *args):
-    """`tools/visualize.py ARGS` in this process: (exit status, stdout, stderr)."""
+    """`tfmis-visualize ARGS` in this process (its `main`): (exit status, stdout, stderr)."""
     status = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return status, out, err

@@ -1,5 +1,5 @@
-"""Regular vs fast training: MONAI's fast-training notebook, in TensorFlow (`python -m tfmis.benchmark`,
-`tfmis-benchmark`, `tools/benchmark.py`).
+"""Regular vs fast training: MONAI's fast-training notebook, in TensorFlow (`tfmis-benchmark`,
+`python -m tfmis.benchmark`).
 
 The same network is trained on the same data twice, each arm in its own subprocess (fresh TensorFlow
 state) through the real `tfmis.engine.trainer.Trainer`, with the same wall-clock budget
@@ -22,8 +22,8 @@ their `.log`), `curves_vs_epoch.png`, `curves_vs_time.png`, `epoch_time.png`, `t
 
 Example:
 ```bash
-python tools/benchmark.py --config configs/demo.yaml                  # about 10 minutes on 2 CPU cores
-python tools/benchmark.py --config configs/demo.yaml --pipeline-only  # input pipelines only, about 1 minute
+tfmis-benchmark --config configs/demo.yaml                  # both arms, --max-minutes each (default 4)
+tfmis-benchmark --config configs/demo.yaml --pipeline-only  # the input pipelines alone, no model
 ```
 """
 
@@ -37,9 +37,10 @@ import sys
 import time
 from pathlib import Path
 
+from tfmis.errors import TrainingFailed, UsageError
 from tfmis.hardware import detect_hardware
 from tfmis.profiling.comparison import ARMS, PNGS, arm_stats, compare, plot_all, read_history, render_markdown
-from tfmis.utils.cli import os_error_line
+from tfmis.utils.cli import add_set_argument, command, writing
 from tfmis.utils.io import atomic_write_json, atomic_writer
 
 DEFAULT_OUTPUT = "runs/benchmark"
@@ -263,7 +264,7 @@ def _prepare_arm_dir(path: Path) -> None:
     known = {"config.yaml", "history.jsonl", ARM_FILE, "checkpoints", "training_data.json"}
     entries = {p.name for p in path.iterdir()}
     if entries and not entries & known:
-        raise ValueError(f"{path} exists and is not a run folder of an earlier benchmark: choose another --output")
+        raise UsageError(f"{path} exists and is not a run folder of an earlier benchmark: choose another --output")
     shutil.rmtree(path)
 
 
@@ -328,7 +329,7 @@ def run_benchmark(args) -> dict:
             t0 = time.perf_counter()
             code = _spawn_arm(args, arm, output)
             if code != 0:
-                raise RuntimeError(
+                raise TrainingFailed(
                     f"the {arm} arm failed (exit status {code}); its output is in {output / f'{arm}.log'}"
                 )
             arms[arm] = {**json.loads((folder / ARM_FILE).read_text()), "process_seconds": time.perf_counter() - t0}
@@ -366,7 +367,7 @@ def _say(args, message: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="tools/benchmark.py",
+        prog="tfmis-benchmark",
         description="Regular vs fast training (MONAI's fast-training notebook, in TensorFlow): train the config's "
         "network twice with the same time budget, once with a regular input pipeline (NIfTI decoded and "
         "preprocessed on every read, no cache, float32, batch 1, Dice loss, Adam) and once with the fast "
@@ -397,14 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="timed batches per pipeline after a warm-up epoch (default: two epochs' worth)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override for both arms, e.g. --set training.epochs=20",
-    )
+    add_set_argument(p, "--set training.epochs=20 (both arms)")
     p.add_argument(
         "--regular-set",
         dest="regular_overrides",
@@ -418,35 +412,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from tfmis.config import ConfigError
-
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.max_minutes < 0 or (args.pipeline_batches is not None and args.pipeline_batches < 1):
-        print("error: --max-minutes must be >= 0 and --pipeline-batches >= 1", file=sys.stderr)
-        return 2
-    try:
-        if args.arm:  # one arm, in this (fresh) process; --output is the benchmark's folder
-            config = arm_config(
-                args.config,
-                args.overrides,
-                args.arm,
-                Path(args.output) / args.arm,
-                args.max_minutes,
-                args.regular_overrides,
-            )
-            run_arm(config, args.arm)
-            return 0
-        result = run_benchmark(args)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, KeyError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # the output is a file, unwritable, or the disk is full
-        print(f"error: {os_error_line(e, args.output)}", file=sys.stderr)
-        return 1
+        parser.error("--max-minutes must be >= 0 and --pipeline-batches >= 1")
+    writing(args.output)
+    if args.arm:  # one arm, in this (fresh) process; --output is the benchmark's folder
+        config = arm_config(
+            args.config,
+            args.overrides,
+            args.arm,
+            Path(args.output) / args.arm,
+            args.max_minutes,
+            args.regular_overrides,
+        )
+        run_arm(config, args.arm)
+        return 0
+    result = run_benchmark(args)
     print(render_markdown(result))
     print(
         f"Results in {args.output}: benchmark.md, benchmark.json"

@@ -24,11 +24,8 @@ from typing import Literal, Optional, Union
 import yaml
 
 from tfmis.data.convert import ConversionOptions
+from tfmis.errors import ConfigError  # noqa: F401  (config.ConfigError: part of this module's interface)
 from tfmis.networks.architecture import UNetArchitecture
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the key."""
 
 
 @dataclasses.dataclass
@@ -47,13 +44,13 @@ class SplitConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    dataset_dir: str = "data/demo/tfrecords"  # converted TFRecord folder (tools/tfrecord.py --target-dir)
+    dataset_dir: str = "data/demo/tfrecords"  # converted TFRecord folder (tfmis-convert --target-dir)
     source_dir: Optional[str] = None  # MSD folder converted into dataset_dir first if needed
     demo: bool = False  # generate the built-in demo dataset into source_dir if it is missing
     # a split name of the converted dataset, or several joined by + (fold0+fold1); set by `split` when it is given
     train_split: str = "train"
     val_split: str = "val"
-    conversion: ConversionOptions = dataclasses.field(default_factory=ConversionOptions)  # tools/tfrecord.py flags
+    conversion: ConversionOptions = dataclasses.field(default_factory=ConversionOptions)  # tfmis-convert flags
     split: Optional[SplitConfig] = None  # cross-validation folds; null = data.conversion's split, no folds
 
 
@@ -312,7 +309,8 @@ class OutputConfig:
     # training into resources.csv / resources.png in the run folder; null = off
     monitor_seconds: Optional[float] = None
     # redraw training_curves.png at most this often during training, and always at its end (0 = after every
-    # epoch): a redraw costs ~0.25 s, 13 % of a 1.8 s demo epoch
+    # epoch): a redraw is a noticeable share of a short CPU epoch (docs/benchmarks.md, "First epoch, precision
+    # and other costs")
     plot_seconds: float = 30.0
 
 

@@ -1,5 +1,5 @@
 """Convert an MSD-style dataset to preprocessed TFRecord shards: `tfmis-convert`, `python -m tfmis.convert` or
-`tools/tfrecord.py` (`--help` lists the options; the conversion itself is `tfmis.data.convert.convert`).
+`tfmis-convert` (`--help` lists the options; the conversion itself is `tfmis.data.convert.convert`).
 
 Example:
     tfmis-convert --source-dir Task09_Spleen --target-dir data/spleen \\
@@ -19,17 +19,13 @@ import sys
 from typing import Literal
 
 from tfmis.data.convert import (
-    EXIT_SKIPPED,
-    PROGRESS_DIR,
     ConversionConfig,
     ConversionOptions,
-    ParametersChanged,
     convert,
     summary_text,
 )
-from tfmis.data.msd import DatasetError
-from tfmis.utils.cli import error_line, is_disk_full, os_error_line, remove_temp_files
-from tfmis.utils.lock import FolderLocked
+from tfmis.errors import PartialFailure
+from tfmis.utils.cli import command, writing
 
 
 def _tuple_of(kind, length: int | tuple[int, ...], name: str):
@@ -105,7 +101,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
-        prog="tools/tfrecord.py",
+        prog="tfmis-convert",
         description="Convert a Medical Segmentation Decathlon (MSD) style dataset into preprocessed TFRecord "
         "shards with an index.json and a fingerprint.json. Preprocessing: reorient to RAS, crop to "
         "the foreground, resample (linear images / nearest labels) or reshape, normalise per "
@@ -138,35 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
 RERUN = "rerun the same command (it resumes)"
 
 
+@command
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        config = ConversionConfig.from_args(args)
-        index = convert(config)
-    except (ValueError, DatasetError, ParametersChanged, FolderLocked) as e:
-        print(f"error: {error_line(e)}", file=sys.stderr)
-        return 1
-    except OSError as e:  # the target is a file, not writable, or the disk is full
-        left = _remove_temp_files(args.target_dir)
-        print(f"error: {os_error_line(e, left[0] if left else args.target_dir, RERUN)}", file=sys.stderr)
-        return 1
-    except Exception as e:  # TensorFlow's ResourceExhaustedError when a shard write fills the disk
-        if not is_disk_full(e):
-            raise
-        left = _remove_temp_files(args.target_dir)
-        print(
-            f"error: disk full writing {left[0] if left else args.target_dir}: free space and {RERUN}", file=sys.stderr
-        )
-        return 1
+    config = ConversionConfig.from_args(args)
+    writing(args.target_dir, RERUN)
+    index = convert(config)
     print(summary_text(index))
-    return EXIT_SKIPPED if index["skipped"] else 0
-
-
-def _remove_temp_files(target_dir: str) -> list:
-    """The half-written files (`*.tmp`) an error left in the target folder, removed."""
-    from pathlib import Path
-
-    return remove_temp_files(target_dir, Path(target_dir) / PROGRESS_DIR)
+    if index["skipped"]:
+        raise PartialFailure(
+            f"{len(index['skipped'])} case(s) skipped (listed above and in {args.target_dir}/index.json 'skipped')"
+        )
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
-"""The one place that knows the machine: GPUs (NVML, TensorFlow, nvidia-smi), host memory, CPU, precision.
+"""The one place that knows the machine: GPUs (NVML, TensorFlow, nvidia-smi), host memory, CPU, processes
+(/proc), precision.
 
 Everything above this module asks it instead of probing for itself: the trainer and the predictor
-(the device to run on, the precision), the GPU-fit search (which GPU, how much memory), the
-hyperparameter search and `tfmis.launch` (which GPUs to share out, which cores), the resource
-monitor (which GPUs are visible, how much RAM) and the planner (what this machine runs well).
+(the device to run on, the precision, a case's peak memory), the GPU-fit search (which GPU, how much
+memory, a trial's RSS), the hyperparameter search and `tfmis.launch` (which GPUs to share out, which
+cores), the resource monitor (NVML's GPUs, a process tree's CPU time and RSS, how much RAM), the
+conversion and the planner (how many workers, what this machine runs well). Every default worker and
+thread count comes from `usable_cpu_count` (affinity mask and cgroup CPU quota; `os.cpu_count()` sees
+neither). `lint-imports` holds the rest of tfmis to this: no other module imports pynvml, reads /proc
+or /sys, or counts CPUs (pyproject.toml's `machine-nvml` and `machine-files` contracts).
 
 Nothing here initialises a GPU: TensorFlow is asked only for its *physical* devices
 (`tf.config.list_physical_devices`, `get_device_details`), which allocates no device memory, and is
@@ -11,10 +16,10 @@ imported only inside the functions that need it, so a process that must never to
 GPU-fit search's parent, the HPO chief) can import this module. The one exception is
 `accelerator_device`, which lists the *logical* devices of a process that is about to compute.
 
-Measured on the 2-core development CPU (avx512_bf16, no AMX; demo U-Net, 48^3 patches): float32 and
-mixed_bfloat16 train at the same speed (7.8 and 7.3 images/s back to back, noisy; see
-`recommended_precision`), mixed_float16 at 0.3 images/s (CPUs have no float16 arithmetic: every op is
-emulated), and `jit_compile: true` (XLA) is about 10x slower than plain TensorFlow.
+On a CPU, `auto` precision is float32 (`recommended_precision` says why), and `hardware_warnings` names the
+settings a CPU runs badly: mixed_float16 (CPUs have no float16 arithmetic: every op is emulated) and
+`jit_compile: true` (XLA on a CPU is slower than plain TensorFlow). The measurements behind these choices are in
+docs/benchmarks.md ("Per CPU kind"; "First epoch, precision and other costs").
 
 Example:
 ```python
@@ -38,11 +43,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tfmis.errors import ConfigError, UsageError
+
 MB = 2.0**20
 CPU = "/CPU:0"
 GPU_RESERVED_MB = 1024  # of a GPU's memory, for the CUDA context and libraries, outside TensorFlow's allocator
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # CPU instructions with bfloat16 arithmetic
+CGROUP_ROOT = "/sys/fs/cgroup"
+MAX_CASE_WORKERS = 8  # processes reading cases at once: each holds a case's arrays in memory
 
 
 # ---------------------------------------------------------------------------------------------- GPUs
@@ -82,7 +91,7 @@ def model_parallel_devices(count: int) -> list[str]:
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         if len(gpus) < count:
-            raise ValueError(
+            raise ConfigError(
                 f"runtime.model_parallel needs {count} devices (devices x data) but this process sees {len(gpus)} "
                 f"GPU(s): lower runtime.model_parallel.devices / data, or make more GPUs visible"
             )
@@ -92,7 +101,7 @@ def model_parallel_devices(count: int) -> list[str]:
         try:
             tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
         except RuntimeError as e:  # the runtime is initialised
-            raise ValueError(
+            raise ConfigError(
                 f"runtime.model_parallel needs {count} logical CPU devices, but TensorFlow's devices were "
                 f"initialised with {len(tf.config.list_logical_devices('CPU'))}: set them up first "
                 "(tfmis.engine.distribution.make_backend does, before anything touches a device)"
@@ -197,6 +206,110 @@ def nvml_device(index: int) -> dict | None:
         return None
 
 
+class NvmlUnavailable(Exception):
+    """NVML cannot be used here (no nvidia-ml-py, no driver, no visible GPU); the message says which."""
+
+
+class NvmlGpus:
+    """NVML kept open on a set of GPUs for repeated reads (the resource monitor's samples); `close()` ends it.
+
+    Args:
+        gpus: NVML indices (as nvidia-smi numbers them). Default: the GPUs `CUDA_VISIBLE_DEVICES` shows
+            (`visible_nvml_handles`), all when it is unset.
+
+    Raises:
+        NvmlUnavailable: no nvidia-ml-py, NVML cannot start, it sees no GPU, or `CUDA_VISIBLE_DEVICES` hides all.
+        ValueError: an index of `gpus` that NVML does not know (the message names the indices it knows).
+
+    Attributes:
+        devices: [{"index", "name", "total_mb"}], one per GPU, in the order of `gpus`.
+
+    Example:
+    ```python
+    try:
+        nvml = NvmlGpus()
+    except NvmlUnavailable as e:
+        print("no GPU to sample:", e)
+    else:
+        print(nvml.read())  # [{"index": 0, "utilization_percent": 12.0, "used_mb": 812.0, "total_mb": 81559.0, ...}]
+        nvml.close()
+    ```
+    """
+
+    def __init__(self, gpus: list[int] | None = None):
+        try:
+            import pynvml
+        except ImportError:
+            raise NvmlUnavailable("nvidia-ml-py is not installed: pip install nvidia-ml-py") from None
+        try:
+            pynvml.nvmlInit()
+        except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+            raise NvmlUnavailable(f"NVML could not start: {e}") from None
+        self._nvml = pynvml
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            if count == 0:
+                raise NvmlUnavailable("NVML sees no GPU")
+            if gpus is not None:
+                chosen = [int(g) for g in gpus]
+                missing = [g for g in chosen if not 0 <= g < count]
+                if missing:
+                    raise UsageError(
+                        f"gpus {missing} not found: NVML sees {count} GPU(s), indices 0-{count - 1} "
+                        "(nvidia-smi -L lists them)"
+                    )
+                self._handles = [(g, pynvml.nvmlDeviceGetHandleByIndex(g)) for g in chosen]
+            else:
+                self._handles = visible_nvml_handles(pynvml, count)
+                if not self._handles:
+                    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                    raise NvmlUnavailable(f"CUDA_VISIBLE_DEVICES={visible!r} hides all GPUs")
+            self.devices = [
+                {
+                    "index": index,
+                    "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                    "total_mb": pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB,
+                }
+                for index, handle in self._handles
+            ]
+        except BaseException:
+            pynvml.nvmlShutdown()
+            raise
+
+    def read(self) -> list[dict]:
+        """Each GPU's state now: [{"index", "utilization_percent", "used_mb", "total_mb", "utilization_error"}].
+
+        `utilization_percent` is NaN where NVML cannot say (e.g. on MIG instances); `utilization_error` is then
+        NVML's exception, else None."""
+        readings = []
+        for index, handle in self._handles:
+            error = None
+            try:
+                utilization = float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except self._nvml.NVMLError as e:
+                utilization, error = float("nan"), e
+            memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+            readings.append(
+                {
+                    "index": index,
+                    "utilization_percent": utilization,
+                    "used_mb": memory.used / MB,
+                    "total_mb": memory.total / MB,
+                    "utilization_error": error,
+                }
+            )
+        return readings
+
+    def close(self) -> None:
+        """Shuts NVML down (once; later calls do nothing)."""
+        nvml, self._nvml = self._nvml, None
+        if nvml is not None:
+            try:
+                nvml.nvmlShutdown()
+            except nvml.NVMLError:
+                pass
+
+
 def visible_gpu_ids(env: dict | None = None) -> list[str]:
     """The GPU ids a launcher may share out: `CUDA_VISIBLE_DEVICES`' entries when it is set (without "-1"),
     else the indices nvidia-smi lists (empty without nvidia-smi or a driver)."""
@@ -231,7 +344,7 @@ def usable_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def cgroup_cpu_quota(proc_cgroup: str | None = None, root: str | Path = "/sys/fs/cgroup") -> float | None:
+def cgroup_cpu_quota(proc_cgroup: str | None = None, root: str | Path = CGROUP_ROOT) -> float | None:
     """The CPUs this process's cgroup lets it use (CPU quota / period), or None when there is no quota.
 
     Reads the process's own cgroup (`/proc/self/cgroup`) and its ancestors, cgroup v2 (`cpu.max`, "max" =
@@ -297,14 +410,32 @@ def _cgroup1_quota(folder: Path) -> float | None:
     return None if quota <= 0 or period <= 0 else quota / period
 
 
-def usable_cpu_count() -> int:
+def usable_cpu_count(proc_cgroup: str | None = None, cgroup_root: str | Path = CGROUP_ROOT) -> int:
     """How many CPUs this process can keep busy: its affinity mask, capped by its cgroup's CPU quota (rounded
-    down, at least 1). The count every thread pool and worker pool of tfmis is sized from."""
+    down, at least 1: a thread more than the quota would be throttled). The count every thread pool and worker
+    pool of tfmis is sized from (`os.cpu_count()` sees neither the mask nor the quota).
+
+    Args:
+        proc_cgroup, cgroup_root: as `cgroup_cpu_quota` (default: this process's cgroup under /sys/fs/cgroup).
+    """
     count = len(usable_cpus())
-    quota = cgroup_cpu_quota()
+    quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
     if quota is not None:
         count = min(count, max(1, int(quota)))
     return max(1, count)
+
+
+def worker_cpus() -> list[int]:
+    """The cores a launcher shares out among the worker processes it pins (the HPO search's tuner workers, the
+    cross-validation's fold workers): the affinity mask, cut to `usable_cpu_count()` cores under a smaller cgroup
+    CPU quota."""
+    return usable_cpus()[: usable_cpu_count()]
+
+
+def case_workers() -> int:
+    """The default number of processes that read cases in parallel (the conversion, the planner's fingerprint):
+    `usable_cpu_count()`, at most `MAX_CASE_WORKERS`."""
+    return min(usable_cpu_count(), MAX_CASE_WORKERS)
 
 
 def cpu_name() -> str:
@@ -375,6 +506,127 @@ def cpu_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
     """
     present = cpu_isa(cpuinfo)  # one reader of the flags line; BF16_CPU_FLAGS are among its ISA_FLAGS
     return tuple(flag for flag in BF16_CPU_FLAGS if flag in present)
+
+
+# ---------------------------------------------------------------------------------------------- processes
+#
+# What a process holds and may use, as the kernel reports it (/proc, Linux): the GPU-fit trials' memory, the
+# predictor's per-case peak, the HPO workers' pinning check and the resource monitor's process tree.
+
+
+def process_status_mb(pid: int | str, field: str) -> float | None:
+    """A memory line of /proc/<pid>/status (`VmRSS`, `VmHWM`, ...) in MiB; None once the process is gone, or
+    without /proc.
+
+    Example:
+        >>> process_status_mb("self", "VmRSS") > 0 if Path("/proc/self/status").exists() else True
+        True
+    """
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Resets the kernel's high-water mark of this process's resident memory to its current RSS (Linux
+    /proc/self/clear_refs 5), so that the next `peak_rss_mb` is the peak since now.
+
+    Returns False where that is not possible (not Linux, or not allowed); `peak_rss_mb` then counts from the
+    start of the process.
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory (`VmHWM`, since the start or the last `reset_peak_rss`) in MiB; on macOS
+    since the start (`ru_maxrss`); None elsewhere."""
+    peak = process_status_mb("self", "VmHWM")
+    if peak is None and sys.platform == "darwin":  # ru_maxrss: bytes on macOS; no reset
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / MB
+    return peak
+
+
+def parse_cpus(text: str) -> list[int]:
+    """The kernel's CPU list format (taskset's, /proc's `Cpus_allowed_list`) as core numbers.
+
+    Example:
+        >>> parse_cpus("0-2,5")
+        [0, 1, 2, 5]
+    """
+    values = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        values.extend(range(int(lo), int(hi or lo) + 1))
+    return values
+
+
+def allowed_cpus(pid: int) -> list[int] | None:
+    """The cores process `pid` may run on, as the kernel reports them (/proc/<pid>/status `Cpus_allowed_list`);
+    None once the process is gone, or without /proc."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                return parse_cpus(line.split(":", 1)[1])
+    except OSError:
+        pass
+    return None
+
+
+def process_tree_usage(pid: int) -> tuple[float, int] | None:
+    """(CPU seconds, resident bytes) of process `pid` and all its descendants now (Linux /proc); None when the
+    process is gone.
+
+    The CPU seconds are, over the tree's live members, utime + stime + cutime + cstime: when a member exits and its
+    parent (a member too) reaps it, its time moves into the parent's cutime/cstime, so the total neither drops
+    nor counts it twice, and differences of totals are the tree's CPU use. The resident bytes are summed over the
+    members (pages shared between them count once per member). An exited child that is not reaped yet (a zombie)
+    still counts.
+
+    Raises:
+        RuntimeError: this system has no /proc (not Linux).
+    """
+    if not os.path.isdir("/proc/self"):
+        raise RuntimeError("process CPU time and memory are read from /proc (Linux); this system has none")
+    stats = {}
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _proc_stat(entry)
+            if fields is not None:
+                stats[int(entry)] = fields
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    if pid not in stats:
+        return None
+    ticks = pages = 0
+    todo = [pid]
+    while todo:
+        member = todo.pop()
+        fields = stats[member]
+        ticks += int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+        pages += int(fields[21])
+        todo.extend(children.get(member, ()))
+    return ticks / os.sysconf("SC_CLK_TCK"), pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _proc_stat(pid: int | str) -> list[bytes] | None:
+    """Fields after `(comm)` of /proc/<pid>/stat: [0] state, [1] ppid, [11] utime, [12] stime, [13] cutime,
+    [14] cstime, [21] rss (pages); None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return text[text.rfind(b")") + 2 :].split()
 
 
 # ---------------------------------------------------------------------------------------------- CPU runtime
@@ -452,8 +704,8 @@ def onednn_choice(setting: str = "auto", env=None, isa: tuple[str, ...] | None =
     `on`/`off` are the config's word. `auto` respects a `TF_ENABLE_ONEDNN_OPTS` the user set; otherwise it
     turns oneDNN on where it was measured faster for 3D convolutions (x86-64 with AVX2 and FMA; TensorFlow
     itself turns it on only for AVX512_VNNI / AVX512_BF16 / AMX CPUs, and leaves AVX2-only CPUs such as AMD EPYC
-    Zen 2/3 on its ~20x slower Eigen kernels) and leaves TensorFlow's default elsewhere (ARM, x86-64 without
-    AVX2: not measured).
+    Zen 2/3 on its Eigen kernels, many times slower there: docs/benchmarks.md, "Per CPU kind") and leaves
+    TensorFlow's default elsewhere (ARM, x86-64 without AVX2: not measured).
 
     Example:
         >>> onednn_choice("auto", env={}, isa=("avx", "avx2", "fma"), machine="x86_64").enabled
@@ -464,7 +716,7 @@ def onednn_choice(setting: str = "auto", env=None, isa: tuple[str, ...] | None =
         True
     """
     if setting not in ONEDNN_SETTINGS:
-        raise ValueError(f"runtime.onednn: {setting!r} is not one of {list(ONEDNN_SETTINGS)}")
+        raise ConfigError(f"runtime.onednn: {setting!r} is not one of {list(ONEDNN_SETTINGS)}")
     env = os.environ if env is None else env
     if setting != "auto":
         return OneDNNChoice(setting == "on", setting, f"runtime.onednn: {setting}")
@@ -673,13 +925,11 @@ def recommended_precision(hardware: Hardware) -> tuple[str, str]:
 
     GPUs with tensor cores (compute capability >= 7): `mixed_float16` with dynamic loss scaling (as
     nnU-Net's and MONAI's AMP; on compute capability >= 8 bfloat16 is as fast, float16 keeps 3 more
-    mantissa bits); below 7: `float32`. CPUs: `float32`, also with bfloat16 instructions: on the
-    development CPU (avx512_bf16, no AMX) `mixed_bfloat16` trained no faster (7.3 against 7.8 images/s,
-    back to back), and the demo plan's best Dice was 0.85 and 0.88 in two bfloat16 runs against 0.93 and
-    0.87 in float32 (runs vary by a few hundredths); `mixed_float16` is emulated on CPUs (~30x slower).
-    `mixed_bfloat16` stays available by name (e.g. to try on CPUs with AMX, whose bfloat16 matrix units
-    are faster). On an AMD EPYC Zen 4 (avx512_bf16) it trained the demo 1.18x faster with the same Dice
-    (benchmarks/cpu_kinds.py): not the default until both CPU kinds are measured in one run.
+    mantissa bits); below 7: `float32`. CPUs: `float32`, also with bfloat16 instructions: `mixed_bfloat16`
+    trained no faster than float32 on one CPU with avx512_bf16 and faster, with the same Dice, on another
+    (docs/benchmarks.md, "Per CPU kind"), so it is not the default until both CPU kinds are measured in one
+    run (benchmarks/cpu_kinds.py); `mixed_float16` is emulated on CPUs. `mixed_bfloat16` stays available by
+    name (e.g. to try on CPUs with AMX, whose bfloat16 matrix units are faster).
 
     Example:
         >>> recommended_precision(Hardware(gpus=({"name": "A100", "compute_capability": (8, 0)},)))[0]
@@ -720,7 +970,7 @@ def resolve_precision(name: str, hardware: Hardware | None = None) -> str:
     """
     if name != "auto":
         if name not in PRECISIONS:
-            raise ValueError(f"training.precision: {name!r} is not one of {['auto', *PRECISIONS]}")
+            raise ConfigError(f"training.precision: {name!r} is not one of {['auto', *PRECISIONS]}")
         return name
     return recommended_precision(hardware or detect_hardware())[0]
 
@@ -728,10 +978,10 @@ def resolve_precision(name: str, hardware: Hardware | None = None) -> str:
 def hardware_warnings(training, hardware: Hardware | None = None) -> list[str]:
     """One line per setting of `training` (a `TrainingConfig`) that this machine runs badly, naming the fix.
 
-    CPU only: `mixed_float16` (float16 emulated: ~30x slower than float32 here) and `jit_compile: true`
-    (XLA ~10x slower than plain TensorFlow here). GPUs below compute capability 8.0: `mixed_bfloat16`. Any
-    machine: oneDNN off (by the environment or the config) where tfmis's `auto` would turn it on, and thread
-    counts set above the CPUs this process may use.
+    CPU only: `mixed_float16` (float16 is emulated, far slower than float32) and `jit_compile: true` (XLA is
+    slower than plain TensorFlow on CPUs; docs/benchmarks.md, "Per CPU kind"). GPUs below compute capability
+    8.0: `mixed_bfloat16`. Any machine: oneDNN off (by the environment or the config) where tfmis's `auto` would
+    turn it on, and thread counts set above the CPUs this process may use.
     """
     hardware = hardware or detect_hardware()
     lines = []

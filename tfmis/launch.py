@@ -18,7 +18,8 @@ import os
 import shutil
 import sys
 
-from tfmis.utils.cli import parse_with_command
+from tfmis.errors import UsageError
+from tfmis.utils.cli import command, parse_with_command
 
 USAGE = (
     "usage: python -m tfmis.launch --nproc N [--grace-seconds S] -- COMMAND ...\n"
@@ -37,7 +38,7 @@ def check_command(command: list[str]) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tfmis.launch",
+        prog="tfmis-launch",
         description="Start N local worker processes of one "
         "MultiWorkerMirroredStrategy cluster (TF_CONFIG with loopback addresses; TensorFlow's gRPC "
         "servers listen on their ports on all interfaces, unauthenticated).",
@@ -58,11 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command
 def main(argv=None) -> int:
-    parsed = parse_with_command(build_parser(), argv, USAGE)
-    if parsed is None:
-        return 2
-    args, command = parsed
+    args, command = parse_with_command(build_parser(), argv, USAGE)
     if args.nproc < 1:
         problem = f"--nproc must be >= 1 (worker processes on this machine), got {args.nproc}"
     elif args.gpus_per_worker is not None and args.gpus_per_worker < 0:
@@ -72,15 +71,13 @@ def main(argv=None) -> int:
     else:
         problem = check_command(command)
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        raise UsageError(problem)
     from tfmis.engine.launch import launch
 
     try:
         return launch(command, args.nproc, args.grace_seconds, args.gpus_per_worker)
     except OSError as e:  # the program went away or is not executable
-        print(f"error: cannot start {command[0]}: {e.strerror or e}; check the command after --", file=sys.stderr)
-        return 2
+        raise UsageError(f"cannot start {command[0]}: {e.strerror or e}; check the command after --") from e
 
 
 if __name__ == "__main__":

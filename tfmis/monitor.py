@@ -16,7 +16,7 @@ import datetime
 import math
 import sys
 
-from tfmis.utils.cli import parse_with_command
+from tfmis.utils.cli import command, parse_with_command
 
 PREFIX = "tfmis.monitor:"
 USAGE = (
@@ -49,7 +49,7 @@ def _positive(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tfmis.monitor",
+        prog="tfmis-monitor",
         usage=USAGE.split("\n")[0][len("usage: ") :],
         description="Runs COMMAND, samples GPU utilisation/memory (or, without NVIDIA GPUs, "
         "the command's process-tree CPU and RSS) into DIR/monitor.csv, plots "
@@ -68,19 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command
 def main(argv=None) -> int:
-    parsed = parse_with_command(build_parser(), argv, USAGE)
-    if parsed is None:
-        return 2
-    args, command = parsed
+    args, command = parse_with_command(build_parser(), argv, USAGE)
     from tfmis.profiling.monitor import monitor_command
 
     output = args.output or f"monitor-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    try:
-        return monitor_command(command, output, args.interval, args.gpus)
-    except ValueError as e:  # e.g. --gpus names a GPU that does not exist
-        print(f"{PREFIX} {e}", file=sys.stderr)
-        return 2
+    return monitor_command(command, output, args.interval, args.gpus)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from tfmis.utils.cli import os_error_line
+from tfmis.training import add_configuration_argument
+from tfmis.utils.cli import command, writing
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfmis.plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tfmis-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--source-dir", required=True, help="MSD dataset folder (with dataset.json)")
     p.add_argument(
         "--target-dir",
@@ -39,48 +40,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a training budget in minutes, shared by the stages (training.max_minutes of each)",
     )
-    p.add_argument(
-        "--configuration",
-        choices=("fullres", "lowres", "cascade"),
-        default=None,
-        help="force one stage at full resolution, one at low resolution, or a coarse-to-fine cascade (default: "
-        "chosen from the fingerprint and the affordable patch; docs/planning.md)",
-    )
+    add_configuration_argument(p)
     return p
 
 
+@command
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from tfmis.data.msd import DatasetError
+    from tfmis.data.msd import DatasetNotFound
     from tfmis.planning import plan_dataset_stages
     from tfmis.utils.io import atomic_write_json
 
     source = Path(args.source_dir)
     if not (source / "dataset.json").is_file():
-        print(
-            f"error: --source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
-            f"imagesTr and labelsTr",
-            file=sys.stderr,
+        raise DatasetNotFound(
+            f"--source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
+            "imagesTr and labelsTr"
         )
-        return 2
-    try:
-        staged, fingerprint = plan_dataset_stages(
-            source,
-            args.target_dir,
-            args.output_dir,
-            args.workers,
-            progress=not args.quiet,
-            max_minutes=args.max_minutes,
-            configuration=args.configuration,
-        )
-        output = staged.write(args.output)
-        atomic_write_json(output.with_name(output.stem + "_fingerprint.json"), fingerprint.to_dict())
-    except (DatasetError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # the target or output is a file, unwritable, or the disk is full
-        print(f"error: {os_error_line(e, args.output)}", file=sys.stderr)
-        return 1
+    writing(args.output)
+    staged, fingerprint = plan_dataset_stages(
+        source,
+        args.target_dir,
+        args.output_dir,
+        args.workers,
+        progress=not args.quiet,
+        max_minutes=args.max_minutes,
+        configuration=args.configuration,
+    )
+    output = staged.write(args.output)
+    atomic_write_json(output.with_name(output.stem + "_fingerprint.json"), fingerprint.to_dict())
     print(f"Plan for {fingerprint.name} ({staged.final.summary['hardware']}):")
     print(staged.table())
     print(f"Written to {output} (every value with its reason). Train with:\n  python -m tfmis.train --config {output}")

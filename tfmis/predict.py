@@ -16,14 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from tfmis.utils.cli import os_error_line
-
-EXIT_FAILED_CASES = 3
+from tfmis.utils.cli import command, writing
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tfmis.predict",
+        prog="tfmis-predict",
         description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 all cases written; 3 some cases failed (listed in the table and predictions.csv); "
         "1 unusable config, checkpoint or input; 2 bad arguments.",
@@ -180,6 +178,7 @@ def _folds(value: str | None, parser) -> list[int] | None:
     return folds
 
 
+@command
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -189,40 +188,34 @@ def main(argv=None) -> int:
     folds = _folds(args.folds, build_parser())
     from tqdm import tqdm
 
-    from tfmis.config import ConfigError, load_config
+    from tfmis.config import load_config
+    from tfmis.errors import PartialFailure, UsageError
     from tfmis.inference.ensemble import build_predictor, resolve_checkpoint
     from tfmis.inference.predictor import collect_inputs, describe_postprocessing, results_table, write_csv
 
-    try:
-        source = resolve_checkpoint(args.checkpoint, folds)
-        if source.kind == "run" and args.config is None:  # the folder of a plan of stages: its last stage
-            source = resolve_checkpoint(final_stage(args.checkpoint))
-        if source.models > 1 and args.subset.startswith("split:"):
-            raise ValueError(
-                f"--subset {args.subset}: a split of one run's training data, but {source.models} runs predict, each "
-                "trained on other cases: predict the test set (--subset test) or a folder of scans"
-            )
-        predictor = build_predictor(
-            source,
-            config=load_config(args.config) if args.config else None,
-            adjust=lambda c: _model_parallel_override(c, args.model_parallel, args.roi_size, build_parser()),
-            sw_batch_size=args.sw_batch_size,
-            overlap=args.overlap,
-            device=args.device,
-            tta=args.tta,
-            tta_axes=tta_axes,
-            accelerator_memory_mb=args.accelerator_memory_mb,
-            buffer_dtype=args.buffer_dtype,
+    source = resolve_checkpoint(args.checkpoint, folds)
+    if source.kind == "run" and args.config is None:  # the folder of a plan of stages: its last stage
+        source = resolve_checkpoint(final_stage(args.checkpoint))
+    if source.models > 1 and args.subset.startswith("split:"):
+        raise UsageError(
+            f"--subset {args.subset}: a split of one run's training data, but {source.models} runs predict, each "
+            "trained on other cases: predict the test set (--subset test) or a folder of scans"
         )
-        if args.no_postprocessing:
-            predictor.postprocessing = None
-        cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # an unreadable checkpoint or input folder
-        print(f"error: {os_error_line(e)}", file=sys.stderr)
-        return 1
+    predictor = build_predictor(
+        source,
+        config=load_config(args.config) if args.config else None,
+        adjust=lambda c: _model_parallel_override(c, args.model_parallel, args.roi_size, build_parser()),
+        sw_batch_size=args.sw_batch_size,
+        overlap=args.overlap,
+        device=args.device,
+        tta=args.tta,
+        tta_axes=tta_axes,
+        accelerator_memory_mb=args.accelerator_memory_mb,
+        buffer_dtype=args.buffer_dtype,
+    )
+    if args.no_postprocessing:
+        predictor.postprocessing = None
+    cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index)
     where = " (--no-postprocessing)" if args.no_postprocessing else ""
     where = where or (" (crossval.json's choice)" if source.postprocessing is not None else "")
     print(f"Predicting with {source.describe()}")
@@ -241,17 +234,16 @@ def main(argv=None) -> int:
                 f"  {case.case_id}: {result.seconds:.1f} s, peak RSS {result.peak_rss_mb:.0f} MiB", file=sys.stderr
             )
         results.append(result)
-    try:
-        write_csv(results, output / "predictions.csv", predictor.class_names, predictor.score_columns)
-    except OSError as e:  # a full disk or an unwritable --output
-        print(f"error: {os_error_line(e, output / 'predictions.csv')}", file=sys.stderr)
-        return 1
+    writing(output / "predictions.csv")
+    write_csv(results, output / "predictions.csv", predictor.class_names, predictor.score_columns)
     print(results_table(results))
     if any(r.dice for r in results):
         print(dice_summary(results, predictor.class_names))
     failed = sum(r.status != "ok" for r in results)
     print(f"{len(results) - failed} of {len(results)} case(s) written to {output} (predictions.csv has the details)")
-    return EXIT_FAILED_CASES if failed else 0
+    if failed:
+        raise PartialFailure(f"{failed} of {len(results)} case(s) failed (listed above and in predictions.csv)")
+    return 0
 
 
 if __name__ == "__main__":

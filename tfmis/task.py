@@ -33,6 +33,7 @@ import tensorflow as tf
 from tfmis.config import region_paint_labels
 from tfmis.data.pipeline import build_train_dataset, build_val_dataset
 from tfmis.data.records import load_index
+from tfmis.errors import ConfigError
 from tfmis.hardware import resolve_precision
 from tfmis.losses import DeepSupervisionLoss, build_loss
 from tfmis.metrics.segmentation import SegmentationMetrics, check_regions
@@ -88,7 +89,7 @@ class SegmentationTask:
         missing = sorted(set(range(1, len(self.class_names))) - {k for labels in checked.values() for k in labels})
         if missing:
             names = ", ".join(f"{k} ({self.class_names[k]})" for k in missing)
-            raise ValueError(
+            raise ConfigError(
                 f"model.output is regions but no region of validation.regions holds the label {names}: it could "
                 "never be predicted. Add it to a region (the largest holds every foreground label, e.g. BraTS's "
                 "whole_tumour: [1, 2, 3]), or set model.output=classes"

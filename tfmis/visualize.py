@@ -1,4 +1,4 @@
-"""Command line of `tools/visualize.py`: a picture of one converted record or of a NIfTI file.
+"""Command line of `tfmis-visualize`: a picture of one converted record or of a NIfTI file.
 
 Two sources:
 * `--dataset-dir OUT --sample N [--split train]`: record N of a split of a converted dataset (read
@@ -13,9 +13,9 @@ an animated GIF sweeping through the slices. The path written is printed on stdo
 
 Example:
 ```
-python tools/visualize.py --dataset-dir data/demo_tfr --sample 0  # → data/demo_tfr/visualize/train_000_demo_003.png
-python tools/visualize.py --image ct.nii.gz --label seg.nii.gz --class-names background,liver,tumour --no-screen
-python tools/visualize.py --image ct.nii.gz --label seg.nii.gz --prediction pred.nii.gz  # → ./ct_prediction.png
+tfmis-visualize --dataset-dir data/demo_tfr --sample 0  # → data/demo_tfr/visualize/train_000_demo_003.png
+tfmis-visualize --image ct.nii.gz --label seg.nii.gz --class-names background,liver,tumour --no-screen
+tfmis-visualize --image ct.nii.gz --label seg.nii.gz --prediction pred.nii.gz  # → ./ct_prediction.png
 ```
 """
 
@@ -24,17 +24,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from tfmis.data.msd import case_id_from_path
+from tfmis.errors import DataError
+from tfmis.utils.cli import command, writing
 
 PLANE_AXES = {"sagittal": 0, "coronal": 1, "axial": 2}
 
 
-class VisualizeError(Exception):
+class VisualizeError(DataError):
     """A problem with the arguments or the files, reported as one line and exit status 1."""
 
 
@@ -66,7 +67,7 @@ class CaseView:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="tools/visualize.py",
+        prog="tfmis-visualize",
         description="Draw one case: a record of a converted TFRecord dataset (--dataset-dir, --sample) or a NIfTI "
         "file (--image), optionally with its ground truth (--label, a translucent fill) and a "
         "model's prediction (--prediction, one-voxel outlines in the same class colours). Writes a "
@@ -75,14 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with --no-screen an animated GIF sweeping through the slices. Prints the path written.",
         epilog="Exit status: 0 written; 1 a file, split or sample is missing or unreadable, or a label or "
         "prediction does not match the image's grid; 2 bad arguments. Examples: python "
-        "tools/visualize.py --dataset-dir data/demo_tfr --sample 0 --split val;  python "
-        "tools/visualize.py --image ct.nii.gz --label seg.nii.gz --prediction pred.nii.gz",
+        "tfmis-visualize --dataset-dir data/demo_tfr --sample 0 --split val;  python "
+        "tfmis-visualize --image ct.nii.gz --label seg.nii.gz --prediction pred.nii.gz",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--dataset-dir",
         metavar="OUT",
-        help="converted dataset folder (the --target-dir of tools/tfrecord.py, holding index.json)",
+        help="converted dataset folder (the --target-dir of tfmis-convert, holding index.json)",
     )
     source.add_argument("--image", metavar="FILE", help="NIfTI image (.nii or .nii.gz; 3D, or 4D with channels last)")
     p.add_argument(
@@ -150,29 +151,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_argument_combinations(parser, args)
-    try:
-        case = (
-            dataset_case(args.dataset_dir, args.split, args.sample)
-            if args.dataset_dir
-            else nifti_case(
-                args.image,
-                args.label,
-                _names(args.class_names),
-                _names(args.channel_names),
-                prediction_path=args.prediction,
-            )
+    case = (
+        dataset_case(args.dataset_dir, args.split, args.sample)
+        if args.dataset_dir
+        else nifti_case(
+            args.image,
+            args.label,
+            _names(args.class_names),
+            _names(args.channel_names),
+            prediction_path=args.prediction,
         )
-        suffix = ".gif" if args.no_screen else ".png"
-        # appended, not with_suffix: case ids may contain dots
-        path = Path(args.output) if args.output else case.default_stem.with_name(case.default_stem.name + suffix)
-        draw(case, path, sweep=args.no_screen, axis=PLANE_AXES[args.axis], fps=args.fps, max_frames=args.max_frames)
-    except (VisualizeError, OSError, ValueError) as e:  # OSError: a missing index.json, an unwritable output
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    )
+    suffix = ".gif" if args.no_screen else ".png"
+    # appended, not with_suffix: case ids may contain dots
+    path = Path(args.output) if args.output else case.default_stem.with_name(case.default_stem.name + suffix)
+    writing(path)
+    draw(case, path, sweep=args.no_screen, axis=PLANE_AXES[args.axis], fps=args.fps, max_frames=args.max_frames)
     print(path)
     return 0
 

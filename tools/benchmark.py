@@ -2,7 +2,7 @@
 """Regular vs fast training benchmark (MONAI's fast-training notebook, in TensorFlow). Run with --help.
 
 Example:
-    python tools/benchmark.py --config configs/demo.yaml                  # about 10 minutes on 2 CPU cores
+    python tools/benchmark.py --config configs/demo.yaml                  # docs/benchmarks.md gives its time
     python tools/benchmark.py --config configs/demo.yaml --pipeline-only  # the input pipelines alone
 """
 

@@ -43,6 +43,8 @@ from tfmis.crossval.experiment import (
     write_job_configs,
 )
 from tfmis.crossval.jobs import fold_done, oof_done, training_done
+from tfmis.errors import DataError, PartialFailure, TrainingFailed
+from tfmis.utils.cli import add_set_argument, command, writing
 from tfmis.utils.io import atomic_write_json
 from tfmis.utils.table import text_table
 
@@ -70,14 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--splits-file", default=None, help="a splits_final.json (nnU-Net's format) to use as the folds")
     p.add_argument("--output", required=True, help="the cross-validation folder")
     p.add_argument("--workers", type=int, default=1, help="folds trained at once on this machine (default 1)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value in every configuration, e.g. --set training.epochs=40",
-    )
+    add_set_argument(p, "--set training.epochs=40 (every configuration)")
     return p
 
 
@@ -134,7 +129,7 @@ def prepare(cv_dir: Path, definition: Definition) -> None:
             if splits.is_file():
                 shutil.copyfile(splits, cv_dir / SPLITS_FILE)
         elif folds != folds_seen:
-            raise ValueError(
+            raise DataError(
                 f"configuration {configuration.name}: its conversion {config.data.dataset_dir} has other folds than "
                 f"{definition.configurations[0].name}'s: give both the same --splits-file"
             )
@@ -233,10 +228,10 @@ class Progress:
 def run_local_workers(cv_dir: Path, definition: Definition, workers: int) -> int:
     """`workers` worker processes, each pinned to its share of the cores and GPUs (the hyperparameter search's
     assignment), each taking every workers-th fold; 0 when all succeeded."""
-    from tfmis.hardware import accelerators, usable_cpu_count, usable_cpus
+    from tfmis.hardware import accelerators, worker_cpus
     from tfmis.tune.hpo.devices import assign_devices, describe_assignment, dies_with_parent, trial_env
 
-    cpus = usable_cpus()[: usable_cpu_count()]
+    cpus = worker_cpus()
     gpus = accelerators() if workers > 1 else []
     plan = assign_devices(workers, cpus, gpus)
     if workers > 1:
@@ -305,43 +300,30 @@ def finish(cv_dir: Path, definition: Definition) -> int:
     return 0
 
 
+@command
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("worker", "oof"):
         return internal_main(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
     from tfmis.engine.cluster import detect_launch
 
-    try:
-        launch = detect_launch()
-        definition = definition_from_args(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if args.workers < 1:
-        print(f"config error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
-        return 2
+    launch = detect_launch()
+    definition = definition_from_args(args)
     cv_dir = Path(args.output)
+    writing(cv_dir)
     start = time.time()
     if launch.rank == 0:
-        from tfmis.data.convert import ParametersChanged
-        from tfmis.utils.lock import FolderLocked
-
-        try:
-            cv_dir.mkdir(parents=True, exist_ok=True)
-            prepare(cv_dir, definition)
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
-        except (ValueError, KeyError, FileNotFoundError, ParametersChanged, FolderLocked, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+        cv_dir.mkdir(parents=True, exist_ok=True)
+        prepare(cv_dir, definition)
     else:
         deadline = time.time() + DEFINITION_WAIT_SECONDS
         while not (cv_dir / DEFINITION_FILE).is_file():
             if time.time() > deadline:
-                print(f"error: rank {launch.rank}: rank 0 did not prepare {cv_dir} in time", file=sys.stderr)
-                return 1
+                raise TrainingFailed(f"rank {launch.rank}: rank 0 did not prepare {cv_dir} in time")
             time.sleep(2.0)
         definition = read_definition(cv_dir)
     if launch.size > 1:
@@ -367,8 +349,7 @@ def main(argv=None) -> int:
     if unfinished:
         for line in unfinished:
             print(f"error: {line}", file=sys.stderr)
-        print(f"error: {len(unfinished)} fold(s) unfinished: rerun the same command to continue", file=sys.stderr)
-        return 1
+        raise PartialFailure(f"{len(unfinished)} fold(s) unfinished: rerun the same command to continue")
     return finish(cv_dir, definition)
 
 
@@ -398,11 +379,7 @@ def internal_main(argv: list[str]) -> int:
     apply_onednn("auto")
     from tfmis.crossval.oof import predict_fold
 
-    try:
-        return predict_fold(args.cv_dir, args.fold, args.device)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"error: fold {args.fold}: {e}", file=sys.stderr)
-        return 1
+    return predict_fold(args.cv_dir, args.fold, args.device)
 
 
 if __name__ == "__main__":

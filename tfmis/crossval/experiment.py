@@ -31,6 +31,7 @@ from tfmis.config import (
     save_config,
     to_dict,
 )
+from tfmis.errors import UsageError
 from tfmis.utils.io import append_json_line, read_json_lines
 
 DEFINITION_FILE = "crossval_definition.json"
@@ -172,7 +173,7 @@ class Definition:
 def read_definition(cv_dir: str | Path) -> Definition:
     path = Path(cv_dir) / DEFINITION_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{cv_dir}: no {DEFINITION_FILE}: not a cross-validation folder (tfmis-crossval)")
+        raise UsageError(f"{cv_dir}: no {DEFINITION_FILE}: not a cross-validation folder (tfmis-crossval)")
     return Definition.from_json(json.loads(path.read_text()))
 
 

@@ -32,11 +32,12 @@ PROBABILITIES_SUFFIX = "_probabilities.nii.gz"
 
 def fold_cases(definition: Definition, fold: int, predictor) -> list:
     """The held-out cases of `fold` (InputCase with image and label paths), from the configuration's source."""
+    from tfmis.data.msd import DatasetNotFound
     from tfmis.inference.predictor import collect_inputs
 
     source = predictor.config.data.source_dir
     if not source or not (Path(source) / "dataset.json").is_file():
-        raise FileNotFoundError(
+        raise DatasetNotFound(
             f"data.source_dir {source!r}: out-of-fold predictions are made from the original scans; set "
             "data.source_dir to the MSD folder (with dataset.json) the folds were converted from"
         )

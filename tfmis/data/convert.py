@@ -26,7 +26,6 @@ import datetime
 import hashlib
 import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -48,8 +47,9 @@ from tfmis.data.records import (
     framed_size,
     shard_name,
 )
-from tfmis.hardware import usable_cpu_count
-from tfmis.utils.io import TEMP_SUFFIX, atomic_write_json, fsync_dir, remove_temp_files, temp_path
+from tfmis.errors import ConfigError, DataError, MissingInput, RunStateError
+from tfmis.hardware import case_workers
+from tfmis.utils.io import atomic_path, atomic_write_json, parse_temp_name
 from tfmis.utils.lock import folder_lock
 from tfmis.utils.parallel import map_ordered
 
@@ -59,7 +59,7 @@ SPLITS_FILE = "splits_final.json"  # a fold conversion's folds, in nnU-Net v2's 
 EXIT_SKIPPED = 3  # conversion finished, but some cases were skipped
 
 
-class ParametersChanged(RuntimeError):
+class ParametersChanged(RunStateError):
     """The target folder holds a conversion made with other parameters."""
 
 
@@ -73,14 +73,14 @@ DEFAULT_SPLIT = (0.7, 0.15, 0.15)
 def _option(
     default, help: str, flag: str | None = None, lengths: tuple[int, ...] | None = None, group: str | None = None
 ):
-    """A conversion option: its default and how `tools/tfrecord.py` offers it (help, flag, value count)."""
+    """A conversion option: its default and how `tfmis-convert` offers it (help, flag, value count)."""
     return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "lengths": lengths, "group": group})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConversionOptions:
     """How a dataset is converted: the one definition behind the `data.conversion` config section, the
-    `tools/tfrecord.py` flags and `ConversionConfig`.
+    `tfmis-convert` flags and `ConversionConfig`.
 
     Args:
         split: fractions for train/val/test (1 to 3 values); the default 0.7,0.15,0.15 unless `folds` is set.
@@ -90,7 +90,8 @@ class ConversionOptions:
         reshape: fixed output shape instead of resampling to a spacing.
         shards: shards per split (at most one per case).
         compression: GZIP, ZLIB or NONE.
-        workers: parallel preprocessing processes (1 = in this process; None = CPU count, at most 8).
+        workers: parallel preprocessing processes (1 = in this process; None = `hardware.case_workers()`: the
+            usable CPUs, at most 8).
         seed: seed of the split.
         image_dtype: float16 or float32.
         ct_window: (low, high) HU window for CT channels; None = the 0.5/99.5 percentiles of the
@@ -122,7 +123,7 @@ class ConversionOptions:
     shards: int = _option(4, "shards per split (at most one per case; default 4)")
     compression: Literal["GZIP", "ZLIB", "NONE"] = _option("GZIP", "TFRecord compression (default GZIP)")
     workers: int | None = _option(
-        None, "parallel preprocessing processes (default: CPU count, at most 8; 1 = no subprocess)"
+        None, "parallel preprocessing processes (default: the usable CPUs, at most 8; 1 = no subprocess)"
     )
     seed: int = _option(0, "seed of the split (default 0)")
     image_dtype: Literal["float16", "float32"] = _option(
@@ -148,7 +149,7 @@ class ConversionOptions:
 
     def __post_init__(self):
         if self.split is not None and self.folds is not None:
-            raise ValueError(f"set only one of split {list(self.split)} and folds {self.folds}")
+            raise ConfigError(f"set only one of split {list(self.split)} and folds {self.folds}")
         if self.split is None and self.folds is None:
             object.__setattr__(self, "split", DEFAULT_SPLIT)
         for name in ("split", "spacing", "reshape", "ct_window"):  # YAML and JSON give lists
@@ -156,28 +157,28 @@ class ConversionOptions:
             object.__setattr__(self, name, tuple(value) if value is not None else None)
         if self.split is not None:
             if not 1 <= len(self.split) <= 3 or min(self.split) < 0 or sum(self.split) <= 0:
-                raise ValueError(f"split must be 1 to 3 non-negative fractions (train,val,test), got {self.split}")
+                raise ConfigError(f"split must be 1 to 3 non-negative fractions (train,val,test), got {self.split}")
         if self.folds is not None and self.folds < 2:
-            raise ValueError(f"folds must be at least 2, got {self.folds}")
+            raise ConfigError(f"folds must be at least 2, got {self.folds}")
         if self.ct_normalization not in ("scale", "zscore"):
-            raise ValueError(f"ct_normalization must be scale or zscore, got {self.ct_normalization!r}")
+            raise ConfigError(f"ct_normalization must be scale or zscore, got {self.ct_normalization!r}")
         if self.compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
+            raise ConfigError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
         if self.shards < 1 or (self.workers is not None and self.workers < 1):
-            raise ValueError("shards and workers must be at least 1")
+            raise ConfigError("shards and workers must be at least 1")
         if self.crop_margin < 0:
-            raise ValueError(f"crop_margin must be >= 0, got {self.crop_margin}")
+            raise ConfigError(f"crop_margin must be >= 0, got {self.crop_margin}")
         if self.crop_to_label_mm is not None and self.crop_to_label_mm < 0:
-            raise ValueError(f"crop_to_label_mm must be >= 0 mm (or null), got {self.crop_to_label_mm}")
+            raise ConfigError(f"crop_to_label_mm must be >= 0 mm (or null), got {self.crop_to_label_mm}")
 
     @property
     def num_workers(self) -> int:
-        return self.workers or min(usable_cpu_count(), 8)
+        return self.workers or case_workers()
 
 
 @dataclasses.dataclass(frozen=True)
 class ConversionConfig(ConversionOptions):
-    """What `convert` does: the options plus where from and to. See `tools/tfrecord.py --help`.
+    """What `convert` does: the options plus where from and to. See `tfmis-convert --help`.
 
     Args:
         source_dir: MSD dataset folder (with dataset.json).
@@ -198,10 +199,10 @@ class ConversionConfig(ConversionOptions):
     def __post_init__(self):
         if self.splits_file is not None:
             if self.split is not None:
-                raise ValueError(f"set only one of split {list(self.split)} and splits_file {self.splits_file}")
+                raise ConfigError(f"set only one of split {list(self.split)} and splits_file {self.splits_file}")
             folds = len(read_splits_file(self.splits_file))
             if self.folds is not None and self.folds != folds:
-                raise ValueError(
+                raise ConfigError(
                     f"folds is {self.folds} but splits_file {self.splits_file} holds {folds} folds: leave folds "
                     "unset (the file sets it)"
                 )
@@ -280,7 +281,7 @@ def stratified_folds(
     returned sorted.
     """
     if not 2 <= folds <= len(order):
-        raise ValueError(f"{folds} folds need at least {folds} cases (one per fold), and there are {len(order)}")
+        raise DataError(f"{folds} folds need at least {folds} cases (one per fold), and there are {len(order)}")
     holders = collections.Counter(int(c) for case in order for c in set(case_classes.get(case, ())))
     present = {case: sorted({int(c) for c in case_classes.get(case, ()) if holders[int(c)] >= 2}) for case in order}
     rarity = {case: sorted(present[case], key=lambda c: (holders[c], c)) for case in order}
@@ -349,49 +350,49 @@ def read_splits_file(path: str | Path) -> list[dict[str, list[str]]]:
     """
     path = Path(path)
     if not path.is_file():  # a ValueError, as a missing dataset.json (DatasetError): commands print it as one line
-        raise ValueError(
+        raise MissingInput(
             f"splits file {path} does not exist: give a splits_final.json (nnU-Net v2's format: a list of "
             '{"train": [case ids], "val": [case ids]}, one per fold)'
         )
     try:
         folds = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raise DataError(f"{path}: not valid JSON ({e})") from None
     shape = '{"train": [case ids], "val": [case ids]}'
     if not isinstance(folds, list) or len(folds) < 2:
-        raise ValueError(f"{path}: expected a list of at least 2 folds, each {shape} (nnU-Net v2's splits_final.json)")
+        raise DataError(f"{path}: expected a list of at least 2 folds, each {shape} (nnU-Net v2's splits_final.json)")
     for k, fold in enumerate(folds):
         lists = [fold.get(key) for key in ("train", "val")] if isinstance(fold, dict) else [None]
         if not all(isinstance(v, list) and all(isinstance(c, str) for c in v) for v in lists):
-            raise ValueError(f"{path}: fold {k} is not {shape}")
+            raise DataError(f"{path}: fold {k} is not {shape}")
         if not fold["val"]:
-            raise ValueError(f"{path}: fold {k}'s val list is empty: each fold validates on at least one case")
+            raise DataError(f"{path}: fold {k}'s val list is empty: each fold validates on at least one case")
     home = {}  # case -> the fold it validates in
     for k, fold in enumerate(folds):
         for case in fold["val"]:
             if case in home:
                 where = "twice in its val list" if home[case] == k else f"also in fold {home[case]}'s val list"
-                raise ValueError(f"{path}: fold {k}'s val list holds case {case!r} {where}: each case validates once")
+                raise DataError(f"{path}: fold {k}'s val list holds case {case!r} {where}: each case validates once")
             home[case] = k
     for k, fold in enumerate(folds):
         train = fold["train"]
         for case in train:
             if case not in home:
-                raise ValueError(
+                raise DataError(
                     f"{path}: fold {k}'s train list holds case {case!r}, which is in no fold's val list: each fold "
                     "trains on exactly the other folds' val cases"
                 )
             if home[case] == k:
-                raise ValueError(f"{path}: fold {k}'s train list holds case {case!r} of its own val list")
+                raise DataError(f"{path}: fold {k}'s train list holds case {case!r} of its own val list")
         missing = sorted(set(home) - set(train) - set(fold["val"]), key=lambda c: (home[c], c))
         if missing:
-            raise ValueError(
+            raise DataError(
                 f"{path}: fold {k}'s train list lacks case {missing[0]!r} (in fold {home[missing[0]]}'s val list"
                 f"{f', and {len(missing) - 1} more' if len(missing) > 1 else ''}): each fold trains on exactly the "
                 "other folds' val cases"
             )
         if len(set(train)) != len(train):
-            raise ValueError(f"{path}: fold {k}'s train list names a case twice")
+            raise DataError(f"{path}: fold {k}'s train list names a case twice")
     return [{"train": list(fold["train"]), "val": list(fold["val"])} for fold in folds]
 
 
@@ -413,7 +414,7 @@ def folds_from_file(folds: list[dict[str, list[str]]], dataset: MSDDataset, path
     for k, fold in enumerate(folds):
         unknown = [c for c in fold["val"] if c not in known]
         if unknown:
-            raise ValueError(
+            raise DataError(
                 f"{path}: fold {k}'s val list names case {unknown[0]!r}, which {dataset.root / 'dataset.json'} does "
                 f"not list for training (case ids are the image file names without .nii.gz, e.g. "
                 f"{dataset.training[0].case_id!r}): fix the file or the dataset"
@@ -421,7 +422,7 @@ def folds_from_file(folds: list[dict[str, list[str]]], dataset: MSDDataset, path
     placed = {c for fold in folds for c in fold["val"]}
     left_out = [c.case_id for c in dataset.training if c.case_id not in placed]
     if left_out:
-        raise ValueError(
+        raise DataError(
             f"{path}: case {left_out[0]!r} of {dataset.root / 'dataset.json'} is in no fold's val list"
             f"{f' (and {len(left_out) - 1} more)' if len(left_out) > 1 else ''}: add it to one fold (or remove it "
             "from the dataset's training list)"
@@ -544,12 +545,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _prepare_target(
-    target: Path, requested: dict, overwrite: bool, dataset: MSDDataset | None = None, locked: bool = True
-) -> None:
-    if locked:  # every writer of the target holds its lock: these are the leftovers of a dead conversion
-        remove_temp_files(target)
-        remove_temp_files(target / PROGRESS_DIR)
+def _prepare_target(target: Path, requested: dict, overwrite: bool, dataset: MSDDataset | None = None) -> None:
     plan_path = target / PLAN_FILE
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())
@@ -604,7 +600,7 @@ def _remove_outputs(target: Path) -> None:
 
 def _shard_files(target: Path) -> list[Path]:
     """The TFRecord files in `target` (not a writer's temporaries)."""
-    return [p for p in target.glob("*.tfrecord*") if not p.name.endswith(TEMP_SUFFIX)]
+    return [p for p in target.glob("*.tfrecord*") if parse_temp_name(p.name) is None]
 
 
 def _median_spacing(dataset: MSDDataset) -> tuple[float, float, float] | None:
@@ -644,7 +640,6 @@ def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) 
     import tensorflow as tf
 
     final = target / shard["file"]
-    tmp = temp_path(final)
     options = tf.io.TFRecordOptions(
         compression_type="" if index_meta["compression"] == "NONE" else index_meta["compression"]
     )
@@ -658,7 +653,8 @@ def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) 
         "fingerprints": {},
     }
     offset = 0
-    with tf.io.TFRecordWriter(str(tmp), options) as writer:
+    # durable before the progress file says it is done: atomic_path fsyncs the shard, renames it, fsyncs the folder
+    with atomic_path(final) as tmp, tf.io.TFRecordWriter(str(tmp), options) as writer:
         for result in results:
             cid = result["case_id"]
             if result["status"] != "ok":
@@ -695,24 +691,19 @@ def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) 
             # let this case's arrays go before the next one is read: with workers=1 the next case is
             # preprocessed in this process while `result` and `payload` would still hold this one
             del result, payload
-    # durable before the progress file says it is done: the shard's bytes, then its name in the folder
-    record["bytes"], record["sha256"] = _file_digest(tmp, sync=True)
-    os.replace(tmp, final)
-    fsync_dir(target)
+    record["bytes"], record["sha256"] = _file_digest(final)
     record["records"] = len(record["cases"])
     atomic_write_json(target / PROGRESS_DIR / (shard["file"] + ".json"), record)
     return record
 
 
-def _file_digest(path: Path, sync: bool = False) -> tuple[int, str]:
-    """(size in bytes, sha256 hex) of a file, read in 4 MiB blocks; `sync`: fsync it too."""
+def _file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file, read in 4 MiB blocks."""
     digest, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
         while block := f.read(1 << 22):
             digest.update(block)
             size += len(block)
-        if sync:
-            os.fsync(f.fileno())
     return size, digest.hexdigest()
 
 
@@ -752,11 +743,11 @@ def convert(config: ConversionConfig) -> dict:
     start = time.time()
     dataset = MSDDataset(config.source_dir)
     target = Path(config.target_dir)
-    with folder_lock(target, "tfmis-convert") as locked:
-        return _convert(config, dataset, target, start, locked)
+    with folder_lock(target, "tfmis-convert"):  # taking it removes the temporaries of dead writers
+        return _convert(config, dataset, target, start)
 
 
-def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start: float, locked: bool) -> dict:
+def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start: float) -> dict:
     from tfmis.utils.progress import progress_bar
 
     # read before the target is touched: a splits file inside it (an earlier conversion's) is removed by overwrite
@@ -765,7 +756,7 @@ def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start:
     requested = config.requested(
         _sha256(dataset.root / "dataset.json"), splits_sha256(file_folds) if file_folds is not None else None
     )
-    _prepare_target(target, requested, config.overwrite, dataset, locked)
+    _prepare_target(target, requested, config.overwrite, dataset)
     previous = json.loads((target / PLAN_FILE).read_text()) if (target / PLAN_FILE).is_file() else {}
     ct_norm = "ct_zscore" if config.ct_normalization == "zscore" else "ct"
     modal_norm = tuple(ct_norm if m.upper() == "CT" else "zscore" for m in dataset.modalities)

@@ -23,7 +23,7 @@ DIR/imagesTr/demo_000.nii.gz ...   DIR/labelsTr/demo_000.nii.gz ...   DIR/images
 Example:
 ```python
 from tfmis.data.demo import make_demo_dataset
-root = make_demo_dataset("data/Task00_DemoBrain")   # about a second per case; no-op if present
+root = make_demo_dataset("data/Task00_DemoBrain")   # no-op if present
 ```
 or from a shell: `python -m tfmis.data.demo --output data/Task00_DemoBrain`.
 
@@ -32,8 +32,8 @@ BraTS size (`--size brats`, `generate_brats_case`): the same template, deformed 
 first C of FLAIR, T1w, T1gd, T2w; contrasts synthesised from the tissue maps) and BraTS-like labels:
 0 background, 1 edema, 2 non-enhancing tumor, 3 enhancing tumour (MSD Task01 names). One tumour per
 case, its core radius log-uniform in 4-30 mm (many small ones), an enhancing rim 1.5-4 mm thick
-around a non-enhancing core, irregular oedema reaching 1.4-2.6 radii along white matter. About 5-10 s
-and ~0.9 GB per case:
+around a non-enhancing core, irregular oedema reaching 1.4-2.6 radii along white matter (time and memory per
+case: docs/converting.md, "Real-size variants"):
 
 ```bash
 python -m tfmis.data.demo --size brats --output data/Task01_DemoBraTS --cases 6 --test-cases 0
@@ -61,7 +61,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import sys
 import time
 from importlib import resources
@@ -71,6 +70,8 @@ import nibabel as nib
 import numpy as np
 from nibabel import orientations
 from scipy import interpolate, ndimage
+
+from tfmis.utils.io import atomic_save_nifti, atomic_writer
 
 DATASET_NAME = "Task00_DemoBrain"
 MODALITIES = {"0": "T1w", "1": "T2w"}
@@ -515,7 +516,7 @@ def tumour_maps(
          partial-volume memberships {"edema", "enhancing", "core"} float32 summing to <= 1).
     """
     shape = brain.shape
-    step = max(1, int(round(2.0 / spacing)))  # the depth map on a ~2 mm grid is plenty and 8x faster
+    step = max(1, int(round(2.0 / spacing)))  # the depth map on a ~2 mm grid is plenty, on 1/step^3 of the voxels
     coarse_wm = maps["wm"][::step, ::step, ::step] > 0.5
     depth = ndimage.distance_transform_edt(brain[::step, ::step, ::step], sampling=step * spacing)
     deep = coarse_wm & (depth >= min(15.0, depth.max()))
@@ -663,13 +664,6 @@ def _nifti(data: np.ndarray, affine: np.ndarray) -> nib.Nifti1Image:
     return img
 
 
-def _save_atomically(img: nib.Nifti1Image, path: Path) -> None:
-    """Writes to a temporary name next to `path`, then renames, so readers never see half a file."""
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # keeps the .nii.gz suffix nibabel needs
-    nib.save(img, str(tmp))
-    os.replace(tmp, path)
-
-
 def case_name(case_number: int) -> str:
     return f"demo_{case_number:03d}"
 
@@ -735,15 +729,16 @@ def make_demo_dataset(
             case = generate_case(number, seed)
         is_test = number >= first_test
         image_dir = root / ("imagesTs" if is_test else "imagesTr")
-        _save_atomically(_nifti(case.image, case.affine), image_dir / f"{case_name(number)}.nii.gz")
+        atomic_save_nifti(_nifti(case.image, case.affine), image_dir / f"{case_name(number)}.nii.gz")
         if not is_test:
-            _save_atomically(_nifti(case.label, case.affine), root / "labelsTr" / f"{case_name(number)}.nii.gz")
+            atomic_save_nifti(_nifti(case.label, case.affine), root / "labelsTr" / f"{case_name(number)}.nii.gz")
 
     if size == "brats":
         meta = dataset_json(training_numbers, test_numbers, brats_channels=channels, zscored=zscore)
     else:
         meta = dataset_json(training_numbers, test_numbers)
-    _write_json_atomically(manifest, meta)
+    with atomic_writer(manifest) as f:
+        f.write(json.dumps(meta, indent=4) + "\n")
     return root
 
 
@@ -773,12 +768,6 @@ def dataset_json(
         ],
         "test": [f"./imagesTs/{case_name(n)}.nii.gz" for n in test_numbers],
     }
-
-
-def _write_json_atomically(path: Path, content: dict) -> None:
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    tmp.write_text(json.dumps(content, indent=4) + "\n")
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------

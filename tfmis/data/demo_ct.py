@@ -18,7 +18,7 @@ Layout written: `DIR/dataset.json`, `DIR/imagesTr/ct_000.nii.gz`, `DIR/labelsTr/
 Example:
 ```python
 from tfmis.data.demo_ct import make_ct_dataset
-root = make_ct_dataset("data/Task90_DemoCT", num_cases=20)     # about 0.2 s per case
+root = make_ct_dataset("data/Task90_DemoCT", num_cases=20)
 ```
 or from a shell: `python -m tfmis.data.demo_ct --output data/Task90_DemoCT --cases 20`.
 
@@ -28,7 +28,8 @@ that gives a 300-950 mm scan), int16 HU, LPS. A body whose outline changes along
 fat, spine, lung bases at the top of long scans, and labels of very different sizes: 1 liver
 (~1.5 l), 2 spleen, 3 kidney (both), 4 pancreas (a thin elongated organ), 5 lesion (a hypodense
 liver lesion, radius 4-30 mm, often small; absent when outside the scanned range). Cases are built
-32 slices at a time, so a 512 x 512 x 600 case (315 MB of int16) needs ~0.7 GB peak and ~10 s:
+32 slices at a time, so the memory beyond the finished image and label (int16 and uint8) is a few slabs,
+whatever Z is (time and memory per case: docs/converting.md, "Real-size variants"):
 
 ```bash
 python -m tfmis.data.demo_ct --size full --output data/Task91_DemoCTFull --cases 20 --slices 100,600
@@ -61,7 +62,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -69,6 +69,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 from scipy import interpolate, ndimage
+
+from tfmis.utils.io import atomic_save_nifti, atomic_writer
 
 DATASET_NAME = "Task90_DemoCT"
 MODALITIES = {"0": "CT"}
@@ -491,9 +493,7 @@ def _save(data: np.ndarray, affine: np.ndarray, path: Path) -> None:
     img = nib.Nifti1Image(data, affine)
     img.set_data_dtype(data.dtype)
     img.header.set_xyzt_units("mm")
-    tmp = path.with_name(path.name + ".tmp.nii.gz")
-    nib.save(img, str(tmp))
-    os.replace(tmp, path)
+    atomic_save_nifti(img, path)
 
 
 def case_name(case_number: int) -> str:
@@ -578,9 +578,8 @@ def make_ct_dataset(
         "training": training,
         "test": test,
     }
-    tmp = root / "dataset.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, root / "dataset.json")
+    with atomic_writer(root / "dataset.json") as f:
+        f.write(json.dumps(meta, indent=2))
     return root
 
 

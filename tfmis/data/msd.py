@@ -35,14 +35,23 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
+from tfmis.errors import DataError
+
 CT_MODALITIES = {"CT"}
 
 
-class DatasetError(ValueError):
+class DatasetError(DataError):
     """The dataset as a whole is unusable (dataset.json missing or malformed)."""
 
 
-class CaseError(ValueError):
+class DatasetNotFound(DatasetError):
+    """The folder given as a dataset holds no dataset.json: the argument or `data.source_dir` needs fixing
+    (exit 2, as any usage error)."""
+
+    exit_code = 2
+
+
+class CaseError(DataError):
     """One case is unusable; the message says why. Conversion records it and goes on."""
 
     def __init__(self, case_id: str, reason: str):
@@ -89,7 +98,7 @@ class MSDDataset:
         self.root = Path(root).resolve()
         path = self.root / "dataset.json"
         if not path.is_file():
-            raise DatasetError(f"{path}: not found; an MSD dataset folder must contain dataset.json")
+            raise DatasetNotFound(f"{path}: not found; an MSD dataset folder must contain dataset.json")
         try:
             meta = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from tfmis.data.records import image_as_float32, load_index, parse_example, shard_paths, split_entry
 from tfmis.data.smart_cache import REFILL_PARALLELISM, partial_cache_size, share_size, smart_cache
+from tfmis.errors import ConfigError, DataError, UsageError
 from tfmis.hardware import data_threads
 from tfmis.transforms.augment import (
     augment_patch,
@@ -59,7 +60,7 @@ def _cache(dataset: tf.data.Dataset, pipeline, name: str, fingerprint: dict) -> 
     if pipeline.cache == "memory":
         return dataset.cache()
     if pipeline.cache != "file" or not pipeline.cache_dir:
-        raise ValueError(
+        raise ConfigError(
             f"pipeline.cache must be memory, none, partial or file (with pipeline.cache_dir), got "
             f"{pipeline.cache!r} (cache_dir {pipeline.cache_dir!r})"
         )
@@ -83,7 +84,7 @@ def input_shard(files, cases, input_context=None) -> dict:
     if len(files) >= n:
         return {"level": "file", "files": list(files)[i::n], "cases": None}
     if len(cases) < n:
-        raise ValueError(
+        raise UsageError(
             f"{len(cases)} case(s) cannot be shared by {n} input pipelines (workers): every worker "
             "needs at least one; use fewer workers or more cases"
         )
@@ -151,11 +152,11 @@ def build_train_dataset(
     num_classes = len(index["source"]["labels"])
     files = shard_paths(config.data.dataset_dir, config.data.train_split, index)
     if not files:
-        raise ValueError(f"{config.data.dataset_dir}: split {config.data.train_split!r} has no records")
+        raise DataError(f"{config.data.dataset_dir}: split {config.data.train_split!r} has no records")
     if p.augment.rot90_prob > 0 and p.patch_size[0] != p.patch_size[1]:
-        raise ValueError(f"pipeline.augment.rot90_prob > 0 needs a square in-plane patch, got {p.patch_size}")
+        raise ConfigError(f"pipeline.augment.rot90_prob > 0 needs a square in-plane patch, got {p.patch_size}")
     if p.class_ratios is not None and len(p.class_ratios) != num_classes:
-        raise ValueError(f"pipeline.class_ratios has {len(p.class_ratios)} entries for {num_classes} classes")
+        raise ConfigError(f"pipeline.class_ratios has {len(p.class_ratios)} entries for {num_classes} classes")
 
     def with_foreground(image, label, meta):
         fg, fg_class = foreground_indices(label, num_classes, p.max_foreground_indices, seed)
@@ -240,7 +241,7 @@ def with_channel_count(batches: tf.data.Dataset, channels: int) -> tf.data.Datas
     """`batches` (images, ...) with the images' channel count stated in the element spec.
 
     The training step is traced from this spec: with an unknown channel count (augmentation loses it) TensorFlow's
-    CPU convolutions run about 6x slower (measured).
+    CPU convolutions run several times slower (docs/benchmarks.md, "First epoch, precision and other costs").
     """
     return batches.map(lambda images, *rest: (tf.ensure_shape(images, [*images.shape[:4], channels]), *rest))
 
@@ -397,7 +398,7 @@ def build_val_dataset(config, split: str | None = None, cached: bool = True) -> 
     split = split or config.data.val_split
     files = shard_paths(config.data.dataset_dir, split, index)
     if not files:
-        raise ValueError(f"{config.data.dataset_dir}: split {split!r} has no records to validate on")
+        raise DataError(f"{config.data.dataset_dir}: split {split!r} has no records to validate on")
     dataset = _read(files, index, deterministic=True)
     if config.validation.max_cases:  # before the cache: a cache read only in part is discarded
         dataset = dataset.take(config.validation.max_cases)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tfmis.data.convert import ConversionConfig, ConversionOptions, convert, summary_text
 from tfmis.data.records import INDEX_FILE
+from tfmis.errors import MissingInput
 
 
 def prepare_dataset(data, progress: bool = True) -> Path:
@@ -27,9 +28,9 @@ def prepare_dataset(data, progress: bool = True) -> Path:
     target = Path(data.dataset_dir)
     if data.source_dir is None:
         if not (target / INDEX_FILE).is_file():
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"data.dataset_dir {target} holds no converted dataset ({INDEX_FILE} missing): "
-                "convert one with tools/tfrecord.py, or set data.source_dir to an MSD folder "
+                "convert one with tfmis-convert, or set data.source_dir to an MSD folder "
                 "to convert it automatically"
             )
         return target

@@ -24,6 +24,8 @@ import nibabel as nib
 import numpy as np
 from scipy import ndimage
 
+from tfmis.errors import ConfigError
+
 NORMALIZATIONS = ("zscore", "ct", "ct_zscore", "none")
 NORMALIZE_SLICES = 16  # slices per step of the voxel-wise normalisation (bounds its temporaries)
 CT_NORMALIZATIONS = ("ct", "ct_zscore")
@@ -64,23 +66,23 @@ class PreprocessConfig:
     def __post_init__(self):
         for n in self.normalization:
             if n not in NORMALIZATIONS:
-                raise ValueError(f"normalization {n!r} is not one of {NORMALIZATIONS}")
+                raise ConfigError(f"normalization {n!r} is not one of {NORMALIZATIONS}")
         if any(n in CT_NORMALIZATIONS for n in self.normalization) and self.ct_window is None:
-            raise ValueError("normalization 'ct' / 'ct_zscore' needs ct_window=(low, high)")
+            raise ConfigError("normalization 'ct' / 'ct_zscore' needs ct_window=(low, high)")
         if "ct_zscore" in self.normalization and (self.ct_mean_std is None or not self.ct_mean_std[1] > 0):
-            raise ValueError(f"normalization 'ct_zscore' needs ct_mean_std=(mean, std > 0), got {self.ct_mean_std}")
+            raise ConfigError(f"normalization 'ct_zscore' needs ct_mean_std=(mean, std > 0), got {self.ct_mean_std}")
         if self.ct_window is not None and not self.ct_window[0] < self.ct_window[1]:
-            raise ValueError(f"ct_window low must be below high, got {self.ct_window}")
+            raise ConfigError(f"ct_window low must be below high, got {self.ct_window}")
         if self.image_dtype not in ("float16", "float32"):
-            raise ValueError(f"image_dtype must be float16 or float32, got {self.image_dtype!r}")
+            raise ConfigError(f"image_dtype must be float16 or float32, got {self.image_dtype!r}")
         if self.reshape is None and self.spacing is None:
-            raise ValueError("set spacing (mm) or reshape (voxels)")
+            raise ConfigError("set spacing (mm) or reshape (voxels)")
         if self.reshape is not None and (len(self.reshape) != 3 or min(self.reshape) < 1):
-            raise ValueError(f"reshape must be three positive sizes, got {self.reshape}")
+            raise ConfigError(f"reshape must be three positive sizes, got {self.reshape}")
         if self.spacing is not None and (len(self.spacing) != 3 or min(self.spacing) <= 0):
-            raise ValueError(f"spacing must be three positive values, got {self.spacing}")
+            raise ConfigError(f"spacing must be three positive values, got {self.spacing}")
         if self.crop_to_label_mm is not None and self.crop_to_label_mm < 0:
-            raise ValueError(f"crop_to_label_mm must be >= 0 mm (or None), got {self.crop_to_label_mm}")
+            raise ConfigError(f"crop_to_label_mm must be >= 0 mm (or None), got {self.crop_to_label_mm}")
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
@@ -337,7 +339,8 @@ def preprocess(
     ras_label = reorient_to_ras(label, affine, copy=False)[0] if label is not None else None
 
     ras_shape = [int(n) for n in ras_image.shape[:3]]
-    # on the file's memory order (a contiguous read, ~7x faster on a CT than through the flipped view), then a view
+    # on the file's memory order (a contiguous read, many times faster on a CT than through the flipped view;
+    # docs/benchmarks.md, "A region per structure, at real anatomy"), then a view
     mask = reorient_to_ras(foreground_mask(image, config.normalization, config.ct_window), affine, copy=False)[0]
     if config.crop_to_label_mm is not None and ras_label is not None and ras_label.any():
         start, stop = label_box(ras_label > 0, spacing_of(ras_affine), config.crop_to_label_mm)
@@ -452,5 +455,5 @@ def _per_channel(normalization: tuple[str, ...], channels: int) -> tuple[str, ..
     if len(normalization) == 1:
         return tuple(normalization) * channels
     if len(normalization) != channels:
-        raise ValueError(f"normalization lists {len(normalization)} entries for {channels} channels")
+        raise ConfigError(f"normalization lists {len(normalization)} entries for {channels} channels")
     return tuple(normalization)

@@ -31,12 +31,18 @@ from pathlib import Path
 
 import numpy as np
 
+from tfmis.errors import ConfigError, DataError, MissingInput
+
 SCHEMA_VERSION = 1
 INDEX_FILE = "index.json"
 FINGERPRINT_FILE = "fingerprint.json"
 COMPRESSIONS = {"NONE": "", "GZIP": ".gz", "ZLIB": ".zlib"}
 _HEADER = 12  # uint64 length + uint32 masked crc of the length
 _FOOTER = 4  # uint32 masked crc of the data
+
+
+class UnknownSplit(ConfigError, KeyError):
+    """A split name the dataset does not have (data.train_split, data.val_split, --split)."""
 
 
 def shard_name(split: str, shard: int, num_shards: int, compression: str) -> str:
@@ -123,13 +129,12 @@ def load_index(dataset_dir: str | Path) -> dict:
     """The `index.json` of a converted dataset; a clear error if the folder is not one."""
     path = Path(dataset_dir) / INDEX_FILE
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: not found; is {dataset_dir} the --target-dir of tools/tfrecord.py "
-            "(and did the conversion finish)?"
+        raise MissingInput(
+            f"{path}: not found; is {dataset_dir} the --target-dir of tfmis-convert (and did the conversion finish)?"
         )
     index = json.loads(path.read_text())
     if index.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(
+        raise DataError(
             f"{path}: schema version {index.get('schema_version')} is not supported "
             f"(this tfmis reads version {SCHEMA_VERSION}); convert the dataset again"
         )
@@ -178,7 +183,7 @@ def cross_validation_splits(folds: int, fold: int) -> tuple[str, str]:
         ('fold0+fold1+fold3+fold4', 'fold2')
     """
     if not 0 <= fold < folds:
-        raise ValueError(f"fold {fold} is out of range for {folds} folds (0..{folds - 1})")
+        raise ConfigError(f"fold {fold} is out of range for {folds} folds (0..{folds - 1})")
     return SPLIT_JOIN.join(fold_name(k) for k in range(folds) if k != fold), fold_name(fold)
 
 
@@ -192,13 +197,13 @@ def split_parts(index: dict, name: str) -> list[str]:
     parts = name.split(SPLIT_JOIN)
     for part in parts:
         if part not in index["splits"]:
-            raise KeyError(
+            raise UnknownSplit(
                 f"split {part!r}{f' (in {name!r})' if part != name else ''} not in this dataset; available: "
                 f"{sorted(index['splits'])}"
             )
     repeated = sorted({p for p in parts if parts.count(p) > 1})
     if repeated:
-        raise ValueError(f"split {name!r} names {repeated[0]!r} twice; join each split once")
+        raise ConfigError(f"split {name!r} names {repeated[0]!r} twice; join each split once")
     return parts
 
 
@@ -264,16 +269,16 @@ def read_record_bytes(path: str | Path, offset: int, length: int, compression: s
         _skip(stream, offset)
         header = stream.read(_HEADER)
         if len(header) != _HEADER:
-            raise ValueError(f"{path}: truncated at byte {offset} (record header)")
+            raise DataError(f"{path}: truncated at byte {offset} (record header)")
         (stored_length,) = struct.unpack("<Q", header[:8])
         if stored_length != length:
-            raise ValueError(
+            raise DataError(
                 f"{path}: record at byte {offset} has length {stored_length}, index says {length}; "
                 "the shard does not match index.json"
             )
         payload = stream.read(length)
         if len(payload) != length:
-            raise ValueError(f"{path}: truncated record at byte {offset}")
+            raise DataError(f"{path}: truncated record at byte {offset}")
         return payload
 
 
@@ -335,7 +340,7 @@ def _open_stream(path: Path, compression: str):
         return gzip.open(path, "rb")
     if compression == "ZLIB":
         return _ZlibStream(path)
-    raise ValueError(f"unknown compression {compression!r}; expected one of {sorted(COMPRESSIONS)}")
+    raise ConfigError(f"unknown compression {compression!r}; expected one of {sorted(COMPRESSIONS)}")
 
 
 def _skip(stream, offset: int) -> None:
@@ -345,5 +350,5 @@ def _skip(stream, offset: int) -> None:
     while offset > 0:
         got = len(stream.read(min(offset, 1 << 24)))
         if got == 0:
-            raise ValueError("offset beyond the end of the shard")
+            raise DataError("offset beyond the end of the shard")
         offset -= got

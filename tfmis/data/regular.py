@@ -1,6 +1,6 @@
 """The regular input pipeline: NIfTI files decoded and preprocessed on every read, nothing cached.
 
-This is the baseline arm of `tools/benchmark.py` (MONAI's fast-training notebook, in TensorFlow): a
+This is the baseline arm of `tfmis-benchmark` (MONAI's fast-training notebook, in TensorFlow): a
 typical first TensorFlow implementation reads each training volume from the MSD source folder every
 time it is used, in Python (`tf.py_function`), one at a time, and runs the whole preprocessing chain
 on it again:
@@ -42,6 +42,7 @@ from tfmis.data.msd import MSDDataset, load_case
 from tfmis.data.pipeline import input_shard, patch_augmentation, volume_crops, with_channel_count
 from tfmis.data.preprocess import PreprocessConfig, preprocess
 from tfmis.data.records import load_index, shard_paths, split_entry, split_parts
+from tfmis.errors import ConfigError, DataError, MissingInput
 from tfmis.transforms.crop import foreground_indices
 
 # the fast pipeline reads at most this many shard files at once (tfmis.data.pipeline._read)
@@ -72,14 +73,14 @@ class RegularSource:
         self.dataset_dir = Path(dataset_dir)
         source = Path(source_dir)
         if not (source / "dataset.json").is_file():
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"{source / 'dataset.json'}: not found; the regular pipeline reads the MSD folder "
                 f"that {dataset_dir} was converted from: set data.source_dir to it"
             )
         digest = hashlib.sha256((source / "dataset.json").read_bytes()).hexdigest()
         expected = self.index["source"].get("dataset_json_sha256")
         if expected and digest != expected:
-            raise ValueError(
+            raise DataError(
                 f"{source / 'dataset.json'} differs from the one converted into {dataset_dir} "
                 f"(converted from {self.index['source']['dir']}): set data.source_dir to that folder, "
                 "or convert this one again"
@@ -102,7 +103,7 @@ class RegularSource:
             image (x, y, z, C) in `image_dtype`, label (x, y, z) uint8.
         """
         if case_id not in self.cases:
-            raise KeyError(f"case {case_id!r} is not in the 'training' list of {self.dataset.root / 'dataset.json'}")
+            raise DataError(f"case {case_id!r} is not in the 'training' list of {self.dataset.root / 'dataset.json'}")
         loaded = load_case(self.cases[case_id], self.dataset)
         image, label, _ = preprocess(loaded.image, loaded.label, loaded.affine, self.preprocessing)
         return image, label
@@ -183,15 +184,15 @@ def build_regular_train_dataset(
     num_classes = len(index["source"]["labels"])
     channels = len(index["source"]["modalities"])
     if p.augment.rot90_prob > 0 and p.patch_size[0] != p.patch_size[1]:
-        raise ValueError(f"pipeline.augment.rot90_prob > 0 needs a square in-plane patch, got {p.patch_size}")
+        raise ConfigError(f"pipeline.augment.rot90_prob > 0 needs a square in-plane patch, got {p.patch_size}")
     if p.class_ratios is not None and len(p.class_ratios) != num_classes:
-        raise ValueError(f"pipeline.class_ratios has {len(p.class_ratios)} entries for {num_classes} classes")
+        raise ConfigError(f"pipeline.class_ratios has {len(p.class_ratios)} entries for {num_classes} classes")
     order = fast_volume_order(index, config.data.dataset_dir, config.data.train_split, input_context)
     if not order:
-        raise ValueError(f"{config.data.dataset_dir}: split {config.data.train_split!r} has no records")
+        raise DataError(f"{config.data.dataset_dir}: split {config.data.train_split!r} has no records")
     missing = [c for c in order if c not in source.cases]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"{source.dataset.root / 'dataset.json'} lists no training case {missing[:3]} of split "
             f"{config.data.train_split!r} of {config.data.dataset_dir}: set data.source_dir to the "
             "folder that was converted"

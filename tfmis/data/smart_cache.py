@@ -43,6 +43,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from tfmis.data.records import split_entry
+from tfmis.errors import ConfigError
 
 # volumes the partial cache's reader parses (and computes foreground indices for) at once: enough to refill
 # replace_num volumes per cycle in the background, few enough to keep the in-flight memory a small constant
@@ -109,7 +110,7 @@ def smart_cache(volumes: tf.data.Dataset, cache_num: int, replace_num: int, seed
         A dataset with the element structure of `volumes`, infinite.
     """
     if cache_num < 1 or replace_num < 0 or replace_num > cache_num:
-        raise ValueError(
+        raise ConfigError(
             f"smart_cache needs cache_num >= 1 and 0 <= replace_num <= cache_num, got {cache_num} and {replace_num}"
         )
     if replace_num == 0:

@@ -28,6 +28,7 @@ import socket
 import time
 from pathlib import Path
 
+from tfmis.errors import UsageError
 from tfmis.utils.io import atomic_write_json
 
 
@@ -61,7 +62,7 @@ def detect_launch(env=None) -> Launch:
             tf_config = json.loads(env["TF_CONFIG"])
             cluster, task = tf_config.get("cluster", {}), tf_config.get("task", {})
         except (ValueError, AttributeError) as e:
-            raise ValueError(
+            raise UsageError(
                 f"TF_CONFIG is not valid JSON with 'cluster' and 'task' ({e}): {env['TF_CONFIG']!r}"
             ) from None
         size = len(cluster.get("chief", [])) + len(cluster.get("worker", []))

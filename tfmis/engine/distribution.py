@@ -47,6 +47,7 @@ from tfmis.engine.cluster import (
     rendezvous_folder,
     wait_until_closed,
 )
+from tfmis.errors import ConfigError
 from tfmis.hardware import model_parallel_devices, nvidia_smi_available, physical_gpus
 
 
@@ -141,6 +142,11 @@ class Backend:
         may end the process with `exit_status`; here the caller returns it as usual."""
         if self.size > 1:
             self.barrier("finish")
+
+    def leave_after_failure(self, timeout_s: float = 120.0) -> None:
+        """Called by a worker whose run failed, so that the others do not wait for it at `finish`. Nothing here:
+        a collective barrier would hang on a peer stuck in another collective, and the launcher (mpirun, srun)
+        ends the job when one process fails."""
 
 
 class StrategyBackend(Backend):
@@ -321,6 +327,16 @@ class StrategyBackend(Backend):
             sys.stderr.flush()
             os._exit(exit_status)
 
+    def leave_after_failure(self, timeout_s: float = 120.0) -> None:
+        """Arrives at `finish`'s barrier (waiting at most `timeout_s`), so that the workers that finished leave
+        instead of waiting for this failed one; a barrier that fails (a lost peer) is ignored."""
+        if self.size == 1:
+            return
+        from tensorflow.python.eager import context
+
+        with contextlib.suppress(tf.errors.OpError):
+            context.context().wait_at_barrier("tfmis_finish", int(timeout_s * 1000))
+
 
 def _already_reduced(grads_and_vars):
     return list(grads_and_vars)
@@ -379,14 +395,14 @@ def make_backend(runtime="auto", devices=None, output_dir: str | Path | None = N
     parallel = getattr(runtime, "model_parallel", None)
     if parallel is not None and parallel.enabled:
         if name != "none":
-            raise ValueError(
+            raise ConfigError(
                 f"runtime.model_parallel.mode: {parallel.mode} runs one process over its devices and takes "
                 f"runtime.distribution: none (got {name}); for data parallelism with it use "
                 "runtime.model_parallel.data: groups of devices"
             )
         model_parallel_devices(parallel.devices * parallel.data)  # before anything touches the devices
     if name not in BACKENDS:
-        raise ValueError(
+        raise ConfigError(
             f"runtime.distribution: unknown backend {name!r}; expected auto or one of {', '.join(sorted(BACKENDS))}"
         )
     return BACKENDS[name](runtime, output_dir)
@@ -416,7 +432,7 @@ def _multiworker(runtime, output_dir):
             )
             _pin_local_gpu(launch.local_rank)
         elif launch.kind != "tf_config":
-            raise ValueError(
+            raise ConfigError(
                 "runtime.distribution: multiworker needs a cluster: set TF_CONFIG, or start the workers with "
                 "python -m tfmis.launch --nproc N -- python -m tfmis.train ..., srun (SLURM) or mpirun"
             )
@@ -442,12 +458,17 @@ def _multiworker(runtime, output_dir):
     return backend
 
 
+class HorovodUnavailable(ConfigError, RuntimeError):
+    """`runtime.distribution: horovod` in an environment without a working Horovod (exit 2: choose another
+    runtime.distribution, or run from Horovod's environment)."""
+
+
 @register_backend("horovod")
 def _horovod(runtime, output_dir):
     try:
         from tfmis.engine.horovod import HorovodBackend
     except ImportError as e:
-        raise RuntimeError(
+        raise HorovodUnavailable(
             f"runtime.distribution: horovod needs Horovod, which this environment lacks ({e}). "
             "Horovod 0.28.1 builds only against TensorFlow <= 2.16: make its environment with "
             "tools/install_horovod.sh, then run there"

@@ -47,7 +47,8 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from tfmis.engine.distribution import Backend
+from tfmis.engine.distribution import Backend, HorovodUnavailable
+from tfmis.errors import UsageError
 from tfmis.hardware import physical_gpus
 
 INSTALL_HINT = (
@@ -60,21 +61,21 @@ INSTALL_HINT = (
 
 
 def import_horovod():
-    """`horovod.tensorflow`, or a RuntimeError that says how to install it.
+    """`horovod.tensorflow`, or an error that says how to install it.
 
     Raises:
-        RuntimeError: Horovod is not importable, or was built without TensorFlow ops (or against
-            another TensorFlow than the one running).
+        HorovodUnavailable (a RuntimeError and a ConfigError): Horovod is not importable, or was built without
+            TensorFlow ops (or against another TensorFlow than the one running).
     """
     try:
         import horovod  # noqa: F401
     except ImportError as e:
-        raise RuntimeError(f"Horovod is not installed in {sys.executable} ({e}). {INSTALL_HINT}") from e
+        raise HorovodUnavailable(f"Horovod is not installed in {sys.executable} ({e}). {INSTALL_HINT}") from e
     try:
         import horovod.tensorflow as hvd
     except Exception as e:  # built without HOROVOD_WITH_TENSORFLOW, or an ABI mismatch with this TensorFlow
         version = getattr(sys.modules.get("horovod"), "__version__", "?")
-        raise RuntimeError(
+        raise HorovodUnavailable(
             f"Horovod {version} is installed in {sys.executable} but horovod.tensorflow does not load with "
             f"TensorFlow {tf.__version__} ({type(e).__name__}: {e}): it was built without TensorFlow ops "
             f"(HOROVOD_WITH_TENSORFLOW=1) or against another TensorFlow. {INSTALL_HINT}"
@@ -115,7 +116,7 @@ class HorovodBackend(Backend):
         gpus = physical_gpus()
         if gpus:
             if self.local_rank >= len(gpus):
-                raise RuntimeError(
+                raise UsageError(
                     f"runtime.distribution: horovod: process {self.rank} has local rank {self.local_rank} but its node "
                     f"has {len(gpus)} GPUs: start at most one process per GPU (horovodrun -np/-H slots, "
                     "--ntasks-per-node = GPUs per node)"
@@ -125,7 +126,7 @@ class HorovodBackend(Backend):
                 tf.config.set_visible_devices(gpu, "GPU")
                 tf.config.experimental.set_memory_growth(gpu, True)
             except RuntimeError as e:
-                raise RuntimeError(
+                raise UsageError(
                     f"runtime.distribution: horovod must pin one GPU per process before TensorFlow initialises its "
                     f"devices ({e}); build the backend first, before any model, tensor or device query"
                 ) from e
@@ -192,8 +193,8 @@ class HorovodBackend(Backend):
         Not one `hvd.allreduce` per tensor: in a tf.function, Grappler's common-subexpression
         elimination merges all-reduce ops whose inputs are identical expressions on one process but
         not on another; the processes then submit different collectives and hang or return wrong
-        values (measured with Horovod 0.28.1 on TensorFlow 2.16: two scalars equal on rank 1 only;
-        rank 1 merged their all-reduces and returned a wrong mean, rank 0 failed). A grouped all-reduce
+        values (Horovod 0.28.1, TensorFlow 2.16: two scalars equal on one process only are merged
+        there, which returns a wrong mean, while the other process fails). A grouped all-reduce
         is one op per dtype, which nothing can merge. Its name is short and the same on every process
         (Horovod matches the processes' requests by name; the default would join every tensor's name).
         """

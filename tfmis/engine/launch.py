@@ -26,6 +26,7 @@ import threading
 import time
 
 from tfmis.engine.cluster import free_ports
+from tfmis.errors import UsageError
 from tfmis.hardware import set_thread_env, threads_set_by_user, usable_cpu_count, visible_gpu_ids
 
 
@@ -71,7 +72,7 @@ def _prefix_output(stream, prefix: str, sink) -> None:
 def launch(command: list[str], nproc: int, grace_seconds: float = 60.0, gpus_per_worker: int | None = None) -> int:
     """Runs `command` as `nproc` workers of one cluster; returns 0 if all succeed, else the first failure's code."""
     if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        raise UsageError(f"--nproc must be >= 1, got {nproc}")
     procs = []
     threads = []
     environments = worker_environments(nproc, gpus_per_worker=gpus_per_worker)

@@ -41,29 +41,29 @@ from tfmis.data.records import RUN_DATA_FILE, training_data_info
 from tfmis.engine.callbacks import CallbackList, default_callbacks
 from tfmis.engine.distribution import Backend, make_backend
 from tfmis.engine.history import History
+from tfmis.errors import ConfigError, RunStateError, TrainingFailed
 from tfmis.hardware import accelerator_device, model_parallel_devices
 from tfmis.inference.placement import VolumePlacement
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.task import SegmentationTask
-from tfmis.utils.io import atomic_write_json, remove_temp_files
+from tfmis.utils.io import atomic_path, atomic_write_json
 from tfmis.utils.lock import FolderLocked, folder_lock
 
 BEST_WEIGHTS = "best.weights.h5"
 # an epoch's outputs before its checkpoint commits them (see Trainer._commit_epoch)
 STAGED_EPOCH = "epoch.staged.json"
 STAGED_BEST = "best.staged.weights.h5"
-STAGED_BEST_TMP = "best.tmp.weights.h5"  # being written; renamed to STAGED_BEST when complete
 # A step whose gradient holds NaN/Inf is skipped. In float32/bfloat16 that is an outlier batch; this many in a
 # row means the loss or the model is broken (under mixed_float16 the loss scaler would have lowered its scale
 # 2^20-fold by then, far past any float16 overflow), and so does an epoch in which every step was skipped.
 MAX_CONSECUTIVE_SKIPPED_STEPS = 20
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(TrainingFailed):
     """The loss, the gradients or the weights became NaN or infinite for good."""
 
 
-class RunExists(RuntimeError):
+class RunExists(RunStateError):
     """The output folder already holds checkpoints and --resume was not given."""
 
 
@@ -81,9 +81,10 @@ class Trainer:
         task: the `tfmis.task.SegmentationTask` that builds model, loss, optimizer, inputs and metrics
             (default: one for `config`).
 
-    The public steps: `train_step(batch)` (one optimizer step on a global batch), `predict_windows(windows)`
-    (the model's logits for a batch of sliding windows), `evaluate(dataset)` (sliding-window validation on
-    whole volumes) and `fit(resume)` (the loop).
+    The public steps: `train_step(batch)` (one optimizer step on a global batch), `train_loop(iterator)` (one
+    call of the compiled loop of `steps_per_loop` steps that `fit` runs), `predict_windows(windows)` (the model's
+    logits for a batch of sliding windows), `evaluate(dataset)` (sliding-window validation on whole volumes) and
+    `fit(resume)` (the loop).
     """
 
     def __init__(self, config, backend: Backend | None = None, train_dataset_fn=None, callbacks=(), task=None):
@@ -105,20 +106,20 @@ class Trainer:
         self.learning_rate = self.task.learning_rates(self.global_batch)[0]
         mp = config.runtime.model_parallel
         if mp.enabled and tc.jit_compile:
-            raise ValueError(
+            raise ConfigError(
                 "training.jit_compile: true does not work with runtime.model_parallel (XLA compiles for one device); "
                 "set training.jit_compile=false"
             )
         if mp.enabled and config.pipeline.num_images_per_batch % (
             mp.data * (mp.micro_batches if mp.mode == "pipeline" else 1)
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline.num_images_per_batch={config.pipeline.num_images_per_batch} must be a multiple of "
                 f"runtime.model_parallel.data ({mp.data}) x micro_batches ({mp.micro_batches}, pipeline mode): the "
                 "step's images are split over the data groups and then into micro-batches"
             )
         if tc.jit_compile and self.backend.name == "horovod":
-            raise ValueError(
+            raise ConfigError(
                 "training.jit_compile: true does not work with runtime.distribution: horovod (Horovod's "
                 "all-reduce inside the step has no XLA kernel); set training.jit_compile=false"
             )
@@ -174,8 +175,8 @@ class Trainer:
         def train_loop(iterator, num_steps: int):  # a function of its own per trainer, traced once per loop length
             return self._steps_loop(iterator, num_steps)
 
-        # no AutoGraph: the step is plain TensorFlow (explicit tf.cond / tf.while_loop), and converting it took
-        # 0.6 of the first epoch's 2.9 s of tracing on the demo
+        # no AutoGraph: the step is plain TensorFlow (explicit tf.cond / tf.while_loop), and converting it was a
+        # large share of the first epoch's tracing (docs/benchmarks.md, "First epoch, precision and other costs")
         self._train_loop = tf.function(train_loop, autograph=False)
         forward = self.parallel_inference or self.model
         self._forward = tf.function(lambda x: forward(x, training=False), reduce_retracing=True, autograph=False)
@@ -185,6 +186,30 @@ class Trainer:
         `pipeline.augment.placement: step`); returns (mean loss, 1.0 if the step was skipped for a
         non-finite gradient, else 0.0), as tensors."""
         return self._global_step(batch)
+
+    @property
+    def steps_per_loop(self) -> int:
+        """The optimizer steps of one `train_loop` call in `fit`: `training.steps_per_loop`, at most an epoch's
+        steps (an epoch's last loop is shorter when its steps do not divide evenly)."""
+        return max(1, min(self.config.training.steps_per_loop, self.steps_per_epoch))
+
+    def train_loop(self, iterator, num_steps: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`num_steps` (default `steps_per_loop`) optimizer steps in one call of the compiled loop `fit` runs, each
+        on the next batch of `iterator`; returns once they have run.
+
+        Args:
+            iterator: over `self.backend.distribute_dataset(dataset_fn)` of per-replica batches `(images,
+                labels)` (or `(images, labels, seeds)` with `pipeline.augment.placement: step`), as `fit`'s. The
+                loop is traced once per loop length and batch shapes and dtypes: batches with the shapes and
+                dtypes of the training stream's run the graph `fit` runs.
+            num_steps: the loop's length.
+
+        Returns:
+            (losses, skipped, waits), numpy arrays with one entry per step: the mean loss (float32), 1.0 if the
+            step was skipped for a non-finite gradient (float32), the seconds it waited for its batch (float64).
+        """
+        results = self._train_loop(iterator, self.steps_per_loop if num_steps is None else num_steps)
+        return tuple(v.numpy() for v in results)  # one host round-trip per loop
 
     def predict_windows(self, windows):
         """The model's logits for a batch of windows (B, x, y, z, C): the predictor `sliding_window_inference`
@@ -209,7 +234,8 @@ class Trainer:
         statistics over all replicas (synchronised BatchNorm, see `make_normalization`).
         """
         # a stream that does not state its channel count (one pulled inside the loop is traced from its element
-        # spec) would trace the convolutions with an unknown input depth, measured ~6x slower on a CPU
+        # spec) would trace the convolutions with an unknown input depth, which run several times slower on a CPU
+        # (docs/benchmarks.md, "First epoch, precision and other costs")
         images = tf.ensure_shape(images, [None] * (len(images.shape) - 1) + [self.in_channels])
         if self._step_augment is not None:
             if seeds is None:
@@ -373,7 +399,7 @@ class Trainer:
             mine = _checkpoint_number(latest)
             chief = int(self.backend.broadcast([mine])[0])
             if mine != chief:
-                raise RuntimeError(
+                raise RunStateError(
                     f"worker {self.backend.rank} sees checkpoint {mine} in {self.out / 'checkpoints'} but the chief "
                     f"sees {chief} (-1 = none): output.dir must be on a file system every worker shares"
                 )
@@ -427,14 +453,10 @@ class Trainer:
             return
         self._discard_staged()
         if improved:  # fit() checked the weights are finite right after the epoch's steps
-            tmp = self.out / STAGED_BEST_TMP  # Keras wants the .weights.h5 suffix; rename is atomic
-            _check_free_space(tmp, _weights_file_bytes(self.model))
-            try:
+            staged = self.out / STAGED_BEST
+            _check_free_space(staged, _weights_file_bytes(self.model))
+            with atomic_path(staged, suffix=".weights.h5") as tmp:  # Keras picks the format from the suffix
                 self.model.save_weights(str(tmp))
-            except BaseException:  # a full disk (h5py's RuntimeError) or a kill: no half-written file stays
-                tmp.unlink(missing_ok=True)
-                raise
-            os.replace(tmp, self.out / STAGED_BEST)
         atomic_write_json(self.out / STAGED_EPOCH, record)
         self.manager.save(checkpoint_number=record["epoch"])
         self._publish_epoch(record, history)
@@ -448,7 +470,7 @@ class Trainer:
         (self.out / STAGED_EPOCH).unlink(missing_ok=True)
 
     def _discard_staged(self) -> None:
-        for name in (STAGED_EPOCH, STAGED_BEST, STAGED_BEST_TMP):
+        for name in (STAGED_EPOCH, STAGED_BEST):
             (self.out / name).unlink(missing_ok=True)
 
     def fit(self, resume: bool = False) -> dict:
@@ -463,9 +485,7 @@ class Trainer:
         Raises:
             FolderLocked: another live process holds the run folder (on every worker of a multi-worker run).
         """
-        with run_folder_lock(self.backend, self.out) as locked:
-            if locked:  # temporaries of a writer that died (every writer holds the lock)
-                remove_temp_files(self.out)
+        with run_folder_lock(self.backend, self.out):  # taking it removes the temporaries of dead writers
             return self._fit(resume)
 
     def _fit(self, resume: bool) -> dict:
@@ -525,7 +545,7 @@ class Trainer:
     def _train_epoch(self, epoch: int, iterator, callbacks) -> dict:
         """The epoch's optimizer steps; returns its record so far (loss, throughput, input wait, skips).
 
-        The steps run `training.steps_per_loop` at a time (`_steps_loop`; the epoch's last loop is shorter
+        The steps run `steps_per_loop` at a time (`train_loop`; the epoch's last loop is shorter
         when the steps do not divide evenly) and the host reads a loop's losses once it returns: the
         callbacks then get `on_step_begin` for every step of a loop before it runs and `on_step_end` for
         every step after it returns, in step order. `data_wait_seconds` sums the time the steps waited for
@@ -534,7 +554,7 @@ class Trainer:
         wait = compute = 0.0
         losses = []
         skipped = 0
-        per_loop = max(1, min(self.config.training.steps_per_loop, self.steps_per_epoch))
+        per_loop = self.steps_per_loop
         for first in range(0, self.steps_per_epoch, per_loop):
             n = min(per_loop, self.steps_per_epoch - first)
             for step in range(first, first + n):
@@ -542,8 +562,7 @@ class Trainer:
             global_step = (epoch - 1) * self.steps_per_epoch + first + 1
             t0 = time.perf_counter()
             with tf.profiler.experimental.Trace("train_step", step_num=global_step, steps=n, _r=1):
-                results = self._train_loop(iterator, n)
-                loop_losses, loop_skipped, loop_waits = (v.numpy() for v in results)  # one host round-trip per loop
+                loop_losses, loop_skipped, loop_waits = self.train_loop(iterator, n)
             loop_seconds = time.perf_counter() - t0
             loop_wait = min(float(np.sum(loop_waits)), loop_seconds)
             wait, compute = wait + loop_wait, compute + (loop_seconds - loop_wait)

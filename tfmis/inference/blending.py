@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfmis.hardware import CPU, accelerator_device
 from tfmis.inference.windows import SPATIAL_DIMS
 from tfmis.utils.progress import progress_bar
 
@@ -36,7 +37,7 @@ def aggregates_on_host(device: str | None) -> bool:
         (True, False)
     """
     if not device:
-        return not tf.config.list_logical_devices("GPU")
+        return accelerator_device() == CPU
     return (tf.DeviceSpec.from_string(device).device_type or "").upper() == "CPU"
 
 
@@ -143,8 +144,9 @@ class HostBlend:
     of the predictions, and no whole-volume division or float32 copy is needed at the end.
 
     Numpy's in-place add of a window into a strided region of the volume touches each voxel of
-    the window once; TensorFlow on a CPU has no such op (a strided-slice assignment is ~20x slower
-    per voxel), so host memory is blended with numpy. Windows and the result reach TensorFlow
+    the window once; TensorFlow on a CPU has no such op (a strided-slice assignment is many times
+    slower per voxel: docs/benchmarks.md, "First epoch, precision and other costs"), so host memory is
+    blended with numpy. Windows and the result reach TensorFlow
     without a copy (`_host_tensor`).
     """
 

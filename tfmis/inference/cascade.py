@@ -25,6 +25,7 @@ import numpy as np
 from scipy import ndimage
 
 from tfmis.config import load_config
+from tfmis.errors import ConfigError, DataError, MissingInput
 from tfmis.inference.predictor import GridPrediction, Predictor, run_config
 from tfmis.inference.restore import original_box
 
@@ -160,7 +161,7 @@ class CascadePredictor(Predictor):
     def __init__(self, config, checkpoint, coarse: Predictor, **kwargs):
         super().__init__(config, checkpoint, **kwargs)
         if list(coarse.class_names) != list(self.class_names):
-            raise ValueError(
+            raise DataError(
                 f"cascade.coarse_run: its classes {coarse.class_names} differ from this run's {self.class_names}"
             )
         self.coarse = coarse
@@ -169,7 +170,7 @@ class CascadePredictor(Predictor):
         fine = config.cascade.fine_classes
         self.fine_classes = sorted(fine) if fine else None
         if self.fine_classes and max(self.fine_classes) >= len(self.class_names):
-            raise ValueError(f"cascade.fine_classes {fine}: this run has labels 0..{len(self.class_names) - 1}")
+            raise ConfigError(f"cascade.fine_classes {fine}: this run has labels 0..{len(self.class_names) - 1}")
         self.last_region = ""
         self.last_boxes: list[Box] = []
 
@@ -246,7 +247,7 @@ def make_predictor(config, checkpoint, **kwargs) -> Predictor:
         coarse_runs = [load_config(run_config(run)).cascade.coarse_run for run in checkpoints]
         if any(coarse_runs) and not all(coarse_runs):
             missing = next(run for run, coarse in zip(checkpoints, coarse_runs) if not coarse)
-            raise ValueError(
+            raise DataError(
                 f"{missing}: its config.yaml has no cascade.coarse_run, other folds of this ensemble have one: the "
                 "folds of an ensemble must be one configuration"
             )
@@ -255,7 +256,7 @@ def make_predictor(config, checkpoint, **kwargs) -> Predictor:
         return Predictor(config, checkpoint, **kwargs)
     for coarse_run in coarse_runs:
         if not Path(coarse_run).is_dir():
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"cascade.coarse_run: {coarse_run} is not a run folder; train the coarse stage first (python -m "
                 f"tfmis.train --config <its plan.yaml>) or set cascade.coarse_run to where it is"
             )

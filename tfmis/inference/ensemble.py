@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from tfmis.config import ConfigError, PostprocessingConfig, from_dict, load_config
+from tfmis.errors import DataError, MissingInput, UsageError
 from tfmis.inference.cascade import make_predictor
 from tfmis.inference.predictor import ScanPredictor, run_config
 from tfmis.inference.restore import paint_regions
@@ -117,7 +118,7 @@ def resolve_checkpoint(checkpoint: str | Path, folds: list[int] | None = None) -
         member = _member(path.name, path, _expected_folds(path), folds, {})
         return PredictionSource("folds", [member], folder=path)
     if folds is not None:
-        raise ValueError(
+        raise UsageError(
             f"--folds: {checkpoint} is one run, not a folder of folds (fold_<k> subfolders) or a cross-validation "
             f"folder ({CROSSVAL_FILE})"
         )
@@ -149,9 +150,9 @@ def _read_crossval(folder: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e}): rerun tfmis-crossval to rewrite it") from e
+        raise DataError(f"{path} is not readable JSON ({e}): rerun tfmis-crossval to rewrite it") from e
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping, got {type(data).__name__}: rerun tfmis-crossval to rewrite it")
+        raise DataError(f"{path}: expected a mapping, got {type(data).__name__}: rerun tfmis-crossval to rewrite it")
     return data
 
 
@@ -161,18 +162,18 @@ def _from_crossval(folder: Path, folds: list[int] | None) -> PredictionSource:
     chosen = data.get("chosen") or {}
     names = chosen.get("configurations") or []
     if not names:
-        raise ValueError(f"{path} has no chosen configuration yet: let tfmis-crossval finish (rerun it to resume)")
+        raise DataError(f"{path} has no chosen configuration yet: let tfmis-crossval finish (rerun it to resume)")
     configurations = data.get("configurations") or {}
     members = []
     for name in names:
         if name not in configurations:
-            raise ValueError(f"{path}: the chosen configuration {name!r} is not among its configurations")
+            raise DataError(f"{path}: the chosen configuration {name!r} is not among its configurations")
         runs = {int(k): _fold_path(folder, name, int(k), v) for k, v in configurations[name].get("folds", {}).items()}
         members.append(_member(name, folder / name, [int(k) for k in data.get("folds", runs)], folds, runs))
     try:
         postprocessing = from_dict(PostprocessingConfig, chosen.get("postprocessing"), "chosen.postprocessing.")
     except ConfigError as e:
-        raise ValueError(f"{path}: {e}") from e
+        raise DataError(f"{path}: {e}") from e
     return PredictionSource("crossval", members, postprocessing, folder)
 
 
@@ -189,7 +190,7 @@ def _member(name: str, folder: Path, expected: list[int], wanted: list[int] | No
     if wanted is not None:
         unknown = [k for k in wanted if k not in expected]
         if unknown:
-            raise ValueError(
+            raise UsageError(
                 f"--folds {','.join(map(str, wanted))}: {folder} has no fold {unknown[0]} (its folds: "
                 f"{', '.join(map(str, expected))})"
             )
@@ -218,11 +219,9 @@ def _check_fold(run: Path, what: str, others: str) -> str | None:
 
 def _check_run(run: Path, what: str, leave_out: str) -> None:
     if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(
-            f"{what}: {run} is missing (no config.yaml): rerun tfmis-crossval to train it{leave_out}"
-        )
+        raise MissingInput(f"{what}: {run} is missing (no config.yaml): rerun tfmis-crossval to train it{leave_out}")
     if not (run / WEIGHTS).is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"{what}: {run} has no {WEIGHTS} (its training did not finish): rerun tfmis-crossval to finish "
             f"it{leave_out}"
         )
@@ -240,7 +239,7 @@ def build_predictor(source: PredictionSource, config=None, adjust=None, **kwargs
         kwargs: `Predictor`'s (sliding window, device, test-time augmentation, buffer dtype).
     """
     if config is not None and len(source.members) > 1:
-        raise ValueError(
+        raise UsageError(
             f"--config: {source.folder / CROSSVAL_FILE} chose {len(source.members)} configurations, each with its own "
             "config.yaml: leave --config out"
         )
@@ -293,13 +292,13 @@ class ConfigurationEnsemble(ScanPredictor):
                 list(member.class_names) != list(first.class_names)
                 or member.task.paint_labels != first.task.paint_labels
             ):
-                raise ValueError(
+                raise DataError(
                     f"configuration {name}: its classes {member.class_names} (regions {member.task.paint_labels}) "
                     f"differ from {names[0]}'s {first.class_names} (regions {first.task.paint_labels}): only "
                     "configurations of the same classes can be averaged"
                 )
             if len(member.modalities) != len(first.modalities):
-                raise ValueError(
+                raise DataError(
                     f"configuration {name}: its channels {member.modalities} differ from {names[0]}'s "
                     f"{first.modalities}"
                 )

@@ -37,6 +37,7 @@ from typing import Literal, TypeVar
 
 import tensorflow as tf
 
+from tfmis.errors import ConfigError, ResourceError
 from tfmis.hardware import CPU, accelerator_device
 from tfmis.utils.memory import error_line, is_out_of_memory  # noqa: F401  (is_out_of_memory: part of this interface)
 
@@ -49,7 +50,7 @@ OVER_BUDGET = "over the accelerator memory budget"
 T = TypeVar("T")
 
 
-class VolumeOutOfMemory(tf.errors.ResourceExhaustedError):
+class VolumeOutOfMemory(tf.errors.ResourceExhaustedError, ResourceError):
     """A volume did not fit where the policy allows it to go; the message names the case and the fix."""
 
     def __init__(self, message: str):
@@ -142,9 +143,9 @@ class VolumePlacement:
         device_setting: str = "validation.validation_data_device",
     ):
         if mode not in PLACEMENT_MODES:
-            raise ValueError(f"{device_setting} must be one of {PLACEMENT_MODES}, got {mode!r}")
+            raise ConfigError(f"{device_setting} must be one of {PLACEMENT_MODES}, got {mode!r}")
         if sw_batch_size < 1:
-            raise ValueError(f"sw_batch_size must be >= 1, got {sw_batch_size}")
+            raise ConfigError(f"sw_batch_size must be >= 1, got {sw_batch_size}")
         self.mode = mode
         self.sw_batch_size = int(sw_batch_size)
         self.accelerator = accelerator or accelerator_device()

@@ -24,8 +24,8 @@ mask), then works inside the box only: at most about 4 bytes per voxel of the bo
 mask of removed voxels and a comparison's temporary; 6 beyond 65535 pieces) plus a slab's temporaries; a small
 structure in a large map never costs a map-sized array. `choose_postprocessing` holds one case at a time: its
 prediction and reference (uint8, 2 bytes per voxel), a step's box as above and the slab-wise confusion counts'
-temporaries (`tfmis.metrics.segmentation`), plus one K x K confusion matrix per case (e.g. 512x512x300 cases whose
-foreground box is half the scan: 330 MiB above the baseline, 4.4x one uint8 map).
+temporaries (`tfmis.metrics.segmentation`), plus one K x K confusion matrix per case (measured peaks:
+docs/crossval.md, "Postprocessing").
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import numpy as np
 from scipy import ndimage
 
 from tfmis.config import PostprocessingConfig
+from tfmis.errors import DataError, MissingInput
 from tfmis.metrics.segmentation import SLAB_SLICES, _confusion, region_masks
 
 # a step: the labels of one structure, or None for the whole foreground (every label but 0)
@@ -200,7 +201,7 @@ def structure_dice(
     ```
     """
     if prediction.shape != reference.shape:
-        raise ValueError(f"prediction shape {prediction.shape} differs from reference shape {reference.shape}")
+        raise DataError(f"prediction shape {prediction.shape} differs from reference shape {reference.shape}")
     highest = max(max(labels) for labels in structures.values())
     if prediction.size:
         highest = max(highest, int(prediction.max()), int(reference.max()))
@@ -284,18 +285,16 @@ def _check_structures(class_labels, regions) -> tuple[dict[str, tuple[int, ...]]
 def _check_cases(cases, output_folder) -> list[tuple[Path, Path]]:
     pairs = [(Path(prediction), Path(reference)) for prediction, reference in cases]
     if not pairs:
-        raise ValueError(
-            "choose_postprocessing: no cases; give (prediction, reference) NIfTI paths of out-of-fold maps"
-        )
+        raise DataError("choose_postprocessing: no cases; give (prediction, reference) NIfTI paths of out-of-fold maps")
     for prediction, reference in pairs:
         for path, what in ((prediction, "prediction"), (reference, "reference")):
             if not path.is_file():
-                raise FileNotFoundError(f"{what} {path} not found: every case needs its prediction and reference")
+                raise MissingInput(f"{what} {path} not found: every case needs its prediction and reference")
     if output_folder is not None:
         names = [prediction.name for prediction, _ in pairs]
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
-            raise ValueError(f"output_folder: predictions share file names {twice[:3]}; give each case its own name")
+            raise DataError(f"output_folder: predictions share file names {twice[:3]}; give each case its own name")
     return pairs
 
 
@@ -312,7 +311,7 @@ def _read_reference(path: Path, num_classes: int, shape) -> np.ndarray:
     """The reference label map of a prediction of `shape`; ValueError naming it when its shape differs."""
     reference = _read_labels(path, num_classes)
     if reference.shape != tuple(shape):
-        raise ValueError(
+        raise DataError(
             f"reference {path} has shape {reference.shape}, its prediction {tuple(shape)}: out-of-fold predictions "
             "must lie on their reference's grid"
         )

@@ -42,7 +42,8 @@ import tensorflow as tf
 from tfmis.data.msd import CaseError, case_id_from_path, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info, split_entry
-from tfmis.hardware import CPU, accelerator_device, model_parallel_devices
+from tfmis.errors import DataError, MissingInput, UsageError
+from tfmis.hardware import CPU, accelerator_device, model_parallel_devices, peak_rss_mb, reset_peak_rss
 from tfmis.inference.blending import check_buffer_dtype
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
 from tfmis.inference.postprocess import apply_postprocessing
@@ -56,8 +57,7 @@ from tfmis.inference.restore import (
 )
 from tfmis.inference.sliding_window import sliding_window_inference
 from tfmis.task import SegmentationTask
-from tfmis.utils.io import atomic_writer
-from tfmis.utils.memory import peak_rss_mb, reset_peak_rss
+from tfmis.utils.io import atomic_save_nifti, atomic_writer
 from tfmis.utils.table import text_table
 
 
@@ -140,7 +140,7 @@ def run_config(checkpoint: str | Path) -> Path:
     """The config.yaml of the run that `checkpoint` belongs to; a clear error when there is none."""
     run = find_run_dir(checkpoint)
     if run is None:
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no config.yaml in or above --checkpoint {checkpoint}: give the training run's config with --config"
         )
     return run / "config.yaml"
@@ -153,12 +153,12 @@ def load_weights(model, checkpoint: str | Path) -> Path:
         path = path / "best.weights.h5"
     if path.suffix == ".h5":
         if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {path} does not exist")
+            raise MissingInput(f"checkpoint {path} does not exist")
         model.load_weights(str(path))
         return path
     prefix = tf.train.latest_checkpoint(str(path)) if path.is_dir() else str(path)
     if prefix is None or not Path(prefix + ".index").is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no checkpoint at {checkpoint}: give best.weights.h5, a run folder, or a "
             "checkpoints/ folder or ckpt-N prefix"
         )
@@ -173,7 +173,7 @@ def load_weights(model, checkpoint: str | Path) -> Path:
             if found
             else str(e).splitlines()[0].rstrip(".")
         )
-        raise ValueError(
+        raise DataError(
             f"checkpoint {prefix} does not fit this model (model.* of the config): {what}. "
             "Predict with the config.yaml of the run that wrote the checkpoint"
         ) from e
@@ -210,7 +210,7 @@ def _check_same_training_data(index: dict, checkpoint, first, dataset_dir) -> No
         mine = other[key] if key == "preprocessing" else (other[key]["modalities"], other[key]["labels"])
         theirs = index[key] if key == "preprocessing" else (index[key]["modalities"], index[key]["labels"])
         if mine != theirs:
-            raise ValueError(
+            raise DataError(
                 f"{checkpoint}: its {what} (training_data.json) differ from those of {first}: the runs of an "
                 "ensemble must be folds of one configuration"
             )
@@ -380,7 +380,7 @@ class Predictor(ScanPredictor):
         v = config.validation
         checkpoints = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
         if not checkpoints:
-            raise ValueError("Predictor: no checkpoint given (an empty list of runs)")
+            raise UsageError("Predictor: no checkpoint given (an empty list of runs)")
         # preprocessing, channels and classes from the run folder (the TFRecords may be gone)
         self.index = load_training_data_info(find_run_dir(checkpoints[0]), config.data.dataset_dir)
         for other in checkpoints[1:]:
@@ -398,7 +398,7 @@ class Predictor(ScanPredictor):
         self.overlap = v.overlap if overlap is None else overlap
         self.mode = mode or v.mode
         if device not in (None, "gpu", "cpu"):
-            raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
+            raise UsageError(f"device must be 'gpu' or 'cpu', got {device!r}")
         mp = config.runtime.model_parallel
         # one model over several devices (runtime.model_parallel), set up before anything touches a device
         parallel_devices = model_parallel_devices(mp.devices) if mp.enabled else None
@@ -624,7 +624,7 @@ def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=
                 outside.append((low, high))
     if outside:
         low, high = min(low for low, _ in outside), max(high for _, high in outside)
-        raise ValueError(
+        raise DataError(
             f"label {path} holds values outside the classes 0..{num_classes - 1} (in [{low}, {high}] where it does)"
         )
     return out
@@ -667,11 +667,7 @@ def save_like(data: np.ndarray, affine: np.ndarray, header, path: Path, dtype) -
     """
     new_header = header.copy()
     new_header.set_data_dtype(dtype)
-    img = nib.Nifti1Image(data, affine, new_header)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name.replace(".nii", ".tmp.nii"))
-    nib.save(img, str(tmp))
-    tmp.replace(path)
+    atomic_save_nifti(nib.Nifti1Image(data, affine, new_header), path)
 
 
 def collect_inputs(
@@ -702,7 +698,7 @@ def collect_inputs(
             try:
                 ids = set(split_entry(index, split)["cases"])  # one split, or several joined: fold0+fold1
             except (KeyError, TypeError, ValueError):
-                raise ValueError(
+                raise UsageError(
                     f"--subset {subset}: the training run's dataset has splits "
                     f"{sorted(index['splits']) if index else []}"
                 ) from None
@@ -712,7 +708,7 @@ def collect_inputs(
                 if c.case_id in ids
             ]
         else:
-            raise ValueError(f"--subset must be test, training or split:NAME, got {subset!r}")
+            raise UsageError(f"--subset must be test, training or split:NAME, got {subset!r}")
     elif path.is_dir():
         files = sorted(
             p for p in path.iterdir() if p.name.endswith((".nii.gz", ".nii")) and not p.name.startswith("._")
@@ -721,13 +717,13 @@ def collect_inputs(
     elif path.is_file():
         cases = [InputCase(case_id_from_path(path.name), str(path))]
     else:
-        raise FileNotFoundError(f"--input {path} does not exist")
+        raise MissingInput(f"--input {path} does not exist")
     if label_dir is not None:
         for c in cases:
             candidate = Path(label_dir) / Path(c.image).name
             c.label = str(candidate) if candidate.is_file() else c.label
     if not cases:
-        raise ValueError(f"--input {path}: no NIfTI images found")
+        raise DataError(f"--input {path}: no NIfTI images found")
     return cases
 
 

@@ -1,7 +1,7 @@
 """From blended logits on the preprocessed grid to a label map (and probabilities) on the original grid,
 with bounded memory.
 
-Whole-scan prediction used to hold several full-size float32 arrays at once: the logits, their
+Taken whole, the restore would hold several full-size float32 arrays at once: the logits, their
 softmax and its temporaries, K probability maps resampled to the original grid and their stack.
 Here the softmax is taken in place, a few slices at a time, in the logits' own buffer (float32 or
 float16), and the original grid is filled slab by slab (`SLAB_VOXELS` output voxels at a time): each
@@ -16,8 +16,8 @@ coordinates; float16 logits round the probabilities to about 1e-3.
 A label map alone is cheaper still (`restore_labels(..., probabilities_out=False)`, what `predict` writes): an
 output voxel whose eight interpolation corners on the preprocessed grid share one argmax has that argmax (each
 corner's winning class beats every other class there, and a weighted mean keeps that order), so only voxels in
-cells whose corners disagree (the classes' borders, a few % of a scan) are interpolated; the rest are looked up.
-On a 512x512x600 CT restored from a 4.3 mm grid this took the restore from 28 s to about 1 s.
+cells whose corners disagree (the classes' borders, a few % of a scan) are interpolated; the rest are looked up
+(its speed on a real-size CT: docs/benchmarks.md, "A region per structure, at real anatomy").
 
 The logits may cover only a box of the preprocessed grid (`offset`), and only a box of the original
 grid may be filled (`box`, e.g. a cascade's region of interest): the rest is background.

@@ -121,9 +121,9 @@ class UNetArchitecture:
             weights are the inference model's. 0 = off.
         kernel_initializer: "he_normal" (default; the 1×1×1 heads Glorot-uniform) or "pytorch": PyTorch's default
             convolution initialisation, which MONAI's networks get, kaiming-uniform with a=√5, i.e. U(±1/√fan_in)
-            for every convolution and head. Its weights are about 2.4× smaller than He-normal's; behind a
-            normalization that scales Adam's relative update up by as much (on the demo: grey and white matter
-            learn sooner, the lesion swings more).
+            for every convolution and head. Its weights are √6 ≈ 2.4× smaller than He-normal's (standard
+            deviation); behind a normalization that scales Adam's relative update up by as much (its effect on
+            the demo: docs/benchmarks.md, "Other variants measured").
         output: what the output channels mean: "classes" (one logit per class, background included: softmax,
             argmax) or "regions" (nnU-Net's region-based training, its BraTS setting: one sigmoid logit per label
             union of the training config's `validation.regions`, painted back into a label map in their order;

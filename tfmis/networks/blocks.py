@@ -516,9 +516,9 @@ def full_resolution_upsample_filters(filters0: int, in_channels: int) -> int:
     """Channels the features are upsampled to when they join the image at full resolution (`strides[0] > 1`).
 
     `filters0 − in_channels`, so that features and image together have `filters0` channels: oneDNN's CPU
-    convolutions are blocked by 8 channels, and a 3×3×3 convolution over 10 channels (8 features + a
-    2-channel image) measured twice as slow as over 8. Falls back to `filters0` when that would keep fewer
-    than half of them.
+    convolutions are blocked by 8 channels, so a 3×3×3 convolution over 10 channels (8 features + a 2-channel
+    image) is much slower than over 8 (docs/benchmarks.md, "First epoch, precision and other costs"). Falls back
+    to `filters0` when that would keep fewer than half of them.
 
     Example:
         >>> full_resolution_upsample_filters(8, 2), full_resolution_upsample_filters(8, 6)

@@ -2,14 +2,14 @@
 
 Keras 3's TensorFlow optimizer writes Adam's update of each variable as about twenty small ops (the
 step's bias corrections, the two moment updates, the weight update) plus five more for AdamW's weight
-decay. For the demo's U-Net (136 variables) that is half of the training step's graph: measured on 2
-CPU cores, it doubled the step's tracing time (1.4 → 3.0 s) and added 1 s of graph optimisation
-before the first step, about 2.5 s of every run's first epoch, while its steady-state cost was within
-noise. Here each variable's update is `ResourceApplyAdam`, the kernel `tf.compat.v1`'s Adam used, and
-the scalars (learning rate, bias corrections, weight-decay factor) are computed once per step for all
-variables. The arithmetic is Keras' (Kingma & Ba's Adam with ε added to √v̂ in the step-size form, and
-Loshchilov & Hutter's decoupled decay `w ← w − lr · wd · w` before it); AMSGrad, sparse gradients and
-other backends fall back to Keras' own ops.
+decay. For the demo's U-Net that is half of the training step's graph: it lengthens the step's tracing
+and the graph optimisation before the first step, a cost every run's first epoch pays, while its
+steady-state cost is within noise (docs/benchmarks.md, "First epoch, precision and other costs"). Here
+each variable's update is `ResourceApplyAdam`, the kernel `tf.compat.v1`'s Adam used, and the scalars
+(learning rate, bias corrections, weight-decay factor) are computed once per step for all variables. The
+arithmetic is Keras' (Kingma & Ba's Adam with ε added to √v̂ in the step-size form, and Loshchilov &
+Hutter's decoupled decay `w ← w − lr · wd · w` before it); AMSGrad, sparse gradients and other backends
+fall back to Keras' own ops.
 """
 
 from __future__ import annotations

@@ -242,11 +242,12 @@ class OncePerStep(LearningRateSchedule):
     """`schedule`, computed once per traced step instead of once per variable.
 
     Keras' TensorFlow optimizer reads `learning_rate` once per variable when it applies weight decay, and with a
-    schedule each read evaluates the schedule again: in the demo's step graph that was ~2,500 of its ~6,500 ops
-    and 0.6 s of its tracing. This wrapper keeps the first value computed in a graph for the same step variable
-    (`optimizer.iterations`, passed as the variable itself) and returns it for the other reads in that graph;
-    eagerly, or for any other step argument, it evaluates `schedule`. It assumes one optimizer step per traced
-    graph, as the `Trainer`'s step takes (a loop over steps traces its body as a graph of its own).
+    schedule each read evaluates the schedule again, a large share of the step graph's ops and of its tracing
+    (docs/benchmarks.md, "First epoch, precision and other costs"). This wrapper keeps the first value computed in
+    a graph for the same step variable (`optimizer.iterations`, passed as the variable itself) and returns it for
+    the other reads in that graph; eagerly, or for any other step argument, it evaluates `schedule`. It assumes
+    one optimizer step per traced graph, as the `Trainer`'s step takes (a loop over steps traces its body as a
+    graph of its own).
 
     Args:
         schedule: the `LearningRateSchedule` to evaluate.

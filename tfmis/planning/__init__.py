@@ -17,7 +17,7 @@ plan.write("runs/Task09_Spleen/plan.yaml")
 or from a shell: `python -m tfmis.plan --source-dir data/Task09_Spleen`.
 """
 
-from tfmis.planning.api import plan_dataset, plan_dataset_stages, plan_with_cached_gpu_fit
+from tfmis.planning.api import plan_dataset, plan_dataset_stages, replan_with_cached_gpu_fit
 from tfmis.planning.fingerprint import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, has_conversion
 from tfmis.planning.planner import ExperimentPlanner, Plan, default_dataset_dir, default_output_dir, make_plan
 
@@ -33,5 +33,5 @@ __all__ = [
     "make_plan",
     "plan_dataset",
     "plan_dataset_stages",
-    "plan_with_cached_gpu_fit",
+    "replan_with_cached_gpu_fit",
 ]

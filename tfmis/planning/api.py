@@ -1,7 +1,8 @@
 """The front door of planning: plan an MSD folder on this machine, with the GPU-fit search's measurement where
 one is cached. `python -m tfmis.plan` and `python -m tfmis.train --source-dir` both come through here.
 
-The only module of `tfmis.planning` that reaches into `tfmis.tune` (for the GPU-fit search's cache).
+The only module of `tfmis.planning` that reaches into `tfmis.tune` (for the GPU-fit search's cache): every
+stage of a plan gets the cached measurement of its own config.
 
 Example:
 ```python
@@ -14,6 +15,7 @@ print(plan.table())
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from tfmis.hardware import Hardware, detect_hardware
 from tfmis.planning.fingerprint import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, has_conversion
@@ -33,24 +35,41 @@ def dataset_fingerprint(
     return fingerprint_msd(source_dir, workers=workers, progress=progress)
 
 
-def plan_with_cached_gpu_fit(
-    fingerprint: DatasetFingerprint, hardware: Hardware, config, **plan_args
-) -> tuple[Plan, dict] | None:
-    """(the plan made again with the GPU-fit search's measured batch size, sliding-window batch size and
-    placement, those values) for `config`, the planned config as it will train; None without a GPU, a
-    converted dataset, or a cached search of exactly that config on this GPU.
-
-    Args:
-        plan_args: `make_plan`'s keyword arguments (source_dir, dataset_dir, output_dir, ...).
-    """
-    if not hardware.has_gpu:
+def cached_gpu_fit_lookup(hardware: Hardware, dataset_dir) -> Callable | None:
+    """`config -> the GPU-fit search's cached choice for it, or None` when there is a GPU and `dataset_dir` holds
+    a conversion (the cache is keyed by the converted data); None otherwise."""
+    if not hardware.has_gpu or not has_conversion(dataset_dir):
         return None
     from tfmis.tune.fit import cached_choice
 
-    fitted = cached_choice(config)
-    if fitted is None:
+    return cached_choice
+
+
+def replan_with_cached_gpu_fit(
+    fingerprint: DatasetFingerprint,
+    hardware: Hardware,
+    *,
+    configuration: str | None = None,
+    lookup: Callable | None = None,
+    max_minutes: float | None = None,
+    **plan_args,
+) -> StagedPlan | None:
+    """The stages planned again, each with the GPU-fit search's cached measurement of its own config (batch size,
+    sliding-window batch size, placement); None without a GPU or when no stage has a measurement.
+
+    Args:
+        configuration: the configuration planned before (so the same stages are planned).
+        lookup: `config -> fitted values or None` (default: the search's cache, `tfmis.tune.fit.cached_choice`).
+        plan_args: `plan_stages`' folder arguments (source_dir, dataset_dir, output_dir).
+    """
+    if not hardware.has_gpu:
         return None
-    return make_plan(fingerprint, hardware, gpu_fit=fitted, **plan_args), fitted
+    if lookup is None:
+        from tfmis.tune.fit import cached_choice as lookup
+    staged = plan_stages(
+        fingerprint, hardware, configuration=configuration, max_minutes=max_minutes, gpu_fit_for=lookup, **plan_args
+    )
+    return staged if staged.gpu_fitted else None
 
 
 def plan_dataset(
@@ -74,9 +93,10 @@ def plan_dataset(
         hardware: default `detect_hardware()`.
     """
     fingerprint, hardware, plan_args = _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hardware)
-    return _with_cached_gpu_fit(
-        make_plan(fingerprint, hardware, **plan_args), fingerprint, hardware, plan_args
-    ), fingerprint
+    lookup = cached_gpu_fit_lookup(hardware, plan_args["dataset_dir"])
+    plan = make_plan(fingerprint, hardware, **plan_args)
+    fitted = lookup(plan.config()) if lookup is not None else None
+    return (plan if fitted is None else make_plan(fingerprint, hardware, gpu_fit=fitted, **plan_args)), fingerprint
 
 
 def _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hardware) -> tuple:
@@ -86,15 +106,6 @@ def _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hard
     fingerprint = dataset_fingerprint(source_dir, target_dir, workers, progress)
     plan_args = {"source_dir": str(source_dir), "dataset_dir": str(target_dir), "output_dir": str(output_dir)}
     return fingerprint, hardware or detect_hardware(), plan_args
-
-
-def _with_cached_gpu_fit(plan: Plan, fingerprint, hardware, plan_args: dict, **extra) -> Plan:
-    """`plan`, or the plan made again with the GPU-fit search's cached measurement when its dataset is converted."""
-    if has_conversion(plan_args["dataset_dir"]):
-        measured = plan_with_cached_gpu_fit(fingerprint, hardware, plan.config(), **extra, **plan_args)
-        if measured is not None:
-            return measured[0]
-    return plan
 
 
 def plan_dataset_stages(
@@ -116,8 +127,8 @@ def plan_dataset_stages(
         configuration: force "fullres", "lowres" or "cascade".
     """
     fingerprint, hardware, plan_args = _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hardware)
-    staged = plan_stages(fingerprint, hardware, max_minutes=max_minutes, configuration=configuration, **plan_args)
-    if staged.configuration == "fullres":
-        fitted = _with_cached_gpu_fit(staged.final, fingerprint, hardware, plan_args, max_minutes=max_minutes)
-        staged.stages = [("fullres", fitted)]
+    lookup = cached_gpu_fit_lookup(hardware, plan_args["dataset_dir"])
+    staged = plan_stages(
+        fingerprint, hardware, max_minutes=max_minutes, configuration=configuration, gpu_fit_for=lookup, **plan_args
+    )
     return staged, fingerprint

@@ -34,7 +34,8 @@ import numpy as np
 from tfmis.data import fingerprint as fp
 from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, MSDDataset, load_case
 from tfmis.data.preprocess import foreground_mask, reorient_to_ras, spacing_of
-from tfmis.hardware import usable_cpu_count
+from tfmis.errors import MissingInput
+from tfmis.hardware import case_workers
 
 
 @dataclasses.dataclass
@@ -212,7 +213,7 @@ def fingerprint_msd(
 
     Args:
         source_dir: the MSD folder (with dataset.json).
-        workers: parallel reader processes (default: CPU count, at most 8).
+        workers: parallel reader processes (default `hardware.case_workers()`: the usable CPUs, at most 8).
         progress: show progress.
         ct_window: a fixed CT window instead of the measured percentiles (as `--ct-window` would set).
         crop_foreground, crop_margin: the conversion's crop options.
@@ -225,7 +226,7 @@ def fingerprint_msd(
     from tfmis.utils.progress import progress_bar
 
     dataset = MSDDataset(source_dir)
-    workers = workers or min(usable_cpu_count(), 8)
+    workers = workers or case_workers()
     tasks = [(case, str(dataset.root)) for case in dataset.training]
     bar = progress_bar(len(tasks), f"Fingerprinting {dataset.name}", "case", disable=not progress)
     summaries, skipped = [], {}
@@ -323,9 +324,9 @@ def fingerprint_from_conversion(dataset_dir: str | Path) -> DatasetFingerprint:
     """
     d = Path(dataset_dir)
     if not has_conversion(d):
-        raise FileNotFoundError(
+        raise MissingInput(
             f"{d}: no finished conversion (fingerprint.json, index.json and conversion.json "
-            "are written by tools/tfrecord.py)"
+            "are written by tfmis-convert)"
         )
     fingerprint = json.loads((d / "fingerprint.json").read_text())
     index = json.loads((d / "index.json").read_text())

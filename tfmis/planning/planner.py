@@ -25,6 +25,7 @@ print(plan.table())
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import textwrap
@@ -32,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.hardware import GPU_RESERVED_MB, Hardware, recommended_precision
+from tfmis.errors import UsageError
+from tfmis.hardware import GPU_RESERVED_MB, MAX_CASE_WORKERS, Hardware, recommended_precision
 from tfmis.planning.fingerprint import DatasetFingerprint
 from tfmis.planning.plan_file import SECTIONS, Plan, fmt_shape, fmt_stride, format_value  # noqa: F401 (re-exported)
 from tfmis.planning.rules import (
@@ -46,8 +48,8 @@ from tfmis.planning.rules import (
     training_memory_mb,
 )
 
-# CPU: a patch of at most 48^3 voxels keeps a training step of the small network near 0.3 s on the 2-core
-# development CPU (measured 0.26-0.40 s at batch 2), so ~1000 steps take about ten minutes
+# CPU: patches of at most 48^3 voxels and 1000 steps, so that the small network trains in about ten minutes on 2
+# cores (its step time at batch 2: docs/benchmarks.md, "First epoch, precision and other costs")
 CPU_PATCH_VOXELS = 48**3
 CPU_TRAINING_STEPS = 1000
 CPU_VALIDATIONS = 15
@@ -99,11 +101,118 @@ def normalisation_lines(fingerprint: DatasetFingerprint) -> list[str]:
     return lines
 
 
+Setting = tuple  # (dotted config key, value, reason)
+
+
+class Settings(list):
+    """A step's config keys with their reasons, in writing order, collected as `Plan.set` takes them."""
+
+    def set(self, key: str, value, reason: str) -> None:
+        self.append((key, value, reason))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What one planning step decided: the config keys it sets with their reasons, in writing order, and comment
+    lines above config sections. A key set again by a later step takes the new value and reason in its place."""
+
+    settings: tuple[Setting, ...] = ()
+    notes: dict = dataclasses.field(default_factory=dict)
+
+    def record(self, plan: Plan) -> None:
+        """Sets this decision's keys (with their reasons) and notes on `plan`."""
+        for key, value, reason in self.settings:
+            plan.set(key, value, reason)
+        plan.notes.update(self.notes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataDecision(Decision):
+    """`determine_data`: the target spacing (mm), the median preprocessed shape there (for a cascade's fine stage:
+    of the labels' boxes grown by the margin), the per-channel normalisation lines, the number of training cases."""
+
+    spacing: list
+    median_shape: np.ndarray
+    norm: list
+    n_train: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PatchDecision(Decision):
+    """`determine_patch`: the patch, the strides per level, the divisor (the stride products), nnU-Net's initial
+    patch before shrinking, the shrinking steps taken, and whether the patch is square in-plane."""
+
+    patch: list
+    strides: list
+    divisor: tuple
+    initial_patch: list
+    shrink_steps: int
+    square: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelDecision(Decision):
+    """`determine_model_parallel`: `model_parallel` None or ("spatial", GPUs per model, data-parallel groups), and
+    the patch the later steps use (the proposed one, or the initial patch split over the GPUs)."""
+
+    model_parallel: tuple | None
+    patch: PatchDecision
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NetworkDecision(Decision):
+    """`determine_network`: the filters per level."""
+
+    filters: list
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchDecision(Decision):
+    """`determine_batch`: images per step and the memory estimate at batch 2 (`rules.training_memory_mb`)."""
+
+    batch: int
+    memory: dict
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduleDecision(Decision):
+    """`determine_schedule`: optimizer steps per epoch, epochs, and about how many validations over the run."""
+
+    steps_per_epoch: int
+    epochs: int
+    validations: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Decisions:
+    """Every step's decision, in the order `ExperimentPlanner.decide` makes them and `plan` records them."""
+
+    data: DataDecision
+    proposed_patch: PatchDecision
+    parallel: ParallelDecision
+    network: NetworkDecision
+    batch: BatchDecision
+    sampling: Decision
+    schedule: ScheduleDecision
+    validation: Decision
+    cascade: Decision
+    runtime: Decision
+
+    @property
+    def patch(self) -> PatchDecision:
+        """The patch the network trains on (`determine_patch`'s, or the initial one split over GPUs)."""
+        return self.parallel.patch
+
+    def in_order(self) -> list[Decision]:
+        return [getattr(self, field.name) for field in dataclasses.fields(self)]
+
+
 class ExperimentPlanner:
     """Plans a training config for a dataset fingerprint on this hardware, as nnU-Net v2's `ExperimentPlanner`:
-    `plan()` runs the `determine_*` steps in order, each setting its config keys with their reasons on the
-    `Plan` and leaving what later steps need as attributes. Subclass and override one step to change one
-    decision (e.g. `determine_patch` for another patch budget) and keep the rest.
+    `decide()` runs the `determine_*` steps in order, each given the earlier decisions it needs and returning its
+    own (a `Decision`: its config keys with their reasons, and the values later steps read); `plan()` records them
+    on a `Plan`. The steps leave nothing on the planner, so each can be called alone. Subclass and override one
+    step to change one decision (e.g. `determine_patch` for another patch budget) and keep the rest.
 
     Args:
         fingerprint: a `DatasetFingerprint` (first pass or conversion).
@@ -121,7 +230,8 @@ class ExperimentPlanner:
             (the median of those boxes sizes the patch) and `cascade.coarse_run` set to `coarse_run`.
         coarse_run: the coarse stage's run folder (with `roi_margin_mm`).
         training_share: share of the CPU step budget this stage gets (stages share one budget).
-        max_minutes: `training.max_minutes` of this stage (null: none).
+        max_minutes: `training.max_minutes` of this stage (null: none); refused (`UsageError`) when it rounds (to
+            hundredths) to no training.
     """
 
     def __init__(
@@ -144,6 +254,14 @@ class ExperimentPlanner:
         self.source_dir = source_dir or fingerprint.source_dir
         if self.source_dir is None:
             raise ValueError("make_plan: source_dir is unknown (the fingerprint does not name its MSD folder); pass it")
+        if max_minutes is not None and round(float(max_minutes), 2) <= 0:
+            total = max_minutes / training_share if training_share > 0 else max_minutes
+            part = f"this stage's {training_share:.0%} share is" if training_share < 1 else "that is"
+            raise UsageError(
+                f"max_minutes {total:g} (--max-minutes, training.max_minutes): {part} {round(float(max_minutes), 2):g} "
+                f"minutes of training in hundredths of a minute; give at least {0.01 / min(training_share, 1):.2g} "
+                f"minutes, or no time budget"
+            )
         self.dataset_dir = dataset_dir or default_dataset_dir(self.source_dir)
         self.output_dir = output_dir or default_output_dir(self.source_dir)
         self.fp, self.hardware, self.gpu_fit, self.split, self.seed = fingerprint, hardware, gpu_fit, split, seed
@@ -153,76 +271,102 @@ class ExperimentPlanner:
         self.fixed_spacing, self.roi_margin_mm, self.coarse_run = spacing, roi_margin_mm, coarse_run
         self.training_share, self.max_minutes = training_share, max_minutes
 
-    def plan(self) -> Plan:
-        """The plan: every step in order, then the header and the summary."""
+    def decide(self) -> Decisions:
+        """Every step in order, each given the earlier decisions it needs."""
+        data = self.determine_data()
+        proposed = self.determine_patch(data)
+        parallel = self.determine_model_parallel(data, proposed)
+        patch = parallel.patch  # the initial patch when it is split over GPUs, else the proposed one
+        network = self.determine_network(patch)
+        batch = self.determine_batch(data, patch, network, parallel)
+        sampling = self.determine_sampling(data, patch)
+        schedule = self.determine_schedule(data, batch)
+        validation = self.determine_validation(patch, network, schedule)
+        return Decisions(
+            data,
+            proposed,
+            parallel,
+            network,
+            batch,
+            sampling,
+            schedule,
+            validation,
+            self.determine_cascade(),
+            self.determine_runtime(),
+        )
+
+    def plan(self, decisions: Decisions | None = None) -> Plan:
+        """The plan of `decisions` (default: `decide()`): every step's keys with their reasons in order, then the
+        header and the summary."""
+        decisions = decisions or self.decide()
         plan = Plan()
-        self.determine_data(plan)
-        self.determine_patch(plan)
-        self.determine_model_parallel(plan)
-        self.determine_network(plan)
-        self.determine_batch(plan)
-        self.determine_sampling(plan)
-        self.determine_schedule(plan)
-        self.determine_validation(plan)
-        self.determine_cascade(plan)
-        self.determine_runtime(plan)
-        self.describe(plan)
+        for decision in decisions.in_order():
+            decision.record(plan)
+        plan.header, plan.summary = self.describe(decisions)
         return plan
 
     # ------------------------------------------------------------------ data and conversion
 
-    def determine_data(self, plan: Plan) -> None:
-        """Source and target folders, target spacing (nnU-Net's rule), CT window and normalisation, split, shards.
-
-        Sets: `spacing`, `median_shape` (at that spacing), `norm` (per-channel normalisation lines), `n_train`.
-        """
+    def determine_data(self) -> DataDecision:
+        """Source and target folders, target spacing (nnU-Net's rule, or the fixed one), CT window and
+        normalisation, split, shards; the median shape at the target spacing."""
         from tfmis.data.convert import assign_splits
 
         fp = self.fp
-        plan.set("data.source_dir", str(self.source_dir), "the MSD folder this plan was made from")
-        plan.set("data.dataset_dir", str(self.dataset_dir), "converted TFRecords (written on first use)")
+        out = Settings()
+        out.set("data.source_dir", str(self.source_dir), "the MSD folder this plan was made from")
+        out.set("data.dataset_dir", str(self.dataset_dir), "converted TFRecords (written on first use)")
         spacing, spacing_reason = self.fixed_spacing or target_spacing(fp.spacings, fp.crop_shapes)
-        self.spacing = [float(round(s, 4)) for s in spacing]
-        plan.set("data.conversion.spacing", self.spacing, spacing_reason + " (mm, R,A,S)")
-        self.norm = normalisation_lines(fp)
-        plan.notes["data.conversion"] = [
-            "Normalisation, done by the conversion from the modality names: "
-            + "; ".join(self.norm)
-            + " (nnU-Net: CT clipped to the foreground percentiles, "
-            "then z-scored with the foreground statistics; MRI z-score per case)."
-        ]
+        spacing = [float(round(s, 4)) for s in spacing]
+        out.set("data.conversion.spacing", spacing, spacing_reason + " (mm, R,A,S)")
+        norm = normalisation_lines(fp)
+        notes = {
+            "data.conversion": [
+                "Normalisation, done by the conversion from the modality names: "
+                + "; ".join(norm)
+                + " (nnU-Net: CT clipped to the foreground percentiles, "
+                "then z-scored with the foreground statistics; MRI z-score per case)."
+            ]
+        }
         if fp.ct_channels:
             lo, hi = fp.ct_window
-            plan.set(
+            out.set(
                 "data.conversion.ct_window",
                 [float(lo), float(hi)],
                 f"CT: the 0.5/99.5 percentiles of the labelled-foreground HU ({fp.source}), as nnU-Net clips",
             )
-            plan.set(
+            out.set(
                 "data.conversion.ct_normalization",
                 "zscore",
                 "CT after clipping: minus the labelled-foreground mean, over its std, both over all training "
                 "cases (nnU-Net's CTNormalization; the conversion measures them)",
             )
         ids = assign_splits(list(fp.case_ids), self.split, None, self.seed)
-        self.n_train = len(ids["train"])
-        plan.set(
+        n_train = len(ids["train"])
+        out.set(
             "data.conversion.split",
             list(self.split),
-            f"train/val/test: {self.n_train}/{len(ids['val'])}/{len(ids.get('test', []))} cases (or folds: 5 "
-            f"as nnU-Net)",
+            f"train/val/test: {n_train}/{len(ids['val'])}/{len(ids.get('test', []))} cases (or folds: 5 as nnU-Net)",
         )
-        shards = max(1, min(8, self.n_train // 4))
-        plan.set("data.conversion.shards", shards, f"about 4 training cases per shard ({self.n_train} training cases)")
-        self.median_shape = fp.median_shape_at(self.spacing)
+        shards = max(1, min(8, n_train // 4))
+        out.set("data.conversion.shards", shards, f"about 4 training cases per shard ({n_train} training cases)")
+        median_shape = fp.median_shape_at(spacing)
         if self.roi_margin_mm is not None:
-            self.median_shape = roi_median_shape(fp, self.spacing, self.roi_margin_mm)
-            plan.set(
+            median_shape = roi_median_shape(fp, spacing, self.roi_margin_mm)
+            out.set(
                 "data.conversion.crop_to_label_mm",
                 float(self.roi_margin_mm),
-                f"the fine stage trains on the labels' box grown by {self.roi_margin_mm:g} mm per side, the region "
-                f"the coarse stage cuts at prediction (median {fmt_shape(self.median_shape)} voxels)",
+                f"the fine stage trains on the labels' box grown by {self.roi_margin_mm:g} mm per side, the "
+                f"region the coarse stage cuts at prediction (median {fmt_shape(median_shape)} voxels)",
             )
+        return DataDecision(
+            settings=tuple(out),
+            notes=notes,
+            spacing=spacing,
+            median_shape=median_shape,
+            norm=norm,
+            n_train=n_train,
+        )
 
     # ------------------------------------------------------------------ patch and network
 
@@ -266,97 +410,108 @@ class ExperimentPlanner:
     def num_res_units(self) -> int:
         return 2 if self.gpu else 1
 
-    def determine_patch(self, plan: Plan) -> None:
+    def determine_patch(self, data: DataDecision) -> PatchDecision:
         """The patch: the median shape's aspect ratio, shrunk (nnU-Net v2) until the budget holds, divisible by
-        the stride products. Sets: `patch`, `strides`, `initial_patch`, `divisor`."""
-        median_shape, spacing = self.median_shape, self.spacing
+        the stride products."""
+        median_shape, spacing = data.median_shape, data.spacing
         fits, budget_text = self.patch_budget()
         square = square_in_plane(spacing, median_shape)
         shape_for_patch = np.array(median_shape, dtype=np.float64)
         if square:  # the in-plane median sizes' geometric mean for both: a square patch keeps quarter turns possible
             shape_for_patch[:2] = np.sqrt(median_shape[0] * median_shape[1])
-        self.initial_patch = initial_patch_size(spacing, shape_for_patch)
-        self.patch, self.strides, self.divisor, steps = shrink_patch(
-            spacing, median_shape, self.initial_patch, fits, square=square
-        )
-        self.shrink_steps, self.square = steps, square
+        initial_patch = initial_patch_size(spacing, shape_for_patch)
+        patch, strides, divisor, steps = shrink_patch(spacing, median_shape, initial_patch, fits, square=square)
         square_text = (
             f"; square in-plane (x, y medians {median_shape[0]:.0f}, {median_shape[1]:.0f} within 1.5x: "
             f"their geometric mean for both, so quarter turns can augment)"
             if square
             else ""
         )
-        plan.set(
-            "pipeline.patch_size",
-            [int(p) for p in self.patch],
+        reason = (
             f"from the median shape {fmt_shape(median_shape)} at the target spacing: aspect ratio of the physical "
-            f"extent, clipped to the median shape ({fmt_shape(self.initial_patch)}){square_text}, shrunk {steps} "
-            f"step(s) to {budget_text}, divisible by the stride products {fmt_shape(self.divisor)} (nnU-Net v2)",
+            f"extent, clipped to the median shape ({fmt_shape(initial_patch)}){square_text}, shrunk {steps} "
+            f"step(s) to {budget_text}, divisible by the stride products {fmt_shape(divisor)} (nnU-Net v2)"
+        )
+        return PatchDecision(
+            settings=(("pipeline.patch_size", [int(p) for p in patch], reason),),
+            patch=patch,
+            strides=strides,
+            divisor=divisor,
+            initial_patch=initial_patch,
+            shrink_steps=steps,
+            square=square,
         )
 
-    def determine_model_parallel(self, plan: Plan) -> None:
+    def determine_model_parallel(self, data: DataDecision, patch: PatchDecision) -> ParallelDecision:
         """Weighs spatial model parallelism against the smaller patch `determine_patch` chose: on a machine with
         several GPUs, when the patch the dataset wants (`initial_patch`) is over one GPU's budget, the smallest
         number of GPUs N (2, 4, 8) whose slabs of it each fit that budget takes it, and the remaining GPUs
         become data-parallel groups. Per GPU: the weights, 1/N of the activations plus a halo share, and the
         whole patch's logits for the loss (`runtime.model_parallel`, docs/model-parallel.md). The reason says
-        both sides in numbers. Sets: `model_parallel` (None or (mode, N, groups)); may restore `patch`,
-        `strides` and `divisor` to the initial patch's."""
-        self.model_parallel = None
+        both sides in numbers. Its `patch` is `patch`, or the initial patch (with its strides and divisor)
+        when split."""
         gpus = len(self.hardware.gpus)
         why_not = None
         if not self.gpu:
             why_not = "no GPU (logical CPU devices share the same cores and memory: no gain)"
-        elif not self.shrink_steps:
+        elif not patch.shrink_steps:
             why_not = "the patch the dataset wants fits one GPU"
         elif gpus < 2:
             why_not = "one GPU"
-        choice = None if why_not else self._spatial_choice(gpus)
+        choice = None if why_not else self._spatial_choice(data.spacing, patch.initial_patch, gpus)
         if choice is None:
             if why_not is None:  # what N GPUs would give, for a user who wants the larger patch anyway
                 n = 1 << (min(gpus, 8).bit_length() - 1)
                 larger = self._shrunk_patch(
-                    lambda patch, strides: self._spatial_mb(patch, strides, n)[0] <= self._gpu_target_mb()
+                    data,
+                    patch,
+                    lambda p, strides: self._spatial_mb(p, strides, n)[0] <= self._gpu_target_mb(),
                 )
                 why_not = (
-                    f"the patch the dataset wants, {fmt_shape(self.initial_patch)}, does not fit even when split over "
-                    f"this machine's {gpus} GPUs; split over {n} it could be {fmt_shape(larger)} "
-                    f"({np.prod(larger) / np.prod(self.patch):.2f}x the voxels of {fmt_shape(self.patch)}): set "
+                    f"the patch the dataset wants, {fmt_shape(patch.initial_patch)}, does not fit even when split "
+                    f"over this machine's {gpus} GPUs; split over {n} it could be {fmt_shape(larger)} "
+                    f"({np.prod(larger) / np.prod(patch.patch):.2f}x the voxels of {fmt_shape(patch.patch)}): set "
                     f"runtime.model_parallel.mode=spatial, runtime.model_parallel.devices={n} and that patch to use it"
                 )
-            plan.set("runtime.model_parallel.mode", "none", f"one model per device: {why_not}")
-            return
+            return ParallelDecision(
+                settings=(("runtime.model_parallel.mode", "none", f"one model per device: {why_not}"),),
+                model_parallel=None,
+                patch=patch,
+            )
         n, per_device_mb, full_mb, target_mb, axis = choice
-        _, strides, patch, divisor = pool_and_conv_props(self.spacing, self.initial_patch)
-        shrunk = [int(p) for p in self.patch]
-        ratio = float(np.prod(patch) / np.prod(shrunk))
-        self.patch, self.strides, self.divisor = list(patch), strides, divisor
-        self.model_parallel = ("spatial", n, gpus // n)
-        plan.set(
+        _, strides, wanted, divisor = pool_and_conv_props(data.spacing, patch.initial_patch)
+        shrunk = [int(p) for p in patch.patch]
+        ratio = float(np.prod(wanted) / np.prod(shrunk))
+        groups = gpus // n
+        out = Settings()
+        out.set(
             "pipeline.patch_size",
-            [int(p) for p in patch],
-            f"the patch the median shape {fmt_shape(self.median_shape)} wants (nnU-Net's initial patch), not shrunk: "
-            f"it is split over {n} GPUs (runtime.model_parallel); on one GPU it would shrink to {fmt_shape(shrunk)}, "
-            f"{ratio:.2f}x fewer voxels",
+            [int(p) for p in wanted],
+            f"the patch the median shape {fmt_shape(data.median_shape)} wants (nnU-Net's initial patch), not "
+            f"shrunk: it is split over {n} GPUs (runtime.model_parallel); on one GPU it would shrink to "
+            f"{fmt_shape(shrunk)}, {ratio:.2f}x fewer voxels",
         )
-        plan.set(
+        out.set(
             "runtime.model_parallel.mode",
             "spatial",
-            f"the patch {fmt_shape(patch)} needs ~{full_mb / 1024:.1f} GB per step at batch 2, over one GPU's "
+            f"the patch {fmt_shape(wanted)} needs ~{full_mb / 1024:.1f} GB per step at batch 2, over one GPU's "
             f"{target_mb / 1024:.1f} GB budget; cut along axis {axis} into {n} slabs it needs "
             f"~{per_device_mb / 1024:.1f} GB per GPU (the alternatives: a {ratio:.2f}x smaller patch, which costs "
             f"Dice on large structures, or a low-resolution stage / cascade); costs: halo exchanges every "
             f"convolution, and {n} GPUs per model",
         )
-        plan.set(
+        out.set(
             "runtime.model_parallel.devices", n, f"the fewest GPUs whose slabs fit the {target_mb / 1024:.1f} GB budget"
         )
-        plan.set(
-            "runtime.model_parallel.axis", axis, "the longest axis of the patch that can be cut into aligned slabs"
+        out.set("runtime.model_parallel.axis", axis, "the longest axis of the patch that can be cut into aligned slabs")
+        if groups > 1:
+            out.set("runtime.model_parallel.data", groups, f"{gpus} GPUs: {groups} data-parallel groups of {n}")
+        out.set("runtime.distribution", "none", "one process drives all its GPUs (runtime.model_parallel)")
+        return ParallelDecision(
+            settings=tuple(out),
+            model_parallel=("spatial", n, groups),
+            patch=dataclasses.replace(patch, settings=(), patch=list(wanted), strides=strides, divisor=divisor),
         )
-        if gpus // n > 1:
-            plan.set("runtime.model_parallel.data", gpus // n, f"{gpus} GPUs: {gpus // n} data-parallel groups of {n}")
-        plan.set("runtime.distribution", "none", "one process drives all its GPUs (runtime.model_parallel)")
 
     def _gpu_target_mb(self) -> float:
         usable = (self.hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB
@@ -381,16 +536,15 @@ class ExperimentPlanner:
         activations = memory["total_mb"] - memory["fixed_mb"]
         return memory["fixed_mb"] + activations * SPATIAL_OVERHEAD / n + logits_mb, memory["total_mb"]
 
-    def _shrunk_patch(self, fits) -> list[int]:
-        return [
-            int(p)
-            for p in shrink_patch(self.spacing, self.median_shape, self.initial_patch, fits, square=self.square)[0]
-        ]
+    def _shrunk_patch(self, data: DataDecision, patch: PatchDecision, fits) -> list[int]:
+        """The initial patch shrunk (as `determine_patch` does) until `fits(patch, strides)`."""
+        shrunk = shrink_patch(data.spacing, data.median_shape, patch.initial_patch, fits, square=patch.square)[0]
+        return [int(p) for p in shrunk]
 
-    def _spatial_choice(self, gpus: int):
+    def _spatial_choice(self, spacing, initial_patch, gpus: int):
         """(N, per-GPU MB, one-GPU MB, budget MB, axis) of the fewest GPUs whose slabs of the initial patch fit the
         budget, or None."""
-        _, strides, patch, divisor = pool_and_conv_props(self.spacing, self.initial_patch)
+        _, strides, patch, divisor = pool_and_conv_props(spacing, initial_patch)
         target_mb = self._gpu_target_mb()
         units = [p // d for p, d in zip(patch, divisor)]
         axis = int(np.argmax(units))
@@ -402,19 +556,13 @@ class ExperimentPlanner:
                 return n, per_device, full, target_mb, axis
         return None
 
-    def determine_network(self, plan: Plan) -> None:
-        """Filters, per-axis strides (nnU-Net's pooling rule, from `determine_patch`), residual units, norm,
-        kernel. Sets: `filters`."""
+    def determine_network(self, patch: PatchDecision) -> NetworkDecision:
+        """Filters, per-axis strides (nnU-Net's pooling rule, from the patch decision), residual units, norm,
+        kernel."""
         first, cap = self.filter_range()
-        strides, gpu = self.strides, self.gpu
+        strides, gpu = patch.strides, self.gpu
         pools = [sum(1 for s in strides if s[a] == 2) for a in range(3)]
-        self.filters = _filters(len(strides), first, cap)
-        plan.set(
-            "model.filters",
-            self.filters,
-            f"{first} doubling per level, capped at {cap} ("
-            + ("nnU-Net)" if gpu else "small enough for a CPU, as configs/demo.yaml)"),
-        )
+        filters = _filters(len(strides), first, cap)
         thin = [a for a in range(3) if strides[1][a] == 1] if len(strides) > 1 else []
         thin_text = (
             f"; axis {', '.join(map(str, thin))} is not pooled at level 1 (its spacing is >= 2x the "
@@ -422,51 +570,61 @@ class ExperimentPlanner:
             if thin
             else ""
         )
-        plan.set(
+        out = Settings()
+        out.set(
+            "model.filters",
+            filters,
+            f"{first} doubling per level, capped at {cap} ("
+            + ("nnU-Net)" if gpu else "small enough for a CPU, as configs/demo.yaml)"),
+        )
+        out.set(
             "model.strides",
             [_stride_value(s) for s in strides],
             f"nnU-Net: pool an axis while its feature map stays >= 4 voxels and its spacing < 2x the finest, at "
             f"most 5 times: {pools[0]}/{pools[1]}/{pools[2]} poolings per axis{thin_text}",
         )
-        plan.set(
+        out.set(
             "model.num_res_units",
             self.num_res_units(),
             "two convolutions per level in a residual unit (nnU-Net: two per stage)"
             if gpu
             else "one residual unit per level (for CPU speed)",
         )
-        plan.set("model.norm", "instance", "instance normalisation (nnU-Net): per-sample statistics, small batches")
-        plan.set(
+        out.set("model.norm", "instance", "instance normalisation (nnU-Net): per-sample statistics, small batches")
+        out.set(
             "model.kernel_size",
             3,
             "3x3x3 at every level (nnU-Net uses 1 along a much coarser axis early on; "
             "tfmis has one kernel size for all levels)",
         )
+        return NetworkDecision(settings=tuple(out), filters=filters)
 
     # ------------------------------------------------------------------ batch and sampling
 
-    def determine_batch(self, plan: Plan) -> None:
-        """Images per step: measured (GPU-fit search), estimated from the memory model (GPU), or 2 (CPU).
-        Sets: `batch`, `memory` (the estimate at batch 2)."""
-        patch, hardware = self.patch, self.hardware
-        self.memory = memory = training_memory_mb(
-            patch,
-            self.strides,
-            self.filters,
+    def determine_batch(
+        self, data: DataDecision, patch: PatchDecision, network: NetworkDecision, parallel: ParallelDecision
+    ) -> BatchDecision:
+        """Images per step: measured (GPU-fit search), estimated from the memory model (GPU), or 2 (CPU); with the
+        memory estimate at batch 2."""
+        hardware = self.hardware
+        memory = training_memory_mb(
+            patch.patch,
+            patch.strides,
+            network.filters,
             self.num_res_units(),
             self.in_channels,
             self.num_classes,
             2,
             self.precision,
         )
-        total_voxels = float(np.prod(self.fp.shapes_at(self.spacing), axis=1).sum())
-        coverage_cap = max(2, round(DATASET_COVERAGE * total_voxels / float(np.prod(patch))))
+        total_voxels = float(np.prod(self.fp.shapes_at(data.spacing), axis=1).sum())
+        coverage_cap = max(2, round(DATASET_COVERAGE * total_voxels / float(np.prod(patch.patch))))
         if self.gpu and self.gpu_fit:
             batch = int(self.gpu_fit["num_images_per_batch"])
             batch_reason = f"measured by the GPU-fit search ({self.gpu_fit.get('source', 'its cache')})"
-        elif self.gpu and self.model_parallel is not None:
+        elif self.gpu and parallel.model_parallel is not None:
             # one model over N GPUs: nnU-Net's 2 per model, the data groups make the step's batch
-            _, n, groups = self.model_parallel
+            _, n, groups = parallel.model_parallel
             batch = 2 * groups
             batch_reason = (
                 f"2 images per model (nnU-Net's minimum; the patch was sized for it on {n} GPUs) x {groups} "
@@ -488,13 +646,15 @@ class ExperimentPlanner:
                 f"{memory['fixed_mb'] + 2 * memory['per_image_mb']:.0f} MB of "
                 f"{hardware.host_available_mb / 1024:.1f} GB available)"
             )
-        self.batch = batch
-        plan.set("pipeline.num_images_per_batch", batch, batch_reason)
+        return BatchDecision(
+            settings=(("pipeline.num_images_per_batch", batch, batch_reason),), batch=batch, memory=memory
+        )
 
-    def determine_sampling(self, plan: Plan) -> None:
+    def determine_sampling(self, data: DataDecision, patch: PatchDecision) -> Decision:
         """Crops per volume, crop centres per class (small classes oversampled), the cache, quarter turns."""
-        fp, patch = self.fp, self.patch
-        plan.set(
+        fp, square = self.fp, patch.patch[0] == patch.patch[1]
+        out = Settings()
+        out.set(
             "pipeline.num_crops_per_image", 4, "4 crops per volume read (MONAI num_samples): fewer decodes per step"
         )
         fractions = fp.class_fraction
@@ -502,119 +662,124 @@ class ExperimentPlanner:
         if small:
             ratios = [1] + [2 if i in small else 1 for i in range(1, self.num_classes)]
             names = ", ".join(f"{fp.labels[i]} {100 * fractions[i]:.2g}%" for i in small)
-            plan.set(
+            out.set(
                 "pipeline.class_ratios",
                 ratios,
                 f"crop centres per class [background, ...]: classes under {SMALL_CLASS_FRACTION:.0%} of the "
                 f"voxels get twice the share ({names})",
             )
         else:
-            plan.set(
+            out.set(
                 "pipeline.pos_neg_ratio",
                 [2, 1],
                 "every class has >= 1% of the voxels: 2 foreground-centred crops per background one",
             )
-        volume_voxels = fp.shapes_at(self.spacing).prod(axis=1)
+        volume_voxels = fp.shapes_at(data.spacing).prod(axis=1)
         # float16 image, uint8 label, slack
         cache_mb = float(volume_voxels.sum()) * (2 * self.in_channels + 1 + 4) / 2**20
         if cache_mb <= 0.3 * self.hardware.host_available_mb:
-            plan.set(
+            out.set(
                 "pipeline.cache",
                 "memory",
                 f"the converted volumes (~{cache_mb:.0f} MB) fit in 30% of the available RAM: decoded once",
             )
         else:
-            plan.set(
+            out.set(
                 "pipeline.cache",
                 "file",
                 f"~{cache_mb / 1024:.1f} GB of volumes do not fit in 30% of the RAM: cached on disk in cache_dir",
             )
             dataset_dir = Path(self.dataset_dir)
-            plan.set(
+            out.set(
                 "pipeline.cache_dir",
                 str(dataset_dir.parent / (dataset_dir.name + "_cache")),
                 "on-disk cache, reused by later runs",
             )
-        plan.set(
+        out.set(
             "pipeline.augment.rot90_prob",
-            0.5 if patch[0] == patch[1] else 0.0,
+            0.5 if square else 0.0,
             "in-plane quarter turns: the patch is square in x, y"
-            if patch[0] == patch[1]
+            if square
             else "no quarter turns: the patch is not square in x, y",
         )
+        return Decision(settings=tuple(out))
 
     # ------------------------------------------------------------------ loss, optimizer, length
 
-    def determine_schedule(self, plan: Plan) -> None:
+    def determine_schedule(self, data: DataDecision, batch: BatchDecision) -> ScheduleDecision:
         """Loss, optimizer and learning-rate schedule, training length, precision, XLA, seed: nnU-Net's on a GPU,
-        the demo recipe's on a CPU. Sets: `steps_per_epoch`, `epochs`, `validations`."""
-        plan.set("loss.name", "dice_ce", "Dice + cross-entropy (nnU-Net)")
-        plan.set("loss.include_background", False, "Dice over the foreground classes")
-        steps_per_epoch = max(1, math.ceil(self.n_train * 4 / self.batch))
+        the demo recipe's on a CPU."""
+        out = Settings()
+        out.set("loss.name", "dice_ce", "Dice + cross-entropy (nnU-Net)")
+        out.set("loss.include_background", False, "Dice over the foreground classes")
+        steps_per_epoch = max(1, math.ceil(data.n_train * 4 / batch.batch))
+        share = f"{self.training_share:.0%} of " if self.training_share < 1 else ""
         if self.gpu:
-            plan.set("optimizer.name", "sgd", "nnU-Net: SGD, Nesterov momentum 0.99")
-            plan.set("optimizer.learning_rate", 0.01, "nnU-Net's initial learning rate")
-            plan.set("optimizer.momentum", 0.99, "nnU-Net")
-            plan.set("optimizer.nesterov", True, "nnU-Net")
-            plan.set("optimizer.weight_decay", 3e-5, "nnU-Net")
-            plan.set("optimizer.schedule", "poly", "nnU-Net: polynomial decay (power 0.9)")
-            plan.set("optimizer.warmup_epochs", 0.0, "none (nnU-Net)")
+            out.set("optimizer.name", "sgd", "nnU-Net: SGD, Nesterov momentum 0.99")
+            out.set("optimizer.learning_rate", 0.01, "nnU-Net's initial learning rate")
+            out.set("optimizer.momentum", 0.99, "nnU-Net")
+            out.set("optimizer.nesterov", True, "nnU-Net")
+            out.set("optimizer.weight_decay", 3e-5, "nnU-Net")
+            out.set("optimizer.schedule", "poly", "nnU-Net: polynomial decay (power 0.9)")
+            out.set("optimizer.warmup_epochs", 0.0, "none (nnU-Net)")
             steps_per_epoch = GPU_STEPS_PER_EPOCH
             epochs = GPU_EPOCHS
-            plan.set("training.steps_per_epoch", steps_per_epoch, "nnU-Net: 250 iterations per epoch")
-            plan.set("training.epochs", epochs, "nnU-Net: 1000 epochs (250k iterations)")
-            self.validations = GPU_VALIDATIONS
+            out.set("training.steps_per_epoch", steps_per_epoch, "nnU-Net: 250 iterations per epoch")
+            out.set("training.epochs", epochs, "nnU-Net: 1000 epochs (250k iterations)")
+            validations = GPU_VALIDATIONS
         else:
-            plan.set(
+            out.set(
                 "optimizer.name",
                 "adamw",
                 "AdamW converges in the short CPU budget (the demo recipe's measured "
                 "choice; nnU-Net's SGD needs its 250k iterations)",
             )
-            plan.set("optimizer.learning_rate", 0.003, "MONAI's demo recipe's (benchmarks/monai_demo.py)")
-            plan.set("optimizer.weight_decay", 1e-5, "the demo recipe's (and MONAI's there)")
-            plan.set("optimizer.schedule", "cosine", "cosine decay to 0 over the run")
-            plan.set("optimizer.warmup_epochs", 1.0, "one epoch of linear warm-up")
+            out.set("optimizer.learning_rate", 0.003, "MONAI's demo recipe's (benchmarks/monai_demo.py)")
+            out.set("optimizer.weight_decay", 1e-5, "the demo recipe's (and MONAI's there)")
+            out.set("optimizer.schedule", "cosine", "cosine decay to 0 over the run")
+            out.set("optimizer.warmup_epochs", 1.0, "one epoch of linear warm-up")
             budget = round(CPU_TRAINING_STEPS * self.training_share)
-            share = f"{self.training_share:.0%} of " if self.training_share < 1 else ""
             epochs = max(1, round(budget / steps_per_epoch))
-            plan.set(
+            out.set(
                 "training.epochs",
                 epochs,
                 f"{share}a CPU budget of ~{CPU_TRAINING_STEPS} optimizer steps ({steps_per_epoch} per epoch: "
-                f"{self.n_train} training volumes x 4 crops / batch {self.batch}); about ten minutes on 2 cores at "
-                f"48^3 for the whole budget",
+                f"{data.n_train} training volumes x 4 crops / batch {batch.batch}); about ten minutes on 2 cores "
+                f"at 48^3 for the whole budget",
             )
-            self.validations = CPU_VALIDATIONS
-        self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
-        plan.set("training.precision", self.precision, self.precision_reason)
-        plan.set(
+            validations = CPU_VALIDATIONS
+        out.set("training.precision", self.precision, self.precision_reason)
+        out.set(
             "training.jit_compile",
             False,
             "XLA: ~10x slower than plain TensorFlow on the development CPU"
             if not self.gpu
             else "off: XLA's gain on 3D convolutions varies by GPU; try true and compare epoch times",
         )
-        plan.set("training.seed", self.seed, "split and weight initialisation")
+        out.set("training.seed", self.seed, "split and weight initialisation")
         if self.max_minutes is not None:
-            plan.set(
-                "training.max_minutes",
-                round(float(self.max_minutes), 2),
-                f"{share if self.training_share < 1 else ''}the time budget given to the plan",
+            out.set(
+                "training.max_minutes", round(float(self.max_minutes), 2), f"{share}the time budget given to the plan"
             )
+        return ScheduleDecision(
+            settings=tuple(out), steps_per_epoch=steps_per_epoch, epochs=epochs, validations=validations
+        )
 
     # ------------------------------------------------------------------ validation
 
-    def determine_validation(self, plan: Plan) -> None:
+    def determine_validation(
+        self, patch: PatchDecision, network: NetworkDecision, schedule: ScheduleDecision
+    ) -> Decision:
         """How often, the window (the patch), windows per forward pass, overlap, blending, where the volume lives."""
-        gpu, gpu_fit, patch = self.gpu, self.gpu_fit, self.patch
-        plan.set(
+        gpu, gpu_fit = self.gpu, self.gpu_fit
+        out = Settings()
+        out.set(
             "validation.val_interval",
-            max(1, round(self.epochs / self.validations)),
-            f"about {self.validations} validations over the run",
+            max(1, round(schedule.epochs / schedule.validations)),
+            f"about {schedule.validations} validations over the run",
         )
-        plan.set("validation.roi_size", [int(p) for p in patch], "the training patch (nnU-Net)")
-        window_mb = inference_window_mb(patch, self.strides, self.filters, self.num_classes, self.precision)
+        out.set("validation.roi_size", [int(p) for p in patch.patch], "the training patch (nnU-Net)")
+        window_mb = inference_window_mb(patch.patch, patch.strides, network.filters, self.num_classes, self.precision)
         if gpu and gpu_fit:
             sw = int(gpu_fit["num_sw_batch_size"])
             sw_reason = f"measured by the GPU-fit search ({gpu_fit.get('source', 'its cache')})"
@@ -634,75 +799,85 @@ class ExperimentPlanner:
             sw_reason = f"4 windows per forward pass (~{window_mb:.0f} MB each): the demo recipe's on a CPU"
             placement = "cpu"
             placement_reason = "no accelerator"
-        plan.set("validation.num_sw_batch_size", sw, sw_reason)
         overlap = 0.5 if gpu else 0.25
-        plan.set(
+        out.set("validation.num_sw_batch_size", sw, sw_reason)
+        out.set(
             "validation.overlap",
             overlap,
             "nnU-Net's half-window step" if gpu else "a quarter: fewer windows on a CPU (nnU-Net uses 0.5)",
         )
-        plan.set("validation.mode", "gaussian", "Gaussian-weighted window blending (nnU-Net)")
-        plan.set("validation.validation_data_device", placement, placement_reason)
-        plan.set("output.dir", str(self.output_dir), "the run folder")
+        out.set("validation.mode", "gaussian", "Gaussian-weighted window blending (nnU-Net)")
+        out.set("validation.validation_data_device", placement, placement_reason)
+        out.set("output.dir", str(self.output_dir), "the run folder")
+        return Decision(settings=tuple(out))
 
-    def determine_cascade(self, plan: Plan) -> None:
+    def determine_cascade(self) -> Decision:
         """The fine stage of a cascade: which coarse run finds its region, and the margin around it."""
         if self.roi_margin_mm is None or self.coarse_run is None:
-            return
-        plan.set("cascade.coarse_run", str(self.coarse_run), "the coarse stage finds the region on the whole scan")
-        plan.set(
-            "cascade.margin_mm",
-            float(self.roi_margin_mm),
-            "kept around each piece of the coarse stage's foreground, as around the labels in training",
+            return Decision()
+        return Decision(
+            settings=(
+                ("cascade.coarse_run", str(self.coarse_run), "the coarse stage finds the region on the whole scan"),
+                (
+                    "cascade.margin_mm",
+                    float(self.roi_margin_mm),
+                    "kept around each piece of the coarse stage's foreground, as around the labels in training",
+                ),
+            )
         )
 
-    def determine_runtime(self, plan: Plan) -> None:
+    def determine_runtime(self) -> Decision:
         """oneDNN: decided on each machine that trains (the plan may travel), with this machine's decision."""
         here = f"; here: {self.hardware.onednn}" if self.hardware.onednn else ""
-        plan.set(
-            "runtime.onednn",
-            "auto",
-            "TensorFlow's oneDNN CPU kernels, decided on the machine that trains before TensorFlow starts: on for "
-            f"x86-64 CPUs with AVX2 and FMA, TensorFlow's default elsewhere{here}",
+        return Decision(
+            settings=(
+                (
+                    "runtime.onednn",
+                    "auto",
+                    "TensorFlow's oneDNN CPU kernels, decided on the machine that trains before TensorFlow starts: on "
+                    f"for x86-64 CPUs with AVX2 and FMA, TensorFlow's default elsewhere{here}",
+                ),
+            )
         )
 
     # ------------------------------------------------------------------ header and summary
 
-    def describe(self, plan: Plan) -> None:
-        """The plan file's header (fingerprint, hardware, input parallelism) and the numbers behind the plan."""
-        fp, hardware = self.fp, self.hardware
+    def describe(self, decisions: Decisions) -> tuple[list[str], dict]:
+        """(the plan file's header: fingerprint, hardware, input parallelism; the numbers behind the plan)."""
+        fp, hardware, data = self.fp, self.hardware, decisions.data
         fractions_text = ", ".join(f"{name} {100 * f:.3g}%" for name, f in zip(fp.labels, fp.class_fraction))
         parallel = (
-            f"{hardware.cpu_count} cores: the conversion uses {max(1, min(hardware.cpu_count, 8))} worker "
-            f"processes, tf.data runs its map and interleave stages on all cores (AUTOTUNE)"
+            f"{hardware.cpu_count} cores: the conversion uses {max(1, min(hardware.cpu_count, MAX_CASE_WORKERS))} "
+            f"worker processes, tf.data runs its map and interleave stages on all cores (AUTOTUNE)"
         )
         if hardware.cpu_count <= 4:
             parallel += "; with so few cores the volumes are cached decoded so the step does not wait for input"
-        plan.header = [
+        header = [
             f"tfmis plan for {fp.name}, made by python -m tfmis.plan on "
             f"{datetime.datetime.now().isoformat(timespec='minutes')}.",
             f"Fingerprint ({fp.source}): modalities {', '.join(fp.modalities)}; voxels per class {fractions_text}; "
             f"median spacing {fmt_mm(fp.median_spacing)} mm; median shape at the target spacing "
-            f"{fmt_shape(self.median_shape)}"
+            f"{fmt_shape(data.median_shape)}"
             + (f"; {len(fp.skipped)} unreadable case(s) skipped" if fp.skipped else ""),
             f"Hardware: {hardware.describe()}.",
             f"Input parallelism: {parallel}.",
             "Every planned value carries its reason; keys not written keep tfmis's defaults.",
         ]
-        plan.header = [w for line in plan.header for w in (textwrap.wrap(line, 114, subsequent_indent="  ") or [""])]
-        plan.summary = {
+        header = [w for line in header for w in (textwrap.wrap(line, 114, subsequent_indent="  ") or [""])]
+        summary = {
             "name": fp.name,
             "num_cases": fp.num_cases,
             "modalities": list(fp.modalities),
             "hardware": hardware.describe(),
-            "median_shape": [float(s) for s in self.median_shape],
-            "normalisation": self.norm,
-            "steps_per_epoch": self.steps_per_epoch,
-            "num_train": self.n_train,
-            "memory_mb": self.memory,
-            "initial_patch": self.initial_patch,
-            "divisor": list(self.divisor),
+            "median_shape": [float(s) for s in data.median_shape],
+            "normalisation": data.norm,
+            "steps_per_epoch": decisions.schedule.steps_per_epoch,
+            "num_train": data.n_train,
+            "memory_mb": decisions.batch.memory,
+            "initial_patch": decisions.patch.initial_patch,
+            "divisor": list(decisions.patch.divisor),
         }
+        return header, summary
 
 
 def roi_median_shape(fingerprint: DatasetFingerprint, spacing, margin_mm: float) -> np.ndarray:

@@ -29,7 +29,9 @@ ANISOTROPY_THRESHOLD = 3.0  # nnU-Net: an axis 3x coarser than the others is "an
 MIN_FEATURE_MAP = 4  # nnU-Net: pool while the feature map stays at least this large
 MAX_POOLINGS = 5  # per axis
 INITIAL_PATCH_VOXELS = 256**3  # nnU-Net v2: the initial patch before clipping to the median shape
-MEMORY_OVERHEAD = 1.25  # measured peak / counted activations (CPU peak RSS slope per image at 64^3: 1.24 and 1.27)
+# peak training memory per image / counted activations, from the CPU's peak-RSS slope per image
+# (docs/benchmarks.md, "First epoch, precision and other costs")
+MEMORY_OVERHEAD = 1.25
 
 
 def fmt_mm(values) -> str:

@@ -6,14 +6,14 @@ raised until the patch covers a quarter of the median image) and a `3d_cascade_f
 the fingerprint and the affordable patch, and writes the numbers into the plan:
 
 1. Plan full resolution (`ExperimentPlanner`). Its patch covers >= 25% of the median image (nnU-Net's
-   `lowres_creation_threshold`): **fullres**, one stage, as before.
+   `lowres_creation_threshold`): **fullres**, one stage.
 2. Else the low-resolution spacing: nnU-Net's loop, +3% a step (the finer axes first) until the patch planned
    there covers 25% of the median image.
 3. The smallest labelled structure (per class, the median over cases of its equivalent-sphere diameter) in
    low-resolution voxels: at least `MIN_VOXELS_ACROSS` across, the coarse grid draws every class well enough:
    **lowres** alone (trained coarse, predicted back onto the original grid: `restore_probabilities`).
 4. Else, when the labelled region grown by `CASCADE_MARGIN_MM` is at most `MAX_ROI_FRACTION` of the median image,
-   a **cascade** as seed 003 recommends: the coarse stage on the whole scan locates the region, the fine stage
+   a **cascade**: the coarse stage on the whole scan locates the region, the fine stage
    (full resolution, trained on cases cropped to their labels' box + margin) segments only that box. Chosen over
    nnU-Net's cascade (the low-resolution probabilities as extra input channels of a full-resolution network that
    still slides over the whole scan) because the expensive network then sees only the region: prediction time
@@ -33,14 +33,22 @@ staged.write()          # one plan.yaml per stage (+ the stages file for a casca
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from tfmis.errors import UsageError
 from tfmis.hardware import Hardware
 from tfmis.planning.fingerprint import DatasetFingerprint
 from tfmis.planning.plan_file import Plan, fmt_shape
-from tfmis.planning.planner import ExperimentPlanner, default_dataset_dir, default_output_dir, roi_median_shape
+from tfmis.planning.planner import (
+    Decisions,
+    ExperimentPlanner,
+    default_dataset_dir,
+    default_output_dir,
+    roi_median_shape,
+)
 from tfmis.planning.rules import LOWRES_COVERAGE, equivalent_diameter_mm, fmt_mm, lowres_spacing, patch_coverage
 
 MIN_VOXELS_ACROSS = 10.0  # the smallest structure at least this many low-resolution voxels across: lowres suffices
@@ -59,12 +67,14 @@ class StagedPlan:
         stages: (name, Plan) in training order; each a normal config with its own `output.dir`.
         decision: the reasons, in numbers (also in every stage plan's header).
         output_dir: the folder of the whole plan (the single stage's run folder, or the cascade's parent).
+        gpu_fitted: some stage was planned with a GPU-fit measurement (`StagePlanner`'s `gpu_fit_for`).
     """
 
     configuration: str
     stages: list[tuple[str, Plan]]
     decision: list[str]
     output_dir: str
+    gpu_fitted: bool = False
 
     @property
     def final(self) -> Plan:
@@ -103,7 +113,10 @@ class StagePlanner:
             stages convert to `<dataset_dir>_lowres` / `<dataset_dir>_roi` and train in `<output_dir>/lowres`,
             `<output_dir>/fullres`; a single low-resolution stage converts to `<dataset_dir>_lowres`).
         max_minutes: a wall-clock training budget shared by the stages (null: the step budget only).
-        configuration: force "fullres", "lowres" or "cascade" (the numbers are still written).
+        configuration: force "fullres", "lowres" or "cascade" (the numbers are still written); a forced lowres or
+            cascade whose low-resolution stage would have the full-resolution spacing is refused (`UsageError`).
+        gpu_fit_for: `config -> the GPU-fit search's measured values for it, or None`: each stage whose config has
+            a measurement is planned again with it (`ExperimentPlanner`'s `gpu_fit`).
     """
 
     def __init__(
@@ -119,9 +132,10 @@ class StagePlanner:
         seed: int = 0,
         max_minutes: float | None = None,
         configuration: str | None = None,
+        gpu_fit_for: Callable[..., dict | None] | None = None,
     ):
         if configuration not in (None, *CONFIGURATIONS):
-            raise ValueError(
+            raise UsageError(
                 f"configuration must be one of {', '.join(CONFIGURATIONS)} (or None), got {configuration!r}"
             )
         self.fp, self.hardware = fingerprint, hardware
@@ -130,74 +144,92 @@ class StagePlanner:
         self.output_dir = output_dir or (default_output_dir(self.source_dir) if self.source_dir else None)
         self.common = {"source_dir": self.source_dir, "split": split, "seed": seed}
         self.gpu_fit, self.max_minutes, self.forced = gpu_fit, max_minutes, configuration
+        self.gpu_fit_for = gpu_fit_for
 
     def plan(self) -> StagedPlan:
-        full = ExperimentPlanner(
-            self.fp,
-            self.hardware,
-            dataset_dir=self.dataset_dir,
-            output_dir=self.output_dir,
-            gpu_fit=self.gpu_fit,
-            max_minutes=self.max_minutes,
-            **self.common,
-        )
-        full_plan = full.plan()
-        configuration, decision, lowres = self.determine_configuration(full)
+        full_args = {
+            "dataset_dir": self.dataset_dir,
+            "output_dir": self.output_dir,
+            "gpu_fit": self.gpu_fit,
+            "max_minutes": self.max_minutes,
+        }
+        decisions = ExperimentPlanner(self.fp, self.hardware, **full_args, **self.common).decide()
+        configuration, decision, lowres = self.determine_configuration(decisions)
+        fitted: list[dict] = []  # the GPU-fit measurements the stages were planned again with
         if configuration == "fullres":
-            stages = [("fullres", full_plan)]
+            stages = [("fullres", self.plan_stage(full_args, fitted, decisions))]
         elif configuration == "lowres":
-            stages = [("lowres", self.plan_lowres(lowres, self.output_dir, 1.0))]
+            stages = [("lowres", self.plan_stage(self.lowres_args(lowres, self.output_dir, 1.0), fitted))]
         else:
             coarse_dir = str(Path(self.output_dir) / "lowres")
-            fine = ExperimentPlanner(
-                self.fp,
-                self.hardware,
-                dataset_dir=f"{self.dataset_dir}_roi",
-                output_dir=str(Path(self.output_dir) / "fullres"),
-                roi_margin_mm=CASCADE_MARGIN_MM,
-                coarse_run=coarse_dir,
-                training_share=1 - COARSE_SHARE,
-                max_minutes=self._minutes(1 - COARSE_SHARE),
-                **self.common,
-            ).plan()
+            fine_args = {
+                "dataset_dir": f"{self.dataset_dir}_roi",
+                "output_dir": str(Path(self.output_dir) / "fullres"),
+                "roi_margin_mm": CASCADE_MARGIN_MM,
+                "coarse_run": coarse_dir,
+                "training_share": 1 - COARSE_SHARE,
+                "max_minutes": self._minutes(1 - COARSE_SHARE),
+            }
+            fine = self.plan_stage(fine_args, fitted)
             self.determine_fine_classes(fine, lowres)
             self.determine_regions(fine)
-            stages = [("lowres", self.plan_lowres(lowres, coarse_dir, COARSE_SHARE)), ("fullres", fine)]
+            coarse = self.plan_stage(self.lowres_args(lowres, coarse_dir, COARSE_SHARE), fitted)
+            stages = [("lowres", coarse), ("fullres", fine)]
         for i, (name, plan) in enumerate(stages):
             plan.header[1:1] = [f"Stage {i + 1} of {len(stages)} ({name}) of a {configuration} plan:"] + [
                 f"  {line}" for line in decision
             ]
             plan.summary["configuration"] = configuration
             plan.summary["stage"] = name
-        return StagedPlan(configuration, stages, decision, str(self.output_dir))
+        return StagedPlan(configuration, stages, decision, str(self.output_dir), gpu_fitted=bool(fitted))
 
     def _minutes(self, share: float) -> float | None:
         return None if self.max_minutes is None else self.max_minutes * share
 
-    def plan_lowres(self, lowres: dict, output_dir: str, share: float) -> Plan:
-        return ExperimentPlanner(
-            self.fp,
-            self.hardware,
-            dataset_dir=f"{self.dataset_dir}_lowres",
-            output_dir=str(output_dir),
-            spacing=(lowres["spacing"], lowres["reason"]),
-            training_share=share,
-            max_minutes=self._minutes(share),
-            **self.common,
-        ).plan()
+    def plan_stage(self, args: dict, fitted: list, decisions: Decisions | None = None) -> Plan:
+        """The stage's plan (`ExperimentPlanner` with `args`; `decisions` already made for it, if any); with
+        `gpu_fit_for`, planned again with the GPU-fit search's measurement of its config when there is one (added
+        to `fitted`)."""
+        plan = ExperimentPlanner(self.fp, self.hardware, **args, **self.common).plan(decisions)
+        measured = self.gpu_fit_for(plan.config()) if self.gpu_fit_for is not None else None
+        if measured is None:
+            return plan
+        fitted.append(measured)
+        return ExperimentPlanner(self.fp, self.hardware, **{**args, "gpu_fit": measured}, **self.common).plan()
+
+    def lowres_args(self, lowres: dict, output_dir: str, share: float) -> dict:
+        """`ExperimentPlanner`'s arguments for a low-resolution stage at `lowres["spacing"]`."""
+        return {
+            "dataset_dir": f"{self.dataset_dir}_lowres",
+            "output_dir": str(output_dir),
+            "spacing": (lowres["spacing"], lowres["reason"]),
+            "training_share": share,
+            "max_minutes": self._minutes(share),
+        }
 
     # ------------------------------------------------------------------ the decision
 
-    def determine_configuration(self, full: ExperimentPlanner) -> tuple[str, list[str], dict | None]:
-        """(configuration, the reasons in numbers, the low-resolution stage's {spacing, reason} or None)."""
-        coverage = patch_coverage(full.patch, full.median_shape)
+    def determine_configuration(self, full: Decisions) -> tuple[str, list[str], dict | None]:
+        """(configuration, the reasons in numbers, the low-resolution stage's {spacing, reason} or None) from the
+        full-resolution plan's decisions. A forced lowres or cascade whose low-resolution stage would keep the full
+        spacing (the patch already covers `LOWRES_COVERAGE` of the median image) is refused."""
+        spacing, median_shape, patch = full.data.spacing, full.data.median_shape, full.patch.patch
+        coverage = patch_coverage(patch, median_shape)
         lines = [
-            f"full resolution {fmt_mm(full.spacing)} mm: the affordable patch {fmt_shape(full.patch)} covers "
-            f"{100 * coverage:.3g}% of the median image {fmt_shape(full.median_shape)}"
+            f"full resolution {fmt_mm(spacing)} mm: the affordable patch {fmt_shape(patch)} covers "
+            f"{100 * coverage:.3g}% of the median image {fmt_shape(median_shape)}"
         ]
         if coverage >= LOWRES_COVERAGE and self.forced in (None, "fullres"):
             lines[0] += f" (>= {LOWRES_COVERAGE:.0%}: no low-resolution stage, as nnU-Net)"
             return "fullres", lines, None
+        if coverage >= LOWRES_COVERAGE:
+            stage = "the low-resolution stage" if self.forced == "lowres" else "the cascade's coarse stage"
+            raise UsageError(
+                f"--configuration {self.forced}: the full-resolution patch {fmt_shape(patch)} already covers "
+                f"{100 * coverage:.3g}% of the median image {fmt_shape(median_shape)} at {fmt_mm(spacing)} mm (>= "
+                f"{LOWRES_COVERAGE:.0%}, where nnU-Net plans no low-resolution stage), so {stage} would be planned at "
+                f"that same spacing; drop --configuration or use --configuration fullres"
+            )
         lowres = self.determine_lowres(full)
         lines.append(lowres["reason"])
         smallest = self.determine_smallest_structure()
@@ -206,8 +238,8 @@ class StagePlanner:
             f"smallest structure: {smallest['name']}, median {smallest['volume_mm3'] / 1000:.3g} cm^3 "
             f"({smallest['diameter_mm']:.3g} mm across) = {across:.3g} low-resolution voxels"
         )
-        roi_shape = roi_median_shape(self.fp, full.spacing, CASCADE_MARGIN_MM)
-        roi_fraction = float(np.prod(roi_shape) / np.prod(full.median_shape))
+        roi_shape = roi_median_shape(self.fp, spacing, CASCADE_MARGIN_MM)
+        roi_fraction = float(np.prod(roi_shape) / np.prod(median_shape))
         lines.append(
             f"labelled region + {CASCADE_MARGIN_MM:g} mm: median {fmt_shape(roi_shape)} voxels at full resolution, "
             f"{100 * roi_fraction:.3g}% of the median image"
@@ -242,17 +274,15 @@ class StagePlanner:
         )
         return "fullres", lines, None
 
-    def determine_lowres(self, full: ExperimentPlanner) -> dict:
-        """nnU-Net's low-resolution spacing (`rules.lowres_spacing`) with the planner's own patch at each step."""
+    def determine_lowres(self, full: Decisions) -> dict:
+        """nnU-Net's low-resolution spacing (`rules.lowres_spacing`) with the planner's own patch at each step (its
+        `determine_patch` on its `determine_data` at that spacing)."""
 
         def patch_at(spacing, median_shape):
             planner = ExperimentPlanner(self.fp, self.hardware, spacing=(spacing, ""), **self.common)
-            scratch = Plan()
-            planner.determine_data(scratch)
-            planner.determine_patch(scratch)
-            return planner.patch
+            return planner.determine_patch(planner.determine_data()).patch
 
-        spacing, shape, patch, steps = lowres_spacing(full.spacing, full.median_shape, patch_at)
+        spacing, shape, patch, steps = lowres_spacing(full.data.spacing, full.data.median_shape, patch_at)
         spacing = [float(round(s, 4)) for s in spacing]
         return {
             "spacing": spacing,

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+from tfmis.errors import MissingInput
 from tfmis.utils.io import atomic_writer
 
 ARMS = ("regular", "fast")
@@ -20,7 +21,7 @@ def read_history(run_dir) -> list[dict]:
     """The epoch records of a run folder's `history.jsonl`."""
     path = Path(run_dir) / "history.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found; did the arm's training run (see {Path(run_dir)}.log)?")
+        raise MissingInput(f"{path}: not found; did the arm's training run (see {Path(run_dir)}.log)?")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

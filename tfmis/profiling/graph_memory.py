@@ -8,8 +8,8 @@ and then it gives the process-wide CPU allocator's numbers: every logical CPU de
 /CPU:0 and then 128 MiB on /CPU:1 gives current 192 MiB for both). So on logical CPU devices, the memory a
 model-parallel step (`tfmis.networks.parallel.ModelParallel`) needs per device is counted here from the traced
 graph instead: which tensors each op makes, on which device, and how long they must live. On one device the
-count can be checked against that allocator: the demo U-Net's training step at 64³ counts 98.1 MiB (inputs
-excluded) where the allocator's peak rises 95.8 MiB while it runs (96³: 331 against 313 MiB).
+count can be checked against that allocator (tests/test_graph_memory.py; the figures: docs/model-parallel.md,
+"Memory per device").
 
 - `placed_memory(graph)`: per device, the peak of simultaneously live tensor bytes when the graph's ops run one
   after another in `graph.get_operations()` order, the bytes it receives from and sends to other devices, and the
@@ -156,7 +156,7 @@ def _op_devices(graph, default: str) -> dict:
     - an op with an explicit device runs there; one without a device but with a colocation constraint
       (`_class: loc:@other`, as `tf.gradients` gives the backward ops) runs with that op;
     - any other op runs on `default` (the placer's default device). So the backward ops `tape.gradient` makes
-      outside every `tf.device` scope all run there (seen in TensorFlow 2.21's placement log; the known
+      outside every `tf.device` scope all run there (TensorFlow 2.21's placement log shows it; the known
       behaviour of tensorflow/tensorflow#54460), whereas `tf.gradients` colocates each with its forward op;
     - an op without inputs or device whose consumers all run on one device is placed with them (the placer's
       "generator" heuristic: the constants an op reads are made where it runs).

@@ -12,8 +12,9 @@ The columns are the same in both modes, so one plot (`plot_resources`) serves bo
 mode memory_used_mb is the summed RSS of the process tree and memory_total_mb the host's RAM.) Rows
 are flushed as they are written, so a run that is killed keeps its CSV up to its last sample.
 
-This module imports only the standard library at import time (pynvml, matplotlib lazily), so it
-runs on machines without TensorFlow. `python -m tfmis.monitor -- COMMAND ...` monitors a command
+The machine is read through `tfmis.hardware` (`NvmlGpus`, `process_tree_usage`). This module imports only the
+standard library and `tfmis.hardware` at import time (pynvml, matplotlib lazily), so it runs on machines without
+TensorFlow. `python -m tfmis.monitor -- COMMAND ...` monitors a command
 (`monitor_command`; the command line is `tfmis.monitor`).
 
 Example:
@@ -40,7 +41,8 @@ import threading
 import time
 from pathlib import Path
 
-from tfmis.hardware import host_memory, visible_nvml_handles
+from tfmis.errors import DataError, UsageError
+from tfmis.hardware import NvmlGpus, NvmlUnavailable, host_memory, process_tree_usage, usable_cpu_count
 
 COLUMNS = (
     "timestamp",
@@ -53,10 +55,6 @@ COLUMNS = (
 )
 MB = 1 << 20
 PREFIX = "tfmis.monitor:"
-
-
-class _NoGPU(Exception):
-    """NVML cannot be used here (no library, no driver, no visible GPU); the message says which."""
 
 
 class ResourceMonitor:
@@ -82,7 +80,8 @@ class ResourceMonitor:
     Attributes:
         backend: "nvml" or "cpu", known after `__init__`.
         devices: device label (`gpu0`, ... or `cpu`) -> {"name", "memory_total_mb"}.
-        cpu_count: `os.cpu_count()` (CPU mode utilisation is in percent of one core).
+        cpu_count: the CPUs this process may use (`tfmis.hardware.usable_cpu_count`: affinity and cgroup quota;
+            CPU mode utilisation is in percent of one core).
 
     Example:
     ```python
@@ -110,11 +109,10 @@ class ResourceMonitor:
         self.csv_path = Path(csv_path)
         self.interval_s = float(interval_s)
         self.pid = os.getpid() if pid is None else int(pid)
-        self.cpu_count = os.cpu_count() or 1
+        self.cpu_count = usable_cpu_count()
         self.devices: dict[str, dict] = {}
-        self._pynvml = None
-        self._handles: list[tuple[str, object]] = []
-        self._tree: _ProcessTree | None = None
+        self._nvml: NvmlGpus | None = None
+        self._tree_last: tuple[float | None, float] = (None, 0.0)  # (when, the tree's CPU seconds then)
         self._file = None
         self._writer = None
         self._thread: threading.Thread | None = None
@@ -129,16 +127,19 @@ class ResourceMonitor:
         reason = None
         if backend in ("auto", "nvml"):
             try:
-                self._open_nvml(gpus)
-            except _NoGPU as e:
+                self._nvml = NvmlGpus(gpus)
+            except NvmlUnavailable as e:
                 if backend == "nvml":
-                    raise RuntimeError(f"backend='nvml' but NVIDIA GPUs cannot be monitored here: {e}") from None
+                    raise UsageError(f"backend='nvml' but NVIDIA GPUs cannot be monitored here: {e}") from None
                 reason = str(e)
-        if self._handles:
+        if self._nvml is not None:
             self.backend = "nvml"
+            for gpu in self._nvml.devices:
+                self.devices[f"gpu{gpu['index']}"] = {"name": gpu["name"], "memory_total_mb": gpu["total_mb"]}
         else:
             self.backend = "cpu"
-            self._tree = _ProcessTree(self.pid)
+            if process_tree_usage(self.pid) is None:
+                raise UsageError(f"pid {self.pid}: no such process")
             self.devices["cpu"] = {
                 "name": f"CPU ({self.cpu_count} cores), process {self.pid} and its children",
                 "memory_total_mb": host_memory()["total_mb"],
@@ -153,71 +154,26 @@ class ResourceMonitor:
                 )
 
     # ----------------------------------------------------------------------------------- NVML
-    def _open_nvml(self, gpus) -> None:
-        try:
-            import pynvml
-        except ImportError:
-            raise _NoGPU("nvidia-ml-py is not installed: pip install nvidia-ml-py") from None
-        try:
-            pynvml.nvmlInit()
-        except Exception as e:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
-            raise _NoGPU(f"NVML could not start: {e}") from None
-        try:
-            count = pynvml.nvmlDeviceGetCount()
-            if count == 0:
-                raise _NoGPU("NVML sees no GPU")
-            if gpus is not None:
-                chosen = [int(g) for g in gpus]
-                missing = [g for g in chosen if not 0 <= g < count]
-                if missing:
-                    raise ValueError(
-                        f"gpus {missing} not found: NVML sees {count} GPU(s), indices 0-{count - 1} "
-                        "(nvidia-smi -L lists them)"
-                    )
-                handles = [(g, pynvml.nvmlDeviceGetHandleByIndex(g)) for g in chosen]
-            else:
-                handles = visible_nvml_handles(pynvml, count)
-                if not handles:
-                    raise _NoGPU(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} hides all GPUs")
-            for index, handle in handles:
-                name = pynvml.nvmlDeviceGetName(handle)
-                name = name.decode() if isinstance(name, bytes) else name
-                label = f"gpu{index}"
-                self.devices[label] = {
-                    "name": name,
-                    "memory_total_mb": pynvml.nvmlDeviceGetMemoryInfo(handle).total / MB,
-                }
-                self._handles.append((label, handle))
-            self._pynvml = pynvml
-        except BaseException:
-            pynvml.nvmlShutdown()
-            self.devices.clear()
-            self._handles.clear()
-            raise
-
     def _sample_nvml(self) -> list[tuple]:
         rows = []
-        for label, handle in self._handles:
-            try:
-                utilization = float(self._pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            except self._pynvml.NVMLError as e:  # e.g. not supported on MIG instances
-                self._report_once(f"{label} utilisation", e)
-                utilization = math.nan
-            memory = self._pynvml.nvmlDeviceGetMemoryInfo(handle)
-            rows.append((label, utilization, memory.used / MB, memory.total / MB))
+        for gpu in self._nvml.read():
+            label = f"gpu{gpu['index']}"
+            if gpu["utilization_error"] is not None:  # e.g. not supported on MIG instances
+                self._report_once(f"{label} utilisation", gpu["utilization_error"])
+            rows.append((label, gpu["utilization_percent"], gpu["used_mb"], gpu["total_mb"]))
         return rows
 
     # ------------------------------------------------------------------------------------ CPU
     def _sample_cpu(self, now: float) -> list[tuple]:
-        reading = self._tree.read()
+        reading = process_tree_usage(self.pid)
         if reading is None:  # the process is gone (and reaped): nothing to measure
             return []
-        ticks, rss = reading
-        previous_t, previous_ticks = self._tree.last
-        self._tree.last = (now, ticks)
+        cpu_s, rss = reading
+        previous_t, previous_cpu_s = self._tree_last
+        self._tree_last = (now, cpu_s)
         if previous_t is None or now <= previous_t:
             return []
-        busy_s = max(0, ticks - previous_ticks) / self._tree.ticks_per_second
+        busy_s = max(0.0, cpu_s - previous_cpu_s)
         total = self.devices["cpu"]["memory_total_mb"]
         return [("cpu", 100.0 * busy_s / (now - previous_t), rss / MB, total)]
 
@@ -233,9 +189,9 @@ class ResourceMonitor:
         self._file.flush()
         self._t0 = time.monotonic()
         self._last_sample_t = self._t0
-        if self._tree is not None:
-            reading = self._tree.read()
-            self._tree.last = (self._t0, reading[0]) if reading else (None, 0)
+        if self.backend == "cpu":
+            reading = process_tree_usage(self.pid)
+            self._tree_last = (self._t0, reading[0]) if reading else (None, 0.0)
         self._thread = threading.Thread(target=self._run, name="tfmis-resource-monitor", daemon=True)
         self._thread.start()
         return self
@@ -252,11 +208,8 @@ class ResourceMonitor:
             self._sample(now)
         self._stopped_t = now
         self._file.close()
-        if self._pynvml is not None:
-            try:
-                self._pynvml.nvmlShutdown()
-            except self._pynvml.NVMLError:
-                pass
+        if self._nvml is not None:
+            self._nvml.close()
 
     def __enter__(self) -> ResourceMonitor:
         return self.start()
@@ -352,59 +305,6 @@ class ResourceMonitor:
             }
 
 
-class _ProcessTree:
-    """CPU ticks and RSS of a process and all its descendants, from /proc (Linux).
-
-    The tree's CPU total is, over its live members, utime + stime + cutime + cstime: when a member
-    exits and its parent (a member too) reaps it, its ticks move into the parent's cutime/cstime, so
-    the total neither drops nor counts them twice; differences of totals are the tree's CPU use.
-    """
-
-    def __init__(self, pid: int):
-        if not os.path.isdir("/proc/self"):
-            raise RuntimeError("CPU mode of ResourceMonitor reads /proc (Linux); this system has none")
-        if not os.path.exists(f"/proc/{pid}/stat"):
-            raise ValueError(f"pid {pid}: no such process (/proc/{pid} does not exist)")
-        self.pid = pid
-        self.ticks_per_second = os.sysconf("SC_CLK_TCK")
-        self.page_size = os.sysconf("SC_PAGE_SIZE")
-        self.last = (None, 0)
-
-    @staticmethod
-    def _stat(pid) -> list[str] | None:
-        """Fields after `(comm)` of /proc/PID/stat: [0] state, [1] ppid, [11] utime, [12] stime,
-        [13] cutime, [14] cstime, [21] rss (pages); None when the process is gone."""
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                text = f.read()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            return None
-        return text[text.rfind(b")") + 2 :].split()
-
-    def read(self) -> tuple[int, int] | None:
-        """(CPU ticks, RSS bytes) of the tree now; None if the root process is gone."""
-        stats = {}
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                fields = self._stat(entry)
-                if fields is not None:
-                    pid = int(entry)
-                    stats[pid] = fields
-                    children.setdefault(int(fields[1]), []).append(pid)
-        if self.pid not in stats:
-            return None
-        ticks = rss = 0
-        todo = [self.pid]
-        while todo:
-            pid = todo.pop()
-            fields = stats[pid]
-            ticks += int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
-            rss += int(fields[21]) * self.page_size
-            todo.extend(children.get(pid, ()))
-        return ticks, rss
-
-
 # ------------------------------------------------------------------------------------- reading, plotting
 def read_resources(csv_path: str | Path) -> dict[str, dict[str, list[float]]]:
     """A monitor CSV as {device: {column: values}} for the numeric columns (elapsed_s, utilization_percent,
@@ -417,7 +317,7 @@ def read_resources(csv_path: str | Path) -> dict[str, dict[str, list[float]]]:
     with open(csv_path, newline="") as f:
         reader = csv.DictReader(f)
         if tuple(reader.fieldnames or ()) != COLUMNS:
-            raise ValueError(
+            raise DataError(
                 f"{csv_path}: not a resource monitor CSV: header {reader.fieldnames}, expected {list(COLUMNS)}"
             )
         series: dict[str, dict[str, list[float]]] = {}
@@ -449,7 +349,7 @@ def plot_resources(csv_path: str | Path, png_path: str | Path, title: str | None
     """
     series = read_resources(csv_path)
     if not series:
-        raise ValueError(f"{csv_path}: no samples yet (a run shorter than the sampling interval?): nothing to plot")
+        raise DataError(f"{csv_path}: no samples yet (a run shorter than the sampling interval?): nothing to plot")
     try:
         import matplotlib
 

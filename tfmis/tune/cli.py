@@ -19,11 +19,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from tfmis.utils.cli import os_error_line
+from tfmis.utils.cli import EXIT_INTERRUPTED, add_set_argument, command, writing
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfmis.tune", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tfmis-tune", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     fit = sub.add_parser(
         "fit",
@@ -31,14 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         "memory and speed (Auto3DSeg's GPU customization)",
     )
     fit.add_argument("--config", required=True, help="training config, e.g. configs/demo.yaml")
-    fit.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, as in tfmis.train",
-    )
+    add_set_argument(fit)
     add_search_arguments(fit, prefix="")
     fit.add_argument("--output", default=None, help="output folder (default: <output.dir>/gpu_fit)")
 
@@ -48,14 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pinned to its devices (Keras Tuner's distributed mode on one machine)",
     )
     hpo.add_argument("--config", required=True, help="training config, e.g. configs/demo.yaml")
-    hpo.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value of every trial, as in tfmis.train",
-    )
+    add_set_argument(hpo, "--set training.epochs=3 (every trial)")
     hpo.add_argument(
         "--space",
         required=True,
@@ -160,36 +146,18 @@ def run_search(config, args, prefix: str, output_dir: Path, specs=None):
 
 
 def fit_command(args) -> int:
-    """`python -m tfmis.tune fit` from parsed arguments. Exit status: 0 a configuration was chosen, 1 none fits
-    (or the data is missing), 2 bad arguments."""
-    from tfmis.config import ConfigError, load_config
-
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:  # every input checked before the dataset is converted (minutes to hours)
-        specs = search_specs(args, "")
-    except ConfigError as e:
-        print(f"specs error: {e}", file=sys.stderr)
-        return 2
+    """`tfmis-tune fit` from parsed arguments. Exit status: 0 a configuration was chosen; else `tfmis.errors`'
+    (2 bad arguments, config or specs: checked before the dataset is converted; 1 none fits)."""
+    from tfmis.config import load_config
     from tfmis.data.prepare import prepare_dataset
-    from tfmis.tune.fit.search import CONFIG_FILE, PLOT_FILE, REPORT_FILE, NoConfigurationFits
+    from tfmis.tune.fit.search import CONFIG_FILE, PLOT_FILE, REPORT_FILE
 
+    config = load_config(args.config, args.overrides)
+    specs = search_specs(args, "")  # every input checked before the dataset is converted (minutes to hours)
     output = Path(args.output or Path(config.output.dir) / "gpu_fit")
-    try:
-        prepare_dataset(config.data, progress=config.output.progress)
-        run_search(config, args, "", output, specs)
-    except ConfigError as e:
-        print(f"specs error: {e}", file=sys.stderr)
-        return 2
-    except (NoConfigurationFits, FileNotFoundError, KeyError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # the output is a file, unwritable, or the disk is full
-        print(f"error: {os_error_line(e, output)}", file=sys.stderr)
-        return 1
+    writing(output)
+    prepare_dataset(config.data, progress=config.output.progress)
+    run_search(config, args, "", output, specs)
     print(
         f"Results in {output}: {CONFIG_FILE} (train with it: python -m tfmis.train --config {output / CONFIG_FILE}), "
         f"{REPORT_FILE}, {PLOT_FILE}"
@@ -198,58 +166,37 @@ def fit_command(args) -> int:
 
 
 def hpo_command(args) -> int:
-    """`python -m tfmis.tune hpo` from parsed arguments. Exit status: 0 done, 1 no trial finished or a process
-    died, 2 bad arguments, config or space."""
-    from tfmis.config import ConfigError, load_config
-    from tfmis.tune.hpo import (
-        BEST_FILE,
-        PLOT_FILE,
-        REPORT_FILE,
-        TRIALS_DIR,
-        HpoSearch,
-        Objective,
-        SearchFailed,
-        load_space,
-    )
-
-    try:
-        config = load_config(args.config, args.overrides)
-        space = load_space(args.space, config)
-        objective = Objective.parse(args.objective)
-        output = Path(args.output or Path(config.output.dir) / "hpo")
-        search = HpoSearch(
-            config,
-            space,
-            output,
-            workers=args.workers,
-            num_trials=args.num_trials,
-            objective=objective,
-            strategy=args.strategy,
-            resume=args.resume,
-            progress=config.output.progress,
-            space_file=str(args.space),
-        )
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    """`tfmis-tune hpo` from parsed arguments. Exit status: 0 a trial finished; else `tfmis.errors`' (2 bad
+    arguments, config or space; 1 no trial finished or a search process died)."""
+    from tfmis.config import load_config
     from tfmis.data.prepare import prepare_dataset
+    from tfmis.errors import TrainingFailed
+    from tfmis.tune.hpo import BEST_FILE, PLOT_FILE, REPORT_FILE, TRIALS_DIR, HpoSearch, Objective, load_space
 
+    config = load_config(args.config, args.overrides)
+    space = load_space(args.space, config)
+    objective = Objective.parse(args.objective)
+    output = Path(args.output or Path(config.output.dir) / "hpo")
+    search = HpoSearch(
+        config,
+        space,
+        output,
+        workers=args.workers,
+        num_trials=args.num_trials,
+        objective=objective,
+        strategy=args.strategy,
+        resume=args.resume,
+        progress=config.output.progress,
+        space_file=str(args.space),
+    )
+    writing(output, "rerun the same command (it resumes)")
+    output.mkdir(parents=True, exist_ok=True)
+    prepare_dataset(config.data, progress=config.output.progress)
     try:
-        output.mkdir(parents=True, exist_ok=True)
-        prepare_dataset(config.data, progress=config.output.progress)
         report = search.run()
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (SearchFailed, FileNotFoundError, KeyError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # the output is a file, unwritable, or the disk is full
-        print(f"error: {os_error_line(e, output, 'rerun the same command (it resumes)')}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(f"\ninterrupted: rerun the same command to resume the search in {output}", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     print(
         f"Results in {output}: {REPORT_FILE}, {PLOT_FILE}"
         + (
@@ -259,9 +206,12 @@ def hpo_command(args) -> int:
         )
         + f", {TRIALS_DIR}/<trial id>/"
     )
-    return 0 if report["best"] else 1
+    if not report["best"]:
+        raise TrainingFailed(f"no trial finished: see {output / REPORT_FILE} and the trials' logs")
+    return 0
 
 
+@command
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     return hpo_command(args) if args.command == "hpo" else fit_command(args)

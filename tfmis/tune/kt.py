@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from tfmis.errors import ConfigError
 from tfmis.utils.io import atomic_write_json
 
 ENDED = ("COMPLETED", "FAILED")  # the statuses of a trial that is not run again
@@ -201,7 +202,7 @@ def make_oracle(
     elif strategy == "bayesian":
         oracle = classes["bayesian"](num_initial_points=num_initial_points, **kwargs)
     else:
-        raise ValueError(f"strategy must be grid, random or bayesian, got {strategy!r}")
+        raise ConfigError(f"strategy must be grid, random or bayesian, got {strategy!r}")
     oracle.stop_when, oracle.replace_repeats = stop_when, replace_repeats
     return oracle
 

@@ -1,25 +1,113 @@
-"""What the commands share at their edge: `OPTIONS -- COMMAND` arguments, and one line for an OS error."""
+"""What the commands share at their edge: `run_command` (an error as one line and its exit code),
+`OPTIONS -- COMMAND` arguments, `--set` overrides, and one line for an OS error."""
 
 from __future__ import annotations
 
 import argparse
-import errno
+import functools
+import os
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+
+from tfmis.errors import TfmisError
+from tfmis.utils.io import is_disk_full
+
+DEBUG_ENV = "TFMIS_DEBUG"  # "1": tracebacks for the handled errors too
+EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl-C
+
+
+class Edge:
+    """What a command is writing, for the one line of an OS error that names no file (a full disk)."""
+
+    writing: str | Path | None = None
+    rerun: str = "rerun the same command"
+
+
+def writing(path: str | Path | None, rerun: str | None = None) -> None:
+    """Names the output the command is writing now (and how to finish the job after a failure), for the line of
+    a full disk or another OS error that carries no file name."""
+    Edge.writing = path
+    if rerun is not None:
+        Edge.rerun = rerun
+
+
+def print_error(line: str) -> None:
+    """One line on stderr, written at once (several workers may share the stream)."""
+    sys.stderr.write(line.rstrip("\n") + "\n")
+    sys.stderr.flush()
+
+
+def run_command(command: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Runs a command's body and returns its exit status; the one place errors become exit codes.
+
+    A `tfmis.errors.TfmisError` prints its one line and exits with its `exit_code`; an OS error (a missing
+    file, permissions, a file in the way) and a full disk (also when a library wraps it) print one line naming
+    the file and exit 1; Ctrl-C exits 130. Anything else is a bug: its traceback is kept. With `TFMIS_DEBUG=1`
+    the handled errors print their traceback before their line.
+    """
+    Edge.writing, Edge.rerun = None, "rerun the same command"
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        return command(argv)
+    except TfmisError as e:
+        if debug:
+            traceback.print_exc()
+        print_error(e.line())
+        return e.exit_code
+    except OSError as e:
+        if debug:
+            traceback.print_exc()
+        print_error(f"error: {os_error_line(e, Edge.writing, Edge.rerun)}")
+        return 1
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a full disk as TensorFlow (ResourceExhaustedError) or h5py (RuntimeError) report it
+        if not is_disk_full(e):
+            raise
+        if debug:
+            traceback.print_exc()
+        print_error(f"error: disk full writing {Edge.writing or 'the output'}: free space and {Edge.rerun}")
+        return 1
+
+
+def command(body: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """Makes `body(argv) -> exit status` a command's `main` (a `[project.scripts]` entry point) that runs through
+    `run_command`."""
+
+    @functools.wraps(body)
+    def main(argv: list[str] | None = None) -> int:
+        return run_command(body, argv)
+
+    return main
+
+
+def add_set_argument(parser, help_example: str = "--set training.epochs=3") -> None:
+    """The `--set KEY=VALUE` option (repeatable) every config-taking command has; parsed into `overrides`."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config value, e.g. {help_example}",
+    )
 
 
 def parse_with_command(
     parser: argparse.ArgumentParser, argv: list[str] | None, usage: str
-) -> tuple[argparse.Namespace, list[str]] | None:
+) -> tuple[argparse.Namespace, list[str]]:
     """(parsed options, command) of `OPTIONS -- COMMAND ...` (`argv` default: sys.argv[1:]).
 
-    None, after printing `usage` to stderr, when there is no `--`; argparse's error (exit status 2) when the
-    options are bad or no command follows `--`.
+    Without `--`, prints `usage` to stderr and exits with status 2 (as argparse does for bad options, or when no
+    command follows `--`).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
         print(usage, file=sys.stderr)
-        return None
+        raise SystemExit(2)
     split = argv.index("--")
     args, command = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not command:
@@ -28,40 +116,6 @@ def parse_with_command(
 
 
 # ---------------------------------------------------------------- one line for an OS error at a command's edge
-
-DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-# how a full disk reads when the errno is lost on the way (TensorFlow's ResourceExhaustedError, h5py's RuntimeError)
-DISK_FULL_TEXTS = ("no space left on device", "file too large", "disk quota exceeded", "errno = 28", "errno = 27")
-
-
-def is_disk_full(error: BaseException) -> bool:
-    """True when `error` (an OSError, or a library's error wrapping one) says the disk or a file size limit is full."""
-    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
-        return True
-    text = str(error).lower()
-    return any(t in text for t in DISK_FULL_TEXTS)
-
-
-def remove_temp_files(*folders, patterns=("*.tmp", "*.tmp.*")) -> list[Path]:
-    """Deletes the temporary files (`x.tmp`, `x.tmp.weights.h5`) directly in `folders`; returns them, sorted.
-
-    A temporary of another live writer on this host (`tfmis.utils.io.temp_path` names hold the writer's pid) is
-    kept: this process's and dead writers' are removed."""
-    from tfmis.utils.io import writer_alive
-
-    removed = []
-    for folder in folders:
-        folder = Path(folder)
-        if not folder.is_dir():
-            continue
-        for pattern in patterns:
-            for path in folder.glob(pattern):
-                if writer_alive(path, including_self=False):
-                    continue
-                if path.is_file() or path.is_symlink():
-                    path.unlink(missing_ok=True)
-                    removed.append(path)
-    return sorted(set(removed))
 
 
 def _file_in_the_way(path: Path) -> Path | None:
@@ -80,6 +134,8 @@ def os_error_line(error: OSError, writing: str | Path | None = None, rerun: str 
         rerun: what finishes the job once the cause is fixed (e.g. "rerun with --resume").
     """
     name = error.filename if getattr(error, "filename", None) else writing
+    if error.errno is None and str(error).strip() and not is_disk_full(error):  # raised with its own message
+        return str(error).strip().splitlines()[0]
     if is_disk_full(error):
         return f"disk full writing {name or 'the output'}: free space and {rerun}"
     if isinstance(error, (NotADirectoryError, FileExistsError)) and name is not None:
@@ -94,9 +150,3 @@ def os_error_line(error: OSError, writing: str | Path | None = None, rerun: str 
     if isinstance(error, IsADirectoryError):
         return f"{name}: is a folder, expected a file"
     return f"{name}: {what}" if name else f"{type(error).__name__}: {what}"
-
-
-def error_line(error: BaseException) -> str:
-    """The first line of an exception's message (a library's multi-line message stays one line)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -25,13 +25,16 @@ import threading
 import time
 from pathlib import Path
 
+from tfmis.errors import RunStateError
+from tfmis.utils.io import remove_temp_files
+
 LOCK_FILE = ".tfmis.lock"
 
 _held: dict[str, list] = {}  # resolved lock path -> [fd, depth]: this process's locks (re-entrant)
 _guard = threading.Lock()
 
 
-class FolderLocked(RuntimeError):
+class FolderLocked(RunStateError):
     """Another live process holds the folder's lock; the message names it (pid, host, since when, command)."""
 
 
@@ -67,6 +70,11 @@ def folder_lock(folder: str | Path, command: str | None = None):
 
     Re-entrant within one process: the train command holds its run folder's lock and `Trainer.fit` takes it
     again (a count, one descriptor); it guards against other processes, not other threads of this one.
+
+    Temporaries: on taking the lock (not again when re-entered) the holder removes what writers that died left
+    below the folder (`tfmis.utils.io.remove_temp_files`, which keeps a live writer's temporaries). Only the
+    holder does: a refused process leaves the folder as it found it, and without flock support nothing is
+    removed.
 
     On a file system without flock support (some network file systems) the block runs unlocked after a
     warning on stderr; NFS emulates flock with its own byte-range locks, so the lock holds across nodes there.
@@ -127,6 +135,7 @@ def folder_lock(folder: str | Path, command: str | None = None):
         with _guard:
             _held[key] = [fd, 1]
         try:
+            remove_temp_files(folder)
             yield True
         finally:
             with _guard:

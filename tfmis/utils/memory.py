@@ -102,33 +102,3 @@ def error_line(message: str, limit: int = 400) -> str:
         or (kept[0] if kept else message.strip() or "(no message)")
     )
     return chosen if len(chosen) <= limit else chosen[: limit - 3] + "..."
-
-
-def reset_peak_rss() -> bool:
-    """Resets the kernel's high-water mark of this process' resident memory (Linux `clear_refs` 5).
-
-    Returns False where that is not possible (not Linux, or not allowed); `peak_rss_mb` then counts
-    from the start of the process.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mb() -> float | None:
-    """The process' peak resident memory (`VmHWM`) in MiB, None where /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    if sys.platform == "darwin":  # ru_maxrss: bytes on macOS; no reset
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return None

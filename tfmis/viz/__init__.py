@@ -11,7 +11,7 @@ fig = plot_orthogonal_planes(case["image"], case["label"], spacing=meta["geometr
                              channel_names=meta["modalities"], class_names=meta["labels"], title=case["case_id"])
 fig.savefig("case.png")
 ```
-From a shell: `python tools/visualize.py --dataset-dir OUT --sample 0` (see `--help`).
+From a shell: `tfmis-visualize --dataset-dir OUT --sample 0` (see `--help`).
 """
 
 from tfmis.viz.slices import (

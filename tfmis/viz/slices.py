@@ -42,6 +42,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from PIL import Image
 
+from tfmis.errors import DataError, UsageError
 from tfmis.utils.io import atomic_writer
 
 OVERLAY_ALPHA = 0.4
@@ -277,9 +278,9 @@ def write_slice_sweep_gif(
         and returns 12.
     """
     if axis not in (0, 1, 2):
-        raise ValueError(f"axis must be 0 (sagittal), 1 (coronal) or 2 (axial), got {axis!r}")
+        raise UsageError(f"axis must be 0 (sagittal), 1 (coronal) or 2 (axial), got {axis!r}")
     if fps <= 0 or max_frames < 1:
-        raise ValueError(f"fps must be positive and max_frames at least 1, got fps={fps}, max_frames={max_frames}")
+        raise UsageError(f"fps must be positive and max_frames at least 1, got fps={fps}, max_frames={max_frames}")
     volume, label, prediction, spacing = _checked_inputs(image, label, prediction, spacing)
     shape, plane = volume.shape[:3], PLANES[axis]
     num_channels, num_slices = volume.shape[3], volume.shape[axis]
@@ -391,12 +392,12 @@ def _checked_inputs(image, label, prediction, spacing):
     if volume.ndim == 3:
         volume = volume[..., None]
     if volume.ndim != 4 or min(volume.shape) < 1:
-        raise ValueError(f"image must be (x, y, z) or (x, y, z, C), got shape {volume.shape}")
+        raise DataError(f"image must be (x, y, z) or (x, y, z, C), got shape {volume.shape}")
     volume = volume.astype(np.float32, copy=False)  # float16 records: percentiles and imshow want float32
     maps = [_checked_class_map(m, name, volume.shape[:3]) for m, name in ((label, "label"), (prediction, "prediction"))]
     spacing = np.asarray(spacing, dtype=float)
     if spacing.shape != (3,) or not (spacing > 0).all():
-        raise ValueError(f"spacing must be three positive sizes in mm, got {spacing.tolist()}")
+        raise DataError(f"spacing must be three positive sizes in mm, got {spacing.tolist()}")
     return volume, maps[0], maps[1], spacing
 
 
@@ -405,11 +406,11 @@ def _checked_class_map(array, name: str, shape):
         return None
     array = np.asarray(array)
     if array.shape != tuple(shape):
-        raise ValueError(f"{name} shape {array.shape} does not match the image's spatial shape {tuple(shape)}")
+        raise DataError(f"{name} shape {array.shape} does not match the image's spatial shape {tuple(shape)}")
     if not np.issubdtype(array.dtype, np.integer):
         array = np.rint(array).astype(np.int32)  # label files are often stored as floats
     if array.size and array.min() < 0:
-        raise ValueError(f"{name} has negative values; expected class indices 0, 1, 2, ...")
+        raise DataError(f"{name} has negative values; expected class indices 0, 1, 2, ...")
     return array
 
 
@@ -418,7 +419,7 @@ def _checked_center(center, shape) -> tuple[int, int, int]:
         return tuple(s // 2 for s in shape)
     center = tuple(int(c) for c in center)
     if len(center) != 3 or any(not 0 <= c < s for c, s in zip(center, shape)):
-        raise ValueError(f"center {center} is not a voxel of a volume of shape {tuple(shape)}")
+        raise UsageError(f"center {center} is not a voxel of a volume of shape {tuple(shape)}")
     return center
 
 

@@ -4,7 +4,8 @@ memory and speed.
 Keras Tuner proposes configurations (Bayesian optimisation by default, an exhaustive grid on
 request) over a search space declared up front; each one is measured in a fresh subprocess
 (`tfmis.tune.fit.trial`: the real model, loss, optimizer, precision and jit_compile, warm-up and timed
-training steps, one sliding-window pass over a volume of the dataset's 99.5th-percentile shape).
+calls of the loop of `training.steps_per_loop` steps that training runs, one sliding-window pass over a volume
+of the dataset's 99.5th-percentile shape).
 
 - Objective (minimised): the estimated epoch time, training patches per epoch ÷ measured images/s
   + validation cases × measured sliding-window seconds ÷ `val_interval`.
@@ -44,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from tfmis.config import Config, from_dict, save_config, to_dict
+from tfmis.errors import DataError, MissingInput, ResourceError
 from tfmis.hardware import usable_cpu_count
 from tfmis.tune.fit.memory import NO_MODEL_PARALLEL, MemoryModel, is_memory_failure, model_parallel_of
 from tfmis.tune.fit.specs import FitSpecs, load_specs, model_parallel_setting, parse_model_parallel, specs_to_dict
@@ -53,7 +55,7 @@ OBJECTIVE = "epoch_seconds"
 REPORT_FILE = "fit_report.json"
 CONFIG_FILE = "fit.yaml"
 PLOT_FILE = "memory.png"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: trials time the loop of training.steps_per_loop steps (1 timed single steps)
 
 # the searched values and where they live in the config
 VALUE_KEYS = {
@@ -66,7 +68,7 @@ VALUE_KEYS = {
 }
 
 
-class NoConfigurationFits(RuntimeError):
+class NoConfigurationFits(ResourceError, RuntimeError):
     """No measured configuration stayed within the memory budget's safety margin."""
 
 
@@ -87,9 +89,9 @@ def search_context(config: Config) -> dict:
     index = load_index(dataset_dir)
     fingerprint_path = dataset_dir / "fingerprint.json"
     if not fingerprint_path.is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"{fingerprint_path}: not found; the GPU-fit search sizes its sliding-window test "
-            "volume from the dataset fingerprint: convert the dataset again with tools/tfrecord.py"
+            "volume from the dataset fingerprint: convert the dataset again with tfmis-convert"
         )
     fingerprint = json.loads(fingerprint_path.read_text())
     volume_shape = [int(s) for s in fingerprint["dataset"]["shape_p99_5"]]
@@ -97,7 +99,7 @@ def search_context(config: Config) -> dict:
         train_cases = len(split_entry(index, config.data.train_split)["cases"])
         val_cases = len(split_entry(index, config.data.val_split)["cases"])
     except KeyError as e:
-        raise KeyError(f"data: {e.args[0]} ({dataset_dir})") from None
+        raise DataError(f"data: {e.args[0]} ({dataset_dir})") from None
     if config.validation.max_cases is not None:
         val_cases = min(val_cases, config.validation.max_cases)
     return {
@@ -199,7 +201,8 @@ def cache_key(config: Config, context: dict, device: dict, specs: FitSpecs, stra
         "loss": c["loss"],
         "optimizer": c["optimizer"],
         "patch_size": c["pipeline"]["patch_size"],
-        "training": {k: c["training"][k] for k in ("precision", "jit_compile", "accumulation_steps")},
+        "training": {k: c["training"][k] for k in ("precision", "jit_compile", "accumulation_steps", "steps_per_loop")},
+        "augment_placement": c["pipeline"]["augment"]["placement"],
         "validation": {k: c["validation"][k] for k in ("roi_size", "overlap", "mode")},
     }
     device_keys = ["kind", "name", "total_mb", "cpu_count"]
@@ -442,6 +445,7 @@ class GpuFitSearch:
             gpu=gpu,
         )
         keep = (
+            "steps_per_loop",
             "reason",
             "failed_phase",
             "out_of_memory",

@@ -145,12 +145,27 @@ def model_parallel_setting(mode: str, devices: int) -> str:
     return "none" if mode == "none" else f"{mode}:{devices}"
 
 
+class SpecsError(ConfigError):
+    """A specs file that cannot be read, or a bad section, key or value in it (exit 2)."""
+
+    label = "specs error"
+
+
 def load_specs(source: str | Path | dict | None = None, **overrides) -> FitSpecs:
     """Reads specs from a YAML/JSON file or dict (None = defaults); `overrides` replace single keys.
 
     Raises:
-        ConfigError: an unknown section or key, or a bad value, named with its section.
+        SpecsError: an unreadable file, an unknown section or key, or a bad value, named with its section.
     """
+    try:
+        return _load_specs(source, **overrides)
+    except SpecsError:
+        raise
+    except ConfigError as e:
+        raise SpecsError(str(e)) from e
+
+
+def _load_specs(source: str | Path | dict | None = None, **overrides) -> FitSpecs:
     data = {}
     where = "specs"
     if isinstance(source, dict):

@@ -5,9 +5,10 @@ broken, so every configuration the search tries runs in a process of its own (`r
 to one device (with `runtime.model_parallel`, to the N GPUs the model runs over; on a machine
 without GPUs to N logical CPU devices, which `make_backend` sets up before TensorFlow initialises).
 The child (`python -m tfmis.tune.fit.trial REQUEST RESULT`) builds the real `Trainer` from the
-config (model, loss, optimizer, loss scaling, precision, jit_compile), feeds synthetic batches of
-the training pipeline's shapes and dtypes to the trainer's compiled step (warm-up steps, then timed
-steps), then runs sliding-window inference as `Trainer.validate` does on a volume of the dataset's
+config (model, loss, optimizer, loss scaling, precision, jit_compile), runs the compiled loop of
+`training.steps_per_loop` steps that `Trainer.fit` runs (`Trainer.train_loop`) over a stream of a synthetic
+batch with the training stream's shapes and dtypes (`synthetic_train_batches`; warm-up loops, then timed
+loops), then runs sliding-window inference as `Trainer.validate` does on a volume of the dataset's
 99.5th-percentile shape (one pass to trace, one timed pass).
 
 Memory is measured per phase (setup, training, validation): on a GPU, TensorFlow's allocator peak
@@ -55,7 +56,7 @@ from pathlib import Path
 
 # No TensorFlow at module level: the child sets its environment and GPU options before the import,
 # and the parent (the search) must never initialise a GPU.
-from tfmis.hardware import host_memory, nvml_device, physical_gpus
+from tfmis.hardware import host_memory, nvml_device, physical_gpus, process_status_mb, reset_peak_rss
 from tfmis.utils.io import atomic_write_json, log_tail
 from tfmis.utils.memory import error_line, is_out_of_memory
 
@@ -75,6 +76,7 @@ RESULT_KEYS = (
     "failed_phase",
     "out_of_memory",
     "batch_size",
+    "steps_per_loop",
     "images_per_second",
     "step_seconds",
     "step_seconds_all",
@@ -127,17 +129,6 @@ def trial_device(accelerators: list[dict]) -> dict | None:
     return min(accelerators, key=lambda a: (a["total_mb"], a["index"])) if accelerators else None
 
 
-def _status_mb(pid: int | str, field: str) -> float | None:
-    """A memory line of /proc/<pid>/status (VmRSS, VmHWM) in MB; None once the process is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 # ---------------------------------------------------------------- parent side
 
 
@@ -179,8 +170,11 @@ def run_trial(
 
         - status "ok" | "failed", reason (one line), failed_phase, out_of_memory (an OOM error, a
           peak over the budget, or a crash that looks like one);
-        - batch_size (images per step), images_per_second, step_seconds (median of the timed
-          steps), step_seconds_all, warmup_seconds_all (the first one traces the step);
+        - batch_size (images per step), steps_per_loop (the steps of each timed call of the training
+          loop, as in `fit`), images_per_second, step_seconds (the median of step_seconds_all),
+          step_seconds_all (per timed loop: its seconds / steps_per_loop), warmup_seconds_all (per
+          warm-up loop, its seconds; the first one traces the loop). The request's warmup_steps and
+          timed_steps are rounded up to whole loops;
         - sw_seconds (the timed sliding-window pass), sw_first_seconds (the pass that traced),
           sw_windows, validation_device (where the volume and its buffers lived);
         - setup/train/validation_peak_mb (per phase: the GPU allocator's peak, the largest of the
@@ -274,7 +268,7 @@ def _watch(child: subprocess.Popen, rss_budget: float | None, deadline: float) -
             return None, rss_seen, child.wait(timeout=POLL_SECONDS)
         except subprocess.TimeoutExpired:
             pass
-        rss = _status_mb(child.pid, "VmRSS") or 0.0
+        rss = process_status_mb(child.pid, "VmRSS") or 0.0
         rss_seen = max(rss_seen, rss)
         killed = (
             "budget"
@@ -366,6 +360,30 @@ def _read_json(path: Path) -> dict | None:
 
 
 # ---------------------------------------------------------------- child side
+
+
+def synthetic_train_batches(config, in_channels: int, num_classes: int, seed: int = 0):
+    """An endless `tf.data.Dataset` repeating one random batch with the element spec of
+    `tfmis.data.pipeline.build_train_dataset(config)` on one replica: `(images, labels)` of `patch_size`, or
+    with `pipeline.augment.placement: step` the un-augmented crops (`train_crop_size`), their labels and
+    per-crop seeds `(images, labels, seeds)`; float32 images, int32 labels, int64 seeds, static shapes."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfmis.data.pipeline import train_crop_size
+
+    p = config.pipeline
+    batch = p.num_images_per_batch * config.training.accumulation_steps
+    step_augment = p.augment.placement == "step"
+    size = train_crop_size(p) if step_augment else list(p.patch_size)
+    rng = np.random.default_rng(seed)
+    element = [
+        tf.constant(rng.standard_normal((batch, *size, in_channels), dtype=np.float32)),
+        tf.constant(rng.integers(0, num_classes, (batch, *size), dtype=np.int32)),
+    ]
+    if step_augment:  # each crop's augmentation seed, as volume_crops draws them
+        element.append(tf.constant(rng.integers(0, 2**31 - 1, (batch, 2), dtype=np.int64)))
+    return tf.data.Dataset.from_tensors(tuple(element)).repeat()
 
 
 class _ChildTrial:
@@ -488,29 +506,28 @@ class _ChildTrial:
         return tf
 
     def _train(self) -> None:
-        import numpy as np
+        import math
 
         tf, trainer, config = self.tf, self.trainer, self.config
         batch_size = config.pipeline.num_images_per_batch * config.training.accumulation_steps
-        patch = list(config.pipeline.patch_size)
-        rng = np.random.default_rng(self.seed)
-        with tf.device("/CPU:0"):  # as tf.data delivers them: float32 images, int32 labels, in host memory
-            images = tf.constant(rng.standard_normal((batch_size, *patch, trainer.in_channels), dtype=np.float32))
-            labels = tf.constant(rng.integers(0, len(trainer.class_names), (batch_size, *patch), dtype=np.int32))
-        self.measured["batch_size"] = batch_size
+        per_loop = trainer.steps_per_loop  # the loop fit runs (at most an epoch of the trial's dataset)
+        self.measured.update(batch_size=batch_size, steps_per_loop=per_loop)
+        with tf.device("/CPU:0"):  # the batch lives in host memory, as tf.data delivers it
+            batches = synthetic_train_batches(config, trainer.in_channels, len(trainer.class_names), self.seed)
+        # distributed as fit distributes its stream: the same iterator type and element spec, so the same graph
+        iterator = iter(trainer.backend.distribute_dataset(lambda _: batches))
 
-        def step() -> float:
+        def loop() -> float:
             start = time.perf_counter()
-            loss, _ = trainer.train_step((images, labels))
-            float(loss)  # waits for the step
+            trainer.train_loop(iterator, per_loop)  # returns once the loop's results are on the host
             return time.perf_counter() - start
 
         warmup = []
-        for _ in range(self.warmup_steps):
-            warmup.append(step())
+        for _ in range(math.ceil(self.warmup_steps / per_loop)):
+            warmup.append(loop())
             self.measured["warmup_seconds_all"] = warmup
             self._write_progress()
-        timed = [step() for _ in range(self.timed_steps)]
+        timed = [loop() / per_loop for _ in range(math.ceil(self.timed_steps / per_loop))]
         median = statistics.median(timed)
         self.measured.update(step_seconds=median, step_seconds_all=timed, images_per_second=batch_size / median)
 
@@ -557,11 +574,11 @@ class _ChildTrial:
     def _enter(self, phase: str) -> None:
         self.phase = phase
         if phase != "setup":  # setup's peaks count from the process start
-            _reset_rss_peak()
+            reset_peak_rss()  # where not allowed, later phase peaks include the earlier phases
             for name in self.gpu_names:
                 self.tf.config.experimental.reset_memory_stats(name)
         # what the process holds when the phase starts (on a CPU, the phase's own need is its peak minus this)
-        self.measured["rss_start_mb_by_phase"][phase] = _status_mb("self", "VmRSS")
+        self.measured["rss_start_mb_by_phase"][phase] = process_status_mb("self", "VmRSS")
         self._write_progress()
 
     def _measure_memory(self, phase: str) -> None:
@@ -572,7 +589,7 @@ class _ChildTrial:
         over them: the memory budget is per device. On a CPU (logical devices included: they share the
         process's memory) the peak is the process's resident set, as measured above."""
         m = self.measured
-        rss = _status_mb("self", "VmHWM")
+        rss = process_status_mb("self", "VmHWM")
         start = m["rss_start_mb_by_phase"].get(phase)
         if rss is not None and start is not None:
             # the kernel's RSS counters are cached per thread (up to 64 pages behind), so a VmHWM read after the
@@ -630,14 +647,6 @@ class _ChildTrial:
 
     def _write_progress(self) -> None:
         atomic_write_json(self.progress_path, {"phase": self.phase, "pid": os.getpid(), **self.measured})
-
-
-def _reset_rss_peak() -> None:
-    """Resets this process's VmHWM to its current RSS, so the next VmHWM is one phase's peak."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:  # not allowed here: later phase peaks then include the earlier phases
-        pass
 
 
 def build_parser() -> argparse.ArgumentParser:

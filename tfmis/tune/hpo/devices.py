@@ -70,7 +70,7 @@ def describe_assignment(plan: list[dict], cpus: list[int]) -> str:
 
 
 def format_cpus(values: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5" (the affinity list format of taskset and /proc)."""
+    """[0, 1, 2, 5] -> "0-2,5" (the kernel's CPU list format, as taskset writes it; `hardware.parse_cpus` reads it)."""
     out, run = [], []
     for v in sorted(values):
         if run and v == run[-1] + 1:
@@ -82,25 +82,6 @@ def format_cpus(values: list[int]) -> str:
     if run:
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(out) or "-"
-
-
-def parse_cpus(text: str) -> list[int]:
-    values = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        values.extend(range(int(lo), int(hi or lo) + 1))
-    return values
-
-
-def allowed_cpus(pid: int) -> list[int] | None:
-    """A process's CPU affinity as the kernel reports it (/proc/<pid>/status Cpus_allowed_list)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Cpus_allowed_list:"):
-                return parse_cpus(line.split(":", 1)[1])
-    except OSError:
-        pass
-    return None
 
 
 @functools.cache
@@ -117,8 +98,8 @@ def dies_with_parent(command: list[str], sig: int) -> list[str]:
 
     The death signal is set by a tiny Python wrapper that then execs the command (the setting survives
     exec), not by a `preexec_fn`: that would run Python between fork and exec in a process holding gRPC
-    (the Keras Tuner client), whose fork handler then aborts the child now and then ("epoll_wait error:
-    Bad file descriptor", exit -6, seen in CI). Without a `preexec_fn`, subprocess uses vfork + exec.
+    (the Keras Tuner client), whose fork handler can then abort the child ("epoll_wait error: Bad file
+    descriptor", exit -6). Without a `preexec_fn`, subprocess uses vfork + exec.
     """
     if _libc() is None or not sys.platform.startswith("linux"):
         return list(command)

@@ -54,7 +54,8 @@ from pathlib import Path
 
 from tfmis.config import Config, ConfigError, from_dict, save_config, set_key, to_dict
 from tfmis.engine.cluster import free_ports
-from tfmis.hardware import accelerators, usable_cpu_count, usable_cpus
+from tfmis.errors import TrainingFailed
+from tfmis.hardware import accelerators, worker_cpus
 from tfmis.tune.hpo.devices import assign_devices, describe_assignment, dies_with_parent, format_cpus, package_env
 from tfmis.tune.hpo.folder import (
     BASE_FILE,
@@ -81,7 +82,7 @@ STRATEGIES = ("grid", "random", "bayesian")
 POLL_SECONDS = 0.5
 
 
-class SearchFailed(RuntimeError):
+class SearchFailed(TrainingFailed):
     """The chief or a worker process died (its log's last line says why)."""
 
 
@@ -225,7 +226,7 @@ class HpoSearch:
         return report
 
     def _run_processes(self, already_ended: int) -> list[str]:
-        cpus = usable_cpus()[: usable_cpu_count()]  # a cgroup CPU quota below the mask: that many cores
+        cpus = worker_cpus()
         gpus = accelerators()
         plan = assign_devices(self.workers, cpus, gpus)
         space = ", ".join(f"{p.key} {p.describe()}" for p in self.space.params)

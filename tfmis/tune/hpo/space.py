@@ -372,7 +372,7 @@ class Objective:
         """
         if self.kind == "best_mean_dice":
             if summary.get("best_mean_dice") is None:
-                raise ValueError(
+                raise ConfigError(
                     "the run never validated (best_mean_dice is null): make validation.val_interval <= training.epochs"
                 )
             return float(summary["best_mean_dice"])

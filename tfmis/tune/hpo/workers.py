@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from tfmis.tune.hpo.devices import allowed_cpus, dies_with_parent, format_cpus, parse_cpus, trial_env
+from tfmis.hardware import allowed_cpus, parse_cpus
+from tfmis.tune.hpo.devices import dies_with_parent, format_cpus, trial_env
 from tfmis.tune.hpo.folder import BASE_FILE, ORACLE_PROJECT, TRIALS_DIR, append_event, read_definition, read_events
 from tfmis.tune.hpo.space import Objective, SearchSpace, overrides_for
 from tfmis.utils.io import log_tail
@@ -43,7 +44,7 @@ def make_oracle(definition: dict, space: SearchSpace, objective: Objective):
     )
 
 
-def error_line(*paths: Path) -> str:
+def last_log_line(*paths: Path) -> str:
     """The last line of the first log that has one, TensorFlow's own log lines (`W0000 12:00:00...`) passed
     over when anything else is there."""
     for path in paths:
@@ -120,7 +121,7 @@ class TrialRunner:
             print(f"trial {trial_id} started: {' '.join(overrides[: len(values)])}", flush=True)
             exit_code = child.wait()
         if exit_code != 0:
-            reason = f"exit code {exit_code}: {error_line(run_dir / 'train.err.log', run_dir / 'train.log')}"
+            reason = f"exit code {exit_code}: {last_log_line(run_dir / 'train.err.log', run_dir / 'train.log')}"
             return self._end(trial_id, attempts + 1, start, exit_code, reason, None, run_dir)
         try:
             summary = json.loads((run_dir / "summary.json").read_text())

@@ -1,0 +1,182 @@
+"""The stage orchestration API under `tfmis-train` (`tfmis.training`): overrides split between the plan and its
+stages, the stages of a config or of a plan of stages, `StageRunner` training stages in order with the real
+trainer on a real converted dataset, skipping finished ones on resume, applying the GPU-fit measurement to every
+stage after the conversion, and leaving the other workers free after a failure. No subprocess."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import make_msd_dataset, tiny_config
+
+from tfmis.config import save_config
+from tfmis.engine.distribution import StrategyBackend
+from tfmis.errors import DataError, UsageError
+from tfmis.training import STAGE_PLAN_KEYS, StageRunner, load_stages, plan_source, split_overrides, stage_overrides
+
+
+class RecordingBackend(StrategyBackend):
+    """The real one-device backend, recording how the runner leaves (finish / leave_after_failure)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def finish(self, exit_status=None, **kwargs):
+        self.calls.append(("finish", exit_status))
+        super().finish(exit_status=exit_status, **kwargs)
+
+    def leave_after_failure(self, timeout_s=120.0):
+        self.calls.append(("leave_after_failure", timeout_s))
+        super().leave_after_failure(timeout_s)
+
+
+def write_plan(tmp_path: Path, dataset: Path, names=("lowres", "fullres"), *overrides) -> Path:
+    """A plan of stages file naming one tiny config file per stage (each its own run folder)."""
+    entries = []
+    for name in names:
+        path = tmp_path / name / "plan.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_config(tiny_config(dataset, tmp_path / "runs" / name, "training.epochs=1", *overrides), path)
+        entries.append({"name": name, "config": str(path)})
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"stages": entries}))
+    return plan
+
+
+def test_split_overrides_keeps_the_plans_keys_apart_from_the_stages():
+    """The dataset folder, run folder and time budget belong to the plan; the rest goes into every stage."""
+    given, rest = split_overrides(["output.dir=runs/x", "training.max_minutes=30", "training.epochs=3", "a.b=1"])
+    assert given == {"output": {"dir": "runs/x"}, "training": {"max_minutes": 30}}
+    assert rest == ["training.epochs=3", "a.b=1"]
+    assert set(STAGE_PLAN_KEYS) == {"data.dataset_dir", "output.dir", "training.max_minutes"}
+    assert stage_overrides(["output.dir=runs/x", "training.epochs=3"], 1) == ["output.dir=runs/x", "training.epochs=3"]
+    assert stage_overrides(["output.dir=runs/x", "training.epochs=3"], 2) == ["training.epochs=3"]
+
+
+def test_load_stages_reads_a_config_as_one_stage_and_a_plan_as_named_stages(tmp_path, converted_dataset):
+    """A plain config is one stage named "" with every override; a plan of stages gives its stages in order, each
+    with the overrides but not the plan's own keys (each stage keeps its run folder)."""
+    single = tmp_path / "single.yaml"
+    save_config(tiny_config(converted_dataset, tmp_path / "one"), single)
+    [stage] = load_stages(single, ["training.epochs=5", f"output.dir={tmp_path / 'elsewhere'}"])
+    assert (stage.name, stage.path, stage.config.training.epochs) == ("", single, 5)
+    assert stage.config.output.dir == str(tmp_path / "elsewhere")
+    plan = write_plan(tmp_path, converted_dataset)
+    stages = load_stages(plan, ["training.epochs=4", f"output.dir={tmp_path / 'ignored'}"])
+    assert [s.name for s in stages] == ["lowres", "fullres"]
+    assert [s.config.training.epochs for s in stages] == [4, 4]
+    assert [s.config.output.dir for s in stages] == [str(tmp_path / "runs" / n) for n in ("lowres", "fullres")]
+
+
+def test_stage_runner_trains_the_stages_in_order_and_skips_finished_ones_on_resume(tmp_path, converted_dataset):
+    """Two stages train one after the other with the real trainer (a summary each, a run folder each), the
+    workers leave through `finish` once; resumed, both are skipped as finished and nothing trains again."""
+    plan = write_plan(tmp_path, converted_dataset)
+    backend = RecordingBackend()
+    lines = []
+    runner = StageRunner(backend, gpu_fit=None, log=lines.append)
+    summaries = runner.run(load_stages(plan), exit_status=None)
+    assert [s["epochs"] for s in summaries] == [1, 1]
+    assert [t.config.output.dir for t in runner.trainers] == [str(tmp_path / "runs" / n) for n in ("lowres", "fullres")]
+    assert all((tmp_path / "runs" / n / "summary.json").is_file() for n in ("lowres", "fullres"))
+    assert [line.split(":")[0] for line in lines if line.startswith("Stage")] == [
+        "Stage 1/2 (lowres)",
+        "Stage 2/2 (fullres)",
+    ]
+    assert backend.calls == [("finish", None)]
+
+    again, lines = RecordingBackend(), []
+    resumed = StageRunner(again, resume=True, gpu_fit=None, log=lines.append)
+    assert resumed.run(load_stages(plan), exit_status=None) == [None, None]
+    assert resumed.trainers == []
+    assert sum("finished earlier" in line for line in lines) == 2
+
+
+def test_stage_runner_applies_the_gpu_fit_to_every_stage_after_the_conversion(tmp_path):
+    """`gpu_fit` runs for each stage once its data is converted (the measurement is keyed by the converted data),
+    and the stages it returns are the ones trained: both stages train with its batch size."""
+    source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=4)
+    data = [f"data.source_dir={source}", "data.conversion.split=[0.5,0.5]", "data.conversion.workers=1"]
+    plan = write_plan(tmp_path, tmp_path / "tfrecords", ("lowres", "fullres"), *data)
+    seen = []
+
+    def gpu_fit(stages, planned):
+        seen.append((planned, (tmp_path / "tfrecords" / "index.json").is_file()))
+        for stage in stages:
+            stage.config.pipeline.num_images_per_batch = 1
+        return stages
+
+    runner = StageRunner(RecordingBackend(), gpu_fit=gpu_fit, log=lambda line: None)
+    planned = object()  # what plan_source returns; the runner only hands it to gpu_fit
+    runner.run(load_stages(plan), planned, exit_status=None)
+    assert seen == [(planned, True), (planned, True)]
+    assert [t.config.pipeline.num_images_per_batch for t in runner.trainers] == [1, 1]
+    assert [t.global_batch for t in runner.trainers] == [1, 1]
+
+
+def test_a_failed_stage_leaves_the_other_workers_free_and_raises_its_error(tmp_path):
+    """A stage whose data is missing raises the data error (not a line, not an exit) after
+    `leave_after_failure`, so workers waiting at the end are not kept waiting; `finish` is not called."""
+    missing = tmp_path / "no_tfrecords"
+    plan = write_plan(tmp_path, missing, ("only",))
+    backend = RecordingBackend()
+    with pytest.raises(FileNotFoundError, match="no_tfrecords"):
+        StageRunner(backend, gpu_fit=None, log=lambda line: None).run(load_stages(plan), exit_status=None)
+    assert backend.calls == [("leave_after_failure", 120.0)]
+
+
+def test_plan_source_refuses_a_folder_without_dataset_json_and_keeps_a_plan_on_resume(tmp_path):
+    """`plan_source` on a folder that is not an MSD dataset raises the usage error naming --source-dir (exit 2);
+    with resume and a plan already in output.dir, that plan is read, not made again."""
+    from tfmis.data.msd import DatasetNotFound
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DatasetNotFound, match="--source-dir") as raised:
+        plan_source(empty)
+    assert raised.value.exit_code == 2 and isinstance(raised.value, DataError)
+    source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=4)
+    out = tmp_path / "run"
+    (out).mkdir()
+    save_config(tiny_config(tmp_path / "tfr", out), out / "plan.yaml")
+    lines = []
+    stages, planned = plan_source(source, [f"output.dir={out}"], resume=True, log=lines.append)
+    assert [s.name for s in stages] == [""] and planned.fingerprint is None and planned.path == out / "plan.yaml"
+    assert lines == [f"Resuming with the plan in {out / 'plan.yaml'}"]
+    assert not issubclass(UsageError, DataError)
+
+
+def test_every_stage_of_a_cascade_gets_the_gpu_fit_measurement_of_its_own_config(tmp_path):
+    """`cached_gpu_fit` on a planned cascade (a CT-like fingerprint on an 80 GB GPU): each stage's config is looked
+    up, both stage plans are written again with the measured batch size, sliding-window batch size and placement,
+    and the reloaded stages carry them, with the stage overrides still applied; without a GPU nothing changes."""
+    from test_plan import GPU_80
+    from test_planner_steps import CT_LIKE
+
+    from tfmis.planning.stages import plan_stages
+    from tfmis.training import PlannedRun, cached_gpu_fit
+
+    plan_args = {"source_dir": str(tmp_path / "src"), "dataset_dir": str(tmp_path / "tfr"), "output_dir": str(tmp_path)}
+    staged = plan_stages(CT_LIKE, GPU_80, configuration="cascade", **plan_args)
+    path = staged.write()
+    planned = PlannedRun(path, ["training.epochs=7"], CT_LIKE, "cascade", {**plan_args, "max_minutes": None})
+    stages = load_stages(path, planned.overrides)
+    assert [s.name for s in stages] == ["lowres", "fullres"]
+    measured = {"num_images_per_batch": 5, "num_sw_batch_size": 3, "validation_data_device": "auto", "source": "c"}
+    asked = []
+
+    def lookup(config):
+        asked.append(config.output.dir)
+        return measured
+
+    fitted = cached_gpu_fit(stages, planned, log=lambda line: None, hardware=GPU_80, lookup=lookup)
+    assert sorted(asked) == sorted(s.config.output.dir for s in stages)
+    for stage in fitted:
+        assert stage.config.pipeline.num_images_per_batch == 5 and stage.config.validation.num_sw_batch_size == 3
+        assert stage.config.training.epochs == 7
+    reread = load_stages(path)  # the plan files themselves hold the measurement
+    assert [s.config.pipeline.num_images_per_batch for s in reread] == [5, 5]
+    from tfmis.hardware import Hardware
+
+    assert cached_gpu_fit(stages, planned, hardware=Hardware(), lookup=lookup) is stages
