@@ -311,8 +311,8 @@ def test_rerunning_a_finished_search_trains_nothing_again(grid_search):
 
 @pytest.mark.slow
 def test_failed_training_is_a_failed_trial_with_its_error_and_the_search_goes_on(converted_dataset, tmp_path):
-    """A grid point that passes the config checks but makes tfmis.train exit 1 (a patch size the strides
-    cannot divide) is a failed trial with tfmis.train's last stderr line; the other point trains; exit 0."""
+    """A grid point that passes the space's checks but makes tfmis.train exit 2 (a patch size the strides cannot
+    divide: a config error) is a failed trial with tfmis.train's last stderr line; the other point trains; exit 0."""
     config_path, space_path = _search_files(
         converted_dataset, tmp_path, {"pipeline.patch_size": {"values": [[15, 15, 15], [16, 16, 16]]}}
     )
@@ -321,10 +321,10 @@ def test_failed_training_is_a_failed_trial_with_its_error_and_the_search_goes_on
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((output / "hpo_report.json").read_text())
     by_patch = {t["hyperparameters"]["pipeline.patch_size"][0]: t for t in report["trials"]}
-    assert by_patch[15]["status"] == "failed" and by_patch[15]["exit_code"] == 1
-    assert by_patch[15]["reason"].startswith("exit code 1: error: patch size (15, 15, 15) does not fit strides")
+    assert by_patch[15]["status"] == "failed" and by_patch[15]["exit_code"] == 2
+    assert by_patch[15]["reason"].startswith("exit code 2: config error: patch size (15, 15, 15) does not fit strides")
     assert by_patch[16]["status"] == "ok" and report["best"]["trial_id"] == by_patch[16]["trial_id"]
-    assert "FAILED: exit code 1: error: patch size" in done.stdout
+    assert "FAILED: exit code 2: config error: patch size" in done.stdout
 
 
 @pytest.mark.slow

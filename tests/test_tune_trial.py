@@ -285,7 +285,7 @@ def test_a_patch_the_model_cannot_take_fails_in_setup(converted_dataset, tmp_pat
     config = tiny_config(converted_dataset, tmp_path / "unused", "pipeline.patch_size=[17,16,16]")
     result = run_trial(request(config), workdir=tmp_path / "trial")
     assert result["status"] == "failed" and result["failed_phase"] == "setup"
-    assert result["reason"].startswith("ValueError in setup: patch size (17, 16, 16) does not fit strides (1, 2)")
+    assert result["reason"].startswith("ConfigError in setup: patch size (17, 16, 16) does not fit strides (1, 2)")
 
 
 def test_killed_child_is_a_failed_trial_with_its_phase_and_partial_numbers(converted_dataset, tmp_path):

@@ -32,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output-dir", default=None, help="the run folder the plan trains into (default runs/<folder>)")
     p.add_argument("--output", default=None, help="the plan file (default: <output-dir>/plan.yaml)")
-    p.add_argument("--workers", type=int, default=None, help="processes reading cases (default: CPU count, at most 8)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes reading cases (default: the CPUs this process may use (affinity, cgroup quota), at most 8)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress")
     p.add_argument(
         "--max-minutes",

@@ -2,6 +2,7 @@
 
 Kept apart from `unet.py` so that reading and checking a config does not import TensorFlow.
 
+
 Example:
     >>> arch = UNetArchitecture(filters=(8, 16, 32), strides=(1, 2, (2, 2, 1)))
     >>> arch.patch_divisor
@@ -17,6 +18,8 @@ import math
 import numbers
 from collections.abc import Sequence
 from typing import Literal
+
+from tfmis.errors import ConfigError
 
 NORMS = ("batch", "instance", "group")
 ACTIVATIONS = ("prelu", "leaky_relu")
@@ -68,7 +71,7 @@ def check_patch_size(patch, strides: Sequence) -> tuple[int, int, int]:
         >>> check_patch_size((48, 64, 30), (1, 2, 2, 2, 2))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: patch size (48, 64, 30) does not fit strides (1, 2, 2, 2, 2): ...
+        ConfigError: patch size (48, 64, 30) does not fit strides (1, 2, 2, 2, 2): ...
     """
     patch = _per_axis(patch, "patch size")
     divisor = required_divisor(strides)
@@ -77,7 +80,7 @@ def check_patch_size(patch, strides: Sequence) -> tuple[int, int, int]:
         suggestions = ", ".join(
             f"axis {a}: {patch[a]} -> {max(divisor[a], round(patch[a] / divisor[a]) * divisor[a])}" for a in bad
         )
-        raise ValueError(
+        raise ConfigError(
             f"patch size {patch} does not fit strides {tuple(strides)}: every spatial size "
             f"must be a positive multiple of the per-axis stride product {divisor} "
             f"(nearest valid: {suggestions})"

@@ -89,7 +89,7 @@ def plan_dataset(
         source_dir: the MSD folder (with dataset.json).
         target_dir: where the conversion goes (default `<source>_tfrecords` next to it).
         output_dir: the run folder the plan trains into (default `runs/<folder>`).
-        workers: processes reading cases in a first pass (default: CPU count, at most 8).
+        workers: processes reading cases in a first pass (default: the CPUs this process may use, at most 8).
         hardware: default `detect_hardware()`.
     """
     fingerprint, hardware, plan_args = _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hardware)

@@ -56,7 +56,7 @@ from pathlib import Path
 
 # No TensorFlow at module level: the child sets its environment and GPU options before the import,
 # and the parent (the search) must never initialise a GPU.
-from tfmis.hardware import host_memory, nvml_device, physical_gpus, process_status_mb, reset_peak_rss
+from tfmis.hardware import detect_hardware, host_memory, nvml_device, physical_gpus, process_status_mb, reset_peak_rss
 from tfmis.utils.io import atomic_write_json, log_tail
 from tfmis.utils.memory import error_line, is_out_of_memory
 
@@ -634,7 +634,7 @@ class _ChildTrial:
             if nvml is not None:
                 info.update(name=nvml["name"], total_mb=nvml["total_mb"])
             else:  # NVML is extra information, the allocator peak is the measurement
-                info["name"] = self.tf.config.experimental.get_device_details(physical_gpus()[0]).get("device_name")
+                info["name"] = detect_hardware().gpus[0]["name"]
             return info
         host = host_memory()
         return {
