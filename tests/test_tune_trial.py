@@ -126,6 +126,7 @@ def test_trial_times_whole_loops_of_steps_per_loop_steps(converted_dataset, tmp_
     assert result["warmup_seconds_all"][0] > 3 * max(result["step_seconds_all"])
 
 
+@pytest.mark.slow
 def test_trial_with_step_augmentation_trains_on_crops_and_seeds(converted_dataset, tmp_path):
     """pipeline.augment.placement=step with rotations (crops larger than the patch): the trial's batches carry
     the un-augmented crops and their seeds, as the training stream's do, and the step augments them."""
