@@ -95,6 +95,38 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys):
     assert not (tmp_path / "cv" / DEFINITION_FILE).exists()
 
 
+def test_progress_table_shows_a_failed_job_with_its_exit_code_until_it_is_retried(tmp_path):
+    """The folds' table, read from jobs.jsonl as the workers append it: a training or an out-of-fold prediction that
+    ended with a non-zero exit shows `failed (exit N)` (not `waiting`), a running one its epoch, a retried one
+    running again."""
+    from tfmis.crossval.cli import progress_rows
+    from tfmis.crossval.experiment import Configuration, Definition, append_job_event
+
+    definition = Definition([Configuration("a", {}), Configuration("b", {})], 3, [0, 1, 2])
+    cv = tmp_path / "cv"
+    cv.mkdir()
+
+    def job(event, job, fold, configuration=None, **extra):
+        append_job_event(cv, {"job": job, "configuration": configuration, "fold": fold, "event": event, **extra})
+
+    job("start", "train", 0, "a")
+    job("end", "train", 0, "a", exit_code=1, reason="error: boom")
+    job("start", "train", 1, "a")
+    job("end", "train", 1, "a", exit_code=0, reason="")
+    job("start", "train", 1, "b")
+    job("start", "oof", 2)
+    job("end", "oof", 2, exit_code=4, reason="error: boom")
+    rows = progress_rows(cv, definition)
+    assert rows == [
+        ("fold", "a", "b", "out-of-fold"),
+        ("0", "failed (exit 1)", "waiting", "-"),
+        ("1", "waiting", "training, epoch 1/?", "-"),  # a ended 0 without summary.json: not trained
+        ("2", "waiting", "waiting", "failed (exit 4)"),
+    ]
+    job("start", "train", 0, "a")  # the rerun retries it
+    assert progress_rows(cv, definition)[1] == ("0", "training, epoch 1/?", "waiting", "-")
+
+
 @pytest.mark.slow
 def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsys):
     """Three folds of two configurations trained by two pinned worker processes: every case predicted once out of

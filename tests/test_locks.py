@@ -237,6 +237,45 @@ def test_second_conversion_into_a_locked_target_exits_1_and_keeps_the_holders_te
     assert not theirs.exists() and not list(target.glob("*.tmp"))
 
 
+def test_a_trainings_data_preparation_waits_for_another_process_converting_its_target(tmp_path, capsys):
+    """`prepare_dataset` (what `tfmis-train` and every cross-validation fold run before training) does not fail
+    when another live process holds the conversion target's lock, as two folds starting at once do: it says once
+    whom it waits for, waits while the holder lives, then checks the finished conversion and returns it."""
+    from tfmis.config import DataConfig
+    from tfmis.data.convert import ConversionOptions
+    from tfmis.data.prepare import prepare_dataset
+    from tfmis.data.records import INDEX_FILE
+
+    source = make_msd_dataset(tmp_path / "ds", num_cases=4)
+    options = ConversionOptions(shards=1, workers=1)
+    data = DataConfig(dataset_dir=str(tmp_path / "out"), source_dir=str(source), conversion=options)
+    prepare_dataset(data, progress=False)
+    shards = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (tmp_path / "out").glob("*.tfrecord*")}
+    assert shards and (tmp_path / "out" / INDEX_FILE).is_file()
+    capsys.readouterr()
+    holder = _start_holder(tmp_path / "out")
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("dir", prepare_dataset(data, progress=False)))
+    try:
+        waiter.start()
+        waiter.join(5.0)
+        assert waiter.is_alive(), "prepare_dataset returned while another process held the conversion target"
+        holder.stdin.close()  # the holder leaves its lock
+        holder.wait(timeout=60)
+        waiter.join(60.0)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert not waiter.is_alive() and result["dir"] == tmp_path / "out"
+    err = capsys.readouterr().err.strip().splitlines()
+    waited = f"waiting for {tmp_path / 'out'}: in use by pid {holder.pid} on host {socket.gethostname()} since "
+    assert err[0].startswith(waited) and err[0].endswith("(lock holder of the test)"), err
+    assert sum(line.startswith("waiting for") for line in err) == 1, err
+    after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (tmp_path / "out").glob("*.tfrecord*")}
+    assert after == shards, "the finished conversion's shards were written again"
+
+
 @pytest.mark.slow
 def test_second_training_run_into_a_locked_run_folder_exits_1_and_its_lock_is_stale_once_killed(
     converted_dataset, tmp_path

@@ -12,8 +12,8 @@ Where the folds run:
   the nodes); rank 0 converts first and chooses last.
 
 Rerun the same command to continue: finished trainings are kept, an interrupted one continues from its last
-committed epoch. Exit status: 0 done; 1 a fold failed (the others finished; rerun to retry it) or bad data;
-2 bad arguments or config.
+committed epoch. Exit status: 0 done; 3 a fold failed (the others finished; rerun to retry it); 1 bad data;
+2 bad arguments or config (docs/exit-codes.md).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tfmis-crossval",
         description=__doc__.split("\n\n")[0],
-        epilog="Exit status: 0 done; 1 a fold failed or bad data (one line says which; rerun to continue); 2 bad "
+        epilog="Exit status: 0 done; 3 a fold failed (one line says which; rerun to continue); 1 bad data; 2 bad "
         "arguments or config.",
     )
     p.add_argument(
@@ -138,12 +138,13 @@ def prepare(cv_dir: Path, definition: Definition) -> None:
 
 
 def progress_rows(cv_dir: Path, definition: Definition) -> list[tuple]:
-    """One row per fold: each configuration's state (waiting, epoch e/E, trained with its best validation Dice),
-    the out-of-fold prediction's."""
-    running = {}
+    """One row per fold: each configuration's state (waiting, epoch e/E, trained with its best validation Dice,
+    failed with its exit code), the out-of-fold prediction's."""
+    running, failed = {}, {}
     for e in read_job_events(cv_dir):
         key = (e["job"], e.get("configuration"), e["fold"])
         running[key] = e["event"] == "start"
+        failed[key] = e.get("exit_code") if e["event"] == "end" and e.get("exit_code") else None
     rows = [("fold", *definition.names, "out-of-fold")]
     for fold in definition.run_folds:
         cells = []
@@ -156,12 +157,16 @@ def progress_rows(cv_dir: Path, definition: Definition) -> list[tuple]:
             elif running.get(("train", name, fold)):
                 done = _lines(run / "history.jsonl")
                 cells.append(f"training, epoch {done + 1}/{_epochs(job_config_path(cv_dir, name, fold))}")
+            elif failed.get(("train", name, fold)):
+                cells.append(f"failed (exit {failed['train', name, fold]})")
             else:
                 cells.append("waiting")
         if all(oof_done(cv_dir, name, fold) for name in definition.names):
             cells.append("scored")
         elif running.get(("oof", None, fold)):
             cells.append("predicting")
+        elif failed.get(("oof", None, fold)):
+            cells.append(f"failed (exit {failed['oof', None, fold]})")
         else:
             cells.append("-")
         rows.append((str(fold), *cells))

@@ -732,18 +732,20 @@ def _finished_shards(target: Path, plan: list[dict], checksums: bool, say) -> se
     return done
 
 
-def convert(config: ConversionConfig) -> dict:
+def convert(config: ConversionConfig, wait: bool = False) -> dict:
     """Runs (or resumes) a conversion; returns the written index (plus `run_seconds`).
 
-    The conversion holds the target's lock (`tfmis.utils.lock.folder_lock`) from start to end.
+    The conversion holds the target's lock (`tfmis.utils.lock.folder_lock`) from start to end. With `wait`, a
+    conversion of the same target by another live process is waited for (one line names it), then this one
+    checks its result (a no-op when it finished with the same parameters).
 
     Raises:
-        FolderLocked: another live conversion holds the target (the message names it).
+        FolderLocked: another live conversion holds the target (the message names it; not with `wait`).
     """
     start = time.time()
     dataset = MSDDataset(config.source_dir)
     target = Path(config.target_dir)
-    with folder_lock(target, "tfmis-convert"):  # taking it removes the temporaries of dead writers
+    with folder_lock(target, "tfmis-convert", wait=wait):  # taking it removes the temporaries of dead writers
         return _convert(config, dataset, target, start)
 
 

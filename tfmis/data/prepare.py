@@ -20,7 +20,9 @@ def prepare_dataset(data, progress: bool = True) -> Path:
     """Returns `data.dataset_dir`, converting `data.source_dir` into it first when given.
 
     With `data.source_dir` set, the conversion always runs: it resumes an interrupted one, does
-    nothing for a finished one, and refuses a target converted with other parameters.
+    nothing for a finished one, and refuses a target converted with other parameters. A conversion of the
+    same target running in another process (a cross-validation's other fold, a second training started at
+    once) is waited for, not refused: this process needs its result, it does not compete with it.
 
     Args:
         data: a `tfmis.config.DataConfig`.
@@ -48,7 +50,7 @@ def prepare_dataset(data, progress: bool = True) -> Path:
         splits_file=data.split.file if data.split is not None else None,  # the folds of a cross-validation
         **{f.name: getattr(data.conversion, f.name) for f in dataclasses.fields(ConversionOptions)},
     )
-    index = convert(config)
+    index = convert(config, wait=True)
     if progress:
         print(summary_text(index))
     if index["skipped"]:

@@ -2,7 +2,8 @@
 
 A training run holds its run folder's lock for the whole run (`--resume` included) and a conversion holds its
 target's, so a second run or conversion into the same folder stops at once with one line naming the holder
-instead of mixing its files with the first one's.
+instead of mixing its files with the first one's. A training that only needs the converted data waits for the
+conversion instead (`wait=True`).
 
 Example:
 ```python
@@ -29,6 +30,7 @@ from tfmis.errors import RunStateError
 from tfmis.utils.io import remove_temp_files
 
 LOCK_FILE = ".tfmis.lock"
+WAIT_POLL_S = 0.5  # how often a waiting process tries the lock again
 
 _held: dict[str, list] = {}  # resolved lock path -> [fd, depth]: this process's locks (re-entrant)
 _guard = threading.Lock()
@@ -55,7 +57,7 @@ def _holder_text(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def folder_lock(folder: str | Path, command: str | None = None):
+def folder_lock(folder: str | Path, command: str | None = None, wait: bool = False):
     """Holds an exclusive lock on `folder` (created if missing) while the block runs.
 
     The lock is `fcntl.flock(LOCK_EX | LOCK_NB)` on `<folder>/.tfmis.lock`; after taking it the holder writes its
@@ -83,12 +85,15 @@ def folder_lock(folder: str | Path, command: str | None = None):
         folder: the folder written by the block.
         command: what holds it, for the refused process's message (e.g. "tfmis-train"); default: this
             process's command line.
+        wait: when another live process holds the lock, wait until it ends (one line on stderr names the holder)
+            instead of raising; for a process that needs what the holder makes (a training that needs its data
+            converted), not for one that would write the same files.
 
     Yields:
         True if the lock is held (False on a file system without locks).
 
     Raises:
-        FolderLocked: another live process holds the lock.
+        FolderLocked: another live process holds the lock (not with `wait`).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -107,8 +112,9 @@ def folder_lock(folder: str | Path, command: str | None = None):
             with _guard:
                 _held[key][1] -= 1
         return
+    unsupported = None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _flock(fd, path, folder, wait)
     except BlockingIOError:
         os.close(fd)
         raise FolderLocked(
@@ -119,7 +125,12 @@ def folder_lock(folder: str | Path, command: str | None = None):
         os.close(fd)
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
-        print(f"warning: cannot lock {folder} ({e.strerror}): going on without a lock", file=sys.stderr)
+        unsupported = e.strerror
+    except BaseException:  # Ctrl-C while waiting
+        os.close(fd)
+        raise
+    if unsupported is not None:
+        print(f"warning: cannot lock {folder} ({unsupported}): going on without a lock", file=sys.stderr)
         yield False
         return
     try:
@@ -142,6 +153,25 @@ def folder_lock(folder: str | Path, command: str | None = None):
                 del _held[key]
     finally:
         os.close(fd)  # releases the flock; the file stays
+
+
+def _flock(fd: int, path: Path, folder: Path, wait: bool) -> None:
+    """Takes the flock on `fd`; raises BlockingIOError when another process holds it, or with `wait` polls until
+    it is free (a poll, not a blocking flock: Ctrl-C stays immediate, and NFS's emulated flock is polled alike)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        if not wait:
+            raise
+    print(f"waiting for {folder}: in use by {_holder_text(path)}", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(WAIT_POLL_S)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            continue
 
 
 def holds_lock(folder: str | Path) -> bool:
