@@ -126,6 +126,26 @@ def test_a_failed_stage_leaves_the_other_workers_free_and_raises_its_error(tmp_p
     assert backend.calls == [("leave_after_failure", 120.0)]
 
 
+def test_a_run_folder_held_by_another_process_stops_the_stage_before_its_data_are_converted(tmp_path):
+    """The run folder's lock is taken before the conversion: with another live process holding it, the stage
+    raises FolderLocked naming the holder and nothing is converted (the dataset folder is not created)."""
+    from test_locks import _start_holder
+
+    from tfmis.utils.lock import FolderLocked
+
+    source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=4)
+    data = [f"data.source_dir={source}", "data.conversion.split=[0.5,0.5]", "data.conversion.workers=1"]
+    plan = write_plan(tmp_path, tmp_path / "tfrecords", ("only",), *data)
+    holder = _start_holder(tmp_path / "runs" / "only")
+    try:
+        with pytest.raises(FolderLocked, match=f"pid {holder.pid} on host"):
+            StageRunner(RecordingBackend(), gpu_fit=None, log=lambda line: None).run(load_stages(plan))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (tmp_path / "tfrecords").exists()
+
+
 def test_plan_source_refuses_a_folder_without_dataset_json_and_keeps_a_plan_on_resume(tmp_path):
     """`plan_source` on a folder that is not an MSD dataset raises the usage error naming --source-dir (exit 2);
     with resume and a plan already in output.dir, that plan is read, not made again."""

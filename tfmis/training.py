@@ -222,6 +222,8 @@ class StageRunner:
         return summaries
 
     def _run_stages(self, stages: list[Stage], planned: PlannedRun | None) -> list:
+        from tfmis.engine.trainer import run_folder_lock
+
         summaries = []
         # one process trains a planned run: the measurement applies (several workers take the plan as it is)
         fit = self.gpu_fit is not None and planned is not None and self.backend.size == 1 and self.customize is None
@@ -234,11 +236,13 @@ class StageRunner:
                     continue
                 self.log(f"Stage {i + 1}/{len(stages)} ({stage.name}): {stage.config.output.dir}")
             self.warn(stage.config)
-            self.prepare(stage.config)
-            if fit:  # after this stage's conversion: the search's cache is keyed by the converted data
-                stages[i:] = self.gpu_fit(stages, planned)[i:]
-                stage = stages[i]
-            summaries.append(self.train_stage(stage.config))
+            # the run folder is held from before the conversion: a second run into it stops before converting
+            with run_folder_lock(self.backend, stage.config.output.dir):
+                self.prepare(stage.config)
+                if fit:  # after this stage's conversion: the search's cache is keyed by the converted data
+                    stages[i:] = self.gpu_fit(stages, planned)[i:]
+                    stage = stages[i]
+                summaries.append(self.train_stage(stage.config))
         return summaries
 
     def warn(self, config: Config) -> None:
