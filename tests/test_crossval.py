@@ -127,6 +127,29 @@ def test_progress_table_shows_a_failed_job_with_its_exit_code_until_it_is_retrie
     assert progress_rows(cv, definition)[1] == ("0", "training, epoch 1/?", "waiting", "-")
 
 
+def test_a_failed_fold_is_a_partial_failure_exit_3_naming_the_fold_its_reason_and_its_log(tmp_path, capsys):
+    """A fold whose training fails (its run folder's place taken by a file) makes the command exit 3 after the
+    other work: one error line names the configuration, the fold, the training's own error line and its log, the
+    last line says how many folds are unfinished, the table shows the job failed, and nothing is chosen."""
+    path = write_config(tmp_path, "a")
+    cv = tmp_path / "cv"
+    (cv / "a").mkdir(parents=True)
+    (cv / "a" / "fold_1").write_text("not a run folder")
+    code = main(["--config", str(path), "--folds", "2", "--run-folds", "1", "--output", str(cv)])
+    captured = capsys.readouterr()
+    assert code == 3, captured.err
+    err = [line for line in captured.err.strip().splitlines() if line.startswith("error")]
+    log = cv / "logs" / "a_fold_1.train.log"
+    assert err == [
+        f"error: a fold 1 failed (exit 1): error: {cv / 'a' / 'fold_1'} is a file, not a folder: remove it or give "
+        "another folder",
+        "error: 1 fold(s) unfinished: rerun the same command to continue",
+    ], captured.err
+    assert log.is_file() and "is a file, not a folder" in log.read_text()
+    assert captured.out.splitlines()[-1].split() == ["1", "failed", "(exit", "1)", "-"]  # the last table, fold 1
+    assert not (cv / "crossval.json").exists()
+
+
 @pytest.mark.slow
 def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsys):
     """Three folds of two configurations trained by two pinned worker processes: every case predicted once out of
