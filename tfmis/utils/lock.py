@@ -158,20 +158,18 @@ def folder_lock(folder: str | Path, command: str | None = None, wait: bool = Fal
 def _flock(fd: int, path: Path, folder: Path, wait: bool) -> None:
     """Takes the flock on `fd`; raises BlockingIOError when another process holds it, or with `wait` polls until
     it is free (a poll, not a blocking flock: Ctrl-C stays immediate, and NFS's emulated flock is polled alike)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return
-    except BlockingIOError:
-        if not wait:
-            raise
-    print(f"waiting for {folder}: in use by {_holder_text(path)}", file=sys.stderr, flush=True)
+    announced = False
     while True:
-        time.sleep(WAIT_POLL_S)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            continue
+            if not wait:
+                raise
+        if not announced:
+            print(f"waiting for {folder}: in use by {_holder_text(path)}", file=sys.stderr, flush=True)
+            announced = True
+        time.sleep(WAIT_POLL_S)
 
 
 def holds_lock(folder: str | Path) -> bool:
