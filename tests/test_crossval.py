@@ -308,3 +308,97 @@ def test_folds_over_the_ranks_of_a_real_launcher(tmp_path, launcher):
         summary = json.loads((cv / "tiny" / f"fold_{fold}" / "summary.json").read_text())
         assert summary["num_replicas"] == 1  # alone, not a worker of a MultiWorker cluster
     assert json.loads((cv / "crossval.json").read_text())["chosen"]["configurations"] == ["tiny"]
+
+
+def test_choosing_without_an_averaged_pairs_scores_is_refused_and_its_fold_stays_unfinished(tmp_path):
+    """Two configurations that predict the same classes are averaged as a pair: when a fold's pair scores are missing
+    (an out-of-fold step that died between the configurations and the pair), the fold counts as unfinished, so a
+    rerun predicts it, and choosing is refused with one line naming the pair, the fold and the rerun (it used to
+    choose without the pair and exit 0). A pair of a class and a region configuration is never expected."""
+    from tfmis.crossval.experiment import SCORES_FILE, Configuration, Definition, averaging_pairs, candidate_dir
+    from tfmis.crossval.jobs import fold_done
+    from tfmis.crossval.selection import candidates
+    from tfmis.errors import RunStateError
+
+    classes = {"model": {"output": "classes"}, "validation": {"regions": {}}}
+    regions = {"model": {"output": "regions"}, "validation": {"regions": {"whole": [1, 2], "core": [2]}}}
+    definition = Definition(
+        [Configuration("a", classes), Configuration("b", classes), Configuration("r", regions)], 2, [0, 1]
+    )
+    assert averaging_pairs(definition) == [("a", "b")]
+    cv = tmp_path / "cv"
+    for candidate in ("a", "b", "r", "a+b"):
+        for fold in (0, 1):
+            if (candidate, fold) != ("a+b", 0):
+                folder = candidate_dir(cv, candidate, fold)
+                folder.mkdir(parents=True)
+                (folder / SCORES_FILE).write_text("{}")
+    assert not fold_done(cv, definition, 0) and fold_done(cv, definition, 1)
+    with pytest.raises(RunStateError, match=r"^a\+b has no out-of-fold scores for fold 0 .*rerun the same"):
+        candidates(cv, definition)
+    (candidate_dir(cv, "a+b", 0) / SCORES_FILE).parent.mkdir(parents=True)
+    (candidate_dir(cv, "a+b", 0) / SCORES_FILE).write_text("{}")
+    assert fold_done(cv, definition, 0) and candidates(cv, definition) == ["a", "b", "r", "a+b"]
+
+
+def _labels(path: Path) -> np.ndarray:
+    return np.asarray(nib.load(str(path)).dataobj)
+
+
+@pytest.mark.slow
+def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(tmp_path, capsys):
+    """Held-out folds are predicted with the weights training ended with, never with weights chosen on that fold:
+    after a real 2-fold cross-validation, fold 0's best.weights.h5 is replaced by another model's (so best and
+    final certainly differ) and its out-of-fold step rerun: its label maps are still exactly those a Predictor makes
+    with `final.weights.h5`, crossval.json and crossval.md say so, and a target Dice (stopping on the held-out fold)
+    is dropped from the fold configs. The same folds scored with --val-best are exactly the best weights'
+    predictions. A rerun with the other choice into the same folder is refused (exit 2)."""
+    import shutil
+
+    from tfmis.inference.cascade import make_predictor
+    from tfmis.inference.predictor import InputCase
+
+    a = write_config(tmp_path, "a", "training.epochs=3", "training.target_dice=0.99")
+    cv = tmp_path / "cv"
+    assert main(["--config", str(a), "--folds", "2", "--output", str(cv)]) == 0, capsys.readouterr().err
+    assert load_config(cv / "a" / "fold_0.yaml").training.target_dice is None
+    result = json.loads((cv / "crossval.json").read_text())
+    assert result["weights"] == "final"
+    assert "weights its training ended with" in (cv / "crossval.md").read_text()
+    fold0, fold1 = cv / "a" / "fold_0", cv / "a" / "fold_1"
+    shutil.copyfile(fold1 / "final.weights.h5", fold0 / "best.weights.h5")  # best now another model
+    shutil.rmtree(fold0 / "validation")
+    (cv / "crossval.json").unlink()
+    assert main(["--config", str(a), "--folds", "2", "--output", str(cv)]) == 0
+    scores = json.loads((fold0 / "validation" / "scores.json").read_text())
+    config = load_config(fold0 / "config.yaml")
+    outputs = {}
+    for weights in ("final", "best"):
+        predictor = make_predictor(config, fold0, device="cpu", weights=weights)
+        out = tmp_path / f"direct_{weights}"
+        for case, reference in scores["references"].items():
+            image = Path(reference.replace("labelsTr", "imagesTr"))
+            assert predictor.predict_file(InputCase(case, str(image)), out).status == "ok"
+        outputs[weights] = {case: _labels(out / f"{case}.nii.gz") for case in scores["references"]}
+    assert any(not np.array_equal(outputs["final"][c], outputs["best"][c]) for c in outputs["final"]), (
+        "best and final predict the same maps: the test cannot tell them apart"
+    )
+    for case in scores["references"]:
+        np.testing.assert_array_equal(_labels(fold0 / "validation" / f"{case}.nii.gz"), outputs["final"][case])
+
+    assert main(["--config", str(a), "--folds", "2", "--val-best", "--output", str(cv)]) == 2
+    assert "weights" in capsys.readouterr().err
+    best_cv = tmp_path / "cv_best"
+    shutil.copytree(cv, best_cv)
+    for folder in best_cv.glob("a/fold_*/validation"):
+        shutil.rmtree(folder)
+    definition = json.loads((best_cv / DEFINITION_FILE).read_text())
+    definition["weights"] = "best"  # as --val-best writes it, on the same trained folds
+    (best_cv / DEFINITION_FILE).write_text(json.dumps(definition))
+    (best_cv / "crossval.json").unlink()
+    assert main(["--config", str(a), "--folds", "2", "--val-best", "--output", str(best_cv)]) == 0
+    assert json.loads((best_cv / "crossval.json").read_text())["weights"] == "best"
+    assert "optimistic" in (best_cv / "crossval.md").read_text()
+    for case in scores["references"]:
+        predicted = _labels(best_cv / "a" / "fold_0" / "validation" / f"{case}.nii.gz")
+        np.testing.assert_array_equal(predicted, outputs["best"][case])

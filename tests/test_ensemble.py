@@ -219,7 +219,8 @@ def test_folds_subset_predicts_with_those_folds_only(runs, tmp_path, capsys):
 
 
 def test_a_missing_or_unfinished_fold_is_one_error_line_and_exit_1(runs, tmp_path, capsys):
-    """Through the command: an unfinished fold (no best.weights.h5) of a folder of folds and a fold crossval.json
+    """Through the command: an unfinished fold (no final.weights.h5, the folds' default weights, or best.weights.h5
+    with --weights best) of a folder of folds and a fold crossval.json
     expects that is not there each end in exit 1 with one line naming the fold; --folds naming a fold that does
     not exist, --folds for one run and a training split (`--subset split:val`, one run's) for an ensemble are
     arguments that do not fit the checkpoint: exit 2 with one line; --folds that is not a list of numbers is
@@ -231,7 +232,12 @@ def test_a_missing_or_unfinished_fold_is_one_error_line_and_exit_1(runs, tmp_pat
     cv = write_crossval(tmp_path / "cv", runs, ["a"], folds=4)  # fold 3 was never trained
     common = ["--input", str(runs["image"]), "--output", str(tmp_path / "out")]
     cases = [
-        (["--checkpoint", str(folder)], f"fold 1 of a: {folder / 'fold_1'} has no best.weights.h5", 1),
+        (["--checkpoint", str(folder)], f"fold 1 of a: {folder / 'fold_1'} has no final.weights.h5", 1),
+        (
+            ["--checkpoint", str(folder), "--weights", "best"],
+            f"fold 1 of a: {folder / 'fold_1'} has no best.weights.h5",
+            1,
+        ),
         (["--checkpoint", str(cv)], f"fold 3 of a: {cv / 'a' / 'fold_3'} is missing", 1),
         (["--checkpoint", str(runs["a"][0].parent), "--folds", "0,5"], "has no fold 5 (its folds: 0, 1, 2)", 2),
         (["--checkpoint", str(runs["a"][0]), "--folds", "0"], "is one run, not a folder of folds", 2),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import make_msd_dataset, tiny_config
 
-from tfmis.config import ConfigError, load_config, save_config
+from tfmis.config import ConfigError, load_config, save_config, to_dict
 from tfmis.convert import main as convert_main
 from tfmis.data.convert import (
     PLAN_FILE,
@@ -351,6 +351,25 @@ def test_joined_split_names_read_the_union_in_order(folds_data):
         split_entry(index, "fold1+fold1")
 
 
+def test_a_training_with_data_split_reads_the_folds_conversion_of_crossval(tmp_path):
+    """`tfmis-train --config configs/demo.yaml --set data.split.folds=5 --set data.split.fold=0` reads the 5-fold
+    conversion `tfmis-crossval --folds 5` writes for that config (`<dataset_dir>-folds5`), not the train/val/test
+    conversion in data.dataset_dir; the run folder's config.yaml loads back to the same folder, and a config that
+    says its folder holds the folds (data.conversion.folds) keeps it."""
+    from tfmis.crossval.experiment import Configuration, job_config
+
+    demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
+    base = load_config(demo)
+    config = load_config(demo, ["data.split.folds=5", "data.split.fold=0"])
+    assert config.data.dataset_dir == f"{base.data.dataset_dir}-folds5"
+    cv_fold = job_config(tmp_path / "cv", Configuration("demo", to_dict(base)), 0, 5, None)
+    assert cv_fold.data.dataset_dir == config.data.dataset_dir
+    save_config(config, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml").data.dataset_dir == config.data.dataset_dir
+    kept = load_config(demo, ["data.conversion.split=null", "data.conversion.folds=5", "data.split.fold=0"])
+    assert kept.data.dataset_dir == base.data.dataset_dir
+
+
 def test_training_on_a_fold_reads_the_other_folds_and_validates_on_its_own(folds_data, tmp_path):
     """A real training (1 epoch, 2 steps) of fold 2 of 5 with data.source_dir: the stratified conversion is found
     finished (nothing converted again), the run's saved config holds the joined training split, the training
@@ -364,6 +383,7 @@ def test_training_on_a_fold_reads_the_other_folds_and_validates_on_its_own(folds
         folds_data["target"],
         tmp_path / "run",
         f"data.source_dir={folds_data['source']}",
+        "data.conversion.folds=5",  # this folder holds the 5 folds (else data.split reads <dataset_dir>-folds5)
         "data.split.fold=2",
         "data.conversion.shards=1",
         "data.conversion.workers=1",

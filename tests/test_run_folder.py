@@ -5,18 +5,32 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmis.errors import DataError
 from tfmis.inference.predictor import load_weights
 from tfmis.networks.unet import build_unet
+
+DATA_INFO = {"source": {"modalities": ["MR0", "MR1"], "labels": {"0": "background", "1": "organ", "2": "core"}}}
 
 
 def _weights(model):
     return [w.numpy().copy() for w in model.weights]
 
 
+def _task(tmp_path, *overrides):
+    from conftest import TINY_TRAINING
+
+    from tfmis.config import load_config
+    from tfmis.task import SegmentationTask
+
+    config = load_config(None, [*TINY_TRAINING, f"output.dir={tmp_path / 'run'}", *overrides])
+    return SegmentationTask(config, data_info=DATA_INFO)
+
+
 @pytest.mark.parametrize("saved", ["no model", "shallower model", "other classes"])
 def test_tf_checkpoint_that_does_not_fit_the_model_is_refused(tmp_path, saved):
     """A tf.train checkpoint without this model's variables fails naming the checkpoint, never loads nothing."""
-    model = build_unet(2, 3, filters=(4, 8, 16), strides=(1, 2, 2), num_res_units=0)
+    task = _task(tmp_path, "model.filters=[4,8,16]", "model.strides=[1,2,2]")
+    model = task.build_inference_model()
     if saved == "no model":
         prefix = tf.train.Checkpoint(epoch=tf.Variable(3)).save(str(tmp_path / "ckpt"))
     elif saved == "shallower model":
@@ -25,19 +39,69 @@ def test_tf_checkpoint_that_does_not_fit_the_model_is_refused(tmp_path, saved):
     else:
         other = build_unet(2, 5, filters=(4, 8, 16), strides=(1, 2, 2), num_res_units=0)
         prefix = tf.train.Checkpoint(model=other).save(str(tmp_path / "ckpt"))
-    with pytest.raises(ValueError, match=rf"checkpoint {prefix}.*does not fit"):
-        load_weights(model, prefix)
+    with pytest.raises(DataError, match=rf"checkpoint {prefix}.*does not fit"):
+        load_weights(model, prefix, task=task)
 
 
-def test_tf_checkpoint_of_the_same_model_loads_every_weight(tmp_path):
-    """A trainer-style checkpoint (model + other state) restores exactly the saved weights."""
-    saved = build_unet(2, 3, filters=(4, 8, 16), strides=(1, 2, 2), num_res_units=0)
-    prefix = tf.train.Checkpoint(model=saved, epoch=tf.Variable(7)).save(str(tmp_path / "checkpoints" / "ckpt"))
-    model = build_unet(2, 3, filters=(4, 8, 16), strides=(1, 2, 2), num_res_units=0)
-    assert not all(np.array_equal(a, b) for a, b in zip(_weights(saved), _weights(model)))
-    assert str(load_weights(model, tmp_path / "checkpoints")) == prefix  # the folder means its latest checkpoint
-    for a, b in zip(_weights(saved), _weights(model)):
-        np.testing.assert_array_equal(a, b)
+DEMO_LIKE_NETWORK = [  # the demo's layer kinds, small: deep supervision, residual units, MONAI's output upsampling
+    "model.filters=[4,8,16]",
+    "model.strides=[2,2,1]",
+    "model.deep_supervision=2",
+    "model.num_res_units=2",
+    "model.output_upsampling=transposed_image",
+    "loss.name=dice_ce",
+]
+
+
+def test_a_trainers_checkpoint_and_final_weights_are_the_weights_training_ended_with(converted_dataset, tmp_path):
+    """After a real 2-epoch training of a demo-like network (deep supervision: the checkpoint holds the training
+    model with its heads), `final.weights.h5`, `load_weights(<run>/checkpoints, task=...)` and `load_weights(<run>,
+    "final")` all give the inference model exactly the weights of the trainer restored from its last checkpoint; the
+    same checkpoint read into the inference model by object position (what prediction did before) gives other
+    weights, so this test would see that mistake."""
+    from conftest import tiny_config
+
+    from tfmis.engine.trainer import Trainer
+    from tfmis.task import SegmentationTask
+
+    config = tiny_config(converted_dataset, tmp_path / "run", *DEMO_LIKE_NETWORK)
+    Trainer(config).fit()
+    run = tmp_path / "run"
+    assert (run / "final.weights.h5").is_file() and (run / "best.weights.h5").is_file()
+    restored = Trainer(config)
+    assert restored.restore(resume=True) == 2
+    expected = {w.path: w.numpy() for w in restored.model.weights}
+    task = SegmentationTask(config, data_info=restored.task.data_info)
+    for checkpoint, kwargs in [(run / "checkpoints", {"task": task}), (run, {"weights": "final"})]:
+        model = task.build_inference_model()
+        load_weights(model, checkpoint, **kwargs)
+        assert len(model.weights) == len(expected)
+        for w in model.weights:
+            np.testing.assert_array_equal(w.numpy(), expected[w.path], err_msg=f"{checkpoint}: {w.path}")
+    by_position = task.build_inference_model()
+    tf.train.Checkpoint(model=by_position).read(tf.train.latest_checkpoint(str(run / "checkpoints"))).expect_partial()
+    differ = [w.path for w in by_position.weights if not np.array_equal(w.numpy(), expected[w.path])]
+    assert differ, "reading by object position happened to match: the test no longer shows the mistake"
+
+
+def test_a_run_without_final_weights_names_the_command_that_finishes_it(converted_dataset, tmp_path):
+    """`load_weights(run, "final")` on a run folder without final.weights.h5 (unfinished, or an older tfmis) is one
+    `MissingInput` line naming the `--resume` command; after that command the file is there and loads."""
+    from conftest import tiny_config
+
+    from tfmis.engine.trainer import Trainer
+    from tfmis.errors import MissingInput
+
+    config = tiny_config(converted_dataset, tmp_path / "run", "training.epochs=1")
+    Trainer(config).fit()
+    run = tmp_path / "run"
+    (run / "final.weights.h5").unlink()
+    model = Trainer(config).task.build_inference_model()
+    with pytest.raises(MissingInput, match=r"has no final.weights.h5.*--resume"):
+        load_weights(model, run, "final")
+    Trainer(config).fit(resume=True)  # nothing left to train: it writes the final weights and the summary
+    assert (run / "final.weights.h5").is_file()
+    load_weights(model, run, "final")
 
 
 @pytest.mark.slow

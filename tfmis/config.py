@@ -673,7 +673,8 @@ def validate(config: Config) -> None:
 
 
 def _resolve_data_split(data: DataConfig) -> None:
-    """With `data.split` set: K folds from the conversion (data.conversion.folds = K, split null), trained on every
+    """With `data.split` set: K folds from the conversion (data.conversion.folds = K, split null) in
+    `folds_dataset_dir` (unless data.conversion.folds already said data.dataset_dir holds them), trained on every
     fold but `fold` (data.train_split, the joined fold names) and validated on `fold` (data.val_split). Derived the
     same every time, so a run folder's config.yaml loads to the same splits (and one made for another fold is
     re-derived for this one).
@@ -723,7 +724,22 @@ def _resolve_data_split(data: DataConfig) -> None:
                 f"validates on {val}): remove data.{key}"
             )
     data.train_split, data.val_split = train, val
+    if c.folds is None:  # not a folder the config says holds these folds: the one tfmis-crossval converts into
+        data.dataset_dir = folds_dataset_dir(data.dataset_dir, s.folds)
     data.conversion = dataclasses.replace(c, split=None, folds=s.folds)
+
+
+def folds_dataset_dir(dataset_dir: str, folds: int) -> str:
+    """Where the K-fold conversion of a config's data goes: `<dataset_dir>-folds<K>`, next to its train/val/test
+    conversion (a folder holds one conversion), shared by every fold and configuration of `tfmis-crossval` and by a
+    `tfmis-train` run with `data.split`; a folder already so named is kept.
+
+    Example:
+        >>> folds_dataset_dir("data/demo/tfrecords", 5), folds_dataset_dir("data/demo/tfrecords-folds5", 5)
+        ('data/demo/tfrecords-folds5', 'data/demo/tfrecords-folds5')
+    """
+    base = str(dataset_dir).rstrip("/")
+    return base if base.endswith(f"-folds{folds}") else f"{base}-folds{folds}"
 
 
 BRATS_REGIONS_EXAMPLE = "{whole_tumour: [1, 2, 3], tumour_core: [2, 3], enhancing_tumour: [3]}"

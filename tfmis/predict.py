@@ -29,9 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="a run folder (uses its best.weights.h5), its best.weights.h5, or a checkpoints/ folder or ckpt-N "
-        "prefix; the folder of a cascade plan (or its fine stage) runs the coarse stage on the whole scan and the "
-        "fine stage on the region it finds; a folder of folds (fold_0, fold_1, ... run folders, e.g. <cv>/fullres) "
+        help="a run folder (its best.weights.h5, or final.weights.h5 with --weights final), a weights file, or a "
+        "checkpoints/ folder or ckpt-N prefix (the trainer's state at that epoch); the folder of a cascade plan (or "
+        "its fine stage) runs the coarse stage on the whole scan and the fine stage on the region it finds; a folder "
+        "of folds (fold_0, fold_1, ... run folders, e.g. <cv>/fullres) "
         "predicts with the ensemble of the folds (their probabilities averaged); a cross-validation folder "
         "(crossval.json, from tfmis-crossval) with the configuration(s) it chose, each the ensemble of its folds, "
         "and the postprocessing it chose",
@@ -41,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K,K,...",
         help="with a folder of folds or a cross-validation folder: only these folds (e.g. 0,2; default all)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=("best", "final"),
+        default=None,
+        help="which weights of each run folder: best (the best validation epoch's) or final (the weights training "
+        "ended with); default: a cross-validation folder's own choice (final unless it ran with --val-best), final "
+        "for a folder of folds, best for one run",
     )
     p.add_argument(
         "--no-postprocessing",
@@ -193,9 +202,9 @@ def main(argv=None) -> int:
     from tfmis.inference.ensemble import build_predictor, resolve_checkpoint
     from tfmis.inference.predictor import collect_inputs, describe_postprocessing, results_table, write_csv
 
-    source = resolve_checkpoint(args.checkpoint, folds)
+    source = resolve_checkpoint(args.checkpoint, folds, args.weights)
     if source.kind == "run" and args.config is None:  # the folder of a plan of stages: its last stage
-        source = resolve_checkpoint(final_stage(args.checkpoint))
+        source = resolve_checkpoint(final_stage(args.checkpoint), weights=args.weights)
     if source.models > 1 and args.subset.startswith("split:"):
         raise UsageError(
             f"--subset {args.subset}: a split of one run's training data, but {source.models} runs predict, each "

@@ -42,7 +42,7 @@ from tfmis.crossval.experiment import (
     read_job_events,
     write_job_configs,
 )
-from tfmis.crossval.jobs import fold_done, oof_done, training_done
+from tfmis.crossval.jobs import fold_done, training_done
 from tfmis.errors import DataError, PartialFailure, TrainingFailed
 from tfmis.utils.cli import add_set_argument, command, writing
 from tfmis.utils.io import atomic_write_json
@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--splits-file", default=None, help="a splits_final.json (nnU-Net's format) to use as the folds")
     p.add_argument("--output", required=True, help="the cross-validation folder")
     p.add_argument("--workers", type=int, default=1, help="folds trained at once on this machine (default 1)")
+    p.add_argument(
+        "--val-best",
+        action="store_true",
+        help="predict each held-out fold with the weights of the epoch that scored best on that same fold "
+        "(best.weights.h5): optimistic, as nnU-Net's --val_best; default: the weights training ended with "
+        "(final.weights.h5), so the held-out fold chooses nothing",
+    )
     add_set_argument(p, "--set training.epochs=40 (every configuration)")
     return p
 
@@ -98,7 +105,7 @@ def definition_from_args(args) -> Definition:
             raise ConfigError(f"--run-folds: comma-separated fold numbers, got {args.run_folds!r}") from None
         if not run_folds or min(run_folds) < 0 or max(run_folds) >= folds:
             raise ConfigError(f"--run-folds {args.run_folds}: folds are 0..{folds - 1}")
-    return Definition(configurations, folds, run_folds, splits_file)
+    return Definition(configurations, folds, run_folds, splits_file, "best" if args.val_best else "final")
 
 
 def prepare(cv_dir: Path, definition: Definition) -> None:
@@ -113,8 +120,8 @@ def prepare(cv_dir: Path, definition: Definition) -> None:
         old = read_definition(cv_dir)
         if old.identity() != definition.identity():
             raise ConfigError(
-                f"{cv_dir} holds another cross-validation (other configurations, folds or splits): give another "
-                "--output, or the same --config, --set and --folds as before to continue it"
+                f"{cv_dir} holds another cross-validation (other configurations, folds, splits or weights): give "
+                "another --output, or the same --config, --set, --folds and --val-best as before to continue it"
             )
     folds_seen = None
     for configuration in definition.configurations:
@@ -161,7 +168,7 @@ def progress_rows(cv_dir: Path, definition: Definition) -> list[tuple]:
                 cells.append(f"failed (exit {failed['train', name, fold]})")
             else:
                 cells.append("waiting")
-        if all(oof_done(cv_dir, name, fold) for name in definition.names):
+        if fold_done(cv_dir, definition, fold):
             cells.append("scored")
         elif running.get(("oof", None, fold)):
             cells.append("predicting")

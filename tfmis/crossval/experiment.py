@@ -17,6 +17,7 @@ appends whole lines to jobs.jsonl, so workers on several nodes need nothing but 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tfmis.config import (
     Config,
     ConfigError,
     PostprocessingConfig,
+    folds_dataset_dir,
     from_dict,
     load_config,
     load_stages,
@@ -98,11 +100,10 @@ def parse_configurations(specs: list[str], overrides=()) -> list[Configuration]:
 
 def fold_dataset_dir(config: Config, folds: int) -> str:
     """Where the configuration's K-fold conversion goes: its own dataset_dir when it already asks for these folds,
-    else the folder next to it named `<dataset_dir>-folds<K>` (a conversion into train/val/test fractions is
-    another conversion: a folder holds one)."""
+    else `folds_dataset_dir` (`<dataset_dir>-folds<K>`, where `tfmis-train --set data.split.folds=K` reads too)."""
     if config.data.split is not None or config.data.conversion.folds == folds:
         return config.data.dataset_dir
-    return f"{config.data.dataset_dir.rstrip('/')}-folds{folds}"
+    return folds_dataset_dir(config.data.dataset_dir, folds)
 
 
 def fold_run_dir(cv_dir: str | Path, name: str, fold: int) -> Path:
@@ -125,6 +126,8 @@ def job_config(cv_dir, configuration: Configuration, fold: int, folds: int, spli
     data["output"]["dir"] = str(fold_run_dir(cv_dir, configuration.name, fold))
     data["output"]["progress"] = False  # the CV command shows every fold's progress in one table
     data["postprocessing"] = to_dict(PostprocessingConfig())  # the out-of-fold maps as predicted: the CV decides it
+    # stopping at a Dice measured on the held-out fold would let that fold choose the weights
+    data["training"]["target_dice"] = None
     if configuration.coarse:
         data["cascade"]["coarse_run"] = str(fold_run_dir(cv_dir, configuration.coarse, fold))
     try:
@@ -136,12 +139,16 @@ def job_config(cv_dir, configuration: Configuration, fold: int, folds: int, spli
 @dataclasses.dataclass
 class Definition:
     """What a cross-validation runs: the configurations (in training order: a coarse stage before its cascade),
-    the number of folds, the folds to run, the splits file (None: the conversion's stratified folds)."""
+    the number of folds, the folds to run, the splits file (None: the conversion's stratified folds), and which
+    weights of each fold predict its held-out cases: "final" (the weights training ended with: the held-out fold
+    chooses nothing, nnU-Net's rule) or "best" (`--val-best`: the epoch with the best Dice on the held-out fold
+    itself, an optimistic score)."""
 
     configurations: list[Configuration]
     folds: int
     run_folds: list[int]
     splits_file: str | None = None
+    weights: str = "final"
 
     def to_json(self) -> dict:
         return {
@@ -150,12 +157,17 @@ class Definition:
             "folds": self.folds,
             "run_folds": self.run_folds,
             "splits_file": self.splits_file,
+            "weights": self.weights,
         }
 
     @classmethod
     def from_json(cls, data: dict) -> Definition:
         return cls(
-            [Configuration(**c) for c in data["configurations"]], data["folds"], data["run_folds"], data["splits_file"]
+            [Configuration(**c) for c in data["configurations"]],
+            data["folds"],
+            data["run_folds"],
+            data["splits_file"],
+            data.get("weights", "best"),  # written before the choice existed: scored with the best weights
         )
 
     @property
@@ -198,6 +210,20 @@ def read_job_events(cv_dir: str | Path, jobs: bool = True) -> list[dict]:
 
 def pair_name(a: str, b: str) -> str:
     return f"{a}+{b}"
+
+
+def averaging_pairs(definition: Definition) -> list[tuple[str, str]]:
+    """The pairs of configurations whose out-of-fold probabilities are averaged and scored: both predict the classes,
+    or both the same regions in the same painting order (classes and regions do not average)."""
+
+    def outputs(configuration: Configuration) -> str:
+        if configuration.config["model"].get("output", "classes") != "regions":
+            return "classes"
+        return json.dumps(list(configuration.config["validation"]["regions"].items()))
+
+    return [
+        (a.name, b.name) for a, b in itertools.combinations(definition.configurations, 2) if outputs(a) == outputs(b)
+    ]
 
 
 def candidate_dir(cv_dir: str | Path, candidate: str, fold: int) -> Path:

@@ -24,8 +24,11 @@ from tfmis.crossval.experiment import (
     VALIDATION_DIR,
     Definition,
     append_job_event,
+    averaging_pairs,
+    candidate_dir,
     fold_run_dir,
     job_config_path,
+    pair_name,
 )
 from tfmis.tune.hpo.devices import dies_with_parent, package_env
 from tfmis.utils.io import log_tail
@@ -52,7 +55,11 @@ def oof_done(cv_dir: str | Path, name: str, fold: int) -> bool:
 
 
 def fold_done(cv_dir: str | Path, definition: Definition, fold: int) -> bool:
-    return all(oof_done(cv_dir, name, fold) for name in definition.names)
+    """Every configuration's out-of-fold scores of `fold`, and every averaged pair's (a prediction that died between
+    them leaves the fold unfinished, so a rerun completes it rather than choosing without the pair)."""
+    return all(oof_done(cv_dir, name, fold) for name in definition.names) and all(
+        (candidate_dir(cv_dir, pair_name(a, b), fold) / SCORES_FILE).is_file() for a, b in averaging_pairs(definition)
+    )
 
 
 def failure_line(log: Path) -> str:

@@ -1,6 +1,8 @@
 """Out-of-fold predictions: each fold's models predict the fold's held-out cases from the original scans, on their
-original grid, as `python -m tfmis.predict` would; the label maps go to `<run>/validation/`, their Dice per
-structure (nnU-Net's, `tfmis.inference.postprocess`) to `validation/scores.json`. With several configurations the
+original grid, as `python -m tfmis.predict` would, with the weights training ended with (`final.weights.h5`: the
+held-out fold chooses nothing; `--val-best` takes the best-on-held-out-fold weights instead); the label maps go to
+`<run>/validation/`, their Dice per structure (nnU-Net's, `tfmis.inference.postprocess`) to
+`validation/scores.json`. With several configurations the
 two-configuration ensembles are scored too: the configurations' probabilities of each case averaged
 (`<cv>/ensembles/<a>+<b>/fold_<k>/validation/`).
 
@@ -9,7 +11,6 @@ two-configuration ensembles are scored too: the configurations' probabilities of
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 from tfmis.crossval.experiment import (
     SCORES_FILE,
     Definition,
+    averaging_pairs,
     candidate_dir,
     fold_run_dir,
     pair_name,
@@ -98,7 +100,7 @@ def predict_fold(cv_dir: str | Path, fold: int, device: str | None = None) -> in
         run = fold_run_dir(cv_dir, name, fold)
         folder = candidate_dir(cv_dir, name, fold)
         config = load_config(run_config(run))
-        predictor = make_predictor(config, run, device=device)
+        predictor = make_predictor(config, run, device=device, weights=definition.weights)
         cases = fold_cases(definition, fold, predictor)
         labels = list(range(1, len(predictor.class_names)))
         regions = dict(config.validation.regions) if predictor.task.paint_labels is not None else None
@@ -116,9 +118,7 @@ def predict_fold(cv_dir: str | Path, fold: int, device: str | None = None) -> in
             print(f"{name} fold {fold}: {case.case_id} predicted in {result.seconds:.1f} s", flush=True)
         score_folder(folder, cases, labels, regions)
         del predictor
-    for a, b in itertools.combinations(definition.names, 2):
-        if paint[a] != paint[b]:
-            continue  # classes and regions do not average
+    for a, b in averaging_pairs(definition):
         out = candidate_dir(cv_dir, pair_name(a, b), fold)
         if (out / SCORES_FILE).is_file():
             continue

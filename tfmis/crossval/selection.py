@@ -7,7 +7,6 @@ plan.yaml (the chosen configuration with its postprocessing, every decision comm
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from pathlib import Path
@@ -20,11 +19,13 @@ from tfmis.crossval.experiment import (
     SCORES_FILE,
     VERSION,
     Definition,
+    averaging_pairs,
     candidate_dir,
     fold_run_dir,
     pair_name,
     read_job_events,
 )
+from tfmis.errors import RunStateError
 from tfmis.utils.io import atomic_write_json, atomic_writer
 
 PLOT_FILE = "crossval_dice.png"
@@ -34,11 +35,17 @@ PLAN_FILE = "plan.yaml"
 
 
 def candidates(cv_dir: str | Path, definition: Definition) -> list[str]:
-    """The configurations, then the pairs of them that were scored (classes and regions do not average)."""
-    out = list(definition.names)
-    for a, b in itertools.combinations(definition.names, 2):
-        if all((candidate_dir(cv_dir, pair_name(a, b), f) / SCORES_FILE).is_file() for f in definition.run_folds):
-            out.append(pair_name(a, b))
+    """The configurations, then the pairs of them whose probabilities average (`averaging_pairs`); every one must be
+    scored on every fold run (`RunStateError` naming the first one missing: choosing without it would be silent)."""
+    out = list(definition.names) + [pair_name(a, b) for a, b in averaging_pairs(definition)]
+    for candidate in out:
+        for fold in definition.run_folds:
+            if not (candidate_dir(cv_dir, candidate, fold) / SCORES_FILE).is_file():
+                raise RunStateError(
+                    f"{candidate} has no out-of-fold scores for fold {fold} "
+                    f"({candidate_dir(cv_dir, candidate, fold) / SCORES_FILE}): rerun the same tfmis-crossval command "
+                    "to predict it before choosing"
+                )
     return out
 
 
@@ -83,6 +90,7 @@ def select(cv_dir: str | Path, definition: Definition) -> dict:
         "version": VERSION,
         "folds": definition.run_folds,
         "num_folds": definition.folds,
+        "weights": definition.weights,
         "configurations": {
             c.name: {"folds": {str(f): str(fold_run_dir(cv_dir, c.name, f)) for f in definition.run_folds}}
             for c in definition.configurations
@@ -198,6 +206,16 @@ def postprocessing_lines(result: dict) -> list[str]:
     return out
 
 
+def weights_phrase(result: dict) -> str:
+    """How the held-out folds were predicted, in words (crossval.json's `weights`; older files: best)."""
+    if result.get("weights", "best") == "final":
+        return "each fold predicted with the weights its training ended with (the held-out fold chose nothing)"
+    return (
+        "each fold predicted with the weights of its best epoch on that same held-out fold (--val-best: optimistic, "
+        "the held-out fold chose the weights)"
+    )
+
+
 def markdown(result: dict) -> str:
     chosen = result["chosen"]
     wall = result["wall_seconds"]
@@ -205,7 +223,8 @@ def markdown(result: dict) -> str:
         [
             f"# Cross-validation ({result['num_folds']} folds; folds run: {result['folds']})",
             "",
-            "Out-of-fold Dice per structure (nnU-Net's means: NaN cases left out; * = chosen):",
+            "Out-of-fold Dice per structure (nnU-Net's means: NaN cases left out; * = chosen), "
+            f"{weights_phrase(result)}:",
             "",
             "```",
             table_text(result),
@@ -262,7 +281,7 @@ def write_plan(cv_dir: Path, definition: Definition, result: dict) -> Path:
     config.postprocessing = from_dict(type(config.postprocessing), chosen["postprocessing"])
     lines = [
         f"# Chosen by {result['num_folds']}-fold cross-validation (tfmis-crossval; crossval.md has the tables):",
-        "# out-of-fold foreground mean Dice of each candidate:",
+        f"# out-of-fold foreground mean Dice of each candidate, {weights_phrase(result)}:",
         *[f"#   {name}: {_number(row['dice']['foreground_mean'])}" for name, row in result["candidates"].items()],
         "# postprocessing (nnU-Net's largest connected component, kept where the out-of-fold Dice rose):",
         *[f"#   {line}" for line in postprocessing_lines(result) or ["nothing tried"]],

@@ -45,11 +45,12 @@ from tfmis.errors import ConfigError, RunStateError, TrainingFailed
 from tfmis.hardware import accelerator_device, model_parallel_devices
 from tfmis.inference.placement import VolumePlacement
 from tfmis.inference.sliding_window import sliding_window_inference
+from tfmis.networks.weights import has_weights_by_path, weights_by_path
 from tfmis.task import SegmentationTask
 from tfmis.utils.io import atomic_path, atomic_write_json
 from tfmis.utils.lock import FolderLocked, folder_lock
+from tfmis.utils.run_files import BEST_WEIGHTS, FINAL_WEIGHTS
 
-BEST_WEIGHTS = "best.weights.h5"
 # an epoch's outputs before its checkpoint commits them (see Trainer._commit_epoch)
 STAGED_EPOCH = "epoch.staged.json"
 STAGED_BEST = "best.staged.weights.h5"
@@ -141,7 +142,7 @@ class Trainer:
             self.best_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="best_epoch")
             self.elapsed = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="elapsed_seconds")
         self.loss_fn = self.task.build_loss()
-        self.checkpoint = tf.train.Checkpoint(
+        self._state = dict(
             model=self.training_model,
             optimizer=self.optimizer,
             epoch=self.epoch,
@@ -149,6 +150,8 @@ class Trainer:
             best_epoch=self.best_epoch,
             elapsed=self.elapsed,
         )
+        # the weights also under their names: another build of the model (prediction's) reads them by name
+        self.checkpoint = tf.train.Checkpoint(**self._state, weights_by_path=weights_by_path(self.training_model))
         # MultiWorkerMirroredStrategy: every worker saves, non-chiefs into a temporary folder they then drop
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, str(self.backend.checkpoint_dir(self.out)), max_to_keep=tc.keep_checkpoints
@@ -410,7 +413,9 @@ class Trainer:
                 "(e.g. --set output.dir=runs/new)"
             )
         if resume and latest:
-            self.checkpoint.restore(latest).assert_existing_objects_matched()
+            # a checkpoint of an older tfmis has no named weights: restored without them
+            checkpoint = self.checkpoint if has_weights_by_path(latest) else tf.train.Checkpoint(**self._state)
+            checkpoint.restore(latest).assert_existing_objects_matched()
             if self.backend.is_chief:
                 print(
                     f"Resuming from {latest}: epoch {int(self.epoch.numpy())} done, best mean Dice "
@@ -538,9 +543,20 @@ class Trainer:
                         file=sys.stderr,
                     )
                 break
+        self._save_final_weights()
         summary = self._summary(self.history, stop_reason)
         callbacks.on_train_end(self, summary)
         return summary
+
+    def _save_final_weights(self) -> None:
+        """`final.weights.h5`: the inference model as training ended (the last committed epoch's weights, also on a
+        resume that had nothing left to train), written before `summary.json` marks the run finished."""
+        if not self.backend.is_chief:
+            return
+        path = self.out / FINAL_WEIGHTS
+        _check_free_space(path, _weights_file_bytes(self.model))
+        with atomic_path(path, suffix=".weights.h5") as tmp:
+            self.model.save_weights(str(tmp))
 
     def _train_epoch(self, epoch: int, iterator, callbacks) -> dict:
         """The epoch's optimizer steps; returns its record so far (loss, throughput, input wait, skips).
@@ -707,6 +723,7 @@ class Trainer:
             "data_wait_fraction": sum(r["data_wait_seconds"] for r in records) / max(train_time, 1e-9),
             "thresholds_reached": history.thresholds_reached(),
             "best_weights": str(self.out / BEST_WEIGHTS),
+            "final_weights": str(self.out / FINAL_WEIGHTS),
             "num_replicas": self.backend.num_replicas,
             "stop_reason": stop_reason,
         }

@@ -10,7 +10,10 @@
   ensemble of its folds, and the postprocessing it chose. Two chosen configurations are averaged by
   `ConfigurationEnsemble`.
 
-A fold that is missing or did not finish (no `best.weights.h5`) stops it with one line naming the fold.
+Which weights of each run predict: a cross-validation's folds those its out-of-fold scores were made with
+(`crossval.json`'s `weights`: `final.weights.h5` unless it ran with `--val-best`); a folder of folds their final
+weights (nnU-Net's `checkpoint_final`); one run its best weights. `weights=` overrides it. A fold that is missing or
+did not finish (no such weights file) stops it with one line naming the fold.
 
 Example:
 ```python
@@ -35,10 +38,10 @@ from tfmis.errors import DataError, MissingInput, UsageError
 from tfmis.inference.cascade import make_predictor
 from tfmis.inference.predictor import ScanPredictor, run_config
 from tfmis.inference.restore import paint_regions
+from tfmis.utils.run_files import weights_file
 
 CROSSVAL_FILE = "crossval.json"
 FOLD_FOLDER = re.compile(r"fold_(\d+)")
-WEIGHTS = "best.weights.h5"
 LABEL_SLAB_VOXELS = 2**22  # voxels of the mean probabilities turned into labels at a time
 
 
@@ -64,6 +67,7 @@ class PredictionSource:
     members: list[EnsembleMember]
     postprocessing: PostprocessingConfig | None = None
     folder: Path | None = None  # the folder of folds or the cross-validation folder
+    weights: str = "best"  # each run folder's "best" or "final" weights
 
     @property
     def models(self) -> int:
@@ -100,11 +104,15 @@ def _cascade_phrase(member: EnsembleMember, joiner: str = "; ") -> str:
     return f"{joiner}a cascade after the same folds of {member.coarse_folder}"
 
 
-def resolve_checkpoint(checkpoint: str | Path, folds: list[int] | None = None) -> PredictionSource:
+def resolve_checkpoint(
+    checkpoint: str | Path, folds: list[int] | None = None, weights: str | None = None
+) -> PredictionSource:
     """What `checkpoint` names: a cross-validation folder (`crossval.json`), a folder of folds (`fold_<k>`
     subfolders), or one run (a run folder, weights file or checkpoint, left as it is).
 
-    `folds` selects a subset of the folds (e.g. [0, 2]); None: all of them.
+    `folds` selects a subset of the folds (e.g. [0, 2]); None: all of them. `weights` ("best" or "final") chooses
+    the runs' weights; None: a cross-validation's own choice (`crossval.json`'s `weights`), final for a folder of
+    folds, best for one run.
 
     Raises:
         FileNotFoundError: a fold (or its coarse run) is missing or did not finish: one line naming it, saying to
@@ -113,16 +121,17 @@ def resolve_checkpoint(checkpoint: str | Path, folds: list[int] | None = None) -
     """
     path = Path(checkpoint)
     if path.is_dir() and (path / CROSSVAL_FILE).is_file():
-        return _from_crossval(path, folds)
+        return _from_crossval(path, folds, weights)
     if path.is_dir() and not (path / "config.yaml").is_file() and _fold_folders(path):
-        member = _member(path.name, path, _expected_folds(path), folds, {})
-        return PredictionSource("folds", [member], folder=path)
+        weights = weights or "final"
+        member = _member(path.name, path, _expected_folds(path), folds, {}, weights)
+        return PredictionSource("folds", [member], folder=path, weights=weights)
     if folds is not None:
         raise UsageError(
             f"--folds: {checkpoint} is one run, not a folder of folds (fold_<k> subfolders) or a cross-validation "
             f"folder ({CROSSVAL_FILE})"
         )
-    return PredictionSource("run", [EnsembleMember(path.name, [path])])
+    return PredictionSource("run", [EnsembleMember(path.name, [path])], weights=weights or "best")
 
 
 def _fold_folders(folder: Path) -> dict[int, Path]:
@@ -156,9 +165,10 @@ def _read_crossval(folder: Path) -> dict:
     return data
 
 
-def _from_crossval(folder: Path, folds: list[int] | None) -> PredictionSource:
+def _from_crossval(folder: Path, folds: list[int] | None, weights: str | None) -> PredictionSource:
     data = _read_crossval(folder)
     path = folder / CROSSVAL_FILE
+    weights = weights or data.get("weights", "best")  # a crossval.json without the key was scored with best weights
     chosen = data.get("chosen") or {}
     names = chosen.get("configurations") or []
     if not names:
@@ -169,12 +179,12 @@ def _from_crossval(folder: Path, folds: list[int] | None) -> PredictionSource:
         if name not in configurations:
             raise DataError(f"{path}: the chosen configuration {name!r} is not among its configurations")
         runs = {int(k): _fold_path(folder, name, int(k), v) for k, v in configurations[name].get("folds", {}).items()}
-        members.append(_member(name, folder / name, [int(k) for k in data.get("folds", runs)], folds, runs))
+        members.append(_member(name, folder / name, [int(k) for k in data.get("folds", runs)], folds, runs, weights))
     try:
         postprocessing = from_dict(PostprocessingConfig, chosen.get("postprocessing"), "chosen.postprocessing.")
     except ConfigError as e:
         raise DataError(f"{path}: {e}") from e
-    return PredictionSource("crossval", members, postprocessing, folder)
+    return PredictionSource("crossval", members, postprocessing, folder, weights)
 
 
 def _fold_path(folder: Path, name: str, fold: int, written: str) -> Path:
@@ -184,7 +194,9 @@ def _fold_path(folder: Path, name: str, fold: int, written: str) -> Path:
     return run if run.is_dir() or not moved.is_dir() else moved
 
 
-def _member(name: str, folder: Path, expected: list[int], wanted: list[int] | None, runs: dict) -> EnsembleMember:
+def _member(
+    name: str, folder: Path, expected: list[int], wanted: list[int] | None, runs: dict, weights: str
+) -> EnsembleMember:
     """The configuration `name`'s runs of the folds `wanted` (all `expected` ones when None), each checked."""
     runs = runs or _fold_folders(folder)
     if wanted is not None:
@@ -199,7 +211,7 @@ def _member(name: str, folder: Path, expected: list[int], wanted: list[int] | No
     for fold in selected:
         run = runs.get(fold, folder / f"fold_{fold}")
         others = ",".join(str(k) for k in selected if k != fold)
-        coarse = _check_fold(run, f"fold {fold} of {name}", others)
+        coarse = _check_fold(run, f"fold {fold} of {name}", others, weights)
         if coarse is not None:
             coarse_folders.append(Path(coarse).parent)
     member_runs = [runs.get(fold, folder / f"fold_{fold}") for fold in selected]
@@ -207,23 +219,23 @@ def _member(name: str, folder: Path, expected: list[int], wanted: list[int] | No
     return EnsembleMember(name, member_runs, folder, selected, coarse_folder)
 
 
-def _check_fold(run: Path, what: str, others: str) -> str | None:
+def _check_fold(run: Path, what: str, others: str, weights: str) -> str | None:
     """Checks that a fold's run folder (and a cascade's coarse run) holds finished weights; its coarse run or None."""
     leave_out = f", or leave it out with --folds {others}" if others else ""
-    _check_run(run, what, leave_out)
+    _check_run(run, what, leave_out, weights)
     coarse = load_config(run / "config.yaml").cascade.coarse_run
     if coarse:
-        _check_run(Path(coarse), f"the coarse run of {what}", leave_out)
+        _check_run(Path(coarse), f"the coarse run of {what}", leave_out, weights)
     return coarse or None
 
 
-def _check_run(run: Path, what: str, leave_out: str) -> None:
+def _check_run(run: Path, what: str, leave_out: str, weights: str) -> None:
     if not (run / "config.yaml").is_file():
         raise MissingInput(f"{what}: {run} is missing (no config.yaml): rerun tfmis-crossval to train it{leave_out}")
-    if not (run / WEIGHTS).is_file():
+    if not weights_file(run, weights).is_file():
         raise MissingInput(
-            f"{what}: {run} has no {WEIGHTS} (its training did not finish): rerun tfmis-crossval to finish "
-            f"it{leave_out}"
+            f"{what}: {run} has no {weights_file(run, weights).name} (its training did not finish): rerun "
+            f"tfmis-crossval to finish it{leave_out}"
         )
 
 
@@ -248,7 +260,7 @@ def build_predictor(source: PredictionSource, config=None, adjust=None, **kwargs
         member_config = config if config is not None else load_config(run_config(member.runs[0]))
         member_config = adjust(member_config) if adjust is not None else member_config
         runs = member.runs if len(member.runs) > 1 else member.runs[0]
-        predictors.append(make_predictor(member_config, runs, **kwargs))
+        predictors.append(make_predictor(member_config, runs, **{"weights": source.weights, **kwargs}))
     if len(predictors) == 1:
         predictor = predictors[0]
     else:

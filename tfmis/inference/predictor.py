@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import re
 import time
 from pathlib import Path
 
@@ -56,8 +55,10 @@ from tfmis.inference.restore import (
     softmax_in_place,
 )
 from tfmis.inference.sliding_window import sliding_window_inference
+from tfmis.networks.weights import has_weights_by_path, read_legacy_trainable, read_weights_by_path
 from tfmis.task import SegmentationTask
 from tfmis.utils.io import atomic_save_nifti, atomic_writer
+from tfmis.utils.run_files import weights_file
 from tfmis.utils.table import text_table
 
 
@@ -146,11 +147,22 @@ def run_config(checkpoint: str | Path) -> Path:
     return run / "config.yaml"
 
 
-def load_weights(model, checkpoint: str | Path) -> Path:
-    """Loads `best.weights.h5`, a run folder (its best weights), or a tf.train checkpoint (folder or prefix)."""
+def load_weights(model, checkpoint: str | Path, weights: str = "best", task: SegmentationTask | None = None) -> Path:
+    """Loads a run's weights into the inference `model`; returns the file (or checkpoint prefix) read.
+
+    `checkpoint` is a run folder (its `best.weights.h5` or `final.weights.h5`, as `weights` says), a `.weights.h5`
+    file, or a tf.train checkpoint of the trainer (a `checkpoints/` folder: its latest; or a `ckpt-N` prefix). The
+    trainer's checkpoint holds its training model (with deep supervision, the model plus its heads), so it is read
+    by the weights' names (`tfmis.networks.weights`): matching objects by their position in two builds' graphs
+    put 44 of the demo network's 73 weights in the wrong place. A checkpoint of an older tfmis (no named weights)
+    is read into a training model built by `task` from the optimizer's list of its trainable weights, then copied
+    by name.
+    """
     path = Path(checkpoint)
-    if path.is_dir() and (path / "best.weights.h5").is_file():
-        path = path / "best.weights.h5"
+    if path.is_dir() and ((path / "config.yaml").is_file() or weights_file(path, weights).is_file()):  # a run folder
+        path = weights_file(path, weights)
+        if not path.is_file():
+            raise MissingInput(_missing_weights(path.parent, weights))
     if path.suffix == ".h5":
         if not path.is_file():
             raise MissingInput(f"checkpoint {path} does not exist")
@@ -159,25 +171,49 @@ def load_weights(model, checkpoint: str | Path) -> Path:
     prefix = tf.train.latest_checkpoint(str(path)) if path.is_dir() else str(path)
     if prefix is None or not Path(prefix + ".index").is_file():
         raise MissingInput(
-            f"no checkpoint at {checkpoint}: give best.weights.h5, a run folder, or a "
+            f"no checkpoint at {checkpoint}: give a run folder, its best.weights.h5 or final.weights.h5, or a "
             "checkpoints/ folder or ckpt-N prefix"
         )
-    try:
-        # a trainer checkpoint also holds optimizer state (not needed here), but every variable of the
-        # model must be in it: a checkpoint of another model must not leave random weights behind
-        tf.train.Checkpoint(model=model).read(prefix).expect_partial().assert_existing_objects_matched()
-    except (AssertionError, ValueError) as e:
-        found = re.search(r"Found (\d+) Python objects", str(e))
-        what = (
-            f"{found.group(1)} of the model's {len(model.weights)} weights are not in it"
-            if found
-            else str(e).splitlines()[0].rstrip(".")
-        )
+    if has_weights_by_path(prefix):  # the trainer's weights under their names
+        missing = read_weights_by_path(model, prefix)
+    else:  # an older tfmis's checkpoint: the trainable weights in the optimizer's order
+        if task is None:
+            raise ValueError("load_weights: a checkpoint of an older tfmis needs the task that builds its model")
+        _, training_model = task.build_training_model()
+        missing = read_legacy_trainable(training_model, prefix)
+        if not missing:
+            copy_weights_by_name(training_model, model, source=prefix)
+    if missing:
+        what = f"{len(missing)} of the model's {len(model.weights)} weights are not in it (e.g. {missing[0]})"
         raise DataError(
             f"checkpoint {prefix} does not fit this model (model.* of the config): {what}. "
             "Predict with the config.yaml of the run that wrote the checkpoint"
-        ) from e
+        )
     return Path(prefix)
+
+
+def copy_weights_by_name(source_model, model, source: str = "the checkpoint") -> None:
+    """Assigns each of `model`'s weights the weight of `source_model` with the same path (`encoder0/unit0/conv/
+    kernel`, ...); a path missing there or a shape that differs is a `DataError` naming it."""
+    by_path = {w.path: w for w in source_model.weights}
+    for w in model.weights:
+        found = by_path.get(w.path)
+        if found is None or tuple(found.shape) != tuple(w.shape):
+            what = "is not in it" if found is None else f"has shape {tuple(found.shape)}, not {tuple(w.shape)}"
+            raise DataError(
+                f"{source}: the weight {w.path} {what}; predict with the config.yaml of the run that wrote it"
+            )
+        w.assign(found)
+
+
+def _missing_weights(run: Path, weights: str) -> str:
+    if weights == "final":
+        return (
+            f"{run} has no final.weights.h5: its training has not finished, or an older tfmis trained it; run "
+            f"python -m tfmis.train --config {run / 'config.yaml'} --resume to finish it (a finished run only writes "
+            "the file), or predict with its best weights"
+        )
+    return f"{run} has no best.weights.h5: no validation has run yet; train it further (--resume)"
 
 
 def postprocessing_enabled(spec) -> bool:
@@ -359,6 +395,8 @@ class Predictor(ScanPredictor):
             `float32` (the default: the label maps and probabilities of the whole-volume computation)
             or `float16` (half that memory, probabilities rounded to about 1e-3: for large
             preprocessed volumes, e.g. a training spacing near the scan's).
+        weights: which weights of a run folder: "best" (`best.weights.h5`, the best validation epoch's) or "final"
+            (`final.weights.h5`, the weights training ended with); a weights file or a checkpoint is read as given.
     """
 
     def __init__(
@@ -373,6 +411,7 @@ class Predictor(ScanPredictor):
         tta_axes=(0, 1, 2),
         accelerator_memory_mb: float | None = None,
         buffer_dtype: str = "float32",
+        weights: str = "best",
     ):
         self.config = config
         self.buffer_dtype = check_buffer_dtype(buffer_dtype).name
@@ -421,7 +460,8 @@ class Predictor(ScanPredictor):
         self.task.set_precision_policy()
         with tf.device(self.compute_device):
             self.models = [self.task.build_inference_model() for _ in checkpoints]
-        self.checkpoints = [load_weights(model, c) for model, c in zip(self.models, checkpoints)]
+        self.weights = weights
+        self.checkpoints = [load_weights(model, c, weights, self.task) for model, c in zip(self.models, checkpoints)]
         self.parallels = [
             None if parallel_devices is None else self.task.build_model_parallel(m, parallel_devices, training=False)
             for m in self.models
