@@ -242,7 +242,8 @@ def plan_source(
     minutes = (given.get("training") or {}).get("max_minutes")
     existing = Path(output or default_output_dir(source)) / "plan.yaml"
     if resume and existing.is_file():
-        log(f"Resuming with the plan in {existing}")
+        kept = " (the target machine's options apply to a new plan only)" if hardware is not None else ""
+        log(f"Resuming with the plan in {existing}{kept}")
         return load_stages(existing, overrides), PlannedRun(existing, list(overrides))
     staged, fingerprint = plan_dataset_stages(
         source, target, output, max_minutes=minutes, configuration=configuration, hardware=hardware
