@@ -1,8 +1,9 @@
 """Typed training configuration: dataclasses, YAML files and `--set key=value` overrides.
 
 A YAML file mirrors the dataclass tree (`data`, `pipeline`, `model`, `loss`, `optimizer`,
-`training`, `validation`, `runtime`, `profile`, `output`, `cascade`). Unknown keys and wrong types are errors
-that name the key (and suggest the closest valid one); values not given keep the defaults below.
+`training`, `validation`, `runtime`, `profile`, `output`, `cascade`, `postprocessing`, `planning`). Unknown keys
+and wrong types are errors that name the key (and suggest the closest valid one); values not given keep the
+defaults below.
 
 Example:
 ```python
@@ -358,6 +359,31 @@ class PostprocessingConfig:
 
 
 @dataclasses.dataclass
+class PlannedFor:
+    """The hardware a plan was made for (`tfmis-plan` writes it; `Hardware.planned_for`)."""
+
+    gpus: int = 0  # GPUs per machine (0: a CPU-only machine)
+    gpu_memory_mb: Optional[float] = None  # each GPU's memory; null without GPUs
+    name: Optional[str] = None  # the GPU model, e.g. H100-80GB or NVIDIA A100-SXM4-80GB
+    source: Literal["detected", "target"] = "detected"  # the planning machine itself, or a target given to tfmis-plan
+
+    def __post_init__(self):
+        if self.gpus < 0:
+            raise ValueError(f"gpus is a GPU count >= 0, got {self.gpus}")
+        if self.gpu_memory_mb is not None and not self.gpu_memory_mb > 0:
+            raise ValueError(f"gpu_memory_mb is > 0 MB (or null), got {self.gpu_memory_mb}")
+
+
+@dataclasses.dataclass
+class PlanningConfig:
+    """What the planner (`tfmis-plan`, `tfmis-train --source-dir`) recorded about a plan; training reads it to
+    warn when its machine has less than the plan was made for (docs/planning.md, "Planning for another machine")."""
+
+    # null: not planned (or planned before plans recorded it), no warning; set planning.planned_for=null to silence
+    planned_for: Optional[PlannedFor] = None
+
+
+@dataclasses.dataclass
 class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
@@ -371,6 +397,7 @@ class Config:
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     cascade: CascadeConfig = dataclasses.field(default_factory=CascadeConfig)
     postprocessing: PostprocessingConfig = dataclasses.field(default_factory=PostprocessingConfig)
+    planning: PlanningConfig = dataclasses.field(default_factory=PlanningConfig)
 
 
 # ---------------------------------------------------------------- loading and checking

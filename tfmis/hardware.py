@@ -832,6 +832,9 @@ class Hardware:
         host_memory_mb, host_available_mb: total and available RAM (a container's limit applied).
         cpu_isa: the CPU's instruction-set flags that decide TensorFlow's kernels (`cpu_isa`).
         onednn: this process's oneDNN choice with its reason (`OneDNNChoice.describe`), or "".
+        target_given: "" for this machine as detected; for a machine to plan for that is not this one
+            (`Hardware.target`), how it was given (e.g. "--gpus/--gpu-memory").
+        planned_on: with `target_given`, the machine that made the plan, in a few words (`short`).
     """
 
     gpus: tuple[dict, ...] = ()
@@ -842,6 +845,68 @@ class Hardware:
     host_available_mb: float = 0.0
     cpu_isa: tuple[str, ...] = ()
     onednn: str = ""
+    target_given: str = ""
+    planned_on: str = ""
+
+    @classmethod
+    def target(
+        cls,
+        *,
+        gpus: int,
+        gpu_memory_mb: float | None = None,
+        name: str | None = None,
+        cpus: int | None = None,
+        host_memory_mb: float | None = None,
+        here: Hardware | None = None,
+        given: str = "a target description",
+    ) -> Hardware:
+        """A machine to plan for that is not this one (nnU-Net's `-gpu_memory_target`, for the whole machine).
+
+        Args:
+            gpus: how many GPUs (0: a CPU-only machine).
+            gpu_memory_mb: each GPU's memory (default: the named model's, `GPU_MODELS`).
+            name: a model of `GPU_MODELS` (its memory and compute capability, which decides the precision), or
+                None: a GPU of `gpu_memory_mb` and unknown compute capability (planned in float32).
+            cpus, host_memory_mb: the target's cores and RAM (default: this machine's; RAM given is taken as
+                available).
+            here: the machine that plans (default `detect_hardware()`): its CPU and RAM unless given.
+            given: how the target was given, for the plan's header (e.g. "--gpus/--gpu-memory").
+
+        Raises:
+            ValueError: an unknown `name`, GPUs without memory, or a count or size below 1.
+
+        Example:
+            >>> here = Hardware(cpu_name="AMD EPYC", cpu_count=2, host_memory_mb=24000, host_available_mb=20000)
+            >>> h100 = Hardware.target(gpus=8, name="H100-80GB", here=here, given="--gpus/--gpu")
+            >>> h100.gpu_memory_mb, h100.compute_capability, h100.cpu_count
+            (81920, (9, 0), 2)
+            >>> h100.planned_for()
+            {'gpus': 8, 'gpu_memory_mb': 81920, 'name': 'H100-80GB', 'source': 'target'}
+        """
+        here = here or detect_hardware()
+        model = None
+        if name is not None:
+            known = gpu_model(name)
+            if known is None:
+                raise ValueError(f"unknown GPU {name!r}: one of {', '.join(GPU_MODELS)}")
+            name, model = known
+        if gpus < 0:
+            raise ValueError(f"a GPU count is >= 0, got {gpus}")
+        memory = gpu_memory_mb if gpu_memory_mb is not None else (model or {}).get("memory_mb")
+        if gpus and not memory:
+            raise ValueError("GPUs to plan for need their memory (or a named model)")
+        gpu = {
+            "name": name,  # None: a GPU given by its memory alone
+            "compute_capability": model["compute_capability"] if model else None,
+            "memory_mb": memory,
+        }
+        if cpus is not None and cpus < 1:
+            raise ValueError(f"a CPU count is >= 1, got {cpus}")
+        if host_memory_mb is not None and host_memory_mb <= 0:
+            raise ValueError(f"host memory is > 0 MB, got {host_memory_mb}")
+        cpu = {} if cpus is None else {"cpu_name": "cpu", "cpu_count": cpus, "cpu_flags": (), "cpu_isa": ()}
+        ram = {} if host_memory_mb is None else {"host_memory_mb": host_memory_mb, "host_available_mb": host_memory_mb}
+        return dataclasses.replace(here, gpus=(gpu,) * gpus, **cpu, **ram, target_given=given, planned_on=here.short())
 
     @property
     def has_gpu(self) -> bool:
@@ -863,6 +928,34 @@ class Hardware:
     def cpu_bf16(self) -> bool:
         return any(flag in self.cpu_flags for flag in BF16_CPU_FLAGS)
 
+    def short(self) -> str:
+        """A few words: "2-core AMD EPYC, no GPU", "64-core AMD EPYC, 8 x NVIDIA H100 80GB HBM3 (80 GB)"."""
+        cpu = f"{self.cpu_count}-core {self.cpu_name}" if self.cpu_name != "cpu" else f"{self.cpu_count} cores"
+        return f"{cpu}, {self._gpus_text() if self.gpus else 'no GPU'}"
+
+    def _gpus_text(self) -> str:
+        memory = f" ({_gb(self.gpu_memory_mb)} GB)" if self.gpu_memory_mb else ""
+        return f"{len(self.gpus)} x {self.gpus[0]['name'] or 'GPU'}{memory}"
+
+    def planned_for(self) -> dict:
+        """What a plan made for this hardware records (`planning.planned_for`, the plan summary's `planned_for`):
+        {"gpus", "gpu_memory_mb" (the smallest GPU's, whole MB, or None), "name" (the first GPU's, or None),
+        "source": "detected" (this machine) | "target" (`Hardware.target`)}."""
+        return {
+            "gpus": len(self.gpus),
+            "gpu_memory_mb": round(self.gpu_memory_mb) if self.gpu_memory_mb else None,
+            "name": self.gpus[0]["name"] if self.gpus else None,
+            "source": "target" if self.target_given else "detected",
+        }
+
+    def planned_for_text(self) -> str:
+        """The plan header's "Planned for:" line: "8 x H100-80GB (80 GB) (target given with --gpus/--gpu-memory;
+        this machine: 2-core AMD EPYC, no GPU)", or "this machine, 2-core AMD EPYC, no GPU"."""
+        if not self.target_given:
+            return f"this machine, {self.short()}"
+        what = self._gpus_text() if self.gpus else f"CPU only, {self.cpu_count} cores"
+        return f"{what} (target given with {self.target_given}; this machine: {self.planned_on})"
+
     def describe(self) -> str:
         """One line: the GPUs (or "CPU only"), the usable cores with the CPU's model and instruction sets, the RAM,
         and the oneDNN choice with its reason."""
@@ -873,13 +966,13 @@ class Hardware:
             cpu += f"; {self.onednn}"
         if not self.gpus:
             return f"CPU only: {cpu}"
-        g = self.gpus[0]
+        name = self.gpus[0]["name"] or "GPU"
         cc = self.compute_capability
         memory = f", {self.gpu_memory_mb / 1024:.0f} GB" if self.gpu_memory_mb else ""
         return (
-            f"{len(self.gpus)} x {g['name']} (compute capability {cc[0]}.{cc[1]}{memory})"
+            f"{len(self.gpus)} x {name} (compute capability {cc[0]}.{cc[1]}{memory})"
             if cc
-            else f"{len(self.gpus)} x {g['name']}{memory}"
+            else f"{len(self.gpus)} x {name}{memory}"
         ) + f"; host: {cpu}"
 
 
@@ -915,6 +1008,123 @@ def detect_hardware() -> Hardware:
         cpu_isa=cpu_isa(),
         onednn=current_onednn().describe(),
     )
+
+
+# ---------------------------------------------------------------------------------------------- a machine to plan for
+
+# GPUs a plan can be made for by name (`--gpu NAME`, `Hardware.target`): each one's memory and compute capability,
+# the two fields of a GPU the planner reads (memory: the patch budget, batch sizes; compute capability:
+# `recommended_precision`, >= 7.0 has float16 tensor cores and plans mixed_float16, >= 8.0 has bfloat16 too).
+# Memory: the GB of NVIDIA's product datasheet x 1024 (nvidia-smi shows a little less on some, e.g. 81559 MiB on an
+# H100 80GB); compute capability: NVIDIA's list of CUDA GPUs (developer.nvidia.com/cuda-gpus).
+GPU_MODELS = {
+    "V100-16GB": {"memory_mb": 16 * 1024, "compute_capability": (7, 0)},  # Tesla V100 datasheet; Volta
+    "V100-32GB": {"memory_mb": 32 * 1024, "compute_capability": (7, 0)},  # Tesla V100 datasheet; Volta
+    "T4": {"memory_mb": 16 * 1024, "compute_capability": (7, 5)},  # Tesla T4 datasheet; Turing
+    "A10": {"memory_mb": 24 * 1024, "compute_capability": (8, 6)},  # A10 datasheet; Ampere GA102
+    "A100-40GB": {"memory_mb": 40 * 1024, "compute_capability": (8, 0)},  # A100 datasheet; Ampere GA100
+    "A100-80GB": {"memory_mb": 80 * 1024, "compute_capability": (8, 0)},  # A100 datasheet; Ampere GA100
+    "A40": {"memory_mb": 48 * 1024, "compute_capability": (8, 6)},  # A40 datasheet; Ampere GA102
+    "RTX-3090": {"memory_mb": 24 * 1024, "compute_capability": (8, 6)},  # GeForce RTX 3090 specs; Ampere GA102
+    "RTX-4090": {"memory_mb": 24 * 1024, "compute_capability": (8, 9)},  # GeForce RTX 4090 specs; Ada AD102
+    "L4": {"memory_mb": 24 * 1024, "compute_capability": (8, 9)},  # L4 datasheet; Ada AD104
+    "L40S": {"memory_mb": 48 * 1024, "compute_capability": (8, 9)},  # L40S datasheet; Ada AD102
+    "H100-80GB": {"memory_mb": 80 * 1024, "compute_capability": (9, 0)},  # H100 SXM / PCIe datasheet; Hopper
+    "H200-141GB": {"memory_mb": 141 * 1024, "compute_capability": (9, 0)},  # H200 datasheet; Hopper
+}
+_MEMORY_UNITS = {"": 1.0, "m": 1.0, "mb": 1.0, "mib": 1.0, "g": 1024.0, "gb": 1024.0, "gib": 1024.0, "t": 2**20}
+_MEMORY_UNITS.update({"tb": 2.0**20, "tib": 2.0**20})
+
+
+def gpu_model(name: str) -> tuple[str, dict] | None:
+    """(the `GPU_MODELS` name, its entry) for `name`, ignoring case, spaces, dashes and underscores, or a unique
+    start of one ("h100"); None for an unknown or ambiguous name ("A100": 40 or 80 GB).
+
+    Example:
+        >>> gpu_model("a100 80gb")[0], gpu_model("rtx4090")[0], gpu_model("A100")
+        ('A100-80GB', 'RTX-4090', None)
+    """
+    import re
+
+    def key(text: str) -> str:
+        return re.sub(r"[^A-Z0-9]", "", text.upper())
+
+    wanted = key(name)
+    exact = [n for n in GPU_MODELS if key(n) == wanted]
+    starts = [n for n in GPU_MODELS if key(n).startswith(wanted)] if wanted else []
+    found = exact or (starts if len(starts) == 1 else [])
+    return (found[0], GPU_MODELS[found[0]]) if found else None
+
+
+def parse_memory_mb(text: str) -> float:
+    """A memory size as MB: "80GB", "80G", "80 GiB", "81920MB", "81920" (a plain number is MB); GB = 1024 MB,
+    as nvidia-smi counts.
+
+    Raises:
+        ValueError: not a positive number with one of the units MB, GB, TB (or M, G, T; MiB, GiB, TiB).
+
+    Example:
+        >>> parse_memory_mb("80GB"), parse_memory_mb("80g"), parse_memory_mb("81920MB"), parse_memory_mb("40960")
+        (81920.0, 81920.0, 81920.0, 40960.0)
+    """
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _MEMORY_UNITS:
+        raise ValueError(f"{text!r} is not a memory size (a number with MB, GB or TB, or plain MB)")
+    mb = float(match.group(1)) * _MEMORY_UNITS[unit]
+    if mb <= 0:
+        raise ValueError(f"{text!r} is not a memory size above 0")
+    return mb
+
+
+def _gb(mb: float) -> str:
+    """MB as whole GB (one decimal under 10 GB): "80", "7.5"."""
+    return f"{mb / 1024:.0f}" if mb >= 10 * 1024 else f"{mb / 1024:.1f}".removesuffix(".0")
+
+
+PLANNED_MEMORY_SLACK = 0.95  # a GPU with less than 95% of the planned memory is smaller (nvidia-smi shows ~0.5% less)
+
+
+def planned_hardware_mismatch(planned_for: dict | None, hardware: Hardware | None = None) -> str | None:
+    """How `hardware` (default: this machine) falls short of the hardware a plan was made for, or None.
+
+    Args:
+        planned_for: a plan's `planning.planned_for` ({"gpus", "gpu_memory_mb", "name", "source"}), or None (a
+            config not made by the planner, or made before plans recorded it: nothing to compare).
+
+    Returns:
+        "was planned for <that>; this machine has <this>" when this machine has no GPU, fewer GPUs, GPUs with less
+        than `PLANNED_MEMORY_SLACK` of the planned memory, or GPUs for a plan made for a CPU; None when it has at
+        least what was planned.
+
+    Example:
+        >>> planned = {"gpus": 8, "gpu_memory_mb": 81920, "name": "H100-80GB", "source": "target"}
+        >>> planned_hardware_mismatch(planned, Hardware())
+        'was planned for 8 x 80 GB GPUs (H100-80GB); this machine has no GPU'
+        >>> planned_hardware_mismatch({**planned, "gpus": 0, "gpu_memory_mb": None}, Hardware()) is None
+        True
+    """
+    if not planned_for:
+        return None
+    hardware = hardware or detect_hardware()
+    gpus, memory, name = planned_for.get("gpus") or 0, planned_for.get("gpu_memory_mb"), planned_for.get("name")
+    if gpus:
+        size = f"{_gb(memory)} GB " if memory else ""
+        planned = f"{gpus} x {size}GPU{'s' if gpus > 1 else ''}" + (f" ({name})" if name else "")
+    else:
+        planned = "a CPU-only machine"
+    here_memory = hardware.gpu_memory_mb
+    if not hardware.has_gpu:
+        here = "no GPU" if gpus else None
+    elif not gpus:
+        here = hardware._gpus_text()
+    elif len(hardware.gpus) < gpus or (memory and here_memory and here_memory < PLANNED_MEMORY_SLACK * memory):
+        here = hardware._gpus_text()
+    else:
+        here = None
+    return None if here is None else f"was planned for {planned}; this machine has {here}"
 
 
 # ---------------------------------------------------------------------------------------------- precision

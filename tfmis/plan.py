@@ -2,7 +2,8 @@
 (`tfmis-plan`).
 
 Fingerprints the dataset (from its conversion when `--target-dir` holds one, else a first pass over
-the MSD folder), detects the hardware, applies nnU-Net v2's rules and writes the plan as a normal
+the MSD folder), detects the hardware (or takes the machine the training will run on: `--gpus 8 --gpu-memory
+80GB`, `--gpu H100-80GB`), applies nnU-Net v2's rules and writes the plan as a normal
 tfmis config with a comment on every planned value saying why; then prints a short table
 (`tfmis.planning.plan_dataset` does the work). Train
 with `python -m tfmis.train --config PLAN` (or plan, convert and train in one go with
@@ -17,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tfmis.training import add_configuration_argument
+from tfmis.training import add_configuration_argument, add_target_arguments, target_hardware
 from tfmis.utils.cli import command, writing
 
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a training budget in minutes, shared by the stages (training.max_minutes of each)",
     )
     add_configuration_argument(p)
+    add_target_arguments(p)
     return p
 
 
@@ -62,6 +64,7 @@ def main(argv=None) -> int:
             f"--source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
             "imagesTr and labelsTr"
         )
+    hardware = target_hardware(args)  # a bad value stops here, before the dataset is read
     writing(args.output)
     staged, fingerprint = plan_dataset_stages(
         source,
@@ -71,10 +74,13 @@ def main(argv=None) -> int:
         progress=not args.quiet,
         max_minutes=args.max_minutes,
         configuration=args.configuration,
+        hardware=hardware,
     )
     output = staged.write(args.output)
     atomic_write_json(output.with_name(output.stem + "_fingerprint.json"), fingerprint.to_dict())
     print(f"Plan for {fingerprint.name} ({staged.final.summary['hardware']}):")
+    if hardware is not None:
+        print(f"  Planned for: {hardware.planned_for_text()}")
     print(staged.table())
     print(f"Written to {output} (every value with its reason). Train with:\n  python -m tfmis.train --config {output}")
     return 0

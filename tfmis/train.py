@@ -8,7 +8,9 @@ training_curves.png, validation_preview.png, summary.json, tensorboard/.
 
 With `--source-dir DIR` instead of `--config`, the config is planned for that MSD folder on this machine first
 (`python -m tfmis.plan`: nnU-Net's rules, every value commented with its reason) and written to
-`<output.dir>/plan.yaml`, which a later run can edit and pass as `--config`. The stages are trained by
+`<output.dir>/plan.yaml`, which a later run can edit and pass as `--config` (`--gpus 8 --gpu-memory 80GB` plans
+for another machine instead). A config planned for more GPUs, larger ones, or GPUs where this machine has none
+gets one warning line at the start. The stages are trained by
 `tfmis.training.StageRunner`; this module holds the command line.
 """
 
@@ -19,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from tfmis.training import add_configuration_argument
+from tfmis.training import add_configuration_argument, add_target_arguments
 from tfmis.tune.cli import add_search_arguments, run_search, search_specs
 from tfmis.utils.cli import add_set_argument, command, writing
 
@@ -32,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--config", help="YAML config (or a plan of stages), e.g. configs/demo.yaml")
     source.add_argument(
         "--source-dir",
-        help="an MSD dataset folder: plan a config for it on this machine (written to "
-        "<output.dir>/plan.yaml), convert it and train",
+        help="an MSD dataset folder: plan a config for it on this machine, or for the target machine below "
+        "(written to <output.dir>/plan.yaml), convert it and train",
     )
     add_set_argument(p, "--set training.epochs=3 --set pipeline.patch_size=[48,48,48]")
     p.add_argument(
@@ -43,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stage by stage: finished stages are skipped)",
     )
     add_configuration_argument(p, "with --source-dir: ")
+    add_target_arguments(p, "With --source-dir: ")
     g = p.add_argument_group(
         "GPU customization",
         "choose pipeline.num_images_per_batch, validation.num_sw_batch_size "
@@ -60,14 +63,20 @@ def main(argv=None) -> int:
     if args.gpu_customization:  # this process must not hold GPU memory while the search's trials measure it
         os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     from tfmis.errors import UsageError
-    from tfmis.training import StageRunner, load_stages, plan_source
+    from tfmis.training import StageRunner, load_stages, plan_source, target_hardware
 
     planned = None
+    hardware = target_hardware(args)
     if args.source_dir is not None:
         stages, planned = plan_source(
-            args.source_dir, args.overrides, resume=args.resume, configuration=args.configuration
+            args.source_dir, args.overrides, resume=args.resume, configuration=args.configuration, hardware=hardware
         )
     else:
+        if hardware is not None:
+            raise UsageError(
+                "--gpus, --gpu-memory, --gpu, --cpus and --host-memory describe the machine to plan for: use them "
+                "with --source-dir (or tfmis-plan), not with --config"
+            )
         stages = load_stages(args.config, args.overrides)
     fit_devices, customize = 1, None
     if args.gpu_customization:  # the specs too, before anything is converted or trained

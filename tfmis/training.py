@@ -51,6 +51,111 @@ def add_configuration_argument(parser, when: str = "") -> None:
     )
 
 
+TARGET_FLAGS = ("gpus", "gpu_memory", "gpu", "cpus", "host_memory")
+
+
+def add_target_arguments(parser, when: str = "") -> None:
+    """The options of the commands that plan (`tfmis-plan`, `tfmis-train --source-dir`) that describe the machine
+    the training will run on when it is not this one (`target_hardware` reads them); `when` prefixes the group's
+    description."""
+    from tfmis.hardware import GPU_MODELS
+
+    g = parser.add_argument_group(
+        "target machine",
+        f"{when}plan for the machine the training will run on instead of this one, e.g. on a CPU login node for "
+        "8 x 80 GB GPU nodes: --gpus 8 --gpu-memory 80GB, or --gpus 8 --gpu H100-80GB (the plan's header names the "
+        "target; training on a machine with less warns in one line). The host's cores and RAM stay this "
+        "machine's unless --cpus / --host-memory are given",
+    )
+    g.add_argument("--gpus", metavar="N", default=None, help="GPUs per machine (default 1 with --gpu or --gpu-memory)")
+    g.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        default=None,
+        help="each GPU's memory: 80GB, 80G, 81920MB or 81920 (MB); default: the --gpu model's",
+    )
+    g.add_argument(
+        "--gpu",
+        metavar="NAME",
+        default=None,
+        help=f"the GPU model, for its memory and precision: {', '.join(GPU_MODELS)} (without it: float32, as for "
+        "a GPU of unknown compute capability)",
+    )
+    g.add_argument(
+        "--cpus", metavar="N", default=None, help="the target's CPU cores (optional; default this machine's)"
+    )
+    g.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        default=None,
+        help="the target's RAM, e.g. 512GB (optional; default this machine's)",
+    )
+
+
+def target_hardware(args, here=None):
+    """The `Hardware` to plan for from `add_target_arguments`' options (`Hardware.target`), or None when none is
+    given (plan for this machine).
+
+    Raises:
+        UsageError: a bad value (one line naming the option and an example).
+    """
+    from tfmis.hardware import GPU_MODELS, Hardware, gpu_model, parse_memory_mb
+
+    given = {name: getattr(args, name, None) for name in TARGET_FLAGS}
+    if all(value is None for value in given.values()):
+        return None
+
+    def count(flag: str, text: str, least: int, example: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise UsageError(f"{flag} {text}: a whole number >= {least}, e.g. {flag} {example}")
+        return value
+
+    def memory(flag: str, text: str, example: str, least_mb: float) -> float:
+        try:
+            mb = parse_memory_mb(text)
+        except ValueError:
+            raise UsageError(
+                f"{flag} {text}: not a memory size; give e.g. {flag} {example} (or {example[:-1]}, "
+                f"{int(parse_memory_mb(example))}MB, or plain MB)"
+            ) from None
+        if mb < least_mb:
+            raise UsageError(f"{flag} {text}: that is {mb:g} MB; did you mean {flag} {text.strip()}GB?")
+        return mb
+
+    if given["gpu"] is not None and gpu_model(given["gpu"]) is None:
+        raise UsageError(
+            f"--gpu {given['gpu']}: not a GPU tfmis knows ({', '.join(GPU_MODELS)}); for another, give its memory, "
+            "e.g. --gpu-memory 80GB"
+        )
+    gpu_memory = None if given["gpu_memory"] is None else memory("--gpu-memory", given["gpu_memory"], "80GB", 1024)
+    host_memory = None if given["host_memory"] is None else memory("--host-memory", given["host_memory"], "512GB", 1024)
+    cpus = None if given["cpus"] is None else count("--cpus", given["cpus"], 1, "64")
+    described = given["gpu"] is not None or gpu_memory is not None
+    gpus = (1 if described else 0) if given["gpus"] is None else count("--gpus", given["gpus"], 0, "8")
+    if gpus and not described:
+        raise UsageError(
+            f"--gpus {gpus}: give the GPUs' memory too, e.g. --gpu-memory 80GB, or their model, e.g. --gpu H100-80GB"
+        )
+    if not gpus and described:
+        raise UsageError(
+            "--gpus 0 plans for a machine without GPUs: drop --gpu / --gpu-memory, or give --gpus 1 or more"
+        )
+    flags = "/".join(f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None)
+    return Hardware.target(
+        gpus=gpus,
+        gpu_memory_mb=gpu_memory,
+        name=given["gpu"],
+        cpus=cpus,
+        host_memory_mb=host_memory,
+        here=here,
+        given=flags,
+    )
+
+
 def log(line: str) -> None:
     print(line, file=sys.stderr)
 
@@ -74,6 +179,7 @@ class PlannedRun:
     fingerprint: object | None = None
     configuration: str | None = None
     plan_args: dict = dataclasses.field(default_factory=dict)
+    hardware: object | None = None  # the `Hardware` planned for (None: this machine, or a resumed plan)
 
 
 def split_overrides(overrides) -> tuple[dict, list[str]]:
@@ -101,10 +207,17 @@ def load_stages(path: str | Path, overrides=()) -> list[Stage]:
 
 
 def plan_source(
-    source_dir: str | Path, overrides=(), *, resume: bool = False, configuration: str | None = None, log=log
+    source_dir: str | Path,
+    overrides=(),
+    *,
+    resume: bool = False,
+    configuration: str | None = None,
+    hardware=None,
+    log=log,
 ) -> tuple[list[Stage], PlannedRun]:
-    """Plans the MSD folder `source_dir` on this machine and writes the plan (`<output.dir>/plan.yaml`; a
-    cascade's stages also `<output.dir>/<stage>/plan.yaml`); with `resume` and a plan there, that plan is kept.
+    """Plans the MSD folder `source_dir` for this machine (or for `hardware`, a `Hardware.target`) and writes the
+    plan (`<output.dir>/plan.yaml`; a cascade's stages also `<output.dir>/<stage>/plan.yaml`); with `resume` and a
+    plan there, that plan is kept.
 
     The overrides' `data.dataset_dir`, `output.dir` and `training.max_minutes` (a budget the stages share) are
     the plan's; the other overrides go into every stage's config.
@@ -129,16 +242,19 @@ def plan_source(
     minutes = (given.get("training") or {}).get("max_minutes")
     existing = Path(output or default_output_dir(source)) / "plan.yaml"
     if resume and existing.is_file():
-        log(f"Resuming with the plan in {existing}")
+        kept = " (the target machine's options apply to a new plan only)" if hardware is not None else ""
+        log(f"Resuming with the plan in {existing}{kept}")
         return load_stages(existing, overrides), PlannedRun(existing, list(overrides))
-    staged, fingerprint = plan_dataset_stages(source, target, output, max_minutes=minutes, configuration=configuration)
+    staged, fingerprint = plan_dataset_stages(
+        source, target, output, max_minutes=minutes, configuration=configuration, hardware=hardware
+    )
     for _, plan in staged.stages:
         plan.config(stage_overrides(overrides, len(staged.stages)))  # a bad override fails here, before writing
     path = staged.write()
     log(f"Plan for {fingerprint.name} ({staged.final.summary['hardware']}):\n{staged.table()}")
     log(f"Plan written to {path} (every value with its reason): edit it and rerun with --config {path}")
     plan_args = {"source_dir": str(source), "dataset_dir": target, "output_dir": output, "max_minutes": minutes}
-    planned = PlannedRun(path, list(overrides), fingerprint, staged.configuration, plan_args)
+    planned = PlannedRun(path, list(overrides), fingerprint, staged.configuration, plan_args, hardware)
     return load_stages(path, overrides), planned
 
 
@@ -155,8 +271,8 @@ def cached_gpu_fit(stages: list[Stage], planned: PlannedRun, log=log, hardware=N
     from tfmis.planning import replan_with_cached_gpu_fit
 
     hardware = hardware or detect_hardware()
-    if not hardware.has_gpu or planned.fingerprint is None:
-        return stages
+    if not hardware.has_gpu or planned.fingerprint is None or planned.hardware is not None:
+        return stages  # planned.hardware: planned for another machine, which this one's measurements do not fit
     staged = replan_with_cached_gpu_fit(
         planned.fingerprint, hardware, configuration=planned.configuration, lookup=lookup, **planned.plan_args
     )
@@ -235,7 +351,7 @@ class StageRunner:
                     summaries.append(None)
                     continue
                 self.log(f"Stage {i + 1}/{len(stages)} ({stage.name}): {stage.config.output.dir}")
-            self.warn(stage.config)
+            self.warn(stage.config, stage.path)
             # the run folder is held from before the conversion: a second run into it stops before converting
             with run_folder_lock(self.backend, stage.config.output.dir):
                 self.prepare(stage.config)
@@ -245,12 +361,15 @@ class StageRunner:
                 summaries.append(self.train_stage(stage.config))
         return summaries
 
-    def warn(self, config: Config) -> None:
-        """On the chief, one warning per setting this machine runs badly (mixed_float16 or jit_compile on a CPU,
-        oneDNN off, more threads than usable CPUs), naming the faster choice; before any data is converted."""
+    def warn(self, config: Config, path: str | Path | None = None) -> None:
+        """On the chief, before any data is converted: one line when the config was planned for more GPUs, larger
+        ones, or GPUs where this machine has none (or for a CPU where this machine has GPUs: `planned_for_warning`),
+        and one warning per setting this machine runs badly (mixed_float16 or jit_compile on a CPU, oneDNN off,
+        more threads than usable CPUs), naming the faster choice."""
         from tfmis.hardware import hardware_warnings
 
-        for line in hardware_warnings(config.training):
+        planned = planned_for_warning(config, path)
+        for line in ([planned] if planned else []) + hardware_warnings(config.training):
             self.log(f"warning: {line}")
 
     def prepare(self, config: Config) -> None:
@@ -328,6 +447,35 @@ class StageRunner:
             raise TrainingFailed(
                 f"worker {self.backend.rank}: another worker ended before the end of the run ({type(e).__name__})"
             ) from e
+
+
+def planned_for_warning(config: Config, path: str | Path | None = None, hardware=None) -> str | None:
+    """The line (without "warning: ") saying that `config` was planned for other hardware than `hardware` (default
+    this machine's) and what that means for its patch and batch, or None: no `planning.planned_for`, or this
+    machine has at least the GPUs, and GPU memory, the plan was made for (`tfmis.hardware.planned_hardware_mismatch`).
+
+    Example: "plan.yaml was planned for 8 x 80 GB GPUs (H100-80GB); this machine has no GPU: the patch 128x128x128
+    and batch 2 may not fit or may be slow (plan again here, or give tfmis-plan this machine's --gpus/--gpu-memory)".
+    """
+    from tfmis.hardware import planned_hardware_mismatch
+
+    planned = config.planning.planned_for
+    mismatch = planned_hardware_mismatch(dataclasses.asdict(planned) if planned else None, hardware)
+    if mismatch is None:
+        return None
+    patch = "x".join(str(p) for p in config.pipeline.patch_size)
+    batch = config.pipeline.num_images_per_batch
+    if planned.gpus:
+        effect = (
+            f"the patch {patch} and batch {batch} may not fit or may be slow (plan again here, or give tfmis-plan "
+            "this machine's --gpus/--gpu-memory)"
+        )
+    else:
+        effect = (
+            f"the CPU plan's small network, patch {patch} and batch {batch} leave the GPUs mostly idle (plan again "
+            "here)"
+        )
+    return f"{path or 'the config'} {mismatch}: {effect}"
 
 
 def _lost_workers_as_error(fit, backend, config: Config):

@@ -37,8 +37,9 @@ def dataset_fingerprint(
 
 def cached_gpu_fit_lookup(hardware: Hardware, dataset_dir) -> Callable | None:
     """`config -> the GPU-fit search's cached choice for it, or None` when there is a GPU and `dataset_dir` holds
-    a conversion (the cache is keyed by the converted data); None otherwise."""
-    if not hardware.has_gpu or not has_conversion(dataset_dir):
+    a conversion (the cache is keyed by the converted data); None otherwise, and for a target machine (the cache
+    holds this machine's measurements, not the target's)."""
+    if not hardware.has_gpu or hardware.target_given or not has_conversion(dataset_dir):
         return None
     from tfmis.tune.fit import cached_choice
 
@@ -62,7 +63,7 @@ def replan_with_cached_gpu_fit(
         lookup: `config -> fitted values or None` (default: the search's cache, `tfmis.tune.fit.cached_choice`).
         plan_args: `plan_stages`' folder arguments (source_dir, dataset_dir, output_dir).
     """
-    if not hardware.has_gpu:
+    if not hardware.has_gpu or hardware.target_given:
         return None
     if lookup is None:
         from tfmis.tune.fit import cached_choice as lookup
@@ -90,7 +91,8 @@ def plan_dataset(
         target_dir: where the conversion goes (default `<source>_tfrecords` next to it).
         output_dir: the run folder the plan trains into (default `runs/<folder>`).
         workers: processes reading cases in a first pass (default: the CPUs this process may use, at most 8).
-        hardware: default `detect_hardware()`.
+        hardware: default `detect_hardware()`; a `Hardware.target` plans for that machine (without the GPU-fit
+            search's cached measurements, which are this machine's).
     """
     fingerprint, hardware, plan_args = _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hardware)
     lookup = cached_gpu_fit_lookup(hardware, plan_args["dataset_dir"])

@@ -22,6 +22,7 @@ SECTIONS = (
     "runtime",
     "output",
     "cascade",
+    "planning",
 )
 
 
@@ -106,6 +107,7 @@ class Plan:
         rows = [
             ("dataset", f"{s['name']}: {s['num_cases']} cases, {', '.join(s['modalities'])}"),
             ("hardware", s["hardware"]),
+            ("planned for", s.get("planned_for_text", "this machine")),
             ("target spacing (mm)", fmt_mm(v["data.conversion.spacing"])),
             ("median shape", fmt_shape(s["median_shape"])),
             ("patch", fmt_shape(v["pipeline.patch_size"])),

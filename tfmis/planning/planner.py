@@ -268,6 +268,8 @@ class ExperimentPlanner:
         self.gpu = hardware.has_gpu
         self.in_channels, self.num_classes = len(fingerprint.modalities), len(fingerprint.labels)
         self.precision, self.precision_reason = recommended_precision(hardware)
+        if hardware.target_given and hardware.has_gpu and hardware.compute_capability is None:
+            self.precision_reason += " (name the target's GPU with --gpu, e.g. --gpu A100-80GB, to plan its precision)"
         self.fixed_spacing, self.roi_margin_mm, self.coarse_run = spacing, roi_margin_mm, coarse_run
         self.training_share, self.max_minutes = training_share, max_minutes
 
@@ -302,6 +304,13 @@ class ExperimentPlanner:
         plan = Plan()
         for decision in decisions.in_order():
             decision.record(plan)
+        hardware = self.hardware
+        plan.set(
+            "planning.planned_for",
+            hardware.planned_for(),
+            f"the hardware this plan is for: {hardware.planned_for_text()}; training warns in one line on a machine "
+            "with fewer GPUs, smaller ones or none",
+        )
         plan.header, plan.summary = self.describe(decisions)
         return plan
 
@@ -860,6 +869,7 @@ class ExperimentPlanner:
             f"{fmt_shape(data.median_shape)}"
             + (f"; {len(fp.skipped)} unreadable case(s) skipped" if fp.skipped else ""),
             f"Hardware: {hardware.describe()}.",
+            f"Planned for: {hardware.planned_for_text()}.",
             f"Input parallelism: {parallel}.",
             "Every planned value carries its reason; keys not written keep tfmis's defaults.",
         ]
@@ -869,6 +879,8 @@ class ExperimentPlanner:
             "num_cases": fp.num_cases,
             "modalities": list(fp.modalities),
             "hardware": hardware.describe(),
+            "planned_for": hardware.planned_for(),
+            "planned_for_text": hardware.planned_for_text(),
             "median_shape": [float(s) for s in data.median_shape],
             "normalisation": data.norm,
             "steps_per_epoch": decisions.schedule.steps_per_epoch,
