@@ -25,6 +25,8 @@ from tfmis.crossval.experiment import (
     read_job_events,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def write_config(tmp_path: Path, name: str, *overrides, cases: int = 6) -> Path:
     """A tiny config file for a real synthetic MSD folder (converted on first use)."""
@@ -308,6 +310,61 @@ def test_folds_over_the_ranks_of_a_real_launcher(tmp_path, launcher):
         summary = json.loads((cv / "tiny" / f"fold_{fold}" / "summary.json").read_text())
         assert summary["num_replicas"] == 1  # alone, not a worker of a MultiWorker cluster
     assert json.loads((cv / "crossval.json").read_text())["chosen"]["configurations"] == ["tiny"]
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_a_rank_killed_mid_fold_ends_every_rank_within_the_bound_and_a_rerun_continues(tmp_path, launcher):
+    """Two ranks, two folds: once rank 1's fold training runs, rank 1's process (its pid from its heartbeat) is
+    killed with SIGKILL. Under `mpirun` Open MPI ends the job (its line names the rank); under `srun`, which lets the
+    other task run on, rank 0 stops waiting after `--rank-timeout 20` with one line naming rank 1 and exits 3
+    (fold 1 unfinished). Either way the job ends within 120 s of the kill, no process of it is left, and rerunning
+    the same command trains what is missing and chooses."""
+    problem = {"mpirun": _mpirun_problem, "srun": _slurm_problem}[launcher]()
+    if problem:
+        pytest.skip(problem)
+    path = write_config(tmp_path, "tiny", "training.epochs=40", "validation.val_interval=10")
+    cv = tmp_path / "cv"
+    env = {**{k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "tfmis.crossval", "--config", str(path), "--folds", "2", "--output", str(cv)]
+    command += ["--rank-timeout", "20"]
+    if launcher == "mpirun":
+        prefix = ["mpirun", "-np", "2", "--oversubscribe", "-x", "PYTHONPATH"]
+        prefix += ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    else:
+        prefix = ["srun", "-N", "1", "-n", "2", "--output", str(tmp_path / "task%t.log")]
+    job = subprocess.Popen([*prefix, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    deadline = time.monotonic() + 600
+    while not any(e["event"] == "start" and e["job"] == "train" and e["fold"] == 1 for e in _events_or_none(cv)):
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0].decode()[-3000:]
+        time.sleep(0.5)
+    time.sleep(3)  # into the fold's training
+    rank1 = json.loads((cv / "ranks" / "rank1.json").read_text())
+    os.kill(rank1["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    output = job.communicate(timeout=300)[0].decode()
+    took = time.monotonic() - killed
+    output += "".join(p.read_text() for p in sorted(tmp_path.glob("task*.log")))
+    assert took < 120, f"the job took {took:.0f} s to end after rank 1 was killed"
+    assert job.returncode != 0, output[-3000:]
+    if launcher == "mpirun":
+        assert "rank 1" in output, output[-3000:]
+    else:
+        lines = [line for line in output.splitlines() if line.startswith("error: rank 1")]
+        assert len(lines) == 1 and f"pid {rank1['pid']}" in lines[0] and "stopped answering" in lines[0], output
+    time.sleep(2)
+    left = subprocess.run(["pgrep", "-f", str(cv)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of the killed job are still running: {left}"
+    done = subprocess.run([*prefix, *command], capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert json.loads((cv / "crossval.json").read_text())["chosen"]["configurations"] == ["tiny"]
+
+
+def _events_or_none(cv: Path) -> list:
+    try:
+        return read_job_events(cv)
+    except (OSError, ValueError):
+        return []
 
 
 def test_choosing_without_an_averaged_pairs_scores_is_refused_and_its_fold_stays_unfinished(tmp_path):

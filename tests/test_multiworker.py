@@ -278,13 +278,15 @@ def test_srun_and_mpirun_environments_form_one_cluster(converted_dataset, tmp_pa
 
 
 def test_detect_launch_reads_each_launchers_environment():
-    """Rank, size and local rank from horovodrun's, TF_CONFIG's, SLURM's, Open MPI's and MPICH's variables."""
+    """Rank, size, local rank and local size from horovodrun's, TF_CONFIG's, SLURM's, Open MPI's and MPICH's
+    variables."""
     workers = ["a:1", "b:2", "c:3"]
     assert detect_launch({}).kind == "single"
     assert detect_launch({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1"}) == detect_launch(
         {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "TF_CONFIG": "x"}
     )
-    h = detect_launch({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1"})
+    h_env = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1"}
+    h = detect_launch(h_env)
     assert (h.kind, h.rank, h.size, h.local_rank) == ("horovod", 1, 4, 1)
     t = detect_launch(
         {
@@ -301,6 +303,18 @@ def test_detect_launch_reads_each_launchers_environment():
     assert (o.kind, o.rank, o.size, o.local_rank) == ("mpi", 2, 3, 0)
     m = detect_launch({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"})
     assert (m.kind, m.rank, m.size, m.local_rank) == ("mpi", 1, 2, 1)
+    # how many processes of the launch share this machine: what each rank's share of cores and GPUs is cut from
+    ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    assert detect_launch({**ompi, "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}).local_size == 2
+    assert detect_launch(ompi).local_size == 1
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+    assert detect_launch(slurm).local_size == 4
+    assert detect_launch({**h_env, "HOROVOD_LOCAL_SIZE": "2"}).local_size == 2
+    local = {"cluster": {"worker": ["127.0.0.1:1", "localhost:2"]}, "task": {"type": "worker", "index": 1}}
+    assert detect_launch({"TF_CONFIG": json.dumps(local)}).local_rank == 1  # tfmis.launch: every worker here
+    assert detect_launch({"TF_CONFIG": json.dumps(local)}).local_size == 2
+    t_hosts = detect_launch({"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"index": 2}})})
+    assert (t_hosts.local_rank, t_hosts.local_size) == (0, 1)  # other hosts: nothing known about this machine
     with pytest.raises(ValueError, match="TF_CONFIG is not valid JSON"):
         detect_launch({"TF_CONFIG": "{not json"})
 

@@ -43,12 +43,11 @@ from tfmis.crossval.experiment import (
     write_job_configs,
 )
 from tfmis.crossval.jobs import fold_done, training_done
-from tfmis.errors import DataError, PartialFailure, TrainingFailed
+from tfmis.crossval.ranks import RANK_TIMEOUT_SECONDS
+from tfmis.errors import DataError, PartialFailure
 from tfmis.utils.cli import add_set_argument, command, writing
 from tfmis.utils.io import atomic_write_json
 from tfmis.utils.table import text_table
-
-DEFINITION_WAIT_SECONDS = 6 * 3600.0  # ranks other than 0 wait this long for rank 0's conversion
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict each held-out fold with the weights of the epoch that scored best on that same fold "
         "(best.weights.h5): optimistic, as nnU-Net's --val_best; default: the weights training ended with "
         "(final.weights.h5), so the held-out fold chooses nothing",
+    )
+    p.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=RANK_TIMEOUT_SECONDS,
+        metavar="SECONDS",
+        help="under a launcher: a rank not heard of for this long (killed, its node lost) ends the waits of the others "
+        f"with one line naming it (default {RANK_TIMEOUT_SECONDS:g}); a rerun continues",
     )
     add_set_argument(p, "--set training.epochs=40 (every configuration)")
     return p
@@ -266,13 +273,47 @@ def run_local_workers(cv_dir: Path, definition: Definition, workers: int) -> int
     return 0 if all(c == 0 for c in codes) else 1
 
 
-def wait_for_ranks(cv_dir: Path, definition: Definition, size: int, since: float) -> None:
-    """Rank 0: until every rank said it ended (a `worker_end` line in jobs.jsonl after `since`)."""
-    while True:
-        ended = {e["rank"] for e in read_job_events(cv_dir, jobs=False) if e["time"] >= since - 60}
-        if len(ended) >= size:
-            return
-        time.sleep(2.0)
+def run_rank(cv_dir: Path, definition: Definition, launch, timeout: float) -> tuple[Definition, list[str]]:
+    """One rank of a launch: rank 0 prepares the folder while the others wait for it, each rank trains its folds on
+    its share of its machine (`ranks.rank_share`), and rank 0 waits for the others to end. Every wait ends: a rank that
+    failed or went silent for `timeout` seconds (`ranks.Watch`) stops it. Returns the definition and, on rank 0, one
+    line per rank it stopped waiting for."""
+    from tfmis.crossval.experiment import append_job_event
+    from tfmis.crossval.jobs import run_worker
+    from tfmis.crossval.ranks import Heartbeat, rank_share, wait_for_definition, wait_for_ranks
+    from tfmis.engine.cluster import bound_by_launcher
+    from tfmis.hardware import accelerators, worker_cpus
+    from tfmis.tune.hpo.devices import format_cpus, trial_env
+
+    cv_dir.mkdir(parents=True, exist_ok=True)
+    lost: list[str] = []
+    with Heartbeat(cv_dir, launch.rank, launch.job_id) as heartbeat:
+        if launch.rank == 0:
+            prepare(cv_dir, definition)
+            heartbeat.set_state("prepared")
+            print(f"Folds over the {launch.size} ranks of the launch ({launch.kind})", file=sys.stderr)
+        else:
+            wait_for_definition(cv_dir, DEFINITION_FILE, launch.job_id, timeout)
+            definition = read_definition(cv_dir)
+        share = rank_share(launch.local_rank, launch.local_size, worker_cpus(), accelerators(), bound_by_launcher())
+        if share["cpus"] and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, share["cpus"])  # the fold trainings inherit it
+        gpus = ",".join(str(g["index"]) for g in share["gpus"]) or "none"
+        print(
+            f"rank {launch.rank} (local {launch.local_rank} of {launch.local_size}): cores "
+            f"{format_cpus(share['cpus'])}, GPU {gpus}",
+            file=sys.stderr,
+            flush=True,
+        )
+        progress = Progress(cv_dir, definition) if launch.rank == 0 else None
+        if progress:
+            progress.__enter__()
+        code = run_worker(cv_dir, definition, launch.rank, launch.size, env=trial_env(share))
+        append_job_event(cv_dir, {"event": "worker_end", "rank": launch.rank, "time": time.time(), "code": code})
+        if launch.rank == 0:
+            lost = wait_for_ranks(cv_dir, launch.size, launch.job_id, timeout)
+            progress.__exit__(None, None, None)
+    return definition, lost
 
 
 def failures(cv_dir: Path, definition: Definition) -> list[str]:
@@ -327,34 +368,15 @@ def main(argv=None) -> int:
     definition = definition_from_args(args)
     cv_dir = Path(args.output)
     writing(cv_dir)
-    start = time.time()
-    if launch.rank == 0:
+    if launch.size > 1:
+        definition, lost = run_rank(cv_dir, definition, launch, args.rank_timeout)
+        if launch.rank != 0:
+            return 0  # its failed folds are in jobs.jsonl: rank 0 reports them (exit 3), as --workers does
+        for line in lost:
+            print(f"error: {line}", file=sys.stderr)
+    else:
         cv_dir.mkdir(parents=True, exist_ok=True)
         prepare(cv_dir, definition)
-    else:
-        deadline = time.time() + DEFINITION_WAIT_SECONDS
-        while not (cv_dir / DEFINITION_FILE).is_file():
-            if time.time() > deadline:
-                raise TrainingFailed(f"rank {launch.rank}: rank 0 did not prepare {cv_dir} in time")
-            time.sleep(2.0)
-        definition = read_definition(cv_dir)
-    if launch.size > 1:
-        from tfmis.crossval.jobs import run_worker
-
-        if launch.rank == 0:
-            print(f"Folds over the {launch.size} ranks of the launch ({launch.kind})", file=sys.stderr)
-        progress = Progress(cv_dir, definition) if launch.rank == 0 else None
-        if progress:
-            progress.__enter__()
-        code = run_worker(cv_dir, definition, launch.rank, launch.size)
-        from tfmis.crossval.experiment import append_job_event
-
-        append_job_event(cv_dir, {"event": "worker_end", "rank": launch.rank, "time": time.time(), "code": code})
-        if launch.rank != 0:
-            return code
-        wait_for_ranks(cv_dir, definition, launch.size, start)
-        progress.__exit__(None, None, None)
-    else:
         with Progress(cv_dir, definition):
             run_local_workers(cv_dir, definition, args.workers)
     unfinished = failures(cv_dir, definition)

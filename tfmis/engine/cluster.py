@@ -34,13 +34,15 @@ from tfmis.utils.io import atomic_write_json
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """How this process was started: `kind` is single, horovod, tf_config, slurm or mpi."""
+    """How this process was started: `kind` is single, horovod, tf_config, slurm or mpi; `local_rank` of
+    `local_size` processes of the launch on this machine (what shares its cores and GPUs out)."""
 
     kind: str
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     job_id: str = ""
+    local_size: int = 1
 
 
 def _int(env, *names):
@@ -50,12 +52,36 @@ def _int(env, *names):
     return None
 
 
+def _leading_int(text: str) -> int | None:
+    """SLURM's tasks per node, e.g. "2(x3),1": the first count (this node's when the nodes are alike)."""
+    digits = ""
+    for ch in text:
+        if not ch.isdigit():
+            break
+        digits += ch
+    return int(digits) if digits else None
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def detect_launch(env=None) -> Launch:
     """The launch this process belongs to, from its environment (see the module docstring)."""
     env = os.environ if env is None else env
     if _int(env, "HOROVOD_RANK") is not None:
         return Launch(
-            "horovod", _int(env, "HOROVOD_RANK"), _int(env, "HOROVOD_SIZE") or 1, _int(env, "HOROVOD_LOCAL_RANK") or 0
+            "horovod",
+            _int(env, "HOROVOD_RANK"),
+            _int(env, "HOROVOD_SIZE") or 1,
+            _int(env, "HOROVOD_LOCAL_RANK") or 0,
+            local_size=_int(env, "HOROVOD_LOCAL_SIZE") or 1,
         )
     if env.get("TF_CONFIG"):
         try:
@@ -68,7 +94,11 @@ def detect_launch(env=None) -> Launch:
         size = len(cluster.get("chief", [])) + len(cluster.get("worker", []))
         index = int(task.get("index", 0))
         rank = index if task.get("type") == "chief" else index + len(cluster.get("chief", []))
-        return Launch("tf_config", rank, max(size, 1), 0)
+        addresses = [a for role in ("chief", "worker") for a in cluster.get(role, [])]
+        job = ",".join(addresses)  # the ports differ from one launch to the next
+        if addresses and all(_is_loopback(a.rsplit(":", 1)[0]) for a in addresses):  # tfmis.launch: one machine
+            return Launch("tf_config", rank, max(size, 1), rank, job, max(size, 1))
+        return Launch("tf_config", rank, max(size, 1), 0, job)
     slurm_size = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
     if slurm_size and slurm_size > 1 and _int(env, "SLURM_PROCID") is not None:
         return Launch(
@@ -77,6 +107,7 @@ def detect_launch(env=None) -> Launch:
             slurm_size,
             _int(env, "SLURM_LOCALID") or 0,
             f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}",
+            _leading_int(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "") or 1,
         )
     mpi_size = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_WORLDSIZE")
     if mpi_size and mpi_size > 1:
@@ -86,8 +117,20 @@ def detect_launch(env=None) -> Launch:
             (env[k] for k in ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_JOBID", "SLURM_JOB_ID") if env.get(k)),
             "mpi",
         )
-        return Launch("mpi", rank or 0, mpi_size, local or 0, job)
+        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "PALS_LOCAL_SIZE")
+        return Launch("mpi", rank or 0, mpi_size, local or 0, job, local_size or 1)
     return Launch("single")
+
+
+def bound_by_launcher(env=None) -> bool:
+    """Whether the launcher pinned this process to its own cores: Open MPI's default binding (`orte_bound_at_launch`
+    unless `--bind-to none`), SLURM's `--cpu-bind` (any but none). Such a rank keeps the cores it has; an unbound one
+    takes its local rank's share of the cores it sees."""
+    env = os.environ if env is None else env
+    if env.get("OMPI_MCA_orte_bound_at_launch") == "1" and env.get("OMPI_MCA_hwloc_base_binding_policy") != "none":
+        return True
+    bind = env.get("SLURM_CPU_BIND_TYPE", "")
+    return bool(bind) and not bind.startswith("none")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
