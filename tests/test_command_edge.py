@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import make_msd_dataset
 
-from tfmis import benchmark, convert, plan, predict, train, visualize
+from tfmis import auto, benchmark, convert, plan, predict, train, visualize
 from tfmis.crossval import cli as crossval
 from tfmis.errors import (
     ConfigError,
@@ -93,7 +93,7 @@ def test_an_unknown_set_key_is_exit_2_naming_the_key_in_every_command(tmp_path, 
     assert line.startswith("config error: ") and "training.epoch" in line and "epochs" in line
 
 
-def test_a_folder_without_dataset_json_is_exit_2_in_plan_train_convert_and_crossval(tmp_path, capsys):
+def test_a_folder_without_dataset_json_is_exit_2_in_plan_train_convert_auto_and_crossval(tmp_path, capsys):
     """An empty folder given as the MSD dataset, by argument or by `data.source_dir`: exit 2 in every command that
     reads one, each line naming the folder's dataset.json (or the flag) and that it is missing."""
     empty = tmp_path / "NotADataset"
@@ -107,6 +107,7 @@ def test_a_folder_without_dataset_json_is_exit_2_in_plan_train_convert_and_cross
             + ["--set", f"output.dir={tmp_path / 'run2'}", "--set", "data.demo=false"],
         ),
         "convert": (convert.main, ["--source-dir", empty, "--target-dir", tmp_path / "c2", "--quiet"]),
+        "auto": (auto.main, ["--source-dir", empty, "--output", tmp_path / "auto"]),
         "crossval": (
             crossval.main,
             ["--config", DEMO, "--folds", "2", "--output", tmp_path / "cv"]
@@ -141,6 +142,7 @@ def test_an_output_that_is_a_file_is_exit_1_naming_it_in_every_command(tmp_path,
             + ["--set", "data.demo=false"],
         ),
         "benchmark": (benchmark.main, ["--config", DEMO, "--output", blocker / "bench", "--pipeline-only"]),
+        "auto": (auto.main, ["--source-dir", source, "--output", blocker / "auto"]),
     }
     expected = f"error: {blocker} is a file, not a folder: remove it or give another folder"
     for name, (main, argv) in runs.items():
@@ -170,8 +172,9 @@ def test_predict_with_a_missing_checkpoint_and_visualize_with_a_missing_image_ar
         (benchmark.main, ["--config", DEMO, "--no-such-flag"]),
         (crossval.main, ["--config", DEMO, "--output", "x", "--no-such-flag"]),
         (visualize.main, ["--image", "x", "--no-such-flag"]),
+        (auto.main, ["--source-dir", "x", "--output", "y", "--no-such-flag"]),
     ],
-    ids=["train", "predict", "plan", "convert", "tune", "benchmark", "crossval", "visualize"],
+    ids=["train", "predict", "plan", "convert", "tune", "benchmark", "crossval", "visualize", "auto"],
 )
 def test_an_unknown_flag_is_exit_2_in_every_command(capsys, main, argv):
     """argparse's usage error: exit 2 in every command, naming the flag."""
