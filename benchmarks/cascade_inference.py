@@ -59,9 +59,9 @@ def child(mode: str, run: str, image: str, label: str, report: str) -> None:
     from tfmis.inference.cascade import make_predictor
     from tfmis.inference.predictor import InputCase, Predictor
 
-    fine_dir = Path(run) / "fullres"
+    fine_dir = Path(run) / fine_stage(Path(run))
     if mode == "box":  # the earlier code does not know the keys added since: the run's configs without them
-        fine_dir = older_run(Path(run), Path(report).parent / "box_run") / "fullres"
+        fine_dir = older_run(Path(run), Path(report).parent / "box_run") / fine_stage(Path(run))
     config = load_config(fine_dir / "config.yaml")
     if mode in ("box", "cascade"):
         predictor = make_predictor(config, fine_dir, device="cpu")
@@ -104,12 +104,18 @@ def child(mode: str, run: str, image: str, label: str, report: str) -> None:
     )
 
 
+def fine_stage(run: Path) -> str:
+    """The fine stage's folder name in a cascade's folder: `cascade` (`fullres` in runs planned before the plan
+    offered candidates)."""
+    return "cascade" if (run / "cascade").is_dir() else "fullres"
+
+
 def older_run(run: Path, target: Path) -> Path:
     """A copy of the cascade's run folder (files linked) whose config.yaml files lack `cascade.min_region_mm3`, for
     the earlier code of the `box` mode."""
     import yaml
 
-    for stage in ("lowres", "fullres"):
+    for stage in ("lowres", fine_stage(run)):
         (target / stage).mkdir(parents=True, exist_ok=True)
         for item in (run / stage).iterdir():
             if item.name != "config.yaml" and not (target / stage / item.name).exists():
@@ -145,7 +151,7 @@ def cpu_model() -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", required=True, help="the cascade's folder (with lowres/ and fullres/)")
+    p.add_argument("--run", required=True, help="the cascade's folder (with lowres/ and cascade/)")
     p.add_argument("--case", nargs=2, action="append", metavar=("IMAGE", "LABEL"), required=True)
     p.add_argument("--modes", default="uncropped,cropped,box,cascade", help=f"comma-separated, of {MODES}")
     p.add_argument("--before-rev", default="85ecbfe", help="commit of the `box` mode's code (the single-box cascade)")

@@ -99,8 +99,8 @@ def main() -> int:
             + ["--subset", "split:val", "--output", str(out), "--quiet"]
         )
         plan = run_dir / "plan.yaml"
-        found = re.search(r"of a (\w+) plan|plan of (\d+) stages", plan.read_text()) if plan.is_file() else None
-        configuration = (found.group(1) or "cascade") if found else "written"
+        found = re.search(r"recommended (fullres|lowres|cascade)\b", plan.read_text()) if plan.is_file() else None
+        configuration = found.group(1) if found else "written"
         table.append((arm, configuration, train_seconds, predict_seconds, scores(out / "predictions.csv")))
     print(f"\n{args.dataset}: {args.minutes:g}-minute budget, validation split, Dice on the original grid")
     for arm, configuration, train_seconds, predict_seconds, dice in table:

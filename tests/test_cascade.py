@@ -109,8 +109,8 @@ def test_ct_sized_small_organ_gets_a_cascade():
     staged = plan_stages(fp, CPU, output_dir="runs/ct", dataset_dir="data/ct_tfrecords", max_minutes=10)
     assert staged.configuration == "cascade"
     (coarse_name, coarse), (fine_name, fine) = staged.stages
-    assert (coarse_name, fine_name) == ("lowres", "fullres")
-    assert coarse.values["output.dir"] == "runs/ct/lowres" and fine.values["output.dir"] == "runs/ct/fullres"
+    assert (coarse_name, fine_name) == ("lowres", "cascade")
+    assert coarse.values["output.dir"] == "runs/ct/lowres" and fine.values["output.dir"] == "runs/ct/cascade"
     assert fine.values["cascade.coarse_run"] == "runs/ct/lowres"
     assert fine.values["data.conversion.crop_to_label_mm"] == CASCADE_MARGIN_MM
     assert fine.values["data.conversion.spacing"] == [0.8, 0.8, 2.5]
@@ -198,7 +198,7 @@ def cascade_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("cascade")
     # large enough that the CPU patch (at most 48^3 voxels) covers under 25% of the median image, so the forced
     # cascade has a real low-resolution stage (a smaller image is refused: its coarse stage would be full resolution)
-    make_ct_dataset(root / "ct", num_cases=6, num_test=1, shape=(128, 128, 56))
+    make_ct_dataset(root / "ct", num_cases=6, num_test=1, shape=(192, 192, 64))
     args = [
         "-m",
         "tfmis.train",
@@ -226,12 +226,13 @@ def test_train_source_dir_trains_each_stage_into_its_run_folder_and_resume_skips
     run folder with its own converted data (the fine one cropped to the labels); --resume keeps the plan and skips
     finished stages."""
     root, args, done = cascade_run
-    assert "Stage 1/2 (lowres)" in done.stderr and "Stage 2/2 (fullres)" in done.stderr
-    for stage in ("lowres", "fullres"):
+    assert "Stage 1/2 (lowres)" in done.stderr and "Stage 2/2 (cascade)" in done.stderr
+    for stage in ("lowres", "cascade"):
         assert (root / "run" / stage / "best.weights.h5").is_file()
         assert (root / "run" / stage / "summary.json").is_file()
-    assert load_stages(root / "run" / "plan.yaml")[1][1] == root / "run" / "fullres" / "plan.yaml"
-    fine = load_config(root / "run" / "fullres" / "config.yaml")
+    assert load_stages(root / "run" / "plan.yaml")[1][1] == root / "run" / "cascade" / "plan.yaml"
+    assert not (root / "run" / "fullres" / "config.yaml").exists()  # the fullres candidate is planned, not trained
+    fine = load_config(root / "run" / "cascade" / "config.yaml")
     assert fine.cascade.coarse_run == str(root / "run" / "lowres")
     assert fine.data.conversion.crop_to_label_mm == CASCADE_MARGIN_MM
     import json
@@ -244,7 +245,7 @@ def test_train_source_dir_trains_each_stage_into_its_run_folder_and_resume_skips
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resuming with the plan in" in resumed.stderr
     assert "Stage 1/2 (lowres): finished earlier" in resumed.stderr
-    assert "Stage 2/2 (fullres): finished earlier" in resumed.stderr
+    assert "Stage 2/2 (cascade): finished earlier" in resumed.stderr
 
 
 @pytest.mark.slow
@@ -291,9 +292,9 @@ def test_fine_classes_come_from_the_fine_stage_and_the_rest_from_the_coarse_stag
     from tfmis.inference.cascade import make_predictor, regions_of_interest
 
     root, _, _ = cascade_run
-    config = load_config(root / "run" / "fullres" / "config.yaml")
+    config = load_config(root / "run" / "cascade" / "config.yaml")
     config.cascade.fine_classes = [2]
-    predictor = make_predictor(config, root / "run" / "fullres")
+    predictor = make_predictor(config, root / "run" / "cascade")
     img = nib.load(str(root / "ct" / "imagesTr" / "ct_000.nii.gz"))
     image = np.asarray(img.dataobj, dtype=np.float32)[..., None]
     labels = predictor.predict_array(image, img.affine, probabilities=False)[0]

@@ -254,12 +254,13 @@ def test_coarse_regions_map_a_coarse_piece_onto_the_scan_through_a_flipped_aniso
 
 
 def test_the_plan_records_the_regions_the_training_labels_give(tmp_path):
-    """The fingerprint's first pass records each case's label pieces (on ~4 mm cells) and the cascade's fine stage
-    plan sets `cascade.min_region_mm3` to 0 with the measured regions in its reason and summary. With a 5 mm margin
-    two far organs and a small lesion make three regions per case, their volume that of the three grown boxes
-    (recomputed here from the label by hand)."""
+    """The fingerprint's first pass records each case's label pieces (found on ~4 mm cells, boxed on its voxels) and
+    the cascade's fine stage plan sets `cascade.min_region_mm3` to 0 with the measured regions in its reason and
+    summary. With a 5 mm margin two far organs and a small lesion make three regions per case, their volume and
+    share that of the three grown boxes clipped to the foreground crop (recomputed here from the label by hand)."""
     from tfmis.hardware import Hardware
     from tfmis.planning.fingerprint import fingerprint_msd
+    from tfmis.planning.planner import ExperimentPlanner
     from tfmis.planning.stages import CASCADE_MARGIN_MM, StagePlanner, measure_regions
 
     root = tmp_path / "far"
@@ -287,19 +288,24 @@ def test_the_plan_records_the_regions_the_training_labels_give(tmp_path):
     counts, volumes, shares = measure_regions(fingerprint, CASCADE_MARGIN_MM / 4)
     assert counts == [3, 3, 3]
     _, _, truth = far_apart_scan()
+    labelled = np.argwhere(truth > 0)  # the foreground crop: the image is 10 (background) outside the labels
+    crop_first, crop_last = labelled.min(axis=0), labelled.max(axis=0) + 1
     expected = 0.0
     for centre, radius in (((25, 48, 14), 22), ((135, 48, 50), 22), ((80, 16, 32), 4)):
         where = np.argwhere(sphere(truth.shape, centre, radius, FINE_SPACING))
-        cells = np.array([4, 4, 2])  # 4 mm cells: 4x4x2 voxels of 1x1x2 mm
-        first, last = where.min(axis=0) // cells, where.max(axis=0) // cells + 1
-        grid = -(-np.array(truth.shape) // cells)
-        first, last = np.maximum(first - 2, 0), np.minimum(last + 2, grid)  # 5 mm margin = 2 cells of 4 mm
-        expected += float(np.prod(last - first)) * 64.0
+        first, last = where.min(axis=0), where.max(axis=0) + 1
+        margin = np.array([5, 5, 3])  # 5 mm = ceil(5 / 1, 5 / 1, 5 / 2) voxels of 1x1x2 mm
+        first, last = np.maximum(first - margin, 0), np.minimum(last + margin, truth.shape)  # within the scan
+        first, last = np.maximum(first, crop_first), np.minimum(last, crop_last)  # within the foreground crop
+        expected += float(np.prod(last - first)) * 2.0
     np.testing.assert_allclose(volumes, [expected] * 3)
+    np.testing.assert_allclose(shares, [expected / 2.0 / np.prod(crop_last - crop_first)] * 3)
     assert all(0 < s < 1 for s in shares)
     hardware = Hardware(cpu_name="test cpu", cpu_count=2, host_memory_mb=24_000, host_available_mb=20_000)
-    planner = StagePlanner(fingerprint, hardware, output_dir=str(tmp_path / "run"), configuration="cascade")
-    fine = planner.plan().stages[-1][1]
+    # this small phantom's low-resolution stage would save under 2x, so no cascade is a candidate: its fine stage's
+    # regions step is applied to a full-resolution plan
+    fine = ExperimentPlanner(fingerprint, hardware, output_dir=str(tmp_path / "run")).plan()
+    StagePlanner(fingerprint, hardware).determine_regions(fine)
     assert fine.values["cascade.min_region_mm3"] == 0.0
     at_plan_margin = measure_regions(fingerprint, CASCADE_MARGIN_MM)  # 20 mm: this small phantom's boxes merge
     assert fine.summary["regions"]["per_case"] == at_plan_margin[0]

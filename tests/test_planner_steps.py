@@ -215,21 +215,25 @@ def test_a_gpu_cascade_with_a_time_budget_gives_each_stage_its_share():
 
 
 def test_each_stage_is_planned_again_with_the_gpu_fit_measurement_of_its_own_config():
-    """`gpu_fit_for` is asked with each stage's config; the stage it has a measurement for (the fine one here) takes
-    the measured batch size, sliding-window batch size and placement, the other stays as planned without it; with
-    no measurement at all the plan is the one without `gpu_fit_for`."""
+    """`gpu_fit_for` is asked with each candidate stage's config (fullres, lowres, the cascade's fine stage); the
+    stage it has a measurement for (the fine one here) takes the measured batch size, sliding-window batch size and
+    placement, the others stay as planned without it; with no measurement at all the plan is the one without
+    `gpu_fit_for`."""
     asked = []
     measured = {"num_images_per_batch": 5, "num_sw_batch_size": 3, "validation_data_device": "gpu", "source": "c"}
 
     def fine_only(config):
         asked.append(config.output.dir)
-        return measured if config.output.dir.endswith("fullres") else None
+        return measured if config.output.dir.endswith("cascade") else None
 
     plain = plan_stages(CT_LIKE, GPU_80, output_dir="runs/ct")
     fitted = plan_stages(CT_LIKE, GPU_80, output_dir="runs/ct", gpu_fit_for=fine_only)
-    assert sorted(asked) == ["runs/ct/fullres", "runs/ct/lowres"] and fitted.gpu_fitted and not plain.gpu_fitted
+    assert sorted(asked) == ["runs/ct/cascade", "runs/ct/fullres", "runs/ct/lowres"]
+    assert fitted.gpu_fitted and not plain.gpu_fitted
     (_, coarse), (_, fine) = fitted.stages
     assert (coarse.values, coarse.reasons) == (plain.stages[0][1].values, plain.stages[0][1].reasons)
+    [(_, full)], [(_, plain_full)] = fitted.candidates["fullres"], plain.candidates["fullres"]
+    assert (full.values, full.reasons) == (plain_full.values, plain_full.reasons)
     assert fine.values["pipeline.num_images_per_batch"] == 5 and fine.values["validation.num_sw_batch_size"] == 3
     assert fine.values["validation.validation_data_device"] == "gpu"
     assert fine.reasons["pipeline.num_images_per_batch"] == "measured by the GPU-fit search (c)"

@@ -45,18 +45,22 @@ def write_plan(tmp_path: Path, dataset: Path, names=("lowres", "fullres"), *over
 
 
 def test_split_overrides_keeps_the_plans_keys_apart_from_the_stages():
-    """The dataset folder, run folder and time budget belong to the plan; the rest goes into every stage."""
+    """The dataset folder, run folder and time budget belong to the plan; the rest goes into every stage. A plain
+    config takes every override; the stages of a stages file (one or several) all but the plan's."""
     given, rest = split_overrides(["output.dir=runs/x", "training.max_minutes=30", "training.epochs=3", "a.b=1"])
     assert given == {"output": {"dir": "runs/x"}, "training": {"max_minutes": 30}}
     assert rest == ["training.epochs=3", "a.b=1"]
     assert set(STAGE_PLAN_KEYS) == {"data.dataset_dir", "output.dir", "training.max_minutes"}
-    assert stage_overrides(["output.dir=runs/x", "training.epochs=3"], 1) == ["output.dir=runs/x", "training.epochs=3"]
-    assert stage_overrides(["output.dir=runs/x", "training.epochs=3"], 2) == ["training.epochs=3"]
+    assert stage_overrides(["output.dir=runs/x", "training.epochs=3"], False) == [
+        "output.dir=runs/x",
+        "training.epochs=3",
+    ]
+    assert stage_overrides(["output.dir=runs/x", "training.epochs=3"], True) == ["training.epochs=3"]
 
 
 def test_load_stages_reads_a_config_as_one_stage_and_a_plan_as_named_stages(tmp_path, converted_dataset):
-    """A plain config is one stage named "" with every override; a plan of stages gives its stages in order, each
-    with the overrides but not the plan's own keys (each stage keeps its run folder)."""
+    """A plain config is one stage named "" with every override; a plan of stages (of two stages, or of one) gives
+    its stages in order, each with the overrides but not the plan's own keys (each stage keeps its run folder)."""
     single = tmp_path / "single.yaml"
     save_config(tiny_config(converted_dataset, tmp_path / "one"), single)
     [stage] = load_stages(single, ["training.epochs=5", f"output.dir={tmp_path / 'elsewhere'}"])
@@ -67,6 +71,10 @@ def test_load_stages_reads_a_config_as_one_stage_and_a_plan_as_named_stages(tmp_
     assert [s.name for s in stages] == ["lowres", "fullres"]
     assert [s.config.training.epochs for s in stages] == [4, 4]
     assert [s.config.output.dir for s in stages] == [str(tmp_path / "runs" / n) for n in ("lowres", "fullres")]
+    one = write_plan(tmp_path / "one", converted_dataset, ("lowres",))  # a recommended single stage among candidates
+    [stage] = load_stages(one, ["training.epochs=4", f"output.dir={tmp_path / 'ignored'}"])
+    assert stage.name == "lowres" and stage.config.output.dir == str(tmp_path / "one" / "runs" / "lowres")
+    assert stage.config.training.epochs == 4
 
 
 def test_stage_runner_trains_the_stages_in_order_and_skips_finished_ones_on_resume(tmp_path, converted_dataset):
@@ -182,7 +190,7 @@ def test_every_stage_of_a_cascade_gets_the_gpu_fit_measurement_of_its_own_config
     path = staged.write()
     planned = PlannedRun(path, ["training.epochs=7"], CT_LIKE, "cascade", {**plan_args, "max_minutes": None})
     stages = load_stages(path, planned.overrides)
-    assert [s.name for s in stages] == ["lowres", "fullres"]
+    assert [s.name for s in stages] == ["lowres", "cascade"]
     measured = {"num_images_per_batch": 5, "num_sw_batch_size": 3, "validation_data_device": "auto", "source": "c"}
     asked = []
 
@@ -191,7 +199,7 @@ def test_every_stage_of_a_cascade_gets_the_gpu_fit_measurement_of_its_own_config
         return measured
 
     fitted = cached_gpu_fit(stages, planned, log=lambda line: None, hardware=GPU_80, lookup=lookup)
-    assert sorted(asked) == sorted(s.config.output.dir for s in stages)
+    assert {s.config.output.dir for s in stages} <= set(asked)  # every candidate is planned again, these among them
     for stage in fitted:
         assert stage.config.pipeline.num_images_per_batch == 5 and stage.config.validation.num_sw_batch_size == 3
         assert stage.config.training.epochs == 7

@@ -4,8 +4,9 @@
 Fingerprints the dataset (from its conversion when `--target-dir` holds one, else a first pass over
 the MSD folder), detects the hardware (or takes the machine the training will run on: `--gpus 8 --gpu-memory
 80GB`, `--gpu H100-80GB`), applies nnU-Net v2's rules and writes the plan as a normal
-tfmis config with a comment on every planned value saying why; then prints a short table
-(`tfmis.planning.plan_dataset` does the work). Train
+tfmis config with a comment on every planned value saying why: the recommended configuration at `--output`,
+every candidate (full resolution; low resolution and a cascade where they pay) in `<output-dir>/candidates.yaml`
+for `tfmis-crossval --config`; then prints a short table (`tfmis.planning.plan_dataset_stages` does the work). Train
 with `python -m tfmis.train --config PLAN` (or plan, convert and train in one go with
 `python -m tfmis.train --source-dir DIR`).
 
@@ -77,12 +78,22 @@ def main(argv=None) -> int:
         hardware=hardware,
     )
     output = staged.write(args.output)
-    atomic_write_json(output.with_name(output.stem + "_fingerprint.json"), fingerprint.to_dict())
+    atomic_write_json(
+        output.with_name(output.stem + "_fingerprint.json"), {**fingerprint.to_dict(), "plan": staged.summary()}
+    )
     print(f"Plan for {fingerprint.name} ({staged.final.summary['hardware']}):")
     if hardware is not None:
         print(f"  Planned for: {hardware.planned_for_text()}")
     print(staged.table())
-    print(f"Written to {output} (every value with its reason). Train with:\n  python -m tfmis.train --config {output}")
+    print(
+        f"Written to {output} (the recommended {staged.recommended}, every value with its reason). Train with:\n"
+        f"  python -m tfmis.train --config {output}"
+    )
+    if not staged.single:
+        print(
+            f"Every candidate ({', '.join(staged.candidates)}) in {staged.candidates_path()}; compare them with:\n"
+            f"  tfmis-crossval --config {staged.candidates_path()} --output <cv folder>"
+        )
     return 0
 
 

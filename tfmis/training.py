@@ -1,7 +1,7 @@
 """Training a config or a plan of stages: the API under `tfmis-train`.
 
-- `plan_source`: plans an MSD folder on this machine (one stage, a low-resolution stage, or a cascade) and writes
-  the plan; with `resume` an existing plan is kept;
+- `plan_source`: plans an MSD folder on this machine (the candidates full resolution, low resolution, a cascade)
+  and writes the recommended one's plan and the candidates file; with `resume` an existing plan is kept;
 - `load_stages`: the stages of a config file or of a plan of stages, with `--set` overrides;
 - `StageRunner`: trains the stages one after another on one backend: a finished stage is skipped on resume, the
   stages share the plan's time budget (each stage's `training.max_minutes`), every stage gets the GPU-fit
@@ -194,16 +194,17 @@ def split_overrides(overrides) -> tuple[dict, list[str]]:
     return given, rest
 
 
-def stage_overrides(overrides, stage_count: int) -> list[str]:
-    """The overrides each stage's config takes: all of them for one stage; for several, all but the plan's."""
-    return list(overrides) if stage_count == 1 else split_overrides(overrides)[1]
+def stage_overrides(overrides, stages_file: bool) -> list[str]:
+    """The overrides each stage's config takes: all of them for a plain config; for the stages of a stages file
+    (one or several), all but the plan's (each stage keeps its run folder and its share of the budget)."""
+    return split_overrides(overrides)[1] if stages_file else list(overrides)
 
 
 def load_stages(path: str | Path, overrides=()) -> list[Stage]:
     """The stages of a plan of stages (`stages:` list), or the config at `path` as one stage named ""."""
-    listed = read_stage_list(path) or [("", Path(path))]
-    per_stage = stage_overrides(overrides, len(listed))
-    return [Stage(name, Path(p), load_config(p, per_stage)) for name, p in listed]
+    listed = read_stage_list(path)
+    per_stage = stage_overrides(overrides, listed is not None)
+    return [Stage(name, Path(p), load_config(p, per_stage)) for name, p in listed or [("", Path(path))]]
 
 
 def plan_source(
@@ -216,8 +217,9 @@ def plan_source(
     log=log,
 ) -> tuple[list[Stage], PlannedRun]:
     """Plans the MSD folder `source_dir` for this machine (or for `hardware`, a `Hardware.target`) and writes the
-    plan (`<output.dir>/plan.yaml`; a cascade's stages also `<output.dir>/<stage>/plan.yaml`); with `resume` and a
-    plan there, that plan is kept.
+    plan: the recommended configuration at `<output.dir>/plan.yaml` (with several candidates, a stages file naming
+    its stages' `<output.dir>/<stage>/plan.yaml`) and every candidate in `<output.dir>/candidates.yaml`; with
+    `resume` and a plan there, that plan is kept.
 
     The overrides' `data.dataset_dir`, `output.dir` and `training.max_minutes` (a budget the stages share) are
     the plan's; the other overrides go into every stage's config.
@@ -248,11 +250,17 @@ def plan_source(
     staged, fingerprint = plan_dataset_stages(
         source, target, output, max_minutes=minutes, configuration=configuration, hardware=hardware
     )
-    for _, plan in staged.stages:
-        plan.config(stage_overrides(overrides, len(staged.stages)))  # a bad override fails here, before writing
+    for stages in staged.candidates.values():
+        for _, plan in stages:  # a bad override fails here, before writing
+            plan.config(stage_overrides(overrides, not staged.single))
     path = staged.write()
     log(f"Plan for {fingerprint.name} ({staged.final.summary['hardware']}):\n{staged.table()}")
     log(f"Plan written to {path} (every value with its reason): edit it and rerun with --config {path}")
+    if not staged.single:
+        log(
+            f"Every candidate in {staged.candidates_path()}: compare them with tfmis-crossval --config "
+            f"{staged.candidates_path()}"
+        )
     plan_args = {"source_dir": str(source), "dataset_dir": target, "output_dir": output, "max_minutes": minutes}
     planned = PlannedRun(path, list(overrides), fingerprint, staged.configuration, plan_args, hardware)
     return load_stages(path, overrides), planned

@@ -156,13 +156,18 @@ PIECE_CELL_MM = 4.0  # the grid the labels' connected pieces are found on: about
 def label_pieces(label: np.ndarray, spacing, cell_mm: float = PIECE_CELL_MM) -> dict:
     """The connected pieces of the labelled voxels (26-connected, classes that touch are one piece), found on cells
     of about `cell_mm` (each cell labelled when any of its voxels is): {"cell_mm": [x, y, z], "shape": cells per
-    axis, "pieces": [[start, stop], ...] boxes in cells}. Cheap at any scan size (a 512x512x600 CT has about
-    100x100x300 cells); what a cascade's coarse stage would find if it found the labels.
+    axis, "pieces": [[start, stop], ...] boxes in cells, "voxels": {"spacing", "shape", "pieces"}: the same pieces
+    as boxes on the label's own voxel grid, each the box of the labelled voxels inside its cells' box}. Cheap at any
+    scan size (a 512x512x600 CT has about 100x100x300 cells); what a cascade's coarse stage would find if it found
+    the labels.
 
     Example:
         >>> lab = np.zeros((40, 40, 20), np.uint8); lab[0:8, 0:8, 0:4] = 1; lab[30:32, 30:32, 15] = 2
-        >>> label_pieces(lab, (1.0, 1.0, 2.0))
-        {'cell_mm': [4.0, 4.0, 4.0], 'shape': [10, 10, 10], 'pieces': [[[0, 0, 0], [2, 2, 2]], [[7, 7, 7], [8, 8, 8]]]}
+        >>> found = label_pieces(lab, (1.0, 1.0, 2.0))
+        >>> found["cell_mm"], found["shape"], found["pieces"]
+        ([4.0, 4.0, 4.0], [10, 10, 10], [[[0, 0, 0], [2, 2, 2]], [[7, 7, 7], [8, 8, 8]]])
+        >>> found["voxels"]["spacing"], found["voxels"]["shape"], found["voxels"]["pieces"]
+        ([1.0, 1.0, 2.0], [40, 40, 20], [[[0, 0, 0], [8, 8, 4]], [[30, 30, 15], [32, 32, 16]]])
     """
     from scipy import ndimage
 
@@ -178,7 +183,26 @@ def label_pieces(label: np.ndarray, spacing, cell_mm: float = PIECE_CELL_MM) -> 
         )
     labelled, _ = ndimage.label(pooled, structure=np.ones((3, 3, 3), bool))
     boxes = [[[s.start for s in b], [s.stop for s in b]] for b in ndimage.find_objects(labelled) if b is not None]
-    return {"cell_mm": [float(f * s) for f, s in zip(factors, spacing)], "shape": cells, "pieces": boxes}
+    voxel_boxes = []
+    for start, stop in boxes:  # the labelled voxels' box inside the piece's cells (one axis projection at a time)
+        first = [a * f for a, f in zip(start, factors)]
+        inside = label[tuple(slice(a, b * f) for a, b, f in zip(first, stop, factors))] > 0
+        low, high = [], []
+        for axis in range(3):
+            hit = np.flatnonzero(inside.any(axis=tuple(a for a in range(3) if a != axis)))
+            low.append(int(first[axis] + hit[0]))
+            high.append(int(first[axis] + hit[-1] + 1))
+        voxel_boxes.append([low, high])
+    return {
+        "cell_mm": [float(f * s) for f, s in zip(factors, spacing)],
+        "shape": cells,
+        "pieces": boxes,
+        "voxels": {
+            "spacing": [float(s) for s in spacing],
+            "shape": [int(n) for n in label.shape[:3]],
+            "pieces": voxel_boxes,
+        },
+    }
 
 
 def summarize(cases: dict[str, dict], labels: list[str], modalities: list[str]) -> dict:

@@ -25,53 +25,10 @@ import numpy as np
 from scipy import ndimage
 
 from tfmis.config import load_config
+from tfmis.data.boxes import Box, grow_box, merge_boxes
 from tfmis.errors import ConfigError, DataError, MissingInput
 from tfmis.inference.predictor import GridPrediction, Predictor, run_config
 from tfmis.inference.restore import original_box
-
-Box = tuple[slice, ...]
-
-
-def grow_box(start, stop, affine: np.ndarray, margin_mm: float, shape) -> Box:
-    """The box [start, stop) grown by `margin_mm` on each side (ceil(margin / spacing) voxels per axis of the grid
-    of `affine`), clipped to `shape`, as slices."""
-    spacing = np.linalg.norm(np.asarray(affine, dtype=np.float64)[:3, :3], axis=0)
-    margin = np.ceil(float(margin_mm) / spacing - 1e-9).astype(int)
-    start = np.maximum(np.asarray(start) - margin, 0)
-    stop = np.minimum(np.asarray(stop) + margin, np.asarray(shape[:3]))
-    return tuple(slice(int(a), int(b)) for a, b in zip(start, stop))
-
-
-def _overlap(a: Box, b: Box) -> bool:
-    return all(x.start < y.stop and y.start < x.stop for x, y in zip(a, b))
-
-
-def _union(a: Box, b: Box) -> Box:
-    return tuple(slice(min(x.start, y.start), max(x.stop, y.stop)) for x, y in zip(a, b))
-
-
-def merge_boxes(boxes: list[Box]) -> list[Box]:
-    """`boxes` with every overlapping pair replaced by the box around both, until no two overlap; in the order of
-    their first corners. Boxes that only touch stay apart (they share no voxel).
-
-    Example:
-        >>> boxes = merge_boxes([(slice(0, 4), slice(0, 4)), (slice(3, 6), slice(3, 6)), (slice(10, 12), slice(0, 2))])
-        >>> [[(s.start, s.stop) for s in box] for box in boxes]
-        [[(0, 6), (0, 6)], [(10, 12), (0, 2)]]
-    """
-    merged = list(boxes)
-    changed = True
-    while changed:
-        changed = False
-        for i in range(len(merged)):
-            for j in range(i + 1, len(merged)):
-                if _overlap(merged[i], merged[j]):
-                    merged[i] = _union(merged[i], merged.pop(j))
-                    changed = True
-                    break
-            if changed:
-                break
-    return sorted(merged, key=lambda b: tuple(s.start for s in b))
 
 
 def pieces(mask: np.ndarray, min_voxels: float = 0) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -3,7 +3,8 @@
 - `api.py`: `plan_dataset` (the front door: fingerprint, hardware, plan, the GPU-fit search's cached measurement);
 - `planner.py`: `ExperimentPlanner` (overridable `determine_*` steps), `make_plan`; `plan_file.py`: `Plan` (values
   with reasons, written as a commented config);
-- `stages.py`: `StagePlanner` / `plan_stages`: full resolution, a low-resolution stage, or a coarse-to-fine cascade;
+- `stages.py`: `StagePlanner` / `plan_stages`: the candidates (full resolution; low resolution and a coarse-to-fine
+  cascade where they pay) and the recommended one;
 - `rules.py`: nnU-Net's formulas (target spacing, pooling, patch shrinking, memory estimates);
 - `fingerprint.py`: `DatasetFingerprint` from a first pass over an MSD folder or from a conversion.
 

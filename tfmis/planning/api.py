@@ -120,13 +120,14 @@ def plan_dataset_stages(
     max_minutes: float | None = None,
     configuration: str | None = None,
 ) -> tuple[StagedPlan, DatasetFingerprint]:
-    """(StagedPlan, DatasetFingerprint): `plan_dataset`'s plan, or a low-resolution stage alone, or a cascade
-    (`tfmis.planning.stages`), as the fingerprint and the affordable patch decide.
+    """(StagedPlan, DatasetFingerprint): the candidates (`plan_dataset`'s full-resolution plan; a low-resolution
+    stage and a cascade on it where they pay) and the recommended one (`tfmis.planning.stages`), as the fingerprint
+    and the affordable patch decide.
 
     Args:
         source_dir, target_dir, output_dir, workers, progress, hardware: as `plan_dataset`.
-        max_minutes: a training budget the stages share.
-        configuration: force "fullres", "lowres" or "cascade".
+        max_minutes: a training budget (a recommended cascade's stages share it).
+        configuration: force the recommendation, "fullres", "lowres" or "cascade" (refused when not a candidate).
     """
     fingerprint, hardware, plan_args = _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hardware)
     lookup = cached_gpu_fit_lookup(hardware, plan_args["dataset_dir"])

@@ -58,8 +58,11 @@ class DatasetFingerprint:
         class_volumes_mm3: (N, K) volume of each label value per case in mm^3 (None when unknown).
         label_extents_mm: (N, 3) size in mm of the box around each case's labelled voxels, NaN for a case with
             none (None when unknown, e.g. a conversion written before tfmis recorded it).
-        label_pieces: per case, the connected pieces of its labels on a grid of about 4 mm cells
-            (`tfmis.data.fingerprint.label_pieces`; None when unknown): what a cascade's regions are made from.
+        label_pieces: per case, the connected pieces of its labels on a grid of about 4 mm cells and on the label's
+            voxel grid (`tfmis.data.fingerprint.label_pieces`; None when unknown): what a cascade's regions are made
+            from. From a first pass the voxel grid is the whole RAS image and `["voxels"]["crop"]` the foreground crop
+            box on it; from a conversion the voxel grid is the converted (cropped) case itself. Conversions written
+            before the voxel boxes were recorded have the cells only.
         background: per channel {channel, modality, num_cases, border_constant_cases, border_constants}: how many
             cases have a z-scored background (most of their border is one non-zero constant, the value the crop
             and the z-score then treat as background; `tfmis.data.fingerprint.background_summary`); None when unknown.
@@ -174,7 +177,15 @@ def _case_summary(task: tuple) -> dict:
 
 
 def crop_shape(projections: list[dict], ct_window, margin: int = 0) -> list[int]:
-    """Shape of the box `tfmis.data.preprocess` crops (foreground mask or label, grown by `margin`).
+    """Shape of the box `tfmis.data.preprocess` crops (foreground mask or label, grown by `margin`); see
+    `crop_box`."""
+    start, stop = crop_box(projections, ct_window, margin)
+    return [b - a for a, b in zip(start, stop)]
+
+
+def crop_box(projections: list[dict], ct_window, margin: int = 0) -> tuple[list[int], list[int]]:
+    """(start, stop) voxels of the box `tfmis.data.preprocess` crops (foreground mask or label, grown by `margin`),
+    on the case's RAS grid; an axis with no foreground is kept whole.
 
     Args:
         projections: per axis {"ct_max": per-slice max of the CT channels, "foreground": per-slice any voxel of the
@@ -183,7 +194,7 @@ def crop_shape(projections: list[dict], ct_window, margin: int = 0) -> list[int]
         ct_window: (low, high); CT voxels above `low` are foreground.
         margin: voxels kept around the box.
     """
-    shape = []
+    start, stop = [], []
     for p in projections:
         n = len(next(v for v in p.values() if v is not None))
         keep = np.zeros(n, dtype=bool)
@@ -194,11 +205,13 @@ def crop_shape(projections: list[dict], ct_window, margin: int = 0) -> list[int]
         if p["label"] is not None:
             keep |= np.asarray(p["label"], dtype=bool)
         if not keep.any():
-            shape.append(n)
+            start.append(0)
+            stop.append(n)
             continue
         nz = np.flatnonzero(keep)
-        shape.append(int(min(nz[-1] + 1 + margin, n) - max(nz[0] - margin, 0)))
-    return shape
+        start.append(int(max(nz[0] - margin, 0)))
+        stop.append(int(min(nz[-1] + 1 + margin, n)))
+    return start, stop
 
 
 def fingerprint_msd(
@@ -248,9 +261,14 @@ def fingerprint_msd(
         ct_window = fp.ct_window(np.concatenate([s["sample"][:, ct].ravel() for s in summaries]))
     if not ct:
         ct_window = None
-    crops = [
-        crop_shape(s["projections"], ct_window, crop_margin) if crop_foreground else s["ras_shape"] for s in summaries
+    boxes = [
+        crop_box(s["projections"], ct_window, crop_margin) if crop_foreground else ([0, 0, 0], list(s["ras_shape"]))
+        for s in summaries
     ]
+    crops = [[b - a for a, b in zip(start, stop)] for start, stop in boxes]
+    for s, box in zip(summaries, boxes):  # the label pieces are on the whole RAS grid: where its crop lies on it
+        if s["label_pieces"] is not None:
+            s["label_pieces"]["voxels"]["crop"] = [list(box[0]), list(box[1])]
     counts = [s["class_voxels"] for s in summaries if s["class_voxels"] is not None]
     totals = np.sum(counts, axis=0).astype(int).tolist() if counts else [0] * dataset.num_classes
     per_case = {

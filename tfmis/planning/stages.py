@@ -1,32 +1,37 @@
-"""Stages: full resolution alone, a low-resolution stage alone, or a coarse-to-fine cascade.
+"""Candidates: full resolution always, a low-resolution stage and a coarse-to-fine cascade where they pay; one of
+them recommended.
 
 At real scan sizes (BraTS at 1 mm, abdominal CT at 0.8 mm in-plane) the patch a machine affords covers a few
 percent of the image: the network never sees the organ's context. nnU-Net v2 then plans `3d_lowres` (the spacing
-raised until the patch covers a quarter of the median image) and a `3d_cascade_fullres` stage. tfmis decides, from
-the fingerprint and the affordable patch, and writes the numbers into the plan:
+raised until the patch covers a quarter of the median image) and a `3d_cascade_fullres` stage on it, keeps
+`3d_fullres` always, and lets cross-validation choose. tfmis plans the same candidates from the fingerprint and
+the affordable patch, writes the numbers into the plan, and recommends one:
 
-1. Plan full resolution (`ExperimentPlanner`). Its patch covers >= 25% of the median image (nnU-Net's
-   `lowres_creation_threshold`): **fullres**, one stage.
+1. **fullres** is always a candidate (`ExperimentPlanner`). Its patch covers >= 25% of the median image (nnU-Net's
+   `lowres_creation_threshold`): the only candidate.
 2. Else the low-resolution spacing: nnU-Net's loop, +3% a step (the finer axes first) until the patch planned
-   there covers 25% of the median image.
-3. The smallest labelled structure (per class, the median over cases of its equivalent-sphere diameter) in
-   low-resolution voxels: at least `MIN_VOXELS_ACROSS` across, the coarse grid draws every class well enough:
-   **lowres** alone (trained coarse, predicted back onto the original grid: `restore_probabilities`).
-4. Else, when the labelled region grown by `CASCADE_MARGIN_MM` is at most `MAX_ROI_FRACTION` of the median image,
-   a **cascade**: the coarse stage on the whole scan locates the region, the fine stage
-   (full resolution, trained on cases cropped to their labels' box + margin) segments only that box. Chosen over
-   nnU-Net's cascade (the low-resolution probabilities as extra input channels of a full-resolution network that
-   still slides over the whole scan) because the expensive network then sees only the region: prediction time
-   and memory fall with the region's share of the scan.
-5. Else (the labels fill most of the image and the small structures need full resolution): **fullres**.
+   there covers 25% of the median image. When the low-resolution median image has at least `MIN_LOWRES_SAVING`
+   (2x) fewer voxels than the full-resolution one (nnU-Net drops `3d_lowres` otherwise), **lowres** and a
+   **cascade** on it are candidates too: the coarse stage on the whole scan locates the labels, the fine stage
+   (full resolution, trained on cases cropped to their labels' box + margin) segments only a box around each
+   connected piece. Chosen over nnU-Net's cascade (the low-resolution probabilities as extra input channels of a
+   full-resolution network that still slides over the whole scan) because the expensive network then sees only
+   the regions: prediction time and memory fall with their share of the scan.
+3. The recommendation (what `plan.yaml` trains; cross-validating `candidates.yaml` compares them all): the
+   smallest labelled structure (per class, the median over cases of its equivalent-sphere diameter) at least
+   `MIN_VOXELS_ACROSS` low-resolution voxels across: **lowres** (the coarse grid draws every class); else the
+   regions at most `MAX_ROI_FRACTION` of the foreground crop: **cascade**; else **fullres**. With only the
+   fullres candidate: fullres.
 
-Stages share the training budget (the CPU step budget, or `max_minutes`): the coarse stage `COARSE_SHARE`.
+A recommended cascade shares the training budget (the CPU step budget, or `max_minutes`): the coarse stage
+`COARSE_SHARE`, the fine stage the rest; every other stage has the whole budget. The low-resolution stage is one run
+folder serving both the lowres candidate and the cascade's coarse stage.
 
 Example:
 ```python
 staged = plan_stages(fingerprint_msd("data/Task03_Liver"), detect_hardware(), max_minutes=10)
-print(staged.configuration, staged.decision)
-staged.write()          # one plan.yaml per stage (+ the stages file for a cascade)
+print(list(staged.candidates), staged.recommended, staged.decision)
+staged.write()          # every candidate's stage plan, candidates.yaml, and plan.yaml (the recommended one)
 ```
 """
 
@@ -38,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tfmis.data.boxes import box_voxels, clip_box, grow_box, merge_boxes
 from tfmis.errors import UsageError
 from tfmis.hardware import Hardware
 from tfmis.planning.fingerprint import DatasetFingerprint
@@ -53,21 +59,28 @@ from tfmis.planning.rules import LOWRES_COVERAGE, equivalent_diameter_mm, fmt_mm
 
 MIN_VOXELS_ACROSS = 10.0  # the smallest structure at least this many low-resolution voxels across: lowres suffices
 CASCADE_MARGIN_MM = 20.0  # kept around the coarse stage's box (and the labels' box in training)
-MAX_ROI_FRACTION = 0.5  # a cascade pays when its region is at most half the image
-COARSE_SHARE = 0.4  # of the training budget, for the coarse stage of a cascade
+MAX_ROI_FRACTION = 0.5  # a cascade pays when its regions are at most half the foreground crop
+COARSE_SHARE = 0.4  # of the training budget, for the coarse stage of a recommended cascade
+MIN_LOWRES_SAVING = 2.0  # nnU-Net v2: 3d_lowres is dropped when its median image has < 2x fewer voxels than fullres
 CONFIGURATIONS = ("fullres", "lowres", "cascade")
+CANDIDATES_FILE = "candidates.yaml"  # in the plan's output folder: every candidate, a stages file
+FINE_STAGE = "cascade"  # the name (and run folder) of a cascade's fine stage
 
 
 @dataclasses.dataclass
 class StagedPlan:
-    """The stages to train, in order, and why.
+    """The candidate configurations, the recommended one and its stages to train, in order, and why.
 
     Attributes:
-        configuration: "fullres", "lowres" or "cascade".
-        stages: (name, Plan) in training order; each a normal config with its own `output.dir`.
+        configuration: the recommended configuration, "fullres", "lowres" or "cascade" (also `recommended`).
+        stages: the recommended configuration's (name, Plan) in training order; each a normal config with its own
+            `output.dir`.
         decision: the reasons, in numbers (also in every stage plan's header).
-        output_dir: the folder of the whole plan (the single stage's run folder, or the cascade's parent).
+        output_dir: the folder of the whole plan (the single candidate's run folder, or the candidates' parent).
         gpu_fitted: some stage was planned with a GPU-fit measurement (`StagePlanner`'s `gpu_fit_for`).
+        candidates: configuration name -> its (stage name, Plan) list in training order; "fullres" always, "lowres"
+            and "cascade" where the low-resolution stage pays (a stage shared by two candidates is one Plan).
+        reasons: configuration name -> one line: what it is and why it is a candidate; "recommended": why that one.
     """
 
     configuration: str
@@ -75,46 +88,124 @@ class StagedPlan:
     decision: list[str]
     output_dir: str
     gpu_fitted: bool = False
+    candidates: dict[str, list[tuple[str, Plan]]] = dataclasses.field(default_factory=dict)
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.candidates:
+            self.candidates = {self.configuration: list(self.stages)}
+
+    @property
+    def recommended(self) -> str:
+        return self.configuration
 
     @property
     def final(self) -> Plan:
         """The stage that predicts (the fine stage of a cascade)."""
         return self.stages[-1][1]
 
-    def stage_paths(self) -> list[tuple[str, Path]]:
-        return [(name, Path(plan.values["output.dir"]) / "plan.yaml") for name, plan in self.stages]
+    @property
+    def single(self) -> bool:
+        """One candidate of one stage: its plan.yaml is the plain config (in `output_dir` itself), as before
+        candidates were planned."""
+        return len(self.candidates) == 1 and len(self.stages) == 1
+
+    def stage_paths(self, stages: list[tuple[str, Plan]] | None = None) -> list[tuple[str, Path]]:
+        """(stage name, its plan file in its run folder) of `stages` (default the recommended configuration's)."""
+        stages = self.stages if stages is None else stages
+        return [(name, Path(plan.values["output.dir"]) / "plan.yaml") for name, plan in stages]
+
+    def candidates_path(self) -> Path:
+        return Path(self.output_dir) / CANDIDATES_FILE
 
     def write(self, path: str | Path | None = None) -> Path:
-        """Writes every stage's `plan.yaml` into its run folder; for a cascade also the stages file `path`
-        (default `<output_dir>/plan.yaml`) naming them. Returns the file to train with (`--config`)."""
+        """Writes every candidate stage's `plan.yaml` into its run folder, the candidates file
+        (`<output_dir>/candidates.yaml`, a stages file naming them all: `tfmis-crossval --config` on it compares
+        them) and the recommended configuration's plan at `path` (default `<output_dir>/plan.yaml`): the plain config
+        of the single candidate, else a stages file naming the recommended configuration's stages. Returns the file
+        to train with (`--config`)."""
         from tfmis.config import write_stages
 
-        paths = self.stage_paths()
-        if len(self.stages) == 1:
-            return self.final.write(path or paths[0][1])
-        for (_, plan), (_, stage_path) in zip(self.stages, paths):
-            plan.write(stage_path)
-        return write_stages(Path(path or Path(self.output_dir) / "plan.yaml"), paths, self.decision)
+        if self.single:
+            plan_path = self.final.write(path or self.stage_paths()[0][1])
+            write_stages(self.candidates_path(), [(self.configuration, plan_path)], self.candidates_comments())
+            return plan_path
+        listed: dict[Path, str] = {}  # stage plan -> stage name, each shared stage once, in training order
+        for stages in self.candidates.values():
+            for (name, plan), (_, stage_path) in zip(stages, self.stage_paths(stages)):
+                if stage_path not in listed:
+                    plan.write(stage_path)
+                    listed[stage_path] = name
+        write_stages(self.candidates_path(), [(n, p) for p, n in listed.items()], self.candidates_comments())
+        return write_stages(Path(path or Path(self.output_dir) / "plan.yaml"), self.stage_paths(), self.decision)
+
+    def candidates_comments(self) -> list[str]:
+        return [
+            "The candidate configurations of this plan, every stage once: compare them by cross-validation with",
+            f"  tfmis-crossval --config {self.candidates_path()} --output <cv folder>",
+            *[f"{name}: {self.reasons.get(name, '')}" for name in self.candidates],
+            f"recommended: {self.recommended} ({self.reasons.get('recommended', '')})",
+            *self.decision,
+        ]
+
+    def summary(self) -> dict:
+        """The candidates (per configuration: its stages with run folder, spacing and patch) and the recommendation,
+        JSON-friendly (`tfmis-plan` writes it into `plan_fingerprint.json`)."""
+        return {
+            "recommended": self.recommended,
+            "recommendation": self.reasons.get("recommended", ""),
+            "candidates": {
+                name: {
+                    "reason": self.reasons.get(name, ""),
+                    "stages": [
+                        {
+                            "name": stage,
+                            "output_dir": plan.values["output.dir"],
+                            "spacing": plan.values["data.conversion.spacing"],
+                            "patch": plan.values["pipeline.patch_size"],
+                        }
+                        for stage, plan in stages
+                    ],
+                }
+                for name, stages in self.candidates.items()
+            },
+            "decision": list(self.decision),
+        }
 
     def table(self) -> str:
-        lines = [f"  configuration  {self.configuration}"] + [f"    {line}" for line in self.decision]
+        lines = ["  candidates (* recommended)"]
+        for name, stages in self.candidates.items():
+            mark = "*" if name == self.recommended else " "
+            parts = [
+                stage
+                if stage != FINE_STAGE and stage != name
+                else f"{fmt_mm(plan.values['data.conversion.spacing'])} mm, patch "
+                f"{fmt_shape(plan.values['pipeline.patch_size'])}"
+                for stage, plan in stages
+            ]
+            lines.append(f"  {mark} {name:<8} {' then '.join(parts)}: {self.reasons.get(name, '')}")
+        lines.append(f"  recommended  {self.recommended}: {self.reasons.get('recommended', '')}")
+        lines += [f"    {line}" for line in self.decision]
         for name, plan in self.stages:
-            lines += [f"  stage {name}:", plan.table()]
+            lines += [f"  stage {name} (recommended {self.recommended}):", plan.table()]
         return "\n".join(lines)
 
 
 class StagePlanner:
-    """Chooses fullres, lowres or a cascade and plans each stage with `ExperimentPlanner`; override a
-    `determine_*` step to change one decision.
+    """Plans the candidates (fullres; lowres and a cascade where the low-resolution stage pays) with
+    `ExperimentPlanner` and recommends one; override a `determine_*` step to change one decision.
 
     Args:
         fingerprint, hardware: as `ExperimentPlanner`.
-        source_dir, dataset_dir, output_dir, gpu_fit, split, seed: as `ExperimentPlanner` (the cascade's
-            stages convert to `<dataset_dir>_lowres` / `<dataset_dir>_roi` and train in `<output_dir>/lowres`,
-            `<output_dir>/fullres`; a single low-resolution stage converts to `<dataset_dir>_lowres`).
-        max_minutes: a wall-clock training budget shared by the stages (null: the step budget only).
-        configuration: force "fullres", "lowres" or "cascade" (the numbers are still written); a forced lowres or
-            cascade whose low-resolution stage would have the full-resolution spacing is refused (`UsageError`).
+        source_dir, dataset_dir, output_dir, gpu_fit, split, seed: as `ExperimentPlanner`. With one candidate it
+            trains in `output_dir` and converts to `dataset_dir`; with several, each stage has its own run folder:
+            `<output_dir>/fullres` (converting to `<dataset_dir>`), `<output_dir>/lowres` (to `<dataset_dir>_lowres`;
+            the lowres candidate and the cascade's coarse stage), `<output_dir>/cascade` (the cascade's fine stage,
+            to `<dataset_dir>_roi`).
+        max_minutes: a wall-clock training budget (null: the step budget only); a recommended cascade's stages share
+            it.
+        configuration: force the recommendation, "fullres", "lowres" or "cascade" (the numbers are still written);
+            one that is not a candidate is refused (`UsageError`).
         gpu_fit_for: `config -> the GPU-fit search's measured values for it, or None`: each stage whose config has
             a measurement is planned again with it (`ExperimentPlanner`'s `gpu_fit`).
     """
@@ -154,17 +245,21 @@ class StagePlanner:
             "max_minutes": self.max_minutes,
         }
         decisions = ExperimentPlanner(self.fp, self.hardware, **full_args, **self.common).decide()
-        configuration, decision, lowres = self.determine_configuration(decisions)
+        names, lines, lowres, reasons = self.determine_candidates(decisions)
+        recommended, why = self.determine_recommendation(decisions, names, lowres, lines)
+        reasons["recommended"] = why
         fitted: list[dict] = []  # the GPU-fit measurements the stages were planned again with
-        if configuration == "fullres":
-            stages = [("fullres", self.plan_stage(full_args, fitted, decisions))]
-        elif configuration == "lowres":
-            stages = [("lowres", self.plan_stage(self.lowres_args(lowres, self.output_dir, 1.0), fitted))]
+        if names == ["fullres"]:
+            candidates = {"fullres": [("fullres", self.plan_stage(full_args, fitted, decisions))]}
         else:
-            coarse_dir = str(Path(self.output_dir) / "lowres")
+            root = Path(self.output_dir)
+            full = self.plan_stage({**full_args, "output_dir": str(root / "fullres")}, fitted)
+            coarse_dir = str(root / "lowres")
+            share = COARSE_SHARE if recommended == "cascade" else 1.0
+            coarse = self.plan_stage(self.lowres_args(lowres, coarse_dir, share), fitted)
             fine_args = {
                 "dataset_dir": f"{self.dataset_dir}_roi",
-                "output_dir": str(Path(self.output_dir) / "fullres"),
+                "output_dir": str(root / FINE_STAGE),
                 "roi_margin_mm": CASCADE_MARGIN_MM,
                 "coarse_run": coarse_dir,
                 "training_share": 1 - COARSE_SHARE,
@@ -173,15 +268,37 @@ class StagePlanner:
             fine = self.plan_stage(fine_args, fitted)
             self.determine_fine_classes(fine, lowres)
             self.determine_regions(fine)
-            coarse = self.plan_stage(self.lowres_args(lowres, coarse_dir, COARSE_SHARE), fitted)
-            stages = [("lowres", coarse), ("fullres", fine)]
-        for i, (name, plan) in enumerate(stages):
-            plan.header[1:1] = [f"Stage {i + 1} of {len(stages)} ({name}) of a {configuration} plan:"] + [
-                f"  {line}" for line in decision
-            ]
-            plan.summary["configuration"] = configuration
-            plan.summary["stage"] = name
-        return StagedPlan(configuration, stages, decision, str(self.output_dir), gpu_fitted=bool(fitted))
+            candidates = {
+                "fullres": [("fullres", full)],
+                "lowres": [("lowres", coarse)],
+                "cascade": [("lowres", coarse), (FINE_STAGE, fine)],
+            }
+        roles: dict[int, list[str]] = {}  # a stage's plan -> what it is for each candidate it belongs to
+        for name, stages in candidates.items():
+            for stage, plan in stages:
+                role = f"the {name} candidate" if stage in (name, FINE_STAGE) else f"the {name}'s coarse stage"
+                roles.setdefault(id(plan), []).append(role)
+        for name, stages in candidates.items():
+            for stage, plan in stages:
+                if "configuration" in plan.summary:  # shared with a candidate done before
+                    continue
+                plan.header[1:1] = [
+                    f"Stage {stage}: {' and '.join(roles[id(plan)])} (candidates {', '.join(candidates)}; "
+                    f"recommended {recommended}):"
+                ] + [f"  {line}" for line in lines]
+                plan.summary["configuration"] = name
+                plan.summary["stage"] = stage
+                plan.summary["candidates"] = list(candidates)
+                plan.summary["recommended"] = recommended
+        return StagedPlan(
+            recommended,
+            list(candidates[recommended]),
+            lines,
+            str(self.output_dir),
+            gpu_fitted=bool(fitted),
+            candidates=candidates,
+            reasons=reasons,
+        )
 
     def _minutes(self, share: float) -> float | None:
         return None if self.max_minutes is None else self.max_minutes * share
@@ -207,37 +324,77 @@ class StagePlanner:
             "max_minutes": self._minutes(share),
         }
 
-    # ------------------------------------------------------------------ the decision
+    # ------------------------------------------------------------------ the candidates and the recommendation
 
-    def determine_configuration(self, full: Decisions) -> tuple[str, list[str], dict | None]:
-        """(configuration, the reasons in numbers, the low-resolution stage's {spacing, reason} or None) from the
-        full-resolution plan's decisions. A forced lowres or cascade whose low-resolution stage would keep the full
-        spacing (the patch already covers `LOWRES_COVERAGE` of the median image) is refused."""
+    def determine_candidates(self, full: Decisions) -> tuple[list[str], list[str], dict | None, dict[str, str]]:
+        """(the candidate configurations, the reasons in numbers, the low-resolution stage's {spacing, reason,
+        shape, ratio} or None, configuration -> why it is a candidate) from the full-resolution plan's decisions:
+        fullres always; lowres and cascade when the full-resolution patch covers under `LOWRES_COVERAGE` of the
+        median image and the low-resolution median image has at least `MIN_LOWRES_SAVING` times fewer voxels
+        (nnU-Net v2's rules). A forced lowres or cascade that is not a candidate is refused."""
         spacing, median_shape, patch = full.data.spacing, full.data.median_shape, full.patch.patch
         coverage = patch_coverage(patch, median_shape)
         lines = [
             f"full resolution {fmt_mm(spacing)} mm: the affordable patch {fmt_shape(patch)} covers "
             f"{100 * coverage:.3g}% of the median image {fmt_shape(median_shape)}"
         ]
-        if coverage >= LOWRES_COVERAGE and self.forced in (None, "fullres"):
-            lines[0] += f" (>= {LOWRES_COVERAGE:.0%}: no low-resolution stage, as nnU-Net)"
-            return "fullres", lines, None
+        reasons = {"fullres": "always a candidate (as nnU-Net's 3d_fullres)"}
         if coverage >= LOWRES_COVERAGE:
-            stage = "the low-resolution stage" if self.forced == "lowres" else "the cascade's coarse stage"
-            raise UsageError(
-                f"--configuration {self.forced}: the full-resolution patch {fmt_shape(patch)} already covers "
-                f"{100 * coverage:.3g}% of the median image {fmt_shape(median_shape)} at {fmt_mm(spacing)} mm (>= "
-                f"{LOWRES_COVERAGE:.0%}, where nnU-Net plans no low-resolution stage), so {stage} would be planned at "
-                f"that same spacing; drop --configuration or use --configuration fullres"
-            )
+            if self.forced not in (None, "fullres"):
+                stage = "the low-resolution stage" if self.forced == "lowres" else "the cascade's coarse stage"
+                raise UsageError(
+                    f"--configuration {self.forced}: the full-resolution patch {fmt_shape(patch)} already covers "
+                    f"{100 * coverage:.3g}% of the median image {fmt_shape(median_shape)} at {fmt_mm(spacing)} mm (>= "
+                    f"{LOWRES_COVERAGE:.0%}, where nnU-Net plans no low-resolution stage), so {stage} would be planned "
+                    f"at that same spacing; drop --configuration or use --configuration fullres"
+                )
+            lines[0] += f" (>= {LOWRES_COVERAGE:.0%}: no low-resolution stage, as nnU-Net)"
+            return ["fullres"], lines, None, reasons
         lowres = self.determine_lowres(full)
         lines.append(lowres["reason"])
+        ratio = lowres["ratio"]
+        if ratio < MIN_LOWRES_SAVING:
+            lines.append(
+                f"lowres dropped: {ratio:.3g}x fewer voxels than full resolution (< {MIN_LOWRES_SAVING:g}x, nnU-Net), "
+                f"and with it the cascade"
+            )
+            if self.forced not in (None, "fullres"):
+                raise UsageError(
+                    f"--configuration {self.forced}: the low-resolution median image {fmt_shape(lowres['shape'])} at "
+                    f"{fmt_mm(lowres['spacing'])} mm has only {ratio:.3g}x fewer voxels than the full-resolution one "
+                    f"{fmt_shape(median_shape)} at {fmt_mm(spacing)} mm (< {MIN_LOWRES_SAVING:g}x, where nnU-Net drops "
+                    f"3d_lowres), so there is no {self.forced} candidate; drop --configuration or use "
+                    f"--configuration fullres"
+                )
+            return ["fullres"], lines, None, reasons
+        lines.append(
+            f"lowres and cascade offered: {ratio:.3g}x fewer voxels than full resolution (>= {MIN_LOWRES_SAVING:g}x, "
+            f"nnU-Net)"
+        )
+        reasons["lowres"] = f"{ratio:.3g}x fewer voxels than full resolution (>= {MIN_LOWRES_SAVING:g}x)"
+        reasons["cascade"] = (
+            f"the lowres stage locates the labels, a full-resolution stage segments a box (+{CASCADE_MARGIN_MM:g} mm) "
+            "around each piece it finds"
+        )
+        return ["fullres", "lowres", "cascade"], lines, lowres, reasons
+
+    def determine_recommendation(
+        self, full: Decisions, candidates: list[str], lowres: dict | None, lines: list[str]
+    ) -> tuple[str, str]:
+        """(the recommended candidate, why), appending the numbers it is made from to `lines`: a forced one; the only
+        candidate; lowres when the smallest structure is at least `MIN_VOXELS_ACROSS` low-resolution voxels across;
+        else the cascade when its regions are at most `MAX_ROI_FRACTION` of the foreground crop; else fullres."""
+        if candidates == ["fullres"]:
+            why = "the only candidate" if self.forced is None else "forced (the only candidate)"
+            lines.append(f"recommended fullres: {why}")
+            return "fullres", why
         smallest = self.determine_smallest_structure()
         across = smallest["diameter_mm"] / float(np.max(lowres["spacing"]))
         lines.append(
             f"smallest structure: {smallest['name']}, median {smallest['volume_mm3'] / 1000:.3g} cm^3 "
             f"({smallest['diameter_mm']:.3g} mm across) = {across:.3g} low-resolution voxels"
         )
+        spacing, median_shape = full.data.spacing, full.data.median_shape
         roi_shape = roi_median_shape(self.fp, spacing, CASCADE_MARGIN_MM)
         roi_fraction = float(np.prod(roi_shape) / np.prod(median_shape))
         lines.append(
@@ -250,29 +407,34 @@ class StagePlanner:
             roi_fraction = float(np.median(shares))
             lines.append(
                 f"regions (a box per connected piece of the labels + {CASCADE_MARGIN_MM:g} mm, overlapping ones "
-                f"merged): median {np.median(counts):g} per case, {100 * roi_fraction:.3g}% of the foreground crop"
+                f"merged, clipped to the foreground crop): median {np.median(counts):g} per case, "
+                f"{100 * roi_fraction:.3g}% of the foreground crop"
             )
+        smallest_is = f"the smallest structure is {across:.3g}"
+        regions_are = f"the regions are {100 * roi_fraction:.3g}%"
         if self.forced is not None:
-            lines.append(f"configuration {self.forced}: forced")
-            return self.forced, lines, lowres
-        if across >= MIN_VOXELS_ACROSS:
-            lines.append(
-                f"lowres: >= {MIN_VOXELS_ACROSS:g} voxels across at low resolution, the coarse grid draws every "
-                f"class; one stage gets the whole budget and predicts back onto the original grid"
+            name, why = self.forced, "forced (--configuration)"
+        elif across >= MIN_VOXELS_ACROSS:
+            name = "lowres"
+            why = (
+                f"{smallest_is} >= {MIN_VOXELS_ACROSS:g} low-resolution voxels across: the coarse grid draws every "
+                "class, one stage predicts back onto the original grid"
             )
-            return "lowres", lines, lowres
-        if roi_fraction <= MAX_ROI_FRACTION:
-            lines.append(
-                f"cascade: < {MIN_VOXELS_ACROSS:g} voxels across needs full resolution, and the regions are "
-                f"<= {MAX_ROI_FRACTION:.0%} of the image: the coarse stage locates them on the whole scan, the fine "
-                f"stage segments only their boxes ({COARSE_SHARE:.0%} / {1 - COARSE_SHARE:.0%} of the budget)"
+        elif roi_fraction <= MAX_ROI_FRACTION:
+            name = "cascade"
+            why = (
+                f"{smallest_is} < {MIN_VOXELS_ACROSS:g} low-resolution voxels across and {regions_are} <= "
+                f"{MAX_ROI_FRACTION:.0%} of the foreground crop: the coarse stage locates them on the whole scan, the "
+                f"fine stage segments only their boxes ({COARSE_SHARE:.0%} / {1 - COARSE_SHARE:.0%} of the budget)"
             )
-            return "cascade", lines, lowres
-        lines.append(
-            f"fullres: < {MIN_VOXELS_ACROSS:g} voxels across needs full resolution and the labelled regions fill "
-            f"more than {MAX_ROI_FRACTION:.0%} of the image, so a coarse stage cannot narrow them"
-        )
-        return "fullres", lines, None
+        else:
+            name = "fullres"
+            why = (
+                f"{smallest_is} < {MIN_VOXELS_ACROSS:g} low-resolution voxels across and {regions_are} > "
+                f"{MAX_ROI_FRACTION:.0%} of the foreground crop: a coarse stage cannot narrow them"
+            )
+        lines.append(f"recommended {name}: {why}")
+        return name, why
 
     def determine_lowres(self, full: Decisions) -> dict:
         """nnU-Net's low-resolution spacing (`rules.lowres_spacing`) with the planner's own patch at each step (its
@@ -284,10 +446,14 @@ class StagePlanner:
 
         spacing, shape, patch, steps = lowres_spacing(full.data.spacing, full.data.median_shape, patch_at)
         spacing = [float(round(s, 4)) for s in spacing]
+        # nnU-Net's check after its loop: the full-resolution median image's voxels over the low-resolution one's
+        ratio = float(np.prod(np.asarray(full.data.median_shape, dtype=np.float64)) / np.prod(shape, dtype=np.float64))
         return {
             "spacing": spacing,
+            "shape": [float(x) for x in shape],
+            "ratio": ratio,
             "reason": (
-                f"low resolution {fmt_mm(spacing)} mm (nnU-Net's rule: the spacing +3% a step, {steps} steps, until "
+                f"low resolution {fmt_mm(spacing)} mm (nnU-Net's rule: the spacing +3% a step, {steps} step(s), until "
                 f"the patch covers {LOWRES_COVERAGE:.0%}): the patch {fmt_shape(patch)} covers "
                 f"{100 * patch_coverage(patch, shape):.3g}% of the median image {fmt_shape(shape)}"
             ),
@@ -359,26 +525,33 @@ class StagePlanner:
 
 
 def measure_regions(fingerprint: DatasetFingerprint, margin_mm: float) -> tuple[list, list, list] | None:
-    """Per case with labels, (number of regions, their volume in mm^3, their share of the foreground crop's volume)
-    that a cascade would cut if its coarse stage found the labels: each piece of `fingerprint.label_pieces` grown by
-    `margin_mm` (in whole cells, within the case's grid), overlapping boxes merged. None without label pieces."""
-    from tfmis.inference.cascade import grow_box, merge_boxes
+    """Per case with labels, (number of regions, their volume in mm^3, their share of the foreground crop) that a
+    cascade would cut if its coarse stage found the labels, counted on one grid, the case's label voxels.
 
+    As prediction (`tfmis.inference.cascade`): each piece of `fingerprint.label_pieces` (its labelled voxels' box)
+    grown by `margin_mm` (ceil(margin / spacing) voxels per side), clipped to the scan, overlapping boxes merged; the
+    fine stage then preprocesses each box cut from the scan, cropping it to its foreground, so what it sees lies in
+    the case's foreground crop: each box is clipped to the crop, and the share is its voxels over the crop's. From a
+    first pass the grid is the whole image and the crop box is recorded on it; from a conversion the grid is the
+    converted case, the crop itself. A conversion written before the voxel boxes were recorded is measured the same
+    way on its ~4 mm cells. None without label pieces."""
     if not fingerprint.label_pieces:
         return None
     counts, volumes, shares = [], [], []
-    for i, case in enumerate(fingerprint.label_pieces):
+    for case in fingerprint.label_pieces:
         if not case or not case["pieces"]:
             continue
-        cell = np.asarray(case["cell_mm"], dtype=np.float64)
-        boxes = merge_boxes(
-            [grow_box(a, b, np.diag([*cell, 1.0]), margin_mm, case["shape"]) for a, b in case["pieces"]]
-        )
-        volume = sum(float(np.prod([s.stop - s.start for s in b])) for b in boxes) * float(np.prod(cell))
-        crop = float(np.prod(fingerprint.crop_shapes[i] * fingerprint.spacings[i]))
+        grid = case.get("voxels") or {"spacing": case["cell_mm"], "shape": case["shape"], "pieces": case["pieces"]}
+        spacing = np.asarray(grid["spacing"], dtype=np.float64)
+        shape = [int(n) for n in grid["shape"]]
+        crop_start, crop_stop = grid.get("crop") or ([0, 0, 0], shape)
+        affine = np.diag([*spacing, 1.0])
+        boxes = merge_boxes([grow_box(a, b, affine, margin_mm, shape) for a, b in grid["pieces"]])
+        voxels = sum(box_voxels(clip_box(box, crop_start, crop_stop)) for box in boxes)
+        crop_voxels = box_voxels(clip_box(tuple(slice(0, n) for n in shape), crop_start, crop_stop))
         counts.append(len(boxes))
-        volumes.append(volume)
-        shares.append(min(volume / crop, 1.0) if crop > 0 else 1.0)
+        volumes.append(voxels * float(np.prod(spacing)))
+        shares.append(voxels / crop_voxels if crop_voxels > 0 else 1.0)
     return (counts, volumes, shares) if counts else None
 
 
