@@ -11,7 +11,8 @@ so that the run ends shortly before the budget with its schedule complete (docs/
   `SKIPPED_EPOCHS` epochs of a process are left out (graph tracing, cache filling, the first checkpoint's write);
   so is the first validation when a later one has been measured.
 - **Decided**: once, after the validation of the epoch at which the measured epochs (at least `MEASURED_EPOCHS`)
-  span `MEASURE_SHARE` of the budget, or at the latest once `DECIDE_BY_SHARE` of it has passed (long epochs),
+  span `MEASURE_SHARE` of the budget, or once `DECIDE_BY_SHARE` of it has passed (long epochs; with a single
+  measured epoch, once twice that has),
   from the mean of the measured epochs and validations: the largest epoch count N (at most `training.epochs`)
   whose projected end (time so far + remaining epochs + their validations, the last epoch's included) stays
   within the budget less `SAFETY_SHARE` of it. Until then the schedule runs over `training.epochs`, so moving
@@ -46,7 +47,8 @@ SKIPPED_EPOCHS = 2
 # epochs of a loaded 2-core machine vary by tens of per cent: a longer mean is a better estimate)...
 MEASURED_EPOCHS = 2
 MEASURE_SHARE = 0.1
-# ...or at the latest until this share of the budget has passed (epochs so long that few fit)
+# ...or, with those epochs measured, once this share of the budget has passed (long epochs, or a long first epoch),
+# and with one measured epoch once half of it has (epochs so long that few fit)
 DECIDE_BY_SHARE = 0.25
 # the re-check's epoch time: the mean of the last this many measured epochs
 RECENT_EPOCHS = 10
@@ -138,8 +140,9 @@ class TimeBudget:
         if self.epochs is not None or not self.epoch_times or epoch >= self.max_epochs:
             return False
         measured = sum(s for _, s in self.epoch_times)
-        enough = len(self.epoch_times) >= MEASURED_EPOCHS and measured >= MEASURE_SHARE * self.seconds
-        return enough or elapsed >= DECIDE_BY_SHARE * self.seconds
+        if len(self.epoch_times) >= MEASURED_EPOCHS:
+            return measured >= MEASURE_SHARE * self.seconds or elapsed >= DECIDE_BY_SHARE * self.seconds
+        return elapsed >= 2 * DECIDE_BY_SHARE * self.seconds
 
     def validations(self, done: int, last: int) -> int:
         """Validations in epochs done+1..last: every `val_interval`-th epoch, and the last."""
