@@ -130,11 +130,11 @@ def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_pat
     budget (the hard stop) plus the final validation: a fraction of a second here, so <= 1.1x. It ends earlier
     when the epochs measured for the decision were slower than the later ones: on a 2-core machine shared with
     other test processes (load 7 while this was written) the tiny epochs right after the start were up to 2x
-    slower than the later ones (0.6x seen with an 18-s budget), so the lower bound is 0.5x, far from where a broken decision (the 1000-epoch cap: hard stop mid-schedule, or a few epochs: a few
-    per cent) would land.
+    slower than the later ones (0.6x seen with an 18-s budget), so the lower bound is 0.5x, far from where a
+    broken decision would land (the 1000-epoch cap: the hard stop mid-schedule; a few epochs: a few per cent).
     """
     run = tmp_path / "run"
-    summary = Trainer(_budgeted(converted_dataset, run)).fit()
+    summary = Trainer(_budgeted(converted_dataset, run, "output.tensorboard=true")).fit()  # a reason line too
     history = _history(run)
     budget = summary["time_budget"]
     last = history[-1]
