@@ -22,6 +22,7 @@ from tfmis.optimizers import (
     LinearWarmup,
     Novograd,
     PolyDecay,
+    ScheduleLength,
     build_optimizer,
     build_schedule,
 )
@@ -513,6 +514,59 @@ def test_schedule_config_round_trip(schedule):
     restored = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(schedule))
     assert type(restored) is type(schedule) and restored.get_config() == schedule.get_config()
     np.testing.assert_allclose(values_at(restored, [0, 3, 20, 60]), values_at(schedule, [0, 3, 20, 60]))
+
+
+def _cosine_with_warmup(step: int, total: int, warmup: int, base: float, floor: float) -> float:
+    """The closed form, written out here independently of tfmis: linear warm-up from 0, then a half cosine from
+    `base` to `floor` over the remaining `total - warmup` steps, `floor` after."""
+    if step < warmup:
+        return base * step / warmup
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return floor + (base - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def test_schedule_length_variable_sets_where_the_schedule_ends_without_retracing():
+    """A schedule built on a `ScheduleLength` reads its total steps from the variable: after `assign(total)` its
+    value at step k equals the closed-form cosine for that total, eagerly and in a graph traced before the
+    assignment (one trace); `get_config` records the length of the moment."""
+    base, floor, warmup = 0.01, 1e-4, 20
+    length = ScheduleLength(1000, warmup_steps=warmup)
+    schedule = build_schedule("cosine", base, total_steps=length, warmup_steps=warmup, min_learning_rate=floor)
+    traces = []
+
+    @tf.function
+    def rate(step):
+        traces.append(1)
+        return schedule(step)
+
+    steps = [0, 10, 20, 45, 70, 119, 120, 200]
+    for total in (1000, 120, 300):
+        length.assign(total)
+        assert length.total_steps == total and int(length) == total - warmup
+        expected = [_cosine_with_warmup(k, total, warmup, base, floor) for k in steps]
+        np.testing.assert_allclose([float(schedule(k)) for k in steps], expected, rtol=1e-5, atol=1e-9)
+        compiled = [float(rate(tf.constant(k, tf.int64))) for k in steps]
+        np.testing.assert_allclose(compiled, expected, rtol=1e-5, atol=1e-9)
+        assert float(schedule(total)) == pytest.approx(floor, abs=1e-9)  # the end value at the last step
+        assert schedule.get_config()["schedule"]["config"]["decay_steps"] == total - warmup
+    assert len(traces) == 1
+
+
+def test_schedule_length_poly_and_checkpoint_round_trip(tmp_path):
+    """Poly without warm-up on a `ScheduleLength` follows nnU-Net's formula for the assigned total; the variable
+    is saved and restored by a `tf.train.Checkpoint` (a resumed run continues the same schedule); a length whose
+    warm-up differs from the schedule's is refused."""
+    length = ScheduleLength(500)
+    schedule = build_schedule("poly", 0.01, total_steps=length, power=0.9)
+    length.assign(80)
+    for k in (0, 40, 79, 80, 100):
+        assert float(schedule(k)) == pytest.approx(0.01 * (1 - min(k, 80) / 80) ** 0.9, abs=1e-8)
+    path = tf.train.Checkpoint(schedule_steps=length.variable).save(str(tmp_path / "ckpt"))
+    other = ScheduleLength(500)
+    tf.train.Checkpoint(schedule_steps=other.variable).restore(path).assert_consumed()
+    assert other.total_steps == 80
+    with pytest.raises(ValueError, match="warmup_steps"):
+        build_schedule("cosine", 0.01, total_steps=ScheduleLength(100, warmup_steps=5), warmup_steps=10)
 
 
 def test_build_schedule_rejects_bad_arguments():

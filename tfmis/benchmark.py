@@ -3,7 +3,10 @@
 
 The same network is trained on the same data twice, each arm in its own subprocess (fresh TensorFlow
 state) through the real `tfmis.engine.trainer.Trainer`, with the same wall-clock budget
-(`training.max_minutes`) and the same images per epoch:
+(`training.max_minutes`) and the same images per epoch. Each arm fits its learning-rate schedule to the budget
+from its own measured epoch time (docs/training.md, "Time budget"; the config's `training.epochs` bounds it):
+the slower arm trains fewer epochs, but both end their schedules within the budget, so the comparison is of
+what each pipeline reaches in the same time, not of the same epochs cut at different points:
 
 - **regular** (`tfmis.data.regular`): every volume decoded from its NIfTI files and preprocessed again
   on every read (serial `tf.py_function`), no cache, no prefetch; float32, batch 1, Dice loss, Adam
@@ -130,11 +133,15 @@ def run_arm(config, arm: str) -> dict:
 
     trainer = Trainer(config, backend=backend, train_dataset_fn=train_dataset_fn(arm))
     tc = config.training
-    budget = f"{tc.max_minutes:g} min" if tc.max_minutes else "no time limit"
+    length = (
+        f"a schedule fitted to {tc.max_minutes:g} min from the measured epoch time (at most {tc.epochs} epochs)"
+        if tc.max_minutes
+        else f"{tc.epochs} epochs, no time limit"
+    )
     print(
         f"{arm} arm: {trainer.model.count_params():,} parameters, global batch {trainer.global_batch}, "
         f"{trainer.steps_per_epoch} steps/epoch, precision {tc.precision}, loss {config.loss.name}, optimizer "
-        f"{config.optimizer.name}, cache {config.pipeline.cache}, up to {tc.epochs} epochs or {budget}",
+        f"{config.optimizer.name}, cache {config.pipeline.cache}, {length}",
         file=sys.stderr,
         flush=True,
     )

@@ -193,8 +193,9 @@ class TrainingConfig:
     steps_per_loop: int = 1
     seed: int = 0
     target_dice: Optional[float] = None  # stop when the validation mean Dice reaches it
-    # wall-clock budget (resumed runs count their earlier time): stop after the epoch that crosses it, validating
-    # that epoch; for time-to-accuracy comparisons and fixed allocations
+    # wall-clock budget (resumed runs count their earlier time): the trainer fits the learning-rate schedule to it
+    # from the epoch time it measures (epochs is then an upper bound; docs/training.md, "Time budget"), and stops
+    # after the epoch that crosses it if the clock runs out anyway, validating that epoch
     max_minutes: Optional[float] = None
     dice_thresholds: list[float] = dataclasses.field(default_factory=lambda: [0.8, 0.9, 0.93, 0.95])
     keep_checkpoints: int = 2

@@ -41,7 +41,7 @@ from tfmis.networks.architecture import check_patch_size
 from tfmis.networks.parallel import ModelParallel
 from tfmis.networks.unet import UNetConfig
 from tfmis.optimizers import batch_scaled_learning_rate, build_optimizer, build_schedule
-from tfmis.optimizers.schedules import OncePerStep
+from tfmis.optimizers.schedules import OncePerStep, ScheduleLength
 
 
 class SegmentationTask:
@@ -185,17 +185,26 @@ class SegmentationTask:
             for rate in (o.learning_rate, o.min_learning_rate)
         )
 
-    def build_optimizer(self, global_batch: int, steps_per_epoch: int):
-        """The optimizer with its schedule over `training.epochs` x `steps_per_epoch` steps (warm-up first);
-        under mixed_float16 wrapped in a `LossScaleOptimizer` (float16 gradients underflow without it).
-        Build it in the distribution backend's scope."""
+    def build_schedule_length(self, steps_per_epoch: int) -> ScheduleLength:
+        """The schedule's length in a variable (`tfmis.optimizers.ScheduleLength`): `training.epochs` x
+        `steps_per_epoch` steps, warm-up (`optimizer.warmup_epochs`) included, until the trainer sets it (a time
+        budget fits it to the measured epoch time). Build it in the distribution backend's scope."""
         o, tc = self.config.optimizer, self.config.training
+        return ScheduleLength(tc.epochs * steps_per_epoch, warmup_steps=int(o.warmup_epochs * steps_per_epoch))
+
+    def build_optimizer(self, global_batch: int, steps_per_epoch: int, length: ScheduleLength | None = None):
+        """The optimizer with its schedule over `training.epochs` x `steps_per_epoch` steps (warm-up first), or
+        over the steps `length` holds when given (`build_schedule_length`: the trainer may set it later); under
+        mixed_float16 wrapped in a `LossScaleOptimizer` (float16 gradients underflow without it). Build it in
+        the distribution backend's scope."""
+        o = self.config.optimizer
         learning_rate, min_learning_rate = self.learning_rates(global_batch)
+        length = length if length is not None else self.build_schedule_length(steps_per_epoch)
         schedule = build_schedule(
             o.schedule,
             learning_rate,
-            total_steps=tc.epochs * steps_per_epoch,
-            warmup_steps=int(o.warmup_epochs * steps_per_epoch),
+            total_steps=length,
+            warmup_steps=length.warmup_steps,
             power=o.power,
             min_learning_rate=min_learning_rate,
         )

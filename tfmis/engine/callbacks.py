@@ -193,7 +193,7 @@ class TensorBoard(Callback):
                 if isinstance(value, dict):
                     for name, v in value.items():
                         tf.summary.scalar(f"{key}/{name}", v)
-                elif key != "epoch":
+                elif key != "epoch" and isinstance(value, (int, float)):  # not the time budget's reason line
                     tf.summary.scalar(key, value)
         self.writer.flush()
 

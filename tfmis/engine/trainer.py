@@ -38,6 +38,7 @@ import tensorflow as tf
 from tfmis.config import save_config
 from tfmis.data.pipeline import step_augmentation, train_steps_per_epoch
 from tfmis.data.records import RUN_DATA_FILE, training_data_info
+from tfmis.engine.budget import TimeBudget, describe
 from tfmis.engine.callbacks import CallbackList, default_callbacks
 from tfmis.engine.distribution import Backend, make_backend
 from tfmis.engine.history import History
@@ -134,13 +135,18 @@ class Trainer:
                 self.parallel_inference = self.task.build_model_parallel(
                     self.model, devices[: mp.devices], training=False
                 )
-            self.optimizer = self.task.build_optimizer(self.global_batch, self.steps_per_epoch)
+            # the schedule's length in a variable: a time budget sets it once it has measured the epochs
+            self.schedule_length = self.task.build_schedule_length(self.steps_per_epoch)
+            self.optimizer = self.task.build_optimizer(self.global_batch, self.steps_per_epoch, self.schedule_length)
             self.optimizer.build(self.training_model.trainable_variables)
             self.backend.prepare_optimizer(self.optimizer)  # the step reduces gradients before apply() clips them
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
             self.best_dice = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_dice")
             self.best_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="best_epoch")
             self.elapsed = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="elapsed_seconds")
+            # the epoch count training.max_minutes decided (0: none yet, or no budget): a resume keeps it
+            self.budget_epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="budget_epochs")
+        self.time_budget: TimeBudget | None = None  # fit()'s, with training.max_minutes
         self.loss_fn = self.task.build_loss()
         self._state = dict(
             model=self.training_model,
@@ -150,8 +156,12 @@ class Trainer:
             best_epoch=self.best_epoch,
             elapsed=self.elapsed,
         )
+        # saved since the time budget sets the schedule's length: a checkpoint of an older tfmis has neither
+        self._schedule_state = dict(schedule_steps=self.schedule_length.variable, budget_epochs=self.budget_epochs)
         # the weights also under their names: another build of the model (prediction's) reads them by name
-        self.checkpoint = tf.train.Checkpoint(**self._state, weights_by_path=weights_by_path(self.training_model))
+        self.checkpoint = tf.train.Checkpoint(
+            **self._state, **self._schedule_state, weights_by_path=weights_by_path(self.training_model)
+        )
         # MultiWorkerMirroredStrategy: every worker saves, non-chiefs into a temporary folder they then drop
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, str(self.backend.checkpoint_dir(self.out)), max_to_keep=tc.keep_checkpoints
@@ -413,8 +423,14 @@ class Trainer:
                 "(e.g. --set output.dir=runs/new)"
             )
         if resume and latest:
-            # a checkpoint of an older tfmis has no named weights: restored without them
-            checkpoint = self.checkpoint if has_weights_by_path(latest) else tf.train.Checkpoint(**self._state)
+            # a checkpoint of an older tfmis has no named weights, nor the schedule's length: restored without them
+            saved = {name.split("/", 1)[0] for name, _ in tf.train.list_variables(latest)}
+            schedule_state = {k: v for k, v in self._schedule_state.items() if k in saved}
+            checkpoint = (
+                tf.train.Checkpoint(**self._state, **schedule_state, weights_by_path=self.checkpoint.weights_by_path)
+                if has_weights_by_path(latest)
+                else tf.train.Checkpoint(**self._state, **schedule_state)
+            )
             checkpoint.restore(latest).assert_existing_objects_matched()
             if self.backend.is_chief:
                 print(
@@ -424,6 +440,7 @@ class Trainer:
                 )
         elif resume and self.backend.is_chief:
             print(f"--resume: no checkpoint in {self.out / 'checkpoints'}, starting from scratch", file=sys.stderr)
+        self._restore_schedule_length()
         self.backend.sync_initial_state(self.training_model, self.optimizer)
         done = int(self.epoch.numpy())
         if self.backend.is_chief:
@@ -440,6 +457,29 @@ class Trainer:
             # the run folder alone is enough to predict: preprocessing, channels, classes, splits
             atomic_write_json(self.out / RUN_DATA_FILE, self.data_info)
         return done
+
+    def _restore_schedule_length(self) -> None:
+        """The schedule's length after `restore`: the epochs a time budget decided before the resume (at most
+        `training.epochs`), so that the run continues the same schedule; without a decision, or without a
+        budget now, `training.epochs` of this config (a resume may lengthen or shorten a run)."""
+        tc = self.config.training
+        decided = int(self.budget_epochs.numpy())
+        if tc.max_minutes is None or decided <= 0:
+            self.budget_epochs.assign(0)
+            self.schedule_length.assign(tc.epochs * self.steps_per_epoch)
+        else:
+            self._set_schedule_epochs(min(decided, tc.epochs))
+
+    def _set_schedule_epochs(self, epochs: int) -> None:
+        """The learning-rate schedule ends after `epochs` epochs (the next steps use it); saved with the next
+        checkpoint as the time budget's decision."""
+        self.budget_epochs.assign(epochs)
+        self.schedule_length.assign(epochs * self.steps_per_epoch)
+
+    @property
+    def schedule_epochs(self) -> int:
+        """The epoch at which the learning-rate schedule ends (warm-up included)."""
+        return self.schedule_length.total_steps // self.steps_per_epoch
 
     # ------------------------------------------------------------------ one commit point per epoch
 
@@ -482,6 +522,12 @@ class Trainer:
         """Trains for `training.epochs` (or until `target_dice` or `max_minutes`); returns the run summary,
         whose `stop_reason` says which: `epochs`, `target_dice` or `max_minutes`.
 
+        With `training.max_minutes` the schedule's length is fitted to the budget from the epoch time measured
+        here (`tfmis.engine.budget`; `training.epochs` is then an upper bound): the run ends after the epochs
+        that fit (`stop_reason` `epochs`, the learning-rate schedule complete), or, if the clock runs out first
+        anyway, after the epoch that crosses the budget (`max_minutes`). `summary["time_budget"]` records the
+        decision.
+
         The loop runs the steps, validates, commits each epoch and applies the stopping rules; the
         progress display, logs, TensorBoard, plots and monitors are callbacks (`tfmis.engine.callbacks`).
 
@@ -504,15 +550,31 @@ class Trainer:
         run_start = time.perf_counter() - float(self.elapsed.numpy())
         self._skip_streak = []  # (epoch, step) of the consecutive skipped steps up to now
         stop_reason = "epochs"
+        budget = self.time_budget = (
+            TimeBudget(tc.max_minutes, tc.epochs, cfg.validation.val_interval, int(self.budget_epochs.numpy()) or None)
+            if tc.max_minutes is not None
+            else None
+        )
+        if budget is not None and budget.resumed and self.backend.is_chief:
+            print(budget.reason, file=sys.stderr)
         callbacks.on_train_begin(self, done + 1)
-        for epoch in range(done + 1, tc.epochs + 1):
+        epoch = done
+        cycle_start = time.perf_counter()  # the budget's epoch time: from one epoch's validation end to the next's
+        while epoch < self._last_epoch():
+            epoch += 1
             epoch_start = time.perf_counter()
             callbacks.on_epoch_begin(self, epoch)
             record = self._train_epoch(epoch, iterator, callbacks)
             out_of_time = tc.max_minutes is not None and time.perf_counter() - run_start >= 60 * tc.max_minutes
             if self.backend.size > 1:  # rank 0's clock decides for all
                 out_of_time = bool(self.backend.broadcast([out_of_time])[0])
-            validated = epoch % cfg.validation.val_interval == 0 or epoch == tc.epochs or out_of_time
+            # the same on every worker: the budget's validation at its decision depends on epoch counts only
+            validated = (
+                epoch % cfg.validation.val_interval == 0
+                or epoch == self._last_epoch()
+                or out_of_time
+                or (budget is not None and budget.wants_validation(epoch))
+            )
             improved = False
             if validated:
                 result = self._validate_epoch(record, val_dataset)
@@ -523,6 +585,12 @@ class Trainer:
                 if improved:
                     self.best_dice.assign(result["mean_dice"])
                     self.best_epoch.assign(epoch)
+            if budget is not None:
+                now = time.perf_counter()
+                val_seconds = record.get("val_seconds") if validated else None
+                budget.add_epoch(epoch, now - cycle_start - (val_seconds or 0.0), val_seconds)
+                cycle_start = now
+                self._update_budget(budget, epoch, now - run_start, out_of_time, record)
             record["epoch_seconds"] = time.perf_counter() - epoch_start
             record["elapsed_seconds"] = time.perf_counter() - run_start
             self.epoch.assign(epoch)
@@ -532,14 +600,19 @@ class Trainer:
             reached = validated and tc.target_dice is not None and record["val_mean_dice"] >= tc.target_dice
             if self.backend.size > 1:
                 reached = bool(self.backend.broadcast([reached])[0])
-            if reached or out_of_time:
+            if reached or (out_of_time and epoch < self._last_epoch()):
                 stop_reason = "target_dice" if reached else "max_minutes"
                 if self.backend.is_chief:
+                    cut = (
+                        f"; the learning-rate schedule was cut before its end (epoch {self._last_epoch()})"
+                        if epoch < self.schedule_epochs
+                        else ""
+                    )
                     print(
                         f"target Dice {tc.target_dice} reached at epoch {epoch}: stopping"
                         if reached
                         else f"time budget training.max_minutes={tc.max_minutes:g} used up after epoch {epoch} "
-                        f"({record['elapsed_seconds'] / 60:.1f} min): stopping",
+                        f"({record['elapsed_seconds'] / 60:.1f} min): stopping{cut}",
                         file=sys.stderr,
                     )
                 break
@@ -547,6 +620,26 @@ class Trainer:
         summary = self._summary(self.history, stop_reason)
         callbacks.on_train_end(self, summary)
         return summary
+
+    def _last_epoch(self) -> int:
+        """The loop's last epoch: the time budget's decision, else `training.epochs`."""
+        budget = self.time_budget
+        return budget.epochs if budget is not None and budget.epochs is not None else self.config.training.epochs
+
+    def _update_budget(self, budget: TimeBudget, epoch: int, elapsed: float, out_of_time: bool, record: dict):
+        """After epoch `epoch`'s validation: the budget decides or shortens the schedule (the chief's measurement
+        decides for every worker), the schedule's length follows, and the epoch's record notes it."""
+        changed = budget.update(epoch, elapsed) if not out_of_time else None
+        if self.backend.size > 1:  # rank 0's measurement decides for all
+            epochs = int(self.backend.broadcast([budget.epochs or 0])[0])
+            changed = epochs if epochs and epochs != int(self.budget_epochs.numpy()) else None
+            budget.epochs = epochs or None
+        if changed is not None:
+            self._set_schedule_epochs(changed)
+            if self.backend.is_chief:
+                print(budget.reason, file=sys.stderr)
+            record["time_budget"] = budget.reason
+        record["schedule_epochs"] = self.schedule_epochs
 
     def _save_final_weights(self) -> None:
         """`final.weights.h5`: the inference model as training ended (the last committed epoch's weights, also on a
@@ -727,6 +820,8 @@ class Trainer:
             "num_replicas": self.backend.num_replicas,
             "stop_reason": stop_reason,
         }
+        if self.time_budget is not None:  # planned vs used minutes, the decided epochs and why
+            summary["time_budget"] = describe(self.time_budget, summary["elapsed_seconds"])
         if self.backend.is_chief:
             atomic_write_json(self.out / "summary.json", summary)
         return summary
@@ -790,9 +885,13 @@ def summary_table(summary: dict) -> str:
         "target_dice": "  (stopped: training.target_dice reached)",
         "max_minutes": "  (stopped: training.max_minutes used up)",
     }.get(summary.get("stop_reason"), "")
+    budget = summary.get("time_budget")
+    if budget and not why and budget["schedule_epochs"]:
+        why = f"  (the schedule fitted to the {budget['max_minutes']:g}-min budget)"
     lines = [
         f"epochs trained        {summary['epochs']}{why}",
-        f"elapsed               {summary['elapsed_seconds']:.0f} s",
+        f"elapsed               {summary['elapsed_seconds']:.0f} s"
+        + (f" of {60 * budget['max_minutes']:.0f} s ({budget['used_share']:.0%})" if budget else ""),
         f"best mean Dice        {summary['best_mean_dice']:.4f} (epoch {summary['best_epoch']})"
         if summary["best_mean_dice"] is not None
         else "best mean Dice        -",

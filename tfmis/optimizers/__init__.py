@@ -14,6 +14,7 @@ from tfmis.optimizers.schedules import (
     CosineDecay,
     LinearWarmup,
     PolyDecay,
+    ScheduleLength,
     batch_scaled_learning_rate,
     build_schedule,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "LinearWarmup",
     "Novograd",
     "PolyDecay",
+    "ScheduleLength",
     "batch_scaled_learning_rate",
     "build_optimizer",
     "build_schedule",

@@ -4,6 +4,10 @@ Every schedule is a `keras.optimizers.schedules.LearningRateSchedule` with `get_
 Keras serialisation, so an optimizer using one can be saved and restored with the model. Steps are
 optimizer steps (`optimizer.iterations`, 0-based).
 
+A decay's length may be a `ScheduleLength`: the run's total steps in a non-trainable variable, read by the
+compiled step, so that the trainer can set it after the schedule is built (a time budget fits the schedule to
+the step time it measures; `tfmis.engine.budget`). `get_config` then records the length of that moment.
+
 Example:
     >>> from tfmis.optimizers import build_schedule
     >>> schedule = build_schedule("poly", 1e-2, total_steps=1000, warmup_steps=50)
@@ -28,9 +32,66 @@ def _as_float_step(step):
     return ops.cast(step, "float32")
 
 
-def _decay_progress(step, decay_steps: int):
+class ScheduleLength:
+    """The optimizer steps a schedule runs, warm-up included, in a non-trainable int64 `tf.Variable`.
+
+    A decay given one (`build_schedule(total_steps=length)`) reads its length from the variable at every step,
+    so assigning it changes where the schedule ends without rebuilding the optimizer or retracing the step. The
+    decay after a warm-up of `warmup_steps` runs over `total_steps - warmup_steps` steps (at least 1). Create
+    it where the optimizer's variables are created (the distribution strategy's scope) and save `variable` in
+    the checkpoint, so that a resumed run continues the same schedule.
+
+    Args:
+        total_steps: the initial length.
+        warmup_steps: the linear warm-up's steps (fixed).
+        name: the variable's name.
+
+    Example:
+        >>> length = ScheduleLength(100, warmup_steps=10)
+        >>> schedule = build_schedule("cosine", 1e-2, total_steps=length, warmup_steps=10)
+        >>> length.assign(50)
+        >>> round(float(schedule(50)), 6)
+        0.0
+    """
+
+    def __init__(self, total_steps: int, warmup_steps: int = 0, name: str = "schedule_total_steps"):
+        import tensorflow as tf
+
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.warmup_steps = int(warmup_steps)
+        self.variable = tf.Variable(int(total_steps), dtype=tf.int64, trainable=False, name=name)
+
+    @property
+    def total_steps(self) -> int:
+        """The current length (a host read of the variable)."""
+        return int(self.variable.numpy())
+
+    def assign(self, total_steps: int) -> None:
+        """Sets the schedule's length; the steps after this use it."""
+        self.variable.assign(int(total_steps))
+
+    def decay_steps(self):
+        """The decay's length as a float32 tensor read from the variable: total - warm-up, at least 1."""
+        return ops.maximum(ops.cast(self.variable, "float32") - float(self.warmup_steps), 1.0)
+
+    def __int__(self) -> int:
+        return max(self.total_steps - self.warmup_steps, 1)
+
+
+def _decay_progress(step, decay_steps):
     """step / decay_steps, clipped to [0, 1] (the schedule stays at its end value after `decay_steps`)."""
-    return ops.clip(_as_float_step(step) / float(decay_steps), 0.0, 1.0)
+    steps = decay_steps.decay_steps() if isinstance(decay_steps, ScheduleLength) else float(decay_steps)
+    return ops.clip(_as_float_step(step) / steps, 0.0, 1.0)
+
+
+def _check_decay_steps(decay_steps):
+    """An int > 0, or a `ScheduleLength` (read at every step)."""
+    if isinstance(decay_steps, ScheduleLength):
+        return decay_steps
+    if decay_steps <= 0:
+        raise ValueError(f"decay_steps must be > 0, got {decay_steps}")
+    return int(decay_steps)
 
 
 @keras.saving.register_keras_serializable(package="tfmis")
@@ -64,7 +125,8 @@ class PolyDecay(LearningRateSchedule):
 
     Args:
         base_learning_rate: rate at step 0.
-        decay_steps: steps from `base_learning_rate` to `min_learning_rate` (> 0).
+        decay_steps: steps from `base_learning_rate` to `min_learning_rate` (> 0), or a `ScheduleLength` whose
+            decay steps are read at every step.
         power: exponent (nnU-Net: 0.9).
         min_learning_rate: final rate.
 
@@ -73,11 +135,9 @@ class PolyDecay(LearningRateSchedule):
         0.005359
     """
 
-    def __init__(self, base_learning_rate: float, decay_steps: int, power: float = 0.9, min_learning_rate: float = 0.0):
-        if decay_steps <= 0:
-            raise ValueError(f"decay_steps must be > 0, got {decay_steps}")
+    def __init__(self, base_learning_rate: float, decay_steps, power: float = 0.9, min_learning_rate: float = 0.0):
+        self.decay_steps = _check_decay_steps(decay_steps)
         self.base_learning_rate = float(base_learning_rate)
-        self.decay_steps = int(decay_steps)
         self.power = float(power)
         self.min_learning_rate = float(min_learning_rate)
 
@@ -89,7 +149,7 @@ class PolyDecay(LearningRateSchedule):
     def get_config(self):
         return {
             "base_learning_rate": self.base_learning_rate,
-            "decay_steps": self.decay_steps,
+            "decay_steps": int(self.decay_steps),  # a ScheduleLength: its current length
             "power": self.power,
             "min_learning_rate": self.min_learning_rate,
         }
@@ -101,7 +161,8 @@ class CosineDecay(LearningRateSchedule):
 
     Args:
         base_learning_rate: rate at step 0.
-        decay_steps: steps from `base_learning_rate` to `min_learning_rate` (> 0); constant after.
+        decay_steps: steps from `base_learning_rate` to `min_learning_rate` (> 0); constant after. Or a
+            `ScheduleLength` whose decay steps are read at every step.
         min_learning_rate: final rate.
 
     Example:
@@ -109,11 +170,9 @@ class CosineDecay(LearningRateSchedule):
         0.00505
     """
 
-    def __init__(self, base_learning_rate: float, decay_steps: int, min_learning_rate: float = 0.0):
-        if decay_steps <= 0:
-            raise ValueError(f"decay_steps must be > 0, got {decay_steps}")
+    def __init__(self, base_learning_rate: float, decay_steps, min_learning_rate: float = 0.0):
+        self.decay_steps = _check_decay_steps(decay_steps)
         self.base_learning_rate = float(base_learning_rate)
-        self.decay_steps = int(decay_steps)
         self.min_learning_rate = float(min_learning_rate)
 
     def __call__(self, step):
@@ -123,7 +182,7 @@ class CosineDecay(LearningRateSchedule):
     def get_config(self):
         return {
             "base_learning_rate": self.base_learning_rate,
-            "decay_steps": self.decay_steps,
+            "decay_steps": int(self.decay_steps),  # a ScheduleLength: its current length
             "min_learning_rate": self.min_learning_rate,
         }
 
@@ -170,7 +229,7 @@ class LinearWarmup(LearningRateSchedule):
 def build_schedule(
     name: str,
     base_learning_rate: float,
-    total_steps: int | None = None,
+    total_steps: int | ScheduleLength | None = None,
     warmup_steps: int = 0,
     power: float = 0.9,
     min_learning_rate: float = 0.0,
@@ -184,7 +243,8 @@ def build_schedule(
     Args:
         name: "constant", "poly" (nnU-Net) or "cosine" (case-insensitive).
         base_learning_rate: peak rate (after warm-up).
-        total_steps: optimizer steps of the whole run, warm-up included (required for decays).
+        total_steps: optimizer steps of the whole run, warm-up included (required for decays); or a
+            `ScheduleLength` (its `warmup_steps` must be `warmup_steps`) to set the length later.
         warmup_steps: linear warm-up length (0: none).
         power: exponent of "poly".
         min_learning_rate: final rate of "poly"/"cosine".
@@ -207,11 +267,18 @@ def build_schedule(
     if key == "constant":
         schedule = ConstantLearningRate(base_learning_rate)
     else:
+        length = total_steps if isinstance(total_steps, ScheduleLength) else None
+        if length is not None:
+            if length.warmup_steps != warmup_steps:
+                raise ValueError(
+                    f"the ScheduleLength's warmup_steps ({length.warmup_steps}) must be warmup_steps ({warmup_steps})"
+                )
+            total_steps = length.total_steps
         if total_steps is None or total_steps <= warmup_steps:
             raise ValueError(
                 f"{key!r} needs total_steps > warmup_steps, got total_steps={total_steps}, warmup_steps={warmup_steps}"
             )
-        decay_steps = total_steps - warmup_steps
+        decay_steps = length if length is not None else total_steps - warmup_steps
         if key == "poly":
             schedule = PolyDecay(base_learning_rate, decay_steps, power, min_learning_rate)
         else:

@@ -734,7 +734,17 @@ class ExperimentPlanner:
             steps_per_epoch = GPU_STEPS_PER_EPOCH
             epochs = GPU_EPOCHS
             out.set("training.steps_per_epoch", steps_per_epoch, "nnU-Net: 250 iterations per epoch")
-            out.set("training.epochs", epochs, "nnU-Net: 1000 epochs (250k iterations)")
+            out.set(
+                "training.epochs",
+                epochs,
+                "nnU-Net: 1000 epochs (250k iterations)"
+                + (
+                    "; at most: the trainer fits the learning-rate schedule to training.max_minutes from the "
+                    "measured step time"
+                    if self.max_minutes is not None
+                    else ""
+                ),
+            )
             validations = GPU_VALIDATIONS
         else:
             out.set(
@@ -749,13 +759,29 @@ class ExperimentPlanner:
             out.set("optimizer.warmup_epochs", 1.0, "one epoch of linear warm-up")
             budget = round(CPU_TRAINING_STEPS * self.training_share)
             epochs = max(1, round(budget / steps_per_epoch))
-            out.set(
-                "training.epochs",
-                epochs,
-                f"{share}a CPU budget of ~{CPU_TRAINING_STEPS} optimizer steps ({steps_per_epoch} per epoch: "
-                f"{data.n_train} training volumes x 4 crops / batch {batch.batch}); about ten minutes on 2 cores "
-                f"at 48^3 for the whole budget",
-            )
+            if self.max_minutes is None:
+                out.set(
+                    "training.epochs",
+                    epochs,
+                    f"{share}a CPU budget of ~{CPU_TRAINING_STEPS} optimizer steps ({steps_per_epoch} per epoch: "
+                    f"{data.n_train} training volumes x 4 crops / batch {batch.batch}); about ten minutes on 2 "
+                    f"cores at 48^3 for the whole budget",
+                )
+            else:
+                # the trainer sets the schedule's length from the epoch time it measures (tfmis.engine.budget);
+                # training.epochs only bounds it, at this many times the step budget's pace (a faster CPU than the
+                # development one still fits). The validations are spaced for the step budget's pace scaled to the
+                # minutes (CPU_TRAINING_STEPS per ten minutes): `epochs` below is that estimate
+                CPU_BUDGET_EPOCH_FACTOR = 10
+                epochs = max(1, round(CPU_TRAINING_STEPS * float(self.max_minutes) / 10 / steps_per_epoch))
+                out.set(
+                    "training.epochs",
+                    CPU_BUDGET_EPOCH_FACTOR * epochs,
+                    f"from the measured step time: the trainer fits the learning-rate schedule to "
+                    f"training.max_minutes after its first epochs; this bounds it ({CPU_BUDGET_EPOCH_FACTOR}x the "
+                    f"~{epochs} epochs of ~{CPU_TRAINING_STEPS} optimizer steps per ten minutes on 2 cores, "
+                    f"{steps_per_epoch} per epoch)",
+                )
             validations = CPU_VALIDATIONS
         out.set("training.precision", self.precision, self.precision_reason)
         out.set(

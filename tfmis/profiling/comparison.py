@@ -107,7 +107,14 @@ def render_markdown(result: dict) -> str:
             "## Training",
             "",
             f"Each arm trained in its own process through `tfmis.engine.trainer.Trainer` with the same budget "
-            f"({budget}) and the same images per epoch. regular: NIfTI decoded and preprocessed on every read, no "
+            f"({budget}) and the same images per epoch"
+            + (
+                ", each fitting its learning-rate schedule to the budget from its own epoch time (the slower arm "
+                "trains fewer epochs, both schedules end)"
+                if t["max_minutes"]
+                else ""
+            )
+            + f". regular: NIfTI decoded and preprocessed on every read, no "
             f"cache, {_settings(arms['regular'])}. fast: TFRecords + cache + prefetch, {_settings(arms['fast'])}. "
             "Epoch time = data wait + compute of an epoch's steps (no validation), mean over epochs 2..N; "
             "time to Dice = wall time since the start of training (validation included) to the first validation "

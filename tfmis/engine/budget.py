@@ -1,0 +1,234 @@
+"""A time budget that sets the schedule's length: `training.max_minutes` fitted from the measured epoch time.
+
+With `training.max_minutes` set, the trainer does not train a fixed number of epochs and stop when the clock runs
+out (the learning rate would be cut mid-schedule): after a few epochs it measures what an epoch costs on this
+machine and sets the learning-rate schedule's length (`tfmis.optimizers.ScheduleLength`) to the epochs that fit,
+so that the run ends shortly before the budget with its schedule complete (docs/training.md, "Time budget").
+
+- **Measured**: each epoch's wall time from the end of the previous epoch's validation to the end of its own,
+  without its validation (the previous epoch's checkpoint and logs, this epoch's input wait and steps), and each
+  validation's time apart, because it recurs only every `validation.val_interval` epochs. The first
+  `SKIPPED_EPOCHS` epochs of a process are left out (graph tracing, cache filling, the first checkpoint's write);
+  so is the first validation when a later one has been measured.
+- **Decided**: once, after the validation of the epoch at which the measured epochs (at least `MEASURED_EPOCHS`)
+  span `MEASURE_SHARE` of the budget, or once `DECIDE_BY_SHARE` of it has passed (long epochs; with a single
+  measured epoch, once twice that has),
+  from the mean of the measured epochs and validations: the largest epoch count N (at most `training.epochs`)
+  whose projected end (time so far + remaining epochs + their validations, the last epoch's included) stays
+  within the budget less `SAFETY_SHARE` of it. Until then the schedule runs over `training.epochs`, so moving
+  its end changes the learning rate little (a cosine is still within 3 % of its peak at a tenth of its length).
+  The first measured epoch is validated when no validation has been measured yet in this process.
+- **Re-checked, shrink only**: after every later epoch the same projection with the mean of the last
+  `RECENT_EPOCHS` epochs; when it runs past `SHORTEN_AT_SHARE` of the budget (the epochs have become slower:
+  another process, a resume on a slower machine), N is lowered to what fits the budget less its margin.
+  It never grows: the schedule the run follows only moves if it would otherwise overrun.
+- **Hard stop**: whatever the projection, the loop still stops after the epoch that crosses the budget (as
+  without a decision), validating that epoch.
+
+Example:
+```python
+budget = TimeBudget(max_minutes=10, max_epochs=1000, val_interval=4)
+for epoch, seconds in ((1, 9.0), (2, 2.5), (3, 1.9), (4, 1.9)):  # after each epoch's validation
+    budget.add_epoch(epoch, seconds, validation_seconds=0.8 if epoch % 4 == 0 else None)
+    budget.update(epoch, elapsed=...)  # the seconds since the run started; at epoch 4: the epochs that fit
+```
+"""
+
+from __future__ import annotations
+
+# the share of the budget kept free at the end: the projection's error (noise of a shared machine, the epochs
+# measured being a little faster or slower than the later ones) and what follows the last epoch (final weights,
+# summary, plots) must fit in it
+SAFETY_SHARE = 0.05
+# the first epochs of a process that are not measured: the first traces the step and fills the caches, and the
+# second's time (from the first's validation on) holds the first checkpoint's write and the first plots
+SKIPPED_EPOCHS = 2
+# the decision waits for at least this many measured epochs, spanning at least MEASURE_SHARE of the budget (the
+# epochs of a loaded 2-core machine vary by tens of per cent: a longer mean is a better estimate)...
+MEASURED_EPOCHS = 2
+MEASURE_SHARE = 0.1
+# ...or, with those epochs measured, once this share of the budget has passed (long epochs, or a long first epoch),
+# and with one measured epoch once half of it has (epochs so long that few fit)
+DECIDE_BY_SHARE = 0.25
+# the re-check's epoch time: the mean of the last this many measured epochs
+RECENT_EPOCHS = 10
+# the re-check shortens the schedule when its projection passes this share of the budget (the margin nearly used
+# up: the epochs have become slower), back to the budget less SAFETY_SHARE; not on every wobble of a shared machine
+SHORTEN_AT_SHARE = 0.99
+
+
+class TimeBudget:
+    """The schedule length that fits `max_minutes`, from the epoch and validation times measured so far.
+
+    Args:
+        max_minutes: the budget (`training.max_minutes`), counted from the start of the training loop, a resumed
+            run's earlier time included.
+        max_epochs: `training.epochs`: the schedule never runs longer.
+        val_interval: `validation.val_interval`.
+        decided: the epoch count an earlier process of this run decided (its checkpoint's), or None: it is kept
+            (no second decision), and only shrinks if the rest would overrun.
+
+    Attributes:
+        epochs: the decided epoch count (the schedule ends there), None before the decision.
+        reason: one line saying how it was decided (or last shrunk).
+        events: the decision and every shortening: dicts with `epoch` (after which), `elapsed_seconds` (then),
+            `epochs` (the new length), `what` (`decided`, `shortened`), `epoch_seconds` and `validation_seconds`
+            (the estimates used), `reason`.
+    """
+
+    def __init__(self, max_minutes: float, max_epochs: int, val_interval: int, decided: int | None = None):
+        self.seconds = 60.0 * float(max_minutes)
+        self.max_minutes = float(max_minutes)
+        self.max_epochs, self.val_interval = int(max_epochs), max(1, int(val_interval))
+        self.epochs = min(int(decided), self.max_epochs) if decided else None
+        self.resumed = self.epochs is not None
+        self.reason = (
+            f"time budget {self.max_minutes:g} min: the schedule decided before the resume ends at epoch {self.epochs}"
+            if self.resumed
+            else None
+        )
+        self.epoch_times: list[tuple[int, float]] = []  # (epoch, seconds) of the measured epochs, no validation
+        self.validation_times: list[float] = []  # every validation of this process, the first (cold) included
+        self.events: list[dict] = []
+        self._seen_epochs = 0  # epochs of this process so far
+
+    # ------------------------------------------------------------------ measurements
+
+    def add_epoch(self, epoch: int, seconds: float, validation_seconds: float | None) -> None:
+        """One finished epoch: its wall time without validation, and its validation's time (None: not validated).
+        The first `SKIPPED_EPOCHS` of the process are counted but not measured."""
+        self._seen_epochs += 1
+        if self._seen_epochs > SKIPPED_EPOCHS:
+            self.epoch_times.append((epoch, float(seconds)))
+        if validation_seconds is not None:
+            self.validation_times.append(float(validation_seconds))
+
+    @property
+    def epoch_seconds(self) -> float | None:
+        """An epoch's measured time without validation: the mean of the measured epochs (None: none yet)."""
+        return sum(s for _, s in self.epoch_times) / len(self.epoch_times) if self.epoch_times else None
+
+    @property
+    def recent_epoch_seconds(self) -> float | None:
+        """The mean of the last `RECENT_EPOCHS` measured epochs."""
+        recent = [s for _, s in self.epoch_times[-RECENT_EPOCHS:]]
+        return sum(recent) / len(recent) if recent else None
+
+    @property
+    def validation_seconds(self) -> float | None:
+        """A validation's time: the mean of those after the process's first (which traces and fills the
+        validation cache), or the first alone (an overestimate) while it is the only one; None before any."""
+        warm = self.validation_times[1:]
+        if warm:
+            return sum(warm) / len(warm)
+        return self.validation_times[0] if self.validation_times else None
+
+    # ------------------------------------------------------------------ the decision
+
+    def wants_validation(self, epoch: int) -> bool:
+        """Whether `epoch` must be validated for the decision: it is the first measured epoch of this process, no
+        validation has been measured in it yet, and the length is still to be decided."""
+        return (
+            self.epochs is None
+            and not self.validation_times
+            and self._seen_epochs + 1 > SKIPPED_EPOCHS
+            and epoch < self.max_epochs
+        )
+
+    def _deciding(self, epoch: int, elapsed: float) -> bool:
+        """Whether the length is decided after `epoch` (its `add_epoch` done), `elapsed` seconds into the run."""
+        if self.epochs is not None or not self.epoch_times or epoch >= self.max_epochs:
+            return False
+        measured = sum(s for _, s in self.epoch_times)
+        if len(self.epoch_times) >= MEASURED_EPOCHS:
+            return measured >= MEASURE_SHARE * self.seconds or elapsed >= DECIDE_BY_SHARE * self.seconds
+        return elapsed >= 2 * DECIDE_BY_SHARE * self.seconds
+
+    def validations(self, done: int, last: int) -> int:
+        """Validations in epochs done+1..last: every `val_interval`-th epoch, and the last."""
+        return last // self.val_interval - done // self.val_interval + (1 if last % self.val_interval else 0)
+
+    def projected_seconds(self, done: int, last: int, elapsed: float, epoch_seconds: float) -> float:
+        """The run's time at the end of epoch `last`: `elapsed` after epoch `done`, then the epochs between and
+        their validations."""
+        return elapsed + (last - done) * epoch_seconds + self.validations(done, last) * (self.validation_seconds or 0.0)
+
+    def fitting_epochs(self, done: int, elapsed: float, epoch_seconds: float) -> int:
+        """The largest epoch count in done+1..`max_epochs` whose projected end is within the budget less its
+        margin (done+1 when none is: the hard stop then ends the run at the budget)."""
+        target = self.seconds * (1.0 - SAFETY_SHARE)
+        low, high = done + 1, max(done + 1, self.max_epochs)
+        if self.projected_seconds(done, high, elapsed, epoch_seconds) <= target:
+            return high
+        while high - low > 1:  # projected(low) fits (or low is the least allowed), projected(high) does not
+            middle = (low + high) // 2
+            if self.projected_seconds(done, middle, elapsed, epoch_seconds) <= target:
+                low = middle
+            else:
+                high = middle
+        return low
+
+    def update(self, epoch: int, elapsed: float) -> int | None:
+        """After epoch `epoch` (its `add_epoch` done), `elapsed` seconds into the run: decides the length at the
+        deciding epoch, later shortens it when the projection passes `SHORTEN_AT_SHARE` of the budget. Returns
+        the epoch count when it was set or changed now, else None."""
+        if self._deciding(epoch, elapsed):
+            self.epochs = self.fitting_epochs(epoch, elapsed, self.epoch_seconds)
+            self._record(epoch, elapsed, self.epoch_seconds, "decided")
+            return self.epochs
+        if self.epochs is None or epoch >= self.epochs or self.recent_epoch_seconds is None:
+            return None
+        recent = self.recent_epoch_seconds
+        if self.projected_seconds(epoch, self.epochs, elapsed, recent) <= self.seconds * SHORTEN_AT_SHARE:
+            return None
+        shorter = self.fitting_epochs(epoch, elapsed, recent)
+        if shorter >= self.epochs:
+            return None
+        self.epochs = shorter
+        self._record(epoch, elapsed, recent, "shortened")
+        return self.epochs
+
+    def _record(self, epoch: int, elapsed: float, epoch_seconds: float, what: str) -> None:
+        measured = [e for e, _ in self.epoch_times]
+        span = f"epoch {measured[0]}" if len(measured) == 1 else f"epochs {measured[0]}-{measured[-1]}"
+        if what == "shortened":
+            recent = measured[-RECENT_EPOCHS:]
+            span = f"epochs {recent[0]}-{recent[-1]}" if len(recent) > 1 else f"epoch {recent[0]}"
+        validation = self.validation_seconds
+        every = "every epoch" if self.val_interval == 1 else f"every {self.val_interval} epochs"
+        val_text = f" (validation {_seconds(validation)} {every})" if validation is not None else ""
+        capped = " (training.epochs)" if self.epochs == self.max_epochs else ""
+        verb = f"shortened after epoch {epoch}, " if what == "shortened" else ""
+        self.reason = (
+            f"time budget {self.max_minutes:g} min: {verb}{_seconds(epoch_seconds)} per epoch measured over {span}"
+            f"{val_text}: {self.epochs} epochs{capped}, the learning-rate schedule ends at epoch {self.epochs}"
+        )
+        self.events.append(
+            {
+                "epoch": epoch,
+                "elapsed_seconds": elapsed,
+                "epochs": self.epochs,
+                "what": what,
+                "epoch_seconds": epoch_seconds,
+                "validation_seconds": validation,
+                "reason": self.reason,
+            }
+        )
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value >= 10 else f"{value:.2g} s"
+
+
+def describe(budget: TimeBudget | None, elapsed_seconds: float) -> dict | None:
+    """`summary.json`'s `time_budget`: the planned and the used minutes, the decided epochs and why."""
+    if budget is None:
+        return None
+    return {
+        "max_minutes": budget.max_minutes,
+        "used_minutes": elapsed_seconds / 60.0,
+        "used_share": elapsed_seconds / budget.seconds,
+        "schedule_epochs": budget.epochs,
+        "reason": budget.reason,
+        "events": budget.events,
+    }
