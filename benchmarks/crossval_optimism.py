@@ -75,7 +75,9 @@ def main(argv=None) -> int:
         folders[other] = [predict_with(args.cv, definition, name, f, other) for f in definition.run_folds]
         rows[name] = {w: dice_of(fs) for w, fs in folders.items()}
     structures = [k for k in next(iter(rows.values()))["final"] if k != "foreground_mean"]
-    header = ["configuration", "weights", "foreground mean", *structures]
+    results = args.cv / "crossval.json"
+    names = json.loads(results.read_text()).get("structure_names", {}) if results.is_file() else {}
+    header = ["configuration", "weights", "foreground mean", *(names.get(s, s) for s in structures)]
     lines = [header]
     for name, by_weights in rows.items():
         for weights in ("final", "best"):

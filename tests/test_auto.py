@@ -27,6 +27,7 @@ def run(argv, capsys) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
+@pytest.mark.slow
 def test_a_budget_too_small_for_the_trainings_and_a_missing_candidate_are_one_line_exit_2(tmp_path, capsys):
     """After planning and converting a real tiny dataset, a 0.05-minute budget would leave each of the 2 trainings
     under half a minute: exit 2, one line giving the minutes it would need; `--configurations lowres` on data whose

@@ -88,6 +88,7 @@ def test_lowres_is_dropped_when_it_saves_less_than_2x_the_voxels():
     )
 
 
+@pytest.mark.slow
 def test_a_real_ct_demo_whose_lowres_saves_under_2x_refuses_a_forced_lowres_in_one_line(ct_demos, tmp_path):
     """The CT-like demo at 160x160x64: the low-resolution stage saves 1.81x (< 2x), so fullres is the only candidate;
     `tfmis-plan --configuration lowres` (and cascade, through the API) is one error line naming the saving, exit 2,
@@ -169,6 +170,7 @@ def test_the_candidates_file_cross_validates_every_candidate_and_plan_yaml_train
     assert stage.config.output.dir == str(tmp_path / "brats" / "lowres") and stage.config.training.epochs == 3
 
 
+@pytest.mark.slow
 def test_plan_command_on_a_ct_demo_with_three_candidates_prints_and_writes_them(ct_demos, tmp_path):
     """`tfmis-plan` on the CT-like demo at 192x192x64: prints the three candidates with the recommended one marked and
     its reason, writes plan.yaml (the recommended stages), candidates.yaml (all three) and the candidates and the

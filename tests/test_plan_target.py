@@ -254,6 +254,7 @@ def _train_until_the_missing_dataset(config: Path, tmp_path: Path) -> subprocess
     )
 
 
+@pytest.mark.slow
 @NO_GPU_HERE
 def test_training_a_plan_for_8_gpus_here_warns_in_one_line_and_a_plan_for_here_does_not(
     planned_for_8_gpus, demo_brain, tmp_path

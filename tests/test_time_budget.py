@@ -121,6 +121,7 @@ def _budgeted(converted_dataset, run, *extra):
     )
 
 
+@pytest.mark.slow
 def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_path):
     """A 0.5-minute budget with training.epochs=1000: the trainer measures the tiny epochs, decides how many fit
     (consistent with what it measured), and runs exactly those: the last epoch's learning rate is the cosine's
@@ -165,6 +166,7 @@ def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_pat
     assert budget["used_minutes"] == pytest.approx(summary["elapsed_seconds"] / 60)
 
 
+@pytest.mark.slow
 def test_resumed_budgeted_run_continues_the_same_schedule(converted_dataset, tmp_path):
     """A budgeted run interrupted after its decision is resumed: the restored schedule length is the saved one
     (no second decision), the first resumed epoch's learning rate lies on that schedule, and the run ends at its
