@@ -116,7 +116,7 @@ def _report(trainer, summary: dict) -> None:
     print(summary_table(summary))
     print(
         f"Results in {out}: training_curves.png, validation_preview.png, history.csv, summary.json, "
-        "best.weights.h5, tensorboard/"
+        "best.weights.h5, final.weights.h5, tensorboard/"
     )
 
 
