@@ -22,7 +22,7 @@ from tfmis.errors import UsageError
 from tfmis.utils.cli import command, parse_with_command
 
 USAGE = (
-    "usage: python -m tfmis.launch --nproc N [--grace-seconds S] -- COMMAND ...\n"
+    "usage: python -m tfmis.launch --nproc N [--grace-seconds S] [--gpus-per-worker G] -- COMMAND ...\n"
     "e.g. python -m tfmis.launch --nproc 2 -- python -m tfmis.train --config configs/demo.yaml"
 )
 
@@ -39,6 +39,7 @@ def check_command(command: list[str]) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tfmis-launch",
+        usage=USAGE.split("\n")[0][len("usage: ") :],
         description="Start N local worker processes of one "
         "MultiWorkerMirroredStrategy cluster (TF_CONFIG with loopback addresses; TensorFlow's gRPC "
         "servers listen on their ports on all interfaces, unauthenticated).",

@@ -18,10 +18,13 @@ so that the run ends shortly before the budget with its schedule complete (docs/
   within the budget less `SAFETY_SHARE` of it. Until then the schedule runs over `training.epochs`, so moving
   its end changes the learning rate little (a cosine is still within 3 % of its peak at a tenth of its length).
   The first measured epoch is validated when no validation has been measured yet in this process.
-- **Re-checked, shrink only**: after every later epoch the same projection with the mean of the last
-  `RECENT_EPOCHS` epochs; when it runs past `SHORTEN_AT_SHARE` of the budget (the epochs have become slower:
-  another process, a resume on a slower machine), N is lowered to what fits the budget less its margin.
-  It never grows: the schedule the run follows only moves if it would otherwise overrun.
+- **Refined, then shrink only**: after every later epoch the same projection. Until `REFINE_UNTIL_SHARE` of the
+  budget has passed, with the mean of the last half of the measured epochs (at least `RECENT_EPOCHS`), N follows
+  it both ways when it moves by more than `REFINE_TOLERANCE` (the first epochs are slower than the later ones
+  while caches warm: a decision from them alone ended runs 7-9 % short of the budget); moving the end of a cosine
+  by a few per cent changes the learning rate by a few hundredths of its peak. After that, with the mean of the
+  last `RECENT_EPOCHS` epochs, N only shrinks, when the projection passes the budget (the epochs have become
+  slower: another process, a resume on a slower machine), to what fits the budget less its margin.
 - **Hard stop**: whatever the projection, the loop still stops after the epoch that crosses the budget (as
   without a decision), validating that epoch.
 
@@ -39,7 +42,7 @@ from __future__ import annotations
 # the share of the budget kept free at the end: the projection's error (noise of a shared machine, the epochs
 # measured being a little faster or slower than the later ones) and what follows the last epoch (final weights,
 # summary, plots) must fit in it
-SAFETY_SHARE = 0.05
+SAFETY_SHARE = 0.03
 # the first epochs of a process that are not measured: the first traces the step and fills the caches, and the
 # second's time (from the first's validation on) holds the first checkpoint's write and the first plots
 SKIPPED_EPOCHS = 2
@@ -50,11 +53,16 @@ MEASURE_SHARE = 0.1
 # ...or, with those epochs measured, once this share of the budget has passed (long epochs, or a long first epoch),
 # and with one measured epoch once half of it has (epochs so long that few fit)
 DECIDE_BY_SHARE = 0.25
-# the re-check's epoch time: the mean of the last this many measured epochs
+# the re-check's epoch time: the mean of the last this many measured epochs (the refinement's: of the last half of
+# the measured epochs, at least this many; a 2-core machine's epochs vary by tens of per cent from one ten to the next)
 RECENT_EPOCHS = 10
-# the re-check shortens the schedule when its projection passes this share of the budget (the margin nearly used
-# up: the epochs have become slower), back to the budget less SAFETY_SHARE; not on every wobble of a shared machine
-SHORTEN_AT_SHARE = 0.99
+# until this share of the budget has passed, the re-check moves the length both ways (to the recent pace)...
+REFINE_UNTIL_SHARE = 0.75
+# ...when the epochs that fit differ from the decided ones by more than this share (not on every wobble)
+REFINE_TOLERANCE = 0.02
+# after that it only shortens, when its projection passes this share of the budget, back to the budget less
+# SAFETY_SHARE; not on every wobble of a shared machine
+SHORTEN_AT_SHARE = 1.0
 
 
 class TimeBudget:
@@ -70,10 +78,10 @@ class TimeBudget:
 
     Attributes:
         epochs: the decided epoch count (the schedule ends there), None before the decision.
-        reason: one line saying how it was decided (or last shrunk).
-        events: the decision and every shortening: dicts with `epoch` (after which), `elapsed_seconds` (then),
-            `epochs` (the new length), `what` (`decided`, `shortened`), `epoch_seconds` and `validation_seconds`
-            (the estimates used), `reason`.
+        reason: one line saying how it was decided (or last changed).
+        events: the decision and every change: dicts with `epoch` (after which), `elapsed_seconds` (then),
+            `epochs` (the new length), `what` (`decided`, `refined`, `shortened`), `epoch_seconds` and
+            `validation_seconds` (the estimates used), `reason`.
     """
 
     def __init__(self, max_minutes: float, max_epochs: int, val_interval: int, decided: int | None = None):
@@ -112,6 +120,12 @@ class TimeBudget:
     def recent_epoch_seconds(self) -> float | None:
         """The mean of the last `RECENT_EPOCHS` measured epochs."""
         recent = [s for _, s in self.epoch_times[-RECENT_EPOCHS:]]
+        return sum(recent) / len(recent) if recent else None
+
+    @property
+    def refine_epoch_seconds(self) -> float | None:
+        """The mean of the last half of the measured epochs (at least the last `RECENT_EPOCHS`)."""
+        recent = [s for _, s in self.epoch_times[-max(RECENT_EPOCHS, len(self.epoch_times) // 2) :]]
         return sum(recent) / len(recent) if recent else None
 
     @property
@@ -170,15 +184,24 @@ class TimeBudget:
 
     def update(self, epoch: int, elapsed: float) -> int | None:
         """After epoch `epoch` (its `add_epoch` done), `elapsed` seconds into the run: decides the length at the
-        deciding epoch, later shortens it when the projection passes `SHORTEN_AT_SHARE` of the budget. Returns
+        deciding epoch, then refits it to the recent pace until `REFINE_UNTIL_SHARE` of the budget has passed, later
+        only shortens it when the projection passes `SHORTEN_AT_SHARE` of the budget. Returns
         the epoch count when it was set or changed now, else None."""
         if self._deciding(epoch, elapsed):
             self.epochs = self.fitting_epochs(epoch, elapsed, self.epoch_seconds)
             self._record(epoch, elapsed, self.epoch_seconds, "decided")
             return self.epochs
-        if self.epochs is None or epoch >= self.epochs or self.recent_epoch_seconds is None:
-            return None
         recent = self.recent_epoch_seconds
+        if self.epochs is None or epoch >= self.epochs or recent is None:
+            return None
+        if elapsed < REFINE_UNTIL_SHARE * self.seconds and not self.resumed:  # a resumed decision is kept
+            pace = self.refine_epoch_seconds
+            fitting = self.fitting_epochs(epoch, elapsed, pace)
+            if abs(fitting - self.epochs) <= REFINE_TOLERANCE * self.epochs:
+                return None
+            self.epochs = fitting
+            self._record(epoch, elapsed, pace, "refined")
+            return self.epochs
         if self.projected_seconds(epoch, self.epochs, elapsed, recent) <= self.seconds * SHORTEN_AT_SHARE:
             return None
         shorter = self.fitting_epochs(epoch, elapsed, recent)
@@ -191,14 +214,14 @@ class TimeBudget:
     def _record(self, epoch: int, elapsed: float, epoch_seconds: float, what: str) -> None:
         measured = [e for e, _ in self.epoch_times]
         span = f"epoch {measured[0]}" if len(measured) == 1 else f"epochs {measured[0]}-{measured[-1]}"
-        if what == "shortened":
-            recent = measured[-RECENT_EPOCHS:]
+        if what in ("shortened", "refined"):
+            recent = measured[-(RECENT_EPOCHS if what == "shortened" else max(RECENT_EPOCHS, len(measured) // 2)) :]
             span = f"epochs {recent[0]}-{recent[-1]}" if len(recent) > 1 else f"epoch {recent[0]}"
         validation = self.validation_seconds
         every = "every epoch" if self.val_interval == 1 else f"every {self.val_interval} epochs"
         val_text = f" (validation {_seconds(validation)} {every})" if validation is not None else ""
         capped = " (training.epochs)" if self.epochs == self.max_epochs else ""
-        verb = f"shortened after epoch {epoch}, " if what == "shortened" else ""
+        verb = f"{what} after epoch {epoch}, " if what in ("shortened", "refined") else ""
         self.reason = (
             f"time budget {self.max_minutes:g} min: {verb}{_seconds(epoch_seconds)} per epoch measured over {span}"
             f"{val_text}: {self.epochs} epochs{capped}, the learning-rate schedule ends at epoch {self.epochs}"

@@ -101,10 +101,14 @@ def parse_with_command(
 ) -> tuple[argparse.Namespace, list[str]]:
     """(parsed options, command) of `OPTIONS -- COMMAND ...` (`argv` default: sys.argv[1:]).
 
-    Without `--`, prints `usage` to stderr and exits with status 2 (as argparse does for bad options, or when no
-    command follows `--`).
+    `-h`/`--help` before any `--` prints the full help and exits 0. Without `--`, prints `usage` to stderr and exits
+    with status 2 (as argparse does for bad options, or when no command follows `--`).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    if "-h" in options or "--help" in options:
+        parser.print_help()
+        raise SystemExit(0)
     if "--" not in argv:
         print(usage, file=sys.stderr)
         raise SystemExit(2)
