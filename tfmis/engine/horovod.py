@@ -47,7 +47,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from tfmis.engine.distribution import Backend, HorovodUnavailable
+from tfmis.engine.backend import Backend, HorovodUnavailable
 from tfmis.errors import UsageError
 from tfmis.hardware import physical_gpus
 
