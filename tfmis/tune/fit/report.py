@@ -1,11 +1,27 @@
-"""What a person reads after a GPU-fit search: one line per trial, the table, and the memory plot."""
+"""What a GPU-fit search reports: one line per trial as it goes, the report (fit_report.json) and the fitted config
+(fit.yaml) it writes, the table, and the memory plot (memory.png).
+
+- `trial_line`, `update_progress`: a trial's line and the progress bar's, while the search runs;
+- `search_report`: the report of a search (its trials, counts, the choice, the memory model, the cache);
+- `write_outputs`: fit.yaml (the config with the chosen values), fit_report.json, memory.png and the table;
+- `trials_table`, `plot_memory`: the table and the plot.
+"""
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
+from tfmis.config import save_config
+from tfmis.tune.fit.candidates import OBJECTIVE, choose, fitted_config
 from tfmis.tune.fit.memory import model_parallel_of, train_line_name, validation_line_name
+from tfmis.tune.fit.specs import specs_to_dict
+from tfmis.utils.io import atomic_write_json
 from tfmis.utils.table import text_table
+
+REPORT_FILE = "fit_report.json"
+CONFIG_FILE = "fit.yaml"
+PLOT_FILE = "memory.png"
 
 VALUE_LABELS = (
     ("num_images_per_batch", "batch"),
@@ -112,6 +128,95 @@ def trials_table(report: dict) -> str:
     else:
         lines.append("chosen: none (no configuration within the safety margin)")
     return "\n".join(lines)
+
+
+def update_progress(bar, record: dict, records: list[dict], budget_mb: float, margin: float, strategy: str) -> None:
+    """Writes the trial's line above the progress bar `bar`, counts it (a run, or any grid point) and shows the
+    best trial so far (`choose` over `records`)."""
+    bar.write(trial_line(record, budget_mb))
+    if record["status"] in ("ok", "failed") or strategy == "grid":  # the bar counts runs, or grid points
+        bar.update(1)
+    best = choose(records, budget_mb, margin)
+    if best is not None:
+        bar.set_postfix(best=f"trial {best['trial']}: {best[OBJECTIVE]:.1f} s/epoch")
+
+
+def search_report(search, from_cache: bool, cache_file: Path, elapsed: float) -> dict:
+    """The report of a `GpuFitSearch` (fit_report.json, and its cache): marks each record `chosen` or not, counts
+    the statuses, and names the device, budget, specs, context, objective, choice, memory model and cache."""
+    chosen = choose(search.records, search.budget_mb, search.specs.memory_margin)
+    for r in search.records:
+        r["chosen"] = chosen is not None and r["trial"] == chosen["trial"]
+    statuses = ("ok", "failed", "pruned", "skipped")
+    counts = {status: sum(r["status"] == status for r in search.records) for status in statuses}
+    counts["run"] = counts["ok"] + counts["failed"]
+    return {
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": search.device,
+        "budget_mb": search.budget_mb,
+        "memory_margin": search.specs.memory_margin,
+        "strategy": search.strategy,
+        "specs": specs_to_dict(search.specs),
+        "context": search.context,
+        "objective": f"{OBJECTIVE}: training patches per epoch / images per second + validation cases x "
+        "sliding-window seconds / val_interval (minimised)",
+        "trials": search.records,
+        "counts": counts,
+        "chosen": None
+        if chosen is None
+        else {
+            k: chosen.get(k)
+            for k in ("trial", "values", OBJECTIVE, "images_per_second", "step_seconds", "sw_seconds", "peak_mb")
+        },
+        "memory_model": search.model.summary(),
+        "cache": {"key": search.key, "file": str(cache_file), "hit": from_cache},
+        "elapsed_seconds": elapsed,
+    }
+
+
+def fitted_keys(fitted) -> dict:
+    """The config keys a search sets, with their values in the fitted config (the report's "fitted")."""
+    keys = {
+        "pipeline.num_images_per_batch": fitted.pipeline.num_images_per_batch,
+        "validation.num_sw_batch_size": fitted.validation.num_sw_batch_size,
+        "validation.validation_data_device": fitted.validation.validation_data_device,
+        "model.recompute": fitted.model.recompute,
+        "runtime.model_parallel.mode": fitted.runtime.model_parallel.mode,
+    }
+    if fitted.runtime.model_parallel.enabled:
+        keys["runtime.model_parallel.devices"] = fitted.runtime.model_parallel.devices
+        keys["runtime.distribution"] = fitted.runtime.distribution
+    if getattr(fitted.validation, "cpu_from_voxels", None) is not None:
+        keys["validation.cpu_from_voxels"] = fitted.validation.cpu_from_voxels
+    return keys
+
+
+def write_outputs(search, report: dict) -> None:
+    """Writes a `GpuFitSearch`'s outputs into its `output_dir`: fit.yaml (the config with the chosen values, when
+    a trial was chosen; its keys also go into the report's "fitted"), fit_report.json and memory.png; prints the
+    table."""
+    search.output_dir.mkdir(parents=True, exist_ok=True)
+    chosen = next((r for r in search.records if r.get("chosen")), None)
+    if chosen is not None:
+        fitted = fitted_config(search.config, chosen, search.records, search.context)
+        report["fitted"] = fitted_keys(fitted)
+        save_config(fitted, search.output_dir / CONFIG_FILE)
+    atomic_write_json(search.output_dir / REPORT_FILE, report)
+    plot_memory(report, search.output_dir / PLOT_FILE)
+    print(trials_table(report))
+
+
+def no_fit_message(records: list[dict], margin: float, budget_mb: float, report_path: Path) -> str:
+    """Why no configuration was chosen, with the smallest measured peak and what to change."""
+    smallest = min((r for r in records if r.get("peak_mb")), key=lambda r: r["peak_mb"], default=None)
+    hint = (
+        f"; the smallest measured peak was {smallest['peak_mb']:.0f} MB (trial {smallest['trial']})" if smallest else ""
+    )
+    return (
+        f"no configuration fits within {margin:.0%} of the {budget_mb:.0f} MB memory "
+        f"budget{hint}. Lower pipeline.patch_size, try model.recompute or training.precision=mixed_float16, "
+        f"or raise --memory-budget-mb. Details: {report_path}"
+    )
 
 
 def plot_memory(report: dict, path: str | Path) -> Path:

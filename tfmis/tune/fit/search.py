@@ -24,6 +24,11 @@ of the dataset's 99.5th-percentile shape).
 - The result is cached by device (name, total memory), TensorFlow version, the measured part of
   the config, the dataset shape and the specs — never by free memory — and reused at once.
 
+This module runs the search (`GpuFitSearch`, `fit_config`, `cached_choice`); its parts are modules of their own
+and their names stay importable from here: `candidates.py` (the searched values, the objective, the choice),
+`strategies.py` (the search space and each strategy's oracle), `cache.py` (the key, reading and reusing a report),
+`report.py` (the report, the files written, the table and plot).
+
 Example:
 ```python
 result = GpuFitSearch(load_config("configs/demo.yaml"), load_specs("specs.yaml"), output_dir="runs/fit").run()
@@ -33,242 +38,68 @@ print(result["chosen"]["values"])          # {"num_images_per_batch": 4, "num_sw
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import hashlib
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from tfmis.config import Config, from_dict, save_config, to_dict
-from tfmis.errors import DataError, MissingInput, ResourceError
+from tfmis.config import Config, to_dict
+from tfmis.errors import ResourceError
 from tfmis.hardware import usable_cpu_count
+from tfmis.tune.fit import cache as fit_cache
+from tfmis.tune.fit import strategies
+
+# the names this module had before its concepts moved out, importable from here as before
+from tfmis.tune.fit.cache import CACHE_VERSION, cache_key, default_cache_dir
+from tfmis.tune.fit.candidates import (
+    OBJECTIVE,
+    VALUE_KEYS,
+    apply_values,
+    choose,
+    estimated_epoch_seconds,
+    fitted_config,
+    model_parallel_settings,
+    model_parallel_skip_reason,
+    search_context,
+)
 from tfmis.tune.fit.memory import NO_MODEL_PARALLEL, MemoryModel, is_memory_failure, model_parallel_of
-from tfmis.tune.fit.specs import FitSpecs, load_specs, model_parallel_setting, parse_model_parallel, specs_to_dict
+from tfmis.tune.fit.report import (
+    CONFIG_FILE,
+    PLOT_FILE,
+    REPORT_FILE,
+    no_fit_message,
+    search_report,
+    update_progress,
+    write_outputs,
+)
+from tfmis.tune.fit.specs import FitSpecs, load_specs, parse_model_parallel
+from tfmis.tune.fit.strategies import _describe_hp as _describe_hp
 from tfmis.utils.io import atomic_write_json
 
-OBJECTIVE = "epoch_seconds"
-REPORT_FILE = "fit_report.json"
-CONFIG_FILE = "fit.yaml"
-PLOT_FILE = "memory.png"
-CACHE_VERSION = 2  # 2: trials time the loop of training.steps_per_loop steps (1 timed single steps)
-
-# the searched values and where they live in the config
-VALUE_KEYS = {
-    "num_images_per_batch": ("pipeline", "num_images_per_batch"),
-    "num_sw_batch_size": ("validation", "num_sw_batch_size"),
-    "validation_data_device": ("validation", "validation_data_device"),
-    "recompute": ("model", "recompute"),
-    # `none` or `mode:devices`: runtime.model_parallel.mode and .devices (apply_values)
-    "model_parallel": ("runtime", "model_parallel"),
-}
+__all__ = [
+    "CACHE_VERSION",
+    "CONFIG_FILE",
+    "OBJECTIVE",
+    "PLOT_FILE",
+    "REPORT_FILE",
+    "VALUE_KEYS",
+    "GpuFitSearch",
+    "NoConfigurationFits",
+    "apply_values",
+    "cache_key",
+    "cached_choice",
+    "choose",
+    "default_cache_dir",
+    "estimated_epoch_seconds",
+    "fit_config",
+    "fitted_config",
+    "model_parallel_settings",
+    "model_parallel_skip_reason",
+    "search_context",
+]
 
 
 class NoConfigurationFits(ResourceError, RuntimeError):
     """No measured configuration stayed within the memory budget's safety margin."""
-
-
-def default_cache_dir() -> Path:
-    """`$TFMIS_CACHE_DIR/gpu_fit`, else `~/.cache/tfmis/gpu_fit`."""
-    root = os.environ.get("TFMIS_CACHE_DIR") or Path.home() / ".cache" / "tfmis"
-    return Path(root) / "gpu_fit"
-
-
-# ---------------------------------------------------------------------------------------------- what is measured
-
-
-def search_context(config: Config) -> dict:
-    """What the trials and the objective need from the converted dataset (index.json, fingerprint.json)."""
-    from tfmis.data.records import load_index, split_entry
-
-    dataset_dir = Path(config.data.dataset_dir)
-    index = load_index(dataset_dir)
-    fingerprint_path = dataset_dir / "fingerprint.json"
-    if not fingerprint_path.is_file():
-        raise MissingInput(
-            f"{fingerprint_path}: not found; the GPU-fit search sizes its sliding-window test "
-            "volume from the dataset fingerprint: convert the dataset again with tfmis-convert"
-        )
-    fingerprint = json.loads(fingerprint_path.read_text())
-    volume_shape = [int(s) for s in fingerprint["dataset"]["shape_p99_5"]]
-    try:
-        train_cases = len(split_entry(index, config.data.train_split)["cases"])
-        val_cases = len(split_entry(index, config.data.val_split)["cases"])
-    except KeyError as e:
-        raise DataError(f"data: {e.args[0]} ({dataset_dir})") from None
-    if config.validation.max_cases is not None:
-        val_cases = min(val_cases, config.validation.max_cases)
-    return {
-        "volume_shape": volume_shape,
-        "in_channels": len(index["source"]["modalities"]),
-        "num_classes": len(index["source"]["labels"]),
-        "train_patches_per_epoch": train_cases * config.pipeline.num_crops_per_image,
-        "validation_cases": val_cases,
-        "val_interval": config.validation.val_interval,
-    }
-
-
-def estimated_epoch_seconds(images_per_second: float, sw_seconds: float, context: dict) -> float:
-    """Training patches ÷ images/s + validation cases × sliding-window seconds, per epoch."""
-    train = context["train_patches_per_epoch"] / images_per_second
-    validation = context["validation_cases"] * sw_seconds / context["val_interval"]
-    return train + validation
-
-
-def apply_values(config: Config, values: dict) -> Config:
-    """A copy of `config` with the searched values set.
-
-    `model_parallel` (`none`, `spatial:2`, ...) sets `runtime.model_parallel.mode` and `.devices`, and with a
-    mode `runtime.distribution: none` (one process runs the model over its devices); `micro_batches`, `axis`
-    and `data` stay the config's.
-    """
-    data = to_dict(config)
-    for name, value in values.items():
-        section, key = VALUE_KEYS[name]
-        if name == "model_parallel":
-            mode, devices = parse_model_parallel(value)
-            data["runtime"]["model_parallel"]["mode"] = mode
-            if mode != NO_MODEL_PARALLEL:
-                data["runtime"]["model_parallel"]["devices"] = devices
-                data["runtime"]["distribution"] = "none"
-            continue
-        data[section][key] = value
-    return from_dict(Config, data)
-
-
-def model_parallel_settings(config: Config, specs: FitSpecs) -> list[str]:
-    """The model-parallel settings searched: the specs' `range_model_parallel`, else the config's own one."""
-    if specs.range_model_parallel is not None:
-        return list(specs.range_model_parallel)
-    mp = config.runtime.model_parallel
-    return [model_parallel_setting(mp.mode, mp.devices) if mp.enabled else NO_MODEL_PARALLEL]
-
-
-def model_parallel_skip_reason(config: Config, values: dict, gpu_count: int | None) -> str | None:
-    """Why a candidate's model-parallel setting cannot run here (no trial is started), or None.
-
-    Args:
-        config: the searched config (its `runtime.model_parallel.data`, `micro_batches`, `training.jit_compile`).
-        values: the candidate (`model_parallel`, `num_images_per_batch`).
-        gpu_count: the GPUs visible to the search; None on a machine without GPUs (logical CPU devices: any N).
-
-    Example:
-        >>> from tfmis.config import Config
-        >>> values = {"model_parallel": "spatial:4", "num_images_per_batch": 2}
-        >>> model_parallel_skip_reason(Config(), values, gpu_count=2)
-        'spatial:4 needs 4 GPUs (devices 4 x runtime.model_parallel.data 1) but 2 are visible'
-        >>> model_parallel_skip_reason(Config(), values, gpu_count=None) is None
-        True
-    """
-    setting = values.get("model_parallel") or NO_MODEL_PARALLEL
-    mode, devices = parse_model_parallel(setting)
-    if mode == NO_MODEL_PARALLEL:
-        return None
-    mp = config.runtime.model_parallel
-    needed = devices * mp.data
-    if gpu_count is not None and needed > gpu_count:
-        return (
-            f"{setting} needs {needed} GPUs (devices {devices} x runtime.model_parallel.data {mp.data}) "
-            f"but {gpu_count} {'is' if gpu_count == 1 else 'are'} visible"
-        )
-    if config.training.jit_compile:
-        return (
-            f"{setting}: training.jit_compile: true does not work with runtime.model_parallel (XLA compiles for one "
-            "device); search with training.jit_compile=false to measure it"
-        )
-    groups = mp.data * (mp.micro_batches if mode == "pipeline" else 1)
-    batch = values["num_images_per_batch"]
-    if batch % groups:
-        what = f"data {mp.data} x micro_batches {mp.micro_batches}" if mode == "pipeline" else f"data {mp.data}"
-        return (
-            f"{setting}: batch {batch} is not a multiple of runtime.model_parallel.{what} (the step's images are "
-            "split over them)"
-        )
-    return None
-
-
-def cache_key(config: Config, context: dict, device: dict, specs: FitSpecs, strategy: str) -> str:
-    """Hash of what decides the result: device, TensorFlow, the measured config, data shape, specs, strategy."""
-    import tensorflow as tf
-
-    c = to_dict(config)
-    measured = {
-        "model": c["model"],
-        "loss": c["loss"],
-        "optimizer": c["optimizer"],
-        "patch_size": c["pipeline"]["patch_size"],
-        "training": {k: c["training"][k] for k in ("precision", "jit_compile", "accumulation_steps", "steps_per_loop")},
-        "augment_placement": c["pipeline"]["augment"]["placement"],
-        "validation": {k: c["validation"][k] for k in ("roi_size", "overlap", "mode")},
-    }
-    device_keys = ["kind", "name", "total_mb", "cpu_count"]
-    specs_dict = specs_to_dict(specs)
-    if model_parallel_settings(config, specs) != [NO_MODEL_PARALLEL]:
-        # micro_batches, axis and data shape the trials; how many GPUs there are decides which settings run
-        measured["model_parallel"] = c["runtime"]["model_parallel"]
-        device_keys.append("gpu_count")
-    if specs.range_model_parallel is None:  # the default: the key of a search without it is what it was before
-        specs_dict["universal"].pop("range_model_parallel")
-    identity = {
-        "version": CACHE_VERSION,
-        "tensorflow": tf.__version__,
-        "device": {k: device.get(k) for k in device_keys},
-        "config": measured,
-        "context": context,
-        "specs": specs_dict,
-        "strategy": strategy,
-    }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------- choosing
-
-
-def choose(records: list[dict], budget_mb: float, margin: float) -> dict | None:
-    """The measured trial with the shortest estimated epoch whose peak is within margin × budget."""
-    eligible = [r for r in records if r["status"] == "ok" and r["peak_mb"] <= margin * budget_mb]
-    if not eligible:
-        return None
-    return min(eligible, key=lambda r: (r[OBJECTIVE], r["peak_mb"]))
-
-
-def fitted_config(config: Config, chosen: dict, records: list[dict], context: dict) -> Config:
-    """The config with the chosen values, its validation placement turned into a memory policy.
-
-    A chosen accelerator placement becomes `auto` (volumes larger than the measured 99.5th
-    percentile fall back instead of ending the run). When the accelerator ran out of memory on
-    the test volume at the chosen sw batch, the CPU is chosen but smaller volumes may still fit:
-    `auto` with `cpu_from_voxels` seeded with that volume's size sends the large ones to the CPU
-    straight away.
-    """
-    values = dict(chosen["values"])
-    extra = {}
-    placement = values["validation_data_device"]
-    voxels = int(np.prod(context["volume_shape"]))
-    policy_known = "cpu_from_voxels" in {f.name for f in dataclasses.fields(type(config.validation))}
-    if policy_known and placement == "accelerator":
-        values["validation_data_device"] = "auto"
-    elif (
-        policy_known
-        and placement == "cpu"
-        and any(
-            is_memory_failure(r)
-            and r.get("failed_phase") == "validation"
-            and r["values"]["validation_data_device"] == "accelerator"
-            and r["values"]["num_sw_batch_size"] <= values["num_sw_batch_size"]
-            for r in records
-        )
-    ):
-        values["validation_data_device"] = "auto"
-        extra["cpu_from_voxels"] = voxels
-    fitted = apply_values(config, values)
-    for key, value in extra.items():
-        setattr(fitted.validation, key, value)
-    return fitted
 
 
 # ---------------------------------------------------------------------------------------------- the search
@@ -303,7 +134,7 @@ class GpuFitSearch:
         progress: bool = True,
         runner=None,
     ):
-        if strategy not in ("bayesian", "grid"):
+        if strategy not in strategies.STRATEGIES:
             raise ValueError(f"strategy must be 'bayesian' or 'grid', got {strategy!r}")
         from tfmis.hardware import GPU_RESERVED_MB, accelerators, host_memory
         from tfmis.tune.fit.trial import run_trial, trial_device
@@ -357,43 +188,14 @@ class GpuFitSearch:
         self.key = cache_key(config, self.context, self.device, specs, strategy)
         self._bar = None
 
-    # -------------------------------------------------------------- search space
+    # -------------------------------------------------------------- search space (tfmis.tune.fit.strategies)
 
     def hyperparameters(self):
         """The Keras Tuner search space, declared up front."""
-        import keras_tuner
-
-        s = self.specs
-        hp = keras_tuner.HyperParameters()
-        log = s.sampling == "log"
-        for name, (lo, hi) in (
-            ("num_images_per_batch", s.range_num_images_per_batch),
-            ("num_sw_batch_size", s.range_num_sw_batch_size),
-        ):
-            if lo == hi:
-                hp.Fixed(name, lo)
-            else:
-                hp.Int(name, lo, hi, step=2 if log else 1, sampling="log" if log else "linear")
-        if len(self.placements) > 1:
-            hp.Choice("validation_data_device", self.placements)
-        else:
-            hp.Fixed("validation_data_device", self.placements[0])
-        if s.search_recompute:
-            hp.Boolean("recompute")
-        else:
-            hp.Fixed("recompute", bool(self.config.model.recompute))
-        if len(self.model_parallel) > 1:
-            hp.Choice("model_parallel", self.model_parallel)
-        else:
-            hp.Fixed("model_parallel", self.model_parallel[0])
-        return hp
+        return strategies.search_space(self.specs, self.placements, self.config.model.recompute, self.model_parallel)
 
     def grid_size(self) -> int:
-        sizes = []
-        for hp in self.hyperparameters().space:
-            values = getattr(hp, "values", None)
-            sizes.append(len(list(values)) if values is not None else 1)
-        return int(np.prod(sizes))
+        return strategies.grid_size(self.hyperparameters())
 
     # -------------------------------------------------------------- one candidate
 
@@ -506,14 +308,7 @@ class GpuFitSearch:
     def _report_progress(self, record: dict) -> None:
         if self._bar is None:
             return
-        from tfmis.tune.fit.report import trial_line
-
-        self._bar.write(trial_line(record, self.budget_mb))
-        if record["status"] in ("ok", "failed") or self.strategy == "grid":  # the bar counts runs, or grid points
-            self._bar.update(1)
-        best = choose(self.records, self.budget_mb, self.specs.memory_margin)
-        if best is not None:
-            self._bar.set_postfix(best=f"trial {best['trial']}: {best[OBJECTIVE]:.1f} s/epoch")
+        update_progress(self._bar, record, self.records, self.budget_mb, self.specs.memory_margin, self.strategy)
 
     # -------------------------------------------------------------- the whole search
 
@@ -542,70 +337,26 @@ class GpuFitSearch:
             atomic_write_json(cache_file, report)
         self._write_outputs(report)
         if report["chosen"] is None:
-            smallest = min((r for r in self.records if r.get("peak_mb")), key=lambda r: r["peak_mb"], default=None)
-            hint = (
-                f"; the smallest measured peak was {smallest['peak_mb']:.0f} MB (trial {smallest['trial']})"
-                if smallest
-                else ""
-            )
             raise NoConfigurationFits(
-                f"no configuration fits within {self.specs.memory_margin:.0%} of the {self.budget_mb:.0f} MB memory "
-                f"budget{hint}. Lower pipeline.patch_size, try model.recompute or training.precision=mixed_float16, "
-                f"or raise --memory-budget-mb. Details: {self.output_dir / REPORT_FILE}"
+                no_fit_message(self.records, self.specs.memory_margin, self.budget_mb, self.output_dir / REPORT_FILE)
             )
         return report
 
     @property
     def cache_file(self) -> Path:
         """This search's cache file: its key names the device, TensorFlow, the measured config, data and specs."""
-        return self.cache_dir / f"gpu_fit-{self.key[:24]}.json"
+        return fit_cache.cache_file(self.cache_dir, self.key)
 
     def read_cache(self) -> dict | None:
         """The cached report of this very search, if one was made under a budget that still holds; else None."""
-        path = self.cache_file
-        if not path.is_file():
-            return None
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-        if cached.get("cache", {}).get("key") != self.key:
-            return None
-        # trials measured under a larger budget are valid under a smaller one; under a larger budget
-        # the candidates that did not fit before might fit now, unless nothing ran out of memory
-        if self.budget_mb > cached["budget_mb"] and any(is_memory_failure(r) for r in cached["trials"]):
-            print(
-                f"GPU-fit cache {path} was searched under a smaller budget ({cached['budget_mb']:.0f} MB < "
-                f"{self.budget_mb:.0f} MB) and some configurations did not fit then: searching again",
-                file=sys.stderr,
-            )
-            return None
-        return cached
+        return fit_cache.read_cache(self.cache_file, self.key, self.budget_mb)
 
     def _search(self) -> None:
         from tfmis.tune import kt
         from tfmis.utils.progress import progress_bar
 
         hp = self.hyperparameters()
-        common = {
-            "objective": OBJECTIVE,
-            "direction": "min",
-            "hyperparameters": hp,
-            "seed": self.specs.seed,
-            "stop_when": self.finished,
-        }
-        if self.strategy == "bayesian":
-            num_initial = self.specs.num_initial_points or max(3, self.specs.num_trials // 3)
-            # the Gaussian process may propose a point already tried: a random unseen one instead
-            oracle = kt.make_oracle(
-                "bayesian",
-                max_trials=10 * self.specs.num_trials + 50,
-                num_initial_points=num_initial,
-                replace_repeats=True,
-                **common,
-            )
-        else:
-            oracle = kt.make_oracle("grid", replace_repeats=False, **common)
+        oracle = strategies.make_oracle(self.strategy, self.specs, hp, OBJECTIVE, self.finished)
         tuner = kt.make_tuner(
             self._trial,
             OBJECTIVE,
@@ -615,11 +366,10 @@ class GpuFitSearch:
             overwrite=True,
         )
         total = self.grid_size() if self.strategy == "grid" else self.specs.num_trials
-        space = ", ".join(f"{h.name} {_describe_hp(h)}" for h in hp.space)
         print(
             f"GPU-fit search ({self.strategy}, {total} trials) on {self.device['name']} "
             f"({self.device['kind']}, budget {self.budget_mb:.0f} MB, choosing within "
-            f"{self.specs.memory_margin:.0%}): {space}",
+            f"{self.specs.memory_margin:.0%}): {strategies.describe_space(hp)}",
             file=sys.stderr,
         )
         self._bar = progress_bar(total, "GPU-fit trials", "trial", disable=not self.progress)
@@ -637,66 +387,10 @@ class GpuFitSearch:
         return record[OBJECTIVE], None
 
     def _report(self, from_cache: bool, cache_file: Path, elapsed: float) -> dict:
-        chosen = choose(self.records, self.budget_mb, self.specs.memory_margin)
-        for r in self.records:
-            r["chosen"] = chosen is not None and r["trial"] == chosen["trial"]
-        statuses = ("ok", "failed", "pruned", "skipped")
-        counts = {status: sum(r["status"] == status for r in self.records) for status in statuses}
-        counts["run"] = counts["ok"] + counts["failed"]
-        return {
-            "created": datetime.datetime.now().isoformat(timespec="seconds"),
-            "device": self.device,
-            "budget_mb": self.budget_mb,
-            "memory_margin": self.specs.memory_margin,
-            "strategy": self.strategy,
-            "specs": specs_to_dict(self.specs),
-            "context": self.context,
-            "objective": f"{OBJECTIVE}: training patches per epoch / images per second + validation cases x "
-            "sliding-window seconds / val_interval (minimised)",
-            "trials": self.records,
-            "counts": counts,
-            "chosen": None
-            if chosen is None
-            else {
-                k: chosen.get(k)
-                for k in ("trial", "values", OBJECTIVE, "images_per_second", "step_seconds", "sw_seconds", "peak_mb")
-            },
-            "memory_model": self.model.summary(),
-            "cache": {"key": self.key, "file": str(cache_file), "hit": from_cache},
-            "elapsed_seconds": elapsed,
-        }
+        return search_report(self, from_cache, cache_file, elapsed)
 
     def _write_outputs(self, report: dict) -> None:
-        from tfmis.tune.fit.report import plot_memory, trials_table
-
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        chosen = next((r for r in self.records if r.get("chosen")), None)
-        if chosen is not None:
-            fitted = fitted_config(self.config, chosen, self.records, self.context)
-            report["fitted"] = {
-                "pipeline.num_images_per_batch": fitted.pipeline.num_images_per_batch,
-                "validation.num_sw_batch_size": fitted.validation.num_sw_batch_size,
-                "validation.validation_data_device": fitted.validation.validation_data_device,
-                "model.recompute": fitted.model.recompute,
-                "runtime.model_parallel.mode": fitted.runtime.model_parallel.mode,
-            }
-            if fitted.runtime.model_parallel.enabled:
-                report["fitted"]["runtime.model_parallel.devices"] = fitted.runtime.model_parallel.devices
-                report["fitted"]["runtime.distribution"] = fitted.runtime.distribution
-            if getattr(fitted.validation, "cpu_from_voxels", None) is not None:
-                report["fitted"]["validation.cpu_from_voxels"] = fitted.validation.cpu_from_voxels
-            save_config(fitted, self.output_dir / CONFIG_FILE)
-        atomic_write_json(self.output_dir / REPORT_FILE, report)
-        plot_memory(report, self.output_dir / PLOT_FILE)
-        print(trials_table(report))
-
-
-def _describe_hp(hp) -> str:
-    values = getattr(hp, "values", None)
-    if values is not None:
-        values = [int(v) if isinstance(v, float) and v.is_integer() else v for v in values]
-        return f"{values}" if len(values) <= 8 else f"[{values[0]}..{values[-1]}] ({len(values)} values)"
-    return f"= {hp.value}"
+        write_outputs(self, report)
 
 
 def fit_config(config: Config, specs: FitSpecs, output_dir, **kwargs) -> tuple[Config, dict]:
