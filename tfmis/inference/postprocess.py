@@ -365,27 +365,65 @@ def choose_postprocessing(
     """
     classes, structures = _check_structures(class_labels, regions)
     pairs = _check_cases(cases, output_folder)
-    foreground_labels = [int(c) for c in class_labels]
-    num_classes = max(foreground_labels) + 1
     say = log or (lambda line: None)
+    oof = _OutOfFoldCases(pairs, [int(c) for c in class_labels], structures)
+    steps_report = [_decide_foreground(oof, say)]
+    if len(structures) > 1:  # each structure, only when there are several (nnU-Net: `if len(labels_or_regions) > 1`)
+        steps_report += _decide_structures(oof, say)
+    spec = PostprocessingConfig(
+        largest_foreground_component=None in oof.kept,
+        largest_component_labels=[list(step) for step in oof.kept if step is not None],
+    )
+    report = {
+        "structures": {name: list(labels) for name, labels in structures.items()},
+        "cases": len(pairs),
+        "steps": steps_report,
+        "postprocessing": dataclasses.asdict(spec),
+        "final": _final_scores(oof, {"classes": classes} | ({"regions": structures} if regions is not None else {})),
+    }
+    if output_folder is not None:
+        _write_postprocessed(pairs, spec, Path(output_folder), oof.read)
+    return spec, report
 
-    def read(path: Path) -> np.ndarray:
-        return _read_labels(path, num_classes)
 
-    def read_reference(path: Path, shape) -> np.ndarray:
-        return _read_reference(path, num_classes, shape)
+class _OutOfFoldCases:
+    """The out-of-fold cases `choose_postprocessing` decides on, read one case at a time: each case's confusion
+    counts confusion[reference, prediction] as predicted (`baseline`) and with the steps kept so far applied
+    (`current`), and the steps kept (`kept`: None for the whole foreground, else a structure's labels).
 
-    def confusion_change(prediction: np.ndarray, reference, reference_path: Path, step: Step):
+    Args:
+        pairs: the (prediction, reference) paths, checked (`_check_cases`).
+        foreground_labels: the class labels (>= 1); the maps hold labels 0..max of them.
+        structures: the scored structures {name: labels} (`_check_structures`).
+    """
+
+    def __init__(self, pairs: list[tuple[Path, Path]], foreground_labels: list[int], structures: dict):
+        self.pairs, self.foreground_labels, self.structures = pairs, foreground_labels, structures
+        self.num_classes = max(foreground_labels) + 1
+        self.kept: list[Step] = []
+        self.baseline: list[np.ndarray] = []  # each case's confusion as predicted
+        self.current: list[np.ndarray] = []  # each case's confusion with the kept steps applied
+
+    def read(self, path: Path) -> np.ndarray:
+        """A prediction's label map."""
+        return _read_labels(path, self.num_classes)
+
+    def read_reference(self, path: Path, shape) -> np.ndarray:
+        """A reference label map, on the grid of a prediction of `shape`."""
+        return _read_reference(path, self.num_classes, shape)
+
+    def confusion_change(self, prediction: np.ndarray, reference, reference_path: Path, step: Step):
         """Applies `step` to `prediction` in place; returns the change of the case's confusion counts
         (confusion[reference, prediction]) and the voxels removed. The reference is read only when needed (None:
         not read yet)."""
+        num_classes = self.num_classes
         change = np.zeros((num_classes, num_classes), np.int64)
         found = _removal(prediction, step)
         if found is None:
             return change, 0
         box, removed = found
         if reference is None:
-            reference = read_reference(reference_path, prediction.shape)
+            reference = self.read_reference(reference_path, prediction.shape)
         was = prediction[box][removed].astype(np.intp)
         truth = reference[box][removed].astype(np.intp)
         moved = np.bincount(truth * num_classes + was, minlength=num_classes**2).reshape(num_classes, num_classes)
@@ -394,34 +432,31 @@ def choose_postprocessing(
         prediction[box][removed] = 0
         return change, int(was.size)
 
-    def summary(confusions, names) -> dict:
+    def summary(self, confusions, names) -> dict:
+        """nnU-Net's means (`dice_summary`) of the structures `names` over the cases' `confusions`."""
         return dice_summary([_dice_from_confusion(c, names) for c in confusions])
 
-    kept: list[Step] = []
-    baseline: list[np.ndarray] = []  # each case's confusion as predicted
-    current: list[np.ndarray] = []  # each case's confusion with the kept steps applied
-
-    def try_step(step: Step, name: str) -> tuple[list[np.ndarray], dict, dict, dict]:
+    def try_step(self, step: Step, name: str) -> tuple[list[np.ndarray], dict, dict, dict]:
         """(each case's confusion with `step` added to the kept ones, Dice before, after, the report entry)."""
         tried, removed_total, changed = [], 0, 0
-        for i, (prediction_path, reference_path) in enumerate(pairs):
-            prediction, reference = read(prediction_path), None
-            if len(baseline) == i:  # the first pass also scores the predictions as they are
-                reference = read_reference(reference_path, prediction.shape)
-                baseline.append(_confusion(prediction, reference, num_classes))
-                current.append(baseline[i])
-            for done in kept:
+        for i, (prediction_path, reference_path) in enumerate(self.pairs):
+            prediction, reference = self.read(prediction_path), None
+            if len(self.baseline) == i:  # the first pass also scores the predictions as they are
+                reference = self.read_reference(reference_path, prediction.shape)
+                self.baseline.append(_confusion(prediction, reference, self.num_classes))
+                self.current.append(self.baseline[i])
+            for done in self.kept:
                 _keep_largest(prediction, done)
-            change, removed = confusion_change(prediction, reference, reference_path, step)
+            change, removed = self.confusion_change(prediction, reference, reference_path, step)
             del reference
-            tried.append(current[i] + change)
+            tried.append(self.current[i] + change)
             removed_total += removed
             changed += removed > 0
             del prediction
-        before, after = summary(current, structures), summary(tried, structures)
+        before, after = self.summary(self.current, self.structures), self.summary(tried, self.structures)
         entry = {
             "structure": name,
-            "labels": foreground_labels if step is None else list(step),
+            "labels": self.foreground_labels if step is None else list(step),
             "voxels_removed": removed_total,
             "cases_changed": changed,
             "before": _json_scores(before),
@@ -429,64 +464,65 @@ def choose_postprocessing(
         }
         return tried, before, after, entry
 
-    steps_report = []
+    def keep(self, step: Step, tried: list[np.ndarray]) -> None:
+        """Keeps `step`: the cases' current confusion becomes the one `try_step` gave with it."""
+        self.kept.append(step)
+        self.current[:] = tried
 
-    # 1. the whole foreground: nnU-Net keeps it only if the foreground mean rises and no structure's mean falls
-    tried, before, after, entry = try_step(None, FOREGROUND)
+
+def _decide_foreground(oof: _OutOfFoldCases, say: Callable[[str], None]) -> dict:
+    """Step 1, the whole foreground: kept (nnU-Net) only if the foreground mean Dice rises strictly and no structure's
+    mean falls. Returns the step's report entry."""
+    tried, before, after, entry = oof.try_step(None, FOREGROUND)
     keep = after["foreground_mean"] > before["foreground_mean"] and not any(
-        after["mean"][name] < before["mean"][name] for name in structures
+        after["mean"][name] < before["mean"][name] for name in oof.structures
     )
-    steps_report.append(entry | {"kept": bool(keep)})
     say(
         f"largest foreground component: foreground mean Dice {before['foreground_mean']:.5f} -> "
         f"{after['foreground_mean']:.5f}, {'kept' if keep else 'not kept'}"
     )
     if keep:
-        kept.append(None)
-        current[:] = tried
+        oof.keep(None, tried)
+    return entry | {"kept": bool(keep)}
 
-    # 2. each structure, only when there are several (nnU-Net: `if len(labels_or_regions) > 1`)
-    if len(structures) > 1:
-        for name, labels in structures.items():
-            tried, before, after, entry = try_step(labels, name)
-            keep = after["mean"][name] > before["mean"][name]
-            steps_report.append(entry | {"kept": bool(keep)})
-            say(
-                f"largest component of {name}: Dice {before['mean'][name]:.5f} -> {after['mean'][name]:.5f}, "
-                f"{'kept' if keep else 'not kept'}"
-            )
-            if keep:
-                kept.append(labels)
-                current[:] = tried
 
-    spec = PostprocessingConfig(
-        largest_foreground_component=None in kept,
-        largest_component_labels=[list(step) for step in kept if step is not None],
-    )
-    scored = {"classes": classes} | ({"regions": structures} if regions is not None else {})
+def _decide_structures(oof: _OutOfFoldCases, say: Callable[[str], None]) -> list[dict]:
+    """Step 2, each structure in order (after the steps kept before it): kept when its mean Dice rises strictly.
+    Returns the steps' report entries."""
+    entries = []
+    for name, labels in oof.structures.items():
+        tried, before, after, entry = oof.try_step(labels, name)
+        keep = after["mean"][name] > before["mean"][name]
+        entries.append(entry | {"kept": bool(keep)})
+        say(
+            f"largest component of {name}: Dice {before['mean'][name]:.5f} -> {after['mean'][name]:.5f}, "
+            f"{'kept' if keep else 'not kept'}"
+        )
+        if keep:
+            oof.keep(labels, tried)
+    return entries
+
+
+def _final_scores(oof: _OutOfFoldCases, scored: dict) -> dict:
+    """The report's "final": for each kind of `scored` structures ({"classes": ..., "regions": ...}) the Dice means
+    before and after the kept steps, and each case's Dice per scored structure before and after."""
     final = {
-        kind: {"before": _json_scores(summary(baseline, names)), "after": _json_scores(summary(current, names))}
+        kind: {
+            "before": _json_scores(oof.summary(oof.baseline, names)),
+            "after": _json_scores(oof.summary(oof.current, names)),
+        }
         for kind, names in scored.items()
     }
     final["per_case"] = [
         {
             "case": _case_id(prediction_path),
             "prediction": str(prediction_path),
-            "before": {k: _json_number(v) for k, v in _dice_from_confusion(was, structures).items()},
-            "after": {k: _json_number(v) for k, v in _dice_from_confusion(now, structures).items()},
+            "before": {k: _json_number(v) for k, v in _dice_from_confusion(was, oof.structures).items()},
+            "after": {k: _json_number(v) for k, v in _dice_from_confusion(now, oof.structures).items()},
         }
-        for (prediction_path, _), was, now in zip(pairs, baseline, current)
+        for (prediction_path, _), was, now in zip(oof.pairs, oof.baseline, oof.current)
     ]
-    report = {
-        "structures": {name: list(labels) for name, labels in structures.items()},
-        "cases": len(pairs),
-        "steps": steps_report,
-        "postprocessing": dataclasses.asdict(spec),
-        "final": final,
-    }
-    if output_folder is not None:
-        _write_postprocessed(pairs, spec, Path(output_folder), read)
-    return spec, report
+    return final
 
 
 def _write_postprocessed(pairs, spec: PostprocessingConfig, folder: Path, read) -> None:

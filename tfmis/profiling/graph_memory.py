@@ -244,39 +244,71 @@ def placed_memory(
     """
     default_device = canonical_device(default_device)
     ops = graph.get_operations()
-    devices = _op_devices(graph, default_device)
-    memory: dict[str, DeviceMemory] = {}
-
-    def device_memory(device: str) -> DeviceMemory:
-        if device not in memory:
-            memory[device] = DeviceMemory(device)
-        return memory[device]
-
-    buffers: list[_Buffer] = []
-    located: dict[tuple[str, str], _Buffer] = {}  # (tensor name, device) -> the buffer holding it there
-    home: dict[str, tuple[str, int, bool]] = {}  # tensor name -> (its device, its bytes, is a variable's value)
-
+    run = _PlacedRun(_op_devices(graph, default_device), backward_scopes)
     for step, op in enumerate(ops):
-        device = devices[op]
-        entry = device_memory(device)
-        backward = _is_backward(op, backward_scopes)
+        run.receive_inputs(step, op)
+        run.allocate_outputs(step, op)
+    if keep_outputs:
+        run.keep_until(graph.outputs, len(ops) - 1)
+    for entry in run.memory.values():
+        _find_peak(entry, run.buffers, ops, top)
+    return run.memory
+
+
+class _PlacedRun:
+    """The buffers of a graph's ops run one after another (`placed_memory`): what each device allocates, the copies
+    it receives, and how long each buffer lives (its first and last step).
+
+    Attributes:
+        memory: {device: DeviceMemory}, in the order the devices are first met (a transfer's source included).
+        buffers: every buffer allocated, in order.
+        located: (tensor name, device) -> the buffer holding the tensor there.
+        home: tensor name -> (its device, its bytes, is a variable's value).
+    """
+
+    def __init__(self, devices: dict, backward_scopes: Sequence[str]):
+        self.devices, self.backward_scopes = devices, backward_scopes
+        self.memory: dict[str, DeviceMemory] = {}
+        self.buffers: list[_Buffer] = []
+        self.located: dict[tuple[str, str], _Buffer] = {}
+        self.home: dict[str, tuple[str, int, bool]] = {}
+
+    def device_memory(self, device: str) -> DeviceMemory:
+        """The device's entry, made when first asked for."""
+        if device not in self.memory:
+            self.memory[device] = DeviceMemory(device)
+        return self.memory[device]
+
+    def receive_inputs(self, step: int, op) -> None:
+        """`op`'s inputs stay live until it runs; an input made on another device arrives as a copy (a transfer) at
+        its first consumer here, and its producer holds it until it is sent. Static-shape reads are not uses."""
+        device = self.devices[op]
+        entry = self.device_memory(device)
+        backward = _is_backward(op, self.backward_scopes)
         for tensor in op.inputs:
-            if tensor.name not in home or (op.type in SHAPE_OPS and tensor.shape.is_fully_defined()):
+            if tensor.name not in self.home or (op.type in SHAPE_OPS and tensor.shape.is_fully_defined()):
                 continue
-            source, nbytes, variable = home[tensor.name]
-            buffer = located.get((tensor.name, device))
+            source, nbytes, variable = self.home[tensor.name]
+            buffer = self.located.get((tensor.name, device))
             if buffer is None:  # first consumer on another device: a copy arrives here
                 buffer = _Buffer(tensor.name, device, nbytes, step, "copies")
-                buffers.append(buffer)
-                located[tensor.name, device] = buffer
+                self.buffers.append(buffer)
+                self.located[tensor.name, device] = buffer
                 transfer = Transfer(tensor.name, source, device, nbytes, backward, variable, op.name)
                 entry.transfers_in.append(transfer)
                 entry.transfer_in_bytes += nbytes
-                device_memory(source).transfer_out_bytes += nbytes
-                origin = located.get((tensor.name, source))
+                self.device_memory(source).transfer_out_bytes += nbytes
+                origin = self.located.get((tensor.name, source))
                 if origin is not None:  # the producer holds it until it is sent
                     origin.end = max(origin.end, step)
             buffer.end = max(buffer.end, step)
+
+    def allocate_outputs(self, step: int, op) -> None:
+        """`op`'s outputs with a static shape get a buffer on its device (an alias op's share its input's; a
+        variable read's is the variable's own, 0 bytes here); the others are counted as unknown."""
+        device = self.devices[op]
+        entry = self.device_memory(device)
+        backward = _is_backward(op, self.backward_scopes)
         alias = op.type in ALIAS_OPS
         for index, tensor in enumerate(op.outputs):
             nbytes = _tensor_bytes(tensor)
@@ -287,44 +319,46 @@ def placed_memory(
                 continue
             variable = op.type in VARIABLE_READS
             source = op.inputs[0 if op.type != "IdentityN" else index] if alias and op.inputs else None
-            shared = located.get((source.name, device)) if source is not None else None
+            shared = self.located.get((source.name, device)) if source is not None else None
             if shared is not None:
-                variable = home[source.name][2]
+                variable = self.home[source.name][2]
                 buffer = shared
             else:
                 kind = "backward" if backward else "forward"
                 buffer = _Buffer(tensor.name, device, 0 if variable else nbytes, step, kind)
-                buffers.append(buffer)
-            located[tensor.name, device] = buffer
-            home[tensor.name] = (device, nbytes, variable)
+                self.buffers.append(buffer)
+            self.located[tensor.name, device] = buffer
+            self.home[tensor.name] = (device, nbytes, variable)
 
-    if keep_outputs:
-        for tensor in graph.outputs:
-            source = home.get(tensor.name)
+    def keep_until(self, tensors, last_step: int) -> None:
+        """The buffers of `tensors` (the graph's outputs: the caller holds them) live until `last_step`."""
+        for tensor in tensors:
+            source = self.home.get(tensor.name)
             if source is not None:
-                located[tensor.name, source[0]].end = len(ops) - 1
+                self.located[tensor.name, source[0]].end = last_step
 
-    # live bytes per device and step: +bytes at a buffer's start, -bytes after its end
-    for device, entry in memory.items():
-        own = [b for b in buffers if b.device == device and b.bytes]
-        entry.tensor_bytes = sum(b.bytes for b in own)
-        delta = [0] * (len(ops) + 1)
-        for b in own:
-            delta[b.start] += b.bytes
-            delta[b.end + 1] -= b.bytes
-        live, peak, peak_step = 0, 0, -1
-        for step in range(len(ops)):
-            live += delta[step]
-            if live > peak:
-                peak, peak_step = live, step
-        entry.peak_bytes, entry.peak_step = peak, peak_step
-        if peak_step >= 0:
-            entry.peak_op = ops[peak_step].name
-            at_peak = sorted((b for b in own if b.start <= peak_step <= b.end), key=lambda b: -b.bytes)
-            for b in at_peak:
-                entry.peak_breakdown[b.kind] += b.bytes
-            entry.peak_tensors = [(b.name, b.bytes) for b in at_peak[:top]]
-    return memory
+
+def _find_peak(entry: DeviceMemory, buffers: list[_Buffer], ops, top: int) -> None:
+    """Sets `entry`'s tensor bytes and its peak (bytes, step, op, breakdown, largest `top` buffers) from the live
+    bytes per step of its device's buffers: +bytes at a buffer's start, -bytes after its end."""
+    own = [b for b in buffers if b.device == entry.device and b.bytes]
+    entry.tensor_bytes = sum(b.bytes for b in own)
+    delta = [0] * (len(ops) + 1)
+    for b in own:
+        delta[b.start] += b.bytes
+        delta[b.end + 1] -= b.bytes
+    live, peak, peak_step = 0, 0, -1
+    for step in range(len(ops)):
+        live += delta[step]
+        if live > peak:
+            peak, peak_step = live, step
+    entry.peak_bytes, entry.peak_step = peak, peak_step
+    if peak_step >= 0:
+        entry.peak_op = ops[peak_step].name
+        at_peak = sorted((b for b in own if b.start <= peak_step <= b.end), key=lambda b: -b.bytes)
+        for b in at_peak:
+            entry.peak_breakdown[b.kind] += b.bytes
+        entry.peak_tensors = [(b.name, b.bytes) for b in at_peak[:top]]
 
 
 def parameter_bytes(variables: Sequence, optimizer_slots: int = 2, gradients: bool = True) -> int:

@@ -192,49 +192,22 @@ def run_trial(
     result = run_trial({"config": to_dict(config), "volume_shape": [60, 75, 62]}, workdir=Path("trials/0"))
     ```
     """
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    request_path, result_path, progress_path, log_path = (
-        workdir / REQUEST_FILE,
-        workdir / RESULT_FILE,
-        workdir / PROGRESS_FILE,
-        workdir / LOG_FILE,
-    )
-    for stale in (result_path, progress_path):
-        stale.unlink(missing_ok=True)
-    atomic_write_json(request_path, request)
+    request_path, result_path, progress_path, log_path = _prepare_workdir(Path(workdir), request)
     gpus = None if gpu is None else ([int(g) for g in gpu] if isinstance(gpu, Sequence) else [int(gpu)])
     gpu = gpus or None  # below: None for a CPU trial, else the list of the trial's GPUs
     rss_budget = memory_budget_mb if gpu is None else host_memory_budget_mb
-    command = [sys.executable, "-m", "tfmis.tune.fit.trial", str(request_path), str(result_path)]
-    if gpus:
-        command += ["--gpu", ",".join(map(str, gpus))]
-    if memory_budget_mb is not None:
-        command += ["--memory-budget-mb", str(memory_budget_mb)]
+    command = _trial_command(request_path, result_path, gpus, memory_budget_mb)
 
     start = time.monotonic()
     with open(log_path, "wb") as log:
         try:
             child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(gpu, extra_env))
         except OSError as e:
-            return _finish(
-                {
-                    "status": "failed",
-                    "reason": f"cannot start the trial process: {e}",
-                    "failed_phase": "setup",
-                    "log": str(log_path),
-                    "wall_seconds": 0.0,
-                }
-            )
+            return _finish(_not_started(e, log_path))
         killed, rss_seen, exit_code = _watch(child, rss_budget, start + timeout_s)
     wall = time.monotonic() - start
 
-    progress = _read_json(progress_path) or {}
-    progress.pop("pid", None)
-    phase = progress.pop("phase", "setup")
-    phase = phase if phase in PHASES else "validation"  # "done": finished validating
-    reported = None if killed else _read_json(result_path)
-    result = {**progress, **(reported or {})}
+    result, phase, reported = _collect_result(progress_path, result_path, killed)
     result.update(wall_seconds=wall, exit_code=exit_code, log=str(log_path), budget_mb=memory_budget_mb)
     if gpu is None:  # a CPU trial's peak is the process's: the child's VmHWM, or what the parent saw
         result["rss_peak_mb"] = max(result.get("rss_peak_mb") or 0.0, rss_seen) or None
@@ -249,11 +222,49 @@ def run_trial(
         )
     elif killed == "timeout":
         _fail(result, f"timed out after {timeout_s:g} s during {phase}", phase)
-    elif reported is None:
+    elif not reported:
         _fail_crash(result, log_path, exit_code, phase)
     elif result.get("status") == "ok":
         _check_budgets(result, memory_budget_mb, rss_budget, gpu is not None)
     return _finish(result)
+
+
+def _prepare_workdir(workdir: Path, request: dict) -> tuple[Path, Path, Path, Path]:
+    """Creates the trial's folder, removes an earlier trial's result and progress, writes the request; returns
+    the request, result, progress and log paths."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    paths = workdir / REQUEST_FILE, workdir / RESULT_FILE, workdir / PROGRESS_FILE, workdir / LOG_FILE
+    for stale in paths[1:3]:
+        stale.unlink(missing_ok=True)
+    atomic_write_json(paths[0], request)
+    return paths
+
+
+def _trial_command(request_path: Path, result_path: Path, gpus: list[int] | None, memory_budget_mb) -> list[str]:
+    """The child's command line: `python -m tfmis.tune.fit.trial REQUEST RESULT [--gpu i,j] [--memory-budget-mb]`."""
+    command = [sys.executable, "-m", "tfmis.tune.fit.trial", str(request_path), str(result_path)]
+    if gpus:
+        command += ["--gpu", ",".join(map(str, gpus))]
+    if memory_budget_mb is not None:
+        command += ["--memory-budget-mb", str(memory_budget_mb)]
+    return command
+
+
+def _not_started(error: OSError, log_path: Path) -> dict:
+    """The failed result of a trial whose process could not be started."""
+    reason = f"cannot start the trial process: {error}"
+    return {"status": "failed", "reason": reason, "failed_phase": "setup", "log": str(log_path), "wall_seconds": 0.0}
+
+
+def _collect_result(progress_path: Path, result_path: Path, killed: str | None) -> tuple[dict, str, bool]:
+    """What the child left: its progress (the numbers so far) overlaid with its result (unless it was killed), the
+    phase it reached (a known one; "done" counts as validation), and whether it wrote a result."""
+    progress = _read_json(progress_path) or {}
+    progress.pop("pid", None)
+    phase = progress.pop("phase", "setup")
+    phase = phase if phase in PHASES else "validation"  # "done": finished validating
+    reported = None if killed else _read_json(result_path)
+    return {**progress, **(reported or {})}, phase, reported is not None
 
 
 def _watch(child: subprocess.Popen, rss_budget: float | None, deadline: float) -> tuple[str | None, float, int]:
