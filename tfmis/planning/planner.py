@@ -319,7 +319,7 @@ class ExperimentPlanner:
     def determine_data(self) -> DataDecision:
         """Source and target folders, target spacing (nnU-Net's rule, or the fixed one), CT window and
         normalisation, split, shards; the median shape at the target spacing."""
-        from tfmis.data.convert import assign_splits
+        from tfmis.data.folds import assign_splits
 
         fp = self.fp
         out = Settings()
