@@ -24,7 +24,7 @@ from typing import Literal, Optional, Union
 
 import yaml
 
-from tfmis.data.convert import ConversionOptions
+from tfmis.data.conversion_options import ConversionOptions
 from tfmis.errors import ConfigError  # noqa: F401  (config.ConfigError: part of this module's interface)
 from tfmis.networks.architecture import UNetArchitecture
 
@@ -713,7 +713,7 @@ def _resolve_data_split(data: DataConfig) -> None:
     """
     import re
 
-    from tfmis.data.convert import DEFAULT_SPLIT, read_splits_file
+    from tfmis.data.folds import DEFAULT_SPLIT, read_splits_file
     from tfmis.data.records import SPLIT_JOIN, cross_validation_splits
 
     s = data.split
