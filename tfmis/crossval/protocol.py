@@ -32,12 +32,13 @@ import sys
 import time
 from pathlib import Path
 
+from tfmis.crossval.jobs import FIRST_OVERHEAD_SECONDS, TRAINING_BUDGET_FILE
 from tfmis.errors import UsageError
 from tfmis.utils.io import atomic_write_json
 
 PROTOCOL_FILE = "protocol.json"
 OOF_SHARE = 0.15  # of the time left after the conversion: out-of-fold predictions, pairs, the choice
-MIN_TRAINING_MINUTES = 0.5  # a training shorter than this learns nothing worth comparing
+MIN_TRAINING_MINUTES = 0.5  # a training loop shorter than this learns nothing worth comparing
 CONFIGURATION_STAGES = {"fullres": ["fullres"], "lowres": ["lowres"], "cascade": ["lowres", "cascade"]}
 
 
@@ -88,8 +89,6 @@ class Protocol:
         else:
             log(f"Continuing the protocol in {self.output} ({PROTOCOL_FILE}): {record['summary']}")
         if record.get("lane_seconds"):
-            from tfmis.crossval.jobs import TRAINING_BUDGET_FILE
-
             self.cv_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.cv_dir / TRAINING_BUDGET_FILE, {"lane_seconds": record["lane_seconds"]})
         argv = ["--config", str(stages_file), "--folds", str(self.folds), "--output", str(self.cv_dir)]
@@ -182,12 +181,14 @@ class Protocol:
         left = self.max_minutes - spent
         rounds = math.ceil(trainings / self.workers)
         each = left * (1 - OOF_SHARE) / rounds
-        if each < MIN_TRAINING_MINUTES:
+        startup = FIRST_OVERHEAD_SECONDS / 60  # each training process's time outside its training loop, at least
+        if each - startup < MIN_TRAINING_MINUTES:
+            need = spent + (MIN_TRAINING_MINUTES + startup) * rounds / (1 - OOF_SHARE)
             raise UsageError(
                 f"--max-minutes {self.max_minutes:g}: after planning and converting ({spent:.1f} min), {trainings} "
                 f"trainings ({len(stages)} stage(s) x {self.folds} folds, {self.workers} at a time) would get "
-                f"{each:.2f} min each; give at least {spent + MIN_TRAINING_MINUTES * rounds / (1 - OOF_SHARE):.0f} "
-                "minutes, fewer --folds or fewer --configurations"
+                f"{each:.2f} min each, {each - startup:.2f} of it training after their start-up; give at least "
+                f"{math.ceil(need):.0f} minutes, fewer --folds or fewer --configurations"
             )
         each = math.floor(each * 100) / 100
         record["overrides"] = [f"training.max_minutes={each:g}"]
