@@ -30,8 +30,9 @@ def run(argv, capsys) -> tuple[int, str]:
 @pytest.mark.slow
 def test_a_budget_too_small_for_the_trainings_and_a_missing_candidate_are_one_line_exit_2(tmp_path, capsys):
     """After planning and converting a real tiny dataset, a 0.05-minute budget would leave each of the 2 trainings
-    under half a minute: exit 2, one line giving the minutes it would need; `--configurations lowres` on data whose
-    plan offers only full resolution: exit 2, one line saying what the plan offers. Nothing is trained."""
+    under half a minute after its start-up: exit 2, one line giving the minutes it would need; `--configurations
+    lowres` on data whose plan offers only full resolution: exit 2, one line saying what the plan offers. Nothing is
+    trained."""
     source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=4)
     code, out = run(
         ["--source-dir", source, "--output", tmp_path / "a", "--folds", "2", "--max-minutes", "0.05"], capsys

@@ -4,6 +4,7 @@ grid, the configuration and postprocessing chosen from them, and a killed cross-
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -95,6 +96,40 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
     assert not (tmp_path / "cv" / DEFINITION_FILE).exists()
+
+
+def test_training_budget_shares_what_is_left_less_the_measured_start_up(tmp_path):
+    """Under `tfmis-auto`'s training budget (training_budget.json: 600 s per worker), each training's
+    `training.max_minutes` is set when it starts: worker 0 of 2 has folds 0 and 2 of 4, two configurations each. Before
+    any training: 600 s / 4 trainings - 20 s (the assumed start-up) = 130 s = 2.16 min. After one training that took
+    200 s of which its loop took 150 s (start-up measured: 50 s): (600 - 200) / 3 - 50 = 83.3 s = 1.38 min. Worker 1's
+    jobs do not count for worker 0; a used-up budget still gives the least share; no file, no budget."""
+    from tfmis.crossval.experiment import Configuration, Definition, append_job_event, fold_run_dir
+    from tfmis.crossval.jobs import (
+        FIRST_OVERHEAD_SECONDS,
+        LEAST_TRAINING_MINUTES,
+        TRAINING_BUDGET_FILE,
+        training_minutes,
+    )
+
+    definition = Definition([Configuration("a", {}), Configuration("b", {})], 4, [0, 1, 2, 3])
+    cv = tmp_path / "cv"
+    cv.mkdir()
+    assert training_minutes(cv, definition, 0, 2) is None
+    (cv / TRAINING_BUDGET_FILE).write_text(json.dumps({"lane_seconds": 600.0}))
+    assert FIRST_OVERHEAD_SECONDS == 20.0
+    assert training_minutes(cv, definition, 0, 2) == pytest.approx(2.16)  # floor(130 / 60, 2 decimals)
+    run = fold_run_dir(cv, "a", 0)
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"elapsed_seconds": 150.0}))
+    base = {"job": "train", "configuration": "a", "fold": 0, "worker": "worker0"}
+    append_job_event(cv, {**base, "event": "start", "time": 0.0})
+    append_job_event(cv, {**base, "event": "end", "time": 200.0, "seconds": 200.0, "exit_code": 0})
+    other = {"job": "train", "configuration": "a", "fold": 1, "worker": "worker1", "event": "end"}
+    append_job_event(cv, {**other, "seconds": 500.0, "exit_code": 0})
+    assert training_minutes(cv, definition, 0, 2) == pytest.approx(math.floor((400 / 3 - 50) / 60 * 100) / 100)
+    append_job_event(cv, {**base, "fold": 2, "event": "end", "seconds": 900.0, "exit_code": 1})
+    assert training_minutes(cv, definition, 0, 2) == LEAST_TRAINING_MINUTES
 
 
 def test_progress_table_shows_a_failed_job_with_its_exit_code_until_it_is_retried(tmp_path):

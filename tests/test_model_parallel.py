@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tfmis.networks.parallel import _balanced_cuts, same_padding, slab_bounds
+from tfmis.networks.pipeline_stages import _balanced_cuts
+from tfmis.networks.slabs import same_padding, slab_bounds
 
 TESTS = Path(__file__).parent
 

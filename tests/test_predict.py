@@ -358,24 +358,28 @@ def test_tta_logits_are_the_mean_over_all_eight_flips_and_probabilities_their_so
     assert single.tta_flips == [[], [1]]
 
 
-def test_cli_help_and_bad_arguments(trained_run, tmp_path):
-    with pytest.raises(SystemExit):
+def test_cli_help_and_bad_arguments(trained_run, tmp_path, capsys):
+    """--help exits 0; a --checkpoint that does not exist is a bad argument (exit 2) named in one line, even with
+    a valid --config."""
+    with pytest.raises(SystemExit) as help_exit:
         predict_main(["--help"])
-    assert (
+    assert help_exit.value.code == 0
+    missing = tmp_path / "missing.weights.h5"
+    with pytest.raises(SystemExit) as bad:
         predict_main(
             [
                 "--config",
                 str(trained_run["dir"] / "config.yaml"),
                 "--checkpoint",
-                str(tmp_path / "missing.weights.h5"),
+                str(missing),
                 "--input",
                 str(tmp_path),
                 "--output",
                 str(tmp_path / "o"),
             ]
         )
-        == 1
-    )
+    assert bad.value.code == 2
+    assert f"--checkpoint {missing}: no such file or folder" in capsys.readouterr().err
 
 
 REGION_OVERRIDES = [

@@ -205,7 +205,9 @@ def main(argv=None) -> int:
     from tfmis.config import load_config
     from tfmis.errors import PartialFailure, UsageError
     from tfmis.inference.ensemble import build_predictor, resolve_checkpoint
-    from tfmis.inference.predictor import collect_inputs, describe_postprocessing, results_table, write_csv
+    from tfmis.inference.inputs import collect_inputs
+    from tfmis.inference.outputs import results_table, write_csv
+    from tfmis.inference.postprocess import describe_postprocessing
 
     source = resolve_checkpoint(args.checkpoint, folds, args.weights)
     if source.kind == "run" and args.config is None:  # the folder of a plan of stages: its last stage

@@ -109,7 +109,7 @@ def _backend(config, fit_devices: int):
 
 
 def _report(trainer, summary: dict) -> None:
-    from tfmis.engine.trainer import summary_table
+    from tfmis.engine.bookkeeping import summary_table
 
     out = Path(trainer.config.output.dir)
     trainer.preview(out / "validation_preview.png")

@@ -346,7 +346,7 @@ class StageRunner:
         return summaries
 
     def _run_stages(self, stages: list[Stage], planned: PlannedRun | None) -> list:
-        from tfmis.engine.trainer import run_folder_lock
+        from tfmis.engine.bookkeeping import run_folder_lock
 
         summaries = []
         # one process trains a planned run: the measurement applies (several workers take the plan as it is)
@@ -403,7 +403,7 @@ class StageRunner:
 
         `training.precision: auto` becomes this machine's best precision; a setting this machine runs badly
         (mixed_float16 or jit_compile on a CPU) gets one warning naming the faster choice."""
-        from tfmis.engine.trainer import run_folder_lock
+        from tfmis.engine.bookkeeping import run_folder_lock
         from tfmis.hardware import resolve_precision
 
         config.training.precision = resolve_precision(config.training.precision)

@@ -85,7 +85,7 @@ def _resolve_data_split(data: DataConfig) -> None:
     """
     import re
 
-    from tfmis.data.convert import DEFAULT_SPLIT, read_splits_file
+    from tfmis.data.folds import DEFAULT_SPLIT, read_splits_file
     from tfmis.data.records import SPLIT_JOIN, cross_validation_splits
 
     s = data.split

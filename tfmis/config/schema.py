@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
-from tfmis.data.convert import ConversionOptions
+from tfmis.data.conversion_options import ConversionOptions
 from tfmis.networks.architecture import UNetArchitecture
 
 

@@ -11,6 +11,8 @@ is not predicted again.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -29,6 +31,7 @@ from tfmis.crossval.experiment import (
     fold_run_dir,
     job_config_path,
     pair_name,
+    read_job_events,
 )
 from tfmis.tune.hpo.devices import dies_with_parent, package_env
 from tfmis.utils.io import log_tail
@@ -44,6 +47,46 @@ def single_process_env(env: dict | None = None) -> dict:
     out = {k: v for k, v in base.items() if not k.startswith(LAUNCH_PREFIXES)}
     out.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return package_env(out)
+
+
+# `<cv>/training_budget.json` (written by `tfmis-auto` with a time budget): the seconds each worker's trainings
+# share in all; each training's `training.max_minutes` is what is left of them over the trainings still to run, less
+# the time a training process spends outside its training loop (start-up, data, the closing writes), measured on
+# this worker's finished trainings (FIRST_OVERHEAD_SECONDS before any)
+TRAINING_BUDGET_FILE = "training_budget.json"
+FIRST_OVERHEAD_SECONDS = 20.0
+LEAST_TRAINING_MINUTES = 0.1  # a training whose share is used up still trains a few epochs and ends its schedule
+
+
+def training_minutes(cv_dir: Path, definition: Definition, rank: int, size: int) -> float | None:
+    """The `training.max_minutes` of the next training of worker `rank` of `size` under the cross-validation's
+    training budget (`TRAINING_BUDGET_FILE`), or None without one.
+
+    Its share: (the worker's training seconds - what its finished trainings took, start-up included) / the
+    trainings it has left, less the measured start-up and closing time of one training. A fixed split would
+    overrun: every training process spends 10-60 s outside the loop that `training.max_minutes` counts."""
+    path = Path(cv_dir) / TRAINING_BUDGET_FILE
+    if not path.is_file():
+        return None
+    lane = float(json.loads(path.read_text())["lane_seconds"])
+    worker = f"worker{rank}"
+    ended = [e for e in read_job_events(cv_dir) if e.get("job") == "train" and e.get("event") == "end"]
+    ended = [e for e in ended if e.get("worker") == worker]
+    spent = sum(float(e["seconds"]) for e in ended)
+    overheads = []
+    for event in ended:
+        summary = fold_run_dir(cv_dir, event["configuration"], event["fold"]) / "summary.json"
+        if event.get("exit_code") == 0 and summary.is_file():
+            elapsed = json.loads(summary.read_text()).get("elapsed_seconds") or 0.0
+            overheads.append(max(0.0, float(event["seconds"]) - float(elapsed)))
+    overhead = sum(overheads) / len(overheads) if overheads else FIRST_OVERHEAD_SECONDS
+    left = sum(
+        not training_done(fold_run_dir(cv_dir, c.name, fold))
+        for fold in worker_folds(definition, rank, size)
+        for c in definition.configurations
+    )
+    share = (lane - spent) / max(1, left) - overhead
+    return max(LEAST_TRAINING_MINUTES, math.floor(share / 60 * 100) / 100)
 
 
 def training_done(run_dir: Path) -> bool:
@@ -91,10 +134,14 @@ def _run(cv_dir: Path, command: list[str], log: Path, event: dict, env: dict) ->
     return code, reason
 
 
-def run_fold(cv_dir: str | Path, definition: Definition, fold: int, env: dict, worker: str) -> str | None:
-    """Trains every configuration of `fold` not yet trained and predicts its held-out cases; None, or why it failed
-    (one line naming the configuration, the fold and its log)."""
+def run_fold(
+    cv_dir: str | Path, definition: Definition, fold: int, env: dict, rank: int = 0, size: int = 1
+) -> str | None:
+    """Trains every configuration of `fold` not yet trained (under the training budget when there is one) and
+    predicts its held-out cases, as worker `rank` of `size`; None, or why it failed (one line naming the
+    configuration, the fold and its log)."""
     cv_dir = Path(cv_dir)
+    worker = f"worker{rank}"
     for configuration in definition.configurations:
         name = configuration.name
         run = fold_run_dir(cv_dir, name, fold)
@@ -103,6 +150,9 @@ def run_fold(cv_dir: str | Path, definition: Definition, fold: int, env: dict, w
         log = cv_dir / LOGS_DIR / f"{name}_fold_{fold}.train.log"
         command = [sys.executable, "-m", "tfmis.train", "--config", str(job_config_path(cv_dir, name, fold))]
         command.append("--resume")  # an interrupted training continues from its last committed epoch
+        minutes = training_minutes(cv_dir, definition, rank, size)
+        if minutes is not None:
+            command += ["--set", f"training.max_minutes={minutes:g}"]
         event = {"job": "train", "configuration": name, "fold": fold, "worker": worker, "resumed": run.exists()}
         code, reason = _run(cv_dir, command, log, event, env)
         if code != 0:
@@ -128,7 +178,7 @@ def run_worker(cv_dir: str | Path, definition: Definition, rank: int, size: int,
     env = single_process_env(env)
     failed = []
     for fold in worker_folds(definition, rank, size):
-        reason = run_fold(cv_dir, definition, fold, env, f"worker{rank}")
+        reason = run_fold(cv_dir, definition, fold, env, rank, size)
         if reason:
             print(f"error: {reason}", file=sys.stderr, flush=True)
             failed.append(reason)

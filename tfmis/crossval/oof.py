@@ -35,7 +35,7 @@ PROBABILITIES_SUFFIX = "_probabilities.nii.gz"
 def fold_cases(definition: Definition, fold: int, predictor) -> list:
     """The held-out cases of `fold` (InputCase with image and label paths), from the configuration's source."""
     from tfmis.data.msd import DatasetNotFound
-    from tfmis.inference.predictor import collect_inputs
+    from tfmis.inference.inputs import collect_inputs
 
     source = predictor.config.data.source_dir
     if not source or not (Path(source) / "dataset.json").is_file():
@@ -66,7 +66,7 @@ def score_folder(folder: Path, cases: list, labels: list[int], regions: dict | N
 def ensemble_folder(folders: list[Path], out: Path, cases: list, paint_labels) -> None:
     """The label maps of the configurations' averaged probabilities (written by predict's `probabilities=True`:
     one channel per class, or per region), one case at a time."""
-    from tfmis.inference.predictor import save_like
+    from tfmis.inference.nifti import save_like
     from tfmis.inference.restore import paint_regions
 
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ def predict_fold(cv_dir: str | Path, fold: int, device: str | None = None) -> in
     the two-configuration ensembles'; 0, or 1 after an error line."""
     from tfmis.config import load_config
     from tfmis.inference.cascade import make_predictor
-    from tfmis.inference.predictor import run_config
+    from tfmis.inference.inputs import run_config
 
     cv_dir = Path(cv_dir)
     definition = read_definition(cv_dir)

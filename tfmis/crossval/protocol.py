@@ -7,9 +7,10 @@
    which is the low-resolution configuration, so it is scored too.
 3. **The budget** (`max_minutes`, optional): the data are converted into the folds first; the time left, less
    `OOF_SHARE` for the out-of-fold predictions and the choice, is split evenly over the trainings (K folds times
-   the stages, `workers` at a time), and each training fits its learning-rate schedule to its share
-   (`training.max_minutes`). The split is written to `<output>/protocol.json` and kept by a rerun, which then
-   continues the same cross-validation instead of starting another.
+   the stages, `workers` at a time): each training's share (`training.max_minutes`, to which it fits its
+   learning-rate schedule) is set when it starts, from what is left and the start-up time the trainings before
+   it took (`tfmis.crossval.jobs.training_minutes`). The split is written to `<output>/protocol.json` and kept by
+   a rerun, which then continues the same cross-validation instead of starting another.
 4. **Cross-validation** (`tfmis-crossval`) into `<output>/cv`: the folds as parallel experiments, each held-out
    fold predicted with the weights its training ended with, the configuration or pair of configurations and the
    postprocessing chosen by the out-of-fold Dice.
@@ -31,12 +32,13 @@ import sys
 import time
 from pathlib import Path
 
+from tfmis.crossval.jobs import FIRST_OVERHEAD_SECONDS, TRAINING_BUDGET_FILE
 from tfmis.errors import UsageError
 from tfmis.utils.io import atomic_write_json
 
 PROTOCOL_FILE = "protocol.json"
 OOF_SHARE = 0.15  # of the time left after the conversion: out-of-fold predictions, pairs, the choice
-MIN_TRAINING_MINUTES = 0.5  # a training shorter than this learns nothing worth comparing
+MIN_TRAINING_MINUTES = 0.5  # a training loop shorter than this learns nothing worth comparing
 CONFIGURATION_STAGES = {"fullres": ["fullres"], "lowres": ["lowres"], "cascade": ["lowres", "cascade"]}
 
 
@@ -86,6 +88,9 @@ class Protocol:
             atomic_write_json(self.output / PROTOCOL_FILE, record)
         else:
             log(f"Continuing the protocol in {self.output} ({PROTOCOL_FILE}): {record['summary']}")
+        if record.get("lane_seconds"):
+            self.cv_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.cv_dir / TRAINING_BUDGET_FILE, {"lane_seconds": record["lane_seconds"]})
         argv = ["--config", str(stages_file), "--folds", str(self.folds), "--output", str(self.cv_dir)]
         argv += ["--workers", str(self.workers)]
         for override in [*self.overrides, *record["overrides"]]:
@@ -176,19 +181,23 @@ class Protocol:
         left = self.max_minutes - spent
         rounds = math.ceil(trainings / self.workers)
         each = left * (1 - OOF_SHARE) / rounds
-        if each < MIN_TRAINING_MINUTES:
+        startup = FIRST_OVERHEAD_SECONDS / 60  # each training process's time outside its training loop, at least
+        if each - startup < MIN_TRAINING_MINUTES:
+            need = spent + (MIN_TRAINING_MINUTES + startup) * rounds / (1 - OOF_SHARE)
             raise UsageError(
                 f"--max-minutes {self.max_minutes:g}: after planning and converting ({spent:.1f} min), {trainings} "
                 f"trainings ({len(stages)} stage(s) x {self.folds} folds, {self.workers} at a time) would get "
-                f"{each:.2f} min each; give at least {spent + MIN_TRAINING_MINUTES * rounds / (1 - OOF_SHARE):.0f} "
-                "minutes, fewer --folds or fewer --configurations"
+                f"{each:.2f} min each, {each - startup:.2f} of it training after their start-up; give at least "
+                f"{math.ceil(need):.0f} minutes, fewer --folds or fewer --configurations"
             )
         each = math.floor(each * 100) / 100
         record["overrides"] = [f"training.max_minutes={each:g}"]
+        record["lane_seconds"] = left * 60 * (1 - OOF_SHARE)  # each worker's trainings, start-ups included
         record["summary"] = (
             f"{self.max_minutes:g} min: {spent:.1f} planning and converting, {trainings} trainings ("
-            f"{', '.join(n for n, _ in stages)} x {self.folds} folds) of {each:g} min each, {self.workers} at a "
-            f"time, {OOF_SHARE:.0%} of the rest for the out-of-fold predictions and the choice"
+            f"{', '.join(n for n, _ in stages)} x {self.folds} folds) of about {each:g} min each (start-ups "
+            f"included; each training's share is set when it starts, from what the ones before took), "
+            f"{self.workers} at a time, {OOF_SHARE:.0%} of the rest for the out-of-fold predictions and the choice"
         )
         log(f"Protocol budget: {record['summary']}")
         return record

@@ -59,25 +59,97 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
-from nibabel import orientations
-from scipy import interpolate, ndimage
 
+from tfmis.data.demo_anatomy import (
+    TEMPLATE_ASSET,
+    DemoCase,
+    SubjectPose,
+    Template,
+    lesion_map,
+    load_template,
+    random_pose,
+    random_rotation,
+    reorient,
+    smooth_random_field,
+    subject_grid,
+    synthesise_channels,
+    template_voxel_coordinates,
+    tissue_labels,
+    warp_template,
+)
+from tfmis.data.demo_brats import (
+    BRATS_BOX_MM,
+    BRATS_DATASET_NAME,
+    BRATS_DESCRIPTION,
+    BRATS_LABELS,
+    BRATS_MODALITIES,
+    brats_grid,
+    brats_pose,
+    generate_brats_case,
+    synthesise_brats_channels,
+    tumour_maps,
+    zscore_over_body,
+)
 from tfmis.utils.io import atomic_save_nifti, atomic_writer
+
+# this module writes the dataset; the anatomy is drawn in `demo_anatomy`, the BraTS-size variant in `demo_brats`, the
+# command line is `main` below (the moved names, this module's before, are importable from here too)
+__all__ = [
+    "BRATS_BOX_MM",
+    "BRATS_DATASET_NAME",
+    "BRATS_DESCRIPTION",
+    "BRATS_LABELS",
+    "BRATS_MODALITIES",
+    "DATASET_NAME",
+    "DESCRIPTION",
+    "FIRST_TEST_NUMBER",
+    "ISO",
+    "LABELS",
+    "LICENCE",
+    "MODALITIES",
+    "REFERENCE",
+    "STORAGE_SCHEDULE",
+    "TEMPLATE_ASSET",
+    "DemoCase",
+    "StorageStyle",
+    "SubjectPose",
+    "Template",
+    "brats_grid",
+    "brats_pose",
+    "case_name",
+    "dataset_json",
+    "generate_brats_case",
+    "generate_case",
+    "lesion_map",
+    "load_template",
+    "main",
+    "make_demo_dataset",
+    "random_pose",
+    "random_rotation",
+    "reorient",
+    "smooth_random_field",
+    "storage_style",
+    "subject_grid",
+    "synthesise_brats_channels",
+    "synthesise_channels",
+    "template_voxel_coordinates",
+    "tissue_labels",
+    "tumour_maps",
+    "warp_template",
+    "zscore_over_body",
+]
 
 DATASET_NAME = "Task00_DemoBrain"
 MODALITIES = {"0": "T1w", "1": "T2w"}
 LABELS = {"0": "background", "1": "grey matter", "2": "white matter", "3": "lesion"}
 FIRST_TEST_NUMBER = 100
-TEMPLATE_ASSET = "mni152_2mm.npz"
 
 DESCRIPTION = (
     "Synthetic demo dataset made by tfmis.data.demo: the anatomy is the MNI ICBM152 2009a nonlinear "
@@ -141,292 +213,8 @@ def storage_style(case_number: int) -> StorageStyle:
 
 
 # --------------------------------------------------------------------------------------------
-# Template
+# A case: drawn (`demo_anatomy`), then stored in its style
 # --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Template:
-    """The 2 mm MNI152 maps (T1, GM, WM, brain fraction) as float32 scaled to [0, 1], on one RAS grid."""
-
-    t1: np.ndarray
-    gm: np.ndarray
-    wm: np.ndarray
-    brain: np.ndarray
-    affine: np.ndarray
-
-    @property
-    def brain_box_mm(self) -> tuple[np.ndarray, np.ndarray]:
-        """World (mm) corners (min, max) of the brain's bounding box."""
-        voxels = np.argwhere(self.brain >= 0.5)
-        corners = np.stack([voxels.min(axis=0), voxels.max(axis=0)])
-        world = corners @ self.affine[:3, :3].T + self.affine[:3, 3]
-        return world.min(axis=0), world.max(axis=0)
-
-
-@functools.lru_cache(maxsize=1)
-def load_template() -> Template:
-    """Loads `assets/mni152_2mm.npz` (built by tools/build_demo_template.py) once per process."""
-    asset = resources.files("tfmis.data") / "assets" / TEMPLATE_ASSET
-    with asset.open("rb") as f, np.load(f) as npz:
-        maps = {k: npz[k].astype(np.float32) / np.float32(255) for k in ("t1", "gm", "wm", "brain")}
-        affine = npz["affine"].astype(np.float64)
-    return Template(affine=affine, **maps)
-
-
-# --------------------------------------------------------------------------------------------
-# Random smooth fields and transforms
-# --------------------------------------------------------------------------------------------
-
-
-def smooth_random_field(rng: np.random.Generator, shape: tuple[int, ...], nodes: int, std: float) -> np.ndarray:
-    """A smooth random field on `shape`: Gaussian values on a coarse `nodes`^3 grid, cubic-spline upsampled.
-
-    Example:
-        >>> smooth_random_field(np.random.default_rng(0), (40, 50, 30), nodes=4, std=1.0).shape
-        (40, 50, 30)
-    """
-    coarse = rng.normal(0.0, std, size=(nodes,) * len(shape))
-    # The spline is a tensor product: upsample one axis at a time with a (n, nodes) weight matrix,
-    # much faster than a 3D spline evaluated at every voxel.
-    field = coarse
-    for axis, n in enumerate(shape):
-        field = np.moveaxis(np.tensordot(_spline_weights(nodes, n), field, axes=([1], [axis])), 0, axis)
-    return field.astype(np.float32)
-
-
-@functools.lru_cache(maxsize=64)
-def _spline_weights(nodes: int, n: int) -> np.ndarray:
-    """(n, nodes) cubic-spline interpolation weights, first node on sample 0, last node on sample n-1."""
-    spline = interpolate.make_interp_spline(np.linspace(0.0, 1.0, nodes), np.eye(nodes), k=3)
-    return spline(np.linspace(0.0, 1.0, n))
-
-
-def random_rotation(rng: np.random.Generator, max_degrees: float) -> np.ndarray:
-    """A 3x3 rotation: product of rotations about x, y, z by uniform angles in ±max_degrees."""
-    ax, ay, az = np.deg2rad(rng.uniform(-max_degrees, max_degrees, size=3))
-    rx = np.array([[1, 0, 0], [0, np.cos(ax), -np.sin(ax)], [0, np.sin(ax), np.cos(ax)]])
-    ry = np.array([[np.cos(ay), 0, np.sin(ay)], [0, 1, 0], [-np.sin(ay), 0, np.cos(ay)]])
-    rz = np.array([[np.cos(az), -np.sin(az), 0], [np.sin(az), np.cos(az), 0], [0, 0, 1]])
-    return rz @ ry @ rx
-
-
-@dataclasses.dataclass(frozen=True)
-class SubjectPose:
-    """Maps template world (mm) to subject world (mm): p = centre + shift + rotation @ diag(scale) @ (q - centre)."""
-
-    centre: np.ndarray
-    rotation: np.ndarray
-    scale: np.ndarray
-    shift: np.ndarray
-
-    @property
-    def matrix(self) -> np.ndarray:
-        return self.rotation @ np.diag(self.scale)
-
-    def to_subject(self, template_mm: np.ndarray) -> np.ndarray:
-        """(N, 3) template mm -> (N, 3) subject mm."""
-        return (template_mm - self.centre) @ self.matrix.T + self.centre + self.shift
-
-
-def random_pose(rng: np.random.Generator, template: Template) -> SubjectPose:
-    """Rotation up to 10° per axis, scale ±8% per axis, shift up to 5 mm, about the brain centre."""
-    low, high = template.brain_box_mm
-    return SubjectPose(
-        centre=(low + high) / 2,
-        rotation=random_rotation(rng, 10.0),
-        scale=rng.uniform(0.92, 1.08, size=3),
-        shift=rng.uniform(-5.0, 5.0, size=3),
-    )
-
-
-def subject_grid(
-    rng: np.random.Generator, template: Template, pose: SubjectPose, spacing: tuple[float, float, float]
-) -> tuple[tuple[int, int, int], np.ndarray]:
-    """An RAS voxel grid covering the deformed brain plus a random 6-20 mm margin on each side.
-
-    Returns:
-        (shape, 4x4 affine) of the grid; voxel axes point along R, A, S.
-    """
-    low, high = template.brain_box_mm
-    corners = np.array([[x, y, z] for x in (low[0], high[0]) for y in (low[1], high[1]) for z in (low[2], high[2])])
-    subject = pose.to_subject(corners)
-    spacing_arr = np.asarray(spacing, dtype=np.float64)
-    start = subject.min(axis=0) - rng.uniform(6.0, 20.0, size=3)
-    stop = subject.max(axis=0) + rng.uniform(6.0, 20.0, size=3)
-    shape = tuple(int(n) for n in np.ceil((stop - start) / spacing_arr).astype(int) + 1)
-    affine = np.eye(4)
-    affine[:3, :3] = np.diag(spacing_arr)
-    affine[:3, 3] = np.round(start, 2)  # scanner-like round origin
-    return shape, affine
-
-
-def template_voxel_coordinates(
-    rng: np.random.Generator, template: Template, pose: SubjectPose, shape: tuple[int, int, int], affine: np.ndarray
-) -> np.ndarray:
-    """For every subject voxel, the (fractional) template voxel it shows: (3, X, Y, Z) float32.
-
-    The pose's inverse is applied to the voxel's world position, then a smooth elastic
-    displacement of a few mm (random vectors on a 5^3 grid, spline-upsampled) is added.
-    """
-    # subject voxel -> subject mm -> (inverse pose) template mm -> template voxel, as one 4x4 matrix.
-    subject_to_template_mm = np.eye(4)
-    inverse = np.linalg.inv(pose.matrix)
-    subject_to_template_mm[:3, :3] = inverse
-    subject_to_template_mm[:3, 3] = pose.centre - inverse @ (pose.centre + pose.shift)
-    voxel_map = np.linalg.inv(template.affine) @ subject_to_template_mm @ affine
-    mm_to_template_voxel = np.linalg.inv(template.affine)[:3, :3]
-
-    axes = [np.arange(n, dtype=np.float32) for n in shape]
-    coords = np.empty((3, *shape), dtype=np.float32)
-    for row in range(3):
-        coords[row] = (
-            voxel_map[row, 0] * axes[0][:, None, None]
-            + voxel_map[row, 1] * axes[1][None, :, None]
-            + voxel_map[row, 2] * axes[2][None, None, :]
-            + voxel_map[row, 3]
-        )
-    displacement_mm = [smooth_random_field(rng, shape, nodes=5, std=2.5) for _ in range(3)]
-    for row in range(3):
-        coords[row] += sum(mm_to_template_voxel[row, k] * displacement_mm[k] for k in range(3))
-    return coords
-
-
-def warp_template(template: Template, coords: np.ndarray) -> dict[str, np.ndarray]:
-    """Samples the template maps (trilinear, zero outside) at `coords`; returns float32 maps."""
-
-    def sample(volume):
-        return ndimage.map_coordinates(volume, coords, order=1, mode="constant", cval=0.0, output=np.float32)
-
-    return {
-        "t1": sample(template.t1),
-        "gm": sample(template.gm),
-        "wm": sample(template.wm),
-        "brain": sample(template.brain),
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# Lesion, contrasts, labels
-# --------------------------------------------------------------------------------------------
-
-
-def lesion_map(
-    rng: np.random.Generator, white_matter: np.ndarray, spacing: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """One irregular blob (a bumpy, rotated ellipsoid, semi-axes 7-12 mm) centred deep in white matter.
-
-    Args:
-        white_matter: warped WM probability on the subject grid.
-        spacing: voxel size in mm (RAS grid).
-
-    Returns:
-        (hard mask bool, soft membership float32 in [0, 1]) on the subject grid.
-    """
-    inside = white_matter > 0.5
-    depth_mm = ndimage.distance_transform_edt(inside, sampling=spacing)
-    candidates = np.argwhere(depth_mm >= min(5.0, depth_mm.max()))
-    centre_mm = candidates[rng.integers(len(candidates))] * spacing
-
-    semi_axes = rng.uniform(7.0, 12.0, size=3)
-    rotation = random_rotation(rng, 180.0)
-    # The blob is small: evaluate it only in a box around its centre.
-    reach = int(np.ceil(1.6 * semi_axes.max() / spacing.min()))
-    centre_voxel = np.round(centre_mm / spacing).astype(int)
-    lo = np.maximum(centre_voxel - reach, 0)
-    hi = np.minimum(centre_voxel + reach + 1, white_matter.shape)
-    grids = np.meshgrid(*[np.arange(a, b) * s for a, b, s in zip(lo, hi, spacing)], indexing="ij")
-    offsets = np.stack([g - c for g, c in zip(grids, centre_mm)], axis=-1)
-    local = offsets @ rotation / semi_axes
-    radius = np.linalg.norm(local, axis=-1)
-    direction = local / np.maximum(radius, 1e-6)[..., None]
-    # Irregular but smooth outline: a random quadratic form of the direction reshapes the ellipsoid
-    # (lobes, dents), and a coarse random field wobbles the boundary locally.
-    bumps = direction @ rng.normal(0, 0.12, size=3) + np.einsum(
-        "...i,ij,...j->...", direction, rng.normal(0, 0.15, size=(3, 3)), direction
-    )
-    bumpy_radius = radius * (1.0 + bumps) + smooth_random_field(rng, radius.shape, nodes=5, std=0.25)
-
-    soft = np.zeros(white_matter.shape, dtype=np.float32)
-    box = tuple(slice(a, b) for a, b in zip(lo, hi))
-    soft[box] = np.clip((1.0 - bumpy_radius) / 0.25 + 0.5, 0.0, 1.0)  # ~1.5 mm partial-volume rim
-    hard = np.zeros(white_matter.shape, dtype=bool)
-    hard[box] = bumpy_radius < 1.0
-    return hard, soft
-
-
-def tissue_labels(maps: dict[str, np.ndarray], brain: np.ndarray, lesion: np.ndarray) -> np.ndarray:
-    """argmax(1 - pGM - pWM, pGM, pWM) inside the brain, lesion (3) overriding; uint8."""
-    background = 1.0 - maps["gm"] - maps["wm"]
-    labels = np.argmax(np.stack([background, maps["gm"], maps["wm"]]), axis=0).astype(np.uint8)
-    labels[lesion] = 3
-    labels[~brain] = 0
-    return labels
-
-
-def synthesise_channels(
-    rng: np.random.Generator,
-    maps: dict[str, np.ndarray],
-    brain: np.ndarray,
-    lesion_soft: np.ndarray,
-    integer_output: bool,
-) -> np.ndarray:
-    """T1w and T2w in scanner units, (X, Y, Z, 2) float32, exactly 0 outside `brain`.
-
-    T1w is the template T1; T2w mixes tissue fractions (CSF 1.0, GM 0.55, WM 0.28, all relative
-    to the brain fraction so the brain edge is not darkened). The lesion pulls T1w down to half
-    and T2w up to 0.8 (CSF stays brighter). Each channel then gets its own bias field, noise and scale.
-    """
-    fraction = np.maximum(maps["brain"], 1e-3)
-    gm = np.clip(maps["gm"] / fraction, 0, 1)
-    wm = np.clip(maps["wm"] / fraction, 0, 1)
-    csf = np.clip(1.0 - gm - wm, 0, 1)
-    t1 = maps["t1"] * (1.0 - 0.5 * lesion_soft)
-    t2 = (1.0 * csf + 0.55 * gm + 0.28 * wm) * (1.0 - lesion_soft) + 0.8 * lesion_soft
-
-    channels = []
-    for contrast, (low, high) in ((t1, (500.0, 3000.0)), (t2, (300.0, 2500.0))):
-        bias = np.exp(smooth_random_field(rng, brain.shape, nodes=4, std=0.12))
-        noise = rng.normal(0.0, rng.uniform(0.015, 0.03), size=brain.shape).astype(np.float32)
-        scanner = (contrast * bias + noise) * np.float32(rng.uniform(low, high))
-        floor = 1.0 if integer_output else 1e-3  # keep the brain non-zero: zero means "outside"
-        channels.append(np.where(brain, np.maximum(scanner, floor), 0.0).astype(np.float32))
-    return np.stack(channels, axis=-1)
-
-
-# --------------------------------------------------------------------------------------------
-# Cases and files
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class DemoCase:
-    """One generated case, already in its storage orientation.
-
-    Attributes:
-        image: (X, Y, Z, 2) array in the on-disk dtype.
-        label: (X, Y, Z) uint8.
-        affine: 4x4 voxel-to-world (RAS mm), shared by image and label.
-    """
-
-    image: np.ndarray
-    label: np.ndarray
-    affine: np.ndarray
-
-
-def reorient(arrays: list[np.ndarray], affine: np.ndarray, axcodes: tuple[str, str, str]):
-    """Flips/permutes the first 3 axes of RAS-ordered arrays to `axcodes`; returns (arrays, new affine).
-
-    Example:
-        >>> arrays, affine = reorient([np.zeros((2, 3, 4))], np.eye(4), ("L", "P", "S"))
-        >>> nib.aff2axcodes(affine)
-        ('L', 'P', 'S')
-    """
-    transform = orientations.ornt_transform(
-        orientations.axcodes2ornt(("R", "A", "S")), orientations.axcodes2ornt(axcodes)
-    )
-    new_affine = affine @ orientations.inv_ornt_aff(transform, arrays[0].shape[:3])
-    return [np.ascontiguousarray(orientations.apply_orientation(a, transform)) for a in arrays], new_affine
 
 
 def generate_case(case_number: int, seed: int = 0) -> DemoCase:
@@ -457,199 +245,8 @@ def generate_case(case_number: int, seed: int = 0) -> DemoCase:
 
 
 # --------------------------------------------------------------------------------------------
-# BraTS-size variant (`--size brats`): 1 mm, 240 x 240 x 155, FLAIR / T1w / T1gd / T2w, tumour labels
+# The MSD folder
 # --------------------------------------------------------------------------------------------
-
-BRATS_DATASET_NAME = "Task01_DemoBraTS"
-BRATS_MODALITIES = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
-BRATS_LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
-BRATS_BOX_MM = (240.0, 240.0, 155.0)
-BRATS_DESCRIPTION = (
-    "Synthetic BraTS-size demo dataset made by tfmis.data.demo --size brats: the anatomy is the MNI "
-    "ICBM152 2009a nonlinear symmetric template (Copyright (C) 1993-2009 Louis Collins, McConnell Brain "
-    "Imaging Centre, Montreal Neurological Institute, McGill University), randomly deformed per case on a "
-    "1 mm 240 x 240 x 155 grid; FLAIR, T1w, T1gd and T2w contrasts and one synthetic glioma-like tumour "
-    "(oedema, non-enhancing core, enhancing rim) per case are simulated. Not for clinical or research use."
-)
-# Relative intensity of (healthy, oedema, enhancing rim, non-enhancing core) per contrast; "healthy"
-# is a tissue mix (CSF, GM, WM) or the template's own T1.
-_BRATS_CONTRASTS = {
-    "FLAIR": ((0.15, 0.6, 0.45), 0.95, 0.75, 0.4),
-    "T1w": ("t1", 0.8, 0.65, 0.35),  # multiplies the template T1
-    "t1gd": ("t1", 0.8, 1.5, 0.35),
-    "T2w": ((1.0, 0.55, 0.28), 0.8, 0.6, 0.95),
-}
-
-
-def brats_pose(rng: np.random.Generator, template: Template) -> SubjectPose:
-    """A milder pose than `random_pose` (BraTS scans are co-registered): 5°, scale 0.92-1.04 (z 0.9-1.0)."""
-    low, high = template.brain_box_mm
-    return SubjectPose(
-        centre=(low + high) / 2,
-        rotation=random_rotation(rng, 5.0),
-        scale=np.array([rng.uniform(0.92, 1.04), rng.uniform(0.92, 1.04), rng.uniform(0.9, 1.0)]),
-        shift=rng.uniform(-3.0, 3.0, size=3),
-    )
-
-
-def brats_grid(
-    rng: np.random.Generator, template: Template, pose: SubjectPose, spacing: float
-) -> tuple[tuple[int, int, int], np.ndarray]:
-    """The fixed BraTS box (240 x 240 x 155 mm) on an RAS grid of `spacing` mm, centred on the brain ±2 mm."""
-    shape = tuple(int(round(mm / spacing)) for mm in BRATS_BOX_MM)
-    centre = pose.centre + pose.shift + rng.uniform(-2.0, 2.0, size=3)
-    affine = np.diag([spacing, spacing, spacing, 1.0])
-    affine[:3, 3] = np.round(centre - (np.array(shape) - 1) / 2 * spacing, 1)
-    return shape, affine
-
-
-def tumour_maps(
-    rng: np.random.Generator, maps: dict[str, np.ndarray], brain: np.ndarray, spacing: float
-) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """One glioma-like tumour: an enhancing rim around a non-enhancing core inside irregular oedema.
-
-    The core's radius is log-uniform in 4-30 mm (many small tumours), the rim 1.5-4 mm thick (at most
-    half the radius, so a core always remains), the oedema reaches 1.4-2.6 radii along white matter.
-
-    Returns:
-        (label uint8: 1 oedema, 2 non-enhancing core, 3 enhancing rim, 0 elsewhere;
-         partial-volume memberships {"edema", "enhancing", "core"} float32 summing to <= 1).
-    """
-    shape = brain.shape
-    step = max(1, int(round(2.0 / spacing)))  # the depth map on a ~2 mm grid is plenty, on 1/step^3 of the voxels
-    coarse_wm = maps["wm"][::step, ::step, ::step] > 0.5
-    depth = ndimage.distance_transform_edt(brain[::step, ::step, ::step], sampling=step * spacing)
-    deep = coarse_wm & (depth >= min(15.0, depth.max()))
-    candidates = np.argwhere(deep if deep.any() else depth >= depth.max())
-    centre_mm = (candidates[rng.integers(len(candidates))] * step + rng.integers(0, step, size=3)) * spacing
-
-    radius = float(np.exp(rng.uniform(np.log(4.0), np.log(30.0))))
-    semi_axes = radius * rng.uniform(0.8, 1.2, size=3)
-    rim_mm = min(rng.uniform(1.5, 4.0), 0.5 * radius)
-    edema_factor = rng.uniform(1.4, 2.6)
-    rotation = random_rotation(rng, 180.0)
-
-    reach = int(np.ceil((edema_factor + 0.8) * semi_axes.max() / spacing))
-    centre_voxel = np.round(centre_mm / spacing).astype(int)
-    lo = np.maximum(centre_voxel - reach, 0)
-    hi = np.minimum(centre_voxel + reach + 1, shape)
-    box = tuple(slice(a, b) for a, b in zip(lo, hi))
-    grids = np.meshgrid(*[np.arange(a, b, dtype=np.float32) * spacing for a, b in zip(lo, hi)], indexing="ij")
-    local = np.stack([g - c for g, c in zip(grids, centre_mm)], axis=-1) @ rotation / semi_axes
-    del grids
-    rho = np.linalg.norm(local, axis=-1)
-    direction = local / np.maximum(rho, 1e-6)[..., None]
-    bumps = direction @ rng.normal(0, 0.1, size=3) + np.einsum(
-        "...i,ij,...j->...", direction, rng.normal(0, 0.12, size=(3, 3)), direction
-    )
-    del local, direction
-    tumour_rho = rho * (1.0 + bumps) + smooth_random_field(rng, rho.shape, nodes=5, std=0.12)
-    edema_rho = rho * (1.0 + 1.5 * bumps) + smooth_random_field(rng, rho.shape, nodes=6, std=0.35)
-    inner = 1.0 - rim_mm / radius
-
-    in_brain = brain[box]
-    along_wm = (maps["wm"][box] > 0.3) | (tumour_rho < 1.3)
-    core = (tumour_rho < inner) & in_brain
-    rim = (tumour_rho < 1.0) & ~core & in_brain
-    edema = (edema_rho < edema_factor) & ~core & ~rim & along_wm & in_brain
-    label = np.zeros(shape, dtype=np.uint8)
-    label[box][edema] = 1
-    label[box][core] = 2
-    label[box][rim] = 3
-
-    memberships = {}
-    for name, mask in (("edema", edema), ("enhancing", rim), ("core", core)):
-        soft = np.zeros(shape, dtype=np.float32)
-        soft[box] = ndimage.gaussian_filter(mask.astype(np.float32), sigma=0.6 / spacing)
-        memberships[name] = soft
-    return label, memberships
-
-
-def synthesise_brats_channels(
-    rng: np.random.Generator,
-    maps: dict[str, np.ndarray],
-    brain: np.ndarray,
-    memberships: dict[str, np.ndarray],
-    modalities: list[str],
-) -> np.ndarray:
-    """(X, Y, Z, C) float32 scanner units, 0 outside `brain`, >= 1 inside; C = len(modalities)."""
-    fraction = np.maximum(maps["brain"], 1e-3)
-    gm = np.clip(maps["gm"] / fraction, 0, 1)
-    wm = np.clip(maps["wm"] / fraction, 0, 1)
-    csf = np.clip(1.0 - gm - wm, 0, 1)
-    tumour = np.clip(memberships["edema"] + memberships["enhancing"] + memberships["core"], 0, 1)
-    channels = []
-    for name in modalities:
-        healthy, edema, enhancing, core = _BRATS_CONTRASTS[name]
-        if healthy == "t1":
-            base = maps["t1"]
-            contrast = (
-                base * (1.0 - tumour)
-                + base * (edema * memberships["edema"] + core * memberships["core"])
-                + np.float32(enhancing * 0.75) * memberships["enhancing"]
-            )  # rim relative to WM (~0.75)
-        else:
-            base = healthy[0] * csf + healthy[1] * gm + healthy[2] * wm
-            contrast = base * (1.0 - tumour) + (
-                edema * memberships["edema"] + enhancing * memberships["enhancing"] + core * memberships["core"]
-            )
-        bias = np.exp(smooth_random_field(rng, brain.shape, nodes=4, std=0.1))
-        noise = rng.standard_normal(brain.shape, dtype=np.float32) * np.float32(rng.uniform(0.015, 0.03))
-        scanner = (contrast * bias + noise) * np.float32(rng.uniform(300.0, 3000.0))
-        channels.append(np.where(brain, np.maximum(scanner, 1.0), 0.0).astype(np.float32))
-        del bias, noise, scanner, contrast
-    return np.stack(channels, axis=-1)
-
-
-def generate_brats_case(
-    case_number: int, seed: int = 0, spacing: float = 1.0, channels: int = 4, zscore: bool = False
-) -> DemoCase:
-    """One BraTS-size case (LPS, int16, `spacing` mm; 1 mm gives 240 x 240 x 155); deterministic in (seed, case).
-
-    Args:
-        channels: 2-4, the first of FLAIR, T1w, T1gd, T2w.
-        zscore: float32, each channel z-scored over its body (`zscore_over_body`): the background becomes a
-            non-zero constant per channel (e.g. -3.6), as in many public MRI sets; same anatomy and label.
-
-    Example:
-        >>> case = generate_brats_case(0, spacing=4.0, channels=2)
-        >>> case.image.shape, case.image.dtype, sorted(np.unique(case.label).tolist())
-        ((60, 60, 39, 2), dtype('int16'), [0, 1, 2, 3])
-    """
-    if not 1 <= channels <= len(BRATS_MODALITIES):
-        raise ValueError(f"channels must be 1-{len(BRATS_MODALITIES)}, got {channels}")
-    rng = np.random.default_rng([seed, case_number, 240])
-    template = load_template()
-    pose = brats_pose(rng, template)
-    shape, affine = brats_grid(rng, template, pose, spacing)
-    maps = warp_template(template, template_voxel_coordinates(rng, template, pose, shape, affine))
-    brain = maps["brain"] >= 0.5
-    label, memberships = tumour_maps(rng, maps, brain, spacing)
-    modalities = [BRATS_MODALITIES[str(c)] for c in range(channels)]
-    image = synthesise_brats_channels(rng, maps, brain, memberships, modalities)
-    del maps, memberships
-    image = np.clip(np.rint(image), 0, np.iinfo(np.int16).max).astype(np.int16)
-    if zscore:
-        image = zscore_over_body(image)
-    (image, label), affine = reorient([image, label], affine, ("L", "P", "S"))
-    return DemoCase(image=image, label=label, affine=affine)
-
-
-def zscore_over_body(image: np.ndarray) -> np.ndarray:
-    """(X, Y, Z, C) float32: per channel (x - mean) / std, mean and std over the body (its non-zero voxels); the
-    zero background becomes the constant -mean / std of that channel, as in z-scored public MRI sets.
-
-    Example:
-        >>> x = np.zeros((4, 4, 4, 1), np.int16); x[1:3, 1:3, 1:3, 0] = [[[1, 3], [1, 3]], [[1, 3], [1, 3]]]
-        >>> z = zscore_over_body(x); float(z[0, 0, 0, 0]), float(z[1, 1, 1, 0]), float(z[1, 1, 2, 0])
-        (-2.0, -1.0, 1.0)
-    """
-    out = np.empty(image.shape, dtype=np.float32)
-    for c in range(image.shape[-1]):
-        x = image[..., c].astype(np.float64)
-        body = x[x != 0]
-        out[..., c] = (x - body.mean()) / max(float(body.std()), 1e-8)
-    return out
 
 
 def _nifti(data: np.ndarray, affine: np.ndarray) -> nib.Nifti1Image:
@@ -768,11 +365,6 @@ def dataset_json(
         ],
         "test": [f"./imagesTs/{case_name(n)}.nii.gz" for n in test_numbers],
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
 
 
 def _folder_size_mb(root: Path) -> float:

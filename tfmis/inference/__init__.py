@@ -4,7 +4,10 @@
 - `blending.py`: Σ(weight · prediction) / Σ(weight) in host memory or on a device;
 - `sliding_window.py`: `sliding_window_inference`, MONAI's signature;
 - `placement.py`: where a volume and its buffers live, with the out-of-memory fallback;
-- `predictor.py`: whole scans in, NIfTI out, in the original geometry.
+- `predictor.py`: whole scans in, NIfTI out, in the original geometry (the case loop and the model);
+- `inputs.py`: the cases to predict, the training run a checkpoint belongs to, its weights;
+- `outputs.py`: each case's result, predictions.csv and the results table;
+- `nifti.py`: label maps read and written as NIfTI (shared by the predictor and `postprocess.py`).
 """
 
 from tfmis.inference.blending import aggregate_windows

@@ -27,7 +27,8 @@ from scipy import ndimage
 from tfmis.config import load_config
 from tfmis.data.boxes import Box, grow_box, merge_boxes
 from tfmis.errors import ConfigError, DataError, MissingInput
-from tfmis.inference.predictor import GridPrediction, Predictor, run_config
+from tfmis.inference.inputs import run_config
+from tfmis.inference.predictor import GridPrediction, Predictor
 from tfmis.inference.restore import original_box
 
 

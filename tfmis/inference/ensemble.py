@@ -36,7 +36,8 @@ import numpy as np
 from tfmis.config import ConfigError, PostprocessingConfig, from_dict, load_config
 from tfmis.errors import DataError, MissingInput, UsageError
 from tfmis.inference.cascade import make_predictor
-from tfmis.inference.predictor import ScanPredictor, run_config
+from tfmis.inference.inputs import run_config
+from tfmis.inference.predictor import ScanPredictor
 from tfmis.inference.restore import paint_regions
 from tfmis.utils.run_files import weights_file
 

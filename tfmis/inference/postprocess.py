@@ -40,6 +40,7 @@ from scipy import ndimage
 
 from tfmis.config import PostprocessingConfig
 from tfmis.errors import DataError, MissingInput
+from tfmis.inference.nifti import read_label_map, save_like
 from tfmis.metrics.segmentation import SLAB_SLICES, _confusion, region_masks
 
 # a step: the labels of one structure, or None for the whole foreground (every label but 0)
@@ -147,6 +148,28 @@ def _steps(spec: PostprocessingConfig) -> list[Step]:
     """The spec's steps in the order they apply: the whole foreground first, then each listed structure."""
     steps: list[Step] = [None] if spec.largest_foreground_component else []
     return steps + [tuple(int(label) for label in labels) for labels in spec.largest_component_labels]
+
+
+def postprocessing_enabled(spec) -> bool:
+    """Whether a `PostprocessingConfig` (or None) changes anything."""
+    return spec is not None and bool(spec.largest_foreground_component or spec.largest_component_labels)
+
+
+def describe_postprocessing(spec) -> str:
+    """What a `PostprocessingConfig` does, in a few words ("none" when nothing).
+
+    Example:
+        >>> from tfmis.config import PostprocessingConfig
+        >>> describe_postprocessing(PostprocessingConfig(True, [[2], [1, 2]]))
+        'largest foreground component, largest component of 2, of 1+2'
+    """
+    if not postprocessing_enabled(spec):
+        return "none"
+    steps = ["largest foreground component"] if spec.largest_foreground_component else []
+    if spec.largest_component_labels:
+        pieces = ", of ".join("+".join(map(str, labels)) for labels in spec.largest_component_labels)
+        steps.append(f"largest component of {pieces}")
+    return ", ".join(steps)
 
 
 def apply_postprocessing(labels: np.ndarray, spec: PostprocessingConfig) -> np.ndarray:
@@ -300,10 +323,6 @@ def _check_cases(cases, output_folder) -> list[tuple[Path, Path]]:
 
 def _read_labels(path: Path, num_classes: int) -> np.ndarray:
     """A label NIfTI as uint8 (uint16 beyond 256 classes), read slab-wise; ValueError for a label >= num_classes."""
-    # the predictor applies postprocessing, so it imports this module: imported here, not at the top, so that the
-    # two modules do not import each other at load time
-    from tfmis.inference.predictor import read_label_map
-
     return read_label_map(path, num_classes)
 
 
@@ -528,8 +547,6 @@ def _final_scores(oof: _OutOfFoldCases, scored: dict) -> dict:
 def _write_postprocessed(pairs, spec: PostprocessingConfig, folder: Path, read) -> None:
     """Each prediction with `spec` applied, written to `folder` under its own name with its affine and header."""
     import nibabel as nib
-
-    from tfmis.inference.predictor import save_like
 
     for prediction_path, _ in pairs:
         labels = apply_postprocessing(read(prediction_path), spec)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 from pathlib import Path
 
@@ -38,53 +37,42 @@ import nibabel as nib
 import numpy as np
 import tensorflow as tf
 
-from tfmis.data.msd import CaseError, case_id_from_path, load_image
+from tfmis.data.msd import CaseError, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
-from tfmis.data.records import load_training_data_info, split_entry
-from tfmis.errors import DataError, MissingInput, UsageError
+from tfmis.data.records import load_training_data_info
+from tfmis.errors import UsageError
 from tfmis.hardware import CPU, accelerator_device, model_parallel_devices, peak_rss_mb, reset_peak_rss
 from tfmis.inference.blending import check_buffer_dtype
+from tfmis.inference.inputs import (  # noqa: F401 (collect_inputs, copy_weights_by_name, run_config: re-exported)
+    InputCase,
+    check_same_training_data,
+    collect_inputs,
+    copy_weights_by_name,
+    find_run_dir,
+    load_weights,
+    run_config,
+)
+from tfmis.inference.nifti import LABEL_SLAB_SLICES, read_label_map, save_like  # noqa: F401 (re-exported)
+from tfmis.inference.outputs import (  # noqa: F401 (results_table, write_csv: re-exported)
+    CaseResult,
+    results_table,
+    score_columns,
+    score_keys,
+    write_csv,
+)
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
-from tfmis.inference.postprocess import apply_postprocessing
-from tfmis.inference.restore import (
+from tfmis.inference.postprocess import apply_postprocessing, describe_postprocessing, postprocessing_enabled
+from tfmis.inference.restore import (  # noqa: F401 (restore_probabilities: re-exported)
     crop_box,
     paint_regions,
     preprocessed_box,
     restore_labels,
+    restore_probabilities,
     sigmoid_in_place,
     softmax_in_place,
 )
 from tfmis.inference.sliding_window import sliding_window_inference
-from tfmis.networks.weights import has_weights_by_path, read_legacy_trainable, read_weights_by_path
 from tfmis.task import SegmentationTask
-from tfmis.utils.io import atomic_save_nifti, atomic_writer
-from tfmis.utils.run_files import weights_file
-from tfmis.utils.table import text_table
-
-
-@dataclasses.dataclass
-class InputCase:
-    case_id: str
-    image: str
-    label: str | None = None
-
-
-@dataclasses.dataclass
-class CaseResult:
-    case_id: str
-    status: str  # "ok" or "failed"
-    shape: tuple = ()
-    seconds: float = 0.0
-    foreground_voxels: int = 0
-    device: str = ""
-    output: str = ""
-    reason: str = ""
-    dice: dict | None = None
-    scores: dict | None = None  # the `score_columns` of a labelled case (regions, HD95, NSD when configured)
-    region: str = ""  # a cascade: the box the fine stage saw
-    postprocessing: str = ""  # the postprocessing applied to the label map ("" when none was configured)
-    removed_voxels: int | None = None  # the foreground voxels it set to background (None without postprocessing)
-    peak_rss_mb: float | None = None  # the process' peak resident memory while predicting this case
 
 
 @dataclasses.dataclass
@@ -126,132 +114,6 @@ class GridPrediction:
             probabilities_out=probabilities,
             paint_labels=self.paint_labels,
         )
-
-
-def find_run_dir(checkpoint: str | Path) -> Path | None:
-    """The training run folder (the one holding config.yaml) of a run folder, its best weights or a checkpoint."""
-    path = Path(checkpoint)
-    for candidate in (path, path.parent, path.parent.parent):
-        if candidate.is_dir() and (candidate / "config.yaml").is_file():
-            return candidate
-    return None
-
-
-def run_config(checkpoint: str | Path) -> Path:
-    """The config.yaml of the run that `checkpoint` belongs to; a clear error when there is none."""
-    run = find_run_dir(checkpoint)
-    if run is None:
-        raise UsageError(
-            f"--checkpoint {checkpoint}: no config.yaml in or above it, so it is not a training run's folder (nor a "
-            "plan of stages, a folder of folds or a cross-validation folder): give one, or the run's config with "
-            "--config"
-        )
-    return run / "config.yaml"
-
-
-def load_weights(model, checkpoint: str | Path, weights: str = "best", task: SegmentationTask | None = None) -> Path:
-    """Loads a run's weights into the inference `model`; returns the file (or checkpoint prefix) read.
-
-    `checkpoint` is a run folder (its `best.weights.h5` or `final.weights.h5`, as `weights` says), a `.weights.h5`
-    file, or a tf.train checkpoint of the trainer (a `checkpoints/` folder: its latest; or a `ckpt-N` prefix). The
-    trainer's checkpoint holds its training model (with deep supervision, the model plus its heads), so it is read
-    by the weights' names (`tfmis.networks.weights`): matching objects by their position in two builds' graphs
-    put 44 of the demo network's 73 weights in the wrong place. A checkpoint of an older tfmis (no named weights)
-    is read into a training model built by `task` from the optimizer's list of its trainable weights, then copied
-    by name.
-    """
-    path = Path(checkpoint)
-    if path.is_dir() and ((path / "config.yaml").is_file() or weights_file(path, weights).is_file()):  # a run folder
-        path = weights_file(path, weights)
-        if not path.is_file():
-            raise MissingInput(_missing_weights(path.parent, weights))
-    if path.suffix == ".h5":
-        if not path.is_file():
-            raise MissingInput(f"checkpoint {path} does not exist")
-        model.load_weights(str(path))
-        return path
-    prefix = tf.train.latest_checkpoint(str(path)) if path.is_dir() else str(path)
-    if prefix is None or not Path(prefix + ".index").is_file():
-        raise MissingInput(
-            f"no checkpoint at {checkpoint}: give a run folder, its best.weights.h5 or final.weights.h5, or a "
-            "checkpoints/ folder or ckpt-N prefix"
-        )
-    if has_weights_by_path(prefix):  # the trainer's weights under their names
-        missing = read_weights_by_path(model, prefix)
-    else:  # an older tfmis's checkpoint: the trainable weights in the optimizer's order
-        if task is None:
-            raise ValueError("load_weights: a checkpoint of an older tfmis needs the task that builds its model")
-        _, training_model = task.build_training_model()
-        missing = read_legacy_trainable(training_model, prefix)
-        if not missing:
-            copy_weights_by_name(training_model, model, source=prefix)
-    if missing:
-        what = f"{len(missing)} of the model's {len(model.weights)} weights are not in it (e.g. {missing[0]})"
-        raise DataError(
-            f"checkpoint {prefix} does not fit this model (model.* of the config): {what}. "
-            "Predict with the config.yaml of the run that wrote the checkpoint"
-        )
-    return Path(prefix)
-
-
-def copy_weights_by_name(source_model, model, source: str = "the checkpoint") -> None:
-    """Assigns each of `model`'s weights the weight of `source_model` with the same path (`encoder0/unit0/conv/
-    kernel`, ...); a path missing there or a shape that differs is a `DataError` naming it."""
-    by_path = {w.path: w for w in source_model.weights}
-    for w in model.weights:
-        found = by_path.get(w.path)
-        if found is None or tuple(found.shape) != tuple(w.shape):
-            what = "is not in it" if found is None else f"has shape {tuple(found.shape)}, not {tuple(w.shape)}"
-            raise DataError(
-                f"{source}: the weight {w.path} {what}; predict with the config.yaml of the run that wrote it"
-            )
-        w.assign(found)
-
-
-def _missing_weights(run: Path, weights: str) -> str:
-    if weights == "final":
-        return (
-            f"{run} has no final.weights.h5: its training has not finished, or an older tfmis trained it; run "
-            f"python -m tfmis.train --config {run / 'config.yaml'} --resume to finish it (a finished run only writes "
-            "the file), or predict with its best weights"
-        )
-    return f"{run} has no best.weights.h5: no validation has run yet; train it further (--resume)"
-
-
-def postprocessing_enabled(spec) -> bool:
-    """Whether a `PostprocessingConfig` (or None) changes anything."""
-    return spec is not None and bool(spec.largest_foreground_component or spec.largest_component_labels)
-
-
-def describe_postprocessing(spec) -> str:
-    """What a `PostprocessingConfig` does, in a few words ("none" when nothing).
-
-    Example:
-        >>> from tfmis.config import PostprocessingConfig
-        >>> describe_postprocessing(PostprocessingConfig(True, [[2], [1, 2]]))
-        'largest foreground component, largest component of 2, of 1+2'
-    """
-    if not postprocessing_enabled(spec):
-        return "none"
-    steps = ["largest foreground component"] if spec.largest_foreground_component else []
-    if spec.largest_component_labels:
-        pieces = ", of ".join("+".join(map(str, labels)) for labels in spec.largest_component_labels)
-        steps.append(f"largest component of {pieces}")
-    return ", ".join(steps)
-
-
-def _check_same_training_data(index: dict, checkpoint, first, dataset_dir) -> None:
-    """An ensemble's runs must see the scans alike: the preprocessing, channels and classes of `checkpoint`'s run
-    (its training_data.json) must be those of `first`'s (`index`)."""
-    other = load_training_data_info(find_run_dir(checkpoint), dataset_dir)
-    for key, what in (("preprocessing", "preprocessing"), ("source", "channels and classes")):
-        mine = other[key] if key == "preprocessing" else (other[key]["modalities"], other[key]["labels"])
-        theirs = index[key] if key == "preprocessing" else (index[key]["modalities"], index[key]["labels"])
-        if mine != theirs:
-            raise DataError(
-                f"{checkpoint}: its {what} (training_data.json) differ from those of {first}: the runs of an "
-                "ensemble must be folds of one configuration"
-            )
 
 
 class ScanPredictor:
@@ -425,7 +287,7 @@ class Predictor(ScanPredictor):
         # preprocessing, channels and classes from the run folder (the TFRecords may be gone)
         self.index = load_training_data_info(find_run_dir(checkpoints[0]), config.data.dataset_dir)
         for other in checkpoints[1:]:
-            _check_same_training_data(self.index, other, checkpoints[0], config.data.dataset_dir)
+            check_same_training_data(self.index, other, checkpoints[0], config.data.dataset_dir)
         self.postprocessing = config.postprocessing if postprocessing_enabled(config.postprocessing) else None
         self.task = SegmentationTask(config, data_info=self.index)
         self.preprocessing = PreprocessConfig.from_dict(self.index["preprocessing"])
@@ -626,245 +488,3 @@ class Predictor(ScanPredictor):
         paint_labels = self.task.paint_labels  # None: classes (softmax, argmax); else regions (sigmoid, painting)
         (softmax_in_place if paint_labels is None else sigmoid_in_place)(logits)
         return GridPrediction(logits, geometry, low, box, self.task.out_channels, device, paint_labels)
-
-
-LABEL_SLAB_SLICES = 32  # slices (the file's last axis) of a label NIfTI read and cast at a time
-
-
-def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=None) -> np.ndarray:
-    """A label NIfTI as an unsigned integer array (uint8; uint16 beyond 256 classes) in the file's voxel order.
-
-    Read `LABEL_SLAB_SLICES` slices along the file's last axis at a time from nibabel's array proxy (the file kept
-    open, so a .nii.gz is decompressed once, front to back), each slab cast to the small type: no float64 (or
-    int64) copy of the volume. Labels stored as floats (or scaled integers) are rounded to the nearest integer
-    first, as nibabel's floats near an integer deserve.
-
-    Raises:
-        CaseError: the label's shape is not `shape` (when given).
-        ValueError: a value that is not one of the classes 0..num_classes-1.
-
-    Example:
-    ```python
-    label = read_label_map("labelsTr/liver_3.nii.gz", num_classes=3)   # uint8 (X, Y, Z)
-    ```
-    """
-    img = nib.load(str(path), keep_file_open=True)
-    if shape is not None and tuple(img.shape) != tuple(shape):
-        raise CaseError(case_id, f"label {path} has shape {tuple(img.shape)}, the image {tuple(shape)}")
-    out = np.empty(img.shape, np.uint8 if num_classes <= 2**8 else np.uint16)
-    outside = []  # (min, max) of the slabs holding a value that is not a class (NaN included)
-    for start in range(0, img.shape[-1], LABEL_SLAB_SLICES):
-        part = (..., slice(start, start + LABEL_SLAB_SLICES))
-        slab = np.asanyarray(img.dataobj[part])
-        if slab.dtype.kind == "f":
-            slab = np.rint(slab)
-        if slab.size:
-            low, high = slab.min(), slab.max()
-            if low >= 0 and high < num_classes:  # False for NaN
-                out[part] = slab
-            else:
-                outside.append((low, high))
-    if outside:
-        low, high = min(low for low, _ in outside), max(high for _, high in outside)
-        raise DataError(
-            f"label {path} holds values outside the classes 0..{num_classes - 1} (in [{low}, {high}] where it does)"
-        )
-    return out
-
-
-def score_keys(metrics) -> dict[str, str]:
-    """predictions.csv column -> `SegmentationMetrics` case entry key, for the scores after the class Dice:
-    `dice_<region>` and `dice_mean_regions` (with regions), `hd95_<class or region>` (hd95),
-    `nsd_<class or region>` and `nsd_mean` (nsd; the mean over classes, NaN left out, like `dice_mean`)."""
-    names = [metrics.class_names[c] for c in metrics.classes] + list(metrics.regions)
-    keys = {f"dice_{r}": f"dice_{r}" for r in metrics.regions}
-    if metrics.regions:
-        keys["dice_mean_regions"] = "mean_region_dice"
-    if metrics.hd95:
-        keys.update({f"hd95_{n}": f"hd95_{n}" for n in names})
-    if metrics.nsd:
-        keys.update({f"nsd_{n}": f"nsd_{n}" for n in names})
-        keys["nsd_mean"] = "mean_nsd"
-    return keys
-
-
-def score_columns(metrics) -> list[str]:
-    """The columns predictions.csv appends after the class Dice for this `SegmentationMetrics`."""
-    return list(score_keys(metrics))
-
-
-def restore_probabilities(probabilities: np.ndarray, geometry) -> np.ndarray:
-    """Per-class probabilities back on the original grid (linear), background = 1 outside the crop.
-
-    One float32 (X, Y, Z, K) array, filled slab by slab (`tfmis.inference.restore.restore_labels`).
-    """
-    g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
-    return restore_labels(probabilities, g, probabilities_out=True)[1]
-
-
-def save_like(data: np.ndarray, affine: np.ndarray, header, path: Path, dtype) -> None:
-    """Writes `data` as NIfTI with the input's affine and header (orientation codes, units...), atomically.
-
-    Float data with an integer `dtype` is stored scaled (nibabel sets scl_slope; readers get floats).
-    """
-    new_header = header.copy()
-    new_header.set_data_dtype(dtype)
-    atomic_save_nifti(nib.Nifti1Image(data, affine, new_header), path)
-
-
-def collect_inputs(
-    input_path: str | Path, subset: str = "test", label_dir: str | Path | None = None, index: dict | None = None
-) -> list[InputCase]:
-    """The cases named by `--input`: one NIfTI file, a folder of them, or an MSD dataset.json.
-
-    Args:
-        subset: for a dataset.json: `test` (its test list), `training` (all labelled cases), or
-            `split:NAME` (the cases of split NAME of the training run's converted dataset, e.g. `split:val`).
-        label_dir: folder of ground-truth label maps named like the images (for Dice).
-        index: the training run's index.json (for `split:NAME`).
-    """
-    from tfmis.data.msd import MSDDataset
-
-    path = Path(input_path)
-    if path.name == "dataset.json" or (path.is_dir() and (path / "dataset.json").is_file() and subset != "folder"):
-        dataset = MSDDataset(path.parent if path.name == "dataset.json" else path)
-        if subset == "test":
-            cases = [InputCase(c.case_id, str(dataset.resolve(c, c.image))) for c in dataset.test]
-        elif subset == "training":
-            cases = [
-                InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
-                for c in dataset.training
-            ]
-        elif subset.startswith("split:"):
-            split = subset.split(":", 1)[1]
-            try:
-                ids = set(split_entry(index, split)["cases"])  # one split, or several joined: fold0+fold1
-            except (KeyError, TypeError, ValueError):
-                raise UsageError(
-                    f"--subset {subset}: the training run's dataset has splits "
-                    f"{sorted(index['splits']) if index else []}"
-                ) from None
-            cases = [
-                InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
-                for c in dataset.training
-                if c.case_id in ids
-            ]
-        else:
-            raise UsageError(f"--subset must be test, training or split:NAME, got {subset!r}")
-    elif path.is_dir():
-        files = sorted(
-            p for p in path.iterdir() if p.name.endswith((".nii.gz", ".nii")) and not p.name.startswith("._")
-        )
-        cases = [InputCase(case_id_from_path(p.name), str(p)) for p in files]
-    elif path.is_file():
-        cases = [InputCase(case_id_from_path(path.name), str(path))]
-    else:
-        raise MissingInput(f"--input {path} does not exist")
-    if label_dir is not None:
-        for c in cases:
-            candidate = Path(label_dir) / Path(c.image).name
-            c.label = str(candidate) if candidate.is_file() else c.label
-    if not cases:
-        raise DataError(f"--input {path}: no NIfTI images found")
-    return cases
-
-
-def results_table(results: list[CaseResult]) -> str:
-    """A readable table: case, shape, seconds, peak memory, foreground voxels, device, (a cascade's regions: their
-    number and share of the scan; with postprocessing, the voxels it removed,) status."""
-    cascade = any(r.region for r in results)
-    postprocessed = any(r.removed_voxels is not None for r in results)
-    rows = [
-        (
-            "case",
-            "shape",
-            "seconds",
-            "peak MiB",
-            "foreground",
-            "device",
-            *(("fine stage on",) if cascade else ()),
-            *(("postprocessing removed",) if postprocessed else ()),
-            "status",
-        )
-    ]
-    for r in results:
-        rows.append(
-            (
-                r.case_id,
-                "x".join(map(str, r.shape)) if r.shape else "-",
-                f"{r.seconds:.2f}",
-                f"{r.peak_rss_mb:.0f}" if r.peak_rss_mb is not None else "-",
-                str(r.foreground_voxels) if r.status == "ok" else "-",
-                r.device or "-",
-                *((r.region.split(":")[0] or "-",) if cascade else ()),  # the box sizes are in the CSV
-                *((str(r.removed_voxels) if r.removed_voxels is not None else "-",) if postprocessed else ()),
-                "ok" if r.status == "ok" else f"FAILED: {r.reason}",
-            )
-        )
-    return "\n".join(text_table(rows, align="left"))
-
-
-def write_csv(results: list[CaseResult], path: Path, class_names: list[str], extra_columns=()) -> None:
-    """predictions.csv: one row per case with timing, peak memory, device and (when labels exist) Dice per class.
-
-    A class absent from a case's label has Dice `nan` (MONAI ignore_empty), is named in the
-    `absent_from_label` column (`;`-separated) and is left out of `dice_mean`. `extra_columns`
-    (`Predictor.score_columns`: regions' Dice, HD95, NSD) follow, from each result's `scores`; last, for a cascade,
-    `region`: the box its fine stage saw; with postprocessing, `postprocessing` (what was applied) and
-    `postprocessing_removed_voxels`.
-    """
-    import csv
-    import io
-
-    foreground = class_names[1:]
-    cascade = any(r.region for r in results)
-    postprocessed = any(r.removed_voxels is not None for r in results)
-    buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    writer.writerow(
-        [
-            "case",
-            "status",
-            "shape",
-            "seconds",
-            "peak_rss_mb",
-            "foreground_voxels",
-            "device",
-            "output",
-            "reason",
-            *[f"dice_{n}" for n in foreground],
-            "dice_mean",
-            "absent_from_label",
-            *extra_columns,
-            *(["region"] if cascade else []),
-            *(["postprocessing", "postprocessing_removed_voxels"] if postprocessed else []),
-        ]
-    )
-    for r in results:
-        dice = [r.dice.get(n, math.nan) for n in foreground] if r.dice else []
-        mean = float(np.nanmean(dice)) if dice and not all(math.isnan(d) for d in dice) else ""
-        absent = ";".join(n for n, d in zip(foreground, dice) if math.isnan(d))
-        cells = [f"{d:.4f}" for d in dice] if dice else [""] * len(foreground)
-        scores = r.scores or {}
-        extra = [f"{scores[c]:.4f}" if c in scores else "" for c in extra_columns]
-        writer.writerow(
-            [
-                r.case_id,
-                r.status,
-                "x".join(map(str, r.shape)),
-                f"{r.seconds:.3f}",
-                f"{r.peak_rss_mb:.1f}" if r.peak_rss_mb is not None else "",
-                r.foreground_voxels,
-                r.device,
-                r.output,
-                r.reason,
-                *cells,
-                mean,
-                absent,
-                *extra,
-                *([r.region] if cascade else []),
-                *([r.postprocessing, "" if r.removed_voxels is None else r.removed_voxels] if postprocessed else []),
-            ]
-        )
-    with atomic_writer(path) as f:
-        f.write(buffer.getvalue())

@@ -236,6 +236,15 @@ def restore_labels(
     return labels, restored
 
 
+def restore_probabilities(probabilities: np.ndarray, geometry) -> np.ndarray:
+    """Per-class probabilities back on the original grid (linear), background = 1 outside the crop.
+
+    One float32 (X, Y, Z, K) array, filled slab by slab (`tfmis.inference.restore.restore_labels`).
+    """
+    g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
+    return restore_labels(probabilities, g, probabilities_out=True)[1]
+
+
 def _source_axes(linear: np.ndarray) -> np.ndarray | None:
     """For each original axis, the preprocessed axis it maps to, when each maps to exactly one (reorientation,
     crop and per-axis scaling, as `preprocess` does); None for any other matrix."""

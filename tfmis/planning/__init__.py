@@ -1,8 +1,9 @@
 """Auto-configuration: a training plan from the dataset fingerprint and the hardware (nnU-Net v2's rules).
 
 - `api.py`: `plan_dataset` (the front door: fingerprint, hardware, plan, the GPU-fit search's cached measurement);
-- `planner.py`: `ExperimentPlanner` (overridable `determine_*` steps), `make_plan`; `plan_file.py`: `Plan` (values
-  with reasons, written as a commented config);
+- `planner.py`: `ExperimentPlanner` (overridable `determine_*` steps), `make_plan`; its steps are in `data_steps.py`,
+  `topology.py` and `training_steps.py`, what they return in `decisions.py`; `plan_file.py`: `Plan` (values with
+  reasons, written as a commented config);
 - `stages.py`: `StagePlanner` / `plan_stages`: the candidates (full resolution; low resolution and a coarse-to-fine
   cascade where they pay) and the recommended one;
 - `rules.py`: nnU-Net's formulas (target spacing, pooling, patch shrinking, memory estimates);

@@ -1,0 +1,136 @@
+"""A conversion's work on the cases: preprocessing one case in a worker process (`_process_case`: numpy, scipy and
+nibabel only, no TensorFlow), the labels a case holds (`_label_classes`, for stratified folds), and the measurements
+made over the dataset's cases before the conversion is planned (median header spacing, CT foreground statistics).
+
+The worker functions take one picklable task tuple each and never raise: a bad case comes back skipped, with its
+reason, so it never stops the others.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+
+from tfmis.data import fingerprint as fp
+from tfmis.data.msd import CT_MODALITIES, Case, CaseError, DatasetError, MSDDataset, load_case
+from tfmis.data.preprocess import preprocess, ras_spacing
+from tfmis.utils.parallel import map_ordered
+
+
+def header_spacing(case: Case, dataset: MSDDataset) -> np.ndarray:
+    """RAS voxel spacing from the image header alone (no voxel data read)."""
+    path = dataset.resolve(case, case.image)
+    if not Path(path).is_file():
+        raise CaseError(case.case_id, f"image file {path} does not exist")
+    try:
+        return ras_spacing(nib.load(str(path)).affine)
+    except Exception as e:  # any header problem: the worker reports it with the full reason
+        raise CaseError(case.case_id, f"cannot read header of {path}: {e}") from e
+
+
+# ---------------------------------------------------------------- worker side (no TensorFlow here)
+
+
+def _process_case(task: tuple) -> dict:
+    case, source_dir, prep = task
+    try:
+        dataset = MSDDataset(source_dir)
+        loaded = load_case(case, dataset)
+        # the raw intensities are sampled first: preprocess then normalises in the loaded image's own memory
+        ct = _ct_channels(dataset)
+        intensity = fp.case_intensity(loaded.image, loaded.label, ct)
+        background = fp.case_background(loaded.image, ct)  # what preprocess's foreground_mask finds (6 faces read)
+        image, label, geometry = preprocess(loaded.image, loaded.label, loaded.affine, prep, overwrite_image=True)
+        warnings = []
+        if label is not None and not (label > 0).any():
+            warnings.append("label has no foreground voxels")
+        return {
+            "case_id": case.case_id,
+            "status": "ok",
+            "image": image,
+            "label": label,
+            "geometry": geometry.to_dict(),
+            "warnings": warnings,
+            "disk_dtype": loaded.header_dtype,
+            "fingerprint": fp.case_fingerprint(
+                None,
+                loaded.label,
+                ras_spacing(loaded.affine),
+                geometry,
+                label,
+                dataset.num_classes,
+                intensity,
+                background,
+            ),
+        }
+    except CaseError as e:
+        return {"case_id": case.case_id, "status": "skipped", "reason": e.reason}
+    except Exception as e:  # never let one case stop the others
+        return {"case_id": case.case_id, "status": "skipped", "reason": f"unexpected {type(e).__name__}: {e}"}
+
+
+def _label_classes(task: tuple) -> list[int]:
+    """The foreground label values a case's label file holds (read once, nothing else); [] if it cannot be read
+    (the main pass reports the case)."""
+    case, source_dir = task
+    try:
+        dataset = MSDDataset(source_dir)
+        label = np.asanyarray(nib.load(str(dataset.resolve(case, case.label))).dataobj)
+        if label.dtype == np.uint8:
+            values = np.flatnonzero(np.bincount(label.ravel(), minlength=1))
+        else:
+            values = np.unique(label)
+        return sorted({int(v) for v in values if 0 < v < dataset.num_classes and float(v).is_integer()})
+    except Exception:
+        return []
+
+
+def _foreground_sample(task: tuple) -> np.ndarray | None:
+    case, source_dir = task
+    try:
+        dataset = MSDDataset(source_dir)
+        loaded = load_case(case, dataset)
+        return fp.foreground_sample(loaded.image, loaded.label, _ct_channels(dataset))
+    except Exception:
+        return None  # reported by the main pass
+
+
+def _ct_channels(dataset: MSDDataset) -> list[int]:
+    return [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
+
+
+# ---------------------------------------------------------------- main side: the dataset's cases measured
+
+
+def _median_spacing(dataset: MSDDataset) -> tuple[float, float, float] | None:
+    spacings = []
+    for case in dataset.training:
+        try:
+            spacings.append(header_spacing(case, dataset))
+        except CaseError:
+            pass  # the worker reports this case with its reason
+    return tuple(float(s) for s in np.round(np.median(spacings, axis=0), 4)) if spacings else None
+
+
+def _first_unreadable(dataset: MSDDataset) -> str:
+    """The first training case whose image header cannot be read, with the reason (`case_id: why`)."""
+    for case in dataset.training:
+        try:
+            header_spacing(case, dataset)
+        except CaseError as e:
+            return f"{case.case_id}: {e.reason}"
+    return "none"
+
+
+def _ct_foreground_statistics(dataset: MSDDataset, workers: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((0.5, 99.5) percentiles, (mean, std)) of the CT channels' labelled foreground intensities, sampled from
+    every training case (nnU-Net's foreground intensity properties)."""
+    tasks = [(c, str(dataset.root)) for c in dataset.training]
+    samples = [s for s in map_ordered(_foreground_sample, tasks, workers) if s is not None]
+    if not samples:
+        raise DatasetError(f"{dataset.root}: no readable case to measure the CT window from; pass --ct-window")
+    ct_channels = [i for i, m in enumerate(dataset.modalities) if m.upper() == "CT"]
+    values = np.concatenate([s[:, ct_channels].ravel() for s in samples]).astype(np.float64)
+    return fp.ct_window(values), (float(values.mean()), float(values.std()))

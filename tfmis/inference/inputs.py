@@ -1,0 +1,195 @@
+"""What a prediction reads besides the model: the cases named by `--input` (`collect_inputs`), the training run a
+checkpoint belongs to (`find_run_dir`, `run_config`, the runs of an ensemble checked alike) and its weights
+(`load_weights`).
+
+Example:
+```python
+cases = collect_inputs("Task04_Hippocampus/dataset.json", subset="split:val", index=index)
+config = load_config(run_config("runs/demo"))
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import tensorflow as tf
+
+from tfmis.data.msd import case_id_from_path
+from tfmis.data.records import load_training_data_info, split_entry
+from tfmis.errors import DataError, MissingInput, UsageError
+from tfmis.networks.weights import has_weights_by_path, read_legacy_trainable, read_weights_by_path
+from tfmis.utils.run_files import weights_file
+
+if TYPE_CHECKING:
+    from tfmis.task import SegmentationTask
+
+
+@dataclasses.dataclass
+class InputCase:
+    case_id: str
+    image: str
+    label: str | None = None
+
+
+def collect_inputs(
+    input_path: str | Path, subset: str = "test", label_dir: str | Path | None = None, index: dict | None = None
+) -> list[InputCase]:
+    """The cases named by `--input`: one NIfTI file, a folder of them, or an MSD dataset.json.
+
+    Args:
+        subset: for a dataset.json: `test` (its test list), `training` (all labelled cases), or
+            `split:NAME` (the cases of split NAME of the training run's converted dataset, e.g. `split:val`).
+        label_dir: folder of ground-truth label maps named like the images (for Dice).
+        index: the training run's index.json (for `split:NAME`).
+    """
+    from tfmis.data.msd import MSDDataset
+
+    path = Path(input_path)
+    if path.name == "dataset.json" or (path.is_dir() and (path / "dataset.json").is_file() and subset != "folder"):
+        dataset = MSDDataset(path.parent if path.name == "dataset.json" else path)
+        if subset == "test":
+            cases = [InputCase(c.case_id, str(dataset.resolve(c, c.image))) for c in dataset.test]
+        elif subset == "training":
+            cases = [
+                InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
+                for c in dataset.training
+            ]
+        elif subset.startswith("split:"):
+            split = subset.split(":", 1)[1]
+            try:
+                ids = set(split_entry(index, split)["cases"])  # one split, or several joined: fold0+fold1
+            except (KeyError, TypeError, ValueError):
+                raise UsageError(
+                    f"--subset {subset}: the training run's dataset has splits "
+                    f"{sorted(index['splits']) if index else []}"
+                ) from None
+            cases = [
+                InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
+                for c in dataset.training
+                if c.case_id in ids
+            ]
+        else:
+            raise UsageError(f"--subset must be test, training or split:NAME, got {subset!r}")
+    elif path.is_dir():
+        files = sorted(
+            p for p in path.iterdir() if p.name.endswith((".nii.gz", ".nii")) and not p.name.startswith("._")
+        )
+        cases = [InputCase(case_id_from_path(p.name), str(p)) for p in files]
+    elif path.is_file():
+        cases = [InputCase(case_id_from_path(path.name), str(path))]
+    else:
+        raise MissingInput(f"--input {path} does not exist")
+    if label_dir is not None:
+        for c in cases:
+            candidate = Path(label_dir) / Path(c.image).name
+            c.label = str(candidate) if candidate.is_file() else c.label
+    if not cases:
+        raise DataError(f"--input {path}: no NIfTI images found")
+    return cases
+
+
+def find_run_dir(checkpoint: str | Path) -> Path | None:
+    """The training run folder (the one holding config.yaml) of a run folder, its best weights or a checkpoint."""
+    path = Path(checkpoint)
+    for candidate in (path, path.parent, path.parent.parent):
+        if candidate.is_dir() and (candidate / "config.yaml").is_file():
+            return candidate
+    return None
+
+
+def run_config(checkpoint: str | Path) -> Path:
+    """The config.yaml of the run that `checkpoint` belongs to; a clear error when there is none."""
+    run = find_run_dir(checkpoint)
+    if run is None:
+        raise UsageError(
+            f"--checkpoint {checkpoint}: no config.yaml in or above it, so it is not a training run's folder (nor a "
+            "plan of stages, a folder of folds or a cross-validation folder): give one, or the run's config with "
+            "--config"
+        )
+    return run / "config.yaml"
+
+
+def load_weights(model, checkpoint: str | Path, weights: str = "best", task: SegmentationTask | None = None) -> Path:
+    """Loads a run's weights into the inference `model`; returns the file (or checkpoint prefix) read.
+
+    `checkpoint` is a run folder (its `best.weights.h5` or `final.weights.h5`, as `weights` says), a `.weights.h5`
+    file, or a tf.train checkpoint of the trainer (a `checkpoints/` folder: its latest; or a `ckpt-N` prefix). The
+    trainer's checkpoint holds its training model (with deep supervision, the model plus its heads), so it is read
+    by the weights' names (`tfmis.networks.weights`): matching objects by their position in two builds' graphs
+    put 44 of the demo network's 73 weights in the wrong place. A checkpoint of an older tfmis (no named weights)
+    is read into a training model built by `task` from the optimizer's list of its trainable weights, then copied
+    by name.
+    """
+    path = Path(checkpoint)
+    if path.is_dir() and ((path / "config.yaml").is_file() or weights_file(path, weights).is_file()):  # a run folder
+        path = weights_file(path, weights)
+        if not path.is_file():
+            raise MissingInput(_missing_weights(path.parent, weights))
+    if path.suffix == ".h5":
+        if not path.is_file():
+            raise MissingInput(f"checkpoint {path} does not exist")
+        model.load_weights(str(path))
+        return path
+    prefix = tf.train.latest_checkpoint(str(path)) if path.is_dir() else str(path)
+    if prefix is None or not Path(prefix + ".index").is_file():
+        raise MissingInput(
+            f"no checkpoint at {checkpoint}: give a run folder, its best.weights.h5 or final.weights.h5, or a "
+            "checkpoints/ folder or ckpt-N prefix"
+        )
+    if has_weights_by_path(prefix):  # the trainer's weights under their names
+        missing = read_weights_by_path(model, prefix)
+    else:  # an older tfmis's checkpoint: the trainable weights in the optimizer's order
+        if task is None:
+            raise ValueError("load_weights: a checkpoint of an older tfmis needs the task that builds its model")
+        _, training_model = task.build_training_model()
+        missing = read_legacy_trainable(training_model, prefix)
+        if not missing:
+            copy_weights_by_name(training_model, model, source=prefix)
+    if missing:
+        what = f"{len(missing)} of the model's {len(model.weights)} weights are not in it (e.g. {missing[0]})"
+        raise DataError(
+            f"checkpoint {prefix} does not fit this model (model.* of the config): {what}. "
+            "Predict with the config.yaml of the run that wrote the checkpoint"
+        )
+    return Path(prefix)
+
+
+def copy_weights_by_name(source_model, model, source: str = "the checkpoint") -> None:
+    """Assigns each of `model`'s weights the weight of `source_model` with the same path (`encoder0/unit0/conv/
+    kernel`, ...); a path missing there or a shape that differs is a `DataError` naming it."""
+    by_path = {w.path: w for w in source_model.weights}
+    for w in model.weights:
+        found = by_path.get(w.path)
+        if found is None or tuple(found.shape) != tuple(w.shape):
+            what = "is not in it" if found is None else f"has shape {tuple(found.shape)}, not {tuple(w.shape)}"
+            raise DataError(
+                f"{source}: the weight {w.path} {what}; predict with the config.yaml of the run that wrote it"
+            )
+        w.assign(found)
+
+
+def _missing_weights(run: Path, weights: str) -> str:
+    if weights == "final":
+        return (
+            f"{run} has no final.weights.h5: its training has not finished, or an older tfmis trained it; run "
+            f"python -m tfmis.train --config {run / 'config.yaml'} --resume to finish it (a finished run only writes "
+            "the file), or predict with its best weights"
+        )
+    return f"{run} has no best.weights.h5: no validation has run yet; train it further (--resume)"
+
+
+def check_same_training_data(index: dict, checkpoint, first, dataset_dir) -> None:
+    """An ensemble's runs must see the scans alike: the preprocessing, channels and classes of `checkpoint`'s run
+    (its training_data.json) must be those of `first`'s (`index`)."""
+    other = load_training_data_info(find_run_dir(checkpoint), dataset_dir)
+    for key, what in (("preprocessing", "preprocessing"), ("source", "channels and classes")):
+        mine = other[key] if key == "preprocessing" else (other[key]["modalities"], other[key]["labels"])
+        theirs = index[key] if key == "preprocessing" else (index[key]["modalities"], index[key]["labels"])
+        if mine != theirs:
+            raise DataError(
+                f"{checkpoint}: its {what} (training_data.json) differ from those of {first}: the runs of an "
+                "ensemble must be folds of one configuration"
+            )

@@ -1,0 +1,70 @@
+"""The NIfTI files of a prediction: a label map read slab by slab as small integers (`read_label_map`), and an
+array written with the input's affine and header (`save_like`).
+
+Below both the predictor and the postprocessing (`tfmis.inference.postprocess`), which read and write label maps
+alike; it imports neither.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+
+from tfmis.data.msd import CaseError
+from tfmis.errors import DataError
+from tfmis.utils.io import atomic_save_nifti
+
+LABEL_SLAB_SLICES = 32  # slices (the file's last axis) of a label NIfTI read and cast at a time
+
+
+def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=None) -> np.ndarray:
+    """A label NIfTI as an unsigned integer array (uint8; uint16 beyond 256 classes) in the file's voxel order.
+
+    Read `LABEL_SLAB_SLICES` slices along the file's last axis at a time from nibabel's array proxy (the file kept
+    open, so a .nii.gz is decompressed once, front to back), each slab cast to the small type: no float64 (or
+    int64) copy of the volume. Labels stored as floats (or scaled integers) are rounded to the nearest integer
+    first, as nibabel's floats near an integer deserve.
+
+    Raises:
+        CaseError: the label's shape is not `shape` (when given).
+        ValueError: a value that is not one of the classes 0..num_classes-1.
+
+    Example:
+    ```python
+    label = read_label_map("labelsTr/liver_3.nii.gz", num_classes=3)   # uint8 (X, Y, Z)
+    ```
+    """
+    img = nib.load(str(path), keep_file_open=True)
+    if shape is not None and tuple(img.shape) != tuple(shape):
+        raise CaseError(case_id, f"label {path} has shape {tuple(img.shape)}, the image {tuple(shape)}")
+    out = np.empty(img.shape, np.uint8 if num_classes <= 2**8 else np.uint16)
+    outside = []  # (min, max) of the slabs holding a value that is not a class (NaN included)
+    for start in range(0, img.shape[-1], LABEL_SLAB_SLICES):
+        part = (..., slice(start, start + LABEL_SLAB_SLICES))
+        slab = np.asanyarray(img.dataobj[part])
+        if slab.dtype.kind == "f":
+            slab = np.rint(slab)
+        if slab.size:
+            low, high = slab.min(), slab.max()
+            if low >= 0 and high < num_classes:  # False for NaN
+                out[part] = slab
+            else:
+                outside.append((low, high))
+    if outside:
+        low, high = min(low for low, _ in outside), max(high for _, high in outside)
+        raise DataError(
+            f"label {path} holds values outside the classes 0..{num_classes - 1} (in [{low}, {high}] where it does)"
+        )
+    return out
+
+
+def save_like(data: np.ndarray, affine: np.ndarray, header, path: Path, dtype) -> None:
+    """Writes `data` as NIfTI with the input's affine and header (orientation codes, units...), atomically.
+
+    Float data with an integer `dtype` is stored scaled (nibabel sets scl_slope; readers get floats).
+    """
+    new_header = header.copy()
+    new_header.set_data_dtype(dtype)
+    atomic_save_nifti(nib.Nifti1Image(data, affine, new_header), path)

@@ -1,0 +1,304 @@
+"""The planner's training steps (`TrainingSteps`): the batch, the sampling (crops, class ratios, cache, quarter
+turns), the schedule (loss, optimizer, training length or time budget, precision, XLA), validation, a cascade's
+fine stage and the runtime (oneDNN)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from tfmis.hardware import GPU_RESERVED_MB
+from tfmis.planning.decisions import (
+    BatchDecision,
+    DataDecision,
+    Decision,
+    NetworkDecision,
+    ParallelDecision,
+    PatchDecision,
+    ScheduleDecision,
+    Settings,
+)
+from tfmis.planning.rules import inference_window_mb, training_memory_mb
+
+# CPU: patches of at most 48^3 voxels and 1000 steps, so that the small network trains in about ten minutes on 2
+# cores (its step time at batch 2: docs/benchmarks.md, "First epoch, precision and other costs")
+CPU_TRAINING_STEPS = 1000
+CPU_VALIDATIONS = 15
+GPU_STEPS_PER_EPOCH, GPU_EPOCHS = 250, 1000  # nnU-Net
+GPU_VALIDATIONS = 50
+SMALL_CLASS_FRACTION = 0.01  # classes under 1% of the labelled voxels get twice the crop centres
+DATASET_COVERAGE = 0.05  # nnU-Net: one batch covers at most 5% of the dataset's voxels
+
+
+class TrainingSteps:
+    """`ExperimentPlanner`'s batch, sampling, schedule, validation, cascade and runtime steps (the planner's
+    attributes: `ExperimentPlanner.__init__`)."""
+
+    # ------------------------------------------------------------------ batch and sampling
+
+    def determine_batch(
+        self, data: DataDecision, patch: PatchDecision, network: NetworkDecision, parallel: ParallelDecision
+    ) -> BatchDecision:
+        """Images per step: measured (GPU-fit search), estimated from the memory model (GPU), or 2 (CPU); with the
+        memory estimate at batch 2."""
+        hardware = self.hardware
+        memory = training_memory_mb(
+            patch.patch,
+            patch.strides,
+            network.filters,
+            self.num_res_units(),
+            self.in_channels,
+            self.num_classes,
+            2,
+            self.precision,
+        )
+        total_voxels = float(np.prod(self.fp.shapes_at(data.spacing), axis=1).sum())
+        coverage_cap = max(2, round(DATASET_COVERAGE * total_voxels / float(np.prod(patch.patch))))
+        if self.gpu and self.gpu_fit:
+            batch = int(self.gpu_fit["num_images_per_batch"])
+            batch_reason = f"measured by the GPU-fit search ({self.gpu_fit.get('source', 'its cache')})"
+        elif self.gpu and parallel.model_parallel is not None:
+            # one model over N GPUs: nnU-Net's 2 per model, the data groups make the step's batch
+            _, n, groups = parallel.model_parallel
+            batch = 2 * groups
+            batch_reason = (
+                f"2 images per model (nnU-Net's minimum; the patch was sized for it on {n} GPUs) x {groups} "
+                f"data-parallel group(s) (runtime.model_parallel.data)"
+            )
+        elif self.gpu:
+            budget = 0.85 * ((hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB) - memory["fixed_mb"]
+            fit = max(2, int(budget // memory["per_image_mb"]))
+            batch = max(2, min(fit, coverage_cap))
+            batch_reason = (
+                f"estimated: {memory['per_image_mb']:.0f} MB per image fits {fit} in 85% of the GPU; at "
+                f"most 5% of the dataset's voxels per batch ({coverage_cap}), at least 2 (nnU-Net); "
+                f"`python -m tfmis.train --gpu-customization` measures it"
+            )
+        else:
+            batch = 2
+            batch_reason = (
+                f"nnU-Net's minimum; on a CPU more images per step only lengthen the step (estimated peak "
+                f"{memory['fixed_mb'] + 2 * memory['per_image_mb']:.0f} MB of "
+                f"{hardware.host_available_mb / 1024:.1f} GB available)"
+            )
+        return BatchDecision(
+            settings=(("pipeline.num_images_per_batch", batch, batch_reason),), batch=batch, memory=memory
+        )
+
+    def determine_sampling(self, data: DataDecision, patch: PatchDecision) -> Decision:
+        """Crops per volume, crop centres per class (small classes oversampled), the cache, quarter turns."""
+        fp, square = self.fp, patch.patch[0] == patch.patch[1]
+        out = Settings()
+        out.set(
+            "pipeline.num_crops_per_image", 4, "4 crops per volume read (MONAI num_samples): fewer decodes per step"
+        )
+        fractions = fp.class_fraction
+        small = [i for i in range(1, self.num_classes) if fractions[i] < SMALL_CLASS_FRACTION]
+        if small:
+            ratios = [1] + [2 if i in small else 1 for i in range(1, self.num_classes)]
+            names = ", ".join(f"{fp.labels[i]} {100 * fractions[i]:.2g}%" for i in small)
+            out.set(
+                "pipeline.class_ratios",
+                ratios,
+                f"crop centres per class [background, ...]: classes under {SMALL_CLASS_FRACTION:.0%} of the "
+                f"voxels get twice the share ({names})",
+            )
+        else:
+            out.set(
+                "pipeline.pos_neg_ratio",
+                [2, 1],
+                "every class has >= 1% of the voxels: 2 foreground-centred crops per background one",
+            )
+        volume_voxels = fp.shapes_at(data.spacing).prod(axis=1)
+        # float16 image, uint8 label, slack
+        cache_mb = float(volume_voxels.sum()) * (2 * self.in_channels + 1 + 4) / 2**20
+        if cache_mb <= 0.3 * self.hardware.host_available_mb:
+            out.set(
+                "pipeline.cache",
+                "memory",
+                f"the converted volumes (~{cache_mb:.0f} MB) fit in 30% of the available RAM: decoded once",
+            )
+        else:
+            out.set(
+                "pipeline.cache",
+                "file",
+                f"~{cache_mb / 1024:.1f} GB of volumes do not fit in 30% of the RAM: cached on disk in cache_dir",
+            )
+            dataset_dir = Path(self.dataset_dir)
+            out.set(
+                "pipeline.cache_dir",
+                str(dataset_dir.parent / (dataset_dir.name + "_cache")),
+                "on-disk cache, reused by later runs",
+            )
+        out.set(
+            "pipeline.augment.rot90_prob",
+            0.5 if square else 0.0,
+            "in-plane quarter turns: the patch is square in x, y"
+            if square
+            else "no quarter turns: the patch is not square in x, y",
+        )
+        return Decision(settings=tuple(out))
+
+    # ------------------------------------------------------------------ loss, optimizer, length
+
+    def determine_schedule(self, data: DataDecision, batch: BatchDecision) -> ScheduleDecision:
+        """Loss, optimizer and learning-rate schedule, training length, precision, XLA, seed: nnU-Net's on a GPU,
+        the demo recipe's on a CPU."""
+        out = Settings()
+        out.set("loss.name", "dice_ce", "Dice + cross-entropy (nnU-Net)")
+        out.set("loss.include_background", False, "Dice over the foreground classes")
+        steps_per_epoch = max(1, math.ceil(data.n_train * 4 / batch.batch))
+        share = f"{self.training_share:.0%} of " if self.training_share < 1 else ""
+        if self.gpu:
+            out.set("optimizer.name", "sgd", "nnU-Net: SGD, Nesterov momentum 0.99")
+            out.set("optimizer.learning_rate", 0.01, "nnU-Net's initial learning rate")
+            out.set("optimizer.momentum", 0.99, "nnU-Net")
+            out.set("optimizer.nesterov", True, "nnU-Net")
+            out.set("optimizer.weight_decay", 3e-5, "nnU-Net")
+            out.set("optimizer.schedule", "poly", "nnU-Net: polynomial decay (power 0.9)")
+            out.set("optimizer.warmup_epochs", 0.0, "none (nnU-Net)")
+            steps_per_epoch = GPU_STEPS_PER_EPOCH
+            epochs = GPU_EPOCHS
+            out.set("training.steps_per_epoch", steps_per_epoch, "nnU-Net: 250 iterations per epoch")
+            out.set(
+                "training.epochs",
+                epochs,
+                "nnU-Net: 1000 epochs (250k iterations)"
+                + (
+                    "; at most: the trainer fits the learning-rate schedule to training.max_minutes from the "
+                    "measured step time"
+                    if self.max_minutes is not None
+                    else ""
+                ),
+            )
+            validations = GPU_VALIDATIONS
+        else:
+            out.set(
+                "optimizer.name",
+                "adamw",
+                "AdamW converges in the short CPU budget (the demo recipe's measured "
+                "choice; nnU-Net's SGD needs its 250k iterations)",
+            )
+            out.set("optimizer.learning_rate", 0.003, "MONAI's demo recipe's (benchmarks/monai_demo.py)")
+            out.set("optimizer.weight_decay", 1e-5, "the demo recipe's (and MONAI's there)")
+            out.set("optimizer.schedule", "cosine", "cosine decay to 0 over the run")
+            out.set("optimizer.warmup_epochs", 1.0, "one epoch of linear warm-up")
+            budget = round(CPU_TRAINING_STEPS * self.training_share)
+            epochs = max(1, round(budget / steps_per_epoch))
+            if self.max_minutes is None:
+                out.set(
+                    "training.epochs",
+                    epochs,
+                    f"{share}a CPU budget of ~{CPU_TRAINING_STEPS} optimizer steps ({steps_per_epoch} per epoch: "
+                    f"{data.n_train} training volumes x 4 crops / batch {batch.batch}); about ten minutes on 2 "
+                    f"cores at 48^3 for the whole budget",
+                )
+            else:
+                # the trainer sets the schedule's length from the epoch time it measures (tfmis.engine.budget);
+                # training.epochs only bounds it, at this many times the step budget's pace (a faster CPU than the
+                # development one still fits). The validations are spaced for the step budget's pace scaled to the
+                # minutes (CPU_TRAINING_STEPS per ten minutes): `epochs` below is that estimate
+                CPU_BUDGET_EPOCH_FACTOR = 10
+                epochs = max(1, round(CPU_TRAINING_STEPS * float(self.max_minutes) / 10 / steps_per_epoch))
+                out.set(
+                    "training.epochs",
+                    CPU_BUDGET_EPOCH_FACTOR * epochs,
+                    f"from the measured step time: the trainer fits the learning-rate schedule to "
+                    f"training.max_minutes after its first epochs; this bounds it ({CPU_BUDGET_EPOCH_FACTOR}x the "
+                    f"~{epochs} epochs of ~{CPU_TRAINING_STEPS} optimizer steps per ten minutes on 2 cores, "
+                    f"{steps_per_epoch} per epoch)",
+                )
+            validations = CPU_VALIDATIONS
+        out.set("training.precision", self.precision, self.precision_reason)
+        out.set(
+            "training.jit_compile",
+            False,
+            "XLA: ~10x slower than plain TensorFlow on the development CPU"
+            if not self.gpu
+            else "off: XLA's gain on 3D convolutions varies by GPU; try true and compare epoch times",
+        )
+        out.set("training.seed", self.seed, "split and weight initialisation")
+        if self.max_minutes is not None:
+            out.set(
+                "training.max_minutes", round(float(self.max_minutes), 2), f"{share}the time budget given to the plan"
+            )
+        return ScheduleDecision(
+            settings=tuple(out), steps_per_epoch=steps_per_epoch, epochs=epochs, validations=validations
+        )
+
+    # ------------------------------------------------------------------ validation
+
+    def determine_validation(
+        self, patch: PatchDecision, network: NetworkDecision, schedule: ScheduleDecision
+    ) -> Decision:
+        """How often, the window (the patch), windows per forward pass, overlap, blending, where the volume lives."""
+        gpu, gpu_fit = self.gpu, self.gpu_fit
+        out = Settings()
+        out.set(
+            "validation.val_interval",
+            max(1, round(schedule.epochs / schedule.validations)),
+            f"about {schedule.validations} validations over the run",
+        )
+        out.set("validation.roi_size", [int(p) for p in patch.patch], "the training patch (nnU-Net)")
+        window_mb = inference_window_mb(patch.patch, patch.strides, network.filters, self.num_classes, self.precision)
+        if gpu and gpu_fit:
+            sw = int(gpu_fit["num_sw_batch_size"])
+            sw_reason = f"measured by the GPU-fit search ({gpu_fit.get('source', 'its cache')})"
+            placement = gpu_fit["validation_data_device"]
+            placement_reason = f"measured by the GPU-fit search ({gpu_fit.get('source', 'its cache')})"
+        elif gpu:
+            budget = 0.25 * ((self.hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB)
+            sw = max([s for s in (1, 2, 4, 8) if s * window_mb <= budget] or [1])
+            sw_reason = (
+                f"estimated: {window_mb:.0f} MB per window within a quarter of the GPU, at most 8; "
+                f"--gpu-customization measures it"
+            )
+            placement = "auto"
+            placement_reason = "the GPU, falling back to the CPU on out-of-memory"
+        else:
+            sw = 4
+            sw_reason = f"4 windows per forward pass (~{window_mb:.0f} MB each): the demo recipe's on a CPU"
+            placement = "cpu"
+            placement_reason = "no accelerator"
+        overlap = 0.5 if gpu else 0.25
+        out.set("validation.num_sw_batch_size", sw, sw_reason)
+        out.set(
+            "validation.overlap",
+            overlap,
+            "nnU-Net's half-window step" if gpu else "a quarter: fewer windows on a CPU (nnU-Net uses 0.5)",
+        )
+        out.set("validation.mode", "gaussian", "Gaussian-weighted window blending (nnU-Net)")
+        out.set("validation.validation_data_device", placement, placement_reason)
+        out.set("output.dir", str(self.output_dir), "the run folder")
+        return Decision(settings=tuple(out))
+
+    def determine_cascade(self) -> Decision:
+        """The fine stage of a cascade: which coarse run finds its region, and the margin around it."""
+        if self.roi_margin_mm is None or self.coarse_run is None:
+            return Decision()
+        return Decision(
+            settings=(
+                ("cascade.coarse_run", str(self.coarse_run), "the coarse stage finds the region on the whole scan"),
+                (
+                    "cascade.margin_mm",
+                    float(self.roi_margin_mm),
+                    "kept around each piece of the coarse stage's foreground, as around the labels in training",
+                ),
+            )
+        )
+
+    def determine_runtime(self) -> Decision:
+        """oneDNN: decided on each machine that trains (the plan may travel), with this machine's decision."""
+        here = f"; here: {self.hardware.onednn}" if self.hardware.onednn else ""
+        return Decision(
+            settings=(
+                (
+                    "runtime.onednn",
+                    "auto",
+                    "TensorFlow's oneDNN CPU kernels, decided on the machine that trains before TensorFlow starts: on "
+                    f"for x86-64 CPUs with AVX2 and FMA, TensorFlow's default elsewhere{here}",
+                ),
+            )
+        )
