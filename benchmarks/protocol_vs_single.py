@@ -12,7 +12,9 @@ on held-out cases neither has seen.
     conversion);
   - `auto`: `tfmis-auto --source-dir TRAIN --folds K --max-minutes M` (plans, converts into K folds, trains every
     candidate configuration in every fold within M minutes in all, chooses the configuration(s) and
-    postprocessing on the out-of-fold Dice).
+    postprocessing on the out-of-fold Dice);
+  - `fullres` (with `--arms single,fullres`): the single run forced to full resolution (`--configuration
+    fullres`), to compare the plan's recommendation with full resolution at the same budget.
 - **Scored**: `tfmis-predict --input HOLDOUT/dataset.json --subset training` with each arm's model (the single run's
   best weights; the protocol's chosen configuration(s), each the ensemble of its K folds, and its postprocessing),
   Dice per class on the original grid (`predictions.csv`).
@@ -39,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = ("single", "auto")
+ARMS = ("single", "auto", "fullres")
 
 
 def split_dataset(source: Path, holdout: int, out: Path) -> tuple[Path, Path]:
@@ -67,7 +69,8 @@ def split_dataset(source: Path, holdout: int, out: Path) -> tuple[Path, Path]:
 
 def arm_command(arm: str, train: Path, out: Path, minutes: float, folds: int, extra: list[str]) -> list[str]:
     sets = [x for s in extra for x in ("--set", s)]
-    if arm == "single":
+    if arm in ("single", "fullres"):
+        forced = ["--configuration", "fullres"] if arm == "fullres" else []
         return [
             sys.executable,
             "-m",
@@ -80,6 +83,7 @@ def arm_command(arm: str, train: Path, out: Path, minutes: float, folds: int, ex
             f"data.dataset_dir={out}/data",
             "--set",
             f"training.max_minutes={minutes:g}",
+            *forced,
             *sets,
         ]
     return ["tfmis-auto", "--source-dir", str(train), "--output", str(out), "--folds", str(folds)] + [
@@ -139,6 +143,7 @@ def main() -> int:
     p.add_argument("--folds", type=int, default=5)
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--sequential", action="store_true", help="one arm after the other, every core each")
+    p.add_argument("--arms", default="single,auto", help="two of single, auto, fullres (default single,auto)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="KEY=VALUE for both arms")
     args = p.parse_args()
     args.output.mkdir(parents=True, exist_ok=True)
@@ -149,8 +154,11 @@ def main() -> int:
     results_file = args.output / "protocol_vs_single.json"
     results = json.loads(results_file.read_text()) if results_file.is_file() else {}
 
+    arms = [a.strip() for a in args.arms.split(",")]
+    if len(arms) != 2 or not set(arms) <= set(ARMS):
+        sys.exit(f"--arms {args.arms}: two of {', '.join(ARMS)}")
     running = {}
-    for index, arm in enumerate(ARMS):
+    for index, arm in enumerate(arms):
         out = args.output / arm
         if arm in results and "train_seconds" in results[arm]:
             continue
@@ -169,7 +177,7 @@ def main() -> int:
         print(f"[{arm}] exit {code} after {results[arm]['train_seconds']:.0f} s", flush=True)
         results_file.write_text(json.dumps(results, indent=1))
 
-    for arm in ARMS:
+    for arm in arms:
         out = args.output / arm
         record = results[arm]
         if record.get("train_exit") not in (0, None):
@@ -209,7 +217,7 @@ def main() -> int:
     classes = next((list(r["dice"]) for r in results.values() if "dice" in r), [])
     print("| arm | training wall s | predict s | " + " | ".join(classes) + " | mean | trained |")
     print("| --- | ---: | ---: | " + " | ".join("---:" for _ in classes) + " | ---: | --- |")
-    for arm in ARMS:
+    for arm in arms:
         r = results.get(arm, {})
         if "dice" not in r:
             print(f"| {arm} | {r.get('train_seconds', math.nan):.0f} | | failed |")
