@@ -223,3 +223,31 @@ def test_the_exit_code_table_in_the_docs_matches_the_error_classes():
     assert exit_codes()["TfmisError"] == 1 and set(exit_codes()) >= {"UsageError", "ConfigError", "PartialFailure"}
     assert issubclass(ConfigError, ValueError) and issubclass(DataError, ValueError)  # library callers keep working
     assert all(issubclass(c, TfmisError) for c in (UsageError, DataError, RunStateError, ResourceError))
+
+
+def test_every_error_class_in_the_package_exits_with_its_documented_base_code():
+    """Every TfmisError subclass anywhere in tfmis (every module imported) exits with the code of its nearest class
+    in tfmis.errors, the classes docs/exit-codes.md lists: a subclass elsewhere cannot change its exit code
+    unseen."""
+    import importlib
+    import pkgutil
+
+    import tfmis
+
+    for module in pkgutil.walk_packages(tfmis.__path__, "tfmis."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
+    documented = exit_codes()
+    seen, todo = set(), [TfmisError]
+    while todo:
+        cls = todo.pop()
+        todo.extend(c for c in cls.__subclasses__() if c not in seen)
+        seen.add(cls)
+    elsewhere = [c for c in seen if c.__module__ != "tfmis.errors"]
+    assert elsewhere, "no subclass outside tfmis.errors was found: the walk imported nothing"
+    for cls in elsewhere:
+        base = next(b for b in cls.__mro__ if b.__module__ == "tfmis.errors")
+        assert cls.exit_code == documented[base.__name__], (
+            f"{cls.__module__}.{cls.__name__} exits {cls.exit_code}, its documented base {base.__name__} "
+            f"{documented[base.__name__]}"
+        )

@@ -279,8 +279,8 @@ def test_without_nvml_falls_back_to_cpu_mode_saying_so_once(tmp_path, capfd):
 
 
 def test_bad_arguments_are_refused_with_the_flag_named(tmp_path):
-    """Bad input: --gpus a,b / --interval 0 / no command → exit 2 naming the flag; a missing program →
-    127; ResourceMonitor refuses interval_s <= 0 and a pid that does not exist; plot_resources refuses a
+    """Bad input: --gpus a,b / --interval 0 / no command / a missing program (as tfmis-launch) → exit 2 naming
+    the flag or program; --gpus 7 exits 2 where NVML sees no GPU 7 (no GPU here, or fewer); ResourceMonitor refuses interval_s <= 0 and a pid that does not exist; plot_resources refuses a
     CSV without samples and a CSV that is not a monitor CSV, naming the file."""
 
     def cli(*args):
@@ -298,7 +298,10 @@ def test_bad_arguments_are_refused_with_the_flag_named(tmp_path):
     no_separator = cli("true")
     assert no_separator.returncode == 2 and "usage: python -m tfmis.monitor" in no_separator.stderr
     missing = cli("--", str(tmp_path / "no-such-program"))
-    assert missing.returncode == 127 and "no-such-program" in missing.stderr
+    assert missing.returncode == 2 and "no-such-program" in missing.stderr
+    absent_gpu = cli("--gpus", "7", "--", "true")
+    assert absent_gpu.returncode == 2 and "--gpus 7" in absent_gpu.stderr
+    assert not (tmp_path / "m").exists()  # refused before the command ran: no samples written
 
     with pytest.raises(ValueError, match="interval_s"):
         ResourceMonitor(tmp_path / "r.csv", interval_s=0)

@@ -159,8 +159,8 @@ def test_predict_from_a_run_folder_alone_after_the_tfrecords_are_gone(tmp_path):
 
 
 def test_predict_without_config_outside_a_run_folder_says_what_to_give(tmp_path, capsys):
-    """No --config and no config.yaml in or above --checkpoint: exit 2 (bad arguments) naming --config; a
-    --checkpoint that does not exist: exit 2 saying so, before any config is looked for."""
+    """No --config and no config.yaml in or above --checkpoint: exit 1 (an unusable checkpoint) naming --config; a
+    --checkpoint that does not exist: exit 1 saying so, before any config is looked for."""
     from tfmis.predict import main as predict_main
 
     (tmp_path / "loose.weights.h5").write_bytes(b"")
@@ -174,10 +174,9 @@ def test_predict_without_config_outside_a_run_folder_says_what_to_give(tmp_path,
             str(tmp_path / "out"),
         ]
     )
-    assert code == 2
+    assert code == 1
     err = capsys.readouterr().err
     assert f"--checkpoint {tmp_path / 'loose.weights.h5'}: no config.yaml in or above it" in err and "--config" in err
-    with pytest.raises(SystemExit) as exit_info:
-        predict_main(["--checkpoint", str(tmp_path / "missing"), "--input", str(tmp_path), "--output", str(tmp_path)])
-    assert exit_info.value.code == 2
+    missing = ["--checkpoint", str(tmp_path / "missing"), "--input", str(tmp_path), "--output", str(tmp_path)]
+    assert predict_main(missing) == 1
     assert f"--checkpoint {tmp_path / 'missing'}: no such file or folder" in capsys.readouterr().err

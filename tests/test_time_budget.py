@@ -225,3 +225,15 @@ def test_resumed_budgeted_run_continues_the_same_schedule(converted_dataset, tmp
     assert summary["stop_reason"] == "epochs" and history[-1]["learning_rate"] == pytest.approx(0.0, abs=1e-9)
     assert history[-1]["epoch"] == history[-1]["schedule_epochs"] <= saved[-1]["schedule_epochs"]
     assert budget["used_share"] < 1.1 and summary["elapsed_seconds"] > saved[-1]["elapsed_seconds"]
+
+
+def test_a_warm_up_as_long_as_the_schedule_is_cut_to_half_of_it_and_the_run_trains(converted_dataset, tmp_path, capsys):
+    """training.epochs=1 with optimizer.warmup_epochs=1 (a short first try of a config with a warm-up): the run
+    trains instead of stopping in the schedule's ValueError, says in one line that the warm-up was cut to half
+    the schedule, and its one epoch's learning rate is the cosine's end after a 1-step warm-up of 2 steps."""
+    run = tmp_path / "run"
+    summary = Trainer(tiny_config(converted_dataset, run, "training.epochs=1", "optimizer.warmup_epochs=1")).fit()
+    assert summary["epochs"] == 1
+    assert "the warm-up is cut to 1 step, half of it" in capsys.readouterr().err
+    (record,) = _history(run)
+    assert record["learning_rate"] == pytest.approx(_cosine(2, 2, 1), abs=1e-9)  # the end of the schedule: 0

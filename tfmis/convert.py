@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Literal
 
 from tfmis.data.convert import (
@@ -136,7 +137,13 @@ RERUN = "rerun the same command (it resumes)"
 
 @command
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.splits_file and not Path(args.splits_file).is_file():  # a bad argument (2), as crossval and the config
+        parser.error(
+            f"--splits-file {args.splits_file} does not exist: give a splits_final.json (nnU-Net v2's format: a "
+            'list of {"train": [case ids], "val": [case ids]}, one per fold)'
+        )
     config = ConversionConfig.from_args(args)
     writing(args.target_dir, RERUN)
     index = convert(config)

@@ -14,26 +14,15 @@ program after `--` that is not found or not executable).
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 
 from tfmis.errors import UsageError
-from tfmis.utils.cli import command, parse_with_command
+from tfmis.utils.cli import check_command, command, parse_with_command
 
 USAGE = (
     "usage: python -m tfmis.launch --nproc N [--grace-seconds S] [--gpus-per-worker G] -- COMMAND ...\n"
     "e.g. python -m tfmis.launch --nproc 2 -- python -m tfmis.train --config configs/demo.yaml"
 )
-
-
-def check_command(command: list[str]) -> str | None:
-    """Why `command` cannot be started (its program is not found or not executable), or None."""
-    program = command[0]
-    if shutil.which(program) is None:
-        where = "is not an executable file" if os.path.exists(program) else "is not found (on PATH or as a path)"
-        return f"program {program!r} after -- {where}: check the command"
-    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

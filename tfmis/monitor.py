@@ -16,7 +16,8 @@ import datetime
 import math
 import sys
 
-from tfmis.utils.cli import command, parse_with_command
+from tfmis.errors import UsageError
+from tfmis.utils.cli import check_command, command, parse_with_command
 
 PREFIX = "tfmis.monitor:"
 USAGE = (
@@ -71,6 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
 @command
 def main(argv=None) -> int:
     args, command = parse_with_command(build_parser(), argv, USAGE)
+    problem = check_command(command)
+    if problem:
+        raise UsageError(problem)
+    if args.gpus is not None:  # asked for GPUs: refuse before starting the command if they cannot be sampled
+        from tfmis.hardware import NvmlGpus, NvmlUnavailable
+
+        try:
+            NvmlGpus(args.gpus).close()
+        except NvmlUnavailable as e:
+            raise UsageError(
+                f"--gpus {','.join(map(str, args.gpus))}: no NVIDIA GPU can be sampled here ({e}); "
+                "leave out --gpus to sample the command's CPU and memory"
+            ) from None
+        except ValueError as e:
+            raise UsageError(f"--gpus {','.join(map(str, args.gpus))}: {e}") from None
     from tfmis.profiling.monitor import monitor_command
 
     output = args.output or f"monitor-{datetime.datetime.now():%Y%m%d-%H%M%S}"

@@ -24,7 +24,12 @@ from tfmis.utils.cli import command, writing
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tfmis-plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="tfmis-plan",
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit status: 0 plan written; 1 the dataset is unusable or an output cannot be written; 2 bad "
+        "arguments. All codes: docs/exit-codes.md.",
+    )
     p.add_argument("--source-dir", required=True, help="MSD dataset folder (with dataset.json)")
     p.add_argument(
         "--target-dir",

@@ -195,15 +195,16 @@ def main(argv=None) -> int:
     except ValueError:
         build_parser().error(f"--tta-axes: expected comma-separated axes like 0,1,2, got {args.tta_axes!r}")
     folds = _folds(args.folds, build_parser())
+    from tfmis.errors import MissingInput, PartialFailure, UsageError
+
     if not Path(args.checkpoint).exists():  # before TensorFlow's start-up and any config lookup
-        build_parser().error(
+        raise MissingInput(
             f"--checkpoint {args.checkpoint}: no such file or folder; give a training run's folder (it holds "
             "config.yaml), a plan of stages, a folder of folds or a cross-validation folder"
         )
     from tqdm import tqdm
 
     from tfmis.config import load_config
-    from tfmis.errors import PartialFailure, UsageError
     from tfmis.inference.ensemble import build_predictor, resolve_checkpoint
     from tfmis.inference.inputs import collect_inputs
     from tfmis.inference.outputs import results_table, write_csv

@@ -26,6 +26,7 @@ loss = task.build_loss()
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import keras
 import tensorflow as tf
@@ -190,7 +191,17 @@ class SegmentationTask:
         `steps_per_epoch` steps, warm-up (`optimizer.warmup_epochs`) included, until the trainer sets it (a time
         budget fits it to the measured epoch time). Build it in the distribution backend's scope."""
         o, tc = self.config.optimizer, self.config.training
-        return ScheduleLength(tc.epochs * steps_per_epoch, warmup_steps=int(o.warmup_epochs * steps_per_epoch))
+        total, warmup = tc.epochs * steps_per_epoch, int(o.warmup_epochs * steps_per_epoch)
+        if o.schedule != "constant" and warmup >= total:  # a short first try (training.epochs=1) must still run
+            shorter = total // 2
+            print(
+                f"optimizer.warmup_epochs={o.warmup_epochs:g} ({warmup} steps) is not shorter than the {total}-step "
+                f"schedule of training.epochs={tc.epochs}: the warm-up is cut to {shorter} step{'s' * (shorter != 1)}, "
+                "half of it",
+                file=sys.stderr,
+            )
+            warmup = shorter
+        return ScheduleLength(total, warmup_steps=warmup)
 
     def build_optimizer(self, global_batch: int, steps_per_epoch: int, length: ScheduleLength | None = None):
         """The optimizer with its schedule over `training.epochs` x `steps_per_epoch` steps (warm-up first), or

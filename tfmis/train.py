@@ -29,7 +29,13 @@ RERUN = "rerun with --resume (it continues from the last committed epoch)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tfmis-train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="tfmis-train",
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit status: 0 finished; 1 an error stopped training (data, divergence, out of memory, a lost "
+        "worker, an existing run without --resume; the message says which); 2 a config error or bad arguments; "
+        "130 interrupted (rerun with --resume). All codes: docs/exit-codes.md.",
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="YAML config (or a plan of stages), e.g. configs/demo.yaml")
     source.add_argument(

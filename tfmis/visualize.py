@@ -75,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         "class, orientation letters at the panel edges, patient's right on the screen's right), or "
         "with --no-screen an animated GIF sweeping through the slices. Prints the path written.",
         epilog="Exit status: 0 written; 1 a file, split or sample is missing or unreadable, or a label or "
-        "prediction does not match the image's grid; 2 bad arguments. Examples: python "
-        "tfmis-visualize --dataset-dir data/demo_tfr --sample 0 --split val;  python "
-        "tfmis-visualize --image ct.nii.gz --label seg.nii.gz --prediction pred.nii.gz",
+        "prediction does not match the image's grid; 2 bad arguments. Examples: tfmis-visualize --dataset-dir "
+        "data/demo/tfrecords --sample 0 --split val; tfmis-visualize --image ct.nii.gz --label seg.nii.gz "
+        "--prediction pred.nii.gz",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(

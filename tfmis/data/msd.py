@@ -35,7 +35,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from tfmis.errors import DataError
+from tfmis.errors import DataError, UsageError
 
 CT_MODALITIES = {"CT"}
 
@@ -44,11 +44,9 @@ class DatasetError(DataError):
     """The dataset as a whole is unusable (dataset.json missing or malformed)."""
 
 
-class DatasetNotFound(DatasetError):
+class DatasetNotFound(UsageError, DatasetError):
     """The folder given as a dataset holds no dataset.json: the argument or `data.source_dir` needs fixing
-    (exit 2, as any usage error)."""
-
-    exit_code = 2
+    (exit 2, as any usage error; still a DatasetError for library callers)."""
 
 
 class CaseError(DataError):

@@ -104,7 +104,7 @@ def run_config(checkpoint: str | Path) -> Path:
     """The config.yaml of the run that `checkpoint` belongs to; a clear error when there is none."""
     run = find_run_dir(checkpoint)
     if run is None:
-        raise UsageError(
+        raise MissingInput(
             f"--checkpoint {checkpoint}: no config.yaml in or above it, so it is not a training run's folder (nor a "
             "plan of stages, a folder of folds or a cross-validation folder): give one, or the run's config with "
             "--config"

@@ -25,20 +25,35 @@ from tfmis.utils.cli import EXIT_INTERRUPTED, add_set_argument, command, writing
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tfmis-tune", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
+    fit_help = (
+        "choose batch size, sliding-window batch size and placement from measured memory and speed (Auto3DSeg's "
+        "GPU customization)"
+    )
     fit = sub.add_parser(
         "fit",
-        help="choose batch size, sliding-window batch size and placement from measured "
-        "memory and speed (Auto3DSeg's GPU customization)",
+        help=fit_help,
+        description=f"{fit_help[0].upper()}{fit_help[1:]}: trials of real training steps and validations, each "
+        "in its own process, within a memory budget; a cached choice that fits is reused (--no-cache measures again).",
+        epilog="Exit status: 0 a configuration was chosen; 1 none fits the memory budget (or the data is missing, "
+        "or an output cannot be written); 2 bad arguments, config or specs. All codes: docs/exit-codes.md.",
     )
     fit.add_argument("--config", required=True, help="training config, e.g. configs/demo.yaml")
     add_set_argument(fit)
     add_search_arguments(fit, prefix="")
     fit.add_argument("--output", default=None, help="output folder (default: <output.dir>/gpu_fit)")
 
+    hpo_help = (
+        "hyperparameter search with N trials at once, each a tfmis.train process pinned to its devices (Keras "
+        "Tuner's distributed mode on one machine)"
+    )
     hpo = sub.add_parser(
         "hpo",
-        help="hyperparameter search with N trials at once, each a tfmis.train process "
-        "pinned to its devices (Keras Tuner's distributed mode on one machine)",
+        help=hpo_help,
+        description=f"{hpo_help[0].upper()}{hpo_help[1:]}: the space is dotted config keys to choices or ranges; "
+        "results, the best config and plots go to --output; --resume continues a search.",
+        epilog="Exit status: 0 a trial finished; 1 none did (or a search process died, or an output cannot be "
+        "written); 2 bad arguments, config or space; 130 interrupted (rerun with --resume). All codes: "
+        "docs/exit-codes.md.",
     )
     hpo.add_argument("--config", required=True, help="training config, e.g. configs/demo.yaml")
     add_set_argument(hpo, "--set training.epochs=3 (every trial)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shutil
 import sys
 import traceback
 from collections.abc import Callable
@@ -117,6 +118,16 @@ def parse_with_command(
     if not command:
         parser.error("no command after --")
     return args, command
+
+
+def check_command(command: list[str]) -> str | None:
+    """Why the wrapped `command` (after `--`) cannot be started (its program is not found or not executable), or
+    None: `tfmis-launch` and `tfmis-monitor` both refuse it as a bad argument (exit 2)."""
+    program = command[0]
+    if shutil.which(program) is None:
+        where = "is not an executable file" if os.path.exists(program) else "is not found (on PATH or as a path)"
+        return f"program {program!r} after -- {where}: check the command"
+    return None
 
 
 # ---------------------------------------------------------------- one line for an OS error at a command's edge
