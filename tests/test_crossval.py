@@ -187,6 +187,24 @@ def test_a_failed_fold_is_a_partial_failure_exit_3_naming_the_fold_its_reason_an
     assert not (cv / "crossval.json").exists()
 
 
+def test_two_folds_of_one_epoch_end_to_end_in_the_default_run(tmp_path, capsys):
+    """The whole cross-validation in seconds (the default test run's one end-to-end case): two folds of one
+    configuration, one epoch each, trained by real `tfmis.train` processes, every case predicted out of fold with
+    the final weights, the configuration chosen, and crossval.json, crossval.md and the plan written."""
+    config = write_config(tmp_path, "a", "training.epochs=1", "training.steps_per_epoch=1", cases=4)
+    cv = tmp_path / "cv"
+    code = main(["--config", str(config), "--folds", "2", "--output", str(cv)])
+    assert code == 0, capsys.readouterr().out
+    result = json.loads((cv / "crossval.json").read_text())
+    assert result["weights"] == "final" and result["chosen"]["configurations"] == ["a"]
+    scored = {}
+    for fold in range(2):
+        assert (cv / "a" / f"fold_{fold}" / "final.weights.h5").is_file()
+        scored.update(json.loads((cv / "a" / f"fold_{fold}" / "validation" / "scores.json").read_text())["cases"])
+    assert sorted(scored) == [f"case_{i:03d}" for i in range(4)]  # every case once, out of fold
+    assert "Chosen:" in (cv / "crossval.md").read_text() and (cv / "plan.yaml").is_file()
+
+
 @pytest.mark.slow
 def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsys):
     """Three folds of two configurations trained by two pinned worker processes: every case predicted once out of
