@@ -237,3 +237,21 @@ def test_a_warm_up_as_long_as_the_schedule_is_cut_to_half_of_it_and_the_run_trai
     assert "the warm-up is cut to 1 step, half of it" in capsys.readouterr().err
     (record,) = _history(run)
     assert record["learning_rate"] == pytest.approx(_cosine(2, 2, 1), abs=1e-9)  # the end of the schedule: 0
+
+
+def test_a_short_slow_stretch_before_three_quarters_does_not_shorten_the_schedule():
+    """1 s epochs in a 100 s budget, then 5 epochs three times as slow (another process for a moment), then 1 s
+    again: the refinement's pace is the median of the last half of the measured epochs, so the length stays where
+    the steady pace puts it from there (the mean of the same epochs would have cut more than 5 epochs more)."""
+    budget = TimeBudget(max_minutes=100 / 60, max_epochs=10_000, val_interval=1)
+    elapsed = _feed(budget, 30, seconds=1.0, validation=0.0)
+    epoch = 30
+    for seconds in [3.0] * 5 + [1.0] * 5:
+        epoch += 1
+        elapsed = _feed_one(budget, epoch, seconds, 0.0, elapsed)
+    assert elapsed < 75
+    assert budget.refine_epoch_seconds == pytest.approx(1.0)
+    steady_fit = budget.fitting_epochs(epoch, elapsed, 1.0)  # the epochs the steady pace fits from here
+    assert abs(budget.epochs - steady_fit) <= 0.02 * budget.epochs + 1
+    half = [s for _, s in budget.epoch_times[-max(10, len(budget.epoch_times) // 2) :]]
+    assert budget.fitting_epochs(epoch, elapsed, sum(half) / len(half)) < steady_fit - 5  # what the mean would do

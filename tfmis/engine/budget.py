@@ -19,7 +19,7 @@ so that the run ends shortly before the budget with its schedule complete (docs/
   its end changes the learning rate little (a cosine is still within 3 % of its peak at a tenth of its length).
   The first measured epoch is validated when no validation has been measured yet in this process.
 - **Refined, then shrink only**: after every later epoch the same projection. Until `REFINE_UNTIL_SHARE` of the
-  budget has passed, with the mean of the last half of the measured epochs (at least `RECENT_EPOCHS`), N follows
+  budget has passed, with the median of the last half of the measured epochs (at least `RECENT_EPOCHS`), N follows
   it both ways when it moves by more than `REFINE_TOLERANCE` (the first epochs are slower than the later ones
   while caches warm: a decision from them alone ended runs 7-9 % short of the budget); moving the end of a cosine
   by a few per cent changes the learning rate by a few hundredths of its peak. After that, with the mean of the
@@ -53,8 +53,9 @@ MEASURE_SHARE = 0.1
 # ...or, with those epochs measured, once this share of the budget has passed (long epochs, or a long first epoch),
 # and with one measured epoch once half of it has (epochs so long that few fit)
 DECIDE_BY_SHARE = 0.25
-# the re-check's epoch time: the mean of the last this many measured epochs (the refinement's: of the last half of
-# the measured epochs, at least this many; a 2-core machine's epochs vary by tens of per cent from one ten to the next)
+# the re-check's epoch time: the mean of the last this many measured epochs (the refinement's: the median of the last
+# half of the measured epochs, at least this many; a 2-core machine's epochs vary by tens of per cent from one ten to
+# the next, and another process slows a stretch of them)
 RECENT_EPOCHS = 10
 # until this share of the budget has passed, the re-check moves the length both ways (to the recent pace)...
 REFINE_UNTIL_SHARE = 0.75
@@ -124,9 +125,14 @@ class TimeBudget:
 
     @property
     def refine_epoch_seconds(self) -> float | None:
-        """The mean of the last half of the measured epochs (at least the last `RECENT_EPOCHS`)."""
-        recent = [s for _, s in self.epoch_times[-max(RECENT_EPOCHS, len(self.epoch_times) // 2) :]]
-        return sum(recent) / len(recent) if recent else None
+        """The median of the last half of the measured epochs (at least the last `RECENT_EPOCHS`): a few minutes
+        of another process on the machine slow a stretch of epochs, and the length it fixes for good after three
+        quarters must not follow them."""
+        recent = sorted(s for _, s in self.epoch_times[-max(RECENT_EPOCHS, len(self.epoch_times) // 2) :])
+        if not recent:
+            return None
+        middle = len(recent) // 2
+        return recent[middle] if len(recent) % 2 else (recent[middle - 1] + recent[middle]) / 2
 
     @property
     def validation_seconds(self) -> float | None:
