@@ -113,6 +113,7 @@ def _md_row(md: str, label: str) -> list[str]:
     raise AssertionError(f"no row {label!r} in:\n{md}")
 
 
+@pytest.mark.slow
 def test_pipeline_only_writes_samples_per_second_of_both_pipelines(converted_dataset, tmp_path):
     """--pipeline-only times the regular (NIfTI) and fast (TFRecord) pipelines without a model: positive samples/s
     for both in benchmark.json and the same numbers in benchmark.md; no training run folder is made."""

@@ -439,6 +439,7 @@ def test_resume_reuses_measured_spacing_and_ct_window(tmp_path):
     assert again["preprocessing"] == first["preprocessing"] and again["stats"]["records"] == 3
 
 
+@pytest.mark.slow
 def test_conversion_progress_to_a_log_file_is_plain_lines_without_bar_frames(msd_dataset, tmp_path):
     """tools/tfrecord.py with standard error captured (not a terminal, as in a SLURM log) reports progress as
     plain lines without carriage-return bar frames, ending with the count of all converted cases."""

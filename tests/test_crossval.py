@@ -164,6 +164,7 @@ def test_progress_table_shows_a_failed_job_with_its_exit_code_until_it_is_retrie
     assert progress_rows(cv, definition)[1] == ("0", "training, epoch 1/?", "waiting", "-")
 
 
+@pytest.mark.slow
 def test_a_failed_fold_is_a_partial_failure_exit_3_naming_the_fold_its_reason_and_its_log(tmp_path, capsys):
     """A fold whose training fails (its run folder's place taken by a file) makes the command exit 3 after the
     other work: one error line names the configuration, the fold, the training's own error line and its log, the

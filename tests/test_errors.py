@@ -49,6 +49,7 @@ def convert_args(source, target, *extra):
 # ---------------------------------------------------------------------------------------------- convert
 
 
+@pytest.mark.slow
 def test_convert_follows_symlinked_imagesTr_and_labelsTr_inside_the_dataset_folder(tmp_path):
     """imagesTr/ and labelsTr/ as symlinks to another folder (a cluster layout): every case converts (exit 0);
     the containment check is lexical, so a symlink inside the dataset folder is no escape."""
@@ -79,6 +80,7 @@ def test_dataset_paths_that_leave_the_folder_are_still_refused_but_symlinks_insi
             dataset.resolve(case, escape)
 
 
+@pytest.mark.slow
 def test_convert_with_every_case_missing_exits_1_and_leaves_nothing_to_resume_from(tmp_path):
     """All image files missing: 0 records is a failure, exit 1, with a line saying why (the first case's reason);
     no index.json, shard or progress file stays, so a rerun after fixing the files starts afresh."""
@@ -151,6 +153,7 @@ def full_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_convert_on_a_full_disk_exits_1_removes_the_half_written_shard_and_resumes_after(tmp_path, full_disk):
     """The disk fills during the first shard write (TensorFlow's ResourceExhaustedError, which names no file):
     one line naming the shard and the fix, exit 1, no temporary left; once space is freed the same command

@@ -205,6 +205,7 @@ MIRRORED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_fused_adamw_under_mirrored_strategy_matches_single_device():
     """Each replica's ResourceApplyAdam updates its own copy of the weights and moments: after 12 steps on
     2 logical CPUs (a fresh interpreter: they must be configured before TensorFlow starts) the replicas agree

@@ -67,6 +67,7 @@ def report(prefix=(), code: str = REPORT, **env) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_taskset_one_core_gives_one_cpu_counts_for_threads_workers_and_launch():
     """Under `taskset -c 0` tfmis counts 1 usable CPU; TensorFlow runs 1 inter-op thread, the conversion 1 worker
     and a launched worker 1 intra-op thread (TensorFlow itself follows the affinity mask: no variable is set)."""
@@ -147,6 +148,7 @@ def test_cgroup_quota_reader_takes_the_smallest_quota_on_the_path_of_v1_and_v2_t
     assert cgroup_cpu_quota("2:memory:/x\n", root=v2) is None  # no cpu line: no quota
 
 
+@pytest.mark.slow
 def test_onednn_is_decided_before_tensorflow_starts_and_the_users_variable_wins():
     """A fresh process that imports tfmis first runs TensorFlow with oneDNN as `onednn_choice('auto')` says for this
     CPU (on for x86-64 with AVX2 and FMA); the user's TF_ENABLE_ONEDNN_OPTS=0 or =1 is respected and named as the

@@ -211,6 +211,7 @@ def test_taking_a_folders_lock_removes_a_killed_writers_temporary_and_keeps_live
     assert not live_tmp.exists()
 
 
+@pytest.mark.slow
 def test_second_conversion_into_a_locked_target_exits_1_and_keeps_the_holders_temporaries(tmp_path):
     """`tfmis-convert` into a target whose lock a live process holds exits 1 with one error line naming the
     holder, and leaves the holder's temporary file alone; once the holder is killed, the same command converts

@@ -33,9 +33,12 @@ from tfmis.networks.slabs import same_padding, slab_bounds
 
 TESTS = Path(__file__).parent
 
-# the default suite's share (a minute on 2 cores); the slow marker adds the rest (the ablations among them)
-FLOAT64_CASES = ["demo:spatial:2:f64", "deep:spatial:4:axis2:f64", "deep:pipeline:4:f64"]
+# the default suite's share (one process: float64, float32 with oneDNN and mixed_float16 of the demo U-Net split in
+# 2 slabs); the slow marker adds the rest (the deep net, pipelines, 4 devices, the ablations)
+FLOAT64_CASES = ["demo:spatial:2:f64"]
 FLOAT64_SLOW = [
+    "deep:spatial:4:axis2:f64",
+    "deep:pipeline:4:f64",
     "demo:pipeline:2:f64",
     "demo:spatial:4:f64",
     "deep:spatial:2:f64",
@@ -45,6 +48,7 @@ FLOAT64_SLOW = [
     "deep:pipeline:2:recompute:f64",
 ]
 FLOAT32_CASES = ["demo:spatial:2"]
+MIXED_CASES = ["demo:spatial:2:mixed"]
 FLOAT32_SLOW = ["deep:spatial:4", "demo:pipeline:4", "deep:pipeline:2"]
 ABLATIONS = ["demo:spatial:2:nohalo", "demo:spatial:2:nostats"]
 NORM_CASES = ["deep:spatial:2:batch:f64", "deep:spatial:2:batch:data2:f64", "demo:pipeline:2:data2:f64"]
@@ -66,7 +70,7 @@ def run_cases(cases: list[str], out: Path, onednn: bool = True) -> dict:
 
 @pytest.fixture(scope="module")
 def equality(tmp_path_factory):
-    return run_cases(FLOAT64_CASES + FLOAT32_CASES, tmp_path_factory.mktemp("mp") / "cases.json")
+    return run_cases(FLOAT64_CASES + FLOAT32_CASES + MIXED_CASES, tmp_path_factory.mktemp("mp") / "cases.json")
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +97,11 @@ def assert_equal_to_one_device(result: dict, output_tol: float, loss_tol: float,
 
 @pytest.mark.parametrize("case", FLOAT64_CASES)
 def test_model_parallel_equals_one_device_in_float64(equality, case):
-    """Spatial (2 and 4 slabs, the deep net also cut along its odd side of 13) and pipeline (2 and 4 stages, 2
-    micro-batches) runs of the demo U-Net (strides (2, 2, 2, 1), transposed-convolution output with the image's
-    convolution, deep supervision) and of a 5-level anisotropic one (strides (2, 2, 1), deep supervision, instance
-    norm): every inference output, the deep-supervision loss and all gradients equal one device's (float64
-    tolerances of the module docstring)."""
+    """The demo U-Net (strides (2, 2, 2, 1), transposed-convolution output with the image's convolution, deep
+    supervision) split in 2 slabs: every inference output, the deep-supervision loss and all gradients equal one
+    device's (float64 tolerances of the module docstring). The slow test below adds 4 slabs, pipelines of 2 and 4
+    stages (2 micro-batches) and a 5-level anisotropic net (strides (2, 2, 1), instance norm) also cut along its odd
+    side of 13."""
     result = equality[case]
     assert result["gradient_count"] > 50
     assert_equal_to_one_device(result, 1e-10, 1e-6, float64_gradient_tolerance(case), own_scale=True)
@@ -118,13 +122,11 @@ def test_model_parallel_equals_one_device_on_the_other_device_counts(equality_sl
         assert_equal_to_one_device(equality_slow[case], 1e-5, 1e-6, 5e-3, own_scale=False)
 
 
-@pytest.mark.slow
-def test_spatial_split_under_mixed_float16_stays_within_half_precision_of_one_device(tmp_path):
+def test_spatial_split_under_mixed_float16_stays_within_half_precision_of_one_device(equality):
     """Under mixed_float16 (float16 convolutions, float32 statistics, loss and weights) the spatial split of the
     demo U-Net gives outputs within 1e-2 of their largest |value|, the loss within 1e-3 and gradients within 5e-2
     of the model's largest gradient of one device's, float16's rounding (2^-11) amplified through the network."""
-    results = run_cases(["demo:spatial:2:mixed"], tmp_path / "mixed.json")
-    assert_equal_to_one_device(results["demo:spatial:2:mixed"], 1e-2, 1e-3, 5e-2, own_scale=False)
+    assert_equal_to_one_device(equality["demo:spatial:2:mixed"], 1e-2, 1e-3, 5e-2, own_scale=False)
 
 
 @pytest.mark.slow

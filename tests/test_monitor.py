@@ -280,8 +280,9 @@ def test_without_nvml_falls_back_to_cpu_mode_saying_so_once(tmp_path, capfd):
 
 def test_bad_arguments_are_refused_with_the_flag_named(tmp_path):
     """Bad input: --gpus a,b / --interval 0 / no command / a missing program (as tfmis-launch) → exit 2 naming
-    the flag or program; --gpus 7 exits 2 where NVML sees no GPU 7 (no GPU here, or fewer); ResourceMonitor refuses interval_s <= 0 and a pid that does not exist; plot_resources refuses a
-    CSV without samples and a CSV that is not a monitor CSV, naming the file."""
+    the flag or program; --gpus 7 exits 2 where NVML sees no GPU 7 (no GPU here, or fewer); ResourceMonitor
+    refuses interval_s <= 0 and a pid that does not exist; plot_resources refuses a CSV without samples and a CSV
+    that is not a monitor CSV, naming the file."""
 
     def cli(*args):
         return subprocess.run(

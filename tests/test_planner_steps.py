@@ -147,6 +147,7 @@ def test_the_low_resolution_patch_comes_from_the_pure_steps_and_equals_the_rules
     assert patch_coverage(patch, fp.median_shape_at(spacing)) >= 0.25
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("configuration", ["lowres", pytest.param("cascade", marks=pytest.mark.slow)])
 def test_a_forced_low_resolution_stage_is_refused_when_the_full_resolution_patch_covers_the_image(
     tmp_path, configuration

@@ -675,6 +675,7 @@ def test_monitor_switch_writes_resources_csv_and_png_during_training(converted_d
     assert (tmp_path / "run" / "resources.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_curves_png_is_redrawn_at_most_every_plot_seconds_and_always_at_the_end(converted_dataset, tmp_path):
     """output.plot_seconds bounds how often training_curves.png is redrawn (a redraw is not free): with 3600 s,
     a 3-epoch fit draws it after epoch 1 and at the end of training only (the end's drawing holds all 3 epochs, the
@@ -925,6 +926,7 @@ def test_skipped_steps_stop_fit_with_several_steps_per_loop(converted_dataset, t
 INPUT_DELAY = 0.25  # seconds every training batch takes to arrive in test_slow_input_is_counted_as_input_wait...
 
 
+@pytest.mark.slow
 def test_slow_input_is_counted_as_input_wait_with_several_steps_per_loop(converted_dataset, tmp_path):
     """A training stream whose every batch arrives INPUT_DELAY seconds late (a sleep after the prefetch, nothing
     fetched ahead), 4 steps per epoch in loops of 3 and 1: the history counts at least 4 × INPUT_DELAY of input

@@ -101,6 +101,7 @@ def test_stage_runner_trains_the_stages_in_order_and_skips_finished_ones_on_resu
     assert sum("finished earlier" in line for line in lines) == 2
 
 
+@pytest.mark.slow
 def test_stage_runner_applies_the_gpu_fit_to_every_stage_after_the_conversion(tmp_path):
     """`gpu_fit` runs for each stage once its data is converted (the measurement is keyed by the converted data),
     and the stages it returns are the ones trained: both stages train with its batch size."""

@@ -67,6 +67,7 @@ def test_png_of_the_orthogonal_mid_planes(converted):
         assert 500 <= png.width <= 2000 and 350 <= png.height <= 1500, png.size
 
 
+@pytest.mark.slow
 def test_gif_sweeps_every_axial_slice(converted, tmp_path):
     num_slices = read_record(converted, "train", 0)["image"].shape[2]
     path = written_path(
