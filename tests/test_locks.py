@@ -310,6 +310,7 @@ def test_second_training_run_into_a_locked_run_folder_exits_1_and_its_lock_is_st
         assert locked and json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
 
 
+@pytest.mark.slow
 def test_multiworker_run_into_a_locked_run_folder_stops_every_worker_with_exit_1(converted_dataset, tmp_path):
     """`tfmis.launch --nproc 2` of a MultiWorkerMirroredStrategy `tfmis.train` into a run folder a live process
     holds: only the chief tries the lock, and one broadcast stops both workers (no worker waits for a chief that

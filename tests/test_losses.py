@@ -491,6 +491,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_two_replicas_each_return_their_local_batch_mean():
     # Logical devices must be set before TensorFlow starts, hence a fresh interpreter.
     result = subprocess.run([sys.executable, "-c", TWO_REPLICAS], capture_output=True, text=True, timeout=300)

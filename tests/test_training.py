@@ -498,6 +498,7 @@ def test_batchnorm_moving_statistics_update_once_per_micro_batch(converted_datas
     np.testing.assert_allclose(layer.normalization.moving_variance.numpy(), var, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, jit", [("mixed_float16", False), ("mixed_bfloat16", False), ("float32", True)])
 def test_precisions_and_xla_train(converted_dataset, tmp_path, precision, jit):
     config = tiny_config(
@@ -547,6 +548,7 @@ def test_every_configured_loss_trains_a_step(converted_dataset, tmp_path, loss):
     assert np.isfinite(loss_value) and skipped == 0.0
 
 
+@pytest.mark.slow
 def test_train_dataset_fn_replaces_the_training_input(converted_dataset, tmp_path):
     """Trainer(train_dataset_fn=...) trains on the stream that function builds (here: the standard pipeline with
     its labels set to background), called once per input pipeline with the resume offset."""
@@ -824,6 +826,7 @@ def fit_recording_steps(config, initial_weights=None, **trainer_kwargs):
     return trainer, events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_steps_per_loop_trains_the_same_steps_as_one_step_per_loop(converted_dataset, tmp_path, accumulation):
     """training.steps_per_loop=3 with 4 steps per epoch (a loop of 3, then a remainder loop of 1, over 2 epochs):
@@ -1074,6 +1077,7 @@ def test_profiler_trace_with_several_steps_per_loop(converted_dataset, tmp_path)
     assert b"train_step/forward/" in content and b"train_step/optimizer_step/" in content
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_augmentation_placed_in_the_step_trains_as_in_the_pipeline(converted_dataset, tmp_path, loop):
     """pipeline.augment.placement=step (un-augmented crops and their seeds from tf.data, augmented inside the

@@ -77,6 +77,7 @@ def test_load_stages_reads_a_config_as_one_stage_and_a_plan_as_named_stages(tmp_
     assert stage.config.training.epochs == 4
 
 
+@pytest.mark.slow
 def test_stage_runner_trains_the_stages_in_order_and_skips_finished_ones_on_resume(tmp_path, converted_dataset):
     """Two stages train one after the other with the real trainer (a summary each, a run folder each), the
     workers leave through `finish` once; resumed, both are skipped as finished and nothing trains again."""

@@ -230,6 +230,7 @@ def test_recompute_under_mixed_precision_matches_plain(mixed_policy):
         np.testing.assert_allclose(actual, expected, atol=1e-2 * scale, err_msg=variable.path)
 
 
+@pytest.mark.slow
 def test_recompute_model_trains_with_fit():
     model = build_unet(2, 2, recompute=True, norm="batch", filters=(4, 8), strides=(1, 2))
     model.compile(
