@@ -47,7 +47,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from tfmis.engine.backend import Backend, HorovodUnavailable
+from tfmis.engine.backend import Backend, HorovodUnavailable, _none
 from tfmis.errors import UsageError
 from tfmis.hardware import physical_gpus
 
@@ -246,7 +246,3 @@ class HorovodBackend(Backend):
         if self.size == 1:
             return array
         return self.hvd.allreduce(tf.constant(array), op=self.hvd.Sum).numpy()
-
-
-def _none(_):
-    return None
