@@ -54,6 +54,7 @@ from tfmis.tune.fit.candidates import (
     OBJECTIVE,
     VALUE_KEYS,
     apply_values,
+    check_model_parallel_range,
     choose,
     estimated_epoch_seconds,
     fitted_config,
@@ -87,6 +88,7 @@ __all__ = [
     "apply_values",
     "cache_key",
     "cached_choice",
+    "check_model_parallel_range",
     "choose",
     "default_cache_dir",
     "estimated_epoch_seconds",
@@ -140,6 +142,7 @@ class GpuFitSearch:
         from tfmis.tune.fit.trial import run_trial, trial_device
 
         self.config, self.specs, self.strategy = config, specs, strategy
+        check_model_parallel_range(config, specs)  # a range of which nothing can run: exit 2, before measuring
         self.output_dir = Path(output_dir)
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.use_cache, self.progress = use_cache, progress
