@@ -180,3 +180,28 @@ def test_predict_model_parallel_flags_that_cannot_work_are_exit_2(run_folder, tm
     argv = ["--checkpoint", run_folder, "--input", tmp_path, "--output", tmp_path / "out", *flags]
     status, line = outcome(predict.main, argv, capsys)
     assert status == 2 and expected in line, line
+
+
+def test_a_layer_the_slabs_cannot_split_found_while_tracing_is_one_config_error_line(capsys):
+    """A network with a layer spatial partitioning has no slab-wise version of (a library user's own model): found
+    when the step is traced, inside AutoGraph, which re-raises it as its own StagingError; the command's edge still
+    prints the config error's one line and exits 2."""
+    import keras
+    import tensorflow as tf
+
+    from tfmis.networks.parallel import ModelParallel
+    from tfmis.utils.cli import run_command
+
+    x = keras.Input((8, 8, 8, 1))
+    y = keras.layers.UpSampling3D(1, name="up")(keras.layers.Conv3D(2, 3, padding="same", name="conv")(x))
+    parallel = ModelParallel(keras.Model(x, y), "spatial", [["/CPU:0", "/CPU:0"]], (1,), patch_size=(8, 8, 8))
+
+    def body(argv):
+        tf.function(lambda images: parallel(images)).get_concrete_function(tf.TensorSpec((1, 8, 8, 8, 1)))
+        return 0
+
+    assert run_command(body) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"config error: {MP}.mode=spatial cannot split this network: spatial partitioning has no slab-wise version "
+        f"of UpSampling3D (up); use {MP}.mode=pipeline (or none) for it"
+    )

@@ -17,7 +17,8 @@ Memory safety is training validation's policy (`tfmis.inference.placement.Volume
 MONAI's `SlidingWindowInfererAdapt`): the whole volume and the blending buffers live on the
 accelerator unless that runs out of memory; then the case is retried with them on the CPU, then
 with smaller sliding-window batches, and what failed is remembered for later cases. One case that
-cannot be predicted is reported, never fatal to the rest.
+cannot be predicted for its data, its files or memory (`CASE_ERRORS`) is reported, never fatal to the rest; any
+other error is a bug and ends the command.
 
 Example:
 ```python

@@ -19,8 +19,9 @@ of the dataset's 99.5th-percentile shape).
 - Model parallelism (`range_model_parallel`: `none`, `spatial:2`, `pipeline:2`, ...): a candidate runs the
   model over N devices (`runtime.model_parallel.mode` / `devices`, `runtime.distribution: none`): N GPUs, or
   on a machine without GPUs N logical CPU devices. A candidate that cannot run here (more GPUs than are
-  visible, `training.jit_compile`, a batch the pipeline's micro-batches do not divide, a setting that
-  already failed to set up) is `skipped` with its reason, without a trial.
+  visible, `training.jit_compile`, a batch the pipeline's micro-batches do not divide, a patch that cannot be cut
+  into its slabs, a setting that already failed to set up) is `skipped` with its reason, without a trial; a
+  `range_model_parallel` of which nothing can run is a specs error (`check_model_parallel_range`).
 - The result is cached by device (name, total memory), TensorFlow version, the measured part of
   the config, the dataset shape and the specs — never by free memory — and reused at once.
 
