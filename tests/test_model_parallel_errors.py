@@ -205,3 +205,31 @@ def test_a_layer_the_slabs_cannot_split_found_while_tracing_is_one_config_error_
         f"config error: {MP}.mode=spatial cannot split this network: spatial partitioning has no slab-wise version "
         f"of UpSampling3D (up); use {MP}.mode=pipeline (or none) for it"
     )
+
+
+def test_a_pipeline_of_more_stages_than_the_network_has_layers_is_a_config_error():
+    """pipeline:8 over a 2-level U-Net of 5 top-level layers: 3 devices would hold nothing; the error names the
+    layers and the most devices that can work."""
+    from tfmis.errors import ConfigError
+    from tfmis.networks.parallel import ModelParallel
+    from tfmis.networks.unet import UNetConfig
+
+    model = UNetConfig(1, 2, filters=(4, 8), strides=(1, 2), num_res_units=0).build()
+    with pytest.raises(ConfigError) as raised:
+        ModelParallel(model, "pipeline", [["/CPU:0"] * 8], (1, 2))
+    assert str(raised.value) == (
+        f"{MP}.mode=pipeline, {MP}.devices=8: the network has 5 top-level layers to cut into stages (encoder0, "
+        f"bottleneck, decoder0, head, logits), so 3 devices would hold none: set {MP}.devices=5 or fewer, or use "
+        f"{MP}.mode=spatial"
+    )
+
+
+def test_train_gpu_customization_with_a_range_of_which_nothing_can_run_is_exit_2(tmp_path, capsys):
+    """`tfmis-train --gpu-customization` checks `range_model_parallel` against the config as `tfmis-tune fit` does,
+    before anything is converted."""
+    specs = tmp_path / "specs.yaml"
+    specs.write_text("universal:\n  range_model_parallel: [spatial:16]\n")
+    argv = ["--config", DEMO, "--gpu-customization", "--gpu-customization-specs", specs]
+    status, line = outcome(train.main, [*argv, *sets(f"data.dataset_dir={tmp_path}/tfr")], capsys)
+    assert status == 2 and line.startswith("specs error: range_model_parallel: none of spatial:16 can run"), line
+    assert not (tmp_path / "tfr").exists()

@@ -123,6 +123,13 @@ class ModelParallel:
         self.stages, self.stage_costs, self.layer_costs = cut_stages(
             self.model, self.size, self.patch_size, self.in_channels
         )
+        if len(self.layer_costs) < self.size:  # stages without a layer: devices that would hold nothing
+            raise ConfigError(
+                f"runtime.model_parallel.mode=pipeline, runtime.model_parallel.devices={self.size}: the network has "
+                f"{len(self.layer_costs)} top-level layers to cut into stages ({', '.join(self.layer_costs)}), so "
+                f"{self.size - len(self.layer_costs)} devices would hold none: set runtime.model_parallel.devices="
+                f"{len(self.layer_costs)} or fewer, or use runtime.model_parallel.mode=spatial"
+            )
 
     def stage_table(self) -> str:
         """The pipeline's stages: device, layers, forward bytes per image (activations + parameters)."""
