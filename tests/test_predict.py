@@ -278,12 +278,18 @@ def test_a_real_failed_allocation_falls_back_and_gives_the_same_prediction(
 
 
 def test_a_bad_case_never_stops_the_others(trained_run, tmp_path):
+    """Unreadable, truncated and one-channel images and a truncated label each fail their case alone (its line on
+    stderr, its row in predictions.csv); the others are written, and the command exits 3."""
     source = trained_run["source"]
-    inputs = tmp_path / "in"
+    inputs, labels = tmp_path / "in", tmp_path / "labels"
     inputs.mkdir()
-    for name in ("case_000", "case_001"):
+    labels.mkdir()
+    for name in ("case_000", "case_001", "case_002"):
         (inputs / f"{name}.nii.gz").write_bytes((source / "imagesTr" / f"{name}.nii.gz").read_bytes())
+        (labels / f"{name}.nii.gz").write_bytes((source / "labelsTr" / f"{name}.nii.gz").read_bytes())
+    (labels / "case_002.nii.gz").write_bytes((labels / "case_002.nii.gz").read_bytes()[:200])  # truncated label
     (inputs / "broken.nii.gz").write_bytes(b"not a nifti")
+    (inputs / "truncated.nii.gz").write_bytes((inputs / "case_000.nii.gz").read_bytes()[:300])
     write_nifti(inputs / "one_channel.nii.gz", np.ones((20, 22, 18)), lps_affine())
     (inputs / "._case_000.nii.gz").write_bytes(b"macOS junk, never read")
     result = subprocess.run(
@@ -300,18 +306,22 @@ def test_a_bad_case_never_stops_the_others(trained_run, tmp_path):
             "--output",
             str(tmp_path / "out"),
             "--label-dir",
-            str(source / "labelsTr"),
+            str(labels),
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 3, result.stderr[-2000:]
-    assert "broken: FAILED" in result.stderr and "one_channel: FAILED" in result.stderr
+    for name in ("broken", "one_channel", "truncated", "case_002"):
+        assert f"{name}: FAILED" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
     assert "1 channel(s)" in result.stdout
-    assert "2 of 4 case(s) written" in result.stdout and "mean Dice over 2 case(s)" in result.stdout
+    assert "2 of 6 case(s) written" in result.stdout and "mean Dice over 2 case(s)" in result.stdout
     rows = {r["case"]: r for r in csv.DictReader(open(tmp_path / "out" / "predictions.csv"))}
-    assert set(rows) == {"case_000", "case_001", "broken", "one_channel"}
+    assert set(rows) == {"case_000", "case_001", "case_002", "broken", "one_channel", "truncated"}
+    assert "cannot be read" in rows["truncated"]["reason"]
+    assert rows["case_002"]["reason"].startswith("label file") and "cannot be read" in rows["case_002"]["reason"]
     assert rows["case_000"]["status"] == "ok" and 0 <= float(rows["case_000"]["dice_mean"]) <= 1
     assert rows["broken"]["status"] == "failed" and "cannot be read" in rows["broken"]["reason"]
     assert (tmp_path / "out" / "case_001.nii.gz").is_file()

@@ -35,37 +35,54 @@ def test_spatial_2_trial_runs_over_two_logical_cpu_devices_and_reports_the_proce
     assert result["peak_mb"] == result["rss_peak_mb"] > 0 and result["peak_mb_by_device"] is None
 
 
-def test_setting_that_fails_to_set_up_is_skipped_for_the_next_batch_sizes(converted_dataset, tmp_path):
-    """A real grid search of `spatial:16` on 16³ patches (strides 1, 2: no side can be cut into 16 slabs whose
-    sizes are multiples of the strides): the first candidate's trial fails in setup with the trainer's own reason;
-    the next batch size of the same setting is skipped without a trial, naming that trial; nothing is chosen."""
+def test_setting_that_cannot_cut_the_patch_or_failed_to_set_up_is_skipped_with_its_reason(converted_dataset, tmp_path):
+    """A grid search of `spatial:16` and `pipeline:2` on 16³ patches (strides 1, 2: at most 8 slabs of 2), batch 2
+    to 4. Every `spatial:16` candidate is skipped up front with the slabs' reason, no trial started; the first
+    `pipeline:2` trial fails in setup (a fake runner stands in for the trial process), and the next batch size of
+    that setting is skipped naming that trial; nothing is chosen."""
     from tfmis.tune.fit.search import GpuFitSearch, NoConfigurationFits
 
     config = tiny_config(converted_dataset, tmp_path / "run")
     specs = load_specs(
         {
             "universal": {
-                "range_num_images_per_batch": [1, 2],
+                "range_num_images_per_batch": [2, 4],
                 "range_num_sw_batch_size": [1, 1],
-                "range_model_parallel": ["spatial:16"],
-                "warmup_steps": 1,
-                "timed_steps": 1,
+                "range_model_parallel": ["spatial:16", "pipeline:2"],
             }
         }
     )
+    calls = []
+
+    def runner(request, workdir, **kwargs):
+        calls.append(request["config"]["runtime"]["model_parallel"])
+        return {"status": "failed", "failed_phase": "setup", "out_of_memory": False, "reason": "ValueError in setup: x"}
+
     search = GpuFitSearch(
-        config, specs, tmp_path / "fit", strategy="grid", cache_dir=tmp_path / "cache", use_cache=False, progress=False
+        config,
+        specs,
+        tmp_path / "fit",
+        strategy="grid",
+        cache_dir=tmp_path / "cache",
+        use_cache=False,
+        progress=False,
+        runner=runner,
     )
     with pytest.raises(NoConfigurationFits):
         search.run()
-    first, second = search.records
+    spatial = [r for r in search.records if r["values"]["model_parallel"] == "spatial:16"]
+    pipeline = [r for r in search.records if r["values"]["model_parallel"] == "pipeline:2"]
+    assert len(spatial) == len(pipeline) == 3 and len(calls) == 1 and calls[0]["mode"] == "pipeline"  # batch 2, 3, 4
+    for r in spatial:
+        assert r["status"] == "skipped" and r["reason"].startswith("spatial:16: "), r["reason"]
+        assert "cannot be cut into 16 slabs" in r["reason"] and "at most 8 fit" in r["reason"], r["reason"]
+    first, odd, second = pipeline
+    assert odd["status"] == "skipped" and "batch 3 is not a multiple" in odd["reason"]
     assert first["status"] == "failed" and first["failed_phase"] == "setup" and not first["out_of_memory"]
-    assert first["reason"].startswith("ValueError in setup: ") and "16 slabs" in first["reason"], first["reason"]
-    assert second["status"] == "skipped" and second["values"]["num_images_per_batch"] == 2
-    assert second["reason"].startswith(f"spatial:16 failed to set up in trial {first['trial']}: ")
-    assert not (tmp_path / "fit" / "trials" / f"trial_{second['trial']:03d}").exists()  # never ran
+    assert second["status"] == "skipped"
+    assert second["reason"].startswith(f"pipeline:2 failed to set up in trial {first['trial']}: ")
     report = json.loads((tmp_path / "fit" / "fit_report.json").read_text())
-    assert report["counts"] == {"ok": 0, "failed": 1, "pruned": 0, "skipped": 1, "run": 1}
+    assert report["counts"] == {"ok": 0, "failed": 1, "pruned": 0, "skipped": 5, "run": 1}
 
 
 @pytest.mark.slow

@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_parallel_override(config, value: str | None, roi: str | None, parser):
-    """The config with --model-parallel and --roi-size applied (a usage error names the flag)."""
+    """The config with --model-parallel and --roi-size applied (a usage error names the flag), its windows checked
+    against the model-parallel split (`tfmis.config.check_model_parallel`: a config error naming the flag)."""
     import dataclasses
 
     if value is not None:
@@ -134,6 +135,11 @@ def _model_parallel_override(config, value: str | None, roi: str | None, parser)
         if len(size) != 3 or min(size) < 1:
             parser.error(f"--roi-size: expected three positive integers like 96,96,96, got {roi!r}")
         config = dataclasses.replace(config, validation=dataclasses.replace(config.validation, roi_size=size))
+    from tfmis.config import check_model_parallel
+
+    # the windows against the slabs (and the network against the split) before any model is built: exit 2
+    windows = "--roi-size" if roi is not None else "validation.roi_size" if config.validation.roi_size else None
+    check_model_parallel(config, windows=windows or "pipeline.patch_size", flag="--model-parallel")
     return config
 
 

@@ -90,7 +90,10 @@ def main(argv=None) -> int:
             raise UsageError("--gpu-customization measures one config: run it on a stage's plan.yaml")
         specs = search_specs(args, "gpu-customization-")
         customize = lambda config: _gpu_customization(config, args, specs)  # noqa: E731
+        from tfmis.tune.fit.candidates import check_model_parallel_range
         from tfmis.tune.fit.specs import parse_model_parallel
+
+        check_model_parallel_range(stages[0].config, specs)
 
         # the devices the chosen model-parallel setting may need exist before TensorFlow starts
         fit_devices = max([parse_model_parallel(e)[1] for e in specs.range_model_parallel or ()] + [1])

@@ -25,6 +25,7 @@ save_config(config, "runs/demo/config.yaml")
 # the private helpers too (`x as x`: re-exported), importable from tfmis.config as before the split
 from tfmis.config.checks import (
     BRATS_REGIONS_EXAMPLE,
+    check_model_parallel,
     folds_dataset_dir,
     region_paint_labels,
     validate,
@@ -99,6 +100,7 @@ __all__ = [
     "UNetArchitecture",
     "ValidationConfig",
     "apply_override",
+    "check_model_parallel",
     "folds_dataset_dir",
     "from_dict",
     "load_config",

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tfmis.config.schema import Config, DataConfig, OptimizerConfig, ValidationConfig
 from tfmis.errors import ConfigError
+from tfmis.networks.architecture import _per_axis, required_divisor
+from tfmis.networks.slab_geometry import most_slabs
 
 
 def validate(config: Config) -> None:
@@ -58,6 +60,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"training.max_minutes must be > 0 (or null), got {config.training.max_minutes}")
     if config.training.accumulation_steps < 1:
         raise ConfigError("training.accumulation_steps must be >= 1")
+    check_model_parallel(config)
     if config.training.steps_per_loop < 1:
         raise ConfigError(
             f"training.steps_per_loop must be >= 1 (optimizer steps per host round-trip; 1 = "
@@ -250,4 +253,101 @@ def _validate_surface_and_regions(v: ValidationConfig) -> None:
             raise ConfigError(
                 f"validation.regions.{name}: expected a list of distinct foreground labels >= 1 (the classes "
                 f"it unites, e.g. [1, 2, 3]), got {labels}"
+            )
+
+
+MP = "runtime.model_parallel"
+
+
+def check_model_parallel(config: Config, windows: str | None = None, flag: str | None = None) -> None:
+    """`runtime.model_parallel` against the rest of the config, before anything is built (docs/model-parallel.md):
+    XLA, another distribution strategy, micro-batches that do not divide the batch, a patch or window that cannot be
+    cut into the slabs, a network whose upsampling the slabs cannot split. Each error is one line naming the setting
+    and the fix.
+
+    Args:
+        windows: prediction: how to name the sliding-window size (e.g. `--roi-size`); only the windows are
+            checked then, not training's settings. None: training (the patch and the validation windows).
+        flag: prediction: the command-line flag that set the mode and devices (`--model-parallel`), or None when
+            they are the config's.
+
+    Raises:
+        ConfigError: naming the setting and the fix.
+
+    Example:
+        >>> from tfmis.config import load_config
+        >>> load_config(None, ["runtime.model_parallel.mode=spatial", "runtime.model_parallel.devices=16"])
+        Traceback (most recent call last):
+        ...
+        tfmis.errors.ConfigError: runtime.model_parallel.mode=spatial, runtime.model_parallel.devices=16: ... fewer, ...
+    """
+    mp = config.runtime.model_parallel
+    if not mp.enabled:
+        return
+    setting = f"{flag} {mp.mode}:{mp.devices}" if flag else f"{MP}.mode={mp.mode}"
+    if windows is None:
+        _check_model_parallel_training(config, setting)
+    if mp.mode != "spatial":
+        return
+    _check_spatial_kernels(config.model, setting)
+    roi = config.validation.roi_size
+    if windows is not None:
+        sizes = [(windows, roi or config.pipeline.patch_size)]
+    else:
+        sizes = [("pipeline.patch_size", config.pipeline.patch_size)] + ([("validation.roi_size", roi)] if roi else [])
+    divisor = required_divisor(config.model.strides)
+    for key, patch in sizes:
+        if len(patch) != 3 or any(int(p) < 1 or int(p) % d for p, d in zip(patch, divisor)):
+            continue  # not a multiple of the strides' product: the trainer's (or the window's) size check says so
+        fits, best = most_slabs(patch, divisor, mp.axis)
+        if fits >= mp.devices:
+            continue
+        named = f"{setting}:" if flag else f"{setting}, {MP}.devices={mp.devices}:"
+        along = f" along axis {mp.axis} ({MP}.axis)" if mp.axis is not None else ""
+        fewer = f"{flag} spatial:{fits}" if flag else f"{MP}.devices={fits}"
+        raise ConfigError(
+            f"{named} {key} {list(patch)} cannot be cut{along} into {mp.devices} slabs whose sides are multiples of "
+            f"the strides' product {divisor} (model.strides): at most {fits} fit (along axis {best}); "
+            + (f"set {fewer} or fewer, or make {key} larger" if fits >= 2 else f"make {key} larger")
+        )
+
+
+def _check_model_parallel_training(config: Config, setting: str) -> None:
+    """What training adds: XLA, the distribution strategy, the batch split over data groups and micro-batches."""
+    mp = config.runtime.model_parallel
+    if config.training.jit_compile:
+        raise ConfigError(
+            f"training.jit_compile=true does not work with {setting} (XLA compiles for one device): set "
+            f"training.jit_compile=false, or {MP}.mode=none"
+        )
+    if config.runtime.distribution not in ("auto", "none"):
+        raise ConfigError(
+            f"runtime.distribution={config.runtime.distribution} does not work with {setting} (one process runs "
+            f"the model over its devices): set runtime.distribution=none; for data parallelism with it, "
+            f"{MP}.data=<groups of devices>"
+        )
+    split = mp.data * (mp.micro_batches if mp.mode == "pipeline" else 1)
+    batch = config.pipeline.num_images_per_batch
+    if batch % split:
+        what = f"{MP}.data ({mp.data})" + (
+            f" x {MP}.micro_batches ({mp.micro_batches})" if mp.mode == "pipeline" else ""
+        )
+        raise ConfigError(
+            f"pipeline.num_images_per_batch={batch} is not a multiple of {what} with {setting}: the step's images "
+            f"are split over the data groups and then into micro-batches; make the batch a multiple of {split}, or "
+            f"lower {MP}.micro_batches"
+        )
+
+
+def _check_spatial_kernels(model, setting: str) -> None:
+    """Spatial slabs cannot split a transposed convolution whose kernel is smaller than its stride (the decoder's
+    upsampling: `model.kernel_size` with each level's stride)."""
+    kernel = _per_axis(model.kernel_size, "kernel_size")
+    for level, stride in enumerate(model.strides):
+        stride = _per_axis(stride, "each stride")
+        if any(k < s for k, s in zip(kernel, stride)):
+            raise ConfigError(
+                f"{setting} cannot split this network: its upsampling at level {level} is a transposed convolution "
+                f"whose kernel (model.kernel_size={model.kernel_size}) is smaller than its stride {stride} "
+                f"(model.strides): use {MP}.mode=pipeline, or a model.kernel_size of at least {max(stride)}"
             )

@@ -251,12 +251,11 @@ class ModelParallelConfig:
     data: int = 1  # data-parallel groups of `devices` devices each (a data x model mesh): data x devices in all
 
     def __post_init__(self):
-        if self.devices < 1 or self.data < 1 or self.micro_batches < 1:
-            raise ValueError(
-                f"devices, data and micro_batches must be >= 1, got {self.devices}, {self.data}, {self.micro_batches}"
-            )
+        for key, what in (("devices", "devices per model"), ("data", "data groups"), ("micro_batches", "per step")):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1 ({what}), got {getattr(self, key)}")
         if self.axis is not None and self.axis not in (0, 1, 2):
-            raise ValueError(f"axis: a patch axis 0, 1 or 2, or null for the longest; got {self.axis}")
+            raise ValueError(f"axis must be a patch axis 0, 1 or 2, or null for the longest; got {self.axis}")
 
     @property
     def enabled(self) -> bool:

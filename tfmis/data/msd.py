@@ -226,6 +226,12 @@ def load_image(
     """
     path = Path(path)
     raw, affine, disk_dtype = _read_nifti(Case(case_id, str(path)), path, "image")
+    if not np.all(np.isfinite(affine)) or abs(np.linalg.det(affine[:3, :3])) < 1e-12:
+        raise CaseError(
+            case_id,
+            f"image affine {affine[:3, :3].round(4).tolist()} (voxel to world) is singular or not finite: give the "
+            "file a valid qform/sform (voxel sizes > 0)",
+        )
     if raw.ndim == 3:
         raw = raw[..., np.newaxis]
     elif raw.ndim == 5 and raw.shape[3] == 1:  # some writers put channels on the 5th axis

@@ -35,6 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmis.config import check_model_parallel
 from tfmis.data.pipeline import train_steps_per_epoch
 from tfmis.data.records import training_data_info
 from tfmis.engine.bookkeeping import (  # noqa: F401 (re-exported: RunExists, run_folder_lock, summary_table, ...)
@@ -102,19 +103,7 @@ class Trainer(TrainerSteps, EpochBookkeeping):
         self.global_batch = config.pipeline.num_images_per_batch * self.backend.num_replicas * tc.accumulation_steps
         self.learning_rate = self.task.learning_rates(self.global_batch)[0]
         mp = config.runtime.model_parallel
-        if mp.enabled and tc.jit_compile:
-            raise ConfigError(
-                "training.jit_compile: true does not work with runtime.model_parallel (XLA compiles for one device); "
-                "set training.jit_compile=false"
-            )
-        if mp.enabled and config.pipeline.num_images_per_batch % (
-            mp.data * (mp.micro_batches if mp.mode == "pipeline" else 1)
-        ):
-            raise ConfigError(
-                f"pipeline.num_images_per_batch={config.pipeline.num_images_per_batch} must be a multiple of "
-                f"runtime.model_parallel.data ({mp.data}) x micro_batches ({mp.micro_batches}, pipeline mode): the "
-                "step's images are split over the data groups and then into micro-batches"
-            )
+        check_model_parallel(config)  # XLA, the batch's split, the slabs: before anything is built
         if tc.jit_compile and self.backend.name == "horovod":
             raise ConfigError(
                 "training.jit_compile: true does not work with runtime.distribution: horovod (Horovod's "

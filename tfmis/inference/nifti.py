@@ -7,6 +7,8 @@ alike; it imports neither.
 
 from __future__ import annotations
 
+import gzip
+import zlib
 from pathlib import Path
 
 import nibabel as nib
@@ -28,19 +30,41 @@ def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=
     first, as nibabel's floats near an integer deserve.
 
     Raises:
-        CaseError: the label's shape is not `shape` (when given).
-        ValueError: a value that is not one of the classes 0..num_classes-1.
+        CaseError: the label's shape is not `shape` (when given), or the file is corrupt or truncated.
+        DataError: a value that is not one of the classes 0..num_classes-1.
 
     Example:
     ```python
     label = read_label_map("labelsTr/liver_3.nii.gz", num_classes=3)   # uint8 (X, Y, Z)
     ```
     """
-    img = nib.load(str(path), keep_file_open=True)
-    if shape is not None and tuple(img.shape) != tuple(shape):
-        raise CaseError(case_id, f"label {path} has shape {tuple(img.shape)}, the image {tuple(shape)}")
-    out = np.empty(img.shape, np.uint8 if num_classes <= 2**8 else np.uint16)
-    outside = []  # (min, max) of the slabs holding a value that is not a class (NaN included)
+    try:
+        img = nib.load(str(path), keep_file_open=True)
+        if shape is not None and tuple(img.shape) != tuple(shape):
+            raise CaseError(case_id, f"label {path} has shape {tuple(img.shape)}, the image {tuple(shape)}")
+        out = np.empty(img.shape, np.uint8 if num_classes <= 2**8 else np.uint16)
+        outside = _read_slabs(img, out, num_classes)
+    except (EOFError, zlib.error, ValueError, nib.filebasedimages.ImageFileError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise CaseError(
+            case_id, f"label file {path} cannot be read (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from e
+    except OSError as e:  # a file that is not there or not readable stays an OS error; gzip's is a corrupt file
+        if not isinstance(e, gzip.BadGzipFile):
+            raise
+        raise CaseError(case_id, f"label file {path} cannot be read (truncated or corrupt?): {e}") from e
+    if outside:
+        low, high = min(low for low, _ in outside), max(high for _, high in outside)
+        raise DataError(
+            f"label {path} holds values outside the classes 0..{num_classes - 1} (in [{low}, {high}] where it does)"
+        )
+    return out
+
+
+def _read_slabs(img, out: np.ndarray, num_classes: int) -> list:
+    """Fills `out` from `img` slab by slab; (min, max) of the slabs holding a value that is not a class (NaN too)."""
+    outside = []
     for start in range(0, img.shape[-1], LABEL_SLAB_SLICES):
         part = (..., slice(start, start + LABEL_SLAB_SLICES))
         slab = np.asanyarray(img.dataobj[part])
@@ -52,12 +76,7 @@ def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=
                 out[part] = slab
             else:
                 outside.append((low, high))
-    if outside:
-        low, high = min(low for low, _ in outside), max(high for _, high in outside)
-        raise DataError(
-            f"label {path} holds values outside the classes 0..{num_classes - 1} (in [{low}, {high}] where it does)"
-        )
-    return out
+    return outside
 
 
 def save_like(data: np.ndarray, affine: np.ndarray, header, path: Path, dtype) -> None:

@@ -17,7 +17,8 @@ Memory safety is training validation's policy (`tfmis.inference.placement.Volume
 MONAI's `SlidingWindowInfererAdapt`): the whole volume and the blending buffers live on the
 accelerator unless that runs out of memory; then the case is retried with them on the CPU, then
 with smaller sliding-window batches, and what failed is remembered for later cases. One case that
-cannot be predicted is reported, never fatal to the rest.
+cannot be predicted for its data, its files or memory (`CASE_ERRORS`) is reported, never fatal to the rest; any
+other error is a bug and ends the command.
 
 Example:
 ```python
@@ -40,7 +41,7 @@ import tensorflow as tf
 from tfmis.data.msd import CaseError, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
-from tfmis.errors import UsageError
+from tfmis.errors import DataError, UsageError
 from tfmis.hardware import CPU, accelerator_device, model_parallel_devices, peak_rss_mb, reset_peak_rss
 from tfmis.inference.blending import check_buffer_dtype
 from tfmis.inference.inputs import (  # noqa: F401 (collect_inputs, copy_weights_by_name, run_config: re-exported)
@@ -116,6 +117,13 @@ class GridPrediction:
         )
 
 
+# what fails one case, not the command: the case's data (an unreadable or corrupt file, a wrong channel count or
+# label: `DataError`, `CaseError` among them), a file that cannot be read or written, and running out of memory
+# (`VolumeOutOfMemory` after the placement policy's fallbacks). Anything else (a bare ValueError, another TensorFlow
+# error) is a bug or a setting, and ends the command with its traceback or its config error.
+CASE_ERRORS = (DataError, OSError, MemoryError, tf.errors.ResourceExhaustedError)
+
+
 class ScanPredictor:
     """Predicts NIfTI files (`predict_file`) with a subclass's `predict_image`, postprocesses and scores them.
 
@@ -161,7 +169,7 @@ class ScanPredictor:
                 result.postprocessing, result.removed_voxels = describe_postprocessing(self.postprocessing), removed
             if case.label is not None:
                 result.dice, result.scores = self._dice(case, label_map, affine)
-        except (CaseError, OSError, ValueError, MemoryError, tf.errors.OpError) as e:
+        except CASE_ERRORS as e:
             reason = e.reason if isinstance(e, CaseError) else f"{type(e).__name__}: {e}"
             result = CaseResult(case.case_id, "failed", reason=reason.splitlines()[0][:300])
         result.seconds = time.perf_counter() - start

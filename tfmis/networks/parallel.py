@@ -50,6 +50,7 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
+from tfmis.errors import ConfigError
 from tfmis.networks.architecture import required_divisor
 from tfmis.networks.pipeline_stages import cut_stages, stage_table
 from tfmis.networks.slabs import (  # noqa: F401 (same_padding, slab_bounds: re-exported)
@@ -92,7 +93,7 @@ class ModelParallel:
         in_channels: int | None = None,
     ):
         if mode not in MODES:
-            raise ValueError(f"runtime.model_parallel.mode must be one of none, {', '.join(MODES)}; got {mode!r}")
+            raise ConfigError(f"runtime.model_parallel.mode must be one of none, {', '.join(MODES)}; got {mode!r}")
         self.model, self.mode = model, mode
         self.devices = [list(group) for group in devices]
         if not self.devices or len({len(group) for group in self.devices}) != 1 or not self.devices[0]:
@@ -122,6 +123,13 @@ class ModelParallel:
         self.stages, self.stage_costs, self.layer_costs = cut_stages(
             self.model, self.size, self.patch_size, self.in_channels
         )
+        if len(self.layer_costs) < self.size:  # stages without a layer: devices that would hold nothing
+            raise ConfigError(
+                f"runtime.model_parallel.mode=pipeline, runtime.model_parallel.devices={self.size}: the network has "
+                f"{len(self.layer_costs)} top-level layers to cut into stages ({', '.join(self.layer_costs)}), so "
+                f"{self.size - len(self.layer_costs)} devices would hold none: set runtime.model_parallel.devices="
+                f"{len(self.layer_costs)} or fewer, or use runtime.model_parallel.mode=spatial"
+            )
 
     def stage_table(self) -> str:
         """The pipeline's stages: device, layers, forward bytes per image (activations + parameters)."""
@@ -200,7 +208,7 @@ class ModelParallel:
         batch = images.shape[0]
         m = self.micro_batches
         if batch is not None and batch % m:
-            raise ValueError(
+            raise ConfigError(
                 f"runtime.model_parallel.micro_batches={m} must divide the batch of {batch} images per model "
                 "replica (pipeline.num_images_per_batch / accumulation steps)"
             )
@@ -241,7 +249,13 @@ class ModelParallel:
             parts.append(row)
         slabs = Slabs(parts, bounds, tensor_axis, self.devices)
         runner = _SpatialRunner(training)
-        outputs = self.model._run_through_graph(slabs, operation_fn=runner.operation)
+        try:
+            outputs = self.model._run_through_graph(slabs, operation_fn=runner.operation)
+        except NotImplementedError as e:  # a layer the slabs cannot split: a setting to change, not a bug
+            raise ConfigError(
+                f"runtime.model_parallel.mode=spatial cannot split this network: {e}; use "
+                "runtime.model_parallel.mode=pipeline (or none) for it"
+            ) from e
         if join:
             return [
                 tf.nest.map_structure(lambda s, g=g: s.join(g, self.devices[g][0]), outputs) for g in range(self.groups)

@@ -1,7 +1,7 @@
 """Spatial model parallelism's geometry: a patch cut along one axis into slabs aligned to the network's strides
-(`slab_bounds`, `slab_axis`), TensorFlow's "same" padding per side (`same_padding`), and `Slabs`, one batch of
-feature maps held as slabs on their devices, whose `gather_range` is the halo exchange: each neighbour slices its
-own rows, so only the halo crosses devices.
+(`slab_bounds`, `slab_axis`: the TensorFlow-free `tfmis.networks.slab_geometry`, re-exported), TensorFlow's "same"
+padding per side (`same_padding`), and `Slabs`, one batch of feature maps held as slabs on their devices, whose
+`gather_range` is the halo exchange: each neighbour slices its own rows, so only the halo crosses devices.
 
 Used by `tfmis.networks.parallel.ModelParallel` (the spatial mode) and `tfmis.networks.spatial` (the layers run
 slab by slab).
@@ -11,28 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-
-def slab_bounds(length: int, unit: int, parts: int) -> list[tuple[int, int]]:
-    """[start, stop) of `parts` slabs covering `length` voxels, each a multiple of `unit` long, as equal as can be.
-
-    Example:
-        >>> slab_bounds(80, 16, 2)
-        [(0, 48), (48, 80)]
-    """
-    units = length // unit
-    if length % unit or units < parts:
-        raise ValueError(
-            f"a side of {length} voxels cannot be cut into {parts} slabs whose sizes are multiples of {unit} (the "
-            f"product of the network's strides along it): make that side a multiple of {unit} of at least "
-            f"{unit * parts} voxels, or use fewer devices"
-        )
-    base, extra = divmod(units, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + (base + (i < extra)) * unit
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+from tfmis.networks.slab_geometry import slab_axis, slab_bounds  # noqa: F401 (re-exported)
 
 
 def same_padding(length: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -86,30 +65,6 @@ def _static_side(x, axis: int) -> int:
             f"a tensor of shape {tuple(x.shape)}"
         )
     return int(side)
-
-
-def slab_axis(patch_size, axis: int | None, divisor, parts: int) -> int:
-    """The patch axis (0, 1, 2) to cut into `parts` slabs aligned to `divisor` (the strides' product per axis): the
-    named one (checked), else the longest that fits.
-
-    Example:
-        >>> slab_axis((48, 32, 16), None, (4, 4, 2), 2), slab_axis((48, 32, 16), 2, (4, 4, 2), 2)
-        (0, 2)
-    """
-    if axis is not None:
-        if axis not in (0, 1, 2):
-            raise ValueError(f"runtime.model_parallel.axis must be 0, 1, 2 or null, got {axis}")
-        if patch_size is not None:
-            slab_bounds(int(patch_size[axis]), divisor[axis], parts)
-        return int(axis)
-    fits = [a for a in range(3) if patch_size[a] % divisor[a] == 0 and patch_size[a] // divisor[a] >= parts]
-    if not fits:
-        raise ValueError(
-            f"runtime.model_parallel: no axis of the patch {tuple(patch_size)} can be cut into {parts} slabs "
-            f"aligned to the strides' product {divisor}: each slab must be a multiple of it; use a larger "
-            "patch or fewer devices"
-        )
-    return max(fits, key=lambda a: (patch_size[a], -a))
 
 
 class Slabs:

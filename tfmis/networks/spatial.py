@@ -76,8 +76,7 @@ class _SpatialRunner:
         if isinstance(layer, (layers.Activation, layers.PReLU, layers.LeakyReLU, layers.ReLU)):
             return inputs.map(layer)
         raise NotImplementedError(
-            f"spatial partitioning has no slab-wise version of {type(layer).__name__} ({layer.name}); use "
-            "runtime.model_parallel.mode=pipeline for this network"
+            f"spatial partitioning has no slab-wise version of {type(layer).__name__} ({layer.name})"
         )
 
     def recomputed(self, layer, inputs, training: bool):

@@ -53,10 +53,7 @@ def run_command(command: Callable[[list[str] | None], int], argv: list[str] | No
     try:
         return command(argv)
     except TfmisError as e:
-        if debug:
-            traceback.print_exc()
-        print_error(e.line())
-        return e.exit_code
+        return _handled(e, debug)
     except OSError as e:
         if debug:
             traceback.print_exc()
@@ -66,12 +63,33 @@ def run_command(command: Callable[[list[str] | None], int], argv: list[str] | No
         print_error("interrupted")
         return EXIT_INTERRUPTED
     except Exception as e:  # a full disk as TensorFlow (ResourceExhaustedError) or h5py (RuntimeError) report it
+        traced = traced_error(e)
+        if traced is not None:
+            return _handled(traced, debug)
         if not is_disk_full(e):
             raise
         if debug:
             traceback.print_exc()
         print_error(f"error: disk full writing {Edge.writing or 'the output'}: free space and {Edge.rerun}")
         return 1
+
+
+def _handled(error: TfmisError, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    print_error(error.line())
+    return error.exit_code
+
+
+def traced_error(error: BaseException) -> TfmisError | None:
+    """The `TfmisError` a function raised while TensorFlow traced it (a model-parallel setting found wrong when the
+    step is built), which AutoGraph re-raises as its own error (a `StagingError`, with `ag_error_metadata`) whose
+    context is the original; None for any other error."""
+    while error is not None and hasattr(error, "ag_error_metadata"):
+        if isinstance(error, TfmisError):
+            return error
+        error = error.__context__
+    return error if isinstance(error, TfmisError) and error is not None else None
 
 
 def command(body: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:

@@ -15,10 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.config import Config, from_dict, to_dict
-from tfmis.errors import DataError, MissingInput
+from tfmis.config import Config, check_model_parallel, from_dict, to_dict
+from tfmis.errors import ConfigError, DataError, MissingInput
 from tfmis.tune.fit.memory import NO_MODEL_PARALLEL, is_memory_failure
-from tfmis.tune.fit.specs import FitSpecs, model_parallel_setting, parse_model_parallel
+from tfmis.tune.fit.specs import (
+    MODEL_PARALLEL_KEY,
+    FitSpecs,
+    SpecsError,
+    model_parallel_setting,
+    parse_model_parallel,
+)
 
 OBJECTIVE = "epoch_seconds"
 
@@ -140,7 +146,39 @@ def model_parallel_skip_reason(config: Config, values: dict, gpu_count: int | No
             f"{setting}: batch {batch} is not a multiple of runtime.model_parallel.{what} (the step's images are "
             "split over them)"
         )
+    problem = model_parallel_problem(config, setting, batch)
+    return f"{setting}: {problem}" if problem else None
+
+
+def model_parallel_problem(config: Config, setting: str, batch: int | None = None) -> str | None:
+    """Why `setting` (`spatial:4`, ...) cannot run with this config on any machine, or None: the config's
+    `check_model_parallel` of the candidate (a patch or validation window that cannot be cut into its slabs, a
+    network the slabs cannot split, XLA, micro-batches that do not divide `batch`; default: a batch they divide)."""
+    mode, _ = parse_model_parallel(setting)
+    if mode == NO_MODEL_PARALLEL:
+        return None
+    mp = config.runtime.model_parallel
+    values = {"model_parallel": setting, "num_images_per_batch": batch or mp.data * mp.micro_batches}
+    try:
+        check_model_parallel(apply_values(config, values))
+    except ConfigError as e:
+        return str(e)
     return None
+
+
+def check_model_parallel_range(config: Config, specs: FitSpecs) -> None:
+    """A `range_model_parallel` none of whose settings can run with this config (`model_parallel_problem`) is a
+    specs error naming the first one's reason; some that cannot run are skipped by the search, each with its reason.
+    Cheap: checked before the dataset is converted."""
+    settings = specs.range_model_parallel
+    if not settings or NO_MODEL_PARALLEL in settings:
+        return
+    problems = [model_parallel_problem(config, setting) for setting in settings]
+    if all(problems):
+        raise SpecsError(
+            f"{MODEL_PARALLEL_KEY}: none of {', '.join(settings)} can run with this config; "
+            f"{settings[0]}: {problems[0]}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- choosing

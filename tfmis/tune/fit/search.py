@@ -19,8 +19,9 @@ of the dataset's 99.5th-percentile shape).
 - Model parallelism (`range_model_parallel`: `none`, `spatial:2`, `pipeline:2`, ...): a candidate runs the
   model over N devices (`runtime.model_parallel.mode` / `devices`, `runtime.distribution: none`): N GPUs, or
   on a machine without GPUs N logical CPU devices. A candidate that cannot run here (more GPUs than are
-  visible, `training.jit_compile`, a batch the pipeline's micro-batches do not divide, a setting that
-  already failed to set up) is `skipped` with its reason, without a trial.
+  visible, `training.jit_compile`, a batch the pipeline's micro-batches do not divide, a patch that cannot be cut
+  into its slabs, a setting that already failed to set up) is `skipped` with its reason, without a trial; a
+  `range_model_parallel` of which nothing can run is a specs error (`check_model_parallel_range`).
 - The result is cached by device (name, total memory), TensorFlow version, the measured part of
   the config, the dataset shape and the specs — never by free memory — and reused at once.
 
@@ -54,6 +55,7 @@ from tfmis.tune.fit.candidates import (
     OBJECTIVE,
     VALUE_KEYS,
     apply_values,
+    check_model_parallel_range,
     choose,
     estimated_epoch_seconds,
     fitted_config,
@@ -87,6 +89,7 @@ __all__ = [
     "apply_values",
     "cache_key",
     "cached_choice",
+    "check_model_parallel_range",
     "choose",
     "default_cache_dir",
     "estimated_epoch_seconds",
@@ -140,6 +143,7 @@ class GpuFitSearch:
         from tfmis.tune.fit.trial import run_trial, trial_device
 
         self.config, self.specs, self.strategy = config, specs, strategy
+        check_model_parallel_range(config, specs)  # a range of which nothing can run: exit 2, before measuring
         self.output_dir = Path(output_dir)
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.use_cache, self.progress = use_cache, progress
