@@ -43,6 +43,26 @@ def test_tf_checkpoint_that_does_not_fit_the_model_is_refused(tmp_path, saved):
         load_weights(model, prefix, task=task)
 
 
+@pytest.mark.parametrize("saved", ["shallower model", "deeper model", "other classes"])
+def test_weights_file_of_another_model_is_refused_in_one_line(tmp_path, saved):
+    """A `.weights.h5` of another network (Keras raises an error of many lines, or for a group of layers missing
+    from the file only warns and keeps their fresh weights) is one `DataError` line naming the file and a weight
+    that does not fit."""
+    model = build_unet(2, 3, filters=(4, 8, 16), strides=(1, 2, 2), num_res_units=0)
+    other = {
+        "shallower model": lambda: build_unet(2, 3, filters=(4, 8), strides=(1, 2), num_res_units=0),
+        "deeper model": lambda: build_unet(2, 3, filters=(4, 8, 16, 32), strides=(1, 2, 2, 2), num_res_units=0),
+        "other classes": lambda: build_unet(2, 5, filters=(4, 8, 16), strides=(1, 2, 2), num_res_units=0),
+    }[saved]()
+    path = tmp_path / "best.weights.h5"
+    other.save_weights(str(path))
+    with pytest.raises(DataError) as refused:
+        load_weights(model, path)
+    message = str(refused.value)
+    assert message.startswith(f"weights file {path} does not fit this model") and "\n" not in message, message
+    assert "not fit, e.g." in message or "expected 1 variables" in message
+
+
 DEMO_LIKE_NETWORK = [  # the demo's layer kinds, small: deep supervision, residual units, MONAI's output upsampling
     "model.filters=[4,8,16]",
     "model.strides=[2,2,1]",
