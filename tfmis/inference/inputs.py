@@ -12,6 +12,8 @@ config = load_config(run_config("runs/demo"))
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -121,7 +123,7 @@ def load_weights(model, checkpoint: str | Path, weights: str = "best", task: Seg
     by the weights' names (`tfmis.networks.weights`): matching objects by their position in two builds' graphs
     put 44 of the demo network's 73 weights in the wrong place. A checkpoint of an older tfmis (no named weights)
     is read into a training model built by `task` from the optimizer's list of its trainable weights, then copied
-    by name.
+    by name. A weights file or checkpoint of another model is a `DataError` of one line naming it.
     """
     path = Path(checkpoint)
     if path.is_dir() and ((path / "config.yaml").is_file() or weights_file(path, weights).is_file()):  # a run folder
@@ -131,7 +133,7 @@ def load_weights(model, checkpoint: str | Path, weights: str = "best", task: Seg
     if path.suffix == ".h5":
         if not path.is_file():
             raise MissingInput(f"checkpoint {path} does not exist")
-        model.load_weights(str(path))
+        _read_weights_file(model, path)
         return path
     prefix = tf.train.latest_checkpoint(str(path)) if path.is_dir() else str(path)
     if prefix is None or not Path(prefix + ".index").is_file():
@@ -155,6 +157,46 @@ def load_weights(model, checkpoint: str | Path, weights: str = "best", task: Seg
             "Predict with the config.yaml of the run that wrote the checkpoint"
         )
     return Path(prefix)
+
+
+def _read_weights_file(model, path: Path) -> None:
+    """Reads a `.weights.h5` (Keras matches its layers by kind and order). A file of another model makes Keras raise
+    a ValueError of many lines, or, when a group of layers is not in the file at all, only warn and leave those
+    layers' fresh weights: both are one `DataError` line naming the file."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model.load_weights(str(path))
+        except ValueError as e:
+            raise DataError(
+                f"weights file {path} does not fit this model (model.* of the config): {_keras_mismatch(e)}. "
+                "Predict with the config.yaml of the run that wrote it"
+            ) from None
+    for w in caught:
+        if "no matching group found in the saved file" in str(w.message):
+            raise DataError(
+                f"weights file {path} does not fit this model (model.* of the config): some of its layers are not "
+                "in it. Predict with the config.yaml of the run that wrote it"
+            )
+    for w in caught:  # the others, as they were
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _keras_mismatch(error: ValueError) -> str:
+    """What Keras' error on loading a weights file into another model says, in a few words: how many layers did not
+    fit and the first weight with the shapes of the file and of the model, or Keras' first reason."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    count = re.match(r"A total of (\d+) objects could not be loaded", lines[0]) if lines else None
+    n = int(count.group(1)) if count else 0
+    what = f"{n} of the model's layers {'does' if n == 1 else 'do'} not fit" if count else "it does not fit"
+    shapes = re.search(
+        r"variable\.shape=(\([^)]*\)), Received: value\.shape=(\([^)]*\))\. Target variable: <Variable path=([^,]+),",
+        str(error),
+    )
+    if shapes:
+        return f"{what}, e.g. {shapes.group(3)} is {shapes.group(2)} in the file, {shapes.group(1)} in the model"
+    reason = lines[1] if count and len(lines) > 1 else (lines[0] if lines else type(error).__name__)
+    return f"{what} ({reason[:200]})"
 
 
 def copy_weights_by_name(source_model, model, source: str = "the checkpoint") -> None:
