@@ -1,6 +1,7 @@
 """A conversion's work on the cases: preprocessing one case in a worker process (`_process_case`: numpy, scipy and
-nibabel only, no TensorFlow), the labels a case holds (`_label_classes`, for stratified folds), and the measurements
-made over the dataset's cases before the conversion is planned (median header spacing, CT foreground statistics).
+the image readers only, no TensorFlow), the labels a case holds (`_label_classes`, for stratified folds), and the
+measurements made over the dataset's cases before the conversion is planned (median header spacing, CT foreground
+statistics).
 
 The worker functions take one picklable task tuple each and never raise: a bad case comes back skipped, with its
 reason, so it never stops the others.
@@ -10,23 +11,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import nibabel as nib
 import numpy as np
 
 from tfmis.data import fingerprint as fp
-from tfmis.data.msd import CT_MODALITIES, Case, CaseError, DatasetError, MSDDataset, load_case
+from tfmis.data.datasets import open_dataset
+from tfmis.data.image_io import UnreadableImage, read_affine, read_image
+from tfmis.data.msd import CT_MODALITIES, Case, CaseError, DatasetError, SegmentationDataset, load_case
 from tfmis.data.preprocess import preprocess, ras_spacing
 from tfmis.utils.parallel import map_ordered
 
 
-def header_spacing(case: Case, dataset: MSDDataset) -> np.ndarray:
-    """RAS voxel spacing from the image header alone (no voxel data read)."""
-    path = dataset.resolve(case, case.image)
+def header_spacing(case: Case, dataset: SegmentationDataset) -> np.ndarray:
+    """RAS voxel spacing from the (first channel's) image header alone (no voxel data read)."""
+    if case.problem:
+        raise CaseError(case.case_id, case.problem)
+    path = dataset.resolve(case, case.image_files[0])
     if not Path(path).is_file():
         raise CaseError(case.case_id, f"image file {path} does not exist")
     try:
-        return ras_spacing(nib.load(str(path)).affine)
-    except Exception as e:  # any header problem: the worker reports it with the full reason
+        return ras_spacing(read_affine(path))
+    except (UnreadableImage, ValueError, np.linalg.LinAlgError) as e:  # the worker reports it with the reason
         raise CaseError(case.case_id, f"cannot read header of {path}: {e}") from e
 
 
@@ -36,7 +40,7 @@ def header_spacing(case: Case, dataset: MSDDataset) -> np.ndarray:
 def _process_case(task: tuple) -> dict:
     case, source_dir, prep = task
     try:
-        dataset = MSDDataset(source_dir)
+        dataset = open_dataset(source_dir)
         loaded = load_case(case, dataset)
         # the raw intensities are sampled first: preprocess then normalises in the loaded image's own memory
         ct = _ct_channels(dataset)
@@ -76,8 +80,8 @@ def _label_classes(task: tuple) -> list[int]:
     (the main pass reports the case)."""
     case, source_dir = task
     try:
-        dataset = MSDDataset(source_dir)
-        label = np.asanyarray(nib.load(str(dataset.resolve(case, case.label))).dataobj)
+        dataset = open_dataset(source_dir)
+        label = read_image(dataset.resolve(case, case.label)).array
         if label.dtype == np.uint8:
             values = np.flatnonzero(np.bincount(label.ravel(), minlength=1))
         else:
@@ -90,21 +94,21 @@ def _label_classes(task: tuple) -> list[int]:
 def _foreground_sample(task: tuple) -> np.ndarray | None:
     case, source_dir = task
     try:
-        dataset = MSDDataset(source_dir)
+        dataset = open_dataset(source_dir)
         loaded = load_case(case, dataset)
         return fp.foreground_sample(loaded.image, loaded.label, _ct_channels(dataset))
     except Exception:
         return None  # reported by the main pass
 
 
-def _ct_channels(dataset: MSDDataset) -> list[int]:
+def _ct_channels(dataset: SegmentationDataset) -> list[int]:
     return [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
 
 
 # ---------------------------------------------------------------- main side: the dataset's cases measured
 
 
-def _median_spacing(dataset: MSDDataset) -> tuple[float, float, float] | None:
+def _median_spacing(dataset: SegmentationDataset) -> tuple[float, float, float] | None:
     spacings = []
     for case in dataset.training:
         try:
@@ -114,7 +118,7 @@ def _median_spacing(dataset: MSDDataset) -> tuple[float, float, float] | None:
     return tuple(float(s) for s in np.round(np.median(spacings, axis=0), 4)) if spacings else None
 
 
-def _first_unreadable(dataset: MSDDataset) -> str:
+def _first_unreadable(dataset: SegmentationDataset) -> str:
     """The first training case whose image header cannot be read, with the reason (`case_id: why`)."""
     for case in dataset.training:
         try:
@@ -124,7 +128,9 @@ def _first_unreadable(dataset: MSDDataset) -> str:
     return "none"
 
 
-def _ct_foreground_statistics(dataset: MSDDataset, workers: int) -> tuple[tuple[float, float], tuple[float, float]]:
+def _ct_foreground_statistics(
+    dataset: SegmentationDataset, workers: int
+) -> tuple[tuple[float, float], tuple[float, float]]:
     """((0.5, 99.5) percentiles, (mean, std)) of the CT channels' labelled foreground intensities, sampled from
     every training case (nnU-Net's foreground intensity properties)."""
     tasks = [(c, str(dataset.root)) for c in dataset.training]

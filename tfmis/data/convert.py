@@ -44,6 +44,7 @@ from tfmis.data.conversion_cases import (
     header_spacing,
 )
 from tfmis.data.conversion_options import ConversionConfig, ConversionOptions
+from tfmis.data.datasets import open_dataset
 from tfmis.data.folds import (
     DEFAULT_SPLIT,
     SPLITS_FILE,
@@ -54,7 +55,7 @@ from tfmis.data.folds import (
     splits_sha256,
     stratified_folds,
 )
-from tfmis.data.msd import DatasetError, MSDDataset
+from tfmis.data.msd import DatasetError, SegmentationDataset
 from tfmis.data.preprocess import PreprocessConfig
 from tfmis.data.records import FINGERPRINT_FILE, INDEX_FILE, SCHEMA_VERSION
 from tfmis.data.shard_writer import PROGRESS_DIR, _finished_shards, _write_shard, plan_shards
@@ -110,13 +111,13 @@ def convert(config: ConversionConfig, wait: bool = False) -> dict:
         FolderLocked: another live conversion holds the target (the message names it; not with `wait`).
     """
     start = time.time()
-    dataset = MSDDataset(config.source_dir)
+    dataset = open_dataset(config.source_dir)
     target = Path(config.target_dir)
     with folder_lock(target, "tfmis-convert", wait=wait):  # taking it removes the temporaries of dead writers
         return _convert(config, dataset, target, start)
 
 
-def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start: float) -> dict:
+def _convert(config: ConversionConfig, dataset: SegmentationDataset, target: Path, start: float) -> dict:
     from tfmis.utils.progress import progress_bar
 
     # read before the target is touched: a splits file inside it (an earlier conversion's) is removed by overwrite
@@ -211,7 +212,7 @@ def _convert(config: ConversionConfig, dataset: MSDDataset, target: Path, start:
     return index
 
 
-def _plan_splits(config: ConversionConfig, dataset: MSDDataset, file_folds: list[dict] | None) -> dict:
+def _plan_splits(config: ConversionConfig, dataset: SegmentationDataset, file_folds: list[dict] | None) -> dict:
     """The cases of each split: the splits file's folds, stratified folds (every training label read once, in
     parallel), or seeded fractions."""
     if file_folds is not None:
@@ -226,7 +227,7 @@ def _plan_splits(config: ConversionConfig, dataset: MSDDataset, file_folds: list
 
 def _build_index(
     target: Path,
-    dataset: MSDDataset,
+    dataset: SegmentationDataset,
     config: ConversionConfig,
     requested: dict,
     prep: PreprocessConfig,
@@ -252,8 +253,10 @@ def _build_index(
         "source": {
             "dir": str(dataset.root),
             "name": dataset.name,
+            "layout": dataset.layout,
             "modalities": dataset.modalities,
             "labels": dataset.labels,
+            "regions": dataset.regions,
             "num_training": len(dataset.training),
             "num_test": len(dataset.test),
             "dataset_json_sha256": requested["dataset_json_sha256"],
@@ -319,7 +322,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _prepare_target(target: Path, requested: dict, overwrite: bool, dataset: MSDDataset | None = None) -> None:
+def _prepare_target(target: Path, requested: dict, overwrite: bool, dataset: SegmentationDataset | None = None) -> None:
     plan_path = target / PLAN_FILE
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data.msd import MSDDataset
+from tfmis.data.msd import SegmentationDataset
 from tfmis.data.records import fold_name
 from tfmis.errors import DataError, MissingInput
 
@@ -191,7 +191,9 @@ def splits_sha256(folds: list[dict[str, list[str]]]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def folds_from_file(folds: list[dict[str, list[str]]], dataset: MSDDataset, path: str | Path) -> dict[str, list[str]]:
+def folds_from_file(
+    folds: list[dict[str, list[str]]], dataset: SegmentationDataset, path: str | Path
+) -> dict[str, list[str]]:
     """`fold0..foldK-1` from a splits file's val lists (`read_splits_file`), checked against dataset.json: every
     case named must be a training case, and every training case in a fold.
 

@@ -1,6 +1,9 @@
-"""Reading Medical Segmentation Decathlon (MSD) style datasets.
+"""Reading Medical Segmentation Decathlon (MSD) style datasets, and what every dataset layout shares (`Case`,
+`SegmentationDataset`, `load_case`; nnU-Net v2 raw datasets: `tfmis.data.nnunet`, either picked by
+`tfmis.data.datasets.open_dataset`).
 
-An MSD dataset folder holds a `dataset.json` and the NIfTI files it references:
+An MSD dataset folder holds a `dataset.json` and the image files it references (NIfTI, or any format
+`tfmis.data.image_io` reads):
 
 ```
 Task09_Spleen/
@@ -29,12 +32,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import zlib
 from pathlib import Path
 
-import nibabel as nib
 import numpy as np
 
+from tfmis.data.image_io import UnreadableImage, read_image, strip_image_suffix
 from tfmis.errors import DataError, UsageError
 
 CT_MODALITIES = {"CT"}
@@ -60,64 +62,48 @@ class CaseError(DataError):
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One entry of dataset.json.
+    """One case of a dataset.
 
     Args:
-        case_id: file name of the image without `.nii.gz` (e.g. `spleen_2`).
-        image: path of the image as written in dataset.json (relative to the dataset folder).
+        case_id: file name of the image without its suffix (e.g. `spleen_2`); nnU-Net's case identifier.
+        image: path of the image relative to the dataset folder (one file holding every channel: MSD), or the
+            paths of its channel files in channel order (nnU-Net v2's `<case>_0000.nii.gz`, `<case>_0001...`).
         label: path of the label, or None for unlabelled (test) cases.
+        problem: why the case cannot be used, found while listing the dataset (a channel file missing, a label
+            without its image...); `load_case` raises it as the case's `CaseError`.
     """
 
     case_id: str
-    image: str
+    image: str | tuple[str, ...]
     label: str | None = None
+    problem: str | None = None
+
+    @property
+    def image_files(self) -> tuple[str, ...]:
+        """The image's file(s), in channel order."""
+        return (self.image,) if isinstance(self.image, str) else tuple(self.image)
 
 
 def case_id_from_path(path: str) -> str:
-    name = Path(path).name
-    for suffix in (".nii.gz", ".nii"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
+    """The file name without its folder and image suffix (`.nii.gz`, `.nii`, `.nrrd`, `.mha`, `.mhd`)."""
+    return strip_image_suffix(path)
 
 
-class MSDDataset:
-    """The parsed `dataset.json` of an MSD-style dataset folder.
+class SegmentationDataset:
+    """What every dataset layout gives (`tfmis.data.datasets.open_dataset` picks the layout): the dataset folder
+    `root`, `name`, `description`, `modalities` (channel names, index = channel), `labels` (class names, index =
+    label value), `regions` (nnU-Net region labels as `validation.regions`, {name: [labels]}, or None), the
+    `training` cases (with labels) and the `test` cases, `layout` ("msd" or "nnunetv2")."""
 
-    Args:
-        root: the dataset folder (the one holding dataset.json).
+    layout = ""
+    regions: dict[str, list[int]] | None = None
 
-    Attributes:
-        name, description, modalities (list of names, index = channel), labels (list of names,
-        index = label value), training (list of `Case` with labels), test (list of `Case`).
-    """
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root).resolve()
-        path = self.root / "dataset.json"
-        if not path.is_file():
-            raise DatasetNotFound(f"{path}: not found; an MSD dataset folder must contain dataset.json")
-        try:
-            meta = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DatasetError(f"{path}: not valid JSON ({e})") from e
-        if not isinstance(meta, dict):
-            raise DatasetError(f"{path}: top level must be an object")
-        self.meta = meta
-        self.name = str(meta.get("name", self.root.name))
-        self.description = str(meta.get("description", ""))
-        self.modalities = _indexed_names(meta, "modality", path)
-        self.labels = _indexed_names(meta, "labels", path)
-        if self.labels[0] is None:
-            raise DatasetError(f"{path}: key 'labels' must declare label 0 (background)")
-        self.training = [_training_case(entry, i, path) for i, entry in enumerate(meta.get("training", []))]
-        self.test = [_test_case(entry, i, path) for i, entry in enumerate(meta.get("test", []))]
-        ids = [c.case_id for c in self.training]
-        duplicates = sorted({i for i in ids if ids.count(i) > 1})
-        if duplicates:
-            raise DatasetError(f"{path}: 'training' lists case ids more than once: {duplicates}")
-        if not self.training:
-            raise DatasetError(f"{path}: key 'training' lists no cases")
+    root: Path
+    name: str
+    modalities: list
+    labels: list
+    training: list[Case]
+    test: list[Case]
 
     @property
     def num_channels(self) -> int:
@@ -143,11 +129,69 @@ class MSDDataset:
             raise CaseError(case.case_id, f"path {relpath!r} leads outside the dataset folder {self.root}")
         return path
 
+    def resolve_image(self, case: Case) -> str | tuple[str, ...]:
+        """The absolute path of the case's image (a tuple of its channel files when it has several)."""
+        paths = tuple(str(self.resolve(case, p)) for p in case.image_files)
+        return paths[0] if isinstance(case.image, str) else paths
+
     def __repr__(self) -> str:
         return (
-            f"MSDDataset({self.name!r}, modalities={self.modalities}, labels={self.labels}, "
+            f"{type(self).__name__}({self.name!r}, modalities={self.modalities}, labels={self.labels}, "
             f"training={len(self.training)}, test={len(self.test)})"
         )
+
+
+class MSDDataset(SegmentationDataset):
+    """The parsed `dataset.json` of an MSD-style dataset folder.
+
+    Args:
+        root: the dataset folder (the one holding dataset.json).
+
+    Attributes:
+        name, description, modalities (list of names, index = channel), labels (list of names,
+        index = label value), training (list of `Case` with labels), test (list of `Case`).
+    """
+
+    layout = "msd"
+
+    def __init__(self, root: str | Path, meta: dict | None = None):
+        self.root = Path(root).resolve()
+        path = self.root / "dataset.json"
+        meta = read_dataset_json(self.root) if meta is None else meta
+        self.meta = meta
+        self.name = str(meta.get("name", self.root.name))
+        self.description = str(meta.get("description", ""))
+        self.modalities = _indexed_names(meta, "modality", path)
+        self.labels = _indexed_names(meta, "labels", path)
+        if self.labels[0] is None:
+            raise DatasetError(f"{path}: key 'labels' must declare label 0 (background)")
+        self.training = [_training_case(entry, i, path) for i, entry in enumerate(meta.get("training", []))]
+        self.test = [_test_case(entry, i, path) for i, entry in enumerate(meta.get("test", []))]
+        ids = [c.case_id for c in self.training]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise DatasetError(f"{path}: 'training' lists case ids more than once: {duplicates}")
+        if not self.training:
+            raise DatasetError(f"{path}: key 'training' lists no cases")
+
+
+def read_dataset_json(root: Path) -> dict:
+    """The parsed `dataset.json` of the folder `root`.
+
+    Raises:
+        DatasetNotFound: there is none (exit 2: the argument needs fixing).
+        DatasetError: it is not a JSON object.
+    """
+    path = Path(root) / "dataset.json"
+    if not path.is_file():
+        raise DatasetNotFound(f"{path}: not found; a dataset folder (MSD or nnU-Net v2 raw) must contain dataset.json")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise DatasetError(f"{path}: top level must be an object")
+    return meta
 
 
 def _indexed_names(meta: dict, key: str, path: Path) -> list:
@@ -199,33 +243,60 @@ class LoadedCase:
     header_dtype: str
 
 
-def _read_nifti(case: Case, path: Path, what: str) -> tuple[np.ndarray, np.ndarray, str]:
+def _read_file(case_id: str, path: Path, what: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """(array, affine, on-disk dtype) of one file of a case (`tfmis.data.image_io.read_image`); `CaseError`."""
     if not path.is_file():
-        raise CaseError(case.case_id, f"{what} file {path} does not exist")
+        raise CaseError(case_id, f"{what} file {path} does not exist")
     try:
-        img = nib.load(str(path))
-        data = np.asanyarray(img.dataobj)
-    except (OSError, EOFError, zlib.error, ValueError, nib.filebasedimages.ImageFileError) as e:
-        raise CaseError(
-            case.case_id, f"{what} file {path} cannot be read (truncated or corrupt?): {type(e).__name__}: {e}"
-        ) from e
-    return data, np.asarray(img.affine, dtype=np.float64), img.get_data_dtype().str
+        image = read_image(path)
+    except UnreadableImage as e:
+        raise CaseError(case_id, f"{what} file {e}") from e
+    return image.array, image.affine, image.disk_dtype
+
+
+def _read_channels(paths: list[Path], case_id: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """The channel files of one image (nnU-Net v2: one 3D file each) stacked on a last axis; they must share
+    shape and affine. One file is returned as it is (3D, or 4D with channels last)."""
+    if len(paths) == 1:
+        return _read_file(case_id, paths[0], "image")
+    arrays, affine, disk_dtype = [], None, None
+    for c, path in enumerate(paths):
+        raw, file_affine, file_dtype = _read_file(case_id, path, f"channel {c} image")
+        if raw.ndim == 4 and raw.shape[3] == 1:
+            raw = raw[..., 0]
+        if raw.ndim != 3:
+            raise CaseError(case_id, f"channel file {path} has shape {raw.shape}; a channel file holds one 3D volume")
+        if arrays and raw.shape != arrays[0].shape:
+            raise CaseError(case_id, f"channel file {path} has shape {raw.shape}, channel 0 {arrays[0].shape}")
+        if affine is not None and not np.allclose(file_affine, affine, atol=1e-3, rtol=0):
+            raise CaseError(
+                case_id,
+                f"channel file {path} has another affine than channel 0 (max difference "
+                f"{np.abs(file_affine - affine).max():.4g}): the channels must be on one grid",
+            )
+        arrays.append(raw)
+        affine, disk_dtype = (file_affine, file_dtype) if affine is None else (affine, disk_dtype)
+    dtype = np.result_type(*arrays)
+    return np.stack([a.astype(dtype, copy=False) for a in arrays], axis=-1), affine, disk_dtype
 
 
 def load_image(
-    path: str | Path, num_channels: int, case_id: str, integers: bool = False
+    path: str | Path | tuple | list, num_channels: int, case_id: str, integers: bool = False
 ) -> tuple[np.ndarray, np.ndarray, str]:
-    """Reads one image file as float32 (X, Y, Z, C); raises `CaseError` naming the case.
+    """Reads one image as float32 (X, Y, Z, C); raises `CaseError` naming the case.
+
+    `path` is one file (3D, or 4D with channels last: MSD) or the image's channel files in order (nnU-Net v2, one
+    3D file each, sharing shape and affine), in any format `tfmis.data.image_io` reads.
 
     With `integers`, an image stored as integers of up to 16 bits without a scale factor (a CT's int16) keeps
     that type: every value is exact in float32, `preprocess` turns slabs of it into float32 as it goes, and a
     512x512x600 CT then takes 300 MB instead of 600 MB.
 
     Returns:
-        (image, 4x4 affine, on-disk dtype string with byte order, e.g. `>i2`).
+        (image, 4x4 RAS affine, on-disk dtype string with byte order of the (first) file, e.g. `>i2`).
     """
-    path = Path(path)
-    raw, affine, disk_dtype = _read_nifti(Case(case_id, str(path)), path, "image")
+    paths = [Path(p) for p in path] if isinstance(path, (tuple, list)) else [Path(path)]
+    raw, affine, disk_dtype = _read_channels(paths, case_id)
     if not np.all(np.isfinite(affine)) or abs(np.linalg.det(affine[:3, :3])) < 1e-12:
         raise CaseError(
             case_id,
@@ -246,7 +317,7 @@ def load_image(
         )
     # also converts big-endian to native order; C order (NIfTI data is Fortran-ordered) so that the
     # crop, normalisation and resampling downstream read memory in the order they loop
-    if integers and raw.dtype.kind in "iu" and raw.dtype.itemsize <= 2:  # no scale factor: nibabel kept the ints
+    if integers and raw.dtype.kind in "iu" and raw.dtype.itemsize <= 2:  # no scale factor: the reader kept the ints
         return raw.astype(raw.dtype.newbyteorder("="), order="C"), affine, disk_dtype
     image = raw.astype(np.float32, order="C")
     if not np.all(np.isfinite(image)):
@@ -255,16 +326,20 @@ def load_image(
     return image, affine, disk_dtype
 
 
-def load_case(case: Case, dataset: MSDDataset, affine_tolerance: float = 1e-3) -> LoadedCase:
+def load_case(case: Case, dataset: SegmentationDataset, affine_tolerance: float = 1e-3) -> LoadedCase:
     """Reads and validates one case. Raises `CaseError` naming the case and what is wrong.
 
-    Checks: files exist and decode; channel count matches `modality`; no NaN/Inf in the image;
-    label spatial shape and affine match the image; label values are integers declared in `labels`.
+    Checks: the case had no problem when the dataset was listed (`Case.problem`); files exist and decode; channel
+    count matches `modality`; no NaN/Inf in the image; label spatial shape and affine match the image; label values
+    are integers declared in `labels`.
     """
-    image, affine, disk_dtype = load_image(dataset.resolve(case, case.image), dataset.num_channels, case.case_id)
+    if case.problem:
+        raise CaseError(case.case_id, case.problem)
+    paths = [dataset.resolve(case, p) for p in case.image_files]
+    image, affine, disk_dtype = load_image(paths, dataset.num_channels, case.case_id)
     label = None
     if case.label is not None:
-        raw_label, label_affine, _ = _read_nifti(case, dataset.resolve(case, case.label), "label")
+        raw_label, label_affine, _ = _read_file(case.case_id, dataset.resolve(case, case.label), "label")
         if raw_label.ndim == 4 and raw_label.shape[3] == 1:
             raw_label = raw_label[..., 0]
         if raw_label.shape != image.shape[:3]:

@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from tfmis.data.msd import MSDDataset, load_case
+from tfmis.data.datasets import open_dataset
+from tfmis.data.msd import load_case
 from tfmis.data.pipeline import input_shard, patch_augmentation, volume_crops, with_channel_count
 from tfmis.data.preprocess import PreprocessConfig, preprocess
 from tfmis.data.records import load_index, shard_paths, split_entry, split_parts
@@ -85,7 +86,7 @@ class RegularSource:
                 f"(converted from {self.index['source']['dir']}): set data.source_dir to that folder, "
                 "or convert this one again"
             )
-        self.dataset = MSDDataset(source)
+        self.dataset = open_dataset(source)
         self.cases = {c.case_id: c for c in self.dataset.training}
         prep = PreprocessConfig.from_dict(self.index["preprocessing"])
         self.preprocessing = dataclasses.replace(prep, image_dtype=image_dtype)

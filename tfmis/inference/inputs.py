@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
+from tfmis.data.image_io import image_suffix
 from tfmis.data.msd import case_id_from_path
 from tfmis.data.records import load_training_data_info, split_entry
 from tfmis.errors import DataError, MissingInput, UsageError
@@ -31,15 +32,24 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class InputCase:
+    """A case to predict: its image file (or its channel files in order, nnU-Net v2) and its label file, if any."""
+
     case_id: str
-    image: str
+    image: str | tuple[str, ...]
     label: str | None = None
+
+    @property
+    def first_file(self) -> str:
+        """The (first channel's) image file: its format and name are the prediction's."""
+        return self.image if isinstance(self.image, str) else self.image[0]
 
 
 def collect_inputs(
     input_path: str | Path, subset: str = "test", label_dir: str | Path | None = None, index: dict | None = None
 ) -> list[InputCase]:
-    """The cases named by `--input`: one NIfTI file, a folder of them, or an MSD dataset.json.
+    """The cases named by `--input`: one image file, a folder of them, or a dataset (its folder or dataset.json: MSD or
+    nnU-Net v2 raw, `tfmis.data.datasets.open_dataset`). Images are files `tfmis.data.image_io` reads (NIfTI, NRRD,
+    MetaImage); an nnU-Net case is its channel files.
 
     Args:
         subset: for a dataset.json: `test` (its test list), `training` (all labelled cases), or
@@ -47,16 +57,16 @@ def collect_inputs(
         label_dir: folder of ground-truth label maps named like the images (for Dice).
         index: the training run's index.json (for `split:NAME`).
     """
-    from tfmis.data.msd import MSDDataset
+    from tfmis.data.datasets import open_dataset
 
     path = Path(input_path)
     if path.name == "dataset.json" or (path.is_dir() and (path / "dataset.json").is_file() and subset != "folder"):
-        dataset = MSDDataset(path.parent if path.name == "dataset.json" else path)
+        dataset = open_dataset(path.parent if path.name == "dataset.json" else path)
         if subset == "test":
-            cases = [InputCase(c.case_id, str(dataset.resolve(c, c.image))) for c in dataset.test]
+            cases = [InputCase(c.case_id, dataset.resolve_image(c)) for c in dataset.test]
         elif subset == "training":
             cases = [
-                InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
+                InputCase(c.case_id, dataset.resolve_image(c), str(dataset.resolve(c, c.label)))
                 for c in dataset.training
             ]
         elif subset.startswith("split:"):
@@ -69,16 +79,14 @@ def collect_inputs(
                     f"{sorted(index['splits']) if index else []}"
                 ) from None
             cases = [
-                InputCase(c.case_id, str(dataset.resolve(c, c.image)), str(dataset.resolve(c, c.label)))
+                InputCase(c.case_id, dataset.resolve_image(c), str(dataset.resolve(c, c.label)))
                 for c in dataset.training
                 if c.case_id in ids
             ]
         else:
             raise UsageError(f"--subset must be test, training or split:NAME, got {subset!r}")
     elif path.is_dir():
-        files = sorted(
-            p for p in path.iterdir() if p.name.endswith((".nii.gz", ".nii")) and not p.name.startswith("._")
-        )
+        files = sorted(p for p in path.iterdir() if image_suffix(p.name) and not p.name.startswith("._"))
         cases = [InputCase(case_id_from_path(p.name), str(p)) for p in files]
     elif path.is_file():
         cases = [InputCase(case_id_from_path(path.name), str(path))]
@@ -86,10 +94,12 @@ def collect_inputs(
         raise MissingInput(f"--input {path} does not exist")
     if label_dir is not None:
         for c in cases:
-            candidate = Path(label_dir) / Path(c.image).name
+            # a label is named as its image, or <case><suffix> for an image of channel files
+            name = Path(c.image).name if isinstance(c.image, str) else c.case_id + (image_suffix(c.first_file) or "")
+            candidate = Path(label_dir) / name
             c.label = str(candidate) if candidate.is_file() else c.label
     if not cases:
-        raise DataError(f"--input {path}: no NIfTI images found")
+        raise DataError(f"--input {path}: no image files found (.nii.gz, .nii, .nrrd, .mha, .mhd)")
     return cases
 
 

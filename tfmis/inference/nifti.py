@@ -1,5 +1,6 @@
-"""The NIfTI files of a prediction: a label map read slab by slab as small integers (`read_label_map`), and an
-array written with the input's affine and header (`save_like`).
+"""The image files of a prediction: a label map read as small integers (`read_label_map`; a NIfTI slab by slab), and
+an array written with the input's affine and header in the format its name gives (`save_like`), both through
+`tfmis.data.image_io` (NIfTI, and NRRD / MetaImage with the `formats` extra).
 
 Below both the predictor and the postprocessing (`tfmis.inference.postprocess`), which read and write label maps
 alike; it imports neither.
@@ -14,17 +15,18 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
+from tfmis.data.image_io import UnreadableImage, is_nifti, read_image, write_image
 from tfmis.data.msd import CaseError
 from tfmis.errors import DataError
-from tfmis.utils.io import atomic_save_nifti
 
 LABEL_SLAB_SLICES = 32  # slices (the file's last axis) of a label NIfTI read and cast at a time
 
 
 def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=None) -> np.ndarray:
-    """A label NIfTI as an unsigned integer array (uint8; uint16 beyond 256 classes) in the file's voxel order.
+    """A label map file as an unsigned integer array (uint8; uint16 beyond 256 classes) in the file's voxel order.
 
-    Read `LABEL_SLAB_SLICES` slices along the file's last axis at a time from nibabel's array proxy (the file kept
+    An NRRD or MetaImage file is read whole (`tfmis.data.image_io.read_image`) and cast slab by slab. A NIfTI is read
+    `LABEL_SLAB_SLICES` slices along the file's last axis at a time from nibabel's array proxy (the file kept
     open, so a .nii.gz is decompressed once, front to back), each slab cast to the small type: no float64 (or
     int64) copy of the volume. Labels stored as floats (or scaled integers) are rounded to the nearest integer
     first, as nibabel's floats near an integer deserve.
@@ -38,12 +40,14 @@ def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=
     label = read_label_map("labelsTr/liver_3.nii.gz", num_classes=3)   # uint8 (X, Y, Z)
     ```
     """
+    if not is_nifti(path):
+        try:
+            return _cast_label_map(_ArrayImage(read_image(path).array), num_classes, case_id, shape, path)
+        except UnreadableImage as e:
+            raise CaseError(case_id, f"label file {e}") from e
     try:
         img = nib.load(str(path), keep_file_open=True)
-        if shape is not None and tuple(img.shape) != tuple(shape):
-            raise CaseError(case_id, f"label {path} has shape {tuple(img.shape)}, the image {tuple(shape)}")
-        out = np.empty(img.shape, np.uint8 if num_classes <= 2**8 else np.uint16)
-        outside = _read_slabs(img, out, num_classes)
+        return _cast_label_map(img, num_classes, case_id, shape, path)
     except (EOFError, zlib.error, ValueError, nib.filebasedimages.ImageFileError) as e:
         if isinstance(e, DataError):
             raise
@@ -54,6 +58,21 @@ def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=
         if not isinstance(e, gzip.BadGzipFile):
             raise
         raise CaseError(case_id, f"label file {path} cannot be read (truncated or corrupt?): {e}") from e
+
+
+class _ArrayImage:
+    """An array in memory with the two attributes of a nibabel image `_read_slabs` reads."""
+
+    def __init__(self, array: np.ndarray):
+        self.shape, self.dataobj = array.shape, array
+
+
+def _cast_label_map(img, num_classes: int, case_id: str, shape, path) -> np.ndarray:
+    """The label map of `img` (a nibabel image or `_ArrayImage`) cast slab by slab; CaseError / DataError."""
+    if shape is not None and tuple(img.shape) != tuple(shape):
+        raise CaseError(case_id, f"label {path} has shape {tuple(img.shape)}, the image {tuple(shape)}")
+    out = np.empty(img.shape, np.uint8 if num_classes <= 2**8 else np.uint16)
+    outside = _read_slabs(img, out, num_classes)
     if outside:
         low, high = min(low for low, _ in outside), max(high for _, high in outside)
         raise DataError(
@@ -80,10 +99,10 @@ def _read_slabs(img, out: np.ndarray, num_classes: int) -> list:
 
 
 def save_like(data: np.ndarray, affine: np.ndarray, header, path: Path, dtype) -> None:
-    """Writes `data` as NIfTI with the input's affine and header (orientation codes, units...), atomically.
+    """Writes `data` with the input's affine, atomically, in the format of `path`'s suffix
+    (`tfmis.data.image_io.write_image`): a NIfTI keeps the input's NIfTI `header` (orientation codes, units...) when
+    there is one; an NRRD / MetaImage gets the affine's direction, origin and spacing.
 
-    Float data with an integer `dtype` is stored scaled (nibabel sets scl_slope; readers get floats).
+    Float data with an integer `dtype` is stored scaled in a NIfTI (nibabel sets scl_slope; readers get floats).
     """
-    new_header = header.copy()
-    new_header.set_data_dtype(dtype)
-    atomic_save_nifti(nib.Nifti1Image(data, affine, new_header), path)
+    write_image(data, affine, path, dtype, header)

@@ -38,6 +38,7 @@ import nibabel as nib
 import numpy as np
 import tensorflow as tf
 
+from tfmis.data.image_io import is_nifti, output_suffix
 from tfmis.data.msd import CaseError, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
@@ -138,7 +139,10 @@ class ScanPredictor:
         raise NotImplementedError
 
     def predict_file(self, case: InputCase, output_dir: str | Path, probabilities: bool = False) -> CaseResult:
-        """Predicts one NIfTI file and writes `<case_id>.nii.gz` (and `<case_id>_probabilities.nii.gz`).
+        """Predicts one image and writes its label map `<case_id><suffix>` in the input's format and geometry (an
+        `.mha` input gives an `.mha` with its direction, origin and spacing; a NIfTI keeps its header), and with
+        `probabilities` `<case_id>_probabilities.nii.gz` (NIfTI whatever the input: uint8 scaled, one channel per
+        class or region).
 
         The label map is postprocessed (`postprocessing`) before it is written and scored; the probabilities are
         the prediction's, as nnU-Net writes them.
@@ -151,13 +155,14 @@ class ScanPredictor:
         reset_peak_rss()
         try:
             image, affine, _ = load_image(case.image, len(self.modalities), case.case_id, integers=True)
-            header = nib.load(str(case.image)).header
+            first = case.first_file
+            header = nib.load(first).header if is_nifti(first) else None  # a NIfTI's own header is written back
             shape = tuple(image.shape[:3])
             holder = [image]
             del image  # predict_image lets it go once preprocessed
             label_map, probs, device = self.predict_image(holder, affine, case.case_id, probabilities)
             removed = self._postprocess(label_map)
-            out = output_dir / f"{case.case_id}.nii.gz"
+            out = output_dir / f"{case.case_id}{output_suffix(first)}"
             save_like(label_map, affine, header, out, np.uint8)
             if probabilities:
                 # NIfTI-1 has no float16: uint8 with a scale factor (readers get floats, step 1/255)

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from tfmis.data import fingerprint as fp
-from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, MSDDataset, load_case
+from tfmis.data.datasets import open_dataset
+from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, load_case
 from tfmis.data.preprocess import foreground_mask, reorient_to_ras, spacing_of
 from tfmis.errors import MissingInput
 from tfmis.hardware import case_workers
@@ -137,7 +138,7 @@ def _case_summary(task: tuple) -> dict:
     """One case reduced to what planning needs (runs in a worker process; no TensorFlow)."""
     case, root = task
     try:
-        dataset = MSDDataset(root)
+        dataset = open_dataset(root)
         loaded = load_case(case, dataset)
         image, affine = reorient_to_ras(loaded.image, loaded.affine)
         label = reorient_to_ras(loaded.label, loaded.affine)[0] if loaded.label is not None else None
@@ -238,7 +239,7 @@ def fingerprint_msd(
     from tfmis.utils.parallel import map_ordered
     from tfmis.utils.progress import progress_bar
 
-    dataset = MSDDataset(source_dir)
+    dataset = open_dataset(source_dir)
     workers = workers or case_workers()
     tasks = [(case, str(dataset.root)) for case in dataset.training]
     bar = progress_bar(len(tasks), f"Fingerprinting {dataset.name}", "case", disable=not progress)
