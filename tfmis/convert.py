@@ -112,7 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         "no case could be converted, or the disk is full; 2 bad arguments. "
         "Rerunning with the same arguments resumes an interrupted conversion.",
     )
-    p.add_argument("--source-dir", required=True, help="MSD dataset folder, the one holding dataset.json")
+    p.add_argument(
+        "--source-dir",
+        required=True,
+        help="dataset folder holding dataset.json: MSD (Task04_Hippocampus) or nnU-Net v2 raw "
+        "(Dataset004_Hippocampus), told apart by its dataset.json",
+    )
     p.add_argument("--target-dir", required=True, help="output folder for shards, index.json, fingerprint.json")
     _add_option_flags(p)
     p.add_argument(

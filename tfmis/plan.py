@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 plan written; 1 the dataset is unusable or an output cannot be written; 2 bad "
         "arguments. All codes: docs/exit-codes.md.",
     )
-    p.add_argument("--source-dir", required=True, help="MSD dataset folder (with dataset.json)")
+    p.add_argument(
+        "--source-dir", required=True, help="dataset folder with dataset.json: MSD or nnU-Net v2 raw (DatasetNNN_Name)"
+    )
     p.add_argument(
         "--target-dir",
         default=None,
@@ -67,8 +69,8 @@ def main(argv=None) -> int:
     source = Path(args.source_dir)
     if not (source / "dataset.json").is_file():
         raise DatasetNotFound(
-            f"--source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
-            "imagesTr and labelsTr"
+            f"--source-dir {source}: no dataset.json there; give the dataset folder (MSD or nnU-Net v2 raw) that "
+            "holds dataset.json, imagesTr and labelsTr"
         )
     hardware = target_hardware(args)  # a bad value stops here, before the dataset is read
     writing(args.output)

@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--config", help="YAML config (or a plan of stages), e.g. configs/demo.yaml")
     source.add_argument(
         "--source-dir",
-        help="an MSD dataset folder: plan a config for it on this machine, or for the target machine below "
-        "(written to <output.dir>/plan.yaml), convert it and train",
+        help="a dataset folder (MSD or nnU-Net v2 raw, with dataset.json): plan a config for it on this machine, "
+        "or for the target machine below (written to <output.dir>/plan.yaml), convert it and train",
     )
     add_set_argument(p, "--set training.epochs=3 --set pipeline.patch_size=[48,48,48]")
     p.add_argument(

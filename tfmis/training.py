@@ -235,8 +235,8 @@ def plan_source(
     source = Path(source_dir)
     if not (source / "dataset.json").is_file():
         raise DatasetNotFound(
-            f"--source-dir {source}: no dataset.json there; give the MSD folder that holds dataset.json, "
-            "imagesTr and labelsTr"
+            f"--source-dir {source}: no dataset.json there; give the dataset folder (MSD or nnU-Net v2 raw) that "
+            "holds dataset.json, imagesTr and labelsTr"
         )
     given, _ = split_overrides(overrides)
     target = (given.get("data") or {}).get("dataset_dir")

@@ -1,10 +1,11 @@
-"""Command line of `tfmis-visualize`: a picture of one converted record or of a NIfTI file.
+"""Command line of `tfmis-visualize`: a picture of one converted record or of an image file.
 
 Two sources:
 * `--dataset-dir OUT --sample N [--split train]`: record N of a split of a converted dataset (read
   by its byte offset; no other record is parsed), shown on its preprocessed grid;
-* `--image x.nii.gz [--label y.nii.gz] [--prediction p.nii.gz]`: a raw NIfTI file (3D, or 4D with
-  channels last), reoriented to RAS for display, spacing from its affine. The ground truth is drawn as
+* `--image x.nii.gz [--label y.nii.gz] [--prediction p.nii.gz]`: a raw image file (NIfTI; NRRD, MetaImage with
+  `tfmis[formats]`; 3D, or 4D with channels last; a channel file of an nnU-Net v2 case brings its other channels),
+  reoriented to RAS for display, spacing from its affine. The ground truth is drawn as
   a translucent fill, a prediction (a label map written by a segmentation tool on the image's grid)
   as one-voxel outlines in the same class colours, so both can be compared on one picture.
 
@@ -68,7 +69,7 @@ class CaseView:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tfmis-visualize",
-        description="Draw one case: a record of a converted TFRecord dataset (--dataset-dir, --sample) or a NIfTI "
+        description="Draw one case: a record of a converted TFRecord dataset (--dataset-dir, --sample) or an image "
         "file (--image), optionally with its ground truth (--label, a translucent fill) and a "
         "model's prediction (--prediction, one-voxel outlines in the same class colours). Writes a "
         "PNG of the sagittal, coronal and axial mid-planes (one row per channel, one colour per "
@@ -85,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUT",
         help="converted dataset folder (the --target-dir of tfmis-convert, holding index.json)",
     )
-    source.add_argument("--image", metavar="FILE", help="NIfTI image (.nii or .nii.gz; 3D, or 4D with channels last)")
+    source.add_argument(
+        "--image",
+        metavar="FILE",
+        help="image file (.nii.gz, .nii; .nrrd, .mha, .mhd with tfmis[formats]; 3D, or 4D with channels last); a "
+        "channel file of an nnU-Net v2 raw dataset (imagesTr/<case>_0000.nii.gz) draws every channel of the case",
+    )
     p.add_argument(
         "--sample",
         type=int,
@@ -256,15 +262,20 @@ def dataset_case(dataset_dir: str | Path, split: str | None, sample: int) -> Cas
 def nifti_case(
     image_path: str | Path, label_path=None, class_names=None, channel_names=None, prediction_path=None
 ) -> CaseView:
-    """A NIfTI image (and label, and prediction) reoriented to RAS, with spacing from the affine.
+    """An image file (and label, and prediction) reoriented to RAS, with spacing from the affine.
 
     The label and the prediction are label maps on the image's grid (each reoriented with its own
     affine); their shapes are checked against the image's. Names not given are taken from a
-    dataset.json in the folder above the file's (MSD layout), if any.
+    dataset.json in the folder above the file's (MSD or nnU-Net v2 layout), if any; a channel file of an nnU-Net v2
+    case brings the case's other channels with it.
     """
     from tfmis.data.preprocess import reorient_to_ras, spacing_of
 
-    image, affine = _load_nifti(image_path, "--image")
+    dataset, case = _dataset_near(Path(image_path))
+    if case is not None and len(case.image_files) > 1:
+        image, affine = _load_channels(dataset, case)
+    else:
+        image, affine = _load_file(image_path, "--image")
     if image.ndim not in (3, 4):
         raise VisualizeError(
             f"--image {image_path}: expected a 3D or 4D (channels last) image, got shape {image.shape}"
@@ -272,8 +283,8 @@ def nifti_case(
     image, ras_affine = reorient_to_ras(image.astype(np.float32, copy=False), affine)
     label = _class_map(label_path, "--label", image.shape[:3]) if label_path is not None else None
     prediction = _class_map(prediction_path, "--prediction", image.shape[:3]) if prediction_path is not None else None
-    msd_channels, msd_classes = _msd_names_near(Path(image_path))
-    name = case_id_from_path(str(image_path))
+    msd_channels, msd_classes = (dataset.modalities, dataset.labels) if dataset is not None else (None, None)
+    name = case.case_id if case is not None else case_id_from_path(str(image_path))
     title = f"{name}  ({Path(image_path).name}, stored {''.join(_axcodes(affine))})"
     if prediction is not None:
         title += "\n" + ("label (fill) vs prediction (outline)" if label is not None else "prediction (outline)")
@@ -294,7 +305,7 @@ def _class_map(path, flag: str, image_shape: tuple) -> np.ndarray:
     """The label map NIfTI `path` (given as `flag`) in RAS order, checked to lie on the image's grid."""
     from tfmis.data.preprocess import reorient_to_ras
 
-    data, affine = _load_nifti(path, flag)
+    data, affine = _load_file(path, flag)
     if data.ndim > 3 and all(n == 1 for n in data.shape[3:]):
         data = data.reshape(data.shape[:3])  # some tools write (x, y, z, 1)
     if data.ndim != 3:
@@ -348,31 +359,48 @@ def _plain_tf_message(message: str) -> str:
     return re.sub(r"\s*\[Op:\w+\]$", "", message)
 
 
-def _load_nifti(path, flag: str):
-    import nibabel as nib
+def _load_file(path, flag: str):
+    """(array, affine) of an image file in any format `tfmis.data.image_io` reads; one VisualizeError line."""
+    from tfmis.data.image_io import UnreadableImage, read_image
 
     path = Path(path)
     if not path.is_file():
         raise VisualizeError(f"{flag} {path}: file not found")
     try:
-        img = nib.load(str(path))
-        return np.asanyarray(img.dataobj), img.affine
-    except Exception as e:  # nibabel raises many types for unreadable files; all mean the same here
-        raise VisualizeError(f"{flag} {path}: not a readable NIfTI file ({e})") from e
+        img = read_image(path)
+    except UnreadableImage as e:
+        raise VisualizeError(f"{flag} {e}") from e
+    return img.array, img.affine
 
 
-def _msd_names_near(image_path: Path):
-    """(modalities, labels) of the dataset.json above `imagesTr/` or `imagesTs/` (MSD layout), or (None, None)."""
-    from tfmis.data.msd import DatasetError, MSDDataset
+def _dataset_near(image_path: Path):
+    """(dataset, case) of the dataset.json above `imagesTr/` or `imagesTs/` (MSD or nnU-Net v2 layout) and the case
+    whose image file `image_path` is; (dataset, None) for a file it does not list, (None, None) without one."""
+    from tfmis.data.datasets import open_dataset
+    from tfmis.data.msd import DatasetError
 
-    folder = image_path.resolve().parent
-    if folder.name not in ("imagesTr", "imagesTs"):
+    path = image_path.resolve()
+    if path.parent.name not in ("imagesTr", "imagesTs"):
         return None, None
     try:
-        dataset = MSDDataset(folder.parent)
+        dataset = open_dataset(path.parent.parent)
     except DatasetError:  # names are a nicety here: an unusable dataset.json just means none
         return None, None
-    return dataset.modalities, dataset.labels
+    for case in dataset.training + dataset.test:
+        if any(Path(f).name == path.name for f in case.image_files) and not case.problem:
+            return dataset, case
+    return dataset, None
+
+
+def _load_channels(dataset, case):
+    """(X, Y, Z, C) image and affine of an nnU-Net v2 case's channel files; one VisualizeError line."""
+    from tfmis.data.msd import CaseError, load_image
+
+    try:
+        image, affine, _ = load_image(dataset.resolve_image(case), dataset.num_channels, case.case_id)
+    except CaseError as e:
+        raise VisualizeError(f"--image: {e}") from e
+    return image, affine
 
 
 def _axcodes(affine) -> tuple:

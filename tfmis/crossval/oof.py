@@ -15,7 +15,6 @@ import math
 import sys
 from pathlib import Path
 
-import nibabel as nib
 import numpy as np
 
 from tfmis.crossval.experiment import (
@@ -27,6 +26,7 @@ from tfmis.crossval.experiment import (
     pair_name,
     read_definition,
 )
+from tfmis.data.image_io import output_suffix, read_image
 from tfmis.utils.io import atomic_write_json
 
 PROBABILITIES_SUFFIX = "_probabilities.nii.gz"
@@ -46,6 +46,11 @@ def fold_cases(definition: Definition, fold: int, predictor) -> list:
     return collect_inputs(Path(source) / "dataset.json", f"split:fold{fold}", None, predictor.index)
 
 
+def prediction_name(case) -> str:
+    """The file name `tfmis-predict` gives the label map of `case` (an `InputCase`): its id in its image's format."""
+    return f"{case.case_id}{output_suffix(case.first_file)}"
+
+
 def score_folder(folder: Path, cases: list, labels: list[int], regions: dict | None) -> dict:
     """Dice per structure of each case's label map in `folder` against its reference (nnU-Net's: NaN when both are
     empty), written to `folder/scores.json` last (its presence means the folder is complete)."""
@@ -54,11 +59,15 @@ def score_folder(folder: Path, cases: list, labels: list[int], regions: dict | N
     scores = {
         c.case_id: {
             k: None if math.isnan(v) else v
-            for k, v in case_dice(folder / f"{c.case_id}.nii.gz", c.label, labels, regions).items()
+            for k, v in case_dice(folder / prediction_name(c), c.label, labels, regions).items()
         }
         for c in cases
     }
-    record = {"cases": scores, "references": {c.case_id: c.label for c in cases}}
+    record = {
+        "cases": scores,
+        "references": {c.case_id: c.label for c in cases},
+        "predictions": {c.case_id: prediction_name(c) for c in cases},
+    }
     atomic_write_json(folder / SCORES_FILE, record)
     return record
 
@@ -73,8 +82,8 @@ def ensemble_folder(folders: list[Path], out: Path, cases: list, paint_labels) -
     for case in cases:
         total, affine, header = None, None, None
         for folder in folders:
-            image = nib.load(str(folder / f"{case.case_id}{PROBABILITIES_SUFFIX}"))
-            p = np.asarray(image.dataobj, dtype=np.float32)
+            image = read_image(folder / f"{case.case_id}{PROBABILITIES_SUFFIX}")
+            p = np.asarray(image.array, dtype=np.float32)
             total = p if total is None else total + p
             affine, header = image.affine, image.header
         total /= len(folders)
@@ -82,7 +91,7 @@ def ensemble_folder(folders: list[Path], out: Path, cases: list, paint_labels) -
             labels = np.argmax(total, axis=-1).astype(np.uint8)
         else:
             labels = paint_regions(total, paint_labels)
-        save_like(labels, affine, header, out / f"{case.case_id}.nii.gz", np.uint8)
+        save_like(labels, affine, header, out / prediction_name(case), np.uint8)
 
 
 def predict_fold(cv_dir: str | Path, fold: int, device: str | None = None) -> int:

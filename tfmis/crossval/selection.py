@@ -56,7 +56,8 @@ def read_scores(cv_dir: str | Path, candidate: str, folds: list[int]) -> tuple[d
         folder = candidate_dir(cv_dir, candidate, fold)
         record = json.loads((folder / SCORES_FILE).read_text())
         cases.update(record["cases"])
-        pairs += [(str(folder / f"{case}.nii.gz"), ref) for case, ref in record["references"].items()]
+        names = record.get("predictions", {})  # written since NRRD / MetaImage inputs; before, every map was NIfTI
+        pairs += [(str(folder / names.get(case, f"{case}.nii.gz")), ref) for case, ref in record["references"].items()]
     return cases, pairs
 
 

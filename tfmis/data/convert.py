@@ -2,7 +2,7 @@
 
 The conversion is planned up front (seeded split, or K folds stratified by the classes each case holds or read
 from a splits_final.json; shards per split), then cases are
-preprocessed in parallel worker processes (numpy/scipy/nibabel only) and written by the main
+preprocessed in parallel worker processes (numpy/scipy and the image readers only) and written by the main
 process, shard by shard, in plan order. Each shard is written under a temporary name and renamed
 when complete, and a small progress file records what it holds; a rerun with the same parameters
 skips finished shards, a rerun with other parameters is refused (or rebuilt with `overwrite`).

@@ -138,8 +138,42 @@ def read_image(path: str | Path) -> ImageFile:
         raise UnreadableImage(f"{path} cannot be read (truncated or corrupt?): {type(e).__name__}: {_first(e)}") from e
 
 
+class _InMemory:
+    """An array with the two attributes of a nibabel image that a slab reader uses (`shape`, `dataobj`)."""
+
+    def __init__(self, array: np.ndarray):
+        self.shape, self.dataobj = array.shape, array
+
+
+def open_lazily(path: str | Path):
+    """An object with `shape` and `dataobj` (sliceable) for reading an image slab by slab: a NIfTI's nibabel proxy
+    (the file kept open, so a .nii.gz is decompressed once, front to back), other formats read whole.
+
+    Slicing `dataobj` of a corrupt NIfTI raises one of `READ_ERRORS` (or gzip's `BadGzipFile`, an OSError).
+
+    Raises:
+        UnreadableImage: an NRRD / MetaImage file that cannot be read (as `read_image`).
+    """
+    if is_nifti(path):
+        return nib.load(str(path), keep_file_open=True)
+    return _InMemory(read_image(path).array)
+
+
+READ_ERRORS = (EOFError, zlib.error, ValueError, nib.filebasedimages.ImageFileError)
+
+
 def read_affine(path: str | Path) -> np.ndarray:
     """The 4x4 RAS voxel-to-world affine from the file's header alone (no voxel data read).
+
+    Raises:
+        UnreadableImage: as `read_image`.
+    """
+    return read_geometry(path)[0]
+
+
+def read_geometry(path: str | Path) -> tuple[np.ndarray, object]:
+    """(4x4 RAS affine, NIfTI header or None) from the file's header alone (no voxel data read): what
+    `write_image` needs to write another array alike.
 
     Raises:
         UnreadableImage: as `read_image`.
@@ -148,12 +182,13 @@ def read_affine(path: str | Path) -> np.ndarray:
     suffix = _check_format(path)
     try:
         if suffix in NIFTI_SUFFIXES:
-            return np.asarray(nib.load(str(path)).affine, dtype=np.float64)
+            img = nib.load(str(path))
+            return np.asarray(img.affine, dtype=np.float64), img.header
         sitk = _sitk()
         reader = sitk.ImageFileReader()
         reader.SetFileName(str(path))
         reader.ReadImageInformation()
-        return _itk_affine(reader)
+        return _itk_affine(reader), None
     except ImportError as e:
         raise UnreadableImage(f"{path}: {e}") from None
     except (OSError, EOFError, zlib.error, ValueError, RuntimeError, nib.filebasedimages.ImageFileError) as e:

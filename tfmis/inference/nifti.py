@@ -9,13 +9,11 @@ alike; it imports neither.
 from __future__ import annotations
 
 import gzip
-import zlib
 from pathlib import Path
 
-import nibabel as nib
 import numpy as np
 
-from tfmis.data.image_io import UnreadableImage, is_nifti, read_image, write_image
+from tfmis.data.image_io import READ_ERRORS, UnreadableImage, open_lazily, write_image
 from tfmis.data.msd import CaseError
 from tfmis.errors import DataError
 
@@ -40,15 +38,11 @@ def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=
     label = read_label_map("labelsTr/liver_3.nii.gz", num_classes=3)   # uint8 (X, Y, Z)
     ```
     """
-    if not is_nifti(path):
-        try:
-            return _cast_label_map(_ArrayImage(read_image(path).array), num_classes, case_id, shape, path)
-        except UnreadableImage as e:
-            raise CaseError(case_id, f"label file {e}") from e
     try:
-        img = nib.load(str(path), keep_file_open=True)
-        return _cast_label_map(img, num_classes, case_id, shape, path)
-    except (EOFError, zlib.error, ValueError, nib.filebasedimages.ImageFileError) as e:
+        return _cast_label_map(open_lazily(path), num_classes, case_id, shape, path)
+    except UnreadableImage as e:
+        raise CaseError(case_id, f"label file {e}") from e
+    except READ_ERRORS as e:
         if isinstance(e, DataError):
             raise
         raise CaseError(
@@ -60,15 +54,8 @@ def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=
         raise CaseError(case_id, f"label file {path} cannot be read (truncated or corrupt?): {e}") from e
 
 
-class _ArrayImage:
-    """An array in memory with the two attributes of a nibabel image `_read_slabs` reads."""
-
-    def __init__(self, array: np.ndarray):
-        self.shape, self.dataobj = array.shape, array
-
-
 def _cast_label_map(img, num_classes: int, case_id: str, shape, path) -> np.ndarray:
-    """The label map of `img` (a nibabel image or `_ArrayImage`) cast slab by slab; CaseError / DataError."""
+    """The label map of `img` (`tfmis.data.image_io.open_lazily`) cast slab by slab; CaseError / DataError."""
     if shape is not None and tuple(img.shape) != tuple(shape):
         raise CaseError(case_id, f"label {path} has shape {tuple(img.shape)}, the image {tuple(shape)}")
     out = np.empty(img.shape, np.uint8 if num_classes <= 2**8 else np.uint16)

@@ -338,7 +338,9 @@ def _read_reference(path: Path, num_classes: int, shape) -> np.ndarray:
 
 
 def _case_id(path: Path) -> str:
-    return path.name.removesuffix(".gz").removesuffix(".nii")
+    from tfmis.data.image_io import strip_image_suffix
+
+    return strip_image_suffix(path)
 
 
 def choose_postprocessing(
@@ -546,9 +548,9 @@ def _final_scores(oof: _OutOfFoldCases, scored: dict) -> dict:
 
 def _write_postprocessed(pairs, spec: PostprocessingConfig, folder: Path, read) -> None:
     """Each prediction with `spec` applied, written to `folder` under its own name with its affine and header."""
-    import nibabel as nib
+    from tfmis.data.image_io import read_geometry
 
     for prediction_path, _ in pairs:
         labels = apply_postprocessing(read(prediction_path), spec)
-        image = nib.load(str(prediction_path))
-        save_like(labels, image.affine, image.header, folder / prediction_path.name, labels.dtype)
+        affine, header = read_geometry(prediction_path)
+        save_like(labels, affine, header, folder / prediction_path.name, labels.dtype)

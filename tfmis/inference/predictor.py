@@ -38,7 +38,7 @@ import nibabel as nib
 import numpy as np
 import tensorflow as tf
 
-from tfmis.data.image_io import is_nifti, output_suffix
+from tfmis.data.image_io import output_suffix, read_geometry
 from tfmis.data.msd import CaseError, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
@@ -156,7 +156,7 @@ class ScanPredictor:
         try:
             image, affine, _ = load_image(case.image, len(self.modalities), case.case_id, integers=True)
             first = case.first_file
-            header = nib.load(first).header if is_nifti(first) else None  # a NIfTI's own header is written back
+            header = read_geometry(first)[1]  # a NIfTI's own header is written back (None for other formats)
             shape = tuple(image.shape[:3])
             holder = [image]
             del image  # predict_image lets it go once preprocessed

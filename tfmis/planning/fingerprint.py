@@ -3,7 +3,7 @@
 Two sources:
 
 - `fingerprint_msd(source_dir)`: a first pass straight over an MSD folder, before any conversion. Each
-  case is read once (in worker processes, numpy/nibabel only) and reduced to what planning needs: its
+  case is read once (in worker processes, numpy and the image readers only) and reduced to what planning needs: its
   RAS spacing, the crop box the conversion will cut (foreground = `tfmis.data.preprocess.foreground_mask`:
   for MRI-like channels the voxels that differ from the channel's background, which is the border constant
   (the value more than half of the volume's 6 faces hold) when it is not 0 (a z-scored scan), else 0;
