@@ -1,0 +1,126 @@
+"""nnU-Net v2 raw datasets read as they are (tfmis.data.nnunet, picked by dataset.json): the same records as the MSD
+layout of the same cases, region labels as tfmis's regions config, and a layout broken case by case converting its
+good cases with one line per bad one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import make_msd_dataset
+from nnunet_layout import msd_to_nnunet
+
+from tfmis.config import load_config
+from tfmis.config.checks import region_paint_labels
+from tfmis.convert import main as convert_main
+from tfmis.data.convert import ConversionConfig, convert
+from tfmis.data.datasets import open_dataset
+from tfmis.data.msd import DatasetError, MSDDataset
+from tfmis.data.nnunet import NnUNetDataset
+from tfmis.data.records import load_index, read_record, split_cases
+
+
+def all_records(target) -> dict:
+    """{case id: (image, label, geometry)} of every record of every split, decoded by the repo's record reader."""
+    index = load_index(target)
+    out = {}
+    for split in index["splits"]:
+        for sample in range(len(split_cases(index, split))):
+            record = read_record(target, split, sample)
+            out[record["case_id"]] = (record["image"], record["label"], record["metadata"]["geometry"])
+    return out
+
+
+@pytest.mark.parametrize("file_ending", [".nii.gz", ".mha"])
+def test_nnunet_layout_converts_to_the_same_records_as_its_msd_layout(tmp_path, file_ending):
+    if file_ending != ".nii.gz":
+        pytest.importorskip("SimpleITK")
+    msd = make_msd_dataset(tmp_path / "Task99_Test", num_cases=4)
+    nnunet = msd_to_nnunet(msd, tmp_path / "Dataset099_Test", file_ending)
+    assert isinstance(open_dataset(msd), MSDDataset) and isinstance(open_dataset(nnunet), NnUNetDataset)
+    for source, target in ((msd, "msd_tfr"), (nnunet, "nnunet_tfr")):
+        convert(ConversionConfig(str(source), str(tmp_path / target), split=(0.5, 0.5), workers=1, progress=False))
+    expected, got = all_records(tmp_path / "msd_tfr"), all_records(tmp_path / "nnunet_tfr")
+    assert sorted(got) == sorted(expected) == [f"case_{i:03d}" for i in range(4)]
+    for case_id, (image, label, geometry) in expected.items():
+        np.testing.assert_array_equal(got[case_id][0], image)
+        np.testing.assert_array_equal(got[case_id][1], label)
+        assert got[case_id][2] == geometry
+    index = load_index(tmp_path / "nnunet_tfr")
+    assert index["source"]["layout"] == "nnunetv2" and index["source"]["labels"] == ["background", "organ", "core"]
+    assert index["cases"]["case_000"]["image"] == [f"imagesTr/case_000_000{c}{file_ending}" for c in range(2)]
+    assert load_index(tmp_path / "msd_tfr")["preprocessing"] == index["preprocessing"]
+
+
+def test_channel_named_ct_in_any_case_gets_ct_normalisation_as_an_msd_ct_modality(tmp_path):
+    msd = make_msd_dataset(tmp_path / "msd", num_cases=2, channels=1, modalities={"0": "CT"})
+    dataset = open_dataset(msd_to_nnunet(msd, tmp_path / "nn", channel_names={"0": "ct"}))
+    assert dataset.modalities == ["ct"] and dataset.is_ct and dataset.num_channels == 1
+    assert [c.image for c in dataset.test] == [("imagesTs/case_900_0000.nii.gz",)]
+
+
+BRATS_LABELS = {"background": 0, "whole tumor": [1, 2, 3], "tumor core": [2, 3], "enhancing tumor": 3}
+
+
+def regions_dataset(root, labels=BRATS_LABELS, order=(1, 2, 3)):
+    msd = make_msd_dataset(root / "msd", num_cases=1, labels={"0": "background", "1": "a", "2": "b", "3": "c"})
+    nnunet = msd_to_nnunet(msd, root / "nn")
+    meta = json.loads((nnunet / "dataset.json").read_text())
+    meta.update(labels=labels, regions_class_order=list(order))
+    (nnunet / "dataset.json").write_text(json.dumps(meta))
+    return nnunet
+
+
+def test_region_labels_map_onto_tfmis_regions_config_painted_in_regions_class_order(tmp_path):
+    dataset = open_dataset(regions_dataset(tmp_path))
+    assert dataset.regions == {"whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]}
+    assert dataset.labels == ["background", "label_1", "label_2", "label_3"]
+    regions = "{" + ", ".join(f"{k}: {v}" for k, v in dataset.regions.items()) + "}"
+    config = load_config(None, ["model.output=regions", "loss.activation=sigmoid", f"validation.regions={regions}"])
+    assert config.validation.regions == dataset.regions
+    assert region_paint_labels(config.validation.regions) == [1, 2, 3]  # nnU-Net's regions_class_order
+
+
+def test_regions_class_order_that_tfmis_would_paint_otherwise_is_one_line_naming_the_key(tmp_path):
+    root = regions_dataset(tmp_path, order=(3, 2, 1))
+    with pytest.raises(DatasetError, match=r"regions_class_order .* expected \[1, 2, 3\], got \[3, 2, 1\]") as raised:
+        open_dataset(root)
+    assert "\n" not in str(raised.value)
+
+
+def break_layout(root) -> dict[str, str]:
+    """Breaks cases of an nnU-Net dataset of case_000..case_005 one way each; {case: words of its line}."""
+    (root / "imagesTr" / "case_001_0001.nii.gz").unlink()
+    for c in range(2):
+        (root / "imagesTr" / f"case_002_000{c}.nii.gz").unlink()
+    for c in range(2):
+        source = root / "imagesTr" / f"case_003_000{c}.nii.gz"
+        shutil.copyfile(source, source.with_name(f"case_003_000{c}.nii"))
+        source.unlink()
+    (root / "labelsTr" / "case_004.nii.gz").unlink()
+    return {
+        "case_001": "channel 1 (MR1) file imagesTr/case_001_0001.nii.gz is missing",
+        "case_002": "label labelsTr/case_002.nii.gz has no image imagesTr/case_002_0000.nii.gz",
+        "case_003": "imagesTr/case_003_0000.nii ends with .nii, not dataset.json's file_ending '.nii.gz'",
+        "case_004": "label labelsTr/case_004.nii.gz does not exist",
+    }
+
+
+def test_broken_nnunet_layout_names_each_bad_case_in_one_line_and_converts_the_good_ones(tmp_path, capsys):
+    root = msd_to_nnunet(make_msd_dataset(tmp_path / "msd", num_cases=6), tmp_path / "Dataset001_Broken")
+    expected = break_layout(root)
+    code = convert_main(
+        ["--source-dir", str(root), "--target-dir", str(tmp_path / "out"), "--split", "0.5,0.5", "--workers", "1"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 3, err  # docs/exit-codes.md: converted, but some cases were skipped
+    skipped = {s["case_id"]: s["reason"] for s in load_index(tmp_path / "out")["skipped"]}
+    assert sorted(skipped) == sorted(expected)
+    for case_id, words in expected.items():
+        assert words in skipped[case_id]
+        lines = [line for line in out.splitlines() if f"SKIPPED {case_id}: " in line]
+        assert len(lines) == 1 and words in lines[0]
+    assert sorted(load_index(tmp_path / "out")["cases"]) == ["case_000", "case_005"]
+    assert "Traceback" not in err
