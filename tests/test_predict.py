@@ -748,3 +748,51 @@ def test_label_only_prediction_needs_less_memory_than_the_whole_volume_way(train
             pytest.skip("this kernel does not let a process reset its peak RSS")
         over[which] = report["over_baseline"]
     assert over["new"] < 0.8 * over["old"], over
+
+
+def _predict(trained_run, inputs, out, *extra) -> int:
+    run = trained_run["dir"]
+    return predict_main(
+        ["--config", str(run / "config.yaml"), "--checkpoint", str(run / "best.weights.h5"), "--input", str(inputs)]
+        + ["--output", str(out), "--quiet", *map(str, extra)]
+    )
+
+
+def test_mha_input_is_predicted_into_an_mha_with_its_direction_origin_and_spacing(trained_run, tmp_path):
+    """An .mha scan (two channels as vector pixels, rotated 30 degrees about z, nonzero origin, anisotropic spacing)
+    gives an .mha label map on its grid: same size, direction, origin and spacing, uint8; the same scan as NIfTI
+    (written by SimpleITK) is predicted to the same labels."""
+    sitk = pytest.importorskip("SimpleITK")
+    data = np.asanyarray(nib.load(str(trained_run["source"] / "imagesTr" / "case_000.nii.gz")).dataobj)
+    scan = sitk.GetImageFromArray(np.transpose(data, (2, 1, 0, 3)).astype(np.int16), isVector=True)
+    t = np.deg2rad(30.0)
+    scan.SetDirection([np.cos(t), -np.sin(t), 0.0, np.sin(t), np.cos(t), 0.0, 0.0, 0.0, 1.0])
+    scan.SetOrigin((12.5, -30.25, 4.0))
+    scan.SetSpacing((1.5, 1.25, 2.0))
+    (tmp_path / "in").mkdir()
+    sitk.WriteImage(scan, str(tmp_path / "in" / "scan.mha"))
+    sitk.WriteImage(scan, str(tmp_path / "in" / "same.nii.gz"))
+    assert _predict(trained_run, tmp_path / "in", tmp_path / "out") == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if "." in p.name and p.suffix != ".csv") == [
+        "same.nii.gz",
+        "scan.mha",
+    ]
+    labels = sitk.ReadImage(str(tmp_path / "out" / "scan.mha"))
+    assert labels.GetSize() == scan.GetSize() and labels.GetPixelID() == sitk.sitkUInt8
+    np.testing.assert_allclose(labels.GetDirection(), scan.GetDirection(), atol=1e-9)
+    np.testing.assert_allclose(labels.GetOrigin(), scan.GetOrigin(), atol=1e-9)
+    np.testing.assert_allclose(labels.GetSpacing(), scan.GetSpacing(), atol=1e-9)
+    same = np.asanyarray(nib.load(str(tmp_path / "out" / "same.nii.gz")).dataobj)
+    np.testing.assert_array_equal(np.transpose(sitk.GetArrayFromImage(labels), (2, 1, 0)), same)
+
+
+def test_nnunet_dataset_is_predicted_from_its_channel_files_as_the_msd_dataset_of_the_same_scans(trained_run, tmp_path):
+    """`--input` an nnU-Net v2 raw dataset: its imagesTs cases (one file per channel) give the label maps the MSD
+    dataset of the same scans gives."""
+    from nnunet_layout import msd_to_nnunet
+
+    nnunet = msd_to_nnunet(trained_run["source"], tmp_path / "Dataset099_Test")
+    assert _predict(trained_run, nnunet, tmp_path / "nnunet") == 0
+    assert _predict(trained_run, trained_run["source"], tmp_path / "msd") == 0
+    got = np.asanyarray(nib.load(str(tmp_path / "nnunet" / "case_900.nii.gz")).dataobj)
+    np.testing.assert_array_equal(got, np.asanyarray(nib.load(str(tmp_path / "msd" / "case_900.nii.gz")).dataobj))

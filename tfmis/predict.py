@@ -1,13 +1,15 @@
-"""Segment NIfTI scans with a trained model: `python -m tfmis.predict --checkpoint RUN_DIR --input ...`.
+"""Segment scans with a trained model: `python -m tfmis.predict --checkpoint RUN_DIR --input ...`.
 
-Writes `<case>.nii.gz` label maps (uint8) in each input's own geometry (shape, affine, orientation,
-header), optional `<case>_probabilities.nii.gz` (one channel per class, or per region), `predictions.csv` (and Dice
-per class per case when labels are available), and prints a summary table. A cascade (the folder of a plan of
-stages, or its fine stage) predicts the whole scan at low resolution first and the region it finds at full
-resolution (`tfmis.inference.cascade`). A folder of folds (`fold_<k>` run folders) predicts with the ensemble of its
-folds, a cross-validation folder (`crossval.json`) with the configuration(s) and postprocessing it chose
-(`tfmis.inference.ensemble`). Each case's seconds and peak resident memory (`peak_rss_mb`) are logged, in the table
-and in the CSV.
+Reads NIfTI (`.nii.gz`, `.nii`) and, with `tfmis[formats]`, NRRD and MetaImage (`.nrrd`, `.mha`, `.mhd`) scans, alone,
+in a folder, or as a dataset (MSD, or nnU-Net v2 raw with one file per channel). Writes `<case><suffix>` label maps
+(uint8) in each input's own format and geometry (shape, affine, orientation, header; an `.mha` keeps its direction,
+origin and spacing), optional `<case>_probabilities.nii.gz` (NIfTI whatever the input; one channel per class, or per
+region), `predictions.csv` (and Dice per class per case when labels are available), and prints a summary table. A
+cascade (the folder of a plan of stages, or its fine stage) predicts the whole scan at low resolution first and the
+region it finds at full resolution (`tfmis.inference.cascade`). A folder of folds (`fold_<k>` run folders) predicts
+with the ensemble of its folds, a cross-validation folder (`crossval.json`) with the configuration(s) and
+postprocessing it chose (`tfmis.inference.ensemble`). Each case's seconds and peak resident memory (`peak_rss_mb`) are
+logged, in the table and in the CSV.
 """
 
 from __future__ import annotations
@@ -63,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the training run's config (default: config.yaml of the run folder of --checkpoint)",
     )
     p.add_argument(
-        "--input", required=True, help="a NIfTI file, a folder of NIfTI files, or an MSD dataset.json (see --subset)"
+        "--input",
+        required=True,
+        help="an image file (.nii.gz, .nii; .nrrd, .mha, .mhd with tfmis[formats]), a folder of them, or a dataset "
+        "(its folder or dataset.json: MSD, or nnU-Net v2 raw with one file per channel; see --subset)",
     )
     p.add_argument("--output", required=True, help="output folder")
     p.add_argument(
