@@ -4,6 +4,7 @@ good cases with one line per bad one."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -124,3 +125,28 @@ def test_broken_nnunet_layout_names_each_bad_case_in_one_line_and_converts_the_g
         assert len(lines) == 1 and words in lines[0]
     assert sorted(load_index(tmp_path / "out")["cases"]) == ["case_000", "case_005"]
     assert "Traceback" not in err
+
+
+def planned(source, out, *extra):
+    from tfmis.plan import main as plan_main
+
+    args = ["--source-dir", str(source), "--output", str(out / "plan.yaml"), "--output-dir", str(out / "run")]
+    assert plan_main([*args, "--target-dir", str(out / "tfr"), "--workers", "1", "--quiet", *extra]) == 0
+    return load_config(out / "plan.yaml")
+
+
+def test_plan_of_an_nnunet_dataset_equals_the_plan_of_its_msd_layout(tmp_path):
+    msd = make_msd_dataset(tmp_path / "Task99_Test", num_cases=4)
+    nnunet = msd_to_nnunet(msd, tmp_path / "Dataset099_Test")
+    configs = [dataclasses.asdict(planned(source, tmp_path / name)) for source, name in ((msd, "a"), (nnunet, "b"))]
+    for config in configs:
+        config["output"].pop("dir")
+        config["data"].pop("source_dir"), config["data"].pop("dataset_dir")
+    assert configs[0] == configs[1]
+
+
+def test_plan_of_an_nnunet_regions_dataset_trains_its_regions(tmp_path):
+    dataset = open_dataset(regions_dataset(tmp_path))
+    config = planned(dataset.root, tmp_path / "plan")
+    assert config.validation.regions == dataset.regions
+    assert config.model.output == "regions" and config.loss.activation == "sigmoid"

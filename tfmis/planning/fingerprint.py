@@ -67,6 +67,8 @@ class DatasetFingerprint:
         background: per channel {channel, modality, num_cases, border_constant_cases, border_constants}: how many
             cases have a z-scored background (most of their border is one non-zero constant, the value the crop
             and the z-score then treat as background; `tfmis.data.fingerprint.background_summary`); None when unknown.
+        regions: the region labels of an nnU-Net v2 dataset.json as `validation.regions` ({name: [labels]}, largest
+            first); None when it declares classes.
     """
 
     name: str
@@ -86,6 +88,7 @@ class DatasetFingerprint:
     label_extents_mm: np.ndarray | None = None
     background: list[dict] | None = None
     label_pieces: list[dict | None] | None = None
+    regions: dict[str, list[int]] | None = None
 
     @property
     def num_cases(self) -> int:
@@ -305,6 +308,7 @@ def fingerprint_msd(
         label_extents_mm=np.array([_label_extent(s["projections"], s["spacing"]) for s in summaries], dtype=np.float64),
         background=summary["background"],
         label_pieces=[s["label_pieces"] for s in summaries],
+        regions=dataset.regions,
     )
 
 
@@ -378,4 +382,5 @@ def fingerprint_from_conversion(dataset_dir: str | Path) -> DatasetFingerprint:
         else None,
         background=summary.get("background"),
         label_pieces=[cases[c]["label_pieces"] for c in ids] if all("label_pieces" in cases[c] for c in ids) else None,
+        regions=index["source"].get("regions"),
     )

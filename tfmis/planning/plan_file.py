@@ -130,9 +130,14 @@ class Plan:
 
 
 def format_value(value) -> str:
-    """A value as YAML flow text: [1, [2, 2, 1], 2], 0.003, true, null."""
+    """A value as YAML flow text: [1, [2, 2, 1], 2], 0.003, true, null; a mapping in its own order (regions are
+    painted in theirs).
+
+    >>> format_value({"whole": [1, 2], "core": [2]})
+    '{whole: [1, 2], core: [2]}'
+    """
     value = _plain(value)
-    text = yaml.safe_dump([value], default_flow_style=True, width=10_000).strip()
+    text = yaml.safe_dump([value], default_flow_style=True, width=10_000, sort_keys=False).strip()
     return text[1:-1]
 
 

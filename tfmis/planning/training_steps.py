@@ -271,6 +271,14 @@ class TrainingSteps:
         )
         out.set("validation.mode", "gaussian", "Gaussian-weighted window blending (nnU-Net)")
         out.set("validation.validation_data_device", placement, placement_reason)
+        if self.fp.regions:  # nnU-Net v2's region labels: trained as regions, as nnU-Net trains them
+            out.set(
+                "validation.regions",
+                {name: list(labels) for name, labels in self.fp.regions.items()},
+                "the regions of dataset.json's labels, in its order (painted as its regions_class_order)",
+            )
+            out.set("model.output", "regions", "dataset.json declares region labels: one sigmoid per region (nnU-Net)")
+            out.set("loss.activation", "sigmoid", "regions overlap: one sigmoid each")
         out.set("output.dir", str(self.output_dir), "the run folder")
         return Decision(settings=tuple(out))
 
