@@ -415,3 +415,29 @@ def test_prediction_does_not_go_with_a_converted_record(tmp_path, capsys):
         main(["--dataset-dir", str(tmp_path), "--sample", "0", "--prediction", str(tmp_path / "pred.nii.gz")])
     assert exit_.value.code == 2
     assert "--prediction goes with --image" in capsys.readouterr().err
+
+
+def test_channel_file_of_an_nnunet_case_draws_the_case_as_its_msd_file_does(tmp_path, capsys):
+    """`--image imagesTr/<case>_0000.nii.gz` of an nnU-Net v2 dataset: every channel of the case, its id and the
+    dataset's channel and class names, as `--image` of the same case's 4D file in the MSD layout; the same for
+    an .mha label and image (tfmis[formats])."""
+    from nnunet_layout import msd_to_nnunet
+
+    msd = make_msd_dataset(tmp_path / "Task99_Test", num_cases=1)
+    nnunet = msd_to_nnunet(msd, tmp_path / "Dataset099_Test")
+    expected = nifti_case(msd / "imagesTr" / "case_000.nii.gz", msd / "labelsTr" / "case_000.nii.gz")
+    case = nifti_case(nnunet / "imagesTr" / "case_000_0001.nii.gz", nnunet / "labelsTr" / "case_000.nii.gz")
+    assert case.name == "case_000" and case.channel_names == ["MR0", "MR1"] == expected.channel_names
+    assert case.class_names == ["background", "organ", "core"] == expected.class_names
+    np.testing.assert_array_equal(case.image, expected.image)
+    np.testing.assert_array_equal(case.label, expected.label)
+    assert case.spacing == expected.spacing
+    status, out, err = run_main(
+        capsys, "--image", nnunet / "imagesTr" / "case_000_0000.nii.gz", "--output", tmp_path / "c.png"
+    )
+    assert status == 0 and (tmp_path / "c.png").is_file(), err
+    pytest.importorskip("SimpleITK")
+    mha = msd_to_nnunet(msd, tmp_path / "Dataset098_Mha", ".mha")
+    case = nifti_case(mha / "imagesTr" / "case_000_0000.mha", mha / "labelsTr" / "case_000.mha")
+    np.testing.assert_array_equal(case.image, expected.image)
+    np.testing.assert_array_equal(case.label, expected.label)
