@@ -57,3 +57,30 @@ def write_like(img, data: np.ndarray, path: Path) -> None:
     plain.CopyInformation(read)
     sitk.WriteImage(plain, str(path))
     nifti.unlink()
+
+
+def msd_in_format(msd_root: Path, root: Path, suffix: str) -> Path:
+    """The MSD dataset `msd_root` with its images and labels as `suffix` files (NRRD, MetaImage) written by SimpleITK:
+    every channel read by SimpleITK from a 3D NIfTI, composed into vector pixels."""
+    import SimpleITK as sitk
+
+    meta = json.loads((msd_root / "dataset.json").read_text())
+    root.mkdir(parents=True)
+    for entry in meta["training"]:
+        for key in ("image", "label"):
+            img = nib.load(str(msd_root / entry[key]))
+            data = np.asanyarray(img.dataobj)
+            channels = [data] if data.ndim == 3 else [data[..., c] for c in range(data.shape[-1])]
+            parts = []
+            for c, channel in enumerate(channels):
+                write_like(img, channel, root / "tmp" / f"{c}.nii.gz")
+                parts.append(sitk.ReadImage(str(root / "tmp" / f"{c}.nii.gz")))
+            image = parts[0] if len(parts) == 1 else sitk.Compose(parts)
+            plain = sitk.GetImageFromArray(sitk.GetArrayFromImage(image), isVector=len(parts) > 1)
+            plain.CopyInformation(image)
+            entry[key] = entry[key].replace(".nii.gz", suffix)
+            (root / entry[key]).parent.mkdir(parents=True, exist_ok=True)
+            sitk.WriteImage(plain, str(root / entry[key]))
+    meta["test"] = []
+    (root / "dataset.json").write_text(json.dumps(meta, indent=1))
+    return root

@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import make_msd_dataset
-from nnunet_layout import msd_to_nnunet
+from nnunet_layout import msd_in_format, msd_to_nnunet
 
 from tfmis.config import load_config
 from tfmis.config.checks import region_paint_labels
@@ -55,11 +56,35 @@ def test_nnunet_layout_converts_to_the_same_records_as_its_msd_layout(tmp_path, 
     assert load_index(tmp_path / "msd_tfr")["preprocessing"] == index["preprocessing"]
 
 
+def test_msd_dataset_of_nrrd_files_converts_to_the_records_of_its_nifti_files(tmp_path):
+    """An MSD dataset.json listing NRRD files (two channels as vector pixels) gives the records of the same scans
+    as NIfTI."""
+    pytest.importorskip("SimpleITK")
+    msd = make_msd_dataset(tmp_path / "Task99_Test", num_cases=2)
+    nrrd = msd_in_format(msd, tmp_path / "Task98_Nrrd", ".nrrd")
+    for source, target in ((msd, "nifti_tfr"), (nrrd, "nrrd_tfr")):
+        convert(ConversionConfig(str(source), str(tmp_path / target), split=(0.5, 0.5), workers=1, progress=False))
+    expected, got = all_records(tmp_path / "nifti_tfr"), all_records(tmp_path / "nrrd_tfr")
+    assert sorted(got) == sorted(expected) == ["case_000", "case_001"]
+    for case_id, (image, label, geometry) in expected.items():
+        np.testing.assert_array_equal(got[case_id][0], image)
+        np.testing.assert_array_equal(got[case_id][1], label)
+        assert got[case_id][2] == geometry
+
+
 def test_channel_named_ct_in_any_case_gets_ct_normalisation_as_an_msd_ct_modality(tmp_path):
+    """nnU-Net's rule (channel name "CT", any case) is tfmis's MSD rule: the conversion clips and scales it as CT, with
+    the window the MSD layout of the same scans gets."""
     msd = make_msd_dataset(tmp_path / "msd", num_cases=2, channels=1, modalities={"0": "CT"})
-    dataset = open_dataset(msd_to_nnunet(msd, tmp_path / "nn", channel_names={"0": "ct"}))
+    nnunet = msd_to_nnunet(msd, tmp_path / "nn", channel_names={"0": "ct"})
+    dataset = open_dataset(nnunet)
     assert dataset.modalities == ["ct"] and dataset.is_ct and dataset.num_channels == 1
     assert [c.image for c in dataset.test] == [("imagesTs/case_900_0000.nii.gz",)]
+    for source, target in ((msd, "msd_tfr"), (nnunet, "nn_tfr")):
+        convert(ConversionConfig(str(source), str(tmp_path / target), split=(0.5, 0.5), workers=1, progress=False))
+    prep = load_index(tmp_path / "nn_tfr")["preprocessing"]
+    assert prep["normalization"] == ["ct"] and prep["ct_window"] is not None
+    assert prep == load_index(tmp_path / "msd_tfr")["preprocessing"]
 
 
 BRATS_LABELS = {"background": 0, "whole tumor": [1, 2, 3], "tumor core": [2, 3], "enhancing tumor": 3}
@@ -136,13 +161,22 @@ def planned(source, out, *extra):
 
 
 def test_plan_of_an_nnunet_dataset_equals_the_plan_of_its_msd_layout(tmp_path):
+    """The same scans as MSD, as nnU-Net v2 NIfTI and (with SimpleITK) as nnU-Net v2 MetaImage and MSD NRRD plan
+    alike."""
     msd = make_msd_dataset(tmp_path / "Task99_Test", num_cases=4)
-    nnunet = msd_to_nnunet(msd, tmp_path / "Dataset099_Test")
-    configs = [dataclasses.asdict(planned(source, tmp_path / name)) for source, name in ((msd, "a"), (nnunet, "b"))]
+    sources = [msd, msd_to_nnunet(msd, tmp_path / "Dataset099_Test")]
+    try:
+        import SimpleITK  # noqa: F401
+
+        sources.append(msd_to_nnunet(msd, tmp_path / "Dataset098_Mha", ".mha"))
+        sources.append(msd_in_format(msd, tmp_path / "Task97_Nrrd", ".nrrd"))
+    except ImportError:
+        pass
+    configs = [dataclasses.asdict(planned(source, tmp_path / f"plan{i}")) for i, source in enumerate(sources)]
     for config in configs:
         config["output"].pop("dir")
         config["data"].pop("source_dir"), config["data"].pop("dataset_dir")
-    assert configs[0] == configs[1]
+    assert all(config == configs[0] for config in configs[1:])
 
 
 def test_plan_of_an_nnunet_regions_dataset_trains_its_regions(tmp_path):
@@ -150,3 +184,70 @@ def test_plan_of_an_nnunet_regions_dataset_trains_its_regions(tmp_path):
     config = planned(dataset.root, tmp_path / "plan")
     assert config.validation.regions == dataset.regions
     assert config.model.output == "regions" and config.loss.activation == "sigmoid"
+
+
+SOURCES = [("nnunetv2", ".nii.gz"), ("nnunetv2", ".mha"), ("msd", ".nrrd")]
+
+
+def source_dataset(tmp_path, layout: str, suffix: str):
+    """Four cases of `make_msd_dataset` in `layout` with images and labels as `suffix` files."""
+    if suffix != ".nii.gz":
+        pytest.importorskip("SimpleITK")
+    msd = make_msd_dataset(tmp_path / "msd", num_cases=4)
+    if layout == "msd":
+        return msd_in_format(msd, tmp_path / "Task99_Source", suffix)
+    return msd_to_nnunet(msd, tmp_path / "Task99_Source", suffix)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, suffix", SOURCES)
+def test_train_source_dir_plans_converts_and_trains_each_layout_and_format(tmp_path, layout, suffix):
+    """`python -m tfmis.train --source-dir` on an nnU-Net v2 dataset (NIfTI, MetaImage) and an MSD one of NRRD files:
+    planned, converted, trained."""
+    import os
+    import subprocess
+    import sys
+
+    source = source_dataset(tmp_path, layout, suffix)
+    settings = ["training.epochs=1", "training.steps_per_epoch=1", "output.progress=false", "output.tensorboard=false"]
+    result = subprocess.run(
+        [sys.executable, "-m", "tfmis.train", "--source-dir", str(source), "--set", f"output.dir={tmp_path / 'run'}"]
+        + [arg for setting in settings for arg in ("--set", setting)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    index = load_index(tmp_path / "Task99_Source_tfrecords")
+    assert index["source"]["layout"] == layout and len(index["cases"]) == 4
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, suffix", SOURCES)
+def test_crossval_predicts_and_scores_out_of_fold_in_the_format_of_each_layout(tmp_path, capsys, layout, suffix):
+    """tfmis-crossval with data.source_dir an nnU-Net v2 dataset (NIfTI, MetaImage) or an MSD one of NRRD files: two
+    folds trained, every case predicted out of fold from its files into a label map of their format, scored, and a
+    configuration chosen."""
+    from conftest import tiny_config
+
+    from tfmis.config import save_config
+    from tfmis.crossval.cli import main as crossval_main
+
+    source = source_dataset(tmp_path, layout, suffix)
+    config = tiny_config(
+        tmp_path / "tfrecords",
+        tmp_path / "runs",
+        f"data.source_dir={source}",
+        "data.conversion.shards=1",
+        "training.epochs=1",
+        "training.steps_per_epoch=1",
+    )
+    save_config(config, tmp_path / "a.yaml")
+    code = crossval_main(["--config", str(tmp_path / "a.yaml"), "--folds", "2", "--output", str(tmp_path / "cv")])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    assert json.loads((tmp_path / "cv" / "crossval.json").read_text())["chosen"]["configurations"] == ["a"]
+    predictions = sorted(p.name for p in (tmp_path / "cv").rglob("validation/case_*"))
+    assert predictions == [f"case_{i:03d}{suffix}" for i in range(4)]

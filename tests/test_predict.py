@@ -786,13 +786,21 @@ def test_mha_input_is_predicted_into_an_mha_with_its_direction_origin_and_spacin
     np.testing.assert_array_equal(np.transpose(sitk.GetArrayFromImage(labels), (2, 1, 0)), same)
 
 
-def test_nnunet_dataset_is_predicted_from_its_channel_files_as_the_msd_dataset_of_the_same_scans(trained_run, tmp_path):
-    """`--input` an nnU-Net v2 raw dataset: its imagesTs cases (one file per channel) give the label maps the MSD
-    dataset of the same scans gives."""
+@pytest.mark.parametrize("file_ending", [".nii.gz", ".mha"])
+def test_nnunet_dataset_is_predicted_from_its_channel_files_as_the_msd_dataset_of_the_same_scans(
+    trained_run, tmp_path, file_ending
+):
+    """`--input` an nnU-Net v2 raw dataset (NIfTI, MetaImage): its imagesTs cases (one file per channel) give the
+    label maps the MSD dataset of the same scans gives, in the dataset's format."""
     from nnunet_layout import msd_to_nnunet
 
-    nnunet = msd_to_nnunet(trained_run["source"], tmp_path / "Dataset099_Test")
+    nnunet = msd_to_nnunet(trained_run["source"], tmp_path / "Dataset099_Test", file_ending)
     assert _predict(trained_run, nnunet, tmp_path / "nnunet") == 0
     assert _predict(trained_run, trained_run["source"], tmp_path / "msd") == 0
-    got = np.asanyarray(nib.load(str(tmp_path / "nnunet" / "case_900.nii.gz")).dataobj)
-    np.testing.assert_array_equal(got, np.asanyarray(nib.load(str(tmp_path / "msd" / "case_900.nii.gz")).dataobj))
+    expected = np.asanyarray(nib.load(str(tmp_path / "msd" / "case_900.nii.gz")).dataobj)
+    if file_ending == ".mha":
+        sitk = pytest.importorskip("SimpleITK")
+        got = np.transpose(sitk.GetArrayFromImage(sitk.ReadImage(str(tmp_path / "nnunet" / "case_900.mha"))), (2, 1, 0))
+    else:
+        got = np.asanyarray(nib.load(str(tmp_path / "nnunet" / "case_900.nii.gz")).dataobj)
+    np.testing.assert_array_equal(got, expected)

@@ -441,3 +441,7 @@ def test_channel_file_of_an_nnunet_case_draws_the_case_as_its_msd_file_does(tmp_
     case = nifti_case(mha / "imagesTr" / "case_000_0000.mha", mha / "labelsTr" / "case_000.mha")
     np.testing.assert_array_equal(case.image, expected.image)
     np.testing.assert_array_equal(case.label, expected.label)
+    shutil.copyfile(mha / "imagesTr" / "case_000_0001.mha", tmp_path / "single.mha")  # one .mha file, no dataset
+    single = nifti_case(tmp_path / "single.mha", mha / "labelsTr" / "case_000.mha")
+    assert single.name == "single" and single.spacing == expected.spacing
+    np.testing.assert_array_equal(np.reshape(single.image, expected.image.shape[:3]), expected.image[..., 1])
