@@ -30,7 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 done; 3 a fold failed (rerun to continue); 1 bad data or a failed run; 2 bad arguments.",
     )
-    p.add_argument("--source-dir", required=True, help="the MSD folder (dataset.json, imagesTr, labelsTr)")
+    p.add_argument(
+        "--source-dir",
+        required=True,
+        help="the dataset folder (dataset.json, imagesTr, labelsTr): MSD or nnU-Net v2 raw",
+    )
     p.add_argument("--output", required=True, help="the protocol's folder: plan/, cv/ (what predict takes)")
     p.add_argument("--folds", type=int, default=5, help="K (default 5, as nnU-Net)")
     p.add_argument(

@@ -1,8 +1,8 @@
-"""Plan a training config for an MSD dataset: `python -m tfmis.plan --source-dir DIR [--output plan.yaml]`
-(`tfmis-plan`).
+"""Plan a training config for a dataset (MSD or nnU-Net v2 raw): `python -m tfmis.plan --source-dir DIR [--output
+plan.yaml]` (`tfmis-plan`).
 
 Fingerprints the dataset (from its conversion when `--target-dir` holds one, else a first pass over
-the MSD folder), detects the hardware (or takes the machine the training will run on: `--gpus 8 --gpu-memory
+the dataset folder), detects the hardware (or takes the machine the training will run on: `--gpus 8 --gpu-memory
 80GB`, `--gpu H100-80GB`), applies nnU-Net v2's rules and writes the plan as a normal
 tfmis config with a comment on every planned value saying why: the recommended configuration at `--output`,
 every candidate (full resolution; low resolution and a cascade where they pay) in `<output-dir>/candidates.yaml`

@@ -32,7 +32,9 @@ class SplitConfig:
 @dataclasses.dataclass
 class DataConfig:
     dataset_dir: str = "data/demo/tfrecords"  # converted TFRecord folder (tfmis-convert --target-dir)
-    source_dir: Optional[str] = None  # MSD folder converted into dataset_dir first if needed
+    source_dir: Optional[str] = (
+        None  # dataset folder (MSD or nnU-Net v2 raw) converted into dataset_dir first if needed
+    )
     demo: bool = False  # generate the built-in demo dataset into source_dir if it is missing
     # a split name of the converted dataset, or several joined by + (fold0+fold1); set by `split` when it is given
     train_split: str = "train"

@@ -41,7 +41,8 @@ def fold_cases(definition: Definition, fold: int, predictor) -> list:
     if not source or not (Path(source) / "dataset.json").is_file():
         raise DatasetNotFound(
             f"data.source_dir {source!r}: out-of-fold predictions are made from the original scans; set "
-            "data.source_dir to the MSD folder (with dataset.json) the folds were converted from"
+            "data.source_dir to the dataset folder (MSD or nnU-Net v2 raw, with dataset.json) the folds were converted "
+            "from"
         )
     return collect_inputs(Path(source) / "dataset.json", f"split:fold{fold}", None, predictor.index)
 

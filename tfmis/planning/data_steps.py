@@ -64,7 +64,7 @@ class DataSteps:
 
         fp = self.fp
         out = Settings()
-        out.set("data.source_dir", str(self.source_dir), "the MSD folder this plan was made from")
+        out.set("data.source_dir", str(self.source_dir), "the dataset folder this plan was made from")
         out.set("data.dataset_dir", str(self.dataset_dir), "converted TFRecords (written on first use)")
         spacing, spacing_reason = self.fixed_spacing or target_spacing(fp.spacings, fp.crop_shapes)
         spacing = [float(round(s, 4)) for s in spacing]
