@@ -1,0 +1,190 @@
+"""DICOM in and out without a model: real series written with pydicom read back as their NIfTI (nibabel) and as
+SimpleITK reads them; DICOM SEG written with highdicom read back as the label map; each bad folder one line.
+
+The predictions through `tfmis-predict` on a trained run are in test_dicom_predict.py (slow)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import nibabel as nib
+import numpy as np
+import pydicom
+import pytest
+from conftest import write_nifti
+from dicom_files import coronal_affine, ct_slices, oblique_affine, save_slices, write_series
+
+from tfmis.data.demo_ct import generate_case
+from tfmis.data.dicom_series import read_series
+from tfmis.data.msd import CaseError
+from tfmis.errors import UsageError
+from tfmis.inference.dicom_seg import read_segmentation, write_segmentation
+from tfmis.inference.inputs import collect_inputs
+from tfmis.predict import main as predict_main
+
+CLASSES = ["background", "spleen", "lesion"]
+
+
+@pytest.fixture(scope="module")
+def ct_case():
+    """A small demo CT volume (int16 HU, X x Y x Z) and its label map."""
+    image, label, _ = generate_case(0, shape=(30, 26, 14))
+    return image.astype(np.float32), label
+
+
+def sitk_ras_affine(folder):
+    """The voxel-to-RAS affine of the series as SimpleITK's ImageSeriesReader reads it (its direction, origin and
+    spacing are LPS), and its array in (x, y, z) order."""
+    import SimpleITK as sitk
+
+    reader = sitk.ImageSeriesReader()
+    reader.SetFileNames(reader.GetGDCMSeriesFileNames(str(folder)))
+    image = reader.Execute()
+    lps = np.eye(4)
+    lps[:3, :3] = np.array(image.GetDirection()).reshape(3, 3) * np.array(image.GetSpacing())
+    lps[:3, 3] = image.GetOrigin()
+    return np.diag([-1.0, -1.0, 1.0, 1.0]) @ lps, sitk.GetArrayFromImage(image).transpose(2, 1, 0)
+
+
+@pytest.mark.parametrize("orientation", ["oblique", "coronal"])
+def test_shuffled_series_reads_as_the_nifti_of_its_volume_and_as_simpleitk_reads_it(ct_case, tmp_path, orientation):
+    image, _ = ct_case
+    affine = oblique_affine() if orientation == "oblique" else coronal_affine()
+    folder = write_series(tmp_path / "series", image, affine, seed=3)
+    nifti = nib.load(write_nifti(tmp_path / "case.nii.gz", image, affine))
+    volume = read_series(folder)
+    assert volume.image.dtype == np.float32 and volume.image.shape == image.shape
+    np.testing.assert_array_equal(volume.image, np.asanyarray(nifti.dataobj))  # HU: int16 pixels rescaled
+    np.testing.assert_allclose(volume.affine, nifti.affine, atol=1e-5)  # the NIfTI stores its affine as float32
+    np.testing.assert_allclose(volume.affine, affine, atol=1e-8)
+    sitk_affine, sitk_array = sitk_ras_affine(folder)
+    np.testing.assert_allclose(volume.affine, sitk_affine, atol=1e-6)
+    np.testing.assert_array_equal(volume.image, sitk_array)
+    positions = [
+        float(np.dot(ds.ImagePositionPatient, np.cross(*np.reshape(ds.ImageOrientationPatient, (2, 3)))))
+        for ds in volume.datasets
+    ]
+    assert positions == sorted(positions)  # the headers in the volume's slice order
+
+
+def test_rescale_slope_and_intercept_of_each_slice_are_applied(ct_case, tmp_path):
+    image, _ = ct_case
+    slices = ct_slices(image, coronal_affine())
+    ds = slices[4]  # stored as (HU + 1024) / 2 with slope 2: the same HU
+    pixels = np.frombuffer(ds.PixelData, "<i2").reshape(ds.Rows, ds.Columns).astype(np.int32)
+    ds.PixelData = ((pixels // 2).astype("<i2")).tobytes()
+    ds.RescaleSlope = "2"
+    volume = read_series(save_slices(slices, tmp_path / "s"))
+    expected = image.copy()
+    expected[:, :, 4] = (np.rint(image[:, :, 4] + 1024) // 2) * 2 - 1024
+    np.testing.assert_array_equal(volume.image, expected)
+
+
+def test_a_segmentation_reads_back_as_the_label_map_with_highdicom_and_references_the_series(ct_case, tmp_path):
+    image, label = ct_case
+    folder = write_series(tmp_path / "series", image, oblique_affine(), seed=1)
+    volume = read_series(folder)
+    path = write_segmentation(label, volume, CLASSES, tmp_path / "case.seg.dcm")
+    np.testing.assert_array_equal(read_segmentation(path, volume), label)
+    seg = pydicom.dcmread(path)
+    assert seg.SOPClassUID == pydicom.uid.SegmentationStorage and seg.SegmentationType == "BINARY"
+    assert [s.SegmentLabel for s in seg.SegmentSequence] == ["spleen", "lesion"]
+    assert [s.SegmentNumber for s in seg.SegmentSequence] == [1, 2]
+    for s in seg.SegmentSequence:
+        assert s.SegmentAlgorithmType == "AUTOMATIC" and s.SegmentAlgorithmName == "tfmis"
+        assert s.SegmentedPropertyCategoryCodeSequence[0].CodeMeaning == "Tissue"
+    assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == volume.uid
+    referenced = {r.ReferencedSOPInstanceUID for r in seg.ReferencedSeriesSequence[0].ReferencedInstanceSequence}
+    assert referenced == {ds.SOPInstanceUID for ds in volume.datasets}
+    assert seg.StudyInstanceUID == volume.datasets[0].StudyInstanceUID
+
+
+def test_an_empty_label_map_is_a_segmentation_of_background(ct_case, tmp_path):
+    image, label = ct_case
+    volume = read_series(write_series(tmp_path / "series", image, coronal_affine()))
+    path = write_segmentation(np.zeros_like(label), volume, CLASSES, tmp_path / "empty.seg.dcm")
+    np.testing.assert_array_equal(read_segmentation(path, volume), np.zeros_like(label))
+
+
+def shifted(slices, i, by):
+    """`slices` with slice i's ImagePositionPatient moved by `by` (LPS mm)."""
+    slices[i].ImagePositionPatient = [f"{float(v) + d:.10g}" for v, d in zip(slices[i].ImagePositionPatient, by)]
+    return slices
+
+
+BAD_SERIES = {  # what is wrong -> (edit of the slices of a coronal series, the words of its line)
+    "missing slice": (lambda s: s[:3] + s[4:], "misses 1 slice(s)"),
+    "uneven spacing": (lambda s: [shifted(s, i, (0, 0.3 * (i % 2), 0)) for i in range(len(s))][-1], "uneven slice"),
+    "gantry tilt": (lambda s: [shifted(s, i, (0, 0, -0.3527 * i)) for i in range(len(s))][-1], "gantry tilt of 10"),
+    "mixed orientations": (
+        lambda s: setattr(s[3], "ImageOrientationPatient", ["1", "0", "0", "0", "0.1", "-0.99498744"]) or s,
+        "mixes slice orientations",
+    ),
+}
+
+
+@pytest.mark.parametrize("problem", list(BAD_SERIES))
+def test_a_series_that_would_give_a_wrong_volume_is_refused_in_one_line_naming_its_folder(ct_case, tmp_path, problem):
+    image, _ = ct_case
+    edit, words = BAD_SERIES[problem]
+    folder = save_slices(edit(ct_slices(image, coronal_affine())), tmp_path / problem.replace(" ", "_"))
+    with pytest.raises(CaseError) as caught:
+        read_series(folder, case_id="c1")
+    line = str(caught.value)
+    assert words in line and str(folder) in line and len(line.splitlines()) == 1, line
+
+
+def test_a_folder_of_several_series_lists_them_and_reads_the_one_named(ct_case, tmp_path):
+    image, _ = ct_case
+    folder = tmp_path / "study"
+    first = ct_slices(image, coronal_affine(), description="soft tissue")
+    second = ct_slices(image[:, :, :6], coronal_affine(), description="bone", series_uid="1.2.3.4.5")
+    save_slices(first + second, folder)
+    with pytest.raises(UsageError) as caught:
+        collect_inputs(folder)
+    line = str(caught.value)
+    assert f"{folder} holds 2 DICOM series" in line and "--series UID" in line
+    assert f"{first[0].SeriesInstanceUID} (CT 'soft tissue', {image.shape[2]} slices)" in line
+    assert "1.2.3.4.5 (CT 'bone', 6 slices)" in line
+    (case,) = collect_inputs(folder, series="1.2.3.4.5")
+    assert case.series == "1.2.3.4.5" and case.case_id == "study"
+    assert read_series(case.image, case.series).image.shape == (*image.shape[:2], 6)
+    with pytest.raises(UsageError, match="--series 9.9 is not in"):
+        collect_inputs(folder, series="9.9")
+
+
+def test_a_folder_of_series_folders_is_one_case_each_next_to_nifti_files(ct_case, tmp_path):
+    image, _ = ct_case
+    write_series(tmp_path / "scans" / "patient_b", image, coronal_affine())
+    write_series(tmp_path / "scans" / "patient_a", image, oblique_affine())
+    write_nifti(tmp_path / "scans" / "patient_c.nii.gz", image, coronal_affine())
+    cases = collect_inputs(tmp_path / "scans", label_dir=tmp_path / "labels")
+    assert [(c.case_id, c.series is not None) for c in cases] == [
+        ("patient_c", False),
+        ("patient_a", True),
+        ("patient_b", True),
+    ]
+    with pytest.raises(UsageError, match="is one DICOM slice: give the folder"):
+        collect_inputs(next((tmp_path / "scans" / "patient_a").iterdir()))
+
+
+def test_dicom_seg_output_needs_a_dicom_input_and_the_dicom_extra_exit_2(ct_case, tmp_path, capsys):
+    image, _ = ct_case
+    nifti = write_nifti(tmp_path / "case.nii.gz", image, coronal_affine())
+    args = ["--checkpoint", str(tmp_path), "--input", str(nifti), "--output", str(tmp_path / "out")]
+    assert predict_main([*args, "--output-format", "dicom-seg"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --output-format dicom-seg: --input") and "--output-format nifti" in err
+    assert len(err.splitlines()) == 1
+    # highdicom not importable: one line saying what to install (a real import failure in a fresh process)
+    code = (
+        "import sys; sys.modules['highdicom'] = None; from tfmis.predict import main; "
+        f"sys.exit(main({[*args, '--output-format', 'dicom-seg']!r}))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "error: --output-format dicom-seg needs highdicom, which is not installed: install tfmis[dicom] "
+        "(pip install 'tfmis[dicom]')"
+    )
