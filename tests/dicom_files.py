@@ -97,3 +97,37 @@ def coronal_affine(spacing=(1.5, 1.5, 2.0), origin=(20.0, -10.0, 35.0)) -> np.nd
     lps[:3, 3] = origin
     lps[3, 3] = 1.0
     return np.diag([-1.0, -1.0, 1.0, 1.0]) @ lps
+
+
+def shifted(slices, i, by):
+    """Moves slice i's ImagePositionPatient by `by` (LPS mm)."""
+    slices[i].ImagePositionPatient = [f"{float(v) + d:.10g}" for v, d in zip(slices[i].ImagePositionPatient, by)]
+
+
+def missing_slice(slices):
+    return slices[:3] + slices[4:]
+
+
+def uneven_spacing(slices):  # every other coronal slice 0.3 mm further back: steps of 2.3 and 1.7 mm
+    for i in range(1, len(slices), 2):
+        shifted(slices, i, (0.0, 0.3, 0.0))
+    return slices
+
+
+def gantry_tilt(slices):  # each slice 2 * tan(10 degrees) mm lower than the one before: sheared by 10 degrees
+    for i in range(len(slices)):
+        shifted(slices, i, (0.0, 0.0, -0.3527 * i))
+    return slices
+
+
+def mixed_orientations(slices):  # one slice turned by about 6 degrees
+    slices[3].ImageOrientationPatient = ["1", "0", "0", "0", "0.1", "-0.99498744"]
+    return slices
+
+
+BAD_SERIES = {  # what is wrong -> (edit of the slices of a coronal series, the words of its one line)
+    "missing slice": (missing_slice, "misses 1 slice(s)"),
+    "uneven spacing": (uneven_spacing, "uneven slice spacing"),
+    "gantry tilt": (gantry_tilt, "gantry tilt of 10.0 degrees"),
+    "mixed orientations": (mixed_orientations, "mixes slice orientations"),
+}

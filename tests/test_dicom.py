@@ -13,7 +13,7 @@ import numpy as np
 import pydicom
 import pytest
 from conftest import write_nifti
-from dicom_files import coronal_affine, ct_slices, oblique_affine, save_slices, write_series
+from dicom_files import BAD_SERIES, coronal_affine, ct_slices, oblique_affine, save_slices, write_series
 
 from tfmis.data.demo_ct import generate_case
 from tfmis.data.dicom_series import read_series
@@ -105,23 +105,6 @@ def test_an_empty_label_map_is_a_segmentation_of_background(ct_case, tmp_path):
     volume = read_series(write_series(tmp_path / "series", image, coronal_affine()))
     path = write_segmentation(np.zeros_like(label), volume, CLASSES, tmp_path / "empty.seg.dcm")
     np.testing.assert_array_equal(read_segmentation(path, volume), np.zeros_like(label))
-
-
-def shifted(slices, i, by):
-    """`slices` with slice i's ImagePositionPatient moved by `by` (LPS mm)."""
-    slices[i].ImagePositionPatient = [f"{float(v) + d:.10g}" for v, d in zip(slices[i].ImagePositionPatient, by)]
-    return slices
-
-
-BAD_SERIES = {  # what is wrong -> (edit of the slices of a coronal series, the words of its line)
-    "missing slice": (lambda s: s[:3] + s[4:], "misses 1 slice(s)"),
-    "uneven spacing": (lambda s: [shifted(s, i, (0, 0.3 * (i % 2), 0)) for i in range(len(s))][-1], "uneven slice"),
-    "gantry tilt": (lambda s: [shifted(s, i, (0, 0, -0.3527 * i)) for i in range(len(s))][-1], "gantry tilt of 10"),
-    "mixed orientations": (
-        lambda s: setattr(s[3], "ImageOrientationPatient", ["1", "0", "0", "0", "0.1", "-0.99498744"]) or s,
-        "mixes slice orientations",
-    ),
-}
 
 
 @pytest.mark.parametrize("problem", list(BAD_SERIES))
