@@ -16,9 +16,9 @@ from conftest import write_nifti
 from dicom_files import BAD_SERIES, coronal_affine, ct_slices, oblique_affine, save_slices, write_series
 
 from tfmis.data.demo_ct import generate_case
-from tfmis.data.dicom_series import read_series
+from tfmis.data.dicom_series import read_series, series_geometry
 from tfmis.data.msd import CaseError
-from tfmis.errors import UsageError
+from tfmis.errors import DataError, UsageError
 from tfmis.inference.dicom_seg import read_segmentation, write_segmentation
 from tfmis.inference.inputs import collect_inputs
 from tfmis.predict import main as predict_main
@@ -116,6 +116,36 @@ def test_a_series_that_would_give_a_wrong_volume_is_refused_in_one_line_naming_i
         read_series(folder, case_id="c1")
     line = str(caught.value)
     assert words in line and str(folder) in line and len(line.splitlines()) == 1, line
+
+
+def geometry_headers(along, across=None):
+    """Headers of axial slices at `along` mm (z), each shifted by `across` mm in x: geometry tags only."""
+    headers = []
+    for k, z in enumerate(along):
+        ds = pydicom.Dataset()
+        ds.ImageOrientationPatient = ["1", "0", "0", "0", "1", "0"]
+        ds.ImagePositionPatient = [f"{0.0 if across is None else across[k]:.6f}", "0", f"{z:.6f}"]
+        ds.PixelSpacing, ds.Rows, ds.Columns = ["0.8", "0.8"], 4, 4
+        headers.append(ds)
+    return headers
+
+
+def test_steps_each_within_one_percent_that_add_up_off_the_even_grid_are_uneven_spacing(tmp_path):
+    n = 200  # 1 mm slices, the first half 0.9% further apart, the second half 0.9% closer: 0.9 mm off at the middle
+    along = np.concatenate([[0.0], np.cumsum(np.r_[np.full(n // 2, 1.009), np.full(n // 2 - 1, 0.991)])])
+    with pytest.raises(
+        DataError, match=r"uneven slice spacing: from 0\.991 to 1\.009 mm \(slices up to 0\.89. mm off an even grid\)"
+    ):
+        series_geometry(geometry_headers(along), [tmp_path / f"{k}.dcm" for k in range(n)], tmp_path)
+    order, affine = series_geometry(geometry_headers(np.arange(n) * 1.0), [tmp_path] * n, tmp_path)
+    assert order == list(range(n)) and affine[2, 2] == pytest.approx(1.0)
+
+
+def test_a_small_tilt_that_adds_up_to_a_tenth_of_a_pixel_is_refused(tmp_path):
+    n = 100  # 0.002 mm across per 1 mm slice (0.1 degrees): 0.2 mm at the last slice, a quarter of a pixel
+    headers = geometry_headers(np.arange(n) * 1.0, np.arange(n) * 0.002)
+    with pytest.raises(DataError, match=r"gantry tilt of 0\.1 degrees"):
+        series_geometry(headers, [tmp_path] * n, tmp_path)
 
 
 def test_a_folder_of_several_series_lists_them_and_reads_the_one_named(ct_case, tmp_path):

@@ -9,8 +9,9 @@ slice spacing comes from the positions (never SliceThickness). The sorted header
 SEG written for the volume references them (`tfmis.inference.dicom_seg`).
 
 A series that would give a wrong volume is refused in one line naming its folder and the fix, never read silently:
-missing slices (a gap in the positions), uneven spacing (more than `SPACING_TOLERANCE` apart), gantry tilt (the
-positions do not follow the normal), mixed orientations or slice sizes, two slices at one position, multi-frame
+missing slices (a gap in the positions), uneven spacing (steps more than `SPACING_TOLERANCE` apart, or slices
+`DRIFT_TOLERANCE` of a spacing off the even grid of the affine), gantry tilt (the positions move across the normal
+by `DRIFT_TOLERANCE` of a pixel), mixed orientations or slice sizes, two slices at one position, multi-frame
 files (`CaseError`: the case fails, the others go on). A folder of several series is a usage error
 listing them (UID, description, slices): `choose_series` takes the one named by `--series UID`.
 
@@ -38,6 +39,7 @@ from tfmis.errors import DataError, UsageError
 
 INSTALL = "install tfmis[dicom] (pip install 'tfmis[dicom]')"
 SPACING_TOLERANCE = 0.01  # slice gaps may differ from their mean by this fraction of it (1%)
+DRIFT_TOLERANCE = 0.1  # a slice may sit this fraction of a voxel off the grid of the affine (along or across)
 ORIENTATION_TOLERANCE = 1e-4  # direction cosines of two slices that differ by more are two orientations
 GEOMETRY_TAGS = ("SeriesInstanceUID", "SeriesDescription", "Modality", "ImagePositionPatient", "NumberOfFrames")
 
@@ -231,7 +233,7 @@ def series_geometry(headers: list, paths: list, folder: Path) -> tuple[list[int]
             f"{where} has two slices at one position ({names}, {along[i]:.3f} mm along the normal): several "
             "acquisitions, echoes or phases in one series; export them as separate series"
         )
-    _check_tilt(positions, along, normal, steps, where)
+    _check_tilt(positions, along, normal, float(pixel[0].min()), where)
     _check_spacing(steps, along, where)
     affine = np.eye(4)
     affine[:3, 0] = row * pixel[0][1]  # x = column index: along the row cosine, by the spacing between columns
@@ -241,14 +243,14 @@ def series_geometry(headers: list, paths: list, folder: Path) -> tuple[list[int]
     return order, np.diag([-1.0, -1.0, 1.0, 1.0]) @ affine  # LPS -> RAS
 
 
-def _check_tilt(positions: np.ndarray, along: np.ndarray, normal: np.ndarray, steps: np.ndarray, where: str) -> None:
-    """Gantry tilt: a slice's offset from the previous one has a part across the normal (more than
-    `SPACING_TOLERANCE` of the step), so the slices are sheared."""
-    offsets = np.diff(positions, axis=0)
+def _check_tilt(positions: np.ndarray, along: np.ndarray, normal: np.ndarray, pixel: float, where: str) -> None:
+    """Gantry tilt: the slices' positions move across the normal (by more than `DRIFT_TOLERANCE` of the smallest
+    pixel spacing `pixel`, anywhere in the series), so the slices are sheared."""
+    offsets = positions - positions[0]
     across = np.linalg.norm(offsets - np.outer(offsets @ normal, normal), axis=1)
-    if np.any(across > SPACING_TOLERANCE * steps):
-        i = int(np.argmax(across / steps))
-        degrees = float(np.degrees(np.arctan2(across[i], steps[i])))
+    if across.max() > DRIFT_TOLERANCE * pixel:
+        i = int(np.argmax(across))
+        degrees = float(np.degrees(np.arctan2(across[i], along[i] - along[0])))
         raise DataError(
             f"{where} is tilted: the slice positions do not follow the slice normal (gantry tilt of {degrees:.1f} "
             "degrees); resample it to an orthogonal grid first (e.g. dcm2niix corrects gantry tilt)"
@@ -256,8 +258,9 @@ def _check_tilt(positions: np.ndarray, along: np.ndarray, normal: np.ndarray, st
 
 
 def _check_spacing(steps: np.ndarray, along: np.ndarray, where: str) -> None:
-    """Missing slices (a gap of about two or more steps) and uneven spacing (steps more than `SPACING_TOLERANCE`
-    from the median step)."""
+    """Missing slices (a gap of about two or more median steps) and uneven spacing: steps more than
+    `SPACING_TOLERANCE` from their mean (the affine's spacing), or a slice more than `DRIFT_TOLERANCE` of the
+    spacing off the even grid the affine describes (steps each within 1% can still add up)."""
     step = float(np.median(steps))
     ratio = steps / step
     gap = np.abs(ratio - np.rint(ratio)) <= SPACING_TOLERANCE * np.rint(ratio)
@@ -270,10 +273,18 @@ def _check_spacing(steps: np.ndarray, along: np.ndarray, where: str) -> None:
             f"{along[i + 1]:.3f} mm along the normal, where the others are {step:.3f} mm apart; export the complete "
             "series"
         )
-    if np.abs(ratio - 1).max() > SPACING_TOLERANCE:
+    spacing = float(along[-1] - along[0]) / len(steps)
+    drift = np.abs(along - along[0] - spacing * np.arange(len(along))).max()  # off the even grid of the affine
+    uneven = np.abs(steps / spacing - 1).max() > SPACING_TOLERANCE  # the affine's spacing: their mean
+    if uneven or drift > DRIFT_TOLERANCE * spacing:
+        what = (
+            f"more than {SPACING_TOLERANCE:.0%} off their mean {spacing:.3f} mm"
+            if uneven
+            else f"slices up to {drift:.3f} mm off an even grid"
+        )
         raise DataError(
-            f"{where} has uneven slice spacing: from {steps.min():.3f} to {steps.max():.3f} mm (more than "
-            f"{SPACING_TOLERANCE:.0%} apart); resample it to even spacing first, or export it again"
+            f"{where} has uneven slice spacing: from {steps.min():.3f} to {steps.max():.3f} mm ({what}); resample it "
+            "to even spacing first, or export it again"
         )
 
 
