@@ -98,6 +98,8 @@ def test_a_segmentation_reads_back_as_the_label_map_with_highdicom_and_reference
     referenced = {r.ReferencedSOPInstanceUID for r in seg.ReferencedSeriesSequence[0].ReferencedInstanceSequence}
     assert referenced == {ds.SOPInstanceUID for ds in volume.datasets}
     assert seg.StudyInstanceUID == volume.datasets[0].StudyInstanceUID
+    (folder / "seg.dcm").write_bytes(path.read_bytes())  # a SEG beside the slices is not a slice (nor a series)
+    assert read_series(folder).uid == volume.uid
 
 
 def test_an_empty_label_map_is_a_segmentation_of_background(ct_case, tmp_path):
@@ -180,6 +182,43 @@ def test_a_folder_of_series_folders_is_one_case_each_next_to_nifti_files(ct_case
     ]
     with pytest.raises(UsageError, match="is one DICOM slice: give the folder"):
         collect_inputs(next((tmp_path / "scans" / "patient_a").iterdir()))
+
+
+def test_a_series_without_patient_and_study_details_gets_a_seg_and_one_without_frame_of_reference_fails(
+    ct_case, tmp_path
+):
+    image, label = ct_case
+    slices = ct_slices(image, coronal_affine())
+    for ds in slices:  # type-2 attributes a series may leave out; highdicom reads them
+        for keyword in (
+            "PatientName",
+            "PatientID",
+            "PatientBirthDate",
+            "StudyDate",
+            "AccessionNumber",
+            "SliceThickness",
+        ):
+            delattr(ds, keyword)
+    volume = read_series(save_slices(slices, tmp_path / "anonymous"))
+    path = write_segmentation(label, volume, CLASSES, tmp_path / "anonymous.seg.dcm")
+    np.testing.assert_array_equal(read_segmentation(path, volume), label)
+    for ds in volume.datasets:
+        del ds.FrameOfReferenceUID
+    with pytest.raises(DataError, match="its slices have no FrameOfReferenceUID, which a DICOM SEG must reference"):
+        write_segmentation(label, volume, CLASSES, tmp_path / "no_frame.seg.dcm")
+    assert not (tmp_path / "no_frame.seg.dcm").exists()
+
+
+def test_a_corrupt_slice_fails_its_case_when_read_not_the_collection_of_the_others(ct_case, tmp_path):
+    image, _ = ct_case
+    write_series(tmp_path / "scans" / "good", image, coronal_affine())
+    broken = write_series(tmp_path / "scans" / "broken", image, coronal_affine())
+    victim = sorted(broken.iterdir())[2]
+    victim.write_bytes(victim.read_bytes()[:200])  # the preamble and a truncated header
+    cases = collect_inputs(tmp_path / "scans")
+    assert [(c.case_id, c.series != "") for c in cases] == [("broken", False), ("good", True)]
+    with pytest.raises(CaseError, match=f"case broken: DICOM file {victim} is an image slice without ImagePosition"):
+        read_series(cases[0].image, cases[0].series, cases[0].case_id)
 
 
 def test_dicom_seg_output_needs_a_dicom_input_and_the_dicom_extra_exit_2(ct_case, tmp_path, capsys):

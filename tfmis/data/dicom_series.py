@@ -41,6 +41,19 @@ INSTALL = "install tfmis[dicom] (pip install 'tfmis[dicom]')"
 SPACING_TOLERANCE = 0.01  # slice gaps may differ from their mean by this fraction of it (1%)
 DRIFT_TOLERANCE = 0.1  # a slice may sit this fraction of a voxel off the grid of the affine (along or across)
 ORIENTATION_TOLERANCE = 1e-4  # direction cosines of two slices that differ by more are two orientations
+# SOP classes of CT, MR and PET images (single- and multi-frame): a file of one of them is a slice, and one without a
+# position is a broken slice, never left out
+VOLUME_CLASSES = {
+    "1.2.840.10008.5.1.4.1.1.2",  # CT Image Storage
+    "1.2.840.10008.5.1.4.1.1.2.1",  # Enhanced CT
+    "1.2.840.10008.5.1.4.1.1.2.2",  # Legacy Converted Enhanced CT
+    "1.2.840.10008.5.1.4.1.1.4",  # MR Image Storage
+    "1.2.840.10008.5.1.4.1.1.4.1",  # Enhanced MR
+    "1.2.840.10008.5.1.4.1.1.4.4",  # Legacy Converted Enhanced MR
+    "1.2.840.10008.5.1.4.1.1.128",  # PET Image Storage
+    "1.2.840.10008.5.1.4.1.1.128.1",  # Legacy Converted Enhanced PET
+    "1.2.840.10008.5.1.4.1.1.130",  # Enhanced PET
+}
 GEOMETRY_TAGS = ("SeriesInstanceUID", "SeriesDescription", "Modality", "ImagePositionPatient", "NumberOfFrames")
 
 
@@ -97,7 +110,12 @@ class SeriesInfo:
 
 def list_series(folder: Path) -> list[SeriesInfo]:
     """The image series in `folder`: its DICOM files with an ImagePositionPatient, grouped by SeriesInstanceUID (a
-    DICOMDIR, a SEG or a report in the folder is not a slice and is left out), in order of their first file."""
+    DICOMDIR, a SEG or a report in the folder is not a slice and is left out), in order of their first file.
+
+    Raises:
+        DataError: a file pydicom cannot parse, or a CT, MR or PET slice without a position (a truncated file: left
+            out, it would be a missing first or last slice that no check sees).
+    """
     import pydicom
 
     found: dict[str, SeriesInfo] = {}
@@ -108,8 +126,15 @@ def list_series(folder: Path) -> list[SeriesInfo]:
             raise DataError(
                 f"DICOM file {path} cannot be read (truncated or corrupt?): {type(e).__name__}: {e}"
             ) from None
-        if "ImagePositionPatient" not in ds and int(ds.get("NumberOfFrames", 1) or 1) == 1:
-            continue
+        if "ImagePositionPatient" not in ds:
+            sop = str(ds.file_meta.get("MediaStorageSOPClassUID", "") if hasattr(ds, "file_meta") else "")
+            if sop and sop not in VOLUME_CLASSES:  # a DICOMDIR, a SEG, a report: not a slice
+                continue
+            if int(ds.get("NumberOfFrames", 1) or 1) == 1:  # (a multi-frame image: read_series says it is not read)
+                raise DataError(
+                    f"DICOM file {path} is an image slice without ImagePositionPatient, or has no SOP class "
+                    "(truncated or corrupt?): replace it with a complete copy, or export the series again"
+                )
         uid = str(ds.get("SeriesInstanceUID", ""))
         info = found.setdefault(
             uid, SeriesInfo(uid, str(ds.get("SeriesDescription", "")), str(ds.get("Modality", "")), [])
@@ -148,7 +173,9 @@ def series_folders(path: Path, uid: str | None = None) -> list[tuple[str, Path, 
     holds DICOM files, else for each of its subfolders that does (a folder of series folders, one case each).
 
     With `uid` (`--series`): a folder holding that series reads it; any other folder its only series. A folder of
-    several series and no `uid` for it is a `UsageError` listing them; so is a `uid` that no folder holds.
+    several series and no `uid` for it is a `UsageError` listing them; so is a `uid` that no folder holds. A folder
+    whose files cannot be listed (a corrupt file, no image slices) gets the UID "": its case fails when
+    `read_series` reads it, with the reason.
     """
     path = Path(path)
     folders = [path] if is_dicom_folder(path) else sorted(p for p in path.iterdir() if is_dicom_folder(p))
@@ -156,12 +183,14 @@ def series_folders(path: Path, uid: str | None = None) -> list[tuple[str, Path, 
         require(f"--input {path} (DICOM)", "pydicom")
     cases = []
     for folder in folders:
-        series = list_series(folder)
-        chosen = [s for s in series if s.uid == uid]
-        if chosen:
-            pick = chosen[0]
-        else:  # the folder's only series; several (listed), none, or a --series the one folder lacks: raises
-            pick = choose_series(folder, uid if len(folders) == 1 else None)
+        try:
+            series = list_series(folder)
+            chosen = [s for s in series if s.uid == uid]
+            # the folder's only series; several (listed), or a --series the one folder lacks: a UsageError
+            pick = chosen[0] if chosen else choose_series(folder, uid if len(folders) == 1 else None)
+        except DataError:  # an unreadable file, no image slices: the case fails when it is read, not the command
+            cases.append((folder.name, folder, ""))
+            continue
         cases.append((folder.name, folder, pick.uid))
     if uid is not None and folders and not any(c[2] == uid for c in cases):
         raise UsageError(f"--series {uid} is in none of the {len(folders)} DICOM folders of {path}")
@@ -304,8 +333,8 @@ def read_series(folder: str | Path, uid: str | None = None, case_id: str = "") -
     import pydicom
 
     folder = Path(folder)
-    info = choose_series(folder, uid)
     try:
+        info = choose_series(folder, uid or None)
         headers = [pydicom.dcmread(p, stop_before_pixels=True) for p in info.files]
         for ds, p in zip(headers, info.files):
             if int(ds.get("NumberOfFrames", 1) or 1) > 1:
@@ -313,7 +342,14 @@ def read_series(folder: str | Path, uid: str | None = None, case_id: str = "") -
                     f"DICOM file {p} in {folder} holds {ds.NumberOfFrames} frames: multi-frame (enhanced) series are "
                     "not read; export the series as single-frame slices"
                 )
+            if int(ds.get("SamplesPerPixel", 1) or 1) != 1:
+                raise DataError(
+                    f"DICOM file {p} in {folder} has {ds.SamplesPerPixel} samples per pixel (colour): a CT or MR "
+                    "series is grayscale; give the original series, not a rendered one"
+                )
         order, affine = series_geometry(headers, info.files, folder)
+    except UsageError:  # several series and no --series: the command line needs fixing
+        raise
     except DataError as e:
         raise CaseError(case_id or folder.name, str(e)) from None
     except Exception as e:  # pydicom raises many types for a broken file
@@ -336,6 +372,8 @@ def _slice_values(path: Path, case_id: str) -> np.ndarray:
         pixels = ds.pixel_array
     except Exception as e:  # an unsupported compression, truncated pixel data
         raise CaseError(case_id, f"DICOM file {path}: its pixels cannot be read: {type(e).__name__}: {e}") from None
+    if pixels.shape != (ds.Rows, ds.Columns):
+        raise CaseError(case_id, f"DICOM file {path}: its pixels are {pixels.shape}, not Rows x Columns")
     slope = float(ds.get("RescaleSlope", 1) or 1)
     intercept = float(ds.get("RescaleIntercept", 0) or 0)
     return pixels.astype(np.float64) * slope + intercept

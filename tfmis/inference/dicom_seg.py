@@ -30,7 +30,7 @@ import numpy as np
 
 from tfmis.data.dicom_series import DicomVolume, read_series, require
 from tfmis.data.msd import CaseError
-from tfmis.errors import UsageError
+from tfmis.errors import DataError, UsageError
 from tfmis.utils.io import atomic_path
 
 OUTPUT_FORMATS = ("nifti", "dicom-seg")
@@ -101,6 +101,7 @@ def write_segmentation(labels: np.ndarray, volume: DicomVolume | None, class_nam
 
     Raises:
         UsageError: `volume` is None (the input was not a DICOM series), or highdicom is not installed.
+        DataError: the series lacks what a SEG must reference (a Frame of Reference UID, ...): the case fails.
         ValueError: `labels` is not on the volume's grid, or holds a value that is not a class.
     """
     require("--output-format dicom-seg", "pydicom", "highdicom")
@@ -109,16 +110,67 @@ def write_segmentation(labels: np.ndarray, volume: DicomVolume | None, class_nam
             "--output-format dicom-seg references the DICOM series a label map was predicted from: give a DICOM "
             "series folder as --input, or --output-format nifti"
         )
-    import highdicom as hd
-
     if labels.shape != volume.shape:
         raise ValueError(f"label map of shape {labels.shape} for a DICOM volume of shape {volume.shape}")
     if labels.size and int(labels.max()) >= len(class_names):
         raise ValueError(f"label map holds {int(labels.max())}, beyond the classes {class_names}")
+    _complete_headers(volume)
     frames = np.ascontiguousarray(labels.transpose(2, 1, 0))  # (slices, rows, columns): frame k on source slice k
-    seg = hd.seg.Segmentation(
+    try:
+        seg = _segmentation(volume, frames.astype(np.uint8 if len(class_names) <= 256 else np.uint16), class_names)
+    except (AttributeError, ValueError, TypeError, KeyError) as e:  # what highdicom finds missing or wrong
+        raise DataError(
+            f"DICOM series in {volume.folder}: a DICOM SEG cannot reference it ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); predict it with --output-format nifti"
+        ) from None
+    path = Path(path)
+    with atomic_path(path, suffix=SEG_SUFFIX) as tmp:
+        seg.save_as(tmp)
+    return path
+
+
+# the patient and study attributes a SEG copies from its source images that DICOM lets a series leave empty (type 2),
+# which highdicom reads as attributes: a series without them gets them empty
+EMPTY_IF_MISSING = (
+    "PatientName",
+    "PatientID",
+    "PatientBirthDate",
+    "PatientSex",
+    "StudyID",
+    "StudyDate",
+    "StudyTime",
+    "AccessionNumber",
+    "ReferringPhysicianName",
+)
+# what a SEG must reference (type 1): a series without one cannot have a SEG
+REQUIRED = ("StudyInstanceUID", "SeriesInstanceUID", "SOPInstanceUID", "SOPClassUID", "FrameOfReferenceUID", "Modality")
+
+
+def _complete_headers(volume: DicomVolume) -> None:
+    """Fills the source headers' missing type-2 attributes (empty, and SliceThickness: the measured spacing) so that
+    highdicom can copy them; a missing type-1 attribute is a `DataError` naming the folder."""
+    spacing = float(np.linalg.norm(volume.affine[:3, 2]))
+    for ds in volume.datasets:
+        missing = [k for k in REQUIRED if not ds.get(k)]
+        if missing:
+            raise DataError(
+                f"DICOM series in {volume.folder}: its slices have no {missing[0]}, which a DICOM SEG must reference; "
+                "predict it with --output-format nifti"
+            )
+        for keyword in EMPTY_IF_MISSING:
+            if keyword not in ds:
+                setattr(ds, keyword, "")
+        if "SliceThickness" not in ds or ds.SliceThickness in (None, ""):
+            ds.SliceThickness = f"{spacing:.6g}"
+
+
+def _segmentation(volume: DicomVolume, frames: np.ndarray, class_names: list[str]):
+    """The highdicom `Segmentation` of `frames` (slices, rows, columns) over `volume`'s slices."""
+    import highdicom as hd
+
+    return hd.seg.Segmentation(
         source_images=volume.datasets,
-        pixel_array=frames.astype(np.uint8 if len(class_names) <= 256 else np.uint16),
+        pixel_array=frames,
         segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
         segment_descriptions=segment_descriptions(class_names),
         series_instance_uid=hd.UID(),
@@ -131,10 +183,6 @@ def write_segmentation(labels: np.ndarray, volume: DicomVolume | None, class_nam
         device_serial_number="none",
         series_description=SEG_SERIES_DESCRIPTION,
     )
-    path = Path(path)
-    with atomic_path(path, suffix=SEG_SUFFIX) as tmp:
-        seg.save_as(tmp)
-    return path
 
 
 def read_segmentation(path: str | Path, volume: DicomVolume) -> np.ndarray:
