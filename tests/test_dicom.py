@@ -170,16 +170,20 @@ def test_a_folder_of_several_series_lists_them_and_reads_the_one_named(ct_case, 
 
 
 def test_a_folder_of_series_folders_is_one_case_each_next_to_nifti_files(ct_case, tmp_path):
-    image, _ = ct_case
+    image, label = ct_case
     write_series(tmp_path / "scans" / "patient_b", image, coronal_affine())
     write_series(tmp_path / "scans" / "patient_a", image, oblique_affine())
     write_nifti(tmp_path / "scans" / "patient_c.nii.gz", image, coronal_affine())
+    write_nifti(tmp_path / "labels" / "patient_a.nii.gz", label, oblique_affine())
+    volume = read_series(tmp_path / "scans" / "patient_b")  # an earlier prediction's SEG folder: no case
+    write_segmentation(label, volume, CLASSES, tmp_path / "scans" / "predictions" / "patient_b.seg.dcm")
     cases = collect_inputs(tmp_path / "scans", label_dir=tmp_path / "labels")
     assert [(c.case_id, c.series is not None) for c in cases] == [
         ("patient_c", False),
         ("patient_a", True),
         ("patient_b", True),
     ]
+    assert [c.label for c in cases] == [None, str(tmp_path / "labels" / "patient_a.nii.gz"), None]
     with pytest.raises(UsageError, match="is one DICOM slice: give the folder"):
         collect_inputs(next((tmp_path / "scans" / "patient_a").iterdir()))
 
@@ -238,5 +242,15 @@ def test_dicom_seg_output_needs_a_dicom_input_and_the_dicom_extra_exit_2(ct_case
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1] == (
         "error: --output-format dicom-seg needs highdicom, which is not installed: install tfmis[dicom] "
+        "(pip install 'tfmis[dicom]')"
+    )
+    # pydicom not importable, a DICOM series as --input
+    series = write_series(tmp_path / "series", image, coronal_affine())
+    args[3] = str(series)
+    code = f"import sys; sys.modules['pydicom'] = None; from tfmis.predict import main; sys.exit(main({args!r}))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: --input {series} (DICOM) needs pydicom, which is not installed: install tfmis[dicom] "
         "(pip install 'tfmis[dicom]')"
     )

@@ -211,15 +211,18 @@ def _folds(value: str | None, parser) -> list[int] | None:
 
 
 def _check_dicom_arguments(args) -> None:
-    """--output-format dicom-seg needs tfmis[dicom] and a folder as --input (a DICOM series, or a folder of them):
-    a usage error (exit 2) before anything is loaded."""
-    if args.output_format != "dicom-seg":
-        return
-    from tfmis.data.dicom_series import require
+    """DICOM input needs pydicom, and --output-format dicom-seg highdicom too and a folder as --input (a DICOM series,
+    or a folder of them): usage errors (exit 2) before anything is loaded. (A folder of series folders is checked
+    for pydicom when its cases are collected.)"""
+    from tfmis.data.dicom_series import is_dicom_folder, require
     from tfmis.errors import UsageError
 
-    require("--output-format dicom-seg", "pydicom", "highdicom")
     path = Path(args.input)
+    if is_dicom_folder(path):
+        require(f"--input {path} (DICOM)", "pydicom")
+    if args.output_format != "dicom-seg":
+        return
+    require("--output-format dicom-seg", "pydicom", "highdicom")
     if path.exists() and (not path.is_dir() or (path / "dataset.json").is_file()):
         raise UsageError(
             f"--output-format dicom-seg: --input {path} is not a DICOM series folder; a DICOM SEG references the "

@@ -185,6 +185,8 @@ def series_folders(path: Path, uid: str | None = None) -> list[tuple[str, Path, 
     for folder in folders:
         try:
             series = list_series(folder)
+            if not series and folder != path:  # a subfolder of SEGs or reports only (an earlier output): no case
+                continue
             chosen = [s for s in series if s.uid == uid]
             # the folder's only series; several (listed), or a --series the one folder lacks: a UsageError
             pick = chosen[0] if chosen else choose_series(folder, uid if len(folders) == 1 else None)
