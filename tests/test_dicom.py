@@ -120,6 +120,16 @@ def test_a_series_that_would_give_a_wrong_volume_is_refused_in_one_line_naming_i
     assert words in line and str(folder) in line and len(line.splitlines()) == 1, line
 
 
+def test_a_localizer_in_the_series_is_left_out(ct_case, tmp_path):
+    image, _ = ct_case
+    slices = ct_slices(image, coronal_affine())
+    scout = ct_slices(image[:, :, :1], oblique_affine(), series_uid=slices[0].SeriesInstanceUID)[0]
+    scout.ImageType = ["ORIGINAL", "PRIMARY", "LOCALIZER"]
+    volume = read_series(save_slices([*slices, scout], tmp_path / "series"))
+    np.testing.assert_array_equal(volume.image, image)
+    assert scout.SOPInstanceUID not in {ds.SOPInstanceUID for ds in volume.datasets}
+
+
 def geometry_headers(along, across=None):
     """Headers of axial slices at `along` mm (z), each shifted by `across` mm in x: geometry tags only."""
     headers = []

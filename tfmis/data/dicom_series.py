@@ -54,7 +54,14 @@ VOLUME_CLASSES = {
     "1.2.840.10008.5.1.4.1.1.128.1",  # Legacy Converted Enhanced PET
     "1.2.840.10008.5.1.4.1.1.130",  # Enhanced PET
 }
-GEOMETRY_TAGS = ("SeriesInstanceUID", "SeriesDescription", "Modality", "ImagePositionPatient", "NumberOfFrames")
+GEOMETRY_TAGS = (
+    "ImageType",
+    "SeriesInstanceUID",
+    "SeriesDescription",
+    "Modality",
+    "ImagePositionPatient",
+    "NumberOfFrames",
+)
 
 
 def require(what: str, *packages: str) -> None:
@@ -110,7 +117,8 @@ class SeriesInfo:
 
 def list_series(folder: Path) -> list[SeriesInfo]:
     """The image series in `folder`: its DICOM files with an ImagePositionPatient, grouped by SeriesInstanceUID (a
-    DICOMDIR, a SEG or a report in the folder is not a slice and is left out), in order of their first file.
+    DICOMDIR, a SEG or a report in the folder is not a slice and is left out, nor is a localizer (scout) image, by its
+    ImageType, which some scanners put in the series), in order of their first file.
 
     Raises:
         DataError: a file pydicom cannot parse, or a CT, MR or PET slice without a position (a truncated file: left
@@ -135,6 +143,8 @@ def list_series(folder: Path) -> list[SeriesInfo]:
                     f"DICOM file {path} is an image slice without ImagePositionPatient, or has no SOP class "
                     "(truncated or corrupt?): replace it with a complete copy, or export the series again"
                 )
+        if "LOCALIZER" in [str(v).upper() for v in (ds.get("ImageType") or [])]:  # a scout view: not a slice
+            continue
         uid = str(ds.get("SeriesInstanceUID", ""))
         info = found.setdefault(
             uid, SeriesInfo(uid, str(ds.get("SeriesDescription", "")), str(ds.get("Modality", "")), [])
