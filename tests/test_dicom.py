@@ -81,6 +81,19 @@ def test_rescale_slope_and_intercept_of_each_slice_are_applied(ct_case, tmp_path
     np.testing.assert_array_equal(volume.image, expected)
 
 
+def test_an_mr_series_without_rescale_reads_its_unsigned_pixels_as_they_are(tmp_path):
+    volume = np.random.default_rng(0).integers(0, 4000, (12, 10, 6)).astype(np.float32)
+    slices = ct_slices(volume, oblique_affine())
+    for ds, z in zip(slices, range(volume.shape[2])):
+        ds.SOPClassUID = ds.file_meta.MediaStorageSOPClassUID = pydicom.uid.MRImageStorage
+        ds.Modality, ds.PixelRepresentation = "MR", 0
+        del ds.RescaleSlope, ds.RescaleIntercept, ds.RescaleType
+        ds.PixelData = volume[:, :, z].T.astype("<u2").tobytes()
+    read = read_series(save_slices(slices, tmp_path / "mr"))
+    np.testing.assert_array_equal(read.image, volume)
+    np.testing.assert_allclose(read.affine, sitk_ras_affine(tmp_path / "mr")[0], atol=1e-6)
+
+
 def test_a_segmentation_reads_back_as_the_label_map_with_highdicom_and_references_the_series(ct_case, tmp_path):
     image, label = ct_case
     folder = write_series(tmp_path / "series", image, oblique_affine(), seed=1)
