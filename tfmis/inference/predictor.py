@@ -44,6 +44,7 @@ from tfmis.data.records import load_training_data_info
 from tfmis.errors import DataError, UsageError
 from tfmis.hardware import CPU, accelerator_device, model_parallel_devices, peak_rss_mb, reset_peak_rss
 from tfmis.inference.blending import check_buffer_dtype
+from tfmis.inference.dicom_seg import SEG_SUFFIX, read_dicom_case, write_segmentation
 from tfmis.inference.inputs import (  # noqa: F401 (collect_inputs, copy_weights_by_name, run_config: re-exported)
     InputCase,
     check_same_training_data,
@@ -129,16 +130,19 @@ class ScanPredictor:
 
     A subclass sets `task`, `class_names`, `modalities`, `score_columns`, `postprocessing` (a `PostprocessingConfig`
     applied to each label map, or None) and `events` (what its placement policy did, in order), and after each case
-    `last_region` (a cascade's boxes, else "").
+    `last_region` (a cascade's boxes, else ""). `output_format` says how label maps are written.
     """
 
     last_region = ""
+    output_format = "nifti"  # or "dicom-seg" (`tfmis.inference.dicom_seg.OUTPUT_FORMATS`): how label maps are written
 
     def predict_image(self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True):
         raise NotImplementedError
 
     def predict_file(self, case: InputCase, output_dir: str | Path, probabilities: bool = False) -> CaseResult:
-        """Predicts one NIfTI file and writes `<case_id>.nii.gz` (and `<case_id>_probabilities.nii.gz`).
+        """Predicts one NIfTI file and writes `<case_id>.nii.gz` (and `<case_id>_probabilities.nii.gz`). A DICOM
+        series folder (`case.series`) is read by `tfmis.data.dicom_series`; with `output_format` "dicom-seg" its
+        label map is written as `<case_id>.seg.dcm`, a DICOM SEG referencing the series (`tfmis.inference.dicom_seg`).
 
         The label map is postprocessed (`postprocessing`) before it is written and scored; the probabilities are
         the prediction's, as nnU-Net writes them.
@@ -150,15 +154,22 @@ class ScanPredictor:
         output_dir = Path(output_dir)
         reset_peak_rss()
         try:
-            image, affine, _ = load_image(case.image, len(self.modalities), case.case_id, integers=True)
-            header = nib.load(str(case.image)).header
+            dicom = None  # a DICOM series' DicomVolume (its slices' headers, for a DICOM SEG)
+            if case.series is not None:
+                image, affine, header, dicom = read_dicom_case(case, len(self.modalities))
+            else:
+                image, affine, _ = load_image(case.image, len(self.modalities), case.case_id, integers=True)
+                header = nib.load(str(case.image)).header
             shape = tuple(image.shape[:3])
             holder = [image]
             del image  # predict_image lets it go once preprocessed
             label_map, probs, device = self.predict_image(holder, affine, case.case_id, probabilities)
             removed = self._postprocess(label_map)
-            out = output_dir / f"{case.case_id}.nii.gz"
-            save_like(label_map, affine, header, out, np.uint8)
+            if self.output_format == "dicom-seg":  # a DICOM SEG referencing the series (tfmis.inference.dicom_seg)
+                out = write_segmentation(label_map, dicom, self.class_names, output_dir / f"{case.case_id}{SEG_SUFFIX}")
+            else:
+                out = output_dir / f"{case.case_id}.nii.gz"
+                save_like(label_map, affine, header, out, np.uint8)
             if probabilities:
                 # NIfTI-1 has no float16: uint8 with a scale factor (readers get floats, step 1/255)
                 save_like(probs, affine, header, output_dir / f"{case.case_id}_probabilities.nii.gz", np.uint8)
