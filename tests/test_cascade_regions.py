@@ -19,6 +19,7 @@ import pytest
 from tfmis.config import load_config, save_config
 from tfmis.data.preprocess import PreprocessConfig
 from tfmis.data.records import RUN_DATA_FILE
+from tfmis.inference import cascade as cascade_module
 from tfmis.inference.cascade import CascadePredictor, coarse_regions, make_predictor, merge_boxes
 from tfmis.inference.predictor import InputCase, Predictor, write_csv
 from tfmis.task import SegmentationTask
@@ -267,13 +268,20 @@ def test_the_label_map_is_the_argmax_of_the_returned_probabilities_in_every_mode
     assert (labels == 1).any() and (labels == 2).any()
 
 
-def test_fine_classes_compose_the_fine_stages_probabilities_with_the_coarse_stages(runs):
+def test_fine_classes_compose_the_fine_stages_probabilities_with_the_coarse_stages(runs, monkeypatch):
     """With `fine_classes` [2], a region's probability of class 2 is the fine stage's, and the fine stage's
     probability of the other classes is shared between them as the coarse stage shares it; outside the regions the
-    probabilities are the coarse stage's."""
+    probabilities are the coarse stage's. Composed a few slices at a time (a region of hundreds of chunks here), the
+    results are the same."""
     image, affine, truth = far_apart_scan()
     predictor = cascade(runs, fine_classes=[2])
-    _, probabilities, _ = predictor.predict_array(image, affine, probabilities=True)
+    labels, probabilities, _ = predictor.predict_array(image, affine, probabilities=True)
+    monkeypatch.setattr(cascade_module, "REGION_CHUNK_VOXELS", 300)
+    for asked in (True, False):
+        chunked = predictor.predict_array(image, affine, probabilities=asked)
+        np.testing.assert_array_equal(chunked[0], labels)
+        if asked:
+            np.testing.assert_array_equal(chunked[1], probabilities)
     coarse = predictor.coarse.predict_array(image, affine, probabilities=True)[1]
     fine = reference_probabilities(runs, image, affine)
     covered = inside_any(predictor.last_boxes, truth.shape)

@@ -163,6 +163,7 @@ def region_input(sub: np.ndarray, affine: np.ndarray, box: Box, preprocessing: P
 
 
 COMPOSE_SLICES = 8  # x-slices composed at a time (bounds the temporaries to a few slices of K channels)
+REGION_CHUNK_VOXELS = 2**21  # a region's voxels restored (K channels of each stage) and composed at a time
 
 
 def compose_probabilities(fine: np.ndarray, coarse: np.ndarray, fine_classes, out=None) -> np.ndarray:
@@ -288,18 +289,27 @@ class CascadePredictor(Predictor):
     def _region(self, fine: GridPrediction, coarse: GridPrediction, box: Box, full) -> np.ndarray:
         """The uint8 label map of `box` from the fine stage's prediction there (`fine`, on the box's grid) and, with
         `cascade.fine_classes`, the coarse stage's (`compose_probabilities`); its probabilities are written into
-        `full[box]` when `full` is given (then holding the coarse stage's)."""
+        `full[box]` when `full` is given (then holding the coarse stage's). The probabilities are restored a few
+        x-slices at a time (`REGION_CHUNK_VOXELS`), so a large region costs no region-sized K-channel arrays."""
         compose = self.fine_classes is not None
-        labels, probabilities = fine.restore(probabilities=compose or full is not None)
-        if not compose:
+        if not compose and full is None:  # the fine stage's argmax: the label-only restore
+            return fine.restore()[0]
+        first, last = box_corners(box)
+        size = last - first
+        labels = np.empty(tuple(int(n) for n in size), np.uint8)
+        rows = max(1, REGION_CHUNK_VOXELS // int(np.prod(size[1:])))
+        for x in range(0, int(size[0]), rows):
+            low, high = np.array([x, 0, 0]), np.array([min(x + rows, int(size[0])), size[1], size[2]])
+            chunk_labels, probabilities = fine.restore(True, within=(low, high))
+            where = tuple(slice(int(a), int(b)) for a, b in zip(first + low, first + high))
+            if compose:
+                below = full[where] if full is not None else coarse.restore(True, within=(first + low, first + high))[1]
+                probabilities = compose_probabilities(probabilities, below, self.fine_classes, out=probabilities)
+                chunk_labels = argmax_labels(probabilities)
             if full is not None:
-                full[box] = probabilities
-            return labels
-        coarse_probabilities = full[box] if full is not None else coarse.restore(True, within=box_corners(box))[1]
-        composed = compose_probabilities(probabilities, coarse_probabilities, self.fine_classes, out=probabilities)
-        if full is not None:
-            full[box] = composed
-        return argmax_labels(composed)
+                full[where] = probabilities
+            labels[low[0] : high[0]] = chunk_labels
+        return labels
 
     def _coarse_labels(self, grid: GridPrediction, small: int) -> np.ndarray:
         """The coarse stage's label map on the scan's grid. Background without restoring when every piece got a
