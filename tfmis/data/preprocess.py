@@ -230,7 +230,7 @@ class ImageStatistics:
         zscore: per channel, the (mean, std) of a `zscore` channel over the foreground (`foreground_mask`; over
             every voxel when the foreground is empty or the whole image); None for other channels.
         masked: whether a `zscore` channel is 0 outside the foreground (the foreground is neither empty nor the
-            whole image), nnU-Net's use_mask_for_norm.
+            whole image), nnU-Net's use_mask_for_norm; False without `zscore` channels.
 
     Every crop of the image (the foreground crop, a cascade's training crop around the labels) and every box cut
     from it (a cascade's region at prediction) is normalised with these: a voxel gets the same value whichever
@@ -256,6 +256,8 @@ def image_statistics(image: np.ndarray, normalization: tuple[str, ...], ct_windo
     """
     norms = _per_channel(normalization, image.shape[-1])
     backgrounds = tuple(channel_backgrounds(image, norms))
+    if "zscore" not in norms:  # nothing to measure (a CT's statistics are the dataset's): no whole-image mask
+        return ImageStatistics(backgrounds, (None,) * len(norms), False)
     if mask is None:
         mask = foreground_mask(image, norms, ct_window, backgrounds=backgrounds)
     masked = bool(mask.any() and not mask.all())
