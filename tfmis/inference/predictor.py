@@ -100,10 +100,11 @@ class GridPrediction:
             return np.argmax(self.probabilities, axis=-1).astype(np.uint8)
         return paint_regions(self.probabilities, self.paint_labels)
 
-    def restore(self, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-        """(uint8 label map, float32 (X, Y, Z, channels) probabilities or None) on the original grid."""
+    def restore(self, probabilities: bool = False, within: tuple | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(uint8 label map, float32 (X, Y, Z, channels) probabilities or None) on the original grid, or only on its
+        box `within` ((start, stop) original voxels: arrays of that box's shape, the same values)."""
         if self.probabilities is None:
-            shape = tuple(self.geometry.original_shape)
+            shape = tuple(self.geometry.original_shape) if within is None else tuple(np.subtract(within[1], within[0]))
             restored = np.zeros((*shape, self.channels), np.float32) if probabilities else None
             if restored is not None and self.paint_labels is None:
                 restored[..., 0] = 1.0
@@ -115,6 +116,7 @@ class GridPrediction:
             box=self.box,
             probabilities_out=probabilities,
             paint_labels=self.paint_labels,
+            within=within,
         )
 
 
