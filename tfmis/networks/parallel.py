@@ -51,7 +51,7 @@ import keras
 import tensorflow as tf
 
 from tfmis.networks.architecture import required_divisor
-from tfmis.networks.pipeline_stages import cut_stages, stage_table
+from tfmis.networks.pipeline_stages import cut_stages, place_stage_variables, stage_table
 from tfmis.networks.slabs import (  # noqa: F401 (same_padding, slab_bounds: re-exported)
     Slabs,
     _slice,
@@ -78,6 +78,10 @@ class ModelParallel:
         micro_batches: pipeline: micro-batches per group batch (GPipe's M); must divide it.
         patch_size: the training patch (spatial sizes), used to choose the axis and to size the pipeline stages.
         in_channels: the image channels (sizes the pipeline stages).
+        place_variables: pipeline: move each stage's variables to the stage's device (group 0's), so that their
+            reads, gradient sums and optimizer slots are there (`place_stage_variables`: before any
+            `tf.function` traces the model and before the optimizer is built). Off for a second `ModelParallel`
+            over the same layers (e.g. validation's, cut at another window size), which would move them again.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class ModelParallel:
         micro_batches: int = 1,
         patch_size: Sequence[int] | None = None,
         in_channels: int | None = None,
+        place_variables: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"runtime.model_parallel.mode must be one of none, {', '.join(MODES)}; got {mode!r}")
@@ -108,8 +113,11 @@ class ModelParallel:
             self.axis = self.choose_axis(self.patch_size, axis) if (axis is not None or self.patch_size) else None
         self.stages: dict[str, int] | None = None  # pipeline: top-level layer name -> stage
         self.stage_costs: list[dict] = []
+        self.placed_variable_bytes: dict[str, int] | None = None  # pipeline: device -> bytes of variables on it
         if mode == "pipeline":
             self._plan_stages()
+            if place_variables:
+                self.placed_variable_bytes = place_stage_variables(self.model, self.stages, self.devices[0])
 
     # ------------------------------------------------------------------ placement
 
@@ -124,8 +132,9 @@ class ModelParallel:
         )
 
     def stage_table(self) -> str:
-        """The pipeline's stages: device, layers, forward bytes per image (activations + parameters)."""
-        return stage_table(self.stage_costs, self.devices[0], self.micro_batches)
+        """The pipeline's stages: device, layers, forward bytes per image (activations + parameters), and the bytes
+        of the variables placed on each stage's device."""
+        return stage_table(self.stage_costs, self.devices[0], self.micro_batches, self.placed_variable_bytes)
 
     def describe(self) -> str:
         """One line (spatial) or a table (pipeline) saying how the model is placed."""
