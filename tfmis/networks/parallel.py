@@ -266,9 +266,10 @@ class ModelParallel:
         for g, y in enumerate(self._split_batch(labels)):
             sums = []
             for i, ((a, b), device) in enumerate(zip(first.bounds, self.devices[g])):
+                rows = _slice_labels(y, first.axis, a, b)  # sliced where the labels are: only a slab travels
                 with tf.device(device):
                     part = tf.nest.map_structure(lambda s, g=g, i=i: s.parts[g][i], outputs)
-                    sums.append(loss_fn.partial_sums(tf.identity(_slice_labels(y, first.axis, a, b)), part))
+                    sums.append(loss_fn.partial_sums(tf.identity(rows), part))
             with tf.device(self.devices[g][0]):
                 totals = tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)), *sums)
                 losses.append(tf.cast(loss_fn.from_sums(totals), tf.float32))
