@@ -54,6 +54,7 @@ SCRIPT = textwrap.dedent(
                              patch_size=patch, in_channels=1)
     optimizer = keras.optimizers.Adam(1e-2)
     optimizer.build(training_model.trainable_variables)
+    pipeline.place_optimizer(optimizer)
     stage_of = {}
     for layer in training_model.layers:
         for v in layer.variables:
@@ -91,7 +92,20 @@ SCRIPT = textwrap.dedent(
             op = op.inputs[0].op
         made_on.append([v.path, placed[op], op.type, device_of(v)])
     out["gradients"] = made_on
-    step_graph_ops = step.get_concrete_function(images, labels).graph.get_operations()
+    def crossing_variables(graph):  # bytes of variable values read on another device than the variable's
+        return sum(t.bytes for m in placed_memory(graph).values() for t in m.transfers_in if t.variable)
+
+    out["variable_crossings"] = {"adam": crossing_variables(step.get_concrete_function(images, labels).graph)}
+    sgd = keras.optimizers.SGD(1e-2, momentum=0.9, weight_decay=1e-4)
+    sgd.build(variables)
+    pipeline.place_optimizer(sgd)
+
+    def sgd_step(x, y):
+        sgd.apply(ModelParallel.gradients(loss_of(x, y), variables), variables)
+
+    sgd_graph = tf.function(sgd_step, autograph=False).get_concrete_function(images, labels).graph
+    out["variable_crossings"]["sgd_weight_decay"] = crossing_variables(sgd_graph)
+    out["weight_bytes"] = sum(int(np.prod(v.shape)) * 4 for v in variables)
     step(images, labels)
     tf.train.Checkpoint(model=training_model, optimizer=optimizer).write(f"{folder}/ckpt")
     np.savez(f"{folder}/weights.npz", *[v.numpy() for v in training_model.variables])
@@ -147,13 +161,18 @@ def placement(tmp_path_factory):
 def test_pipeline_stage_variables_their_adam_slots_and_gradients_live_on_the_stages_device(placement):
     """Every variable of a 2-stage pipeline (trainable and not) is on its stage's device, both stages own some,
     each Adam slot is on its variable's device, each gradient (the op that makes it in the traced `tf.gradients`,
-    micro-batch sums included) runs there, and the stage table's parameter column is the bytes placed there."""
+    micro-batch sums included) runs there, the optimizer's step (Adam; SGD with momentum and weight decay) reads
+    no weight or slot on another device, and the stage table's parameter column is the bytes placed there."""
     _, out = placement
     assert out["variables"] and all(device == stage for _, device, stage in out["variables"])
     assert {device for _, device, _ in out["variables"]} == {"/CPU:0", "/CPU:1"}
     assert all(m == s == v for _, m, s, v in out["slots"])
     assert len(out["gradients"]) == len(out["slots"])
     assert all(made == device for _, made, _, device in out["gradients"]), out["gradients"]
+    # with the updates placed (`place_optimizer`), only scalars (learning rate, step count) cross devices in
+    # Adam's step and in SGD's with momentum and weight decay, not weights, slots or gradients
+    assert all(crossed < 1024 for crossed in out["variable_crossings"].values()), out["variable_crossings"]
+    assert out["weight_bytes"] > 100_000
     for stage, device in enumerate(("/CPU:0", "/CPU:1")):
         line = out["stage_table"].splitlines()[1 + stage]
         assert f"parameters on it {out['placed'][device] / 2**20:.2f} MiB" in line

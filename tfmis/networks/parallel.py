@@ -51,7 +51,7 @@ import keras
 import tensorflow as tf
 
 from tfmis.networks.architecture import required_divisor
-from tfmis.networks.pipeline_stages import cut_stages, place_stage_variables, stage_table
+from tfmis.networks.pipeline_stages import colocate_updates, cut_stages, place_stage_variables, stage_table
 from tfmis.networks.slabs import (  # noqa: F401 (same_padding, slab_bounds: re-exported)
     Slabs,
     _slice,
@@ -187,6 +187,12 @@ class ModelParallel:
             return losses[0]
         with tf.device(self.devices[0][0]):
             return tf.add_n(losses) / len(losses)
+
+    def place_optimizer(self, optimizer) -> None:
+        """Runs each variable's optimizer update on the variable's device (`colocate_updates`): with a pipeline's
+        stages owning their variables, the update of a stage's weights and slots stays on its device."""
+        if self.placed_variable_bytes is not None:
+            colocate_updates(optimizer)
 
     @staticmethod
     def gradients(loss, variables):

@@ -1,7 +1,7 @@
 """Pipeline model parallelism's stages: the model's top-level layers in execution order, each sized by its forward
 tensors and parameters at the patch size, cut into contiguous stages of about equal bytes (`cut_stages`, by
-`_balanced_cuts`), each stage's variables moved to its device (`place_stage_variables`), and the table that shows
-them (`stage_table`).
+`_balanced_cuts`), each stage's variables moved to its device (`place_stage_variables`) with their optimizer
+updates (`colocate_updates`), and the table that shows them (`stage_table`).
 
 Used by `tfmis.networks.parallel.ModelParallel` in pipeline mode, which runs each stage's layers on its device.
 """
@@ -104,14 +104,62 @@ def place_stage_variables(model: keras.Model, stages: dict[str, int], devices: S
     return placed
 
 
+def colocate_updates(optimizer) -> None:
+    """Makes each variable's optimizer update run on the variable's device, for an optimizer of one replica (the
+    model-parallel trainer's: `runtime.distribution: none`). Keras' TensorFlow optimizer runs unplaced, so on the
+    default device, which for a pipeline stage's variables would copy their gradients and slots to the first
+    device and the results back: (1) its gradient "all-reduce" over the one replica, an `IdentityN` of every
+    gradient at once, is skipped (the gradients are already the step's); (2) each variable's `update_step` (the
+    slot and weight arithmetic) and the weight decay (`_apply_weight_decay`, called once per device with that
+    device's variables) run under `tf.device` of the variables. All are wrapped on the optimizer (or a
+    `LossScaleOptimizer`'s inner one).
+
+    Raises:
+        ValueError: the optimizer is used under a strategy of several replicas.
+    """
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(target, "_tfmis_colocated_updates", False):
+        return
+    if tf.distribute.get_strategy().num_replicas_in_sync != 1:
+        raise ValueError("colocate_updates: the optimizer of a model over several devices runs in one replica")
+    update_step = target.update_step
+
+    def placed_update_step(gradient, variable, learning_rate):
+        with tf.device(_device_of(variable)):
+            return update_step(gradient, variable, learning_rate)
+
+    apply_weight_decay = target._apply_weight_decay
+
+    def placed_weight_decay(variables):
+        by_device: dict[str, list] = {}
+        for variable in variables:
+            by_device.setdefault(_device_of(variable), []).append(variable)
+        for device, group in by_device.items():
+            with tf.device(device):
+                apply_weight_decay(group)
+
+    target.update_step = placed_update_step
+    target._apply_weight_decay = placed_weight_decay
+    target._all_reduce_sum_gradients = _one_replica
+    target._tfmis_colocated_updates = True
+
+
+def _one_replica(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def _device_of(variable) -> str:
+    """The full device name of a Keras or TensorFlow variable."""
+    return (variable.value if isinstance(variable, keras.Variable) else variable).device
+
+
 def variable_bytes_by_device(variables) -> dict[str, int]:
     """Bytes of `variables` (Keras or TensorFlow variables) per device ("/CPU:1"), read from the variables' own
     placement (`tf.Variable.device`)."""
     out: dict[str, int] = {}
     for variable in variables:
-        value = getattr(variable, "value", variable)
-        device = _canonical(value.device)
-        out[device] = out.get(device, 0) + math.prod(int(d) for d in variable.shape) * value.dtype.size
+        device = _canonical(_device_of(variable))
+        out[device] = out.get(device, 0) + math.prod(int(d) for d in variable.shape) * tf.as_dtype(variable.dtype).size
     return out
 
 
