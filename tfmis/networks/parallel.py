@@ -1,4 +1,4 @@
-"""Model parallelism for the U-Net on plain TensorFlow: one Keras model, its variables unchanged, run over several
+"""Model parallelism for the U-Net on plain TensorFlow: one Keras model, its weights unchanged, run over several
 devices by layers (`pipeline`) or by space (`spatial`), with device placement, cross-device tensors and autodiff.
 
 Keras 3's `keras.distribution` is JAX-only and TF DTensor's Conv3D is forward-only, so both modes walk the
@@ -13,7 +13,8 @@ therefore the same whichever mode trained it (train spatial, predict on one devi
   stages, and inside a `tf.function` the dataflow executor runs stage `s` of micro-batch `m + 1` while stage
   `s + 1` works on micro-batch `m`. The micro-batch outputs are joined before the loss, so the loss and its
   gradient are those of the whole batch (BatchNorm, as in GPipe, normalises each micro-batch by its own
-  statistics).
+  statistics). Each stage owns its variables: they are moved to its device once the stages are cut
+  (`place_stage_variables`), with their gradients, optimizer slots and updates (`place_optimizer`).
 - **spatial**: each sample's patch is cut along one axis into `N` slabs, one per device, whose boundaries are
   multiples of the product of the network's strides along that axis (so every level's slabs stay aligned).
   Every convolution first gathers the rows it needs from its neighbours (a halo of `kernel // 2` rows for a
@@ -70,7 +71,8 @@ class ModelParallel:
     """A Keras functional U-Net run over a mesh of devices by layers or by space.
 
     Args:
-        model: the model (or the deep-supervision training model) to run; its variables are used as they are.
+        model: the model (or the deep-supervision training model) to run; its variables keep their values (a
+            pipeline with `place_variables` moves each to its stage's device).
         mode: "pipeline" or "spatial".
         devices: devices[g] = the devices of data group g (all groups the same length: N per group).
         strides: the U-Net's per-level strides (`model.strides`): spatial slabs are aligned to their product.
