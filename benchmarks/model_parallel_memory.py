@@ -31,6 +31,10 @@ fixed per-device budget (the one-device peak at 128³), and a paper model for 80
 reserved; weights and Adam's two slots counted apart, the gradients are in the counted peak) with the halo's
 time on NVLink (300 GB/s per direction) and PCIe 4.0 x16 (25 GB/s).
 
+Per device it also reads the variables each device holds (weights + Adam's two slots, from where each variable
+is: a pipeline's stages own theirs, spatial mode keeps them on the first device) and prints them beside the
+counted peaks ("Per device" table; the figures: docs/model-parallel.md, "Variables and peak per device").
+
 Writes the plot to docs/img/model_parallel_memory.png and every number (per device, per config, the fits and the
 paper model) to docs/benchmarks/model_parallel_memory.json.
 
@@ -131,6 +135,32 @@ def effective_voxels(side: int, mode: str, n: int, unit: int) -> tuple[int, str]
     return n * max(rows) * side * side, "/".join(str(r) for r in rows)
 
 
+def variable_bytes(model, slots: int = 2) -> dict:
+    """Per device ("/CPU:1"): the bytes of the model's variables, read from where each one is (its `tf.Variable`'s
+    device), each trainable one with Adam's `slots` float32 slots (Keras' TensorFlow optimizer makes them
+    colocated with their variable: tests/test_model_parallel_placement.py)."""
+    import tensorflow as tf
+
+    trainable = {id(v) for v in model.trainable_variables}
+    out = {}
+    for v in model.variables:
+        spec = tf.DeviceSpec.from_string(v.value.device)
+        device = f"/{spec.device_type}:{spec.device_index}"
+        size = math.prod(int(d) for d in v.shape) * v.value.dtype.size
+        out[device] = out.get(device, 0) + size * (1 + (slots if id(v) in trainable else 0))
+    return out
+
+
+def variables_home(model) -> None:
+    """Puts the model's variables back on /CPU:0 after a pipeline case moved them to its stages' devices (a no-op
+    for a tfmis whose pipeline does not move them), so that every case starts from the same placement."""
+    try:
+        from tfmis.networks.pipeline_stages import place_stage_variables
+    except ImportError:
+        return
+    place_stage_variables(model, {layer.name: 0 for layer in model.layers}, ["/CPU:0"])
+
+
 def trace_all(args, nets, patches, devices, modes):
     import keras
 
@@ -183,6 +213,7 @@ def trace_all(args, nets, patches, devices, modes):
                     )
                 voxels, slabs = effective_voxels(side, mode, n, unit)
                 row = {"net": net, "side": side, "mode": mode, "n": n, "slabs": slabs, "effective_voxels": voxels}
+                row["variable_bytes"] = variable_bytes(training_model)  # where the model's variables are now
                 for gradients in GRADIENTS:
                     graph = step_graph(
                         training_model, loss_fn, args.batch, patch, config.in_channels, parallel, gradients=gradients
@@ -215,6 +246,7 @@ def trace_all(args, nets, patches, devices, modes):
                     flush=True,
                 )
                 del parallel
+                variables_home(training_model)
         del training_model, variables
         gc.collect()
         keras.backend.clear_session()
@@ -337,6 +369,9 @@ def report(args, rows, skipped, info, elapsed):
     if skipped:
         lines.append("")
         lines.append("Skipped: " + "; ".join(skipped))
+
+    lines.append("")
+    lines.append(placement_table(rows))
 
     # where each device's bytes go: the rows the explanation needs
     lines.append("")
@@ -466,6 +501,25 @@ def report(args, rows, skipped, info, elapsed):
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     lines.append(f"Elapsed: {elapsed:.0f} s tracing and counting; peak RSS {rss:.2f} GiB")
     return "\n".join(lines), fit, paper
+
+
+def placement_table(rows) -> str:
+    """Per device: the variables it holds (weights + Adam's slots, read from the variables' devices) and its
+    counted peak of tensors (the trainer's colocated backward pass), MiB, and the largest sum over the devices."""
+    lines = [
+        "Per device, MiB: variables held (weights + Adam's 2 slots, read from where the variables are) / counted peak "
+        "of the step's tensors (colocated backward; gradients included), and the largest sum of the two:"
+    ]
+    header = ["net", "patch", "mode", "N", *[f"CPU:{d} vars / peak" for d in range(DEVICES)], "largest vars + peak"]
+    table = []
+    for r in rows:
+        held, peaks = r["variable_bytes"], r["colocated"]["peaks"]
+        devices = [f"/CPU:{d}" for d in range(r["n"])]
+        cells = [f"{mib(held.get(d, 0))} / {mib(peaks.get(d, 0))}" for d in devices]
+        cells += ["-"] * (DEVICES - len(cells))
+        largest = max(held.get(d, 0) + peaks.get(d, 0) for d in devices)
+        table.append([r["net"], f"{r['side']}³", r["mode"], r["n"], *cells, mib(largest)])
+    return "\n".join(lines + [markdown(header, table)])
 
 
 def plot(rows, nets, path: Path):

@@ -19,6 +19,7 @@ import pytest
 from tfmis.config import load_config, save_config
 from tfmis.data.preprocess import PreprocessConfig
 from tfmis.data.records import RUN_DATA_FILE
+from tfmis.inference import cascade as cascade_module
 from tfmis.inference.cascade import CascadePredictor, coarse_regions, make_predictor, merge_boxes
 from tfmis.inference.predictor import InputCase, Predictor, write_csv
 from tfmis.task import SegmentationTask
@@ -188,23 +189,115 @@ def test_a_structure_at_the_scan_border_gets_a_clipped_region(runs):
     np.testing.assert_array_equal(labels, reference(runs, image, affine))
 
 
-def test_specks_only_are_regions_unless_the_plan_sets_a_minimum_volume(runs):
-    """A scan with only two specks (3 mm cubes, far apart): each is a region of its own and segmented as the
-    full-resolution reference does; with `cascade.min_region_mm3` above their volume the coarse stage counts as
-    having found nothing and the fine stage runs over the whole scan, with the reason in `last_region`."""
-    shape = (80, 80, 40)
-    truth = np.zeros(shape, np.uint8)
-    truth[10:13, 10:13, 5:7] = 2
-    truth[60:63, 66:69, 30:32] = 2
-    image, affine = truth.astype(np.float32)[..., None], np.diag([*FINE_SPACING, 1.0])
-    predictor = cascade(runs)
-    labels = predictor.predict_array(image, affine, probabilities=False)[0]
-    assert len(predictor.last_boxes) == 2
-    np.testing.assert_array_equal(labels, reference(runs, image, affine))
-    strict = cascade(runs, min_region_mm3=500.0)
-    labels = strict.predict_array(image, affine, probabilities=False)[0]
-    assert strict.last_boxes == [] and strict.last_region.startswith("whole scan")
-    np.testing.assert_array_equal(labels, reference(runs, image, affine))
+def lesion_only_scan():
+    """(image, affine, truth): `far_apart_scan`'s small lesion alone, at the same place, without the organs."""
+    image, affine, truth = far_apart_scan()
+    truth = np.where(truth == 2, truth, 0).astype(np.uint8)
+    return truth.astype(np.float32)[..., None], affine, truth
+
+
+LESION_UNDER_MM3 = 2000.0  # above the lesion's volume (about 270 mm3), far under an organ's (about 44,600 mm3)
+
+
+@pytest.mark.parametrize("fine_classes", [None, [2]], ids=["all_classes", "fine_classes"])
+def test_a_small_piece_keeps_the_coarse_label_alone_or_beside_a_big_one(runs, fine_classes):
+    """The one rule for a piece under `cascade.min_region_mm3`: it keeps the coarse stage's label, never dropped,
+    whether it is alone in the scan (no region at all, the fine stage does not run) or beside organs that get
+    regions; with and without `fine_classes`. Outside the regions (the lesion included) the label map is the coarse
+    stage's bit for bit, and inside them the fine stage's."""
+    for make_scan, regions in ((far_apart_scan, 2), (lesion_only_scan, 0)):
+        image, affine, truth = make_scan()
+        predictor = cascade(runs, min_region_mm3=LESION_UNDER_MM3, fine_classes=fine_classes)
+        labels = predictor.predict_array(image, affine, probabilities=False)[0]
+        coarse = predictor.coarse.predict_array(image, affine, probabilities=False)[0]
+        assert len(predictor.last_boxes) == regions, predictor.last_boxes
+        assert "1 piece under cascade.min_region_mm3 keeps the coarse label" in predictor.last_region
+        covered = inside_any(predictor.last_boxes, truth.shape)
+        assert not covered[truth == 2].any()  # the lesion has no region
+        np.testing.assert_array_equal(labels[~covered], coarse[~covered])
+        found = labels[truth == 2]  # at the coarse resolution: 2 at its core, 1 where it blurs into the background
+        assert (found == 2).any() and (found > 0).mean() > 0.8, np.bincount(found)
+        if fine_classes is None:
+            np.testing.assert_array_equal(labels[covered], reference(runs, image, affine)[covered])
+
+
+def test_a_small_piece_over_the_minimum_gets_a_region_of_at_least_the_fine_patch_alone_or_beside_others(runs):
+    """With `cascade.min_region_mm3` 0 (the plan's) the lesion is a region alone and beside the organs: its box is
+    grown to at least the fine stage's patch (24x24x12 voxels of 1x1x2 mm, from its 6 mm margin around 8 mm), and
+    the cascade equals the fine network over the whole scan."""
+    for make_scan, regions in ((far_apart_scan, 3), (lesion_only_scan, 1)):
+        image, affine, truth = make_scan()
+        predictor = cascade(runs)
+        labels = predictor.predict_array(image, affine, probabilities=False)[0]
+        assert len(predictor.last_boxes) == regions
+        (box,) = [b for b in predictor.last_boxes if inside_any([b], truth.shape)[truth == 2].all()]
+        assert [s.stop - s.start for s in box] >= [24, 24, 12], box
+        np.testing.assert_array_equal(labels, reference(runs, image, affine))
+
+
+def far_apart_and_speck_scan():
+    """`far_apart_scan` with a speck (2x2x1 voxels of the lesion's value) in a corner, away from everything."""
+    image, affine, truth = far_apart_scan()
+    truth[150:152, 4:6, 60] = 2
+    return truth.astype(np.float32)[..., None], affine, truth
+
+
+@pytest.mark.parametrize(
+    "settings, coarse_never_finds",
+    [
+        ({}, False),
+        ({"fine_classes": [2]}, False),
+        ({"fine_classes": [1]}, False),
+        ({"min_region_mm3": LESION_UNDER_MM3}, False),
+        ({"min_region_mm3": LESION_UNDER_MM3, "fine_classes": [2]}, False),
+        ({"fine_classes": [2]}, True),
+    ],
+    ids=["all_classes", "fine_lesion", "fine_organ", "small_pieces_coarse", "small_pieces_fine_lesion", "fallback"],
+)
+def test_the_label_map_is_the_argmax_of_the_returned_probabilities_in_every_mode(runs, settings, coarse_never_finds):
+    """The returned probabilities describe the returned label map: a distribution per voxel whose argmax is the label,
+    in every mode (every class from the fine stage, `fine_classes`, small pieces at the coarse resolution, the
+    whole-scan fallback), and the label map is the one returned without probabilities."""
+    image, affine, _ = far_apart_and_speck_scan()
+    predictor = cascade(runs, coarse_never_finds=coarse_never_finds, **settings)
+    labels, probabilities, _ = predictor.predict_array(image, affine, probabilities=True)
+    assert probabilities.shape == (*labels.shape, len(CLASSES))
+    np.testing.assert_allclose(probabilities.sum(axis=-1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(np.argmax(probabilities, axis=-1), labels)
+    np.testing.assert_array_equal(predictor.predict_array(image, affine, probabilities=False)[0], labels)
+    assert (labels == 1).any() and (labels == 2).any()
+
+
+def test_fine_classes_compose_the_fine_stages_probabilities_with_the_coarse_stages(runs, monkeypatch):
+    """With `fine_classes` [2], a region's probability of class 2 is the fine stage's, and the fine stage's
+    probability of the other classes is shared between them as the coarse stage shares it; outside the regions the
+    probabilities are the coarse stage's. Composed a few slices at a time (a region of hundreds of chunks here), the
+    results are the same."""
+    image, affine, truth = far_apart_scan()
+    predictor = cascade(runs, fine_classes=[2])
+    labels, probabilities, _ = predictor.predict_array(image, affine, probabilities=True)
+    monkeypatch.setattr(cascade_module, "REGION_CHUNK_VOXELS", 300)
+    for asked in (True, False):
+        chunked = predictor.predict_array(image, affine, probabilities=asked)
+        np.testing.assert_array_equal(chunked[0], labels)
+        if asked:
+            np.testing.assert_array_equal(chunked[1], probabilities)
+    coarse = predictor.coarse.predict_array(image, affine, probabilities=True)[1]
+    fine = reference_probabilities(runs, image, affine)
+    covered = inside_any(predictor.last_boxes, truth.shape)
+    np.testing.assert_array_equal(probabilities[~covered], coarse[~covered])
+    inside = covered & (truth > 0)  # the fine stage's foreground crop in each region: the labelled voxels
+    np.testing.assert_allclose(probabilities[inside][:, 2], fine[inside][:, 2], atol=1e-6)
+    rest = (fine[inside][:, 0] + fine[inside][:, 1])[:, None]
+    share = coarse[inside][:, :2] / coarse[inside][:, :2].sum(axis=-1, keepdims=True)
+    np.testing.assert_allclose(probabilities[inside][:, :2], rest * share, atol=1e-6)
+
+
+def reference_probabilities(runs, image, affine) -> np.ndarray:
+    """The fine network's probabilities over the whole scan."""
+    predictor = Predictor(load_config(runs[1] / "config.yaml"), runs[1], device="cpu")
+    predictor.model = threshold_network()
+    return predictor.predict_array(image, affine, probabilities=True)[1]
 
 
 def test_when_the_coarse_stage_finds_nothing_the_fine_stage_decides_every_class_over_the_whole_scan(runs, tmp_path):
@@ -236,7 +329,8 @@ def test_coarse_regions_map_a_coarse_piece_onto_the_scan_through_a_flipped_aniso
     affine = np.diag([-spacing[0], -spacing[1], spacing[2], 1.0])
     predictor = cascade(runs)
     grid = predictor.coarse.grid_prediction(truth.astype(np.float32)[..., None], affine)
-    (box,) = coarse_regions(grid, affine, margin_mm=6.0)
+    (box,), small = coarse_regions(grid, affine, margin_mm=6.0)
+    assert small == 0
     where = np.argwhere(truth > 0)
     first, last = where.min(axis=0), where.max(axis=0) + 1
     margin = np.ceil(6.0 / np.asarray(spacing))

@@ -448,3 +448,31 @@ def test_conversion_progress_to_a_log_file_is_plain_lines_without_bar_frames(msd
     assert "\r" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("Converting ")]
     assert lines and lines[-1].split("  ")[0].endswith(": 6/6 cases (100%)")
+
+
+def test_a_fine_stage_conversion_normalised_by_its_own_box_is_refused_and_one_by_the_whole_image_reused(
+    msd_dataset, tmp_path
+):
+    """A `crop_to_label_mm` conversion (a cascade's fine stage) records that its normalisation statistics are the
+    whole image's: a rerun reuses it, while one made before that rule (its plan without the key, normalised by the
+    label box) is refused as a conversion with other parameters instead of training on other intensities than
+    cascade prediction gives; a plain conversion carries no such key (older ones stay valid)."""
+    target = tmp_path / "roi"
+
+    def roi(**extra):
+        options = dict(split=(1.0,), shards=1, workers=1, progress=False, crop_to_label_mm=4.0)
+        return convert(ConversionConfig(str(msd_dataset), str(target), **options, **extra))
+
+    roi()
+    plan = json.loads((target / PLAN_FILE).read_text())
+    assert plan["requested"]["label_crop_statistics"] == "whole_image"
+    stamps = {p.name: p.stat().st_mtime_ns for p in target.glob("*.tfrecord*")}
+    roi()
+    assert {p.name: p.stat().st_mtime_ns for p in target.glob("*.tfrecord*")} == stamps, "reused"
+    del plan["requested"]["label_crop_statistics"]
+    (target / PLAN_FILE).write_text(json.dumps(plan))
+    with pytest.raises(ParametersChanged, match=r"label_crop_statistics: None -> 'whole_image'.*--overwrite"):
+        roi()
+    plain = tmp_path / "plain"
+    convert(ConversionConfig(str(msd_dataset), str(plain), split=(1.0,), shards=1, workers=1, progress=False))
+    assert "label_crop_statistics" not in json.loads((plain / PLAN_FILE).read_text())["requested"]

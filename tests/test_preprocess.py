@@ -320,7 +320,7 @@ def test_normalize_by_slabs_equals_the_whole_volume_formulas():
     np.testing.assert_array_equal(out[..., 0], (np.clip(x[0], *window) - window[0]) / (window[1] - window[0]))
     np.testing.assert_array_equal(out[..., 1], (np.clip(x[1], *window) - 60.0) / 30.0)
     values = x[2][mask]
-    y = (x[2] - float(values.mean())) / max(float(values.std()), 1e-8)
+    y = (x[2] - float(values.mean(dtype=np.float64))) / max(float(values.std(dtype=np.float64)), 1e-8)
     np.testing.assert_array_equal(out[..., 2], np.where(mask, y, 0.0))
     np.testing.assert_array_equal(out[..., 3], x[3])
 

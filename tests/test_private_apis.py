@@ -59,3 +59,16 @@ def test_eager_context_has_the_coordination_service_barrier():
     from tensorflow.python.eager import context
 
     assert list(inspect.signature(context.context().wait_at_barrier).parameters) == ["barrier_id", "timeout_in_ms"]
+
+
+def test_keras_tensorflow_variable_holds_its_tf_variable_in_value_and_makes_it_in_initialize():
+    """`tfmis.networks.pipeline_stages.place_stage_variables` replaces a Keras 3 variable's `tf.Variable`
+    (`_value`, read as `value`) by one `_initialize(value)` makes under the stage's `tf.device`, so that Keras
+    names, dtypes and aggregation it as its own; `colocate_updates` wraps the optimizer's `update_step`,
+    `_apply_weight_decay` and `_all_reduce_sum_gradients` (checked above) per variable's device (behaviour:
+    tests/test_model_parallel_placement.py)."""
+    variable = keras.Variable(np.ones((2, 2), dtype="float32"), name="w")
+    assert variable._value is variable.value and isinstance(variable.value, tf.Variable)
+    variable._value = None
+    variable._initialize(tf.fill((2, 2), 3.0))
+    assert isinstance(variable.value, tf.Variable) and float(variable.numpy().sum()) == 12.0

@@ -1,15 +1,17 @@
 """Segment scans with a trained model: `python -m tfmis.predict --checkpoint RUN_DIR --input ...`.
 
 Reads NIfTI (`.nii.gz`, `.nii`) and, with `tfmis[formats]`, NRRD and MetaImage (`.nrrd`, `.mha`, `.mhd`) scans, alone,
-in a folder, or as a dataset (MSD, or nnU-Net v2 raw with one file per channel). Writes `<case><suffix>` label maps
-(uint8) in each input's own format and geometry (shape, affine, orientation, header; an `.mha` keeps its direction,
-origin and spacing), optional `<case>_probabilities.nii.gz` (NIfTI whatever the input; one channel per class, or per
-region), `predictions.csv` (and Dice per class per case when labels are available), and prints a summary table. A
-cascade (the folder of a plan of stages, or its fine stage) predicts the whole scan at low resolution first and the
-region it finds at full resolution (`tfmis.inference.cascade`). A folder of folds (`fold_<k>` run folders) predicts
-with the ensemble of its folds, a cross-validation folder (`crossval.json`) with the configuration(s) and
-postprocessing it chose (`tfmis.inference.ensemble`). Each case's seconds and peak resident memory (`peak_rss_mb`) are
-logged, in the table and in the CSV.
+in a folder, or as a dataset (MSD, or nnU-Net v2 raw with one file per channel); and, with `tfmis[dicom]`, DICOM
+series. Writes `<case><suffix>` label maps (uint8) in each input's own format and geometry (shape, affine,
+orientation, header; an `.mha` keeps its direction, origin and spacing), or for DICOM series with `--output-format
+dicom-seg` `<case>.seg.dcm` (a DICOM SEG referencing the series: `tfmis.inference.dicom_seg`), optional
+`<case>_probabilities.nii.gz` (NIfTI whatever the input; one channel per class, or per region), `predictions.csv`
+(and Dice per class per case when labels are available), and prints a summary table. A cascade (the folder of a plan
+of stages, or its fine stage) predicts the whole scan at low resolution first and the region it finds at full
+resolution (`tfmis.inference.cascade`). A folder of folds (`fold_<k>` run folders) predicts with the ensemble of its
+folds, a cross-validation folder (`crossval.json`) with the configuration(s) and postprocessing it chose
+(`tfmis.inference.ensemble`). Each case's seconds and peak resident memory (`peak_rss_mb`) are logged, in the table
+and in the CSV.
 """
 
 from __future__ import annotations
@@ -68,7 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--input",
         required=True,
         help="an image file (.nii.gz, .nii; .nrrd, .mha, .mhd with tfmis[formats]), a folder of them, or a dataset "
-        "(its folder or dataset.json: MSD, or nnU-Net v2 raw with one file per channel; see --subset)",
+        "(its folder or dataset.json: MSD, or nnU-Net v2 raw with one file per channel; see --subset); or a folder "
+        "holding a DICOM series (CT or MR slices), or a folder of such folders (one case each, named after its folder)",
+    )
+    p.add_argument(
+        "--series",
+        default=None,
+        metavar="UID",
+        help="the SeriesInstanceUID to read where a DICOM folder holds several series (they are listed without it)",
+    )
+    p.add_argument(
+        "--output-format",
+        choices=("nifti", "dicom-seg"),
+        default="nifti",
+        help="how label maps are written: nifti (<case>.nii.gz, default) or dicom-seg (<case>.seg.dcm, a DICOM "
+        "Segmentation referencing the input series, one segment per class; needs DICOM input and tfmis[dicom])",
     )
     p.add_argument("--output", required=True, help="output folder")
     p.add_argument(
@@ -198,6 +214,38 @@ def _folds(value: str | None, parser) -> list[int] | None:
     return folds
 
 
+def _check_dicom_arguments(args) -> None:
+    """DICOM input needs pydicom, and --output-format dicom-seg highdicom too and a folder as --input (a DICOM series,
+    or a folder of them): usage errors (exit 2) before anything is loaded. (A folder of series folders is checked
+    for pydicom when its cases are collected.)"""
+    from tfmis.data.dicom_series import is_dicom_folder, require
+    from tfmis.errors import UsageError
+
+    path = Path(args.input)
+    if is_dicom_folder(path):
+        require(f"--input {path} (DICOM)", "pydicom")
+    if args.output_format != "dicom-seg":
+        return
+    require("--output-format dicom-seg", "pydicom", "highdicom")
+    if path.exists() and (not path.is_dir() or (path / "dataset.json").is_file()):
+        raise UsageError(
+            f"--output-format dicom-seg: --input {path} is not a DICOM series folder; a DICOM SEG references the "
+            "series it segments: give a DICOM series folder (or a folder of them), or --output-format nifti"
+        )
+
+
+def _check_dicom_cases(cases, output_format: str) -> None:
+    """With --output-format dicom-seg every case must be a DICOM series (a usage error names the first that is not)."""
+    from tfmis.errors import UsageError
+
+    other = [c for c in cases if c.series is None]
+    if output_format == "dicom-seg" and other:
+        raise UsageError(
+            f"--output-format dicom-seg: {other[0].image} is not a DICOM series; a DICOM SEG references the series it "
+            "segments: give DICOM series folders only, or --output-format nifti"
+        )
+
+
 @command
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
@@ -208,6 +256,7 @@ def main(argv=None) -> int:
     folds = _folds(args.folds, build_parser())
     from tfmis.errors import MissingInput, PartialFailure, UsageError
 
+    _check_dicom_arguments(args)
     if not Path(args.checkpoint).exists():  # before TensorFlow's start-up and any config lookup
         raise MissingInput(
             f"--checkpoint {args.checkpoint}: no such file or folder; give a training run's folder (it holds "
@@ -243,7 +292,9 @@ def main(argv=None) -> int:
     )
     if args.no_postprocessing:
         predictor.postprocessing = None
-    cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index)
+    cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index, series=args.series)
+    _check_dicom_cases(cases, args.output_format)
+    predictor.output_format = args.output_format
     where = " (--no-postprocessing)" if args.no_postprocessing else ""
     where = where or (" (crossval.json's choice)" if source.postprocessing is not None else "")
     print(f"Predicting with {source.describe()}")

@@ -138,6 +138,7 @@ class SegmentationTask:
             if training
             else self.config.validation.roi_size or self.config.pipeline.patch_size,
             in_channels=self.in_channels,
+            place_variables=training,  # the training run's stages own the variables; validation reads them
         )
 
     def build_inference_model(self) -> keras.Model:

@@ -308,12 +308,14 @@ class CascadeConfig:
     """The fine stage of a coarse-to-fine cascade (docs/planning.md, "Stages"): `python -m tfmis.predict` runs the
     coarse run on the whole scan, cuts a box around each connected piece of what it finds grown by `margin_mm`
     (overlapping boxes merged), and runs this run's model only there (the whole scan when the coarse stage finds
-    nothing). Training is unchanged: the fine stage trains on cases cropped around their labels
+    nothing); pieces under `min_region_mm3` keep the coarse stage's label (docs/predicting.md, "Through a cascade").
+    Training is unchanged: the fine stage trains on cases cropped around their labels
     (`data.conversion.crop_to_label_mm`)."""
 
     coarse_run: Optional[str] = None  # the coarse stage's run folder; null = not a cascade
     margin_mm: float = 20.0  # kept around each piece of the coarse stage's foreground, per side
-    # coarse pieces smaller than this (mm3, on the coarse grid) get no region of their own; 0 = every piece is kept
+    # coarse pieces smaller than this (mm3, on the coarse grid) get no region of their own and keep the coarse stage's
+    # label (never dropped); 0 = every piece gets a region
     min_region_mm3: float = 0.0
     # the label values the fine stage decides (inside its box); the others come from the coarse stage, which draws
     # large structures from more context than the fine patch holds; null = the fine stage decides every class

@@ -81,3 +81,23 @@ def clip_box(box: Box, start, stop) -> Box:
 def box_voxels(box: Box) -> int:
     """The number of voxels in `box`."""
     return int(np.prod([max(s.stop - s.start, 0) for s in box]))
+
+
+def pad_box(box: Box, min_size, shape) -> Box:
+    """`box` grown about its centre to at least `min_size` voxels per axis (shifted back inside the grid at its
+    edges), never beyond `shape`: a cascade's region holds at least one fine patch of the scan around its piece.
+
+    Example:
+        >>> pad_box((slice(10, 14), slice(0, 4), slice(2, 30)), (8, 8, 8), (40, 6, 40))
+        (slice(8, 16, None), slice(0, 6, None), slice(2, 30, None))
+    """
+    out = []
+    for s, size, n in zip(box, min_size, shape):
+        size, n = min(int(size), int(n)), int(n)
+        missing = size - (s.stop - s.start)
+        if missing <= 0:
+            out.append(s)
+            continue
+        start = min(max(s.start - missing // 2, 0), n - size)
+        out.append(slice(start, start + size))
+    return tuple(out)

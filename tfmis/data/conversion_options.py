@@ -180,4 +180,8 @@ class ConversionConfig(ConversionOptions):
             d["fold_assignment"] = "splits_file" if splits_sha256 else "stratified"
             if splits_sha256:
                 d["splits_file_sha256"] = splits_sha256
+        if self.crop_to_label_mm is not None:
+            # a fine stage's crop normalised by its own box before the statistics became the whole image's: a
+            # conversion without this key was normalised otherwise than cascade prediction does, so it is refused
+            d["label_crop_statistics"] = "whole_image"
         return d

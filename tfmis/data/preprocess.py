@@ -49,7 +49,8 @@ class PreprocessConfig:
         crop_margin: voxels kept around that bounding box.
         crop_to_label_mm: crop to the bounding box of the labelled voxels grown by this many mm per side instead
             (the fine stage of a cascade trains on the region the coarse stage will cut; a case without a label
-            or without labelled voxels keeps the foreground crop). Normalisation statistics come from the crop.
+            or without labelled voxels keeps the foreground crop). Normalisation statistics come from the whole image
+            (`image_statistics`), whatever the crop.
         image_dtype: `float16` or `float32` storage of the normalised image.
     """
 
@@ -192,7 +193,9 @@ def channel_backgrounds(image: np.ndarray, normalization: tuple[str, ...]) -> li
     ]
 
 
-def foreground_mask(image: np.ndarray, normalization: tuple[str, ...], ct_window, channels=None) -> np.ndarray:
+def foreground_mask(
+    image: np.ndarray, normalization: tuple[str, ...], ct_window, channels=None, backgrounds=None
+) -> np.ndarray:
     """Non-background voxels of `image` (X, Y, Z, C): where any channel differs from its background. A CT channel's
     foreground is above the window's low end (`ct_window[0]`); any other channel's is where it differs from
     `channel_background`: the border constant when most of the volume's 6 faces hold one value that is not 0 (a
@@ -203,14 +206,70 @@ def foreground_mask(image: np.ndarray, normalization: tuple[str, ...], ct_window
 
     Args:
         channels: the channel indices to look at (default all); e.g. the non-CT ones.
+        backgrounds: per channel, the background value to use instead of this image's own (`channel_backgrounds`
+            of the image a box was cut from: `ImageStatistics.backgrounds`), so a box's foreground is the image's.
     """
     norms = _per_channel(normalization, image.shape[-1])
     mask = None
     for c in range(image.shape[-1]) if channels is None else channels:
         x = image[..., c]
-        channel = x > ct_window[0] if norms[c] in CT_NORMALIZATIONS else x != channel_background(x)
+        if norms[c] in CT_NORMALIZATIONS:
+            channel = x > ct_window[0]
+        else:
+            channel = x != (channel_background(x) if backgrounds is None else backgrounds[c])
         mask = channel if mask is None else np.logical_or(mask, channel, out=mask)
     return mask if mask is not None else np.zeros(image.shape[:3], dtype=bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageStatistics:
+    """What normalises one image, taken once over the whole image, before any crop or box is cut from it.
+
+    Attributes:
+        backgrounds: per channel, its background value (`channel_backgrounds`; None for a CT channel).
+        zscore: per channel, the (mean, std) of a `zscore` channel over the foreground (`foreground_mask`; over
+            every voxel when the foreground is empty or the whole image); None for other channels.
+        masked: whether a `zscore` channel is 0 outside the foreground (the foreground is neither empty nor the
+            whole image), nnU-Net's use_mask_for_norm; False without `zscore` channels.
+
+    Every crop of the image (the foreground crop, a cascade's training crop around the labels) and every box cut
+    from it (a cascade's region at prediction) is normalised with these: a voxel gets the same value whichever
+    crop or box holds it. nnU-Net likewise takes the z-score's statistics over the image cropped to its nonzero
+    region, before patches are cut.
+    """
+
+    backgrounds: tuple
+    zscore: tuple
+    masked: bool
+
+
+def image_statistics(image: np.ndarray, normalization: tuple[str, ...], ct_window, mask=None) -> ImageStatistics:
+    """The `ImageStatistics` of `image` (X, Y, Z, C; float32 or integers, any voxel order): its backgrounds (its 6
+    faces), its foreground (`mask`, when the caller has it: `foreground_mask(image, normalization, ct_window)`)
+    and each `zscore` channel's mean and std there (accumulated in float64, so the voxel order does not matter).
+
+    Example:
+        >>> x = np.zeros((6, 6, 6, 1), np.float32); x[1:5, 1:5, 1:5] = np.arange(64).reshape(4, 4, 4, 1)
+        >>> s = image_statistics(x, ("zscore",), None)
+        >>> s.masked, [round(v, 3) for v in s.zscore[0]]
+        (True, [32.0, 18.184])
+    """
+    norms = _per_channel(normalization, image.shape[-1])
+    backgrounds = tuple(channel_backgrounds(image, norms))
+    if "zscore" not in norms:  # nothing to measure (a CT's statistics are the dataset's): no whole-image mask
+        return ImageStatistics(backgrounds, (None,) * len(norms), False)
+    if mask is None:
+        mask = foreground_mask(image, norms, ct_window, backgrounds=backgrounds)
+    masked = bool(mask.any() and not mask.all())
+    zscore = []
+    for c, norm in enumerate(norms):
+        if norm != "zscore":
+            zscore.append(None)
+            continue
+        values = _float32(image[..., c][mask] if masked else image[..., c])
+        zscore.append((float(values.mean(dtype=np.float64)), float(values.std(dtype=np.float64))))
+        del values
+    return ImageStatistics(backgrounds, tuple(zscore), masked)
 
 
 def bounding_box(mask: np.ndarray, margin: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -264,7 +323,13 @@ def resample(array: np.ndarray, scale: np.ndarray, out_shape, order: int, dtype=
 
 
 def normalize(
-    image: np.ndarray, mask: np.ndarray, normalization: tuple[str, ...], ct_window, ct_mean_std=None, out=None
+    image: np.ndarray,
+    mask: np.ndarray,
+    normalization: tuple[str, ...],
+    ct_window,
+    ct_mean_std=None,
+    out=None,
+    statistics: ImageStatistics | None = None,
 ) -> np.ndarray:
     """Per-channel intensity normalisation (float32 out); see `PreprocessConfig.normalization`. The image may also
     hold integers (a CT's int16 read as it is stored): each slab is made float32 before any arithmetic, so the values
@@ -279,9 +344,13 @@ def normalize(
     instead of the volume), so a real-size CT needs only its output beside its input. `out`: a float32 array
     of `image`'s shape to write into, which may be `image` itself (each channel's statistics are taken
     before that channel is written).
+
+    `statistics`: the `ImageStatistics` of the whole image `image` was cut from (`preprocess` passes them): its
+    z-score means and stds, and whether the z-score is 0 outside `mask`; None: those of `image` and `mask`.
     """
     out = np.empty(image.shape, dtype=np.float32) if out is None else out
-    use = mask if mask.any() and not mask.all() else None
+    masked = statistics.masked if statistics is not None else bool(mask.any() and not mask.all())
+    use = mask if masked else None
     slabs = [slice(z, z + NORMALIZE_SLICES) for z in range(0, image.shape[2], NORMALIZE_SLICES)]
     for c, norm in enumerate(_per_channel(normalization, image.shape[-1])):
         x = image[..., c]
@@ -294,10 +363,12 @@ def normalize(
             for z in slabs:
                 out[:, :, z, c] = (np.clip(_float32(x[:, :, z]), *ct_window) - mean) / max(std, 1e-8)
         elif norm == "zscore":
-            values = _float32(x[use] if use is not None else x)
-            std = float(values.std())
-            mean = float(values.mean())
-            del values
+            if statistics is not None:
+                mean, std = statistics.zscore[c]
+            else:
+                values = _float32(x[use] if use is not None else x)
+                mean, std = float(values.mean(dtype=np.float64)), float(values.std(dtype=np.float64))
+                del values
             for z in slabs:
                 y = (_float32(x[:, :, z]) - mean) / max(std, 1e-8)
                 out[:, :, z, c] = np.where(use[:, :, z], y, 0.0) if use is not None else y
@@ -316,8 +387,14 @@ def preprocess(
     affine: np.ndarray,
     config: PreprocessConfig,
     overwrite_image: bool = False,
+    statistics: ImageStatistics | None = None,
 ):
     """Runs the whole deterministic chain on one case.
+
+    The normalisation's statistics (`image_statistics`: each channel's background, a z-score's mean and std) are
+    the whole image's, taken before the crop, whichever crop is cut (foreground, or `crop_to_label_mm`'s box around
+    the labels); a box cut from a larger image passes that image's (`statistics`), so its voxels get the values they
+    get in the larger image's preprocessing (a cascade's regions: `tfmis.inference.cascade`).
 
     Args:
         image: float32 (X, Y, Z, C) in file voxel order, or integers (`load_image(..., integers=True)`: the same
@@ -328,6 +405,7 @@ def preprocess(
         overwrite_image: normalise in `image`'s own memory (it is left holding the normalised values in its
             foreground box) instead of a new array: the same results with one volume less at the peak, for a
             caller that is done with `image` (the conversion worker).
+        statistics: the `ImageStatistics` of the image `image` was cut from; None: `image`'s own.
 
     Returns:
         (image (x, y, z, C) in `config.image_dtype`, label (x, y, z) uint8 or None, `Geometry`).
@@ -341,7 +419,11 @@ def preprocess(
     ras_shape = [int(n) for n in ras_image.shape[:3]]
     # on the file's memory order (a contiguous read, many times faster on a CT than through the flipped view;
     # docs/benchmarks.md, "A region per structure, at real anatomy"), then a view
-    mask = reorient_to_ras(foreground_mask(image, config.normalization, config.ct_window), affine, copy=False)[0]
+    backgrounds = statistics.backgrounds if statistics is not None else None
+    mask = foreground_mask(image, config.normalization, config.ct_window, backgrounds=backgrounds)
+    if statistics is None:  # the whole image's, before the crop (the same file-order read)
+        statistics = image_statistics(image, config.normalization, config.ct_window, mask=mask)
+    mask = reorient_to_ras(mask, affine, copy=False)[0]
     if config.crop_to_label_mm is not None and ras_label is not None and ras_label.any():
         start, stop = label_box(ras_label > 0, spacing_of(ras_affine), config.crop_to_label_mm)
     elif config.crop_foreground:
@@ -372,6 +454,7 @@ def preprocess(
         config.ct_window,
         config.ct_mean_std,
         out=ras_image if overwrite_image else None,
+        statistics=statistics,
     )
     del mask
     out_image = resample(normalized, scale, out_shape, order=1, dtype=config.image_dtype)

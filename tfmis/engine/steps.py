@@ -137,12 +137,13 @@ class TrainerSteps:
                     g = self.parallel.gradients(scaled, variables)
                 else:
                     g = tape.gradient(scaled, variables)
-            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            grads = g if grads is None else self._per_variable(lambda a, b: a + b, variables, grads, g)
             total_loss += tf.cast(loss, tf.float32)
         with tf.name_scope("gradient_reduce"):
             grads = self.backend.reduce_gradients(grads)  # the global gradient, the same on every replica
         with tf.name_scope("optimizer_step"):
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
+            checks = self._per_variable(lambda g: tf.reduce_all(tf.math.is_finite(g)), variables, grads)
+            finite = tf.reduce_all([c for c in checks if c is not None])
             if loss_scaler:  # skips a non-finite step itself, lowering the scale (its check sees the same grads)
                 self.optimizer.apply(grads, variables)
             else:
@@ -150,6 +151,23 @@ class TrainerSteps:
         for variable, value in zip(state, saved):
             variable.assign(tf.where(finite, variable, value))
         return total_loss / n, 1.0 - tf.cast(finite, tf.float32)
+
+    def _per_variable(self, fn, variables, *per_variable):
+        """[fn(*values of variable i) for each variable], each on its variable's device when the model runs over
+        several devices (a pipeline's stages own their variables: their gradient sums over accumulation steps
+        and their finiteness checks stay there instead of copying every gradient to the first device); None
+        where a value is None."""
+        out = []
+        for variable, values in zip(variables, zip(*per_variable)):
+            if any(v is None for v in values):
+                out.append(None)
+                continue
+            if self.parallel is None:
+                out.append(fn(*values))
+                continue
+            with tf.device(variable.value.device):
+                out.append(fn(*values))
+        return out
 
     def _steps_loop(self, iterator, num_steps: int):
         """`num_steps` optimizer steps in one call, whose results the host reads once per loop instead of once

@@ -123,6 +123,8 @@ class Trainer(TrainerSteps, EpochBookkeeping):
             self.schedule_length = self.task.build_schedule_length(self.steps_per_epoch)
             self.optimizer = self.task.build_optimizer(self.global_batch, self.steps_per_epoch, self.schedule_length)
             self.optimizer.build(self.training_model.trainable_variables)
+            if self.parallel is not None:  # a pipeline stage's weights and slots are updated on its device
+                self.parallel.place_optimizer(self.optimizer)
             self.backend.prepare_optimizer(self.optimizer)  # the step reduces gradients before apply() clips them
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
             self.best_dice = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_dice")

@@ -1,13 +1,25 @@
 """Prediction through a coarse-to-fine cascade: a coarse stage finds the structures, a fine stage segments each.
 
 The coarse stage (a low-resolution run) predicts the whole scan. Each connected piece of its foreground (classes
-that touch form one piece) gets its own box, grown by `cascade.margin_mm` per side; boxes that overlap are merged.
-Each box is cut from the original scan and goes through the fine stage (a full-resolution run trained on cases
-cropped the same way, `data.conversion.crop_to_label_mm`). Small pieces are regions like any other: only pieces
-under `cascade.min_region_mm3` (0 by default) are left out. Outside the boxes the label is background, or the
-coarse stage's label for the classes the fine stage does not decide (`cascade.fine_classes`). When the coarse stage
-finds nothing, the fine stage runs over the whole scan and decides every class; the CSV's `region` column says so.
-The written label map has the input's geometry, as with one stage.
+that touch form one piece, 26-connected) is either a region of its own or keeps the coarse stage's label; no piece is
+ever dropped. `cascade.min_region_mm3` (0 by default, a volume on the coarse grid) decides which, the same way
+whether the scan holds other pieces or not:
+
+- a piece of at least `min_region_mm3` gets a region: its box grown by `cascade.margin_mm` per side and, where the
+  scan allows, to at least the fine stage's patch (`validation.roi_size` at its spacing); boxes that overlap are
+  merged. Each box is cut from the original scan and goes through the fine stage (a full-resolution run trained on
+  cases cropped the same way, `data.conversion.crop_to_label_mm`), normalised with the whole scan's statistics
+  (`tfmis.data.preprocess.image_statistics`), as the fine stage's training crops are;
+- a smaller piece keeps the coarse stage's label (and probabilities) at its place, unless it lies in another
+  piece's region, where the fine stage decides as everywhere in a region.
+
+The prediction is one probability map and its argmax (its painting, for `model.output: regions`): the coarse stage's
+probabilities (restored to the scan's grid) outside the regions, and inside them the fine stage's for the classes it
+decides, `F` (`cascade.fine_classes`; every foreground class when unset), composed with the coarse stage's for the
+rest (`compose_probabilities`): p(c) = p_fine(c) for c in F, and p(c) = p_fine(not F) * p_coarse(c | not F) for the
+other classes and the background. Without `fine_classes` that is the fine stage's probabilities in the regions.
+When the coarse stage finds nothing at all, the fine stage runs over the whole scan and decides every class; the
+CSV's `region` column says so. The written label map has the input's geometry, as with one stage.
 
 Example:
 ```python
@@ -21,11 +33,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import nibabel as nib
 import numpy as np
 from scipy import ndimage
 
 from tfmis.config import load_config
-from tfmis.data.boxes import Box, grow_box, merge_boxes
+from tfmis.data.boxes import Box, grow_box, merge_boxes, pad_box
+from tfmis.data.preprocess import ImageStatistics, PreprocessConfig, image_statistics, preprocess
 from tfmis.errors import ConfigError, DataError, MissingInput
 from tfmis.inference.inputs import run_config
 from tfmis.inference.predictor import GridPrediction, Predictor
@@ -68,32 +82,61 @@ def regions_of_interest(
 
 
 def coarse_regions(
-    grid: GridPrediction, affine: np.ndarray, margin_mm: float, min_volume_mm3: float = 0.0
-) -> list[Box]:
-    """The fine stage's boxes on the scan's grid (`affine`): each connected piece of the coarse stage's foreground,
-    found on its own grid (the argmax, a few hundred times fewer voxels than the scan), mapped to the scan's voxels
-    (flips and anisotropic spacings included), grown by `margin_mm`; overlapping boxes merged. Pieces under
-    `min_volume_mm3` (measured on the coarse grid) are left out. [] when the coarse stage found nothing."""
+    grid: GridPrediction, affine: np.ndarray, margin_mm: float, min_volume_mm3: float = 0.0, min_size_mm=None
+) -> tuple[list[Box], int]:
+    """(the fine stage's boxes on the scan's grid (`affine`), the number of pieces that keep the coarse label).
+
+    Each connected piece of the coarse stage's foreground, found on its own grid (the argmax or the painted regions,
+    a few hundred times fewer voxels than the scan), of at least `min_volume_mm3` (measured on the coarse grid) is
+    mapped to the scan's voxels (flips and anisotropic spacings included), grown by `margin_mm` per side and to at
+    least `min_size_mm` (mm along R, A, S: the fine patch) where the scan allows; overlapping boxes are merged. The
+    smaller pieces are counted, not boxed. ([], 0) when the coarse stage found nothing."""
     if grid.probabilities is None:
-        return []
+        return [], 0
     coarse_voxel_mm3 = float(np.prod(grid.geometry.spacing))
     min_voxels = min_volume_mm3 / coarse_voxel_mm3 if min_volume_mm3 > 0 else 0
     offset = np.asarray(grid.offset)
     shape = grid.geometry.original_shape
+    foreground = grid.grid_labels() > 0
+    found = pieces(foreground, min_voxels)
+    small = len(pieces(foreground)) - len(found) if min_voxels > 0 else 0
+    del foreground
+    min_size = scan_extent_voxels(affine, min_size_mm) if min_size_mm is not None else None
     boxes = []
-    for start, stop in pieces(grid.grid_labels() > 0, min_voxels):
+    for start, stop in found:
         first, last = original_box(start + offset, stop + offset, grid.geometry)
         if np.all(last > first):
-            boxes.append(grow_box(first, last, affine, margin_mm, shape))
-    return merge_boxes(boxes)
+            box = grow_box(first, last, affine, margin_mm, shape)
+            boxes.append(box if min_size is None else pad_box(box, min_size, shape))
+    return merge_boxes(boxes), small
 
 
-def describe_regions(boxes: list[Box], shape) -> str:
-    """One line for the CSV's `region` column: the number of boxes, their share of the scan and their sizes."""
+def scan_extent_voxels(affine: np.ndarray, extent_mm) -> np.ndarray:
+    """Per axis of the scan of `affine`, the voxels that span `extent_mm` (mm along R, A, S), rounded up.
+
+    Example:
+        >>> scan_extent_voxels(np.diag([-0.8, 2.0, 1.0, 1.0])[:, [2, 0, 1, 3]], (48.0, 48.0, 60.0)).tolist()
+        [60, 60, 24]
+    """
+    ornt = nib.orientations.io_orientation(affine)
+    spacing = np.linalg.norm(np.asarray(affine, dtype=np.float64)[:3, :3], axis=0)
+    extent = np.array([float(extent_mm[int(ras)]) for ras, _ in ornt])
+    return np.ceil(extent / spacing - 1e-9).astype(int)
+
+
+def describe_regions(boxes: list[Box], shape, small: int = 0) -> str:
+    """One line for the CSV's `region` column: the number of boxes, their share of the scan and their sizes, and the
+    pieces under `cascade.min_region_mm3` that keep the coarse stage's label."""
+    kept = ""
+    if small:
+        kept = f"{small} piece{'s' if small > 1 else ''} under cascade.min_region_mm3 keep{'' if small > 1 else 's'}"
+        kept += " the coarse label"
+    if not boxes:
+        return f"no region: {kept}"
     share = sum(float(np.prod([s.stop - s.start for s in b])) for b in boxes) / float(np.prod(shape[:3]))
     sizes = ", ".join("x".join(str(s.stop - s.start) for s in b) for b in boxes)
     what = "1 region" if len(boxes) == 1 else f"{len(boxes)} regions"
-    return f"{what} = {100 * share:.3g}% of the scan: {sizes}"
+    return f"{what} = {100 * share:.3g}% of the scan: {sizes}" + (f"; {kept}" if kept else "")
 
 
 def crop_affine(affine: np.ndarray, box: Box) -> np.ndarray:
@@ -103,17 +146,82 @@ def crop_affine(affine: np.ndarray, box: Box) -> np.ndarray:
     return out
 
 
+def cut_regions(holder: list, boxes: list[Box], preprocessing: PreprocessConfig) -> tuple[list, ImageStatistics]:
+    """(each box of the image in `holder` ([image], emptied), the image's normalisation statistics): what the fine
+    stage preprocesses, each box with the whole image's statistics (`preprocess(box, ..., statistics=...)`), so its
+    voxels get the values the fine stage's training crops give them (`tfmis.data.preprocess.image_statistics`)."""
+    image = holder.pop()
+    statistics = image_statistics(image, preprocessing.normalization, preprocessing.ct_window)
+    return [np.ascontiguousarray(image[box]) for box in boxes], statistics
+
+
+def region_input(sub: np.ndarray, affine: np.ndarray, box: Box, preprocessing: PreprocessConfig, statistics):
+    """(volume, `Geometry`): the fine stage's input for the box `sub` = image[box] of the image of `affine` and
+    `statistics` (`cut_regions`)."""
+    volume, _, geometry = preprocess(sub, None, crop_affine(affine, box), preprocessing, statistics=statistics)
+    return volume, geometry
+
+
+COMPOSE_SLICES = 8  # x-slices composed at a time (bounds the temporaries to a few slices of K channels)
+REGION_CHUNK_VOXELS = 2**21  # a region's voxels restored (K channels of each stage) and composed at a time
+
+
+def compose_probabilities(fine: np.ndarray, coarse: np.ndarray, fine_classes, out=None) -> np.ndarray:
+    """The cascade's probabilities (..., K) in a region: the fine stage's for its classes F (`fine_classes`), the
+    fine stage's probability of none of them shared among the other classes (the background included) as the coarse
+    stage shares its probability of those: p(c) = p_fine(c) for c in F, p(c) = p_fine(not F) * p_coarse(c) /
+    p_coarse(not F) otherwise (all of it to the background where the coarse stage gives those classes 0). A
+    distribution (sums to 1); with F every foreground class it is `fine` itself. `out` may be `fine`.
+
+    Example:
+        >>> fine = np.array([[0.5, 0.1, 0.4], [0.2, 0.7, 0.1]], np.float32)
+        >>> coarse = np.array([[0.2, 0.6, 0.2], [0.0, 0.0, 1.0]], np.float32)
+        >>> compose_probabilities(fine, coarse, [2]).astype(float).round(3).tolist()
+        [[0.15, 0.45, 0.4], [0.9, 0.0, 0.1]]
+    """
+    out = np.empty(fine.shape, np.float32) if out is None else out
+    is_fine = np.zeros(fine.shape[-1], bool)
+    is_fine[list(fine_classes)] = True
+    others, chosen = np.flatnonzero(~is_fine), np.flatnonzero(is_fine)
+    for first in range(0, fine.shape[0], COMPOSE_SLICES):
+        rows = slice(first, first + COMPOSE_SLICES)
+        rest = fine[rows][..., others].astype(np.float32).sum(axis=-1, keepdims=True)  # p_fine(not F)
+        share = coarse[rows][..., others].astype(np.float32)
+        total = share.sum(axis=-1, keepdims=True)
+        share[..., 0] = np.where(total[..., 0] > 0, share[..., 0], 1.0)
+        share /= np.where(total > 0, total, 1.0)
+        block = out[rows]
+        if out is not fine:
+            block[..., chosen] = fine[rows][..., chosen]
+        block[..., others] = rest * share
+    return out
+
+
+def argmax_labels(probabilities: np.ndarray) -> np.ndarray:
+    """uint8 argmax over the last axis, a few x-slices at a time (no int64 array of the volume's size)."""
+    labels = np.empty(probabilities.shape[:-1], np.uint8)
+    for first in range(0, probabilities.shape[0], COMPOSE_SLICES):
+        labels[first : first + COMPOSE_SLICES] = np.argmax(probabilities[first : first + COMPOSE_SLICES], axis=-1)
+    return labels
+
+
+def box_corners(box: Box) -> tuple[np.ndarray, np.ndarray]:
+    """(start, stop) of a box of slices."""
+    return np.array([s.start for s in box]), np.array([s.stop for s in box])
+
+
 class CascadePredictor(Predictor):
     """A `Predictor` for the fine stage that first runs `coarse` on the whole scan to find where to look.
 
     Args:
         config, checkpoint: the fine stage's run (its `cascade.margin_mm`, `cascade.min_region_mm3` and
             `cascade.fine_classes`), or its folds (a list: `Predictor`'s fold ensemble).
-        coarse: the coarse stage's `Predictor` (for folds, the fold ensemble of their coarse runs).
+        coarse: the coarse stage's `Predictor` (for folds, the fold ensemble of their coarse runs), with this run's
+            classes and outputs (classes, or the same `model.output: regions`).
         kwargs: `Predictor`'s (sliding-window settings, device, test-time augmentation), for both stages.
 
     After each case, `last_region` describes what the fine stage saw (also in `CaseResult.region`) and `last_boxes`
-    are its boxes (slices of the scan's grid; [] when it saw the whole scan).
+    are its boxes (slices of the scan's grid; [] when it saw the whole scan or no region).
     """
 
     def __init__(self, config, checkpoint, coarse: Predictor, **kwargs):
@@ -122,6 +230,11 @@ class CascadePredictor(Predictor):
             raise DataError(
                 f"cascade.coarse_run: its classes {coarse.class_names} differ from this run's {self.class_names}"
             )
+        if coarse.task.paint_labels != self.task.paint_labels:
+            raise DataError(
+                "cascade.coarse_run: its outputs (model.output, validation.regions) differ from this run's: the "
+                "cascade's probabilities are the coarse stage's outside the regions and the fine stage's inside"
+            )
         self.coarse = coarse
         self.margin_mm = float(config.cascade.margin_mm)
         self.min_region_mm3 = float(config.cascade.min_region_mm3)
@@ -129,60 +242,84 @@ class CascadePredictor(Predictor):
         self.fine_classes = sorted(fine) if fine else None
         if self.fine_classes and max(self.fine_classes) >= len(self.class_names):
             raise ConfigError(f"cascade.fine_classes {fine}: this run has labels 0..{len(self.class_names) - 1}")
+        if self.fine_classes and self.task.paint_labels is not None:
+            raise ConfigError(
+                "cascade.fine_classes needs class outputs: with model.output: regions the fine stage decides every "
+                "class in its regions (set cascade.fine_classes: null)"
+            )
+        spacing = self.preprocessing.spacing
+        self.min_size_mm = (
+            None if spacing is None else tuple(float(n) * float(s) for n, s in zip(self.roi_size, spacing))
+        )
         self.last_region = ""
         self.last_boxes: list[Box] = []
 
     def predict_image(self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True):
-        """(label map, probabilities (X, Y, Z, K) or None, device) of the image in `holder` ([image], emptied
-        once the fine stage's boxes are cut): the coarse stage over the whole scan, the fine stage over each box
-        around what it found (cut from the original scan, so it is preprocessed as the fine stage's training crops).
-        Without `cascade.fine_classes` the label map is the fine stage's inside the boxes and background outside;
-        with them, the coarse stage's everywhere, those classes replaced inside the boxes by the fine stage's. The
-        probabilities are the fine stage's inside the boxes, background outside. When the coarse stage found
-        nothing, the fine stage's over the whole scan, every class."""
-        image = holder.pop()
-        shape = image.shape[:3]
-        grid = self.coarse.grid_prediction(image, affine, case_id)
-        boxes = self.last_boxes = coarse_regions(grid, affine, self.margin_mm, self.min_region_mm3)
-        if not boxes:
+        """(label map, probabilities (X, Y, Z, K) or None, device) of the image in `holder` ([image], emptied once
+        the regions are cut), as the module describes: the coarse stage over the whole scan, the fine stage over
+        each region (cut from the original scan and normalised with its statistics); the label map is the argmax (or
+        the painting) of the probabilities, whether they are returned or not."""
+        shape = holder[0].shape[:3]
+        grid = self.coarse.grid_prediction(holder[0], affine, case_id)
+        boxes, small = coarse_regions(grid, affine, self.margin_mm, self.min_region_mm3, self.min_size_mm)
+        self.last_boxes = boxes
+        if not boxes and not small:
             self.last_region = "whole scan (the coarse stage found nothing)"
             del grid
-            return super().predict_image([image], affine, case_id, probabilities)
+            return super().predict_image(holder, affine, case_id, probabilities)
         # every box cut first, so the scan goes before the first fine sliding window (the boxes are a part of it)
-        subs = [np.ascontiguousarray(image[box]) for box in boxes]
-        del image
-        fine_results, full, devices = [], None, [grid.device]
+        subs, statistics = cut_regions(holder, boxes, self.preprocessing)
+        labels, full = grid.restore(True) if probabilities else (None, None)
+        devices, inside = [grid.device], []
         for number, box in enumerate(boxes):
-            sub_labels, sub_probabilities, device = super().predict_image(
-                [subs[number]], crop_affine(affine, box), case_id, probabilities
-            )
+            volume, geometry = region_input(subs[number], affine, box, self.preprocessing, statistics)
             subs[number] = None
-            devices.append(device)
-            fine_results.append(sub_labels)
-            if sub_probabilities is not None:
-                if full is None:
-                    full = np.zeros((*shape, sub_probabilities.shape[-1]), dtype=sub_probabilities.dtype)
-                    if self.task.regions is None:  # background outside the boxes (region probabilities stay 0)
-                        full[..., 0] = 1
-                full[box] = sub_probabilities
-            del sub_probabilities
-        # the scan-sized label map only now: the coarse labels (restored from the small coarse grid) or background
-        if self.fine_classes is None:
-            labels = np.zeros(shape, dtype=np.uint8)
-            is_fine = np.ones(256, dtype=bool)
-        else:
-            labels = grid.restore()[0].astype(np.uint8, copy=False)
-            is_fine = np.zeros(256, dtype=bool)  # a lookup table on the uint8 labels (np.isin sorts a copy)
-            is_fine[self.fine_classes] = True
+            fine = self._grid_prediction([volume], geometry, case_id, None)
+            devices.append(fine.device)
+            inside.append(self._region(fine, grid, box, full))
+            del fine
+        if labels is None:  # the scan-sized label map only now
+            labels = self._coarse_labels(grid, small)
         del grid
-        # the boxes are disjoint (merged), so each writes its own voxels
-        for box, sub_labels in zip(boxes, fine_results):
-            inside = labels[box]
-            inside[is_fine[inside]] = 0
-            fine = is_fine[sub_labels]
-            inside[fine] = sub_labels[fine]
-        self.last_region = describe_regions(boxes, shape)
+        for box, box_labels in zip(boxes, inside):  # the boxes are disjoint (merged): each writes its own voxels
+            labels[box] = box_labels
+        self.last_region = describe_regions(boxes, shape, small)
         return labels, full, " / ".join(dict.fromkeys(devices))
+
+    def _region(self, fine: GridPrediction, coarse: GridPrediction, box: Box, full) -> np.ndarray:
+        """The uint8 label map of `box` from the fine stage's prediction there (`fine`, on the box's grid) and, with
+        `cascade.fine_classes`, the coarse stage's (`compose_probabilities`); its probabilities are written into
+        `full[box]` when `full` is given (then holding the coarse stage's). The probabilities are restored a few
+        x-slices at a time (`REGION_CHUNK_VOXELS`), so a large region costs no region-sized K-channel arrays."""
+        compose = self.fine_classes is not None
+        if not compose and full is None:  # the fine stage's argmax: the label-only restore
+            return fine.restore()[0]
+        first, last = box_corners(box)
+        size = last - first
+        labels = np.empty(tuple(int(n) for n in size), np.uint8)
+        rows = max(1, REGION_CHUNK_VOXELS // int(np.prod(size[1:])))
+        for x in range(0, int(size[0]), rows):
+            low, high = np.array([x, 0, 0]), np.array([min(x + rows, int(size[0])), size[1], size[2]])
+            chunk_labels, probabilities = fine.restore(True, within=(low, high))
+            where = tuple(slice(int(a), int(b)) for a, b in zip(first + low, first + high))
+            if compose:
+                below = full[where] if full is not None else coarse.restore(True, within=(first + low, first + high))[1]
+                probabilities = compose_probabilities(probabilities, below, self.fine_classes, out=probabilities)
+                chunk_labels = argmax_labels(probabilities)
+            if full is not None:
+                full[where] = probabilities
+            labels[low[0] : high[0]] = chunk_labels
+        return labels
+
+    def _coarse_labels(self, grid: GridPrediction, small: int) -> np.ndarray:
+        """The coarse stage's label map on the scan's grid. Background without restoring when every piece got a
+        region and the margin is at least a coarse voxel: a voxel the restore labels foreground interpolates a coarse
+        voxel of a piece (a mean of corners whose argmax is the background has the background as its argmax, and a
+        mean of region probabilities at most 0.5 paints nothing), so it lies within a coarse voxel of the piece,
+        inside its region."""
+        if small == 0 and self.margin_mm >= float(np.max(grid.geometry.spacing)):
+            return np.zeros(tuple(grid.geometry.original_shape), np.uint8)
+        return grid.restore()[0]
 
     def predict_array(self, image, affine, case_id: str = "", roi=None, probabilities: bool = True):
         if roi is not None:

@@ -37,6 +37,7 @@ class InputCase:
     case_id: str
     image: str | tuple[str, ...]
     label: str | None = None
+    series: str | None = None  # a DICOM series: `image` is its folder, this its SeriesInstanceUID
 
     @property
     def first_file(self) -> str:
@@ -45,17 +46,24 @@ class InputCase:
 
 
 def collect_inputs(
-    input_path: str | Path, subset: str = "test", label_dir: str | Path | None = None, index: dict | None = None
+    input_path: str | Path,
+    subset: str = "test",
+    label_dir: str | Path | None = None,
+    index: dict | None = None,
+    series: str | None = None,
 ) -> list[InputCase]:
     """The cases named by `--input`: one image file, a folder of them, or a dataset (its folder or dataset.json: MSD or
-    nnU-Net v2 raw, `tfmis.data.datasets.open_dataset`). Images are files `tfmis.data.image_io` reads (NIfTI, NRRD,
+    nnU-Net v2 raw, `tfmis.data.datasets.open_dataset`); or a DICOM series folder, or a folder of them (one case
+    each, named after its folder: `dicom_cases`). Images are files `tfmis.data.image_io` reads (NIfTI, NRRD,
     MetaImage); an nnU-Net case is its channel files.
 
     Args:
         subset: for a dataset.json: `test` (its test list), `training` (all labelled cases), or
             `split:NAME` (the cases of split NAME of the training run's converted dataset, e.g. `split:val`).
-        label_dir: folder of ground-truth label maps named like the images (for Dice).
+        label_dir: folder of ground-truth label maps named like the images (for Dice); a DICOM case's is
+            `<case>.nii.gz`.
         index: the training run's index.json (for `split:NAME`).
+        series: `--series`: the SeriesInstanceUID to read where a DICOM folder holds several series.
     """
     from tfmis.data.datasets import open_dataset
 
@@ -88,19 +96,44 @@ def collect_inputs(
     elif path.is_dir():
         files = sorted(p for p in path.iterdir() if image_suffix(p.name) and not p.name.startswith("._"))
         cases = [InputCase(case_id_from_path(p.name), str(p)) for p in files]
+        cases += dicom_cases(path, series)
     elif path.is_file():
         cases = [InputCase(case_id_from_path(path.name), str(path))]
+        _not_a_dicom_file(path)
     else:
         raise MissingInput(f"--input {path} does not exist")
+    if series is not None and not any(c.series for c in cases):
+        raise UsageError(f"--series {series}: --input {path} is not a DICOM series folder (nor a folder of them)")
     if label_dir is not None:
         for c in cases:
-            # a label is named as its image, or <case><suffix> for an image of channel files
-            name = Path(c.image).name if isinstance(c.image, str) else c.case_id + (image_suffix(c.first_file) or "")
+            # a label is named as its image, <case><suffix> for an image of channel files, <case>.nii.gz for DICOM
+            if c.series:
+                name = f"{c.case_id}.nii.gz"
+            elif isinstance(c.image, str):
+                name = Path(c.image).name
+            else:
+                name = c.case_id + (image_suffix(c.first_file) or "")
             candidate = Path(label_dir) / name
             c.label = str(candidate) if candidate.is_file() else c.label
     if not cases:
-        raise DataError(f"--input {path}: no image files found (.nii.gz, .nii, .nrrd, .mha, .mhd)")
+        raise DataError(f"--input {path}: no image files (.nii.gz, .nii, .nrrd, .mha, .mhd) or DICOM series found")
     return cases
+
+
+def _not_a_dicom_file(path: Path) -> None:
+    from tfmis.data.dicom_series import looks_like_dicom
+
+    if looks_like_dicom(path):
+        raise UsageError(f"--input {path} is one DICOM slice: give the folder that holds its series")
+
+
+def dicom_cases(path: Path, series: str | None = None) -> list[InputCase]:
+    """The DICOM series under `path` (`tfmis.data.dicom_series.series_folders`): `path` itself when it holds DICOM
+    files, else each subfolder that does; a folder of several series reads `series` or is a `UsageError` listing
+    them."""
+    from tfmis.data.dicom_series import series_folders
+
+    return [InputCase(name, str(folder), series=uid) for name, folder, uid in series_folders(path, series)]
 
 
 def find_run_dir(checkpoint: str | Path) -> Path | None:

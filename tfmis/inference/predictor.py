@@ -45,6 +45,7 @@ from tfmis.data.records import load_training_data_info
 from tfmis.errors import DataError, UsageError
 from tfmis.hardware import CPU, accelerator_device, model_parallel_devices, peak_rss_mb, reset_peak_rss
 from tfmis.inference.blending import check_buffer_dtype
+from tfmis.inference.dicom_seg import SEG_SUFFIX, read_dicom_case, write_segmentation
 from tfmis.inference.inputs import (  # noqa: F401 (collect_inputs, copy_weights_by_name, run_config: re-exported)
     InputCase,
     check_same_training_data,
@@ -100,10 +101,11 @@ class GridPrediction:
             return np.argmax(self.probabilities, axis=-1).astype(np.uint8)
         return paint_regions(self.probabilities, self.paint_labels)
 
-    def restore(self, probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-        """(uint8 label map, float32 (X, Y, Z, channels) probabilities or None) on the original grid."""
+    def restore(self, probabilities: bool = False, within: tuple | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(uint8 label map, float32 (X, Y, Z, channels) probabilities or None) on the original grid, or only on its
+        box `within` ((start, stop) original voxels: arrays of that box's shape, the same values)."""
         if self.probabilities is None:
-            shape = tuple(self.geometry.original_shape)
+            shape = tuple(self.geometry.original_shape) if within is None else tuple(np.subtract(within[1], within[0]))
             restored = np.zeros((*shape, self.channels), np.float32) if probabilities else None
             if restored is not None and self.paint_labels is None:
                 restored[..., 0] = 1.0
@@ -115,6 +117,7 @@ class GridPrediction:
             box=self.box,
             probabilities_out=probabilities,
             paint_labels=self.paint_labels,
+            within=within,
         )
 
 
@@ -130,10 +133,11 @@ class ScanPredictor:
 
     A subclass sets `task`, `class_names`, `modalities`, `score_columns`, `postprocessing` (a `PostprocessingConfig`
     applied to each label map, or None) and `events` (what its placement policy did, in order), and after each case
-    `last_region` (a cascade's boxes, else "").
+    `last_region` (a cascade's boxes, else ""). `output_format` says how label maps are written.
     """
 
     last_region = ""
+    output_format = "nifti"  # or "dicom-seg" (`tfmis.inference.dicom_seg.OUTPUT_FORMATS`): how label maps are written
 
     def predict_image(self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True):
         raise NotImplementedError
@@ -142,7 +146,9 @@ class ScanPredictor:
         """Predicts one image and writes its label map `<case_id><suffix>` in the input's format and geometry (an
         `.mha` input gives an `.mha` with its direction, origin and spacing; a NIfTI keeps its header), and with
         `probabilities` `<case_id>_probabilities.nii.gz` (NIfTI whatever the input: uint8 scaled, one channel per
-        class or region).
+        class or region). A DICOM series folder (`case.series`) is read by `tfmis.data.dicom_series` and its label
+        map written as `<case_id>.nii.gz`, or with `output_format` "dicom-seg" as `<case_id>.seg.dcm`, a DICOM SEG
+        referencing the series (`tfmis.inference.dicom_seg`).
 
         The label map is postprocessed (`postprocessing`) before it is written and scored; the probabilities are
         the prediction's, as nnU-Net writes them.
@@ -154,16 +160,24 @@ class ScanPredictor:
         output_dir = Path(output_dir)
         reset_peak_rss()
         try:
-            image, affine, _ = load_image(case.image, len(self.modalities), case.case_id, integers=True)
-            first = case.first_file
-            header = read_geometry(first)[1]  # a NIfTI's own header is written back (None for other formats)
+            dicom = None  # a DICOM series' DicomVolume (its slices' headers, for a DICOM SEG)
+            if case.series is not None:
+                image, affine, header, dicom = read_dicom_case(case, len(self.modalities))
+                suffix = ".nii.gz"
+            else:
+                image, affine, _ = load_image(case.image, len(self.modalities), case.case_id, integers=True)
+                header = read_geometry(case.first_file)[1]  # a NIfTI's own header is written back (None otherwise)
+                suffix = output_suffix(case.first_file)
             shape = tuple(image.shape[:3])
             holder = [image]
             del image  # predict_image lets it go once preprocessed
             label_map, probs, device = self.predict_image(holder, affine, case.case_id, probabilities)
             removed = self._postprocess(label_map)
-            out = output_dir / f"{case.case_id}{output_suffix(first)}"
-            save_like(label_map, affine, header, out, np.uint8)
+            if self.output_format == "dicom-seg":  # a DICOM SEG referencing the series (tfmis.inference.dicom_seg)
+                out = write_segmentation(label_map, dicom, self.class_names, output_dir / f"{case.case_id}{SEG_SUFFIX}")
+            else:
+                out = output_dir / f"{case.case_id}{suffix}"
+                save_like(label_map, affine, header, out, np.uint8)
             if probabilities:
                 # NIfTI-1 has no float16: uint8 with a scale factor (readers get floats, step 1/255)
                 save_like(probs, affine, header, output_dir / f"{case.case_id}_probabilities.nii.gz", np.uint8)

@@ -164,6 +164,7 @@ def restore_labels(
     probabilities_out: bool = False,
     slab_voxels: int = SLAB_VOXELS,
     paint_labels=None,
+    within: tuple | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Label map (and optionally probabilities) on the original grid from probabilities on the preprocessed grid.
 
@@ -180,12 +181,19 @@ def restore_labels(
         slab_voxels: output voxels resampled at a time (bounds the temporary memory).
         paint_labels: None (the channels are classes: argmax), or the label each region channel paints
             (`paint_regions`); the probabilities returned are then the regions', 0 outside the filled part.
+        within: (start, stop) in original voxel indices: return only that box of the original grid (arrays of its
+            shape, e.g. a cascade's region), the same values as the box of the whole result.
 
     Returns:
-        (uint8 label map of the original shape, float32 probabilities or None).
+        (uint8 label map of the original shape (or of `within`'s), float32 probabilities or None).
     """
     g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
     shape = tuple(int(s) for s in g.original_shape)
+    origin = np.zeros(3, int)
+    if within is not None:
+        origin, corner = np.asarray(within[0], int), np.asarray(within[1], int)
+        box = within if box is None else (np.maximum(box[0], origin), np.minimum(box[1], corner))
+        shape = tuple(int(n) for n in corner - origin)
     classes = probabilities.shape[-1]
     labels = np.zeros(shape, np.uint8)
     restored = None
@@ -203,7 +211,15 @@ def restore_labels(
     source_axes = _source_axes(linear)
     if restored is None and source_axes is not None and paint_labels is None:  # argmax only
         _labels_by_cells(
-            probabilities, linear, translation, source_axes, start, stop, labels, min(slab_voxels, LOOKUP_SLAB_VOXELS)
+            probabilities,
+            linear,
+            translation,
+            source_axes,
+            start,
+            stop,
+            labels,
+            min(slab_voxels, LOOKUP_SLAB_VOXELS),
+            origin,
         )
         return labels, None
     source_shape = probabilities.shape[:3]
@@ -229,7 +245,7 @@ def restore_labels(
                 )
             )
         slab = np.stack(slab, axis=-1)
-        where = tuple(slice(a, b) for a, b in zip(slab_start, slab_stop))
+        where = tuple(slice(a, b) for a, b in zip(slab_start - origin, slab_stop - origin))
         labels[where] = np.argmax(slab, axis=-1) if paint_labels is None else paint_regions(slab, paint_labels)
         if restored is not None:
             restored[where] = slab
@@ -254,10 +270,12 @@ def _source_axes(linear: np.ndarray) -> np.ndarray | None:
     return np.argmax(nonzero, axis=0)
 
 
-def _labels_by_cells(probabilities, linear, translation, source_axes, start, stop, labels, slab_voxels) -> None:
-    """Fills `labels[start:stop]` with the argmax of the linearly resampled `probabilities` (as the K-map
-    `affine_transform` way, order 1, edges clamped): looked up where the interpolation cell's eight corners share
-    one argmax, interpolated only where they do not (see the module's docstring)."""
+def _labels_by_cells(
+    probabilities, linear, translation, source_axes, start, stop, labels, slab_voxels, origin=(0, 0, 0)
+) -> None:
+    """Fills `labels[start - origin:stop - origin]` with the argmax of the linearly resampled `probabilities` (as the
+    K-map `affine_transform` way, order 1, edges clamped): looked up where the interpolation cell's eight corners
+    share one argmax, interpolated only where they do not (see the module's docstring)."""
     shape = np.array(probabilities.shape[:3])
     winner = np.empty(tuple(shape), np.uint8)
     rows = max(1, SOFTMAX_VOXELS // max(1, int(np.prod(shape[1:]))))
@@ -302,8 +320,9 @@ def _labels_by_cells(probabilities, linear, translation, source_axes, start, sto
                     at[source_axes[axis]] = np.minimum(base[axis] + d, shape[source_axes[axis]] - 1)
                 total += factor[:, None] * probabilities[at[0], at[1], at[2]]
             slab[tuple(points)] = np.argmax(total.astype(np.float32), axis=-1)
-        first_row = int(start[0]) + first
-        labels[first_row : first_row + slab.shape[0], start[1] : stop[1], start[2] : stop[2]] = slab
+        first_row = int(start[0] - origin[0]) + first
+        y, z = slice(start[1] - origin[1], stop[1] - origin[1]), slice(start[2] - origin[2], stop[2] - origin[2])
+        labels[first_row : first_row + slab.shape[0], y, z] = slab
 
 
 def _shifted(g: Geometry, offset) -> Geometry:

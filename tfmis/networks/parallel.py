@@ -1,4 +1,4 @@
-"""Model parallelism for the U-Net on plain TensorFlow: one Keras model, its variables unchanged, run over several
+"""Model parallelism for the U-Net on plain TensorFlow: one Keras model, its weights unchanged, run over several
 devices by layers (`pipeline`) or by space (`spatial`), with device placement, cross-device tensors and autodiff.
 
 Keras 3's `keras.distribution` is JAX-only and TF DTensor's Conv3D is forward-only, so both modes walk the
@@ -13,7 +13,8 @@ therefore the same whichever mode trained it (train spatial, predict on one devi
   stages, and inside a `tf.function` the dataflow executor runs stage `s` of micro-batch `m + 1` while stage
   `s + 1` works on micro-batch `m`. The micro-batch outputs are joined before the loss, so the loss and its
   gradient are those of the whole batch (BatchNorm, as in GPipe, normalises each micro-batch by its own
-  statistics).
+  statistics). Each stage owns its variables: they are moved to its device once the stages are cut
+  (`place_stage_variables`), with their gradients, optimizer slots and updates (`place_optimizer`).
 - **spatial**: each sample's patch is cut along one axis into `N` slabs, one per device, whose boundaries are
   multiples of the product of the network's strides along that axis (so every level's slabs stay aligned).
   Every convolution first gathers the rows it needs from its neighbours (a halo of `kernel // 2` rows for a
@@ -52,7 +53,7 @@ import tensorflow as tf
 
 from tfmis.errors import ConfigError
 from tfmis.networks.architecture import required_divisor
-from tfmis.networks.pipeline_stages import cut_stages, stage_table
+from tfmis.networks.pipeline_stages import colocate_updates, cut_stages, place_stage_variables, stage_table
 from tfmis.networks.slabs import (  # noqa: F401 (same_padding, slab_bounds: re-exported)
     Slabs,
     _slice,
@@ -71,7 +72,8 @@ class ModelParallel:
     """A Keras functional U-Net run over a mesh of devices by layers or by space.
 
     Args:
-        model: the model (or the deep-supervision training model) to run; its variables are used as they are.
+        model: the model (or the deep-supervision training model) to run; its variables keep their values (a
+            pipeline with `place_variables` moves each to its stage's device).
         mode: "pipeline" or "spatial".
         devices: devices[g] = the devices of data group g (all groups the same length: N per group).
         strides: the U-Net's per-level strides (`model.strides`): spatial slabs are aligned to their product.
@@ -79,6 +81,10 @@ class ModelParallel:
         micro_batches: pipeline: micro-batches per group batch (GPipe's M); must divide it.
         patch_size: the training patch (spatial sizes), used to choose the axis and to size the pipeline stages.
         in_channels: the image channels (sizes the pipeline stages).
+        place_variables: pipeline: move each stage's variables to the stage's device (group 0's), so that their
+            reads, gradient sums and optimizer slots are there (`place_stage_variables`: before any
+            `tf.function` traces the model and before the optimizer is built). Off for a second `ModelParallel`
+            over the same layers (e.g. validation's, cut at another window size), which would move them again.
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class ModelParallel:
         micro_batches: int = 1,
         patch_size: Sequence[int] | None = None,
         in_channels: int | None = None,
+        place_variables: bool = True,
     ):
         if mode not in MODES:
             raise ConfigError(f"runtime.model_parallel.mode must be one of none, {', '.join(MODES)}; got {mode!r}")
@@ -109,8 +116,11 @@ class ModelParallel:
             self.axis = self.choose_axis(self.patch_size, axis) if (axis is not None or self.patch_size) else None
         self.stages: dict[str, int] | None = None  # pipeline: top-level layer name -> stage
         self.stage_costs: list[dict] = []
+        self.placed_variable_bytes: dict[str, int] | None = None  # pipeline: device -> bytes of variables on it
         if mode == "pipeline":
             self._plan_stages()
+            if place_variables:
+                self.placed_variable_bytes = place_stage_variables(self.model, self.stages, self.devices[0])
 
     # ------------------------------------------------------------------ placement
 
@@ -132,8 +142,9 @@ class ModelParallel:
             )
 
     def stage_table(self) -> str:
-        """The pipeline's stages: device, layers, forward bytes per image (activations + parameters)."""
-        return stage_table(self.stage_costs, self.devices[0], self.micro_batches)
+        """The pipeline's stages: device, layers, forward bytes per image (activations + parameters), and the bytes
+        of the variables placed on each stage's device."""
+        return stage_table(self.stage_costs, self.devices[0], self.micro_batches, self.placed_variable_bytes)
 
     def describe(self) -> str:
         """One line (spatial) or a table (pipeline) saying how the model is placed."""
@@ -186,6 +197,12 @@ class ModelParallel:
             return losses[0]
         with tf.device(self.devices[0][0]):
             return tf.add_n(losses) / len(losses)
+
+    def place_optimizer(self, optimizer) -> None:
+        """Runs each variable's optimizer update on the variable's device (`colocate_updates`): with a pipeline's
+        stages owning their variables, the update of a stage's weights and slots stays on its device."""
+        if self.placed_variable_bytes is not None:
+            colocate_updates(optimizer)
 
     @staticmethod
     def gradients(loss, variables):
@@ -271,9 +288,10 @@ class ModelParallel:
         for g, y in enumerate(self._split_batch(labels)):
             sums = []
             for i, ((a, b), device) in enumerate(zip(first.bounds, self.devices[g])):
+                rows = _slice_labels(y, first.axis, a, b)  # sliced where the labels are: only a slab travels
                 with tf.device(device):
                     part = tf.nest.map_structure(lambda s, g=g, i=i: s.parts[g][i], outputs)
-                    sums.append(loss_fn.partial_sums(tf.identity(_slice_labels(y, first.axis, a, b)), part))
+                    sums.append(loss_fn.partial_sums(tf.identity(rows), part))
             with tf.device(self.devices[g][0]):
                 totals = tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)), *sums)
                 losses.append(tf.cast(loss_fn.from_sums(totals), tf.float32))

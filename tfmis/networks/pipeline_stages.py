@@ -1,6 +1,7 @@
 """Pipeline model parallelism's stages: the model's top-level layers in execution order, each sized by its forward
 tensors and parameters at the patch size, cut into contiguous stages of about equal bytes (`cut_stages`, by
-`_balanced_cuts`), and the table that shows them (`stage_table`).
+`_balanced_cuts`), each stage's variables moved to its device (`place_stage_variables`) with their optimizer
+updates (`colocate_updates`), and the table that shows them (`stage_table`).
 
 Used by `tfmis.networks.parallel.ModelParallel` in pipeline mode, which runs each stage's layers on its device.
 """
@@ -67,13 +68,120 @@ def layer_bytes(
     return costs
 
 
-def stage_table(stage_costs: list[dict], devices: Sequence[str], micro_batches: int) -> str:
-    """The pipeline's stages: device, layers, forward bytes per image (activations + parameters)."""
+def place_stage_variables(model: keras.Model, stages: dict[str, int], devices: Sequence[str]) -> dict[str, int]:
+    """Moves every variable of each staged top-level layer of `model` to its stage's device (`devices[stage]`),
+    keeping its value, name, dtype, trainability and aggregation; returns the variable bytes now on each device.
+
+    A Keras 3 variable holds a `tf.Variable` (`variable.value`), created on the default device when the model
+    was built; it is replaced by one made under `tf.device(devices[stage])`. The Keras variable objects stay the
+    same, so the layers, the model's variable lists and checkpoints (`tf.train.Checkpoint` and `save_weights`
+    store values and paths, no devices: a pipeline run resumes and predicts on one device) see no change; the
+    reads, the gradient sums of `tf.gradients` (colocated with the reads) and the optimizer's slots (Keras'
+    TensorFlow optimizer makes them under `colocate_vars_with` the variable) then live on the stage's device.
+
+    Call it before any `tf.function` traces the model and before an optimizer is built over the variables
+    (both keep the `tf.Variable` they saw). A variable already on its device is left as it is; a layer not in
+    `stages` keeps its variables where they are.
+    """
+    placed: dict[str, int] = {}
+    seen: set[int] = set()
+    for layer in model.layers:
+        stage = stages.get(layer.name)
+        if stage is None:
+            continue
+        device = devices[stage]
+        for variable in layer.variables:
+            if id(variable) in seen:  # a variable shared by two layers stays with the first
+                continue
+            seen.add(id(variable))
+            old = variable.value
+            if _canonical(old.device) != _canonical(device):
+                with tf.init_scope(), tf.device(device):
+                    variable._value = None  # Keras' own creation (name, dtype, aggregation) on this device
+                    variable._initialize(tf.identity(old))
+            nbytes = math.prod(int(d) for d in variable.shape) * old.dtype.size
+            placed[device] = placed.get(device, 0) + nbytes
+    return placed
+
+
+def colocate_updates(optimizer) -> None:
+    """Makes each variable's optimizer update run on the variable's device, for an optimizer of one replica (the
+    model-parallel trainer's: `runtime.distribution: none`). Keras' TensorFlow optimizer runs unplaced, so on the
+    default device, which for a pipeline stage's variables would copy their gradients and slots to the first
+    device and the results back: (1) its gradient "all-reduce" over the one replica, an `IdentityN` of every
+    gradient at once, is skipped (the gradients are already the step's); (2) each variable's `update_step` (the
+    slot and weight arithmetic) and the weight decay (`_apply_weight_decay`, called once per device with that
+    device's variables) run under `tf.device` of the variables. All are wrapped on the optimizer (or a
+    `LossScaleOptimizer`'s inner one).
+
+    Raises:
+        ValueError: the optimizer is used under a strategy of several replicas.
+    """
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(target, "_tfmis_colocated_updates", False):
+        return
+    if tf.distribute.get_strategy().num_replicas_in_sync != 1:
+        raise ValueError("colocate_updates: the optimizer of a model over several devices runs in one replica")
+    update_step = target.update_step
+
+    def placed_update_step(gradient, variable, learning_rate):
+        with tf.device(_device_of(variable)):
+            return update_step(gradient, variable, learning_rate)
+
+    apply_weight_decay = target._apply_weight_decay
+
+    def placed_weight_decay(variables):
+        by_device: dict[str, list] = {}
+        for variable in variables:
+            by_device.setdefault(_device_of(variable), []).append(variable)
+        for device, group in by_device.items():
+            with tf.device(device):
+                apply_weight_decay(group)
+
+    target.update_step = placed_update_step
+    target._apply_weight_decay = placed_weight_decay
+    target._all_reduce_sum_gradients = _one_replica
+    target._tfmis_colocated_updates = True
+
+
+def _one_replica(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def _device_of(variable) -> str:
+    """The full device name of a Keras or TensorFlow variable."""
+    return (variable.value if isinstance(variable, keras.Variable) else variable).device
+
+
+def variable_bytes_by_device(variables) -> dict[str, int]:
+    """Bytes of `variables` (Keras or TensorFlow variables) per device ("/CPU:1"), read from the variables' own
+    placement (`tf.Variable.device`)."""
+    out: dict[str, int] = {}
+    for variable in variables:
+        device = _canonical(_device_of(variable))
+        out[device] = out.get(device, 0) + math.prod(int(d) for d in variable.shape) * tf.as_dtype(variable.dtype).size
+    return out
+
+
+def _canonical(device: str) -> str:
+    """'/CPU:1' of '/job:localhost/replica:0/task:0/device:CPU:1' or '/cpu:1'."""
+    spec = tf.DeviceSpec.from_string(device or "")
+    return f"/{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
+
+
+def stage_table(
+    stage_costs: list[dict], devices: Sequence[str], micro_batches: int, placed: dict[str, int] | None = None
+) -> str:
+    """The pipeline's stages: device, layers, forward bytes per image (activations + parameters), and the bytes
+    of the variables that live on the stage's device (`placed`, from `place_stage_variables`; without it, the
+    stage's trainable parameter bytes)."""
     lines = [f"pipeline over {len(devices)} devices x {micro_batches} micro-batches (bytes per image at the patch):"]
     for stage, entry in enumerate(stage_costs):
+        params = entry["parameter_bytes"] if placed is None else placed.get(devices[stage], 0)
+        where = " on it" if placed is not None else ""
         lines.append(
             f"  stage {stage} on {devices[stage]}: {entry['bytes'] / 2**20:8.1f} MiB "
-            f"(parameters {entry['parameter_bytes'] / 2**20:.2f} MiB)  {', '.join(entry['layers'])}"
+            f"(parameters{where} {params / 2**20:.2f} MiB)  {', '.join(entry['layers'])}"
         )
     return "\n".join(lines)
 

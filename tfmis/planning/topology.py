@@ -118,8 +118,9 @@ class TopologySteps:
         """Weighs spatial model parallelism against the smaller patch `determine_patch` chose: on a machine with
         several GPUs, when the patch the dataset wants (`initial_patch`) is over one GPU's budget, the smallest
         number of GPUs N (2, 4, 8) whose slabs of it each fit that budget takes it, and the remaining GPUs
-        become data-parallel groups. Per GPU: the weights, 1/N of the activations plus a halo share, and the
-        whole patch's logits for the loss (`runtime.model_parallel`, docs/model-parallel.md). The reason says
+        become data-parallel groups. Per GPU: the weights and 1/N of the activations plus a halo share; the
+        loss is summed slab by slab, so no GPU holds the whole patch's logits (`runtime.model_parallel`,
+        docs/model-parallel.md). The reason says
         both sides in numbers. Its `patch` is `patch`, or the initial patch (with its strides and divisor)
         when split."""
         gpus = len(self.hardware.gpus)
@@ -204,9 +205,11 @@ class TopologySteps:
         )
         if n == 1:
             return memory["total_mb"], memory["total_mb"]
-        logits_mb = 2 * int(np.prod(patch)) * self.num_classes * 4 * 4 / 2**20  # logits, softmax, gradient, one-hot
+        # the planned loss (Dice + CE) is summed slab by slab on the slabs' devices (`ModelParallel.loss`): the
+        # first GPU holds its slab's logits, softmax, gradient and one-hot, not the whole patch's, so the GPUs
+        # share the activations alike (tests/test_model_parallel_placement.py checks it against the graph count)
         activations = memory["total_mb"] - memory["fixed_mb"]
-        return memory["fixed_mb"] + activations * SPATIAL_OVERHEAD / n + logits_mb, memory["total_mb"]
+        return memory["fixed_mb"] + activations * SPATIAL_OVERHEAD / n, memory["total_mb"]
 
     def _shrunk_patch(self, data: DataDecision, patch: PatchDecision, fits) -> list[int]:
         """The initial patch shrunk (as `determine_patch` does) until `fits(patch, strides)`."""

@@ -1,0 +1,242 @@
+"""Where model parallelism (tfmis.networks.parallel) puts variables and tensors, read from the variables themselves
+and from the traced graphs' op devices, on two logical CPU devices (a fresh process: they must exist before
+TensorFlow initialises its devices):
+
+- pipeline: each stage's variables, their Adam slots and their gradients live on the stage's device, and a
+  checkpoint written after a step there restores into a one-device model (checkpoints store no devices);
+- spatial: the labels are sliced where they are, so only each slab's rows travel to its device, and the first
+  device's memory count holds no whole-patch logits, as the planner's per-GPU estimate now assumes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+NET = dict(in_channels=1, num_classes=3, filters=(4, 8, 16), strides=(1, 2, 2), deep_supervision=1)
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+    import keras
+
+    from tfmis.losses import DeepSupervisionLoss, build_loss
+    from tfmis.networks.parallel import ModelParallel
+    from tfmis.networks.pipeline_stages import _canonical
+    from tfmis.networks.unet import UNetConfig
+    from tfmis.profiling.graph_memory import _op_devices, placed_memory, step_graph
+
+    folder, net = sys.argv[1], json.loads(sys.argv[2])
+    out = {}
+    devices = ["/CPU:0", "/CPU:1"]
+
+    def device_of(v):
+        return _canonical(v.value.device)
+
+    # ---- pipeline: variables, slots and gradients on their stage's device; a step, then a checkpoint
+    keras.utils.set_random_seed(0)
+    config = UNetConfig(**net)
+    model, training_model = config.build_for_training()
+    patch = (16, 16, 16)
+    pipeline = ModelParallel(training_model, "pipeline", [devices], config.strides, micro_batches=2,
+                             patch_size=patch, in_channels=1)
+    optimizer = keras.optimizers.Adam(1e-2)
+    optimizer.build(training_model.trainable_variables)
+    pipeline.place_optimizer(optimizer)
+    stage_of = {}
+    for layer in training_model.layers:
+        for v in layer.variables:
+            stage_of.setdefault(id(v), pipeline.stages.get(layer.name))
+    out["variables"] = [[v.path, device_of(v), devices[stage_of[id(v)]]] for v in training_model.variables]
+    variables = training_model.trainable_variables
+    out["slots"] = [[v.path, device_of(m), device_of(s), device_of(v)]
+                    for v, m, s in zip(variables, optimizer._momentums, optimizer._velocities)]
+    out["stage_table"] = pipeline.stage_table()
+    out["placed"] = pipeline.placed_variable_bytes
+    loss_fn = DeepSupervisionLoss(build_loss("dice_ce"), [f for _, f in config.deep_supervision_levels])
+
+    def loss_of(x, y):
+        return pipeline.loss(loss_fn, y, x, training=True)
+
+    @tf.function(autograph=False)
+    def gradients(x, y):
+        return ModelParallel.gradients(loss_of(x, y), variables)
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        loss = loss_of(x, y)
+        optimizer.apply(ModelParallel.gradients(loss, variables), variables)
+        return loss
+
+    rng = np.random.default_rng(0)
+    images = tf.constant(rng.normal(size=(2, *patch, 1)).astype("float32"))
+    labels = tf.constant(rng.integers(0, 3, size=(2, *patch)).astype("int32"))
+    function = gradients.get_concrete_function(images, labels)
+    placed = _op_devices(function.graph, "/CPU:0")
+    made_on = []
+    for v, g in zip(variables, function.structured_outputs):
+        op = g.op
+        while op.type == "Identity":  # the function's output identities: the gradient's own op is behind them
+            op = op.inputs[0].op
+        made_on.append([v.path, placed[op], op.type, device_of(v)])
+    out["gradients"] = made_on
+    def crossing_variables(graph):  # bytes of variable values read on another device than the variable's
+        return sum(t.bytes for m in placed_memory(graph).values() for t in m.transfers_in if t.variable)
+
+    out["variable_crossings"] = {"adam": crossing_variables(step.get_concrete_function(images, labels).graph)}
+    sgd = keras.optimizers.SGD(1e-2, momentum=0.9, weight_decay=1e-4)
+    sgd.build(variables)
+    pipeline.place_optimizer(sgd)
+
+    def sgd_step(x, y):
+        sgd.apply(ModelParallel.gradients(loss_of(x, y), variables), variables)
+
+    sgd_graph = tf.function(sgd_step, autograph=False).get_concrete_function(images, labels).graph
+    out["variable_crossings"]["sgd_weight_decay"] = crossing_variables(sgd_graph)
+    out["weight_bytes"] = sum(int(np.prod(v.shape)) * 4 for v in variables)
+    step(images, labels)
+    tf.train.Checkpoint(model=training_model, optimizer=optimizer).write(f"{folder}/ckpt")
+    np.savez(f"{folder}/weights.npz", *[v.numpy() for v in training_model.variables])
+    out["slot_sums"] = [float(np.abs(s.numpy()).sum()) for s in optimizer._velocities]
+
+    # ---- spatial: labels sliced on their own device; the first device's count holds no whole-patch logits
+    keras.utils.set_random_seed(0)
+    demo = UNetConfig(in_channels=2, num_classes=4, filters=(8, 16, 32, 64), strides=(2, 2, 2, 1),
+                      output_upsampling="transposed_image", deep_supervision=2, num_res_units=2, norm="instance")
+    _, demo_model = demo.build_for_training()
+    side = 48
+    spatial = ModelParallel(demo_model, "spatial", [devices], demo.strides, patch_size=(side,) * 3, in_channels=2)
+    sums_loss = DeepSupervisionLoss(build_loss("dice_ce"), [f for _, f in demo.deep_supervision_levels])
+
+    class Joined:  # the same loss seen only whole: ModelParallel joins the slabs' outputs on the first device
+        supports_partial_sums = False
+
+        def __call__(self, y, outputs):
+            return sums_loss(y, outputs)
+
+    graph = step_graph(demo_model, sums_loss, 2, (side,) * 3, 2, parallel=spatial, gradients="colocated")
+    memory = placed_memory(graph)
+    label_input = graph.inputs[1]
+    placed = _op_devices(graph, "/CPU:0")
+    out["label_consumers"] = sorted({(c.type, placed[c]) for c in label_input.consumers()})
+    out["label_transfers"] = [[t.tensor, t.destination, t.bytes] for m in memory.values() for t in m.transfers_in
+                              if t.tensor == label_input.name]
+    out["label_bytes"] = int(label_input.shape.num_elements()) * 4
+    slices = {t.name for c in label_input.consumers() for t in c.outputs}
+    out["label_slab_transfers"] = [[t.destination, t.bytes] for m in memory.values() for t in m.transfers_in
+                                   if t.tensor in slices]
+    out["sums_peaks"] = {d: m.peak_bytes for d, m in memory.items()}
+    joined = placed_memory(step_graph(demo_model, Joined(), 2, (side,) * 3, 2, parallel=spatial,
+                                      gradients="colocated"))
+    out["joined_peaks"] = {d: m.peak_bytes for d, m in joined.items()}
+    out["logits_bytes"] = 2 * side**3 * 4 * 4
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def placement(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("placement")
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(folder), json.dumps(NET)], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return folder, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_pipeline_stage_variables_their_adam_slots_and_gradients_live_on_the_stages_device(placement):
+    """Every variable of a 2-stage pipeline (trainable and not) is on its stage's device, both stages own some,
+    each Adam slot is on its variable's device, each gradient (the op that makes it in the traced `tf.gradients`,
+    micro-batch sums included) runs there, the optimizer's step (Adam; SGD with momentum and weight decay) reads
+    no weight or slot on another device, and the stage table's parameter column is the bytes placed there."""
+    _, out = placement
+    assert out["variables"] and all(device == stage for _, device, stage in out["variables"])
+    assert {device for _, device, _ in out["variables"]} == {"/CPU:0", "/CPU:1"}
+    assert all(m == s == v for _, m, s, v in out["slots"])
+    assert len(out["gradients"]) == len(out["slots"])
+    assert all(made == device for _, made, _, device in out["gradients"]), out["gradients"]
+    # with the updates placed (`place_optimizer`), only scalars (learning rate, step count) cross devices in
+    # Adam's step and in SGD's with momentum and weight decay, not weights, slots or gradients
+    assert all(crossed < 1024 for crossed in out["variable_crossings"].values()), out["variable_crossings"]
+    assert out["weight_bytes"] > 100_000
+    for stage, device in enumerate(("/CPU:0", "/CPU:1")):
+        line = out["stage_table"].splitlines()[1 + stage]
+        assert f"parameters on it {out['placed'][device] / 2**20:.2f} MiB" in line
+    assert all(s > 0 for s in out["slot_sums"])  # the step ran and updated every slot
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_restores_into_a_one_device_model_with_equal_weights(placement):
+    """The checkpoint written after a pipeline step over 2 devices restores into a model built in this process
+    (one device, no model parallelism): equal weights, every variable on this process's /CPU:0."""
+    import keras
+
+    from tfmis.networks.unet import UNetConfig
+
+    folder, _ = placement
+    _, training_model = UNetConfig(**NET).build_for_training()
+    optimizer = keras.optimizers.Adam(1e-2)
+    optimizer.build(training_model.trainable_variables)
+    tf.train.Checkpoint(model=training_model, optimizer=optimizer).read(str(folder / "ckpt")).assert_consumed()
+    saved = np.load(folder / "weights.npz")
+    assert len(saved.files) == len(training_model.variables)
+    for i, v in enumerate(training_model.variables):
+        np.testing.assert_array_equal(v.numpy(), saved[f"arr_{i}"], err_msg=v.path)
+        assert tf.DeviceSpec.from_string(v.value.device).device_index in (None, 0)
+
+
+@pytest.mark.slow
+def test_spatial_labels_are_sliced_where_they_are_and_only_slabs_travel(placement):
+    """In the traced spatial step the labels feed only slicing ops on their own device (/CPU:0), the whole label
+    tensor is never copied to /CPU:1: /CPU:1 receives its slab's rows of them (half of the 48 rows), once."""
+    _, out = placement
+    assert out["label_consumers"] and all(device == "/CPU:0" for _, device in out["label_consumers"])
+    assert out["label_transfers"] == []
+    assert out["label_slab_transfers"] == [["/CPU:1", out["label_bytes"] // 2]]
+
+
+@pytest.mark.slow
+def test_planner_charges_no_whole_patch_logits_to_the_first_gpu_as_the_graph_count_shows(placement):
+    """The graph count of the demo U-Net's spatial step (48³, batch 2) over 2 devices: with the loss summed slab by
+    slab the first device's peak is within 10% of the second's, while joining the outputs for the loss (a loss
+    without partial sums) adds more than the whole patch's logits to it. The planner's per-GPU estimate follows
+    the first: weights plus 1.15/N of the activations, no whole-patch term (before: + 432 MB at 192x192x128 with
+    3 classes), so it falls as 1/N like the count."""
+    from test_model_parallel import _gpus
+    from test_plan import _fingerprint
+
+    from tfmis.planning.planner import ExperimentPlanner
+    from tfmis.planning.rules import training_memory_mb
+    from tfmis.planning.topology import SPATIAL_OVERHEAD
+
+    _, out = placement
+    first, second = out["sums_peaks"]["/CPU:0"], out["sums_peaks"]["/CPU:1"]
+    assert first <= 1.1 * second
+    assert out["joined_peaks"]["/CPU:0"] - first > out["logits_bytes"]
+
+    planner = ExperimentPlanner(_fingerprint([[1.0, 1.0, 1.0]] * 10, [[192, 160, 128]] * 10), _gpus(4, 81920))
+    patch, strides = (192, 192, 128), [(1, 1, 1)] + [(2, 2, 2)] * 5
+    lo, hi = planner.filter_range()
+    filters = [min(lo * 2**i, hi) for i in range(len(strides))]
+    memory = training_memory_mb(
+        patch, strides, filters, planner.num_res_units(), planner.in_channels, planner.num_classes, 2, planner.precision
+    )
+    activations = memory["total_mb"] - memory["fixed_mb"]
+    for n in (2, 4):
+        per_gpu, one = planner._spatial_mb(patch, strides, n)
+        assert one == memory["total_mb"]
+        assert per_gpu == pytest.approx(memory["fixed_mb"] + activations * SPATIAL_OVERHEAD / n, rel=1e-12)
