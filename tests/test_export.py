@@ -1,0 +1,165 @@
+"""tfmis-export and tfmis-predict --engine: a real (tiny) trained run exported as SavedModel, ONNX and OpenVINO
+predicts through every engine what the run folder predicts; the manifest is checked when read; a missing engine or
+file is one line with its exit code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from tfmis.inference.manifest import MANIFEST_FILE, MANIFEST_VERSION
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(converted_dataset, tmp_path_factory):
+    """A real training run of a few steps (its config.yaml, best weights, summary.json)."""
+    from tfmis.engine.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("export_run")
+    Trainer(tiny_config(converted_dataset, out, "training.epochs=1", "training.steps_per_epoch=2")).fit()
+    return {"dir": out, "source": converted_dataset.parent / "Task99_Test"}
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_run, tmp_path_factory):
+    """The tiny run exported in all three formats."""
+    from tfmis.inference.exporting import export_model
+
+    folder = tmp_path_factory.mktemp("exported") / "model"
+    export_model(tiny_run["dir"], folder)
+    return folder
+
+
+def _labels(folder: Path) -> dict:
+    return {p.name: np.asarray(nib.load(str(p)).dataobj) for p in sorted(folder.glob("case_*.nii.gz"))}
+
+
+def _predict(*argv) -> int:
+    from tfmis.predict import main
+
+    return main([*argv, "--quiet"])
+
+
+def test_export_writes_the_manifest_the_card_and_each_format_equal_to_keras(exported, tiny_run):
+    """The folder holds manifest.json (this version, the preprocessing, window, labels, versions, sha256s),
+    MODEL_CARD.md with the run's validation Dice, and three networks whose logits were checked against Keras'."""
+    manifest = json.loads((exported / MANIFEST_FILE).read_text())
+    assert manifest["version"] == MANIFEST_VERSION and manifest["formats"] == ["saved_model", "onnx", "openvino"]
+    assert manifest["input"]["name"] == "windows" and manifest["output"]["name"] == "logits"
+    assert manifest["input"]["shape"] == [None, 16, 16, 16, 2] and manifest["output"]["activation"] == "softmax"
+    assert manifest["labels"] == ["background", "organ", "core"]
+    assert manifest["preprocessing"]["normalization"] == ["zscore", "zscore"]
+    assert manifest["sliding_window"]["overlap"] == 0.25 and manifest["versions"]["tensorflow"]
+    (network,) = manifest["networks"]
+    assert set(network["sha256"]) == {"saved_model", "onnx", "openvino"} and len(network["weights_sha256"]) == 64
+    assert max(network["export_check"].values()) < 1e-4, network["export_check"]
+    summary = json.loads((tiny_run["dir"] / "summary.json").read_text())
+    card = (exported / "MODEL_CARD.md").read_text()
+    assert f"{summary['best_mean_dice']:.4f}" in card and summary["machine"] in card
+
+
+@pytest.mark.parametrize("engine", ["tensorflow", "onnxruntime", "openvino"])
+def test_every_engine_predicts_the_run_folders_label_maps(exported, tiny_run, tmp_path, engine):
+    """tfmis-predict on the exported folder (no run folder needed) with each engine writes the label maps
+    tfmis-predict writes from the run folder, voxel for voxel."""
+    images = tiny_run["source"] / "imagesTr"
+    assert (
+        _predict("--checkpoint", str(tiny_run["dir"]), "--input", str(images), "--output", str(tmp_path / "run")) == 0
+    )
+    moved = tmp_path / "moved"  # the exported folder alone, elsewhere
+    shutil.copytree(exported, moved)
+    code = _predict(
+        "--checkpoint", str(moved), "--engine", engine, "--input", str(images), "--output", str(tmp_path / engine)
+    )
+    assert code == 0
+    reference, predicted = _labels(tmp_path / "run"), _labels(tmp_path / engine)
+    assert reference.keys() == predicted.keys() and len(reference) == 8
+    for name in reference:
+        assert np.array_equal(reference[name], predicted[name]), name
+
+
+def test_probabilities_and_tta_of_an_engine_equal_the_tensorflow_predictor(exported, tiny_run):
+    """With test-time augmentation, the onnxruntime engine's probabilities equal the run's Predictor's within 1e-4."""
+    from tfmis.config import load_config
+    from tfmis.data.msd import load_image
+    from tfmis.inference.deployed import ExportedPredictor
+    from tfmis.inference.predictor import Predictor
+
+    image, affine, _ = load_image(str(tiny_run["source"] / "imagesTr" / "case_000.nii.gz"), 2, "case_000")
+    run = Predictor(load_config(tiny_run["dir"] / "config.yaml"), tiny_run["dir"], device="cpu", tta=True)
+    engine = ExportedPredictor(exported, "onnxruntime", tta=True)
+    labels, probabilities, _ = run.predict_array(image, affine)
+    engine_labels, engine_probabilities, _ = engine.predict_array(image, affine)
+    assert np.max(np.abs(probabilities - engine_probabilities)) <= 1e-4
+    assert np.array_equal(labels, engine_labels)
+
+
+def test_a_wrong_manifest_version_or_a_missing_network_is_one_line_and_exit_1(exported, tiny_run, tmp_path, capsys):
+    """A manifest of another version, and a folder missing its ONNX file, fail before any case: one line naming
+    the file and the fix, exit 1."""
+    images = str(tiny_run["source"] / "imagesTs")
+    folder = tmp_path / "model"
+    shutil.copytree(exported, folder)
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    (folder / MANIFEST_FILE).write_text(json.dumps({**manifest, "version": MANIFEST_VERSION + 1}))
+    assert (
+        _predict(
+            "--checkpoint", str(folder), "--engine", "onnxruntime", "--input", images, "--output", str(tmp_path / "o")
+        )
+        == 1
+    )
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"manifest version {MANIFEST_VERSION + 1}" in line and "tfmis-export" in line, line
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
+    (folder / "networks" / "model" / "model.onnx").unlink()
+    assert (
+        _predict(
+            "--checkpoint", str(folder), "--engine", "onnxruntime", "--input", images, "--output", str(tmp_path / "o")
+        )
+        == 1
+    )
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "model.onnx is missing" in line and "Traceback" not in line, line
+
+
+@pytest.mark.slow  # a fresh process imports TensorFlow: about 10 s
+def test_an_engine_that_is_not_installed_names_the_extra_and_exits_2(exported, tiny_run, tmp_path, capsys):
+    """--engine openvino without the openvino package (hidden from this process): one line naming tfmis[deploy],
+    exit 2."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["openvino"] = None  # import openvino raises ImportError, as when it is not installed
+        from tfmis.predict import main
+        sys.exit(main(["--checkpoint", {str(exported)!r}, "--engine", "openvino", "--input",
+                       {str(tiny_run["source"] / "imagesTs")!r}, "--output", {str(tmp_path / "o")!r}]))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --engine openvino") and "tfmis[deploy]" in line, line
+
+
+def test_export_command_refuses_an_existing_output_and_an_unknown_format(tiny_run, tmp_path, capsys):
+    """`tfmis-export` into an existing folder, or with --format tflite: exit 2 with one line; --help exits 0."""
+    from tfmis.export import main
+
+    assert main(["--checkpoint", str(tiny_run["dir"]), "--output", str(tmp_path)]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tiny_run["dir"]), "--output", str(tmp_path / "m"), "--format", "tflite"]) == 2
+    assert "--format tflite" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0

@@ -1,0 +1,307 @@
+"""Exporting a trained model out of tfmis: SavedModel, ONNX and OpenVINO networks and the manifest around them.
+
+`export_model(checkpoint, output)` writes the folder `tfmis.inference.manifest` describes, for one run or the folds
+of one configuration (a folder of folds, or a cross-validation folder that chose one configuration: its folds and
+its postprocessing). Each network is the inference model (no deep-supervision heads) built in float32 and loaded
+with the run's weights (best for one run, final for folds, as `tfmis-predict` chooses), traced once as
+
+    tf.function(windows (None, X, Y, Z, C) float32) -> {"logits": (None, X, Y, Z, K) float32}
+
+with (X, Y, Z) the prediction window (`validation.roi_size`, or the training patch) and a dynamic batch, and
+written as a SavedModel (Keras' `ExportArchive`, endpoint `serving_default`), as ONNX (tf2onnx, opset 17, from the
+same function) and as OpenVINO IR (`openvino.convert_model` of the ONNX file, saved with float32 weights).
+
+Guarantees: the folder is written beside `output` and renamed into place at the end, so `output` is complete or
+absent; each format is run once on the same random windows at export and its largest difference from the Keras
+model is recorded in the manifest (`export_check`); the manifest holds every file's sha256.
+
+Example:
+```python
+manifest = export_model("runs/demo", "models/demo", formats=("saved_model", "onnx"))
+```
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from tfmis.config import load_config, to_dict
+from tfmis.errors import UsageError
+from tfmis.inference.ensemble import resolve_checkpoint
+from tfmis.inference.inputs import find_run_dir, load_weights, run_config
+from tfmis.inference.manifest import (
+    FORMATS,
+    INPUT_NAME,
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    MODEL_CARD_FILE,
+    OUTPUT_NAME,
+    sha256_of,
+)
+from tfmis.inference.model_card import model_card, training_summary
+from tfmis.inference.postprocess import postprocessing_enabled
+from tfmis.utils.io import atomic_write_json, atomic_writer
+
+ONNX_OPSET = 17
+NETWORK_FILES = {"saved_model": "saved_model", "onnx": "model.onnx", "openvino": "openvino/model.xml"}
+# the engine that checks each format at export (tfmis.inference.engines)
+FORMAT_ENGINES = {"saved_model": "tensorflow", "onnx": "onnxruntime", "openvino": "openvino"}
+FORMAT_PACKAGES = {"saved_model": [], "onnx": ["onnx", "tf2onnx"], "openvino": ["onnx", "tf2onnx", "openvino"]}
+CHECK_SEED = 0
+
+
+def parse_formats(value: str) -> tuple[str, ...]:
+    """`--format`'s comma-separated list, checked: a `UsageError` naming an unknown format."""
+    formats = tuple(dict.fromkeys(f.strip() for f in value.split(",") if f.strip()))
+    unknown = [f for f in formats if f not in FORMATS]
+    if not formats or unknown:
+        raise UsageError(f"--format {value}: expected a comma-separated list of {', '.join(FORMATS)}")
+    return formats
+
+
+def _require_packages(formats) -> None:
+    import importlib
+
+    for fmt in formats:
+        for package in FORMAT_PACKAGES[fmt]:
+            try:
+                importlib.import_module(package)
+            except ImportError:
+                raise UsageError(
+                    f"--format {fmt} needs the Python package {package}, which is not installed: "
+                    'pip install "tfmis[deploy]"'
+                ) from None
+
+
+def _runs(checkpoint, folds, weights) -> tuple[object, list[Path], object]:
+    """(the `PredictionSource`, its run folders, the first run's `Config`); a `UsageError` for what cannot be
+    exported yet (a cascade, an ensemble of two configurations)."""
+    path = Path(checkpoint)
+    if path.is_dir() and (path / "plan.yaml").is_file() and not (path / "config.yaml").is_file():
+        raise UsageError(
+            f"--checkpoint {path} is a plan of stages: export one stage's run folder (a cascade's two stages are not "
+            "exported together yet)"
+        )
+    source = resolve_checkpoint(checkpoint, folds, weights)
+    if len(source.members) > 1:
+        names = ", ".join(m.name for m in source.members)
+        raise UsageError(
+            f"--checkpoint {checkpoint}: its cross-validation chose an ensemble of configurations ({names}); export "
+            "each configuration's folder of folds (exporting them together is not supported yet)"
+        )
+    runs = [Path(r) for r in source.members[0].runs]
+    config = load_config(run_config(runs[0]))
+    if config.cascade.coarse_run:
+        raise UsageError(
+            f"--checkpoint {checkpoint}: a cascade's fine stage (cascade.coarse_run {config.cascade.coarse_run}); "
+            "exporting a cascade is not supported yet: export a single-stage run"
+        )
+    return source, runs, config
+
+
+def _inference_network(config, run: Path, weights: str, index: dict):
+    """The run's inference model in float32, with its weights; the weights file read."""
+    import keras
+
+    from tfmis.task import SegmentationTask
+
+    task = SegmentationTask(config, data_info=index)
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("float32")
+    try:
+        model = task.build_inference_model()
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    read = load_weights(model, run, weights, task)
+    return task, model, Path(read)
+
+
+def _window_function(model, roi_size, channels: int):
+    import tensorflow as tf
+
+    spec = tf.TensorSpec((None, *roi_size, channels), tf.float32, name=INPUT_NAME)
+
+    @tf.function(input_signature=[spec])
+    def serve(windows):
+        return {OUTPUT_NAME: tf.cast(model(windows, training=False), tf.float32)}
+
+    return serve, spec
+
+
+def _write_network(model, serve, spec, folder: Path, formats) -> dict:
+    """Writes the requested formats of one network into `folder`; {format: relative file}."""
+    import keras
+
+    files = {}
+    saved = folder / NETWORK_FILES["saved_model"]
+    if "saved_model" in formats:
+        archive = keras.export.ExportArchive()
+        archive.track(model)
+        archive.add_endpoint("serving_default", serve)
+        archive.write_out(str(saved), verbose=False)
+        files["saved_model"] = saved
+    onnx_file = folder / NETWORK_FILES["onnx"]
+    if "onnx" in formats or "openvino" in formats:
+        import tf2onnx
+
+        tf2onnx.convert.from_function(serve, input_signature=[spec], opset=ONNX_OPSET, output_path=str(onnx_file))
+        if "onnx" in formats:
+            files["onnx"] = onnx_file
+    if "openvino" in formats:
+        import openvino as ov
+
+        xml = folder / NETWORK_FILES["openvino"]
+        xml.parent.mkdir(parents=True, exist_ok=True)
+        # from the ONNX file: the same graph as the ONNX engine's; float32 weights (save_model's default is float16)
+        ov.save_model(ov.convert_model(str(onnx_file)), str(xml), compress_to_fp16=False)
+        files["openvino"] = xml
+        if "onnx" not in formats:
+            onnx_file.unlink()
+    return files
+
+
+def _check_formats(model, files: dict, roi_size, channels: int) -> dict:
+    """{format: the largest |logit difference| from the Keras model} on two seeded random windows."""
+    from tfmis.inference.engines import load_network
+
+    windows = np.random.default_rng(CHECK_SEED).normal(size=(2, *roi_size, channels)).astype(np.float32)
+    reference = np.asarray(model(windows, training=False), np.float32)
+    return {
+        fmt: float(np.max(np.abs(load_network(FORMAT_ENGINES[fmt], file)(windows) - reference)))
+        for fmt, file in files.items()
+    }
+
+
+def _manifest(config, index: dict, task, source, networks: list, formats, postprocessing) -> dict:
+    """The manifest's contents (`tfmis.inference.manifest`), networks given."""
+    import keras
+    import tensorflow as tf
+
+    import tfmis
+
+    v = config.validation
+    roi_size = [int(s) for s in (v.roi_size or config.pipeline.patch_size)]
+    regions = task.regions
+    versions = {"tfmis": tfmis.__version__, "tensorflow": tf.__version__, "keras": keras.__version__}
+    for package in ("onnx", "tf2onnx", "onnxruntime", "openvino"):
+        try:
+            versions[package] = __import__(package).__version__
+        except ImportError:
+            pass
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions,
+        "source": {
+            "checkpoint": str(source.folder or networks[0]["run"]),
+            "kind": source.kind,
+            "weights": source.weights,
+        },
+        "formats": list(formats),
+        "input": {
+            "name": INPUT_NAME,
+            "shape": [None, *roi_size, task.in_channels],
+            "dtype": "float32",
+            "channels": list(index["source"]["modalities"]),
+            "layout": "windows of the preprocessed image: N, X, Y, Z (RAS voxel axes), channels last",
+        },
+        "output": {
+            "name": OUTPUT_NAME,
+            "shape": [None, *roi_size, task.out_channels],
+            "dtype": "float32",
+            "kind": "classes" if regions is None else "regions",
+            "activation": "softmax" if regions is None else "sigmoid",
+            "regions": None if regions is None else {k: list(v) for k, v in regions.items()},
+            "paint_labels": task.paint_labels,
+        },
+        "labels": list(task.class_names),
+        "preprocessing": {
+            **index["preprocessing"],
+            "orientation": "RAS (the image is reoriented to RAS before resampling)",
+            "image_resampling_order": 1,
+            "label_resampling_order": 0,
+            "probability_resampling_order": 1,
+        },
+        "sliding_window": {
+            "roi_size": roi_size,
+            "overlap": float(v.overlap),
+            "mode": v.mode,
+            "sigma_scale": 0.125,
+            "padding_mode": "constant",
+            "sw_batch_size": int(v.num_sw_batch_size),
+            "blend": "logits (weighted mean of the windows' logits; the activation after blending)",
+            "ensemble": "logits of the mean of the networks' probabilities (one network: its logits)",
+        },
+        "postprocessing": to_dict(postprocessing) if postprocessing_enabled(postprocessing) else None,
+        "networks": networks,
+        "training": {"config": to_dict(config), **training_summary([Path(n["run"]) for n in networks], source)},
+    }
+
+
+def export_model(
+    checkpoint: str | Path,
+    output: str | Path,
+    formats=FORMATS,
+    weights: str | None = None,
+    folds: list[int] | None = None,
+) -> dict:
+    """Exports the run (or the folds of one configuration) `checkpoint` names into the new folder `output`;
+    returns the manifest written.
+
+    Raises:
+        UsageError: `output` exists, an unknown format or one whose package is missing, or a checkpoint of a
+            kind not exported yet (a cascade, two configurations).
+        MissingInput / DataError: as `tfmis-predict` for the same checkpoint (a missing fold, weights that do
+            not fit).
+    """
+    output = Path(output)
+    if output.exists():
+        raise UsageError(f"--output {output} exists: give a new folder (or remove it)")
+    _require_packages(formats)
+    source, runs, config = _runs(checkpoint, folds, weights)
+    from tfmis.data.records import load_training_data_info
+
+    index = load_training_data_info(find_run_dir(runs[0]), config.data.dataset_dir)
+    postprocessing = source.postprocessing if source.postprocessing is not None else config.postprocessing
+    roi_size = tuple(int(s) for s in (config.validation.roi_size or config.pipeline.patch_size))
+    staging = output.parent / f".{output.name}.exporting"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        networks = []
+        for number, run in enumerate(runs):
+            name = run.name if len(runs) > 1 else "model"
+            run_config_ = config if number == 0 else load_config(run_config(run))
+            task, model, read = _inference_network(run_config_, run, source.weights, index)
+            serve, spec = _window_function(model, roi_size, task.in_channels)
+            folder = staging / "networks" / name
+            files = _write_network(model, serve, spec, folder, formats)
+            check = _check_formats(model, files, roi_size, task.in_channels)
+            networks.append(
+                {
+                    "name": name,
+                    "run": str(run),
+                    "weights_file": str(read),
+                    "weights_sha256": sha256_of(read),
+                    "files": {fmt: str(file.relative_to(staging)) for fmt, file in files.items()},
+                    "sha256": {fmt: sha256_of(file) for fmt, file in files.items()},
+                    "export_check": check,
+                }
+            )
+        manifest = _manifest(config, index, task, source, networks, formats, postprocessing)
+        atomic_write_json(staging / MANIFEST_FILE, manifest)
+        with atomic_writer(staging / MODEL_CARD_FILE) as f:
+            f.write(model_card(manifest))
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return json.loads((output / MANIFEST_FILE).read_text())
