@@ -163,3 +163,74 @@ def test_export_command_refuses_an_existing_output_and_an_unknown_format(tiny_ru
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0
+
+
+OUTSIDE_TFMIS = """
+import importlib.util, json, sys
+import numpy as np
+assert importlib.util.find_spec("tfmis") is None, "tfmis is importable in the clean environment"
+engine, model, windows = sys.argv[1], sys.argv[2], np.load(sys.argv[3])
+if engine == "onnxruntime":
+    assert importlib.util.find_spec("tensorflow") is None, "tensorflow is importable in the onnxruntime environment"
+    import onnxruntime
+    session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    logits = session.run(["logits"], {"windows": windows})[0]
+else:
+    import tensorflow as tf
+    signature = tf.saved_model.load(model).signatures["serving_default"]
+    logits = signature(windows=tf.constant(windows))["logits"].numpy()
+e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+np.save(sys.argv[4], e / e.sum(axis=-1, keepdims=True))
+"""
+
+
+def _clean_environment(folder: Path, *packages) -> Path:
+    """A new virtual environment (no system site-packages) with only `packages` from pip's configured index; the
+    test is skipped, saying why, when pip cannot install them on this machine."""
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    python = folder / "bin" / "python"
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"pip could not install {' '.join(packages)} into a clean venv here: {done.stderr[-300:]}")
+    return python
+
+
+@pytest.mark.slow  # a virtual environment installed from pip's index: 20 s (onnxruntime) to minutes (tensorflow-cpu)
+@pytest.mark.parametrize(
+    "engine, packages, fmt",
+    [("onnxruntime", ("onnxruntime", "numpy"), "onnx"), ("tensorflow", ("tensorflow-cpu", "numpy"), "saved_model")],
+)
+def test_an_exported_network_runs_without_tfmis_and_gives_tfmis_probabilities(
+    exported, tiny_run, tmp_path, engine, packages, fmt
+):
+    """In a clean virtual environment holding only `packages` (no tfmis; for ONNX no TensorFlow either), a batch of
+    real windows of a preprocessed case through the exported network gives the probabilities tfmis's own window
+    function gives (the run folder's Keras model): max |difference| <= 1e-4."""
+    import tensorflow as tf
+
+    from tfmis.config import load_config
+    from tfmis.data.msd import load_image
+    from tfmis.data.preprocess import preprocess
+    from tfmis.inference.manifest import network_path, read_manifest
+    from tfmis.inference.predictor import Predictor
+
+    predictor = Predictor(load_config(tiny_run["dir"] / "config.yaml"), tiny_run["dir"], device="cpu")
+    image, affine, _ = load_image(str(tiny_run["source"] / "imagesTr" / "case_001.nii.gz"), 2, "case_001")
+    volume = preprocess(image, None, affine, predictor.preprocessing)[0].astype(np.float32)
+    volume = np.pad(volume, [(0, max(0, 20 - s)) for s in volume.shape[:3]] + [(0, 0)])  # as the window pads
+    windows = np.stack([volume[x : x + 16, 2:18, 1:17] for x in (0, 2, 4)])  # 3 real windows (16^3, 2 channels)
+    expected = tf.nn.softmax(predictor._forward(windows), axis=-1).numpy()
+    np.save(tmp_path / "windows.npy", windows)
+    python = _clean_environment(tmp_path / "venv", *packages)
+    model = network_path(exported, read_manifest(exported)["networks"][0], fmt)
+    script = tmp_path / "outside.py"
+    script.write_text(OUTSIDE_TFMIS)
+    done = subprocess.run(
+        [str(python), str(script), engine, str(model), str(tmp_path / "windows.npy"), str(tmp_path / "out.npy")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,  # not the repository: nothing of tfmis on the path
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert np.max(np.abs(np.load(tmp_path / "out.npy") - expected)) <= 1e-4
