@@ -105,9 +105,11 @@ def test_probabilities_and_tta_of_an_engine_equal_the_tensorflow_predictor(expor
     assert np.array_equal(labels, engine_labels)
 
 
-def test_a_wrong_manifest_version_or_a_missing_network_is_one_line_and_exit_1(exported, tiny_run, tmp_path, capsys):
-    """A manifest of another version, and a folder missing its ONNX file, fail before any case: one line naming
-    the file and the fix, exit 1."""
+def test_a_wrong_manifest_version_a_missing_or_changed_network_is_one_line_and_exit_1(
+    exported, tiny_run, tmp_path, capsys
+):
+    """A manifest of another version, a folder missing its ONNX file, and OpenVINO weights changed since the export
+    fail before any case: one line naming the file and the fix, exit 1."""
     images = str(tiny_run["source"] / "imagesTs")
     folder = tmp_path / "model"
     shutil.copytree(exported, folder)
@@ -131,6 +133,17 @@ def test_a_wrong_manifest_version_or_a_missing_network_is_one_line_and_exit_1(ex
     )
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "model.onnx is missing" in line and "Traceback" not in line, line
+    shutil.copy(exported / "networks" / "model" / "model.onnx", folder / "networks" / "model" / "model.onnx")
+    weights = folder / "networks" / "model" / "openvino" / "model.bin"
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")  # the OpenVINO weights changed after the export
+    assert (
+        _predict(
+            "--checkpoint", str(folder), "--engine", "openvino", "--input", images, "--output", str(tmp_path / "o")
+        )
+        == 1
+    )
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "openvino" in line and "sha256 differs" in line, line
 
 
 @pytest.mark.slow  # a fresh process imports TensorFlow: about 10 s
@@ -234,3 +247,42 @@ def test_an_exported_network_runs_without_tfmis_and_gives_tfmis_probabilities(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert np.max(np.abs(np.load(tmp_path / "out.npy") - expected)) <= 1e-4
+
+
+@pytest.mark.slow  # two more tiny trainings and an export: about 30 s
+def test_a_folder_of_folds_exports_every_fold_and_predicts_their_ensemble(converted_dataset, tiny_run, tmp_path):
+    """A folder of two folds (fold_0, fold_1: real tiny runs of other seeds) exports two networks, and the
+    onnxruntime engine predicts the label maps of tfmis-predict's fold ensemble on the folder of folds."""
+    from tfmis.engine.trainer import Trainer
+    from tfmis.inference.exporting import export_model
+
+    folds = tmp_path / "cv" / "fullres"
+    for fold in (0, 1):
+        config = tiny_config(
+            converted_dataset, folds / f"fold_{fold}", "training.epochs=1", f"training.seed={fold + 3}"
+        )
+        Trainer(config).fit()
+    manifest = export_model(folds, tmp_path / "model", formats=("onnx",))
+    assert [n["name"] for n in manifest["networks"]] == ["fold_0", "fold_1"] and manifest["source"][
+        "weights"
+    ] == "final"
+    images = str(tiny_run["source"] / "imagesTr")
+    assert _predict("--checkpoint", str(folds), "--input", images, "--output", str(tmp_path / "run")) == 0
+    engine_out = tmp_path / "onnx"
+    assert (
+        _predict(
+            "--checkpoint",
+            str(tmp_path / "model"),
+            "--engine",
+            "onnxruntime",
+            "--input",
+            images,
+            "--output",
+            str(engine_out),
+        )
+        == 0
+    )
+    reference, predicted = _labels(tmp_path / "run"), _labels(engine_out)
+    assert reference.keys() == predicted.keys() and len(reference) == 8
+    for name in reference:
+        assert np.array_equal(reference[name], predicted[name]), name

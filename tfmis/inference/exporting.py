@@ -292,7 +292,9 @@ def export_model(
                     "weights_file": str(read),
                     "weights_sha256": sha256_of(read),
                     "files": {fmt: str(file.relative_to(staging)) for fmt, file in files.items()},
-                    "sha256": {fmt: sha256_of(file) for fmt, file in files.items()},
+                    "sha256": {
+                        fmt: sha256_of(file.parent if fmt == "openvino" else file) for fmt, file in files.items()
+                    },
                     "export_check": check,
                 }
             )

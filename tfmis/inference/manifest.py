@@ -117,12 +117,19 @@ def read_manifest(folder: str | Path) -> dict:
     return manifest
 
 
+def hashed_path(folder: str | Path, network: dict, fmt: str) -> Path:
+    """What a network's `sha256` covers for `fmt`: the SavedModel folder, the ONNX file, or the OpenVINO folder (its
+    .xml graph and its .bin weights)."""
+    path = network_path(folder, network, fmt)
+    return path.parent if fmt == "openvino" else path
+
+
 def check_network_file(folder: str | Path, network: dict, fmt: str) -> Path:
     """The `fmt` file of `network`, its sha256 checked against the manifest's (a `DataError` naming the file when
     it changed since the export)."""
     file = network_path(folder, network, fmt)
     expected = network.get("sha256", {}).get(fmt)
-    if expected is not None and sha256_of(file) != expected:
+    if expected is not None and sha256_of(hashed_path(folder, network, fmt)) != expected:
         raise DataError(
             f"{file}: its sha256 differs from {Path(folder) / MANIFEST_FILE}'s: the file changed after the export; "
             "copy the exported folder again, or export again"
