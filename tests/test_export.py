@@ -286,3 +286,43 @@ def test_a_folder_of_folds_exports_every_fold_and_predicts_their_ensemble(conver
     assert reference.keys() == predicted.keys() and len(reference) == 8
     for name in reference:
         assert np.array_equal(reference[name], predicted[name]), name
+
+
+@pytest.mark.slow  # a coarse and a fine tiny training and an export: about 40 s
+def test_a_plan_of_a_cascade_exports_both_stages_and_predicts_as_the_plan(converted_dataset, tiny_run, tmp_path):
+    """The folder of a plan of two stages (lowres, then a cascade's fine stage with `cascade.coarse_run`) exports
+    both stages' networks; each engine predicts the label maps tfmis-predict writes from the plan's folder."""
+    import yaml
+
+    from tfmis.config import save_config
+    from tfmis.engine.trainer import Trainer
+    from tfmis.inference.exporting import export_model
+
+    root = tmp_path / "plan"
+    coarse = tiny_config(converted_dataset, root / "lowres", "training.epochs=1", "training.seed=5")
+    fine = tiny_config(
+        converted_dataset, root / "cascade", "training.epochs=1", f"cascade.coarse_run={root / 'lowres'}"
+    )
+    entries = []
+    for name, config in (("lowres", coarse), ("cascade", fine)):
+        Trainer(config).fit()
+        save_config(config, root / f"{name}.yaml")
+        entries.append({"name": name, "config": str(root / f"{name}.yaml")})
+    (root / "plan.yaml").write_text(yaml.safe_dump({"stages": entries}))
+    manifest = export_model(root, tmp_path / "model", formats=("saved_model", "onnx"))
+    assert manifest["source"]["kind"] == "cascade" and manifest["cascade"]["coarse"]["networks"][0]["name"] == "coarse"
+    images = str(tiny_run["source"] / "imagesTr")
+    assert _predict("--checkpoint", str(root), "--input", images, "--output", str(tmp_path / "run")) == 0
+    reference = _labels(tmp_path / "run")
+    for engine in ("tensorflow", "onnxruntime"):
+        out = tmp_path / engine
+        assert (
+            _predict(
+                "--checkpoint", str(tmp_path / "model"), "--engine", engine, "--input", images, "--output", str(out)
+            )
+            == 0
+        )
+        predicted = _labels(out)
+        assert reference.keys() == predicted.keys() and len(reference) == 8
+        for name in reference:
+            assert np.array_equal(reference[name], predicted[name]), (engine, name)

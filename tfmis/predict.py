@@ -304,7 +304,7 @@ EXPORT_FIXED = ("config", "folds", "weights", "model_parallel", "roi_size", "acc
 def _exported_predictor(args, folds, tta_axes):
     """The `ExportedPredictor` of an exported model folder (its manifest.json) run by --engine."""
     from tfmis.errors import UsageError
-    from tfmis.inference.deployed import ExportedPredictor
+    from tfmis.inference.deployed import exported_predictor
 
     given = [name for name in EXPORT_FIXED if getattr(args, name) is not None]
     if given or args.subset.startswith("split:") or args.device == "gpu":
@@ -313,7 +313,7 @@ def _exported_predictor(args, folds, tta_axes):
             f"{flag}: {args.checkpoint} is an exported model folder, which fixes its networks, weights and windows "
             "and runs on the CPU (a training split is the run folder's): leave it out, or predict with the run folder"
         )
-    return ExportedPredictor(
+    return exported_predictor(
         args.checkpoint,
         engine=args.engine,
         precision=args.precision,

@@ -28,6 +28,7 @@ from tfmis.config import ConfigError, PostprocessingConfig, from_dict
 from tfmis.errors import DataError
 from tfmis.hardware import CPU
 from tfmis.inference.blending import check_buffer_dtype
+from tfmis.inference.cascade import CascadePredictor
 from tfmis.inference.engines import check_precision, load_network, require_engine
 from tfmis.inference.manifest import ENGINE_FORMATS, MANIFEST_FILE, check_network_file, data_info, read_manifest
 from tfmis.inference.outputs import score_columns
@@ -91,6 +92,8 @@ class ExportedPredictor(Predictor):
         precision: `float32` (default) or `bfloat16` (tensorflow, openvino).
         sw_batch_size, overlap, mode, tta, tta_axes, buffer_dtype: as `Predictor`'s; the defaults are the
             manifest's `sliding_window`.
+        stage: a cascade's coarse stage (`manifest["cascade"]["coarse"]`: its preprocessing, sliding window,
+            networks and training) instead of the manifest's own (`exported_predictor` builds the cascade).
     """
 
     def __init__(
@@ -104,11 +107,13 @@ class ExportedPredictor(Predictor):
         tta: bool = False,
         tta_axes=(0, 1, 2),
         buffer_dtype: str = "float32",
+        stage: dict | None = None,
     ):
         require_engine(engine)
         check_precision(engine, precision)
         self.folder = Path(folder)
-        self.manifest = manifest = read_manifest(folder)
+        self.manifest = read_manifest(folder)
+        manifest = self.manifest if stage is None else {**self.manifest, **stage}  # a cascade's coarse stage
         fmt = ENGINE_FORMATS[engine]
         if fmt not in manifest["formats"]:
             raise DataError(
@@ -171,3 +176,25 @@ class ExportedPredictor(Predictor):
         count = len(self.manifest["networks"])
         what = "1 network" if count == 1 else f"the ensemble of {count} networks"
         return f"the exported model {self.folder} ({what}) with {self.engine} ({self.precision})"
+
+
+class ExportedCascadePredictor(CascadePredictor, ExportedPredictor):
+    """An exported cascade (`manifest["cascade"]`): `CascadePredictor`'s prediction (the coarse stage over the whole
+    scan, the fine stage in the regions it finds) with both stages run by the engine."""
+
+    def __init__(self, folder, **kwargs):
+        ExportedPredictor.__init__(self, folder, **kwargs)
+        cascade = self.manifest["cascade"]
+        coarse = ExportedPredictor(folder, **kwargs, stage=cascade["coarse"])
+        self.set_cascade(coarse, cascade["margin_mm"], cascade["min_region_mm3"], cascade["fine_classes"])
+
+    def describe(self) -> str:
+        return ExportedPredictor.describe(self) + ", a cascade after its coarse stage"
+
+
+def exported_predictor(folder, **kwargs) -> ExportedPredictor:
+    """The predictor of the exported model `folder`: an `ExportedCascadePredictor` for an exported cascade, else an
+    `ExportedPredictor` (kwargs: theirs)."""
+    if read_manifest(folder).get("cascade"):
+        return ExportedCascadePredictor(folder, **kwargs)
+    return ExportedPredictor(folder, **kwargs)

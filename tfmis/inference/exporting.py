@@ -79,16 +79,24 @@ def _require_packages(formats) -> None:
                 ) from None
 
 
-def _runs(checkpoint, folds, weights) -> tuple[object, list[Path], object]:
-    """(the `PredictionSource`, its run folders, the first run's `Config`); a `UsageError` for what cannot be
-    exported yet (a cascade, an ensemble of two configurations)."""
+def final_stage(checkpoint: str | Path) -> Path:
+    """The run a plan of stages predicts with (its last stage's run folder, a cascade's fine stage), or `checkpoint`
+    itself when it is not the folder of a plan (as `tfmis-predict` resolves it)."""
+    from tfmis.config import load_stages
+
     path = Path(checkpoint)
-    if path.is_dir() and (path / "plan.yaml").is_file() and not (path / "config.yaml").is_file():
-        raise UsageError(
-            f"--checkpoint {path} is a plan of stages: export one stage's run folder (a cascade's two stages are not "
-            "exported together yet)"
-        )
+    if not path.is_dir() or (path / "config.yaml").is_file() or not (path / "plan.yaml").is_file():
+        return path
+    stages = load_stages(path / "plan.yaml")
+    return Path(load_config(stages[-1][1]).output.dir) if stages else path
+
+
+def _runs(checkpoint, folds, weights) -> tuple[object, list[Path], object]:
+    """(the `PredictionSource`, its run folders, the first run's `Config`); a plan of stages is its last stage's run;
+    a `UsageError` for what cannot be exported yet (an ensemble of two configurations, the folds of a cascade)."""
     source = resolve_checkpoint(checkpoint, folds, weights)
+    if source.kind == "run":
+        source = resolve_checkpoint(final_stage(checkpoint), weights=weights)
     if len(source.members) > 1:
         names = ", ".join(m.name for m in source.members)
         raise UsageError(
@@ -97,10 +105,10 @@ def _runs(checkpoint, folds, weights) -> tuple[object, list[Path], object]:
         )
     runs = [Path(r) for r in source.members[0].runs]
     config = load_config(run_config(runs[0]))
-    if config.cascade.coarse_run:
+    if config.cascade.coarse_run and len(runs) > 1:
         raise UsageError(
-            f"--checkpoint {checkpoint}: a cascade's fine stage (cascade.coarse_run {config.cascade.coarse_run}); "
-            "exporting a cascade is not supported yet: export a single-stage run"
+            f"--checkpoint {checkpoint}: the folds of a cascade; exporting them is not supported yet: export one "
+            "fold's fine stage (its coarse run goes with it)"
         )
     return source, runs, config
 
@@ -178,15 +186,42 @@ def _check_formats(model, files: dict, roi_size, channels: int) -> dict:
     }
 
 
-def _manifest(config, index: dict, task, source, networks: list, formats, postprocessing) -> dict:
-    """The manifest's contents (`tfmis.inference.manifest`), networks given."""
+def _stage(config, index: dict, networks: list, source) -> dict:
+    """What one stage predicts with: its preprocessing, sliding window, networks and training facts."""
+    v = config.validation
+    roi_size = [int(s) for s in (v.roi_size or config.pipeline.patch_size)]
+    return {
+        "preprocessing": {
+            **index["preprocessing"],
+            "orientation": "RAS (the image is reoriented to RAS before resampling)",
+            "image_resampling_order": 1,
+            "label_resampling_order": 0,
+            "probability_resampling_order": 1,
+        },
+        "sliding_window": {
+            "roi_size": roi_size,
+            "overlap": float(v.overlap),
+            "mode": v.mode,
+            "sigma_scale": 0.125,
+            "padding_mode": "constant",
+            "sw_batch_size": int(v.num_sw_batch_size),
+            "blend": "logits (weighted mean of the windows' logits; the activation after blending)",
+            "ensemble": "logits of the mean of the networks' probabilities (one network: its logits)",
+        },
+        "networks": networks,
+        "training": {"config": to_dict(config), **training_summary([Path(n["run"]) for n in networks], source)},
+    }
+
+
+def _manifest(config, index: dict, task, source, stage: dict, formats, postprocessing, coarse=None) -> dict:
+    """The manifest's contents (`tfmis.inference.manifest`) around the (fine) `stage`, and a cascade's `coarse`
+    stage."""
     import keras
     import tensorflow as tf
 
     import tfmis
 
-    v = config.validation
-    roi_size = [int(s) for s in (v.roi_size or config.pipeline.patch_size)]
+    roi_size = stage["sliding_window"]["roi_size"]
     regions = task.regions
     versions = {"tfmis": tfmis.__version__, "tensorflow": tf.__version__, "keras": keras.__version__}
     for package in ("onnx", "tf2onnx", "onnxruntime", "openvino"):
@@ -194,14 +229,25 @@ def _manifest(config, index: dict, task, source, networks: list, formats, postpr
             versions[package] = __import__(package).__version__
         except ImportError:
             pass
+    cascade = None
+    if coarse is not None:
+        c = config.cascade
+        cascade = {
+            "coarse": coarse,
+            "margin_mm": float(c.margin_mm),
+            "min_region_mm3": float(c.min_region_mm3),
+            "fine_classes": sorted(c.fine_classes) if c.fine_classes else None,
+            "how": "the coarse stage over the whole scan, the fine stage (the top-level networks) in the boxes around "
+            "what it finds, grown by margin_mm (tfmis.inference.cascade)",
+        }
     return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions,
         "source": {
-            "checkpoint": str(source.folder or networks[0]["run"]),
-            "kind": source.kind,
+            "checkpoint": str(source.folder or stage["networks"][0]["run"]),
+            "kind": source.kind if coarse is None else "cascade",
             "weights": source.weights,
         },
         "formats": list(formats),
@@ -222,27 +268,33 @@ def _manifest(config, index: dict, task, source, networks: list, formats, postpr
             "paint_labels": task.paint_labels,
         },
         "labels": list(task.class_names),
-        "preprocessing": {
-            **index["preprocessing"],
-            "orientation": "RAS (the image is reoriented to RAS before resampling)",
-            "image_resampling_order": 1,
-            "label_resampling_order": 0,
-            "probability_resampling_order": 1,
-        },
-        "sliding_window": {
-            "roi_size": roi_size,
-            "overlap": float(v.overlap),
-            "mode": v.mode,
-            "sigma_scale": 0.125,
-            "padding_mode": "constant",
-            "sw_batch_size": int(v.num_sw_batch_size),
-            "blend": "logits (weighted mean of the windows' logits; the activation after blending)",
-            "ensemble": "logits of the mean of the networks' probabilities (one network: its logits)",
-        },
+        **stage,
         "postprocessing": to_dict(postprocessing) if postprocessing_enabled(postprocessing) else None,
-        "networks": networks,
-        "training": {"config": to_dict(config), **training_summary([Path(n["run"]) for n in networks], source)},
+        "cascade": cascade,
     }
+
+
+def _export_networks(runs, config, weights: str, index: dict, staging: Path, formats, names) -> tuple[list, object]:
+    """Writes each run's network under `staging/networks/<name>`; (the manifest's network entries, the task)."""
+    roi_size = tuple(int(s) for s in (config.validation.roi_size or config.pipeline.patch_size))
+    networks = []
+    for number, (run, name) in enumerate(zip(runs, names)):
+        run_config_ = config if number == 0 else load_config(run_config(run))
+        task, model, read = _inference_network(run_config_, run, weights, index)
+        serve, spec = _window_function(model, roi_size, task.in_channels)
+        files = _write_network(model, serve, spec, staging / "networks" / name, formats)
+        networks.append(
+            {
+                "name": name,
+                "run": str(run),
+                "weights_file": str(read),
+                "weights_sha256": sha256_of(read),
+                "files": {fmt: str(file.relative_to(staging)) for fmt, file in files.items()},
+                "sha256": {fmt: sha256_of(file.parent if fmt == "openvino" else file) for fmt, file in files.items()},
+                "export_check": _check_formats(model, files, roi_size, task.in_channels),
+            }
+        )
+    return networks, task
 
 
 def export_model(
@@ -252,53 +304,42 @@ def export_model(
     weights: str | None = None,
     folds: list[int] | None = None,
 ) -> dict:
-    """Exports the run (or the folds of one configuration) `checkpoint` names into the new folder `output`;
-    returns the manifest written.
+    """Exports the run (or the folds of one configuration, or a cascade: a plan of stages or its fine stage, with
+    its coarse run) `checkpoint` names into the new folder `output`; returns the manifest written.
 
     Raises:
         UsageError: `output` exists, an unknown format or one whose package is missing, or a checkpoint of a
-            kind not exported yet (a cascade, two configurations).
+            kind not exported yet (two configurations, the folds of a cascade).
         MissingInput / DataError: as `tfmis-predict` for the same checkpoint (a missing fold, weights that do
             not fit).
     """
+    from tfmis.data.records import load_training_data_info
+
     output = Path(output)
     if output.exists():
         raise UsageError(f"--output {output} exists: give a new folder (or remove it)")
     _require_packages(formats)
     source, runs, config = _runs(checkpoint, folds, weights)
-    from tfmis.data.records import load_training_data_info
-
     index = load_training_data_info(find_run_dir(runs[0]), config.data.dataset_dir)
     postprocessing = source.postprocessing if source.postprocessing is not None else config.postprocessing
-    roi_size = tuple(int(s) for s in (config.validation.roi_size or config.pipeline.patch_size))
     staging = output.parent / f".{output.name}.exporting"
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     try:
-        networks = []
-        for number, run in enumerate(runs):
-            name = run.name if len(runs) > 1 else "model"
-            run_config_ = config if number == 0 else load_config(run_config(run))
-            task, model, read = _inference_network(run_config_, run, source.weights, index)
-            serve, spec = _window_function(model, roi_size, task.in_channels)
-            folder = staging / "networks" / name
-            files = _write_network(model, serve, spec, folder, formats)
-            check = _check_formats(model, files, roi_size, task.in_channels)
-            networks.append(
-                {
-                    "name": name,
-                    "run": str(run),
-                    "weights_file": str(read),
-                    "weights_sha256": sha256_of(read),
-                    "files": {fmt: str(file.relative_to(staging)) for fmt, file in files.items()},
-                    "sha256": {
-                        fmt: sha256_of(file.parent if fmt == "openvino" else file) for fmt, file in files.items()
-                    },
-                    "export_check": check,
-                }
+        names = [run.name for run in runs] if len(runs) > 1 else ["model"]
+        networks, task = _export_networks(runs, config, source.weights, index, staging, formats, names)
+        coarse = None
+        if config.cascade.coarse_run:  # the coarse stage: its run's best weights, as tfmis-predict loads them
+            coarse_run = Path(config.cascade.coarse_run)
+            coarse_config = load_config(run_config(coarse_run))
+            coarse_index = load_training_data_info(coarse_run, coarse_config.data.dataset_dir)
+            coarse_networks, _ = _export_networks(
+                [coarse_run], coarse_config, source.weights, coarse_index, staging, formats, ["coarse"]
             )
-        manifest = _manifest(config, index, task, source, networks, formats, postprocessing)
+            coarse = _stage(coarse_config, coarse_index, coarse_networks, source)
+        stage = _stage(config, index, networks, source)
+        manifest = _manifest(config, index, task, source, stage, formats, postprocessing, coarse)
         atomic_write_json(staging / MANIFEST_FILE, manifest)
         with atomic_writer(staging / MODEL_CARD_FILE) as f:
             f.write(model_card(manifest))

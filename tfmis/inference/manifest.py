@@ -107,7 +107,8 @@ def read_manifest(folder: str | Path) -> dict:
         raise DataError(f"{path}: the key {missing[0]!r} is missing; {export_again}")
     if not manifest["networks"]:
         raise DataError(f"{path}: no networks listed; {export_again}")
-    for network in manifest["networks"]:
+    stages = [manifest, *([manifest["cascade"]["coarse"]] if manifest.get("cascade") else [])]
+    for network in (n for stage in stages for n in stage["networks"]):
         for fmt in manifest["formats"]:
             file = network_path(folder, network, fmt)
             if not file.exists():
