@@ -45,6 +45,14 @@ def _labels(folder: Path) -> dict:
     return {p.name: np.asarray(nib.load(str(p)).dataobj) for p in sorted(folder.glob("case_*.nii.gz"))}
 
 
+def _regions(folder: Path) -> dict:
+    """Each case's `region` column of predictions.csv (what a cascade's fine stage saw)."""
+    import csv
+
+    with open(folder / "predictions.csv") as f:
+        return {row["case"]: row["region"] for row in csv.DictReader(f)}
+
+
 def _predict(*argv) -> int:
     from tfmis.predict import main
 
@@ -314,6 +322,8 @@ def test_a_plan_of_a_cascade_exports_both_stages_and_predicts_as_the_plan(conver
     images = str(tiny_run["source"] / "imagesTr")
     assert _predict("--checkpoint", str(root), "--input", images, "--output", str(tmp_path / "run")) == 0
     reference = _labels(tmp_path / "run")
+    regions = _regions(tmp_path / "run")
+    assert any(r.startswith("1 region") for r in regions.values()), regions  # the fine stage ran in a region
     for engine in ("tensorflow", "onnxruntime"):
         out = tmp_path / engine
         assert (
@@ -326,3 +336,4 @@ def test_a_plan_of_a_cascade_exports_both_stages_and_predicts_as_the_plan(conver
         assert reference.keys() == predicted.keys() and len(reference) == 8
         for name in reference:
             assert np.array_equal(reference[name], predicted[name]), (engine, name)
+        assert _regions(out) == regions
