@@ -1,9 +1,10 @@
 """Exporting a trained model out of tfmis: SavedModel, ONNX and OpenVINO networks and the manifest around them.
 
-`export_model(checkpoint, output)` writes the folder `tfmis.inference.manifest` describes, for one run or the folds
+`export_model(checkpoint, output)` writes the folder `tfmis.inference.manifest` describes, for one run, the folds
 of one configuration (a folder of folds, or a cross-validation folder that chose one configuration: its folds and
-its postprocessing). Each network is the inference model (no deep-supervision heads) built in float32 and loaded
-with the run's weights (best for one run, final for folds, as `tfmis-predict` chooses), traced once as
+its postprocessing), or a cascade (a plan of stages, or its fine stage: both stages). Each network is the inference
+model (no deep-supervision heads) built in float32 and loaded with the run's weights (best for one run, final for
+folds, as `tfmis-predict` chooses), traced once as
 
     tf.function(windows (None, X, Y, Z, C) float32) -> {"logits": (None, X, Y, Z, K) float32}
 
