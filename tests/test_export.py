@@ -337,3 +337,52 @@ def test_a_plan_of_a_cascade_exports_both_stages_and_predicts_as_the_plan(conver
         for name in reference:
             assert np.array_equal(reference[name], predicted[name]), (engine, name)
         assert _regions(out) == regions
+
+
+@pytest.mark.slow  # four tiny trainings and an export: about a minute
+def test_a_crossval_choice_of_two_configurations_exports_their_folds_and_postprocessing(
+    converted_dataset, tiny_run, tmp_path
+):
+    """A cross-validation folder that chose configurations a and b (two folds each, other networks) and the largest
+    foreground component exports four networks and the postprocessing; onnxruntime predicts the label maps
+    tfmis-predict writes from the cross-validation folder."""
+    from tfmis.engine.trainer import Trainer
+    from tfmis.inference.exporting import export_model
+
+    cv = tmp_path / "cv"
+    runs = {}
+    for name, filters in (("a", "[4,8]"), ("b", "[6,12]")):
+        runs[name] = []
+        for fold in (0, 1):
+            out = cv / name / f"fold_{fold}"
+            overrides = [f"model.filters={filters}", "training.epochs=1", f"training.seed={fold + 7}"]
+            Trainer(tiny_config(converted_dataset, out, *overrides)).fit()
+            runs[name].append(str(out))
+    chosen = {"configurations": ["a", "b"], "postprocessing": {"largest_foreground_component": True}}
+    crossval = {
+        "version": 1,
+        "folds": [0, 1],
+        "configurations": {n: {"folds": {str(k): r for k, r in enumerate(runs[n])}} for n in runs},
+        "chosen": chosen,
+    }
+    (cv / "crossval.json").write_text(json.dumps(crossval))
+    manifest = export_model(cv, tmp_path / "model", formats=("onnx",))
+    assert [c["name"] for c in manifest["configurations"]] == ["a", "b"]
+    assert [n["name"] for c in manifest["configurations"] for n in c["networks"]] == [
+        "a/fold_0",
+        "a/fold_1",
+        "b/fold_0",
+        "b/fold_1",
+    ]
+    assert manifest["postprocessing"]["largest_foreground_component"] is True
+    images = str(tiny_run["source"] / "imagesTr")
+    assert _predict("--checkpoint", str(cv), "--input", images, "--output", str(tmp_path / "run")) == 0
+    out = tmp_path / "onnx"
+    code = _predict(
+        "--checkpoint", str(tmp_path / "model"), "--engine", "onnxruntime", "--input", images, "--output", str(out)
+    )
+    assert code == 0
+    reference, predicted = _labels(tmp_path / "run"), _labels(out)
+    assert reference.keys() == predicted.keys() and len(reference) == 8
+    for name in reference:
+        assert np.array_equal(reference[name], predicted[name]), name

@@ -22,14 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 exported; 1 unusable checkpoint (missing, unfinished, weights that do not fit); "
         "2 bad arguments (an existing --output, an unknown --format or one whose package is missing: install "
-        "tfmis[deploy]; an ensemble of configurations or the folds of a cascade, not exported yet).",
+        "tfmis[deploy]; the folds of a cascade, not exported yet).",
     )
     p.add_argument(
         "--checkpoint",
         required=True,
         help="a training run folder (its best weights, or --weights final), a plan of stages or a cascade's fine stage "
         "(both stages of a cascade), a folder of folds (fold_<k> run folders: every fold, final weights) or a "
-        "cross-validation folder that chose one configuration (its folds and its postprocessing)",
+        "cross-validation folder (the configuration(s) it chose, each its folds, and its postprocessing)",
     )
     p.add_argument("--output", required=True, help="the exported model folder to create (must not exist)")
     p.add_argument(

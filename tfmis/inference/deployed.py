@@ -30,6 +30,7 @@ from tfmis.hardware import CPU
 from tfmis.inference.blending import check_buffer_dtype
 from tfmis.inference.cascade import CascadePredictor
 from tfmis.inference.engines import check_precision, load_network, require_engine
+from tfmis.inference.ensemble import ConfigurationEnsemble
 from tfmis.inference.manifest import ENGINE_FORMATS, MANIFEST_FILE, check_network_file, data_info, read_manifest
 from tfmis.inference.outputs import score_columns
 from tfmis.inference.placement import VolumePlacement
@@ -179,12 +180,12 @@ class ExportedPredictor(Predictor):
 
 
 class ExportedCascadePredictor(CascadePredictor, ExportedPredictor):
-    """An exported cascade (`manifest["cascade"]`): `CascadePredictor`'s prediction (the coarse stage over the whole
-    scan, the fine stage in the regions it finds) with both stages run by the engine."""
+    """An exported cascade (`manifest["cascade"]`, or a configuration's): `CascadePredictor`'s prediction (the
+    coarse stage over the whole scan, the fine stage in the regions it finds) with both stages run by the engine."""
 
-    def __init__(self, folder, **kwargs):
-        ExportedPredictor.__init__(self, folder, **kwargs)
-        cascade = self.manifest["cascade"]
+    def __init__(self, folder, stage: dict | None = None, **kwargs):
+        ExportedPredictor.__init__(self, folder, stage=stage, **kwargs)
+        cascade = (stage or self.manifest)["cascade"]
         coarse = ExportedPredictor(folder, **kwargs, stage=cascade["coarse"])
         self.set_cascade(coarse, cascade["margin_mm"], cascade["min_region_mm3"], cascade["fine_classes"])
 
@@ -192,9 +193,35 @@ class ExportedCascadePredictor(CascadePredictor, ExportedPredictor):
         return ExportedPredictor.describe(self) + ", a cascade after its coarse stage"
 
 
-def exported_predictor(folder, **kwargs) -> ExportedPredictor:
-    """The predictor of the exported model `folder`: an `ExportedCascadePredictor` for an exported cascade, else an
-    `ExportedPredictor` (kwargs: theirs)."""
-    if read_manifest(folder).get("cascade"):
-        return ExportedCascadePredictor(folder, **kwargs)
-    return ExportedPredictor(folder, **kwargs)
+class ExportedConfigurationEnsemble(ConfigurationEnsemble):
+    """An exported cross-validation's ensemble of configurations (`manifest["configurations"]`), each an
+    `ExportedPredictor` (or cascade) run by the engine, their probabilities averaged as `ConfigurationEnsemble`
+    does."""
+
+    def __init__(self, folder, manifest: dict, **kwargs):
+        members = [_stage_predictor(folder, stage, **kwargs) for stage in manifest["configurations"]]
+        super().__init__(members, [stage["name"] for stage in manifest["configurations"]])
+        self.postprocessing = members[0].postprocessing
+        self.folder, self.engine, self.precision = Path(folder), members[0].engine, members[0].precision
+
+    def describe(self) -> str:
+        names = " + ".join(
+            f"{name} ({len(m.checkpoints)} network{'s' if len(m.checkpoints) > 1 else ''})"
+            for name, m in zip(self.names, self.members)
+        )
+        return f"the exported model {self.folder} (ensemble of {names}) with {self.engine} ({self.precision})"
+
+
+def _stage_predictor(folder, stage: dict | None, **kwargs) -> ExportedPredictor:
+    if (stage or read_manifest(folder)).get("cascade"):
+        return ExportedCascadePredictor(folder, stage=stage, **kwargs)
+    return ExportedPredictor(folder, stage=stage, **kwargs)
+
+
+def exported_predictor(folder, **kwargs):
+    """The predictor of the exported model `folder`: an `ExportedConfigurationEnsemble` for an ensemble of
+    configurations, an `ExportedCascadePredictor` for a cascade, else an `ExportedPredictor` (kwargs: theirs)."""
+    manifest = read_manifest(folder)
+    if manifest.get("configurations"):
+        return ExportedConfigurationEnsemble(folder, manifest, **kwargs)
+    return _stage_predictor(folder, None, **kwargs)

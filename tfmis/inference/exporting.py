@@ -1,8 +1,8 @@
 """Exporting a trained model out of tfmis: SavedModel, ONNX and OpenVINO networks and the manifest around them.
 
 `export_model(checkpoint, output)` writes the folder `tfmis.inference.manifest` describes, for one run, the folds
-of one configuration (a folder of folds, or a cross-validation folder that chose one configuration: its folds and
-its postprocessing), or a cascade (a plan of stages, or its fine stage: both stages). Each network is the inference
+of one configuration (a folder of folds), a cross-validation folder (the configurations it chose, each its folds,
+and its postprocessing), or a cascade (a plan of stages, or its fine stage: both stages). Each network is the inference
 model (no deep-supervision heads) built in float32 and loaded with the run's weights (best for one run, final for
 folds, as `tfmis-predict` chooses), traced once as
 
@@ -92,26 +92,23 @@ def final_stage(checkpoint: str | Path) -> Path:
     return Path(load_config(stages[-1][1]).output.dir) if stages else path
 
 
-def _runs(checkpoint, folds, weights) -> tuple[object, list[Path], object]:
-    """(the `PredictionSource`, its run folders, the first run's `Config`); a plan of stages is its last stage's run;
-    a `UsageError` for what cannot be exported yet (an ensemble of two configurations, the folds of a cascade)."""
+def _members(checkpoint, folds, weights) -> tuple[object, list]:
+    """(the `PredictionSource`, [(configuration name, its run folders, its first run's `Config`)]); a plan of stages
+    is its last stage's run; a `UsageError` for the folds of a cascade (not exported yet)."""
     source = resolve_checkpoint(checkpoint, folds, weights)
     if source.kind == "run":
         source = resolve_checkpoint(final_stage(checkpoint), weights=weights)
-    if len(source.members) > 1:
-        names = ", ".join(m.name for m in source.members)
-        raise UsageError(
-            f"--checkpoint {checkpoint}: its cross-validation chose an ensemble of configurations ({names}); export "
-            "each configuration's folder of folds (exporting them together is not supported yet)"
-        )
-    runs = [Path(r) for r in source.members[0].runs]
-    config = load_config(run_config(runs[0]))
-    if config.cascade.coarse_run and len(runs) > 1:
-        raise UsageError(
-            f"--checkpoint {checkpoint}: the folds of a cascade; exporting them is not supported yet: export one "
-            "fold's fine stage (its coarse run goes with it)"
-        )
-    return source, runs, config
+    members = []
+    for member in source.members:
+        runs = [Path(r) for r in member.runs]
+        config = load_config(run_config(runs[0]))
+        if config.cascade.coarse_run and len(runs) > 1:
+            raise UsageError(
+                f"--checkpoint {checkpoint}: the folds of a cascade ({member.name}); exporting them is not supported "
+                "yet: export one fold's fine stage (its coarse run goes with it)"
+            )
+        members.append((member.name, runs, config))
+    return source, members
 
 
 def _inference_network(config, run: Path, weights: str, index: dict):
@@ -214,9 +211,9 @@ def _stage(config, index: dict, networks: list, source) -> dict:
     }
 
 
-def _manifest(config, index: dict, task, source, stage: dict, formats, postprocessing, coarse=None) -> dict:
-    """The manifest's contents (`tfmis.inference.manifest`) around the (fine) `stage`, and a cascade's `coarse`
-    stage."""
+def _manifest(config, index: dict, task, source, stage: dict, formats, postprocessing) -> dict:
+    """The manifest's contents (`tfmis.inference.manifest`) around `stage` (its networks, preprocessing, sliding
+    window, training and a cascade's coarse stage)."""
     import keras
     import tensorflow as tf
 
@@ -230,17 +227,6 @@ def _manifest(config, index: dict, task, source, stage: dict, formats, postproce
             versions[package] = __import__(package).__version__
         except ImportError:
             pass
-    cascade = None
-    if coarse is not None:
-        c = config.cascade
-        cascade = {
-            "coarse": coarse,
-            "margin_mm": float(c.margin_mm),
-            "min_region_mm3": float(c.min_region_mm3),
-            "fine_classes": sorted(c.fine_classes) if c.fine_classes else None,
-            "how": "the coarse stage over the whole scan, the fine stage (the top-level networks) in the boxes around "
-            "what it finds, grown by margin_mm (tfmis.inference.cascade)",
-        }
     return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -248,7 +234,7 @@ def _manifest(config, index: dict, task, source, stage: dict, formats, postproce
         "versions": versions,
         "source": {
             "checkpoint": str(source.folder or stage["networks"][0]["run"]),
-            "kind": source.kind if coarse is None else "cascade",
+            "kind": source.kind if stage["cascade"] is None else "cascade",
             "weights": source.weights,
         },
         "formats": list(formats),
@@ -271,7 +257,6 @@ def _manifest(config, index: dict, task, source, stage: dict, formats, postproce
         "labels": list(task.class_names),
         **stage,
         "postprocessing": to_dict(postprocessing) if postprocessing_enabled(postprocessing) else None,
-        "cascade": cascade,
     }
 
 
@@ -305,42 +290,36 @@ def export_model(
     weights: str | None = None,
     folds: list[int] | None = None,
 ) -> dict:
-    """Exports the run (or the folds of one configuration, or a cascade: a plan of stages or its fine stage, with
-    its coarse run) `checkpoint` names into the new folder `output`; returns the manifest written.
+    """Exports the run `checkpoint` names (or the folds of one configuration; a cross-validation's chosen
+    configurations, each its folds; a cascade: a plan of stages or its fine stage, with its coarse run) into the new
+    folder `output`; returns the manifest written.
 
     Raises:
-        UsageError: `output` exists, an unknown format or one whose package is missing, or a checkpoint of a
-            kind not exported yet (two configurations, the folds of a cascade).
+        UsageError: `output` exists, an unknown format or one whose package is missing, or the folds of a cascade
+            (not exported yet).
         MissingInput / DataError: as `tfmis-predict` for the same checkpoint (a missing fold, weights that do
             not fit).
     """
-    from tfmis.data.records import load_training_data_info
-
     output = Path(output)
     if output.exists():
         raise UsageError(f"--output {output} exists: give a new folder (or remove it)")
     _require_packages(formats)
-    source, runs, config = _runs(checkpoint, folds, weights)
-    index = load_training_data_info(find_run_dir(runs[0]), config.data.dataset_dir)
-    postprocessing = source.postprocessing if source.postprocessing is not None else config.postprocessing
+    source, members = _members(checkpoint, folds, weights)
     staging = output.parent / f".{output.name}.exporting"
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     try:
-        names = [run.name for run in runs] if len(runs) > 1 else ["model"]
-        networks, task = _export_networks(runs, config, source.weights, index, staging, formats, names)
-        coarse = None
-        if config.cascade.coarse_run:  # the coarse stage: its run's best weights, as tfmis-predict loads them
-            coarse_run = Path(config.cascade.coarse_run)
-            coarse_config = load_config(run_config(coarse_run))
-            coarse_index = load_training_data_info(coarse_run, coarse_config.data.dataset_dir)
-            coarse_networks, _ = _export_networks(
-                [coarse_run], coarse_config, source.weights, coarse_index, staging, formats, ["coarse"]
-            )
-            coarse = _stage(coarse_config, coarse_index, coarse_networks, source)
-        stage = _stage(config, index, networks, source)
-        manifest = _manifest(config, index, task, source, stage, formats, postprocessing, coarse)
+        stages = []
+        for name, runs, config in members:
+            prefix = f"{name}/" if len(members) > 1 else ""
+            stages.append((name, *_export_stage(runs, config, source, staging, formats, prefix)))
+        name, stage, task, config, index = stages[0]
+        postprocessing = source.postprocessing if source.postprocessing is not None else config.postprocessing
+        manifest = _manifest(config, index, task, source, stage, formats, postprocessing)
+        if len(stages) > 1:  # a cross-validation's ensemble of configurations: their probabilities averaged
+            manifest["configurations"] = [{"name": name, **stage} for name, stage, *_ in stages]
+            manifest["source"]["kind"] = "configurations"
         atomic_write_json(staging / MANIFEST_FILE, manifest)
         with atomic_writer(staging / MODEL_CARD_FILE) as f:
             f.write(model_card(manifest))
@@ -349,3 +328,31 @@ def export_model(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return json.loads((output / MANIFEST_FILE).read_text())
+
+
+def _export_stage(runs, config, source, staging: Path, formats, prefix: str) -> tuple:
+    """Exports one configuration's networks (and a cascade's coarse run) under `staging/networks/<prefix>...`;
+    (its stage dict with its `cascade`, its task, config and training data info)."""
+    from tfmis.data.records import load_training_data_info
+
+    index = load_training_data_info(find_run_dir(runs[0]), config.data.dataset_dir)
+    names = [prefix + run.name for run in runs] if len(runs) > 1 else [prefix + "model"]
+    networks, task = _export_networks(runs, config, source.weights, index, staging, formats, names)
+    cascade = None
+    if config.cascade.coarse_run:  # the coarse stage: its run's weights, as tfmis-predict loads them
+        coarse_run = Path(config.cascade.coarse_run)
+        coarse_config = load_config(run_config(coarse_run))
+        coarse_index = load_training_data_info(coarse_run, coarse_config.data.dataset_dir)
+        coarse_networks, _ = _export_networks(
+            [coarse_run], coarse_config, source.weights, coarse_index, staging, formats, [prefix + "coarse"]
+        )
+        c = config.cascade
+        cascade = {
+            "coarse": _stage(coarse_config, coarse_index, coarse_networks, source),
+            "margin_mm": float(c.margin_mm),
+            "min_region_mm3": float(c.min_region_mm3),
+            "fine_classes": sorted(c.fine_classes) if c.fine_classes else None,
+            "how": "the coarse stage over the whole scan, the fine stage (this stage's networks) in the boxes around "
+            "what it finds, grown by margin_mm (tfmis.inference.cascade)",
+        }
+    return {**_stage(config, index, networks, source), "cascade": cascade}, task, config, index

@@ -107,8 +107,7 @@ def read_manifest(folder: str | Path) -> dict:
         raise DataError(f"{path}: the key {missing[0]!r} is missing; {export_again}")
     if not manifest["networks"]:
         raise DataError(f"{path}: no networks listed; {export_again}")
-    stages = [manifest, *([manifest["cascade"]["coarse"]] if manifest.get("cascade") else [])]
-    for network in (n for stage in stages for n in stage["networks"]):
+    for network in (n for stage in stages(manifest) for n in stage["networks"]):
         for fmt in manifest["formats"]:
             file = network_path(folder, network, fmt)
             if not file.exists():
@@ -116,6 +115,13 @@ def read_manifest(folder: str | Path) -> dict:
                     f"{path}: its {fmt} network {file} is missing; copy the whole folder, or {export_again}"
                 )
     return manifest
+
+
+def stages(manifest: dict) -> list[dict]:
+    """Every stage of an exported model, each with its `networks`: the manifest itself (or, for an ensemble of
+    configurations, each of its `configurations`) and each one's cascade's coarse stage."""
+    tops = manifest.get("configurations") or [manifest]
+    return [s for top in tops for s in (top, *([top["cascade"]["coarse"]] if top.get("cascade") else []))]
 
 
 def hashed_path(folder: str | Path, network: dict, fmt: str) -> Path:
