@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sliding-window size (default: the config's validation.roi_size or training patch); multiples of the "
         "network's stride products",
     )
+    _add_engine_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--engine and --precision: what runs the network of an exported model folder (docs/deploying.md)."""
     p.add_argument(
         "--engine",
         choices=("tensorflow", "onnxruntime", "openvino"),
@@ -148,8 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="with an exported model folder: the engine's arithmetic; bfloat16 (tensorflow, openvino) is faster on "
         "CPUs with AVX-512 BF16 or AMX and changes a few voxels (docs/deploying.md)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
 
 
 def _model_parallel_override(config, value: str | None, roi: str | None, parser):
