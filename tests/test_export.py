@@ -186,6 +186,18 @@ def test_export_command_refuses_an_existing_output_and_an_unknown_format(tiny_ru
     assert done.value.code == 0
 
 
+def test_an_engine_with_a_run_folder_or_bfloat16_with_onnxruntime_is_exit_2(exported, tiny_run, tmp_path, capsys):
+    """--engine onnxruntime with a run folder names tfmis-export; --precision bfloat16 with onnxruntime names the
+    engines that run it: exit 2, one line each, before any case."""
+    images = str(tiny_run["source"] / "imagesTs")
+    args = ["--input", images, "--output", str(tmp_path / "o")]
+    assert _predict("--checkpoint", str(tiny_run["dir"]), "--engine", "onnxruntime", *args) == 2
+    assert "tfmis-export --checkpoint" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert _predict("--checkpoint", str(exported), "--engine", "onnxruntime", "--precision", "bfloat16", *args) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: --precision bfloat16") and "openvino" in line, line
+
+
 OUTSIDE_TFMIS = """
 import importlib.util, json, sys
 import numpy as np
