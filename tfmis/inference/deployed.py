@@ -93,8 +93,9 @@ class ExportedPredictor(Predictor):
         precision: `float32` (default) or `bfloat16` (tensorflow, openvino).
         sw_batch_size, overlap, mode, tta, tta_axes, buffer_dtype: as `Predictor`'s; the defaults are the
             manifest's `sliding_window`.
-        stage: a cascade's coarse stage (`manifest["cascade"]["coarse"]`: its preprocessing, sliding window,
-            networks and training) instead of the manifest's own (`exported_predictor` builds the cascade).
+        stage: a cascade's coarse stage (`manifest["cascade"]["coarse"]`) or one of an ensemble's
+            `manifest["configurations"]`: its preprocessing, sliding window, networks and training instead of the
+            manifest's own (`exported_predictor` builds cascades and ensembles).
     """
 
     def __init__(
@@ -114,7 +115,7 @@ class ExportedPredictor(Predictor):
         check_precision(engine, precision)
         self.folder = Path(folder)
         self.manifest = read_manifest(folder)
-        manifest = self.manifest if stage is None else {**self.manifest, **stage}  # a cascade's coarse stage
+        manifest = self.manifest if stage is None else {**self.manifest, **stage}
         fmt = ENGINE_FORMATS[engine]
         if fmt not in manifest["formats"]:
             raise DataError(
