@@ -131,6 +131,19 @@ class MonaiWorker:
         self.process.stdin.write(json.dumps(payload) + "\n")
         return self._answer()
 
+    def load(self, name: str, case: dict, volume, sizes: list[int], folder: Path, index: int):
+        """Hands the worker one case (the volume through a .npy file), warms it up, and returns its output."""
+        import numpy as np
+
+        source, target = folder / f"in{index}.npy", folder / f"out{index}.npy"
+        np.save(source, volume)
+        self.request(cmd="load", case=name, input=str(source), roi_size=list(case["roi"]),
+                     sw_batch_size=case["sw_batch_size"], overlap=case["overlap"], mode=case["mode"],
+                     predictor=case["predictor"], batches=sizes)  # fmt: skip
+        self.request(cmd="save", case=name, output=str(target))
+        self.request(cmd="time_predictor", case=name)
+        return np.load(target)
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
@@ -213,7 +226,7 @@ def window_batches(windows: int, sw_batch_size: int) -> list[int]:
     return [min(sw_batch_size, windows - first) for first in range(0, windows, sw_batch_size)]
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--case",
@@ -256,6 +269,11 @@ def main(argv=None) -> int:
         help="runs per case and tfmis arm whose phases are timed after the timed runs (0: none)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -283,46 +301,17 @@ def main(argv=None) -> int:
     numpy_predictors = {"tanh": np.tanh, "poly": lambda x: x * x - x / 2}  # numpy in, numpy out: an engine
     baseline = load_baseline(args.baseline) if args.baseline else None
     worker = MonaiWorker(args.monai, args.threads, args.omp_wait_policy) if args.monai else None
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, {args.threads} usable; load average {os.getloadavg()}")
-    print(
-        f"TensorFlow {tf.__version__}: {args.threads} intra-op threads, blending in "
-        f"{'host memory (numpy)' if aggregates_on_host(None) else 'accelerator memory'}"
-        + (
-            f"; MONAI {worker.info['monai']}, torch {worker.info['torch']}: {worker.info['threads']} threads, "
-            f"OMP_WAIT_POLICY={args.omp_wait_policy or 'default'}"
-            if worker
-            else ""
-        )
-        + f"; {args.channels} channel(s); median of {args.repeats} runs after 1 warm-up.\n"
-        "net s: the predictor alone on the same window batches (what the network would cost); np s: tfmis "
-        "with numpy windows and the numpy twin of the predictor (an engine's path); around: MONAI/tfmis of "
-        "(total - net), the time spent around the network; cpu: MONAI/tfmis of the process CPU time (all "
-        "threads) per volume; max|Δ|: the largest difference of MONAI's and np's output from tfmis's",
-        flush=True,
-    )
+    print_header(args, worker, tf.__version__, aggregates_on_host(None))
 
     def run_tfmis(function, volume, case):
-        out = function(
-            volume,
-            case["roi"],
-            case["sw_batch_size"],
-            predictors[case["predictor"]],
-            overlap=case["overlap"],
-            mode=case["mode"],
-        )
+        out = function(volume, case["roi"], case["sw_batch_size"], predictors[case["predictor"]],
+                       overlap=case["overlap"], mode=case["mode"])  # fmt: skip
         return np.asarray(out)  # the result, in host memory (no copy when it is there already)
 
     def run_numpy(volume, case):
-        return sliding_window_inference(
-            volume,
-            case["roi"],
-            case["sw_batch_size"],
-            numpy_predictors[case["predictor"]],
-            overlap=case["overlap"],
-            mode=case["mode"],
-            output="numpy",
-            windows_as="numpy",
-        )
+        return sliding_window_inference(volume, case["roi"], case["sw_batch_size"], numpy_predictors[case["predictor"]],
+                                        overlap=case["overlap"], mode=case["mode"], output="numpy",
+                                        windows_as="numpy")  # fmt: skip
 
     def run_predictor_alone(batches, case, functions=predictors):
         for batch in batches:
@@ -352,41 +341,10 @@ def main(argv=None) -> int:
                     arms["baseline"] = lambda v=volume, c=case: run_tfmis(baseline, v, c)
                 outputs = {arm: run() for arm, run in arms.items()}  # warm-up, and the outputs compared
                 if worker is not None:
-                    source, target = Path(folder, f"in{index}.npy"), Path(folder, f"out{index}.npy")
-                    np.save(source, volume)
-                    worker.request(
-                        cmd="load",
-                        case=name,
-                        input=str(source),
-                        roi_size=list(case["roi"]),
-                        sw_batch_size=case["sw_batch_size"],
-                        overlap=case["overlap"],
-                        mode=case["mode"],
-                        predictor=case["predictor"],
-                        batches=sizes,
-                    )
-                    worker.request(cmd="save", case=name, output=str(target))
-                    worker.request(cmd="time_predictor", case=name)
-                    outputs["monai"] = np.load(target)
+                    outputs["monai"] = worker.load(name, case, volume, sizes, Path(folder), index)
                     arms["monai"] = lambda n=name: worker.request(cmd="time", case=n)
                     arms["monai_net"] = lambda n=name: worker.request(cmd="time_predictor", case=n)
-                times = {arm: [] for arm in arms}
-                cpu_times = {arm: [] for arm in arms}
-                runs = 0
-                # the arms alternate, so a busy moment hits all of them; fast cases run until tfmis has had
-                # --min-seconds (at most 200 runs), so that their medians settle too
-                while runs < args.repeats or (sum(times["tfmis"]) < args.min_seconds and runs < 200):
-                    runs += 1
-                    for arm, run in arms.items():
-                        if arm.startswith("monai"):
-                            answer = run()
-                            times[arm].append(answer["seconds"])
-                            cpu_times[arm].append(answer["cpu_seconds"])
-                        else:
-                            start, cpu = time.perf_counter(), time.process_time()
-                            run()
-                            times[arm].append(time.perf_counter() - start)
-                            cpu_times[arm].append(time.process_time() - cpu)
+                times, cpu_times, runs = time_arms(arms, args.repeats, args.min_seconds)
                 row = {
                     "case": name,
                     **case,
@@ -396,21 +354,7 @@ def main(argv=None) -> int:
                     **{f"{arm}_cpu_s": statistics.median(t) for arm, t in cpu_times.items()},
                     **{f"{arm}_runs_s": t for arm, t in times.items()},
                 }
-                for arm in ("monai", "baseline", "np"):
-                    if arm in outputs:
-                        row[f"{arm}_max_abs_diff"] = float(np.abs(outputs[arm] - outputs["tfmis"]).max())
-                        row[f"{arm}_over_tfmis"] = row[f"{arm}_s"] / row["tfmis_s"]
-                if worker is not None:
-                    row["monai_cpu_over_tfmis"] = row["monai_cpu_s"] / row["tfmis_cpu_s"]
-                    around = row["tfmis_s"] - row["tfmis_net_s"]
-                    row["monai_around_over_tfmis"] = (
-                        (row["monai_s"] - row["monai_net_s"]) / around if around > 0 else float("inf")
-                    )
-                    row["monai_over_np"] = row["monai_s"] / row["np_s"]
-                    np_around = row["np_s"] - row["np_net_s"]
-                    row["monai_around_over_np"] = (
-                        (row["monai_s"] - row["monai_net_s"]) / np_around if np_around > 0 else float("inf")
-                    )
+                add_comparisons(row, outputs)
                 if args.breakdown and aggregates_on_host(None):
                     row["breakdown_ms"] = {arm: phase_breakdown(arms[arm], args.breakdown) for arm in ("tfmis", "np")}
                 rows.append(row)
@@ -421,22 +365,7 @@ def main(argv=None) -> int:
     if any("breakdown_ms" in r for r in rows):
         print_breakdown(rows)
     if worker is not None:
-        ratios = [r["monai_over_tfmis"] for r in rows]
-        around = [r["monai_around_over_tfmis"] for r in rows]
-        cpu = [r["monai_cpu_over_tfmis"] for r in rows]
-        print(
-            f"MONAI/tfmis: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; around the network: "
-            f"min {min(around):.2f}, median {statistics.median(around):.2f}; CPU time: min {min(cpu):.2f}, "
-            f"median {statistics.median(cpu):.2f}; max |tfmis - MONAI| "
-            f"{max(r['monai_max_abs_diff'] for r in rows):.2g}"
-        )
-        np_ratios = [r["monai_over_np"] for r in rows]
-        np_around = [r["monai_around_over_np"] for r in rows]
-        print(
-            f"MONAI/tfmis with numpy windows and a numpy predictor (np): min {min(np_ratios):.2f}, median "
-            f"{statistics.median(np_ratios):.2f}; around the network: min {min(np_around):.2f}, median "
-            f"{statistics.median(np_around):.2f}"
-        )
+        print_monai_summary(rows)
     if args.json:
         atomic_write_json(
             args.json,
@@ -452,6 +381,84 @@ def main(argv=None) -> int:
             },
         )
     return 0
+
+
+def print_header(args, worker, tensorflow_version: str, on_host: bool) -> None:
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, {args.threads} usable; load average {os.getloadavg()}")
+    print(
+        f"TensorFlow {tensorflow_version}: {args.threads} intra-op threads, blending in "
+        f"{'host memory (numpy)' if on_host else 'accelerator memory'}"
+        + (
+            f"; MONAI {worker.info['monai']}, torch {worker.info['torch']}: {worker.info['threads']} threads, "
+            f"OMP_WAIT_POLICY={args.omp_wait_policy or 'default'}"
+            if worker
+            else ""
+        )
+        + f"; {args.channels} channel(s); median of {args.repeats} runs after 1 warm-up.\n"
+        "net s: the predictor alone on the same window batches (what the network would cost); np s: tfmis "
+        "with numpy windows and the numpy twin of the predictor (an engine's path); around: MONAI/tfmis of "
+        "(total - net), the time spent around the network; cpu: MONAI/tfmis of the process CPU time (all "
+        "threads) per volume; max|Δ|: the largest difference of MONAI's and np's output from tfmis's",
+        flush=True,
+    )
+
+
+def time_arms(arms: dict, repeats: int, min_seconds: float) -> tuple[dict, dict, int]:
+    """Seconds and CPU seconds per run of each arm, and the number of runs. The arms alternate, so a busy moment
+    hits all of them; fast cases run until tfmis has had `min_seconds` (at most 200 runs), so that their medians
+    settle too. A MONAI arm times itself in its worker and answers {"seconds", "cpu_seconds"}."""
+    times = {arm: [] for arm in arms}
+    cpu_times = {arm: [] for arm in arms}
+    runs = 0
+    while runs < repeats or (sum(times["tfmis"]) < min_seconds and runs < 200):
+        runs += 1
+        for arm, run in arms.items():
+            if arm.startswith("monai"):
+                answer = run()
+                times[arm].append(answer["seconds"])
+                cpu_times[arm].append(answer["cpu_seconds"])
+            else:
+                start, cpu = time.perf_counter(), time.process_time()
+                run()
+                times[arm].append(time.perf_counter() - start)
+                cpu_times[arm].append(time.process_time() - cpu)
+    return times, cpu_times, runs
+
+
+def add_comparisons(row: dict, outputs: dict) -> None:
+    """The largest output difference from tfmis and the time ratios of the other arms, into `row`."""
+    import numpy as np
+
+    for arm in ("monai", "baseline", "np"):
+        if arm in outputs:
+            row[f"{arm}_max_abs_diff"] = float(np.abs(outputs[arm] - outputs["tfmis"]).max())
+            row[f"{arm}_over_tfmis"] = row[f"{arm}_s"] / row["tfmis_s"]
+    if "monai" in outputs:
+        row["monai_cpu_over_tfmis"] = row["monai_cpu_s"] / row["tfmis_cpu_s"]
+        monai_around = row["monai_s"] - row["monai_net_s"]
+        for arm, key in (("tfmis", "monai_around_over_tfmis"), ("np", "monai_around_over_np")):
+            around = row[f"{arm}_s"] - row[f"{arm}_net_s"]
+            row[key] = monai_around / around if around > 0 else float("inf")
+        row["monai_over_np"] = row["monai_s"] / row["np_s"]
+
+
+def print_monai_summary(rows: list[dict]) -> None:
+    ratios = [r["monai_over_tfmis"] for r in rows]
+    around = [r["monai_around_over_tfmis"] for r in rows]
+    cpu = [r["monai_cpu_over_tfmis"] for r in rows]
+    print(
+        f"MONAI/tfmis: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; around the network: "
+        f"min {min(around):.2f}, median {statistics.median(around):.2f}; CPU time: min {min(cpu):.2f}, "
+        f"median {statistics.median(cpu):.2f}; max |tfmis - MONAI| "
+        f"{max(r['monai_max_abs_diff'] for r in rows):.2g}"
+    )
+    np_ratios = [r["monai_over_np"] for r in rows]
+    np_around = [r["monai_around_over_np"] for r in rows]
+    print(
+        f"MONAI/tfmis with numpy windows and a numpy predictor (np): min {min(np_ratios):.2f}, median "
+        f"{statistics.median(np_ratios):.2f}; around the network: min {min(np_around):.2f}, median "
+        f"{statistics.median(np_around):.2f}"
+    )
 
 
 def print_breakdown(rows: list[dict]) -> None:

@@ -201,12 +201,25 @@ def test_balanced_slabs_cover_the_axis_in_order():
 
 
 def test_blend_threads_follow_the_window_size_and_tensorflow_threads(monkeypatch):
-    monkeypatch.setattr(buffers, "_usable_cpus", lambda: 4)
+    """No more threads than CPUs or TensorFlow's intra-op threads, one for small windows, and no more than the CPUs
+    not running anything (runnable tasks from /proc/loadavg, this one included) with one left for the machine."""
+    monkeypatch.setattr(buffers, "_usable_cpus", lambda: 6)
     monkeypatch.setattr(tf.config.threading, "get_intra_op_parallelism_threads", lambda: 0)
-    assert buffers.blend_threads(8 * 8 * 8) == 1
-    assert buffers.blend_threads(64**3) == 4
+    assert buffers.blend_threads(8 * 8 * 8, runnable=1) == 1
+    assert buffers.blend_threads(64**3, runnable=1) == 5
+    assert buffers.blend_threads(64**3, runnable=3) == 3
+    assert buffers.blend_threads(64**3, runnable=9) == 1
     monkeypatch.setattr(tf.config.threading, "get_intra_op_parallelism_threads", lambda: 2)
-    assert buffers.blend_threads(64**3) == 2
+    assert buffers.blend_threads(64**3, runnable=1) == 2
+    monkeypatch.setattr(buffers, "_usable_cpus", lambda: 2)
+    assert buffers.blend_threads(64**3, runnable=1) == 1  # an idle 2-core machine: TensorFlow's threads and this
+
+
+def test_runnable_tasks_reads_loadavg(tmp_path):
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("7.12 6.43 5.46 7/152 16289\n")
+    assert buffers.runnable_tasks(str(loadavg)) == 7
+    assert buffers.runnable_tasks(str(tmp_path / "missing")) is None
 
 
 # -- the kept Σ(weight) ------------------------------------------------------------------------------

@@ -191,22 +191,41 @@ def _usable_cpus() -> int:
     return usable_cpu_count()
 
 
-def blend_threads(values_per_window: int) -> int:
+def runnable_tasks(loadavg: str = "/proc/loadavg") -> int | None:
+    """Tasks running or ready to run on the machine right now, this one included (Linux's /proc/loadavg), or
+    None where that is not known."""
+    try:
+        with open(loadavg) as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def blend_threads(values_per_window: int, runnable: int | None = None) -> int:
     """Threads for a host blend whose windows hold `values_per_window` values (rx·ry·rz·K).
 
     The CPUs this process may use (`usable_cpu_count`), no more than TensorFlow's intra-op threads when those
-    are set, at most `MAX_BLEND_THREADS`, and 1 for windows too small to share (under `MIN_VALUES_PER_THREAD`
-    values per thread, a thread's hand-off costs more than it saves).
+    are set, at most `MAX_BLEND_THREADS`; 1 for windows too small to share (under `MIN_VALUES_PER_THREAD`
+    values per thread, a thread's hand-off costs more than it saves); and no more than the CPUs not running
+    anything right now with one left for the rest of the machine (CPUs - `runnable`, where `runnable`, by
+    default `runnable_tasks()`, counts this thread): on a machine busy with other work a second thread waits
+    for a CPU at every hand-off, which made a blend slower, not faster (docs/benchmarks.md). The result does
+    not depend on the count, only the time.
 
     Example:
         >>> blend_threads(8 * 8 * 8)
         1
     """
-    threads = min(_usable_cpus(), MAX_BLEND_THREADS)
+    threads = min(_usable_cpus(), MAX_BLEND_THREADS, int(values_per_window) // MIN_VALUES_PER_THREAD)
+    if threads <= 1:
+        return 1
     intra_op = tf.config.threading.get_intra_op_parallelism_threads()
     if intra_op > 0:
         threads = min(threads, intra_op)
-    return max(1, min(threads, int(values_per_window) // MIN_VALUES_PER_THREAD))
+    runnable = runnable_tasks() if runnable is None else runnable
+    if runnable is not None:
+        threads = min(threads, _usable_cpus() - runnable)
+    return max(1, threads)
 
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None

@@ -17,7 +17,6 @@ from tfmis.inference.buffers import (
     blend_threads,
     cached_weight_sum,
     check_buffer_dtype,
-    clear_weight_sum_cache,
     host_tensor,
     is_uniform,
     run_parallel,
@@ -70,7 +69,12 @@ class HostBlend:
         rx, ry, rz = roi_size
         self.threads = int(threads) if threads else blend_threads(rx * ry * rz)
         self.rows = _even_parts(rx, self.threads)  # each thread's rows of a window when cutting
-        self.slabs = balanced_slabs(self.volume.shape[1], starts[:, 0], rx, self.threads)  # ... of the volume
+        # ... and of the volume when adding
+        self.slabs = (
+            balanced_slabs(self.volume.shape[1], starts[:, 0], rx, self.threads)
+            if self.threads > 1
+            else [(0, self.volume.shape[1])]
+        )
         self.total = self.scratch = None
 
     def windows(self, origins: np.ndarray, as_numpy: bool = False) -> tf.Tensor | np.ndarray:
@@ -144,9 +148,8 @@ class HostBlend:
                     np.divide(region, denominator, out=region, where=denominator > 0)
 
             run_parallel(divide, len(self.slabs))
-        if crop is not None:  # the padded Σ(weight) is not kept: the crop's copy takes its place in memory
-            clear_weight_sum_cache()
-            del weights
+        weights = None  # released here (a kept Σ(weight) is at most WEIGHT_SUM_CACHE_BYTES)
+        if crop is not None:
             total = self._cropped(total, crop)
         if as_numpy:
             return total
