@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmis.hardware import runnable_tasks
 from tfmis.inference import buffers, importance_map, sliding_window_inference, window_starts
 from tfmis.inference.blending import aggregate
 from tfmis.inference.buffers import balanced_slabs, cached_weight_sum, clear_weight_sum_cache, weight_sum
@@ -218,8 +219,8 @@ def test_blend_threads_follow_the_window_size_and_tensorflow_threads(monkeypatch
 def test_runnable_tasks_reads_loadavg(tmp_path):
     loadavg = tmp_path / "loadavg"
     loadavg.write_text("7.12 6.43 5.46 7/152 16289\n")
-    assert buffers.runnable_tasks(str(loadavg)) == 7
-    assert buffers.runnable_tasks(str(tmp_path / "missing")) is None
+    assert runnable_tasks(loadavg) == 7
+    assert runnable_tasks(tmp_path / "missing") is None
 
 
 # -- the kept Σ(weight) ------------------------------------------------------------------------------

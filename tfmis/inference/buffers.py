@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfmis.hardware import usable_cpu_count
+from tfmis.hardware import runnable_tasks, usable_cpu_count
 from tfmis.inference.windows import SPATIAL_DIMS
 
 BUFFER_DTYPES = ("float32", "float16")
@@ -189,16 +189,6 @@ MIN_VALUES_PER_THREAD = 2**15
 @functools.lru_cache(maxsize=1)
 def _usable_cpus() -> int:
     return usable_cpu_count()
-
-
-def runnable_tasks(loadavg: str = "/proc/loadavg") -> int | None:
-    """Tasks running or ready to run on the machine right now, this one included (Linux's /proc/loadavg), or
-    None where that is not known."""
-    try:
-        with open(loadavg) as f:
-            return int(f.read().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def blend_threads(values_per_window: int, runnable: int | None = None) -> int:
