@@ -274,3 +274,27 @@ def test_repeated_calls_give_the_same_result_with_the_kept_weight_sum():
     np.testing.assert_array_equal(first, first_copy)
     assert not importance_array(ROI, "gaussian", 0.125).flags.writeable
     np.testing.assert_array_equal(importance_map(ROI, "gaussian").numpy(), importance_array(ROI, "gaussian", 0.125))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threads_and_the_kept_weight_sum_hold_the_memory_bound(threads):
+    """Traced allocations of a call (the bound of test_sliding_window's memory test): the sum buffer, one Σ(weight),
+    a few window batches and a scratch window per thread; a second call with the kept Σ(weight) holds no more."""
+    import tracemalloc
+
+    volume = random_volume((48, 40, 36))
+    sums, weights_bytes = volume[..., :1].size * 3 * 4, np.prod(volume.shape[1:4]) * 4
+    batch_bytes = 4 * np.prod(ROI) * 3 * 4
+    windows = BATCH * len(window_starts((48, 40, 36), ROI, scan_intervals((48, 40, 36), ROI, 0.75)))
+    clear_weight_sum_cache()
+    for _ in range(2):
+        tracemalloc.start()
+        try:
+            out = infer(volume, mean_and_sum, overlap=0.75, sw_batch_size=4, threads=threads)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert out.shape == volume.shape[:4] + (3,)
+        assert sums < peak <= sums + weights_bytes + (4 + threads) * batch_bytes + 256 * windows, (peak, sums)
+        del out
+    clear_weight_sum_cache()
