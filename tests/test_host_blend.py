@@ -249,6 +249,11 @@ def test_the_weight_sum_is_kept_for_the_same_geometry_and_recomputed_for_another
         assert cached_weight_sum(image, other_starts, other_weights)[0] is other
     writable = np.array(weights)
     assert cached_weight_sum(image, starts, writable)[0] is not cached_weight_sum(image, starts, writable)[0]
+    view = np.asarray(tf.constant(weights))  # read-only, a view of the tensor's memory
+    assert (
+        not view.flags.writeable
+        and cached_weight_sum(image, starts, view)[0] is not cached_weight_sum(image, starts, view)[0]
+    )
     assert cached_weight_sum((41, 30, 20), starts, weights)[0].shape == (41, 30, 20)
     clear_weight_sum_cache()
 

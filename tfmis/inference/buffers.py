@@ -145,7 +145,8 @@ def cached_weight_sum(image_size: Sequence[int], starts: np.ndarray, weights: np
     A call with the same spatial size, the same window corners and the same importance map object gets the
     kept array back (`importance_array` hands out one read-only array per window size, mode and sigma, so
     the key is that object, not its values). Only one map is kept, at most `WEIGHT_SUM_CACHE_BYTES`, and only
-    for a read-only `weights` (one that cannot change under the key); a map of another geometry is dropped
+    for a read-only `weights` that owns its memory (one that cannot change under the key, and not a view made
+    anew per call, such as a tensor's, which would never be looked up again); a map of another geometry is dropped
     before the new one is computed, so a blend never holds two.
 
     Returns:
@@ -163,7 +164,12 @@ def cached_weight_sum(image_size: Sequence[int], starts: np.ndarray, weights: np
     total = weight_sum(image_size, starts, weights)
     covered = bool(total.min() > 0)
     total.flags.writeable = False
-    keep = isinstance(weights, np.ndarray) and not weights.flags.writeable and total.nbytes <= WEIGHT_SUM_CACHE_BYTES
+    keep = (
+        isinstance(weights, np.ndarray)
+        and weights.base is None  # owns its memory: not a view of a tensor or of another array, made anew per call
+        and not weights.flags.writeable
+        and total.nbytes <= WEIGHT_SUM_CACHE_BYTES
+    )
     if keep:
         with _weight_sum_lock:
             _weight_sum_entry = (*key, weights, total, covered)
