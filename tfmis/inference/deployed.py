@@ -155,6 +155,7 @@ class ExportedPredictor(Predictor):
         self.models, self.parallels = [], []
         networks = [load_network(engine, path, precision) for path in self.checkpoints]
         self._forward = EngineWindows(networks, self.tta_flips, regions=self.task.paint_labels is not None)
+        self.windows_as = "numpy"  # the engines take numpy windows: cut on the host, no tensor round trip
 
     def _training_config(self, manifest: dict):
         """The training run's `Config` (its metrics' settings score the predictions), from the manifest."""
