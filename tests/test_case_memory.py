@@ -199,3 +199,21 @@ def test_a_conversion_worker_killed_mid_case_is_one_line_and_the_conversion_fini
     assert len(lines) == 1 and "ct_" in lines[0] and "retrying each alone" in lines[0], stderr[-3000:]
     index = json.loads((target / "index.json").read_text())
     assert sorted(index["cases"]) == [f"ct_{i}" for i in range(4)] and not index["skipped"]
+
+
+def test_map_ordered_survives_a_killed_worker_retries_alone_and_reports_a_case_killed_twice():
+    """A task whose worker is SIGKILLed breaks the pool: one line names the tasks that were in flight, they are
+    retried alone (task 3 is killed again: `on_lost` gives its result), the rest run with fewer workers, and every
+    result comes back in task order."""
+    from killing_tasks import square_or_die
+
+    from tfmis.utils.parallel import map_ordered
+
+    lines = []
+    results = list(
+        map_ordered(
+            square_or_die, list(range(7)), 2, ahead=2, on_lost=lambda t: f"lost {t}", say=lines.append, name=str
+        )
+    )
+    assert results == [0, 1, 4, "lost 3", 16, 25, 36]
+    assert len(lines) == 1 and "killed" in lines[0] and "3" in lines[0], lines
