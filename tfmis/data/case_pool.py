@@ -37,8 +37,8 @@ from tfmis.utils.parallel import map_ordered
 # size").
 WORKER_BASE_MB = 120.0
 # Peak resident memory of a worker over its baseline, per MB of the case's float32 size (VmHWM of a fresh process
-# around one case, reset before it, over its VmRSS before it), measured on the CT demo's 512 x 512 x 206 and
-# 512 x 512 x 294 cases (int16 on disk; docs/benchmarks.md "Case workers in a memory limit"):
+# around one case, reset before it, over its VmRSS before it: benchmarks/case_memory.py), measured on the CT demo's
+# 512 x 512 x 206 and 512 x 512 x 294 cases (int16 on disk; docs/benchmarks.md "Case workers in a memory limit"):
 # - the planner's first pass (`tfmis.planning.fingerprint._case_summary`): 2.90 and 2.92 (4.53 and 4.54 before its
 #   CT projections stopped copying the image and its class counts stopped widening the label to int64)
 FINGERPRINT_PEAK_FACTOR = 3.0
