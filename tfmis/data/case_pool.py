@@ -140,7 +140,7 @@ class CasePool:
         todo = [t for t in tasks if t[0].case_id not in self.too_large]
         # a worker process even for 1 worker when the memory decides: a case the kernel kills then takes its worker,
         # not this process and the finished work
-        tight = self.sizing.memory_bound or self.sizing.limit_mb is not None
+        tight = self.sizing.memory_bound or 2 * self.sizing.per_case_mb > self.sizing.usable_mb
         results = map_ordered(
             fn,
             todo,

@@ -54,9 +54,10 @@ class WorkerSizing:
         """`2 workers: 2 CPUs, 1.4 GB usable (cgroup limit 1.5 GB) / 610 MB per case`."""
         cpus = f"{self.asked} asked" if self.asked is not None else f"{self.cpus} CPU{'s' * (self.cpus != 1)}"
         limit = f" (cgroup limit {_size(self.limit_mb)})" if self.limit_mb is not None else ""
+        over = " (more than usable: one case at a time, within the limit)" if self.per_case_mb > self.usable_mb else ""
         return (
             f"{self.workers} worker{'s' * (self.workers != 1)}: {cpus}, {_size(self.usable_mb)} usable{limit} / "
-            f"{_size(self.per_case_mb)} per case"
+            f"{_size(self.per_case_mb)} per case{over}"
         )
 
 

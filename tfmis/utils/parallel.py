@@ -76,8 +76,8 @@ def map_ordered(
     label = name or str
     if say is not None:
         say(
-            f"a worker process was killed (by the kernel: out of memory?) while it held "
-            f"{', '.join(label(tasks[i]) for i in lost)}: retrying each alone, then {fewer} worker(s)"
+            f"a worker process was killed (by the kernel: out of memory?) with "
+            f"{', '.join(label(tasks[i]) for i in lost)} unfinished: retrying each alone, then {fewer} worker(s)"
         )
     for i, _ in queue:
         yield finished[i] if i in finished else _alone(fn, tasks[i], ctx, initializer, on_lost)
