@@ -5,7 +5,9 @@ baseline, per MB of the case's float32 size (X·Y·Z·C·4 bytes), for the plann
 
 Each case and pass runs in a fresh interpreter (the worker's imports only, as a spawned worker has them): its VmRSS
 before the case is the baseline, its VmHWM (reset through /proc/self/clear_refs just before) the peak. The conversion
-resamples to 0.8 x 0.8 x 2.5 mm, float16, a fixed CT window (the CT demo's median grid).
+resamples to 0.8 x 0.8 x 2.5 mm, float16, a fixed CT window (the CT demo's median grid). A conversion's result (the
+converted image and label) goes to the parent, which holds it and its encoded record until its shard takes it:
+`parent_factor` is twice its size over the case's float32 size.
 
 Example (CT-size cases from the CT demo generator, under /tmp):
     python -m tfmis.data.demo_ct --size full --output /tmp/ct12 --cases 12 --test-cases 0 --slices 200,300
@@ -44,10 +46,12 @@ else:
     prep = PreprocessConfig(spacing=(0.8, 0.8, 2.5), normalization=("ct",), ct_window=(-160.0, 240.0))
     result = _process_case((case, root, prep))
 peak = peak_rss_mb()
+held = sum(result[k].nbytes for k in ("image", "label") if result.get(k) is not None) / 2**20  # what the parent gets
 print(json.dumps({"case": case_id, "pass": what, "shape": shape, "float32_mb": round(float32_mb),
                   "baseline_mb": round(baseline), "peak_mb": round(peak),
                   "factor": round((peak - baseline) / float32_mb, 2), "seconds": round(time.time() - start, 1),
-                  "status": result["status"]}))
+                  "status": result["status"], "result_mb": round(held),
+                  "parent_factor": round(2 * held / float32_mb, 2)}))
 """
 
 
@@ -68,13 +72,13 @@ def main() -> None:
             )
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    print("\n| case | shape | float32 MB | pass | baseline MB | peak MB | factor | s |")
-    print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("\n| case | shape | float32 MB | pass | baseline MB | peak MB | factor | s | parent factor |")
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         shape = " × ".join(str(n) for n in r["shape"][:3])
         print(
             f"| {r['case']} | {shape} | {r['float32_mb']} | {r['pass']} | {r['baseline_mb']} | {r['peak_mb']} | "
-            f"{r['factor']} | {r['seconds']} |"
+            f"{r['factor']} | {r['seconds']} | {r['parent_factor'] if r['pass'] == 'convert' else ''} |"
         )
 
 
