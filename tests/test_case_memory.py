@@ -91,7 +91,18 @@ def run_limited(limit_mb: float, args: list[str], cwd: Path, timeout: float = 60
             [*prefix, sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
         )
     finally:
-        folder.rmdir()
+        remove_cgroup(folder)
+
+
+def remove_cgroup(folder: Path) -> None:
+    """Removes a test's cgroup once the processes that ran in it are gone (the kernel frees it a moment after)."""
+    for _ in range(100):
+        try:
+            folder.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+    folder.rmdir()
 
 
 def test_cgroup_memory_reads_this_process_cgroup_limit_and_the_smallest_on_its_path(tmp_path):
@@ -217,3 +228,24 @@ def test_map_ordered_survives_a_killed_worker_retries_alone_and_reports_a_case_k
     )
     assert results == [0, 1, 4, "lost 3", 16, 25, 36]
     assert len(lines) == 1 and "killed" in lines[0] and "3" in lines[0], lines
+
+
+@pytest.mark.slow
+def test_convert_in_a_memory_limit_skips_a_case_larger_than_the_limit_with_exit_3(tmp_path):
+    """`tfmis-convert` in a real cgroup limit: a case needing more than the whole limit is one line naming it and the
+    memory it needs, recorded in index.json's `skipped`; the others are converted; the command exits 3 (cases
+    skipped), with no traceback."""
+    cases = {f"ct_{i}": (96, 96, 40) for i in range(2)}
+    cases["ct_huge"] = (512, 512, 300)  # 300 MB float32: ~1.3 GB to convert, more than the limit
+    root = write_ct_dataset(tmp_path / "Task04_Huge", cases)
+    limit = 1000  # the converting process holds TensorFlow (~650 MB); the small cases fit beside it
+    target = tmp_path / "converted"
+    args = ["--source-dir", str(root), "--target-dir", str(target), "--split", "1", "--ct-window", "-100,200"]
+    proc = run_limited(limit, ["tfmis.convert", *args], tmp_path)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    huge = [x for x in proc.stderr.splitlines() if "ct_huge" in x and "needs about" in x]
+    assert huge and f"the cgroup limit of {limit} MB" in huge[0], proc.stderr[-3000:]
+    index = json.loads((target / "index.json").read_text())
+    assert sorted(index["cases"]) == ["ct_0", "ct_1"]
+    assert [s["case_id"] for s in index["skipped"]] == ["ct_huge"] and "needs about" in index["skipped"][0]["reason"]
