@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The peak factors `tfmis.data.case_pool` sizes its workers with: a case worker's peak resident memory over its
 baseline, per MB of the case's float32 size (X·Y·Z·C·4 bytes), for the planner's first pass
-(`tfmis.planning.fingerprint._case_summary`) and the conversion (`tfmis.data.conversion_cases._process_case`).
+(`tfmis.planning.fingerprint._case_summary`), the conversion's CT window pass (`_foreground_sample`) and the
+conversion (`tfmis.data.conversion_cases._process_case`).
 
 Each case and pass runs in a fresh interpreter (the worker's imports only, as a spawned worker has them): its VmRSS
 before the case is the baseline, its VmHWM (reset through /proc/self/clear_refs just before) the peak. The conversion
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 ONE_CASE = r"""
 import json, sys, time
-from tfmis.data.conversion_cases import _process_case
+from tfmis.data.conversion_cases import _foreground_sample, _process_case
 from tfmis.data.case_pool import case_float32_mb
 from tfmis.data.datasets import open_dataset
 from tfmis.data.preprocess import PreprocessConfig
@@ -42,6 +43,8 @@ reset_peak_rss()
 start = time.time()
 if what == "fingerprint":
     result = _case_summary((case, root))
+elif what == "ct-window":
+    result = {"status": "ok" if _foreground_sample((case, root)) is not None else "skipped"}
 else:
     prep = PreprocessConfig(spacing=(0.8, 0.8, 2.5), normalization=("ct",), ct_window=(-160.0, 240.0))
     result = _process_case((case, root, prep))
@@ -62,7 +65,7 @@ def main() -> None:
     args = p.parse_args()
     rows = []
     for case_id in args.cases:
-        for what in ("fingerprint", "convert"):
+        for what in ("fingerprint", "ct-window", "convert"):
             proc = subprocess.run(
                 [sys.executable, "-c", ONE_CASE, args.source_dir, case_id, what],
                 capture_output=True,

@@ -145,8 +145,8 @@ def test_plan_in_a_memory_limit_runs_one_worker_where_two_would_not_fit_and_skip
     """`tfmis-plan` in a real cgroup limit that holds one case worker but not two: it says it uses 1 worker and why,
     and finishes (exit 0); a case larger than the whole limit is one line naming it and the memory it needs, and is
     left out of the plan's cases."""
-    cases = {f"ct_{i}": (288, 288, 256) for i in range(3)}  # 81 MB float32 each: ~360 MB a worker at its peak
-    cases["ct_huge"] = (512, 512, 300)  # 300 MB float32: ~1 GB at its peak, more than the limit
+    cases = {f"ct_{i}": (352, 352, 300) for i in range(3)}  # 142 MB float32 each: ~390 MB a worker at its peak
+    cases["ct_huge"] = (512, 512, 400)  # 400 MB float32: ~880 MB at its peak, more than the limit
     root = write_ct_dataset(tmp_path / "Task02_Limit", cases)
     # the planning process (~50 MB while it fingerprints; TensorFlow, ~650 MB, after) and one worker, not two
     limit = 760

@@ -39,16 +39,17 @@ WORKER_BASE_MB = 120.0
 # Peak resident memory of a worker over its baseline, per MB of the case's float32 size (VmHWM of a fresh process
 # around one case, reset before it, over its VmRSS before it: benchmarks/case_memory.py), measured on the CT demo's
 # 512 x 512 x 203, 206 and 294 cases (int16 on disk; docs/benchmarks.md "Case workers in a memory limit"):
-# - the planner's first pass (`tfmis.planning.fingerprint._case_summary`): 2.90-2.95 (4.53 and 4.54 before its
-#   CT projections stopped copying the image and its class counts stopped widening the label to int64)
-FINGERPRINT_PEAK_FACTOR = 3.0
+# - the planner's first pass (`tfmis.planning.fingerprint._case_summary`): 1.75 on all three, the peak of reading the
+#   case (the int16 file and the float32 image at once); 2.90-2.95 while it reoriented copies of the image and label,
+#   4.53 before that while its CT projections also copied the image and its class counts widened the label to int64
+FINGERPRINT_PEAK_FACTOR = 1.9
 # - the conversion (`tfmis.data.conversion_cases._process_case`): 1.95-2.42 here, 1.75-2.81 on 512 x 512 x
 #   100-600 (the highest for 3 mm slices resampled to 2 mm; docs/benchmarks.md "Conversion at real size"); plus
-#   the converted case the parent holds until its shard takes it (float16 image, uint8 label and its encoded
-#   record: about 2 x 3 bytes per converted voxel, up to 1.1 x the float32 input when the resampling adds slices)
+#   the converted case the parent holds until its shard takes it (its float16 image and uint8 label, and its encoded
+#   record): 2 x its size is 0.62-1.08 x the float32 input here, more where the resampling adds slices
 CONVERSION_PEAK_FACTOR = 2.9 + 1.1
 # - reading a case and sampling its foreground (the CT window pass, `_foreground_sample`; the labels of stratified
-#   folds): as the first pass, which reads the same arrays
+#   folds): 1.75 on all three, as the first pass (the same reading)
 LOAD_PEAK_FACTOR = FINGERPRINT_PEAK_FACTOR
 
 

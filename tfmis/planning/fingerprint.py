@@ -143,8 +143,9 @@ def _case_summary(task: tuple) -> dict:
     try:
         dataset = open_dataset(root)
         loaded = load_case(case, dataset)
-        image, affine = reorient_to_ras(loaded.image, loaded.affine)
-        label = reorient_to_ras(loaded.label, loaded.affine)[0] if loaded.label is not None else None
+        # views (flipped/transposed strides): everything below only reads them, and a copy would double the volume
+        image, affine = reorient_to_ras(loaded.image, loaded.affine, copy=False)
+        label = reorient_to_ras(loaded.label, loaded.affine, copy=False)[0] if loaded.label is not None else None
         ct = [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
         other = [i for i in range(image.shape[-1]) if i not in ct]
         # the conversion's foreground of the MRI-like channels (each against its own background), once
