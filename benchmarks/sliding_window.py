@@ -19,7 +19,15 @@ this process may use), and the worker runs with OMP_WAIT_POLICY=PASSIVE
 unless told otherwise (busy-waiting OpenMP threads slow torch down many times over on a machine
 with other work). With `--baseline FILE` an earlier version of
 tfmis/inference/sliding_window.py (e.g. `git show <commit>:tfmis/inference/sliding_window.py`)
-runs as a third arm, for before/after numbers.
+runs as a third arm, for before/after numbers (it still blends with this tree's blending modules;
+for an older tree's whole window machinery run this script with PYTHONPATH on that tree).
+
+tfmis runs twice per case: with the TensorFlow predictor on tf.Tensor windows ("tfmis"), and with
+the numpy twin of the predictor on numpy windows (`windows_as="numpy"`, "np": how a numpy-in,
+numpy-out engine such as ONNX Runtime or OpenVINO is driven). After the timed runs, `--breakdown N`
+runs (default 20) per case time the phases of the host blend for both: setup (geometry, Σ(weight),
+kept from the previous call of the same geometry), window cutting, the predictor, weighting and
+adding the predictions, allocating the sum buffer, the division (and crop), and the rest.
 
 Example:
     python benchmarks/sliding_window.py
@@ -30,9 +38,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -121,6 +131,19 @@ class MonaiWorker:
         self.process.stdin.write(json.dumps(payload) + "\n")
         return self._answer()
 
+    def load(self, name: str, case: dict, volume, sizes: list[int], folder: Path, index: int):
+        """Hands the worker one case (the volume through a .npy file), warms it up, and returns its output."""
+        import numpy as np
+
+        source, target = folder / f"in{index}.npy", folder / f"out{index}.npy"
+        np.save(source, volume)
+        self.request(cmd="load", case=name, input=str(source), roi_size=list(case["roi"]),
+                     sw_batch_size=case["sw_batch_size"], overlap=case["overlap"], mode=case["mode"],
+                     predictor=case["predictor"], batches=sizes)  # fmt: skip
+        self.request(cmd="save", case=name, output=str(target))
+        self.request(cmd="time_predictor", case=name)
+        return np.load(target)
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
@@ -136,12 +159,74 @@ def load_baseline(path: str):
     return module.sliding_window_inference
 
 
+def cpu_model() -> str:
+    """`lscpu`'s model name (or /proc/cpuinfo's, or the platform's processor)."""
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+PHASES = ("setup", "windows", "predictor", "add", "allocate", "result", "other")
+
+
+def phase_breakdown(run, repeats: int) -> dict:
+    """Median milliseconds per phase of `run()` over `repeats` runs: the host blend's methods (`HostBlend`) and
+    the predictor calls (`run_predictor`) timed around each call; "other" is the rest of the run."""
+    from tfmis.inference import blending
+    from tfmis.inference.host_blend import HostBlend
+
+    spent = collections.defaultdict(float)
+    methods = {"__init__": "setup", "windows": "windows", "allocate": "allocate", "add": "add", "result": "result"}
+    originals = {name: getattr(HostBlend, name) for name in methods}
+    original_predictor = blending.run_predictor
+
+    def timed(phase, function):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[phase] += time.perf_counter() - start
+
+        return wrapper
+
+    for name, phase in methods.items():
+        setattr(HostBlend, name, timed(phase, originals[name]))
+    blending.run_predictor = timed("predictor", original_predictor)
+    per_phase = collections.defaultdict(list)
+    try:
+        for _ in range(repeats):
+            spent.clear()
+            start = time.perf_counter()
+            run()
+            total = time.perf_counter() - start
+            for phase in PHASES[:-1]:
+                per_phase[phase].append(spent[phase])
+            per_phase["other"].append(total - sum(spent.values()))
+            per_phase["total"].append(total)
+    finally:
+        for name, function in originals.items():
+            setattr(HostBlend, name, function)
+        blending.run_predictor = original_predictor
+    return {phase: 1e3 * statistics.median(times) for phase, times in per_phase.items()}
+
+
 def window_batches(windows: int, sw_batch_size: int) -> list[int]:
     """Windows per predictor call: full batches, then the rest."""
     return [min(sw_batch_size, windows - first) for first in range(0, windows, sw_batch_size)]
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--case",
@@ -176,7 +261,19 @@ def main(argv=None) -> int:
         "busy machine torch's spinning OpenMP threads make MONAI many times slower",
     )
     p.add_argument("--baseline", metavar="FILE", help="another sliding_window.py to time as a third arm")
+    p.add_argument(
+        "--breakdown",
+        type=int,
+        default=20,
+        metavar="N",
+        help="runs per case and tfmis arm whose phases are timed after the timed runs (0: none)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -201,38 +298,24 @@ def main(argv=None) -> int:
     from tfmis.utils.io import atomic_write_json
 
     predictors = {"tanh": tf.tanh, "poly": lambda x: x * x - x / 2}
+    numpy_predictors = {"tanh": np.tanh, "poly": lambda x: x * x - x / 2}  # numpy in, numpy out: an engine
     baseline = load_baseline(args.baseline) if args.baseline else None
     worker = MonaiWorker(args.monai, args.threads, args.omp_wait_policy) if args.monai else None
-    print(
-        f"TensorFlow {tf.__version__}: {args.threads} intra-op threads, blending in "
-        f"{'host memory (numpy)' if aggregates_on_host(None) else 'accelerator memory'}"
-        + (
-            f"; MONAI {worker.info['monai']}, torch {worker.info['torch']}: {worker.info['threads']} threads, "
-            f"OMP_WAIT_POLICY={args.omp_wait_policy or 'default'}"
-            if worker
-            else ""
-        )
-        + f"; {args.channels} channel(s); median of {args.repeats} runs after 1 warm-up.\n"
-        "net s: the predictor alone on the same window batches (what the network would cost); "
-        "around: MONAI/tfmis of (total - net), the time spent around the network; cpu: MONAI/tfmis of the "
-        "process CPU time (all threads) per volume",
-        flush=True,
-    )
+    print_header(args, worker, tf.__version__, aggregates_on_host(None))
 
     def run_tfmis(function, volume, case):
-        out = function(
-            volume,
-            case["roi"],
-            case["sw_batch_size"],
-            predictors[case["predictor"]],
-            overlap=case["overlap"],
-            mode=case["mode"],
-        )
+        out = function(volume, case["roi"], case["sw_batch_size"], predictors[case["predictor"]],
+                       overlap=case["overlap"], mode=case["mode"])  # fmt: skip
         return np.asarray(out)  # the result, in host memory (no copy when it is there already)
 
-    def run_predictor_alone(batches, case):
+    def run_numpy(volume, case):
+        return sliding_window_inference(volume, case["roi"], case["sw_batch_size"], numpy_predictors[case["predictor"]],
+                                        overlap=case["overlap"], mode=case["mode"], output="numpy",
+                                        windows_as="numpy")  # fmt: skip
+
+    def run_predictor_alone(batches, case, functions=predictors):
         for batch in batches:
-            out = predictors[case["predictor"]](batch)
+            out = functions[case["predictor"]](batch)
         return np.asarray(out)
 
     rows = []
@@ -247,49 +330,21 @@ def main(argv=None) -> int:
                 batches = [
                     tf.constant(rng.normal(size=(n, *case["roi"], args.channels)).astype(np.float32)) for n in sizes
                 ]
+                numpy_batches = [batch.numpy() for batch in batches]
                 arms = {
                     "tfmis": lambda v=volume, c=case: run_tfmis(sliding_window_inference, v, c),
                     "tfmis_net": lambda b=batches, c=case: run_predictor_alone(b, c),
+                    "np": lambda v=volume, c=case: run_numpy(v, c),
+                    "np_net": lambda b=numpy_batches, c=case: run_predictor_alone(b, c, numpy_predictors),
                 }
                 if baseline is not None:
                     arms["baseline"] = lambda v=volume, c=case: run_tfmis(baseline, v, c)
                 outputs = {arm: run() for arm, run in arms.items()}  # warm-up, and the outputs compared
                 if worker is not None:
-                    source, target = Path(folder, f"in{index}.npy"), Path(folder, f"out{index}.npy")
-                    np.save(source, volume)
-                    worker.request(
-                        cmd="load",
-                        case=name,
-                        input=str(source),
-                        roi_size=list(case["roi"]),
-                        sw_batch_size=case["sw_batch_size"],
-                        overlap=case["overlap"],
-                        mode=case["mode"],
-                        predictor=case["predictor"],
-                        batches=sizes,
-                    )
-                    worker.request(cmd="save", case=name, output=str(target))
-                    worker.request(cmd="time_predictor", case=name)
-                    outputs["monai"] = np.load(target)
+                    outputs["monai"] = worker.load(name, case, volume, sizes, Path(folder), index)
                     arms["monai"] = lambda n=name: worker.request(cmd="time", case=n)
                     arms["monai_net"] = lambda n=name: worker.request(cmd="time_predictor", case=n)
-                times = {arm: [] for arm in arms}
-                cpu_times = {arm: [] for arm in arms}
-                runs = 0
-                # the arms alternate, so a busy moment hits all of them; fast cases run until tfmis has had
-                # --min-seconds (at most 200 runs), so that their medians settle too
-                while runs < args.repeats or (sum(times["tfmis"]) < args.min_seconds and runs < 200):
-                    runs += 1
-                    for arm, run in arms.items():
-                        if arm.startswith("monai"):
-                            answer = run()
-                            times[arm].append(answer["seconds"])
-                            cpu_times[arm].append(answer["cpu_seconds"])
-                        else:
-                            start, cpu = time.perf_counter(), time.process_time()
-                            run()
-                            times[arm].append(time.perf_counter() - start)
-                            cpu_times[arm].append(time.process_time() - cpu)
+                times, cpu_times, runs = time_arms(arms, args.repeats, args.min_seconds)
                 row = {
                     "case": name,
                     **case,
@@ -299,31 +354,18 @@ def main(argv=None) -> int:
                     **{f"{arm}_cpu_s": statistics.median(t) for arm, t in cpu_times.items()},
                     **{f"{arm}_runs_s": t for arm, t in times.items()},
                 }
-                for arm in ("monai", "baseline"):
-                    if arm in outputs:
-                        row[f"{arm}_max_abs_diff"] = float(np.abs(outputs[arm] - outputs["tfmis"]).max())
-                        row[f"{arm}_over_tfmis"] = row[f"{arm}_s"] / row["tfmis_s"]
-                if worker is not None:
-                    row["monai_cpu_over_tfmis"] = row["monai_cpu_s"] / row["tfmis_cpu_s"]
-                    around = row["tfmis_s"] - row["tfmis_net_s"]
-                    row["monai_around_over_tfmis"] = (
-                        (row["monai_s"] - row["monai_net_s"]) / around if around > 0 else float("inf")
-                    )
+                add_comparisons(row, outputs)
+                if args.breakdown and aggregates_on_host(None):
+                    row["breakdown_ms"] = {arm: phase_breakdown(arms[arm], args.breakdown) for arm in ("tfmis", "np")}
                 rows.append(row)
                 print_row(row, header=index == 0, monai=worker is not None, baseline=baseline is not None)
     finally:
         if worker is not None:
             worker.close()
+    if any("breakdown_ms" in r for r in rows):
+        print_breakdown(rows)
     if worker is not None:
-        ratios = [r["monai_over_tfmis"] for r in rows]
-        around = [r["monai_around_over_tfmis"] for r in rows]
-        cpu = [r["monai_cpu_over_tfmis"] for r in rows]
-        print(
-            f"MONAI/tfmis: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; around the network: "
-            f"min {min(around):.2f}, median {statistics.median(around):.2f}; CPU time: min {min(cpu):.2f}, "
-            f"median {statistics.median(cpu):.2f}; max |tfmis - MONAI| "
-            f"{max(r['monai_max_abs_diff'] for r in rows):.2g}"
-        )
+        print_monai_summary(rows)
     if args.json:
         atomic_write_json(
             args.json,
@@ -334,20 +376,115 @@ def main(argv=None) -> int:
                 "monai": worker.info if worker else None,
                 "omp_wait_policy": args.omp_wait_policy if worker else None,
                 "tensorflow": tf.__version__,
+                "cpu": cpu_model(),
                 "rows": rows,
             },
         )
     return 0
 
 
+def print_header(args, worker, tensorflow_version: str, on_host: bool) -> None:
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, {args.threads} usable; load average {os.getloadavg()}")
+    print(
+        f"TensorFlow {tensorflow_version}: {args.threads} intra-op threads, blending in "
+        f"{'host memory (numpy)' if on_host else 'accelerator memory'}"
+        + (
+            f"; MONAI {worker.info['monai']}, torch {worker.info['torch']}: {worker.info['threads']} threads, "
+            f"OMP_WAIT_POLICY={args.omp_wait_policy or 'default'}"
+            if worker
+            else ""
+        )
+        + f"; {args.channels} channel(s); median of {args.repeats} runs after 1 warm-up.\n"
+        "net s: the predictor alone on the same window batches (what the network would cost); np s: tfmis "
+        "with numpy windows and the numpy twin of the predictor (an engine's path); around: MONAI/tfmis of "
+        "(total - net), the time spent around the network; cpu: MONAI/tfmis of the process CPU time (all "
+        "threads) per volume; max|Δ|: the largest difference of MONAI's and np's output from tfmis's",
+        flush=True,
+    )
+
+
+def time_arms(arms: dict, repeats: int, min_seconds: float) -> tuple[dict, dict, int]:
+    """Seconds and CPU seconds per run of each arm, and the number of runs. The arms alternate, so a busy moment
+    hits all of them; fast cases run until tfmis has had `min_seconds` (at most 200 runs), so that their medians
+    settle too. A MONAI arm times itself in its worker and answers {"seconds", "cpu_seconds"}."""
+    times = {arm: [] for arm in arms}
+    cpu_times = {arm: [] for arm in arms}
+    runs = 0
+    while runs < repeats or (sum(times["tfmis"]) < min_seconds and runs < 200):
+        runs += 1
+        for arm, run in arms.items():
+            if arm.startswith("monai"):
+                answer = run()
+                times[arm].append(answer["seconds"])
+                cpu_times[arm].append(answer["cpu_seconds"])
+            else:
+                start, cpu = time.perf_counter(), time.process_time()
+                run()
+                times[arm].append(time.perf_counter() - start)
+                cpu_times[arm].append(time.process_time() - cpu)
+    return times, cpu_times, runs
+
+
+def add_comparisons(row: dict, outputs: dict) -> None:
+    """The largest output difference from tfmis and the time ratios of the other arms, into `row`."""
+    import numpy as np
+
+    for arm in ("monai", "baseline", "np"):
+        if arm in outputs:
+            row[f"{arm}_max_abs_diff"] = float(np.abs(outputs[arm] - outputs["tfmis"]).max())
+            row[f"{arm}_over_tfmis"] = row[f"{arm}_s"] / row["tfmis_s"]
+    if "monai" in outputs:
+        row["monai_cpu_over_tfmis"] = row["monai_cpu_s"] / row["tfmis_cpu_s"]
+        monai_around = row["monai_s"] - row["monai_net_s"]
+        for arm, key in (("tfmis", "monai_around_over_tfmis"), ("np", "monai_around_over_np")):
+            around = row[f"{arm}_s"] - row[f"{arm}_net_s"]
+            row[key] = monai_around / around if around > 0 else float("inf")
+        row["monai_over_np"] = row["monai_s"] / row["np_s"]
+
+
+def print_monai_summary(rows: list[dict]) -> None:
+    ratios = [r["monai_over_tfmis"] for r in rows]
+    around = [r["monai_around_over_tfmis"] for r in rows]
+    cpu = [r["monai_cpu_over_tfmis"] for r in rows]
+    print(
+        f"MONAI/tfmis: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; around the network: "
+        f"min {min(around):.2f}, median {statistics.median(around):.2f}; CPU time: min {min(cpu):.2f}, "
+        f"median {statistics.median(cpu):.2f}; max |tfmis - MONAI| "
+        f"{max(r['monai_max_abs_diff'] for r in rows):.2g}"
+    )
+    np_ratios = [r["monai_over_np"] for r in rows]
+    np_around = [r["monai_around_over_np"] for r in rows]
+    print(
+        f"MONAI/tfmis with numpy windows and a numpy predictor (np): min {min(np_ratios):.2f}, median "
+        f"{statistics.median(np_ratios):.2f}; around the network: min {min(np_around):.2f}, median "
+        f"{statistics.median(np_around):.2f}"
+    )
+
+
+def print_breakdown(rows: list[dict]) -> None:
+    """Per case and tfmis arm, the median milliseconds of each phase (`phase_breakdown`)."""
+    print(
+        "\nWhere tfmis's time goes (median ms of the instrumented runs; tfmis: TensorFlow predictor on tensors, "
+        "np: numpy predictor on numpy windows)"
+    )
+    columns = [("case", 49), ("arm", 5), *((phase, 9) for phase in (*PHASES, "total"))]
+    print("  ".join(f"{t:<{w}}" if i < 2 else f"{t:>{w}}" for i, (t, w) in enumerate(columns)))
+    for row in rows:
+        for arm, phases in row.get("breakdown_ms", {}).items():
+            cells = [row["case"], arm, *(f"{phases[p]:.2f}" for p in (*PHASES, "total"))]
+            print("  ".join(f"{c:<{w}}" if i < 2 else f"{c:>{w}}" for i, (c, (_, w)) in enumerate(zip(cells, columns))))
+
+
 def print_row(row: dict, header: bool, monai: bool, baseline: bool) -> None:
-    columns = [("case", 49), ("windows", 7), ("tfmis s", 8), ("win/s", 6), ("net s", 7)]
+    columns = [("case", 49), ("windows", 7), ("tfmis s", 8), ("win/s", 6), ("net s", 7), ("np s", 7), ("net s", 7)]
     cells = [
         row["case"],
         f"{row['windows']}",
         f"{row['tfmis_s']:.4f}",
         f"{row['windows'] / row['tfmis_s']:.0f}",
         f"{row['tfmis_net_s']:.4f}",
+        f"{row['np_s']:.4f}",
+        f"{row['np_net_s']:.4f}",
     ]
     if monai:
         columns += [
@@ -357,6 +494,8 @@ def print_row(row: dict, header: bool, monai: bool, baseline: bool) -> None:
             ("MONAI/tfmis", 11),
             ("around", 6),
             ("cpu", 5),
+            ("MONAI/np", 8),
+            ("around", 6),
             ("max|Δ|", 7),
         ]
         cells += [
@@ -366,7 +505,9 @@ def print_row(row: dict, header: bool, monai: bool, baseline: bool) -> None:
             f"{row['monai_over_tfmis']:.2f}",
             f"{row['monai_around_over_tfmis']:.2f}",
             f"{row['monai_cpu_over_tfmis']:.2f}",
-            f"{row['monai_max_abs_diff']:.0e}",
+            f"{row['monai_over_np']:.2f}",
+            f"{row['monai_around_over_np']:.2f}",
+            f"{max(row['monai_max_abs_diff'], row['np_max_abs_diff']):.0e}",
         ]
     if baseline:
         columns += [("baseline s", 10), ("speed-up", 8), ("max|Δ|", 7)]

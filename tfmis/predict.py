@@ -133,8 +133,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="sliding-window size (default: the config's validation.roi_size or training patch); multiples of the "
         "network's stride products",
     )
+    _add_engine_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--engine and --precision: what runs the network of an exported model folder (docs/deploying.md)."""
+    p.add_argument(
+        "--engine",
+        choices=("tensorflow", "onnxruntime", "openvino"),
+        default="tensorflow",
+        help="what runs the network: tensorflow (a run folder's Keras model, or an exported folder's SavedModel), "
+        "onnxruntime or openvino (an exported model folder from tfmis-export; needs tfmis[deploy]); the sliding "
+        "window, blending, test-time augmentation and postprocessing are the same for all",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="with an exported model folder: the engine's arithmetic; bfloat16 (tensorflow, openvino) is faster on "
+        "CPUs with AVX-512 BF16 or AMX and changes a few voxels (docs/deploying.md)",
+    )
 
 
 def _model_parallel_override(config, value: str | None, roi: str | None, parser):
@@ -246,30 +266,19 @@ def _check_dicom_cases(cases, output_format: str) -> None:
         )
 
 
-@command
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        tta_axes = tuple(int(a) for a in args.tta_axes.split(","))
-    except ValueError:
-        build_parser().error(f"--tta-axes: expected comma-separated axes like 0,1,2, got {args.tta_axes!r}")
-    folds = _folds(args.folds, build_parser())
-    from tfmis.errors import MissingInput, PartialFailure, UsageError
-
-    _check_dicom_arguments(args)
-    if not Path(args.checkpoint).exists():  # before TensorFlow's start-up and any config lookup
-        raise MissingInput(
-            f"--checkpoint {args.checkpoint}: no such file or folder; give a training run's folder (it holds "
-            "config.yaml), a plan of stages, a folder of folds or a cross-validation folder"
-        )
-    from tqdm import tqdm
-
+def _run_predictor(args, folds, tta_axes):
+    """(the predictor, the `PredictionSource`) of a run folder, plan, folder of folds or cross-validation folder:
+    the tensorflow engine only."""
     from tfmis.config import load_config
+    from tfmis.errors import UsageError
     from tfmis.inference.ensemble import build_predictor, resolve_checkpoint
-    from tfmis.inference.inputs import collect_inputs
-    from tfmis.inference.outputs import results_table, write_csv
-    from tfmis.inference.postprocess import describe_postprocessing
 
+    if args.engine != "tensorflow" or args.precision != "float32":
+        flag = f"--engine {args.engine}" if args.engine != "tensorflow" else f"--precision {args.precision}"
+        raise UsageError(
+            f"{flag} runs an exported model folder: export {args.checkpoint} first (tfmis-export --checkpoint "
+            f"{args.checkpoint} --output MODEL_DIR) and give MODEL_DIR as --checkpoint"
+        )
     source = resolve_checkpoint(args.checkpoint, folds, args.weights)
     if source.kind == "run" and args.config is None:  # the folder of a plan of stages: its last stage
         source = resolve_checkpoint(final_stage(args.checkpoint), weights=args.weights)
@@ -290,14 +299,72 @@ def main(argv=None) -> int:
         accelerator_memory_mb=args.accelerator_memory_mb,
         buffer_dtype=args.buffer_dtype,
     )
+    return predictor, source
+
+
+# what an exported model folder fixes at export: these flags are refused with it
+EXPORT_FIXED = ("config", "folds", "weights", "model_parallel", "roi_size", "accelerator_memory_mb")
+
+
+def _exported_predictor(args, folds, tta_axes):
+    """The `ExportedPredictor` of an exported model folder (its manifest.json) run by --engine."""
+    from tfmis.errors import UsageError
+    from tfmis.inference.deployed import exported_predictor
+
+    given = [name for name in EXPORT_FIXED if getattr(args, name) is not None]
+    if given or args.subset.startswith("split:") or args.device == "gpu":
+        flag = f"--{given[0].replace('_', '-')}" if given else "--device gpu" if args.device == "gpu" else "--subset"
+        raise UsageError(
+            f"{flag}: {args.checkpoint} is an exported model folder, which fixes its networks, weights and windows "
+            "and runs on the CPU (a training split is the run folder's): leave it out, or predict with the run folder"
+        )
+    return exported_predictor(
+        args.checkpoint,
+        engine=args.engine,
+        precision=args.precision,
+        sw_batch_size=args.sw_batch_size,
+        overlap=args.overlap,
+        tta=args.tta,
+        tta_axes=tta_axes,
+        buffer_dtype=args.buffer_dtype,
+    )
+
+
+@command
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        tta_axes = tuple(int(a) for a in args.tta_axes.split(","))
+    except ValueError:
+        build_parser().error(f"--tta-axes: expected comma-separated axes like 0,1,2, got {args.tta_axes!r}")
+    folds = _folds(args.folds, build_parser())
+    from tfmis.errors import MissingInput, PartialFailure
+
+    _check_dicom_arguments(args)
+    if not Path(args.checkpoint).exists():  # before TensorFlow's start-up and any config lookup
+        raise MissingInput(
+            f"--checkpoint {args.checkpoint}: no such file or folder; give a training run's folder (it holds "
+            "config.yaml), a plan of stages, a folder of folds or a cross-validation folder"
+        )
+    from tqdm import tqdm
+
+    from tfmis.inference.inputs import collect_inputs
+    from tfmis.inference.manifest import MANIFEST_FILE
+    from tfmis.inference.outputs import results_table, write_csv
+    from tfmis.inference.postprocess import describe_postprocessing
+
+    if (Path(args.checkpoint) / MANIFEST_FILE).is_file():  # an exported model folder (tfmis-export)
+        predictor, source = _exported_predictor(args, folds, tta_axes), None
+    else:
+        predictor, source = _run_predictor(args, folds, tta_axes)
     if args.no_postprocessing:
         predictor.postprocessing = None
     cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index, series=args.series)
     _check_dicom_cases(cases, args.output_format)
     predictor.output_format = args.output_format
     where = " (--no-postprocessing)" if args.no_postprocessing else ""
-    where = where or (" (crossval.json's choice)" if source.postprocessing is not None else "")
-    print(f"Predicting with {source.describe()}")
+    where = where or (" (crossval.json's choice)" if source is not None and source.postprocessing is not None else "")
+    print(f"Predicting with {predictor.describe() if source is None else source.describe()}")
     print(f"Postprocessing: {describe_postprocessing(predictor.postprocessing)}{where}", flush=True)
     output = Path(args.output)
     results = []

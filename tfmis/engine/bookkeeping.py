@@ -27,6 +27,7 @@ from tfmis.engine.budget import TimeBudget, describe
 from tfmis.engine.distribution import Backend
 from tfmis.engine.history import History
 from tfmis.errors import RunStateError, TrainingFailed
+from tfmis.hardware import detect_hardware
 from tfmis.networks.weights import has_weights_by_path
 from tfmis.utils.io import atomic_path, atomic_write_json
 from tfmis.utils.lock import FolderLocked, folder_lock
@@ -223,6 +224,7 @@ class EpochBookkeeping:
             "best_weights": str(self.out / BEST_WEIGHTS),
             "final_weights": str(self.out / FINAL_WEIGHTS),
             "num_replicas": self.backend.num_replicas,
+            "machine": detect_hardware().short(),  # the processor or GPUs it trained on (an export's model card)
             "stop_reason": stop_reason,
         }
         if self.time_budget is not None:  # planned vs used minutes, the decided epochs and why

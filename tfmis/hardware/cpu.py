@@ -118,6 +118,22 @@ def usable_cpu_count(proc_cgroup: str | None = None, cgroup_root: str | Path = C
     return max(1, count)
 
 
+def runnable_tasks(loadavg: str | Path = "/proc/loadavg") -> int | None:
+    """Tasks running or ready to run on the machine right now, the caller included (the fourth field of Linux's
+    /proc/loadavg, "running/total"), or None where that is not known. What a short parallel section checks
+    before taking CPUs other work is using (`tfmis.inference.buffers.blend_threads`).
+
+    Example:
+        >>> runnable_tasks("/nonexistent/loadavg") is None
+        True
+    """
+    try:
+        with open(loadavg) as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def worker_cpus() -> list[int]:
     """The cores a launcher shares out among the worker processes it pins (the HPO search's tuner workers, the
     cross-validation's fold workers): the affinity mask, cut to `usable_cpu_count()` cores under a smaller cgroup

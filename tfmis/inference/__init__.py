@@ -1,7 +1,8 @@
 """Inference on whole volumes: sliding-window prediction with overlap blending (MONAI-like).
 
 - `windows.py`: the window grid and the importance map (MONAI's formulas);
-- `blending.py`: Σ(weight · prediction) / Σ(weight) in host memory or on a device;
+- `blending.py`: Σ(weight · prediction) / Σ(weight) in host memory or on a device (`host_blend.py`: the numpy
+  blend; `buffers.py`: its aligned buffers, the kept Σ(weight), its threads);
 - `sliding_window.py`: `sliding_window_inference`, MONAI's signature;
 - `placement.py`: where a volume and its buffers live, with the out-of-memory fallback;
 - `predictor.py`: whole scans in, NIfTI out, in the original geometry (the case loop and the model);

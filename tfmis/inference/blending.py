@@ -16,8 +16,23 @@ import numpy as np
 import tensorflow as tf
 
 from tfmis.hardware import CPU, accelerator_device
+from tfmis.inference.buffers import BUFFER_DTYPES, check_buffer_dtype, weight_sum
+from tfmis.inference.host_blend import HostBlend
 from tfmis.inference.windows import SPATIAL_DIMS
 from tfmis.utils.progress import progress_bar
+
+__all__ = [
+    "BUFFER_DTYPES",
+    "DeviceBlend",
+    "HostBlend",
+    "aggregate",
+    "aggregate_windows",
+    "aggregates_on_host",
+    "check_buffer_dtype",
+    "device_scope",
+    "run_predictor",
+    "weight_sum",
+]
 
 
 def device_scope(device: str | None):
@@ -39,189 +54,6 @@ def aggregates_on_host(device: str | None) -> bool:
     if not device:
         return accelerator_device() == CPU
     return (tf.DeviceSpec.from_string(device).device_type or "").upper() == "CPU"
-
-
-def weight_sum(image_size: Sequence[int], starts: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Σ(weight) per voxel over all windows: the denominator of the blend (MONAI's count map).
-
-    It depends only on the geometry. When the starts form a grid (as `window_starts` makes them),
-    a uniform importance map gives the product of the window counts per axis, and any other is
-    summed one axis at a time, shifting the map along X, then the result along Y, then along Z:
-    about twice the volume in additions instead of every window's voxels.
-
-    Args:
-        image_size: spatial size (X, Y, Z) of the (padded) volume.
-        starts: window corners (num_windows, 3), e.g. from `window_starts`; any list works.
-        weights: importance map of shape roi_size.
-
-    Returns:
-        float32 array `image_size`; zero where no window reaches.
-
-    Example:
-        >>> from tfmis.inference.windows import window_starts
-        >>> weight_sum((6, 4, 4), window_starts((6, 4, 4), (4, 4, 4), (2, 4, 4)), np.ones((4, 4, 4)))[:, 0, 0].tolist()
-        [1.0, 1.0, 2.0, 2.0, 1.0, 1.0]
-    """
-    weights = np.asarray(weights, np.float32)
-    starts = np.asarray(starts, np.int64).reshape(-1, SPATIAL_DIMS)
-    (rx, ry, rz), (sx, sy, sz) = weights.shape, tuple(int(s) for s in image_size)
-    axes = [np.unique(starts[:, axis]) for axis in range(SPATIAL_DIMS)]
-    grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, SPATIAL_DIMS)
-    if grid.shape != starts.shape or not np.array_equal(
-        np.sort(grid.view("i8,i8,i8"), axis=0), np.sort(starts.view("i8,i8,i8"), axis=0)
-    ):
-        total = np.zeros((sx, sy, sz), np.float32)  # not a grid: window by window
-        for x, y, z in starts:
-            total[x : x + rx, y : y + ry, z : z + rz] += weights
-        return total
-    if weights.min() == weights.max():  # e.g. constant mode: windows per voxel, times the weight
-        counts = []
-        for size, roi, axis_starts in zip((sx, sy, sz), weights.shape, axes):
-            count = np.zeros(size, np.float32)
-            for start in axis_starts:
-                count[start : start + roi] += 1
-            counts.append(count)
-        return (counts[0][:, None, None] * counts[1][None, :, None]) * (counts[2] * weights.flat[0])[None, None, :]
-    total = weights
-    for axis, (size, axis_starts) in enumerate(zip((sx, sy, sz), axes)):
-        # shift the partial sum along this axis to every start: (X, ry, rz), then (X, Y, rz), then (X, Y, Z)
-        roi = total.shape[axis]
-        if len(axis_starts) == 1 and axis_starts[0] == 0 and roi == size:
-            continue  # one window covering the axis: nothing to shift
-        shifted = np.zeros(total.shape[:axis] + (size,) + total.shape[axis + 1 :], np.float32)
-        for start in axis_starts:
-            shifted[(slice(None),) * axis + (slice(start, start + roi),)] += total
-        total = shifted
-    return np.array(total) if total is weights else total  # the weights may be shared: a copy
-
-
-# TensorFlow takes a numpy array without a copy through DLPack when its data is aligned as Eigen needs.
-_ALIGNMENT = 64
-_DLPACK_DTYPES = {
-    np.dtype(t)
-    for t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-}
-
-
-def _aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
-    dtype = np.dtype(dtype)
-    size = int(np.prod(shape)) * dtype.itemsize
-    try:
-        raw = np.empty(size + _ALIGNMENT, np.uint8)
-    except MemoryError as e:  # numpy's message, with the shape meant rather than the raw bytes
-        raise MemoryError(
-            f"Unable to allocate {size / 2**20:.3g} MiB for an array with shape {tuple(shape)} and data type {dtype}"
-        ) from e
-    offset = -raw.ctypes.data % _ALIGNMENT
-    return raw[offset : offset + size].view(dtype).reshape(shape)
-
-
-def _host_tensor(array: np.ndarray) -> tf.Tensor:
-    """A CPU tensor of an array from `_aligned_empty`, sharing its memory (tf.convert_to_tensor copies)."""
-    if array.dtype in _DLPACK_DTYPES and array.flags.c_contiguous and array.ctypes.data % _ALIGNMENT == 0:
-        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
-    return tf.convert_to_tensor(array)
-
-
-BUFFER_DTYPES = ("float32", "float16")
-
-
-def check_buffer_dtype(buffer_dtype) -> np.dtype:
-    """`buffer_dtype` as a numpy dtype: float32 (the default, MONAI's) or float16 (half the memory)."""
-    dtype = np.dtype(buffer_dtype)
-    if dtype.name not in BUFFER_DTYPES:
-        raise ValueError(f"buffer_dtype must be one of {BUFFER_DTYPES}, got {buffer_dtype!r}")
-    return dtype
-
-
-class HostBlend:
-    """Σ(weight · prediction) in one numpy array, added in place window by window, and divided once
-    by Σ(weight) at the end (what MONAI does with torch tensors).
-
-    With a float16 `buffer_dtype` each window is divided by Σ(weight) over its voxels before it is
-    added (the weight sum stays float32), so the buffer holds the blended mean itself, in the range
-    of the predictions, and no whole-volume division or float32 copy is needed at the end.
-
-    Numpy's in-place add of a window into a strided region of the volume touches each voxel of
-    the window once; TensorFlow on a CPU has no such op (a strided-slice assignment is many times
-    slower per voxel: docs/benchmarks.md, "First epoch, precision and other costs"), so host memory is
-    blended with numpy. Windows and the result reach TensorFlow
-    without a copy (`_host_tensor`).
-    """
-
-    def __init__(
-        self,
-        volume: tf.Tensor | np.ndarray,
-        roi_size: tuple[int, int, int],
-        starts: np.ndarray,
-        weights: tf.Tensor | np.ndarray,
-        buffer_dtype="float32",
-    ):
-        self.volume = np.asarray(volume)  # no copy of a tensor in host memory
-        self.buffer_dtype = check_buffer_dtype(buffer_dtype)
-        self.normalise_per_window = self.buffer_dtype != np.float32
-        self.roi_size = roi_size
-        self.weights = np.asarray(weights, np.float32)
-        self.uniform = bool(self.weights.min() == self.weights.max() == 1)  # constant mode: no products
-        # the first whole-volume allocation, before any forward pass (a MemoryError here is a clean one)
-        self.weight_sum = weight_sum(self.volume.shape[1:4], starts, self.weights)
-        self.total = self.scratch = None
-
-    def windows(self, origins: np.ndarray) -> tf.Tensor:
-        rx, ry, rz = self.roi_size
-        batch = _aligned_empty((len(origins), rx, ry, rz, self.volume.shape[-1]), self.volume.dtype)
-        for window, (b, x, y, z) in zip(batch, origins):
-            window[...] = self.volume[b, x : x + rx, y : y + ry, z : z + rz]
-        return _host_tensor(batch)
-
-    def allocate(self, prediction: tf.Tensor) -> None:
-        """The sum buffer, once the first prediction tells the channel count K (before the next forward pass)."""
-        shape = tuple(prediction.shape[1:])
-        self.total = _aligned_empty((*self.volume.shape[:4], shape[-1]), self.buffer_dtype)
-        self.total.fill(0)
-        self.scratch = np.empty(shape, np.float32)
-        self.weights = np.ascontiguousarray(np.broadcast_to(self.weights[..., None], shape))
-
-    def add(self, prediction: tf.Tensor, origins: np.ndarray) -> None:
-        rx, ry, rz = self.roi_size
-        prediction = np.asarray(prediction)  # waits for this batch only: the next one is already queued
-        for window, (b, x, y, z) in zip(prediction, origins):
-            if self.normalise_per_window:  # weight / Σ(weight) here, the buffer's precision kept for the mean
-                region = self.weight_sum[x : x + rx, y : y + ry, z : z + rz, None]
-                if self.uniform:
-                    window = np.divide(window, region, out=self.scratch)
-                else:
-                    window = np.multiply(window, self.weights, out=self.scratch)
-                    np.divide(window, region, out=window, where=region > 0)
-            elif not self.uniform:
-                window = np.multiply(window, self.weights, out=self.scratch)
-            self.total[b, x : x + rx, y : y + ry, z : z + rz] += window
-
-    def result(self, device: str | None, crop: tuple[slice, ...] | None, as_numpy: bool = False):
-        """The blend as a tensor on `device` sharing the host buffer, or with `as_numpy` the writable buffer itself
-        (a tensor's numpy view is read-only, and `Tensor.numpy()` copies it)."""
-        total, self.total = self.total, None
-        weights, self.weight_sum = self.weight_sum[None, ..., None], None
-        if self.normalise_per_window:
-            pass  # divided window by window
-        elif weights.min() > 0:
-            np.divide(total, weights, out=total)
-        else:  # starts that leave voxels uncovered: those stay 0
-            np.divide(total, weights, out=total, where=weights > 0)
-        del weights
-        if crop is not None:
-            region = total[(slice(None), *crop)]
-            total = _aligned_empty(region.shape, total.dtype)
-            total[...] = region
-            del region
-        if as_numpy:
-            return total
-        output = _host_tensor(total)
-        if device:
-            with tf.device(device):
-                output = tf.identity(output)
-        return output
 
 
 class DeviceBlend:
@@ -282,10 +114,12 @@ class DeviceBlend:
             )
         self.total = None
 
-    def windows(self, origins: np.ndarray) -> tf.Tensor:
+    def windows(self, origins: np.ndarray, as_numpy: bool = False) -> tf.Tensor | np.ndarray:
+        """The windows at `origins` ([b, x, y, z] each) stacked on the device, or with `as_numpy` copied to the host."""
         rx, ry, rz = self.roi_size
         with device_scope(self.device):
-            return tf.stack([self.volume[b, x : x + rx, y : y + ry, z : z + rz] for b, x, y, z in origins])
+            batch = tf.stack([self.volume[b, x : x + rx, y : y + ry, z : z + rz] for b, x, y, z in origins])
+        return batch.numpy() if as_numpy else batch
 
     def allocate(self, prediction: tf.Tensor) -> None:
         """The buffer, once the first prediction tells the channel count K (before the next forward pass):
@@ -344,11 +178,8 @@ class DeviceBlend:
             return tf.math.divide_no_nan(total[..., :-1], total[..., -1:])
 
 
-def _prediction_tensor(output: Any, num_windows: int, roi_size: Sequence[int]) -> tf.Tensor:
-    """The predictor's output as one float32 tensor (N, rx, ry, rz, K), checked.
-
-    Keras models may return a one-element list or dict; several outputs are ambiguous here.
-    """
+def _single_output(output: Any) -> Any:
+    """The one output of a predictor: Keras models may return a one-element list or dict; several are ambiguous."""
     if isinstance(output, Mapping) or isinstance(output, (list, tuple)):
         outputs = list(output.values()) if isinstance(output, Mapping) else list(output)
         if len(outputs) != 1:
@@ -357,23 +188,46 @@ def _prediction_tensor(output: Any, num_windows: int, roi_size: Sequence[int]) -
                 "blends one, e.g. pass `lambda w: model(w)[0]`"
             )
         output = outputs[0]
-    if not (isinstance(output, tf.Tensor) and output.dtype == tf.float32):
-        output = tf.cast(tf.convert_to_tensor(output), tf.float32)
-    prediction = output
+    return output
+
+
+def prediction_output(
+    output: Any, num_windows: int, roi_size: Sequence[int], as_tensor: bool
+) -> tf.Tensor | np.ndarray:
+    """The predictor's output (N, rx, ry, rz, K), its shape checked: with `as_tensor` (the TensorFlow blend) a float32
+    tensor; else a tensor stays a tensor (read by numpy when it is blended, so an accelerator can still be computing
+    it) and anything else becomes a numpy array, without a copy when it is one already.
+
+    Raises:
+        ValueError: several outputs, or not (N, rx, ry, rz, K).
+    """
+    output = _single_output(output)
+    if as_tensor:
+        if not (isinstance(output, tf.Tensor) and output.dtype == tf.float32):
+            output = tf.cast(tf.convert_to_tensor(output), tf.float32)
+    elif not isinstance(output, (tf.Tensor, np.ndarray)):
+        output = np.asarray(output)
+    shape = tuple(output.shape)
     expected = (num_windows, *roi_size)
-    if prediction.shape.rank != 5 or tuple(prediction.shape[:4]) != expected:
+    if len(shape) != 5 or shape[:4] != expected:
         raise ValueError(
             f"predictor must return shape (N, rx, ry, rz, K) = ({', '.join(map(str, expected))}, K) "
-            f"for {num_windows} windows of roi_size {tuple(roi_size)}, got {tuple(prediction.shape)}"
+            f"for {num_windows} windows of roi_size {tuple(roi_size)}, got {shape}"
         )
-    return prediction
+    return output
 
 
-def run_predictor(predictor: Callable, windows: tf.Tensor, sw_device: str | None) -> tf.Tensor:
-    """Runs `predictor` on `sw_device`; its output (float32, checked) stays where it was computed."""
+def run_predictor(
+    predictor: Callable, windows: tf.Tensor | np.ndarray, sw_device: str | None, as_tensor: bool = True
+) -> tf.Tensor | np.ndarray:
+    """Runs `predictor` on `sw_device` (a tensor batch is copied there first); its output, checked by
+    `prediction_output`, stays where it was computed."""
     with device_scope(sw_device):
-        output = predictor(tf.identity(windows) if sw_device else windows)
-    return _prediction_tensor(output, int(windows.shape[0]), windows.shape[1:4])
+        output = predictor(tf.identity(windows) if sw_device and isinstance(windows, tf.Tensor) else windows)
+    return prediction_output(output, int(windows.shape[0]), tuple(int(s) for s in windows.shape[1:4]), as_tensor)
+
+
+WINDOW_TYPES = ("tensor", "numpy")
 
 
 def _window_origins(batch_size: int, starts: np.ndarray) -> np.ndarray:
@@ -393,6 +247,7 @@ def aggregate_windows(
     sw_device: str | None = None,
     progress: bool = False,
     buffer_dtype="float32",
+    windows_as: str = "tensor",
 ) -> tf.Tensor:
     """Σ(weight · prediction) / Σ(weight) over the windows of a volume at least roi-sized.
 
@@ -408,13 +263,17 @@ def aggregate_windows(
         volume: (B, X, Y, Z, C), X, Y, Z >= roi_size.
         roi_size: window size (rx, ry, rz).
         starts: window corners (num_windows, 3) from `window_starts`.
-        predictor: maps (N, rx, ry, rz, C) with N <= sw_batch_size to (N, rx, ry, rz, K).
-        weights: importance map of shape roi_size, from `importance_map`.
+        predictor: maps (N, rx, ry, rz, C) with N <= sw_batch_size to (N, rx, ry, rz, K): a tensor, or
+            a numpy array (blended before the next call, so the predictor may reuse its output memory).
+        weights: importance map of shape roi_size, from `importance_map` (or `importance_array`, whose
+            read-only array lets the host blend keep Σ(weight) for the next call of the same geometry).
         sw_batch_size: windows per predictor call; one call may hold windows of two images.
         device: where the volume and buffers live; None is TensorFlow's default placement.
         sw_device: where the predictor runs; None is TensorFlow's default placement.
         progress: show progress over the predictor calls (a bar on a terminal, else plain lines).
         buffer_dtype: dtype of the sum buffer and of the result: float32, or float16 (half the memory).
+        windows_as: what the predictor gets: `tensor` (a tf.Tensor) or `numpy` (a new float32 array per
+            call, e.g. for an ONNX or OpenVINO engine).
 
     Returns:
         (B, X, Y, Z, K) in `buffer_dtype` on `device`.
@@ -439,6 +298,7 @@ def aggregate_windows(
         progress,
         on_host=aggregates_on_host(device),
         buffer_dtype=buffer_dtype,
+        windows_as=windows_as,
     )
 
 
@@ -456,32 +316,48 @@ def aggregate(
     crop: tuple[slice, ...] | None = None,
     buffer_dtype="float32",
     as_numpy: bool = False,
+    windows_as: str = "tensor",
+    threads: int | None = None,
 ):
     """`aggregate_windows` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`), and the
     result cropped to the spatial `crop` (the padding of a volume smaller than the window). With `as_numpy` the
-    result is a writable numpy array: the host buffer itself (no copy), or the device result copied to the host."""
+    result is a writable numpy array: the host buffer itself (no copy), or the device result copied to the host.
+    `windows_as` is what the predictor gets (`tensor` or `numpy`); `threads` those of the host blend (None:
+    `blend_threads`).
+
+    A prediction that is a tensor is blended after the next batch went to the predictor (an accelerator may
+    still be computing it); any other (numpy) is blended before the predictor is called again, so an engine
+    may reuse its output buffer from call to call."""
+    if windows_as not in WINDOW_TYPES:
+        raise ValueError(f"windows_as must be one of {WINDOW_TYPES}, got {windows_as!r}")
     roi_size = tuple(int(s) for s in roi_size)
     starts = np.asarray(starts, np.int32).reshape(-1, SPATIAL_DIMS)
     blend = (
-        HostBlend(volume, roi_size, starts, weights, buffer_dtype)
+        HostBlend(volume, roi_size, starts, weights, buffer_dtype, threads)
         if on_host
         else DeviceBlend(volume, roi_size, starts, weights, device, buffer_dtype)
     )
     origins = _window_origins(int(volume.shape[0]), starts)
+    numpy_windows = windows_as == "numpy"
     bar = progress_bar(-(-len(origins) // sw_batch_size), "sliding window", "batch") if progress else None
     pending = None
     try:
         for first in range(0, len(origins), sw_batch_size):
             batch = origins[first : first + sw_batch_size]
-            prediction = run_predictor(predictor, blend.windows(batch), sw_device)
-            if pending is None:
+            prediction = run_predictor(predictor, blend.windows(batch, numpy_windows), sw_device, not on_host)
+            if first == 0:
                 blend.allocate(prediction)
-            else:  # the previous batch, while this one may still be computing
+            if pending is not None:  # the previous batch, while this one may still be computing
                 blend.add(*pending)
-            pending = prediction, batch
+                pending = None
+            if isinstance(prediction, tf.Tensor):
+                pending = prediction, batch
+            else:  # computed already, and the predictor may reuse its memory on the next call
+                blend.add(prediction, batch)
             if bar is not None:
                 bar.update(1)
-        blend.add(*pending)
+        if pending is not None:
+            blend.add(*pending)
     finally:
         if bar is not None:
             bar.close()

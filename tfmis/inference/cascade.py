@@ -226,6 +226,12 @@ class CascadePredictor(Predictor):
 
     def __init__(self, config, checkpoint, coarse: Predictor, **kwargs):
         super().__init__(config, checkpoint, **kwargs)
+        c = config.cascade
+        self.set_cascade(coarse, c.margin_mm, c.min_region_mm3, c.fine_classes)
+
+    def set_cascade(self, coarse: Predictor, margin_mm: float, min_region_mm3: float, fine_classes) -> None:
+        """The coarse stage and the cascade's settings (`cascade.margin_mm`, `.min_region_mm3`, `.fine_classes`),
+        checked against this stage's classes and outputs (an exported cascade sets them from its manifest)."""
         if list(coarse.class_names) != list(self.class_names):
             raise DataError(
                 f"cascade.coarse_run: its classes {coarse.class_names} differ from this run's {self.class_names}"
@@ -236,9 +242,9 @@ class CascadePredictor(Predictor):
                 "cascade's probabilities are the coarse stage's outside the regions and the fine stage's inside"
             )
         self.coarse = coarse
-        self.margin_mm = float(config.cascade.margin_mm)
-        self.min_region_mm3 = float(config.cascade.min_region_mm3)
-        fine = config.cascade.fine_classes
+        self.margin_mm = float(margin_mm)
+        self.min_region_mm3 = float(min_region_mm3)
+        fine = fine_classes
         self.fine_classes = sorted(fine) if fine else None
         if self.fine_classes and max(self.fine_classes) >= len(self.class_names):
             raise ConfigError(f"cascade.fine_classes {fine}: this run has labels 0..{len(self.class_names) - 1}")

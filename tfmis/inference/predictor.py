@@ -290,6 +290,8 @@ class Predictor(ScanPredictor):
             (`final.weights.h5`, the weights training ended with); a weights file or a checkpoint is read as given.
     """
 
+    windows_as = "tensor"  # what the window function takes (`sliding_window_inference`): numpy for an engine
+
     def __init__(
         self,
         config,
@@ -410,6 +412,7 @@ class Predictor(ScanPredictor):
             device=device,
             buffer_dtype=self._logits_dtype,
             output="numpy",  # the host buffer itself, writable for the in-place softmax: no copy of the logits
+            windows_as=self.windows_as,
         )[0]
 
     def logits(self, volume: np.ndarray, case_id: str = "", buffer_dtype: str = "float32") -> tuple[np.ndarray, str]:

@@ -132,6 +132,7 @@ def sliding_window_inference(
     progress: bool = False,
     buffer_dtype: str = "float32",
     output: str = "tensor",
+    windows_as: str = "tensor",
 ) -> tf.Tensor | np.ndarray:
     """Predicts a whole volume window by window and blends the overlapping predictions.
 
@@ -142,9 +143,11 @@ def sliding_window_inference(
         roi_size: window size (rx, ry, rz), or one int for all axes; None or non-positive entries
             use the volume's size on that axis.
         sw_batch_size: windows per predictor call (>= 1).
-        predictor: callable (a Keras model, a tf.function, ...) mapping (N, rx, ry, rz, C) with
-            N <= sw_batch_size to (N, rx, ry, rz, K); a one-element list or dict also works.
-            It is called eagerly once per batch; wrapping a model as
+        predictor: callable (a Keras model, a tf.function, an inference engine, ...) mapping
+            (N, rx, ry, rz, C) with N <= sw_batch_size to (N, rx, ry, rz, K); a one-element list or
+            dict also works. It gets a tf.Tensor, or with `windows_as="numpy"` a numpy array, and may
+            return either (a numpy result is blended before the next call, so an engine may reuse its
+            output buffer). It is called eagerly once per batch; wrapping a model as
             `tf.function(lambda w: model(w, training=False))` saves Keras' per-call overhead.
         overlap: fraction of a window shared with its neighbour, in [0, 1); one value or one per axis.
         mode: `constant` (plain mean of overlapping predictions) or `gaussian` (window centres
@@ -169,6 +172,9 @@ def sliding_window_inference(
         output: `tensor`, or `numpy` for a writable numpy array: the host buffer itself when the blend ran in
             host memory (a tensor's `.numpy()` would copy the whole volume's predictions once more), else the
             device's result copied to the host.
+        windows_as: what the predictor gets: `tensor` (default) or `numpy`, a new C-contiguous array per call in
+            the volume's dtype (for a numpy-in, numpy-out engine such as ONNX Runtime or OpenVINO; in host
+            memory neither is a copy of the other).
 
     Returns:
         (B, X, Y, Z, K) in `buffer_dtype` (float32 by default): a tensor on `device`, or a numpy array.
@@ -189,6 +195,8 @@ def sliding_window_inference(
         )
     if output not in ("tensor", "numpy"):
         raise ValueError(f"output must be 'tensor' or 'numpy', got {output!r}")
+    if windows_as not in ("tensor", "numpy"):
+        raise ValueError(f"windows_as must be 'tensor' or 'numpy', got {windows_as!r}")
     return _infer(
         inputs,
         roi_size,
@@ -205,6 +213,7 @@ def sliding_window_inference(
         on_host=aggregates_on_host(device),
         buffer_dtype=buffer_dtype,
         as_numpy=output == "numpy",
+        windows_as=windows_as,
     )
 
 
@@ -224,8 +233,11 @@ def _infer(
     on_host: bool,
     buffer_dtype: str = "float32",
     as_numpy: bool = False,
+    windows_as: str = "tensor",
+    threads: int | None = None,
 ):
-    """`sliding_window_inference` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`)."""
+    """`sliding_window_inference` with the blend chosen by `on_host` (numpy) or not (TensorFlow on `device`), and
+    `threads` for the host blend (None: `blend_threads`)."""
     if not hasattr(inputs, "shape"):
         inputs = np.asarray(inputs)
     shape = tuple(inputs.shape)
@@ -259,4 +271,6 @@ def _infer(
         crop=crop,
         buffer_dtype=buffer_dtype,
         as_numpy=as_numpy,
+        windows_as=windows_as,
+        threads=threads,
     )
