@@ -109,7 +109,7 @@ def f(pid):
 # what a process reports: the worker and thread counts the package would use by default
 DEFAULT_COUNTS = r"""
 import json, sys
-import tfmis.utils.parallel as parallel
+import tfmis.data.case_pool as case_pool
 from tfmis import hardware
 from tfmis.data.convert import ConversionConfig
 from tfmis.planning.fingerprint import fingerprint_msd
@@ -117,15 +117,15 @@ from tfmis.profiling import ResourceMonitor
 from tfmis.tune.hpo.devices import assign_devices
 
 fingerprint_workers = []
-map_ordered = parallel.map_ordered
+map_ordered = case_pool.map_ordered
 
 
-def recording_map_ordered(fn, tasks, workers):  # the fingerprint's real pool, its size recorded
+def recording_map_ordered(fn, tasks, workers, **kwargs):  # the fingerprint's real pool, its size recorded
     fingerprint_workers.append(workers)
-    return map_ordered(fn, tasks, workers)
+    return map_ordered(fn, tasks, workers, **kwargs)
 
 
-parallel.map_ordered = recording_map_ordered
+case_pool.map_ordered = recording_map_ordered
 fingerprint_msd(sys.argv[1], progress=False)
 print(json.dumps({
     "usable": hardware.usable_cpu_count(),

@@ -9,16 +9,17 @@ reason, so it never stops the others.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from tfmis.data import fingerprint as fp
+from tfmis.data.case_pool import LOAD_PEAK_FACTOR, CasePool
 from tfmis.data.datasets import open_dataset
 from tfmis.data.image_io import UnreadableImage, read_affine, read_image
 from tfmis.data.msd import CT_MODALITIES, Case, CaseError, DatasetError, SegmentationDataset, load_case
 from tfmis.data.preprocess import preprocess, ras_spacing
-from tfmis.utils.parallel import map_ordered
 
 
 def header_spacing(case: Case, dataset: SegmentationDataset) -> np.ndarray:
@@ -129,12 +130,15 @@ def _first_unreadable(dataset: SegmentationDataset) -> str:
 
 
 def _ct_foreground_statistics(
-    dataset: SegmentationDataset, workers: int
+    dataset: SegmentationDataset, workers: int | None
 ) -> tuple[tuple[float, float], tuple[float, float]]:
     """((0.5, 99.5) percentiles, (mean, std)) of the CT channels' labelled foreground intensities, sampled from
-    every training case (nnU-Net's foreground intensity properties)."""
+    every training case (nnU-Net's foreground intensity properties); `workers` at most (None: the CPUs), fewer
+    when the memory holds fewer cases (`CasePool`)."""
     tasks = [(c, str(dataset.root)) for c in dataset.training]
-    samples = [s for s in map_ordered(_foreground_sample, tasks, workers) if s is not None]
+    pool = CasePool("Measuring the CT window", dataset, LOAD_PEAK_FACTOR, asked=workers)
+    print(pool.describe(), file=sys.stderr)
+    samples = [s for s in pool.run(_foreground_sample, tasks, lambda case_id, reason: None) if s is not None]
     if not samples:
         raise DatasetError(f"{dataset.root}: no readable case to measure the CT window from; pass --ct-window")
     ct_channels = [i for i, m in enumerate(dataset.modalities) if m.upper() == "CT"]

@@ -34,8 +34,9 @@ class ConversionOptions:
         reshape: fixed output shape instead of resampling to a spacing.
         shards: shards per split (at most one per case).
         compression: GZIP, ZLIB or NONE.
-        workers: parallel preprocessing processes (1 = in this process; None = `hardware.case_workers()`: the
-            usable CPUs, at most 8).
+        workers: parallel preprocessing processes at most (1 = in this process unless memory is tight; None =
+            `hardware.case_workers()`: the usable CPUs, at most 8); fewer when the usable memory holds fewer cases
+            (`tfmis.data.case_pool.CasePool`).
         seed: seed of the split.
         image_dtype: float16 or float32.
         ct_window: (low, high) HU window for CT channels; None = the 0.5/99.5 percentiles of the
@@ -67,7 +68,9 @@ class ConversionOptions:
     shards: int = _option(4, "shards per split (at most one per case; default 4)")
     compression: Literal["GZIP", "ZLIB", "NONE"] = _option("GZIP", "TFRecord compression (default GZIP)")
     workers: int | None = _option(
-        None, "parallel preprocessing processes (default: the usable CPUs, at most 8; 1 = no subprocess)"
+        None,
+        "parallel preprocessing processes at most (default: the usable CPUs, at most 8), fewer when the usable memory "
+        "(a cgroup limit) holds fewer cases; 1 = no subprocess unless memory is tight",
     )
     seed: int = _option(0, "seed of the split (default 0)")
     image_dtype: Literal["float16", "float32"] = _option(

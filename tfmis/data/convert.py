@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import importlib
 import itertools
 import json
 import sys
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 
 from tfmis.data import fingerprint as fp
+from tfmis.data.case_pool import CONVERSION_PEAK_FACTOR, LOAD_PEAK_FACTOR, CasePool
 from tfmis.data.conversion_cases import (
     _ct_foreground_statistics,
     _first_unreadable,
@@ -62,7 +64,6 @@ from tfmis.data.shard_writer import PROGRESS_DIR, _finished_shards, _write_shard
 from tfmis.errors import RunStateError
 from tfmis.utils.io import atomic_write_json, parse_temp_name
 from tfmis.utils.lock import folder_lock
-from tfmis.utils.parallel import map_ordered
 
 # names of this module before its parts moved out (the options, the folds, the case work, the shards), still
 # imported from here
@@ -139,7 +140,7 @@ def _convert(config: ConversionConfig, dataset: SegmentationDataset, target: Pat
         spacing = config.spacing or _median_spacing(dataset)
         ct_window, ct_mean_std = config.ct_window, None
         if ct_norm in modal_norm and (ct_window is None or ct_norm == "ct_zscore"):
-            window, mean_std = _ct_foreground_statistics(dataset, config.num_workers)
+            window, mean_std = _ct_foreground_statistics(dataset, config.workers)
             ct_window = ct_window if ct_window is not None else window
             ct_mean_std = mean_std if ct_norm == "ct_zscore" else None
     if spacing is None and config.reshape is None:  # not one header could be read: nothing can be converted
@@ -192,7 +193,12 @@ def _convert(config: ConversionConfig, dataset: SegmentationDataset, target: Pat
             bar.write(f"  {case_id}: {message}", file=sys.stderr)
         bar.update(1)
 
-    results = map_ordered(_process_case, tasks, config.num_workers)
+    if tasks:  # the shard writer's TensorFlow, imported before the pool is sized from what this process holds
+        importlib.import_module("tensorflow")
+    pool = CasePool("Converting", dataset, CONVERSION_PEAK_FACTOR, cases=[t[0] for t in tasks], asked=config.workers)
+    if tasks:
+        bar.write(pool.describe(), file=sys.stderr)
+    results = pool.run(_process_case, tasks, _skipped_case, say=lambda line: bar.write(line, file=sys.stderr))
     for shard in pending:
         _write_shard(target, shard, itertools.islice(results, len(shard["cases"])), index_meta, on_case)
     bar.close()
@@ -212,6 +218,11 @@ def _convert(config: ConversionConfig, dataset: SegmentationDataset, target: Pat
     return index
 
 
+def _skipped_case(case_id: str, reason: str) -> dict:
+    """The worker result of a case the pool did not read (too large for the memory, or killed even alone)."""
+    return {"case_id": case_id, "status": "skipped", "reason": reason}
+
+
 def _plan_splits(config: ConversionConfig, dataset: SegmentationDataset, file_folds: list[dict] | None) -> dict:
     """The cases of each split: the splits file's folds, stratified folds (every training label read once, in
     parallel), or seeded fractions."""
@@ -221,7 +232,8 @@ def _plan_splits(config: ConversionConfig, dataset: SegmentationDataset, file_fo
     classes = None
     if config.folds is not None:
         tasks = [(c, str(dataset.root)) for c in dataset.training]
-        classes = dict(zip(ids, map_ordered(_label_classes, tasks, config.num_workers)))
+        pool = CasePool("Reading the labels", dataset, LOAD_PEAK_FACTOR, asked=config.workers)
+        classes = dict(zip(ids, pool.run(_label_classes, tasks, lambda case_id, reason: [])))
     return assign_splits(ids, config.split, config.folds, config.seed, classes)
 
 

@@ -195,6 +195,28 @@ def read_geometry(path: str | Path) -> tuple[np.ndarray, object]:
         raise UnreadableImage(f"{path}: cannot read its header: {type(e).__name__}: {_first(e)}") from e
 
 
+def read_shape(path: str | Path) -> tuple[int, ...]:
+    """The array shape an image file decodes to (X, Y, Z[, C]), from its header alone (no voxel data read).
+
+    Raises:
+        UnreadableImage: as `read_image`.
+    """
+    path = Path(path)
+    suffix = _check_format(path)
+    try:
+        if suffix in NIFTI_SUFFIXES:
+            return tuple(int(n) for n in nib.load(str(path)).shape)
+        reader = _sitk().ImageFileReader()
+        reader.SetFileName(str(path))
+        reader.ReadImageInformation()
+        components = reader.GetNumberOfComponents()
+        return tuple(int(n) for n in reader.GetSize()) + ((components,) if components > 1 else ())
+    except ImportError as e:
+        raise UnreadableImage(f"{path}: {e}") from None
+    except (OSError, EOFError, zlib.error, ValueError, RuntimeError, nib.filebasedimages.ImageFileError) as e:
+        raise UnreadableImage(f"{path}: cannot read its header: {type(e).__name__}: {_first(e)}") from e
+
+
 def _first(error: BaseException) -> str:
     """The first non-empty line of an error (ITK's messages run over several lines)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]

@@ -19,6 +19,7 @@ Callers import from `tfmis.hardware`, which re-exports every public name of its 
 - `gpu`: TensorFlow's GPU devices, the driver, nvidia-smi, the GPU models a plan can be made for by name;
 - `nvml`: NVML (the only module that imports pynvml): the GPUs this process may use, a GPU's memory, `NvmlGpus`;
 - `onednn`: the oneDNN decision, made before TensorFlow is imported;
+- `workers`: how many case workers fit in the usable CPUs and memory (`size_case_workers`);
 - `threads`: TensorFlow's and tf.data's thread counts from the usable CPUs, set before TensorFlow is imported;
 - `machine`: `Hardware` and `detect_hardware` (the machine as a whole, or one to plan for), a plan's mismatch;
 - `precision`: the precision this machine trains in (`recommended_precision`, `resolve_precision`);
@@ -76,7 +77,7 @@ from tfmis.hardware.gpu import (
     visible_gpu_ids,
 )
 from tfmis.hardware.machine import PLANNED_MEMORY_SLACK, Hardware, detect_hardware, planned_hardware_mismatch
-from tfmis.hardware.memory import MB, host_memory, parse_memory_mb
+from tfmis.hardware.memory import MB, cgroup_memory, host_memory, parse_memory_mb
 from tfmis.hardware.nvml import NvmlGpus, NvmlUnavailable, accelerators, nvml_device, visible_nvml_handles
 from tfmis.hardware.onednn import (
     ONEDNN_ENV,
@@ -93,11 +94,13 @@ from tfmis.hardware.processes import (
     allowed_cpus,
     parse_cpus,
     peak_rss_mb,
+    prefer_oom_kill,
     process_status_mb,
     process_tree_usage,
     reset_peak_rss,
 )
 from tfmis.hardware.threads import THREAD_ENVS, apply_cpu_threads, data_threads, set_thread_env, threads_set_by_user
+from tfmis.hardware.workers import WorkerSizing, size_case_workers
 
 __all__ = [
     # cpu
@@ -116,12 +119,14 @@ __all__ = [
     "worker_cpus",
     # memory
     "MB",
+    "cgroup_memory",
     "host_memory",
     "parse_memory_mb",
     # processes
     "allowed_cpus",
     "parse_cpus",
     "peak_rss_mb",
+    "prefer_oom_kill",
     "process_status_mb",
     "process_tree_usage",
     "reset_peak_rss",
@@ -151,6 +156,9 @@ __all__ = [
     "current_onednn",
     "onednn_choice",
     "onednn_running",
+    # workers
+    "WorkerSizing",
+    "size_case_workers",
     # threads
     "THREAD_ENVS",
     "apply_cpu_threads",

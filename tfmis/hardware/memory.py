@@ -1,12 +1,12 @@
 """Memory: sizes in MB (`MB`, `parse_memory_mb`) and the host's RAM as this process may use it (`host_memory`:
-/proc/meminfo, lowered to a cgroup memory limit)."""
+/proc/meminfo, lowered to the memory limit of this process's cgroup, `cgroup_memory`)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from tfmis.hardware.cpu import cpu_name, usable_cpu_count
+from tfmis.hardware.cpu import CGROUP_ROOT, cpu_name, usable_cpu_count
 
 MB = 2.0**20
 _MEMORY_UNITS = {"": 1.0, "m": 1.0, "mb": 1.0, "mib": 1.0, "g": 1024.0, "gb": 1024.0, "gib": 1024.0, "t": 2**20}
@@ -58,19 +58,10 @@ def host_memory() -> dict:
     total = meminfo.get("MemTotal", 0.0)
     available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0.0))
     limit = None
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        try:
-            raw = Path(limit_file).read_text().strip()
-            if raw == "max" or int(raw) >= 2**60:  # unlimited
-                break
-            limit = int(raw) / MB
-            available = min(available, limit - int(Path(usage_file).read_text()) / MB)
-            break
-        except (OSError, ValueError):
-            continue
+    cgroup = cgroup_memory()
+    if cgroup is not None:
+        limit = cgroup["limit_mb"]
+        available = min(available, limit - cgroup["unreclaimable_mb"])
     return {
         "total_mb": total,
         "available_mb": max(available, 0.0),
@@ -78,3 +69,77 @@ def host_memory() -> dict:
         "cpu_name": cpu_name(),
         "cpu_count": usable_cpu_count(),
     }
+
+
+def cgroup_memory(proc_cgroup: str | None = None, root: str | Path = CGROUP_ROOT) -> dict | None:
+    """The memory limit of this process's cgroup and what the cgroup holds that the kernel cannot reclaim:
+    {"limit_mb", "unreclaimable_mb", "path"}, or None when no cgroup on the path has a limit.
+
+    Reads the process's own cgroup (`/proc/self/cgroup`) and its ancestors, as `cgroup_cpu_quota` does: cgroup v2
+    (`memory.max`, "max" = none; `memory.stat` `anon`) and v1 (`memory.limit_in_bytes`, 2^60 and up = none;
+    `memory.stat` `total_rss`); the smallest limit on the path wins, as the kernel enforces each level. The
+    unreclaimable memory is the anonymous memory of every process in that cgroup (this one included): the page
+    cache a cgroup also counts (the files it read) is given back under pressure, so it is not subtracted.
+
+    Example (a cgroup v1 tree with a 1.5 GB limit on the job's cgroup, 200 MB of it held):
+        >>> import tempfile
+        >>> job = Path(tempfile.mkdtemp()) / "memory" / "job"
+        >>> job.mkdir(parents=True)
+        >>> _ = (job / "memory.limit_in_bytes").write_text(str(1536 * 2**20))
+        >>> _ = (job / "memory.stat").write_text(f"cache 1000\\nrss 5\\ntotal_rss {200 * 2**20}\\n")
+        >>> found = cgroup_memory("4:memory:/job\\n", root=job.parent.parent)
+        >>> found["limit_mb"], found["unreclaimable_mb"]
+        (1536.0, 200.0)
+    """
+    if proc_cgroup is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    root = Path(root)
+    found = None
+    for line in proc_cgroup.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if not path:
+            continue
+        if hierarchy == "0" and not controllers:  # cgroup v2: one tree, at root or (hybrid) at root/unified
+            bases = [b for b in (root, root / "unified") if (b / "cgroup.controllers").exists()]
+            files = ("memory.max", "anon")
+        elif "memory" in controllers.split(","):  # cgroup v1: the memory controller's tree
+            bases = [b for b in (root / controllers, root / "memory") if b.is_dir()]
+            files = ("memory.limit_in_bytes", "total_rss")
+        else:
+            continue
+        if not bases:
+            continue
+        folder = bases[0] / path.strip("/")
+        for level in (folder, *folder.parents):
+            limit = _cgroup_limit(level / files[0])
+            if limit is not None and (found is None or limit < found["limit_mb"]):
+                held = _cgroup_stat(level / "memory.stat", files[1])
+                found = {"limit_mb": limit, "unreclaimable_mb": held or 0.0, "path": str(level)}
+            if level == bases[0]:
+                break
+    return found
+
+
+def _cgroup_limit(path: Path) -> float | None:
+    """A cgroup memory limit file in MB; None when unlimited or unreadable."""
+    try:
+        raw = path.read_text().strip()
+        return None if raw == "max" or int(raw) >= 2**60 else int(raw) / MB
+    except (OSError, ValueError):
+        return None
+
+
+def _cgroup_stat(path: Path, key: str) -> float | None:
+    """One counter of a cgroup's memory.stat in MB; None when missing."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value) / MB
+    except (OSError, ValueError):
+        pass
+    return None

@@ -123,3 +123,14 @@ def _proc_stat(pid: int | str) -> list[bytes] | None:
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     return text[text.rfind(b")") + 2 :].split()
+
+
+def prefer_oom_kill(score: int = 1000) -> None:
+    """Makes this process the kernel's first choice when memory runs out (/proc/self/oom_score_adj, up to 1000;
+    raising it needs no privilege): a case worker's initializer, so that the OOM killer takes a worker, which its
+    pool reports and retries, rather than the parent that holds the finished work. Nothing where that is not
+    possible (not Linux)."""
+    try:
+        Path("/proc/self/oom_score_adj").write_text(str(int(score)))
+    except OSError:
+        pass

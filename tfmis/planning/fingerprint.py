@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from tfmis.data import fingerprint as fp
+from tfmis.data.case_pool import FINGERPRINT_PEAK_FACTOR, CasePool
 from tfmis.data.datasets import open_dataset
 from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, load_case
 from tfmis.data.preprocess import foreground_mask, reorient_to_ras, spacing_of
 from tfmis.errors import MissingInput
-from tfmis.hardware import case_workers
 
 
 @dataclasses.dataclass
@@ -143,26 +143,28 @@ def _case_summary(task: tuple) -> dict:
     try:
         dataset = open_dataset(root)
         loaded = load_case(case, dataset)
-        image, affine = reorient_to_ras(loaded.image, loaded.affine)
-        label = reorient_to_ras(loaded.label, loaded.affine)[0] if loaded.label is not None else None
+        # views (flipped/transposed strides): everything below only reads them, and a copy would double the volume
+        image, affine = reorient_to_ras(loaded.image, loaded.affine, copy=False)
+        label = reorient_to_ras(loaded.label, loaded.affine, copy=False)[0] if loaded.label is not None else None
         ct = [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
         other = [i for i in range(image.shape[-1]) if i not in ct]
         # the conversion's foreground of the MRI-like channels (each against its own background), once
         body = foreground_mask(image, ("zscore",), None, channels=other) if other else None
         projections = []
         for axis in range(3):
-            reduce_axes = tuple(a for a in range(4) if a != axis)
             spatial = tuple(a for a in range(3) if a != axis)
+            # channel by channel: `image[..., ct]` would copy the whole image (a list index copies)
+            ct_max = np.max([image[..., c].max(axis=spatial) for c in ct], axis=0) if ct else None
             projections.append(
                 {
-                    "ct_max": image[..., ct].max(axis=reduce_axes).tolist() if ct else None,
+                    "ct_max": ct_max.tolist() if ct else None,
                     "foreground": body.any(axis=spatial).tolist() if body is not None else None,
                     "label": (label > 0).any(axis=spatial).tolist() if label is not None else None,
                 }
             )
         del body
         sample = fp.foreground_sample(loaded.image, loaded.label, ct)
-        counts = np.bincount(loaded.label.ravel(), minlength=dataset.num_classes) if loaded.label is not None else None
+        counts = fp.class_voxels(loaded.label, dataset.num_classes) if loaded.label is not None else None
         return {
             "case_id": case.case_id,
             "status": "ok",
@@ -230,7 +232,10 @@ def fingerprint_msd(
 
     Args:
         source_dir: the MSD folder (with dataset.json).
-        workers: parallel reader processes (default `hardware.case_workers()`: the usable CPUs, at most 8).
+        workers: parallel reader processes at most (default `hardware.case_workers()`: the usable CPUs, at most 8);
+            fewer when the usable memory holds fewer cases at once (`tfmis.data.case_pool.CasePool`, one line says
+            how many and why). A case larger than the memory is skipped with its reason, as is one whose worker the
+            kernel kills even alone.
         progress: show progress.
         ct_window: a fixed CT window instead of the measured percentiles (as `--ct-window` would set).
         crop_foreground, crop_margin: the conversion's crop options.
@@ -239,15 +244,17 @@ def fingerprint_msd(
         DatasetError: dataset.json is unusable, or no case could be read.
     """
 
-    from tfmis.utils.parallel import map_ordered
     from tfmis.utils.progress import progress_bar
 
     dataset = open_dataset(source_dir)
-    workers = workers or case_workers()
+    pool = CasePool("Fingerprinting", dataset, FINGERPRINT_PEAK_FACTOR, asked=workers)
+    if progress:
+        print(pool.describe(), file=sys.stderr)
     tasks = [(case, str(dataset.root)) for case in dataset.training]
     bar = progress_bar(len(tasks), f"Fingerprinting {dataset.name}", "case", disable=not progress)
     summaries, skipped = [], {}
-    for result in map_ordered(_case_summary, tasks, workers):
+    lost = lambda case_id, reason: {"case_id": case_id, "status": "skipped", "reason": reason}  # noqa: E731
+    for result in pool.run(_case_summary, tasks, lost, say=lambda line: bar.write(line, file=sys.stderr)):
         if result["status"] == "ok":
             summaries.append(result)
         else:
