@@ -188,8 +188,9 @@ def test_a_failed_fold_is_a_partial_failure_exit_3_naming_the_fold_its_reason_an
     assert not (cv / "crossval.json").exists()
 
 
-def test_two_folds_of_one_epoch_end_to_end_in_the_default_run(tmp_path, capsys):
-    """The whole cross-validation in seconds (the default test run's one end-to-end case): two folds of one
+@pytest.mark.slow
+def test_two_folds_of_one_epoch_end_to_end(tmp_path, capsys):
+    """The whole cross-validation in about a minute (slow: the real training processes): two folds of one
     configuration, one epoch each, trained by real `tfmis.train` processes, every case predicted out of fold with
     the final weights, the configuration chosen, and crossval.json, crossval.md and the plan written."""
     config = write_config(tmp_path, "a", "training.epochs=1", "training.steps_per_epoch=1", cases=4)

@@ -306,6 +306,7 @@ def traced_peaks(threads: int) -> list:
     return peaks
 
 
+@pytest.mark.slow  # a fresh interpreter (about 14 s); test_sliding_window's memory test bounds the default blend
 def test_one_or_three_threads_and_the_kept_weight_sum_hold_the_memory_bound():
     """Traced allocations of a call (the bound of test_sliding_window's memory test): the sum buffer, one Σ(weight),
     a few window batches and a scratch window per thread; a second call with the kept Σ(weight) holds no more.

@@ -150,6 +150,7 @@ def run_folder(tmp_path) -> Path:
     return run
 
 
+@pytest.mark.slow  # a real tfmis-predict process (about 6 s); the same check in-process stays in the default run
 def test_predict_with_a_window_too_small_for_the_slabs_is_exit_2_naming_the_flags(run_folder, tmp_path):
     """The issue's command: `--model-parallel spatial:8 --roi-size 32,32,32` (at most 4 slabs of 8): one line naming
     both flags and the fix, before any model is built."""
