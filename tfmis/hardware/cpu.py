@@ -53,37 +53,39 @@ def cgroup_cpu_quota(proc_cgroup: str | None = None, root: str | Path = CGROUP_R
         >>> cgroup_cpu_quota("3:cpu:/job\\n", root=job.parent.parent)
         1.5
     """
+    readers = {2: _cgroup2_quota, 1: _cgroup1_quota}
+    quotas = [readers[version](level) for version, level in cgroup_levels("cpu", proc_cgroup, root)]
+    quotas = [q for q in quotas if q is not None]
+    return min(quotas) if quotas else None
+
+
+def cgroup_levels(controller: str, proc_cgroup: str | None = None, root: str | Path = CGROUP_ROOT):
+    """(cgroup version, folder) of this process's cgroup and each ancestor up to the tree's root, for the v2 tree
+    and the v1 tree of `controller` ("cpu", "memory"); nothing when `/proc/self/cgroup` cannot be read."""
     if proc_cgroup is None:
         try:
             proc_cgroup = Path("/proc/self/cgroup").read_text()
         except OSError:
-            return None
+            return
     root = Path(root)
-    quotas = []
     for line in proc_cgroup.splitlines():
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if not path:
             continue
         if hierarchy == "0" and not controllers:  # cgroup v2: one tree, at root or (hybrid) at root/unified
-            bases = [b for b in (root, root / "unified") if (b / "cgroup.controllers").exists()]
-            reader = _cgroup2_quota
-        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's tree
-            bases = [b for b in (root / controllers, root / "cpu") if b.is_dir()]
-            reader = _cgroup1_quota
+            version, bases = 2, [b for b in (root, root / "unified") if (b / "cgroup.controllers").exists()]
+        elif controller in controllers.split(","):  # cgroup v1: the controller's own tree
+            version, bases = 1, [b for b in (root / controllers, root / controller) if b.is_dir()]
         else:
             continue
-        base = bases[0] if bases else None
-        if base is None:
+        if not bases:
             continue
-        folder = base / path.strip("/")
+        folder = bases[0] / path.strip("/")
         for level in (folder, *folder.parents):
-            quota = reader(level)
-            if quota is not None:
-                quotas.append(quota)
-            if level == base:
+            yield version, level
+            if level == bases[0]:
                 break
-    return min(quotas) if quotas else None
 
 
 def _cgroup2_quota(folder: Path) -> float | None:

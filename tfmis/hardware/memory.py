@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tfmis.hardware.cpu import CGROUP_ROOT, cpu_name, usable_cpu_count
+from tfmis.hardware.cpu import CGROUP_ROOT, cgroup_levels, cpu_name, usable_cpu_count
 
 MB = 2.0**20
 _MEMORY_UNITS = {"": 1.0, "m": 1.0, "mb": 1.0, "mib": 1.0, "g": 1024.0, "gb": 1024.0, "gib": 1024.0, "t": 2**20}
@@ -91,36 +91,13 @@ def cgroup_memory(proc_cgroup: str | None = None, root: str | Path = CGROUP_ROOT
         >>> found["limit_mb"], found["unreclaimable_mb"]
         (1536.0, 200.0)
     """
-    if proc_cgroup is None:
-        try:
-            proc_cgroup = Path("/proc/self/cgroup").read_text()
-        except OSError:
-            return None
-    root = Path(root)
     found = None
-    for line in proc_cgroup.splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if not path:
-            continue
-        if hierarchy == "0" and not controllers:  # cgroup v2: one tree, at root or (hybrid) at root/unified
-            bases = [b for b in (root, root / "unified") if (b / "cgroup.controllers").exists()]
-            files = ("memory.max", "anon")
-        elif "memory" in controllers.split(","):  # cgroup v1: the memory controller's tree
-            bases = [b for b in (root / controllers, root / "memory") if b.is_dir()]
-            files = ("memory.limit_in_bytes", "total_rss")
-        else:
-            continue
-        if not bases:
-            continue
-        folder = bases[0] / path.strip("/")
-        for level in (folder, *folder.parents):
-            limit = _cgroup_limit(level / files[0])
-            if limit is not None and (found is None or limit < found["limit_mb"]):
-                held = _cgroup_stat(level / "memory.stat", files[1])
-                found = {"limit_mb": limit, "unreclaimable_mb": held or 0.0, "path": str(level)}
-            if level == bases[0]:
-                break
+    files = {2: ("memory.max", "anon"), 1: ("memory.limit_in_bytes", "total_rss")}
+    for version, level in cgroup_levels("memory", proc_cgroup, root):
+        limit = _cgroup_limit(level / files[version][0])
+        if limit is not None and (found is None or limit < found["limit_mb"]):
+            held = _cgroup_stat(level / "memory.stat", files[version][1])
+            found = {"limit_mb": limit, "unreclaimable_mb": held or 0.0, "path": str(level)}
     return found
 
 
