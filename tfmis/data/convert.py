@@ -196,7 +196,7 @@ def _convert(config: ConversionConfig, dataset: SegmentationDataset, target: Pat
     if tasks:  # the shard writer's TensorFlow, imported before the pool is sized from what this process holds
         importlib.import_module("tensorflow")
     pool = CasePool("Converting", dataset, CONVERSION_PEAK_FACTOR, cases=[t[0] for t in tasks], asked=config.workers)
-    if tasks:
+    if tasks and config.progress:  # --quiet: only the per-case and error lines
         bar.write(pool.describe(), file=sys.stderr)
     results = pool.run(_process_case, tasks, _skipped_case, say=lambda line: bar.write(line, file=sys.stderr))
     for shard in pending:
