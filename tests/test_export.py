@@ -143,7 +143,8 @@ def test_a_wrong_manifest_version_a_missing_or_changed_network_is_one_line_and_e
     assert "model.onnx is missing" in line and "Traceback" not in line, line
     shutil.copy(exported / "networks" / "model" / "model.onnx", folder / "networks" / "model" / "model.onnx")
     weights = folder / "networks" / "model" / "openvino" / "model.bin"
-    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")  # the OpenVINO weights changed after the export
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-4] + bytes(b ^ 0xFF for b in data[-4:]))  # the OpenVINO weights changed after export
     assert (
         _predict(
             "--checkpoint", str(folder), "--engine", "openvino", "--input", images, "--output", str(tmp_path / "o")

@@ -42,7 +42,7 @@ import tensorflow as tf
 
 import tfmis
 from tfmis.losses import DeepSupervisionLoss, DiceCELoss, DiceFocalLoss, DiceLoss
-from tfmis.networks.blocks import ConvNormAct, RecomputableBlock, ResidualUnit, UpBlock
+from tfmis.networks.blocks import ConvNormAct, InstanceNormalization, RecomputableBlock, ResidualUnit, UpBlock
 from tfmis.networks.unet import UNetConfig
 from tfmis.optimizers.fused_adam import FusedAdam, FusedAdamW
 from tfmis.optimizers.novograd import Novograd
@@ -394,6 +394,7 @@ LAYER_CASES = [
         IMAGES,
     ),
     ("ConvNormAct-conv_only", ConvNormAct, dict(filters=3, kernel_size=1, conv_only=True), IMAGES),
+    ("InstanceNormalization-no_center", InstanceNormalization, dict(epsilon=1e-3, center=False), IMAGES),
     (
         "ResidualUnit-batch-anisotropic-projection-recompute",
         ResidualUnit,

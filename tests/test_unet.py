@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tfmis.networks import ConvNormAct, ResidualUnit, UNetConfig, build_unet, check_patch_size
-from tfmis.networks.blocks import UpBlock, full_resolution_upsample_filters
+from tfmis.networks.blocks import InstanceNormalization, UpBlock, full_resolution_upsample_filters
 
 TINY = dict(filters=(4, 8, 16), strides=(1, 2, 2))  # patch sides must be multiples of 4
 
@@ -131,6 +131,41 @@ def test_each_norm_trains_loss_decreases(norm):
 
     losses = [float(train_step()) for _ in range(6)]
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("mixed_policy", ["float32", "mixed_float16"], indirect=True)
+def test_instance_normalization_equals_group_normalization_with_a_group_per_channel_and_loads_its_weights(
+    mixed_policy, tmp_path, monkeypatch
+):
+    """A residual unit with norm "instance" as built before `InstanceNormalization` existed (Keras'
+    GroupNormalization with groups = channels) saves weights that load into today's by name, and both give the
+    same outputs (float32 round-off; float16 outputs under mixed precision to one float16 step)."""
+    from tfmis.networks import blocks
+
+    images = random_images((2, 6, 5, 4), channels=3) * 5 + 2
+    inputs = keras.Input((None, None, None, 3))
+
+    def unit():
+        return keras.Model(inputs, ResidualUnit(4, norm="instance", subunits=2, name="unit")(inputs))
+
+    instance = unit()
+    with monkeypatch.context() as m:
+        m.setattr(blocks, "InstanceNormalization", lambda **kw: keras.layers.GroupNormalization(**kw))
+        group = unit()
+    norms = [l for l in group.get_layer("unit")._flatten_layers() if isinstance(l, keras.layers.GroupNormalization)]
+    assert {type(l) for l in norms} == {keras.layers.GroupNormalization} and len(norms) == 2
+    rng = np.random.default_rng(1)
+    for layer in norms:
+        layer.gamma.assign(rng.uniform(0.5, 2, 4))
+        layer.beta.assign(rng.normal(size=4))
+    group.save_weights(tmp_path / "group.weights.h5")
+    instance.load_weights(tmp_path / "group.weights.h5")
+    expected, got = (np.asarray(m(images), np.float32) for m in (group, instance))
+    tolerance = 1e-6 if mixed_policy == "float32" else 4e-3  # float16: one step at |x| ≈ 4
+    np.testing.assert_allclose(got, expected, atol=tolerance, rtol=0)
+    assert np.abs(expected).max() > 0.5
+    with pytest.raises(ValueError, match="one group per channel, got groups=1"):
+        keras.Model(inputs, InstanceNormalization(groups=1, name="bad")(inputs))
 
 
 def test_residual_and_plain_blocks():
