@@ -204,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", default=None, help="a small image of the same kind, predicted once per engine first")
     s.add_argument("--repeats", type=int, default=2, help="timed passes per engine, alternating")
     s.add_argument("--window", action="store_true", help="also time each engine's sliding window alone")
+    s.add_argument("--bfloat16", action="store_true", help="also OpenVINO in bfloat16 (an explicit option)")
     s.add_argument("--monai", metavar="PYTHON", default=None, help="an interpreter with torch and MONAI")
     s.add_argument("--json", default=None, help="also write the rows here")
     return p

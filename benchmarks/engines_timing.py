@@ -129,7 +129,7 @@ def speed(args) -> int:
 
     reference, _ = reference_predictor(args.reference)
     arms = {("tfmis-predict (run folder)", "float32"): reference}
-    for engine, precision in FLOAT32:
+    for engine, precision in FLOAT32 + ([("openvino", "bfloat16")] if args.bfloat16 else []):
         arms[(engine, precision)] = engine_predictor(args.model, engine, precision)
     channels = len(reference.modalities)
     image, affine = load_image(args.scan, channels, "scan", integers=True)[:2]

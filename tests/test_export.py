@@ -353,6 +353,47 @@ def test_a_plan_of_a_cascade_exports_both_stages_and_predicts_as_the_plan(conver
 
 
 @pytest.mark.slow  # four tiny trainings and an export: about a minute
+def test_the_folds_of_a_cascade_export_every_fold_and_its_coarse_run_and_predict_as_the_folds(
+    converted_dataset, tiny_run, tmp_path
+):
+    """A folder of two fine-stage folds, each with its own `cascade.coarse_run`, exports four networks (the fine
+    folds and both coarse runs, the coarse stage's weights as the fine stage's: final); onnxruntime predicts the label
+    maps and the regions tfmis-predict writes from the folder of folds (the coarse folds' ensemble finds the regions,
+    the fine folds' ensemble segments them)."""
+    from tfmis.engine.trainer import Trainer
+    from tfmis.inference.exporting import export_model
+
+    for fold in (0, 1):
+        coarse = tmp_path / "lowres" / f"fold_{fold}"
+        Trainer(tiny_config(converted_dataset, coarse, "training.epochs=1", f"training.seed={fold + 11}")).fit()
+        fine = tiny_config(
+            converted_dataset,
+            tmp_path / "cascade" / f"fold_{fold}",
+            "training.epochs=1",
+            f"training.seed={fold + 13}",
+            f"cascade.coarse_run={coarse}",
+        )
+        Trainer(fine).fit()
+    manifest = export_model(tmp_path / "cascade", tmp_path / "model", formats=("onnx",))
+    assert [n["name"] for n in manifest["networks"]] == ["fold_0", "fold_1"]
+    coarse_networks = manifest["cascade"]["coarse"]["networks"]
+    assert [n["name"] for n in coarse_networks] == ["coarse_fold_0", "coarse_fold_1"]
+    assert [Path(n["run"]).name for n in coarse_networks] == ["fold_0", "fold_1"]
+    assert {Path(n["weights_file"]).name for n in coarse_networks} == {"final.weights.h5"}
+    images = str(tiny_run["source"] / "imagesTr")
+    assert (
+        _predict("--checkpoint", str(tmp_path / "cascade"), "--input", images, "--output", str(tmp_path / "run")) == 0
+    )
+    args = ("--checkpoint", str(tmp_path / "model"), "--engine", "onnxruntime", "--input", images)
+    assert _predict(*args, "--output", str(tmp_path / "onnx")) == 0
+    reference, predicted = _labels(tmp_path / "run"), _labels(tmp_path / "onnx")
+    assert reference.keys() == predicted.keys() and len(reference) == 8
+    for name in reference:
+        assert np.array_equal(reference[name], predicted[name]), name
+    assert _regions(tmp_path / "onnx") == _regions(tmp_path / "run")
+
+
+@pytest.mark.slow  # four tiny trainings and an export: about a minute
 def test_a_crossval_choice_of_two_configurations_exports_their_folds_and_postprocessing(
     converted_dataset, tiny_run, tmp_path
 ):

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 exported; 1 unusable checkpoint (missing, unfinished, weights that do not fit); "
         "2 bad arguments (an existing --output, an unknown --format or one whose package is missing: install "
-        "tfmis[deploy]; the folds of a cascade, not exported yet).",
+        "tfmis[deploy]).",
     )
     p.add_argument(
         "--checkpoint",

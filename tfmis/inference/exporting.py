@@ -2,9 +2,9 @@
 
 `export_model(checkpoint, output)` writes the folder `tfmis.inference.manifest` describes, for one run, the folds
 of one configuration (a folder of folds), a cross-validation folder (the configurations it chose, each its folds,
-and its postprocessing), or a cascade (a plan of stages, or its fine stage: both stages). Each network is the inference
-model (no deep-supervision heads) built in float32 and loaded with the run's weights (best for one run, final for
-folds, as `tfmis-predict` chooses), traced once as
+and its postprocessing), or a cascade (a plan of stages, its fine stage or the folds of one: both stages). Each
+network is the inference model (no deep-supervision heads) built in float32 and loaded with the run's weights
+(best for one run, final for folds, as `tfmis-predict` chooses), traced once as
 
     tf.function(windows (None, X, Y, Z, C) float32) -> {"logits": (None, X, Y, Z, K) float32}
 
@@ -94,20 +94,14 @@ def final_stage(checkpoint: str | Path) -> Path:
 
 def _members(checkpoint, folds, weights) -> tuple[object, list]:
     """(the `PredictionSource`, [(configuration name, its run folders, its first run's `Config`)]); a plan of stages
-    is its last stage's run; a `UsageError` for the folds of a cascade (not exported yet)."""
+    is its last stage's run."""
     source = resolve_checkpoint(checkpoint, folds, weights)
     if source.kind == "run":
         source = resolve_checkpoint(final_stage(checkpoint), weights=weights)
     members = []
     for member in source.members:
         runs = [Path(r) for r in member.runs]
-        config = load_config(run_config(runs[0]))
-        if config.cascade.coarse_run and len(runs) > 1:
-            raise UsageError(
-                f"--checkpoint {checkpoint}: the folds of a cascade ({member.name}); exporting them is not supported "
-                "yet: export one fold's fine stage (its coarse run goes with it)"
-            )
-        members.append((member.name, runs, config))
+        members.append((member.name, runs, load_config(run_config(runs[0]))))
     return source, members
 
 
@@ -291,12 +285,11 @@ def export_model(
     folds: list[int] | None = None,
 ) -> dict:
     """Exports the run `checkpoint` names (or the folds of one configuration; a cross-validation's chosen
-    configurations, each its folds; a cascade: a plan of stages or its fine stage, with its coarse run) into the new
-    folder `output`; returns the manifest written.
+    configurations, each its folds; a cascade: a plan of stages, its fine stage or its folds, with the coarse runs)
+    into the new folder `output`; returns the manifest written.
 
     Raises:
-        UsageError: `output` exists, an unknown format or one whose package is missing, or the folds of a cascade
-            (not exported yet).
+        UsageError: `output` exists, or an unknown format or one whose package is missing.
         MissingInput / DataError: as `tfmis-predict` for the same checkpoint (a missing fold, weights that do
             not fit).
     """
@@ -339,12 +332,17 @@ def _export_stage(runs, config, source, staging: Path, formats, prefix: str) -> 
     names = [prefix + run.name for run in runs] if len(runs) > 1 else [prefix + "model"]
     networks, task = _export_networks(runs, config, source.weights, index, staging, formats, names)
     cascade = None
-    if config.cascade.coarse_run:  # the coarse stage: its run's weights, as tfmis-predict loads them
-        coarse_run = Path(config.cascade.coarse_run)
-        coarse_config = load_config(run_config(coarse_run))
-        coarse_index = load_training_data_info(coarse_run, coarse_config.data.dataset_dir)
+    if config.cascade.coarse_run:
+        # the coarse stage as tfmis-predict builds it: each fold's coarse run (the ensemble of those of folds), with
+        # the weights the fine stage's are read with
+        coarse_runs = list(dict.fromkeys(Path(load_config(run_config(r)).cascade.coarse_run) for r in runs))
+        coarse_config = load_config(run_config(coarse_runs[0]))
+        coarse_index = load_training_data_info(coarse_runs[0], coarse_config.data.dataset_dir)
+        coarse_names = (
+            [f"{prefix}coarse_{r.name}" for r in coarse_runs] if len(coarse_runs) > 1 else [f"{prefix}coarse"]
+        )
         coarse_networks, _ = _export_networks(
-            [coarse_run], coarse_config, source.weights, coarse_index, staging, formats, [prefix + "coarse"]
+            coarse_runs, coarse_config, source.weights, coarse_index, staging, formats, coarse_names
         )
         c = config.cascade
         cascade = {
