@@ -66,15 +66,17 @@ def main(argv=None) -> int:
     if not Path(args.checkpoint).exists():
         raise MissingInput(f"--checkpoint {args.checkpoint}: no such file or folder; give a training run's folder")
     from tfmis.inference.exporting import export_model, parse_formats
+    from tfmis.inference.manifest import stages
 
     formats = parse_formats(args.format)
     writing(args.output)
     manifest = export_model(args.checkpoint, args.output, formats, weights=args.weights, folds=folds)
-    for network in manifest["networks"]:
+    networks = {n["name"]: n for stage in stages(manifest) for n in stage["networks"]}  # every stage's
+    for network in networks.values():
         checks = ", ".join(f"{fmt} {diff:.2g}" for fmt, diff in network["export_check"].items())
         files = ", ".join(network["files"].values())
         print(f"{network['name']}: {files} (largest logit difference from Keras: {checks})")
-    print(f"Exported {len(manifest['networks'])} network(s) to {args.output} (manifest.json, MODEL_CARD.md)")
+    print(f"Exported {len(networks)} network(s) to {args.output} (manifest.json, MODEL_CARD.md)")
     return 0
 
 
