@@ -158,18 +158,23 @@ def test_gpu_memory_is_taken_in_gb_g_mb_or_plain_mb(value):
         ),
         (["--gpus", "8", "--gpu-memory=-5GB"], "--gpu-memory -5GB: not a memory size; give e.g. --gpu-memory 80GB"),
         (["--gpus", "8", "--gpu-memory", "80"], "--gpu-memory 80: that is 80 MB; did you mean --gpu-memory 80GB?"),
+        (
+            ["--host-memory", "300MB"],
+            "--host-memory 300MB: 300 MB is less than the 1 GB a target needs to be planned for; give at least "
+            "--host-memory 1GB",
+        ),
         (["--gpus", "8"], "--gpus 8: give the GPUs' memory too, e.g. --gpu-memory 80GB"),
         (["--gpu", "A100"], "--gpu A100: not a GPU tfmis knows (V100-16GB"),
     ],
-    ids=["unit", "word", "negative", "plain-80-is-MB", "no-memory", "ambiguous-name"],
+    ids=["unit", "word", "negative", "plain-80-is-MB", "small-with-unit", "no-memory", "ambiguous-name"],
 )
 @pytest.mark.parametrize("command", ["plan", "train --source-dir"])
 def test_a_bad_target_is_exit_2_and_one_line_naming_the_flag_and_an_example(
     demo_brain, tmp_path, capsys, command, flags, named
 ):
-    """A bad --gpu-memory (or --gpus without a memory, an ambiguous --gpu) in tfmis-plan and tfmis-train
-    --source-dir: exit 2 and one `error:` line naming the flag, the value and an example, no traceback; nothing
-    is planned or written."""
+    """A bad --gpu-memory (or --gpus without a memory, an ambiguous --gpu, a --host-memory below 1 GB) in tfmis-plan
+    and tfmis-train --source-dir: exit 2 and one `error:` line naming the flag, the value and an example, no
+    traceback; nothing is planned or written."""
     main, argv = (plan.main, ["--source-dir", demo_brain, "--output", tmp_path / "plan.yaml"])
     if command != "plan":
         main, argv = (train.main, ["--source-dir", demo_brain, "--set", f"output.dir={tmp_path / 'run'}"])

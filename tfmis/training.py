@@ -123,7 +123,13 @@ def target_hardware(args, here=None):
                 f"{int(parse_memory_mb(example))}MB, or plain MB)"
             ) from None
         if mb < least_mb:
-            raise UsageError(f"{flag} {text}: that is {mb:g} MB; did you mean {flag} {text.strip()}GB?")
+            number = text.strip()
+            if number.replace(".", "", 1).isdigit():  # a plain number is MB: likely meant as GB
+                raise UsageError(f"{flag} {text}: that is {mb:g} MB; did you mean {flag} {number}GB?")
+            raise UsageError(
+                f"{flag} {text}: {mb:g} MB is less than the {least_mb / 1024:g} GB a target needs to be planned for; "
+                f"give at least {flag} {least_mb / 1024:g}GB"
+            )
         return mb
 
     if given["gpu"] is not None and gpu_model(given["gpu"]) is None:
