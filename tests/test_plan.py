@@ -479,6 +479,22 @@ def test_first_pass_fingerprint_predicts_the_conversion(tiny_ct_run):
 @pytest.mark.skipif(
     bool(__import__("tensorflow").config.list_physical_devices("GPU")), reason="the warnings are for CPU-only machines"
 )
+def test_a_memory_no_trainable_patch_fits_is_one_resource_error_naming_the_memory_and_the_fix():
+    """With 40 MB available (a small cgroup) the planner's patch shrinks until no network of 2 levels fits: a
+    ResourceError naming the available memory and --host-memory, not the config check's "filters needs at least 2
+    levels" after it; 12 GB available plans the same dataset."""
+    from tfmis.errors import ResourceError
+
+    fingerprint = _fingerprint([[0.8, 0.8, 2.5]] * 4, [[512, 512, 300]] * 4)
+    tiny = Hardware(cpu_name="test cpu", cpu_count=2, host_memory_mb=760, host_available_mb=40)
+    with pytest.raises(ResourceError) as error:
+        make_plan(fingerprint, tiny)
+    message = str(error.value)
+    assert message.startswith("no patch of a network with 2 or more levels fits 40 MB of available memory"), message
+    assert "at most 20 MB (half the available)" in message and "--host-memory 16GB" in message
+    assert make_plan(fingerprint, CPU).config().pipeline.patch_size
+
+
 def test_train_warns_once_about_slow_settings_on_a_cpu(tmp_path):
     """python -m tfmis.train with mixed_float16 and jit_compile on a CPU-only machine prints one warning for each,
     naming the faster setting, before anything else happens (here the missing dataset then stops the run)."""

@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 
+from tfmis.errors import ResourceError
 from tfmis.hardware import GPU_RESERVED_MB
 from tfmis.planning.decisions import DataDecision, NetworkDecision, ParallelDecision, PatchDecision, Settings
 from tfmis.planning.plan_file import fmt_shape
@@ -72,7 +73,27 @@ class TopologySteps:
         memory_cap = 0.5 * available if available else float("inf")
         return (
             lambda patch, strides: int(np.prod(patch)) <= CPU_PATCH_VOXELS and estimate(patch, strides) <= memory_cap,
-            f"a CPU target of {CPU_PATCH_VOXELS:,} voxels (48^3: a training step of ~0.3 s on 2 cores, measured)",
+            f"a CPU target of {CPU_PATCH_VOXELS:,} voxels (48^3: a training step of ~0.3 s on 2 cores, measured)"
+            + (
+                f" and an estimated training peak of at most {memory_cap:.0f} MB (half the available)"
+                if available
+                else ""
+            ),
+        )
+
+    def _no_patch_fits(self, patch, budget_text: str) -> str:
+        """The line for a budget no trainable patch fits: the memory planned for, and how to plan for more."""
+        if self.gpu:
+            memory = f"{(self.hardware.gpu_memory_mb or 16 * 1024) / 1024:.1f} GB of GPU memory"
+            fix = "plan for a larger GPU (--gpu-memory 24GB)"
+        else:
+            memory = f"{self.hardware.host_available_mb:.0f} MB of available memory (a cgroup limit applied)"
+            fix = (
+                "give this process more memory, or plan here for the machine the training runs on (--host-memory 16GB)"
+            )
+        return (
+            f"no patch of a network with 2 or more levels fits {memory}: the planner shrank it to "
+            f"{fmt_shape(patch)} within {budget_text}; {fix}"
         )
 
     def filter_range(self) -> tuple[int, int]:
@@ -93,6 +114,8 @@ class TopologySteps:
             shape_for_patch[:2] = np.sqrt(median_shape[0] * median_shape[1])
         initial_patch = initial_patch_size(spacing, shape_for_patch)
         patch, strides, divisor, steps = shrink_patch(spacing, median_shape, initial_patch, fits, square=square)
+        if not fits(patch, strides) or len(strides) < 2:
+            raise ResourceError(self._no_patch_fits(patch, budget_text))
         square_text = (
             f"; square in-plane (x, y medians {median_shape[0]:.0f}, {median_shape[1]:.0f} within 1.5x: "
             f"their geometric mean for both, so quarter turns can augment)"
