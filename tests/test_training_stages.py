@@ -80,14 +80,22 @@ def test_load_stages_reads_a_config_as_one_stage_and_a_plan_as_named_stages(tmp_
 @pytest.mark.slow
 def test_stage_runner_trains_the_stages_in_order_and_skips_finished_ones_on_resume(tmp_path, converted_dataset):
     """Two stages train one after the other with the real trainer (a summary each, a run folder each), the
-    workers leave through `finish` once; resumed, both are skipped as finished and nothing trains again."""
+    workers leave through `finish` once; the first stage's trainer (its datasets, its model) is freed before the
+    second stage's ends; resumed, both are skipped as finished and nothing trains again."""
+    import weakref
+
     plan = write_plan(tmp_path, converted_dataset)
     backend = RecordingBackend()
-    lines = []
-    runner = StageRunner(backend, gpu_fit=None, log=lines.append)
+    lines, trainers = [], []
+
+    def on_stage_end(trainer, summary):  # each trainer as its stage ends: the first must be gone by the second's
+        trainers.append((weakref.ref(trainer), [ref() is None for ref, _ in trainers]))
+
+    runner = StageRunner(backend, gpu_fit=None, on_stage_end=on_stage_end, log=lines.append)
     summaries = runner.run(load_stages(plan), exit_status=None)
     assert [s["epochs"] for s in summaries] == [1, 1]
-    assert [t.config.output.dir for t in runner.trainers] == [str(tmp_path / "runs" / n) for n in ("lowres", "fullres")]
+    assert [freed for _, freed in trainers] == [[], [True]]
+    assert [t.config.output.dir for t in runner.trained] == [str(tmp_path / "runs" / n) for n in ("lowres", "fullres")]
     assert all((tmp_path / "runs" / n / "summary.json").is_file() for n in ("lowres", "fullres"))
     assert [line.split(":")[0] for line in lines if line.startswith("Stage")] == [
         "Stage 1/2 (lowres)",
@@ -98,7 +106,7 @@ def test_stage_runner_trains_the_stages_in_order_and_skips_finished_ones_on_resu
     again, lines = RecordingBackend(), []
     resumed = StageRunner(again, resume=True, gpu_fit=None, log=lines.append)
     assert resumed.run(load_stages(plan), exit_status=None) == [None, None]
-    assert resumed.trainers == []
+    assert resumed.trained == []
     assert sum("finished earlier" in line for line in lines) == 2
 
 
@@ -121,8 +129,8 @@ def test_stage_runner_applies_the_gpu_fit_to_every_stage_after_the_conversion(tm
     planned = object()  # what plan_source returns; the runner only hands it to gpu_fit
     runner.run(load_stages(plan), planned, exit_status=None)
     assert seen == [(planned, True), (planned, True)]
-    assert [t.config.pipeline.num_images_per_batch for t in runner.trainers] == [1, 1]
-    assert [t.global_batch for t in runner.trainers] == [1, 1]
+    assert [t.config.pipeline.num_images_per_batch for t in runner.trained] == [1, 1]
+    assert [t.global_batch for t in runner.trained] == [1, 1]
 
 
 def test_a_failed_stage_leaves_the_other_workers_free_and_raises_its_error(tmp_path):

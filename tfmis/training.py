@@ -24,6 +24,7 @@ summaries = StageRunner(backend).run(stages, planned)
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -305,6 +306,14 @@ def cached_gpu_fit(stages: list[Stage], planned: PlannedRun, log=log, hardware=N
     return reloaded
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainedStage:
+    """A stage `StageRunner` trained: its config as trained and its global batch."""
+
+    config: Config
+    global_batch: int
+
+
 class StageRunner:
     """Trains stages one after another on one backend (one process, or every worker of a launch).
 
@@ -330,7 +339,9 @@ class StageRunner:
     ):
         self.backend, self.resume, self.gpu_fit, self.customize = backend, resume, gpu_fit, customize
         self.on_stage_end, self._log = on_stage_end, log
-        self.trainers: list = []  # the trainers of the stages trained in this call, in order
+        # what each stage trained in this call was (its config and global batch), in order; not the trainers, which
+        # are let go after their stage with their datasets (a memory cache holds the decoded training set) and model
+        self.trained: list[TrainedStage] = []
 
     def log(self, line: str) -> None:
         if self.backend.is_chief:
@@ -421,12 +432,17 @@ class StageRunner:
                         "first, then launch the workers with its fit.yaml"
                     )
                 config = self.customize(config)
-            trainer = self.make_trainer(config)
-            self.trainers.append(trainer)
-            summary = _lost_workers_as_error(lambda: trainer.fit(resume=self.resume), self.backend, config)
-            if self.backend.is_chief and self.on_stage_end is not None:
-                self.on_stage_end(trainer, summary)
-            return summary
+            summary = self._fit(self.make_trainer(config), config)
+        gc.collect()  # the trainer, gone with `_fit`, is in a cycle (its callbacks and traced functions refer to it)
+        return summary
+
+    def _fit(self, trainer, config: Config) -> dict:
+        """Trains `config` with `trainer` and reports its stage; keeps what it trained, not the trainer."""
+        self.trained.append(TrainedStage(trainer.config, trainer.global_batch))
+        summary = _lost_workers_as_error(lambda: trainer.fit(resume=self.resume), self.backend, config)
+        if self.backend.is_chief and self.on_stage_end is not None:
+            self.on_stage_end(trainer, summary)
+        return summary
 
     def make_trainer(self, config: Config):
         """The stage's trainer; on the chief, the lines that say what will train where."""
