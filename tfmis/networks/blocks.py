@@ -107,7 +107,7 @@ class InstanceNormalization(layers.GroupNormalization):
     The same variables (`gamma`, `beta`), names, checkpoints and outputs as `GroupNormalization(groups=channels)`
     (to float32 round-off, tested), without its reshape into groups. That reshape makes the exported graph
     reduce a 6-D tensor, which OpenVINO's CPU plugin runs in a reference kernel (69 % of a CT window batch's time,
-    measured in docs/benchmarks.md); over the spatial axes it fuses into one MVN.
+    measured in docs/deploying.md); over the spatial axes it fuses into one MVN.
 
     Example:
         >>> InstanceNormalization(epsilon=1e-5).get_config()["groups"]

@@ -87,7 +87,7 @@ class TopologySteps:
             memory = f"{(self.hardware.gpu_memory_mb or 16 * 1024) / 1024:.1f} GB of GPU memory"
             fix = "plan for a larger GPU (--gpu-memory 24GB)"
         else:
-            memory = f"{self.hardware.host_available_mb:.0f} MB of available memory (a cgroup limit applied)"
+            memory = f"{self.hardware.host_available_mb:.0f} MB of available memory (after any cgroup limit)"
             fix = (
                 "give this process more memory, or plan here for the machine the training runs on (--host-memory 16GB)"
             )
