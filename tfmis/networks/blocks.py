@@ -148,7 +148,7 @@ def make_normalization(norm: str, channels: int, norm_groups: int = 8, name: str
     `SyncBatchNorm`). With one replica it is the ordinary layer.
 
     Args:
-        norm: "batch", "instance" (GroupNorm with one group per channel) or "group"
+        norm: "batch", "instance" (`InstanceNormalization`: one group per channel) or "group"
             (GroupNorm with `norm_groups` groups).
         channels: number of feature channels being normalized.
         norm_groups: groups for `norm="group"`; must divide `channels`.
