@@ -13,9 +13,9 @@ import pytest
 import tensorflow as tf
 from conftest import TINY_TRAINING, tiny_config
 
-from tfmis.data.pipeline import build_train_dataset
+from tfmis.data.pipeline import build_train_dataset, volume_order
 from tfmis.data.records import load_index, read_record, split_cases
-from tfmis.data.regular import RegularSource, build_regular_train_dataset, fast_volume_order
+from tfmis.data.regular import RegularSource, build_regular_train_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,14 +37,14 @@ def test_regular_source_reads_the_converted_voxels_from_nifti(converted_dataset)
         assert np.abs(image - record["image"].astype(np.float32)).max() > 0  # float32, not the float16 values
 
 
-def test_fast_volume_order_is_the_order_the_fast_pipeline_reads(converted_dataset):
+def test_volume_order_is_the_order_the_fast_pipeline_reads(converted_dataset):
     """The order computed from index.json equals the order the fast pipeline's interleaved shard reads produce."""
     from tfmis.data.pipeline import _read
 
     index = load_index(converted_dataset)
     files = [str(converted_dataset / s["file"]) for s in index["splits"]["train"]["shards"]]
     read = [meta["case_id"].numpy().decode() for _, _, meta in _read(files, index, deterministic=True)]
-    assert fast_volume_order(index, converted_dataset, "train") == read
+    assert volume_order(index, converted_dataset, "train") == read
     assert len(read) == 6 and len(files) == 2
 
 

@@ -59,7 +59,7 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
         ("training.epochs", "expected key=value"),
         (
             "pipeline.cache=memroy",
-            r"pipeline.cache: 'memroy' is not one of \['memory', 'none', 'file', 'partial'\] "
+            r"pipeline.cache: 'memroy' is not one of \['memory', 'none', 'file', 'partial', 'patches'\] "
             r"\(did you mean 'memory'\?\)",
         ),
         ("pipeline.cache=/scratch/cache/demo", r"pipeline.cache: '/scratch/cache/demo' is not one of"),

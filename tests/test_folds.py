@@ -374,9 +374,8 @@ def test_training_on_a_fold_reads_the_other_folds_and_validates_on_its_own(folds
     """A real training (1 epoch, 2 steps) of fold 2 of 5 with data.source_dir: the stratified conversion is found
     finished (nothing converted again), the run's saved config holds the joined training split, the training
     pipeline's volumes are the 8 cases of the other folds and the validation the 2 of fold 2."""
-    from tfmis.data.pipeline import build_val_dataset
+    from tfmis.data.pipeline import build_val_dataset, volume_order
     from tfmis.data.prepare import prepare_dataset
-    from tfmis.data.regular import fast_volume_order
     from tfmis.engine.trainer import Trainer
 
     config = tiny_config(
@@ -399,7 +398,7 @@ def test_training_on_a_fold_reads_the_other_folds_and_validates_on_its_own(folds
     saved = load_config(tmp_path / "run" / "config.yaml")
     assert saved.data.train_split == "fold0+fold1+fold3+fold4" and saved.data.val_split == "fold2"
     index = load_index(folds_data["target"])
-    trained = fast_volume_order(index, folds_data["target"], saved.data.train_split)
+    trained = volume_order(index, folds_data["target"], saved.data.train_split)
     assert sorted(trained) == sorted(c for k, fold in enumerate(folds) if k != 2 for c in fold)
     validated = [meta["case_id"].numpy().decode() for _, _, meta in build_val_dataset(saved, cached=False)]
     assert sorted(validated) == folds[2]

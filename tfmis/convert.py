@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="rebuild when --target-dir holds a conversion made with other parameters",
     )
+    p.add_argument(
+        "--patch-layout",
+        action="store_true",
+        help="also write the labelled cases as memory-mapped arrays (<target>/arrays) for training with "
+        "pipeline.cache=patches (datasets larger than memory; otherwise written at training start)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -153,6 +159,23 @@ def main(argv=None) -> int:
     writing(args.target_dir, RERUN)
     index = convert(config)
     print(summary_text(index))
+    if args.patch_layout:
+        from tfmis.config import PipelineConfig, TrainingConfig
+        from tfmis.data.patch_layout import write_patch_layout
+
+        labelled = [c["case_id"] for c in index["cases"].values() if c.get("label")]
+        done = write_patch_layout(
+            args.target_dir,
+            labelled,
+            len(index["source"]["labels"]),
+            PipelineConfig().max_foreground_indices,  # the defaults a training samples with
+            TrainingConfig().seed,
+            progress=not args.quiet,
+        )
+        print(
+            f"Patch-read arrays: {done['cases']} cases, {done['bytes'] / 2**30:.2f} GB in {args.target_dir}/arrays "
+            f"({done['written']} written, {done['seconds']:.0f} s)"
+        )
     if index["skipped"]:
         raise PartialFailure(
             f"{len(index['skipped'])} case(s) skipped (listed above and in {args.target_dir}/index.json 'skipped')"

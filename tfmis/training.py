@@ -406,6 +406,7 @@ class StageRunner:
         if self.backend.is_chief:
             try:
                 prepare_dataset(config.data, progress=config.output.progress)
+                self.prepare_input(config)
             except Exception as e:
                 if self.backend.size == 1:
                     raise
@@ -414,6 +415,32 @@ class StageRunner:
             if error is not None:
                 raise error
             raise TrainingFailed(f"worker {self.backend.rank}: the chief could not prepare the data (see its log)")
+
+    def prepare_input(self, config: Config) -> None:
+        """Says what the training input will hold in memory against its budget (refusing a `memory` cache above
+        it), and with `pipeline.cache: patches` writes or completes the patch-read arrays of the training cases."""
+        from tfmis.data.budget import check_input_memory
+        from tfmis.data.patch_layout import training_cases, write_patch_layout
+        from tfmis.data.records import load_index
+
+        index = load_index(config.data.dataset_dir)
+        held = check_input_memory(config, index, self.backend.size)
+        self.log(held["line"])
+        if config.pipeline.cache == "patches":
+            cases = training_cases(config.data.dataset_dir, config.data.train_split)
+            done = write_patch_layout(
+                config.data.dataset_dir,
+                cases,
+                len(index["source"]["labels"]),
+                config.pipeline.max_foreground_indices,
+                config.training.seed,
+                progress=config.output.progress,
+            )
+            self.log(
+                f"Patch-read arrays: {done['cases']} training cases, {done['bytes'] / 2**30:.2f} GB on disk in "
+                f"{config.data.dataset_dir}/arrays ({done['written']} written, {done['relocated']} re-indexed, "
+                f"{done['seconds']:.0f} s)"
+            )
 
     def train_stage(self, config: Config) -> dict:
         """Trains one config in its run folder (holding the folder's lock on the chief); its summary.

@@ -31,6 +31,13 @@ def validate(config: Config) -> None:
             "pipeline.cache is 'file' but pipeline.cache_dir is not set: give the folder for the "
             "on-disk cache, e.g. pipeline.cache_dir=/scratch/tfmis-cache"
         )
+    if p.memory_budget is not None:
+        from tfmis.hardware.memory import parse_memory_mb
+
+        try:
+            parse_memory_mb(str(p.memory_budget))
+        except ValueError as e:
+            raise ConfigError(f"pipeline.memory_budget: {e} (e.g. 6GB), or null for half the usable memory") from e
     if p.cache_num is not None and p.cache_num < 1:
         raise ConfigError(
             f"pipeline.cache_num must be >= 1 volume (or null to use pipeline.cache_rate), got {p.cache_num}"

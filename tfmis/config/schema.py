@@ -115,7 +115,12 @@ class PipelineConfig:
     # cache_dir, reused by later runs), "none" (read the TFRecords every epoch), "partial" (MONAI's SmartCache:
     # cache_num volumes in RAM, replace_rate of them swapped for new ones from the TFRecords in the background
     # after each pass over the cached set; for data larger than memory, see tfmis.data.smart_cache)
-    cache: Literal["memory", "none", "file", "partial"] = "memory"
+    # "patches": no volume cached; each crop read from the memory-mapped uncompressed arrays written beside the
+    # TFRecords (<dataset_dir>/arrays, tfmis.data.patch_layout): for datasets larger than memory
+    cache: Literal["memory", "none", "file", "partial", "patches"] = "memory"
+    # the most the training input may hold (a memory size: "6GB", "800MB"); null = half the usable memory (after
+    # any cgroup limit) at start. cache: memory above it is refused; patches gives it to tf.data's buffers
+    memory_budget: Optional[float | str] = None
     cache_num: Optional[int] = None  # partial: volumes held per input pipeline (worker); null = cache_rate
     cache_rate: float = 0.5  # partial, when cache_num is null: share of the worker's training volumes held
     # partial: share of the cached volumes replaced per pass over them; MONAI's default is 0.1 (it re-runs its

@@ -31,10 +31,11 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from tfmis.data.records import image_as_float32, load_index, parse_example, shard_paths, split_entry
+from tfmis.data.records import image_as_float32, load_index, parse_example, shard_paths, split_entry, split_parts
 from tfmis.data.smart_cache import REFILL_PARALLELISM, partial_cache_size, share_size, smart_cache
 from tfmis.errors import ConfigError, DataError, UsageError
 from tfmis.hardware import data_threads
+from tfmis.hardware.memory import MB
 from tfmis.transforms.augment import (
     augment_patch,
     random_spatial,
@@ -43,7 +44,7 @@ from tfmis.transforms.augment import (
     spatial_seed,
     window,
 )
-from tfmis.transforms.crop import crop_starts, foreground_indices, rand_crop_by_pos_neg
+from tfmis.transforms.crop import crop_starts, crop_starts_at, foreground_indices, rand_crop_by_pos_neg
 
 
 def _cache(dataset: tf.data.Dataset, pipeline, name: str, fingerprint: dict) -> tf.data.Dataset:
@@ -55,7 +56,7 @@ def _cache(dataset: tf.data.Dataset, pipeline, name: str, fingerprint: dict) -> 
     stream's bounded cache (`tfmis.data.smart_cache`, built by `build_train_dataset`); anything else cached
     through here under `partial` (the validation volumes) is read from the TFRecords each time, adding no memory.
     """
-    if pipeline.cache in ("none", "partial"):
+    if pipeline.cache in ("none", "partial", "patches"):
         return dataset
     if pipeline.cache == "memory":
         return dataset.cache()
@@ -91,6 +92,10 @@ def input_shard(files, cases, input_context=None) -> dict:
     return {"level": "data", "files": list(files), "cases": sorted(cases)[i::n]}
 
 
+# the volume pipeline reads at most this many shard files at once (`_read`)
+_INTERLEAVE_CYCLE = 8
+
+
 def _read(
     files, index, deterministic: bool, input_context=None, split: str | None = None, refill_seed: int | None = None
 ) -> tf.data.Dataset:
@@ -109,7 +114,7 @@ def _read(
     )
     dataset = names.interleave(
         lambda f: tf.data.TFRecordDataset(f, compression_type="" if compression == "NONE" else compression),
-        cycle_length=min(len(files), 8),
+        cycle_length=min(len(files), _INTERLEAVE_CYCLE),
         **read_ahead,
     )
     if shard["cases"] is not None:
@@ -121,6 +126,53 @@ def _read(
 
         dataset = dataset.filter(is_mine)
     return dataset.map(lambda s: parse_example(s, dtype, half_as_bits=True), **read_ahead)
+
+
+def volume_order(index: dict, dataset_dir: str | Path, split: str, input_context=None) -> list[str]:
+    """The case ids of `split` in the order the fast pipeline reads its records (before its shuffle).
+
+    The fast pipeline interleaves its shard files (at most 8 open, one record from each in turn;
+    `tf.data.Dataset.interleave` with `deterministic=True`) after `input_shard` has chosen this input
+    pipeline's files or cases; this is that order, computed from `index.json` without reading a record.
+    """
+    files = shard_paths(dataset_dir, split, index)
+    shard = input_shard(files, split_entry(index, split)["cases"], input_context)
+    parts = set(split_parts(index, split))
+    by_file = {}
+    for case in index["cases"].values():
+        if case["split"] in parts:
+            by_file.setdefault(case["file"], []).append(case)
+    queue = [
+        [c["case_id"] for c in sorted(by_file.get(Path(f).name, []), key=lambda c: c["position"])]
+        for f in shard["files"]
+    ]
+    order = _interleave(queue, min(len(queue), _INTERLEAVE_CYCLE))
+    if shard["cases"] is not None:
+        mine = set(shard["cases"])
+        order = [c for c in order if c in mine]
+    return order
+
+
+def _interleave(inputs: list[list], cycle_length: int) -> list:
+    """`tf.data.Dataset.interleave(cycle_length=..., block_length=1)` order over lists (TF's sequential algorithm)."""
+    pending = list(inputs)
+    slots: list[list | None] = [None] * max(cycle_length, 1)
+    out, i, open_count, end_of_input = [], 0, 0, False
+    while not end_of_input or open_count > 0:
+        if slots[i] is not None:
+            if slots[i]:
+                out.append(slots[i].pop(0))
+            else:  # exhausted: free the slot, the next input opens here when the cycle comes back
+                slots[i] = None
+                open_count -= 1
+            i = (i + 1) % len(slots)
+        elif pending:
+            slots[i] = list(pending.pop(0))
+            open_count += 1
+        else:
+            end_of_input = True
+            i = (i + 1) % len(slots)
+    return out
 
 
 def train_steps_per_epoch(config, num_replicas: int = 1) -> int:
@@ -158,12 +210,60 @@ def build_train_dataset(
     if p.class_ratios is not None and len(p.class_ratios) != num_classes:
         raise ConfigError(f"pipeline.class_ratios has {len(p.class_ratios)} entries for {num_classes} classes")
 
+    # a resumed run (seed_offset = epochs done) draws a new volume order and new crops, not epoch 1's again
+    stream_seed = seed + 7919 * seed_offset
+    pipeline_id = input_context.input_pipeline_id if input_context else 0
+    if p.cache == "patches":  # crops read from the memory-mapped arrays: no volume decoded or held
+        dataset = _patch_stream(config, index, input_context, stream_seed, pipeline_id)
+    else:
+        dataset = _volume_stream(config, index, files, input_context, stream_seed, pipeline_id, num_classes)
+    # placement step: the crops (patch + spatial margin) go out un-augmented with their seeds, and the training
+    # step applies `step_augmentation`; otherwise tf.data augments them here
+    augment = patch_augmentation(p) if p.augment.placement == "pipeline" else _unaugmented(p)
+    dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
+    if p.shuffle_crops > 1:
+        dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
+    batch = p.num_images_per_batch * config.training.accumulation_steps
+    dataset = dataset.batch(batch, drop_remainder=True)
+    dataset = with_channel_count(dataset, len(index["source"]["modalities"]))
+    options = pipeline_options(p.deterministic)
+    if p.cache == "patches":  # what tf.data's autotuned buffers may hold, within the pipeline's memory budget
+        from tfmis.data.budget import pipeline_memory_budget
+
+        options.autotune.ram_budget = int(pipeline_memory_budget(p) * MB)
+    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+
+
+# crops one patch-read input pipeline cuts at once: page faults of one crop wait on the disk while others copy
+PATCH_READERS = 4
+
+
+def _patch_stream(config, index, input_context, stream_seed: int, pipeline_id: int) -> tf.data.Dataset:
+    """The crops of `pipeline.cache: patches`: `patch_crops` of the cases in the volume stream's order and shuffle."""
+    from tfmis.data.patch_layout import PatchArrays, check_locations
+
+    p = config.pipeline
+    order = volume_order(index, config.data.dataset_dir, config.data.train_split, input_context)
+    arrays = PatchArrays(config.data.dataset_dir, order)
+    check_locations(arrays, p.max_foreground_indices, config.training.seed)
+    dataset = tf.data.Dataset.range(len(order))
+    dataset = dataset.shuffle(p.shuffle_volumes, seed=stream_seed, reshuffle_each_iteration=True).repeat()
+    dataset = dataset.enumerate()
+    crops = patch_crops(p, arrays, stream_seed, pipeline_id)
+    if p.deterministic:
+        return dataset.flat_map(crops)
+    return dataset.interleave(crops, cycle_length=PATCH_READERS, num_parallel_calls=PATCH_READERS, deterministic=False)
+
+
+def _volume_stream(config, index, files, input_context, stream_seed: int, pipeline_id: int, num_classes: int):
+    """The crops of the volume caches (memory, file, none, partial): volumes read from the TFRecords, cached as
+    `pipeline.cache` says, shuffled, cropped by `volume_crops`."""
+    p, seed = config.pipeline, config.training.seed
+
     def with_foreground(image, label, meta):
         fg, fg_class = foreground_indices(label, num_classes, p.max_foreground_indices, seed)
         return image, label, fg, fg_class
 
-    # a resumed run (seed_offset = epochs done) draws a new volume order and new crops, not epoch 1's again
-    stream_seed = seed + 7919 * seed_offset
     dataset = _read(
         files,
         index,
@@ -177,7 +277,6 @@ def build_train_dataset(
         num_parallel_calls=REFILL_PARALLELISM if p.cache == "partial" else tf.data.AUTOTUNE,
         deterministic=p.deterministic,
     )
-    pipeline_id = input_context.input_pipeline_id if input_context else 0
     if p.cache == "partial":  # a bounded, shuffled window of volumes, refilled from the TFRecords per cycle
         share = share_size(
             index,
@@ -209,21 +308,9 @@ def build_train_dataset(
         image, label, fg, fg_class = element
         return crop(position, image_as_float32(image), label, fg, fg_class)
 
-    # placement step: the crops (patch + spatial margin) go out un-augmented with their seeds, and the training
-    # step applies `step_augmentation`; otherwise tf.data augments them here
-    augment = patch_augmentation(p) if p.augment.placement == "pipeline" else _unaugmented(p)
-    dataset = (
-        dataset.flat_map(crops)
-        if p.deterministic
-        else dataset.interleave(crops, cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
-    )
-    dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
-    if p.shuffle_crops > 1:
-        dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
-    batch = p.num_images_per_batch * config.training.accumulation_steps
-    dataset = dataset.batch(batch, drop_remainder=True)
-    dataset = with_channel_count(dataset, len(index["source"]["modalities"]))
-    return dataset.prefetch(tf.data.AUTOTUNE).with_options(pipeline_options(p.deterministic))
+    if p.deterministic:
+        return dataset.flat_map(crops)
+    return dataset.interleave(crops, cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
 
 
 def pipeline_options(deterministic: bool) -> tf.data.Options:
@@ -260,10 +347,7 @@ def volume_crops(pipeline, stream_seed: int, pipeline_id: int):
     margin = spatial_margin(p.augment, p.patch_size)
 
     def crops(position, image, label, fg, fg_class):
-        element_seed = tf.stack([tf.constant(stream_seed + 1000 * pipeline_id, tf.int64), position])
-        seeds = tf.random.experimental.stateless_split(
-            tf.random.experimental.stateless_fold_in(element_seed, 1), p.num_crops_per_image
-        )
+        element_seed, seeds = crop_seeds(p, stream_seed, pipeline_id, position)
         if spatial_enabled(p.augment):  # the same patches as below, located, not cut
             starts = crop_starts(
                 label,
@@ -292,6 +376,67 @@ def volume_crops(pipeline, stream_seed: int, pipeline_id: int):
             element_seed,
             p.class_ratios,
         )
+        return tf.data.Dataset.from_tensor_slices((images, labels, seeds))
+
+    return crops
+
+
+def crop_seeds(pipeline, stream_seed: int, pipeline_id: int, position) -> tuple[tf.Tensor, tf.Tensor]:
+    """(element seed (2,) int64, crop seeds (num_crops_per_image, 2)) of the volume at `position` in the stream:
+    where its crops are drawn and how each is augmented (`volume_crops`, `patch_crops`)."""
+    element_seed = tf.stack([tf.constant(stream_seed + 1000 * pipeline_id, tf.int64), tf.cast(position, tf.int64)])
+    seeds = tf.random.experimental.stateless_split(
+        tf.random.experimental.stateless_fold_in(element_seed, 1), pipeline.num_crops_per_image
+    )
+    return element_seed, seeds
+
+
+def patch_crops(pipeline, arrays, stream_seed: int, pipeline_id: int):
+    """`fn(position, case)`: `volume_crops` of case number `case` of `arrays` (a `tfmis.data.patch_layout.PatchArrays`)
+    read from its memory-mapped arrays: the same elements, cut where `volume_crops` cuts them from the decoded
+    volume, reading only the crops and the few label voxels the background draws look at.
+
+    Without the spatial augmentations the elements are `(patch, label patch, seed)`; with them `(crop, label crop,
+    origin 0, seed)`: the `train_crop_size` window itself, which `patch_augmentation` resamples as it resamples the
+    window in the volume."""
+    p = pipeline
+    margin = tf.constant(spatial_margin(p.augment, p.patch_size), tf.int32)
+    size = train_crop_size(p)
+    n, channels = p.num_crops_per_image, arrays.channels
+    shapes = tf.constant(arrays.shapes)
+
+    def locations(case):
+        return arrays.locations(int(case))
+
+    def labels_at(case, indices):
+        return arrays.labels_at(int(case), indices)
+
+    def windows(case, origins):
+        return arrays.windows(int(case), origins, size)
+
+    def crops(position, case):
+        element_seed, seeds = crop_seeds(p, stream_seed, pipeline_id, position)
+        fg, fg_class = tf.numpy_function(locations, [case], [tf.int32, tf.int32], stateful=False)
+        fg, fg_class = tf.ensure_shape(fg, [None, 3]), tf.ensure_shape(fg_class, [None])
+        starts = crop_starts_at(
+            tf.gather(shapes, case),
+            lambda indices: tf.ensure_shape(
+                tf.numpy_function(labels_at, [case, indices], tf.uint8, stateful=False), [None]
+            ),
+            fg,
+            fg_class,
+            p.patch_size,
+            n,
+            p.pos_neg_ratio[0],
+            p.pos_neg_ratio[1],
+            element_seed,
+            p.class_ratios,
+        )
+        origins = starts - margin[None, :]
+        images, labels = tf.numpy_function(windows, [case, origins], [tf.float32, tf.uint8], stateful=False)
+        images, labels = tf.ensure_shape(images, [n, *size, channels]), tf.ensure_shape(labels, [n, *size])
+        if spatial_enabled(p.augment):
+            return tf.data.Dataset.from_tensor_slices((images, labels, tf.zeros([n, 3], tf.int32), seeds))
         return tf.data.Dataset.from_tensor_slices((images, labels, seeds))
 
     return crops

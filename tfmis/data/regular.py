@@ -40,14 +40,11 @@ import tensorflow as tf
 
 from tfmis.data.datasets import open_dataset
 from tfmis.data.msd import load_case
-from tfmis.data.pipeline import input_shard, patch_augmentation, volume_crops, with_channel_count
+from tfmis.data.pipeline import patch_augmentation, volume_crops, volume_order, with_channel_count
 from tfmis.data.preprocess import PreprocessConfig, preprocess
-from tfmis.data.records import load_index, shard_paths, split_entry, split_parts
+from tfmis.data.records import load_index
 from tfmis.errors import ConfigError, DataError, MissingInput
 from tfmis.transforms.crop import foreground_indices
-
-# the fast pipeline reads at most this many shard files at once (tfmis.data.pipeline._read)
-_INTERLEAVE_CYCLE = 8
 
 
 class RegularSource:
@@ -110,53 +107,6 @@ class RegularSource:
         return image, label
 
 
-def fast_volume_order(index: dict, dataset_dir: str | Path, split: str, input_context=None) -> list[str]:
-    """The case ids of `split` in the order the fast pipeline reads its records (before its shuffle).
-
-    The fast pipeline interleaves its shard files (at most 8 open, one record from each in turn;
-    `tf.data.Dataset.interleave` with `deterministic=True`) after `input_shard` has chosen this input
-    pipeline's files or cases; this is that order, computed from `index.json` without reading a record.
-    """
-    files = shard_paths(dataset_dir, split, index)
-    shard = input_shard(files, split_entry(index, split)["cases"], input_context)
-    parts = set(split_parts(index, split))
-    by_file = {}
-    for case in index["cases"].values():
-        if case["split"] in parts:
-            by_file.setdefault(case["file"], []).append(case)
-    queue = [
-        [c["case_id"] for c in sorted(by_file.get(Path(f).name, []), key=lambda c: c["position"])]
-        for f in shard["files"]
-    ]
-    order = _interleave(queue, min(len(queue), _INTERLEAVE_CYCLE))
-    if shard["cases"] is not None:
-        mine = set(shard["cases"])
-        order = [c for c in order if c in mine]
-    return order
-
-
-def _interleave(inputs: list[list], cycle_length: int) -> list:
-    """`tf.data.Dataset.interleave(cycle_length=..., block_length=1)` order over lists (TF's sequential algorithm)."""
-    pending = list(inputs)
-    slots: list[list | None] = [None] * max(cycle_length, 1)
-    out, i, open_count, end_of_input = [], 0, 0, False
-    while not end_of_input or open_count > 0:
-        if slots[i] is not None:
-            if slots[i]:
-                out.append(slots[i].pop(0))
-            else:  # exhausted: free the slot, the next input opens here when the cycle comes back
-                slots[i] = None
-                open_count -= 1
-            i = (i + 1) % len(slots)
-        elif pending:
-            slots[i] = list(pending.pop(0))
-            open_count += 1
-        else:
-            end_of_input = True
-            i = (i + 1) % len(slots)
-    return out
-
-
 def build_regular_train_dataset(
     config, input_context: tf.distribute.InputContext | None = None, seed_offset: int = 0
 ) -> tf.data.Dataset:
@@ -188,7 +138,7 @@ def build_regular_train_dataset(
         raise ConfigError(f"pipeline.augment.rot90_prob > 0 needs a square in-plane patch, got {p.patch_size}")
     if p.class_ratios is not None and len(p.class_ratios) != num_classes:
         raise ConfigError(f"pipeline.class_ratios has {len(p.class_ratios)} entries for {num_classes} classes")
-    order = fast_volume_order(index, config.data.dataset_dir, config.data.train_split, input_context)
+    order = volume_order(index, config.data.dataset_dir, config.data.train_split, input_context)
     if not order:
         raise DataError(f"{config.data.dataset_dir}: split {config.data.train_split!r} has no records")
     missing = [c for c in order if c not in source.cases]

@@ -5,7 +5,6 @@ fine stage and the runtime (oneDNN)."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 
@@ -114,23 +113,21 @@ class TrainingSteps:
         volume_voxels = fp.shapes_at(data.spacing).prod(axis=1)
         # float16 image, uint8 label, slack
         cache_mb = float(volume_voxels.sum()) * (2 * self.in_channels + 1 + 4) / 2**20
-        if cache_mb <= 0.3 * self.hardware.host_available_mb:
+        available = self.hardware.host_available_mb
+        if cache_mb <= 0.3 * available:
             out.set(
                 "pipeline.cache",
                 "memory",
-                f"the converted volumes (~{cache_mb:.0f} MB) fit in 30% of the available RAM: decoded once",
+                f"the converted volumes (~{cache_mb:.0f} MB decoded) fit in 30% of the {available / 1024:.1f} GB "
+                "available: decoded once, held in memory",
             )
         else:
             out.set(
                 "pipeline.cache",
-                "file",
-                f"~{cache_mb / 1024:.1f} GB of volumes do not fit in 30% of the RAM: cached on disk in cache_dir",
-            )
-            dataset_dir = Path(self.dataset_dir)
-            out.set(
-                "pipeline.cache_dir",
-                str(dataset_dir.parent / (dataset_dir.name + "_cache")),
-                "on-disk cache, reused by later runs",
+                "patches",
+                f"the converted volumes (~{cache_mb / 1024:.1f} GB decoded) do not fit in 30% of the "
+                f"{available / 1024:.1f} GB available: each crop is read from memory-mapped arrays on disk "
+                "(<dataset>/arrays, ~the decoded size), no volume held",
             )
         out.set(
             "pipeline.augment.rot90_prob",

@@ -45,12 +45,12 @@ def foreground_indices(label: tf.Tensor, num_classes: int, max_per_class: int = 
     return tf.concat(indices, axis=0), tf.concat(classes, axis=0)
 
 
-def _random_background_voxel(label: tf.Tensor, seed: tf.Tensor, tries: int = 32) -> tf.Tensor:
-    """A uniformly random voxel with label 0 (rejection sampling; any voxel if none is found)."""
-    shape = tf.shape(label)
+def _random_background_voxel(shape: tf.Tensor, label_at, seed: tf.Tensor, tries: int = 32) -> tf.Tensor:
+    """A uniformly random voxel of a volume of `shape` with label 0 (rejection sampling; any voxel if none is
+    found). `label_at(candidates)` gives the labels at (tries, 3) int32 voxel indices: only those are read."""
     candidates = tf.cast(tf.random.stateless_uniform([tries, 3], seed=seed) * tf.cast(shape, tf.float32), tf.int32)
     candidates = tf.minimum(candidates, shape - 1)
-    is_background = tf.equal(tf.gather_nd(label, candidates), 0)
+    is_background = tf.equal(tf.cast(label_at(candidates), tf.int32), 0)
     first = tf.argmax(tf.cast(is_background, tf.int32), output_type=tf.int32)  # 0 if none: any voxel
     return candidates[first]
 
@@ -70,7 +70,8 @@ def _random_foreground_voxel(fg: tf.Tensor, fg_class: tf.Tensor, class_probs, se
 
 
 def _padded_crop_starts(
-    padded_label: tf.Tensor,
+    shape: tf.Tensor,
+    label_at,
     fg: tf.Tensor,
     fg_class: tf.Tensor,
     patch_size,
@@ -80,10 +81,10 @@ def _padded_crop_starts(
     seed: tf.Tensor,
     class_ratios=None,
 ) -> tf.Tensor:
-    """(num_samples, 3) int32 crop origins in a volume already padded to at least `patch_size` (`fg` in its
-    coordinates): the one definition of how `rand_crop_by_pos_neg` and `crop_starts` draw their crops."""
+    """(num_samples, 3) int32 crop origins in a volume already padded to at least `patch_size`, of `shape` (`fg` in
+    its coordinates; `label_at(indices)` its labels at (N, 3) voxel indices): the one definition of how
+    `rand_crop_by_pos_neg`, `crop_starts` and `crop_starts_at` draw their crops."""
     patch = tf.constant(patch_size, tf.int32)
-    shape = tf.shape(padded_label)
     if class_ratios is not None:
         neg, pos = float(class_ratios[0]), float(sum(class_ratios[1:]))
         class_probs = [r / max(pos, 1e-12) for r in class_ratios[1:]]
@@ -98,7 +99,7 @@ def _padded_crop_starts(
         centre = tf.cond(
             want_fg,
             lambda s=s_fg: _random_foreground_voxel(fg, fg_class, class_probs, s),
-            lambda s=s_bg: _random_background_voxel(padded_label, s),
+            lambda s=s_bg: _random_background_voxel(shape, label_at, s),
         )
         starts.append(tf.clip_by_value(centre - patch // 2, 0, shape - patch))
     return tf.stack(starts)
@@ -119,9 +120,55 @@ def crop_starts(
     the volume (negative where a volume smaller than the patch is padded): `window(image, label, start,
     patch_size)` is its crop. The same draw (`_padded_crop_starts`), so the spatial augmentations can read a
     crop's context around it without cutting anything."""
-    _, padded_label, offset = pad_to_patch(tf.zeros(tf.concat([tf.shape(label), [0]], 0)), label, patch_size)
+    return crop_starts_at(
+        tf.shape(label),
+        lambda indices: tf.gather_nd(label, indices),
+        fg,
+        fg_class,
+        patch_size,
+        num_samples,
+        pos,
+        neg,
+        seed,
+        class_ratios,
+    )
+
+
+def crop_starts_at(
+    shape: tf.Tensor,
+    label_at,
+    fg: tf.Tensor,
+    fg_class: tf.Tensor,
+    patch_size,
+    num_samples: int,
+    pos: float,
+    neg: float,
+    seed: tf.Tensor,
+    class_ratios=None,
+) -> tf.Tensor:
+    """`crop_starts` of a volume that is not in memory: its `shape` (3,) int32 and `label_at(indices)`, its labels
+    at (N, 3) int32 voxel indices inside it (only the background candidates are read, at most 32 per crop).
+    With `label_at` reading the same label volume, the origins equal `crop_starts`' (the same draw)."""
+    shape = tf.cast(shape, tf.int32)
+    patch = tf.constant(patch_size, tf.int32)
+    offset = tf.maximum(patch - shape, 0) // 2  # pad_to_patch's: the volume sits at offset in the padded one
+
+    def padded_label_at(indices):
+        inside = tf.reduce_all((indices >= offset) & (indices < offset + shape), axis=1)
+        labels = label_at(tf.clip_by_value(indices - offset, 0, shape - 1))
+        return tf.where(inside, tf.cast(labels, tf.int32), 0)  # the padding is background
+
     starts = _padded_crop_starts(
-        padded_label, fg + offset[None, :], fg_class, patch_size, num_samples, pos, neg, seed, class_ratios
+        tf.maximum(shape, patch),
+        padded_label_at,
+        fg + offset[None, :],
+        fg_class,
+        patch_size,
+        num_samples,
+        pos,
+        neg,
+        seed,
+        class_ratios,
     )
     return starts - offset[None, :]
 
@@ -156,7 +203,16 @@ def rand_crop_by_pos_neg(
     """
     image, label, offset = pad_to_patch(image, label, patch_size)
     starts = _padded_crop_starts(
-        label, fg + offset[None, :], fg_class, patch_size, num_samples, pos, neg, seed, class_ratios
+        tf.shape(label),
+        lambda indices: tf.gather_nd(label, indices),
+        fg + offset[None, :],
+        fg_class,
+        patch_size,
+        num_samples,
+        pos,
+        neg,
+        seed,
+        class_ratios,
     )
     patch = tf.constant(patch_size, tf.int32)
     starts = tf.unstack(starts)

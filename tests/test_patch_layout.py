@@ -1,0 +1,300 @@
+"""The patch-read layout (`pipeline.cache: patches`, `tfmis.data.patch_layout`): crops read from memory-mapped arrays
+equal the crops the volume pipeline cuts from the decoded volumes, the arrays are written resumably, the input says
+what it holds and refuses a memory cache above its budget, and the planner picks the layout when the decoded data do
+not fit. Real converted datasets (TFRecords from NIfTI) throughout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import tiny_config
+from tfmis.data.budget import check_input_memory, input_memory
+from tfmis.data.patch_layout import (
+    PatchArrays,
+    arrays_dir,
+    layout_status,
+    training_cases,
+    write_patch_layout,
+)
+from tfmis.data.pipeline import build_train_dataset
+from tfmis.data.records import load_index, read_record, split_cases
+from tfmis.errors import ConfigError
+from tfmis.transforms.augment import window
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def layout_dataset(converted_dataset, tmp_path) -> Path:
+    """A private copy of the session's converted dataset (so each test writes its own arrays)."""
+    import shutil
+
+    copy = tmp_path / "tfrecords"
+    shutil.copytree(converted_dataset, copy, ignore=shutil.ignore_patterns("arrays"))
+    return copy
+
+
+def _write(dataset: Path, seed: int = 0, max_per_class: int = 20000) -> dict:
+    index = load_index(dataset)
+    return write_patch_layout(
+        dataset, training_cases(dataset, "train"), len(index["source"]["labels"]), max_per_class, seed
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        [
+            "pipeline.augment.rotate_prob=0.5",
+            "pipeline.augment.scale_prob=0.5",
+            "pipeline.augment.elastic_prob=0.3",
+            "pipeline.class_ratios=[1,2,3]",
+        ],
+        ["pipeline.augment.placement=step", "pipeline.patch_size=[24,16,20]", "pipeline.augment.rot90_prob=0"],
+    ],
+    ids=["flips-intensity", "rotation-scaling-elastic-class-ratios", "placement-step-patch-beyond-the-volume"],
+)
+def test_patch_read_stream_equals_the_memory_cache_stream_batch_for_batch(layout_dataset, tmp_path, overrides):
+    """With pipeline.deterministic and the same seed, cache: patches yields exactly cache: memory's batches over three
+    epochs of reshuffled volumes: the same crop centres (class locations indexed when the arrays were written, the
+    background draws looking up the memory-mapped labels), the same windows (zeros outside a volume smaller than the
+    patch), the same augmentation (with the spatial ones, the window resampled as in its volume)."""
+    _write(layout_dataset)
+    base = ["pipeline.patch_size=[12,12,12]", "pipeline.num_crops_per_image=3", "pipeline.shuffle_volumes=4"]
+    memory = tiny_config(layout_dataset, tmp_path, *base, *overrides)
+    patches = tiny_config(layout_dataset, tmp_path, *base, *overrides, "pipeline.cache=patches")
+    a, b = build_train_dataset(memory), build_train_dataset(patches)
+    assert a.element_spec == b.element_spec
+    batches = 3 * 6 * 3 // 2  # three epochs: 6 volumes x 3 crops, batch 2
+    for x, y in zip(a.take(batches), b.take(batches)):
+        for u, v in zip(x, y):
+            np.testing.assert_array_equal(u.numpy(), v.numpy())
+
+
+def test_a_window_reads_as_the_decoded_volume_window_inside_across_and_outside_the_edges(layout_dataset):
+    """`PatchArrays.window` from the memory-mapped arrays equals `augment.window` on the decoded record (float16
+    image to float32, uint8 label) for a window inside, across each edge, larger than the volume, and wholly outside;
+    `labels_at` gives the record's labels; the locations are the classes' voxels."""
+    _write(layout_dataset)
+    index = load_index(layout_dataset)
+    cases = training_cases(layout_dataset, "train")
+    arrays = PatchArrays(layout_dataset, cases)
+    for number in (0, 3):
+        record = read_record(layout_dataset, "train", number)
+        assert record["case_id"] == cases[number]
+        volume = tf.cast(tf.constant(record["image"]), tf.float32)
+        label = tf.constant(record["label"])
+        shape = np.array(record["label"].shape)
+        for origin, size in [
+            ([2, 3, 1], [8, 8, 8]),
+            ([-5, 10, -2], [12, 12, 12]),
+            ([shape[0] - 4, -3, shape[2] - 6], [10, 9, 11]),
+            ([-4, -4, -4], list(shape + 8)),
+            ([shape[0] + 2, 0, 0], [4, 4, 4]),
+        ]:
+            want_image, want_label = window(volume, label, tf.constant(origin), size)
+            got_image, got_label = arrays.window(number, origin, size)
+            assert got_image.dtype == np.float32 and got_label.dtype == np.uint8
+            np.testing.assert_array_equal(got_image, want_image.numpy())
+            np.testing.assert_array_equal(got_label, want_label.numpy())
+        indices = np.argwhere(np.ones(shape, bool))[::37].astype(np.int32)
+        np.testing.assert_array_equal(arrays.labels_at(number, indices), record["label"][tuple(indices.T)])
+        fg, fg_class = arrays.locations(number)
+        assert len(fg) == int((record["label"] > 0).sum())  # fewer than max_per_class: every foreground voxel
+        np.testing.assert_array_equal(record["label"][tuple(fg.T)], fg_class)
+    assert len(index["source"]["labels"]) == 3
+
+
+def test_writing_the_arrays_resumes_rewrites_a_reconverted_case_and_reindexes_only_the_locations(layout_dataset):
+    """A second writing writes nothing; a case without its manifest (a writer stopped mid-case, its .npy files left
+    behind) and a case whose record moved (a new conversion) are written again, the others left alone; another
+    training seed re-indexes the class locations only; the arrays always equal the records."""
+    cases = training_cases(layout_dataset, "train")
+    first = _write(layout_dataset)
+    assert first["written"] == len(cases) == 6 and first["bytes"] > 0
+    assert _write(layout_dataset)["written"] == 0
+    folder = arrays_dir(layout_dataset)
+    (folder / f"{cases[1]}.json").unlink()  # stopped before its manifest
+    manifest = json.loads((folder / f"{cases[4]}.json").read_text())
+    manifest["record"]["offset"] += 1  # index.json now places the case elsewhere
+    (folder / f"{cases[4]}.json").write_text(json.dumps(manifest))
+    stamps = {c: (folder / f"{c}.image.npy").stat().st_mtime_ns for c in cases}
+    status = layout_status(layout_dataset, cases, 20000, 0)
+    assert sorted(status["missing"]) == sorted([cases[1], cases[4]]) and len(status["done"]) == 4
+    again = _write(layout_dataset)
+    assert again["written"] == 2 and again["relocated"] == 0
+    for c in cases:
+        changed = (folder / f"{c}.image.npy").stat().st_mtime_ns != stamps[c]
+        assert changed == (c in (cases[1], cases[4])), c
+    other_seed = _write(layout_dataset, seed=5)
+    assert other_seed["written"] == 0 and other_seed["relocated"] == len(cases)
+    arrays = PatchArrays(layout_dataset, cases)
+    for number, case_id in enumerate(cases):
+        record = read_record(layout_dataset, "train", number)
+        assert record["case_id"] == case_id
+        image, label = arrays.window(number, [0, 0, 0], record["label"].shape)
+        np.testing.assert_array_equal(image, record["image"].astype(np.float32))
+        np.testing.assert_array_equal(label, record["label"])
+    assert not list(folder.glob("*.tmp*")) and not list(folder.glob(".*"))
+
+
+@pytest.fixture
+def larger_dataset(tmp_path) -> Path:
+    """A converted dataset of 8 training cases of 96 x 96 x 80 (2 channels): a case takes a writer long enough to be
+    killed between two cases."""
+    from tests.conftest import make_msd_dataset
+    from tfmis.data.convert import ConversionConfig, convert
+
+    source = make_msd_dataset(tmp_path / "Task98_Larger", num_cases=10, shape=(96, 96, 80))
+    target = tmp_path / "larger"
+    convert(ConversionConfig(str(source), str(target), split=(0.8, 0.2), shards=2, workers=1, progress=False))
+    return target
+
+
+def test_a_writer_killed_mid_way_leaves_whole_files_and_the_rerun_completes(larger_dataset):
+    """A real writing process SIGKILLed after its first case leaves no partial array under a final name (each file
+    is renamed when whole); the rerun writes only the cases it had not finished and the arrays equal the records."""
+    layout_dataset = larger_dataset
+    cases = training_cases(layout_dataset, "train")
+    folder = arrays_dir(layout_dataset)
+    script = (
+        "import sys; from tests.test_patch_layout import _write; from pathlib import Path; _write(Path(sys.argv[1]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    process = subprocess.Popen([sys.executable, "-c", script, str(layout_dataset)], cwd=REPO, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(folder.glob("*.json")):
+        time.sleep(0.02)
+    process.kill()
+    process.wait()
+    finished = {p.stem for p in folder.glob("*.json")}
+    assert finished and len(finished) < len(cases), "kill the writer between its first and its last case"
+    rerun = _write(layout_dataset)
+    assert rerun["written"] == len(cases) - len(finished)
+    arrays = PatchArrays(layout_dataset, cases)
+    for number in range(len(cases)):
+        record = read_record(layout_dataset, "train", number)
+        image, label = arrays.window(number, [0, 0, 0], record["label"].shape)
+        np.testing.assert_array_equal(image, record["image"].astype(np.float32))
+        np.testing.assert_array_equal(label, record["label"])
+
+
+def test_the_input_says_what_it_holds_and_refuses_a_memory_cache_above_its_budget(layout_dataset, tmp_path):
+    """cache: memory holds every decoded training and validation volume (counted from index.json: x*y*z*(C*2+1)
+    bytes each); above pipeline.memory_budget it is one ConfigError naming cache=patches; cache: patches holds
+    crops only (readers' crops, the crop shuffle buffer, the batch and two prefetched ones), whatever the volumes."""
+    index = load_index(layout_dataset)
+    decoded = sum(
+        np.prod(c["image_shape"][:3]) * (c["image_shape"][3] * 2 + 1)
+        for split in ("train", "val")
+        for c in split_cases(index, split)
+    )
+    memory = tiny_config(layout_dataset, tmp_path, "pipeline.memory_budget=1GB")
+    held = check_input_memory(memory, index)
+    assert held["held_mb"] == pytest.approx(decoded / 2**20) and held["fits"] and "budget 1,024 MB" in held["line"]
+    budget = f"pipeline.memory_budget={decoded / 2**20 / 2:.3f}MB"
+    with pytest.raises(ConfigError, match=r"pipeline.cache=memory would hold .* set pipeline.cache=patches"):
+        check_input_memory(tiny_config(layout_dataset, tmp_path, budget), index)
+    patches = input_memory(tiny_config(layout_dataset, tmp_path, budget, "pipeline.cache=patches"), index)
+    crop_mb = 16**3 * (2 * 4 + 4) / 2**20
+    assert patches["held_mb"] == pytest.approx(crop_mb * (4 * 2 + 16 + 3 * 2))  # readers, shuffle, batches
+
+
+def test_training_with_a_memory_cache_above_its_budget_exits_2_in_one_line(layout_dataset, tmp_path):
+    """The real command: `python -m tfmis.train` with cache: memory and a budget below the decoded volumes prints
+    one `config error` line naming pipeline.cache=patches, exit 2, no traceback, before any epoch."""
+    config = tiny_config(layout_dataset, tmp_path / "run", "pipeline.memory_budget=0.01MB")
+    from tfmis.config import save_config
+
+    save_config(config, tmp_path / "config.yaml")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / "config.yaml")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "epoch 1" not in done.stdout
+    errors = [line for line in done.stderr.splitlines() if "pipeline.cache=memory would hold" in line]
+    assert len(errors) == 1 and "pipeline.cache=patches" in errors[0]
+
+
+def test_training_with_cache_patches_writes_the_arrays_and_trains(layout_dataset, tmp_path):
+    """`python -m tfmis.train` with cache: patches on a converted dataset: says what it holds, writes the training
+    cases' arrays at start, trains its epochs, and a second run reuses the arrays (0 written)."""
+    from tfmis.config import save_config
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    outputs = []
+    for run in ("a", "b"):
+        config = tiny_config(layout_dataset, tmp_path / run, "pipeline.cache=patches")
+        save_config(config, tmp_path / f"{run}.yaml")
+        done = subprocess.run(
+            [sys.executable, "-m", "tfmis.train", "--config", str(tmp_path / f"{run}.yaml")],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(done.stderr)
+        assert json.loads((tmp_path / run / "summary.json").read_text())["epochs"] == 2
+    assert "Input memory:" in outputs[0] and "no volume" in outputs[0]
+    assert "Patch-read arrays: 6 training cases" in outputs[0] and "(6 written" in outputs[0]
+    assert "(0 written" in outputs[1]
+
+
+def test_planner_picks_the_patch_layout_when_the_decoded_volumes_do_not_fit():
+    """The plan's pipeline.cache is memory while the decoded volumes (float16 image, uint8 label) fit in 30% of the
+    available memory, patches when they do not, with both sizes in the plan's reason."""
+    from tests.test_plan import _fingerprint
+    from tfmis.hardware import Hardware
+    from tfmis.planning import make_plan
+
+    fp = _fingerprint([[0.8, 0.8, 2.5]] * 20, [[512, 512, 300]] * 20)  # ~30 GB decoded at its own spacing
+    small = Hardware(cpu_name="test cpu", cpu_count=2, host_memory_mb=24000, host_available_mb=20000)
+    large = Hardware(cpu_name="test cpu", cpu_count=2, host_memory_mb=512000, host_available_mb=500000)
+    for hardware, cache in ((small, "patches"), (large, "memory")):
+        plan = make_plan(fp, hardware)
+        assert plan.values["pipeline.cache"] == cache
+        reason = plan.reasons["pipeline.cache"]
+        assert f"{hardware.host_available_mb / 1024:.1f} GB available" in reason
+        assert plan.config().pipeline.cache == cache
+
+
+def test_convert_with_patch_layout_writes_the_arrays_of_every_labelled_case_once(tmp_path):
+    """`tfmis-convert --patch-layout` (the real command) writes arrays and manifests for every labelled case (not the
+    unlabelled test cases), says so in one line, and a rerun writes none again."""
+    from tests.conftest import make_msd_dataset
+
+    source = make_msd_dataset(tmp_path / "Task97_Convert", num_cases=5)
+    target = tmp_path / "converted"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    command = [sys.executable, "-m", "tfmis.convert", "--source-dir", str(source), "--target-dir", str(target)]
+    lines = []
+    for _ in range(2):
+        done = subprocess.run(
+            [*command, "--patch-layout", "--quiet"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        lines.append([line for line in done.stdout.splitlines() if line.startswith("Patch-read arrays:")])
+    index = load_index(target)
+    labelled = sorted(c["case_id"] for c in index["cases"].values() if c.get("label"))
+    assert len(labelled) == 5
+    assert sorted(p.name.removesuffix(".json") for p in arrays_dir(target).glob("*.json")) == labelled
+    assert len(lines[0]) == 1 and "5 cases" in lines[0][0] and "(5 written" in lines[0][0]
+    assert "(0 written" in lines[1][0]

@@ -1,0 +1,294 @@
+"""The patch-read layout (`pipeline.cache: patches`): training crops read from memory-mapped arrays, not volumes.
+
+A converted dataset's TFRecords hold each case compressed in one record: a crop needs the whole volume decoded.
+For datasets larger than memory, training reads its crops from this layout instead, written once beside the
+records (nnU-Net's idea: uncompressed arrays a patch is cut from through a memory map):
+```
+OUT/arrays/
+  <case>.image.npy        (x, y, z, C) in the records' image dtype (float16 by default), C order, uncompressed
+  <case>.label.npy        (x, y, z) uint8
+  <case>.locations.npz    the class locations: `foreground_indices` of the label (fg (K, 3) int32, fg_class (K,))
+  <case>.json             written last: the record it came from, shape, dtype, the locations' seed and count
+```
+A crop of a memory-mapped array reads only the pages it covers: a 128³ crop of a 512 x 512 x 300 float16 CT reads
+128 x 128 runs of 128 x 2 bytes (4 MB) of its 157 MB. The page cache keeps what was read and the kernel gives it
+back under pressure; the process holds no volume (docs/training.md, "Data larger than memory", says why this layout).
+
+Each file is written atomically (a temporary renamed when whole) and the case's json last, so an interrupted
+writing resumes where it stopped, and a case whose record changed (a new conversion) is written again.
+
+Example:
+```python
+write_patch_layout("OUT", ["case_000", "case_001"], num_classes=3, max_per_class=20000, seed=0)
+arrays = PatchArrays("OUT", ["case_000", "case_001"])
+image, label = arrays.window(0, origin=[-8, 40, 12], size=[64, 64, 64])   # zeros outside the volume
+```
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tfmis.data.records import load_index, split_cases
+from tfmis.errors import ConfigError, DataError, MissingInput
+from tfmis.utils.io import atomic_path, atomic_write_json
+
+ARRAYS_DIR = "arrays"
+LAYOUT_VERSION = 1
+
+
+def arrays_dir(dataset_dir: str | Path) -> Path:
+    return Path(dataset_dir) / ARRAYS_DIR
+
+
+def _record_identity(entry: dict) -> dict:
+    """What identifies the record a case's arrays came from: a new conversion gives another."""
+    return {"file": entry["file"], "offset": int(entry["offset"]), "length": int(entry["length"])}
+
+
+def _case_manifest(folder: Path, case_id: str) -> dict | None:
+    path = folder / f"{case_id}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def layout_status(dataset_dir: str | Path, case_ids: list[str], max_per_class: int, seed: int) -> dict:
+    """Which of `case_ids` the layout holds as wanted: {"done": [...], "locations": [...], "missing": [...]}.
+
+    `locations`: arrays written from the current record, but class locations of another seed or count (only those
+    are written again); `missing`: no arrays, or arrays of an older record."""
+    index = load_index(dataset_dir)
+    folder = arrays_dir(dataset_dir)
+    status = {"done": [], "locations": [], "missing": []}
+    for case_id in case_ids:
+        entry = index["cases"].get(case_id)
+        manifest = _case_manifest(folder, case_id)
+        if entry is None:
+            raise DataError(f"{dataset_dir}: case {case_id!r} is not in index.json; convert the dataset again")
+        if (
+            manifest is None
+            or manifest.get("version") != LAYOUT_VERSION
+            or manifest.get("record") != _record_identity(entry)
+        ):
+            status["missing"].append(case_id)
+        elif manifest.get("locations") != {"max_per_class": max_per_class, "seed": seed}:
+            status["locations"].append(case_id)
+        else:
+            status["done"].append(case_id)
+    return status
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    with atomic_path(path, suffix=".npy") as tmp, open(tmp, "wb") as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+
+
+def _locations(label: np.ndarray, num_classes: int, max_per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`tfmis.transforms.crop.foreground_indices` of `label`: the same function the volume pipeline runs, so the
+    crops drawn from these locations are the crops the cached volumes give."""
+    import tensorflow as tf
+
+    from tfmis.transforms.crop import foreground_indices
+
+    fg, fg_class = foreground_indices(tf.constant(label), num_classes, max_per_class, seed)
+    return fg.numpy().astype(np.int32), fg_class.numpy().astype(np.int32)
+
+
+def write_patch_layout(
+    dataset_dir: str | Path,
+    case_ids: list[str],
+    num_classes: int,
+    max_per_class: int,
+    seed: int,
+    progress: bool = False,
+) -> dict:
+    """Writes (or completes) the patch-read layout of `case_ids` of a converted dataset; returns its summary
+    {"cases", "written", "relocated", "seconds", "bytes"}.
+
+    Resumable and idempotent: cases already written from their current record are left alone; a case whose
+    locations were made with another `seed` or `max_per_class` gets new locations only. Reads the records of the
+    cases to write (one decoded case in memory at a time).
+    """
+    import tensorflow as tf
+
+    from tfmis.data.records import parse_example
+
+    start = time.perf_counter()
+    index = load_index(dataset_dir)
+    folder = arrays_dir(dataset_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    status = layout_status(dataset_dir, case_ids, max_per_class, seed)
+    todo = set(status["missing"])
+    for case_id in status["locations"]:  # arrays are there: the label map gives the locations
+        label = np.load(folder / f"{case_id}.label.npy", mmap_mode="r")
+        fg, fg_class = _locations(np.asarray(label), num_classes, max_per_class, seed)
+        _write_locations(folder, case_id, fg, fg_class)
+        manifest = _case_manifest(folder, case_id)
+        manifest["locations"] = {"max_per_class": max_per_class, "seed": seed}
+        atomic_write_json(folder / f"{case_id}.json", manifest)
+    prep = index["preprocessing"]
+    by_file: dict[str, list[dict]] = {}
+    for entry in index["cases"].values():
+        if entry["case_id"] in todo:
+            by_file.setdefault(entry["file"], []).append(entry)
+    written = 0
+    for file, entries in sorted(by_file.items()):
+        wanted = {e["case_id"]: e for e in entries}
+        records = tf.data.TFRecordDataset(
+            str(Path(dataset_dir) / file), compression_type="" if prep["compression"] == "NONE" else prep["compression"]
+        )
+        for serialized in records:
+            case_id = tf.io.parse_single_example(serialized, {"case_id": tf.io.FixedLenFeature([], tf.string)})
+            case_id = case_id["case_id"].numpy().decode()
+            if case_id not in wanted:
+                continue
+            image, label, _ = parse_example(serialized, prep["image_dtype"], half_as_bits=True)
+            image, label = image.numpy(), label.numpy()
+            if prep["image_dtype"] == "float16":  # its uint16 bits, read without a float16 op in TensorFlow
+                image = image.view(np.float16)
+            if label.shape[0] == 0:
+                raise DataError(f"{dataset_dir}: case {case_id!r} has no label map; only labelled cases train")
+            _save_npy(folder / f"{case_id}.image.npy", image)
+            _save_npy(folder / f"{case_id}.label.npy", label)
+            fg, fg_class = _locations(label, num_classes, max_per_class, seed)
+            _write_locations(folder, case_id, fg, fg_class)
+            atomic_write_json(
+                folder / f"{case_id}.json",
+                {
+                    "version": LAYOUT_VERSION,
+                    "case_id": case_id,
+                    "record": _record_identity(wanted.pop(case_id)),
+                    "shape": list(label.shape),
+                    "channels": int(image.shape[-1]),
+                    "image_dtype": str(image.dtype),
+                    "locations": {"max_per_class": max_per_class, "seed": seed},
+                },
+            )
+            written += 1
+            del image, label
+            if progress:
+                print(f"  patch layout: {written}/{len(todo)} cases written ({case_id})", flush=True)
+        if wanted:
+            raise DataError(
+                f"{Path(dataset_dir) / file}: no record of {sorted(wanted)[:3]} that index.json places there; "
+                "convert the dataset again"
+            )
+    return {
+        "cases": len(case_ids),
+        "written": written,
+        "relocated": len(status["locations"]),
+        "seconds": time.perf_counter() - start,
+        "bytes": layout_bytes(dataset_dir, case_ids),
+    }
+
+
+def _write_locations(folder: Path, case_id: str, fg: np.ndarray, fg_class: np.ndarray) -> None:
+    with atomic_path(folder / f"{case_id}.locations.npz", suffix=".npz") as tmp, open(tmp, "wb") as f:
+        np.savez(f, fg=fg, fg_class=fg_class)
+
+
+def layout_bytes(dataset_dir: str | Path, case_ids: list[str]) -> int:
+    """Bytes on disk of the layout's files of `case_ids`."""
+    folder = arrays_dir(dataset_dir)
+    suffixes = (".image.npy", ".label.npy", ".locations.npz", ".json")
+    return sum((folder / f"{c}{s}").stat().st_size for c in case_ids for s in suffixes if (folder / f"{c}{s}").exists())
+
+
+def check_locations(arrays: PatchArrays, max_per_class: int, seed: int) -> None:
+    """Refuses (ConfigError) arrays whose class locations were indexed with another seed or count than the run's
+    `training.seed` and `pipeline.max_foreground_indices`: their crops would not be the volume pipeline's."""
+    wanted = {"max_per_class": max_per_class, "seed": seed}
+    for case_id, manifest in zip(arrays.case_ids, arrays.manifests):
+        if manifest.get("locations") != wanted:
+            raise ConfigError(
+                f"{arrays.folder / (case_id + '.json')}: class locations indexed with {manifest.get('locations')}, "
+                f"the run samples with {wanted} (pipeline.max_foreground_indices, training.seed); they are "
+                "indexed again at training start (tfmis.data.patch_layout.write_patch_layout)"
+            )
+
+
+def training_cases(dataset_dir: str | Path, split: str) -> list[str]:
+    """The case ids of a training split (a name or joined names), in storage order."""
+    return [c["case_id"] for c in split_cases(load_index(dataset_dir), split)]
+
+
+class PatchArrays:
+    """The patch-read layout of `case_ids`, memory-mapped: crops and label lookups read only what they cover.
+
+    Cases are addressed by their position in `case_ids`. The maps open on first use and stay open (a map costs
+    address space, not memory: the pages read stay in the page cache, which the kernel reclaims).
+    """
+
+    def __init__(self, dataset_dir: str | Path, case_ids: list[str]):
+        self.folder = arrays_dir(dataset_dir)
+        self.case_ids = list(case_ids)
+        self.manifests = []
+        for case_id in self.case_ids:
+            manifest = _case_manifest(self.folder, case_id)
+            if manifest is None:
+                raise MissingInput(
+                    f"{self.folder}: case {case_id!r} has no patch-read arrays; they are written at training start "
+                    "with pipeline.cache=patches (or run tfmis-convert with --patch-layout)"
+                )
+            self.manifests.append(manifest)
+        self._maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._locations: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def shapes(self) -> np.ndarray:
+        """(N, 3) int32: each case's (x, y, z)."""
+        return np.array([m["shape"] for m in self.manifests], np.int32).reshape(-1, 3)
+
+    @property
+    def channels(self) -> int:
+        return int(self.manifests[0]["channels"]) if self.manifests else 0
+
+    def _arrays(self, case: int) -> tuple[np.ndarray, np.ndarray]:
+        if case not in self._maps:
+            case_id = self.case_ids[case]
+            self._maps[case] = (
+                np.load(self.folder / f"{case_id}.image.npy", mmap_mode="r"),
+                np.load(self.folder / f"{case_id}.label.npy", mmap_mode="r"),
+            )
+        return self._maps[case]
+
+    def locations(self, case: int) -> tuple[np.ndarray, np.ndarray]:
+        """The case's class locations (fg (K, 3) int32, fg_class (K,) int32), as indexed when it was written."""
+        if case not in self._locations:
+            with np.load(self.folder / f"{self.case_ids[case]}.locations.npz") as stored:
+                self._locations[case] = (stored["fg"].astype(np.int32), stored["fg_class"].astype(np.int32))
+        return self._locations[case]
+
+    def labels_at(self, case: int, indices: np.ndarray) -> np.ndarray:
+        """The labels at (N, 3) voxel indices inside the volume (uint8, (N,))."""
+        label = self._arrays(case)[1]
+        indices = np.asarray(indices)
+        return np.asarray(label[indices[:, 0], indices[:, 1], indices[:, 2]], np.uint8)
+
+    def window(self, case: int, origin, size) -> tuple[np.ndarray, np.ndarray]:
+        """The `size` window at `origin` (voxels; negative or past the end = zeros there), as
+        `tfmis.transforms.augment.window` cuts it from the decoded volume: image (*size, C) float32, label (*size)
+        uint8."""
+        image, label = self._arrays(case)
+        origin, size = np.asarray(origin, np.int64), np.asarray(size, np.int64)
+        shape = np.asarray(label.shape, np.int64)
+        lo, hi = np.clip(origin, 0, shape), np.clip(origin + size, 0, shape)
+        out_image = np.zeros((*size, image.shape[-1]), np.float32)
+        out_label = np.zeros(tuple(size), np.uint8)
+        if np.all(hi > lo):
+            src = tuple(slice(a, b) for a, b in zip(lo, hi))
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin))
+            out_image[dst] = image[src]
+            out_label[dst] = label[src]
+        return out_image, out_label
+
+    def windows(self, case: int, origins, size) -> tuple[np.ndarray, np.ndarray]:
+        """`window` at each of (N, 3) `origins`: images (N, *size, C) float32, labels (N, *size) uint8."""
+        cut = [self.window(case, origin, size) for origin in np.asarray(origins)]
+        return np.stack([c[0] for c in cut]), np.stack([c[1] for c in cut])
