@@ -59,20 +59,27 @@ def _write(dataset: Path, seed: int = 0, max_per_class: int = 20000) -> dict:
             "pipeline.augment.scale_prob=0.5",
             "pipeline.augment.elastic_prob=0.3",
             "pipeline.class_ratios=[1,2,3]",
+            "pipeline.max_foreground_indices=50",  # classes subsampled: the locations keep the same 50
         ],
         ["pipeline.augment.placement=step", "pipeline.patch_size=[24,16,20]", "pipeline.augment.rot90_prob=0"],
     ],
-    ids=["flips-intensity", "rotation-scaling-elastic-class-ratios", "placement-step-patch-beyond-the-volume"],
+    ids=[
+        "flips-intensity",
+        "rotation-scaling-elastic-class-ratios-subsampled",
+        "placement-step-patch-beyond-the-volume",
+    ],
 )
 def test_patch_read_stream_equals_the_memory_cache_stream_batch_for_batch(layout_dataset, tmp_path, overrides):
     """With pipeline.deterministic and the same seed, cache: patches yields exactly cache: memory's batches over three
     epochs of reshuffled volumes: the same crop centres (class locations indexed when the arrays were written, the
     background draws looking up the memory-mapped labels), the same windows (zeros outside a volume smaller than the
     patch), the same augmentation (with the spatial ones, the window resampled as in its volume)."""
-    _write(layout_dataset)
     base = ["pipeline.patch_size=[12,12,12]", "pipeline.num_crops_per_image=3", "pipeline.shuffle_volumes=4"]
     memory = tiny_config(layout_dataset, tmp_path, *base, *overrides)
     patches = tiny_config(layout_dataset, tmp_path, *base, *overrides, "pipeline.cache=patches")
+    with pytest.raises(Exception, match="has no patch-read arrays"):
+        build_train_dataset(patches)
+    _write(layout_dataset, max_per_class=patches.pipeline.max_foreground_indices)
     a, b = build_train_dataset(memory), build_train_dataset(patches)
     assert a.element_spec == b.element_spec
     batches = 3 * 6 * 3 // 2  # three epochs: 6 volumes x 3 crops, batch 2
@@ -298,3 +305,111 @@ def test_convert_with_patch_layout_writes_the_arrays_of_every_labelled_case_once
     assert sorted(p.name.removesuffix(".json") for p in arrays_dir(target).glob("*.json")) == labelled
     assert len(lines[0]) == 1 and "5 cases" in lines[0][0] and "(5 written" in lines[0][0]
     assert "(0 written" in lines[1][0]
+
+
+def write_large_label_dataset(root: Path, cases: int, shape=(384, 384, 160)) -> Path:
+    """An MSD CT dataset whose label box covers most of each volume (so the conversion keeps it nearly whole): int16
+    HU with a noisy labelled organ filling all but a 16-voxel border."""
+    import nibabel as nib
+
+    (root / "imagesTr").mkdir(parents=True)
+    (root / "labelsTr").mkdir()
+    rng = np.random.default_rng(0)
+    affine = np.diag([-0.8, -0.8, 2.5, 1.0])
+    training = []
+    for i in range(cases):
+        case_id = f"ct_{i:03d}"
+        image = np.full(shape, -1000, np.int16)
+        label = np.zeros(shape, np.uint8)
+        organ = tuple(slice(16, s - 16) for s in shape)
+        label[organ] = 1
+        label[organ][::7] = 0  # background inside the box, for the background crops
+        image[organ] = 60 + rng.integers(-40, 40, label[organ].shape, dtype=np.int16)
+        nib.save(nib.Nifti1Image(image, affine), root / "imagesTr" / f"{case_id}.nii.gz")
+        nib.save(nib.Nifti1Image(label, affine), root / "labelsTr" / f"{case_id}.nii.gz")
+        training.append({"image": f"./imagesTr/{case_id}.nii.gz", "label": f"./labelsTr/{case_id}.nii.gz"})
+    meta = {"name": root.name, "modality": {"0": "CT"}, "labels": {"0": "background", "1": "organ"}}
+    meta.update({"numTraining": cases, "training": training, "test": []})
+    (root / "dataset.json").write_text(json.dumps(meta))
+    return root
+
+
+def _run_measured(limit_mb: float, args: list[str], timeout: float = 900) -> tuple[int, str, float]:
+    """`python -m args` in a new memory cgroup of `limit_mb`: (exit code, stderr, the cgroup's peak anonymous memory
+    in MB, polled every 0.1 s: what the kernel cannot reclaim, so what a limit kills for)."""
+    import threading
+
+    from tests.test_case_memory import memory_cgroup, remove_cgroup
+
+    try:
+        folder, prefix = memory_cgroup(limit_mb)
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup here (root and a writable cgroup memory controller): {e}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    process = subprocess.Popen(
+        [*prefix, sys.executable, "-m", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    output: dict = {}
+    readers = [
+        threading.Thread(target=lambda n=n, s=s: output.__setitem__(n, s.read()))
+        for n, s in (("out", process.stdout), ("err", process.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    peak, deadline = 0.0, time.monotonic() + timeout
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+                peak = max(peak, int(stat.get("total_rss", stat.get("anon", 0))) / 2**20)
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        for reader in readers:
+            reader.join()
+    finally:
+        remove_cgroup(folder)
+    return process.returncode, output["err"].decode(errors="replace"), peak
+
+
+@pytest.mark.slow
+def test_in_a_memory_limit_the_patch_read_input_trains_where_a_memory_cache_would_not_fit(tmp_path):
+    """A real 1000 MB memory cgroup and a dataset whose decoded volumes (36 CT cases, ~413 MB) do not fit beside a
+    training process in it:
+    - `cache: patches` writes the arrays and trains (exit 0), its anonymous memory staying under the limit, and says
+      its budget, read from the cgroup (at most half the limit);
+    - `cache: memory` is refused at start, one line, exit 2, by that budget;
+    - the same memory cache with the budget lifted, measured without the limit, needs more than the limit (so the
+      refusal spared a kill) and holds at least half the decoded size more than the patch-read run."""
+    from tfmis.config import save_config
+    from tfmis.data.convert import ConversionConfig, convert
+
+    source = write_large_label_dataset(tmp_path / "Task96_Limit", 36, shape=(256, 256, 112))
+    dataset = tmp_path / "converted"
+    convert(ConversionConfig(str(source), str(dataset), split=(0.9, 0.1), shards=2, workers=2, progress=False))
+    decoded = input_memory(tiny_config(dataset, tmp_path), load_index(dataset))["held_mb"]
+    assert decoded > 350
+    fast_validation = ["validation.roi_size=[48,48,48]", "validation.overlap=0"]
+    arms = {
+        "patches": ["pipeline.cache=patches"],
+        "memory": [],
+        "memory-unbounded": ["pipeline.memory_budget=100GB"],
+    }
+    for name, overrides in arms.items():
+        save_config(tiny_config(dataset, tmp_path / name, *fast_validation, *overrides), tmp_path / f"{name}.yaml")
+    limit = 1000.0
+    code, err, patches_peak = _run_measured(limit, ["tfmis.train", "--config", str(tmp_path / "patches.yaml")])
+    assert code == 0, err[-3000:]
+    assert patches_peak < limit
+    budget = [line for line in err.splitlines() if line.startswith("Input memory:")]
+    assert len(budget) == 1 and "no volume" in budget[0]
+    assert float(budget[0].rsplit("budget ", 1)[1].split()[0].replace(",", "")) <= limit / 2
+    code, err, _ = _run_measured(limit, ["tfmis.train", "--config", str(tmp_path / "memory.yaml")])
+    refused = [line for line in err.splitlines() if "pipeline.cache=memory would hold" in line]
+    assert code == 2 and len(refused) == 1 and "Traceback" not in err, err[-3000:]
+    code, err, memory_peak = _run_measured(8000, ["tfmis.train", "--config", str(tmp_path / "memory-unbounded.yaml")])
+    assert code == 0, err[-3000:]
+    assert memory_peak > limit and memory_peak > patches_peak + decoded / 2, (memory_peak, patches_peak, decoded)

@@ -90,14 +90,36 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 
 
 def _locations(label: np.ndarray, num_classes: int, max_per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """`tfmis.transforms.crop.foreground_indices` of `label`: the same function the volume pipeline runs, so the
-    crops drawn from these locations are the crops the cached volumes give."""
+    """`tfmis.transforms.crop.foreground_indices` of `label`, without its whole-volume index tensors: the crops drawn
+    from these locations are the crops the cached volumes give (tested equal), in a fraction of the memory.
+
+    `foreground_indices` keeps, of class c's n voxels in C order, those at the first `max_per_class` positions of
+    `argsort(stateless_uniform([n], [seed, c]))`, in C order. TensorFlow's argsort is a top_k of the negated values
+    (ties: the lower index first), so the same positions are `top_k(-u, max_per_class)`; they are then found slab by
+    slab (counts per x-slab, then the voxels of the slabs that hold kept positions), never as an (n, 3) array."""
     import tensorflow as tf
 
-    from tfmis.transforms.crop import foreground_indices
-
-    fg, fg_class = foreground_indices(tf.constant(label), num_classes, max_per_class, seed)
-    return fg.numpy().astype(np.int32), fg_class.numpy().astype(np.int32)
+    fg, classes = [], []
+    slab = max(1, (1 << 21) // max(1, int(np.prod(label.shape[1:]))))  # ~2 M voxels (48 MB of indices) a slab
+    for c in range(1, num_classes):
+        counts = np.array([np.count_nonzero(label[x : x + slab] == c) for x in range(0, label.shape[0], slab)])
+        n = int(counts.sum())
+        if n == 0:
+            continue
+        u = tf.random.stateless_uniform([n], seed=[seed, c])
+        keep = np.sort(tf.math.top_k(-u, k=min(max_per_class, n)).indices.numpy().astype(np.int64))
+        del u
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for number, x in enumerate(range(0, label.shape[0], slab)):
+            lo, hi = np.searchsorted(keep, [starts[number], starts[number + 1]])
+            if hi > lo:
+                voxels = np.argwhere(label[x : x + slab] == c)[keep[lo:hi] - starts[number]]
+                voxels[:, 0] += x
+                fg.append(voxels.astype(np.int32))
+                classes.append(np.full(hi - lo, c, np.int32))
+    if not fg:
+        return np.zeros((0, 3), np.int32), np.zeros((0,), np.int32)
+    return np.concatenate(fg), np.concatenate(classes)
 
 
 def write_patch_layout(
