@@ -25,7 +25,7 @@ from tfmis.data.patch_layout import (
     training_cases,
     write_patch_layout,
 )
-from tfmis.data.pipeline import build_train_dataset
+from tfmis.data.pipeline import build_train_dataset, patch_readers
 from tfmis.data.records import load_index, read_record, split_cases
 from tfmis.errors import ConfigError
 from tfmis.transforms.augment import window
@@ -214,7 +214,8 @@ def test_the_input_says_what_it_holds_and_refuses_a_memory_cache_above_its_budge
         check_input_memory(tiny_config(layout_dataset, tmp_path, budget), index)
     patches = input_memory(tiny_config(layout_dataset, tmp_path, budget, "pipeline.cache=patches"), index)
     crop_mb = 16**3 * (2 * 4 + 4) / 2**20
-    assert patches["held_mb"] == pytest.approx(crop_mb * (4 * 2 + 16 + 3 * 2))  # readers, shuffle, batches
+    readers = patch_readers()
+    assert patches["held_mb"] == pytest.approx(crop_mb * (readers * 2 + 16 + 3 * 2))  # readers, shuffle, batches
 
 
 def test_training_with_a_memory_cache_above_its_budget_exits_2_in_one_line(layout_dataset, tmp_path):

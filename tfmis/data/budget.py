@@ -24,7 +24,7 @@ from tfmis.hardware.memory import MB, host_memory, parse_memory_mb
 # the rest is the model, its optimizer, the validation windows, TensorFlow's own arenas
 BUDGET_SHARE = 0.5
 _IMAGE_BYTES = {"float16": 2, "float32": 4, "int16": 2, "uint8": 1}
-# the crops a patch-read input pipeline may hold besides its batch: its readers' crops (PATCH_READERS x
+# the crops a patch-read input pipeline may hold besides its batch: its readers' crops (patch_readers() x
 # num_crops_per_image), the augmentation's outputs, the crop shuffle buffer, and tf.data's prefetched batches
 _PATCH_PREFETCH_BATCHES = 2
 
@@ -67,12 +67,12 @@ def input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
         held = input_pipelines * min(bound, len(train)) * largest
         what = f"at most {min(bound, len(train))} volumes per input pipeline (pipeline.cache=partial)"
     elif p.cache == "patches":
-        from tfmis.data.pipeline import PATCH_READERS, train_crop_size
+        from tfmis.data.pipeline import patch_readers, train_crop_size
 
         channels = len(index["source"]["modalities"])
         crop_mb = float(np.prod(train_crop_size(p))) * (channels * 4 + 4) / MB
         batch = p.num_images_per_batch * config.training.accumulation_steps
-        crops = PATCH_READERS * p.num_crops_per_image + p.shuffle_crops + (1 + _PATCH_PREFETCH_BATCHES) * batch
+        crops = patch_readers() * p.num_crops_per_image + p.shuffle_crops + (1 + _PATCH_PREFETCH_BATCHES) * batch
         held = input_pipelines * crops * crop_mb
         what = f"no volume: {crops} crops of {crop_mb:.1f} MB in flight per input pipeline, read from the arrays"
     else:

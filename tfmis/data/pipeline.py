@@ -234,8 +234,12 @@ def build_train_dataset(
     return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
 
 
-# crops one patch-read input pipeline cuts at once: page faults of one crop wait on the disk while others copy
-PATCH_READERS = 4
+def patch_readers() -> int:
+    """Crops one patch-read input pipeline cuts at once: two per usable CPU (page faults of one crop wait on the
+    disk while another copies), 4 to 16."""
+    from tfmis.hardware.cpu import usable_cpu_count
+
+    return min(16, max(4, 2 * usable_cpu_count()))
 
 
 def _patch_stream(config, index, input_context, stream_seed: int, pipeline_id: int) -> tf.data.Dataset:
@@ -252,7 +256,8 @@ def _patch_stream(config, index, input_context, stream_seed: int, pipeline_id: i
     crops = patch_crops(p, arrays, stream_seed, pipeline_id)
     if p.deterministic:
         return dataset.flat_map(crops)
-    return dataset.interleave(crops, cycle_length=PATCH_READERS, num_parallel_calls=PATCH_READERS, deterministic=False)
+    readers = patch_readers()
+    return dataset.interleave(crops, cycle_length=readers, num_parallel_calls=readers, deterministic=False)
 
 
 def _volume_stream(config, index, files, input_context, stream_seed: int, pipeline_id: int, num_classes: int):
