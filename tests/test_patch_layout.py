@@ -198,7 +198,8 @@ def test_a_writer_killed_mid_way_leaves_whole_files_and_the_rerun_completes(larg
 
 def test_the_input_says_what_it_holds_and_refuses_a_memory_cache_above_its_budget(layout_dataset, tmp_path):
     """cache: memory holds every decoded training and validation volume (counted from index.json: x*y*z*(C*2+1)
-    bytes each); above pipeline.memory_budget it is one ConfigError naming cache=patches; cache: patches holds
+    bytes each); above pipeline.memory_budget it is one ConfigError naming cache=patches, and so is a partial cache
+    whose bound (cached, read-ahead and in-flight volumes) is above it; cache: patches holds
     crops only (readers' crops, the crop shuffle buffer, the batch and two prefetched ones), whatever the volumes."""
     index = load_index(layout_dataset)
     decoded = sum(
@@ -212,6 +213,9 @@ def test_the_input_says_what_it_holds_and_refuses_a_memory_cache_above_its_budge
     budget = f"pipeline.memory_budget={decoded / 2**20 / 2:.3f}MB"
     with pytest.raises(ConfigError, match=r"pipeline.cache=memory would hold .* set pipeline.cache=patches"):
         check_input_memory(tiny_config(layout_dataset, tmp_path, budget), index)
+    partial = tiny_config(layout_dataset, tmp_path, budget, "pipeline.cache=partial", "pipeline.cache_num=4")
+    with pytest.raises(ConfigError, match=r"pipeline.cache=partial would hold .* lower pipeline.cache_num"):
+        check_input_memory(partial, index)  # 4 cached + 1 read ahead + in flight: all 6 training volumes
     patches = input_memory(tiny_config(layout_dataset, tmp_path, budget, "pipeline.cache=patches"), index)
     crop_mb = 16**3 * (2 * 4 + 4) / 2**20
     readers = patch_readers()

@@ -49,7 +49,7 @@ def volume_mb(index: dict, case: dict, float32: bool = False) -> float:
 def input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
     """What this run's training input holds at most, per host, and the line that says so.
 
-    Returns {"cache", "held_mb", "budget_mb", "fits", "line"}. `memory`: every training volume of the split and
+    Returns {"cache", "held_mb", "budget_mb", "fits", "what", "line"}. `memory`: every training volume of the split and
     every validation volume, decoded; `partial`: its bound (`partial_cache_bound`) of the largest volumes;
     `patches`: the crops in flight; `none`/`file`: the volumes being read (a few of the largest).
     """
@@ -65,7 +65,7 @@ def input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
         share = max(1, len(split_entry(index, config.data.train_split)["cases"]) // max(input_pipelines, 1))
         bound = partial_cache_bound(*partial_cache_size(p, share))
         held = input_pipelines * min(bound, len(train)) * largest
-        what = f"at most {min(bound, len(train))} volumes per input pipeline (pipeline.cache=partial)"
+        what = f"at most {min(bound, len(train))} decoded volumes per input pipeline"
     elif p.cache == "patches":
         from tfmis.data.pipeline import patch_readers, train_crop_size
 
@@ -79,16 +79,26 @@ def input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
         held = 3 * largest
         what = f"the volumes being read from the TFRecords (pipeline.cache={p.cache})"
     line = f"Input memory: {held:,.0f} MB held ({what}); budget {budget:,.0f} MB"
-    return {"cache": p.cache, "held_mb": held, "budget_mb": budget, "fits": held <= budget, "line": line}
+    return {"cache": p.cache, "held_mb": held, "budget_mb": budget, "fits": held <= budget, "what": what, "line": line}
 
 
 def check_input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
-    """`input_memory`, refusing in one line (ConfigError naming the fix) a `memory` cache above its budget."""
+    """`input_memory`, refusing in one line (ConfigError naming the fix) a cache of volumes (`memory`, `partial`)
+    that would hold more than its budget."""
     held = input_memory(config, index, input_pipelines)
-    if held["cache"] == "memory" and not held["fits"]:
+    if held["fits"]:
+        return held
+    if held["cache"] == "memory":
         raise ConfigError(
             f"pipeline.cache=memory would hold {held['held_mb']:,.0f} MB of decoded volumes, above the input's "
             f"budget of {held['budget_mb']:,.0f} MB (pipeline.memory_budget, or half the usable memory): set "
             "pipeline.cache=patches to read each crop from memory-mapped arrays, or raise pipeline.memory_budget"
+        )
+    if held["cache"] == "partial":
+        raise ConfigError(
+            f"pipeline.cache=partial would hold up to {held['held_mb']:,.0f} MB ({held['what']}), above the input's "
+            f"budget of {held['budget_mb']:,.0f} MB (pipeline.memory_budget, or half the usable memory): lower "
+            "pipeline.cache_num, or set "
+            "pipeline.cache=patches (no volume held)"
         )
     return held
