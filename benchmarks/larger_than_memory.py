@@ -10,7 +10,8 @@ On a converted CT-size dataset (e.g. the CT demo generator's 512 x 512 x 300 cas
    validation (validation windows are another memory question, see docs/predicting.md):
    - `patches`: crops read from the memory-mapped arrays, with the demo model and with a model 4x heavier per step
      (twice the filters at every level);
-   - `partial`: `--cache-num` volumes held (MONAI's SmartCache), in the same limit;
+   - `partial`: `--cache-num` volumes held (MONAI's SmartCache), in the same limit, its byte check lifted (at start
+     it refuses a bound above the budget; the arm shows what the run would meet without that check);
    - `memory`: every volume of a subset that fits (the validation split's cases as the training split).
    Per arm: exit code (137/-9 = killed at the limit), the cgroup's peak anonymous memory (polled every 0.1 s),
    input wait as a share of step time over the epochs after the first, images/s.
@@ -182,7 +183,12 @@ def main(argv=None) -> int:
     arms = {
         "patches": (limit, [*DEMO_MODEL, "pipeline.cache=patches"]),
         "patches-4x": (limit, [*HEAVY_MODEL, "pipeline.cache=patches"]),
-        "partial": (limit, [*DEMO_MODEL, "pipeline.cache=partial", f"pipeline.cache_num={args.cache_num}"]),
+        # the partial cache as it ran before its byte check (which refuses this bound at start): budget lifted
+        "partial": (
+            limit,
+            [*DEMO_MODEL, "pipeline.cache=partial", f"pipeline.cache_num={args.cache_num}"]
+            + ["pipeline.memory_budget=1TB"],
+        ),
         "memory-subset": (limit, [*DEMO_MODEL, "pipeline.cache=memory", "data.train_split=val"]),
     }
     results = {}
