@@ -25,7 +25,7 @@ from tfmis.data.patch_layout import (
     training_cases,
     write_patch_layout,
 )
-from tfmis.data.pipeline import build_train_dataset, patch_readers
+from tfmis.data.pipeline import build_train_dataset
 from tfmis.data.records import load_index, read_record, split_cases
 from tfmis.errors import ConfigError
 from tfmis.transforms.augment import window
@@ -216,10 +216,16 @@ def test_the_input_says_what_it_holds_and_refuses_a_memory_cache_above_its_budge
     partial = tiny_config(layout_dataset, tmp_path, budget, "pipeline.cache=partial", "pipeline.cache_num=4")
     with pytest.raises(ConfigError, match=r"pipeline.cache=partial would hold .* lower pipeline.cache_num"):
         check_input_memory(partial, index)  # 4 cached + 1 read ahead + in flight: all 6 training volumes
-    patches = input_memory(tiny_config(layout_dataset, tmp_path, budget, "pipeline.cache=patches"), index)
-    crop_mb = 16**3 * (2 * 4 + 4) / 2**20
-    readers = patch_readers()
-    assert patches["held_mb"] == pytest.approx(crop_mb * (readers * 2 + 16 + 3 * 2))  # readers, shuffle, batches
+    patches = input_memory(
+        tiny_config(layout_dataset, tmp_path, "pipeline.memory_budget=1GB", "pipeline.cache=patches"), index
+    )
+    from tfmis.hardware.cpu import usable_cpu_count
+
+    cpus = usable_cpu_count()
+    readers = min(16, max(4, 2 * cpus))  # the budget is far above a few 16³ crops: no reader is dropped
+    windows = (readers * 2 + cpus) * 16**3 * (2 * 4 + 1)  # the readers' windows and one being augmented per CPU
+    batched = (16 + 3 * 2) * 16**3 * (2 * 4 + 4)  # crop shuffle buffer, the batch and two prefetched
+    assert patches["held_mb"] == pytest.approx((windows + batched) / 2**20)
 
 
 def test_training_with_a_memory_cache_above_its_budget_exits_2_in_one_line(layout_dataset, tmp_path):
@@ -418,3 +424,23 @@ def test_in_a_memory_limit_the_patch_read_input_trains_where_a_memory_cache_woul
     code, err, memory_peak = _run_measured(8000, ["tfmis.train", "--config", str(tmp_path / "memory-unbounded.yaml")])
     assert code == 0, err[-3000:]
     assert memory_peak > limit and memory_peak > patches_peak + decoded / 2, (memory_peak, patches_peak, decoded)
+
+
+def test_patch_readers_shrink_to_the_budget_and_a_window_too_large_for_one_reader_is_refused(layout_dataset, tmp_path):
+    """With rotation, a 64³ patch reads windows larger than the patch: the readers drop (at least one) until their
+    windows fit pipeline.memory_budget, what they hold stays within it while more than one reads, and a budget
+    below one reader's windows is one ConfigError naming enlarge_crop and the patch size."""
+    from tfmis.data.budget import patch_input
+
+    index = load_index(layout_dataset)
+    spatial = ["pipeline.cache=patches", "pipeline.patch_size=[64,64,64]", "pipeline.augment.rotate_prob=0.2"]
+    config = tiny_config(layout_dataset, tmp_path, *spatial)
+    plans = {budget: patch_input(config.pipeline, 2, 1, budget) for budget in (1e6, 300.0, 150.0, 1.0)}
+    readers = [plans[b]["readers"] for b in (1e6, 300.0, 150.0, 1.0)]
+    assert readers == sorted(readers, reverse=True) and readers[0] > readers[2] and readers[-1] == 1
+    assert plans[1e6]["window_mb"] > 64**3 * 9 / 2**20  # the window is larger than the patch
+    for budget, plan in plans.items():
+        assert plan["held_mb"] <= budget or plan["readers"] == 1
+    tight = tiny_config(layout_dataset, tmp_path, *spatial, "pipeline.memory_budget=1MB")
+    with pytest.raises(ConfigError, match=r"pipeline.cache=patches would hold .*enlarge_crop=false"):
+        check_input_memory(tight, index)

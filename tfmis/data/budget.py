@@ -24,8 +24,7 @@ from tfmis.hardware.memory import MB, host_memory, parse_memory_mb
 # the rest is the model, its optimizer, the validation windows, TensorFlow's own arenas
 BUDGET_SHARE = 0.5
 _IMAGE_BYTES = {"float16": 2, "float32": 4, "int16": 2, "uint8": 1}
-# the crops a patch-read input pipeline may hold besides its batch: its readers' crops (patch_readers() x
-# num_crops_per_image), the augmentation's outputs, the crop shuffle buffer, and tf.data's prefetched batches
+# batches tf.data may prefetch after the batch being built (pipeline.cache: patches)
 _PATCH_PREFETCH_BATCHES = 2
 
 
@@ -37,6 +36,43 @@ def pipeline_memory_budget(pipeline) -> float:
         except ValueError as e:
             raise ConfigError(f"pipeline.memory_budget: {e} (e.g. 6GB), or null for half the usable memory") from e
     return BUDGET_SHARE * host_memory()["available_mb"]
+
+
+def patch_input(pipeline, channels: int, accumulation_steps: int, budget_mb: float) -> dict:
+    """What one patch-read input pipeline holds, and how many crops it reads at once to stay within `budget_mb`.
+
+    In flight: each reader's `num_crops_per_image` windows (`train_crop_size`: the patch plus the spatial
+    augmentation's margin, float32 image and uint8 label), one more window per usable CPU being augmented, and the
+    augmented crops waiting in the crop shuffle buffer, the batch and the prefetched batches (patch-sized, or
+    window-sized with `augment.placement: step`). Readers: two per usable CPU (4 to 16; page faults of one crop
+    wait on the disk while another copies), fewer when their windows would pass the budget (a 128³ patch with
+    rotation reads windows of ~200 MB), at least one.
+
+    Returns {"readers", "windows", "window_mb", "patches", "patch_mb", "held_mb"}.
+    """
+    from tfmis.data.pipeline import train_crop_size
+    from tfmis.hardware.cpu import usable_cpu_count
+
+    p, cpus = pipeline, usable_cpu_count()
+    window_mb = float(np.prod(train_crop_size(p))) * (channels * 4 + 1) / MB
+    size = train_crop_size(p) if p.augment.placement == "step" else p.patch_size
+    patch_mb = float(np.prod(size)) * (channels * 4 + 4) / MB
+    patches = p.shuffle_crops + (1 + _PATCH_PREFETCH_BATCHES) * p.num_images_per_batch * accumulation_steps
+    readers = min(16, max(4, 2 * cpus))
+    while True:
+        windows = readers * p.num_crops_per_image + cpus
+        held = windows * window_mb + patches * patch_mb
+        if held <= budget_mb or readers == 1:
+            break
+        readers -= 1
+    return {
+        "readers": readers,
+        "windows": windows,
+        "window_mb": window_mb,
+        "patches": patches,
+        "patch_mb": patch_mb,
+        "held_mb": held,
+    }
 
 
 def volume_mb(index: dict, case: dict, float32: bool = False) -> float:
@@ -67,14 +103,12 @@ def input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
         held = input_pipelines * min(bound, len(train)) * largest
         what = f"at most {min(bound, len(train))} decoded volumes per input pipeline"
     elif p.cache == "patches":
-        from tfmis.data.pipeline import patch_readers, train_crop_size
-
-        channels = len(index["source"]["modalities"])
-        crop_mb = float(np.prod(train_crop_size(p))) * (channels * 4 + 4) / MB
-        batch = p.num_images_per_batch * config.training.accumulation_steps
-        crops = patch_readers() * p.num_crops_per_image + p.shuffle_crops + (1 + _PATCH_PREFETCH_BATCHES) * batch
-        held = input_pipelines * crops * crop_mb
-        what = f"no volume: {crops} crops of {crop_mb:.1f} MB in flight per input pipeline, read from the arrays"
+        plan = patch_input(p, len(index["source"]["modalities"]), config.training.accumulation_steps, budget)
+        held = input_pipelines * plan["held_mb"]
+        what = (
+            f"no volume: per input pipeline {plan['readers']} readers, {plan['windows']} crop windows of "
+            f"{plan['window_mb']:.1f} MB and {plan['patches']} batched crops of {plan['patch_mb']:.1f} MB in flight"
+        )
     else:
         held = 3 * largest
         what = f"the volumes being read from the TFRecords (pipeline.cache={p.cache})"
@@ -83,8 +117,8 @@ def input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
 
 
 def check_input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
-    """`input_memory`, refusing in one line (ConfigError naming the fix) a cache of volumes (`memory`, `partial`)
-    that would hold more than its budget."""
+    """`input_memory`, refusing in one line (ConfigError naming the fix) an input that would hold more than its
+    budget: a cache of volumes (`memory`, `partial`), or patch-read windows too large even for one reader."""
     held = input_memory(config, index, input_pipelines)
     if held["fits"]:
         return held
@@ -93,6 +127,14 @@ def check_input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
             f"pipeline.cache=memory would hold {held['held_mb']:,.0f} MB of decoded volumes, above the input's "
             f"budget of {held['budget_mb']:,.0f} MB (pipeline.memory_budget, or half the usable memory): set "
             "pipeline.cache=patches to read each crop from memory-mapped arrays, or raise pipeline.memory_budget"
+        )
+    if held["cache"] == "patches":
+        raise ConfigError(
+            f"pipeline.cache=patches would hold {held['held_mb']:,.0f} MB even reading one case at a time ("
+            f"{held['what']}), above the input's budget of {held['budget_mb']:,.0f} MB (pipeline.memory_budget, or "
+            "half the usable memory): lower pipeline.patch_size or pipeline.num_crops_per_image, set "
+            "pipeline.augment.enlarge_crop=false (rotation and scaling read a window larger than the patch), or "
+            "raise pipeline.memory_budget"
         )
     if held["cache"] == "partial":
         raise ConfigError(

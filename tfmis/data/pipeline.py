@@ -234,14 +234,6 @@ def build_train_dataset(
     return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
 
 
-def patch_readers() -> int:
-    """Crops one patch-read input pipeline cuts at once: two per usable CPU (page faults of one crop wait on the
-    disk while another copies), 4 to 16."""
-    from tfmis.hardware.cpu import usable_cpu_count
-
-    return min(16, max(4, 2 * usable_cpu_count()))
-
-
 def _patch_stream(config, index, input_context, stream_seed: int, pipeline_id: int) -> tf.data.Dataset:
     """The crops of `pipeline.cache: patches`: `patch_crops` of the cases in the volume stream's order and shuffle."""
     from tfmis.data.patch_layout import PatchArrays, check_locations
@@ -256,7 +248,10 @@ def _patch_stream(config, index, input_context, stream_seed: int, pipeline_id: i
     crops = patch_crops(p, arrays, stream_seed, pipeline_id)
     if p.deterministic:
         return dataset.flat_map(crops)
-    readers = patch_readers()
+    from tfmis.data.budget import patch_input, pipeline_memory_budget
+
+    channels = len(index["source"]["modalities"])
+    readers = patch_input(p, channels, config.training.accumulation_steps, pipeline_memory_budget(p))["readers"]
     return dataset.interleave(crops, cycle_length=readers, num_parallel_calls=readers, deterministic=False)
 
 
