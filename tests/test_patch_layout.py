@@ -250,6 +250,7 @@ def test_training_with_a_memory_cache_above_its_budget_exits_2_in_one_line(layou
     assert len(errors) == 1 and "pipeline.cache=patches" in errors[0]
 
 
+@pytest.mark.slow
 def test_training_with_cache_patches_writes_the_arrays_and_trains(layout_dataset, tmp_path):
     """`python -m tfmis.train` with cache: patches on a converted dataset: says what it holds, writes the training
     cases' arrays at start, trains its epochs, and a second run reuses the arrays (0 written)."""
@@ -294,6 +295,7 @@ def test_planner_picks_the_patch_layout_when_the_decoded_volumes_do_not_fit():
         assert plan.config().pipeline.cache == cache
 
 
+@pytest.mark.slow
 def test_convert_with_patch_layout_writes_the_arrays_of_every_labelled_case_once(tmp_path):
     """`tfmis-convert --patch-layout` (the real command) writes arrays and manifests for every labelled case (not the
     unlabelled test cases), says so in one line, and a rerun writes none again."""
