@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -89,39 +86,19 @@ def _status(key: str) -> int:
 
 def measured(limit_mb: float | None, spec: dict) -> dict:
     """`run_arm(spec)` in a new process inside a memory cgroup of `limit_mb` (None: no limit), with the cgroup's peak
-    anonymous memory polled every 0.1 s."""
+    anonymous memory polled every 0.1 s (`tests.test_case_memory.run_measured`, the slow test's measure)."""
     sys.path.insert(0, str(REPO))
-    from tests.test_case_memory import memory_cgroup, remove_cgroup
+    from tests.test_case_memory import run_measured
 
-    folder, prefix = memory_cgroup(limit_mb or 1e6)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    command = [*prefix, sys.executable, __file__, "--arm", json.dumps(spec)]
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out: dict = {}
-    readers = [
-        threading.Thread(target=lambda n=n, s=s: out.__setitem__(n, s.read()))
-        for n, s in (("out", process.stdout), ("err", process.stderr))
-    ]
-    for reader in readers:
-        reader.start()
-    peak = 0.0
     start = time.perf_counter()
-    while process.poll() is None:
-        try:
-            stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
-            peak = max(peak, int(stat.get("total_rss", stat.get("anon", 0))) / MB)
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    for reader in readers:
-        reader.join()
-    remove_cgroup(folder)
-    result = {"exit": process.returncode, "anon_peak_mb": peak, "seconds": time.perf_counter() - start}
-    lines = out["out"].decode().strip().splitlines()
-    if process.returncode == 0 and lines:
+    command = [sys.executable, __file__, "--arm", json.dumps(spec)]
+    code, out, err, peak = run_measured(limit_mb or 1e6, command, REPO, timeout=24 * 3600)
+    result = {"exit": code, "anon_peak_mb": peak, "seconds": time.perf_counter() - start}
+    lines = out.strip().splitlines()
+    if code == 0 and lines:
         result.update(json.loads(lines[-1]))
     else:
-        result["stderr"] = out["err"].decode(errors="replace")[-1500:]
+        result["stderr"] = err[-1500:]
     return result
 
 

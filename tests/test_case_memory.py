@@ -94,6 +94,42 @@ def run_limited(limit_mb: float, args: list[str], cwd: Path, timeout: float = 60
         remove_cgroup(folder)
 
 
+def run_measured(limit_mb: float, command: list[str], cwd: Path, timeout: float = 900) -> tuple[int, str, str, float]:
+    """`command` in a new memory cgroup of `limit_mb`: (exit code, stdout, stderr, the cgroup's peak anonymous memory
+    in MB, polled every 0.1 s: what the kernel cannot reclaim, so what a limit kills for). Raises OSError where no
+    cgroup can be made."""
+    import threading
+
+    folder, prefix = memory_cgroup(limit_mb)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    process = subprocess.Popen([*prefix, *command], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    output: dict = {}
+    readers = [
+        threading.Thread(target=lambda n=n, s=s: output.__setitem__(n, s.read()))
+        for n, s in (("out", process.stdout), ("err", process.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    peak, deadline = 0.0, time.monotonic() + timeout
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+                peak = max(peak, int(stat.get("total_rss", stat.get("anon", 0))) / MB)
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        for reader in readers:
+            reader.join()
+    finally:
+        remove_cgroup(folder)
+    decode = lambda raw: raw.decode(errors="replace")  # noqa: E731
+    return process.returncode, decode(output["out"]), decode(output["err"]), peak
+
+
 def remove_cgroup(folder: Path) -> None:
     """Removes a test's cgroup once the processes that ran in it are gone (the kernel frees it a moment after)."""
     for _ in range(100):

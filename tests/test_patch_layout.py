@@ -348,44 +348,15 @@ def write_large_label_dataset(root: Path, cases: int, shape=(384, 384, 160)) -> 
 
 
 def _run_measured(limit_mb: float, args: list[str], timeout: float = 900) -> tuple[int, str, float]:
-    """`python -m args` in a new memory cgroup of `limit_mb`: (exit code, stderr, the cgroup's peak anonymous memory
-    in MB, polled every 0.1 s: what the kernel cannot reclaim, so what a limit kills for)."""
-    import threading
-
-    from tests.test_case_memory import memory_cgroup, remove_cgroup
+    """`python -m args` in a new memory cgroup of `limit_mb` (`run_measured`): (exit code, stderr, peak anonymous
+    MB); skips the test where no cgroup can be made."""
+    from tests.test_case_memory import run_measured
 
     try:
-        folder, prefix = memory_cgroup(limit_mb)
+        code, _, err, peak = run_measured(limit_mb, [sys.executable, "-m", *args], REPO, timeout)
     except OSError as e:
         pytest.skip(f"cannot make a memory cgroup here (root and a writable cgroup memory controller): {e}")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    process = subprocess.Popen(
-        [*prefix, sys.executable, "-m", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    output: dict = {}
-    readers = [
-        threading.Thread(target=lambda n=n, s=s: output.__setitem__(n, s.read()))
-        for n, s in (("out", process.stdout), ("err", process.stderr))
-    ]
-    for reader in readers:
-        reader.start()
-    peak, deadline = 0.0, time.monotonic() + timeout
-    try:
-        while process.poll() is None and time.monotonic() < deadline:
-            try:
-                stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
-                peak = max(peak, int(stat.get("total_rss", stat.get("anon", 0))) / 2**20)
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.1)
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        for reader in readers:
-            reader.join()
-    finally:
-        remove_cgroup(folder)
-    return process.returncode, output["err"].decode(errors="replace"), peak
+    return code, err, peak
 
 
 @pytest.mark.slow
