@@ -14,6 +14,8 @@ from tfmis.transforms.augment import (
     elastic_displacement,
     random_spatial,
     rotation_matrix,
+    sampled_box,
+    spatial_draw,
     spatial_margin,
     spatial_seed,
     window,
@@ -325,3 +327,44 @@ def test_resampling_in_place_equals_resampling_the_cut_out_crop(enlarge):
         cut_out = random_spatial(crop_image, crop_label, config, seed, patch)
         np.testing.assert_array_equal(in_place[0].numpy(), cut_out[0].numpy())
         np.testing.assert_array_equal(in_place[1].numpy(), cut_out[1].numpy())
+
+
+def test_reading_only_the_sampled_box_gives_the_patch_that_reading_the_whole_window_gives():
+    """sampled_box bounds what random_spatial reads: resampling only that box of the enlarged window (passed at
+    origin -low) gives bit for bit the patch resampled from the whole window, over 40 seeds of rotation, scaling
+    (zooming in and out) and elastic fields. Without a draw the box is the centre patch; with one it stays inside
+    the window and is smaller than the window on average (what `cache: patches` then reads per crop)."""
+    config = AugmentConfig(
+        **SPATIAL_ONLY,
+        rotate_prob=0.5,
+        scale_prob=0.5,
+        scale_range=[0.7, 1.4],
+        elastic_prob=0.3,
+        elastic_sigma=[3.0, 4.0],
+        elastic_magnitude=[0.0, 2.0],
+    )
+    patch = [12, 14, 10]
+    size = [p + 2 * m for p, m in zip(patch, spatial_margin(config, patch))]
+    rng = np.random.default_rng(3)
+    image = tf.constant(rng.normal(size=(*size, 2)).astype(np.float32) + 5.0)  # no zero a missed voxel could match
+    label = tf.constant(rng.integers(1, 4, size=size).astype(np.int32))
+    drawn, box_voxels = 0, []
+    for i in range(40):
+        seed = spatial_seed(tf.constant([i, 11], tf.int32))
+        low, high = (t.numpy() for t in sampled_box(config, seed, patch, size))
+        assert np.all(low >= 0) and np.all(high <= size) and np.all(high > low)
+        whole = random_spatial(image, label, config, seed, patch)
+        box = tuple(slice(a, b) for a, b in zip(low, high))
+        boxed = random_spatial(
+            image[box], label[box], config, seed, patch, origin=tf.constant(-low, tf.int32), input_size=size
+        )
+        np.testing.assert_array_equal(boxed[0].numpy(), whole[0].numpy())
+        np.testing.assert_array_equal(boxed[1].numpy(), whole[1].numpy())
+        if bool(spatial_draw(config, seed)[0]):
+            drawn += 1
+            box_voxels.append(np.prod(high - low))
+        else:
+            np.testing.assert_array_equal(low, (np.array(size) - patch) // 2)
+            np.testing.assert_array_equal(high - low, patch)
+    assert 10 <= drawn <= 38, drawn
+    assert np.mean(box_voxels) < 0.9 * np.prod(size), (np.mean(box_voxels), np.prod(size))

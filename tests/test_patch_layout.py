@@ -200,7 +200,8 @@ def test_the_input_says_what_it_holds_and_refuses_a_memory_cache_above_its_budge
     """cache: memory holds every decoded training and validation volume (counted from index.json: x*y*z*(C*2+1)
     bytes each); above pipeline.memory_budget it is one ConfigError naming cache=patches, and so is a partial cache
     whose bound (cached, read-ahead and in-flight volumes) is above it; cache: patches holds
-    crops only (readers' crops, the crop shuffle buffer, the batch and two prefetched ones), whatever the volumes."""
+    crops only (the readers' and the augmentation's windows, the augmentation's copies, the crop shuffle buffer, the
+    batch, two prefetched ones and the step's), whatever the volumes."""
     index = load_index(layout_dataset)
     decoded = sum(
         np.prod(c["image_shape"][:3]) * (c["image_shape"][3] * 2 + 1)
@@ -223,9 +224,11 @@ def test_the_input_says_what_it_holds_and_refuses_a_memory_cache_above_its_budge
 
     cpus = usable_cpu_count()
     readers = min(16, max(4, 2 * cpus))  # the budget is far above a few 16³ crops: no reader is dropped
-    windows = (readers * 2 + cpus) * 16**3 * (2 * 4 + 1)  # the readers' windows and one being augmented per CPU
-    batched = (16 + 3 * 2) * 16**3 * (2 * 4 + 4)  # crop shuffle buffer, the batch and two prefetched
-    assert patches["held_mb"] == pytest.approx((windows + batched) / 2**20)
+    # two windows per reader and per augmenting CPU (a parallel map's calls in flight and as many done)
+    windows = (2 * readers + 2 * cpus) * 16**3 * (2 * 4 + 1)
+    augmenting = cpus * 16**3 * (8 * 2 + 4)  # each augmenting CPU's flipped / turned / scaled copy of the patch
+    batched = (16 + 4 * 2) * 16**3 * (2 * 4 + 4)  # crop shuffle buffer, the batch, two prefetched, the step's
+    assert patches["held_mb"] == pytest.approx((windows + augmenting + batched) / 2**20)
 
 
 def test_training_with_a_memory_cache_above_its_budget_exits_2_in_one_line(layout_dataset, tmp_path):
@@ -417,3 +420,61 @@ def test_patch_readers_shrink_to_the_budget_and_a_window_too_large_for_one_reade
     tight = tiny_config(layout_dataset, tmp_path, *spatial, "pipeline.memory_budget=1MB")
     with pytest.raises(ConfigError, match=r"pipeline.cache=patches would hold .*enlarge_crop=false"):
         check_input_memory(tight, index)
+
+
+_PIPELINE_ALONE = """
+import json, sys
+from tfmis.config import load_config
+from tfmis.data.budget import input_memory
+from tfmis.data.pipeline import build_train_dataset
+from tfmis.data.records import load_index
+from tfmis.hardware.processes import process_status_mb
+
+config = load_config(sys.argv[1])
+held = input_memory(config, load_index(config.data.dataset_dir))
+dataset = build_train_dataset(config)
+base = process_status_mb("self", "RssAnon")  # interpreter, TensorFlow, the traced pipeline, nothing read yet
+for _ in dataset.take(int(sys.argv[2])):
+    pass
+print(json.dumps({"held_mb": held["held_mb"], "base_mb": base, "line": held["line"]}))
+"""
+
+
+@pytest.mark.slow
+def test_rotation_and_scaling_in_tf_data_stay_within_what_the_patch_read_input_counts(tmp_path):
+    """The pipeline alone (no model) with every crop rotated and scaled in tf.data from the patch-read arrays, 48³
+    patches from 6 CT-size cases, in a real memory cgroup: the cgroup's peak anonymous memory above the process's
+    own after its first batch stays within what the input said it holds (the windows, one resampling per usable CPU
+    with its buffers, the batched crops), over 40 batches."""
+    from tfmis.config import save_config
+    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.patch_layout import training_cases, write_patch_layout
+
+    source = write_large_label_dataset(tmp_path / "Task95_Rotate", 6, shape=(192, 192, 96))
+    dataset = tmp_path / "converted"
+    convert(ConversionConfig(str(source), str(dataset), split=(1.0, 0.0), shards=1, workers=2, progress=False))
+    config = tiny_config(
+        dataset,
+        tmp_path,
+        "pipeline.cache=patches",
+        "pipeline.patch_size=[96,96,96]",
+        "pipeline.augment.rotate_prob=1.0",
+        "pipeline.augment.scale_prob=1.0",
+        "pipeline.num_images_per_batch=2",
+    )
+    write_patch_layout(dataset, training_cases(dataset, "train"), 2, config.pipeline.max_foreground_indices, 0)
+    save_config(config, tmp_path / "rotate.yaml")
+    script = tmp_path / "pipeline_alone.py"
+    script.write_text(_PIPELINE_ALONE)
+    from tests.test_case_memory import run_measured
+
+    try:
+        code, out, err, peak = run_measured(
+            4000, [sys.executable, str(script), str(tmp_path / "rotate.yaml"), "40"], REPO
+        )
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup here (root and a writable cgroup memory controller): {e}")
+    assert code == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "augmentations of" in result["line"]
+    assert peak - result["base_mb"] <= result["held_mb"], (peak, result)

@@ -354,10 +354,11 @@ def test_pipeline_placement_with_rotation_and_scaling_yields_patches(converted_d
     ],
 )
 def test_step_placement_gives_the_pipeline_placement_batches(converted_dataset, tmp_path, extra):
-    """Placement step yields (un-augmented crops of train_crop_size, int32 labels, (B, 2) int64 seeds) in the
-    pipeline placement's order; step_augmentation in a tf.function (as in the training step) turns them into
-    the pipeline placement's batches bit for bit (flips, quarter turns, intensity, noise, rotation, scaling,
-    elastic): the same stateless draws from the same seeds and the same CPU kernels in the same order."""
+    """Placement step yields (un-augmented crops of train_crop_size as the records store them (float16), uint8
+    labels, (B, 2) int64 seeds) in the pipeline placement's order; step_augmentation in a tf.function (as in the
+    training step) turns them into the pipeline placement's batches bit for bit (flips, quarter turns, intensity,
+    noise, rotation, scaling, elastic): the same stateless draws from the same seeds and the same CPU kernels in
+    the same order."""
     config = tiny_config(converted_dataset, tmp_path, *SPATIAL_AUGMENT, *extra)
     step_config = tiny_config(converted_dataset, tmp_path, *SPATIAL_AUGMENT, *extra, "pipeline.augment.placement=step")
     expected = list(build_train_dataset(config).take(6).as_numpy_iterator())  # one epoch: 6 volumes x 2 / 2
@@ -367,8 +368,8 @@ def test_step_placement_gives_the_pipeline_placement_batches(converted_dataset, 
     for (image, label), (crops, crop_labels, seeds) in zip(
         expected, build_train_dataset(step_config).take(6), strict=True
     ):
-        assert crops.shape == (2, *size, 2) and crops.dtype == tf.float32
-        assert crop_labels.shape == (2, *size) and crop_labels.dtype == tf.int32
+        assert crops.shape == (2, *size, 2) and crops.dtype == tf.float16  # as the records store it, exactly
+        assert crop_labels.shape == (2, *size) and crop_labels.dtype == tf.uint8
         assert seeds.shape == (2, 2) and seeds.dtype == tf.int64
         out_image, out_label = augment(crops, crop_labels, seeds)
         np.testing.assert_array_equal(out_image.numpy(), image)

@@ -21,7 +21,7 @@ import tensorflow as tf
 from conftest import tiny_config
 
 from tfmis.config import to_dict
-from tfmis.data.pipeline import build_train_dataset, train_crop_size
+from tfmis.data.pipeline import build_train_dataset, synthetic_train_batches, train_crop_size
 from tfmis.hardware import accelerators, host_memory, usable_cpu_count
 from tfmis.inference.windows import number_of_windows
 from tfmis.tune.fit.trial import (
@@ -33,7 +33,6 @@ from tfmis.tune.fit.trial import (
     error_line,
     is_out_of_memory,
     run_trial,
-    synthetic_train_batches,
     trial_device,
 )
 

@@ -18,6 +18,7 @@ import numpy as np
 from tfmis.data.records import split_cases, split_entry
 from tfmis.data.smart_cache import partial_cache_bound, partial_cache_size
 from tfmis.errors import ConfigError
+from tfmis.hardware.cpu import usable_cpu_count
 from tfmis.hardware.memory import MB, host_memory, parse_memory_mb
 
 # the share of the usable memory (after any cgroup limit) the input may hold when pipeline.memory_budget is null:
@@ -25,7 +26,10 @@ from tfmis.hardware.memory import MB, host_memory, parse_memory_mb
 BUDGET_SHARE = 0.5
 _IMAGE_BYTES = {"float16": 2, "float32": 4, "int16": 2, "uint8": 1}
 # batches tf.data may prefetch after the batch being built (pipeline.cache: patches)
-_PATCH_PREFETCH_BATCHES = 2
+PATCH_PREFETCH_BATCHES = 2
+# bytes per patch voxel one spatial resampling holds at its peak, besides 32 per channel (its 8 gathered neighbours):
+# the peak RSS of `random_spatial` at 128^3 and 64^3, rotation and scaling drawn, was 110-150 B per output voxel
+RESAMPLE_BYTES = 160
 
 
 def pipeline_memory_budget(pipeline) -> float:
@@ -38,30 +42,44 @@ def pipeline_memory_budget(pipeline) -> float:
     return BUDGET_SHARE * host_memory()["available_mb"]
 
 
-def patch_input(pipeline, channels: int, accumulation_steps: int, budget_mb: float) -> dict:
+def patch_input(pipeline, channels: int, accumulation_steps: int, budget_mb: float, image_bytes: int = 4) -> dict:
     """What one patch-read input pipeline holds, and how many crops it reads at once to stay within `budget_mb`.
 
-    In flight: each reader's `num_crops_per_image` windows (`train_crop_size`: the patch plus the spatial
-    augmentation's margin, float32 image and uint8 label), one more window per usable CPU being augmented, and the
-    augmented crops waiting in the crop shuffle buffer, the batch and the prefetched batches (patch-sized, or
-    window-sized with `augment.placement: step`). Readers: two per usable CPU (4 to 16; page faults of one crop
-    wait on the disk while another copies), fewer when their windows would pass the budget (a 128³ patch with
-    rotation reads windows of ~200 MB), at least one.
+    In flight: two windows per reader and two per usable CPU (`train_crop_size`: the patch plus the spatial
+    augmentation's margin; float32 image and uint8 label, or as stored with `augment.placement: step`): each
+    parallel map, the readers' and the augmentation's, holds its parallelism in flight and as many done. With
+    `augment.placement: pipeline`, also one augmentation's copies per usable CPU (with rotation / scaling /
+    elastic, the resampling's buffers too). Then the augmented crops
+    in the crop shuffle buffer, the batch being built, the prefetched batches and the one the step holds
+    (patch-sized, or window-sized with `augment.placement: step`). Readers: two per usable CPU (4 to 16; page
+    faults of one crop wait on the disk while another copies), fewer when their windows would pass the budget (a
+    128³ patch with rotation reads windows of ~100-200 MB), at least one.
 
-    Returns {"readers", "windows", "window_mb", "patches", "patch_mb", "held_mb"}.
+    `image_bytes`: the stored image's bytes a voxel (2 for float16 records), what `placement: step` carries.
+
+    Returns {"readers", "windows", "window_mb", "augment_mb", "patches", "patch_mb", "held_mb"}.
     """
     from tfmis.data.pipeline import train_crop_size
-    from tfmis.hardware.cpu import usable_cpu_count
+    from tfmis.transforms.augment import spatial_enabled
 
     p, cpus = pipeline, usable_cpu_count()
-    window_mb = float(np.prod(train_crop_size(p))) * (channels * 4 + 1) / MB
-    size = train_crop_size(p) if p.augment.placement == "step" else p.patch_size
-    patch_mb = float(np.prod(size)) * (channels * 4 + 4) / MB
-    patches = p.shuffle_crops + (1 + _PATCH_PREFETCH_BATCHES) * p.num_images_per_batch * accumulation_steps
+    step = p.augment.placement == "step"
+    # placement step carries the windows as stored (`image_bytes` a voxel, uint8 labels); tf.data augments float32
+    window_mb = float(np.prod(train_crop_size(p))) * (channels * (image_bytes if step else 4) + 1) / MB
+    patch_mb = window_mb if step else float(np.prod(p.patch_size)) * (channels * 4 + 4) / MB
+    # the batch being built, the prefetched ones and the one the training step holds
+    patches = p.shuffle_crops + (2 + PATCH_PREFETCH_BATCHES) * p.num_images_per_batch * accumulation_steps
+    # each of the `cpus` augmenting calls in tf.data holds a flipped / turned / scaled copy of the patch, and with
+    # rotation / scaling / elastic fields its sampling grids, neighbour indices and weights
+    augment_mb = 0.0
+    if p.augment.placement == "pipeline":
+        per_voxel = 8 * channels + 4 + (RESAMPLE_BYTES + 32 * channels if spatial_enabled(p.augment) else 0)
+        augment_mb = float(np.prod(p.patch_size)) * per_voxel / MB
     readers = min(16, max(4, 2 * cpus))
     while True:
-        windows = readers * p.num_crops_per_image + cpus
-        held = windows * window_mb + patches * patch_mb
+        # each parallel map (the readers', the augmentation's) holds its parallelism in flight and as many done
+        windows = 2 * readers + 2 * cpus
+        held = windows * window_mb + cpus * augment_mb + patches * patch_mb
         if held <= budget_mb or readers == 1:
             break
         readers -= 1
@@ -69,10 +87,16 @@ def patch_input(pipeline, channels: int, accumulation_steps: int, budget_mb: flo
         "readers": readers,
         "windows": windows,
         "window_mb": window_mb,
+        "augment_mb": augment_mb,
         "patches": patches,
         "patch_mb": patch_mb,
         "held_mb": held,
     }
+
+
+def image_bytes(index: dict) -> int:
+    """Bytes a voxel of one image channel as the records store it (float16: 2, float32: 4)."""
+    return _IMAGE_BYTES.get(index["preprocessing"]["image_dtype"], 4)
 
 
 def volume_mb(index: dict, case: dict, float32: bool = False) -> float:
@@ -103,11 +127,15 @@ def input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
         held = input_pipelines * min(bound, len(train)) * largest
         what = f"at most {min(bound, len(train))} decoded volumes per input pipeline"
     elif p.cache == "patches":
-        plan = patch_input(p, len(index["source"]["modalities"]), config.training.accumulation_steps, budget)
+        plan = patch_input(
+            p, len(index["source"]["modalities"]), config.training.accumulation_steps, budget, image_bytes(index)
+        )
         held = input_pipelines * plan["held_mb"]
         what = (
             f"no volume: per input pipeline {plan['readers']} readers, {plan['windows']} crop windows of "
-            f"{plan['window_mb']:.1f} MB and {plan['patches']} batched crops of {plan['patch_mb']:.1f} MB in flight"
+            f"{plan['window_mb']:.1f} MB"
+            + (f", {usable_cpu_count()} augmentations of {plan['augment_mb']:.1f} MB" if plan["augment_mb"] else "")
+            + f" and {plan['patches']} batched crops of {plan['patch_mb']:.1f} MB in flight"
         )
     else:
         held = 3 * largest

@@ -16,8 +16,8 @@ Under a tf.distribute strategy, build through `strategy.distribute_datasets_from
 Example:
 ```python
 dataset = build_train_dataset(config)          # ((B, px, py, pz, C) float32, (B, px, py, pz) int32)
-# pipeline.augment.placement: step -> (crops (B, *train_crop_size(p), C), labels (B, *train_crop_size(p)),
-# seeds (B, 2) int64), augmented in the training step by step_augmentation(config.pipeline)
+# pipeline.augment.placement: step -> (crops (B, *train_crop_size(p), C) float16 as stored, labels uint8
+# (B, *train_crop_size(p)), seeds (B, 2) int64), augmented in the training step by step_augmentation(config.pipeline)
 val = build_val_dataset(config)                # (1, X, Y, Z, C), (1, X, Y, Z), metadata
 ```
 """
@@ -35,10 +35,12 @@ from tfmis.data.records import image_as_float32, load_index, parse_example, shar
 from tfmis.data.smart_cache import REFILL_PARALLELISM, partial_cache_size, share_size, smart_cache
 from tfmis.errors import ConfigError, DataError, UsageError
 from tfmis.hardware import data_threads
+from tfmis.hardware.cpu import usable_cpu_count
 from tfmis.hardware.memory import MB
 from tfmis.transforms.augment import (
     augment_patch,
     random_spatial,
+    sampled_box,
     spatial_enabled,
     spatial_margin,
     spatial_seed,
@@ -191,7 +193,8 @@ def build_train_dataset(
     """The infinite training stream of augmented patch batches (batch = per replica × accumulation).
 
     `pipeline.augment.placement: step` yields `(images, labels, seeds)` instead: the same crops in the same order,
-    un-augmented (`train_crop_size`, label int32), and each crop's augmentation seed (B, 2) int64, for
+    un-augmented (`train_crop_size`, image as stored: `step_image_dtype`, label uint8), and each crop's
+    augmentation seed (B, 2) int64, for
     `step_augmentation(config.pipeline)` to apply in the training step.
 
     Args:
@@ -219,19 +222,25 @@ def build_train_dataset(
         dataset = _volume_stream(config, index, files, input_context, stream_seed, pipeline_id, num_classes)
     # placement step: the crops (patch + spatial margin) go out un-augmented with their seeds, and the training
     # step applies `step_augmentation`; otherwise tf.data augments them here
-    augment = patch_augmentation(p) if p.augment.placement == "pipeline" else _unaugmented(p)
-    dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=p.deterministic)
+    augment = patch_augmentation(p) if p.augment.placement == "pipeline" else _unaugmented(p, step_image_dtype(index))
+    # cache: patches counts one augmenting call per usable CPU in its byte budget (budget.patch_input): no more run
+    parallel = tf.data.AUTOTUNE
+    if p.cache == "patches":
+        parallel = usable_cpu_count()
+    dataset = dataset.map(augment, num_parallel_calls=parallel, deterministic=p.deterministic)
     if p.shuffle_crops > 1:
         dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
     batch = p.num_images_per_batch * config.training.accumulation_steps
     dataset = dataset.batch(batch, drop_remainder=True)
     dataset = with_channel_count(dataset, len(index["source"]["modalities"]))
     options = pipeline_options(p.deterministic)
-    if p.cache == "patches":  # what tf.data's autotuned buffers may hold, within the pipeline's memory budget
-        from tfmis.data.budget import pipeline_memory_budget
+    prefetch = tf.data.AUTOTUNE
+    if p.cache == "patches":  # tf.data's buffers within the pipeline's memory budget, as budget.patch_input counts
+        from tfmis.data.budget import PATCH_PREFETCH_BATCHES, pipeline_memory_budget
 
         options.autotune.ram_budget = int(pipeline_memory_budget(p) * MB)
-    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+        prefetch = PATCH_PREFETCH_BATCHES
+    return dataset.prefetch(prefetch).with_options(options)
 
 
 def _patch_stream(config, index, input_context, stream_seed: int, pipeline_id: int) -> tf.data.Dataset:
@@ -245,14 +254,16 @@ def _patch_stream(config, index, input_context, stream_seed: int, pipeline_id: i
     dataset = tf.data.Dataset.range(len(order))
     dataset = dataset.shuffle(p.shuffle_volumes, seed=stream_seed, reshuffle_each_iteration=True).repeat()
     dataset = dataset.enumerate()
-    crops = patch_crops(p, arrays, stream_seed, pipeline_id)
-    if p.deterministic:
-        return dataset.flat_map(crops)
-    from tfmis.data.budget import patch_input, pipeline_memory_budget
+    locate, read = patch_crops(p, arrays, stream_seed, pipeline_id, step_image_dtype(index))
+    from tfmis.data.budget import image_bytes, patch_input, pipeline_memory_budget
 
     channels = len(index["source"]["modalities"])
-    readers = patch_input(p, channels, config.training.accumulation_steps, pipeline_memory_budget(p))["readers"]
-    return dataset.interleave(crops, cycle_length=readers, num_parallel_calls=readers, deterministic=False)
+    budget = pipeline_memory_budget(p)
+    readers = patch_input(p, channels, config.training.accumulation_steps, budget, image_bytes(index))["readers"]
+    # where the crops lie (a few label voxels read) for two volumes at once, then `readers` crops read at once: a
+    # parallel map holds at most its parallelism in flight and as many done, which is what the budget counts
+    dataset = dataset.map(locate, num_parallel_calls=2, deterministic=p.deterministic).unbatch()
+    return dataset.map(read, num_parallel_calls=readers, deterministic=p.deterministic)
 
 
 def _volume_stream(config, index, files, input_context, stream_seed: int, pipeline_id: int, num_classes: int):
@@ -391,14 +402,25 @@ def crop_seeds(pipeline, stream_seed: int, pipeline_id: int, position) -> tuple[
     return element_seed, seeds
 
 
-def patch_crops(pipeline, arrays, stream_seed: int, pipeline_id: int):
-    """`fn(position, case)`: `volume_crops` of case number `case` of `arrays` (a `tfmis.data.patch_layout.PatchArrays`)
+def step_image_dtype(index: dict) -> tf.DType:
+    """The image dtype of `augment.placement: step` batches: the records' (float16 unless converted as float32),
+    so the window-sized crops cross the input and the host-to-device copy at half the bytes, exactly; the step
+    augments them in float32."""
+    return tf.float16 if index["preprocessing"]["image_dtype"] == "float16" else tf.float32
+
+
+def patch_crops(pipeline, arrays, stream_seed: int, pipeline_id: int, step_dtype: tf.DType = tf.float32):
+    """`(locate, read)`: `volume_crops` of case number `case` of `arrays` (a `tfmis.data.patch_layout.PatchArrays`)
     read from its memory-mapped arrays: the same elements, cut where `volume_crops` cuts them from the decoded
     volume, reading only the crops and the few label voxels the background draws look at.
 
+    `locate(position, case)` gives the case's `num_crops_per_image` crops as (cases (n,), window origins (n, 3),
+    seeds (n, 2)); `read(case, origin, seed)` reads one of them into its element.
+
     Without the spatial augmentations the elements are `(patch, label patch, seed)`; with them `(crop, label crop,
-    origin 0, seed)`: the `train_crop_size` window itself, which `patch_augmentation` resamples as it resamples the
-    window in the volume."""
+    origin, seed)`, which `patch_augmentation` resamples as it resamples the window in the volume: with
+    `augment.placement: pipeline` the crop is only the box of the `train_crop_size` window its draws read
+    (`sampled_box`, at `-origin` in the window), with `step` the whole window (origin 0)."""
     p = pipeline
     margin = tf.constant(spatial_margin(p.augment, p.patch_size), tf.int32)
     size = train_crop_size(p)
@@ -411,10 +433,13 @@ def patch_crops(pipeline, arrays, stream_seed: int, pipeline_id: int):
     def labels_at(case, indices):
         return arrays.labels_at(int(case), indices)
 
-    def windows(case, origins):
-        return arrays.windows(int(case), origins, size)
+    # placement step reads the windows as stored (`step_image_dtype`): no float32 copy of a window-sized crop
+    read_dtype = step_dtype if p.augment.placement == "step" else tf.float32
 
-    def crops(position, case):
+    def box(case, origin, box_size):
+        return arrays.window(int(case), origin, box_size, read_dtype.as_numpy_dtype)
+
+    def locate(position, case):
         element_seed, seeds = crop_seeds(p, stream_seed, pipeline_id, position)
         fg, fg_class = tf.numpy_function(locations, [case], [tf.int32, tf.int32], stateful=False)
         fg, fg_class = tf.ensure_shape(fg, [None, 3]), tf.ensure_shape(fg_class, [None])
@@ -432,14 +457,23 @@ def patch_crops(pipeline, arrays, stream_seed: int, pipeline_id: int):
             element_seed,
             p.class_ratios,
         )
-        origins = starts - margin[None, :]
-        images, labels = tf.numpy_function(windows, [case, origins], [tf.float32, tf.uint8], stateful=False)
-        images, labels = tf.ensure_shape(images, [n, *size, channels]), tf.ensure_shape(labels, [n, *size])
-        if spatial_enabled(p.augment):
-            return tf.data.Dataset.from_tensor_slices((images, labels, tf.zeros([n, 3], tf.int32), seeds))
-        return tf.data.Dataset.from_tensor_slices((images, labels, seeds))
+        return tf.fill([n], case), starts - margin[None, :], seeds
 
-    return crops
+    boxed = spatial_enabled(p.augment) and p.augment.placement == "pipeline"
+
+    def read(case, origin, seed):
+        # one crop at a time, straight into its own tensor. Rotation / scaling / fields in tf.data: only the box
+        # its draws sample (the patch when none is drawn), not the whole enlarged window: the same patch for a
+        # fraction of the bytes
+        low, high = tf.zeros([3], tf.int32), tf.constant(size, tf.int32)
+        if boxed:
+            low, high = sampled_box(p.augment, spatial_seed(tf.cast(seed, tf.int32)), p.patch_size, size)
+        image, label = tf.numpy_function(box, [case, origin + low, high - low], [read_dtype, tf.uint8], stateful=False)
+        shape = [None] * 3 if boxed else size
+        image, label = tf.ensure_shape(image, [*shape, channels]), tf.ensure_shape(label, shape)
+        return (image, label, -low, seed) if spatial_enabled(p.augment) else (image, label, seed)
+
+    return locate, read
 
 
 def train_crop_size(pipeline) -> list[int]:
@@ -474,20 +508,24 @@ def patch_augmentation(pipeline):
     return augment
 
 
-def _unaugmented(pipeline):
-    """Placement step's map: one element of `volume_crops` as (crop, label int32, seed int64), shapes static."""
+def _unaugmented(pipeline, image_dtype: tf.DType):
+    """Placement step's map: one element of `volume_crops` as (crop `image_dtype`, label uint8, seed int64), shapes
+    static."""
     p = pipeline
     size = train_crop_size(p)
 
     def keep(*element):
         if spatial_enabled(p.augment):
             volume, volume_label, origin, crop_seed = element
-            image, label = window(volume, volume_label, origin, size)
+            # cache: patches yields the window itself (origin 0): no copy
+            image, label = (
+                (volume, volume_label) if p.cache == "patches" else window(volume, volume_label, origin, size)
+            )
         else:
             image, label, crop_seed = element
         return (
-            tf.ensure_shape(image, [*size, None]),
-            tf.ensure_shape(tf.cast(label, tf.int32), size),
+            tf.ensure_shape(tf.cast(image, image_dtype), [*size, None]),
+            tf.ensure_shape(tf.cast(label, tf.uint8), size),
             tf.ensure_shape(tf.cast(crop_seed, tf.int64), [2]),
         )
 
@@ -503,7 +541,8 @@ def step_augmentation(pipeline):
     seeds[i]: bit for bit in a tf.function on the same CPU; within float rounding (~1e-5) under XLA or on a GPU.
 
     Args (of fn):
-        images: (B, *train_crop_size, C) float32; labels: (B, *train_crop_size) int; seeds: (B, 2) int64 (int32
+        images: (B, *train_crop_size, C) float16 or float32; labels: (B, *train_crop_size) int (uint8 from
+            `build_train_dataset`); seeds: (B, 2) int64 (int32
             values, as `build_train_dataset` yields them).
 
     Returns (of fn):
@@ -520,6 +559,7 @@ def step_augmentation(pipeline):
 
     def augment(image, label, crop_seed):
         # volume_crops' seeds are int32, carried as int64: a seed's dtype changes its stateless_split stream
+        image = tf.cast(image, tf.float32)  # carried as stored (step_image_dtype), augmented in float32
         image, label = augment_patch(image, label, p.augment, tf.cast(crop_seed, tf.int32), patch_size=p.patch_size)
         image = tf.ensure_shape(image, [*p.patch_size, None])
         return image, tf.ensure_shape(tf.cast(label, tf.int32), p.patch_size)
@@ -532,6 +572,30 @@ def step_augmentation(pipeline):
         return tf.map_fn(lambda crop: augment(*crop), (images, labels, seeds), fn_output_signature=signature)
 
     return fn
+
+
+def synthetic_train_batches(config, in_channels: int, num_classes: int, seed: int = 0) -> tf.data.Dataset:
+    """An endless dataset repeating one random batch with the element spec of `build_train_dataset(config)` on one
+    replica (what the GPU-fit search times the step on): `(images, labels)` of `patch_size`, float32 and int32, or
+    with `augment.placement: step` the un-augmented crops (`train_crop_size`, as the records store them:
+    `step_image_dtype`, float16 without a converted dataset), uint8 labels and int64 seeds, static shapes."""
+    import numpy as np
+
+    p = config.pipeline
+    batch = p.num_images_per_batch * config.training.accumulation_steps
+    step_augment = p.augment.placement == "step"
+    size = train_crop_size(p) if step_augment else list(p.patch_size)
+    rng = np.random.default_rng(seed)
+    images = tf.constant(rng.standard_normal((batch, *size, in_channels), dtype=np.float32))
+    labels = tf.constant(rng.integers(0, num_classes, (batch, *size), dtype=np.int32))
+    if not step_augment:
+        return tf.data.Dataset.from_tensors((images, labels)).repeat()
+    try:
+        dtype = step_image_dtype(load_index(config.data.dataset_dir))
+    except (DataError, OSError):  # no converted dataset yet (a search from specs): what tfmis-convert writes
+        dtype = tf.float16
+    seeds = tf.constant(rng.integers(0, 2**31 - 1, (batch, 2), dtype=np.int64))
+    return tf.data.Dataset.from_tensors((tf.cast(images, dtype), tf.cast(labels, tf.uint8), seeds)).repeat()
 
 
 def build_val_dataset(config, split: str | None = None, cached: bool = True) -> tf.data.Dataset:

@@ -331,14 +331,11 @@ def spatial_seed(seed: tf.Tensor) -> tf.Tensor:
     return tf.random.experimental.stateless_fold_in(seed, _SPATIAL_FOLD, alg="philox")
 
 
-def random_spatial(image, label, config, seed, size, origin=None, input_size=None):
-    """The spatial part of `augment_patch`: draws rotation, scale and elastic field from `seed` (its
-    `spatial_seed`) and resamples the centre `size` patch of the input, or cuts it when nothing is drawn.
-
-    `origin` / `input_size`: the input is that window of `image` (e.g. a crop's context in the whole volume), read
-    in place; the result is exactly that of `augment_patch` on the window cut out (`window`), without the copy.
-    """
-    s_rotate, s_angles, s_scale, s_side, s_factor, s_elastic, s_field = tf.unstack(_split(seed, 7))
+def spatial_draw(config, seed):
+    """The spatial draws of `seed` (a crop's `spatial_seed`): (apply, matrix, deform) — whether anything is
+    resampled, the (3, 3) rotation x scale matrix (the identity when neither is drawn) and whether an elastic field
+    is added. `random_spatial` resamples with them; `sampled_box` bounds what they read."""
+    s_rotate, s_angles, s_scale, s_side, s_factor, s_elastic, _ = tf.unstack(_split(seed, 7))
     no = tf.constant(False)
     rotate = uniform([], s_rotate) < config.rotate_prob if config.rotate_prob > 0 else no
     angles = uniform([3], s_angles, -1.0, 1.0) * tf.constant([float(r) for r in config.rotate_range], tf.float32)
@@ -351,9 +348,41 @@ def random_spatial(image, label, config, seed, size, origin=None, input_size=Non
     factor = tf.where(zoom_in, low + u * (min(high, 1.0) - low), max(low, 1.0) + u * (high - max(low, 1.0)))
     factor = tf.where(scaled, factor, 1.0)
     matrix = rotation_matrix(angles) * factor
-    apply = tf.logical_or(rotate, scaled)
     deform = uniform([], s_elastic) < config.elastic_prob if config.elastic_prob > 0 else no
-    apply = tf.logical_or(apply, deform)
+    return tf.logical_or(tf.logical_or(rotate, scaled), deform), matrix, deform
+
+
+def sampled_box(config, seed, size, input_size):
+    """(low, high) int32 (3,): the box of an `input_size` window that `random_spatial(..., seed, size,
+    input_size=input_size)` reads, inside the window. The centre `size` patch when nothing is drawn; otherwise the
+    bounding box of the resampled positions (the patch corners through the drawn matrix, plus the largest elastic
+    displacement) with a voxel to spare for the trilinear neighbours and float rounding. Reading only this box
+    (and passing `origin=-low`) gives exactly what reading the whole window gives, for fewer bytes: without a draw
+    the patch, with one a box that is the whole window only for the largest rotation and scale."""
+    size = [int(s) for s in size]
+    full = tf.constant([int(s) for s in input_size], tf.int32)
+    apply, matrix, deform = spatial_draw(config, seed)
+    half = tf.constant([(s - 1) / 2.0 for s in size], tf.float32)
+    centre = (tf.cast(full, tf.float32) - 1.0) / 2.0
+    reach = tf.reduce_sum(tf.abs(matrix) * half[None, :], axis=1)
+    if config.elastic_prob > 0:
+        reach += tf.where(deform, float(config.elastic_magnitude[1]), 0.0)
+    low = tf.maximum(tf.cast(tf.floor(centre - reach), tf.int32) - 1, 0)
+    high = tf.minimum(tf.cast(tf.floor(centre + reach), tf.int32) + 2, full)
+    patch_low = (full - tf.constant(size, tf.int32)) // 2
+    return tf.where(apply, low, patch_low), tf.where(apply, high, patch_low + size)
+
+
+def random_spatial(image, label, config, seed, size, origin=None, input_size=None):
+    """The spatial part of `augment_patch`: draws rotation, scale and elastic field from `seed` (its
+    `spatial_seed`, `spatial_draw`) and resamples the centre `size` patch of the input, or cuts it when nothing is
+    drawn.
+
+    `origin` / `input_size`: the input is that window of `image` (e.g. a crop's context in the whole volume), read
+    in place; the result is exactly that of `augment_patch` on the window cut out (`window`), without the copy.
+    """
+    apply, matrix, deform = spatial_draw(config, seed)
+    s_field = _split(seed, 7)[6]
 
     def resample():
         field = None

@@ -7,8 +7,8 @@ without GPUs to N logical CPU devices, which `make_backend` sets up before Tenso
 The child (`python -m tfmis.tune.fit.trial REQUEST RESULT`) builds the real `Trainer` from the
 config (model, loss, optimizer, loss scaling, precision, jit_compile), runs the compiled loop of
 `training.steps_per_loop` steps that `Trainer.fit` runs (`Trainer.train_loop`) over a stream of a synthetic
-batch with the training stream's shapes and dtypes (`synthetic_train_batches`; warm-up loops, then timed
-loops), then runs sliding-window inference as `Trainer.validate` does on a volume of the dataset's
+batch with the training stream's shapes and dtypes (`tfmis.data.pipeline.synthetic_train_batches`; warm-up
+loops, then timed loops), then runs sliding-window inference as `Trainer.validate` does on a volume of the dataset's
 99.5th-percentile shape (one pass to trace, one timed pass).
 
 Memory is measured per phase (setup, training, validation): on a GPU, TensorFlow's allocator peak
@@ -373,30 +373,6 @@ def _read_json(path: Path) -> dict | None:
 # ---------------------------------------------------------------- child side
 
 
-def synthetic_train_batches(config, in_channels: int, num_classes: int, seed: int = 0):
-    """An endless `tf.data.Dataset` repeating one random batch with the element spec of
-    `tfmis.data.pipeline.build_train_dataset(config)` on one replica: `(images, labels)` of `patch_size`, or
-    with `pipeline.augment.placement: step` the un-augmented crops (`train_crop_size`), their labels and
-    per-crop seeds `(images, labels, seeds)`; float32 images, int32 labels, int64 seeds, static shapes."""
-    import numpy as np
-    import tensorflow as tf
-
-    from tfmis.data.pipeline import train_crop_size
-
-    p = config.pipeline
-    batch = p.num_images_per_batch * config.training.accumulation_steps
-    step_augment = p.augment.placement == "step"
-    size = train_crop_size(p) if step_augment else list(p.patch_size)
-    rng = np.random.default_rng(seed)
-    element = [
-        tf.constant(rng.standard_normal((batch, *size, in_channels), dtype=np.float32)),
-        tf.constant(rng.integers(0, num_classes, (batch, *size), dtype=np.int32)),
-    ]
-    if step_augment:  # each crop's augmentation seed, as volume_crops draws them
-        element.append(tf.constant(rng.integers(0, 2**31 - 1, (batch, 2), dtype=np.int64)))
-    return tf.data.Dataset.from_tensors(tuple(element)).repeat()
-
-
 class _ChildTrial:
     """The measurements of one trial, in the child process; `progress.json` follows them."""
 
@@ -518,6 +494,8 @@ class _ChildTrial:
 
     def _train(self) -> None:
         import math
+
+        from tfmis.data.pipeline import synthetic_train_batches
 
         tf, trainer, config = self.tf, self.trainer, self.config
         batch_size = config.pipeline.num_images_per_batch * config.training.accumulation_steps
