@@ -49,11 +49,11 @@ def patch_input(pipeline, channels: int, accumulation_steps: int, budget_mb: flo
     augmentation's margin; float32 image and uint8 label, or as stored with `augment.placement: step`): each
     parallel map, the readers' and the augmentation's, holds its parallelism in flight and as many done. With
     `augment.placement: pipeline`, also one augmentation's copies per usable CPU (with rotation / scaling /
-    elastic, the resampling's buffers too). Then the augmented crops
-    in the crop shuffle buffer, the batch being built, the prefetched batches and the one the step holds
-    (patch-sized, or window-sized with `augment.placement: step`). Readers: two per usable CPU (4 to 16; page
-    faults of one crop wait on the disk while another copies), fewer when their windows would pass the budget (a
-    128³ patch with rotation reads windows of ~100-200 MB), at least one.
+    elastic, the resampling's buffers too). Then the augmented crops in the crop shuffle buffer, the batch being
+    built, the prefetched batches and the one the step holds (patch-sized, or window-sized with
+    `augment.placement: step`). Readers: two per usable CPU (4 to 16; page faults of one crop wait on the disk
+    while another copies), fewer when their windows would pass the budget (a 128³ patch with rotation reads
+    windows of ~100-200 MB), at least one.
 
     `image_bytes`: the stored image's bytes a voxel (2 for float16 records), what `placement: step` carries.
 
