@@ -295,24 +295,17 @@ class PatchArrays:
 
     def window(self, case: int, origin, size, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
         """The `size` window at `origin` (voxels; negative or past the end = zeros there), as
-        `tfmis.transforms.augment.window` cuts it from the decoded volume: image (*size, C) float32, label (*size)
-        uint8 (image as `dtype`)."""
-        images, labels = self.windows(case, [origin], size, dtype)
-        return images[0], labels[0]
-
-    def windows(self, case: int, origins, size, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-        """`window` at each of (N, 3) `origins`: images (N, *size, C) float32, labels (N, *size) uint8, each read
-        straight into its place (no window is held twice)."""
+        `tfmis.transforms.augment.window` cuts it from the decoded volume: image (*size, C) as `dtype`, label (*size)
+        uint8, read straight into place."""
         image, label = self._arrays(case)
-        origins, size = np.asarray(origins, np.int64).reshape(-1, 3), np.asarray(size, np.int64)
+        origin, size = np.asarray(origin, np.int64), np.asarray(size, np.int64)
         shape = np.asarray(label.shape, np.int64)
-        out_image = np.zeros((len(origins), *size, image.shape[-1]), dtype)
-        out_label = np.zeros((len(origins), *size), np.uint8)
-        for k, origin in enumerate(origins):
-            lo, hi = np.clip(origin, 0, shape), np.clip(origin + size, 0, shape)
-            if np.all(hi > lo):
-                src = tuple(slice(a, b) for a, b in zip(lo, hi))
-                dst = (k, *(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin)))
-                out_image[dst] = image[src]
-                out_label[dst] = label[src]
+        lo, hi = np.clip(origin, 0, shape), np.clip(origin + size, 0, shape)
+        out_image = np.zeros((*size, image.shape[-1]), dtype)
+        out_label = np.zeros(tuple(size), np.uint8)
+        if np.all(hi > lo):
+            src = tuple(slice(a, b) for a, b in zip(lo, hi))
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin))
+            out_image[dst] = image[src]
+            out_label[dst] = label[src]
         return out_image, out_label
