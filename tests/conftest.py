@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
 from pathlib import Path
 
 import nibabel as nib
@@ -12,6 +14,51 @@ import pytest
 # first, before any test module imports TensorFlow: tfmis decides oneDNN and the thread pools for this machine
 # (TensorFlow reads both once, at its import), so the suite runs as fast as the commands do
 import tfmis  # noqa: F401, E402
+
+# In CI (.ci/run sets TFMIS_CI), a skip is a failure: CI installs every tool and package the tests need (Open MPI,
+# SLURM, the extras, a cgroup as root), so a skip there means a step is broken, not that a tool is missing. The tests
+# that may skip in CI too say why with `@pytest.mark.ci_may_skip("...")` (a GPU, MONAI, a run in another CI step).
+IN_CI = bool(os.environ.get("TFMIS_CI"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "ci_may_skip(reason): this test may skip in CI too (no CI machine has what it needs), saying why"
+    )
+
+
+def _skip_reason(report) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped and not hasattr(report, "wasxfail") and not item.get_closest_marker("ci_may_skip"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, which installs what this test needs (TFMIS_CI): {_skip_reason(report)}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped:
+        report.outcome = "failed"
+        report.longrepr = f"module skipped in CI, which installs what it needs (TFMIS_CI): {_skip_reason(report)}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The count of skips by reason, so a run's skips can be read at a glance (and compared between runs)."""
+    reasons = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        reasons[_skip_reason(report)] += 1
+    if reasons:
+        terminalreporter.section("skips by reason")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:4d}  {reason}")
 
 
 def write_nifti(path: Path, data: np.ndarray, affine: np.ndarray, dtype=None) -> Path:
