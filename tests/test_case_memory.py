@@ -80,7 +80,8 @@ def memory_cgroup(limit_mb: float) -> tuple[Path, list[str]]:
 
 
 def run_limited(limit_mb: float, args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m args...` inside a new memory cgroup of `limit_mb` (skips the test where none can be made)."""
+    """`python -m args...` inside a new memory cgroup of `limit_mb` (skips the test where none can be made; fails in
+    CI, which runs as root with a cgroup memory controller: tests/conftest.py)."""
     try:
         folder, prefix = memory_cgroup(limit_mb)
     except OSError as e:

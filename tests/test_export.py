@@ -220,7 +220,8 @@ np.save(sys.argv[4], e / e.sum(axis=-1, keepdims=True))
 
 def _clean_environment(folder: Path, *packages) -> Path:
     """A new virtual environment (no system site-packages) with only `packages` from pip's configured index; the
-    test is skipped, saying why, when pip cannot install them on this machine."""
+    test is skipped, saying why, when pip cannot install them on this machine, and fails instead in CI
+    (`TFMIS_CI=1`), which has pip's index: there a clean environment that cannot be made is a failure."""
     subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
     python = folder / "bin" / "python"
     done = subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], capture_output=True, text=True)

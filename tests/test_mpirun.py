@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY_TRAINING
+from conftest import TINY_TRAINING, make_msd_dataset, tiny_config
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -162,6 +163,81 @@ def test_tfmis_train_under_mpirun_trains_resumes_and_ends_quietly(converted_data
     history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in history] == [1, 2, 3]
     assert not (tmp_path / "run" / ".rendezvous").exists()
+
+
+RANK_RUNNER = textwrap.dedent("""
+    import json, os, sys, time
+    from tfmis.crossval.cli import main
+    code = main(sys.argv[2:])  # tfmis-crossval's own main, in the process mpirun started
+    with open(f"{sys.argv[1]}/rank{os.environ['OMPI_COMM_WORLD_RANK']}.json", "w") as f:
+        json.dump({"code": code, "time": time.time()}, f)
+    sys.exit(code)
+""")
+
+
+@pytest.mark.launcher
+@needs_mpirun
+def test_a_rank_killed_under_mpirun_is_reported_by_rank_0_after_the_rank_timeout(tmp_path):
+    """`mpirun --allow-run-as-root -np 2 tfmis-crossval --folds 2 --rank-timeout 15`, Open MPI told to let the other
+    ranks run on when one dies (`--mca orte_enable_recovery 1`; by default it ends the whole job itself, which
+    tests/test_crossval.py checks): rank 1, SIGKILLed (its pid from its heartbeat) while it waits for rank 0's
+    conversion, leaves rank 0 alone to convert, train and predict fold 0 and then wait for it. tfmis's own timeout
+    ends that wait: 15 s (`--rank-timeout`) to 15 s + 2 polls + 10 s after rank 0 started waiting (its
+    `worker_end` event), one `error: rank 1 (host, pid) stopped answering ...` line with the killed pid, fold 1 named
+    unfinished, exit 3 (`PartialFailure`, read from the rank's own `main`: mpirun in this mode exits 0 whatever its
+    ranks exit), and none of mpirun's abort text; no process of the job is left."""
+    from tfmis.config import save_config
+    from tfmis.crossval.experiment import read_job_events
+    from tfmis.crossval.ranks import POLL_SECONDS, read_heartbeat
+
+    source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=6)
+    config = tiny_config(
+        tmp_path / "tfrecords",
+        tmp_path / "runs",
+        f"data.source_dir={source}",
+        "data.conversion.shards=1",
+        "training.epochs=1",
+        "training.steps_per_epoch=1",
+    )
+    save_config(config, tmp_path / "tiny.yaml")
+    (tmp_path / "rank.py").write_text(RANK_RUNNER)
+    cv, out, exits = tmp_path / "cv", tmp_path / "out", tmp_path / "exits"
+    exits.mkdir()
+    timeout = 15
+    command = [MPIRUN, "-np", "2", "--oversubscribe", "--output-filename", str(out), "-x", "PYTHONPATH"]
+    command += ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    command += ["--mca", "orte_enable_recovery", "1", sys.executable, str(tmp_path / "rank.py"), str(exits)]
+    command += ["--config", str(tmp_path / "tiny.yaml"), "--folds", "2", "--output", str(cv)]
+    command += ["--rank-timeout", str(timeout)]
+    env = {**{k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, "PYTHONPATH": str(ROOT)}
+    job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while (read_heartbeat(cv, 1) or {}).get("state") != "running":
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0][-3000:]
+        time.sleep(0.05)
+    rank1 = read_heartbeat(cv, 1)
+    assert not (cv / "crossval_definition.json").exists(), "rank 1 was to be killed while it waits for rank 0"
+    os.kill(rank1["pid"], signal.SIGKILL)
+    launcher = job.communicate(timeout=600)[0]
+    rank0 = rank_output(out, 0)
+    assert "mpirun noticed" not in launcher and "job has been aborted" not in launcher, launcher[-3000:]
+    assert not (exits / "rank1.json").exists()
+    ended = json.loads((exits / "rank0.json").read_text())
+    assert ended["code"] == 3, launcher[-2000:] + rank0[-3000:]
+    lost = [line for line in rank0.splitlines() if line.startswith("error: rank 1 ")]
+    assert len(lost) == 1, rank0[-3000:]
+    assert lost[0].startswith(f"error: rank 1 (host {rank1['host']}, pid {rank1['pid']}) stopped answering: nothing")
+    assert f"(--rank-timeout {timeout})" in lost[0] and "Rerun the same command" in lost[0]
+    silent = int(re.search(r"nothing from it for (\d+) s", lost[0]).group(1))
+    assert timeout <= silent <= timeout + 2 * POLL_SECONDS + 1, lost[0]
+    assert "error: fold 1: not finished" in rank0 and "1 fold(s) unfinished" in rank0, rank0[-3000:]
+    (waiting,) = [e for e in read_job_events(cv, jobs=False) if e["event"] == "worker_end" and e["rank"] == 0]
+    assert waiting["code"] == 0  # rank 0's own fold trained and was predicted
+    took = ended["time"] - waiting["time"]
+    assert timeout <= took < timeout + 2 * POLL_SECONDS + 10, took
+    time.sleep(2)
+    left = subprocess.run(["pgrep", "-f", str(cv)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of the job are still running: {left}"
 
 
 @pytest.mark.slow
