@@ -4,8 +4,11 @@ TensorFlow initialises its devices):
 
 - pipeline: each stage's variables, their Adam slots and their gradients live on the stage's device, and a
   checkpoint written after a step there restores into a one-device model (checkpoints store no devices);
-- spatial: the labels are sliced where they are, so only each slab's rows travel to its device, and the first
-  device's memory count holds no whole-patch logits, as the planner's per-GPU estimate now assumes.
+- spatial: the labels are sliced where they are, so only each slab's rows travel to its device, and with the loss
+  summed slab by slab the first device's memory count holds no whole-patch logits;
+- the planner's memory estimates against the count (`tfmis.profiling.graph_memory.placed_memory`) of the step it
+  plans: the network, patch, precision and loss of a plan for 4 GPUs, traced (never run) on 1, 2 and 4 logical
+  CPU devices, compared per device with the planner's one-GPU and per-GPU figures.
 """
 
 from __future__ import annotations
@@ -59,12 +62,14 @@ SCRIPT = textwrap.dedent(
     for layer in training_model.layers:
         for v in layer.variables:
             stage_of.setdefault(id(v), pipeline.stages.get(layer.name))
-    out["variables"] = [[v.path, device_of(v), devices[stage_of[id(v)]]] for v in training_model.variables]
+    def nbytes(v):
+        return int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+
+    out["variables"] = [[v.path, device_of(v), devices[stage_of[id(v)]], nbytes(v)] for v in training_model.variables]
     variables = training_model.trainable_variables
     out["slots"] = [[v.path, device_of(m), device_of(s), device_of(v)]
                     for v, m, s in zip(variables, optimizer._momentums, optimizer._velocities)]
     out["stage_table"] = pipeline.stage_table()
-    out["placed"] = pipeline.placed_variable_bytes
     loss_fn = DeepSupervisionLoss(build_loss("dice_ce"), [f for _, f in config.deep_supervision_levels])
 
     def loss_of(x, y):
@@ -162,10 +167,11 @@ def test_pipeline_stage_variables_their_adam_slots_and_gradients_live_on_the_sta
     """Every variable of a 2-stage pipeline (trainable and not) is on its stage's device, both stages own some,
     each Adam slot is on its variable's device, each gradient (the op that makes it in the traced `tf.gradients`,
     micro-batch sums included) runs there, the optimizer's step (Adam; SGD with momentum and weight decay) reads
-    no weight or slot on another device, and the stage table's parameter column is the bytes placed there."""
+    no weight or slot on another device, and the stage table's parameter column is the bytes of the variables whose
+    value lives on that stage's device (read from each variable)."""
     _, out = placement
-    assert out["variables"] and all(device == stage for _, device, stage in out["variables"])
-    assert {device for _, device, _ in out["variables"]} == {"/CPU:0", "/CPU:1"}
+    assert out["variables"] and all(device == stage for _, device, stage, _ in out["variables"])
+    assert {device for _, device, _, _ in out["variables"]} == {"/CPU:0", "/CPU:1"}
     assert all(m == s == v for _, m, s, v in out["slots"])
     assert len(out["gradients"]) == len(out["slots"])
     assert all(made == device for _, made, _, device in out["gradients"]), out["gradients"]
@@ -173,9 +179,10 @@ def test_pipeline_stage_variables_their_adam_slots_and_gradients_live_on_the_sta
     # Adam's step and in SGD's with momentum and weight decay, not weights, slots or gradients
     assert all(crossed < 1024 for crossed in out["variable_crossings"].values()), out["variable_crossings"]
     assert out["weight_bytes"] > 100_000
-    for stage, device in enumerate(("/CPU:0", "/CPU:1")):
+    for stage, device in enumerate(("/CPU:0", "/CPU:1")):  # the bytes of the variables whose value is there
+        held = sum(nbytes for _, placed, _, nbytes in out["variables"] if placed == device)
         line = out["stage_table"].splitlines()[1 + stage]
-        assert f"parameters on it {out['placed'][device] / 2**20:.2f} MiB" in line
+        assert f"parameters on it {held / 2**20:.2f} MiB" in line
     assert all(s > 0 for s in out["slot_sums"])  # the step ran and updated every slot
 
 
@@ -210,33 +217,135 @@ def test_spatial_labels_are_sliced_where_they_are_and_only_slabs_travel(placemen
 
 
 @pytest.mark.slow
-def test_planner_charges_no_whole_patch_logits_to_the_first_gpu_as_the_graph_count_shows(placement):
+def test_spatial_loss_summed_by_slab_keeps_the_whole_patch_logits_off_the_first_device(placement):
     """The graph count of the demo U-Net's spatial step (48³, batch 2) over 2 devices: with the loss summed slab by
     slab the first device's peak is within 10% of the second's, while joining the outputs for the loss (a loss
-    without partial sums) adds more than the whole patch's logits to it. The planner's per-GPU estimate follows
-    the first: weights plus 1.15/N of the activations, no whole-patch term (before: + 432 MB at 192x192x128 with
-    3 classes), so it falls as 1/N like the count."""
-    from test_model_parallel import _gpus
-    from test_plan import _fingerprint
-
-    from tfmis.planning.planner import ExperimentPlanner
-    from tfmis.planning.rules import training_memory_mb
-    from tfmis.planning.topology import SPATIAL_OVERHEAD
-
+    without partial sums) adds more than the whole patch's logits to the first device's peak."""
     _, out = placement
     first, second = out["sums_peaks"]["/CPU:0"], out["sums_peaks"]["/CPU:1"]
     assert first <= 1.1 * second
     assert out["joined_peaks"]["/CPU:0"] - first > out["logits_bytes"]
 
-    planner = ExperimentPlanner(_fingerprint([[1.0, 1.0, 1.0]] * 10, [[192, 160, 128]] * 10), _gpus(4, 81920))
-    patch, strides = (192, 192, 128), [(1, 1, 1)] + [(2, 2, 2)] * 5
-    lo, hi = planner.filter_range()
-    filters = [min(lo * 2**i, hi) for i in range(len(strides))]
-    memory = training_memory_mb(
-        patch, strides, filters, planner.num_res_units(), planner.in_channels, planner.num_classes, 2, planner.precision
+
+PLANNED_STEP = textwrap.dedent(
+    """
+    import json, sys
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+
+    from tfmis.config import load_config
+    from tfmis.networks.parallel import ModelParallel
+    from tfmis.profiling.graph_memory import placed_memory, step_graph
+    from tfmis.task import SegmentationTask
+
+    config, info = load_config(sys.argv[1]), json.loads(sys.argv[2])
+    task = SegmentationTask(config, data_info=info)  # the trainer's network, precision and loss for this plan
+    task.set_precision_policy()
+    _, training_model = task.build_training_model()
+    loss = task.build_loss()
+    patch, strides = config.pipeline.patch_size, config.model.strides
+    out = {"precision": task.precision, "peaks": {}, "slabs": {}}
+    for n in (1, 2, 4):
+        parallel = None
+        if n > 1:
+            devices = [[f"/CPU:{i}" for i in range(n)]]
+            axis = config.runtime.model_parallel.axis
+            parallel = ModelParallel(training_model, "spatial", devices, strides, axis=axis, patch_size=patch,
+                                     in_channels=task.in_channels)
+            out["slabs"][n] = parallel.describe()
+        graph = step_graph(training_model, loss, 2, patch, task.in_channels, parallel=parallel, gradients="colocated")
+        out["peaks"][n] = {d: m.peak_bytes for d, m in placed_memory(graph).items()}
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def planned_step(tmp_path_factory):
+    """The plan for a CT fingerprint of 192x160x128 voxels at 1 mm on 4 GPUs of 80 GB (today a spatial split of the
+    patch 192x192x128 that the dataset wants), its planner, and the count of its training step (network, patch,
+    mixed precision, Dice + CE at batch 2; the gradient taken as the trainer takes it) traced on 1 device and
+    split over 2 and 4: {"peaks": {N: {device: bytes}}, "slabs": {N: placement}}."""
+    from test_model_parallel import _gpus
+    from test_plan import _fingerprint
+
+    from tfmis.planning import make_plan
+    from tfmis.planning.planner import ExperimentPlanner
+
+    fp = _fingerprint([[1.0, 1.0, 1.0]] * 10, [[192, 160, 128]] * 10)
+    folder = tmp_path_factory.mktemp("planned_step")
+    plan = make_plan(fp, _gpus(4, 81920), output_dir=str(folder / "run"), dataset_dir=str(folder / "data"))
+    path = plan.write(folder / "plan.yaml")
+    info = {"source": {"labels": list(fp.labels), "modalities": list(fp.modalities)}}
+    result = subprocess.run(
+        [sys.executable, "-c", PLANNED_STEP, str(path), json.dumps(info)], capture_output=True, text=True, timeout=900
     )
-    activations = memory["total_mb"] - memory["fixed_mb"]
+    assert result.returncode == 0, result.stderr[-4000:]
+    counted = json.loads(result.stdout.strip().splitlines()[-1])
+    counted["peaks"] = {int(n): peaks for n, peaks in counted["peaks"].items()}
+    return plan.config(), ExperimentPlanner(fp, _gpus(4, 81920)), counted
+
+
+def _planner_split(config, planner):
+    """(the planner's weights term, its one-GPU activations, per N its per-GPU activations) in MiB for the planned
+    patch, from its own memory model (`training_memory_mb`, `_spatial_mb`)."""
+    from tfmis.planning.rules import training_memory_mb
+
+    patch, strides = list(config.pipeline.patch_size), list(config.model.strides)
+    memory = training_memory_mb(
+        patch,
+        strides,
+        list(config.model.filters),
+        config.model.num_res_units,
+        planner.in_channels,
+        planner.num_classes,
+        2,
+        planner.precision,
+    )
+    fixed = memory["fixed_mb"]
+    per_gpu = {n: planner._spatial_mb(patch, strides, n)[0] - fixed for n in (2, 4)}
+    return fixed, memory["total_mb"] - fixed, per_gpu
+
+
+@pytest.mark.slow
+def test_planner_one_gpu_estimate_of_the_planned_step_is_within_15_percent_of_its_count(planned_step):
+    """The plan for 4 x 80 GB (mixed precision; today the patch 192x192x128 split over 4 GPUs): the planner's
+    activation memory of its step on one GPU (its estimate at batch 2 less its weights term) is within 15% of the
+    counted peak of that step traced on one device."""
+    config, planner, counted = planned_step
+    assert config.training.precision == counted["precision"] == "mixed_float16"
+    _, activations, _ = _planner_split(config, planner)
+    one_device = counted["peaks"][1]["/CPU:0"] / 2**20
+    assert activations == pytest.approx(one_device, rel=0.15), (activations, one_device)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="the planner's per-GPU spatial estimate (weights + 1.15/N of the activations, equal slabs assumed) is "
+    "under the count: its busiest device holds 0.70 of the one-device peak at N = 2 and 0.47 at N = 4 (slabs "
+    "64/64/32/32 of 192 rows aligned to 32), against the planner's 0.575 and 0.29; the planned 4-way split then "
+    "needs ~8.8 GB per GPU, over the 8 GB budget",
+)
+def test_planner_per_gpu_estimate_of_a_spatial_split_is_within_15_percent_of_the_busiest_devices_count(planned_step):
+    """For the planned patch split over 2 and 4 GPUs, the planner's per-GPU activation memory as a share of its
+    one-GPU activations is within 15% of the counted peak of the busiest device as a share of the one-device count;
+    and the planned split's per-GPU memory with the counted share (the planner's weights term plus that share of
+    its one-GPU activations) is within the plan's 8 GB budget."""
+    from tfmis.planning.planner import GPU_MEMORY_TARGET_MB
+
+    config, planner, counted = planned_step
+    fixed, activations, per_gpu = _planner_split(config, planner)
+    one_device = counted["peaks"][1]["/CPU:0"]
+    counted_share = {n: max(counted["peaks"][n].values()) / one_device for n in (2, 4)}
     for n in (2, 4):
-        per_gpu, one = planner._spatial_mb(patch, strides, n)
-        assert one == memory["total_mb"]
-        assert per_gpu == pytest.approx(memory["fixed_mb"] + activations * SPATIAL_OVERHEAD / n, rel=1e-12)
+        assert per_gpu[n] / activations == pytest.approx(counted_share[n], rel=0.15), (
+            n,
+            counted_share,
+            counted["slabs"],
+        )
+    n = config.runtime.model_parallel.devices
+    if config.runtime.model_parallel.mode == "spatial":
+        assert fixed + counted_share[n] * activations <= GPU_MEMORY_TARGET_MB, (n, counted_share)

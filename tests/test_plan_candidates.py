@@ -1,7 +1,7 @@
 """The plan's candidates (tfmis.planning.stages): full resolution always; low resolution and a cascade on it only
 when the full-resolution patch covers under 25% of the median image and the low-resolution median image has at
 least 2x fewer voxels (nnU-Net v2's rules); one recommended, never the others deleted; every candidate written to
-`candidates.yaml` for cross-validation; the cascade's regions measured on one grid, clipped to the foreground crop.
+`candidates.yaml` for cross-validation; the cascade's regions the plan counts equal to those cascade prediction cuts.
 
 Real fingerprints come from the demo generators (the demo brain, the CT-like demo) and from labelled NIfTI cases
 written here; the BraTS-size and CT-size fingerprints are the synthetic ones of test_cascade.py (a real BraTS-size
@@ -195,36 +195,45 @@ def test_plan_command_on_a_ct_demo_with_three_candidates_prints_and_writes_them(
     assert [n for n, _ in load_stages(out / "plan.yaml")] == stages
 
 
-def _grown(box, margin, shape):
-    """[start, stop) per axis grown by `margin` voxels, within [0, shape)."""
-    return [(max(a - m, 0), min(b + m, n)) for (a, b), m, n in zip(box, margin, shape)]
+def test_planned_region_share_is_the_share_of_the_crop_cascade_prediction_feeds_the_fine_stage(tmp_path):
+    """Three cases of 216x166x40 voxels at 1x1x2 mm: a body (the foreground crop, 200x150x32) holding an organ block
+    (shifted one voxel a case) and two 6x6x3-voxel lesions in far corners, one whose region reaches past the crop.
+    The planner's regions (`StagePlanner.determine_regions` on the fine stage's plan, whose window is its patch:
+    count and share of the crop per case) against a real cascade prediction of each case (`CascadePredictor`:
+    coarse 2x2x4 mm and fine run folders with the planned patch and margin, both networks a fixed intensity
+    classifier that finds the labels, as in tests/test_cascade_regions.py): the same number of regions, and a share
+    within 5% of the voxels the fine stage is given (its inputs recorded as they pass, over the crop counted from
+    the image). Prediction grows each region to at least the fine window; the lesions' boxes + 20 mm are smaller
+    than it, so without that growth the count (`measure_regions` with no window) is under half that share."""
+    from test_cascade_regions import COARSE_SPACING, make_run, threshold_network
 
+    from tfmis.config import load_config
+    from tfmis.inference.cascade import make_predictor
+    from tfmis.planning.planner import ExperimentPlanner
+    from tfmis.planning.stages import CASCADE_MARGIN_MM, StagePlanner
 
-def test_region_share_is_counted_on_the_case_grid_clipped_to_the_foreground_crop(tmp_path):
-    """Three labelled pieces near the edges of a body (the foreground crop) inside a larger zero image at 1x1x2 mm:
-    each piece's box grown by 20 mm (20, 20, 10 voxels) and clipped to the image, the two that overlap merged, then
-    clipped to the crop. measure_regions' count, volume and share equal that count written out here by hand (the
-    whole image's ~4 mm cells over the crop's volume, measured before, gave more)."""
-    shape, spacing = (120, 80, 40), (1.0, 1.0, 2.0)
-    crop = [(10, 110), (5, 75), (4, 36)]
-    pieces = [[(12, 20), (30, 40), (10, 14)], [(30, 36), (50, 56), (16, 20)], [(95, 105), (8, 14), (28, 33)]]
-    root = tmp_path / "edges"
-    cases = []
+    shape, spacing = (216, 166, 40), (1.0, 1.0, 2.0)
+    body = [(8, 208), (8, 158), (4, 36)]
+    lesions = [[(190, 196), (140, 146), (26, 29)], [(190, 196), (14, 20), (6, 9)]]
+    root = tmp_path / "corners"
+    cases, images = [], []
     for i in range(3):
-        image = np.zeros(shape, np.int16)
-        image[tuple(slice(a, b) for a, b in crop)] = 100 + i
         label = np.zeros(shape, np.uint8)
-        for k, box in enumerate(pieces):
-            label[tuple(slice(a, b) for a, b in box)] = 1 + k % 2
-        affine = np.diag([*spacing, 1.0])
+        label[14 + i : 40 + i, 14:40, 10:18] = 1  # the organ
+        for box in lesions:
+            label[tuple(slice(a, b) for a, b in box)] = 2
+        image = np.zeros(shape, np.float32)
+        image[tuple(slice(a, b) for a, b in body)] = 0.25  # foreground, below the classifier's 0.5
+        image[label > 0] = label[label > 0]  # the classifier's class 1 from 0.5, class 2 from 1.5
+        images.append(image)
         for folder, array in (("imagesTr", image), ("labelsTr", label)):
             (root / folder).mkdir(parents=True, exist_ok=True)
-            nib.save(nib.Nifti1Image(array, affine), str(root / folder / f"c_{i}.nii.gz"))
+            nib.save(nib.Nifti1Image(array, np.diag([*spacing, 1.0])), str(root / folder / f"c_{i}.nii.gz"))
         cases.append({"image": f"./imagesTr/c_{i}.nii.gz", "label": f"./labelsTr/c_{i}.nii.gz"})
     (root / "dataset.json").write_text(
         json.dumps(
             {
-                "name": "edges",
+                "name": "corners",
                 "modality": {"0": "MR"},
                 "labels": {"0": "background", "1": "organ", "2": "lesion"},
                 "training": cases,
@@ -234,19 +243,40 @@ def test_region_share_is_counted_on_the_case_grid_clipped_to_the_foreground_crop
         )
     )
     fp = fingerprint_msd(root, workers=1, progress=False)
-    assert fp.label_pieces[0]["voxels"]["crop"] == [[10, 5, 4], [110, 75, 36]]
-    np.testing.assert_array_equal(fp.crop_shapes[0], [100, 70, 32])
+    coarse_dir, fine_dir = tmp_path / "coarse", tmp_path / "fine"
+    fine = ExperimentPlanner(
+        fp, CPU, roi_margin_mm=CASCADE_MARGIN_MM, coarse_run=str(coarse_dir), output_dir=str(tmp_path / "run")
+    ).plan()
+    planner = StagePlanner(fp, CPU)
+    planner.determine_regions(fine)
+    planned = fine.summary["regions"]
+    window, fine_spacing = fine.values["validation.roi_size"], fine.values["data.conversion.spacing"]
+    assert fine_spacing == list(spacing)
+    assert planner.fine_window_mm() == planner.fine_window_mm(fine)  # the recommendation's count uses that window
+    grown = [b - a + 2 * 20 for a, b in lesions[0][:2]]  # a lesion's box + 20 mm in-plane, in voxels of 1 mm
+    assert all(w > g for w, g in zip(window[:2], grown)), (window, grown)
 
-    # by hand: grown by ceil(20 mm / spacing) = (20, 20, 10) voxels, clipped to the image
-    a, b, c = (_grown(p, (20, 20, 10), shape) for p in pieces)
-    assert a == [(0, 40), (10, 60), (0, 24)] and b == [(10, 56), (30, 76), (6, 30)]
-    assert c == [(75, 120), (0, 34), (18, 40)]
-    merged = [(0, 56), (10, 76), (0, 30)]  # a and b overlap (x 10-40, y 30-60, z 6-24): one region; c stays apart
-    clipped = [[(max(lo, clo), min(hi, chi)) for (lo, hi), (clo, chi) in zip(box, crop)] for box in (merged, c)]
-    assert clipped == [[(10, 56), (10, 75), (4, 30)], [(75, 110), (5, 34), (18, 36)]]
-    voxels = 46 * 65 * 26 + 35 * 29 * 18
-    crop_voxels = 100 * 70 * 32
-    counts, volumes, shares = measure_regions(fp, 20.0)
-    assert counts == [2, 2, 2]
-    np.testing.assert_allclose(volumes, [voxels * 2.0] * 3)
-    np.testing.assert_allclose(shares, [voxels / crop_voxels] * 3)  # 0.4286
+    make_run(coarse_dir, COARSE_SPACING, (16, 16, 8))
+    make_run(fine_dir, tuple(spacing), window, coarse_run=str(coarse_dir), margin_mm=CASCADE_MARGIN_MM)
+    predictor = make_predictor(load_config(fine_dir / "config.yaml"), fine_dir, device="cpu")
+    predictor.model, predictor.coarse.model = threshold_network(), threshold_network()
+    given = []  # the shape of each volume the fine stage predicts (at the scan's spacing: its voxels)
+    fine_stage = predictor._grid_prediction
+
+    def recorded(holder, geometry, case_id, roi):
+        given.append(holder[0].shape[:3])
+        return fine_stage(holder, geometry, case_id, roi)
+
+    predictor._grid_prediction = recorded
+    counts, shares = [], []
+    for image in images:
+        given.clear()
+        predictor.predict_array(image[..., None], np.diag([*spacing, 1.0]), probabilities=False)
+        where = np.argwhere(image != 0)
+        crop_voxels = float(np.prod(where.max(axis=0) + 1 - where.min(axis=0)))
+        counts.append(len(predictor.last_boxes))
+        shares.append(sum(float(np.prod(g)) for g in given) / crop_voxels)
+    assert planned["per_case"] == counts == [3, 3, 3], (planned, counts)
+    np.testing.assert_allclose(planned["share_of_crop"], shares, rtol=0.05)
+    unwindowed = measure_regions(fp, CASCADE_MARGIN_MM)[2]
+    assert max(unwindowed) < 0.5 * min(shares), (unwindowed, shares)

@@ -18,7 +18,7 @@ import pytest
 
 from tfmis import plan, train
 from tfmis.config import PlannedFor, load_config
-from tfmis.hardware import Hardware, detect_hardware, parse_memory_mb
+from tfmis.hardware import GPU_RESERVED_MB, Hardware, detect_hardware, parse_memory_mb
 from tfmis.planning import DatasetFingerprint, make_plan
 from tfmis.planning.planner import GPU_MEMORY_TARGET_MB
 from tfmis.planning.rules import training_memory_mb
@@ -125,18 +125,62 @@ def test_a_named_gpu_plans_its_memory_and_precision():
     )
 
 
-def test_a_smaller_target_gpu_gets_no_larger_patch_and_no_larger_batch():
-    """The BraTS-size fingerprint planned for one 8 GB GPU and for 8 x 80 GB (both given by memory): the 8 GB GPU's
-    patch has no more voxels and its batch is no larger; both are planned as GPU plans (SGD, filters from 32) on
-    this machine, whatever it has; the plan for this machine as detected records source "detected"."""
+GPU_SHARE = 0.85  # the batch fills 85% of the GPU's memory after GPU_RESERVED_MB (the plan's reason says so)
+
+
+@pytest.fixture(scope="module")
+def brats_by_target():
+    """The BraTS-size fingerprint planned for one GPU of 8, 16 and 80 GB (given by memory, as --gpu-memory 8GB):
+    {GB: plan}."""
     fp = brats_fingerprint()
-    small = make_plan(fp, Hardware.target(gpus=1, gpu_memory_mb=parse_memory_mb("8GB"), here=HERE))
-    large = make_plan(fp, Hardware.target(gpus=8, gpu_memory_mb=parse_memory_mb("80GB"), here=HERE))
-    for result in (small, large):
+    return {
+        gb: make_plan(fp, Hardware.target(gpus=1, gpu_memory_mb=parse_memory_mb(f"{gb}GB"), here=HERE))
+        for gb in (8, 16, 80)
+    }
+
+
+def _estimate_mb(result, batch: int) -> dict:
+    """The planner's own memory model (`training_memory_mb`) of the planned network and patch at `batch`."""
+    v = result.values
+    channels, classes = 4, 4  # the BraTS fingerprint's modalities and labels
+    network = (v["model.strides"], v["model.filters"], v["model.num_res_units"], channels, classes)
+    return training_memory_mb(v["pipeline.patch_size"], *network, batch, v["training.precision"])
+
+
+def test_the_target_gpus_memory_changes_the_plan_and_its_batch_fills_the_targets_budget(brats_by_target):
+    """The BraTS-size fingerprint on one GPU of 8, 16 and 80 GB (GPU plans: SGD, filters from 32, whatever this
+    machine has): the 8 GB GPU (85% of its 7 usable GB is under the 8 GB patch target) gets a patch of strictly
+    fewer voxels and a strictly smaller batch than the 16 GB one, the 80 GB GPU a strictly larger batch; the 16 GB
+    patch is smaller than the one the median image wants (the dataset is large enough to use more memory). For
+    each, the planner's memory estimate of the chosen patch and batch is within 85% of the GPU after the reserved
+    1 GB and less than one image's estimate below it: one more image would not fit."""
+    small, middle, large = (brats_by_target[gb] for gb in (8, 16, 80))
+    for result in (small, middle, large):
         assert result.values["optimizer.name"] == "sgd" and result.values["model.filters"][0] == 32
-    assert np.prod(small.values["pipeline.patch_size"]) <= np.prod(large.values["pipeline.patch_size"])
-    assert small.values["pipeline.num_images_per_batch"] <= large.values["pipeline.num_images_per_batch"]
-    assert make_plan(fp, HERE).summary["planned_for"]["source"] == "detected"
+    voxels = {gb: int(np.prod(r.values["pipeline.patch_size"])) for gb, r in brats_by_target.items()}
+    batch = {gb: r.values["pipeline.num_images_per_batch"] for gb, r in brats_by_target.items()}
+    assert voxels[8] < voxels[16] and batch[8] < batch[16] < batch[80], (voxels, batch)
+    assert voxels[16] < np.prod(middle.summary["initial_patch"])
+    for gb, result in brats_by_target.items():
+        budget = GPU_SHARE * (gb * 1024 - GPU_RESERVED_MB)
+        memory = _estimate_mb(result, batch[gb])
+        assert "in 85% of the GPU" in result.reasons["pipeline.num_images_per_batch"]
+        assert budget - memory["per_image_mb"] < memory["total_mb"] <= budget, (gb, memory, budget)
+
+
+@pytest.mark.xfail(strict=True, reason="the planner sizes the patch from min(8 GB, 85%) whatever the target (issue 50)")
+def test_a_much_larger_target_gpu_gets_a_larger_patch_when_the_dataset_wants_one(brats_by_target):
+    """The BraTS-size fingerprint, whose patch on a 16 GB GPU is shrunk from the one its median image wants: on an
+    80 GB GPU the patch has strictly more voxels, its estimate at batch 2 within 85% of the 80 GB after the
+    reserved 1 GB."""
+    middle, large = brats_by_target[16], brats_by_target[80]
+    assert np.prod(large.values["pipeline.patch_size"]) > np.prod(middle.values["pipeline.patch_size"])
+    assert _estimate_mb(large, 2)["total_mb"] <= GPU_SHARE * (80 * 1024 - GPU_RESERVED_MB)
+
+
+def test_a_plan_for_this_machine_as_detected_records_source_detected():
+    """make_plan on this machine's detected hardware: planning.planned_for's source is "detected"."""
+    assert make_plan(brats_fingerprint(), HERE).summary["planned_for"]["source"] == "detected"
 
 
 @pytest.mark.parametrize("value", ["80GB", "80G", "80 gb", "81920MB", "81920", "80GiB"])

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data.boxes import box_voxels, clip_box, grow_box, merge_boxes
+from tfmis.data.boxes import box_voxels, clip_box, grow_box, merge_boxes, pad_box
 from tfmis.errors import UsageError
 from tfmis.hardware import Hardware
 from tfmis.planning.fingerprint import DatasetFingerprint
@@ -401,13 +401,15 @@ class StagePlanner:
             f"labelled region + {CASCADE_MARGIN_MM:g} mm: median {fmt_shape(roi_shape)} voxels at full resolution, "
             f"{100 * roi_fraction:.3g}% of the median image"
         )
-        regions = measure_regions(self.fp, CASCADE_MARGIN_MM)
+        window = self.fine_window_mm() if self.fp.label_pieces else None
+        regions = measure_regions(self.fp, CASCADE_MARGIN_MM, window)
         if regions is not None:  # the fine stage runs on a box per structure, not on one box around all of them
             counts, _, shares = regions
             roi_fraction = float(np.median(shares))
             lines.append(
-                f"regions (a box per connected piece of the labels + {CASCADE_MARGIN_MM:g} mm, overlapping ones "
-                f"merged, clipped to the foreground crop): median {np.median(counts):g} per case, "
+                f"regions (a box per connected piece of the labels + {CASCADE_MARGIN_MM:g} mm, at least the fine "
+                f"stage's window, overlapping ones merged, clipped to the foreground crop): median "
+                f"{np.median(counts):g} per case, "
                 f"{100 * roi_fraction:.3g}% of the foreground crop"
             )
         smallest_is = f"the smallest structure is {across:.3g}"
@@ -476,9 +478,10 @@ class StagePlanner:
 
     def determine_regions(self, fine: Plan) -> None:
         """`cascade.min_region_mm3` 0 (every piece the coarse stage finds gets a region), with the regions the
-        training labels would give: per case, a box per connected piece grown by the margin, overlapping boxes
-        merged (`measure_regions`); their number and volume, and their share of the foreground crop."""
-        found = measure_regions(self.fp, CASCADE_MARGIN_MM)
+        training labels would give: per case, a box per connected piece grown by the margin and to at least the fine
+        stage's window (`fine`'s), overlapping boxes merged (`measure_regions`); their number and volume, and their
+        share of the foreground crop."""
+        found = measure_regions(self.fp, CASCADE_MARGIN_MM, self.fine_window_mm(fine))
         measured = "no label pieces in the fingerprint"
         if found is not None:
             counts, volumes, shares = found
@@ -495,9 +498,24 @@ class StagePlanner:
         fine.set(
             "cascade.min_region_mm3",
             0.0,
-            f"every connected piece the coarse stage finds gets its own region (+{CASCADE_MARGIN_MM:g} mm, "
-            f"overlapping regions merged), small ones too: a lesion away from the organs is such a piece; {measured}",
+            f"every connected piece the coarse stage finds gets its own region (+{CASCADE_MARGIN_MM:g} mm, at "
+            f"least the fine stage's window, overlapping regions merged), small ones too: a lesion away from the "
+            f"organs is such a piece; {measured}",
         )
+
+    def fine_window_mm(self, fine: Plan | None = None) -> list[float]:
+        """The fine stage's sliding window in mm along R, A, S (`validation.roi_size` at its spacing), to which
+        prediction grows each region (`tfmis.inference.cascade.coarse_regions`): `fine`'s, or (before the fine stage
+        is planned) that of the patch its planner decides."""
+        if fine is not None:
+            window = fine.values.get("validation.roi_size") or fine.values["pipeline.patch_size"]
+            spacing = fine.values["data.conversion.spacing"]
+        else:
+            decisions = ExperimentPlanner(
+                self.fp, self.hardware, roi_margin_mm=CASCADE_MARGIN_MM, **self.common
+            ).decide()
+            window, spacing = decisions.patch.patch, decisions.data.spacing
+        return [float(n) * float(s) for n, s in zip(window, spacing)]
 
     def class_diameters_mm(self) -> np.ndarray:
         """Per foreground class, the median over cases (where present) of its equivalent-sphere diameter in mm."""
@@ -524,17 +542,21 @@ class StagePlanner:
         return {"name": fp.labels[k + 1], "volume_mm3": volume, "diameter_mm": equivalent_diameter_mm(volume)}
 
 
-def measure_regions(fingerprint: DatasetFingerprint, margin_mm: float) -> tuple[list, list, list] | None:
+def measure_regions(
+    fingerprint: DatasetFingerprint, margin_mm: float, min_size_mm=None
+) -> tuple[list, list, list] | None:
     """Per case with labels, (number of regions, their volume in mm^3, their share of the foreground crop) that a
     cascade would cut if its coarse stage found the labels, counted on one grid, the case's label voxels.
 
-    As prediction (`tfmis.inference.cascade`): each piece of `fingerprint.label_pieces` (its labelled voxels' box)
-    grown by `margin_mm` (ceil(margin / spacing) voxels per side), clipped to the scan, overlapping boxes merged; the
-    fine stage then preprocesses each box cut from the scan, cropping it to its foreground, so what it sees lies in
-    the case's foreground crop: each box is clipped to the crop, and the share is its voxels over the crop's. From a
-    first pass the grid is the whole image and the crop box is recorded on it; from a conversion the grid is the
-    converted case, the crop itself. A conversion written before the voxel boxes were recorded is measured the same
-    way on its ~4 mm cells. None without label pieces."""
+    As prediction (`tfmis.inference.cascade.coarse_regions`): each piece of `fingerprint.label_pieces` (its labelled
+    voxels' box) grown by `margin_mm` (ceil(margin / spacing) voxels per side), clipped to the scan, then grown about
+    its centre to at least `min_size_mm` (mm along R, A, S: the fine stage's window, `validation.roi_size` at its
+    spacing; None: not grown) where the scan allows, overlapping boxes merged; the fine stage then preprocesses each
+    box cut from the scan, cropping it to its foreground, so what it sees lies in the case's foreground crop: each
+    box is clipped to the crop, and the share is its voxels over the crop's. From a first pass the grid is the whole
+    (RAS) image and the crop box is recorded on it; from a conversion the grid is the converted case, the crop
+    itself. A conversion written before the voxel boxes were recorded is measured the same way on its ~4 mm cells.
+    None without label pieces."""
     if not fingerprint.label_pieces:
         return None
     counts, volumes, shares = [], [], []
@@ -546,7 +568,11 @@ def measure_regions(fingerprint: DatasetFingerprint, margin_mm: float) -> tuple[
         shape = [int(n) for n in grid["shape"]]
         crop_start, crop_stop = grid.get("crop") or ([0, 0, 0], shape)
         affine = np.diag([*spacing, 1.0])
-        boxes = merge_boxes([grow_box(a, b, affine, margin_mm, shape) for a, b in grid["pieces"]])
+        boxes = [grow_box(a, b, affine, margin_mm, shape) for a, b in grid["pieces"]]
+        if min_size_mm is not None:  # the grid is RAS: its axes are R, A, S
+            min_size = np.ceil(np.asarray(min_size_mm, dtype=np.float64) / spacing - 1e-9).astype(int)
+            boxes = [pad_box(box, min_size, shape) for box in boxes]
+        boxes = merge_boxes(boxes)
         voxels = sum(box_voxels(clip_box(box, crop_start, crop_stop)) for box in boxes)
         crop_voxels = box_voxels(clip_box(tuple(slice(0, n) for n in shape), crop_start, crop_stop))
         counts.append(len(boxes))
