@@ -422,35 +422,97 @@ def _events_or_none(cv: Path) -> list:
         return []
 
 
-def test_choosing_without_an_averaged_pairs_scores_is_refused_and_its_fold_stays_unfinished(tmp_path):
-    """Two configurations that predict the same classes are averaged as a pair: when a fold's pair scores are missing
-    (an out-of-fold step that died between the configurations and the pair), the fold counts as unfinished, so a
-    rerun predicts it, and choosing is refused with one line naming the pair, the fold and the rerun (it used to
-    choose without the pair and exit 0). A pair of a class and a region configuration is never expected."""
+@pytest.mark.slow
+def test_a_fold_whose_out_of_fold_step_died_is_recomputed_as_the_full_run_scored_it(tmp_path):
+    """Two configurations that predict the same classes are averaged as a pair (a pair of a class and a region
+    configuration never is). Fold 0 of two real tiny trainings (one step each, in this process) is predicted out of
+    fold in full; then the out-of-fold step is made to have died (1) between the configurations and the pair: the
+    pair's folder gone, the fold counts as unfinished and choosing is refused with one line naming the pair, the fold
+    and the rerun; the rerun keeps the configurations' scores and recomputes the pair from their probabilities; (2)
+    inside b's predictions: b's scores.json and its last case's label and probability maps gone, the pair's folder
+    too; the rerun predicts b again and the pair. Each time the recomputed label maps and scores are exactly the full
+    run's, and the pair's maps are the argmax of the two configurations' averaged probabilities, computed here."""
+    import shutil
+
+    from tfmis.crossval.cli import prepare
     from tfmis.crossval.experiment import SCORES_FILE, Configuration, Definition, averaging_pairs, candidate_dir
     from tfmis.crossval.jobs import fold_done
+    from tfmis.crossval.oof import PROBABILITIES_SUFFIX, predict_fold
     from tfmis.crossval.selection import candidates
+    from tfmis.engine.trainer import Trainer
     from tfmis.errors import RunStateError
 
     classes = {"model": {"output": "classes"}, "validation": {"regions": {}}}
     regions = {"model": {"output": "regions"}, "validation": {"regions": {"whole": [1, 2], "core": [2]}}}
-    definition = Definition(
-        [Configuration("a", classes), Configuration("b", classes), Configuration("r", regions)], 2, [0, 1]
-    )
+    mixed = Definition([Configuration("a", classes), Configuration("b", classes), Configuration("r", regions)], 2, [0])
+    assert averaging_pairs(mixed) == [("a", "b")]
+
+    one_step = ("training.epochs=1", "training.steps_per_epoch=1")
+    a = write_config(tmp_path, "a", *one_step, cases=4)
+    b = write_config(tmp_path, "b", *one_step, "model.filters=[4,4]")
+    definition = Definition(parse_configurations([str(a), str(b)]), 2, [0])  # fold 0 only: 2 held-out cases
     assert averaging_pairs(definition) == [("a", "b")]
     cv = tmp_path / "cv"
-    for candidate in ("a", "b", "r", "a+b"):
-        for fold in (0, 1):
-            if (candidate, fold) != ("a+b", 0):
-                folder = candidate_dir(cv, candidate, fold)
-                folder.mkdir(parents=True)
-                (folder / SCORES_FILE).write_text("{}")
-    assert not fold_done(cv, definition, 0) and fold_done(cv, definition, 1)
+    cv.mkdir()
+    prepare(cv, definition)  # the folds converted, the job configs written
+    for name in ("a", "b"):
+        Trainer(load_config(cv / name / "fold_0.yaml")).fit()
+    folders = {c: candidate_dir(cv, c, 0) for c in ("a", "b", "a+b")}
+
+    def outputs() -> dict:
+        """Each candidate's scores.json and label maps."""
+        out = {}
+        for candidate, folder in folders.items():
+            scores = json.loads((folder / SCORES_FILE).read_text())
+            maps = {case: _labels(folder / name) for case, name in scores["predictions"].items()}
+            out[candidate] = scores, maps
+        return out
+
+    assert predict_fold(cv, 0) == 0
+    full = outputs()
+    cases = sorted(full["a"][0]["cases"])
+    assert len(cases) == 2 and sorted(full["a+b"][0]["cases"]) == cases
+    for case in cases:  # the pair: the argmax of the averaged probabilities, not either configuration's map
+        mean = sum(_probabilities(folders[c] / f"{case}{PROBABILITIES_SUFFIX}") for c in ("a", "b")) / 2
+        np.testing.assert_array_equal(full["a+b"][1][case], np.argmax(mean, axis=-1))
+        assert all(not np.array_equal(full["a+b"][1][case], full[c][1][case]) for c in ("a", "b")), case
+    assert len({json.dumps(full[c][0]["cases"]) for c in folders}) == 3  # three different scores to recompute
+
+    # (1) died between the configurations and the pair
+    shutil.rmtree(folders["a+b"])
+    kept = {c: (folders[c] / SCORES_FILE).stat().st_mtime_ns for c in ("a", "b")}
+    assert not fold_done(cv, definition, 0)
     with pytest.raises(RunStateError, match=r"^a\+b has no out-of-fold scores for fold 0 .*rerun the same"):
         candidates(cv, definition)
-    (candidate_dir(cv, "a+b", 0) / SCORES_FILE).parent.mkdir(parents=True)
-    (candidate_dir(cv, "a+b", 0) / SCORES_FILE).write_text("{}")
-    assert fold_done(cv, definition, 0) and candidates(cv, definition) == ["a", "b", "r", "a+b"]
+    assert predict_fold(cv, 0) == 0
+    assert {c: (folders[c] / SCORES_FILE).stat().st_mtime_ns for c in ("a", "b")} == kept  # not predicted again
+    _assert_same_outputs(outputs(), full)
+    assert fold_done(cv, definition, 0) and candidates(cv, definition) == ["a", "b", "a+b"]
+
+    # (2) died inside b's predictions: a kept, b predicted again, then the pair
+    (folders["b"] / SCORES_FILE).unlink()
+    for suffix in (".nii.gz", PROBABILITIES_SUFFIX):
+        (folders["b"] / f"{cases[1]}{suffix}").unlink()
+    shutil.rmtree(folders["a+b"])
+    assert not fold_done(cv, definition, 0)
+    assert predict_fold(cv, 0) == 0
+    assert (folders["a"] / SCORES_FILE).stat().st_mtime_ns == kept["a"]
+    _assert_same_outputs(outputs(), full)
+    assert fold_done(cv, definition, 0)
+
+
+def _probabilities(path: Path) -> np.ndarray:
+    return np.asarray(nib.load(str(path)).dataobj, dtype=np.float32)
+
+
+def _assert_same_outputs(got: dict, full: dict) -> None:
+    """The same scores (every case's Dice per structure) and the same label maps as the full run's."""
+    assert got.keys() == full.keys()
+    for candidate, (scores, maps) in full.items():
+        assert got[candidate][0] == scores, candidate
+        assert got[candidate][1].keys() == maps.keys()
+        for case, labels in maps.items():
+            np.testing.assert_array_equal(got[candidate][1][case], labels, err_msg=f"{candidate} {case}")
 
 
 def _labels(path: Path) -> np.ndarray:

@@ -2,9 +2,12 @@
 the real trainer on the tiny dataset ending within its budget with its learning-rate schedule complete, also
 across a resume.
 
-The trainer tests never assert absolute times (the machine is shared and noisy): the decided epochs are checked
-against the times the run itself measured, and the run's length against its budget with wide margins (see
-`test_budgeted_run_fits_its_schedule_to_the_budget`).
+The trainer tests never assert absolute times (the machine is shared and noisy). What the budget controls is checked
+at the goal's 5 %: every length it sets is the most epochs whose end, projected at the pace the run itself measured,
+fits the budget less its margin, within one epoch of it (`_assert_fitted`). The end of the run on its own clock
+(`summary.json`'s `used_share`) also depends on the pace of the epochs after the length is fixed (three quarters of
+the budget), which on a shared machine the budget does not control: it is checked against the bounds the design
+allows (see `test_budgeted_run_fits_its_schedule_to_the_budget`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from tfmis.engine.budget import SAFETY_SHARE, TimeBudget
 from tfmis.engine.callbacks import Callback
 from tfmis.engine.trainer import Trainer
 
-BUDGET_MINUTES = 0.5  # 30 s: the first epoch (tracing) takes ~5 s of it, then dozens of 0.2-0.5 s epochs
+BUDGET_MINUTES = 0.4  # 24 s: the first epoch (tracing) takes 1-2 s of it, then ~100 epochs of 0.15-0.3 s
 BASE_LR = 1e-3  # the tiny config's (optimizer.learning_rate default, AdamW)
 
 
@@ -111,6 +114,54 @@ def test_a_resumed_decision_is_kept():
     assert budget.epochs == 300 and budget.events == []
 
 
+def test_one_slow_epoch_in_the_last_quarter_costs_the_schedule_only_its_own_time():
+    """0.15-s epochs validated in 0.03 s in a 24-s budget, then past three quarters one epoch of 1.5 s (a slow write,
+    another process for a second): its 1.35 s extra are spent, so the schedule is shortened by what they cost, and the
+    run still ends within 5 % of its budget at the steady pace. With the mean of the last ten epochs as the pace the
+    projection took it ten times over (0.15 s -> 0.29 s per epoch) and shortened the schedule for good to end at
+    0.91x (real 30-s runs ended at 0.93x so); the median of the ten is the steady pace."""
+    budget = TimeBudget(max_minutes=24 / 60, max_epochs=1000, val_interval=1)
+    elapsed = _feed(budget, 2, seconds=0.15, validation=0.03, first=1.5)
+    epoch = 2
+    while elapsed < 0.76 * 24:
+        epoch += 1
+        elapsed = _feed_validated(budget, epoch, 0.15, 0.03, elapsed)
+    kept = budget.epochs
+    assert budget.projected_seconds(epoch, kept, elapsed, 0.15) == pytest.approx(0.97 * 24, abs=0.18)
+    epoch += 1
+    elapsed = _feed_validated(budget, epoch, 1.5, 0.03, elapsed)
+    ends = budget.projected_seconds(epoch, budget.epochs, elapsed, 0.15)
+    assert 0.95 * 24 <= ends <= 0.97 * 24, f"ends at {ends / 24:.3f}x at the steady pace"
+    event = budget.events[-1]
+    assert event["what"] == "shortened" and event["epoch_seconds"] == pytest.approx(0.15)
+    assert math.floor(1.35 / 0.18) <= kept - budget.epochs <= math.ceil(1.35 / 0.18)  # the extra time, in epochs
+
+
+def test_a_resumed_run_does_not_shorten_its_schedule_from_its_first_validation_alone():
+    """A resumed process's first validation traces the forward pass: 0.30 s against 0.02-0.08 s warm in a real 24-s
+    run resumed at epoch 19 with 105 epochs decided, whose shortening after epoch 21 projected the 42 validations left
+    at 0.30 s (34 s instead of 22 s) and cut the schedule for good to 67 epochs (the run ended at 0.72x of its
+    budget). The length is kept until a warm validation is measured; a real slowdown still shortens it then."""
+    budget = TimeBudget(max_minutes=24 / 60, max_epochs=1000, val_interval=2, decided=105)
+    elapsed = 7.4  # the earlier process's 18 epochs
+    for epoch, seconds, validation in ((19, 1.2, None), (20, 0.2, 0.30), (21, 0.147, None)):  # 19, 20: not measured
+        elapsed = _feed_validated(budget, epoch, seconds, validation, elapsed)
+    assert budget.epochs == 105 and budget.events == []
+    elapsed = _feed_validated(budget, 22, 0.147, 0.02, elapsed)
+    assert budget.epochs == 105 and budget.events == []  # 22.4 s projected with the warm validation: it fits
+    for epoch in range(23, 33):  # three times as slow: the rest overruns, shortened with the warm validation
+        elapsed = _feed_validated(budget, epoch, 0.45, 0.02 if epoch % 2 == 0 else None, elapsed)
+    assert budget.epochs < 105 and budget.events[-1]["what"] == "shortened"
+    assert budget.events[0]["validation_seconds"] == pytest.approx(0.02)
+
+
+def _feed_validated(budget: TimeBudget, epoch: int, seconds: float, validation: float | None, elapsed: float) -> float:
+    elapsed += seconds + (validation or 0.0)
+    budget.add_epoch(epoch, seconds, validation)
+    budget.update(epoch, elapsed)
+    return elapsed
+
+
 # ---------------------------------------------------------------- the trainer
 
 
@@ -136,18 +187,56 @@ def _budgeted(converted_dataset, run, *extra):
     )
 
 
+def _validations(done: int, last: int, interval: int) -> int:
+    """The validations of epochs done+1..last: every `interval`-th epoch's and the last's."""
+    return sum(1 for epoch in range(done + 1, last + 1) if epoch % interval == 0 or epoch == last)
+
+
+def _planned_end(event: dict, last: int, interval: int) -> float:
+    """The run's time at the end of epoch `last` as the budget projected it at `event`: the time then, plus the epochs
+    after it and their validations at the times it measured."""
+    validations = _validations(event["epoch"], last, interval) * event["validation_seconds"]
+    return event["elapsed_seconds"] + (last - event["epoch"]) * event["epoch_seconds"] + validations
+
+
+def _assert_fitted(events: list[dict], interval: int) -> None:
+    """Every length the budget set (decided, refined, shortened) is the most epochs whose end, projected from the
+    time then and the epoch and validation times it measured, fits the budget less its margin: one more epoch would
+    pass it (or, when none fits, the next epoch: the least). With the run's epochs under 2 % of the budget that is the
+    goal's 5 %: the planned end is within [0.95, 0.97] of the budget."""
+    budget = 60 * BUDGET_MINUTES
+    target = budget * (1 - SAFETY_SHARE)
+    assert events and SAFETY_SHARE <= 0.05
+    for event in events:
+        epochs = event["epochs"]
+        planned, one_more = _planned_end(event, epochs, interval), _planned_end(event, epochs + 1, interval)
+        assert event["epoch"] < epochs < 1000, event
+        assert planned <= target + 1e-9 or epochs == event["epoch"] + 1, event
+        assert target < one_more, event
+        assert one_more - planned < 0.02 * budget, event  # an epoch: under 2 % of the budget
+        assert 0.95 * budget <= planned, event
+
+
 @pytest.mark.slow
 def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_path):
-    """A 0.5-minute budget with training.epochs=1000: the trainer measures the tiny epochs, decides how many fit
+    """A 24-s budget with training.epochs=1000: the trainer measures the tiny epochs, decides how many fit
     (consistent with what it measured), and runs exactly those: the last epoch's learning rate is the cosine's
     end (0), the warm-up came first, and the run ends within its budget.
 
-    Margins: the decision targets 97 % of the budget. The run may end later only by the epoch that crosses the
-    budget (the hard stop) plus the final validation: a fraction of a second here, so <= 1.1x. It ends earlier
-    when the epochs measured for the decision were slower than the later ones: on a 2-core machine shared with
-    other test processes (load 7 while this was written) the tiny epochs right after the start were up to 2x
-    slower than the later ones (0.6x seen with an 18-s budget), so the lower bound is 0.5x, far from where a
-    broken decision would land (the 1000-epoch cap: the hard stop mid-schedule; a few epochs: a few per cent).
+    What the budget controls, at the goal's 5 %: every length it set (`_assert_fitted`) ends, at the pace the run
+    measured then, within one epoch of 97 % of the budget (never below 95 %); without it the 1000-epoch cap would run
+    for over twice the budget (checked: 4-8x here) and the hard stop would end the run mid-schedule.
+
+    The end on the run's own clock (`used_share`, from the loop's start to the last epoch's commit): the hard stop
+    bounds it above by one epoch past the budget (<= 1.05x). Below, the design guarantees only three quarters: the
+    length is fixed for good at three quarters of the budget (only shortened after that), so the last 22 % of it runs
+    at whatever pace the machine then has, and the run ends at 0.75 + 0.22 / r of the budget when those epochs run r
+    times faster than the median pace they were planned with. They do run faster: an epoch after a validation that
+    raised the best Dice also writes best.weights.h5 (0.05-0.07 s on top of 0.13-0.17 s) and the tiny model's Dice
+    stops rising late; and the load of this 2-core machine shared with benchmark runs changes. In 10 real runs of this
+    test r was 1.06-1.35 and the runs ended at 0.90-0.95x, except one (r 2.06: the load fell from 6 to 3) at 0.85x;
+    39 runs of the budget replayed on the epoch times of real runs (15-40-s budgets) ended at 0.92-1.00x, 6 below
+    0.95x. Hence >= 0.75x, the share after which the length is never lengthened.
     """
     run = tmp_path / "run"
     summary = Trainer(_budgeted(converted_dataset, run, "output.tensorboard=true")).fit()  # a reason line too
@@ -163,34 +252,49 @@ def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_pat
     for record in history[1:-1]:  # every epoch's rate on the schedule it trained with (its end known by then)
         total = history[record["epoch"] - 2]["schedule_epochs"] * spe
         assert record["learning_rate"] == pytest.approx(_cosine(record["epoch"] * spe, total, spe), abs=1e-7)
-    # the decision is consistent with what was measured: the epochs that fit at the measured pace
-    decided = next(e for e in budget["events"] if e["what"] == "decided")
-    per_epoch = decided["epoch_seconds"] + decided["validation_seconds"]  # val_interval 1: every epoch validates
-    target = 60 * BUDGET_MINUTES * (1 - SAFETY_SHARE)
-    fit = decided["epoch"] + math.floor((target - decided["elapsed_seconds"]) / per_epoch)
-    assert decided["epochs"] == fit
-    assert history[decided["epoch"] - 1]["time_budget"] == decided["reason"]
-    # the pace measured before the decision against the pace of the history's epochs up to it (elapsed times)
-    measured = [r for r in history if 3 <= r["epoch"] <= decided["epoch"]]
-    paced = (measured[-1]["elapsed_seconds"] - history[1]["elapsed_seconds"]) / len(measured)
-    assert 0.7 < per_epoch / paced < 1.4
-    # refinements come before three quarters of the budget, shortenings after them only shorten; the run ends
-    # within its budget
+    # the decision is the run's own measurements: its epochs 3..decided (the first two are not measured) and their
+    # validations are the run's clock from epoch 2's end to the decided epoch's end
     events = budget["events"]
+    decided = events[0]
+    assert decided["what"] == "decided" and history[decided["epoch"] - 1]["time_budget"] == decided["reason"]
+    measured = [r for r in history if 3 <= r["epoch"] <= decided["epoch"]]
+    spent = decided["epoch_seconds"] * len(measured) + sum(r["val_seconds"] for r in measured)
+    assert spent == pytest.approx(measured[-1]["elapsed_seconds"] - history[1]["elapsed_seconds"], abs=0.05)
+    assert decided["elapsed_seconds"] == pytest.approx(measured[-1]["elapsed_seconds"], abs=0.05)
+    per_epoch = decided["epoch_seconds"] + decided["validation_seconds"]
+    assert 1000 * per_epoch > 2 * 60 * BUDGET_MINUTES  # the cap alone would be far from the budget
+    # every length set fits the budget at 5 %; refinements come before three quarters of it, shortenings after them
+    # only shorten
+    _assert_fitted(events, interval=1)
     for before, event in zip(events, events[1:]):
         if event["what"] == "refined":
             assert event["elapsed_seconds"] < 0.75 * 60 * BUDGET_MINUTES
         else:
             assert event["what"] == "shortened" and event["epochs"] < before["epochs"]
-    assert 0.5 < budget["used_share"] < 1.1, budget
+    # the end on the run's own clock: the last length's epochs, at the bounds above
     assert budget["used_minutes"] == pytest.approx(summary["elapsed_seconds"] / 60)
+    final = events[-1]
+    after = [r for r in history if r["epoch"] > final["epoch"]]
+    pace = (last["elapsed_seconds"] - final["elapsed_seconds"]) / max(1, len(after))
+    planned = final["epoch_seconds"] + final["validation_seconds"]
+    why = f"{budget}; the epochs after the last change took {pace:.3f} s each, planned {planned:.3f} s"
+    assert 0.75 <= budget["used_share"] <= 1.05, why
 
 
 @pytest.mark.slow
 def test_resumed_budgeted_run_continues_the_same_schedule(converted_dataset, tmp_path):
     """A budgeted run interrupted after its decision is resumed: the restored schedule length is the saved one
     (no second decision), the first resumed epoch's learning rate lies on that schedule, and the run ends at its
-    end (rate 0) within the budget, the earlier process's time included."""
+    end (rate 0) within the budget, the earlier process's time included: every length set, before and after the
+    resume, fits the budget at 5 % (`_assert_fitted`), and the run ends at most one epoch past the budget (<= 1.05x).
+
+    Below, a resumed run allows less than `test_budgeted_run_fits_its_schedule_to_the_budget`: its length is never
+    refined, only shortened, from the resume (a tenth of the budget in, here) on, so any shortening is for good and
+    the epochs after it may run faster: it ends at t + (0.97 - t) / r of the budget after a last shortening at t
+    with the later epochs r times faster. In 7 real runs of this test on this loaded machine the last shortening came
+    at 0.33-0.53 of the budget and the later epochs ran 1.08-1.39x faster than planned: ends at 0.80-0.91x (0.72x and
+    0.77x when the resumed process's first, cold, validation was projected over the rest: no longer). Hence >= 0.6x
+    (t = 0.3, r up to 2)."""
     run = tmp_path / "run"
     decided = {}
 
@@ -206,6 +310,9 @@ def test_resumed_budgeted_run_continues_the_same_schedule(converted_dataset, tmp
         first.fit()
     saved = _history(run)
     assert saved[-1]["epoch"] == decided["epoch"] + 2 and decided["epochs"] > saved[-1]["epoch"]
+    first_events = first.time_budget.events
+    assert first_events[0]["what"] == "decided"
+    _assert_fitted(first_events, interval=2)
     spe = 2
     resumed = Trainer(_budgeted(converted_dataset, run, "validation.val_interval=2"))
     done = resumed.restore(resume=True)
@@ -216,7 +323,9 @@ def test_resumed_budgeted_run_continues_the_same_schedule(converted_dataset, tmp
     history = _history(run)
     budget = summary["time_budget"]
     assert all(e["what"] == "shortened" for e in budget["events"])  # no second decision
-    if not budget["events"]:
+    if budget["events"]:
+        _assert_fitted(budget["events"], interval=2)
+    else:
         assert "decided before the resume" in budget["reason"]
     next_record = history[done]  # the first resumed epoch, on the saved schedule
     assert next_record["learning_rate"] == pytest.approx(
@@ -224,7 +333,8 @@ def test_resumed_budgeted_run_continues_the_same_schedule(converted_dataset, tmp
     )
     assert summary["stop_reason"] == "epochs" and history[-1]["learning_rate"] == pytest.approx(0.0, abs=1e-9)
     assert history[-1]["epoch"] == history[-1]["schedule_epochs"] <= saved[-1]["schedule_epochs"]
-    assert budget["used_share"] < 1.1 and summary["elapsed_seconds"] > saved[-1]["elapsed_seconds"]
+    assert summary["elapsed_seconds"] > saved[-1]["elapsed_seconds"]
+    assert 0.6 <= budget["used_share"] <= 1.05, budget
 
 
 def test_a_warm_up_as_long_as_the_schedule_is_cut_to_half_of_it_and_the_run_trains(converted_dataset, tmp_path, capsys):

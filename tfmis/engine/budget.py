@@ -22,9 +22,12 @@ so that the run ends shortly before the budget with its schedule complete (docs/
   budget has passed, with the median of the last half of the measured epochs (at least `RECENT_EPOCHS`), N follows
   it both ways when it moves by more than `REFINE_TOLERANCE` (the first epochs are slower than the later ones
   while caches warm: a decision from them alone ended runs 7-9 % short of the budget); moving the end of a cosine
-  by a few per cent changes the learning rate by a few hundredths of its peak. After that, with the mean of the
+  by a few per cent changes the learning rate by a few hundredths of its peak. After that, with the median of the
   last `RECENT_EPOCHS` epochs, N only shrinks, when the projection passes the budget (the epochs have become
-  slower: another process, a resume on a slower machine), to what fits the budget less its margin.
+  slower: another process, a resume on a slower machine), to what fits the budget less its margin. A median, as
+  the refinement's: a shortening is for good, and with their mean one slow epoch among ten 0.15-s ones (a write,
+  another process for a second) shortened 30-s runs to end at 0.93x of their budget. For the same reason no
+  shortening projects the validations left from the process's first validation alone (it traces the forward pass).
 - **Hard stop**: whatever the projection, the loop still stops after the epoch that crosses the budget (as
   without a decision), validating that epoch.
 
@@ -38,6 +41,8 @@ for epoch, seconds in ((1, 9.0), (2, 2.5), (3, 1.9), (4, 1.9)):  # after each ep
 """
 
 from __future__ import annotations
+
+import statistics
 
 # the share of the budget kept free at the end: the projection's error (noise of a shared machine, the epochs
 # measured being a little faster or slower than the later ones) and what follows the last epoch (final weights,
@@ -53,9 +58,9 @@ MEASURE_SHARE = 0.1
 # ...or, with those epochs measured, once this share of the budget has passed (long epochs, or a long first epoch),
 # and with one measured epoch once half of it has (epochs so long that few fit)
 DECIDE_BY_SHARE = 0.25
-# the re-check's epoch time: the mean of the last this many measured epochs (the refinement's: the median of the last
-# half of the measured epochs, at least this many; a 2-core machine's epochs vary by tens of per cent from one ten to
-# the next, and another process slows a stretch of them)
+# the re-check's epoch time: the median of the last this many measured epochs (the refinement's: of the last half of
+# the measured epochs, at least this many; a 2-core machine's epochs vary by tens of per cent from one ten to the
+# next, and another process slows a stretch of them)
 RECENT_EPOCHS = 10
 # until this share of the budget has passed, the re-check moves the length both ways (to the recent pace)...
 REFINE_UNTIL_SHARE = 0.75
@@ -119,9 +124,10 @@ class TimeBudget:
 
     @property
     def recent_epoch_seconds(self) -> float | None:
-        """The mean of the last `RECENT_EPOCHS` measured epochs."""
+        """The median of the last `RECENT_EPOCHS` measured epochs: a slower stretch shortens the schedule once it is
+        most of them, not one slow epoch (a shortening is never undone)."""
         recent = [s for _, s in self.epoch_times[-RECENT_EPOCHS:]]
-        return sum(recent) / len(recent) if recent else None
+        return statistics.median(recent) if recent else None
 
     @property
     def refine_epoch_seconds(self) -> float | None:
@@ -208,6 +214,10 @@ class TimeBudget:
             self.epochs = fitting
             self._record(epoch, elapsed, pace, "refined")
             return self.epochs
+        if len(self.validation_times) == 1 and self.validations(epoch, self.epochs):
+            # the process's only validation so far is its first, which traces the forward pass (after a resume:
+            # several times a warm one): projected over the validations left it would shorten for good (to 0.72x)
+            return None
         if self.projected_seconds(epoch, self.epochs, elapsed, recent) <= self.seconds * SHORTEN_AT_SHARE:
             return None
         shorter = self.fitting_epochs(epoch, elapsed, recent)
