@@ -267,6 +267,29 @@ def test_map_ordered_survives_a_killed_worker_retries_alone_and_reports_a_case_k
     assert len(lines) == 1 and "killed" in lines[0] and "3" in lines[0], lines
 
 
+def test_map_ordered_survives_a_worker_killed_while_it_writes_its_result(monkeypatch):
+    """A worker killed half-way through writing its result (the pipe holds a message's first bytes, the write lock is
+    never released) leaves CPython's pool waiting for ever; `map_ordered` notices the dead worker, breaks the pool
+    after `STUCK_AFTER_S` and goes on as for any killed worker: every result in task order, task 3 (killed again
+    alone) from `on_lost`, one line naming it (the wait shortened to 2 s here)."""
+    from killing_tasks import square_or_die_writing
+
+    from tfmis.utils import parallel
+
+    monkeypatch.setattr(parallel, "STUCK_AFTER_S", 2.0)
+    lines = []
+    start = time.monotonic()
+    results = list(
+        parallel.map_ordered(
+            square_or_die_writing, list(range(6)), 2, ahead=2, on_lost=lambda t: f"lost {t}", say=lines.append
+        )
+    )
+    assert results == [0, 1, 4, "lost 3", 16, 25]
+    assert len(lines) == 1 and "killed" in lines[0] and "3" in lines[0], lines
+    # killed twice (with the others, then alone): twice the wait, and not much more
+    assert 2 * parallel.STUCK_AFTER_S <= time.monotonic() - start < 2 * parallel.STUCK_AFTER_S + 30
+
+
 @pytest.mark.slow
 def test_convert_in_a_memory_limit_skips_a_case_larger_than_the_limit_with_exit_3(tmp_path):
     """`tfmis-convert` in a real cgroup limit: a case needing more than the whole limit is one line naming it and the

@@ -4,6 +4,12 @@ A worker the kernel kills (out of memory: SIGKILL from the OOM killer) breaks a 
 unfinished task fails with `BrokenProcessPool`. With `on_lost`, `map_ordered` survives that: the tasks that were in
 flight are retried one at a time, each alone in a fresh worker, a task killed again alone comes back as
 `on_lost(task)`, and the rest continue with half the workers. The finished results are never lost.
+
+A worker killed while it writes its result is the one case the executor never notices: the result pipe is left
+half-written (its reader waits for the rest for ever) and the queue's write lock held (every other worker waits for
+it). `map_ordered` therefore waits for a result in short polls, and a worker dead for `STUCK_AFTER_S` without the
+pool breaking is taken as that case: the remaining workers are killed and the parent's end of the pipe closed, so
+the reader meets the end of the pipe and the pool breaks as it would have.
 """
 
 from __future__ import annotations
@@ -11,9 +17,16 @@ from __future__ import annotations
 import collections
 import itertools
 import multiprocessing
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
+
+# how often a wait for a result looks at the workers, and how long one may have been dead without the pool breaking
+# before it is taken as killed while it wrote its result (the pool breaks within milliseconds in every other case)
+POLL_S = 0.5
+STUCK_AFTER_S = 10.0
 
 
 def map_ordered(
@@ -57,7 +70,7 @@ def map_ordered(
         while queue:
             i, future = queue[0]
             try:
-                result = future.result()
+                result = _result(future, pool)
             except BrokenProcessPool:
                 if on_lost is None:
                     raise
@@ -91,6 +104,38 @@ def _alone(fn, task, ctx, initializer, on_lost):
     """fn(task) alone in a fresh worker process; `on_lost(task)` when the kernel kills that one too."""
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=initializer) as pool:
         try:
-            return pool.submit(fn, task).result()
+            return _result(pool.submit(fn, task), pool)
         except BrokenProcessPool:
             return on_lost(task)
+
+
+def _result(future, pool: ProcessPoolExecutor):
+    """`future.result()`, or `BrokenProcessPool` when a worker of `pool` has been dead for `STUCK_AFTER_S` without
+    the pool breaking (killed while it wrote its result: module docstring)."""
+    dead_since = None
+    while True:
+        try:
+            return future.result(timeout=POLL_S)
+        except FutureTimeout:
+            pass
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        if not any(p.exitcode is not None for p in processes):
+            dead_since = None
+            continue
+        dead_since = dead_since or time.monotonic()
+        if time.monotonic() - dead_since >= STUCK_AFTER_S:
+            _break(pool, processes)
+
+
+def _break(pool: ProcessPoolExecutor, processes: list) -> None:
+    """Ends a pool stuck on a half-written result: its workers killed, then the parent's write end of the result pipe
+    closed, so that the executor's reader gets end-of-file and breaks the pool (every unfinished future then raises
+    `BrokenProcessPool`). CPython's executor internals: `_processes`, `_result_queue._writer`."""
+    for process in processes:
+        if process.exitcode is None:
+            process.kill()
+    for process in processes:
+        process.join(timeout=5)
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    if writer is not None:
+        writer.close()
