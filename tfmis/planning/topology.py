@@ -26,7 +26,8 @@ CPU_PATCH_VOXELS = 48**3
 CPU_FILTERS = (8, 128)  # first level, cap (the demo recipe's 8, 16, 32, 64)
 GPU_FILTERS = (32, 320)  # nnU-Net
 # spatial model parallelism: a slab's activations with its halos and the concatenations that make them, against
-# 1/N of the whole (the graph count of benchmarks/model_parallel_memory.py)
+# 1/N of the whole (the graph count of benchmarks/model_parallel_memory.py, on equal slabs; with slabs cut at
+# multiples of the deepest stride the busiest device holds more: docs/model-parallel.md)
 SPATIAL_OVERHEAD = 1.15
 GPU_MEMORY_TARGET_MB = 8 * 1024  # nnU-Net plans its 3d_fullres patch for 8 GB at batch 2
 
