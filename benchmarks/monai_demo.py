@@ -36,6 +36,11 @@ Outputs in `--output`: `history.jsonl` (one record per epoch, the keys of tfmis'
 `epoch`, `train_loss`, `learning_rate`, `data_wait_seconds`, `compute_seconds`, `epoch_seconds`,
 `elapsed_seconds`, and after a validation `val_mean_dice`, `val_dice`, `val_seconds`) and `summary.json`.
 
+`--predict-split S --predict-output DIR` (used by `benchmarks/planner_zoo.py`): after training, the final weights
+predict every volume of the export's split S (its `image` files; labels not needed) with the same sliding window as
+validation and write `DIR/<case_id>_probabilities.npy`, the softmax (K, X, Y, Z) float16 on the exported grid, for
+the caller to map back to each scan's grid and score.
+
 Example:
     .venv-monai/bin/python benchmarks/monai_demo.py --data data/demo/npy --output runs/ttd/monai --max-minutes 4
 """
@@ -150,6 +155,27 @@ def validate(model, val_cases, args, num_classes: int) -> dict:
     return {"dice_per_class": per_class.tolist(), "mean_dice": float(np.nanmean(per_class))}
 
 
+def predict_split(model, data_dir: Path, split: str, output: Path, args) -> int:
+    """Softmax of the final weights on each volume of an exported split: `<case_id>_probabilities.npy`, (K, X, Y, Z)
+    float16; returns the number of volumes."""
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    if split not in manifest["splits"]:
+        raise SystemExit(
+            f"{data_dir / 'manifest.json'}: no split {split!r} to predict; available: {sorted(manifest['splits'])}"
+        )
+    output.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    with torch.inference_mode():
+        for entry in manifest["splits"][split]:
+            image = torch.from_numpy(np.load(data_dir / entry["image"]))[None]
+            logits = sliding_window_inference(
+                image, args.patch, args.sw_batch_size, model, overlap=args.overlap, mode=args.mode
+            )
+            probabilities = torch.softmax(logits, dim=1)[0].numpy().astype(np.float16)
+            np.save(output / f"{entry['case_id']}_probabilities.npy", probabilities)
+    return len(manifest["splits"][split])
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     set_determinism(seed=args.seed)
@@ -260,6 +286,12 @@ def run(args) -> dict:
         "stop_reason": stop_reason,
         "steps_per_epoch": steps_per_epoch,
     }
+    if args.predict_split:
+        start = time.perf_counter()
+        summary["predicted"] = predict_split(
+            model, Path(args.data), args.predict_split, Path(args.predict_output), args
+        )
+        summary["predict_seconds"] = time.perf_counter() - start
     write_json(out / "summary.json", summary)
     return summary
 
@@ -295,11 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (0 = in the loop)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--predict-split", default=None, help="after training, predict this exported split (e.g. test)")
+    parser.add_argument("--predict-output", default=None, help="where --predict-split writes <case>_probabilities.npy")
     return parser
 
 
 def main(argv=None) -> int:
-    summary = run(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if args.predict_split and not args.predict_output:
+        raise SystemExit("--predict-split needs --predict-output")
+    summary = run(args)
     print(json.dumps(summary))
     return 0
 
