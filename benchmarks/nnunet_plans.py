@@ -6,22 +6,27 @@ Two halves, each run in its own environment, and a driver that runs both and pri
 
 - `nnunet` (runs in a virtual environment with nnU-Net v2; imports only nnunetv2, numpy, nibabel and json): converts
   the MSD folder to nnU-Net's raw format (`nnunetv2.dataset_conversion.convert_MSD_dataset`, which splits 4D images
-  into `_0000`, `_0001`.. channel files), extracts the fingerprint and plans the experiment with the default
-  `ExperimentPlanner` and its 8 GB GPU memory target (`plan_and_preprocess_api.extract_fingerprints` and
-  `plan_experiments`, what `nnUNetv2_extract_fingerprint -d ID` and `nnUNetv2_plan_experiment -d ID` run). No
-  preprocessing, no training, no GPU: the planner estimates memory from the network's feature maps on the CPU.
-  Writes the configurations of `nnUNetPlans.json` (2d, 3d_fullres, 3d_lowres, 3d_cascade_fullres: which exist,
-  spacing, patch, batch, stages and strides, median image size) as JSON.
+  into `_0000`, `_0001`.. channel files), extracts the fingerprint once and plans the experiment with the default
+  `ExperimentPlanner` at each GPU memory target of `--gpu-memory-target-gb` (default 8, nnU-Net's;
+  `plan_and_preprocess_api.extract_fingerprints` and `plan_experiments`, what `nnUNetv2_extract_fingerprint -d ID`
+  and `nnUNetv2_plan_experiment -d ID -gpu_memory_target GB` run; one plans file per target, `nnUNetPlans.json` for
+  8, `nnUNetPlans_<GB>G.json` otherwise). No preprocessing, no training, no GPU: the planner estimates memory from
+  the network's feature maps on the CPU. Writes the configurations of each plans file (2d, 3d_fullres, 3d_lowres,
+  3d_cascade_fullres: which exist, spacing, patch, batch, stages and strides, median image size) as JSON.
 - `tfmis` (runs in tfmis's environment): fingerprints the MSD folder once (`tfmis.planning.fingerprint_msd`) and
-  plans it twice with `tfmis.planning.stages.plan_stages`: for the hardware this machine has (`detect_hardware()`:
-  here a CPU, so 48^3 patches), and for one GPU of `--gpu-memory-gb` (default 16: `Hardware` with one GPU of
-  compute capability 8.0, where tfmis plans, as nnU-Net, for a training peak of 8 GB at batch 2). Each plan is
+  plans it with `tfmis.planning.stages.plan_stages`: for the hardware this machine has (`detect_hardware()`:
+  here a CPU, so 48^3 patches), and for one GPU of each `--gpu-memory-gb` (default 16: `Hardware` with one GPU of
+  that memory and compute capability 8.0, so mixed_float16 as nnU-Net trains; the GPU's memory sets the patch and
+  the batch: 85% of it after 1 GB for CUDA, as `--gpu-memory` does). Each plan is
   written as `python -m tfmis.plan` writes it and read back from its files: the stages of `plan.yaml` (a plain
   config, or a stages file naming the stage configs) and, when the planner writes one, the `candidates.yaml` stages
   file beside it (every candidate configuration's stages). `--cli` plans for this machine with
   `python -m tfmis.plan --source-dir DIR --output-dir SCRATCH` instead (a second fingerprint pass).
-- `run` (in tfmis's environment): both halves per dataset (the nnU-Net half with `--nnunet-python`), then `table`.
-- `table`: the markdown tables from the JSON of an output folder.
+- `run` (in tfmis's environment): both halves per dataset (the nnU-Net half with `--nnunet-python` and the targets
+  of `--nnunet-gpu-memory-target-gb`), then `table`.
+- `table`: the markdown tables from the JSON of an output folder: one per dataset (nnU-Net's first target), and per
+  dataset one of the targets both halves planned (nnU-Net's `-gpu_memory_target GB` beside tfmis's plan for one GPU
+  of GB: patch, share of the median image, batch, U-Net stages, configurations, model parallelism).
 
 All values are in the images' voxel axis order (x, y, z: the order tfmis writes). nnU-Net plans in its own order,
 its array axes (z, y, x) transposed so the coarsest axis comes first (`transpose_forward` in the plans); this script
@@ -55,9 +60,17 @@ fingerprint and `nnUNetPlans.json`) and results folders, and tfmis's plan files.
 
 The halves alone:
 
-    /work/venv-nnunet/bin/python benchmarks/nnunet_plans.py nnunet --source DIR --scratch S --output nnunet.json
+    /work/venv-nnunet/bin/python benchmarks/nnunet_plans.py nnunet --source DIR --scratch S --output nnunet.json \\
+        [--gpu-memory-target-gb 11 24 80]
     python benchmarks/nnunet_plans.py tfmis --source DIR --scratch S --output tfmis.json [--gpu-memory-gb 16 80]
     python benchmarks/nnunet_plans.py table --output runs/nnunet_plans
+
+The target GPU's memory beside nnU-Net's `-gpu_memory_target` (the BraTS-size demo with 6 cases, about 2 minutes):
+
+    python -m tfmis.data.demo --size brats --cases 6 --test-cases 0 --output /work/data-bench/Task01_DemoBraTS
+    python benchmarks/nnunet_plans.py run /work/data-bench/Task01_DemoBraTS \\
+        --nnunet-python /work/venv-nnunet/bin/python --output runs/nnunet_targets --scratch /tmp/nnunet_targets \\
+        --gpu-memory-gb 8 11 24 80 --nnunet-gpu-memory-target-gb 8 11 24 80
 """
 
 from __future__ import annotations
@@ -168,7 +181,7 @@ def nnunet_configuration(plans: dict, name: str) -> dict:
     }
 
 
-def nnunet_side(source: Path, scratch: Path, output: Path, processes: int, gpu_memory_gb: float) -> dict:
+def nnunet_side(source: Path, scratch: Path, output: Path, processes: int, gpu_memory_gbs) -> dict:
     scratch = fresh(scratch)
     for var, sub in (("nnUNet_raw", "raw"), ("nnUNet_preprocessed", "preprocessed"), ("nnUNet_results", "results")):
         os.environ[var] = str((scratch / sub).resolve())
@@ -187,13 +200,23 @@ def nnunet_side(source: Path, scratch: Path, output: Path, processes: int, gpu_m
     t = time.perf_counter()
     extract_fingerprints([DATASET_ID], num_processes=processes, check_dataset_integrity=False, clean=True)
     seconds["fingerprint"] = time.perf_counter() - t
-    t = time.perf_counter()
-    plans_name = plan_experiments([DATASET_ID], "ExperimentPlanner", gpu_memory_target_in_gb=gpu_memory_gb)
-    seconds["plan"] = time.perf_counter() - t
-
     folder = scratch / "preprocessed" / convert_id_to_dataset_name(DATASET_ID)
-    plans_file = folder / f"{plans_name or 'nnUNetPlans'}.json"
-    plans = json.loads(plans_file.read_text())
+    targets = []
+    for gb in gpu_memory_gbs:  # what `nnUNetv2_plan_experiment -d ID -gpu_memory_target GB` runs, one plans file each
+        t = time.perf_counter()
+        name = "nnUNetPlans" if gb == 8 else f"nnUNetPlans_{gb:g}G"
+        plan_experiments([DATASET_ID], "ExperimentPlanner", gpu_memory_target_in_gb=gb, overwrite_plans_name=name)
+        plans_file = folder / f"{name}.json"
+        plans = json.loads(plans_file.read_text())
+        targets.append(
+            {
+                "gpu_memory_target_gb": gb,
+                "plans_file": str(plans_file),
+                "configurations": {c: nnunet_configuration(plans, c) for c in NNUNET_CONFIGURATIONS},
+                "seconds": round(time.perf_counter() - t, 1),
+            }
+        )
+    seconds["plan"] = sum(target["seconds"] for target in targets)
     fingerprint = json.loads((folder / "dataset_fingerprint.json").read_text())
     result = {
         "side": "nnunet",
@@ -202,15 +225,17 @@ def nnunet_side(source: Path, scratch: Path, output: Path, processes: int, gpu_m
         "nnunetv2": version("nnunetv2"),
         "torch": version("torch"),
         "planner": plans.get("experiment_planner_used", "ExperimentPlanner"),
-        "gpu_memory_target_gb": gpu_memory_gb,
-        "plans_file": str(plans_file),
         "transpose_forward": plans["transpose_forward"],
         "num_cases": len(fingerprint.get("spacings", [])),
         "median_spacing": to_voxel_order(plans["original_median_spacing_after_transp"], plans["transpose_forward"]),
         "median_shape_after_crop": to_voxel_order(
             plans["original_median_shape_after_transp"], plans["transpose_forward"]
         ),
-        "configurations": {name: nnunet_configuration(plans, name) for name in NNUNET_CONFIGURATIONS},
+        # the first target's plans (the per-dataset table), and every target's (the targets table)
+        "gpu_memory_target_gb": targets[0]["gpu_memory_target_gb"],
+        "plans_file": targets[0]["plans_file"],
+        "configurations": targets[0]["configurations"],
+        "targets": targets,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
     }
     write_json(output, result)
@@ -270,7 +295,17 @@ def tfmis_stage(name: str, path: Path, fingerprint) -> dict:
         "filters": config["model"]["filters"],
         "crop_to_label_mm": roi_mm,
         "precision": config.get("training", {}).get("precision"),
+        "model_parallel": model_parallel_text(config),
     }
+
+
+def model_parallel_text(config: dict) -> str | None:
+    """`spatial x4 (axis 0)` (and `, 2 data groups`) when the stage splits its model over GPUs, else None."""
+    mp = config.get("runtime", {}).get("model_parallel") or {}
+    if mp.get("mode", "none") == "none":
+        return None
+    text = f"{mp['mode']} x{mp.get('devices', 1)}" + (f" (axis {mp['axis']})" if mp.get("axis") is not None else "")
+    return text + (f", {mp['data']} data groups" if mp.get("data", 1) > 1 else "")
 
 
 def read_tfmis_plan(folder: Path, fingerprint, staged=None) -> dict:
@@ -443,8 +478,57 @@ def dataset_table(nnunet: dict | None, tfmis: dict | None) -> str:
     return "\n".join(lines + [""] + notes) + "\n"
 
 
+def coverage(patch, median) -> str:
+    """The share of the median image's voxels one patch covers (a 2d patch: not given)."""
+    if any(v is None for v in (*patch, *median)):
+        return ""
+    share = 1.0
+    for p, m in zip(patch, median):
+        share *= min(1.0, float(p) / float(m))
+    return f"{100 * share:.0f} %"
+
+
+def targets_table(nnunet: dict, tfmis: dict) -> str | None:
+    """nnU-Net's 3d plans at each `-gpu_memory_target` beside tfmis's plan for one GPU of that memory (the targets
+    both halves planned): patch, batch, U-Net stages (resolution levels), share of the median image, and which
+    configurations each offers. None when no target is in both."""
+    plans = {plan["label"]: plan for plan in tfmis["plans"]}
+    targets = [t for t in nnunet.get("targets", []) if f"{t['gpu_memory_target_gb']:g} GB GPU" in plans]
+    if not targets:
+        return None
+    lines = [
+        f"#### {nnunet['dataset']}: the target GPU's memory",
+        "",
+        "| GPU memory | planner | configuration | spacing (mm) | patch | covers | batch | U-Net stages | "
+        "model parallel |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for target in targets:
+        gb = target["gpu_memory_target_gb"]
+        for name in NNUNET_CONFIGURATIONS[1:]:  # tfmis plans no 2d configuration
+            c = target["configurations"][name]
+            if c["exists"]:
+                lines.append(
+                    f"| {gb:g} GB | nnU-Net v2, -gpu_memory_target {gb:g} | {name} | {fmt_mm(c['spacing'])} | "
+                    f"{fmt_shape(c['patch'])} | {coverage(c['patch'], c['median_shape'])} | {c['batch']} | "
+                    f"{c['n_stages']} | - |"
+                )
+        plan = plans[f"{gb:g} GB GPU"]
+        for stage in plan["stages"]:
+            role = tfmis_role(stage, plan)
+            if stage["trained_by_plan_yaml"]:  # a stage of the recommended configuration
+                role += ", recommended"
+            lines.append(
+                f"| {gb:g} GB | tfmis, one {gb:g} GB GPU ({stage['precision']}) | {role} | "
+                f"{fmt_mm(stage['spacing'])} | {fmt_shape(stage['patch'])} | "
+                f"{coverage(stage['patch'], stage['median_shape'])} | {stage['batch']} | {stage['levels']} | "
+                f"{stage.get('model_parallel') or 'none'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def tables(output: Path) -> str:
-    parts, versions = [], set()
+    parts, versions, targets = [], set(), []
     for folder in sorted(p for p in output.iterdir() if p.is_dir()):
         loaded = {}
         for side in ("nnunet", "tfmis"):
@@ -455,8 +539,10 @@ def tables(output: Path) -> str:
         if loaded["nnunet"]:
             versions.add(loaded["nnunet"]["nnunetv2"])
         parts.append(dataset_table(loaded["nnunet"], loaded["tfmis"]))
+        if loaded["nnunet"] and loaded["tfmis"]:
+            targets.append(targets_table(loaded["nnunet"], loaded["tfmis"]))
     head = f"nnunetv2 {', '.join(sorted(versions))}; " if versions else ""
-    return head + "planned on " + processor() + "\n\n" + "\n".join(parts)
+    return head + "planned on " + processor() + "\n\n" + "\n".join(parts + [t for t in targets if t])
 
 
 def processor() -> str:
@@ -479,7 +565,8 @@ def run(args) -> int:
         name = source.name
         gpus = [str(g) for g in args.gpu_memory_gb]
         halves = {
-            "nnunet": [args.nnunet_python, script, "nnunet", "--processes", str(args.processes)],
+            "nnunet": [args.nnunet_python, script, "nnunet", "--processes", str(args.processes)]
+            + ["--gpu-memory-target-gb", *[str(g) for g in args.nnunet_gpu_memory_target_gb]],
             "tfmis": [sys.executable, script, "tfmis", "--gpu-memory-gb", *gpus] + (["--cli"] if args.cli else []),
         }
         for side, command in halves.items():
@@ -515,7 +602,13 @@ def main(argv=None) -> int:
         half.add_argument("--scratch", required=True, help="scratch folder (emptied first)")
         half.add_argument("--output", required=True, help="JSON file to write")
     n.add_argument("--processes", type=int, default=2, help="nnU-Net's worker processes (default 2)")
-    n.add_argument("--gpu-memory-target-gb", type=float, default=8.0, help="ExperimentPlanner's target (default 8)")
+    n.add_argument(
+        "--gpu-memory-target-gb",
+        type=float,
+        nargs="+",
+        default=[8.0],
+        help="ExperimentPlanner's gpu_memory_target_in_gb, one plans file per value (default 8)",
+    )
     t.add_argument("--gpu-memory-gb", type=float, nargs="*", default=[16.0], help="plan also for one GPU of each size")
     t.add_argument("--cli", action="store_true", help="plan for this machine with python -m tfmis.plan")
     r = sub.add_parser("run", help="both halves per dataset, then the tables")
@@ -524,7 +617,14 @@ def main(argv=None) -> int:
     r.add_argument("--scratch", required=True, help="scratch folder (nnU-Net's raw/preprocessed, tfmis's plans)")
     r.add_argument("--nnunet-python", required=True, help="the python of the nnU-Net venv")
     r.add_argument("--processes", type=int, default=2)
-    r.add_argument("--gpu-memory-gb", type=float, nargs="*", default=[16.0])
+    r.add_argument("--gpu-memory-gb", type=float, nargs="*", default=[16.0], help="tfmis: one GPU of each size")
+    r.add_argument(
+        "--nnunet-gpu-memory-target-gb",
+        type=float,
+        nargs="+",
+        default=[8.0],
+        help="nnU-Net: -gpu_memory_target of each plan (default 8); the targets table pairs equal values",
+    )
     r.add_argument("--cli", action="store_true")
     r.add_argument("--reuse", action="store_true", help="keep a half's JSON that exists")
     s = sub.add_parser("table", help="the markdown tables of a results folder")

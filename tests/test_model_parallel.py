@@ -276,63 +276,73 @@ def _gpus(count: int, memory_mb: float):
     return Hardware(gpus=(gpu,) * count, cpu_count=16, host_memory_mb=256000, host_available_mb=200000)
 
 
-def test_planner_splits_the_wanted_patch_over_the_fewest_gpus_that_hold_it():
-    """A CT fingerprint whose nnU-Net patch (192x192x128, 1 mm) needs more than one GPU's 8 GB budget: on 4 GPUs
-    the plan keeps that patch, cut into the fewest slabs (N) whose per-GPU estimate - weights and 1.15/N of the
-    activations (halos); no whole-patch logits, the loss being summed slab by slab - fits, N/2 GPUs not fitting;
-    the reason gives both sides in numbers. On one GPU the patch shrinks and the reason says why there is no
-    split; on the CPU neither."""
+def test_planner_splits_nnunets_default_target_patch_over_the_fewest_gpus_only_when_one_cannot_hold_it():
+    """A CT fingerprint (192x160x128 at 1 mm) on 4 GPUs of 8 GB, whose budget (85% of 7 GB) cannot hold nnU-Net's
+    patch at its default 8 GB target (`smallest_sensible_patch`): the plan keeps that patch, cut along the planned
+    axis into the fewest slabs (N) whose busiest GPU's estimate - the weights and 1.4x the largest aligned slab's
+    activations (gathered inputs and halos; no whole-patch logits, the loss being summed slab by slab) - fits, N/2
+    GPUs not fitting; the reason gives both sides in numbers. On one such GPU the patch shrinks and the reason says
+    why there is no split; on 4 GPUs of 80 GB one GPU holds the whole median image and nothing is split; on the CPU
+    neither."""
     from test_plan import _fingerprint
 
+    from tfmis.networks.slab_geometry import slab_bounds
     from tfmis.planning import make_plan
     from tfmis.planning.planner import GPU_MEMORY_TARGET_MB, ExperimentPlanner
-    from tfmis.planning.rules import pool_and_conv_props, training_memory_mb
+    from tfmis.planning.rules import training_memory_mb
 
     fp = _fingerprint([[1.0, 1.0, 1.0]] * 10, [[192, 160, 128]] * 10)
-    plan = make_plan(fp, _gpus(4, 81920))
+    plan = make_plan(fp, _gpus(4, 8192))
     config = plan.config()
     mp = config.runtime.model_parallel
-    patch = config.pipeline.patch_size
-    planner = ExperimentPlanner(fp, _gpus(4, 81920))
-    data = planner.determine_data()
-    wanted = pool_and_conv_props(data.spacing, planner.determine_patch(data).initial_patch)[2]  # to the divisors
-    assert mp.mode == "spatial" and list(patch) == [int(p) for p in wanted] == [192, 192, 128]
-    memory = training_memory_mb(patch, config.model.strides, config.model.filters, 2, 1, 3, 2, "mixed_float16")
+    patch, strides = list(config.pipeline.patch_size), config.model.strides
+    planner = ExperimentPlanner(fp, _gpus(4, 8192))
+    sensible = planner.smallest_sensible_patch(planner.determine_data())[0]
+    assert mp.mode == "spatial" and patch == sensible
+    budget = 0.85 * (8192 - 1024)
+    memory = training_memory_mb(patch, strides, config.model.filters, 2, 1, 3, 2, "mixed_float16")
+    assert budget < memory["total_mb"] <= GPU_MEMORY_TARGET_MB
+    divisor = [int(np.prod([s if isinstance(s, int) else s[a] for s in strides])) for a in range(3)]
 
     def per_gpu(n):
-        return memory["fixed_mb"] + (memory["total_mb"] - memory["fixed_mb"]) * 1.15 / n
+        if n == 1:
+            return memory["total_mb"]
+        slab = list(patch)
+        slab[mp.axis] = max(b - a for a, b in slab_bounds(patch[mp.axis], divisor[mp.axis], n))
+        slab_mb = training_memory_mb(slab, strides, config.model.filters, 2, 1, 3, 2, "mixed_float16")["total_mb"]
+        return memory["fixed_mb"] + 1.4 * (slab_mb - memory["fixed_mb"])
 
-    assert memory["total_mb"] > GPU_MEMORY_TARGET_MB
-    assert per_gpu(mp.devices) <= GPU_MEMORY_TARGET_MB < per_gpu(mp.devices // 2)
+    assert per_gpu(mp.devices) <= budget < per_gpu(mp.devices // 2)
     reason = plan.reasons["runtime.model_parallel.mode"]
-    assert (
-        f"~{memory['total_mb'] / 1024:.1f} GB" in reason and f"~{per_gpu(mp.devices) / 1024:.1f} GB per GPU" in reason
-    )
+    assert f"~{memory['total_mb'] / 1024:.1f} GB" in reason and f"needs ~{per_gpu(mp.devices) / 1024:.1f} GB" in reason
     assert config.runtime.distribution == "none" and config.pipeline.num_images_per_batch == 2 * mp.data
 
-    one = make_plan(fp, _gpus(1, 81920))
+    one = make_plan(fp, _gpus(1, 8192))
     assert (
         one.config().runtime.model_parallel.mode == "none" and "one GPU" in one.reasons["runtime.model_parallel.mode"]
     )
     assert np.prod(one.config().pipeline.patch_size) < np.prod(patch)
+    large = make_plan(fp, _gpus(4, 81920)).config()
+    assert large.runtime.model_parallel.mode == "none" and list(large.pipeline.patch_size) == [192, 192, 128]
     from test_plan import CPU
 
     cpu = make_plan(fp, CPU)
     assert "no GPU" in cpu.reasons["runtime.model_parallel.mode"]
 
 
-def test_planner_says_what_a_split_would_give_when_even_all_gpus_cannot_hold_the_wanted_patch():
-    """A 512x512x400 CT at 1 mm (nnU-Net's patch 256^3) on 8 GPUs of 24 GB: no split, and the reason names the
-    larger patch 8 GPUs would allow and its voxel ratio to the planned one."""
+def test_planner_says_what_a_split_would_give_when_even_all_gpus_cannot_hold_the_sensible_patch():
+    """A 512x512x400 CT at 1 mm on 8 GPUs of 4 GB: nnU-Net's 8 GB-target patch fits neither one GPU nor a split
+    over all 8 (its sides hold too few aligned slabs, or the busiest GPU's slab is too large): no split, and the
+    reason names the larger patch a split would allow, over how many GPUs, and its voxel ratio to the planned one."""
     from test_plan import _fingerprint
 
     from tfmis.planning import make_plan
 
-    plan = make_plan(_fingerprint([[1.0, 1.0, 1.0]] * 10, [[512, 512, 400]] * 10), _gpus(8, 24000))
+    plan = make_plan(_fingerprint([[1.0, 1.0, 1.0]] * 10, [[512, 512, 400]] * 10), _gpus(8, 4096))
     reason = plan.reasons["runtime.model_parallel.mode"]
     assert plan.config().runtime.model_parallel.mode == "none"
-    assert "does not fit even when split over this machine's 8 GPUs; split over 8 it could be" in reason
-    assert "runtime.model_parallel.devices=8" in reason
+    assert "does not fit even when split over this machine's 8 GPUs; split over" in reason
+    assert "it could be" in reason and "runtime.model_parallel.devices=" in reason
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,9 @@ from tfmis.planning.stages import plan_stages
 
 BRATS_LIKE = fingerprint([1.0] * 3, [140, 172, 140], [3e6, 6e4, 2.5e4, 1.5e4], [70, 80, 60])  # one lowres stage
 CT_LIKE = fingerprint([0.8, 0.8, 2.5], [480, 360, 240], [5e7, 3e6, 2e3], [120, 90, 80])  # a cascade
+# a 24 GB GPU: CT_LIKE's full-resolution patch there covers under 25% of its median image, so it plans a cascade
+# (on an 80 GB GPU the patch covers more and full resolution is the only candidate)
+GPU_24 = dataclasses.replace(GPU_80, gpus=({**GPU_80.gpus[0], "memory_mb": 24 * 1024},))
 
 
 def _identities(planner) -> dict:
@@ -204,10 +207,22 @@ def test_a_time_budget_that_leaves_a_stage_no_minutes_is_refused():
         make_plan(CT_LIKE, CPU, max_minutes=0)
 
 
+def test_the_target_gpus_memory_decides_whether_a_low_resolution_stage_is_needed():
+    """CT_LIKE on one GPU of 24 GB and of 80 GB: the larger GPU's full-resolution patch has more voxels; on 24 GB it
+    covers under 25% of the median image (fullres, lowres and cascade are candidates), on 80 GB at least 25%, so
+    fullres is the only one, as nnU-Net drops 3d_lowres when its `-gpu_memory_target` patch covers a quarter."""
+    small, large = plan_stages(CT_LIKE, GPU_24), plan_stages(CT_LIKE, GPU_80)
+    patches = [staged.candidates["fullres"][0][1].values["pipeline.patch_size"] for staged in (small, large)]
+    assert np.prod(patches[0]) < np.prod(patches[1]), patches
+    median = ExperimentPlanner(CT_LIKE, GPU_80).determine_data().median_shape
+    assert patch_coverage(patches[0], median) < 0.25 <= patch_coverage(patches[1], median)
+    assert set(small.candidates) == {"fullres", "lowres", "cascade"} and set(large.candidates) == {"fullres"}
+
+
 def test_a_gpu_cascade_with_a_time_budget_gives_each_stage_its_share():
-    """On a GPU a cascade with max_minutes 10 plans the coarse stage 4 minutes and the fine one 6, each reason
-    naming its share."""
-    staged = plan_stages(CT_LIKE, GPU_80, max_minutes=10)
+    """On a 24 GB GPU a cascade with max_minutes 10 plans the coarse stage 4 minutes and the fine one 6, each
+    reason naming its share."""
+    staged = plan_stages(CT_LIKE, GPU_24, max_minutes=10)
     assert staged.configuration == "cascade"
     (_, coarse), (_, fine) = staged.stages
     assert (coarse.values["training.max_minutes"], fine.values["training.max_minutes"]) == (4.0, 6.0)
@@ -219,7 +234,7 @@ def test_each_stage_is_planned_again_with_the_gpu_fit_measurement_of_its_own_con
     """`gpu_fit_for` is asked with each candidate stage's config (fullres, lowres, the cascade's fine stage); the
     stage it has a measurement for (the fine one here) takes the measured batch size, sliding-window batch size and
     placement, the others stay as planned without it; with no measurement at all the plan is the one without
-    `gpu_fit_for`."""
+    `gpu_fit_for` (a 24 GB GPU, on which CT_LIKE plans a cascade)."""
     asked = []
     measured = {"num_images_per_batch": 5, "num_sw_batch_size": 3, "validation_data_device": "gpu", "source": "c"}
 
@@ -227,8 +242,8 @@ def test_each_stage_is_planned_again_with_the_gpu_fit_measurement_of_its_own_con
         asked.append(config.output.dir)
         return measured if config.output.dir.endswith("cascade") else None
 
-    plain = plan_stages(CT_LIKE, GPU_80, output_dir="runs/ct")
-    fitted = plan_stages(CT_LIKE, GPU_80, output_dir="runs/ct", gpu_fit_for=fine_only)
+    plain = plan_stages(CT_LIKE, GPU_24, output_dir="runs/ct")
+    fitted = plan_stages(CT_LIKE, GPU_24, output_dir="runs/ct", gpu_fit_for=fine_only)
     assert sorted(asked) == ["runs/ct/cascade", "runs/ct/fullres", "runs/ct/lowres"]
     assert fitted.gpu_fitted and not plain.gpu_fitted
     (_, coarse), (_, fine) = fitted.stages
@@ -239,6 +254,6 @@ def test_each_stage_is_planned_again_with_the_gpu_fit_measurement_of_its_own_con
     assert fine.values["validation.validation_data_device"] == "gpu"
     assert fine.reasons["pipeline.num_images_per_batch"] == "measured by the GPU-fit search (c)"
     assert plain.stages[1][1].values["pipeline.num_images_per_batch"] != 5
-    unmeasured = plan_stages(CT_LIKE, GPU_80, output_dir="runs/ct", gpu_fit_for=lambda config: None)
+    unmeasured = plan_stages(CT_LIKE, GPU_24, output_dir="runs/ct", gpu_fit_for=lambda config: None)
     assert not unmeasured.gpu_fitted
     assert [p.values for _, p in unmeasured.stages] == [p.values for _, p in plain.stages]

@@ -186,17 +186,16 @@ def test_plan_source_refuses_a_folder_without_dataset_json_and_keeps_a_plan_on_r
 
 
 def test_every_stage_of_a_cascade_gets_the_gpu_fit_measurement_of_its_own_config(tmp_path):
-    """`cached_gpu_fit` on a planned cascade (a CT-like fingerprint on an 80 GB GPU): each stage's config is looked
+    """`cached_gpu_fit` on a planned cascade (a CT-like fingerprint on a 24 GB GPU): each stage's config is looked
     up, both stage plans are written again with the measured batch size, sliding-window batch size and placement,
     and the reloaded stages carry them, with the stage overrides still applied; without a GPU nothing changes."""
-    from test_plan import GPU_80
-    from test_planner_steps import CT_LIKE
+    from test_planner_steps import CT_LIKE, GPU_24
 
     from tfmis.planning.stages import plan_stages
     from tfmis.training import PlannedRun, cached_gpu_fit
 
     plan_args = {"source_dir": str(tmp_path / "src"), "dataset_dir": str(tmp_path / "tfr"), "output_dir": str(tmp_path)}
-    staged = plan_stages(CT_LIKE, GPU_80, configuration="cascade", **plan_args)
+    staged = plan_stages(CT_LIKE, GPU_24, configuration="cascade", **plan_args)
     path = staged.write()
     planned = PlannedRun(path, ["training.epochs=7"], CT_LIKE, "cascade", {**plan_args, "max_minutes": None})
     stages = load_stages(path, planned.overrides)
@@ -208,7 +207,7 @@ def test_every_stage_of_a_cascade_gets_the_gpu_fit_measurement_of_its_own_config
         asked.append(config.output.dir)
         return measured
 
-    fitted = cached_gpu_fit(stages, planned, log=lambda line: None, hardware=GPU_80, lookup=lookup)
+    fitted = cached_gpu_fit(stages, planned, log=lambda line: None, hardware=GPU_24, lookup=lookup)
     assert {s.config.output.dir for s in stages} <= set(asked)  # every candidate is planned again, these among them
     for stage in fitted:
         assert stage.config.pipeline.num_images_per_batch == 5 and stage.config.validation.num_sw_batch_size == 3
