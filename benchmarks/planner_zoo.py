@@ -36,7 +36,7 @@ For each kind and seed:
 Outputs in `--output` (default runs/zoo): `<kind>/seed<S>/<arm>/` (the run folder, its `.log`, `test_predictions/`)
 and `<kind>/seed<S>/<arm>.json` (the arm's result: an arm finished with the same budget is not run again; delete the
 file to rerun it);
-`zoo.json`, `zoo.md` (a table kind x arm x seed and a verdict per kind: "no config >= hand >= MONAI?" on the test mean
+`zoo.json`, `zoo.md` (a table kind x arm x seed and a verdict per kind: "no config >= hand and >= MONAI?" on the test mean
 Dice averaged over the seeds) and `zoo.png`. The processor (`lscpu`'s model name) is printed first and recorded.
 
 Examples:
@@ -249,10 +249,28 @@ def hand_config(kind: Kind, root: Path, seed: int):
     return load_config(recipe["config"], overrides), recipe["config"], overrides
 
 
+def variant_arms(specs) -> dict[str, list[str]]:
+    """`--variant NAME=ARGS` -> {"noconfig_NAME": the extra `tfmis.train` arguments}: the no-config arm with one
+    planner rule forced the other way (`--configuration fullres`, `--set pipeline.patch_size=[64,64,64]`), to
+    measure the rule against its alternative at the same budget."""
+    import shlex
+
+    out = {}
+    for spec in specs or ():
+        name, sep, extra = spec.partition("=")
+        if not sep or not name.isidentifier():
+            raise SystemExit(f"--variant {spec!r}: expected NAME=ARGS, e.g. fullres='--configuration fullres'")
+        out[f"noconfig_{name}"] = shlex.split(extra)
+    return out
+
+
+VARIANTS: dict[str, list[str]] = {}  # filled by main from --variant
+
+
 def tfmis_train_command(arm: str, kind: Kind, root: Path, seed: int, run_dir: Path, minutes: float) -> list[str]:
     common = [f"training.max_minutes={minutes}", f"output.dir={run_dir}", "output.progress=false"]
-    if arm == "noconfig":
-        cmd = [sys.executable, "-m", "tfmis.train", "--source-dir", str(root)]
+    if arm == "noconfig" or arm in VARIANTS:
+        cmd = [sys.executable, "-m", "tfmis.train", "--source-dir", str(root), *VARIANTS.get(arm, [])]
         overrides = [*common, f"data.dataset_dir={root / 'tfrecords_plan'}", f"training.seed={seed}"]
     elif arm == "nnunet_layout":  # the plan preconvert_plan made, its network turned back into nnU-Net's layout
         plan = nnunet_layout_plan(run_dir.with_name(run_dir.name + "_plan"))
@@ -443,7 +461,7 @@ def run_arm(arm: str, kind: Kind, root: Path, seed: int, args) -> dict:
         scoring = lambda: score_monai(probabilities, npy, root, kind)  # noqa: E731
     else:
         start = time.perf_counter()
-        if arm in ("noconfig", "nnunet_layout"):
+        if arm in ("noconfig", "nnunet_layout") or arm in VARIANTS:
             code = preconvert_plan(root, run_dir, log, args.quiet, args.minutes)
         else:
             _, config, overrides = hand_config(kind, root, seed)
@@ -477,20 +495,25 @@ def _fmt(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+GOAL = ("noconfig", ("hand", "monai"))  # no config must reach each of these (the planner's goal)
+
+
 def verdicts(results: list[dict], kinds, arms) -> dict:
-    """Per kind: the test mean Dice of each arm averaged over the seeds, and whether no config >= hand >= MONAI."""
+    """Per kind: the test mean Dice of each arm averaged over the seeds, and whether no config >= the hand recipe
+    and >= MONAI's recipe (the other arms are reported, not judged)."""
     out = {}
+    goal, rivals = GOAL
     for kind in kinds:
         means = {}
         for arm in arms:
             rows = [r for r in results if r["kind"] == kind and r["arm"] == arm]
             values = [r["test"]["mean_dice"] for r in rows if r.get("status") == "ok"]
             means[arm] = float(np.mean(values)) if values and len(values) == len(rows) else None
-        order = [a for a in ARMS if a in arms]
-        if any(means[a] is None for a in order):
-            verdict = "incomplete (" + ", ".join(a for a in order if means[a] is None) + " missing or failed)"
+        judged = [a for a in (goal, *rivals) if a in arms]
+        if any(means[a] is None for a in judged):
+            verdict = "incomplete (" + ", ".join(a for a in judged if means[a] is None) + " missing or failed)"
         else:
-            holds = all(means[a] >= means[b] for a, b in zip(order, order[1:]))
+            holds = all(means[goal] >= means[a] for a in judged if a != goal)
             verdict = "yes" if holds else "no"
         out[kind] = {"means": means, "verdict": verdict}
     return out
@@ -527,16 +550,14 @@ def render_markdown(report: dict) -> str:
         )
     lines += [
         "",
-        "Verdict per kind (test mean Dice averaged over the seeds): no config >= hand >= MONAI?",
+        "Verdict per kind (test mean Dice averaged over the seeds): no config >= hand and >= MONAI?",
         "",
-        "| kind | no config | hand | MONAI | no config >= hand >= MONAI? |",
-        "| --- | ---: | ---: | ---: | --- |",
+        "| kind | " + " | ".join(report["arms"]) + " | no config >= hand and >= MONAI? |",
+        "| --- | " + " | ".join("---:" for _ in report["arms"]) + " | --- |",
     ]
     for kind, v in report["verdicts"].items():
         m = v["means"]
-        lines.append(
-            f"| {kind} | {_fmt(m.get('noconfig'))} | {_fmt(m.get('hand'))} | {_fmt(m.get('monai'))} | {v['verdict']} |"
-        )
+        lines.append(f"| {kind} | " + " | ".join(_fmt(m.get(a)) for a in report["arms"]) + f" | {v['verdict']} |")
     lines += ["", "Data generation (seconds, cached after the first run):", ""]
     for key, seconds in report["generation_seconds"].items():
         lines.append(f"- {key}: {seconds:.1f} s")
@@ -656,6 +677,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds (data and training), default 0")
     p.add_argument("--minutes", type=float, default=4.0, help="wall-clock training budget of every arm (default 4)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="arms (default all)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME=ARGS",
+        help="one more arm, noconfig_NAME: the no-config command with these extra tfmis.train arguments (a rule "
+        "forced the other way, e.g. fullres='--configuration fullres'); repeatable",
+    )
     p.add_argument("--output", default=DEFAULT_OUTPUT, help=f"results (default {DEFAULT_OUTPUT})")
     p.add_argument("--data-dir", default=DEFAULT_DATA, help=f"generated datasets (default {DEFAULT_DATA})")
     p.add_argument(
@@ -685,6 +713,8 @@ def main(argv=None) -> int:
     if any("=" not in item for item in args.monai_env):
         print(f"error: --monai-env takes KEY=VALUE, got {args.monai_env}", file=sys.stderr)
         return 2
+    VARIANTS.update(variant_arms(args.variant))
+    args.arms = [*args.arms, *VARIANTS]
     try:
         report = run_zoo(args)
     except (FileNotFoundError, ValueError) as e:
