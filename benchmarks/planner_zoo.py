@@ -36,7 +36,7 @@ For each kind and seed:
 Outputs in `--output` (default runs/zoo): `<kind>/seed<S>/<arm>/` (the run folder, its `.log`, `test_predictions/`)
 and `<kind>/seed<S>/<arm>.json` (the arm's result: an arm finished with the same budget is not run again; delete the
 file to rerun it);
-`zoo.json`, `zoo.md` (a table kind x arm x seed and a verdict per kind: "no config >= hand and >= MONAI?" on the test mean
+`zoo.json`, `zoo.md` (a table kind x arm x seed and a verdict per kind, "no config >= hand and >= MONAI?", on the test
 Dice averaged over the seeds) and `zoo.png`. The processor (`lscpu`'s model name) is printed first and recorded.
 
 Examples:
@@ -271,7 +271,7 @@ def tfmis_train_command(arm: str, kind: Kind, root: Path, seed: int, run_dir: Pa
     common = [f"training.max_minutes={minutes}", f"output.dir={run_dir}", "output.progress=false"]
     if arm == "noconfig" or arm in VARIANTS:
         cmd = [sys.executable, "-m", "tfmis.train", "--source-dir", str(root), *VARIANTS.get(arm, [])]
-        overrides = [*common, f"data.dataset_dir={root / 'tfrecords_plan'}", f"training.seed={seed}"]
+        overrides = [*common, f"data.dataset_dir={plan_target(root, arm)}", f"training.seed={seed}"]
     elif arm == "nnunet_layout":  # the plan preconvert_plan made, its network turned back into nnU-Net's layout
         plan = nnunet_layout_plan(run_dir.with_name(run_dir.name + "_plan"))
         cmd = [sys.executable, "-m", "tfmis.train", "--config", str(plan)]
@@ -304,14 +304,35 @@ CONVERT_HAND = (
 )
 
 
-def preconvert_plan(root: Path, run_dir: Path, log: Path, quiet: bool, minutes: float) -> int:
-    """Plans the dataset (`tfmis-plan`, into `<run_dir>_plan`) and converts every stage's data into
-    DATA/tfrecords_plan, before the no-config arm's clock starts: its `training.max_minutes` is the whole command's
-    wall time, and the other arms convert outside their budgets too. The arm's own planning then takes the finished
-    conversion's fingerprint and converts nothing. Returns the exit status."""
+def plan_target(root: Path, arm: str) -> Path:
+    """The conversion folder of a planned arm: DATA/tfrecords_plan, a variant's own (its rule may plan another
+    spacing or stage, which a shared folder would refuse)."""
+    return root / (f"tfrecords_{arm}" if arm in VARIANTS else "tfrecords_plan")
+
+
+def plan_arguments(arm: str) -> list[str]:
+    """A variant's extra arguments that `tfmis-plan` takes too (its `--set` pairs are for training only)."""
+    extra, out = VARIANTS.get(arm, []), []
+    skip = False
+    for item in extra:
+        if skip:
+            skip = False
+        elif item == "--set":
+            skip = True
+        else:
+            out.append(item)
+    return out
+
+
+def preconvert_plan(root: Path, run_dir: Path, log: Path, quiet: bool, minutes: float, arm: str = "noconfig") -> int:
+    """Plans the dataset (`tfmis-plan`, into `<run_dir>_plan`) and converts every stage's data into `plan_target`
+    (a variant: with its planning arguments) before the arm's clock starts: its `training.max_minutes` is the whole
+    command's wall time, and the other arms convert outside their budgets too. The arm's own planning then takes the
+    finished conversion's fingerprint and converts nothing. Returns the exit status."""
     plan_dir = run_dir.with_name(run_dir.name + "_plan")
     shutil.rmtree(plan_dir, ignore_errors=True)
-    plan = [sys.executable, "-m", "tfmis.plan", "--source-dir", str(root), "--target-dir", str(root / "tfrecords_plan")]
+    plan = [sys.executable, "-m", "tfmis.plan", "--source-dir", str(root), "--target-dir", str(plan_target(root, arm))]
+    plan += plan_arguments(arm)
     code, _ = _run([*plan, "--output-dir", str(plan_dir), "--max-minutes", str(minutes), "--quiet"], log, quiet)
     if code == 0:
         code, _ = _run([sys.executable, "-c", CONVERT_PLAN, str(plan_dir / "plan.yaml")], log, quiet)
@@ -462,7 +483,7 @@ def run_arm(arm: str, kind: Kind, root: Path, seed: int, args) -> dict:
     else:
         start = time.perf_counter()
         if arm in ("noconfig", "nnunet_layout") or arm in VARIANTS:
-            code = preconvert_plan(root, run_dir, log, args.quiet, args.minutes)
+            code = preconvert_plan(root, run_dir, log, args.quiet, args.minutes, arm)
         else:
             _, config, overrides = hand_config(kind, root, seed)
             code, _ = _run([sys.executable, "-c", CONVERT_HAND, config, *overrides], log, args.quiet)

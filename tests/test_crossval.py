@@ -132,6 +132,57 @@ def test_training_budget_shares_what_is_left_less_the_measured_start_up(tmp_path
     assert training_minutes(cv, definition, 0, 2) == LEAST_TRAINING_MINUTES
 
 
+def test_training_budget_counts_the_out_of_fold_predictions_a_worker_has_left(tmp_path):
+    """With `oof_seconds` in training_budget.json (tfmis-auto's lane holds the trainings and the out-of-fold
+    predictions), a share is (the lane - the worker's finished jobs - the predictions left) / the trainings left - the
+    start-up: 600 s, 2 folds x 2 configurations, predictions assumed 30 s: (600 - 60) / 4 - 20 = 115 s = 1.91 min.
+    After fold 0's trainings (200 s and 100 s, loops 150 s and 80 s: start-up 35 s) and its prediction (12 s,
+    measured: it replaces the 30 s): (600 - 312 - 12) / 2 - 35 = 103 s = 1.71 min."""
+    from tfmis.crossval.experiment import Configuration, Definition, append_job_event, fold_run_dir
+    from tfmis.crossval.jobs import TRAINING_BUDGET_FILE, training_minutes
+
+    definition = Definition([Configuration("a", {"model": {}}), Configuration("b", {"model": {}})], 2, [0, 1])
+    cv = tmp_path / "cv"
+    cv.mkdir()
+    (cv / TRAINING_BUDGET_FILE).write_text(json.dumps({"lane_seconds": 600.0, "oof_seconds": 30.0}))
+    assert training_minutes(cv, definition, 0, 1) == pytest.approx(1.91)
+    for name, seconds, loop in (("a", 200.0, 150.0), ("b", 100.0, 80.0)):
+        run = fold_run_dir(cv, name, 0)
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"elapsed_seconds": loop}))
+        event = {"job": "train", "configuration": name, "fold": 0, "worker": "worker0", "event": "end"}
+        append_job_event(cv, {**event, "seconds": seconds, "exit_code": 0})
+    append_job_event(
+        cv, {"job": "oof", "fold": 0, "worker": "worker0", "event": "end", "seconds": 12.0, "exit_code": 0}
+    )
+    for name in ("a", "b"):
+        (fold_run_dir(cv, name, 0) / "validation").mkdir()
+        (fold_run_dir(cv, name, 0) / "validation" / "scores.json").write_text("{}")
+    (cv / "ensembles" / "a+b" / "fold_0" / "validation").mkdir(parents=True)
+    (cv / "ensembles" / "a+b" / "fold_0" / "validation" / "scores.json").write_text("{}")
+    assert training_minutes(cv, definition, 0, 1) == pytest.approx(math.floor((276 / 2 - 35) / 60 * 100) / 100)
+
+
+def test_overrides_the_folds_would_drop_are_refused_in_one_line(tmp_path, capsys):
+    """`--set output.dir`, `data.split.*`, `training.target_dice` (each fold's config sets them) and
+    `training.epochs` together with `training.max_minutes` (the budget decides each fold's schedule): exit 2, one
+    line naming the key and why, before anything is converted."""
+    config = write_config(tmp_path, "a")
+    for override, words in (
+        ("output.dir=x", "--set output.dir: cross-validation sets it for every fold"),
+        ("data.split.fold=1", "--set data.split.fold: cross-validation sets it"),
+        ("training.target_dice=0.9", "held-out fold"),
+    ):
+        code = main(["--config", str(config), "--output", str(tmp_path / "cv"), "--set", override])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and words in err[0], err
+    argv = ["--config", str(config), "--output", str(tmp_path / "cv"), "--set", "training.max_minutes=2"]
+    assert main([*argv, "--set", "training.epochs=5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give one of them" in err[0], err
+    assert not (tmp_path / "tfrecords").exists() and not (tmp_path / "cv" / DEFINITION_FILE).exists()
+
+
 def test_progress_table_shows_a_failed_job_with_its_exit_code_until_it_is_retried(tmp_path):
     """The folds' table, read from jobs.jsonl as the workers append it: a training or an out-of-fold prediction that
     ended with a non-zero exit shows `failed (exit N)` (not `waiting`), a running one its epoch, a retried one
@@ -184,7 +235,9 @@ def test_a_failed_fold_is_a_partial_failure_exit_3_naming_the_fold_its_reason_an
         "error: 1 fold(s) unfinished: rerun the same command to continue",
     ], captured.err
     assert log.is_file() and "is a file, not a folder" in log.read_text()
-    assert captured.out.splitlines()[-1].split() == ["1", "failed", "(exit", "1)", "-"]  # the last table, fold 1
+    lines = captured.out.splitlines()
+    assert lines[-1].startswith("Dice: each training's last epoch on its held-out fold")  # what the Dice is
+    assert lines[-2].split() == ["1", "failed", "(exit", "1)", "-"]  # the last table, fold 1
     assert not (cv / "crossval.json").exists()
 
 

@@ -153,7 +153,8 @@ def test_the_candidates_file_cross_validates_every_candidate_and_plan_yaml_train
     """write() on the CT-size plan: candidates.yaml is a stages file of fullres, lowres and cascade (each stage once),
     which parse_configurations turns into configurations fullres, lowres and cascade with coarse stage lowres; plan.yaml
     names the recommended cascade's stages (lowres, cascade). A recommended single stage (lowres for BraTS) is a
-    one-stage stages file whose stage keeps its run folder under --set output.dir while other overrides apply."""
+    one-stage stages file whose stage trains in <output.dir>/lowres under --set output.dir, the other overrides
+    applied too."""
     out = tmp_path / "ct"
     staged = plan_stages(CT_LIKE, CPU, output_dir=str(out), dataset_dir=str(tmp_path / "data"))
     plan = staged.write()
@@ -167,7 +168,7 @@ def test_the_candidates_file_cross_validates_every_candidate_and_plan_yaml_train
     brats = plan_stages(BRATS_LIKE, CPU, output_dir=str(tmp_path / "brats")).write()
     assert load_stages(brats) == [("lowres", tmp_path / "brats" / "lowres" / "plan.yaml")]
     [stage] = training_stages(brats, [f"output.dir={tmp_path / 'elsewhere'}", "training.epochs=3"])
-    assert stage.config.output.dir == str(tmp_path / "brats" / "lowres") and stage.config.training.epochs == 3
+    assert stage.config.output.dir == str(tmp_path / "elsewhere" / "lowres") and stage.config.training.epochs == 3
 
 
 @pytest.mark.slow

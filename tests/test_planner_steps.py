@@ -84,8 +84,8 @@ def test_a_subclass_overriding_one_step_changes_that_decision_and_keeps_the_othe
     fp = _fingerprint([[1.0, 1.0, 1.0]] * 4, [[120, 90, 100]] * 4)
 
     class HalfOverlap(ExperimentPlanner):
-        def determine_validation(self, patch, network, schedule):
-            decision = super().determine_validation(patch, network, schedule)
+        def determine_validation(self, data, patch, network, schedule):
+            decision = super().determine_validation(data, patch, network, schedule)
             settings = [
                 s if s[0] != "validation.overlap" else (s[0], 0.5, "half-window steps") for s in decision.settings
             ]
@@ -257,3 +257,26 @@ def test_each_stage_is_planned_again_with_the_gpu_fit_measurement_of_its_own_con
     unmeasured = plan_stages(CT_LIKE, GPU_24, output_dir="runs/ct", gpu_fit_for=lambda config: None)
     assert not unmeasured.gpu_fitted
     assert [p.values for _, p in unmeasured.stages] == [p.values for _, p in plain.stages]
+
+
+def test_validation_interval_keeps_the_sliding_windows_under_a_tenth_of_an_epochs_passes():
+    """A large median image and few training cases (one validation costs more than an epoch's share): the interval
+    comes from the cost, counted with the windows the real sliding window covers the median image with
+    (`number_of_windows`), and keeps validation windows under 10% of an epoch's forward passes (crops x 3) while
+    one epoch fewer would not; a small image keeps the count's interval (about 15 validations over the run)."""
+    from tfmis.inference.windows import number_of_windows
+    from tfmis.planning.decisions import DataDecision, PatchDecision, ScheduleDecision
+    from tfmis.planning.training_steps import TrainingSteps
+
+    patch = PatchDecision(
+        patch=[48, 48, 48], strides=[], divisor=(8, 8, 8), initial_patch=[48, 48, 48], shrink_steps=0, square=True
+    )
+    schedule = ScheduleDecision(steps_per_epoch=12, epochs=17, validations=15)
+    big = DataDecision(spacing=[1.5] * 3, median_shape=np.array([103, 122, 105]), norm=[], n_train=6, n_val=2)
+    interval, reason = TrainingSteps.validation_interval(big, patch, schedule, 0.25)
+    windows = 2 * number_of_windows((103, 122, 105), (48, 48, 48), 0.25)
+    passes = 3 * 6 * 4  # an epoch: 6 volumes x 4 crops, each a forward and a backward pass
+    assert windows / (interval * passes) <= 0.1 < windows / ((interval - 1) * passes)
+    assert f"{windows} windows" in reason and "under 10%" in reason
+    small = DataDecision(spacing=[2.0] * 3, median_shape=np.array([48, 48, 48]), norm=[], n_train=20, n_val=4)
+    assert TrainingSteps.validation_interval(small, patch, schedule, 0.25) == (1, "about 15 validations over the run")

@@ -60,21 +60,71 @@ def test_split_overrides_keeps_the_plans_keys_apart_from_the_stages():
 
 def test_load_stages_reads_a_config_as_one_stage_and_a_plan_as_named_stages(tmp_path, converted_dataset):
     """A plain config is one stage named "" with every override; a plan of stages (of two stages, or of one) gives
-    its stages in order, each with the overrides but not the plan's own keys (each stage keeps its run folder)."""
+    its stages in order, each with the overrides, and `output.dir` as the parent of the stages' run folders (none
+    is dropped)."""
     single = tmp_path / "single.yaml"
     save_config(tiny_config(converted_dataset, tmp_path / "one"), single)
     [stage] = load_stages(single, ["training.epochs=5", f"output.dir={tmp_path / 'elsewhere'}"])
     assert (stage.name, stage.path, stage.config.training.epochs) == ("", single, 5)
-    assert stage.config.output.dir == str(tmp_path / "elsewhere")
+    assert stage.config.output.dir == str(tmp_path / "elsewhere") and stage.budget is None
     plan = write_plan(tmp_path, converted_dataset)
-    stages = load_stages(plan, ["training.epochs=4", f"output.dir={tmp_path / 'ignored'}"])
+    stages = load_stages(plan, ["training.epochs=4", f"output.dir={tmp_path / 'parent'}"])
     assert [s.name for s in stages] == ["lowres", "fullres"]
     assert [s.config.training.epochs for s in stages] == [4, 4]
-    assert [s.config.output.dir for s in stages] == [str(tmp_path / "runs" / n) for n in ("lowres", "fullres")]
+    assert [s.config.output.dir for s in stages] == [str(tmp_path / "parent" / n) for n in ("lowres", "fullres")]
     one = write_plan(tmp_path / "one", converted_dataset, ("lowres",))  # a recommended single stage among candidates
-    [stage] = load_stages(one, ["training.epochs=4", f"output.dir={tmp_path / 'ignored'}"])
-    assert stage.name == "lowres" and stage.config.output.dir == str(tmp_path / "one" / "runs" / "lowres")
+    [stage] = load_stages(one, ["training.epochs=4", f"output.dir={tmp_path / 'parent'}"])
+    assert stage.name == "lowres" and stage.config.output.dir == str(tmp_path / "parent" / "lowres")
     assert stage.config.training.epochs == 4
+
+
+def test_a_plans_own_overrides_reach_every_stage_and_one_that_cannot_apply_is_refused(tmp_path, converted_dataset):
+    """`--set` of the plan's keys on a real plan file of a coarse stage and its cascade (as the planner writes
+    them: conversions D_lowres and D_roi, run folders <out>/lowres and <out>/cascade): `output.dir=X` puts each stage
+    in X/<stage> and the cascade's coarse_run follows its coarse stage there; `data.dataset_dir=Y` gives Y_lowres
+    and Y_roi; `training.max_minutes=M` is split over the stages in proportion to their planned minutes (or equally
+    without) and raises the plan's training.epochs so that only the budget bounds the schedules, unless
+    training.epochs is given too. Conversion folders with nothing in common cannot take one dataset_dir: one line."""
+    from tfmis.config import ConfigError
+    from tfmis.engine.budget import budget_epoch_bound
+
+    base = tmp_path / "data" / "Task01"
+    coarse = tiny_config(f"{base}_lowres", tmp_path / "out" / "lowres", "training.max_minutes=3")
+    fine = tiny_config(f"{base}_roi", tmp_path / "out" / "cascade", f"cascade.coarse_run={tmp_path / 'out' / 'lowres'}")
+    fine.training.max_minutes = 7
+    entries = []
+    for name, config in (("lowres", coarse), ("cascade", fine)):
+        path = tmp_path / "out" / name / "plan.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_config(config, path)
+        entries.append({"name": name, "config": str(path)})
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"stages": entries}))
+    x, y = tmp_path / "elsewhere", tmp_path / "conv" / "Y"
+    stages = load_stages(plan, [f"output.dir={x}", f"data.dataset_dir={y}", "training.max_minutes=4"])
+    lowres, cascade = stages
+    assert [s.config.output.dir for s in stages] == [str(x / "lowres"), str(x / "cascade")]
+    assert cascade.config.cascade.coarse_run == str(x / "lowres")
+    assert [s.config.data.dataset_dir for s in stages] == [f"{y}_lowres", f"{y}_roi"]
+    assert lowres.budget is cascade.budget and lowres.budget.minutes == 4
+    assert lowres.budget.weights == pytest.approx({"lowres": 0.3, "cascade": 0.7})  # the planned 3 and 7 minutes
+    assert "in proportion to their planned training.max_minutes" in lowres.budget.line()
+    assert [s.config.training.max_minutes for s in stages] == pytest.approx([1.2, 2.8])
+    assert [s.config.training.epochs for s in stages] == [budget_epoch_bound(4)] * 2
+    capped = load_stages(plan, ["training.max_minutes=4", "training.epochs=9"])
+    assert [s.config.training.epochs for s in capped] == [9, 9]  # given with --set: it stays the bound
+    equal = load_stages(write_plan(tmp_path / "eq", converted_dataset), ["training.max_minutes=2"])
+    assert equal[0].budget.weights == {"lowres": 0.5, "fullres": 0.5} and "equally" in equal[0].budget.line()
+    (tmp_path / "u").mkdir()
+    unrelated = write_plan(tmp_path / "u", converted_dataset)
+    config = load_stages(unrelated)[0].config
+    config.data.dataset_dir = "/elsewhere/entirely"
+    save_config(config, tmp_path / "u" / "lowres" / "plan.yaml")
+    with pytest.raises(ConfigError, match="convert into unrelated folders") as refused:
+        load_stages(unrelated, [f"data.dataset_dir={y}"])
+    assert "\n" not in str(refused.value) and f"data.dataset_dir={y}" in str(refused.value)
+    with pytest.raises(ConfigError, match="training.max_minutes"):
+        load_stages(plan, ["training.max_minutes=0"])
 
 
 @pytest.mark.slow

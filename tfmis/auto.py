@@ -14,10 +14,15 @@ Exit status: 0 done; 3 a fold failed (rerun to continue); 1 bad data or a failed
 
 from __future__ import annotations
 
-import argparse
-import sys
+import time
 
-from tfmis.utils.cli import add_set_argument, command, writing
+# the command's start (its imports included), from which --max-minutes counts
+STARTED = time.time()
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+from tfmis.utils.cli import add_set_argument, command, writing  # noqa: E402
 
 CHOICES = ("fullres", "lowres", "cascade")
 
@@ -48,9 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-minutes",
         type=float,
         default=None,
-        help="wall-clock budget of the whole protocol: after planning and converting, the rest (less 15%% for the "
-        "out-of-fold predictions) is split evenly over the trainings, which fit their schedules to their share "
-        "(default: each training's planned length)",
+        help="wall-clock budget of the whole command: after planning and converting, the rest is split evenly over "
+        "the trainings (the configurations of a fold get the same share) and the out-of-fold predictions; each "
+        "training fits its schedule to its share, the plan's epoch count does not cap it (default: each training's "
+        "planned length)",
     )
     p.add_argument("--workers", type=int, default=1, help="folds trained at once on this machine (default 1)")
     add_set_argument(p, "--set training.epochs=40 (every configuration)")
@@ -60,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @command
 def main(argv=None) -> int:
+    started = STARTED if argv is None else time.time()  # the process's command, or a call from Python
     from tfmis.crossval.protocol import Protocol
     from tfmis.errors import UsageError
     from tfmis.training import target_hardware
@@ -78,6 +85,16 @@ def main(argv=None) -> int:
         raise UsageError(f"--max-minutes must be > 0, got {args.max_minutes:g}")
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    keys = [o.split("=", 1)[0].strip() for o in args.overrides]
+    if "output.dir" in keys:
+        raise UsageError("--set output.dir: tfmis-auto writes the plan and the folds into --output; leave it out")
+    if "training.max_minutes" in keys:
+        raise UsageError("--set training.max_minutes: give the protocol's budget as --max-minutes (it is split)")
+    if "training.epochs" in keys and args.max_minutes is not None:
+        raise UsageError(
+            "--set training.epochs with --max-minutes: the budget fits each training's schedule to its share (the "
+            "candidates compared get the same time) and an epoch count would cap it; give one of them"
+        )
     writing(args.output)
     protocol = Protocol(
         args.source_dir,
@@ -88,6 +105,7 @@ def main(argv=None) -> int:
         workers=args.workers,
         overrides=list(args.overrides),
         hardware=target_hardware(args),
+        started=started,
     )
     return protocol.run()
 

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="a training run folder (its best weights, or --weights final), a plan of stages or a cascade's fine stage "
+        help="a training run folder (its best weights, or --weights final; a fold's run folder its final weights), "
+        "a plan of stages or a cascade's fine stage "
         "(both stages of a cascade), a folder of folds (fold_<k> run folders: every fold, final weights) or a "
         "cross-validation folder (the configuration(s) it chose, each its folds, and its postprocessing)",
     )
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         choices=("best", "final"),
         default=None,
-        help="which weights of each run folder (default as tfmis-predict: best for one run, final for folds)",
+        help="which weights of each run folder (default as tfmis-predict: final for a folder of folds and for one "
+        "fold's run folder, whose best weights were chosen on its held-out fold; best for any other run)",
     )
     p.add_argument("--folds", default=None, metavar="K,K,...", help="with a folder of folds: only these folds")
     return p
@@ -66,11 +68,15 @@ def main(argv=None) -> int:
     if not Path(args.checkpoint).exists():
         raise MissingInput(f"--checkpoint {args.checkpoint}: no such file or folder; give a training run's folder")
     from tfmis.inference.exporting import export_model, parse_formats
+    from tfmis.inference.inputs import fold_weights
     from tfmis.inference.manifest import stages
 
     formats = parse_formats(args.format)
+    weights, note = fold_weights(args.checkpoint, args.weights)  # a fold's run folder: its final weights
+    if note:
+        print(note, file=sys.stderr)
     writing(args.output)
-    manifest = export_model(args.checkpoint, args.output, formats, weights=args.weights, folds=folds)
+    manifest = export_model(args.checkpoint, args.output, formats, weights=weights, folds=folds)
     networks = {n["name"]: n for stage in stages(manifest) for n in stage["networks"]}  # every stage's
     for network in networks.values():
         checks = ", ".join(f"{fmt} {diff:.2g}" for fmt, diff in network["export_check"].items())

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="a run folder (its best.weights.h5, or final.weights.h5 with --weights final), a weights file, or a "
+        help="a run folder (its best.weights.h5, or final.weights.h5 with --weights final; a fold's run folder its "
+        "final.weights.h5), a weights file, or a "
         "checkpoints/ folder or ckpt-N prefix (the trainer's state at that epoch); the folder of a cascade plan (or "
         "its fine stage) runs the coarse stage on the whole scan and the fine stage on the region it finds; a folder "
         "of folds (fold_0, fold_1, ... run folders, e.g. <cv>/fullres) "
@@ -51,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         choices=("best", "final"),
         default=None,
-        help="which weights of each run folder: best (the best validation epoch's) or final (the weights training "
-        "ended with); default: a cross-validation folder's own choice (final unless it ran with --val-best), final "
-        "for a folder of folds, best for one run",
+        help="which weights of each run folder: best (the best validation epoch's; for a fold of a "
+        "cross-validation chosen on its held-out fold, so optimistic there) or final (the weights training ended "
+        "with); default: a cross-validation folder's own choice (final unless it ran with --val-best), final for a "
+        "folder of folds and for one fold's run folder (its config has data.split), best for any other run",
     )
     p.add_argument(
         "--no-postprocessing",
@@ -272,6 +274,7 @@ def _run_predictor(args, folds, tta_axes):
     from tfmis.config import load_config
     from tfmis.errors import UsageError
     from tfmis.inference.ensemble import build_predictor, resolve_checkpoint
+    from tfmis.inference.inputs import fold_weights
 
     if args.engine != "tensorflow" or args.precision != "float32":
         flag = f"--engine {args.engine}" if args.engine != "tensorflow" else f"--precision {args.precision}"
@@ -279,9 +282,18 @@ def _run_predictor(args, folds, tta_axes):
             f"{flag} runs an exported model folder: export {args.checkpoint} first (tfmis-export --checkpoint "
             f"{args.checkpoint} --output MODEL_DIR) and give MODEL_DIR as --checkpoint"
         )
-    source = resolve_checkpoint(args.checkpoint, folds, args.weights)
+    weights, note = fold_weights(args.checkpoint, args.weights)  # a fold's run folder: its final weights
+    if note:
+        print(note, file=sys.stderr)
+    source = resolve_checkpoint(args.checkpoint, folds, weights)
     if source.kind == "run" and args.config is None:  # the folder of a plan of stages: its last stage
-        source = resolve_checkpoint(final_stage(args.checkpoint), weights=args.weights)
+        source = resolve_checkpoint(final_stage(args.checkpoint), weights=weights)
+    if source.kind in ("folds", "crossval") and source.weights == "best":
+        print(
+            f"warning: best weights: each fold's best.weights.h5 of {args.checkpoint} was chosen on its held-out fold "
+            "(optimistic there; the default is the final weights)",
+            file=sys.stderr,
+        )
     if source.models > 1 and args.subset.startswith("split:"):
         raise UsageError(
             f"--subset {args.subset}: a split of one run's training data, but {source.models} runs predict, each "

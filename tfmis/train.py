@@ -16,14 +16,19 @@ gets one warning line at the start. The stages are trained by
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-from pathlib import Path
+import time
 
-from tfmis.training import add_configuration_argument, add_target_arguments
-from tfmis.tune.cli import add_search_arguments, run_search, search_specs
-from tfmis.utils.cli import add_set_argument, command, writing
+# the command's start (its imports included), from which a plan's time budget counts (tfmis.training.PlanBudget)
+STARTED = time.time()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tfmis.training import add_configuration_argument, add_target_arguments  # noqa: E402
+from tfmis.tune.cli import add_search_arguments, run_search, search_specs  # noqa: E402
+from tfmis.utils.cli import add_set_argument, command, writing  # noqa: E402
 
 RERUN = "rerun with --resume (it continues from the last committed epoch)"
 
@@ -65,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @command
 def main(argv=None) -> int:
+    started = STARTED if argv is None else time.time()  # the process's command, or a call from Python
     args = build_parser().parse_args(argv)
     if args.gpu_customization:  # this process must not hold GPU memory while the search's trials measure it
         os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
@@ -99,7 +105,8 @@ def main(argv=None) -> int:
         fit_devices = max([parse_model_parallel(e)[1] for e in specs.range_model_parallel or ()] + [1])
     backend = _backend(stages[0].config, fit_devices)
     writing(stages[-1].config.output.dir, RERUN)
-    StageRunner(backend, resume=args.resume, customize=customize, on_stage_end=_report).run(stages, planned)
+    runner = StageRunner(backend, resume=args.resume, customize=customize, on_stage_end=_report, started=started)
+    runner.run(stages, planned)
     return 0
 
 
@@ -121,8 +128,17 @@ def _report(trainer, summary: dict) -> None:
     from tfmis.engine.bookkeeping import summary_table
 
     out = Path(trainer.config.output.dir)
-    trainer.preview(out / "validation_preview.png")
+    split = trainer.config.data.split  # a fold training: its validation is the held-out fold
+    trainer.preview(out / "validation_preview.png", "final" if split is not None else "best")
     print(summary_table(summary))
+    if split is not None:
+        final = summary.get("final_mean_dice")
+        final = f"{final:.4f}" if isinstance(final, float) else "-"
+        print(
+            f"Fold {split.fold} of {split.folds}: the Dice above is measured on the held-out fold, so its best epoch "
+            f"is optimistic there, not a selection; the fold's model is final.weights.h5 (held-out mean Dice {final} "
+            "at the last epoch), what tfmis-predict and tfmis-export use for this folder and cross-validation scores"
+        )
     print(
         f"Results in {out}: training_curves.png, validation_preview.png, history.csv, summary.json, "
         "best.weights.h5, final.weights.h5, tensorboard/"

@@ -4,9 +4,15 @@
   and writes the recommended one's plan and the candidates file; with `resume` an existing plan is kept;
 - `load_stages`: the stages of a config file or of a plan of stages, with `--set` overrides;
 - `StageRunner`: trains the stages one after another on one backend: a finished stage is skipped on resume, the
-  stages share the plan's time budget (each stage's `training.max_minutes`), every stage gets the GPU-fit
-  search's cached measurement for its own config, and the workers leave together (`backend.finish`) after a
-  failure too.
+  stages share the plan's time budget (each stage's `training.max_minutes`, or, with `--set training.max_minutes`
+  on a plan, the command's wall time split over the stages as they start: `PlanBudget`), every stage gets the
+  GPU-fit search's cached measurement for its own config, and the workers leave together (`backend.finish`) after
+  a failure too.
+
+The overrides of a plan as a whole (`STAGE_PLAN_KEYS`) reach every stage: `output.dir` becomes the parent of the
+stages' run folders (`<dir>/<stage>`, a cascade's `cascade.coarse_run` following its coarse stage), `data.dataset_dir`
+replaces the part of the stages' conversion folders they share (`X`, `X_lowres`, `X_roi`), `training.max_minutes`
+is the whole command's wall time (`PlanBudget`). None is dropped: one that cannot apply is refused in one line.
 
 Errors are `tfmis.errors` types; the command turns them into one line and an exit code.
 
@@ -25,16 +31,27 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
+import math
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tfmis.config import Config, apply_override, load_config
+from tfmis.config import Config, ConfigError, apply_override, load_config
 from tfmis.config import load_stages as read_stage_list
+from tfmis.engine.budget import SAFETY_SHARE, budget_epoch_bound
 from tfmis.errors import TrainingFailed, UsageError
 
 # the overrides that belong to the plan as a whole: where the stages convert and train, and the budget they share
 STAGE_PLAN_KEYS = ("data.dataset_dir", "output.dir", "training.max_minutes")
+# a plan's budget (`PlanBudget`): a stage's time outside its training loop (building the trainer, restoring, the
+# final weights, summary, plots and preview), assumed until the first stage of the process has measured it...
+STAGE_OVERHEAD_SECONDS = 10.0
+# ...and the process's own end after the last stage (the workers' barrier, TensorFlow's teardown)
+EXIT_SECONDS = 2.0
+LEAST_STAGE_SECONDS = 15.0  # a stage's training loop shorter than this is refused before it starts
 SUMMARY_FILE = "summary.json"  # a finished run's last write (tfmis.engine.trainer)
 FAILED_BARRIER_S = 120.0  # after a failure, how long a worker waits for the others at the finish barrier
 
@@ -168,12 +185,53 @@ def log(line: str) -> None:
 
 
 @dataclasses.dataclass
+class PlanBudget:
+    """`--set training.max_minutes=M` on a plan (a stages file, or `--source-dir`): the whole command's wall time,
+    planning, converting and every stage's start and end included, split over the stages.
+
+    Each stage's share of the training time is its weight: in proportion to the stages' own planned
+    `training.max_minutes` when every stage has one (the planner's split of a budget: a cascade's coarse stage 0.3),
+    else equal. The split is made when a stage starts (`StageRunner`): the time left to the deadline, less the
+    time each stage left spends outside its training loop (measured on the stages before, `STAGE_OVERHEAD_SECONDS`
+    assumed before the first), goes to the stages left by weight, so that the command ends at its budget; the
+    stage's `training.max_minutes` (in its config.yaml and `summary.json`'s `time_budget`) is its share, to which it
+    fits its learning-rate schedule. `training.epochs` of the stages only bounds it when given with `--set` too
+    (else it is raised to `budget_epoch_bound`). With `--resume` the budget is again the command's: the stages left
+    share it, and an interrupted stage keeps its earlier training time besides.
+
+    Attributes:
+        minutes: M.
+        weights: each stage's weight (stage name -> share of the training time, summing to 1).
+        how: the split in words (the log line's).
+    """
+
+    minutes: float
+    weights: dict[str, float]
+    how: str
+
+    def line(self) -> str:
+        if len(self.weights) == 1:
+            return (
+                f"Plan budget: training.max_minutes={self.minutes:g} is the whole command's wall time (planning, "
+                "converting, the start and end included): the training loop gets what is left when it starts"
+            )
+        split = ", ".join(f"{name} {w:.0%}" for name, w in self.weights.items())
+        return (
+            f"Plan budget: training.max_minutes={self.minutes:g} is the whole command's wall time (planning, "
+            f"converting, every stage's start and end included), split over the stages {self.how} ({split}); each "
+            "stage's training.max_minutes is set when it starts, from the time left"
+        )
+
+
+@dataclasses.dataclass
 class Stage:
-    """One run of a plan: its name ("" for a plain config), its config file and the config loaded from it."""
+    """One run of a plan: its name ("" for a plain config), its config file, the config loaded from it, and the
+    plan's budget when one is split over the stages (`PlanBudget`)."""
 
     name: str
     path: Path
     config: Config
+    budget: PlanBudget | None = None
 
 
 @dataclasses.dataclass
@@ -207,11 +265,112 @@ def stage_overrides(overrides, stages_file: bool) -> list[str]:
     return split_overrides(overrides)[1] if stages_file else list(overrides)
 
 
-def load_stages(path: str | Path, overrides=()) -> list[Stage]:
-    """The stages of a plan of stages (`stages:` list), or the config at `path` as one stage named ""."""
+def load_stages(path: str | Path, overrides=(), plan: bool = False) -> list[Stage]:
+    """The stages of a plan of stages (`stages:` list), or the config at `path` as one stage named "".
+
+    The overrides of `STAGE_PLAN_KEYS` apply to a plan as a whole (`apply_plan_overrides`); `plan`: `path` is a
+    plan `plan_source` wrote, whose `training.max_minutes` override is the command's budget (`PlanBudget`) even
+    when it is one plain config. Other overrides go into every stage.
+
+    Raises:
+        ConfigError: an override that cannot apply (one line naming it and the fix).
+    """
     listed = read_stage_list(path)
-    per_stage = stage_overrides(overrides, listed is not None)
-    return [Stage(name, Path(p), load_config(p, per_stage)) for name, p in listed or [("", Path(path))]]
+    if listed is None:
+        stages = [Stage("", Path(path), load_config(path, list(overrides)))]
+        given, _ = split_overrides(overrides)
+        if plan and (given.get("training") or {}).get("max_minutes") is not None:
+            minutes = _minutes(given["training"]["max_minutes"])
+            stages[0].budget = PlanBudget(minutes, {"": 1.0}, "(one stage)")
+            _bound_epochs(stages, minutes, overrides)
+        return stages
+    given, rest = split_overrides(overrides)
+    stages = [Stage(name, Path(p), load_config(p, rest)) for name, p in listed]
+    apply_plan_overrides(stages, given, overrides)
+    return stages
+
+
+def _minutes(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"--set training.max_minutes={value}: a number of minutes > 0, e.g. training.max_minutes=30")
+    return float(value)
+
+
+def _bound_epochs(stages: list[Stage], minutes: float, overrides) -> None:
+    """Raises the stages' `training.epochs` so that only the budget decides their schedules, unless it was given
+    with `--set` too (then it stays the bound it is in any config)."""
+    if any(o.split("=", 1)[0].strip() == "training.epochs" for o in overrides):
+        return
+    for stage in stages:
+        stage.config.training.epochs = max(stage.config.training.epochs, budget_epoch_bound(minutes))
+
+
+def apply_plan_overrides(stages: list[Stage], given: dict, overrides=()) -> None:
+    """Applies the plan's overrides (`split_overrides`' first part) to the stages of a plan:
+
+    - `output.dir=X`: each stage trains in `X/<stage name>`; a cascade's `cascade.coarse_run` naming an earlier
+      stage's run folder follows it there.
+    - `data.dataset_dir=X`: X replaces the part the stages' conversion folders share (a plan's `D`, `D_lowres` and
+      `D_roi` become `X`, `X_lowres` and `X_roi`; stages sharing one conversion all convert to X).
+    - `training.max_minutes=M`: the command's wall time, split over the stages (`PlanBudget`); each stage's
+      `training.max_minutes` is its planned share until `StageRunner` sets it from the time left.
+
+    Raises:
+        ConfigError: a stage name that cannot be a folder, or conversion folders with nothing in common.
+    """
+    output = (given.get("output") or {}).get("dir")
+    if output is not None:
+        names = [s.name for s in stages]
+        for name in names:
+            if not name or name in (".", "..") or "/" in name or names.count(name) > 1:
+                raise ConfigError(
+                    f"--set output.dir={output}: stage name {name!r} cannot name its folder under it; give the "
+                    "stages distinct names without '/' in the plan"
+                )
+        moved = {str(Path(s.config.output.dir).resolve()): str(Path(output) / s.name) for s in stages}
+        for stage in stages:
+            stage.config.output.dir = str(Path(output) / stage.name)
+            coarse = stage.config.cascade.coarse_run
+            if coarse and str(Path(coarse).resolve()) in moved:
+                stage.config.cascade.coarse_run = moved[str(Path(coarse).resolve())]
+    dataset = (given.get("data") or {}).get("dataset_dir")
+    if dataset is not None:
+        mapping = plan_dataset_dirs([s.config.data.dataset_dir for s in stages], str(dataset))
+        for stage in stages:
+            stage.config.data.dataset_dir = mapping[stage.config.data.dataset_dir]
+    minutes = (given.get("training") or {}).get("max_minutes")
+    if minutes is not None:
+        minutes = _minutes(minutes)
+        planned = [s.config.training.max_minutes for s in stages]
+        if len(stages) > 1 and all(p is not None and p > 0 for p in planned):
+            total = sum(planned)
+            weights = {s.name: p / total for s, p in zip(stages, planned)}
+            how = "in proportion to their planned training.max_minutes"
+        else:
+            weights = {s.name: 1.0 / len(stages) for s in stages}
+            how = "equally" if len(stages) > 1 else "(one stage)"
+        budget = PlanBudget(minutes, weights, how)
+        for stage in stages:
+            stage.budget = budget
+            stage.config.training.max_minutes = round(minutes * weights[stage.name], 2) or 0.01
+        _bound_epochs(stages, minutes, overrides)
+
+
+def plan_dataset_dirs(folders: list[str], target: str) -> dict[str, str]:
+    """Each stage's conversion folder with `target` in place of the part they share (see `apply_plan_overrides`)."""
+    distinct = sorted(set(folders))
+    if len(distinct) == 1:
+        return {distinct[0]: target}
+    prefix = os.path.commonprefix(distinct)
+    while prefix and not all(len(d) == len(prefix) or d[len(prefix)] in "_-./" for d in distinct):
+        prefix = prefix[:-1]
+    if not prefix.strip("/."):
+        raise ConfigError(
+            f"--set data.dataset_dir={target}: the stages convert into unrelated folders ({', '.join(distinct)}), so "
+            "one folder cannot replace them; set data.dataset_dir in each stage's config instead"
+        )
+    base = target.rstrip("/") or target
+    return {d: base + d[len(prefix) :] for d in distinct}
 
 
 def plan_source(
@@ -253,7 +412,7 @@ def plan_source(
     if resume and existing.is_file():
         kept = " (the target machine's options apply to a new plan only)" if hardware is not None else ""
         log(f"Resuming with the plan in {existing}{kept}")
-        return load_stages(existing, overrides), PlannedRun(existing, list(overrides))
+        return load_stages(existing, overrides, plan=True), PlannedRun(existing, list(overrides))
     staged, fingerprint = plan_dataset_stages(
         source, target, output, max_minutes=minutes, configuration=configuration, hardware=hardware
     )
@@ -270,7 +429,7 @@ def plan_source(
         )
     plan_args = {"source_dir": str(source), "dataset_dir": target, "output_dir": output, "max_minutes": minutes}
     planned = PlannedRun(path, list(overrides), fingerprint, staged.configuration, plan_args, hardware)
-    return load_stages(path, overrides), planned
+    return load_stages(path, overrides, plan=True), planned
 
 
 def cached_gpu_fit(stages: list[Stage], planned: PlannedRun, log=log, hardware=None, lookup=None) -> list[Stage]:
@@ -300,7 +459,7 @@ def cached_gpu_fit(stages: list[Stage], planned: PlannedRun, log=log, hardware=N
     staged.write()
     log("GPU-fit search: the cached measurement of each stage's config is in the plan")
     precision = {s.name: s.config.training.precision for s in stages}
-    reloaded = load_stages(planned.path, planned.overrides)
+    reloaded = load_stages(planned.path, planned.overrides, plan=True)
     for stage in reloaded:
         stage.config.training.precision = precision.get(stage.name, stage.config.training.precision)
     return reloaded
@@ -314,6 +473,29 @@ class TrainedStage:
     global_batch: int
 
 
+STAGES_INDEX_NOTE = "the stages trained into this folder (--set output.dir)"
+
+
+def index_stages(stages: list[Stage]) -> Path | None:
+    """After `--set output.dir=X` moved a plan's stages to `X/<stage>`: writes `X/plan.yaml`, a stages file naming
+    the trained stages' configs, so that `X` is the plan's folder for `tfmis-predict --checkpoint X` (which predicts
+    with its last stage) and `tfmis-export`. Only when every stage sits in `X/<its name>` and `X` holds no plan of
+    its own (a plan's folder, where its stages train without the override, keeps its plan.yaml). Returns the file
+    written, or None."""
+    from tfmis.config.files import write_stages
+
+    names = [s.name for s in stages]
+    if not names or not all(names):
+        return None
+    folder = Path(stages[0].config.output.dir).parent
+    if any(Path(s.config.output.dir) != folder / s.name for s in stages):
+        return None
+    index = folder / "plan.yaml"
+    if index.is_file() and STAGES_INDEX_NOTE not in index.read_text()[:1000]:
+        return None  # the plan's own file
+    return write_stages(index, [(s.name, folder / s.name / "config.yaml") for s in stages], [STAGES_INDEX_NOTE])
+
+
 class StageRunner:
     """Trains stages one after another on one backend (one process, or every worker of a launch).
 
@@ -325,6 +507,8 @@ class StageRunner:
         customize: `config -> config` run before a stage trains (the GPU-fit search of `--gpu-customization`).
         on_stage_end: `(trainer, summary)` called on the chief after each stage trained (the command's report).
         log: where progress lines go (the chief's only).
+        started: when the command started (`time.time()`), from which a plan's budget (`PlanBudget`) counts;
+            default: when `run` is called.
     """
 
     def __init__(
@@ -336,9 +520,11 @@ class StageRunner:
         customize: Callable[[Config], Config] | None = None,
         on_stage_end: Callable | None = None,
         log=log,
+        started: float | None = None,
     ):
         self.backend, self.resume, self.gpu_fit, self.customize = backend, resume, gpu_fit, customize
-        self.on_stage_end, self._log = on_stage_end, log
+        self.on_stage_end, self._log, self.started = on_stage_end, log, started
+        self._clock: _PlanClock | None = None  # the plan's budget as it is spent, while `run` trains a budgeted plan
         # what each stage trained in this call was (its config and global batch), in order; not the trainers, which
         # are let go after their stage with their datasets (a memory cache holds the decoded training set) and model
         self.trained: list[TrainedStage] = []
@@ -368,22 +554,48 @@ class StageRunner:
         summaries = []
         # one process trains a planned run: the measurement applies (several workers take the plan as it is)
         fit = self.gpu_fit is not None and planned is not None and self.backend.size == 1 and self.customize is None
-        for i, stage in enumerate(stages):
-            if len(stages) > 1:
-                done = Path(stage.config.output.dir) / SUMMARY_FILE
-                if self.resume and done.is_file():
-                    self.log(f"Stage {i + 1}/{len(stages)} ({stage.name}): finished earlier ({done}), skipped")
-                    summaries.append(None)
-                    continue
-                self.log(f"Stage {i + 1}/{len(stages)} ({stage.name}): {stage.config.output.dir}")
-            self.warn(stage.config, stage.path)
-            # the run folder is held from before the conversion: a second run into it stops before converting
-            with run_folder_lock(self.backend, stage.config.output.dir):
-                self.prepare(stage.config)
-                if fit:  # after this stage's conversion: the search's cache is keyed by the converted data
-                    stages[i:] = self.gpu_fit(stages, planned)[i:]
-                    stage = stages[i]
-                summaries.append(self.train_stage(stage.config))
+        skipped = [
+            len(stages) > 1 and self.resume and (Path(s.config.output.dir) / SUMMARY_FILE).is_file() for s in stages
+        ]
+        budget = next((s.budget for s in stages if s.budget is not None), None)
+        prepared: set[int] = set()
+        if budget is not None:
+            # the whole command's wall time: every stage's data are converted first, so the split knows their time
+            self._clock = _PlanClock(budget, self.started if self.started is not None else time.time())
+            self.log(budget.line())
+            for i, stage in enumerate(stages):
+                if not skipped[i]:
+                    self.warn(stage.config, stage.path)
+                    with run_folder_lock(self.backend, stage.config.output.dir):
+                        self.prepare(stage.config)
+                    prepared.add(i)
+        try:
+            for i, stage in enumerate(stages):
+                if len(stages) > 1:
+                    if skipped[i]:
+                        done = Path(stage.config.output.dir) / SUMMARY_FILE
+                        self.log(f"Stage {i + 1}/{len(stages)} ({stage.name}): finished earlier ({done}), skipped")
+                        summaries.append(None)
+                        continue
+                    self.log(f"Stage {i + 1}/{len(stages)} ({stage.name}): {stage.config.output.dir}")
+                if self._clock is not None:
+                    self._clock.begin_stage([s.name for s, skip in zip(stages[i:], skipped[i:]) if not skip])
+                if i not in prepared:
+                    self.warn(stage.config, stage.path)
+                # the run folder is held from before the conversion: a second run into it stops before converting
+                with run_folder_lock(self.backend, stage.config.output.dir):
+                    if i not in prepared:
+                        self.prepare(stage.config)
+                    if fit:  # after this stage's conversion: the search's cache is keyed by the converted data
+                        stages[i:] = self.gpu_fit(stages, planned)[i:]
+                        stage = stages[i]
+                    summaries.append(self.train_stage(stage.config))
+                if self._clock is not None:
+                    self._clock.end_stage(summaries[-1])
+                if self.backend.is_chief:
+                    index_stages(stages[: i + 1])
+        finally:
+            self._clock = None
         return summaries
 
     def warn(self, config: Config, path: str | Path | None = None) -> None:
@@ -466,6 +678,10 @@ class StageRunner:
     def _fit(self, trainer, config: Config) -> dict:
         """Trains `config` with `trainer` and reports its stage; keeps what it trained, not the trainer."""
         self.trained.append(TrainedStage(trainer.config, trainer.global_batch))
+        if self._clock is not None:  # the plan's budget: this stage's share of the time left, set as its loop starts
+            minutes, line = self._clock.stage_minutes(trainer.config)
+            trainer.config.training.max_minutes = minutes
+            self.log(line)
         summary = _lost_workers_as_error(lambda: trainer.fit(resume=self.resume), self.backend, config)
         if self.backend.is_chief and self.on_stage_end is not None:
             self.on_stage_end(trainer, summary)
@@ -504,6 +720,84 @@ class StageRunner:
             raise TrainingFailed(
                 f"worker {self.backend.rank}: another worker ended before the end of the run ({type(e).__name__})"
             ) from e
+
+
+class _PlanClock:
+    """A `PlanBudget` as a run spends it: the deadline (`started` + M minutes), the stages left and their weights,
+    and the time each stage spends outside its training loop, measured on the stages this process trained.
+
+    A stage's share when its loop starts (`stage_minutes`): (the seconds to the deadline, less the time outside the
+    loop of this stage's end and of each later stage, less `EXIT_SECONDS`) x its weight / the weights of the stages
+    left, plus the loop time an interrupted stage already spent in an earlier process (which its trainer counts)."""
+
+    def __init__(self, budget: PlanBudget, started: float):
+        self.budget, self.deadline = budget, started + 60.0 * budget.minutes
+        self.left: list[str] = []
+        self.stage_start = self.loop_start = None
+        self.before_now = 0.0  # this stage's seconds from its start to its loop's
+        self.earlier = 0.0  # the loop seconds of an interrupted stage's earlier processes
+        self.before: list[float] = []  # each trained stage's seconds from its start to its loop's
+        self.after: list[float] = []  # ...and from its loop's end to its end
+
+    def begin_stage(self, left: list[str]) -> None:
+        self.left, self.stage_start = left, time.time()
+
+    def _estimates(self) -> tuple[float, float]:
+        before = sum(self.before) / len(self.before) if self.before else STAGE_OVERHEAD_SECONDS / 2
+        after = sum(self.after) / len(self.after) if self.after else STAGE_OVERHEAD_SECONDS / 2
+        return before, after
+
+    def stage_minutes(self, config: Config) -> tuple[float, str]:
+        """This stage's `training.max_minutes` and the line saying how it was set."""
+        now = time.time()
+        self.loop_start = now
+        self.before_now = now - (self.stage_start or now)
+        before, after = self._estimates()
+        before = max(before, self.before_now)  # a later stage builds its trainer as this one did
+        name, later = self.left[0], len(self.left) - 1
+        label = f"stage {name}" if name else "the training"
+        outside = after + later * (before + after) + EXIT_SECONDS
+        weights = self.budget.weights
+        total = sum(weights.get(n, 0.0) for n in self.left) or 1.0
+        share = weights.get(name, 0.0) / total
+        loop = (self.deadline - now - outside) * share
+        self.earlier = _earlier_loop_seconds(Path(config.output.dir))
+        if loop < LEAST_STAGE_SECONDS:
+            spent = (now - (self.deadline - 60.0 * self.budget.minutes)) / 60
+            raise UsageError(
+                f"training.max_minutes={self.budget.minutes:g} (the whole plan's): {spent:.1f} min have passed "
+                f"(planning, converting, the stages before) and {label} would train "
+                f"{max(loop, 0):.0f} s, less than {LEAST_STAGE_SECONDS:g} s; give a larger budget, e.g. "
+                f"training.max_minutes={math.ceil(self.budget.minutes + (LEAST_STAGE_SECONDS - loop) / 60 / share):g}"
+            )
+        # the trainer ends its loop by SAFETY_SHARE of its budget early for what follows its last epoch: that is in
+        # `outside` here, so the share is given back to it
+        minutes = math.floor((self.earlier + loop / (1.0 - SAFETY_SHARE)) / 60 * 100) / 100
+        left = (self.deadline - now) / 60
+        line = (
+            f"Plan budget: {label}: training.max_minutes={minutes:g} ({share:.0%} of the "
+            f"{left:.2f} min left, less {outside:.0f} s outside the training loops of the {later + 1} stage(s) left)"
+        )
+        if self.earlier:
+            line += f", {self.earlier / 60:.2f} of them trained before the resume"
+        return minutes, line
+
+    def end_stage(self, summary: dict | None) -> None:
+        if summary is None or self.loop_start is None:
+            return
+        loop = float(summary.get("elapsed_seconds") or 0.0) - self.earlier
+        self.before.append(self.before_now)
+        self.after.append(max(0.0, time.time() - self.loop_start - loop))
+        self.loop_start = None
+
+
+def _earlier_loop_seconds(run_dir: Path) -> float:
+    """The training-loop seconds an interrupted run's earlier processes spent (its history's last record), or 0."""
+    try:
+        lines = [line for line in (run_dir / "history.jsonl").read_text().splitlines() if line.strip()]
+        return float(json.loads(lines[-1]).get("elapsed_seconds") or 0.0) if lines else 0.0
+    except (OSError, ValueError):
+        return 0.0
 
 
 def planned_for_warning(config: Config, path: str | Path | None = None, hardware=None) -> str | None:

@@ -152,8 +152,11 @@ def prepare(cv_dir: Path, definition: Definition) -> None:
 
 
 def progress_rows(cv_dir: Path, definition: Definition) -> list[tuple]:
-    """One row per fold: each configuration's state (waiting, epoch e/E, trained with its best validation Dice,
-    failed with its exit code), the out-of-fold prediction's."""
+    """One row per fold: each configuration's state (waiting, epoch e/E with E the schedule's length as known so
+    far, trained with the held-out Dice of the weights its fold predicts with, failed with its exit code), the
+    out-of-fold prediction's. A trained cell shows the final weights' Dice on the held-out fold ("final Dice", the
+    last epoch's: a measurement, not a selection), or with `--val-best` the best epoch's, marked optimistic (the
+    held-out fold chose it)."""
     running, failed = {}, {}
     for e in read_job_events(cv_dir):
         key = (e["job"], e.get("configuration"), e["fold"])
@@ -166,11 +169,17 @@ def progress_rows(cv_dir: Path, definition: Definition) -> list[tuple]:
             run = fold_run_dir(cv_dir, name, fold)
             if training_done(run):
                 summary = _json(run / "summary.json")
-                dice = summary.get("best_mean_dice")
-                cells.append(f"trained, Dice {dice:.3f}" if isinstance(dice, float) else "trained")
+                if definition.weights == "best":
+                    dice = summary.get("best_mean_dice")
+                    text = f"trained, best Dice {dice:.3f} (optimistic)" if isinstance(dice, float) else "trained"
+                else:
+                    dice = summary.get("final_mean_dice")
+                    text = f"trained, final Dice {dice:.3f}" if isinstance(dice, float) else "trained"
+                cells.append(text)
             elif running.get(("train", name, fold)):
-                done = _lines(run / "history.jsonl")
-                cells.append(f"training, epoch {done + 1}/{_epochs(job_config_path(cv_dir, name, fold))}")
+                done, schedule = _history(run / "history.jsonl")
+                epochs = schedule or _epochs(job_config_path(cv_dir, name, fold))
+                cells.append(f"training, epoch {done + 1}/{epochs}")
             elif failed.get(("train", name, fold)):
                 cells.append(f"failed (exit {failed['train', name, fold]})")
             else:
@@ -194,11 +203,15 @@ def _json(path: Path) -> dict:
         return {}
 
 
-def _lines(path: Path) -> int:
+def _history(path: Path) -> tuple[int, int | None]:
+    """(the epochs a run's history holds, the schedule's length its last record knows: a time budget's decision)."""
     try:
-        return sum(1 for line in path.read_text().splitlines() if line.strip())
-    except OSError:
-        return 0
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        last = json.loads(lines[-1]) if lines else {}
+    except (OSError, ValueError):
+        return 0, None
+    schedule = last.get("schedule_epochs") if isinstance(last, dict) else None
+    return len(lines), schedule if isinstance(schedule, int) else None
 
 
 def _epochs(path: Path) -> str:
@@ -224,7 +237,12 @@ class Progress:
         if rows != self.last:
             self.last = rows
             stamp = time.strftime("%H:%M:%S")
-            print(f"[{stamp}] cross-validation progress:\n" + "\n".join(text_table(rows, "left")), flush=True)
+            print(
+                f"[{stamp}] cross-validation progress:\n"
+                + "\n".join(text_table(rows, "left"))
+                + f"\n{dice_note(self.definition)}",
+                flush=True,
+            )
 
     def _loop(self) -> None:
         while not self.stop.wait(self.seconds):
@@ -242,6 +260,19 @@ class Progress:
         self.stop.set()
         self.thread.join()
         self.show()
+
+
+def dice_note(definition: Definition) -> str:
+    """The line under the progress table saying what its Dice is."""
+    if definition.weights == "best":
+        return (
+            "Dice: each training's best epoch on its held-out fold, the weights --val-best predicts that fold with: "
+            "chosen on the fold itself, so optimistic"
+        )
+    return (
+        "Dice: each training's last epoch on its held-out fold (final.weights.h5, what the fold predicts with): a "
+        "progress measurement, the held-out fold chooses nothing"
+    )
 
 
 def run_local_workers(cv_dir: Path, definition: Definition, workers: int) -> int:
@@ -366,6 +397,13 @@ def main(argv=None) -> int:
 
     launch = detect_launch()
     definition = definition_from_args(args)
+    if definition.weights == "best":
+        print(
+            "warning: --val-best: each held-out fold is predicted with the weights of the epoch that scored best on "
+            "that same fold, so the out-of-fold Dice (and the choice made from it) is optimistic; say so when you "
+            "report it",
+            file=sys.stderr,
+        )
     cv_dir = Path(args.output)
     writing(cv_dir)
     if launch.size > 1:

@@ -33,6 +33,7 @@ from tfmis.config import (
     save_config,
     to_dict,
 )
+from tfmis.engine.budget import budget_epoch_bound
 from tfmis.errors import UsageError
 from tfmis.utils.io import append_json_line, read_json_lines
 
@@ -57,10 +58,45 @@ class Configuration:
     coarse: str | None = None
 
 
+# the keys each fold's config sets itself (`job_config`): a `--set` of one of them would be dropped, so it is refused
+FOLD_KEYS = {
+    "output.dir": "each fold trains into <output>/<configuration>/fold_<k>: give --output instead",
+    "data.split": "the folds come from --folds and --splits-file",
+    "data.train_split": "a fold trains on the other folds",
+    "data.val_split": "a fold validates on its held-out fold",
+    "data.conversion.split": "the folds replace the train/val/test fractions",
+    "training.target_dice": "stopping at a Dice measured on the held-out fold would let that fold choose the weights",
+    "postprocessing": "cross-validation chooses the postprocessing from the out-of-fold Dice",
+}
+
+
+def check_overrides(overrides) -> None:
+    """Refuses (one line) a `--set` that the fold configs would drop (`FOLD_KEYS`), and `training.epochs` with a
+    time budget (`training.max_minutes`): under a budget each fold's schedule is fitted to its time, so the
+    configurations compared get the same time, and an epoch count would cap some of them."""
+    keys = [o.split("=", 1)[0].strip() for o in overrides]
+    for key in keys:
+        for fixed, why in FOLD_KEYS.items():
+            if key == fixed or key.startswith(fixed + "."):
+                raise ConfigError(f"--set {key}: cross-validation sets it for every fold ({why}); leave it out")
+    if "training.epochs" in keys and "training.max_minutes" in keys:
+        raise ConfigError(
+            "--set training.epochs with training.max_minutes: under a time budget each fold's schedule is fitted to "
+            "its time (the configurations compared get the same time); give one of them"
+        )
+
+
 def parse_configurations(specs: list[str], overrides=()) -> list[Configuration]:
     """The configurations of `--config` values: `PATH` (named after the file) or `NAME=PATH`; a plan of stages
     (a plan.yaml that lists `stages:`) gives each of its stages, named as in the plan, a cascade's fine stage
-    pointing at its coarse stage. `overrides` (`--set`) apply to every configuration."""
+    pointing at its coarse stage. `overrides` (`--set`) apply to every configuration; for a plan of stages,
+    `data.dataset_dir` replaces the part its stages' conversion folders share (`tfmis.training.plan_dataset_dirs`).
+
+    Raises:
+        ConfigError: an override the folds would drop (`check_overrides`), or a bad config (named)."""
+    from tfmis.training import plan_dataset_dirs
+
+    check_overrides(overrides)
     out: list[Configuration] = []
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -69,8 +105,15 @@ def parse_configurations(specs: list[str], overrides=()) -> list[Configuration]:
         stages = load_stages(path)
         if stages:
             runs = {}
-            for stage_name, stage_path in stages:
-                config = load_config(stage_path, overrides)
+            dataset = [o for o in overrides if o.split("=", 1)[0].strip() == "data.dataset_dir"]
+            per_stage = [o for o in overrides if o not in dataset]
+            configs = [load_config(stage_path, per_stage) for _, stage_path in stages]
+            if dataset:
+                target = load_config(None, dataset[-1:]).data.dataset_dir
+                mapping = plan_dataset_dirs([c.data.dataset_dir for c in configs], target)
+                for c in configs:
+                    c.data.dataset_dir = mapping[c.data.dataset_dir]
+            for (stage_name, stage_path), config in zip(stages, configs):
                 full_name = f"{name}{'_' if name else ''}{stage_name}"
                 runs[str(Path(config.output.dir).resolve())] = full_name
                 coarse = config.cascade.coarse_run
@@ -128,6 +171,10 @@ def job_config(cv_dir, configuration: Configuration, fold: int, folds: int, spli
     data["postprocessing"] = to_dict(PostprocessingConfig())  # the out-of-fold maps as predicted: the CV decides it
     # stopping at a Dice measured on the held-out fold would let that fold choose the weights
     data["training"]["target_dice"] = None
+    if config.training.max_minutes is not None:
+        # under a time budget the budget alone sets the schedule's length: the plan's epoch count (made for its step
+        # budget) would end folds whose epochs run faster than its estimate long before their share
+        data["training"]["epochs"] = max(config.training.epochs, budget_epoch_bound(config.training.max_minutes))
     if configuration.coarse:
         data["cascade"]["coarse_run"] = str(fold_run_dir(cv_dir, configuration.coarse, fold))
     try:

@@ -33,6 +33,7 @@ from tfmis.crossval.experiment import (
     pair_name,
     read_job_events,
 )
+from tfmis.engine.budget import budget_epoch_bound
 from tfmis.tune.hpo.devices import dies_with_parent, package_env
 from tfmis.utils.io import log_tail
 
@@ -49,43 +50,53 @@ def single_process_env(env: dict | None = None) -> dict:
     return package_env(out)
 
 
-# `<cv>/training_budget.json` (written by `tfmis-auto` with a time budget): the seconds each worker's trainings
-# share in all; each training's `training.max_minutes` is what is left of them over the trainings still to run, less
-# the time a training process spends outside its training loop (start-up, data, the closing writes), measured on
-# this worker's finished trainings (FIRST_OVERHEAD_SECONDS before any)
+# `<cv>/training_budget.json` (written by `tfmis-auto` with a time budget): the seconds each worker's jobs share in
+# all (`lane_seconds`: its trainings and its folds' out-of-fold predictions) and what one out-of-fold prediction is
+# assumed to take until this worker has made one (`oof_seconds`). Each fold's trainings get one share, the same for
+# every configuration of the fold (the candidates compared get the same time): what is left of the lane, less the
+# out-of-fold predictions left (measured on this worker's, `oof_seconds` before any), over the trainings left, less
+# the time a training process spends outside its training loop (start-up, data, the closing writes), measured on this
+# worker's finished trainings (FIRST_OVERHEAD_SECONDS before any). A lane without `oof_seconds` (an older tfmis-auto)
+# holds the trainings alone.
 TRAINING_BUDGET_FILE = "training_budget.json"
 FIRST_OVERHEAD_SECONDS = 20.0
 LEAST_TRAINING_MINUTES = 0.1  # a training whose share is used up still trains a few epochs and ends its schedule
 
 
 def training_minutes(cv_dir: Path, definition: Definition, rank: int, size: int) -> float | None:
-    """The `training.max_minutes` of the next training of worker `rank` of `size` under the cross-validation's
-    training budget (`TRAINING_BUDGET_FILE`), or None without one.
+    """The `training.max_minutes` of each training of the next fold of worker `rank` of `size` under the
+    cross-validation's training budget (`TRAINING_BUDGET_FILE`), or None without one.
 
-    Its share: (the worker's training seconds - what its finished trainings took, start-up included) / the
-    trainings it has left, less the measured start-up and closing time of one training. A fixed split would
-    overrun: every training process spends 10-60 s outside the loop that `training.max_minutes` counts."""
+    Its share: (the worker's seconds - what its finished jobs took, start-ups included - the out-of-fold predictions
+    its unfinished folds still need) / the trainings it has left, less the measured start-up and closing time of one
+    training. A fixed split would overrun: every training process spends 10-60 s outside the loop that
+    `training.max_minutes` counts, and an out-of-fold prediction takes what it takes."""
     path = Path(cv_dir) / TRAINING_BUDGET_FILE
     if not path.is_file():
         return None
-    lane = float(json.loads(path.read_text())["lane_seconds"])
+    budget = json.loads(path.read_text())
+    lane = float(budget["lane_seconds"])
     worker = f"worker{rank}"
-    ended = [e for e in read_job_events(cv_dir) if e.get("job") == "train" and e.get("event") == "end"]
-    ended = [e for e in ended if e.get("worker") == worker]
-    spent = sum(float(e["seconds"]) for e in ended)
+    ended = [e for e in read_job_events(cv_dir) if e.get("event") == "end" and e.get("worker") == worker]
+    spent = sum(float(e["seconds"]) for e in ended if e.get("job") in ("train", "oof"))
     overheads = []
     for event in ended:
+        if event.get("job") != "train":
+            continue
         summary = fold_run_dir(cv_dir, event["configuration"], event["fold"]) / "summary.json"
         if event.get("exit_code") == 0 and summary.is_file():
             elapsed = json.loads(summary.read_text()).get("elapsed_seconds") or 0.0
             overheads.append(max(0.0, float(event["seconds"]) - float(elapsed)))
     overhead = sum(overheads) / len(overheads) if overheads else FIRST_OVERHEAD_SECONDS
-    left = sum(
-        not training_done(fold_run_dir(cv_dir, c.name, fold))
-        for fold in worker_folds(definition, rank, size)
-        for c in definition.configurations
-    )
-    share = (lane - spent) / max(1, left) - overhead
+    folds = worker_folds(definition, rank, size)
+    runs = [fold_run_dir(cv_dir, c.name, fold) for fold in folds for c in definition.configurations]
+    left = sum(not training_done(run) for run in runs)
+    oof = 0.0
+    if "oof_seconds" in budget:
+        predicted = [float(e["seconds"]) for e in ended if e.get("job") == "oof" and e.get("exit_code") == 0]
+        each = sum(predicted) / len(predicted) if predicted else float(budget["oof_seconds"])
+        oof = each * sum(not fold_done(cv_dir, definition, fold) for fold in folds)
+    share = (lane - spent - oof) / max(1, left) - overhead
     return max(LEAST_TRAINING_MINUTES, math.floor(share / 60 * 100) / 100)
 
 
@@ -142,6 +153,8 @@ def run_fold(
     configuration, the fold and its log)."""
     cv_dir = Path(cv_dir)
     worker = f"worker{rank}"
+    # one share for every configuration of the fold: the candidates compared get the same time
+    minutes = training_minutes(cv_dir, definition, rank, size)
     for configuration in definition.configurations:
         name = configuration.name
         run = fold_run_dir(cv_dir, name, fold)
@@ -150,9 +163,10 @@ def run_fold(
         log = cv_dir / LOGS_DIR / f"{name}_fold_{fold}.train.log"
         command = [sys.executable, "-m", "tfmis.train", "--config", str(job_config_path(cv_dir, name, fold))]
         command.append("--resume")  # an interrupted training continues from its last committed epoch
-        minutes = training_minutes(cv_dir, definition, rank, size)
         if minutes is not None:
+            # the share decides the schedule's length: the plan's epoch count only bounds it far beyond
             command += ["--set", f"training.max_minutes={minutes:g}"]
+            command += ["--set", f"training.epochs={budget_epoch_bound(minutes)}"]
         event = {"job": "train", "configuration": name, "fold": fold, "worker": worker, "resumed": run.exists()}
         code, reason = _run(cv_dir, command, log, event, env)
         if code != 0:

@@ -5,11 +5,13 @@
    voxels), the recommended one in `plan.yaml`. A rerun keeps the plan.
 2. **The configurations**: every candidate, or those `configurations` names. A cascade brings its coarse stage,
    which is the low-resolution configuration, so it is scored too.
-3. **The budget** (`max_minutes`, optional): the data are converted into the folds first; the time left, less
-   `OOF_SHARE` for the out-of-fold predictions and the choice, is split evenly over the trainings (K folds times
-   the stages, `workers` at a time): each training's share (`training.max_minutes`, to which it fits its
-   learning-rate schedule) is set when it starts, from what is left and the start-up time the trainings before
-   it took (`tfmis.crossval.jobs.training_minutes`). The split is written to `<output>/protocol.json` and kept by
+3. **The budget** (`max_minutes`, optional, counted from the command's start): the data are converted into the
+   folds first; the time left, less `CHOICE_SHARE` for the choice at the end, is each worker's lane for its
+   trainings (K folds times the stages, `workers` at a time) and its folds' out-of-fold predictions: the trainings
+   of a fold get one share each, the same for every configuration (`training.max_minutes`, to which each fits its
+   learning-rate schedule, the plan's `training.epochs` raised so that it does not cap it), set when the fold
+   starts from what is left, the start-up time the trainings before it took and the out-of-fold predictions left
+   (`tfmis.crossval.jobs.training_minutes`). The split is written to `<output>/protocol.json` and kept by
    a rerun, which then continues the same cross-validation instead of starting another.
 4. **Cross-validation** (`tfmis-crossval`) into `<output>/cv`: the folds as parallel experiments, each held-out
    fold predicted with the weights its training ended with, the configuration or pair of configurations and the
@@ -37,7 +39,11 @@ from tfmis.errors import UsageError
 from tfmis.utils.io import atomic_write_json
 
 PROTOCOL_FILE = "protocol.json"
-OOF_SHARE = 0.15  # of the time left after the conversion: out-of-fold predictions, pairs, the choice
+# of the time left after the conversion: what the out-of-fold predictions (and pairs) are assumed to take until a
+# worker has measured one (each worker's trainings then share what its measured predictions leave)...
+OOF_SHARE = 0.15
+# ...and, kept outside the workers' lanes, the choice at the end (scores, pairs, postprocessing, the result files)
+CHOICE_SHARE = 0.02
 MIN_TRAINING_MINUTES = 0.5  # a training loop shorter than this learns nothing worth comparing
 CONFIGURATION_STAGES = {"fullres": ["fullres"], "lowres": ["lowres"], "cascade": ["lowres", "cascade"]}
 
@@ -59,6 +65,7 @@ class Protocol:
         workers: folds trained at once on this machine (`tfmis-crossval --workers`).
         overrides: `KEY=VALUE` for every configuration (`--set`).
         hardware: a `Hardware.target` to plan for (None: this machine).
+        started: when the command started (`time.time()`), from which the budget counts (None: now).
     """
 
     source_dir: str | Path
@@ -69,11 +76,12 @@ class Protocol:
     workers: int = 1
     overrides: list[str] = dataclasses.field(default_factory=list)
     hardware: object = None
+    started: float | None = None
 
     def __post_init__(self):
         self.output = Path(self.output)
         self.plan_dir, self.cv_dir = self.output / "plan", self.output / "cv"
-        self.start = time.time()  # this invocation's
+        self.start = self.started if self.started is not None else time.time()  # this invocation's
 
     def run(self) -> int:
         """Plans, converts, splits the budget, cross-validates and chooses; the cross-validation's exit status."""
@@ -90,7 +98,8 @@ class Protocol:
             log(f"Continuing the protocol in {self.output} ({PROTOCOL_FILE}): {record['summary']}")
         if record.get("lane_seconds"):
             self.cv_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(self.cv_dir / TRAINING_BUDGET_FILE, {"lane_seconds": record["lane_seconds"]})
+            lane = {k: record[k] for k in ("lane_seconds", "oof_seconds") if k in record}
+            atomic_write_json(self.cv_dir / TRAINING_BUDGET_FILE, lane)
         argv = ["--config", str(stages_file), "--folds", str(self.folds), "--output", str(self.cv_dir)]
         argv += ["--workers", str(self.workers)]
         for override in [*self.overrides, *record["overrides"]]:
@@ -180,10 +189,13 @@ class Protocol:
         spent = (time.time() - self.start) / 60
         left = self.max_minutes - spent
         rounds = math.ceil(trainings / self.workers)
-        each = left * (1 - OOF_SHARE) / rounds
+        fold_rounds = math.ceil(self.folds / self.workers)  # a worker's folds, each with its out-of-fold prediction
+        lane = left * (1 - CHOICE_SHARE)  # each worker's jobs: its trainings and its folds' out-of-fold predictions
+        oof = left * OOF_SHARE / fold_rounds  # one out-of-fold prediction, until one has been measured
+        each = (lane - oof * fold_rounds) / rounds
         startup = FIRST_OVERHEAD_SECONDS / 60  # each training process's time outside its training loop, at least
         if each - startup < MIN_TRAINING_MINUTES:
-            need = spent + (MIN_TRAINING_MINUTES + startup) * rounds / (1 - OOF_SHARE)
+            need = spent + (MIN_TRAINING_MINUTES + startup) * rounds / (1 - CHOICE_SHARE - OOF_SHARE)
             raise UsageError(
                 f"--max-minutes {self.max_minutes:g}: after planning and converting ({spent:.1f} min), {trainings} "
                 f"trainings ({len(stages)} stage(s) x {self.folds} folds, {self.workers} at a time) would get "
@@ -192,12 +204,14 @@ class Protocol:
             )
         each = math.floor(each * 100) / 100
         record["overrides"] = [f"training.max_minutes={each:g}"]
-        record["lane_seconds"] = left * 60 * (1 - OOF_SHARE)  # each worker's trainings, start-ups included
+        record["lane_seconds"] = lane * 60  # each worker's jobs, start-ups and out-of-fold predictions included
+        record["oof_seconds"] = oof * 60
         record["summary"] = (
             f"{self.max_minutes:g} min: {spent:.1f} planning and converting, {trainings} trainings ("
             f"{', '.join(n for n, _ in stages)} x {self.folds} folds) of about {each:g} min each (start-ups "
-            f"included; each training's share is set when it starts, from what the ones before took), "
-            f"{self.workers} at a time, {OOF_SHARE:.0%} of the rest for the out-of-fold predictions and the choice"
+            f"included; the trainings of one fold get the same share, set when the fold starts from what is left), "
+            f"{self.workers} at a time, the out-of-fold predictions in the same time ({OOF_SHARE:.0%} of it assumed "
+            f"until one is measured), {CHOICE_SHARE:.0%} kept for the choice"
         )
         log(f"Protocol budget: {record['summary']}")
         return record

@@ -57,7 +57,7 @@ from tfmis.hardware import model_parallel_devices
 from tfmis.inference.placement import VolumePlacement
 from tfmis.networks.weights import weights_by_path
 from tfmis.task import SegmentationTask
-from tfmis.utils.run_files import BEST_WEIGHTS
+from tfmis.utils.run_files import weights_file
 
 # A step whose gradient holds NaN/Inf is skipped. In float32/bfloat16 that is an outlier batch; this many in a
 # row means the loss or the model is broken (under mixed_float16 the loss scaler would have lowered its scale
@@ -358,13 +358,14 @@ class Trainer(TrainerSteps, EpochBookkeeping):
         record["val_seconds"] = time.perf_counter() - val_start
         return result
 
-    def preview(self, path: str | Path) -> Path:
-        """Draws the first validation case: ground truth filled, the best model's prediction outlined."""
+    def preview(self, path: str | Path, weights: str = "best") -> Path:
+        """Draws the first validation case: ground truth filled, the `weights` ("best" or "final") model's
+        prediction outlined."""
         from tfmis.utils.io import atomic_writer
         from tfmis.viz.slices import plot_orthogonal_planes
 
-        if (self.out / BEST_WEIGHTS).is_file():
-            self.model.load_weights(str(self.out / BEST_WEIGHTS))
+        if weights_file(self.out, weights).is_file():
+            self.model.load_weights(str(weights_file(self.out, weights)))
         image, label, meta = next(iter(self.task.build_val_dataset(cached=False)))  # one case: no cache to fill
         case_id = meta["case_id"].numpy().decode()
         prediction, _ = self._segment_volume(image, case_id)
@@ -374,7 +375,7 @@ class Trainer(TrainerSteps, EpochBookkeeping):
             spacing=self.spacing_by_case.get(case_id),
             channel_names=self.task.data_info["source"]["modalities"],
             class_names=self.class_names,
-            title=f"{case_id}: label (fill) vs prediction of the best model (outline)",
+            title=f"{case_id}: label (fill) vs prediction of the {weights} model (outline)",
             prediction=prediction,
         )
         with atomic_writer(path, "wb") as f:

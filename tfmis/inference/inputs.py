@@ -278,3 +278,46 @@ def check_same_training_data(index: dict, checkpoint, first, dataset_dir) -> Non
                 f"{checkpoint}: its {what} (training_data.json) differ from those of {first}: the runs of an "
                 "ensemble must be folds of one configuration"
             )
+
+
+def fold_of_run(checkpoint: str | Path) -> tuple[int, int] | None:
+    """(k, K) when `checkpoint` is the run folder of a fold training, else None.
+
+    A fold training's config (its run folder's `config.yaml`) has `data.split` set: it trained on K-1 folds and
+    validated on the held-out fold k, so its `best.weights.h5` was chosen on that fold. Every fold a
+    cross-validation trains (`<cv>/<configuration>/fold_<k>`, its folder's `crossval_definition.json` two levels
+    up) has it, and so does `tfmis-train --set data.split.fold=k`."""
+    import yaml
+
+    path = Path(checkpoint)
+    if not path.is_dir() or not (path / "config.yaml").is_file():
+        return None
+    try:
+        data = yaml.safe_load((path / "config.yaml").read_text())
+        split = data["data"]["split"]
+        return (int(split["fold"]), int(split["folds"])) if split else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return None
+
+
+def fold_weights(checkpoint: str | Path, weights: str | None) -> tuple[str | None, str | None]:
+    """(the weights to read, a line to print or None) for `--weights` given as `weights` (None: the default).
+
+    A fold training's run folder (`fold_of_run`) predicts with its final weights by default: its best ones were
+    chosen on its held-out fold, which then chooses nothing, as cross-validation scores it (nnU-Net's
+    `checkpoint_final`). `--weights best` on it is allowed, with a line saying that it is optimistic on that fold."""
+    fold = fold_of_run(checkpoint)
+    if fold is None:
+        return weights, None
+    k, folds = fold
+    if weights is None:
+        return "final", (
+            f"{checkpoint} is fold {k} of {folds}: predicting with final.weights.h5, the weights its training ended "
+            "with (its best.weights.h5 was chosen on its held-out fold; --weights best to use it)"
+        )
+    if weights == "best":
+        return weights, (
+            f"warning: --weights best: {checkpoint} is fold {k} of {folds}, whose best.weights.h5 was chosen on its "
+            f"held-out fold {k}: a Dice measured on that fold's cases with it is optimistic (not a selection)"
+        )
+    return weights, None

@@ -116,4 +116,5 @@ class DataSteps:
             median_shape=median_shape,
             norm=norm,
             n_train=n_train,
+            n_val=max(1, len(ids["val"])),
         )

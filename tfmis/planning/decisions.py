@@ -40,12 +40,14 @@ class Decision:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataDecision(Decision):
     """`determine_data`: the target spacing (mm), the median preprocessed shape there (for a cascade's fine stage:
-    of the labels' boxes grown by the margin), the per-channel normalisation lines, the number of training cases."""
+    of the labels' boxes grown by the margin), the per-channel normalisation lines, the number of training and
+    validation cases."""
 
     spacing: list
     median_shape: np.ndarray
     norm: list
     n_train: int
+    n_val: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

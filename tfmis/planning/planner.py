@@ -191,7 +191,7 @@ class ExperimentPlanner(DataSteps, TopologySteps, TrainingSteps):
         batch = self.determine_batch(data, patch, network, parallel)
         sampling = self.determine_sampling(data, patch)
         schedule = self.determine_schedule(data, batch)
-        validation = self.determine_validation(patch, network, schedule)
+        validation = self.determine_validation(data, patch, network, schedule)
         return Decisions(
             data,
             proposed,

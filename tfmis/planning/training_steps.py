@@ -29,6 +29,11 @@ GPU_STEPS_PER_EPOCH, GPU_EPOCHS = 250, 1000  # nnU-Net
 GPU_VALIDATIONS = 50
 SMALL_CLASS_FRACTION = 0.01  # classes under 1% of the labelled voxels get twice the crop centres
 DATASET_COVERAGE = 0.05  # nnU-Net: one batch covers at most 5% of the dataset's voxels
+# validations take at most about this share of the training time: their sliding-window forward passes against an
+# epoch's crops, each a forward and a backward pass (~TRAINING_STEP_FORWARDS forward passes). Planned every epoch on
+# the real-anatomy zoo kind, validation took 29% of a 2-minute run (30 of 103 s); the count predicted that share
+VALIDATION_TIME_SHARE = 0.1
+TRAINING_STEP_FORWARDS = 3
 
 
 class TrainingSteps:
@@ -233,16 +238,15 @@ class TrainingSteps:
     # ------------------------------------------------------------------ validation
 
     def determine_validation(
-        self, patch: PatchDecision, network: NetworkDecision, schedule: ScheduleDecision
+        self, data: DataDecision, patch: PatchDecision, network: NetworkDecision, schedule: ScheduleDecision
     ) -> Decision:
-        """How often, the window (the patch), windows per forward pass, overlap, blending, where the volume lives."""
+        """How often (`validation_interval`), the window (the patch), windows per forward pass, overlap, blending,
+        where the volume lives."""
         gpu, gpu_fit = self.gpu, self.gpu_fit
+        overlap = 0.5 if gpu else 0.25
         out = Settings()
-        out.set(
-            "validation.val_interval",
-            max(1, round(schedule.epochs / schedule.validations)),
-            f"about {schedule.validations} validations over the run",
-        )
+        interval, reason = self.validation_interval(data, patch, schedule, overlap)
+        out.set("validation.val_interval", interval, reason)
         out.set("validation.roi_size", [int(p) for p in patch.patch], "the training patch (nnU-Net)")
         window_mb = inference_window_mb(patch.patch, patch.strides, network.filters, self.num_classes, self.precision)
         if gpu and gpu_fit:
@@ -264,7 +268,6 @@ class TrainingSteps:
             sw_reason = f"4 windows per forward pass (~{window_mb:.0f} MB each): the demo recipe's on a CPU"
             placement = "cpu"
             placement_reason = "no accelerator"
-        overlap = 0.5 if gpu else 0.25
         out.set("validation.num_sw_batch_size", sw, sw_reason)
         out.set(
             "validation.overlap",
@@ -283,6 +286,32 @@ class TrainingSteps:
             out.set("loss.activation", "sigmoid", "regions overlap: one sigmoid each")
         out.set("output.dir", str(self.output_dir), "the run folder")
         return Decision(settings=tuple(out))
+
+    @staticmethod
+    def validation_interval(
+        data: DataDecision, patch: PatchDecision, schedule: ScheduleDecision, overlap: float
+    ) -> tuple[int, str]:
+        """(epochs between validations, the reason): about `schedule.validations` over the run, and no more often
+        than keeps the validations' sliding windows (on the median image, every validation case) under
+        `VALIDATION_TIME_SHARE` of an epoch's forward passes (its crops x `TRAINING_STEP_FORWARDS`). A ratio of two
+        counts of the same network's passes, so it holds on any machine, and when a time budget fits more epochs
+        than planned."""
+        steps = [max(1, int(p * (1 - overlap))) for p in patch.patch]
+        per_case = int(
+            np.prod([math.ceil(max(m - p, 0) / s) + 1 for m, p, s in zip(data.median_shape, patch.patch, steps)])
+        )
+        windows = per_case * data.n_val
+        crops = data.n_train * 4  # every training volume read once, 4 crops each (determine_sampling)
+        by_cost = math.ceil(windows / (VALIDATION_TIME_SHARE * TRAINING_STEP_FORWARDS * crops))
+        by_count = max(1, round(schedule.epochs / schedule.validations))
+        if by_cost > by_count:
+            return by_cost, (
+                f"a validation ({windows} windows: {per_case} on the median image x {data.n_val} case(s)) costs "
+                f"{windows / (TRAINING_STEP_FORWARDS * crops):.0%} of an epoch ({crops} crops, each ~"
+                f"{TRAINING_STEP_FORWARDS} forward passes): every {by_cost} epochs keeps validation under "
+                f"{VALIDATION_TIME_SHARE:.0%} of the training time"
+            )
+        return by_count, f"about {schedule.validations} validations over the run"
 
     def determine_cascade(self) -> Decision:
         """The fine stage of a cascade: which coarse run finds its region, and the margin around it."""
