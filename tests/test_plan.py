@@ -413,7 +413,9 @@ def test_train_from_source_dir_plans_converts_and_trains(tiny_ct_run):
     assert f"edit it and rerun with --config {plan_path}" in result.stderr
     plan = load_config(plan_path)
     assert all(has for _, has in _planned_keys(plan_path.read_text()))
-    assert plan.model.strides[1] == (2, 2, 1)  # z (2.5 mm) is >= 2x the in-plane spacing: not pooled at level 1
+    # z (2.5 mm) is >= 2x the in-plane spacing: not pooled at the first pooling, which the CPU recipe's layout gives
+    # the first convolution
+    assert plan.model.strides[0] == (2, 2, 1) and plan.model.output_upsampling == "transposed_image"
     assert plan.data.conversion.ct_window is not None and plan.data.dataset_dir == str(tiny_ct_run["dataset_dir"])
     index = json.loads((tiny_ct_run["dataset_dir"] / "index.json").read_text())
     assert (

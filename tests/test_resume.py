@@ -134,7 +134,9 @@ def test_a_kill_inside_or_after_the_real_checkpoint_save_leaves_the_epochs_outpu
     import sys
 
     from tfmis.config import save_config
-    from tfmis.engine.trainer import BEST_WEIGHTS, STAGED_BEST, STAGED_EPOCH, Trainer
+    from tfmis.engine.bookkeeping import STAGED_BEST, STAGED_EPOCH
+    from tfmis.engine.trainer import Trainer
+    from tfmis.utils.run_files import BEST_WEIGHTS
 
     run = tmp_path / "run"
     config = tiny_config(converted_dataset, run, "training.epochs=3", "training.keep_checkpoints=5")
