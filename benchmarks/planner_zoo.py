@@ -446,8 +446,9 @@ SAME_WALL_TIME = "the hand arm's training command's wall time"
 
 
 def planned_arm(arm: str) -> bool:
-    """An arm that runs `tfmis.train --source-dir` (its budget is the whole command's wall time)."""
-    return arm == "noconfig" or arm in VARIANTS
+    """An arm that trains a plan (`--source-dir`, or a plan's stages file): its budget is the whole command's wall
+    time."""
+    return arm in ("noconfig", "nnunet_layout") or arm in VARIANTS
 
 
 def run_arm(arm: str, kind: Kind, root: Path, seed: int, args, command_seconds: float | None = None) -> dict:
