@@ -185,3 +185,23 @@ def tiny_config(dataset_dir: Path, output_dir: Path, *overrides):
     return load_config(
         None, [f"data.dataset_dir={dataset_dir}", f"output.dir={output_dir}", *TINY_TRAINING, *overrides]
     )
+
+
+def tiny_config_file(tmp_path: Path, name: str, *overrides, cases: int = 6) -> Path:
+    """`tiny_config` of a real synthetic MSD folder `tmp_path/Task99_Test` (made once, converted on first use), saved as
+    `tmp_path/<name>.yaml`; returns its path."""
+    from tfmis.config import save_config
+
+    source = tmp_path / "Task99_Test"
+    if not (source / "dataset.json").is_file():
+        make_msd_dataset(source, num_cases=cases)
+    config = tiny_config(
+        tmp_path / "tfrecords",
+        tmp_path / f"runs_{name}",
+        f"data.source_dir={source}",
+        "data.conversion.shards=1",
+        *overrides,
+    )
+    path = tmp_path / f"{name}.yaml"
+    save_config(config, path)
+    return path

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import make_msd_dataset, tiny_config
+from tests.conftest import make_msd_dataset, tiny_config, tiny_config_file
 from tfmis.config import load_config, load_stages, save_config
 from tfmis.engine.budget import budget_epoch_bound
 
@@ -30,21 +30,8 @@ def run(command: list, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 
 def write_config(tmp_path: Path, name: str, *overrides, cases: int = 4) -> Path:
-    """A tiny config of a real synthetic MSD folder (converted on first use), 3 epochs planned."""
-    source = tmp_path / "Task99_Test"
-    if not (source / "dataset.json").is_file():
-        make_msd_dataset(source, num_cases=cases)
-    config = tiny_config(
-        tmp_path / "tfrecords",
-        tmp_path / f"runs_{name}",
-        f"data.source_dir={source}",
-        "data.conversion.shards=1",
-        "training.epochs=3",
-        *overrides,
-    )
-    path = tmp_path / f"{name}.yaml"
-    save_config(config, path)
-    return path
+    """`tiny_config_file` of a 4-case folder, 3 epochs planned."""
+    return tiny_config_file(tmp_path, name, "training.epochs=3", *overrides, cases=cases)
 
 
 @pytest.mark.slow

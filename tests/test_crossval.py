@@ -16,8 +16,8 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from tests.conftest import make_msd_dataset, tiny_config
-from tfmis.config import load_config, save_config
+from tests.conftest import tiny_config_file as write_config
+from tfmis.config import load_config
 from tfmis.crossval.cli import main
 from tfmis.crossval.experiment import (
     DEFINITION_FILE,
@@ -27,23 +27,6 @@ from tfmis.crossval.experiment import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_config(tmp_path: Path, name: str, *overrides, cases: int = 6) -> Path:
-    """A tiny config file for a real synthetic MSD folder (converted on first use)."""
-    source = tmp_path / "Task99_Test"
-    if not (source / "dataset.json").is_file():
-        make_msd_dataset(source, num_cases=cases)
-    config = tiny_config(
-        tmp_path / "tfrecords",
-        tmp_path / f"runs_{name}",
-        f"data.source_dir={source}",
-        "data.conversion.shards=1",
-        *overrides,
-    )
-    path = tmp_path / f"{name}.yaml"
-    save_config(config, path)
-    return path
 
 
 def nnunet_dice(prediction: np.ndarray, reference: np.ndarray, label: int) -> float:
