@@ -26,6 +26,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from tfmis.crossval.pilot import PILOT_SHARE  # noqa: E402
 from tfmis.training import add_configuration_argument, add_target_arguments  # noqa: E402
 from tfmis.tune.cli import add_search_arguments, run_search, search_specs  # noqa: E402
 from tfmis.utils.cli import add_set_argument, command, writing  # noqa: E402
@@ -56,6 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
         "stage by stage: finished stages are skipped)",
     )
     add_configuration_argument(p, "with --source-dir: ")
+    p.add_argument(
+        "--pilot",
+        nargs="?",
+        type=float,
+        const=PILOT_SHARE,
+        default=None,
+        metavar="SHARE",
+        help="with --source-dir and --set training.max_minutes=M: before training, compare the planner's candidates "
+        "(full / low resolution; on a CPU a 48^3 and a 64^3 patch target) by short trainings scored on the "
+        f"validation cases (successive halving in SHARE of M, default {PILOT_SHARE:g}) and train the best with the "
+        "time left; the pilot's table goes into plan.yaml (not yet measured against the planner's rules on the "
+        "zoo: docs/planning.md)",
+    )
     add_target_arguments(p, "With --source-dir: ")
     g = p.add_argument_group(
         "GPU customization",
@@ -79,6 +93,8 @@ def main(argv=None) -> int:
 
     planned = None
     hardware = target_hardware(args)
+    if args.pilot is not None:
+        check_pilot_arguments(args)
     if args.source_dir is not None:
         stages, planned = plan_source(
             args.source_dir, args.overrides, resume=args.resume, configuration=args.configuration, hardware=hardware
@@ -104,10 +120,29 @@ def main(argv=None) -> int:
         # the devices the chosen model-parallel setting may need exist before TensorFlow starts
         fit_devices = max([parse_model_parallel(e)[1] for e in specs.range_model_parallel or ()] + [1])
     backend = _backend(stages[0].config, fit_devices)
+    if args.pilot is not None:
+        from tfmis.crossval.pilot import run_pilot
+
+        stages, planned = run_pilot(planned, StageRunner(backend, gpu_fit=None), share=args.pilot)
     writing(stages[-1].config.output.dir, RERUN)
     runner = StageRunner(backend, resume=args.resume, customize=customize, on_stage_end=_report, started=started)
     runner.run(stages, planned)
     return 0
+
+
+def check_pilot_arguments(args) -> None:
+    """`--pilot` needs `--source-dir` (its candidates), a budget to take its time from, and one process's search."""
+    from tfmis.errors import UsageError
+    from tfmis.training import split_overrides
+
+    if args.source_dir is None or args.gpu_customization:
+        raise UsageError("--pilot plans and compares the candidates of --source-dir: use it with --source-dir only")
+    if (split_overrides(args.overrides)[0].get("training") or {}).get("max_minutes") is None:
+        raise UsageError(
+            "--pilot trains the candidates within the command's time budget: add --set training.max_minutes=M (e.g. 30)"
+        )
+    if not 0 < args.pilot < 1:
+        raise UsageError(f"--pilot {args.pilot:g}: the share of the budget the pilot takes, between 0 and 1, e.g. 0.3")
 
 
 def _backend(config, fit_devices: int):

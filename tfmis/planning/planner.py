@@ -140,6 +140,8 @@ class ExperimentPlanner(DataSteps, TopologySteps, TrainingSteps):
         training_share: share of the CPU step budget this stage gets (stages share one budget).
         max_minutes: `training.max_minutes` of this stage (null: none); refused (`UsageError`) when it rounds (to
             hundredths) to no training.
+        cpu_patch_voxels: a CPU plan's patch voxel target (default `CPU_PATCH_VOXELS`, 48^3); a pilot tries another
+            (`tfmis.crossval.pilot`).
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class ExperimentPlanner(DataSteps, TopologySteps, TrainingSteps):
         coarse_run: str | None = None,
         training_share: float = 1.0,
         max_minutes: float | None = None,
+        cpu_patch_voxels: int = CPU_PATCH_VOXELS,
     ):
         self.source_dir = source_dir or fingerprint.source_dir
         if self.source_dir is None:
@@ -180,6 +183,7 @@ class ExperimentPlanner(DataSteps, TopologySteps, TrainingSteps):
             self.precision_reason += " (name the target's GPU with --gpu, e.g. --gpu A100-80GB, to plan its precision)"
         self.fixed_spacing, self.roi_margin_mm, self.coarse_run = spacing, roi_margin_mm, coarse_run
         self.training_share, self.max_minutes = training_share, max_minutes
+        self.cpu_patch_voxels = int(cpu_patch_voxels)
 
     def decide(self) -> Decisions:
         """Every step in order, each given the earlier decisions it needs."""

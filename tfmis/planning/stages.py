@@ -49,6 +49,7 @@ from tfmis.hardware import Hardware
 from tfmis.planning.fingerprint import DatasetFingerprint
 from tfmis.planning.plan_file import Plan, fmt_shape
 from tfmis.planning.planner import (
+    CPU_PATCH_VOXELS,
     Decisions,
     ExperimentPlanner,
     default_dataset_dir,
@@ -206,6 +207,8 @@ class StagePlanner:
             it.
         configuration: force the recommendation, "fullres", "lowres" or "cascade" (the numbers are still written);
             one that is not a candidate is refused (`UsageError`).
+        configuration_reason: why `configuration` was forced (default "forced (--configuration)"; a pilot's result).
+        cpu_patch_voxels: a CPU plan's patch voxel target (`ExperimentPlanner`'s; default 48^3).
         gpu_fit_for: `config -> the GPU-fit search's measured values for it, or None`: each stage whose config has
             a measurement is planned again with it (`ExperimentPlanner`'s `gpu_fit`).
     """
@@ -224,6 +227,8 @@ class StagePlanner:
         max_minutes: float | None = None,
         configuration: str | None = None,
         gpu_fit_for: Callable[..., dict | None] | None = None,
+        configuration_reason: str | None = None,
+        cpu_patch_voxels: int = CPU_PATCH_VOXELS,
     ):
         if configuration not in (None, *CONFIGURATIONS):
             raise UsageError(
@@ -233,7 +238,13 @@ class StagePlanner:
         self.source_dir = source_dir or fingerprint.source_dir
         self.dataset_dir = dataset_dir or (default_dataset_dir(self.source_dir) if self.source_dir else None)
         self.output_dir = output_dir or (default_output_dir(self.source_dir) if self.source_dir else None)
-        self.common = {"source_dir": self.source_dir, "split": split, "seed": seed}
+        self.common = {
+            "source_dir": self.source_dir,
+            "split": split,
+            "seed": seed,
+            "cpu_patch_voxels": cpu_patch_voxels,
+        }
+        self.forced_reason = configuration_reason or "forced (--configuration)"
         self.gpu_fit, self.max_minutes, self.forced = gpu_fit, max_minutes, configuration
         self.gpu_fit_for = gpu_fit_for
 
@@ -385,7 +396,7 @@ class StagePlanner:
         candidate; lowres when the smallest structure is at least `MIN_VOXELS_ACROSS` low-resolution voxels across;
         else the cascade when its regions are at most `MAX_ROI_FRACTION` of the foreground crop; else fullres."""
         if candidates == ["fullres"]:
-            why = "the only candidate" if self.forced is None else "forced (the only candidate)"
+            why = "the only candidate" if self.forced is None else f"{self.forced_reason} (the only candidate)"
             lines.append(f"recommended fullres: {why}")
             return "fullres", why
         smallest = self.determine_smallest_structure()
@@ -415,7 +426,7 @@ class StagePlanner:
         smallest_is = f"the smallest structure is {across:.3g}"
         regions_are = f"the regions are {100 * roi_fraction:.3g}%"
         if self.forced is not None:
-            name, why = self.forced, "forced (--configuration)"
+            name, why = self.forced, self.forced_reason
         elif across >= MIN_VOXELS_ACROSS:
             name = "lowres"
             why = (

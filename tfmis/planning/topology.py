@@ -80,8 +80,8 @@ class TopologySteps:
 
     def patch_budget(self):
         """(fits(patch, strides) -> bool, the budget in words): the memory the target affords a training step at
-        batch 2 (a GPU: `gpu_budget_mb`, 85% of its memory after 1 GB for CUDA; a CPU: `CPU_PATCH_VOXELS` and half
-        the available RAM)."""
+        batch 2 (a GPU: `gpu_budget_mb`, 85% of its memory after 1 GB for CUDA; a CPU: `cpu_patch_voxels`, default
+        `CPU_PATCH_VOXELS`, and half the available RAM)."""
         if self.gpu:
             target_mb = self.gpu_budget_mb()
             memory_gb = (self.hardware.gpu_memory_mb or 16 * 1024) / 1024
@@ -95,9 +95,14 @@ class TopologySteps:
         memory_cap = 0.5 * available if available else float("inf")
         return (
             lambda patch, strides: (
-                int(np.prod(patch)) <= CPU_PATCH_VOXELS and self._training_mb(patch, strides)["total_mb"] <= memory_cap
+                int(np.prod(patch)) <= self.cpu_patch_voxels
+                and self._training_mb(patch, strides)["total_mb"] <= memory_cap
             ),
-            f"a CPU target of {CPU_PATCH_VOXELS:,} voxels (48^3: a training step of ~0.3 s on 2 cores, measured)"
+            (
+                f"a CPU target of {CPU_PATCH_VOXELS:,} voxels (48^3: a training step of ~0.3 s on 2 cores, measured)"
+                if self.cpu_patch_voxels == CPU_PATCH_VOXELS
+                else f"a CPU target of {self.cpu_patch_voxels:,} voxels (given: cpu_patch_voxels, e.g. a pilot's)"
+            )
             + (
                 f" and an estimated training peak of at most {memory_cap:.0f} MB (half the available)"
                 if available
