@@ -280,3 +280,25 @@ def test_validation_interval_keeps_the_sliding_windows_under_a_tenth_of_an_epoch
     assert f"{windows} windows" in reason and "under 10%" in reason
     small = DataDecision(spacing=[2.0] * 3, median_shape=np.array([48, 48, 48]), norm=[], n_train=20, n_val=4)
     assert TrainingSteps.validation_interval(small, patch, schedule, 0.25) == (1, "about 15 validations over the run")
+
+
+def test_the_cpu_patch_target_bounds_the_patch_and_a_larger_one_plans_a_larger_patch():
+    """`cpu_patch_voxels` (`--cpu-patch EDGE`): on a brain-size fingerprint the planned patch stays within the
+    target, 64^3 plans more voxels than the default 48^3, and the patch's reason names the target given."""
+    fp = fingerprint([1.0] * 3, [140, 172, 140], [3e6, 6e4, 2.5e4, 1.5e4], [70, 80, 60])
+    default = make_plan(fp, CPU, source_dir="/data/x")
+    larger = make_plan(fp, CPU, source_dir="/data/x", cpu_patch_voxels=64**3)
+    small, big = (int(np.prod(p.values["pipeline.patch_size"])) for p in (default, larger))
+    assert small <= 48**3 < big <= 64**3
+    assert "262,144 voxels (given" in larger.reasons["pipeline.patch_size"]
+
+
+def test_cpu_patch_edge_below_16_is_refused_before_the_dataset_is_read(tmp_path):
+    """`tfmis-plan --cpu-patch 8`: exit 2, one line naming the option and a valid value, nothing written."""
+    source = make_msd_dataset(tmp_path / "ds", num_cases=2)
+    command = [sys.executable, "-m", "tfmis.plan", "--source-dir", str(source), "--cpu-patch", "8"]
+    result = subprocess.run(
+        command + ["--output", str(tmp_path / "p.yaml")], capture_output=True, text=True, env=_env()
+    )
+    assert result.returncode == 2 and "--cpu-patch 8" in result.stderr and "--cpu-patch 64" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "p.yaml").exists()

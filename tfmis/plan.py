@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tfmis.training import add_configuration_argument, add_target_arguments, target_hardware
+from tfmis.training import add_configuration_argument, add_target_arguments, cpu_patch_voxels, target_hardware
 from tfmis.utils.cli import command, writing
 
 
@@ -83,6 +83,7 @@ def main(argv=None) -> int:
         max_minutes=args.max_minutes,
         configuration=args.configuration,
         hardware=hardware,
+        cpu_patch_voxels=cpu_patch_voxels(args.cpu_patch),
     )
     output = staged.write(args.output)
     atomic_write_json(

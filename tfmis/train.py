@@ -97,7 +97,12 @@ def main(argv=None) -> int:
         check_pilot_arguments(args)
     if args.source_dir is not None:
         stages, planned = plan_source(
-            args.source_dir, args.overrides, resume=args.resume, configuration=args.configuration, hardware=hardware
+            args.source_dir,
+            args.overrides,
+            resume=args.resume,
+            configuration=args.configuration,
+            hardware=hardware,
+            cpu_patch=args.cpu_patch,
         )
     else:
         if hardware is not None:

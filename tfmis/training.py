@@ -67,6 +67,23 @@ def add_configuration_argument(parser, when: str = "") -> None:
         "(default: chosen from the fingerprint and the affordable patch; refused when it makes no sense for the "
         "dataset; docs/planning.md)",
     )
+    parser.add_argument(
+        "--cpu-patch",
+        type=int,
+        default=None,
+        metavar="EDGE",
+        help=f"{when}a CPU plan's patch voxel target as a cube's edge (default 48: 48^3 voxels; 64 plans larger "
+        "patches; a GPU plan's patch comes from the GPU's memory)",
+    )
+
+
+def cpu_patch_voxels(edge: int | None) -> int | None:
+    """`--cpu-patch EDGE` as the planner's voxel target (None: the planner's default), refusing an edge under 16."""
+    if edge is None:
+        return None
+    if edge < 16:
+        raise UsageError(f"--cpu-patch {edge}: the patch cube's edge in voxels, at least 16, e.g. --cpu-patch 64")
+    return int(edge) ** 3
 
 
 TARGET_FLAGS = ("gpus", "gpu_memory", "gpu", "cpus", "host_memory")
@@ -381,11 +398,12 @@ def plan_source(
     configuration: str | None = None,
     hardware=None,
     log=log,
+    cpu_patch: int | None = None,
 ) -> tuple[list[Stage], PlannedRun]:
     """Plans the MSD folder `source_dir` for this machine (or for `hardware`, a `Hardware.target`) and writes the
     plan: the recommended configuration at `<output.dir>/plan.yaml` (with several candidates, a stages file naming
     its stages' `<output.dir>/<stage>/plan.yaml`) and every candidate in `<output.dir>/candidates.yaml`; with
-    `resume` and a plan there, that plan is kept.
+    `resume` and a plan there, that plan is kept. `cpu_patch`: `--cpu-patch`'s edge (a CPU plan's patch target).
 
     The overrides' `data.dataset_dir`, `output.dir` and `training.max_minutes` (a budget the stages share) are
     the plan's; the other overrides go into every stage's config.
@@ -413,8 +431,10 @@ def plan_source(
         kept = " (the target machine's options apply to a new plan only)" if hardware is not None else ""
         log(f"Resuming with the plan in {existing}{kept}")
         return load_stages(existing, overrides, plan=True), PlannedRun(existing, list(overrides))
+    voxels = cpu_patch_voxels(cpu_patch)
+    patch_args = {} if voxels is None else {"cpu_patch_voxels": voxels}
     staged, fingerprint = plan_dataset_stages(
-        source, target, output, max_minutes=minutes, configuration=configuration, hardware=hardware
+        source, target, output, max_minutes=minutes, configuration=configuration, hardware=hardware, **patch_args
     )
     for stages in staged.candidates.values():
         for _, plan in stages:  # a bad override fails here, before writing
@@ -428,6 +448,7 @@ def plan_source(
             f"{staged.candidates_path()}"
         )
     plan_args = {"source_dir": str(source), "dataset_dir": target, "output_dir": output, "max_minutes": minutes}
+    plan_args.update(patch_args)
     planned = PlannedRun(path, list(overrides), fingerprint, staged.configuration, plan_args, hardware)
     return load_stages(path, overrides, plan=True), planned
 

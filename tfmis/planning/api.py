@@ -119,6 +119,7 @@ def plan_dataset_stages(
     hardware: Hardware | None = None,
     max_minutes: float | None = None,
     configuration: str | None = None,
+    cpu_patch_voxels: int | None = None,
 ) -> tuple[StagedPlan, DatasetFingerprint]:
     """(StagedPlan, DatasetFingerprint): the candidates (`plan_dataset`'s full-resolution plan; a low-resolution
     stage and a cascade on it where they pay) and the recommended one (`tfmis.planning.stages`), as the fingerprint
@@ -128,9 +129,12 @@ def plan_dataset_stages(
         source_dir, target_dir, output_dir, workers, progress, hardware: as `plan_dataset`.
         max_minutes: a training budget (a recommended cascade's stages share it).
         configuration: force the recommendation, "fullres", "lowres" or "cascade" (refused when not a candidate).
+        cpu_patch_voxels: a CPU plan's patch voxel target (None: the planner's `CPU_PATCH_VOXELS`).
     """
     fingerprint, hardware, plan_args = _planning_inputs(source_dir, target_dir, output_dir, workers, progress, hardware)
     lookup = cached_gpu_fit_lookup(hardware, plan_args["dataset_dir"])
+    if cpu_patch_voxels is not None:
+        plan_args["cpu_patch_voxels"] = cpu_patch_voxels
     staged = plan_stages(
         fingerprint, hardware, max_minutes=max_minutes, configuration=configuration, gpu_fit_for=lookup, **plan_args
     )
