@@ -96,10 +96,16 @@ def main(argv=None) -> int:
     if args.pilot is not None:
         check_pilot_arguments(args)
     if args.source_dir is not None:
+        resume_plan = args.resume
+        if args.pilot is not None and args.resume:  # a pilot interrupted before it chose goes on: plan again
+            from tfmis.crossval.pilot import pilot_choice
+            from tfmis.training import planned_output_dir
+
+            resume_plan = pilot_choice(planned_output_dir(args.source_dir, args.overrides)) is not None
         stages, planned = plan_source(
             args.source_dir,
             args.overrides,
-            resume=args.resume,
+            resume=resume_plan,
             configuration=args.configuration,
             hardware=hardware,
             cpu_patch=args.cpu_patch,

@@ -414,7 +414,7 @@ def plan_source(
         DataError: the dataset is unusable.
     """
     from tfmis.data.msd import DatasetNotFound
-    from tfmis.planning import default_output_dir, plan_dataset_stages
+    from tfmis.planning import plan_dataset_stages
 
     source = Path(source_dir)
     if not (source / "dataset.json").is_file():
@@ -426,7 +426,7 @@ def plan_source(
     target = (given.get("data") or {}).get("dataset_dir")
     output = (given.get("output") or {}).get("dir")
     minutes = (given.get("training") or {}).get("max_minutes")
-    existing = Path(output or default_output_dir(source)) / "plan.yaml"
+    existing = planned_output_dir(source, overrides) / "plan.yaml"
     if resume and existing.is_file():
         kept = " (the target machine's options apply to a new plan only)" if hardware is not None else ""
         log(f"Resuming with the plan in {existing}{kept}")
@@ -451,6 +451,15 @@ def plan_source(
     plan_args.update(patch_args)
     planned = PlannedRun(path, list(overrides), fingerprint, staged.configuration, plan_args, hardware)
     return load_stages(path, overrides, plan=True), planned
+
+
+def planned_output_dir(source_dir: str | Path, overrides=()) -> Path:
+    """The folder `plan_source` writes the plan of `source_dir` into: `--set output.dir`, else the default run
+    folder of the dataset."""
+    from tfmis.planning import default_output_dir
+
+    output = (split_overrides(overrides)[0].get("output") or {}).get("dir")
+    return Path(output or default_output_dir(Path(source_dir)))
 
 
 def cached_gpu_fit(stages: list[Stage], planned: PlannedRun, log=log, hardware=None, lookup=None) -> list[Stage]:

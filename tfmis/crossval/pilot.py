@@ -20,7 +20,8 @@ the patch's voxel target (48^3, `CPU_PATCH_VOXELS`, against 64^3).
   start, `tfmis.training.PlanBudget`, so the pilot's cost is in it). Too small a budget (a candidate's loop under
   `LEAST_RUNG_SECONDS`) or one candidate: the pilot says so and the planner's rule stands.
 - Pilot runs train in `<output.dir>/pilot/r<rung>-<candidate>/`; `pilot.json` there records each scored run as
-  it ends (a rerun reuses them) and the choice.
+  it ends and the choice. `--resume` after the choice trains the chosen plan; before it, the pilot goes on, its
+  scored runs reused (`pilot_choice`).
 
 This is not yet measured against the rules it replaces on the planner zoo (docs/benchmarks.md): it is opt-in.
 
@@ -236,6 +237,16 @@ class Pilot:
         return run
 
 
+def pilot_choice(output_dir: str | Path) -> str | None:
+    """The candidate a finished pilot of the plan in `output_dir` chose (its `pilot.json`), or None: no pilot, or one
+    interrupted before it chose (a rerun continues it, reusing its scored runs)."""
+    try:
+        record = json.loads((Path(output_dir) / "pilot" / PILOT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("chosen") if isinstance(record, dict) else None
+
+
 def pilot_lines(chosen: Candidate, runs: list[dict], seconds: float, share: float) -> list[str]:
     """The plan.yaml header lines: what the pilot trained, each run's Dice, and the choice."""
     lines = textwrap.wrap(
@@ -275,11 +286,12 @@ def run_pilot(planned, runner, *, share: float = PILOT_SHARE, log=log):
         )
     if runner.backend.size > 1:
         raise UsageError("--pilot runs in one process: run it without a launcher, then train its plan.yaml on many")
-    if planned.fingerprint is None:
-        raise UsageError(
-            f"--pilot with --resume: {planned.path} was kept as planned; remove it (the pilot's finished runs are "
-            "reused) or resume without --pilot"
-        )
+    if planned.fingerprint is None:  # a plan kept on --resume: a finished pilot's (`pilot_choice`)
+        chosen = pilot_choice(Path(planned.path).parent)
+        if chosen is None:
+            raise UsageError(f"--pilot with --resume: {planned.path} was kept, but no pilot chose it; remove it")
+        log(f"Pilot: chose {chosen} before ({Path(planned.path).parent / 'pilot' / PILOT_FILE}): training its plan")
+        return load_stages(planned.path, planned.overrides, plan=True), planned
     if planned.hardware is not None:
         raise UsageError("--pilot trains here: plan for this machine (without --gpus/--gpu-memory/--gpu/--cpus)")
     from tfmis.hardware import detect_hardware
