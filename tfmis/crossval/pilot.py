@@ -200,6 +200,7 @@ class Pilot:
 
     def train_and_score(self, rung: int, candidate: Candidate, loop_seconds: float) -> dict:
         """Trains `candidate` for `loop_seconds` in its rung's folder (or reuses a run scored before) and scores it."""
+        from tfmis.engine.bookkeeping import run_folder_lock
         from tfmis.engine.budget import budget_epoch_bound
 
         key = f"r{rung + 1}-{candidate.folder_name}"
@@ -214,8 +215,6 @@ class Pilot:
         config.output.dir = str(run_dir)
         config.training.max_minutes = math.floor(loop_seconds / 60 * 100) / 100 or 0.01
         config.training.epochs = max(config.training.epochs, budget_epoch_bound(config.training.max_minutes))
-        from tfmis.engine.bookkeeping import run_folder_lock
-
         with run_folder_lock(self.runner.backend, config.output.dir):
             self.runner.prepare(config)
         summary = self.runner.train_stage(config)
