@@ -646,7 +646,51 @@ def _say(args, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def collected_results(output: Path, kinds, seeds) -> tuple[list[dict], list[str]]:
+    """(every arm's result file under `output` for `kinds` and `seeds`, in kind, seed and arm order; the arms
+    found): the report of runs made by several invocations (`--report-only`)."""
+    results = []
+    for kind in kinds:
+        for seed in seeds:
+            folder = output / kind / f"seed{seed}"
+            found = {p.stem: p for p in folder.glob("*.json")} if folder.is_dir() else {}
+            for arm in sorted(found, key=lambda a: (a not in ARMS, ARMS.index(a) if a in ARMS else 0, a)):
+                result = json.loads(found[arm].read_text())
+                if result.get("arm") == arm:
+                    results.append(result)
+    arms = list(dict.fromkeys(r["arm"] for r in results))
+    return results, arms
+
+
+def report_only(args) -> dict:
+    """zoo.json, zoo.md and zoo.png of every result already in `--output` (the kinds and seeds asked), training
+    nothing: a zoo run in pieces, or resumed, reported as one."""
+    output = Path(args.output)
+    results, arms = collected_results(output, args.kinds, args.seeds)
+    minutes = sorted({r["budget_seconds"] / 60 for r in results})
+    report = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "minutes": minutes[0] if len(minutes) == 1 else args.minutes,
+        "seeds": list(args.seeds),
+        "kinds": [k for k in args.kinds if any(r["kind"] == k for r in results)],
+        "arms": arms,
+        "generation_seconds": {},
+        "results": results,
+    }
+    report["verdicts"] = verdicts(results, report["kinds"], arms)
+    atomic_write_json(output / "zoo.json", report)
+    with atomic_writer(output / "zoo.md") as f:
+        f.write(render_markdown(report))
+    plot(report, output / "zoo.png")
+    print(f"{len(results)} results of {len(report['kinds'])} kinds reported in {output / 'zoo.md'}")
+    return report
+
+
 def run_zoo(args) -> dict:
+    if args.report_only:
+        return report_only(args)
     output, data_dir = Path(args.output), Path(args.data_dir)
     cpu = cpu_model()
     print(f"Processor: {cpu} ({os.cpu_count()} cores)", flush=True)
@@ -746,6 +790,12 @@ def build_parser() -> argparse.ArgumentParser:
         "collapse on a machine shared with other work)",
     )
     p.add_argument("--generate-only", action="store_true", help="generate (or find) the datasets, train nothing")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: zoo.md, zoo.json and zoo.png from every result already in --output for --kinds and "
+        "--seeds (a zoo run in pieces reported as one)",
+    )
     p.add_argument("--quiet", action="store_true", help="arm output only into the logs")
     return p
 
