@@ -166,7 +166,7 @@ class TopologySteps:
         axis is pooled only once the others have caught up); on a CPU 1 mm on every axis, so every axis is pooled
         while its feature map allows, as the CPU recipe's network (configs/demo.yaml, MONAI's UNet). Anisotropic
         pooling keeps a thin axis at its full size through the levels: on the zoo's 5 mm kinds the CPU network then
-        trained 1.4-2.5x fewer images a second at the same patch (docs/benchmarks.md, "The planner zoo")."""
+        trained 2-3.5x fewer images a second at the same patch (docs/benchmarks.md, "The planner zoo")."""
         return [float(s) for s in spacing] if self.gpu else [1.0] * len(spacing)
 
     def determine_patch(self, data: DataDecision) -> PatchDecision:
@@ -401,7 +401,7 @@ class TopologySteps:
             f"most 5 times: {pools[0]}/{pools[1]}/{pools[2]} poolings per axis{thin_text}"
             if gpu
             else f"pool every axis while its feature map stays >= 4 voxels, at most 5 times, whatever its spacing (a "
-            f"CPU: the CPU recipe's; pooling a thick-slice axis late made its steps 1.4-2.5x dearer on the zoo): "
+            f"CPU: the CPU recipe's; pooling a thick-slice axis late made its steps 2-3.5x dearer, measured): "
             f"{pools[0]}/{pools[1]}/{pools[2]} poolings per axis{thin_text}"
         )
         out = Settings()
