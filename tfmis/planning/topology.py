@@ -161,14 +161,6 @@ class TopologySteps:
             grown += 1
         return initial, grown
 
-    def pooling_spacing(self, spacing) -> list[float]:
-        """The spacing nnU-Net's pooling rule (`pool_and_conv_props`) sees: the target spacing on a GPU (a coarse
-        axis is pooled only once the others have caught up); on a CPU 1 mm on every axis, so every axis is pooled
-        while its feature map allows, as the CPU recipe's network (configs/demo.yaml, MONAI's UNet). Anisotropic
-        pooling keeps a thin axis at its full size through the levels: on the zoo's 5 mm kinds the CPU network then
-        trained 2-3.5x fewer images a second at the same patch (docs/benchmarks.md, "The planner zoo")."""
-        return [float(s) for s in spacing] if self.gpu else [1.0] * len(spacing)
-
     def determine_patch(self, data: DataDecision) -> PatchDecision:
         """The patch: the median shape's aspect ratio, grown on a large GPU up to the median image, shrunk
         (nnU-Net v2) until the target's budget holds it, divisible by the stride products."""
@@ -176,8 +168,7 @@ class TopologySteps:
         fits, budget_text = self.patch_budget()
         shape_for_patch, square = self._shape_for_patch(data)
         initial_patch, grown = self._grown_initial_patch(spacing, shape_for_patch, fits)
-        pooling_spacing = self.pooling_spacing(spacing)
-        patch, strides, divisor, steps = shrink_patch(pooling_spacing, median_shape, initial_patch, fits, square=square)
+        patch, strides, divisor, steps = shrink_patch(spacing, median_shape, initial_patch, fits, square=square)
         if not fits(patch, strides) or len(strides) < 2:
             raise ResourceError(self._no_patch_fits(patch, budget_text))
         square_text = (
@@ -391,18 +382,12 @@ class TopologySteps:
         thin_text = (
             f"; axis {', '.join(map(str, thin))} is not pooled at level 1 (its spacing is >= 2x the "
             f"finest), only once the others have caught up"
-            if thin and gpu
-            else f"; axis {', '.join(map(str, thin))} is too short to pool at level 1"
             if thin
             else ""
         )
         pooling = (
             f"nnU-Net: pool an axis while its feature map stays >= 4 voxels and its spacing < 2x the finest, at "
             f"most 5 times: {pools[0]}/{pools[1]}/{pools[2]} poolings per axis{thin_text}"
-            if gpu
-            else f"pool every axis while its feature map stays >= 4 voxels, at most 5 times, whatever its spacing (a "
-            f"CPU: the CPU recipe's; pooling a thick-slice axis late made its steps 2-3.5x dearer, measured): "
-            f"{pools[0]}/{pools[1]}/{pools[2]} poolings per axis{thin_text}"
         )
         out = Settings()
         out.set(
