@@ -26,7 +26,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tfmis.crossval.pilot import PILOT_SHARE  # noqa: E402
+from tfmis.crossval.pilot import PILOT_SHARE, check_pilot  # noqa: E402
 from tfmis.training import add_configuration_argument, add_target_arguments  # noqa: E402
 from tfmis.tune.cli import add_search_arguments, run_search, search_specs  # noqa: E402
 from tfmis.utils.cli import add_set_argument, command, writing  # noqa: E402
@@ -148,12 +148,7 @@ def check_pilot_arguments(args) -> None:
 
     if args.source_dir is None or args.gpu_customization:
         raise UsageError("--pilot plans and compares the candidates of --source-dir: use it with --source-dir only")
-    if (split_overrides(args.overrides)[0].get("training") or {}).get("max_minutes") is None:
-        raise UsageError(
-            "--pilot trains the candidates within the command's time budget: add --set training.max_minutes=M (e.g. 30)"
-        )
-    if not 0 < args.pilot < 1:
-        raise UsageError(f"--pilot {args.pilot:g}: the share of the budget the pilot takes, between 0 and 1, e.g. 0.3")
+    check_pilot(args.pilot, (split_overrides(args.overrides)[0].get("training") or {}).get("max_minutes"))
 
 
 def _backend(config, fit_devices: int):

@@ -48,9 +48,7 @@ from tfmis.utils.io import atomic_write_json
 
 PILOT_SHARE = 0.3  # of the command's budget, for the pilot
 LEAST_RUNG_SECONDS = 30.0  # a candidate's shortest pilot loop: shorter, the first epochs' tracing is most of it
-RUN_OVERHEAD_SECONDS = (
-    25.0  # a pilot run's time outside its loop (build, trace, final weights, scoring), until measured
-)
+RUN_OVERHEAD_SECONDS = 25.0  # a run's time outside its loop (build, trace, final weights, scoring), until measured
 LARGER_CPU_PATCH_VOXELS = 64**3
 PILOT_FILE = "pilot.json"
 
@@ -120,7 +118,7 @@ def pilot_candidates(fingerprint, hardware, plan_args: dict) -> list[Candidate]:
     return sorted(out, key=lambda c: not c.recommended)
 
 
-def validation_dice(config, run_dir: Path, work: Path) -> tuple[float, int]:
+def validation_dice(config, run_dir: Path) -> tuple[float, int]:
     """(mean Dice of the run's final weights on its validation cases, predicted from the original scans on their
     grid: per case the mean over structures present in either map, then the mean over cases; the cases scored)."""
     import numpy as np
@@ -140,7 +138,7 @@ def validation_dice(config, run_dir: Path, work: Path) -> tuple[float, int]:
         )
     labels = list(range(1, len(predictor.class_names)))
     regions = dict(config.validation.regions) if predictor.task.paint_labels is not None else None
-    out = work / "validation"
+    out = Path(run_dir) / "validation"
     out.mkdir(parents=True, exist_ok=True)
     means = []
     for case in cases:
@@ -172,6 +170,11 @@ class Pilot:
 
     def _write(self) -> None:
         atomic_write_json(self.record_path, self.record)
+
+    def record_choice(self, chosen: Candidate, plan_path: Path, seconds: float) -> None:
+        """Writes the choice into `pilot.json` (after the chosen plan is written: `pilot_choice` then finds both)."""
+        self.record.update({"chosen": chosen.name, "plan": str(plan_path), "seconds": round(seconds, 1)})
+        self._write()
 
     def run(self) -> tuple[Candidate, list[dict]]:
         """(the chosen candidate, every run's record: rung, candidate, loop seconds, Dice, seconds)."""
@@ -218,7 +221,7 @@ class Pilot:
         with run_folder_lock(self.runner.backend, config.output.dir):
             self.runner.prepare(config)
         summary = self.runner.train_stage(config)
-        dice, cases = validation_dice(config, run_dir, run_dir)
+        dice, cases = validation_dice(config, run_dir)
         seconds = time.time() - start
         trained = float(summary.get("elapsed_seconds") or 0.0)
         self.overheads.append(max(0.0, seconds - trained))
@@ -264,6 +267,17 @@ def pilot_lines(chosen: Candidate, runs: list[dict], seconds: float, share: floa
     return lines
 
 
+def check_pilot(share: float, minutes) -> None:
+    """Refuses (`UsageError`, one line) a pilot without a budget to take its time from or with a share outside
+    (0, 1); `tfmis-train` calls it before planning, `run_pilot` again."""
+    if minutes is None:
+        raise UsageError(
+            "--pilot trains the candidates within the command's time budget: add --set training.max_minutes=M (e.g. 30)"
+        )
+    if not 0 < share < 1:
+        raise UsageError(f"--pilot {share:g}: the share of the budget the pilot takes, between 0 and 1, e.g. 0.3")
+
+
 def run_pilot(planned, runner, *, share: float = PILOT_SHARE, log=log):
     """Pilots the candidates of the plan `planned` (a `tfmis.training.PlannedRun` that `plan_source` made, with its
     fingerprint) and plans the chosen one again as the recommendation; returns (stages, planned) to train, the
@@ -276,13 +290,8 @@ def run_pilot(planned, runner, *, share: float = PILOT_SHARE, log=log):
     from tfmis.planning.stages import plan_stages
     from tfmis.training import PlannedRun, load_stages
 
-    if not 0 < share < 1:
-        raise UsageError(f"--pilot {share:g}: the share of the budget the pilot takes, between 0 and 1, e.g. 0.3")
     minutes = (planned.plan_args or {}).get("max_minutes")
-    if minutes is None:
-        raise UsageError(
-            "--pilot trains the candidates within the command's time budget: add --set training.max_minutes=M (e.g. 30)"
-        )
+    check_pilot(share, minutes)
     if runner.backend.size > 1:
         raise UsageError("--pilot runs in one process: run it without a launcher, then train its plan.yaml on many")
     if planned.fingerprint is None:  # a plan kept on --resume: a finished pilot's (`pilot_choice`)
@@ -341,8 +350,7 @@ def run_pilot(planned, runner, *, share: float = PILOT_SHARE, log=log):
         plan.header.extend([""] + lines)
         plan.summary["pilot"] = {"chosen": chosen.name, "runs": runs, "seconds": round(seconds, 1)}
     path = staged.write()
-    pilot.record.update({"chosen": chosen.name, "plan": str(path), "seconds": round(seconds, 1)})
-    pilot._write()
+    pilot.record_choice(chosen, path, seconds)
     log("\n".join(lines))
     log(f"Plan written to {path} (the pilot's choice)")
     replanned = PlannedRun(
