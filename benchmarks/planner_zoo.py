@@ -548,7 +548,9 @@ def verdicts(results: list[dict], kinds, arms) -> dict:
             values = [r["test"]["mean_dice"] for r in rows if r.get("status") == "ok"]
             means[arm] = float(np.mean(values)) if values and len(values) == len(rows) else None
         judged = [a for a in (goal, *rivals) if a in arms]
-        if any(means[a] is None for a in judged):
+        if goal not in arms or len(judged) < 2:  # e.g. `--arms hand`: nothing to judge
+            verdict = "not judged (" + ", ".join(a for a in (goal, *rivals) if a not in arms) + " not run)"
+        elif any(means[a] is None for a in judged):
             verdict = "incomplete (" + ", ".join(a for a in judged if means[a] is None) + " missing or failed)"
         else:
             holds = all(means[goal] >= means[a] for a in judged if a != goal)

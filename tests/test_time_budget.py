@@ -218,7 +218,7 @@ def _assert_fitted(events: list[dict], interval: int) -> None:
 
 
 @pytest.mark.slow
-def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_path):
+def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_path, capsys):
     """A 24-s budget with training.epochs=1000: the trainer measures the tiny epochs, decides how many fit
     (consistent with what it measured), and runs exactly those: the last epoch's learning rate is the cosine's
     end (0), the warm-up came first, and the run ends within its budget.
@@ -237,12 +237,18 @@ def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_pat
     test r was 1.06-1.35 and the runs ended at 0.90-0.95x, except one (r 2.06: the load fell from 6 to 3) at 0.85x;
     39 runs of the budget replayed on the epoch times of real runs (15-40-s budgets) ended at 0.92-1.00x, 6 below
     0.95x. Hence >= 0.75x, the share after which the length is never lengthened.
+
+    The epoch lines count to the fitted schedule, not to the 1000-epoch bound: "epoch 1/?" before the budget has
+    measured enough, "epoch N/N" at the end.
     """
     run = tmp_path / "run"
     summary = Trainer(_budgeted(converted_dataset, run, "output.tensorboard=true")).fit()  # a reason line too
     history = _history(run)
     budget = summary["time_budget"]
     last = history[-1]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("epoch ")]
+    assert lines[0].startswith("epoch 1/?  ") and lines[-1].startswith(f"epoch {last['epoch']}/{last['epoch']}  ")
+    assert not any("/1000 " in line for line in lines)
     assert summary["stop_reason"] == "epochs" and summary["epochs"] == last["epoch"] == budget["schedule_epochs"]
     assert last["schedule_epochs"] == last["epoch"] < 1000
     # the schedule completed: the rate after the last step is the cosine's end, the warm-up ran in epoch 1

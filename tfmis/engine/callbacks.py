@@ -118,7 +118,7 @@ class Progress(Callback):
 
             self.bar = tqdm(
                 total=trainer.steps_per_epoch,
-                desc=f"epoch {epoch}/{trainer.config.training.epochs}",
+                desc=f"epoch {epoch}/{epochs_shown(trainer)}",
                 unit="step",
                 file=self.stream,
                 leave=False,
@@ -134,7 +134,7 @@ class Progress(Callback):
         if now - self.last_line >= self.interval and step + 1 < trainer.steps_per_epoch:
             self.last_line = now
             print(
-                f"epoch {epoch}/{trainer.config.training.epochs}  step {step + 1}/{trainer.steps_per_epoch}  "
+                f"epoch {epoch}/{epochs_shown(trainer)}  step {step + 1}/{trainer.steps_per_epoch}  "
                 f"loss {logs['mean_loss']:.4f}  input wait {wait:.0%}  {now - self.epoch_start:.0f}s",
                 file=self.stream,
                 flush=True,
@@ -152,7 +152,16 @@ class Progress(Callback):
             self.bar = None
 
 
-def epoch_line(r: dict, epochs: int) -> str:
+def epochs_shown(trainer) -> str:
+    """The epochs a progress line counts to: with `training.max_minutes`, the learning-rate schedule's length once
+    the time budget has fitted it from the measured epochs ("?" before: `training.epochs` is then only a bound,
+    as large as 10^4 for a planned run); without one, `training.epochs`."""
+    if trainer.config.training.max_minutes is None:
+        return str(trainer.config.training.epochs)
+    return str(trainer.schedule_epochs) if int(trainer.budget_epochs.numpy()) > 0 else "?"
+
+
+def epoch_line(r: dict, epochs: int | str) -> str:
     """The one log line of an epoch's record: loss, images/s, input wait, time, skipped steps, validation Dice."""
     line = (
         f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  {r['images_per_second']:.1f} img/s  "
@@ -170,7 +179,7 @@ class EpochLog(Callback):
     """One line per epoch on standard error (`epoch_line`)."""
 
     def on_epoch_end(self, trainer, epoch, record):
-        print(epoch_line(record, trainer.config.training.epochs), file=sys.stderr, flush=True)
+        print(epoch_line(record, epochs_shown(trainer)), file=sys.stderr, flush=True)
 
 
 class TensorBoard(Callback):
