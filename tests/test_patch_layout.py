@@ -555,3 +555,132 @@ def test_rotation_and_scaling_in_tf_data_stay_within_what_the_patch_read_input_c
     result = json.loads(out.strip().splitlines()[-1])
     assert "augmentations of" in result["line"] and result["held_mb"] == pytest.approx(held)
     assert held / 3 <= peak - result["base_mb"] <= held, (peak, limit, result)
+
+
+def _ct_source(root: Path) -> Path:
+    """A small CT set (int16 HU-like intensities, one channel, 5 labelled cases)."""
+    from tests.conftest import make_msd_dataset
+
+    return make_msd_dataset(root, num_cases=5, channels=1, modalities={"0": "CT"})
+
+
+@pytest.mark.parametrize("compression", ["GZIP", "ZLIB", "NONE"])
+def test_a_reconversion_with_another_ct_window_rewrites_every_case_and_stale_arrays_are_refused(tmp_path, compression):
+    """A real reconversion into the same folder that changes only the CT window (no foreground crop, so every
+    record keeps its length and offset, as a CT's body box does): `--overwrite` removes the old arrays with the old
+    records, the arrays written afterwards equal the new records case for case, and arrays left from the first
+    conversion (put back by hand) are found stale (`layout_status`) and refused by `PatchArrays` in one line naming
+    the case and the fix."""
+    import shutil
+
+    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.errors import DataError
+
+    source, target = _ct_source(tmp_path / "Task98_CT"), tmp_path / "converted"
+
+    def convert_with(window, overwrite=False):
+        config = ConversionConfig(
+            str(source), str(target), split=(0.8, 0.2), shards=1, workers=1, progress=False,
+            compression=compression, ct_window=window, overwrite=overwrite, crop_foreground=False,
+        )  # fmt: skip
+        index = convert(config)
+        cases = training_cases(target, "train")
+        write_patch_layout(target, cases, len(index["source"]["labels"]), 20000, 0)
+        return index, cases
+
+    first, cases = convert_with([-100, 200])
+    old = tmp_path / "old_arrays"
+    shutil.copytree(arrays_dir(target), old)
+    second, again = convert_with([0, 100], overwrite=True)
+    assert again == cases
+    for case_id in cases:  # the place is the same, the content is not: only the digest tells them apart
+        a, b = first["cases"][case_id], second["cases"][case_id]
+        assert (a["offset"], a["length"]) == (b["offset"], b["length"]) and a["sha256"] != b["sha256"], case_id
+    arrays = PatchArrays(target, cases)
+    for number, case_id in enumerate(cases):
+        record = read_record(target, "train", number)
+        assert record["case_id"] == case_id
+        image, _ = arrays.window(number, [0, 0, 0], record["label"].shape)
+        np.testing.assert_array_equal(image, record["image"].astype(np.float32))
+    stale = cases[1]
+    for suffix in (".image.npy", ".json"):  # the first conversion's arrays of one case, back in place
+        shutil.copy(old / f"{stale}{suffix}", arrays_dir(target) / f"{stale}{suffix}")
+    assert layout_status(target, cases, 20000, 0)["missing"] == [stale]
+    with pytest.raises(DataError) as refused:
+        PatchArrays(target, cases)
+    message = str(refused.value)
+    assert f"case {stale!r}" in message and "tfmis-convert --patch-layout" in message and "\n" not in message
+
+
+def test_open_memory_maps_stay_bounded_by_the_least_recently_used_cases(layout_dataset):
+    """`PatchArrays(max_open=2)` over the real arrays: reading every case in turn keeps at most 2 cases' maps (and
+    4 file descriptors) open, a case read again after its map was closed reads the same window, and the most
+    recently used case stays open."""
+    _write(layout_dataset)
+    cases = training_cases(layout_dataset, "train")
+    arrays = PatchArrays(layout_dataset, cases, max_open=2)
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    first = arrays.window(0, [2, 3, 1], [8, 8, 8])
+    for number in range(len(cases)):
+        arrays.window(number, [0, 0, 0], [4, 4, 4])
+        assert arrays.open_cases <= 2 and fds() - before <= 4
+    again = arrays.window(0, [2, 3, 1], [8, 8, 8])
+    np.testing.assert_array_equal(first[0], again[0])
+    np.testing.assert_array_equal(first[1], again[1])
+    assert list(arrays._maps) == [len(cases) - 1, 0]
+
+
+def test_a_thousand_cases_read_under_ulimit_256_open_files(tmp_path):
+    """1,200 cases of real patch-read arrays (each a converted case's arrays under another case id, as
+    `write_patch_layout` names them) read one window each, in a subprocess whose open-file limit is 256: no
+    `Too many open files`, and at most `MAX_OPEN_CASES` cases' maps open at the end. Under a limit of 100 the open
+    maps shrink to what fits beside the files already open; under 40 `PatchArrays` refuses in one line with the fix."""
+    import shutil
+
+    from tests.conftest import make_msd_dataset
+    from tfmis.data.convert import ConversionConfig, convert
+
+    source = make_msd_dataset(tmp_path / "Task96_Many", num_cases=2, shape=(12, 12, 10))
+    target = tmp_path / "converted"
+    index = convert(ConversionConfig(str(source), str(target), split=(1.0, 0.0), shards=1, workers=1, progress=False))
+    cases = training_cases(target, "train")
+    write_patch_layout(target, cases, len(index["source"]["labels"]), 20000, 0)
+    folder, many = arrays_dir(target), []
+    for number in range(1200):  # the index and the manifests name each copy as its own case
+        case_id, original = f"copy_{number:04d}", cases[number % len(cases)]
+        for suffix in (".image.npy", ".label.npy", ".locations.npz"):
+            shutil.copy(folder / f"{original}{suffix}", folder / f"{case_id}{suffix}")
+        manifest = json.loads((folder / f"{original}.json").read_text())
+        (folder / f"{case_id}.json").write_text(json.dumps({**manifest, "case_id": case_id}))
+        index["cases"][case_id] = {**index["cases"][original], "case_id": case_id}
+        many.append(case_id)
+    (target / "index.json").write_text(json.dumps(index))
+    (tmp_path / "cases.json").write_text(json.dumps(many))
+
+    def read_all(limit: int) -> subprocess.CompletedProcess:
+        script = (
+            "import resource, sys, json\n"
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))\n"
+            "from tfmis.data.patch_layout import PatchArrays, MAX_OPEN_CASES\n"
+            f"cases = json.loads(open({str(tmp_path / 'cases.json')!r}).read())\n"
+            f"arrays = PatchArrays({str(target)!r}, cases)\n"
+            "for case in range(len(arrays.case_ids)):\n"
+            "    arrays.window(case, [1, 1, 1], [6, 6, 6])\n"
+            "print(json.dumps({'open': arrays.open_cases, 'max': MAX_OPEN_CASES}))\n"
+        )
+        return subprocess.run(
+            [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+
+    done = read_all(256)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["open"] == result["max"] == 64
+    tight = read_all(100)
+    assert tight.returncode == 0, tight.stderr[-2000:]
+    assert 1 <= json.loads(tight.stdout.strip().splitlines()[-1])["open"] < 18  # (100 - open files - 64) / 2
+    refused = read_all(40)
+    assert refused.returncode != 0 and "the open-file limit 40 leaves no room" in refused.stderr
+    assert "ulimit -n 4096" in refused.stderr.strip().splitlines()[-1]

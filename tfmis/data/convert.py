@@ -31,6 +31,7 @@ import hashlib
 import importlib
 import itertools
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,7 @@ from tfmis.data.folds import (
     stratified_folds,
 )
 from tfmis.data.msd import DatasetError, SegmentationDataset
+from tfmis.data.patch_layout import arrays_dir
 from tfmis.data.preprocess import PreprocessConfig
 from tfmis.data.records import FINGERPRINT_FILE, INDEX_FILE, SCHEMA_VERSION
 from tfmis.data.shard_writer import PROGRESS_DIR, _finished_shards, _write_shard, plan_shards
@@ -375,6 +377,11 @@ def _prepare_target(target: Path, requested: dict, overwrite: bool, dataset: Seg
 
 
 def _remove_outputs(target: Path) -> None:
+    """Removes a conversion's outputs from `target`: its records, progress, index, fingerprint, plan and splits, and
+    its patch-read arrays (written from the records removed here)."""
+    arrays = arrays_dir(target)
+    if arrays.is_dir():
+        shutil.rmtree(arrays)
     for path in [
         *_shard_files(target),
         *(target / PROGRESS_DIR).glob("*"),

@@ -15,7 +15,13 @@ A crop of a memory-mapped array reads only the pages it covers: a 128³ crop of 
 back under pressure; the process holds no volume (docs/training.md, "Data larger than memory", says why this layout).
 
 Each file is written atomically (a temporary renamed when whole) and the case's json last, so an interrupted
-writing resumes where it stopped, and a case whose record changed (a new conversion) is written again.
+writing resumes where it stopped, and a case whose record changed (a new conversion: its place or the sha256 of its
+bytes in index.json) is written again. `tfmis-convert --overwrite` removes the folder with the records it replaces,
+and `PatchArrays` refuses arrays that do not belong to the current records, so a crop never comes from an older
+conversion.
+
+Open files stay bounded: a memory map holds a file descriptor, so `PatchArrays` keeps the maps of at most
+`MAX_OPEN_CASES` cases (least recently used closed first), whatever the number of cases.
 
 Example:
 ```python
@@ -27,18 +33,24 @@ image, label = arrays.window(0, origin=[-8, 40, 12], size=[64, 64, 64])   # zero
 
 from __future__ import annotations
 
+import errno
 import json
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from tfmis.data.records import load_index, split_cases
-from tfmis.errors import ConfigError, DataError, MissingInput
+from tfmis.errors import ConfigError, DataError, MissingInput, ResourceError
 from tfmis.utils.io import atomic_path, atomic_write_json
 
 ARRAYS_DIR = "arrays"
 LAYOUT_VERSION = 1
+# cases whose maps stay open at once: a map holds a file descriptor (two a case), and the usual limit is 1024
+MAX_OPEN_CASES = 64
+FD_MARGIN = 64  # descriptors left to everything else when the open-file limit caps the open maps
 
 
 def arrays_dir(dataset_dir: str | Path) -> Path:
@@ -46,8 +58,15 @@ def arrays_dir(dataset_dir: str | Path) -> Path:
 
 
 def _record_identity(entry: dict) -> dict:
-    """What identifies the record a case's arrays came from: a new conversion gives another."""
-    return {"file": entry["file"], "offset": int(entry["offset"]), "length": int(entry["length"])}
+    """What identifies the record a case's arrays came from: its place and the sha256 of its bytes, so a
+    conversion that changes a case's content (another CT window: the same length at the same offset) gives another.
+    A conversion made before records had a digest has None there (its arrays are written again once)."""
+    return {
+        "file": entry["file"],
+        "offset": int(entry["offset"]),
+        "length": int(entry["length"]),
+        "sha256": entry.get("sha256"),
+    }
 
 
 def _case_manifest(folder: Path, case_id: str) -> dict | None:
@@ -240,17 +259,40 @@ def training_cases(dataset_dir: str | Path, split: str) -> list[str]:
     return [c["case_id"] for c in split_cases(load_index(dataset_dir), split)]
 
 
+def _open_cases_allowed(wanted: int, folder: Path) -> int:
+    """`wanted` cases' maps (two descriptors each), fewer when the open-file limit has no room for them beside the
+    files open now and `FD_MARGIN` for what opens later (TensorFlow's threads, checkpoints, logs); refused
+    (ResourceError, one line) when not even one case fits."""
+    from tfmis.hardware import open_files
+
+    files = open_files()
+    if files is None or files[1] is None:  # unknown or unlimited: the map count alone bounds them
+        return max(1, wanted)
+    open_now, soft = files
+    room = (soft - open_now - FD_MARGIN) // 2
+    if room < 1:
+        raise ResourceError(
+            f"{folder}: the open-file limit {soft} leaves no room for a case's two memory maps beside the {open_now} "
+            f"files open and {FD_MARGIN} kept for others; raise it (ulimit -n 4096)"
+        )
+    return max(1, min(wanted, room))
+
+
 class PatchArrays:
     """The patch-read layout of `case_ids`, memory-mapped: crops and label lookups read only what they cover.
 
-    Cases are addressed by their position in `case_ids`. The maps open on first use and stay open (a map costs
-    address space, not memory: the pages read stay in the page cache, which the kernel reclaims).
+    Cases are addressed by their position in `case_ids`. Every case's arrays must come from its current record in
+    index.json (refused otherwise: `DataError`). The maps open on first use; at most `max_open` cases keep theirs
+    open (each map holds a file descriptor), the least recently used closed first. A map costs address space, not
+    memory: the pages read stay in the page cache, which the kernel reclaims.
     """
 
-    def __init__(self, dataset_dir: str | Path, case_ids: list[str]):
+    def __init__(self, dataset_dir: str | Path, case_ids: list[str], max_open: int = MAX_OPEN_CASES):
         self.folder = arrays_dir(dataset_dir)
         self.case_ids = list(case_ids)
+        self.max_open = _open_cases_allowed(int(max_open), self.folder)
         self.manifests = []
+        records = load_index(dataset_dir)["cases"]
         for case_id in self.case_ids:
             manifest = _case_manifest(self.folder, case_id)
             if manifest is None:
@@ -258,8 +300,16 @@ class PatchArrays:
                     f"{self.folder}: case {case_id!r} has no patch-read arrays; they are written at training start "
                     "with pipeline.cache=patches (or run tfmis-convert with --patch-layout)"
                 )
+            entry = records.get(case_id)
+            if entry is None or manifest.get("record") != _record_identity(entry):
+                raise DataError(
+                    f"{self.folder / (case_id + '.json')}: the arrays of case {case_id!r} were written from another "
+                    "conversion than the records in index.json; write them again (tfmis-convert --patch-layout, or "
+                    "train with pipeline.cache=patches, which does it at the start)"
+                )
             self.manifests.append(manifest)
-        self._maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._maps: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()
         self._locations: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @property
@@ -271,14 +321,36 @@ class PatchArrays:
     def channels(self) -> int:
         return int(self.manifests[0]["channels"]) if self.manifests else 0
 
+    @property
+    def open_cases(self) -> int:
+        """Cases whose maps are open now (at most `max_open`)."""
+        return len(self._maps)
+
     def _arrays(self, case: int) -> tuple[np.ndarray, np.ndarray]:
-        if case not in self._maps:
-            case_id = self.case_ids[case]
-            self._maps[case] = (
+        with self._lock:  # tf.data's reader threads share this instance
+            return self._open(case)
+
+    def _open(self, case: int) -> tuple[np.ndarray, np.ndarray]:
+        if case in self._maps:
+            self._maps.move_to_end(case)
+            return self._maps[case]
+        while len(self._maps) >= self.max_open:  # dropping the last reference closes the map and its descriptor
+            self._maps.popitem(last=False)
+        case_id = self.case_ids[case]
+        try:
+            maps = (
                 np.load(self.folder / f"{case_id}.image.npy", mmap_mode="r"),
                 np.load(self.folder / f"{case_id}.label.npy", mmap_mode="r"),
             )
-        return self._maps[case]
+        except OSError as e:
+            if e.errno == errno.EMFILE:
+                raise ResourceError(
+                    f"{self.folder}: too many open files opening case {case_id!r}'s arrays ({2 * len(self._maps)} "
+                    "held by the open maps, the rest by the process's other files); raise the limit (ulimit -n 4096)"
+                ) from None
+            raise
+        self._maps[case] = maps
+        return maps
 
     def locations(self, case: int) -> tuple[np.ndarray, np.ndarray]:
         """The case's class locations (fg (K, 3) int32, fg_class (K,) int32), as indexed when it was written."""

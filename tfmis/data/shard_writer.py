@@ -76,6 +76,9 @@ def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) 
                 "position": len(record["cases"]),
                 "offset": offset,
                 "length": len(payload),
+                # the record's content: what its patch-read arrays are tied to (a reconversion with another CT
+                # window writes a record of the same length at the same offset)
+                "sha256": hashlib.sha256(payload).hexdigest(),
                 "image_shape": list(result["image"].shape),
                 "geometry": result["geometry"],
             }

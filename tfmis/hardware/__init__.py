@@ -15,7 +15,8 @@ Callers import from `tfmis.hardware`, which re-exports every public name of its 
 
 - `cpu`: the cores this process may use (affinity mask, cgroup CPU quota), worker counts, the CPU's name and flags;
 - `memory`: memory sizes in MB, the host's RAM and a cgroup's memory limit;
-- `processes`: what a process holds and may use (/proc): RSS and its peak, allowed cores, a process tree's usage;
+- `processes`: what a process holds and may use (/proc): RSS and its peak, allowed cores, a process tree's
+  usage, open files;
 - `gpu`: TensorFlow's GPU devices, the driver, nvidia-smi, the GPU models a plan can be made for by name;
 - `nvml`: NVML (the only module that imports pynvml): the GPUs this process may use, a GPU's memory, `NvmlGpus`;
 - `onednn`: the oneDNN decision, made before TensorFlow is imported;
@@ -92,6 +93,7 @@ from tfmis.hardware.onednn import (
 from tfmis.hardware.precision import PRECISIONS, recommended_precision, resolve_precision
 from tfmis.hardware.processes import (
     allowed_cpus,
+    open_files,
     parse_cpus,
     peak_rss_mb,
     prefer_oom_kill,
@@ -124,6 +126,7 @@ __all__ = [
     "parse_memory_mb",
     # processes
     "allowed_cpus",
+    "open_files",
     "parse_cpus",
     "peak_rss_mb",
     "prefer_oom_kill",

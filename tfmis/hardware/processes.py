@@ -134,3 +134,16 @@ def prefer_oom_kill(score: int = 1000) -> None:
         Path("/proc/self/oom_score_adj").write_text(str(int(score)))
     except OSError:
         pass
+
+
+def open_files() -> tuple[int, int | None] | None:
+    """(file descriptors this process holds now, its soft open-file limit; None when unlimited), or None where
+    /proc or the rlimit cannot be read (not Linux)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        held = len(os.listdir("/proc/self/fd"))
+    except (ImportError, OSError):
+        return None
+    return held, None if soft == resource.RLIM_INFINITY else int(soft)
