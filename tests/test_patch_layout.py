@@ -684,3 +684,27 @@ def test_a_thousand_cases_read_under_ulimit_256_open_files(tmp_path):
     refused = read_all(40)
     assert refused.returncode != 0 and "the open-file limit 40 leaves no room" in refused.stderr
     assert "ulimit -n 4096" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_the_arrays_size_is_what_is_written_and_a_disk_too_small_is_refused_before_writing(layout_dataset):
+    """`arrays_size` of the training cases' index entries equals the bytes of the `.npy` arrays `write_patch_layout`
+    then writes, less their headers (128 bytes each); a need larger than the disk under the folder (cases of
+    10^5 voxels a side on this real disk) is refused by `check_free_space` in one line naming the folder, both
+    sizes and the fix."""
+    from tfmis.data.patch_layout import arrays_size, check_free_space
+    from tfmis.errors import ResourceError
+
+    index = load_index(layout_dataset)
+    cases = training_cases(layout_dataset, "train")
+    entries = [index["cases"][c] for c in cases]
+    need = arrays_size(entries, index["preprocessing"]["image_dtype"])
+    _write(layout_dataset)
+    folder = arrays_dir(layout_dataset)
+    written = sum((folder / f"{c}{s}").stat().st_size - 128 for c in cases for s in (".image.npy", ".label.npy"))
+    assert need == written
+    huge = [{**entries[0], "image_shape": [100_000, 100_000, 100_000, 1]}]
+    with pytest.raises(ResourceError) as refused:
+        check_free_space(folder, huge, "float16")
+    message = str(refused.value)
+    assert message.startswith(f"{folder}: the patch-read arrays of 1 case(s) need ") and "GB free" in message
+    assert "--target-dir on a larger disk" in message and "\n" not in message

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -166,6 +167,7 @@ def write_patch_layout(
     folder.mkdir(parents=True, exist_ok=True)
     status = layout_status(dataset_dir, case_ids, max_per_class, seed)
     todo = set(status["missing"])
+    check_free_space(folder, [index["cases"][c] for c in sorted(todo)], index["preprocessing"]["image_dtype"])
     for case_id in status["locations"]:  # arrays are there: the label map gives the locations
         label = np.load(folder / f"{case_id}.label.npy", mmap_mode="r")
         fg, fg_class = _locations(np.asarray(label), num_classes, max_per_class, seed)
@@ -227,6 +229,28 @@ def write_patch_layout(
         "seconds": time.perf_counter() - start,
         "bytes": layout_bytes(dataset_dir, case_ids),
     }
+
+
+SPACE_MARGIN = 1.05  # the class locations and manifests on top of the arrays, and a little room left
+
+
+def arrays_size(entries: list[dict], image_dtype: str) -> int:
+    """Bytes the arrays of these index entries take: each image (x, y, z, C) in the records' dtype and its uint8
+    label (the class locations and manifests are small beside them: `SPACE_MARGIN`)."""
+    item = np.dtype(image_dtype).itemsize
+    return sum(int(np.prod(e["image_shape"])) * item + int(np.prod(e["image_shape"][:3])) for e in entries)
+
+
+def check_free_space(folder: Path, entries: list[dict], image_dtype: str) -> None:
+    """Refuses (ResourceError, one line) to start writing arrays that the disk under `folder` cannot hold: a full
+    disk mid-way would end in a traceback and half-written files."""
+    need = SPACE_MARGIN * arrays_size(entries, image_dtype)
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise ResourceError(
+            f"{folder}: the patch-read arrays of {len(entries)} case(s) need {need / 2**30:.2f} GB and the disk has "
+            f"{free / 2**30:.2f} GB free; free space there, or convert to a --target-dir on a larger disk"
+        )
 
 
 def _write_locations(folder: Path, case_id: str, fg: np.ndarray, fg_class: np.ndarray) -> None:
