@@ -18,7 +18,7 @@ import math
 import pytest
 from conftest import tiny_config
 
-from tfmis.engine.budget import SAFETY_SHARE, TimeBudget
+from tfmis.engine.budget import SAFETY_SHARE, TimeBudget, budget_epoch_bound
 from tfmis.engine.callbacks import Callback
 from tfmis.engine.trainer import Trainer
 
@@ -238,17 +238,19 @@ def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_pat
     39 runs of the budget replayed on the epoch times of real runs (15-40-s budgets) ended at 0.92-1.00x, 6 below
     0.95x. Hence >= 0.75x, the share after which the length is never lengthened.
 
-    The epoch lines count to the fitted schedule, not to the 1000-epoch bound: "epoch 1/?" before the budget has
-    measured enough, "epoch N/N" at the end.
+    The epoch lines count to the fitted schedule, not to the budget's epoch bound (`budget_epoch_bound`, as a
+    planned run's `training.epochs`): "epoch 1/?" before the budget has measured enough, "epoch N/N" at the end.
     """
     run = tmp_path / "run"
-    summary = Trainer(_budgeted(converted_dataset, run, "output.tensorboard=true")).fit()  # a reason line too
+    bound = budget_epoch_bound(BUDGET_MINUTES)  # training.epochs as a planned run has it: only the budget's bound
+    config = _budgeted(converted_dataset, run, "output.tensorboard=true", f"training.epochs={bound}")
+    summary = Trainer(config).fit()  # a reason line too
     history = _history(run)
     budget = summary["time_budget"]
     last = history[-1]
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("epoch ")]
     assert lines[0].startswith("epoch 1/?  ") and lines[-1].startswith(f"epoch {last['epoch']}/{last['epoch']}  ")
-    assert not any("/1000 " in line for line in lines)
+    assert not any(f"/{bound} " in line for line in lines)
     assert summary["stop_reason"] == "epochs" and summary["epochs"] == last["epoch"] == budget["schedule_epochs"]
     assert last["schedule_epochs"] == last["epoch"] < 1000
     # the schedule completed: the rate after the last step is the cosine's end, the warm-up ran in epoch 1

@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from tfmis.engine.budget import budget_epoch_bound
+
 
 class Callback:
     """Base class: override the events you need; each gets the trainer first."""
@@ -153,12 +155,15 @@ class Progress(Callback):
 
 
 def epochs_shown(trainer) -> str:
-    """The epochs a progress line counts to: with `training.max_minutes`, the learning-rate schedule's length once
-    the time budget has fitted it from the measured epochs ("?" before: `training.epochs` is then only a bound,
-    as large as 10^4 for a planned run); without one, `training.epochs`."""
-    if trainer.config.training.max_minutes is None:
-        return str(trainer.config.training.epochs)
-    return str(trainer.schedule_epochs) if int(trainer.budget_epochs.numpy()) > 0 else "?"
+    """The epochs a progress line counts to: the learning-rate schedule's length once a time budget
+    (`training.max_minutes`) has fitted it from the measured epochs; before that, `training.epochs`, or "?" when
+    that is only the budget's bound (`budget_epoch_bound`: 10^4 epochs and more for a planned run)."""
+    tc = trainer.config.training
+    if tc.max_minutes is not None and int(trainer.budget_epochs.numpy()) > 0:
+        return str(trainer.schedule_epochs)
+    if tc.max_minutes is not None and tc.epochs >= budget_epoch_bound(tc.max_minutes):
+        return "?"
+    return str(tc.epochs)
 
 
 def epoch_line(r: dict, epochs: int | str) -> str:
