@@ -159,3 +159,25 @@ def test_predict_without_config_outside_a_run_folder_says_what_to_give(tmp_path,
     missing = ["--checkpoint", str(tmp_path / "missing"), "--input", str(tmp_path), "--output", str(tmp_path)]
     assert predict_main(missing) == 1
     assert f"--checkpoint {tmp_path / 'missing'}: no such file or folder" in capsys.readouterr().err
+
+
+def test_predict_from_a_plan_folder_not_yet_trained_says_to_train_it_first(tmp_path, capsys):
+    """`tfmis-predict --checkpoint <folder of tfmis-plan>` before any training (a real plan written by
+    `python -m tfmis.plan`, no config.yaml or weights there): exit 1, one line saying the plan has not been trained
+    and naming the training command for its plan.yaml."""
+    import subprocess
+    import sys
+
+    from tests.conftest import make_msd_dataset
+    from tfmis.predict import main as predict_main
+
+    source = make_msd_dataset(tmp_path / "Task95_Plan", num_cases=4)
+    plan_dir = tmp_path / "plan"
+    command = [sys.executable, "-m", "tfmis.plan", "--source-dir", str(source), "--output-dir", str(plan_dir)]
+    done = subprocess.run([*command, "--quiet"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and (plan_dir / "plan.yaml").is_file(), done.stderr[-2000:]
+    code = predict_main(["--checkpoint", str(plan_dir), "--input", str(source / "imagesTs"), "--output", str(tmp_path)])
+    assert code == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "has not been trained yet" in lines[0]
+    assert f"python -m tfmis.train --config {plan_dir / 'plan.yaml'}" in lines[0]

@@ -148,6 +148,12 @@ def find_run_dir(checkpoint: str | Path) -> Path | None:
 def run_config(checkpoint: str | Path) -> Path:
     """The config.yaml of the run that `checkpoint` belongs to; a clear error when there is none."""
     run = find_run_dir(checkpoint)
+    plan = Path(checkpoint) / "plan.yaml"
+    if run is None and plan.is_file():
+        raise MissingInput(
+            f"--checkpoint {checkpoint}: it holds a plan (plan.yaml) that has not been trained yet, so there are no "
+            f"weights to predict with: train it first (python -m tfmis.train --config {plan}), then give its run folder"
+        )
     if run is None:
         raise MissingInput(
             f"--checkpoint {checkpoint}: no config.yaml in or above it, so it is not a training run's folder (nor a "
