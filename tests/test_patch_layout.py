@@ -50,6 +50,17 @@ def _write(dataset: Path, seed: int = 0, max_per_class: int = 20000) -> dict:
     )
 
 
+def _assert_arrays_equal_records(dataset: Path, cases: list[str]) -> None:
+    """Every training case's whole-volume window from `PatchArrays` equals its current record, image and label."""
+    arrays = PatchArrays(dataset, cases)
+    for number, case_id in enumerate(cases):
+        record = read_record(dataset, "train", number)
+        assert record["case_id"] == case_id
+        image, label = arrays.window(number, [0, 0, 0], record["label"].shape)
+        np.testing.assert_array_equal(image, record["image"].astype(np.float32))
+        np.testing.assert_array_equal(label, record["label"])
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -145,13 +156,7 @@ def test_writing_the_arrays_resumes_rewrites_a_reconverted_case_and_reindexes_on
         assert changed == (c in (cases[1], cases[4])), c
     other_seed = _write(layout_dataset, seed=5)
     assert other_seed["written"] == 0 and other_seed["relocated"] == len(cases)
-    arrays = PatchArrays(layout_dataset, cases)
-    for number, case_id in enumerate(cases):
-        record = read_record(layout_dataset, "train", number)
-        assert record["case_id"] == case_id
-        image, label = arrays.window(number, [0, 0, 0], record["label"].shape)
-        np.testing.assert_array_equal(image, record["image"].astype(np.float32))
-        np.testing.assert_array_equal(label, record["label"])
+    _assert_arrays_equal_records(layout_dataset, cases)
     assert not list(folder.glob("*.tmp*")) and not list(folder.glob(".*"))
 
 
@@ -596,12 +601,7 @@ def test_a_reconversion_with_another_ct_window_rewrites_every_case_and_stale_arr
     for case_id in cases:  # the place is the same, the content is not: only the digest tells them apart
         a, b = first["cases"][case_id], second["cases"][case_id]
         assert (a["offset"], a["length"]) == (b["offset"], b["length"]) and a["sha256"] != b["sha256"], case_id
-    arrays = PatchArrays(target, cases)
-    for number, case_id in enumerate(cases):
-        record = read_record(target, "train", number)
-        assert record["case_id"] == case_id
-        image, _ = arrays.window(number, [0, 0, 0], record["label"].shape)
-        np.testing.assert_array_equal(image, record["image"].astype(np.float32))
+    _assert_arrays_equal_records(target, cases)
     stale = cases[1]
     for suffix in (".image.npy", ".json"):  # the first conversion's arrays of one case, back in place
         shutil.copy(old / f"{stale}{suffix}", arrays_dir(target) / f"{stale}{suffix}")
