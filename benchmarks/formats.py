@@ -326,15 +326,15 @@ def write_series(image_path: Path, folder: Path, digits: int | None = None) -> P
 ARMS = ("nifti", "dicom-seg", "dicom-nifti")
 
 
-def label_map(arm: str, out: Path, case: str, series: Path) -> tuple[np.ndarray, np.ndarray | None]:
-    """(labels, affine or None) of one run's output."""
+def label_map(arm: str, out: Path, case: str, series: Path, names: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(labels, affine or None) of one run's output (a SEG's segments mapped to the classes `names` by label)."""
     import nibabel as nib
 
     if arm == "dicom-seg":
         from tfmis.data.dicom_series import read_series
         from tfmis.inference.dicom_seg import read_segmentation
 
-        return read_segmentation(out / f"{case}.seg.dcm", read_series(series)), None
+        return read_segmentation(out / f"{case}.seg.dcm", read_series(series), names), None
     img = nib.load(str(out / f"{case}.nii.gz"))
     return np.asanyarray(img.dataobj), img.affine
 
@@ -392,9 +392,13 @@ def run_dicom(args) -> int:
                 flush=True,
             )
     reference = next(r for r in runs if r["arm"] == "nifti")
-    ref_labels, ref_affine = label_map("nifti", reference["out"], case, series)
+    from tfmis.config import load_config
+    from tfmis.data.records import load_index
+
+    names = list(load_index(load_config(args.run / "config.yaml").data.dataset_dir)["source"]["labels"])
+    ref_labels, ref_affine = label_map("nifti", reference["out"], case, series, names)
     for result in runs:
-        labels, affine = label_map(result["arm"], result["out"], case, series)
+        labels, affine = label_map(result["arm"], result["out"], case, series, names)
         result["differ"] = int(np.count_nonzero(labels != ref_labels)) if labels.shape == ref_labels.shape else -1
         result["affine_diff"] = None if affine is None else float(np.abs(affine - ref_affine).max())
         result["foreground"] = int(np.count_nonzero(labels))

@@ -131,3 +131,49 @@ BAD_SERIES = {  # what is wrong -> (edit of the slices of a coronal series, the 
     "gantry tilt": (gantry_tilt, "gantry tilt of 10.0 degrees"),
     "mixed orientations": (mixed_orientations, "mixes slice orientations"),
 }
+
+
+def sitk_series(folder: Path, volume: np.ndarray, affine: np.ndarray, compressor: str | None = None, decimals=None):
+    """The (X, Y, Z) int16 `volume` with its voxel-to-RAS `affine` written as a CT series by another writer than
+    ours: GDCM through SimpleITK's ImageFileWriter, one file per slice (SimpleITK's own series example), compressed
+    with `compressor` ("JPEG": JPEG Lossless process 14 SV1, "JPEG2000": lossless JPEG 2000) or not, and each
+    ImagePositionPatient written with `decimals` decimals (as anonymisers that shorten decimal strings leave them)
+    or GDCM's full precision."""
+    import SimpleITK as sitk
+
+    lps = np.diag([-1.0, -1.0, 1.0, 1.0]) @ np.asarray(affine, np.float64)
+    spacing = np.linalg.norm(lps[:3, :3], axis=0)
+    direction = lps[:3, :3] / spacing
+    image = sitk.GetImageFromArray(np.asarray(volume).transpose(2, 1, 0).astype(np.int16))
+    image.SetSpacing([float(v) for v in spacing])
+    image.SetDirection([float(v) for v in direction.ravel()])
+    image.SetOrigin([float(v) for v in lps[:3, 3]])
+    writer = sitk.ImageFileWriter()
+    writer.KeepOriginalImageUIDOn()
+    if compressor:
+        writer.SetUseCompression(True)
+        writer.SetCompressor(compressor)
+    study, series, frame = generate_uid(), generate_uid(), generate_uid()
+    orientation = "\\".join(f"{v:.10g}" for v in (*direction[:, 0], *direction[:, 1]))
+    folder.mkdir(parents=True, exist_ok=True)
+    for z in range(volume.shape[2]):
+        plane = image[:, :, z]
+        point = image.TransformIndexToPhysicalPoint((0, 0, z))
+        position = "\\".join(f"{v:.{decimals}f}" if decimals is not None else f"{v:.10g}" for v in point)
+        for tag, value in {
+            "0008|0060": "CT",
+            "0008|0016": CTImageStorage,
+            "0008|0018": generate_uid(),
+            "0020|000d": study,
+            "0020|000e": series,
+            "0020|0052": frame,
+            "0020|0037": orientation,
+            "0020|0032": position,
+            "0020|0013": str(z + 1),
+            "0028|1052": "0",
+            "0028|1053": "1",
+        }.items():
+            plane.SetMetaData(tag, value)
+        writer.SetFileName(str(folder / f"slice{(z * 7919) % 10007:05d}.dcm"))
+        writer.Execute(plane)
+    return folder

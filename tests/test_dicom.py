@@ -115,13 +115,6 @@ def test_a_segmentation_reads_back_as_the_label_map_with_highdicom_and_reference
     assert read_series(folder).uid == volume.uid
 
 
-def test_an_empty_label_map_is_a_segmentation_of_background(ct_case, tmp_path):
-    image, label = ct_case
-    volume = read_series(write_series(tmp_path / "series", image, coronal_affine()))
-    path = write_segmentation(np.zeros_like(label), volume, CLASSES, tmp_path / "empty.seg.dcm")
-    np.testing.assert_array_equal(read_segmentation(path, volume), np.zeros_like(label))
-
-
 @pytest.mark.parametrize("problem", list(BAD_SERIES))
 def test_a_series_that_would_give_a_wrong_volume_is_refused_in_one_line_naming_its_folder(ct_case, tmp_path, problem):
     image, _ = ct_case
@@ -173,23 +166,39 @@ def test_a_small_tilt_that_adds_up_to_a_tenth_of_a_pixel_is_refused(tmp_path):
         series_geometry(headers, [tmp_path] * n, tmp_path)
 
 
-def test_a_folder_of_several_series_lists_them_and_reads_the_one_named(ct_case, tmp_path):
+def test_a_study_folder_reads_its_largest_series_saying_so_the_named_one_with_series_and_a_tie_is_refused(
+    ct_case, tmp_path, capsys
+):
+    """A study folder as a PACS exports it (a thin series, a 6-slice one, a duplicated slice file): without
+    `--series` the series with the most slices is read and one line on standard error names it, the other and
+    `--series`; `--series UID` reads the named one; two series of the most slices are a UsageError listing them."""
     image, _ = ct_case
     folder = tmp_path / "study"
     first = ct_slices(image, coronal_affine(), description="soft tissue")
     second = ct_slices(image[:, :, :6], coronal_affine(), description="bone", series_uid="1.2.3.4.5")
     save_slices(first + second, folder)
-    with pytest.raises(UsageError) as caught:
-        collect_inputs(folder)
-    line = str(caught.value)
-    assert f"{folder} holds 2 DICOM series" in line and "--series UID" in line
-    assert f"{first[0].SeriesInstanceUID} (CT 'soft tissue', {image.shape[2]} slices)" in line
-    assert "1.2.3.4.5 (CT 'bone', 6 slices)" in line
+    first[2].save_as(folder / "copy_of_a_slice.dcm", enforce_file_format=True)  # one SOPInstanceUID twice
+    (case,) = collect_inputs(folder)
+    line = capsys.readouterr().err.strip()
+    assert len(line.splitlines()) == 1 and case.series == first[0].SeriesInstanceUID, line
+    assert line == (
+        f"{folder} holds 2 DICOM series: reading the largest, {first[0].SeriesInstanceUID} (CT 'soft tissue', "
+        f"{image.shape[2]} slices); not read: 1.2.3.4.5 (CT 'bone', 6 slices); choose another with --series UID"
+    )
+    np.testing.assert_array_equal(read_series(case.image, case.series).image, image)
     (case,) = collect_inputs(folder, series="1.2.3.4.5")
     assert case.series == "1.2.3.4.5" and case.case_id == "study"
     assert read_series(case.image, case.series).image.shape == (*image.shape[:2], 6)
     with pytest.raises(UsageError, match="--series 9.9 is not in"):
         collect_inputs(folder, series="9.9")
+    tie = ct_slices(image, coronal_affine(), description="bone", series_uid="1.2.3.4.6")
+    save_slices(tie, tmp_path / "tie")
+    save_slices(first, tmp_path / "tie", seed=1)
+    with pytest.raises(UsageError) as caught:
+        collect_inputs(tmp_path / "tie")
+    line = str(caught.value)
+    assert f"{tmp_path / 'tie'} holds 2 DICOM series, 2 of them with {image.shape[2]} slices" in line
+    assert "1.2.3.4.6 (CT 'bone'" in line and line.endswith("choose one with --series UID")
 
 
 def test_a_folder_of_series_folders_is_one_case_each_next_to_nifti_files(ct_case, tmp_path):

@@ -12,7 +12,9 @@ import pytest
 from conftest import make_msd_dataset, tiny_config, write_nifti
 from dicom_files import BAD_SERIES, coronal_affine, ct_slices, save_slices, write_series
 
+from tfmis.config import load_config
 from tfmis.data.dicom_series import read_series
+from tfmis.data.records import load_index
 from tfmis.inference.dicom_seg import read_segmentation
 from tfmis.predict import main as predict_main
 
@@ -55,7 +57,8 @@ def test_a_coronal_series_predicts_the_labels_of_its_nifti_and_its_seg_reads_bac
     np.testing.assert_array_equal(np.asanyarray(from_dicom.dataobj), labels)
     np.testing.assert_allclose(from_dicom.affine, expected.affine, atol=1e-6)
     seg = tmp_path / "seg" / "case.seg.dcm"
-    np.testing.assert_array_equal(read_segmentation(seg, read_series(series)), labels)
+    names = load_index(load_config(run / "config.yaml").data.dataset_dir)["source"]["labels"]
+    np.testing.assert_array_equal(read_segmentation(seg, read_series(series), names), labels)
     assert not (tmp_path / "seg" / "case.nii.gz").exists()
     with open(tmp_path / "seg" / "predictions.csv") as f:
         row = next(csv.DictReader(f))
@@ -82,4 +85,6 @@ def test_each_bad_series_fails_its_case_in_one_line_and_several_series_stop_the_
     save_slices(ct_slices(image, coronal_affine(), description="a") + ct_slices(image, coronal_affine()), study)
     assert predict(run, study, tmp_path / "out2") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"error: {study} holds 2 DICOM series: ") and err[-1].endswith("--series UID")
+    assert err[-1].startswith(f"error: {study} holds 2 DICOM series, 2 of them with ") and err[-1].endswith(
+        "--series UID"
+    )

@@ -102,7 +102,7 @@ def regions_dataset(root, labels=BRATS_LABELS, order=(1, 2, 3)):
 def test_region_labels_map_onto_tfmis_regions_config_painted_in_regions_class_order(tmp_path):
     dataset = open_dataset(regions_dataset(tmp_path))
     assert dataset.regions == {"whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing_tumor": [3]}
-    assert dataset.labels == ["background", "label_1", "label_2", "label_3"]
+    assert dataset.labels == ["background", "whole tumor", "tumor core", "enhancing tumor"]  # who paints each label
     regions = "{" + ", ".join(f"{k}: {v}" for k, v in dataset.regions.items()) + "}"
     config = load_config(None, ["model.output=regions", "loss.activation=sigmoid", f"validation.regions={regions}"])
     assert config.validation.regions == dataset.regions

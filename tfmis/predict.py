@@ -86,7 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("nifti", "dicom-seg"),
         default="nifti",
         help="how label maps are written: nifti (<case>.nii.gz, default) or dicom-seg (<case>.seg.dcm, a DICOM "
-        "Segmentation referencing the input series, one segment per class; needs DICOM input and tfmis[dicom])",
+        "Segmentation referencing the input series, one segment per class present, labelled with its name; needs "
+        "DICOM input and tfmis[dicom])",
+    )
+    p.add_argument(
+        "--new-study-uid",
+        action="store_true",
+        help="with --output-format dicom-seg: a series without StudyInstanceUID (anonymised) gets a SEG with a new "
+        "study UID, and a warning (a viewer files it as a study of its own); without it such a case fails",
     )
     p.add_argument("--output", required=True, help="output folder")
     p.add_argument(
@@ -374,6 +381,7 @@ def main(argv=None) -> int:
     cases = collect_inputs(args.input, args.subset, args.label_dir, predictor.index, series=args.series)
     _check_dicom_cases(cases, args.output_format)
     predictor.output_format = args.output_format
+    predictor.new_study_uid = args.new_study_uid
     where = " (--no-postprocessing)" if args.no_postprocessing else ""
     where = where or (" (crossval.json's choice)" if source is not None and source.postprocessing is not None else "")
     print(f"Predicting with {predictor.describe() if source is None else source.describe()}")

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +63,17 @@ GEOMETRY_TAGS = (
     "Modality",
     "ImagePositionPatient",
     "NumberOfFrames",
+    "SOPClassUID",
+    "SOPInstanceUID",
 )
+ENHANCED_CLASSES = {  # multi-frame images whose frames carry their geometry in functional groups
+    "1.2.840.10008.5.1.4.1.1.2.1",  # Enhanced CT
+    "1.2.840.10008.5.1.4.1.1.2.2",  # Legacy Converted Enhanced CT
+    "1.2.840.10008.5.1.4.1.1.4.1",  # Enhanced MR
+    "1.2.840.10008.5.1.4.1.1.4.4",  # Legacy Converted Enhanced MR
+    "1.2.840.10008.5.1.4.1.1.128.1",  # Legacy Converted Enhanced PET
+    "1.2.840.10008.5.1.4.1.1.130",  # Enhanced PET
+}
 
 
 def require(what: str, *packages: str) -> None:
@@ -78,47 +90,90 @@ def require(what: str, *packages: str) -> None:
 
 
 def looks_like_dicom(path: Path) -> bool:
-    """True for a file with DICOM's preamble (`DICM` at byte 128: every DICOM Part 10 file); reads 132 bytes."""
+    """True for a DICOM file: `DICM` at byte 128 (every DICOM Part 10 file), or, without that preamble (as some
+    PACS exports and older scanners write), a data set that starts with a group 0002 or 0008 element (little endian,
+    explicit VR letters or an implicit length). Reads 132 bytes."""
     try:
         with open(path, "rb") as f:
             head = f.read(132)
     except OSError:
         return False
-    return len(head) == 132 and head[128:132] == b"DICM"
-
-
-def dicom_files(folder: Path) -> list[Path]:
-    """The DICOM files directly in `folder` (hidden files left out), sorted by name."""
-    return sorted(
-        p for p in Path(folder).iterdir() if p.is_file() and not p.name.startswith(".") and looks_like_dicom(p)
+    if len(head) == 132 and head[128:132] == b"DICM":
+        return True
+    return (
+        len(head) >= 8
+        and head[:2] in (b"\x02\x00", b"\x08\x00")
+        and (head[4:6].isalpha() and head[4:6].isupper() or int.from_bytes(head[4:8], "little") < 1 << 16)
     )
 
 
-def is_dicom_folder(folder: Path) -> bool:
+def _visible_files(folder: Path):
+    return (p for p in Path(folder).iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def dicom_files(folder: Path) -> list[Path]:
+    """The DICOM files of a case folder, sorted: those directly in `folder`, or, when it holds none, those anywhere
+    below it (a series exported one or more folders deeper: patient/study/series). Hidden files and folders are
+    left out."""
+    folder = Path(folder)
+    direct = sorted(p for p in _visible_files(folder) if looks_like_dicom(p))
+    if direct:
+        return direct
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [Path(root) / f for f in files if not f.startswith(".") and looks_like_dicom(Path(root) / f)]
+    return sorted(found)
+
+
+def holds_dicom_files(folder: Path) -> bool:
     """True when `folder` directly holds at least one DICOM file (stops at the first)."""
+    return any(looks_like_dicom(p) for p in _visible_files(folder))
+
+
+def is_dicom_folder(folder: Path) -> bool:
+    """True when `folder` or a folder below it holds at least one DICOM file (stops at the first)."""
     folder = Path(folder)
     if not folder.is_dir():
         return False
-    return any(p.is_file() and not p.name.startswith(".") and looks_like_dicom(p) for p in folder.iterdir())
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if any(not f.startswith(".") and looks_like_dicom(Path(root) / f) for f in files):
+            return True
+    return False
 
 
 @dataclasses.dataclass
 class SeriesInfo:
-    """One series of a folder: its SeriesInstanceUID, SeriesDescription, Modality and slice files."""
+    """One series of a folder: its SeriesInstanceUID, SeriesDescription, Modality, image files (one per
+    SOPInstanceUID) and slices (a multi-frame file's frames each count)."""
 
     uid: str
     description: str
     modality: str
     files: list
+    slices: int = 0
+    duplicates: int = 0  # files dropped: a SOPInstanceUID already read from another file
 
     def describe(self) -> str:
-        return f"{self.uid} ({self.modality or '?'} '{self.description}', {len(self.files)} slices)"
+        return f"{self.uid} ({self.modality or '?'} '{self.description}', {self.slices} slices)"
+
+
+def _frames(ds) -> int:
+    return int(ds.get("NumberOfFrames", 1) or 1)
+
+
+def _sop_class(ds) -> str:
+    meta = getattr(ds, "file_meta", None)
+    return str(ds.get("SOPClassUID", "") or (meta.get("MediaStorageSOPClassUID", "") if meta else ""))
 
 
 def list_series(folder: Path) -> list[SeriesInfo]:
-    """The image series in `folder`: its DICOM files with an ImagePositionPatient, grouped by SeriesInstanceUID (a
-    DICOMDIR, a SEG or a report in the folder is not a slice and is left out, nor is a localizer (scout) image, by its
-    ImageType, which some scanners put in the series), in order of their first file.
+    """The image series of a case folder (`dicom_files`): its DICOM files with an ImagePositionPatient, or enhanced
+    multi-frame images, grouped by SeriesInstanceUID (a DICOMDIR, a SEG or a report in the folder is not a slice and
+    is left out, nor is a localizer (scout) image, by its ImageType, which some scanners put in the series), in
+    order of their first file. A file whose SOPInstanceUID another file of the series already has (a slice exported
+    twice) is dropped and counted in `duplicates`.
 
     Raises:
         DataError: a file pydicom cannot parse, or a CT, MR or PET slice without a position (a truncated file: left
@@ -127,38 +182,47 @@ def list_series(folder: Path) -> list[SeriesInfo]:
     import pydicom
 
     found: dict[str, SeriesInfo] = {}
+    seen: dict[str, set] = {}
     for path in dicom_files(folder):
         try:
-            ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=list(GEOMETRY_TAGS))
+            ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=list(GEOMETRY_TAGS), force=True)
         except Exception as e:  # pydicom raises many types for a broken file
             raise DataError(
-                f"DICOM file {path} cannot be read (truncated or corrupt?): {type(e).__name__}: {e}"
+                f"DICOM file {path} cannot be read (truncated or corrupt?): {_one_line(e)}; replace it with a "
+                "complete copy, or export the series again"
             ) from None
-        if "ImagePositionPatient" not in ds:
-            sop = str(ds.file_meta.get("MediaStorageSOPClassUID", "") if hasattr(ds, "file_meta") else "")
+        sop = _sop_class(ds)
+        if "ImagePositionPatient" not in ds and sop not in ENHANCED_CLASSES:
             if sop and sop not in VOLUME_CLASSES:  # a DICOMDIR, a SEG, a report: not a slice
                 continue
-            if int(ds.get("NumberOfFrames", 1) or 1) == 1:  # (a multi-frame image: read_series says it is not read)
-                raise DataError(
-                    f"DICOM file {path} is an image slice without ImagePositionPatient, or has no SOP class "
-                    "(truncated or corrupt?): replace it with a complete copy, or export the series again"
-                )
+            raise DataError(
+                f"DICOM file {path} is an image slice without ImagePositionPatient, or has no SOP class "
+                "(truncated or corrupt?): replace it with a complete copy, or export the series again"
+            )
         if "LOCALIZER" in [str(v).upper() for v in (ds.get("ImageType") or [])]:  # a scout view: not a slice
             continue
         uid = str(ds.get("SeriesInstanceUID", ""))
         info = found.setdefault(
             uid, SeriesInfo(uid, str(ds.get("SeriesDescription", "")), str(ds.get("Modality", "")), [])
         )
+        instance = str(ds.get("SOPInstanceUID", "")) or str(path)
+        if instance in seen.setdefault(uid, set()):
+            info.duplicates += 1
+            continue
+        seen[uid].add(instance)
         info.files.append(path)
+        info.slices += _frames(ds)
     return list(found.values())
 
 
-def choose_series(folder: Path, uid: str | None = None) -> SeriesInfo:
-    """The series of `folder` to read: the one named `uid`, or the folder's only one.
+def choose_series(folder: Path, uid: str | None = None, say=None) -> SeriesInfo:
+    """The series of `folder` to read: the one named `uid`, else the one with the most slices (a study folder as a
+    PACS exports it: the localizer, the thin and thick reconstructions, ...), said in one line through `say`
+    (default: standard error) naming it, the others and `--series`.
 
     Raises:
-        UsageError: several series and no `uid` (they are listed: UID, description, slices; exit 2), or `uid` is
-            not one of them.
+        UsageError: `uid` is not one of the series, or two series share the most slices (they are listed: UID,
+            description, slices; exit 2).
         DataError: no DICOM image slices in the folder.
     """
     series = list_series(folder)
@@ -173,22 +237,48 @@ def choose_series(folder: Path, uid: str | None = None) -> SeriesInfo:
             if s.uid == uid:
                 return s
         raise UsageError(f"--series {uid} is not in {folder}, which holds: {listing}")
-    if len(series) > 1:
-        raise UsageError(f"{folder} holds {len(series)} DICOM series: {listing}; choose one with --series UID")
-    return series[0]
+    if len(series) == 1:
+        return series[0]
+    largest = max(s.slices for s in series)
+    ties = [s for s in series if s.slices == largest]
+    if len(ties) > 1:
+        raise UsageError(
+            f"{folder} holds {len(series)} DICOM series, {len(ties)} of them with {largest} slices: {listing}; choose "
+            "one with --series UID"
+        )
+    others = "; ".join(s.describe() for s in series if s is not ties[0])
+    (say or _stderr)(
+        f"{folder} holds {len(series)} DICOM series: reading the largest, {ties[0].describe()}; not read: {others}; "
+        "choose another with --series UID"
+    )
+    return ties[0]
 
 
-def series_folders(path: Path, uid: str | None = None) -> list[tuple[str, Path, str]]:
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _one_line(error: Exception) -> str:
+    """An exception as one line: its type and its whole message, lines joined (pydicom's list their causes)."""
+    text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def series_folders(path: Path, uid: str | None = None, say=None) -> list[tuple[str, Path, str]]:
     """The DICOM cases under `path`: (case id = folder name, folder, SeriesInstanceUID) for `path` itself when it
-    holds DICOM files, else for each of its subfolders that does (a folder of series folders, one case each).
+    directly holds DICOM files, else for each of its subfolders with DICOM files in it or below it (a folder of
+    series folders, one case each; a series exported deeper, patient/study/series, is its top folder's case).
 
-    With `uid` (`--series`): a folder holding that series reads it; any other folder its only series. A folder of
-    several series and no `uid` for it is a `UsageError` listing them; so is a `uid` that no folder holds. A folder
-    whose files cannot be listed (a corrupt file, no image slices) gets the UID "": its case fails when
-    `read_series` reads it, with the reason.
+    With `uid` (`--series`): a folder holding that series reads it; any other folder its largest series
+    (`choose_series`, said through `say`). A `uid` that no folder holds is a `UsageError`. A folder whose files
+    cannot be listed (a corrupt file, no image slices) gets the UID "": its case fails when `read_series` reads it,
+    with the reason.
     """
     path = Path(path)
-    folders = [path] if is_dicom_folder(path) else sorted(p for p in path.iterdir() if is_dicom_folder(p))
+    if holds_dicom_files(path):
+        folders = [path]
+    else:
+        folders = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".") and is_dicom_folder(p))
     if folders:
         require(f"--input {path} (DICOM)", "pydicom")
     cases = []
@@ -198,8 +288,8 @@ def series_folders(path: Path, uid: str | None = None) -> list[tuple[str, Path, 
             if not series and folder != path:  # a subfolder of SEGs or reports only (an earlier output): no case
                 continue
             chosen = [s for s in series if s.uid == uid]
-            # the folder's only series; several (listed), or a --series the one folder lacks: a UsageError
-            pick = chosen[0] if chosen else choose_series(folder, uid if len(folders) == 1 else None)
+            # the named series; the folder's only or largest one (said); a --series the one folder lacks: UsageError
+            pick = chosen[0] if chosen else choose_series(folder, uid if len(folders) == 1 else None, say)
         except DataError:  # an unreadable file, no image slices: the case fails when it is read, not the command
             cases.append((folder.name, folder, ""))
             continue
@@ -212,14 +302,16 @@ def series_folders(path: Path, uid: str | None = None) -> list[tuple[str, Path, 
 @dataclasses.dataclass
 class DicomVolume:
     """A series read by `read_series`: `image` float32 (X, Y, Z) (None once a caller took it, so that it can be
-    freed), `affine` 4x4 voxel to RAS mm, `datasets` the slices' headers (pydicom Datasets, no pixel data) in the
-    volume's slice order (z), `folder`, `uid`, and `shape` (X, Y, Z)."""
+    freed), `affine` 4x4 voxel to RAS mm, `datasets` the slices' headers (pydicom Datasets, no pixel data; a frame
+    of a multi-frame image gets one made from its functional groups) in the volume's slice order (z), `folder`,
+    `uid`, `slices` (file, frame index or None for a single-frame file) in the same order, and `shape` (X, Y, Z)."""
 
     image: np.ndarray | None
     affine: np.ndarray
     datasets: list
     folder: Path
     uid: str
+    slices: list = dataclasses.field(default_factory=list)  # (file, frame index or None) per z
 
     def __post_init__(self):
         self.shape = tuple(self.image.shape[:3])
@@ -274,8 +366,9 @@ def series_geometry(headers: list, paths: list, folder: Path) -> tuple[list[int]
             f"{where} has two slices at one position ({names}, {along[i]:.3f} mm along the normal): several "
             "acquisitions, echoes or phases in one series; export them as separate series"
         )
-    _check_tilt(positions, along, normal, float(pixel[0].min()), where)
-    _check_spacing(steps, along, where)
+    rounding = position_rounding(headers) * float(np.abs(normal).sum())  # of a position along the normal
+    _check_tilt(positions, along, normal, float(pixel[0].min()), where, position_rounding(headers) * np.sqrt(3))
+    _check_spacing(steps, along, where, rounding)
     affine = np.eye(4)
     affine[:3, 0] = row * pixel[0][1]  # x = column index: along the row cosine, by the spacing between columns
     affine[:3, 1] = column * pixel[0][0]  # y = row index: along the column cosine, by the spacing between rows
@@ -284,12 +377,29 @@ def series_geometry(headers: list, paths: list, folder: Path) -> tuple[list[int]
     return order, np.diag([-1.0, -1.0, 1.0, 1.0]) @ affine  # LPS -> RAS
 
 
-def _check_tilt(positions: np.ndarray, along: np.ndarray, normal: np.ndarray, pixel: float, where: str) -> None:
+def position_rounding(headers: list) -> float:
+    """How far a written ImagePositionPatient coordinate may be from the true one: half a unit of its last decimal,
+    for the most decimals any coordinate of the series was written with (0 when they were written as integers or
+    in exponent form: nothing is assumed). Anonymisers that shorten decimal strings leave 2 decimals: 0.005 mm."""
+    most = 0
+    for ds in headers:
+        for value in ds.get("ImagePositionPatient") or ():
+            text = str(getattr(value, "original_string", None) or value).strip()
+            if "e" in text.lower():
+                return 0.0
+            most = max(most, len(text.partition(".")[2]))
+    return 0.5 * 10.0**-most if most else 0.0
+
+
+def _check_tilt(
+    positions: np.ndarray, along: np.ndarray, normal: np.ndarray, pixel: float, where: str, rounding: float = 0.0
+) -> None:
     """Gantry tilt: the slices' positions move across the normal (by more than `DRIFT_TOLERANCE` of the smallest
-    pixel spacing `pixel`, anywhere in the series), so the slices are sheared."""
+    pixel spacing `pixel`, anywhere in the series, plus twice `rounding`, how far a written position may be off),
+    so the slices are sheared."""
     offsets = positions - positions[0]
     across = np.linalg.norm(offsets - np.outer(offsets @ normal, normal), axis=1)
-    if across.max() > DRIFT_TOLERANCE * pixel:
+    if across.max() > DRIFT_TOLERANCE * pixel + 2 * rounding:
         i = int(np.argmax(across))
         degrees = float(np.degrees(np.arctan2(across[i], along[i] - along[0])))
         raise DataError(
@@ -298,17 +408,21 @@ def _check_tilt(positions: np.ndarray, along: np.ndarray, normal: np.ndarray, pi
         )
 
 
-def _check_spacing(steps: np.ndarray, along: np.ndarray, where: str) -> None:
+def _check_spacing(steps: np.ndarray, along: np.ndarray, where: str, rounding: float = 0.0) -> None:
     """Missing slices (a gap of about two or more median steps) and uneven spacing: steps more than
     `SPACING_TOLERANCE` from their mean (the affine's spacing), or a slice more than `DRIFT_TOLERANCE` of the
-    spacing off the even grid the affine describes (steps each within 1% can still add up)."""
+    spacing off the even grid the affine describes (steps each within 1% can still add up). `rounding` is how far a
+    position along the normal may be off as written (`position_rounding`): a step may be off by twice that more,
+    as SimpleITK and dcm2niix read positions written to 2 decimals; a missing slice is a whole step and still is
+    one."""
     step = float(np.median(steps))
     ratio = steps / step
-    gap = np.abs(ratio - np.rint(ratio)) <= SPACING_TOLERANCE * np.rint(ratio)
-    missing = gap & (np.rint(ratio) >= 2)
+    whole = np.rint(ratio)
+    gap = np.abs(steps - whole * step) <= SPACING_TOLERANCE * whole * step + 2 * rounding
+    missing = gap & (whole >= 2)
     if np.any(missing):
         i = int(np.argmax(missing))
-        n = int(np.rint(ratio[i])) - 1
+        n = int(whole[i]) - 1
         raise DataError(
             f"{where} misses {n} slice(s): a gap of {steps[i]:.3f} mm between the slices at {along[i]:.3f} and "
             f"{along[i + 1]:.3f} mm along the normal, where the others are {step:.3f} mm apart; export the complete "
@@ -316,13 +430,15 @@ def _check_spacing(steps: np.ndarray, along: np.ndarray, where: str) -> None:
         )
     spacing = float(along[-1] - along[0]) / len(steps)
     drift = np.abs(along - along[0] - spacing * np.arange(len(along))).max()  # off the even grid of the affine
-    uneven = np.abs(steps / spacing - 1).max() > SPACING_TOLERANCE  # the affine's spacing: their mean
-    if uneven or drift > DRIFT_TOLERANCE * spacing:
+    uneven = np.abs(steps - spacing).max() > SPACING_TOLERANCE * spacing + 2 * rounding  # the affine's: their mean
+    if uneven or drift > DRIFT_TOLERANCE * spacing + 2 * rounding:
         what = (
             f"more than {SPACING_TOLERANCE:.0%} off their mean {spacing:.3f} mm"
             if uneven
             else f"slices up to {drift:.3f} mm off an even grid"
         )
+        if rounding >= 5e-4:
+            what += f", beyond the {rounding:.3f} mm the written positions' decimals allow"
         raise DataError(
             f"{where} has uneven slice spacing: from {steps.min():.3f} to {steps.max():.3f} mm ({what}); resample it "
             "to even spacing first, or export it again"
@@ -333,59 +449,152 @@ def _fmt(values) -> str:
     return "[" + ", ".join(f"{float(v):g}" for v in values) + "]"
 
 
-def read_series(folder: str | Path, uid: str | None = None, case_id: str = "") -> DicomVolume:
-    """Reads one series of `folder` (`choose_series`) as a `DicomVolume` (see the module's docstring).
+def _functional(ds, frame: int, sequence: str, keyword: str):
+    """`keyword` of the frame's functional group `sequence` (per-frame first, then shared), else of the data set."""
+    per, shared = ds.get("PerFrameFunctionalGroupsSequence"), ds.get("SharedFunctionalGroupsSequence")
+    for item in (per[frame] if per and frame < len(per) else None, shared[0] if shared else None):
+        inner = item.get(sequence) if item is not None else None
+        if inner and keyword in inner[0]:
+            return inner[0].get(keyword)
+    return ds.get(keyword)
+
+
+def _frame_headers(ds, path: Path) -> list:
+    """One header per frame of an enhanced multi-frame image: its position, orientation, pixel spacing and rescale
+    from the functional groups, with the file's Rows, Columns and identity; single-frame slices are themselves."""
+    import pydicom
+
+    if _sop_class(ds) not in ENHANCED_CLASSES:
+        return [ds]
+    frames = []
+    for k in range(_frames(ds)):
+        frame = pydicom.Dataset()
+        for sequence, keyword in (
+            ("PlanePositionSequence", "ImagePositionPatient"),
+            ("PlaneOrientationSequence", "ImageOrientationPatient"),
+            ("PixelMeasuresSequence", "PixelSpacing"),
+            ("PixelValueTransformationSequence", "RescaleSlope"),
+            ("PixelValueTransformationSequence", "RescaleIntercept"),
+        ):
+            value = _functional(ds, k, sequence, keyword)
+            if value is not None:
+                setattr(frame, keyword, value)
+        for keyword in (
+            "Rows",
+            "Columns",
+            "SamplesPerPixel",
+            "SOPClassUID",
+            "SOPInstanceUID",
+            "SeriesInstanceUID",
+            "StudyInstanceUID",
+            "FrameOfReferenceUID",
+            "Modality",
+        ):
+            if keyword in ds:
+                setattr(frame, keyword, ds.get(keyword))
+        if "ImagePositionPatient" not in frame:
+            raise DataError(
+                f"DICOM file {path}: frame {k + 1} of its {_frames(ds)} has no position (PlanePositionSequence): "
+                "truncated or corrupt? export the series again"
+            )
+        frames.append(frame)
+    return frames
+
+
+def read_series(folder: str | Path, uid: str | None = None, case_id: str = "", say=None) -> DicomVolume:
+    """Reads one series of `folder` (`choose_series`: the one named `uid`, else the largest, said through `say`) as
+    a `DicomVolume` (see the module's docstring). Single-frame slices and enhanced multi-frame images (Enhanced and
+    Legacy Converted Enhanced CT, MR and PET: each frame a slice, its geometry and rescale from the functional
+    groups) are read; a slice exported twice (one SOPInstanceUID) is read once.
 
     Raises:
-        CaseError: the series cannot form a volume (`series_geometry`'s checks, a multi-frame file, pixel data that
-            cannot be decoded), naming `case_id` and the folder.
-        UsageError: several series and no `uid`, or pydicom is not installed.
+        CaseError: the series cannot form a volume (`series_geometry`'s checks, pixel data that cannot be decoded:
+            the transfer syntax and the fix named), naming `case_id` and the folder.
+        UsageError: a `uid` the folder lacks, two largest series and no `uid`, or pydicom is not installed.
     """
     require(f"--input {folder} (DICOM)", "pydicom")
     import pydicom
 
     folder = Path(folder)
     try:
-        info = choose_series(folder, uid or None)
-        headers = [pydicom.dcmread(p, stop_before_pixels=True) for p in info.files]
-        for ds, p in zip(headers, info.files):
-            if int(ds.get("NumberOfFrames", 1) or 1) > 1:
-                raise DataError(
-                    f"DICOM file {p} in {folder} holds {ds.NumberOfFrames} frames: multi-frame (enhanced) series are "
-                    "not read; export the series as single-frame slices"
-                )
+        info = choose_series(folder, uid or None, say)
+        headers, slices = [], []  # a header per slice (a frame of a multi-frame file is one), and (file, frame)
+        for p in info.files:
+            ds = pydicom.dcmread(p, stop_before_pixels=True, force=True)
             if int(ds.get("SamplesPerPixel", 1) or 1) != 1:
                 raise DataError(
                     f"DICOM file {p} in {folder} has {ds.SamplesPerPixel} samples per pixel (colour): a CT or MR "
                     "series is grayscale; give the original series, not a rendered one"
                 )
-        order, affine = series_geometry(headers, info.files, folder)
-    except UsageError:  # several series and no --series: the command line needs fixing
+            frames = _frame_headers(ds, p)
+            if len(frames) == 1 and _frames(ds) > 1:
+                raise DataError(
+                    f"DICOM file {p} in {folder} holds {ds.NumberOfFrames} frames of SOP class {_sop_class(ds)}, not "
+                    "an enhanced CT, MR or PET image: export the series as single-frame slices"
+                )
+            headers += frames
+            slices += [(p, k if _sop_class(ds) in ENHANCED_CLASSES else None) for k in range(len(frames))]
+        names = [Path(f"{p.name}[frame {k + 1}]") if k is not None else p for p, k in slices]
+        order, affine = series_geometry(headers, names, folder)
+    except UsageError:  # a --series the folder lacks, two largest series: the command line needs fixing
         raise
     except DataError as e:
         raise CaseError(case_id or folder.name, str(e)) from None
     except Exception as e:  # pydicom raises many types for a broken file
-        raise CaseError(
-            case_id or folder.name, f"DICOM series in {folder} cannot be read: {type(e).__name__}: {e}"
-        ) from None
+        raise CaseError(case_id or folder.name, f"DICOM series in {folder} cannot be read: {_one_line(e)}") from None
     rows, columns = int(headers[0].Rows), int(headers[0].Columns)
     image = np.empty((columns, rows, len(order)), np.float32)
+    pixels = _Pixels(case_id or folder.name)
     for z, i in enumerate(order):
-        image[:, :, z] = _slice_values(info.files[i], case_id or folder.name).T  # (rows, columns) -> (x, y)
-    return DicomVolume(image, affine, [headers[i] for i in order], folder, info.uid)
+        path, frame = slices[i]
+        values = pixels.frame(path, frame)
+        slope = float(headers[i].get("RescaleSlope", 1) or 1)
+        intercept = float(headers[i].get("RescaleIntercept", 0) or 0)
+        image[:, :, z] = (values.astype(np.float64) * slope + intercept).T  # (rows, columns) -> (x, y)
+    return DicomVolume(image, affine, [headers[i] for i in order], folder, info.uid, [slices[i] for i in order])
 
 
-def _slice_values(path: Path, case_id: str) -> np.ndarray:
-    """One slice's pixels (rows, columns) with its RescaleSlope and RescaleIntercept applied (float64)."""
-    import pydicom
+class _Pixels:
+    """Decoded pixels of a series' files, one file held at a time (a multi-frame file is decoded once)."""
 
-    try:
-        ds = pydicom.dcmread(path)
-        pixels = ds.pixel_array
-    except Exception as e:  # an unsupported compression, truncated pixel data
-        raise CaseError(case_id, f"DICOM file {path}: its pixels cannot be read: {type(e).__name__}: {e}") from None
-    if pixels.shape != (ds.Rows, ds.Columns):
-        raise CaseError(case_id, f"DICOM file {path}: its pixels are {pixels.shape}, not Rows x Columns")
-    slope = float(ds.get("RescaleSlope", 1) or 1)
-    intercept = float(ds.get("RescaleIntercept", 0) or 0)
-    return pixels.astype(np.float64) * slope + intercept
+    def __init__(self, case_id: str):
+        self.case_id, self.path, self.array = case_id, None, None
+
+    def frame(self, path: Path, frame: int | None) -> np.ndarray:
+        """The (rows, columns) pixels of `path` (its frame `frame` of a multi-frame file)."""
+        if path != self.path:
+            self.path, self.array = path, self._decode(path)
+        array = self.array if frame is None else self.array.reshape(-1, *self.array.shape[-2:])[frame]
+        return array
+
+    def _decode(self, path: Path) -> np.ndarray:
+        import pydicom
+
+        ds = None
+        try:
+            ds = pydicom.dcmread(path, force=True)
+            syntax = ds.file_meta.get("TransferSyntaxUID") if hasattr(ds, "file_meta") else None
+            if syntax is None:  # no file meta (no preamble): DICOM's default, implicit VR little endian
+                ds.file_meta = pydicom.dataset.FileMetaDataset()
+                ds.file_meta.TransferSyntaxUID = pydicom.uid.ImplicitVRLittleEndian
+            pixels = ds.pixel_array
+        except Exception as e:  # an unsupported compression, truncated pixel data
+            raise CaseError(
+                self.case_id, f"DICOM file {path}: its pixels cannot be read: {_decode_error(ds, e)}"
+            ) from None
+        expected = (int(ds.Rows), int(ds.Columns))
+        if pixels.shape[-2:] != expected or (pixels.ndim == 3) != (_frames(ds) > 1):
+            raise CaseError(self.case_id, f"DICOM file {path}: its pixels are {pixels.shape}, not Rows x Columns")
+        return pixels
+
+
+def _decode_error(ds, error: Exception) -> str:
+    """Why pixels could not be decoded, in one line: the transfer syntax and what to install, or pydicom's cause."""
+    syntax = getattr(getattr(ds, "file_meta", None), "TransferSyntaxUID", None) if ds is not None else None
+    text = _one_line(error)
+    if syntax is not None and syntax.is_compressed and "missing dependencies" in text:
+        return (
+            f"they are compressed as {syntax.name} ({syntax}), which no installed decoder reads ({text}); install "
+            "the decoders of the dicom extra: pip install 'tfmis[dicom]' (python-gdcm, pyjpegls)"
+        )
+    return text

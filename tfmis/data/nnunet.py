@@ -241,7 +241,9 @@ def _regions(meta: dict, values: dict[str, list[int]], path: Path) -> tuple[list
             "regions from largest to smallest, each adding exactly one label"
         )
     top = max(v for members in regions.values() for v in members)
-    return ["background"] + [f"label_{v}" for v in range(1, top + 1)], regions
+    # label v of the painted map is the region that paints it, named as dataset.json names it
+    names = {v: name.strip() for (name, members), v in zip(((n, m) for n, m in values.items() if m != [0]), paint)}
+    return ["background"] + [names.get(v) or f"label_{v}" for v in range(1, top + 1)], regions
 
 
 def _listed_cases(entries: dict, root: Path, path: Path) -> list[Case]:

@@ -1,15 +1,25 @@
 """DICOM SEG out: a predicted label map written as a DICOM Segmentation object (`tfmis-predict --output-format
 dicom-seg`) that references the series it was predicted from.
 
-`write_segmentation` writes a BINARY `highdicom.seg.Segmentation`: one segment per foreground class (segment number =
-the class's label value, segment label = its name in the run's dataset labels), coded with the generic SCT "Tissue"
-as category and type (the label names are free text: tfmis knows no code for them), algorithm type AUTOMATIC and
-an algorithm identification naming tfmis and its version. Its source images are the series' slices
-(`tfmis.data.dicom_series.DicomVolume.datasets`, in the volume's slice order), so frame k of the label map (its
-(rows, columns) = (y, x) plane z = k) is the segmentation of source slice k; empty frames are left out.
+`write_segmentation` writes a BINARY `highdicom.seg.Segmentation` with one segment per foreground class **present in
+the label map**, numbered 1..N in the classes' order and labelled with the class's name in the run's dataset labels
+(a region dataset's names included), coded with the generic SCT "Tissue" as category and type (the label names are
+free text: tfmis knows no code for them), algorithm type AUTOMATIC and an algorithm identification naming tfmis and
+its version. Classes absent from the prediction are not declared: a segment without frames is valid DICOM, but
+some viewers reject it, so a reader maps segments to classes by their labels (`read_segmentation(...,
+class_names)`). Its source images are the series' slices (`tfmis.data.dicom_series.DicomVolume.datasets`, in the
+volume's slice order), or the one enhanced multi-frame image the volume was read from (frame for frame), so frame
+k of the label map (its (rows, columns) = (y, x) plane z = k) is the segmentation of source slice k; empty frames
+are left out. An empty prediction is one segment (the first foreground class) with one empty frame on the first
+slice (a SEG must hold a segment and a frame): a few kB, where every empty frame of every class took 39 MB for
+512x512x600.
+
+A series without StudyInstanceUID (some anonymisers remove it) cannot be referenced as DICOM asks; with
+`new_study_uid=True` (`tfmis-predict --new-study-uid`) its SEG gets a new study UID, and a warning says that a
+viewer will file the SEG as a study of its own.
 
 `read_segmentation` reads such a file back into the (X, Y, Z) label map of the source volume (highdicom's
-`get_pixels_by_source_instance`).
+`get_pixels_by_source_instance`, or by source frame for a multi-frame source).
 
 highdicom (and pydicom) are the optional `dicom` extra: `pip install 'tfmis[dicom]'`.
 
@@ -17,13 +27,14 @@ Example:
 ```python
 volume = read_series("scans/patient_01")
 write_segmentation(labels, volume, ["background", "liver", "tumour"], Path("out/patient_01.seg.dcm"))
-np.array_equal(read_segmentation("out/patient_01.seg.dcm", volume), labels)   # True
+np.array_equal(read_segmentation("out/patient_01.seg.dcm", volume, ["background", "liver", "tumour"]), labels)
 ```
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -74,30 +85,41 @@ def read_dicom_case(case, num_channels: int) -> tuple[np.ndarray, np.ndarray, ob
 
 
 def segment_descriptions(class_names: list[str], present=None) -> list:
-    """highdicom `SegmentDescription`s of the foreground classes (`class_names[1:]`, segment number = label value),
-    or only of the label values in `present`."""
+    """highdicom `SegmentDescription`s of the foreground classes (`class_names[1:]`), or only of the label values in
+    `present`, numbered 1..N in the classes' order and labelled with their names."""
     import highdicom as hd
     from pydicom.sr.codedict import codes
 
     algorithm = hd.AlgorithmIdentificationSequence(
         name="tfmis", family=codes.cid7162.ArtificialIntelligence, version=tfmis_version()
     )
+    values = [v for v in range(1, len(class_names)) if present is None or v in present]
     return [
         hd.seg.SegmentDescription(
             segment_number=number,
-            segment_label=name,
+            segment_label=class_names[value],
             segmented_property_category=codes.SCT.Tissue,
             segmented_property_type=codes.SCT.Tissue,
             algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
             algorithm_identification=algorithm,
         )
-        for number, name in enumerate(class_names)
-        if number > 0 and (present is None or number in present)
+        for number, value in enumerate(values, start=1)
     ]
 
 
-def write_segmentation(labels: np.ndarray, volume: DicomVolume | None, class_names: list[str], path: Path) -> Path:
+def write_segmentation(
+    labels: np.ndarray,
+    volume: DicomVolume | None,
+    class_names: list[str],
+    path: Path,
+    new_study_uid: bool = False,
+    say=None,
+) -> Path:
     """Writes the (X, Y, Z) label map `labels` of `volume` as a DICOM SEG at `path`, atomically (see the module).
+
+    Args:
+        new_study_uid: a series without StudyInstanceUID gets a new one for its SEG (said through `say`, default
+            standard error) instead of failing.
 
     Raises:
         UsageError: `volume` is None (the input was not a DICOM series), or highdicom is not installed.
@@ -114,14 +136,36 @@ def write_segmentation(labels: np.ndarray, volume: DicomVolume | None, class_nam
         raise ValueError(f"label map of shape {labels.shape} for a DICOM volume of shape {volume.shape}")
     if labels.size and int(labels.max()) >= len(class_names):
         raise ValueError(f"label map holds {int(labels.max())}, beyond the classes {class_names}")
-    _complete_headers(volume)
-    frames = np.ascontiguousarray(labels.transpose(2, 1, 0))  # (slices, rows, columns): frame k on source slice k
+    present = [int(v) for v in np.unique(labels) if v > 0]
+    segments = present or [1]  # an empty prediction: one segment and one empty frame (a SEG needs both)
+    numbers = np.zeros(len(class_names), np.uint16)
+    numbers[segments] = np.arange(1, len(segments) + 1)
+    frames = numbers[labels.transpose(2, 1, 0)]  # (slices, rows, columns): frame k on source slice k
+    sources = volume.datasets
+    files = {f for f, _ in volume.slices}
+    if any(k is not None for _, k in volume.slices):  # one enhanced image: the SEG's frames are its frames, in order
+        if len(files) > 1:
+            raise DataError(
+                f"DICOM series in {volume.folder}: a DICOM SEG over {len(files)} multi-frame files is not written "
+                "(one multi-frame image, or single-frame slices, are); predict it with --output-format nifti"
+            )
+        import pydicom
+
+        sources = [pydicom.dcmread(next(iter(files)), stop_before_pixels=True, force=True)]
+        ordered = np.empty_like(frames)
+        ordered[[k for _, k in volume.slices]] = frames
+        frames = ordered
+    elif not present:
+        sources, frames = sources[:1], frames[:1]
+    _complete_headers(sources, volume, new_study_uid, say)
     try:
-        seg = _segmentation(volume, frames.astype(np.uint8 if len(class_names) <= 256 else np.uint16), class_names)
+        seg = _segmentation(
+            sources, frames.astype(np.uint8 if len(segments) < 256 else np.uint16), class_names, segments
+        )
     except (AttributeError, ValueError, TypeError, KeyError) as e:  # what highdicom finds missing or wrong
         raise DataError(
             f"DICOM series in {volume.folder}: a DICOM SEG cannot reference it ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); predict it with --output-format nifti"
+            f"{' '.join(str(e).split()) if str(e) else ''}); predict it with --output-format nifti"
         ) from None
     path = Path(path)
     with atomic_path(path, suffix=SEG_SUFFIX) as tmp:
@@ -146,12 +190,29 @@ EMPTY_IF_MISSING = (
 REQUIRED = ("StudyInstanceUID", "SeriesInstanceUID", "SOPInstanceUID", "SOPClassUID", "FrameOfReferenceUID", "Modality")
 
 
-def _complete_headers(volume: DicomVolume) -> None:
-    """Fills the source headers' missing type-2 attributes (empty, and SliceThickness: the measured spacing) so that
-    highdicom can copy them; a missing type-1 attribute is a `DataError` naming the folder."""
+def _complete_headers(sources: list, volume: DicomVolume, new_study_uid: bool = False, say=None) -> None:
+    """Fills the missing type-2 attributes of the headers `sources` (of `volume`; empty, and SliceThickness: the
+    measured spacing) so that highdicom can copy them; a missing type-1 attribute is a `DataError` naming the
+    folder, except a missing StudyInstanceUID with `new_study_uid`: a new one, said through `say`."""
     spacing = float(np.linalg.norm(volume.affine[:3, 2]))
-    for ds in volume.datasets:
+    if new_study_uid and any(not ds.get("StudyInstanceUID") for ds in sources):
+        import highdicom as hd
+
+        study = str(hd.UID())
+        for ds in sources:
+            ds.StudyInstanceUID = study
+        (say or _stderr)(
+            f"warning: DICOM series in {volume.folder} has no StudyInstanceUID: its SEG gets a new one, {study} "
+            "(--new-study-uid); a viewer files it as a study of its own, not beside the series"
+        )
+    for ds in sources:
         missing = [k for k in REQUIRED if not ds.get(k)]
+        if missing == ["StudyInstanceUID"]:
+            raise DataError(
+                f"DICOM series in {volume.folder}: its slices have no StudyInstanceUID (anonymised?), which a DICOM "
+                "SEG must reference; predict it with --new-study-uid (the SEG gets a new study UID) or "
+                "--output-format nifti"
+            )
         if missing:
             raise DataError(
                 f"DICOM series in {volume.folder}: its slices have no {missing[0]}, which a DICOM SEG must reference; "
@@ -164,15 +225,19 @@ def _complete_headers(volume: DicomVolume) -> None:
             ds.SliceThickness = f"{spacing:.6g}"
 
 
-def _segmentation(volume: DicomVolume, frames: np.ndarray, class_names: list[str]):
-    """The highdicom `Segmentation` of `frames` (slices, rows, columns) over `volume`'s slices."""
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _segmentation(sources: list, frames: np.ndarray, class_names: list[str], present: list[int]):
+    """The highdicom `Segmentation` of `frames` (frames, rows, columns; values: segment numbers) over `sources`."""
     import highdicom as hd
 
     return hd.seg.Segmentation(
-        source_images=volume.datasets,
+        source_images=sources,
         pixel_array=frames,
         segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
-        segment_descriptions=segment_descriptions(class_names),
+        segment_descriptions=segment_descriptions(class_names, present),
         series_instance_uid=hd.UID(),
         series_number=SEG_SERIES_NUMBER,
         sop_instance_uid=hd.UID(),
@@ -185,19 +250,43 @@ def _segmentation(volume: DicomVolume, frames: np.ndarray, class_names: list[str
     )
 
 
-def read_segmentation(path: str | Path, volume: DicomVolume) -> np.ndarray:
-    """The uint8 (X, Y, Z) label map of a SEG written by `write_segmentation` for `volume`: each voxel the number of
-    the segment that holds it, 0 where none does (slices with no frame are background)."""
+def read_segmentation(path: str | Path, volume: DicomVolume, class_names: list[str] | None = None) -> np.ndarray:
+    """The uint8 (X, Y, Z) label map of a SEG written by `write_segmentation` for `volume`: each voxel the label
+    value of the class whose name labels the segment that holds it (with `class_names`; else the segment's
+    number), 0 where none does (slices with no frame are background).
+
+    Raises:
+        DataError: a segment whose label is not one of `class_names`.
+    """
     import highdicom as hd
 
     seg = hd.seg.segread(str(path))
-    uids = [str(ds.SOPInstanceUID) for ds in volume.datasets]
-    referenced = {str(uid) for _, _, uid in seg.get_source_image_uids()}
-    frames = np.zeros((len(uids), volume.shape[1], volume.shape[0]), np.uint8)
-    present = [k for k, uid in enumerate(uids) if uid in referenced]
-    if present and seg.get_segment_numbers():
-        pixels = seg.get_pixels_by_source_instance(
-            [uids[k] for k in present], combine_segments=True, assert_missing_frames_are_empty=True
+    numbers = seg.get_segment_numbers()
+    lut = np.arange(max(numbers, default=0) + 1, dtype=np.uint8)
+    if class_names is not None:
+        for number in numbers:
+            label = seg.get_segment_description(number).segment_label
+            if label not in class_names:
+                raise DataError(f"{path}: segment {number} is labelled {label!r}, not one of the classes {class_names}")
+            lut[number] = class_names.index(label)
+    frames = np.zeros((len(volume.datasets), volume.shape[1], volume.shape[0]), np.uint8)
+    if not numbers:
+        return frames.transpose(2, 1, 0)
+    if any(k is not None for _, k in volume.slices):  # one multi-frame source: by its frame numbers
+        uid = str(volume.datasets[0].SOPInstanceUID)
+        pixels = seg.get_pixels_by_source_frame(
+            uid,
+            source_frame_numbers=[k + 1 for _, k in volume.slices],
+            combine_segments=True,
+            assert_missing_frames_are_empty=True,
         )
-        frames[present] = pixels
-    return frames.transpose(2, 1, 0)
+        frames[:] = pixels
+    else:
+        uids = [str(ds.SOPInstanceUID) for ds in volume.datasets]
+        referenced = {str(uid) for _, _, uid in seg.get_source_image_uids()}
+        present = [k for k, uid in enumerate(uids) if uid in referenced]
+        if present:
+            frames[present] = seg.get_pixels_by_source_instance(
+                [uids[k] for k in present], combine_segments=True, assert_missing_frames_are_empty=True
+            )
+    return lut[frames].transpose(2, 1, 0)

@@ -138,6 +138,7 @@ class ScanPredictor:
 
     last_region = ""
     output_format = "nifti"  # or "dicom-seg" (`tfmis.inference.dicom_seg.OUTPUT_FORMATS`): how label maps are written
+    new_study_uid = False  # a DICOM SEG of a series without StudyInstanceUID gets a new one (else the case fails)
 
     def predict_image(self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True):
         raise NotImplementedError
@@ -174,7 +175,13 @@ class ScanPredictor:
             label_map, probs, device = self.predict_image(holder, affine, case.case_id, probabilities)
             removed = self._postprocess(label_map)
             if self.output_format == "dicom-seg":  # a DICOM SEG referencing the series (tfmis.inference.dicom_seg)
-                out = write_segmentation(label_map, dicom, self.class_names, output_dir / f"{case.case_id}{SEG_SUFFIX}")
+                out = write_segmentation(
+                    label_map,
+                    dicom,
+                    self.class_names,
+                    output_dir / f"{case.case_id}{SEG_SUFFIX}",
+                    new_study_uid=self.new_study_uid,
+                )
             else:
                 out = output_dir / f"{case.case_id}{suffix}"
                 save_like(label_map, affine, header, out, np.uint8)
