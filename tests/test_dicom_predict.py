@@ -8,6 +8,7 @@ import csv
 
 import nibabel as nib
 import numpy as np
+import pydicom
 import pytest
 from conftest import make_msd_dataset, tiny_config, write_nifti
 from dicom_files import BAD_SERIES, coronal_affine, ct_slices, save_slices, write_series
@@ -88,3 +89,23 @@ def test_each_bad_series_fails_its_case_in_one_line_and_several_series_stop_the_
     assert err[-1].startswith(f"error: {study} holds 2 DICOM series, 2 of them with ") and err[-1].endswith(
         "--series UID"
     )
+
+
+def test_an_anonymised_series_without_study_uid_gets_a_seg_only_with_new_study_uid(ct_run, tmp_path, capsys):
+    """`--output-format dicom-seg` on a series without StudyInstanceUID: the case fails (exit 3) with the reason
+    naming `--new-study-uid` in predictions.csv; with the flag it is written, under a new study UID that the one
+    warning line gives."""
+    run, image = ct_run
+    slices = ct_slices(image, coronal_affine())
+    for ds in slices:
+        del ds.StudyInstanceUID
+    series = save_slices(slices, tmp_path / "anonymous")
+    assert predict(run, series, tmp_path / "refused", "--output-format", "dicom-seg") == 3
+    with open(tmp_path / "refused" / "predictions.csv") as f:
+        row = next(csv.DictReader(f))
+    assert row["status"] == "failed" and "--new-study-uid" in row["reason"], row
+    capsys.readouterr()
+    assert predict(run, series, tmp_path / "new", "--output-format", "dicom-seg", "--new-study-uid") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: DICOM series")]
+    study = str(pydicom.dcmread(tmp_path / "new" / "anonymous.seg.dcm").StudyInstanceUID)
+    assert len(warnings) == 1 and study in warnings[0] and "no StudyInstanceUID" in warnings[0]
