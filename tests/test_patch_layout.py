@@ -21,6 +21,7 @@ from tfmis.data.budget import check_input_memory, input_memory
 from tfmis.data.patch_layout import (
     PatchArrays,
     arrays_dir,
+    arrays_size,
     layout_status,
     training_cases,
     write_patch_layout,
@@ -263,7 +264,8 @@ def test_the_patch_read_input_holds_what_it_counts_measured_on_its_own_pipeline(
     pipeline alone (no model) in its own process, 60 batches of 16³ crops, then 60 of 96³ (flips, quarter turns,
     intensity), the process's peak anonymous memory (RssAnon, polled every 2 ms) above its own before the first batch.
     The 16³ run is the pipeline's fixed cost, which the count leaves out (tf.data's iterator and threads: 16-17 MB
-    measured, of which the count's 16³ crops are 1.7 MB); the 96³ run's memory above it is between 0.9 and 1.15 of
+    measured, of which the count's 16³ crops are 1.7 MB, beside its bound of the class locations loaded, which these
+    tiny cases do not reach); the 96³ run's memory above it is between 0.9 and 1.15 of
     the count's increase (366 MB on 2 CPUs: the windows, the augmentation copies, the shuffled and batched crops).
     Measured on a busy 2-core machine over 21 runs: 0.948-1.025, and 1.066 beside another test worker (the count is
     the buffers at their fullest; tf.data's short-lived copies, a batch being assembled beside its crops, pass it by
@@ -290,7 +292,12 @@ def test_the_patch_read_input_holds_what_it_counts_measured_on_its_own_pipeline(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     small, large = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "no volume" in large["line"] and small["held_mb"] < 2 and large["held_mb"] > 300, (small, large)
+    from tfmis.data.patch_layout import LOCATION_CASES
+
+    classes = len(load_index(layout_dataset)["source"]["labels"])
+    locations = LOCATION_CASES * 16 * config.pipeline.max_foreground_indices * (classes - 1) / 2**20  # their bound
+    assert f"class locations of {locations:.1f} MB" in small["line"], small["line"]
+    assert "no volume" in large["line"] and small["held_mb"] - locations < 2 and large["held_mb"] > 300, (small, large)
     assert small["above_mb"] < 64, small  # the fixed cost is small beside what 96³ crops hold
     ratio = (large["above_mb"] - small["above_mb"]) / (large["held_mb"] - small["held_mb"])
     assert 0.9 <= ratio <= 1.15, (ratio, small, large)
@@ -612,10 +619,12 @@ def test_a_reconversion_with_another_ct_window_rewrites_every_case_and_stale_arr
     assert f"case {stale!r}" in message and "tfmis-convert --patch-layout" in message and "\n" not in message
 
 
-def test_open_memory_maps_stay_bounded_by_the_least_recently_used_cases(layout_dataset):
-    """`PatchArrays(max_open=2)` over the real arrays: reading every case in turn keeps at most 2 cases' maps (and
-    4 file descriptors) open, a case read again after its map was closed reads the same window, and the most
-    recently used case stays open."""
+def test_open_array_files_stay_bounded_by_the_least_recently_used_cases(layout_dataset):
+    """`PatchArrays(max_open=2)` over the real arrays: reading every case in turn keeps at most 2 cases' files (4
+    file descriptors) open and the class locations of at most `LOCATION_CASES` cases loaded, a case read again
+    after its files were closed reads the same window, and the most recently used case stays open."""
+    from tfmis.data.patch_layout import LOCATION_CASES
+
     _write(layout_dataset)
     cases = training_cases(layout_dataset, "train")
     arrays = PatchArrays(layout_dataset, cases, max_open=2)
@@ -624,18 +633,20 @@ def test_open_memory_maps_stay_bounded_by_the_least_recently_used_cases(layout_d
     first = arrays.window(0, [2, 3, 1], [8, 8, 8])
     for number in range(len(cases)):
         arrays.window(number, [0, 0, 0], [4, 4, 4])
+        arrays.locations(number)
         assert arrays.open_cases <= 2 and fds() - before <= 4
+        assert arrays.loaded_locations == min(number + 1, LOCATION_CASES)
     again = arrays.window(0, [2, 3, 1], [8, 8, 8])
     np.testing.assert_array_equal(first[0], again[0])
     np.testing.assert_array_equal(first[1], again[1])
-    assert list(arrays._maps) == [len(cases) - 1, 0]
+    assert list(arrays._files) == [len(cases) - 1, 0]
 
 
 def test_a_thousand_cases_read_under_ulimit_256_open_files(tmp_path):
     """1,200 cases of real patch-read arrays (each a converted case's arrays under another case id, as
     `write_patch_layout` names them) read one window each, in a subprocess whose open-file limit is 256: no
-    `Too many open files`, and at most `MAX_OPEN_CASES` cases' maps open at the end. Under a limit of 100 the open
-    maps shrink to what fits beside the files already open; under 40 `PatchArrays` refuses in one line with the fix."""
+    `Too many open files`, and at most `MAX_OPEN_CASES` cases' files open at the end. Under a limit of 100 the open
+    cases shrink to what fits beside the files already open; under 40 `PatchArrays` refuses in one line with the fix."""
     import shutil
 
     from tests.conftest import make_msd_dataset
@@ -708,3 +719,103 @@ def test_the_arrays_size_is_what_is_written_and_a_disk_too_small_is_refused_befo
     message = str(refused.value)
     assert message.startswith(f"{folder}: the patch-read arrays of 1 case(s) need ") and "GB free" in message
     assert "--target-dir on a larger disk" in message and "\n" not in message
+
+
+def resident_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache now: mincore(2) over a map of it (mapping faults none in)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    with open(path, "rb") as f:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        try:
+            vector = (ctypes.c_ubyte * pages)()
+            if libc.mincore(address, size, vector) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            libc.munmap(address, size)
+    return sum(v & 1 for v in vector)
+
+
+def _drop_from_page_cache(paths) -> None:
+    os.sync()  # written pages are clean once on disk: only those can be dropped
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def test_reads_keep_their_pages_in_the_page_cache_only_without_drop_pages(layout_dataset):
+    """Every training case read in 8³ windows over its whole volume, from arrays out of the page cache (mincore(2)
+    counts each file's resident pages): without `drop_pages` the pages read stay cached (a later epoch reads
+    memory); with it none of the arrays' pages is left (what a cgroup is charged for), and the windows are the
+    same."""
+    _write(layout_dataset)
+    cases = training_cases(layout_dataset, "train")
+    files = [arrays_dir(layout_dataset) / f"{c}{s}" for c in cases for s in (".image.npy", ".label.npy")]
+    windows = {}
+    for drop in (False, True):
+        _drop_from_page_cache(files)
+        assert sum(resident_pages(f) for f in files) == 0
+        arrays = PatchArrays(layout_dataset, cases, drop_pages=drop)
+        read = []
+        for number in range(len(cases)):
+            shape = arrays.shapes[number]
+            for origin in np.ndindex(*[(int(n) + 7) // 8 for n in shape]):
+                read.append(arrays.window(number, np.array(origin) * 8, [8, 8, 8]))
+        windows[drop] = read
+        resident = sum(resident_pages(f) for f in files)
+        assert (resident == 0) if drop else resident >= len(files), (drop, resident)
+    for (image, label), (image2, label2) in zip(windows[False], windows[True]):
+        np.testing.assert_array_equal(image, image2)
+        np.testing.assert_array_equal(label, label2)
+
+
+def test_the_budget_is_measured_once_and_the_pipeline_uses_the_plan_its_line_printed(layout_dataset, tmp_path):
+    """`pipeline.memory_budget: null`: the `Input memory:` line's budget, then 1 GB more of this process's memory
+    used, then the pipeline's plan (`patch_read_plan`): the same budget and the same number of readers as the line
+    (the budget was half the memory free at each call: two numbers); the arrays are read through the page cache
+    when they fit beside the budget, with their pages dropped when they do not, and the line says which."""
+    from tfmis.data.budget import input_memory, patch_read_plan, pipeline_memory_budget
+
+    _write(layout_dataset)
+    index = load_index(layout_dataset)
+    config = tiny_config(layout_dataset, tmp_path, "pipeline.cache=patches", "pipeline.memory_budget=null")
+    held = input_memory(config, index)
+    taken = np.ones(2**30 // 8)  # 1 GB touched: less memory free than when the line was made
+    plan = patch_read_plan(config, index)
+    assert pipeline_memory_budget(config.pipeline) == held["budget_mb"] and taken.sum() > 0
+    assert f"per input pipeline {plan['readers']} readers" in held["line"]
+    assert not plan["drop_pages"] and "the arrays read through the page cache" in held["line"]
+    need = arrays_size([index["cases"][c] for c in training_cases(layout_dataset, "train")], "float16") / 2**20
+    tight = tiny_config(
+        layout_dataset, tmp_path, "pipeline.cache=patches", f"pipeline.memory_budget={plan['held_mb'] + need / 2}MB"
+    )
+    assert patch_read_plan(tight, index)["drop_pages"]
+    assert "the arrays read with their pages dropped" in input_memory(tight, index)["line"]
+
+
+def test_the_class_locations_loaded_stay_within_what_the_budget_counts(layout_dataset, tmp_path):
+    """Every training case's class locations loaded in turn (indexed with up to 20,000 a class): the bytes of those
+    loaded at any time stay within `patch_input`'s `locations_mb` for the dataset's classes."""
+    from tfmis.data.budget import patch_input
+
+    _write(layout_dataset)
+    index = load_index(layout_dataset)
+    cases = training_cases(layout_dataset, "train")
+    config = tiny_config(layout_dataset, tmp_path, "pipeline.cache=patches")
+    counted = patch_input(config.pipeline, 2, 1, 1e6, 2, len(index["source"]["labels"]))["locations_mb"] * 2**20
+    arrays = PatchArrays(layout_dataset, cases)
+    for number in range(len(cases)):
+        arrays.locations(number)
+        loaded = sum(fg.nbytes + fg_class.nbytes for fg, fg_class in arrays._locations.values())
+        assert 0 < loaded <= counted, (loaded, counted)

@@ -32,17 +32,29 @@ PATCH_PREFETCH_BATCHES = 2
 RESAMPLE_BYTES = 160
 
 
+# the budget of pipeline.memory_budget: null, measured once in a process (at the training's start, when its line is
+# printed), so that the line and the pipelines built after it use one number, not the memory free at each moment
+_MEASURED_BUDGET: list[float] = []
+# bytes one class location takes in memory (fg (K, 3) int32 and fg_class (K,) int32)
+LOCATION_BYTES = 16
+
+
 def pipeline_memory_budget(pipeline) -> float:
-    """The input's memory budget in MB: `pipeline.memory_budget`, else `BUDGET_SHARE` of the usable memory now."""
+    """The input's memory budget in MB: `pipeline.memory_budget`, else `BUDGET_SHARE` of the usable memory when this
+    process first asked (the training's start: its `Input memory:` line), the same number every time after."""
     if pipeline.memory_budget is not None:
         try:
             return parse_memory_mb(str(pipeline.memory_budget))
         except ValueError as e:
             raise ConfigError(f"pipeline.memory_budget: {e} (e.g. 6GB), or null for half the usable memory") from e
-    return BUDGET_SHARE * host_memory()["available_mb"]
+    if not _MEASURED_BUDGET:
+        _MEASURED_BUDGET.append(BUDGET_SHARE * host_memory()["available_mb"])
+    return _MEASURED_BUDGET[0]
 
 
-def patch_input(pipeline, channels: int, accumulation_steps: int, budget_mb: float, image_bytes: int = 4) -> dict:
+def patch_input(
+    pipeline, channels: int, accumulation_steps: int, budget_mb: float, image_bytes: int = 4, num_classes: int = 2
+) -> dict:
     """What one patch-read input pipeline holds, and how many crops it reads at once to stay within `budget_mb`.
 
     In flight: two windows per reader and two per usable CPU (`train_crop_size`: the patch plus the spatial
@@ -53,12 +65,14 @@ def patch_input(pipeline, channels: int, accumulation_steps: int, budget_mb: flo
     built, the prefetched batches and the one the step holds (patch-sized, or window-sized with
     `augment.placement: step`). Readers: two per usable CPU (4 to 16; page faults of one crop wait on the disk
     while another copies), fewer when their windows would pass the budget (a 128³ patch with rotation reads
-    windows of ~100-200 MB), at least one.
+    windows of ~100-200 MB), at least one. And the class locations `PatchArrays` keeps loaded: `LOCATION_CASES`
+    cases of up to `max_foreground_indices` locations for each of the `num_classes` - 1 foreground classes.
 
     `image_bytes`: the stored image's bytes a voxel (2 for float16 records), what `placement: step` carries.
 
-    Returns {"readers", "windows", "window_mb", "augment_mb", "patches", "patch_mb", "held_mb"}.
+    Returns {"readers", "windows", "window_mb", "augment_mb", "patches", "patch_mb", "locations_mb", "held_mb"}.
     """
+    from tfmis.data.patch_layout import LOCATION_CASES
     from tfmis.data.pipeline import train_crop_size
     from tfmis.transforms.augment import spatial_enabled
 
@@ -75,11 +89,12 @@ def patch_input(pipeline, channels: int, accumulation_steps: int, budget_mb: flo
     if p.augment.placement == "pipeline":
         per_voxel = 8 * channels + 4 + (RESAMPLE_BYTES + 32 * channels if spatial_enabled(p.augment) else 0)
         augment_mb = float(np.prod(p.patch_size)) * per_voxel / MB
+    locations_mb = LOCATION_CASES * LOCATION_BYTES * p.max_foreground_indices * max(num_classes - 1, 1) / MB
     readers = min(16, max(4, 2 * cpus))
     while True:
         # each parallel map (the readers', the augmentation's) holds its parallelism in flight and as many done
         windows = 2 * readers + 2 * cpus
-        held = windows * window_mb + cpus * augment_mb + patches * patch_mb
+        held = windows * window_mb + cpus * augment_mb + patches * patch_mb + locations_mb
         if held <= budget_mb or readers == 1:
             break
         readers -= 1
@@ -90,8 +105,20 @@ def patch_input(pipeline, channels: int, accumulation_steps: int, budget_mb: flo
         "augment_mb": augment_mb,
         "patches": patches,
         "patch_mb": patch_mb,
+        "locations_mb": locations_mb,
         "held_mb": held,
     }
+
+
+def keeps_pages(index: dict, split: str, room_mb: float) -> bool:
+    """Whether `pipeline.cache: patches` reads keep their pages in the page cache: when the split's arrays fit in
+    `room_mb` (the budget less what the input holds), so that later epochs read them from memory; else each read
+    gives its pages back (`PatchArrays(drop_pages=True)`): a cache smaller than the arrays, read at random, would
+    keep few of them, and a cgroup is charged for every page it keeps."""
+    from tfmis.data.patch_layout import arrays_size
+
+    entries = split_cases(index, split)
+    return arrays_size(entries, index["preprocessing"]["image_dtype"]) <= room_mb * MB
 
 
 def image_bytes(index: dict) -> int:
@@ -128,20 +155,48 @@ def input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
         what = f"at most {min(bound, len(train))} decoded volumes per input pipeline"
     elif p.cache == "patches":
         plan = patch_input(
-            p, len(index["source"]["modalities"]), config.training.accumulation_steps, budget, image_bytes(index)
+            p,
+            len(index["source"]["modalities"]),
+            config.training.accumulation_steps,
+            budget,
+            image_bytes(index),
+            len(index["source"]["labels"]),
         )
         held = input_pipelines * plan["held_mb"]
+        keep = keeps_pages(index, config.data.train_split, budget - plan["held_mb"])  # as patch_read_plan decides
         what = (
             f"no volume: per input pipeline {plan['readers']} readers, {plan['windows']} crop windows of "
             f"{plan['window_mb']:.1f} MB"
             + (f", {usable_cpu_count()} augmentations of {plan['augment_mb']:.1f} MB" if plan["augment_mb"] else "")
-            + f" and {plan['patches']} batched crops of {plan['patch_mb']:.1f} MB in flight"
+            + f", {plan['patches']} batched crops of {plan['patch_mb']:.1f} MB in flight and class locations of "
+            f"{plan['locations_mb']:.1f} MB; the arrays read "
+            + (
+                "through the page cache (they fit beside)"
+                if keep
+                else "with their pages dropped (larger than the room left)"
+            )
         )
     else:
         held = 3 * largest
         what = f"the volumes being read from the TFRecords (pipeline.cache={p.cache})"
     line = f"Input memory: {held:,.0f} MB held ({what}); budget {budget:,.0f} MB"
     return {"cache": p.cache, "held_mb": held, "budget_mb": budget, "fits": held <= budget, "what": what, "line": line}
+
+
+def patch_read_plan(config, index: dict) -> dict:
+    """What one patch-read pipeline of this run uses: `patch_input`'s plan at the run's budget (measured once,
+    `pipeline_memory_budget`) and `drop_pages` (not `keeps_pages`): the numbers its `Input memory:` line said."""
+    p = config.pipeline
+    budget = pipeline_memory_budget(p)
+    plan = patch_input(
+        p,
+        len(index["source"]["modalities"]),
+        config.training.accumulation_steps,
+        budget,
+        image_bytes(index),
+        len(index["source"]["labels"]),
+    )
+    return {**plan, "drop_pages": not keeps_pages(index, config.data.train_split, budget - plan["held_mb"])}
 
 
 def check_input_memory(config, index: dict, input_pipelines: int = 1) -> dict:

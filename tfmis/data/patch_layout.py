@@ -1,8 +1,8 @@
-"""The patch-read layout (`pipeline.cache: patches`): training crops read from memory-mapped arrays, not volumes.
+"""The patch-read layout (`pipeline.cache: patches`): training crops read from uncompressed arrays, not volumes.
 
 A converted dataset's TFRecords hold each case compressed in one record: a crop needs the whole volume decoded.
 For datasets larger than memory, training reads its crops from this layout instead, written once beside the
-records (nnU-Net's idea: uncompressed arrays a patch is cut from through a memory map):
+records (nnU-Net's idea: uncompressed arrays a patch is cut from without decoding the volume):
 ```
 OUT/arrays/
   <case>.image.npy        (x, y, z, C) in the records' image dtype (float16 by default), C order, uncompressed
@@ -10,9 +10,12 @@ OUT/arrays/
   <case>.locations.npz    the class locations: `foreground_indices` of the label (fg (K, 3) int32, fg_class (K,))
   <case>.json             written last: the record it came from, shape, dtype, the locations' seed and count
 ```
-A crop of a memory-mapped array reads only the pages it covers: a 128³ crop of a 512 x 512 x 300 float16 CT reads
-128 x 128 runs of 128 x 2 bytes (4 MB) of its 157 MB. The page cache keeps what was read and the kernel gives it
-back under pressure; the process holds no volume (docs/training.md, "Data larger than memory", says why this layout).
+A crop reads only the rows it covers, with positional reads (one per x: the box's y rows with every z, contiguous
+on disk): a 128³ crop of a 512 x 512 x 300 float16 CT reads 128 runs of 128 x 300 x 2 bytes (9.8 MB) of its 157 MB.
+Nothing is memory-mapped, so what was read never counts in the process's RSS (a map's pages did: 400 crops of 64³
+took its file-backed RSS from 13 to 223 MB); the page cache keeps it, which a cgroup is charged for, unless the
+arrays cannot fit beside the input's budget: then each read gives its pages back at once (`drop_pages`). The
+process holds no volume (docs/training.md, "Data larger than memory", says why this layout).
 
 Each file is written atomically (a temporary renamed when whole) and the case's json last, so an interrupted
 writing resumes where it stopped, and a case whose record changed (a new conversion: its place or the sha256 of its
@@ -20,8 +23,8 @@ bytes in index.json) is written again. `tfmis-convert --overwrite` removes the f
 and `PatchArrays` refuses arrays that do not belong to the current records, so a crop never comes from an older
 conversion.
 
-Open files stay bounded: a memory map holds a file descriptor, so `PatchArrays` keeps the maps of at most
-`MAX_OPEN_CASES` cases (least recently used closed first), whatever the number of cases.
+Open files stay bounded: `PatchArrays` keeps the files of at most `MAX_OPEN_CASES` cases open (least recently used
+closed first), and the class locations of `LOCATION_CASES`, whatever the number of cases.
 
 Example:
 ```python
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
+import os
 import shutil
 import threading
 import time
@@ -49,9 +54,12 @@ from tfmis.utils.io import atomic_path, atomic_write_json
 
 ARRAYS_DIR = "arrays"
 LAYOUT_VERSION = 1
-# cases whose maps stay open at once: a map holds a file descriptor (two a case), and the usual limit is 1024
+# cases whose files stay open at once (two descriptors a case; the usual limit is 1024)
 MAX_OPEN_CASES = 64
-FD_MARGIN = 64  # descriptors left to everything else when the open-file limit caps the open maps
+# cases whose class locations stay loaded (16 bytes a location, up to max_per_class a class present: ~4.5 MB a case
+# at 15 classes); locate() works on two cases at once, so four is room to spare, and tfmis.data.budget counts them
+LOCATION_CASES = 4
+FD_MARGIN = 64  # descriptors left to everything else when the open-file limit caps the open cases
 
 
 def arrays_dir(dataset_dir: str | Path) -> Path:
@@ -284,7 +292,7 @@ def training_cases(dataset_dir: str | Path, split: str) -> list[str]:
 
 
 def _open_cases_allowed(wanted: int, folder: Path) -> int:
-    """`wanted` cases' maps (two descriptors each), fewer when the open-file limit has no room for them beside the
+    """`wanted` cases' files (two descriptors each), fewer when the open-file limit has no room for them beside the
     files open now and `FD_MARGIN` for what opens later (TensorFlow's threads, checkpoints, logs); refused
     (ResourceError, one line) when not even one case fits."""
     from tfmis.hardware import open_files
@@ -296,25 +304,88 @@ def _open_cases_allowed(wanted: int, folder: Path) -> int:
     room = (soft - open_now - FD_MARGIN) // 2
     if room < 1:
         raise ResourceError(
-            f"{folder}: the open-file limit {soft} leaves no room for a case's two memory maps beside the {open_now} "
+            f"{folder}: the open-file limit {soft} leaves no room for a case's two array files beside the {open_now} "
             f"files open and {FD_MARGIN} kept for others; raise it (ulimit -n 4096)"
         )
     return max(1, min(wanted, room))
 
 
+class _CaseFiles:
+    """One case's open array files: (file, data offset, shape, dtype) for the image and the label. Readers hold a
+    reference while they read, so an eviction from the LRU closes a file only once its last read is done."""
+
+    def __init__(self, folder: Path, case_id: str, drop_pages: bool = False):
+        self.image = self._open(folder / f"{case_id}.image.npy", drop_pages)
+        self.label = self._open(folder / f"{case_id}.label.npy", drop_pages)
+
+    @staticmethod
+    def _open(path: Path, drop_pages: bool) -> tuple:
+        f = open(path, "rb", buffering=0)
+        if drop_pages and hasattr(os, "posix_fadvise"):  # no read-ahead: it would cache pages no crop asked for
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        try:  # the .npy header: shape, dtype and where the data starts
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)
+        except Exception:
+            f.close()
+            raise
+        if fortran:
+            f.close()
+            raise DataError(f"{path}: a Fortran-order array; the layout writes C order: write it again")
+        if drop_pages and hasattr(os, "posix_fadvise"):
+            _drop(f.fileno(), 0, f.tell())  # the header's page
+        return f, f.tell(), tuple(shape), np.dtype(dtype)
+
+
+def _read_box(files: tuple, lo, hi, out: np.ndarray, dst: tuple, drop_pages: bool) -> None:
+    """Copies [lo, hi) of a C-order .npy array (x, y, z[, C]) into `out[dst]` with positional reads, one per x: the
+    rows y of the box with every z (contiguous on disk), z cut in memory. With `drop_pages` the page cache of the
+    range read is given back at once (posix_fadvise DONTNEED), so that neither the process (no map: its RSS) nor its
+    cgroup (the page cache) keeps what was read."""
+    f, offset, shape, dtype = files
+    fd = f.fileno()
+    row = int(np.prod(shape[2:])) * dtype.itemsize  # one (x, y) row: every z and channel
+    count = int(hi[1] - lo[1]) * row
+    first = offset + (int(lo[0]) * shape[1] + int(lo[1])) * row
+    for i, x in enumerate(range(int(lo[0]), int(hi[0]))):
+        start = offset + (x * shape[1] + int(lo[1])) * row
+        data = os.pread(fd, count, start)
+        if len(data) != count:
+            raise DataError(f"{f.name}: {len(data)} bytes at {start} where {count} were expected (truncated?)")
+        block = np.frombuffer(data, dtype).reshape(int(hi[1] - lo[1]), *shape[2:])[:, int(lo[2]) : int(hi[2])]
+        out[(dst[0].start + i, dst[1], dst[2])] = block
+    if drop_pages and hasattr(os, "posix_fadvise"):
+        _drop(fd, first, start + count)
+
+
+def _drop(fd: int, start: int, stop: int) -> None:
+    """Gives the page cache of bytes [start, stop) of `fd` back, the pages they touch whole (the kernel drops only
+    the pages a range covers entirely)."""
+    page = mmap.PAGESIZE
+    low, high = start // page * page, -(-stop // page) * page
+    os.posix_fadvise(fd, low, high - low, os.POSIX_FADV_DONTNEED)
+
+
 class PatchArrays:
-    """The patch-read layout of `case_ids`, memory-mapped: crops and label lookups read only what they cover.
+    """The patch-read layout of `case_ids`: crops and label lookups read only what they cover.
 
     Cases are addressed by their position in `case_ids`. Every case's arrays must come from its current record in
-    index.json (refused otherwise: `DataError`). The maps open on first use; at most `max_open` cases keep theirs
-    open (each map holds a file descriptor), the least recently used closed first. A map costs address space, not
-    memory: the pages read stay in the page cache, which the kernel reclaims.
+    index.json (refused otherwise: `DataError`). Reads are positional (`os.pread`), never memory maps, so the pages
+    read count in no process's RSS; with `drop_pages` they leave the page cache too, which a cgroup is charged for
+    (`tfmis.data.budget.keeps_pages` decides: only when the arrays do not fit beside the input's budget, where a
+    cache would not hold them anyway). The files open on first use; at most `max_open` cases keep theirs open (a
+    descriptor each file), the least recently used closed first; the class locations of the last
+    `LOCATION_CASES` cases stay loaded (what the budget counts).
     """
 
-    def __init__(self, dataset_dir: str | Path, case_ids: list[str], max_open: int = MAX_OPEN_CASES):
+    def __init__(
+        self, dataset_dir: str | Path, case_ids: list[str], max_open: int = MAX_OPEN_CASES, drop_pages: bool = False
+    ):
         self.folder = arrays_dir(dataset_dir)
         self.case_ids = list(case_ids)
         self.max_open = _open_cases_allowed(int(max_open), self.folder)
+        self.drop_pages = bool(drop_pages)
         self.manifests = []
         records = load_index(dataset_dir)["cases"]
         for case_id in self.case_ids:
@@ -332,9 +403,9 @@ class PatchArrays:
                     "train with pipeline.cache=patches, which does it at the start)"
                 )
             self.manifests.append(manifest)
-        self._maps: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._files: OrderedDict[int, _CaseFiles] = OrderedDict()
         self._lock = threading.Lock()
-        self._locations: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._locations: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
     @property
     def shapes(self) -> np.ndarray:
@@ -347,61 +418,68 @@ class PatchArrays:
 
     @property
     def open_cases(self) -> int:
-        """Cases whose maps are open now (at most `max_open`)."""
-        return len(self._maps)
+        """Cases whose files are open now (at most `max_open`)."""
+        return len(self._files)
 
-    def _arrays(self, case: int) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def loaded_locations(self) -> int:
+        """Cases whose class locations are loaded now (at most `LOCATION_CASES`)."""
+        return len(self._locations)
+
+    def _case(self, case: int) -> _CaseFiles:
         with self._lock:  # tf.data's reader threads share this instance
-            return self._open(case)
-
-    def _open(self, case: int) -> tuple[np.ndarray, np.ndarray]:
-        if case in self._maps:
-            self._maps.move_to_end(case)
-            return self._maps[case]
-        while len(self._maps) >= self.max_open:  # dropping the last reference closes the map and its descriptor
-            self._maps.popitem(last=False)
-        case_id = self.case_ids[case]
-        try:
-            maps = (
-                np.load(self.folder / f"{case_id}.image.npy", mmap_mode="r"),
-                np.load(self.folder / f"{case_id}.label.npy", mmap_mode="r"),
-            )
-        except OSError as e:
-            if e.errno == errno.EMFILE:
-                raise ResourceError(
-                    f"{self.folder}: too many open files opening case {case_id!r}'s arrays ({2 * len(self._maps)} "
-                    "held by the open maps, the rest by the process's other files); raise the limit (ulimit -n 4096)"
-                ) from None
-            raise
-        self._maps[case] = maps
-        return maps
+            if case in self._files:
+                self._files.move_to_end(case)
+                return self._files[case]
+            while len(self._files) >= self.max_open:  # the last reference dropped closes its files
+                self._files.popitem(last=False)
+            case_id = self.case_ids[case]
+            try:
+                files = _CaseFiles(self.folder, case_id, self.drop_pages)
+            except OSError as e:
+                if e.errno == errno.EMFILE:
+                    raise ResourceError(
+                        f"{self.folder}: too many open files opening case {case_id!r}'s arrays "
+                        f"({2 * len(self._files)} held by the open cases, the rest by the process's other files); "
+                        "raise the limit (ulimit -n 4096)"
+                    ) from None
+                raise
+            self._files[case] = files
+            return files
 
     def locations(self, case: int) -> tuple[np.ndarray, np.ndarray]:
         """The case's class locations (fg (K, 3) int32, fg_class (K,) int32), as indexed when it was written."""
-        if case not in self._locations:
-            with np.load(self.folder / f"{self.case_ids[case]}.locations.npz") as stored:
-                self._locations[case] = (stored["fg"].astype(np.int32), stored["fg_class"].astype(np.int32))
-        return self._locations[case]
+        with self._lock:
+            if case in self._locations:
+                self._locations.move_to_end(case)
+                return self._locations[case]
+        with np.load(self.folder / f"{self.case_ids[case]}.locations.npz") as stored:
+            found = (stored["fg"].astype(np.int32), stored["fg_class"].astype(np.int32))
+        with self._lock:
+            self._locations[case] = found
+            while len(self._locations) > LOCATION_CASES:
+                self._locations.popitem(last=False)
+        return found
 
     def labels_at(self, case: int, indices: np.ndarray) -> np.ndarray:
-        """The labels at (N, 3) voxel indices inside the volume (uint8, (N,))."""
-        label = self._arrays(case)[1]
-        indices = np.asarray(indices)
-        return np.asarray(label[indices[:, 0], indices[:, 1], indices[:, 2]], np.uint8)
+        """The labels at (N, 3) voxel indices inside the volume (uint8, (N,)): one byte read each."""
+        f, offset, shape, _ = self._case(case).label
+        indices = np.asarray(indices, np.int64).reshape(-1, 3)
+        flat = (indices[:, 0] * shape[1] + indices[:, 1]) * shape[2] + indices[:, 2]
+        return np.array([os.pread(f.fileno(), 1, offset + int(i))[0] for i in flat], np.uint8)
 
     def window(self, case: int, origin, size, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
         """The `size` window at `origin` (voxels; negative or past the end = zeros there), as
         `tfmis.transforms.augment.window` cuts it from the decoded volume: image (*size, C) as `dtype`, label (*size)
-        uint8, read straight into place."""
-        image, label = self._arrays(case)
+        uint8, read straight into place (`_read_box`)."""
+        files = self._case(case)
         origin, size = np.asarray(origin, np.int64), np.asarray(size, np.int64)
-        shape = np.asarray(label.shape, np.int64)
+        shape = np.asarray(files.label[2], np.int64)
         lo, hi = np.clip(origin, 0, shape), np.clip(origin + size, 0, shape)
-        out_image = np.zeros((*size, image.shape[-1]), dtype)
+        out_image = np.zeros((*size, files.image[2][-1]), dtype)
         out_label = np.zeros(tuple(size), np.uint8)
         if np.all(hi > lo):
-            src = tuple(slice(a, b) for a, b in zip(lo, hi))
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin))
-            out_image[dst] = image[src]
-            out_label[dst] = label[src]
+            _read_box(files.image, lo, hi, out_image, dst, self.drop_pages)
+            _read_box(files.label, lo, hi, out_label, dst, self.drop_pages)
         return out_image, out_label

@@ -245,21 +245,19 @@ def build_train_dataset(
 
 def _patch_stream(config, index, input_context, stream_seed: int, pipeline_id: int) -> tf.data.Dataset:
     """The crops of `pipeline.cache: patches`: `patch_crops` of the cases in the volume stream's order and shuffle."""
+    from tfmis.data.budget import patch_read_plan
     from tfmis.data.patch_layout import PatchArrays, check_locations
 
     p = config.pipeline
     order = volume_order(index, config.data.dataset_dir, config.data.train_split, input_context)
-    arrays = PatchArrays(config.data.dataset_dir, order)
+    plan = patch_read_plan(config, index)  # the plan the run's `Input memory:` line said
+    arrays = PatchArrays(config.data.dataset_dir, order, drop_pages=plan["drop_pages"])
     check_locations(arrays, p.max_foreground_indices, config.training.seed)
     dataset = tf.data.Dataset.range(len(order))
     dataset = dataset.shuffle(p.shuffle_volumes, seed=stream_seed, reshuffle_each_iteration=True).repeat()
     dataset = dataset.enumerate()
     locate, read = patch_crops(p, arrays, stream_seed, pipeline_id, step_image_dtype(index))
-    from tfmis.data.budget import image_bytes, patch_input, pipeline_memory_budget
-
-    channels = len(index["source"]["modalities"])
-    budget = pipeline_memory_budget(p)
-    readers = patch_input(p, channels, config.training.accumulation_steps, budget, image_bytes(index))["readers"]
+    readers = plan["readers"]
     # where the crops lie (a few label voxels read) for two volumes at once, then `readers` crops read at once: a
     # parallel map holds at most its parallelism in flight and as many done, which is what the budget counts
     dataset = dataset.map(locate, num_parallel_calls=2, deterministic=p.deterministic).unbatch()
