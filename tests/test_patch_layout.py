@@ -22,7 +22,9 @@ from tfmis.data.patch_layout import (
     PatchArrays,
     arrays_dir,
     arrays_size,
+    check_locations,
     layout_status,
+    locations_file,
     training_cases,
     write_patch_layout,
 )
@@ -137,7 +139,8 @@ def test_a_window_reads_as_the_decoded_volume_window_inside_across_and_outside_t
 def test_writing_the_arrays_resumes_rewrites_a_reconverted_case_and_reindexes_only_the_locations(layout_dataset):
     """A second writing writes nothing; a case without its manifest (a writer stopped mid-case, its .npy files left
     behind) and a case whose record moved (a new conversion) are written again, the others left alone; another
-    training seed re-indexes the class locations only; the arrays always equal the records."""
+    training seed indexes its own class locations only, beside the first seed's, which a run of that seed goes on
+    reading unchanged; the arrays always equal the records."""
     cases = training_cases(layout_dataset, "train")
     first = _write(layout_dataset)
     assert first["written"] == len(cases) == 6 and first["bytes"] > 0
@@ -155,8 +158,17 @@ def test_writing_the_arrays_resumes_rewrites_a_reconverted_case_and_reindexes_on
     for c in cases:
         changed = (folder / f"{c}.image.npy").stat().st_mtime_ns != stamps[c]
         assert changed == (c in (cases[1], cases[4])), c
+    seed0 = {c: locations_file(folder, c, 20000, 0).read_bytes() for c in cases}
+    reading = PatchArrays(layout_dataset, cases)
+    check_locations(reading, 20000, 0)  # a run of seed 0, reading while a run of seed 5 indexes its own
     other_seed = _write(layout_dataset, seed=5)
     assert other_seed["written"] == 0 and other_seed["relocated"] == len(cases)
+    assert all(locations_file(folder, c, 20000, 0).read_bytes() == seed0[c] for c in cases)  # left alone
+    assert all(locations_file(folder, c, 20000, 5).is_file() for c in cases)
+    assert layout_status(layout_dataset, cases, 20000, 0)["done"] == cases  # both sets indexed
+    for number, case_id in enumerate(cases):
+        with np.load(locations_file(folder, case_id, 20000, 0)) as stored:
+            np.testing.assert_array_equal(reading.locations(number)[0], stored["fg"])
     _assert_arrays_equal_records(layout_dataset, cases)
     assert not list(folder.glob("*.tmp*")) and not list(folder.glob(".*"))
 
@@ -660,7 +672,7 @@ def test_a_thousand_cases_read_under_ulimit_256_open_files(tmp_path):
     folder, many = arrays_dir(target), []
     for number in range(1200):  # the index and the manifests name each copy as its own case
         case_id, original = f"copy_{number:04d}", cases[number % len(cases)]
-        for suffix in (".image.npy", ".label.npy", ".locations.npz"):
+        for suffix in (".image.npy", ".label.npy", ".locations-s0-n20000.npz"):
             shutil.copy(folder / f"{original}{suffix}", folder / f"{case_id}{suffix}")
         manifest = json.loads((folder / f"{original}.json").read_text())
         (folder / f"{case_id}.json").write_text(json.dumps({**manifest, "case_id": case_id}))

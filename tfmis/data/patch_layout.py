@@ -7,8 +7,9 @@ records (nnU-Net's idea: uncompressed arrays a patch is cut from without decodin
 OUT/arrays/
   <case>.image.npy        (x, y, z, C) in the records' image dtype (float16 by default), C order, uncompressed
   <case>.label.npy        (x, y, z) uint8
-  <case>.locations.npz    the class locations: `foreground_indices` of the label (fg (K, 3) int32, fg_class (K,))
-  <case>.json             written last: the record it came from, shape, dtype, the locations' seed and count
+  <case>.locations-s<seed>-n<count>.npz   the class locations of one training seed and per-class count:
+                          `foreground_indices` of the label (fg (K, 3) int32, fg_class (K,))
+  <case>.json             written last: the record it came from, shape, dtype, the location sets indexed
 ```
 A crop reads only the rows it covers, with positional reads (one per x: the box's y rows with every z, contiguous
 on disk): a 128³ crop of a 512 x 512 x 300 float16 CT reads 128 runs of 128 x 300 x 2 bytes (9.8 MB) of its 157 MB.
@@ -53,7 +54,7 @@ from tfmis.errors import ConfigError, DataError, MissingInput, ResourceError
 from tfmis.utils.io import atomic_path, atomic_write_json
 
 ARRAYS_DIR = "arrays"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: one class-locations file per (seed, count), so runs of other seeds never rewrite another's
 # cases whose files stay open at once (two descriptors a case; the usual limit is 1024)
 MAX_OPEN_CASES = 64
 # cases whose class locations stay loaded (16 bytes a location, up to max_per_class a class present: ~4.5 MB a case
@@ -89,8 +90,8 @@ def _case_manifest(folder: Path, case_id: str) -> dict | None:
 def layout_status(dataset_dir: str | Path, case_ids: list[str], max_per_class: int, seed: int) -> dict:
     """Which of `case_ids` the layout holds as wanted: {"done": [...], "locations": [...], "missing": [...]}.
 
-    `locations`: arrays written from the current record, but class locations of another seed or count (only those
-    are written again); `missing`: no arrays, or arrays of an older record."""
+    `locations`: arrays written from the current record, but no class locations of this seed and count (only those
+    are written, beside the others'); `missing`: no arrays, or arrays of an older record."""
     index = load_index(dataset_dir)
     folder = arrays_dir(dataset_dir)
     status = {"done": [], "locations": [], "missing": []}
@@ -105,7 +106,7 @@ def layout_status(dataset_dir: str | Path, case_ids: list[str], max_per_class: i
             or manifest.get("record") != _record_identity(entry)
         ):
             status["missing"].append(case_id)
-        elif manifest.get("locations") != {"max_per_class": max_per_class, "seed": seed}:
+        elif _location_set(max_per_class, seed) not in manifest.get("location_sets", []):
             status["locations"].append(case_id)
         else:
             status["done"].append(case_id)
@@ -161,8 +162,9 @@ def write_patch_layout(
     """Writes (or completes) the patch-read layout of `case_ids` of a converted dataset; returns its summary
     {"cases", "written", "relocated", "seconds", "bytes"}.
 
-    Resumable and idempotent: cases already written from their current record are left alone; a case whose
-    locations were made with another `seed` or `max_per_class` gets new locations only. Reads the records of the
+    Resumable and idempotent: cases already written from their current record are left alone; a case without class
+    locations of this `seed` and `max_per_class` gets them beside its others (a run of another seed reading its own
+    meanwhile is not disturbed). Reads the records of the
     cases to write (one decoded case in memory at a time).
     """
     import tensorflow as tf
@@ -177,11 +179,12 @@ def write_patch_layout(
     todo = set(status["missing"])
     check_free_space(folder, [index["cases"][c] for c in sorted(todo)], index["preprocessing"]["image_dtype"])
     for case_id in status["locations"]:  # arrays are there: the label map gives the locations
-        label = np.load(folder / f"{case_id}.label.npy", mmap_mode="r")
-        fg, fg_class = _locations(np.asarray(label), num_classes, max_per_class, seed)
-        _write_locations(folder, case_id, fg, fg_class)
+        label = np.load(folder / f"{case_id}.label.npy")
+        fg, fg_class = _locations(label, num_classes, max_per_class, seed)
+        del label
+        _write_locations(folder, case_id, max_per_class, seed, fg, fg_class)
         manifest = _case_manifest(folder, case_id)
-        manifest["locations"] = {"max_per_class": max_per_class, "seed": seed}
+        manifest["location_sets"] = [*manifest.get("location_sets", []), _location_set(max_per_class, seed)]
         atomic_write_json(folder / f"{case_id}.json", manifest)
     prep = index["preprocessing"]
     by_file: dict[str, list[dict]] = {}
@@ -208,7 +211,7 @@ def write_patch_layout(
             _save_npy(folder / f"{case_id}.image.npy", image)
             _save_npy(folder / f"{case_id}.label.npy", label)
             fg, fg_class = _locations(label, num_classes, max_per_class, seed)
-            _write_locations(folder, case_id, fg, fg_class)
+            _write_locations(folder, case_id, max_per_class, seed, fg, fg_class)
             atomic_write_json(
                 folder / f"{case_id}.json",
                 {
@@ -218,7 +221,7 @@ def write_patch_layout(
                     "shape": list(label.shape),
                     "channels": int(image.shape[-1]),
                     "image_dtype": str(image.dtype),
-                    "locations": {"max_per_class": max_per_class, "seed": seed},
+                    "location_sets": [_location_set(max_per_class, seed)],
                 },
             )
             written += 1
@@ -261,29 +264,42 @@ def check_free_space(folder: Path, entries: list[dict], image_dtype: str) -> Non
         )
 
 
-def _write_locations(folder: Path, case_id: str, fg: np.ndarray, fg_class: np.ndarray) -> None:
-    with atomic_path(folder / f"{case_id}.locations.npz", suffix=".npz") as tmp, open(tmp, "wb") as f:
+def _location_set(max_per_class: int, seed: int) -> dict:
+    return {"max_per_class": int(max_per_class), "seed": int(seed)}
+
+
+def locations_file(folder: Path, case_id: str, max_per_class: int, seed: int) -> Path:
+    """The file of a case's class locations for one training seed and per-class count."""
+    return folder / f"{case_id}.locations-s{int(seed)}-n{int(max_per_class)}.npz"
+
+
+def _write_locations(folder: Path, case_id: str, max_per_class: int, seed: int, fg, fg_class) -> None:
+    with atomic_path(locations_file(folder, case_id, max_per_class, seed), suffix=".npz") as tmp, open(tmp, "wb") as f:
         np.savez(f, fg=fg, fg_class=fg_class)
 
 
 def layout_bytes(dataset_dir: str | Path, case_ids: list[str]) -> int:
-    """Bytes on disk of the layout's files of `case_ids`."""
+    """Bytes on disk of the layout's files of `case_ids` (every set of class locations included)."""
     folder = arrays_dir(dataset_dir)
-    suffixes = (".image.npy", ".label.npy", ".locations.npz", ".json")
-    return sum((folder / f"{c}{s}").stat().st_size for c in case_ids for s in suffixes if (folder / f"{c}{s}").exists())
+    total = 0
+    for c in case_ids:
+        files = [folder / f"{c}{s}" for s in (".image.npy", ".label.npy", ".json")]
+        total += sum(f.stat().st_size for f in [*files, *folder.glob(f"{c}.locations-*.npz")] if f.exists())
+    return total
 
 
 def check_locations(arrays: PatchArrays, max_per_class: int, seed: int) -> None:
-    """Refuses (ConfigError) arrays whose class locations were indexed with another seed or count than the run's
-    `training.seed` and `pipeline.max_foreground_indices`: their crops would not be the volume pipeline's."""
-    wanted = {"max_per_class": max_per_class, "seed": seed}
+    """Refuses (ConfigError) arrays without class locations indexed with the run's `training.seed` and
+    `pipeline.max_foreground_indices` (their crops would not be the volume pipeline's); else `arrays` reads those."""
+    wanted = _location_set(max_per_class, seed)
     for case_id, manifest in zip(arrays.case_ids, arrays.manifests):
-        if manifest.get("locations") != wanted:
+        if wanted not in manifest.get("location_sets", []):
             raise ConfigError(
-                f"{arrays.folder / (case_id + '.json')}: class locations indexed with {manifest.get('locations')}, "
+                f"{arrays.folder / (case_id + '.json')}: class locations indexed with {manifest.get('location_sets')}, "
                 f"the run samples with {wanted} (pipeline.max_foreground_indices, training.seed); they are "
-                "indexed again at training start (tfmis.data.patch_layout.write_patch_layout)"
+                "indexed at training start (tfmis.data.patch_layout.write_patch_layout)"
             )
+    arrays.location_set = wanted
 
 
 def training_cases(dataset_dir: str | Path, split: str) -> list[str]:
@@ -396,6 +412,12 @@ class PatchArrays:
                     "with pipeline.cache=patches (or run tfmis-convert with --patch-layout)"
                 )
             entry = records.get(case_id)
+            if manifest.get("version") != LAYOUT_VERSION:
+                raise DataError(
+                    f"{self.folder / (case_id + '.json')}: the arrays of case {case_id!r} are of layout version "
+                    f"{manifest.get('version')}, this tfmis reads {LAYOUT_VERSION}; write them again (tfmis-convert "
+                    "--patch-layout, or train with pipeline.cache=patches, which does it at the start)"
+                )
             if entry is None or manifest.get("record") != _record_identity(entry):
                 raise DataError(
                     f"{self.folder / (case_id + '.json')}: the arrays of case {case_id!r} were written from another "
@@ -403,6 +425,8 @@ class PatchArrays:
                     "train with pipeline.cache=patches, which does it at the start)"
                 )
             self.manifests.append(manifest)
+        # the class locations read: the run's (`check_locations` sets it), else each case's first set
+        self.location_set: dict | None = None
         self._files: OrderedDict[int, _CaseFiles] = OrderedDict()
         self._lock = threading.Lock()
         self._locations: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
@@ -453,7 +477,9 @@ class PatchArrays:
             if case in self._locations:
                 self._locations.move_to_end(case)
                 return self._locations[case]
-        with np.load(self.folder / f"{self.case_ids[case]}.locations.npz") as stored:
+        chosen = self.location_set or self.manifests[case]["location_sets"][0]
+        path = locations_file(self.folder, self.case_ids[case], chosen["max_per_class"], chosen["seed"])
+        with np.load(path) as stored:
             found = (stored["fg"].astype(np.int32), stored["fg_class"].astype(np.int32))
         with self._lock:
             self._locations[case] = found
