@@ -55,13 +55,7 @@ def _write(dataset: Path, seed: int = 0, max_per_class: int = 20000) -> dict:
 
 def _assert_arrays_equal_records(dataset: Path, cases: list[str]) -> None:
     """Every training case's whole-volume window from `PatchArrays` equals its current record, image and label."""
-    arrays = PatchArrays(dataset, cases)
-    for number, case_id in enumerate(cases):
-        record = read_record(dataset, "train", number)
-        assert record["case_id"] == case_id
-        image, label = arrays.window(number, [0, 0, 0], record["label"].shape)
-        np.testing.assert_array_equal(image, record["image"].astype(np.float32))
-        np.testing.assert_array_equal(label, record["label"])
+    _assert_arrays_equal_records_of(dataset, "train", cases)
 
 
 @pytest.mark.parametrize(
@@ -831,3 +825,43 @@ def test_the_class_locations_loaded_stay_within_what_the_budget_counts(layout_da
         arrays.locations(number)
         loaded = sum(fg.nbytes + fg_class.nbytes for fg, fg_class in arrays._locations.values())
         assert 0 < loaded <= counted, (loaded, counted)
+
+
+def test_a_k_fold_conversion_shares_the_arrays_of_the_train_val_conversion_of_the_same_data(tmp_path):
+    """The same 6 cases converted as train/val (`<dir>`) and as 3 folds (`<dir>-folds3`, where cross-validation puts
+    them): the fold conversion's layout links the arrays of the cases whose records have the same content (hard
+    links: one inode, no second copy of their bytes) instead of writing them, and reads what its records hold;
+    converting `<dir>` again (--overwrite) leaves the fold conversion's arrays as they were."""
+    from tests.conftest import make_msd_dataset
+    from tfmis.data.convert import ConversionConfig, convert
+
+    source = make_msd_dataset(tmp_path / "Task95_Shared", num_cases=6, shape=(20, 18, 12))
+    plain, folded = tmp_path / "tfrecords", tmp_path / "tfrecords-folds3"
+    index = convert(ConversionConfig(str(source), str(plain), split=(0.5, 0.5), workers=1, progress=False))
+    convert(ConversionConfig(str(source), str(folded), folds=3, split=None, workers=1, progress=False))
+    classes = len(index["source"]["labels"])
+    plain_cases = training_cases(plain, "train")
+    write_patch_layout(plain, plain_cases, classes, 20000, 0)
+    fold_cases = training_cases(folded, "fold0+fold1+fold2")
+    done = write_patch_layout(folded, fold_cases, classes, 20000, 0)
+    assert done["shared"] == len(plain_cases) and done["written"] == len(fold_cases) - len(plain_cases)
+    for case_id in plain_cases:
+        for suffix in (".image.npy", ".label.npy", ".locations-s0-n20000.npz"):
+            mine, theirs = arrays_dir(folded) / f"{case_id}{suffix}", arrays_dir(plain) / f"{case_id}{suffix}"
+            assert mine.stat().st_ino == theirs.stat().st_ino and mine.stat().st_nlink == 2
+    _assert_arrays_equal_records_of(folded, "fold0+fold1+fold2", fold_cases)
+    before = {c: (arrays_dir(folded) / f"{c}.image.npy").read_bytes() for c in fold_cases}
+    convert(ConversionConfig(str(source), str(plain), split=(0.5, 0.5), workers=1, progress=False, overwrite=True))
+    assert all((arrays_dir(folded) / f"{c}.image.npy").read_bytes() == before[c] for c in fold_cases)
+    assert write_patch_layout(folded, fold_cases, classes, 20000, 0)["written"] == 0
+
+
+def _assert_arrays_equal_records_of(dataset: Path, split: str, cases: list[str]) -> None:
+    """Every case's whole-volume window from `PatchArrays` equals its record in `split`, image and label."""
+    arrays = PatchArrays(dataset, cases)
+    for number, case_id in enumerate(cases):
+        record = read_record(dataset, split, number)
+        assert record["case_id"] == case_id
+        image, label = arrays.window(number, [0, 0, 0], record["label"].shape)
+        np.testing.assert_array_equal(image, record["image"].astype(np.float32))
+        np.testing.assert_array_equal(label, record["label"])

@@ -680,7 +680,8 @@ class StageRunner:
             )
             self.log(
                 f"Patch-read arrays: {done['cases']} training cases, {done['bytes'] / 2**30:.2f} GB on disk in "
-                f"{config.data.dataset_dir}/arrays ({done['written']} written, {done['relocated']} re-indexed, "
+                f"{config.data.dataset_dir}/arrays ({done['written']} written, {done['shared']} shared with another "
+                f"conversion, {done['relocated']} re-indexed, "
                 f"{done['seconds']:.0f} s)"
             )
 

@@ -41,6 +41,7 @@ import errno
 import json
 import mmap
 import os
+import re
 import shutil
 import threading
 import time
@@ -160,7 +161,11 @@ def write_patch_layout(
     progress: bool = False,
 ) -> dict:
     """Writes (or completes) the patch-read layout of `case_ids` of a converted dataset; returns its summary
-    {"cases", "written", "relocated", "seconds", "bytes"}.
+    {"cases", "written", "shared", "relocated", "seconds", "bytes"}.
+
+    A case whose record has the same content (sha256) as a case of a sibling conversion of the same data (the
+    train/val/test conversion `<dir>` and its K-fold ones `<dir>-folds<K>`: `_share_from_siblings`) shares its
+    arrays: hard links, not a second copy (`shared`).
 
     Resumable and idempotent: cases already written from their current record are left alone; a case without class
     locations of this `seed` and `max_per_class` gets them beside its others (a run of another seed reading its own
@@ -176,9 +181,13 @@ def write_patch_layout(
     folder = arrays_dir(dataset_dir)
     folder.mkdir(parents=True, exist_ok=True)
     status = layout_status(dataset_dir, case_ids, max_per_class, seed)
-    todo = set(status["missing"])
+    shared = _share_from_siblings(dataset_dir, index, status["missing"])
+    todo = set(status["missing"]) - set(shared)
+    status["locations"] += [c for c in shared if c not in status["locations"]]  # the twin's sets may lack ours
     check_free_space(folder, [index["cases"][c] for c in sorted(todo)], index["preprocessing"]["image_dtype"])
     for case_id in status["locations"]:  # arrays are there: the label map gives the locations
+        if _location_set(max_per_class, seed) in (_case_manifest(folder, case_id) or {}).get("location_sets", []):
+            continue  # a shared case whose twin had them
         label = np.load(folder / f"{case_id}.label.npy")
         fg, fg_class = _locations(label, num_classes, max_per_class, seed)
         del label
@@ -236,6 +245,7 @@ def write_patch_layout(
     return {
         "cases": len(case_ids),
         "written": written,
+        "shared": len(shared),
         "relocated": len(status["locations"]),
         "seconds": time.perf_counter() - start,
         "bytes": layout_bytes(dataset_dir, case_ids),
@@ -262,6 +272,61 @@ def check_free_space(folder: Path, entries: list[dict], image_dtype: str) -> Non
             f"{folder}: the patch-read arrays of {len(entries)} case(s) need {need / 2**30:.2f} GB and the disk has "
             f"{free / 2**30:.2f} GB free; free space there, or convert to a --target-dir on a larger disk"
         )
+
+
+def sibling_datasets(dataset_dir: str | Path) -> list[Path]:
+    """The other conversions of the same data beside `dataset_dir`: `<base>` and `<base>-folds<K>` (where
+    `tfmis.config.checks.folds_dataset_dir` puts a K-fold conversion), those holding patch-read arrays."""
+    here = Path(dataset_dir).resolve()
+    base = re.sub(r"-folds\d+$", "", here.name)
+    found = []
+    for candidate in sorted(here.parent.iterdir()) if here.parent.is_dir() else []:
+        if candidate != here and re.fullmatch(re.escape(base) + r"(-folds\d+)?", candidate.name):
+            if (candidate / ARRAYS_DIR).is_dir():
+                found.append(candidate)
+    return found
+
+
+def _share_from_siblings(dataset_dir: str | Path, index: dict, case_ids: list[str]) -> list[str]:
+    """Links the arrays of `case_ids` from a sibling conversion's case of the same record content (sha256, layout
+    version, shape and dtype) into this dataset's folder, with every set of class locations it has; returns the
+    cases shared. Each link is made under a temporary name and renamed into place, the manifest last, so a case is
+    shared whole or not at all; where links cannot be made (another file system) the case is written as usual."""
+    folder = arrays_dir(dataset_dir)
+    wanted = {c: index["cases"][c] for c in case_ids if index["cases"][c].get("sha256")}
+    shared = []
+    for sibling in sibling_datasets(dataset_dir) if wanted else []:
+        other_index = load_index(sibling)
+        by_digest = {e.get("sha256"): c for c, e in other_index["cases"].items() if e.get("sha256")}
+        for case_id, entry in list(wanted.items()):
+            twin = by_digest.get(entry["sha256"])
+            manifest = _case_manifest(arrays_dir(sibling), twin) if twin else None
+            if (
+                manifest is None
+                or manifest.get("version") != LAYOUT_VERSION
+                or manifest.get("record") != _record_identity(other_index["cases"][twin])
+                or other_index["preprocessing"]["image_dtype"] != index["preprocessing"]["image_dtype"]
+            ):
+                continue
+            source = arrays_dir(sibling)
+            names = [(f"{twin}.image.npy", f"{case_id}.image.npy"), (f"{twin}.label.npy", f"{case_id}.label.npy")]
+            sets = manifest.get("location_sets", [])
+            names += [
+                (locations_file(source, twin, **ls).name, locations_file(folder, case_id, **ls).name) for ls in sets
+            ]
+            try:
+                for old, new in names:
+                    temporary = folder / f".{new}.link"
+                    temporary.unlink(missing_ok=True)
+                    os.link(source / old, temporary)
+                    os.replace(temporary, folder / new)
+            except OSError:
+                continue
+            own = {**manifest, "case_id": case_id, "record": _record_identity(entry), "shared_from": str(sibling)}
+            atomic_write_json(folder / f"{case_id}.json", own)
+            shared.append(case_id)
+            del wanted[case_id]
+    return shared
 
 
 def _location_set(max_per_class: int, seed: int) -> dict:
