@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         )
         print(
             f"Patch-read arrays: {done['cases']} cases, {done['bytes'] / 2**30:.2f} GB in {args.target_dir}/arrays "
-            f"({done['written']} written, {done['seconds']:.0f} s)"
+            f"({done['written']} written, {done['shared']} shared with another conversion, {done['seconds']:.0f} s)"
         )
     if index["skipped"]:
         raise PartialFailure(
