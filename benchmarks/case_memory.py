@@ -2,7 +2,7 @@
 """The peak factors `tfmis.data.case_pool` sizes its workers with: a case worker's peak resident memory over its
 baseline, per MB of the case's float32 size (X·Y·Z·C·4 bytes), for the planner's first pass
 (`tfmis.planning.fingerprint._case_summary`), the conversion's CT window pass (`_foreground_sample`) and the
-conversion (`tfmis.data.conversion_cases._process_case`).
+conversion (`tfmis.data.conversion_cases.process_case`).
 
 Each case and pass runs in a fresh interpreter (the worker's imports only, as a spawned worker has them): its VmRSS
 before the case is the baseline, its VmHWM (reset through /proc/self/clear_refs just before) the peak. The conversion
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 ONE_CASE = r"""
 import json, sys, time
-from tfmis.data.conversion_cases import _foreground_sample, _process_case
+from tfmis.data.conversion_cases import _foreground_sample, process_case
 from tfmis.data.case_pool import case_float32_mb
 from tfmis.data.datasets import open_dataset
 from tfmis.data.preprocess import PreprocessConfig
@@ -47,7 +47,7 @@ elif what == "ct-window":
     result = {"status": "ok" if _foreground_sample((case, root)) is not None else "skipped"}
 else:
     prep = PreprocessConfig(spacing=(0.8, 0.8, 2.5), normalization=("ct",), ct_window=(-160.0, 240.0))
-    result = _process_case((case, root, prep))
+    result = process_case((case, root, prep))
 peak = peak_rss_mb()
 held = sum(result[k].nbytes for k in ("image", "label") if result.get(k) is not None) / 2**20  # what the parent gets
 print(json.dumps({"case": case_id, "pass": what, "shape": shape, "float32_mb": round(float32_mb),

@@ -79,7 +79,7 @@ def main() -> None:
         spent[1] += result[0]
         return result
 
-    shard_writer._file_digest = timed  # read by _write_shard and _finished_shards there
+    shard_writer._file_digest = timed  # read by write_shard and finished_shards there
     print("| compression | conversion | shards | read back + sha256 | share | per GB of shards |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for compression in ("GZIP", "NONE"):

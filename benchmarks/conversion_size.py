@@ -4,7 +4,7 @@
 Generates `--cases` CT-size cases with `tfmis.data.demo_ct.generate_full_case` (512 x 512 x Z, Z spread evenly
 from `--slices` MIN to MAX, 0.7-0.9 mm pixels, 1.5-5 mm slices, int16 HU), then converts the folder with
 `tfmis.data.convert.convert` (what `python -m tfmis.convert` runs) once per `--workers` value, each run in its own
-Python process. Each case's worker (`_process_case`: read, validate, preprocess, fingerprint) is wrapped so that it
+Python process. Each case's worker (`process_case`: read, validate, preprocess, fingerprint) is wrapped so that it
 records, in the process that ran it:
 
 - `seconds`: wall time of the case;
@@ -57,13 +57,13 @@ def _reset_peak() -> None:
 
 
 def measured_process_case(task):
-    """`tfmis.data.convert._process_case` with its time and peak RSS appended to the log named in LOG_ENV."""
+    """`tfmis.data.convert.process_case` with its time and peak RSS appended to the log named in LOG_ENV."""
     from tfmis.data import convert as conversion
 
     _reset_peak()
     baseline = _status_mb("VmRSS")
     start = time.perf_counter()
-    result = getattr(conversion, "_original_process_case", conversion._process_case)(task)
+    result = getattr(conversion, "_original_process_case", conversion.process_case)(task)
     record = {
         "case_id": result["case_id"],
         "pid": os.getpid(),
@@ -82,8 +82,8 @@ def run_one(args) -> int:
     """One conversion in this process (started by `main` per --workers value)."""
     from tfmis.data import convert as conversion
 
-    conversion._original_process_case = conversion._process_case
-    conversion._process_case = measured_process_case
+    conversion._original_process_case = conversion.process_case
+    conversion.process_case = measured_process_case
     _reset_peak()
     start = time.perf_counter()
     index = conversion.convert(

@@ -8,6 +8,7 @@ slice, moves one) and `save_slices` writes them under shuffled file names.
 
 from __future__ import annotations
 
+import locale
 from pathlib import Path
 
 import numpy as np
@@ -156,7 +157,18 @@ def sitk_series(folder: Path, volume: np.ndarray, affine: np.ndarray, compressor
     study, series, frame = generate_uid(), generate_uid(), generate_uid()
     orientation = "\\".join(f"{v:.10g}" for v in (*direction[:, 0], *direction[:, 1]))
     folder.mkdir(parents=True, exist_ok=True)
-    for z in range(volume.shape[2]):
+    # GDCM's JPEG writer sets the process's C locale (and leaves it): later file reads in this test process would
+    # decode as ASCII, so the locale is put back
+    saved = locale.setlocale(locale.LC_ALL)
+    try:
+        _write_planes(writer, image, volume.shape[2], folder, study, series, frame, orientation, decimals)
+    finally:
+        locale.setlocale(locale.LC_ALL, saved)
+    return folder
+
+
+def _write_planes(writer, image, slices: int, folder: Path, study, series, frame, orientation, decimals) -> None:
+    for z in range(slices):
         plane = image[:, :, z]
         point = image.TransformIndexToPhysicalPoint((0, 0, z))
         position = "\\".join(f"{v:.{decimals}f}" if decimals is not None else f"{v:.10g}" for v in point)
@@ -176,4 +188,3 @@ def sitk_series(folder: Path, volume: np.ndarray, affine: np.ndarray, compressor
             plane.SetMetaData(tag, value)
         writer.SetFileName(str(folder / f"slice{(z * 7919) % 10007:05d}.dcm"))
         writer.Execute(plane)
-    return folder

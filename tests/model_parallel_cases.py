@@ -64,7 +64,7 @@ def without_halo(self, group, lo, hi, device):
     a, b = self.bounds[own]
     start, stop = max(lo, a), min(hi, b)
     with tf.device(device):
-        x = parallel._slice(self.parts[group][own], self.axis, start - a, stop - a)
+        x = parallel.slice_along_axis(self.parts[group][own], self.axis, start - a, stop - a)
     return x, (start - lo, hi - stop)
 
 

@@ -162,7 +162,7 @@ def test_the_split_is_planned_once_and_older_fold_conversions_are_not_reused(fol
     def no_label_reads(task):
         raise AssertionError(f"label of {task[0].case_id} read again")
 
-    monkeypatch.setattr(conversion, "_label_classes", no_label_reads)
+    monkeypatch.setattr(conversion, "label_classes", no_label_reads)
     assert fold_conversion(folds_data["source"], target)["splits"] == folds_data["index"]["splits"]
     del plan["requested"]["fold_assignment"]
     (target / PLAN_FILE).write_text(json.dumps(plan))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tfmis.config.schema import Config, DataConfig, OptimizerConfig, ValidationConfig
 from tfmis.errors import ConfigError
-from tfmis.networks.architecture import _per_axis, required_divisor
+from tfmis.networks.architecture import expand_per_axis, required_divisor
 from tfmis.networks.slab_geometry import most_slabs
 
 
@@ -349,9 +349,9 @@ def _check_model_parallel_training(config: Config, setting: str) -> None:
 def _check_spatial_kernels(model, setting: str) -> None:
     """Spatial slabs cannot split a transposed convolution whose kernel is smaller than its stride (the decoder's
     upsampling: `model.kernel_size` with each level's stride)."""
-    kernel = _per_axis(model.kernel_size, "kernel_size")
+    kernel = expand_per_axis(model.kernel_size, "kernel_size")
     for level, stride in enumerate(model.strides):
-        stride = _per_axis(stride, "each stride")
+        stride = expand_per_axis(stride, "each stride")
         if any(k < s for k, s in zip(kernel, stride)):
             raise ConfigError(
                 f"{setting} cannot split this network: its upsampling at level {level} is a transposed convolution "

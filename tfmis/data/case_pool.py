@@ -32,10 +32,10 @@ from tfmis.data.msd import Case, SegmentationDataset
 from tfmis.hardware import MB, WorkerSizing, prefer_oom_kill, size_case_workers
 from tfmis.utils.parallel import map_ordered
 
-# A spawned case worker's resident memory before its case: numpy, scipy, nibabel and tfmis.data imported (62 MB
-# fresh), up to 120 MB with what its allocator kept from its previous case (docs/benchmarks.md, "Conversion at real
-# size").
-WORKER_BASE_MB = 120.0
+# A spawned case worker's resident memory before its case: numpy, scipy, nibabel and tfmis.data imported (77 MB
+# fresh; 96 MB with the dicom extra, whose GDCM library pydicom loads when nibabel imports it), up to 44 MB more with
+# what its allocator kept from its previous case (docs/benchmarks.md, "Conversion at real size").
+WORKER_BASE_MB = 140.0
 # Peak resident memory of a worker over its baseline, per MB of the case's float32 size (VmHWM of a fresh process
 # around one case, reset before it, over its VmRSS before it: benchmarks/case_memory.py), measured on the CT demo's
 # 512 x 512 x 203, 206 and 294 cases (int16 on disk; docs/benchmarks.md "Case workers in a memory limit"):
@@ -43,7 +43,7 @@ WORKER_BASE_MB = 120.0
 #   case (the int16 file and the float32 image at once); 2.90-2.95 while it reoriented copies of the image and label,
 #   4.53 before that while its CT projections also copied the image and its class counts widened the label to int64
 FINGERPRINT_PEAK_FACTOR = 1.9
-# - the conversion (`tfmis.data.conversion_cases._process_case`): 1.95-2.42 here, 1.75-2.81 on 512 x 512 x
+# - the conversion (`tfmis.data.conversion_cases.process_case`): 1.95-2.42 here, 1.75-2.81 on 512 x 512 x
 #   100-600 (the highest for 3 mm slices resampled to 2 mm; docs/benchmarks.md "Conversion at real size"); plus
 #   the converted case the parent holds until its shard takes it (its float16 image and uint8 label, and its encoded
 #   record): 2 x its size is 0.62-1.08 x the float32 input here, more where the resampling adds slices

@@ -1,5 +1,5 @@
-"""A conversion's work on the cases: preprocessing one case in a worker process (`_process_case`: numpy, scipy and
-the image readers only, no TensorFlow), the labels a case holds (`_label_classes`, for stratified folds), and the
+"""A conversion's work on the cases: preprocessing one case in a worker process (`process_case`: numpy, scipy and
+the image readers only, no TensorFlow), the labels a case holds (`label_classes`, for stratified folds), and the
 measurements made over the dataset's cases before the conversion is planned (median header spacing, CT foreground
 statistics).
 
@@ -38,7 +38,7 @@ def header_spacing(case: Case, dataset: SegmentationDataset) -> np.ndarray:
 # ---------------------------------------------------------------- worker side (no TensorFlow here)
 
 
-def _process_case(task: tuple) -> dict:
+def process_case(task: tuple) -> dict:
     case, source_dir, prep = task
     try:
         dataset = open_dataset(source_dir)
@@ -76,7 +76,7 @@ def _process_case(task: tuple) -> dict:
         return {"case_id": case.case_id, "status": "skipped", "reason": f"unexpected {type(e).__name__}: {e}"}
 
 
-def _label_classes(task: tuple) -> list[int]:
+def label_classes(task: tuple) -> list[int]:
     """The foreground label values a case's label file holds (read once, nothing else); [] if it cannot be read
     (the main pass reports the case)."""
     case, source_dir = task
@@ -109,7 +109,7 @@ def _ct_channels(dataset: SegmentationDataset) -> list[int]:
 # ---------------------------------------------------------------- main side: the dataset's cases measured
 
 
-def _median_spacing(dataset: SegmentationDataset) -> tuple[float, float, float] | None:
+def dataset_median_spacing(dataset: SegmentationDataset) -> tuple[float, float, float] | None:
     spacings = []
     for case in dataset.training:
         try:
@@ -119,7 +119,7 @@ def _median_spacing(dataset: SegmentationDataset) -> tuple[float, float, float] 
     return tuple(float(s) for s in np.round(np.median(spacings, axis=0), 4)) if spacings else None
 
 
-def _first_unreadable(dataset: SegmentationDataset) -> str:
+def first_unreadable(dataset: SegmentationDataset) -> str:
     """The first training case whose image header cannot be read, with the reason (`case_id: why`)."""
     for case in dataset.training:
         try:
@@ -129,7 +129,7 @@ def _first_unreadable(dataset: SegmentationDataset) -> str:
     return "none"
 
 
-def _ct_foreground_statistics(
+def ct_foreground_statistics(
     dataset: SegmentationDataset, workers: int | None
 ) -> tuple[tuple[float, float], tuple[float, float]]:
     """((0.5, 99.5) percentiles, (mean, std)) of the CT channels' labelled foreground intensities, sampled from

@@ -12,8 +12,8 @@ Bad cases never stop the others: each is recorded in `index.json` under `skipped
 This module drives the conversion (the target's lock and state, the plan in conversion.json, the index); its parts
 are `conversion_options` (`ConversionOptions`, `ConversionConfig`), `folds` (the split and the folds, nnU-Net's
 splits_final.json), `conversion_cases` (the worker's case, the dataset's measurements) and `shard_writer` (the
-shards and their progress records). Their public names are importable from here too, and `_process_case` and
-`_label_classes` are called through this module's names (a benchmark or a test replaces them here).
+shards and their progress records). Their public names are importable from here too, and `process_case` and
+`label_classes` are called through this module's names (a benchmark or a test replaces them here).
 
 Example:
 ```python
@@ -39,12 +39,12 @@ from pathlib import Path
 from tfmis.data import fingerprint as fp
 from tfmis.data.case_pool import CONVERSION_PEAK_FACTOR, LOAD_PEAK_FACTOR, CasePool
 from tfmis.data.conversion_cases import (
-    _ct_foreground_statistics,
-    _first_unreadable,
-    _label_classes,
-    _median_spacing,
-    _process_case,
+    ct_foreground_statistics,
+    dataset_median_spacing,
+    first_unreadable,
     header_spacing,
+    label_classes,
+    process_case,
 )
 from tfmis.data.conversion_options import ConversionConfig, ConversionOptions
 from tfmis.data.datasets import open_dataset
@@ -62,7 +62,7 @@ from tfmis.data.msd import DatasetError, SegmentationDataset
 from tfmis.data.patch_layout import arrays_dir
 from tfmis.data.preprocess import PreprocessConfig
 from tfmis.data.records import FINGERPRINT_FILE, INDEX_FILE, SCHEMA_VERSION
-from tfmis.data.shard_writer import PROGRESS_DIR, _finished_shards, _write_shard, plan_shards
+from tfmis.data.shard_writer import PROGRESS_DIR, finished_shards, plan_shards, write_shard
 from tfmis.errors import RunStateError
 from tfmis.utils.io import atomic_write_json, parse_temp_name
 from tfmis.utils.lock import folder_lock
@@ -139,16 +139,16 @@ def _convert(config: ConversionConfig, dataset: SegmentationDataset, target: Pat
         ct_mean_std = previous["resolved"].get("ct_mean_std")
         splits = previous["resolved"].get("splits")  # planned once: stratified folds read every label
     else:
-        spacing = config.spacing or _median_spacing(dataset)
+        spacing = config.spacing or dataset_median_spacing(dataset)
         ct_window, ct_mean_std = config.ct_window, None
         if ct_norm in modal_norm and (ct_window is None or ct_norm == "ct_zscore"):
-            window, mean_std = _ct_foreground_statistics(dataset, config.workers)
+            window, mean_std = ct_foreground_statistics(dataset, config.workers)
             ct_window = ct_window if ct_window is not None else window
             ct_mean_std = mean_std if ct_norm == "ct_zscore" else None
     if spacing is None and config.reshape is None:  # not one header could be read: nothing can be converted
         raise NothingConverted(
             f"{dataset.root}: 0 of {len(dataset.training)} cases readable, so nothing to convert "
-            f"(first: {_first_unreadable(dataset)}); fix the files dataset.json lists and rerun"
+            f"(first: {first_unreadable(dataset)}); fix the files dataset.json lists and rerun"
         )
     if splits is None:
         splits = _plan_splits(config, dataset, file_folds)
@@ -176,9 +176,7 @@ def _convert(config: ConversionConfig, dataset: SegmentationDataset, target: Pat
     plan = plan_shards(splits, config.shards, config.compression)
     # a finished conversion (index.json, written after every shard was synced) checks sizes only, which is cheap
     # at every training start; resuming an unfinished one checks the checksums of the shards it keeps too
-    done = _finished_shards(
-        target, plan, not (target / INDEX_FILE).is_file(), lambda line: print(line, file=sys.stderr)
-    )
+    done = finished_shards(target, plan, not (target / INDEX_FILE).is_file(), lambda line: print(line, file=sys.stderr))
     pending = [s for s in plan if s["file"] not in done]
     by_id = {c.case_id: c for c in dataset.training}
     tasks = [(by_id[cid], str(dataset.root), prep) for s in pending for cid in s["cases"]]
@@ -200,9 +198,9 @@ def _convert(config: ConversionConfig, dataset: SegmentationDataset, target: Pat
     pool = CasePool("Converting", dataset, CONVERSION_PEAK_FACTOR, cases=[t[0] for t in tasks], asked=config.workers)
     if tasks and config.progress:  # --quiet: only the per-case and error lines
         bar.write(pool.describe(), file=sys.stderr)
-    results = pool.run(_process_case, tasks, _skipped_case, say=lambda line: bar.write(line, file=sys.stderr))
+    results = pool.run(process_case, tasks, _skipped_case, say=lambda line: bar.write(line, file=sys.stderr))
     for shard in pending:
-        _write_shard(target, shard, itertools.islice(results, len(shard["cases"])), index_meta, on_case)
+        write_shard(target, shard, itertools.islice(results, len(shard["cases"])), index_meta, on_case)
     bar.close()
 
     index = _build_index(target, dataset, config, requested, prep, splits, plan)
@@ -235,7 +233,7 @@ def _plan_splits(config: ConversionConfig, dataset: SegmentationDataset, file_fo
     if config.folds is not None:
         tasks = [(c, str(dataset.root)) for c in dataset.training]
         pool = CasePool("Reading the labels", dataset, LOAD_PEAK_FACTOR, asked=config.workers)
-        classes = dict(zip(ids, pool.run(_label_classes, tasks, lambda case_id, reason: [])))
+        classes = dict(zip(ids, pool.run(label_classes, tasks, lambda case_id, reason: [])))
     return assign_splits(ids, config.split, config.folds, config.seed, classes)
 
 
@@ -356,7 +354,7 @@ def _prepare_target(target: Path, requested: dict, overwrite: bool, dataset: Seg
                 and old == resolved[k]
                 and k == "spacing"
                 and dataset is not None
-                and list(_median_spacing(dataset) or []) == resolved[k]
+                and list(dataset_median_spacing(dataset) or []) == resolved[k]
             ):
                 previous[k] = None  # the value asked for then is what the default (the median) resolves to
         if previous != requested:

@@ -509,7 +509,7 @@ def restore_geometry(array: np.ndarray, geometry: Geometry | dict, order: int = 
     # original voxel → world → preprocessed voxel, as one homogeneous matrix
     matrix = np.linalg.inv(np.array(g.affine)) @ np.array(g.original_affine)
     matrix = np.round(matrix, 9)  # pure permutations/flips stay exact integers
-    start, stop = _crop_box_in_original_voxels(g)
+    start, stop = crop_box_in_original_voxels(g)
     # only the crop box is interpolated; "nearest" clamps positions beyond the grid's edge voxels
     block = ndimage.affine_transform(
         array,
@@ -524,7 +524,7 @@ def restore_geometry(array: np.ndarray, geometry: Geometry | dict, order: int = 
     return out
 
 
-def _crop_box_in_original_voxels(g: Geometry) -> tuple[np.ndarray, np.ndarray]:
+def crop_box_in_original_voxels(g: Geometry) -> tuple[np.ndarray, np.ndarray]:
     """(start, stop) of the RAS crop box in the original file's voxel order (a permutation/flip of RAS)."""
     ornt = nib.orientations.io_orientation(np.array(g.original_affine))
     transform = nib.orientations.ornt_transform(ornt, nib.orientations.axcodes2ornt("RAS"))

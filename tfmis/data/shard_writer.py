@@ -1,6 +1,6 @@
 """A conversion's shards: which cases each shard holds (`plan_shards`), writing one shard from its cases' worker
-results (`_write_shard`, under a temporary name, durable before its progress record says it is done), and the shards
-a rerun keeps (`_finished_shards`: file and progress record agree in size, and in sha256 when resuming).
+results (`write_shard`, under a temporary name, durable before its progress record says it is done), and the shards
+a rerun keeps (`finished_shards`: file and progress record agree in size, and in sha256 when resuming).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def plan_shards(splits: dict[str, list[str]], shards: int, compression: str) -> 
     return plan
 
 
-def _write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) -> dict:
+def write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) -> dict:
     """Writes one shard from its cases' worker results; returns its progress record."""
     import tensorflow as tf
 
@@ -108,7 +108,7 @@ def _file_digest(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _finished_shards(target: Path, plan: list[dict], checksums: bool, say) -> set[str]:
+def finished_shards(target: Path, plan: list[dict], checksums: bool, say) -> set[str]:
     """The planned shards whose file and progress record exist and agree: the size always, the sha256 too with
     `checksums`. A shard that disagrees is reported through `say` and left out (so it is written again)."""
     done = set()

@@ -80,7 +80,7 @@ class Backend:
         return grads
 
     def run_if(self, condition: tf.Tensor, fn) -> None:
-        tf.cond(condition, lambda: _none(fn()), lambda: None)
+        tf.cond(condition, lambda: discard_result(fn()), lambda: None)
 
     def reduce_mean(self, per_replica):
         return per_replica
@@ -121,7 +121,7 @@ class Backend:
         ends the job when one process fails."""
 
 
-def _none(_):
+def discard_result(_):
     return None
 
 

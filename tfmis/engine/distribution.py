@@ -44,7 +44,7 @@ from tfmis.engine.backend import (
     BACKENDS,
     Backend,
     HorovodUnavailable,
-    _none,
+    discard_result,
     register_backend,
 )
 from tfmis.engine.cluster import (
@@ -147,12 +147,12 @@ class StrategyBackend(Backend):
         context, as Keras' LossScaleOptimizer does.
         """
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            tf.cond(condition, lambda: _none(fn()), lambda: None)
+            tf.cond(condition, lambda: discard_result(fn()), lambda: None)
             return
 
         def cross_replica(strategy, condition):
             first = strategy.experimental_local_results(condition)[0]
-            tf.cond(first, lambda: _none(strategy.extended.call_for_each_replica(fn)), lambda: None)
+            tf.cond(first, lambda: discard_result(strategy.extended.call_for_each_replica(fn)), lambda: None)
 
         tf.distribute.get_replica_context().merge_call(cross_replica, args=(condition,))
 

@@ -47,7 +47,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from tfmis.engine.backend import Backend, HorovodUnavailable, _none
+from tfmis.engine.backend import Backend, HorovodUnavailable, discard_result
 from tfmis.errors import UsageError
 from tfmis.hardware import physical_gpus
 
@@ -178,7 +178,7 @@ class HorovodBackend(Backend):
 
     def run_if(self, condition, fn) -> None:
         """Runs `fn()` iff `condition` (the same on every process, e.g. computed from reduced gradients)."""
-        tf.cond(condition, lambda: _none(fn()), lambda: None)
+        tf.cond(condition, lambda: discard_result(fn()), lambda: None)
 
     def reduce_mean(self, per_replica):
         """The mean over processes of a per-process scalar (or tuple of scalars)."""

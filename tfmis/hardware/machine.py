@@ -9,7 +9,7 @@ import functools
 
 from tfmis.hardware.cpu import BF16_CPU_FLAGS, cpu_flags, cpu_isa, usable_cpu_count
 from tfmis.hardware.gpu import GPU_MODELS, gpu_model, physical_gpus
-from tfmis.hardware.memory import _gb, host_memory
+from tfmis.hardware.memory import format_gb, host_memory
 from tfmis.hardware.nvml import accelerators
 from tfmis.hardware.onednn import current_onednn
 
@@ -129,7 +129,7 @@ class Hardware:
         return f"{cpu}, {self._gpus_text() if self.gpus else 'no GPU'}"
 
     def _gpus_text(self) -> str:
-        memory = f" ({_gb(self.gpu_memory_mb)} GB)" if self.gpu_memory_mb else ""
+        memory = f" ({format_gb(self.gpu_memory_mb)} GB)" if self.gpu_memory_mb else ""
         return f"{len(self.gpus)} x {self.gpus[0]['name'] or 'GPU'}{memory}"
 
     def planned_for(self) -> dict:
@@ -232,7 +232,7 @@ def planned_hardware_mismatch(planned_for: dict | None, hardware: Hardware | Non
     hardware = hardware or detect_hardware()
     gpus, memory, name = planned_for.get("gpus") or 0, planned_for.get("gpu_memory_mb"), planned_for.get("name")
     if gpus:
-        size = f"{_gb(memory)} GB " if memory else ""
+        size = f"{format_gb(memory)} GB " if memory else ""
         planned = f"{gpus} x {size}GPU{'s' if gpus > 1 else ''}" + (f" ({name})" if name else "")
     else:
         planned = "a CPU-only machine"

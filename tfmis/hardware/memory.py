@@ -36,7 +36,7 @@ def parse_memory_mb(text: str) -> float:
     return mb
 
 
-def _gb(mb: float) -> str:
+def format_gb(mb: float) -> str:
     """MB as whole GB (one decimal under 10 GB): "80", "7.5"."""
     return f"{mb / 1024:.0f}" if mb >= 10 * 1024 else f"{mb / 1024:.1f}".removesuffix(".0")
 

@@ -41,7 +41,7 @@ from scipy import ndimage
 from tfmis.config import PostprocessingConfig
 from tfmis.errors import DataError, MissingInput
 from tfmis.inference.nifti import read_label_map, save_like
-from tfmis.metrics.segmentation import SLAB_SLICES, _confusion, region_masks
+from tfmis.metrics.segmentation import SLAB_SLICES, confusion_matrix, region_masks
 
 # a step: the labels of one structure, or None for the whole foreground (every label but 0)
 Step = tuple[int, ...] | None
@@ -228,7 +228,7 @@ def structure_dice(
     highest = max(max(labels) for labels in structures.values())
     if prediction.size:
         highest = max(highest, int(prediction.max()), int(reference.max()))
-    return _dice_from_confusion(_confusion(prediction, reference, highest + 1), structures)
+    return _dice_from_confusion(confusion_matrix(prediction, reference, highest + 1), structures)
 
 
 def case_dice(
@@ -249,7 +249,7 @@ def case_dice(
     num_classes = max(int(c) for c in class_labels) + 1
     prediction = _read_labels(prediction_path, num_classes)
     reference = _read_reference(reference_path, num_classes, prediction.shape)
-    return _dice_from_confusion(_confusion(prediction, reference, num_classes), structures)
+    return _dice_from_confusion(confusion_matrix(prediction, reference, num_classes), structures)
 
 
 def _nanmean(values) -> float:
@@ -464,7 +464,7 @@ class _OutOfFoldCases:
             prediction, reference = self.read(prediction_path), None
             if len(self.baseline) == i:  # the first pass also scores the predictions as they are
                 reference = self.read_reference(reference_path, prediction.shape)
-                self.baseline.append(_confusion(prediction, reference, self.num_classes))
+                self.baseline.append(confusion_matrix(prediction, reference, self.num_classes))
                 self.current.append(self.baseline[i])
             for done in self.kept:
                 _keep_largest(prediction, done)

@@ -44,7 +44,7 @@ import itertools
 import numpy as np
 from scipy import ndimage
 
-from tfmis.data.preprocess import Geometry, _crop_box_in_original_voxels
+from tfmis.data.preprocess import Geometry, crop_box_in_original_voxels
 
 SLAB_VOXELS = 2**23  # output voxels resampled at a time (K float32 slabs of 32 MiB)
 SOFTMAX_VOXELS = 2**22  # preprocessed voxels per in-place softmax chunk
@@ -104,7 +104,7 @@ def original_to_preprocessed(geometry) -> np.ndarray:
 def crop_box(geometry) -> tuple[np.ndarray, np.ndarray]:
     """(start, stop) of the preprocessing's foreground crop in original voxel indices: outside it is background."""
     g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
-    return _crop_box_in_original_voxels(g)
+    return crop_box_in_original_voxels(g)
 
 
 def preprocessed_box(

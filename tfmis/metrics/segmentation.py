@@ -117,7 +117,7 @@ def _classes(num_classes: int, include_background: bool) -> range:
     return range(0 if include_background else 1, num_classes)
 
 
-def _confusion(prediction, target, num_classes: int) -> np.ndarray:
+def confusion_matrix(prediction, target, num_classes: int) -> np.ndarray:
     """confusion[t, p]: the number of voxels of target class t predicted as p, `SLAB_SLICES` slices at a time."""
     confusion = np.zeros(num_classes**2, np.int64)
     for s in _slabs(len(prediction)):
@@ -130,7 +130,7 @@ def _confusion(prediction, target, num_classes: int) -> np.ndarray:
 
 def _voxel_counts(prediction, target, num_classes: int):
     """(intersection, predicted, ground-truth) voxel counts per class, in one pass over the volume."""
-    confusion = _confusion(prediction, target, num_classes)
+    confusion = confusion_matrix(prediction, target, num_classes)
     return np.diag(confusion).astype(np.float64), confusion.sum(axis=0), confusion.sum(axis=1)
 
 
@@ -314,7 +314,7 @@ def region_dice(prediction, target, num_classes: int, regions, ignore_empty: boo
     """
     regions = check_regions(regions, num_classes)
     prediction, target = _label_maps(prediction, target, num_classes)
-    counts = _region_counts(_confusion(prediction, target, num_classes), regions.values())
+    counts = _region_counts(confusion_matrix(prediction, target, num_classes), regions.values())
     return _dice_from_counts(*counts, ignore_empty)
 
 
@@ -529,7 +529,7 @@ class SegmentationMetrics:
             case_id: optional identifier kept in the entry.
         """
         prediction, target = _label_maps(prediction, target, self.num_classes)
-        confusion = _confusion(prediction, target, self.num_classes)
+        confusion = confusion_matrix(prediction, target, self.num_classes)
         intersection, predicted, truth = self._counts(confusion)
         row = {
             "dice": _dice_from_counts(intersection, predicted, truth, self.ignore_empty),

@@ -28,7 +28,7 @@ KERNEL_INITIALIZERS = ("he_normal", "pytorch")
 OUTPUTS = ("classes", "regions")
 
 
-def _per_axis(value, what: str) -> tuple[int, int, int]:
+def expand_per_axis(value, what: str) -> tuple[int, int, int]:
     """An int or a 3-sequence as a 3-tuple of ints."""
     if isinstance(value, numbers.Integral):
         return (int(value),) * 3
@@ -48,7 +48,7 @@ def required_divisor(strides: Sequence) -> tuple[int, int, int]:
         >>> required_divisor((1, 2, 2, (2, 2, 1)))
         (8, 8, 4)
     """
-    per_level = [_per_axis(s, "each stride") for s in strides]
+    per_level = [expand_per_axis(s, "each stride") for s in strides]
     return tuple(math.prod(s[axis] for s in per_level) for axis in range(3))
 
 
@@ -73,7 +73,7 @@ def check_patch_size(patch, strides: Sequence) -> tuple[int, int, int]:
         ...
         tfmis.errors.ConfigError: patch size (48, 64, 30) does not fit strides (1, 2, 2, 2, 2): ...
     """
-    patch = _per_axis(patch, "patch size")
+    patch = expand_per_axis(patch, "patch size")
     divisor = required_divisor(strides)
     bad = [axis for axis in range(3) if patch[axis] <= 0 or patch[axis] % divisor[axis]]
     if bad:
@@ -153,12 +153,12 @@ class UNetArchitecture:
         # YAML/JSON give lists; tuples keep the config hashable and comparable
         self.filters = tuple(int(f) for f in self.filters)
         self.strides = tuple(
-            int(s) if isinstance(s, numbers.Integral) else _per_axis(s, "each stride") for s in self.strides
+            int(s) if isinstance(s, numbers.Integral) else expand_per_axis(s, "each stride") for s in self.strides
         )
         self.kernel_size = (
             int(self.kernel_size)
             if isinstance(self.kernel_size, numbers.Integral)
-            else _per_axis(self.kernel_size, "kernel_size")
+            else expand_per_axis(self.kernel_size, "kernel_size")
         )
         self.validate()
 
@@ -202,14 +202,14 @@ class UNetArchitecture:
     @property
     def full_resolution_first_level(self) -> bool:
         """True when the first level works at the input resolution (`strides[0]` is 1 on every axis)."""
-        return _per_axis(self.strides[0], "strides[0]") == (1, 1, 1)
+        return expand_per_axis(self.strides[0], "strides[0]") == (1, 1, 1)
 
     def _decoder_levels_below_output(self) -> list[tuple[int, tuple[int, int, int]]]:
         """(decoder level, its per-axis downsampling factor) of every decoder level coarser than the output, finest
         first; decoder level i works at encoder level i's resolution."""
         levels, factor = [], (1, 1, 1)
         for level, stride in enumerate(self.strides[:-1]):
-            factor = tuple(f * s for f, s in zip(factor, _per_axis(stride, "each stride")))
+            factor = tuple(f * s for f, s in zip(factor, expand_per_axis(stride, "each stride")))
             if factor != (1, 1, 1):
                 levels.append((level, factor))
         return levels

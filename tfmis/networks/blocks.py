@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 from keras import layers, ops
 
-from tfmis.networks.architecture import ACTIVATIONS, KERNEL_INITIALIZERS, NORMS, _per_axis
+from tfmis.networks.architecture import ACTIVATIONS, KERNEL_INITIALIZERS, NORMS, expand_per_axis
 
 _SPATIAL_AXES = (1, 2, 3)
 _SERIAL_PACKAGE = "tfmis"
@@ -364,7 +364,7 @@ class ResidualUnit(RecomputableBlock):
         self.projection = None  # created in build(), once the input channel count is known
 
     def build(self, input_shape):
-        strided = any(s != 1 for s in _per_axis(self.strides, "strides"))
+        strided = any(s != 1 for s in expand_per_axis(self.strides, "strides"))
         if strided or input_shape[-1] != self.filters:
             self.projection = layers.Conv3D(
                 self.filters,

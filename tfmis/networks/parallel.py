@@ -56,12 +56,12 @@ from tfmis.networks.architecture import required_divisor
 from tfmis.networks.pipeline_stages import colocate_updates, cut_stages, place_stage_variables, stage_table
 from tfmis.networks.slabs import (  # noqa: F401 (same_padding, slab_bounds: re-exported)
     Slabs,
-    _slice,
-    _slice_labels,
-    _static_side,
     same_padding,
     slab_axis,
     slab_bounds,
+    slice_along_axis,
+    slice_labels,
+    static_side,
 )
 from tfmis.networks.spatial import _SpatialRunner
 
@@ -254,13 +254,13 @@ class ModelParallel:
     def _spatial(self, shares, training: bool, join: bool = True):
         axis = self.axis if self.axis is not None else self.choose_axis(tuple(shares[0].shape[1:4]), None)
         tensor_axis = axis + 1
-        length = _static_side(shares[0], tensor_axis)
+        length = static_side(shares[0], tensor_axis)
         bounds = slab_bounds(length, self.divisor[axis], self.size)
         parts = []
         for share, devices in zip(shares, self.devices):
             row = []
             for (a, b), device in zip(bounds, devices):
-                piece = _slice(share, tensor_axis, a, b)  # sliced where the batch is: only a slab travels
+                piece = slice_along_axis(share, tensor_axis, a, b)  # sliced where the batch is: only a slab travels
                 with tf.device(device):
                     row.append(tf.identity(piece))
             parts.append(row)
@@ -288,7 +288,7 @@ class ModelParallel:
         for g, y in enumerate(self._split_batch(labels)):
             sums = []
             for i, ((a, b), device) in enumerate(zip(first.bounds, self.devices[g])):
-                rows = _slice_labels(y, first.axis, a, b)  # sliced where the labels are: only a slab travels
+                rows = slice_labels(y, first.axis, a, b)  # sliced where the labels are: only a slab travels
                 with tf.device(device):
                     part = tf.nest.map_structure(lambda s, g=g, i=i: s.parts[g][i], outputs)
                     sums.append(loss_fn.partial_sums(tf.identity(rows), part))

@@ -26,13 +26,13 @@ def same_padding(length: int, kernel: int, stride: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-def _slice(x, axis: int, start: int, stop: int):
+def slice_along_axis(x, axis: int, start: int, stop: int):
     index = [slice(None)] * 5
     index[axis] = slice(start, stop)
     return x[tuple(index)]
 
 
-def _zero_pad(x, paddings):
+def zero_pad(x, paddings):
     """`tf.pad(x, paddings)` written as concatenations with zeros: Grappler's remapper fuses a Pad into the
     following oneDNN Conv3D and then fails on the gradient's use of that Pad ("remapper failed: ... missing
     node 'Pad'"), dropping its other fusions for the whole graph."""
@@ -50,14 +50,14 @@ def _zero_pad(x, paddings):
     return x
 
 
-def _slice_labels(labels, axis: int, start: int, stop: int):
+def slice_labels(labels, axis: int, start: int, stop: int):
     """Rows [start, stop) along spatial tensor axis `axis` of labels (B, X, Y, Z) or (B, X, Y, Z, 1)."""
     index = [slice(None)] * labels.shape.rank
     index[axis] = slice(start, stop)
     return labels[tuple(index)]
 
 
-def _static_side(x, axis: int) -> int:
+def static_side(x, axis: int) -> int:
     side = x.shape[axis]
     if side is None:
         raise ValueError(
@@ -110,7 +110,7 @@ class Slabs:
                 pieces.append(part)
                 continue
             with tf.device(source):
-                pieces.append(_slice(part, self.axis, start - a, stop - a))
+                pieces.append(slice_along_axis(part, self.axis, start - a, stop - a))
         with tf.device(device):
             x = pieces[0] if len(pieces) == 1 else tf.concat(pieces, self.axis)
         return x, (max(0, -lo), max(0, hi - self.length))

@@ -16,9 +16,9 @@ import math
 import tensorflow as tf
 from keras import layers
 
-from tfmis.networks.architecture import _per_axis
+from tfmis.networks.architecture import expand_per_axis
 from tfmis.networks.blocks import ConvNormAct, ResidualUnit, UpBlock
-from tfmis.networks.slabs import Slabs, _static_side, _zero_pad, same_padding
+from tfmis.networks.slabs import Slabs, same_padding, static_side, zero_pad
 
 
 def _statistics_dtype(x: Slabs):
@@ -127,12 +127,12 @@ class _SpatialRunner:
     def conv(self, layer, x: Slabs) -> Slabs:
         """A "same"-padded Conv3D or Conv3DTranspose of stride >= 1 over slabs, with the halo from the neighbours."""
         transposed = isinstance(layer, layers.Conv3DTranspose)
-        kernel_size, strides = _per_axis(layer.kernel_size, "kernel"), _per_axis(layer.strides, "strides")
+        kernel_size, strides = expand_per_axis(layer.kernel_size, "kernel"), expand_per_axis(layer.strides, "strides")
         pointwise = all(k == 1 for k in kernel_size) and all(s == 1 for s in strides)  # "valid" = "same" then
         if (
             (layer.padding != "same" and not pointwise)
             or layer.data_format != "channels_last"
-            or any(d != 1 for d in _per_axis(layer.dilation_rate, "dilation"))
+            or any(d != 1 for d in expand_per_axis(layer.dilation_rate, "dilation"))
         ):
             raise NotImplementedError(f"spatial partitioning: {layer.name} must be a channels-last 'same' convolution")
         if getattr(layer, "groups", 1) != 1:
@@ -181,9 +181,9 @@ class _SpatialRunner:
             if a == axis:
                 paddings[a] = [pad_lo, pad_hi]
             else:
-                paddings[a] = list(same_padding(_static_side(x, a), kernel_size[a - 1], strides[a - 1]))
+                paddings[a] = list(same_padding(static_side(x, a), kernel_size[a - 1], strides[a - 1]))
         if any(p != [0, 0] for p in paddings):
-            x = _zero_pad(x, paddings)
+            x = zero_pad(x, paddings)
         return tf.nn.conv3d(x, kernel, strides=[1, *strides, 1], padding="VALID")
 
     @staticmethod
@@ -191,10 +191,10 @@ class _SpatialRunner:
         if pad_lo or pad_hi:  # rows beyond the volume: zeros, which add nothing to any output row
             paddings = [[0, 0]] * 5
             paddings[axis] = [pad_lo, pad_hi]
-            x = _zero_pad(x, paddings)
+            x = zero_pad(x, paddings)
         full, crop = [], []
         for a in (1, 2, 3):
-            n, k, s = _static_side(x, a), kernel_size[a - 1], strides[a - 1]
+            n, k, s = static_side(x, a), kernel_size[a - 1], strides[a - 1]
             full.append((n - 1) * s + k)  # the unpadded ("valid") transposed output
             before = max(k - s, 0) // 2  # "same": the rows the equivalent convolution pads before
             if a == axis:  # output row o of the volume is row o - lo * s + before of this piece's output
@@ -228,7 +228,7 @@ class _SpatialRunner:
                     xr = tf.cast(tf.reshape(part, shape), dt)
                     grouped.append(xr)
                     sums.append(tf.reduce_sum(xr, axis=[1, 2, 3, 5]))
-                    counts += math.prod(_static_side(part, a) for a in (1, 2, 3)) * (channels // groups)
+                    counts += math.prod(static_side(part, a) for a in (1, 2, 3)) * (channels // groups)
             with tf.device(devices[0]):
                 mean = tf.add_n(sums) / counts
             # the mean's gradient through the squared deviations is zero in exact arithmetic: stopped, as
@@ -271,7 +271,7 @@ class _SpatialRunner:
                 with tf.device(device):
                     cast[g, i] = tf.cast(part, dt)
                     sums.append(tf.reduce_sum(cast[g, i], axis=[0, 1, 2, 3]))
-            voxels = sum(math.prod(_static_side(part, a) for a in (1, 2, 3)) for part in x.parts[0])
+            voxels = sum(math.prod(static_side(part, a) for a in (1, 2, 3)) for part in x.parts[0])
             with tf.device(home):
                 images = tf.add_n([tf.shape(row[0])[0] for row in x.parts])
                 n = tf.cast(images * voxels, dt)

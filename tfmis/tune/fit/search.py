@@ -74,7 +74,7 @@ from tfmis.tune.fit.report import (
     write_outputs,
 )
 from tfmis.tune.fit.specs import FitSpecs, load_specs, parse_model_parallel
-from tfmis.tune.fit.strategies import _describe_hp as _describe_hp
+from tfmis.tune.fit.strategies import describe_hp as describe_hp
 from tfmis.utils.io import atomic_write_json
 
 __all__ = [

@@ -90,11 +90,11 @@ def make_oracle(strategy: str, specs: FitSpecs, hp, objective: str, stop_when):
 
 
 def describe_space(hp) -> str:
-    """The search space in one line: each hyperparameter's name and values (`_describe_hp`)."""
-    return ", ".join(f"{h.name} {_describe_hp(h)}" for h in hp.space)
+    """The search space in one line: each hyperparameter's name and values (`describe_hp`)."""
+    return ", ".join(f"{h.name} {describe_hp(h)}" for h in hp.space)
 
 
-def _describe_hp(hp) -> str:
+def describe_hp(hp) -> str:
     values = getattr(hp, "values", None)
     if values is not None:
         values = [int(v) if isinstance(v, float) and v.is_integer() else v for v in values]
