@@ -36,16 +36,17 @@ def write_config(tmp_path: Path, name: str, *overrides, cases: int = 4) -> Path:
 
 @pytest.mark.slow
 def test_a_plan_of_stages_takes_its_overrides_and_ends_within_its_budget(tmp_path):
-    """`python -m tfmis.train --config plan.yaml --set training.max_minutes=1.5 --set output.dir=X --set
+    """`python -m tfmis.train --config plan.yaml --set training.max_minutes=2 --set output.dir=X --set
     data.dataset_dir=Y` on a real plan of a low-resolution and a full-resolution stage (3 planned epochs each):
     each stage trains in X/<stage> from its conversion Y_lowres or Y (nothing under the plan's own folders), the
     budget is split equally (the log says so), each stage's share is recorded in its config.yaml and summary.json
     and its schedule is fitted to it (far more than the plan's 3 epochs: the plan's epoch count does not cap it), and
     the whole command uses its budget and does not run away from it: 0.8-2x. The target is 0.95-1.02, but the bare
-    wall time of a 90-s command is not a figure a test can hold on a shared 2-core machine: alone it took 94.7 s, in
-    CI beside another slow test 126.6 s (the second stage's conversion and start slower than the first's, which the
-    split assumed). X then holds a plan.yaml naming the trained stages, and `tfmis-predict --checkpoint X` predicts
-    with the last one."""
+    wall time of a short command is not a figure a test can hold on a shared 2-core machine: with 1.5 minutes it took
+    94.7 s alone and 126.6 s in CI beside another slow test (the second stage's conversion and start slower than the
+    first's, which the split assumed); under three times that load the second stage was left under 15 s and the
+    command refused it (exit 2, correctly), hence 2 minutes. X then holds a plan.yaml naming the trained stages, and
+    `tfmis-predict --checkpoint X` predicts with the last one."""
     source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=6)
     entries = []
     for name, extra in (("lowres", ["data.conversion.spacing=[2.0,2.0,2.0]"]), ("fullres", [])):
@@ -65,10 +66,10 @@ def test_a_plan_of_stages_takes_its_overrides_and_ends_within_its_budget(tmp_pat
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({"stages": entries}))
     out, data = tmp_path / "out", tmp_path / "data" / "Y"
-    budget = 1.5 * 60
+    budget = 2.0 * 60
     start = time.perf_counter()
     done = run(
-        [sys.executable, "-m", "tfmis.train", "--config", plan, "--set", "training.max_minutes=1.5"]
+        [sys.executable, "-m", "tfmis.train", "--config", plan, "--set", "training.max_minutes=2"]
         + ["--set", f"output.dir={out}", "--set", f"data.dataset_dir={data}"]
     )
     wall = time.perf_counter() - start
@@ -85,11 +86,11 @@ def test_a_plan_of_stages_takes_its_overrides_and_ends_within_its_budget(tmp_pat
         assert config.data.dataset_dir == str(data.parent / ("Y_lowres" if name == "lowres" else "Y"))
         assert config.training.max_minutes == summary["time_budget"]["max_minutes"]
         assert f"Plan budget: stage {name}: training.max_minutes={config.training.max_minutes:g}" in done.stderr
-        assert config.training.epochs == budget_epoch_bound(1.5)
+        assert config.training.epochs == budget_epoch_bound(2)
         assert summary["stop_reason"] == "epochs" and summary["epochs"] == summary["time_budget"]["schedule_epochs"]
         assert summary["epochs"] > 3 * 5  # decided by the budget, not the plan's 3 epochs
         shares.append(config.training.max_minutes)
-    assert sum(shares) < 1.5  # the shares leave room for the conversion and every stage's start and end
+    assert sum(shares) < 2.0  # the shares leave room for the conversion and every stage's start and end
     assert 0.8 * budget <= wall <= 2.0 * budget, (wall, shares)  # a stage ignoring its share runs for minutes
     # X is the plan's folder now: X/plan.yaml names the trained stages, and tfmis-predict --checkpoint X predicts
     # with the last stage
