@@ -154,16 +154,8 @@ def input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
         held = input_pipelines * min(bound, len(train)) * largest
         what = f"at most {min(bound, len(train))} decoded volumes per input pipeline"
     elif p.cache == "patches":
-        plan = patch_input(
-            p,
-            len(index["source"]["modalities"]),
-            config.training.accumulation_steps,
-            budget,
-            image_bytes(index),
-            len(index["source"]["labels"]),
-        )
+        plan = patch_read_plan(config, index)  # what each pipeline will build from: one definition
         held = input_pipelines * plan["held_mb"]
-        keep = keeps_pages(index, config.data.train_split, budget - plan["held_mb"])  # as patch_read_plan decides
         what = (
             f"no volume: per input pipeline {plan['readers']} readers, {plan['windows']} crop windows of "
             f"{plan['window_mb']:.1f} MB"
@@ -171,9 +163,9 @@ def input_memory(config, index: dict, input_pipelines: int = 1) -> dict:
             + f", {plan['patches']} batched crops of {plan['patch_mb']:.1f} MB in flight and class locations of "
             f"{plan['locations_mb']:.1f} MB; the arrays read "
             + (
-                "through the page cache (they fit beside)"
-                if keep
-                else "with their pages dropped (larger than the room left)"
+                "with their pages dropped (larger than the room left)"
+                if plan["drop_pages"]
+                else "through the page cache (they fit beside)"
             )
         )
     else:
