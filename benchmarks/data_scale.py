@@ -33,19 +33,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MB = 2**20
-TRAINING = [  # the demo's small network, patches of 32³ (many) or 64³ (ct), no validation
-    "model.filters=[8,16,32,64]",
-    "model.strides=[1,2,2,2]",
-    "model.num_res_units=0",
-    "model.norm=instance",
-    "pipeline.cache=patches",
-    "pipeline.num_images_per_batch=2",
-    "pipeline.num_crops_per_image=2",
-    "pipeline.deterministic=false",
-    "training.precision=float32",
-    "output.progress=false",
-    "output.tensorboard=false",
-]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from larger_than_memory import DEMO_MODEL  # noqa: E402
+from larger_than_memory import TRAINING as LARGER_THAN_MEMORY  # noqa: E402
+
+# larger_than_memory.py's arms (the demo's small network, no validation) reading patches; the patch size is set after
+TRAINING = [*DEMO_MODEL, *LARGER_THAN_MEMORY, "pipeline.cache=patches"]
 
 
 def cpu_name() -> str:
