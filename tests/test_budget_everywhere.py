@@ -41,11 +41,10 @@ def test_a_plan_of_stages_takes_its_overrides_and_ends_within_its_budget(tmp_pat
     each stage trains in X/<stage> from its conversion Y_lowres or Y (nothing under the plan's own folders), the
     budget is split equally (the log says so), each stage's share is recorded in its config.yaml and summary.json
     and its schedule is fitted to it (far more than the plan's 3 epochs: the plan's epoch count does not cap it), and
-    the whole command uses its budget and does not run away from it: 0.8-2x. The target is 0.95-1.02, but the bare
-    wall time of a short command is not a figure a test can hold on a shared 2-core machine: with 1.5 minutes it took
-    94.7 s alone and 126.6 s in CI beside another slow test (the second stage's conversion and start slower than the
-    first's, which the split assumed); under three times that load the second stage was left under 15 s and the
-    command refused it (exit 2, correctly), hence 2 minutes. X then holds a plan.yaml naming the trained stages, and
+    the whole command uses its budget and ends near it: 0.8-1.3x (alone and with one of the 2 cores kept busy:
+    0.95-0.98x). That needs the end of a stage not to wait for the training iterator's destructor: on a busy machine
+    it joined tf.data's autotuning thread for ~30 s (`release_in_background`), which is how this test failed in CI (1.6
+    of its 2 minutes gone when the second stage's loop started). X then holds a plan.yaml naming the trained stages, and
     `tfmis-predict --checkpoint X` predicts with the last one."""
     source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=6)
     entries = []
@@ -91,7 +90,7 @@ def test_a_plan_of_stages_takes_its_overrides_and_ends_within_its_budget(tmp_pat
         assert summary["epochs"] > 3 * 5  # decided by the budget, not the plan's 3 epochs
         shares.append(config.training.max_minutes)
     assert sum(shares) < 2.0  # the shares leave room for the conversion and every stage's start and end
-    assert 0.8 * budget <= wall <= 2.0 * budget, (wall, shares)  # a stage ignoring its share runs for minutes
+    assert 0.8 * budget <= wall <= 1.3 * budget, (wall, shares)  # a stage ignoring its share runs for minutes
     # X is the plan's folder now: X/plan.yaml names the trained stages, and tfmis-predict --checkpoint X predicts
     # with the last stage
     assert load_stages(out / "plan.yaml") == [(n, out / n / "config.yaml") for n in ("lowres", "fullres")]

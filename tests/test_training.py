@@ -1214,3 +1214,25 @@ def test_deep_supervision_trains_its_heads_and_saves_and_resumes_the_model(conve
     for a, b in zip(from_checkpoint.weights, resumed.model.weights):  # epoch 2's weights, the heads apart
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert resumed.fit(resume=True)["epochs"] == 3
+
+
+def test_release_in_background_returns_before_a_slow_destructor_and_the_object_is_still_destroyed():
+    """`release_in_background` (what `Trainer.fit` does with its training iterator, whose destructor joined tf.data's
+    autotuning thread for ~30 s on a busy machine): the caller gets control back while the last reference's
+    destructor is still blocked, and the destructor then runs to its end in the daemon thread."""
+    import threading
+
+    from tfmis.engine.trainer import release_in_background
+
+    let_go, destroyed = threading.Event(), threading.Event()
+
+    class SlowToDestroy:
+        def __del__(self):
+            let_go.wait(30)
+            destroyed.set()
+
+    holder = [SlowToDestroy()]
+    release_in_background(holder)
+    assert not destroyed.is_set()  # the caller has control back while the destructor still waits
+    let_go.set()
+    assert destroyed.wait(10) and holder == []
