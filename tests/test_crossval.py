@@ -225,29 +225,11 @@ def test_a_failed_fold_is_a_partial_failure_exit_3_naming_the_fold_its_reason_an
 
 
 @pytest.mark.slow
-def test_two_folds_of_one_epoch_end_to_end(tmp_path, capsys):
-    """The whole cross-validation in about a minute (slow: the real training processes): two folds of one
-    configuration, one epoch each, trained by real `tfmis.train` processes, every case predicted out of fold with
-    the final weights, the configuration chosen, and crossval.json, crossval.md and the plan written."""
-    config = write_config(tmp_path, "a", "training.epochs=1", "training.steps_per_epoch=1", cases=4)
-    cv = tmp_path / "cv"
-    code = main(["--config", str(config), "--folds", "2", "--output", str(cv)])
-    assert code == 0, capsys.readouterr().out
-    result = json.loads((cv / "crossval.json").read_text())
-    assert result["weights"] == "final" and result["chosen"]["configurations"] == ["a"]
-    scored = {}
-    for fold in range(2):
-        assert (cv / "a" / f"fold_{fold}" / "final.weights.h5").is_file()
-        scored.update(json.loads((cv / "a" / f"fold_{fold}" / "validation" / "scores.json").read_text())["cases"])
-    assert sorted(scored) == [f"case_{i:03d}" for i in range(4)]  # every case once, out of fold
-    assert "Chosen:" in (cv / "crossval.md").read_text() and (cv / "plan.yaml").is_file()
-
-
-@pytest.mark.slow
 def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsys):
     """Three folds of two configurations trained by two pinned worker processes: every case predicted once out of
     fold on its original grid, scored with nnU-Net's Dice (checked here from the written maps), the best of the two
-    configurations and their average chosen by the foreground mean, and the plan written with the postprocessing."""
+    configurations and their average chosen by the foreground mean (out-of-fold with the final weights), and the
+    plan written with the postprocessing."""
     a = write_config(tmp_path, "a")
     b = write_config(tmp_path, "b", "model.filters=[4,4]")
     cv = tmp_path / "cv"
@@ -256,7 +238,7 @@ def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsy
     assert code == 0, out
     assert "cross-validation progress" in out
     result = json.loads((cv / "crossval.json").read_text())
-    assert set(result["candidates"]) == {"a", "b", "a+b"}
+    assert result["weights"] == "final" and set(result["candidates"]) == {"a", "b", "a+b"}
     best = max(result["candidates"], key=lambda c: result["candidates"][c]["dice"]["foreground_mean"])
     assert result["chosen"]["candidate"] == best
     # every training case exactly once out of fold, scored as nnU-Net scores it
@@ -566,7 +548,7 @@ def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(tmp
     import shutil
 
     from tfmis.inference.cascade import make_predictor
-    from tfmis.inference.predictor import InputCase
+    from tfmis.inference.inputs import InputCase
 
     a = write_config(tmp_path, "a", "training.epochs=3", "training.target_dice=0.99")
     cv = tmp_path / "cv"
