@@ -57,7 +57,8 @@ def child(mode: str, run: str, image: str, label: str, report: str) -> None:
 
     from tfmis.config import load_config
     from tfmis.inference.cascade import make_predictor
-    from tfmis.inference.predictor import InputCase, Predictor
+    from tfmis.inference.inputs import InputCase
+    from tfmis.inference.predictor import Predictor
 
     fine_dir = Path(run) / fine_stage(Path(run))
     if mode == "box":  # the earlier code does not know the keys added since: the run's configs without them

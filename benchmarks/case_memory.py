@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The peak factors `tfmis.data.case_pool` sizes its workers with: a case worker's peak resident memory over its
 baseline, per MB of the case's float32 size (X·Y·Z·C·4 bytes), for the planner's first pass
-(`tfmis.planning.fingerprint._case_summary`), the conversion's CT window pass (`_foreground_sample`) and the
+(`tfmis.planning.fingerprint.case_summary`), the conversion's CT window pass (`case_foreground_sample`) and the
 conversion (`tfmis.data.conversion_cases.process_case`).
 
 Each case and pass runs in a fresh interpreter (the worker's imports only, as a spawned worker has them): its VmRSS
@@ -27,12 +27,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 ONE_CASE = r"""
 import json, sys, time
-from tfmis.data.conversion_cases import _foreground_sample, process_case
+from tfmis.data.conversion_cases import case_foreground_sample, process_case
 from tfmis.data.case_pool import case_float32_mb
 from tfmis.data.datasets import open_dataset
 from tfmis.data.preprocess import PreprocessConfig
 from tfmis.hardware import peak_rss_mb, process_status_mb, reset_peak_rss
-from tfmis.planning.fingerprint import _case_summary
+from tfmis.planning.fingerprint import case_summary
 
 root, case_id, what = sys.argv[1:4]
 dataset = open_dataset(root)
@@ -42,9 +42,9 @@ baseline = process_status_mb("self", "VmRSS")
 reset_peak_rss()
 start = time.time()
 if what == "fingerprint":
-    result = _case_summary((case, root))
+    result = case_summary((case, root))
 elif what == "ct-window":
-    result = {"status": "ok" if _foreground_sample((case, root)) is not None else "skipped"}
+    result = {"status": "ok" if case_foreground_sample((case, root)) is not None else "skipped"}
 else:
     prep = PreprocessConfig(spacing=(0.8, 0.8, 2.5), normalization=("ct",), ct_window=(-160.0, 240.0))
     result = process_case((case, root, prep))

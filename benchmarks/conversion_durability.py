@@ -3,7 +3,7 @@
 conversion, and the raw speed of sha256 and crc32 over 1 GB.
 
 Converts the demo dataset (generated under `--data` if missing) with `tfmis.data.convert.convert` once with GZIP
-and once uncompressed (`--workers 1`), timing `tfmis.data.shard_writer._file_digest` (the shard read back and
+and once uncompressed (`--workers 1`), timing `tfmis.data.shard_writer.file_digest` (the shard read back and
 hashed with sha256; the fsyncs of the atomic write are not in it) of each shard, then hashes a 1 GB file of random
 bytes (page cache) with sha256 and crc32.
 
@@ -70,7 +70,7 @@ def main() -> None:
     args = p.parse_args()
     source = make_demo_dataset(args.data)
     spent = [0.0, 0]
-    digest = shard_writer._file_digest
+    digest = shard_writer.file_digest
 
     def timed(path):
         t = time.perf_counter()
@@ -79,7 +79,7 @@ def main() -> None:
         spent[1] += result[0]
         return result
 
-    shard_writer._file_digest = timed  # read by write_shard and finished_shards there
+    shard_writer.file_digest = timed  # read by write_shard and finished_shards there
     print("| compression | conversion | shards | read back + sha256 | share | per GB of shards |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for compression in ("GZIP", "NONE"):

@@ -58,12 +58,12 @@ def _reset_peak() -> None:
 
 def measured_process_case(task):
     """`tfmis.data.convert.process_case` with its time and peak RSS appended to the log named in LOG_ENV."""
-    from tfmis.data import convert as conversion
+    from tfmis.data.conversion_cases import process_case
 
     _reset_peak()
     baseline = _status_mb("VmRSS")
     start = time.perf_counter()
-    result = getattr(conversion, "_original_process_case", conversion.process_case)(task)
+    result = process_case(task)  # the conversion's own, which `run_one` replaced in tfmis.data.convert
     record = {
         "case_id": result["case_id"],
         "pid": os.getpid(),
@@ -82,7 +82,6 @@ def run_one(args) -> int:
     """One conversion in this process (started by `main` per --workers value)."""
     from tfmis.data import convert as conversion
 
-    conversion._original_process_case = conversion.process_case
     conversion.process_case = measured_process_case
     _reset_peak()
     start = time.perf_counter()
@@ -130,8 +129,8 @@ def make_dataset(root: Path, cases: int, slices: tuple[int, int], seed: int) -> 
         if not (image_path.is_file() and label_path.is_file()):
             start = time.perf_counter()
             image, label, affine = demo_ct.generate_full_case(i, seed, (int(n), int(n)))
-            demo_ct._save(label, affine, label_path)
-            demo_ct._save(image, affine, image_path)
+            demo_ct.save_volume(label, affine, label_path)
+            demo_ct.save_volume(image, affine, image_path)
             del image, label
             print(f"generated {name}: 512 x 512 x {n} in {time.perf_counter() - start:.1f} s", flush=True)
         header = nib.load(str(image_path)).header

@@ -28,7 +28,7 @@ from tfmis.crossval.experiment import SCORES_FILE, candidate_dir, fold_run_dir, 
 from tfmis.crossval.oof import fold_cases, score_folder
 from tfmis.crossval.selection import mean_per_structure
 from tfmis.inference.cascade import make_predictor
-from tfmis.inference.predictor import run_config
+from tfmis.inference.inputs import run_config
 
 
 def other_folder(cv: Path, name: str, fold: int, weights: str) -> Path:

@@ -54,7 +54,7 @@ TRAINING = [
 def run_arm(spec: dict) -> dict:
     """One arm in this process (`--arm`): the trainer's epochs without validation; its records and memory."""
     from tfmis.config import load_config
-    from tfmis.data.budget import input_memory
+    from tfmis.data.memory_budget import input_memory
     from tfmis.data.records import load_index
     from tfmis.engine.callbacks import CallbackList
     from tfmis.engine.trainer import Trainer
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     if not args.dataset:
         p.error("--dataset is required: a converted dataset folder")
 
-    from tfmis.data.budget import volume_mb
+    from tfmis.data.memory_budget import volume_mb
     from tfmis.data.patch_layout import layout_bytes, training_cases, write_patch_layout
     from tfmis.data.records import load_index, split_cases
 

@@ -276,7 +276,7 @@ def tfmis_stage(name: str, path: Path, fingerprint) -> dict:
     if match:
         median = [float(x) for x in match.groups()]
     elif roi_mm is not None:
-        from tfmis.planning.planner import roi_median_shape
+        from tfmis.planning.data_steps import roi_median_shape
 
         median = [float(x) for x in roi_median_shape(fingerprint, spacing, roi_mm)]
     else:

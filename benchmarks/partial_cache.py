@@ -62,7 +62,8 @@ def generate(root: Path, cases: int, size: int, compression: str, image_dtype: s
     import nibabel as nib
     import numpy as np
 
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
     from tfmis.utils.progress import progress_bar
 
     source = root / "Task96_PartialCache"

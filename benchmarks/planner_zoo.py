@@ -348,7 +348,7 @@ def nnunet_layout_plan(plan_dir: Path) -> Path:
     3e-3. Returns the plan file to train. Comments are lost; every other planned value stays."""
     import yaml
 
-    from tfmis.training import read_stage_list
+    from tfmis.config import read_stage_list
 
     plan = plan_dir / "plan.yaml"
     listed = read_stage_list(plan)

@@ -204,7 +204,8 @@ def changed(values: dict, defaults: dict) -> dict:
 def worker(args) -> int:
     """One setting in this process: baseline, reset high-water mark, predict, peak."""
     from tfmis.config import load_config
-    from tfmis.inference.predictor import InputCase, Predictor
+    from tfmis.inference.inputs import InputCase
+    from tfmis.inference.predictor import Predictor
 
     surface = [
         "validation.hd95=true",

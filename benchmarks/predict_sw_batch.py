@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("--tta", action="store_true")
     args = p.parse_args(argv)
     from tfmis.config import load_config
-    from tfmis.inference.predictor import Predictor, collect_inputs
+    from tfmis.inference.inputs import collect_inputs
+    from tfmis.inference.predictor import Predictor
 
     config = load_config(args.config)
     sizes = [int(s) for s in args.sw_batch_sizes.split(",")]

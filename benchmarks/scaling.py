@@ -278,7 +278,7 @@ def _run_role(role: str, spec_file: Path, out: Path, env_extra: dict, timeout: f
 
 def _run_multi(spec_file: Path, out: Path, workers: int, timeout: float) -> dict:
     """`workers` processes with TF_CONFIG on loopback ports (tfmis.launch's environments); rank 0 writes `out`."""
-    from tfmis.engine.launch import worker_environments
+    from tfmis.engine.local_workers import worker_environments
 
     envs = worker_environments(workers, base_env=_base_env(), gpus_per_worker=0)
     return _run_processes(_worker_command("multi", spec_file, out), envs, out, timeout, "multi-worker")

@@ -148,7 +148,8 @@ def msd_dataset(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def converted_dataset(tmp_path_factory) -> Path:
     """A real converted dataset (6 train + 2 val cases of 20x22x18, 2 channels, 3 classes)."""
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
 
     root = tmp_path_factory.mktemp("converted")
     source = make_msd_dataset(root / "Task99_Test", num_cases=8)

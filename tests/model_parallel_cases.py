@@ -129,7 +129,7 @@ def run(case: str) -> dict:
             )
 
     one = step(single_loss, lambda x: model(x, training=False))
-    gather, norm = parallel.Slabs.gather_range, parallel._SpatialRunner.norm
+    gather, norm = parallel.Slabs.gather_range, parallel.SpatialRunner.norm
     if "nohalo" in options:
         parallel.Slabs.gather_range = without_halo
     if "nostats" in options:
@@ -142,7 +142,7 @@ def run(case: str) -> dict:
                     out[g][i] = norm(self, layer, single, training).parts[0][0]
             return x.like(out)
 
-        parallel._SpatialRunner.norm = per_slab
+        parallel.SpatialRunner.norm = per_slab
     try:
         many = step(  # the gradients as the trainer takes them: backward ops on their forward ops' devices
             lambda x, y: mp_train.loss(loss_fn, y, x, training=True),
@@ -150,7 +150,7 @@ def run(case: str) -> dict:
             colocated=True,
         )
     finally:
-        parallel.Slabs.gather_range, parallel._SpatialRunner.norm = gather, norm
+        parallel.Slabs.gather_range, parallel.SpatialRunner.norm = gather, norm
     exact = {}
     if policy == "float32":  # one device in float64 from the same weights: how far float32 rounding alone goes
         weights = [w.astype("float64") for w in training_model.get_weights()]

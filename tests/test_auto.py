@@ -16,7 +16,7 @@ from tests.conftest import make_msd_dataset
 from tfmis import auto
 from tfmis.config import load_config
 from tfmis.crossval.experiment import read_job_events
-from tfmis.engine.budget import budget_epoch_bound
+from tfmis.engine.time_budget import budget_epoch_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--set", "training.epochs=2", "--set", "training.steps_per_epoch=2", "--set", "validation.val_interval=1"]

@@ -10,8 +10,9 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from tfmis.data import fingerprint as fp
-from tfmis.data.convert import ConversionConfig, convert, summary_text
+from tfmis.data import case_stats
+from tfmis.data.conversion_options import ConversionConfig
+from tfmis.data.convert import convert, summary_text
 from tfmis.data.demo import make_demo_dataset
 from tfmis.data.preprocess import (
     PreprocessConfig,
@@ -151,11 +152,11 @@ def test_the_intensity_sample_of_an_unlabelled_zscored_case_is_its_body():
     its background constant; the recorded background is that constant (0 for a raw channel, None for CT)."""
     rng = np.random.default_rng(6)
     image = np.stack([zscored(body_volume(rng)), body_volume(rng)], axis=-1)
-    values = fp.intensity_sample(image, None, 100_000, np.random.default_rng(0))
+    values = case_stats.intensity_sample(image, None, 100_000, np.random.default_rng(0))
     assert len(values) == int(np.prod([s.stop - s.start for s in BODY]))
     assert not (values[:, 0] == image[0, 0, 0, 0]).any()
-    assert fp.case_background(image) == [float(image[0, 0, 0, 0]), 0.0]
-    assert fp.case_background(image, ct_channels=[1]) == [float(image[0, 0, 0, 0]), None]
+    assert case_stats.case_background(image) == [float(image[0, 0, 0, 0]), 0.0]
+    assert case_stats.case_background(image, ct_channels=[1]) == [float(image[0, 0, 0, 0]), None]
 
 
 # ------------------------------------------------------------ the BraTS-size demo, raw and z-scored, end to end

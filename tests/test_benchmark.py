@@ -39,11 +39,11 @@ def test_regular_source_reads_the_converted_voxels_from_nifti(converted_dataset)
 
 def test_volume_order_is_the_order_the_fast_pipeline_reads(converted_dataset):
     """The order computed from index.json equals the order the fast pipeline's interleaved shard reads produce."""
-    from tfmis.data.pipeline import _read
+    from tfmis.data.pipeline import read_records
 
     index = load_index(converted_dataset)
     files = [str(converted_dataset / s["file"]) for s in index["splits"]["train"]["shards"]]
-    read = [meta["case_id"].numpy().decode() for _, _, meta in _read(files, index, deterministic=True)]
+    read = [meta["case_id"].numpy().decode() for _, _, meta in read_records(files, index, deterministic=True)]
     assert volume_order(index, converted_dataset, "train") == read
     assert len(read) == 6 and len(files) == 2
 

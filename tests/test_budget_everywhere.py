@@ -20,7 +20,7 @@ import yaml
 
 from tests.conftest import make_msd_dataset, tiny_config, tiny_config_file
 from tfmis.config import load_config, load_stages, save_config
-from tfmis.engine.budget import budget_epoch_bound
+from tfmis.engine.time_budget import budget_epoch_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 

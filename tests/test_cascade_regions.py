@@ -17,11 +17,14 @@ import numpy as np
 import pytest
 
 from tfmis.config import load_config, save_config
+from tfmis.data.boxes import merge_boxes
 from tfmis.data.preprocess import PreprocessConfig
 from tfmis.data.records import RUN_DATA_FILE
 from tfmis.inference import cascade as cascade_module
-from tfmis.inference.cascade import CascadePredictor, coarse_regions, make_predictor, merge_boxes
-from tfmis.inference.predictor import InputCase, Predictor, write_csv
+from tfmis.inference.cascade import CascadePredictor, coarse_regions, make_predictor
+from tfmis.inference.inputs import InputCase
+from tfmis.inference.outputs import write_csv
+from tfmis.inference.predictor import Predictor
 from tfmis.task import SegmentationTask
 
 CLASSES = ["background", "organ", "lesion"]

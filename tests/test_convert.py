@@ -11,7 +11,9 @@ import pytest
 from conftest import brain_like_case, lps_affine, make_msd_dataset, update_dataset_json, write_nifti
 
 from tfmis.convert import build_parser
-from tfmis.data.convert import PLAN_FILE, ConversionConfig, ParametersChanged, assign_splits, convert
+from tfmis.data.conversion_options import ConversionConfig
+from tfmis.data.convert import PLAN_FILE, ParametersChanged, convert
+from tfmis.data.folds import assign_splits
 from tfmis.data.msd import MSDDataset, load_case
 from tfmis.data.preprocess import PreprocessConfig, preprocess
 from tfmis.data.records import load_index, read_record, record_dataset, split_cases

@@ -101,7 +101,7 @@ def test_stored_orientation_only_changes_voxel_order(monkeypatch):
 def test_big_endian_image_reads_back_identically():
     case = demo.generate_case(1)  # schedule: LPS, big-endian
     assert case.image.dtype == np.dtype(">i2")
-    img = demo._nifti(case.image, case.affine)
+    img = demo.nifti_image(case.image, case.affine)
     reread = nib.Nifti1Image.from_bytes(img.to_bytes())
     assert reread.get_data_dtype() == np.dtype(">i2")
     assert np.array_equal(np.asanyarray(reread.dataobj), case.image)

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow  # trains a run (about 20 s on 2 cores)
 def ct_run(tmp_path_factory):
     """A tiny run trained on a one-channel CT dataset, and one of its scans (float32 HU, X x Y x Z)."""
     from tfmis.config import save_config
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
     from tfmis.engine.trainer import Trainer
 
     root = tmp_path_factory.mktemp("ct")

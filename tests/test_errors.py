@@ -326,7 +326,8 @@ def test_os_error_line_names_the_file_and_the_fix(tmp_path):
     library's text), a file in the way of a folder, a permission problem, a missing file."""
     import errno
 
-    from tfmis.utils.cli import is_disk_full, os_error_line
+    from tfmis.utils.cli import os_error_line
+    from tfmis.utils.io import is_disk_full
 
     full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "a.tmp"))
     assert os_error_line(full, rerun="rerun with --resume") == (

@@ -16,14 +16,9 @@ from conftest import make_msd_dataset, tiny_config
 
 from tfmis.config import ConfigError, load_config, save_config, to_dict
 from tfmis.convert import main as convert_main
-from tfmis.data.convert import (
-    PLAN_FILE,
-    SPLITS_FILE,
-    ConversionConfig,
-    ParametersChanged,
-    assign_splits,
-    convert,
-)
+from tfmis.data.conversion_options import ConversionConfig
+from tfmis.data.convert import PLAN_FILE, ParametersChanged, convert
+from tfmis.data.folds import SPLITS_FILE, assign_splits
 from tfmis.data.records import (
     load_index,
     record_dataset,

@@ -18,7 +18,8 @@ import textwrap
 import pytest
 import tensorflow as tf
 
-from tfmis.profiling.graph_memory import canonical_device, parameter_bytes, placed_memory
+from tfmis.networks.devices import canonical_device
+from tfmis.profiling.graph_memory import parameter_bytes, placed_memory
 
 FLOATS = 1024  # a [1024] float32 tensor: 4096 bytes
 BYTES = FLOATS * 4

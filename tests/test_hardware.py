@@ -26,7 +26,7 @@ REPORT = """
 import collections, json, os, sys
 import tfmis
 from tfmis.data.convert import ConversionConfig
-from tfmis.engine.launch import worker_environments
+from tfmis.engine.local_workers import worker_environments
 from tfmis.data.pipeline import pipeline_options
 from tfmis.hardware import current_onednn, usable_cpu_count
 import tensorflow as tf

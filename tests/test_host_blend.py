@@ -14,7 +14,7 @@ from tfmis.hardware import runnable_tasks
 from tfmis.inference import buffers, importance_map, sliding_window_inference, window_starts
 from tfmis.inference.blending import aggregate
 from tfmis.inference.buffers import balanced_slabs, cached_weight_sum, clear_weight_sum_cache, weight_sum
-from tfmis.inference.sliding_window import _infer
+from tfmis.inference.sliding_window import infer_windows
 from tfmis.inference.windows import importance_array, scan_intervals
 
 ROI = (12, 8, 8)
@@ -47,7 +47,7 @@ def numpy_mean_and_sum(windows):
 def infer(volume, predictor, on_host=True, **kwargs):
     arguments = dict(overlap=0.5, mode="gaussian", sigma_scale=0.125, padding_mode="constant", cval=0.0)
     arguments.update({k: kwargs.pop(k) for k in list(kwargs) if k in arguments})
-    out = _infer(
+    out = infer_windows(
         volume,
         ROI,
         kwargs.pop("sw_batch_size", 3),

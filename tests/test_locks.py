@@ -243,7 +243,7 @@ def test_a_trainings_data_preparation_waits_for_another_process_converting_its_t
     when another live process holds the conversion target's lock, as two folds starting at once do: it says once
     whom it waits for, waits while the holder lives, then checks the finished conversion and returns it."""
     from tfmis.config import DataConfig
-    from tfmis.data.convert import ConversionOptions
+    from tfmis.data.conversion_options import ConversionOptions
     from tfmis.data.prepare import prepare_dataset
     from tfmis.data.records import INDEX_FILE
 

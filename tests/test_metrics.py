@@ -337,7 +337,7 @@ def test_predictions_csv_and_summary_report_classes_absent_from_the_label(tmp_pa
     summary averages each class over the cases that have it and says how many did not."""
     import csv
 
-    from tfmis.inference.predictor import CaseResult, write_csv
+    from tfmis.inference.outputs import CaseResult, write_csv
     from tfmis.predict import dice_summary
 
     names = ["background", "organ", "core"]
@@ -629,7 +629,7 @@ def test_predictions_csv_appends_region_hd95_and_nsd_columns(tmp_path):
     """The class columns keep their names and order; the scores follow, blank for an unlabelled case."""
     import csv
 
-    from tfmis.inference.predictor import CaseResult, score_columns, score_keys, write_csv
+    from tfmis.inference.outputs import CaseResult, score_columns, score_keys, write_csv
 
     names = ["background", "edema", "non_enhancing", "enhancing"]
     metrics = SegmentationMetrics(
@@ -850,24 +850,24 @@ def test_accumulator_on_small_structures_in_a_large_volume_equals_the_reference_
 def test_label_maps_are_kept_as_stored_or_cast_to_the_smallest_unsigned_type():
     """uint8 and uint16 maps are scored without a copy (booleans as a uint8 view); other integer maps and integral
     float maps become uint8 (uint16 beyond 256 classes) with the same labels; the errors are unchanged."""
-    from tfmis.metrics.segmentation import _label_maps
+    from tfmis.metrics.segmentation import label_maps
 
     labels = np.arange(24).reshape(2, 3, 4) % 3
     for stored in (np.uint8, np.uint16):
         array = labels.astype(stored)
-        kept, _ = _label_maps(array, array, 3)
+        kept, _ = label_maps(array, array, 3)
         assert kept is array
     mask = labels > 0
-    viewed, _ = _label_maps(mask, mask, 2)
+    viewed, _ = label_maps(mask, mask, 2)
     assert viewed.dtype == np.uint8 and np.shares_memory(viewed, mask)
     for stored in (np.int64, np.int16, np.float64, np.float32, np.uint32):
-        cast, _ = _label_maps(labels.astype(stored), labels, 3)
+        cast, _ = label_maps(labels.astype(stored), labels, 3)
         assert cast.dtype == np.uint8 and np.array_equal(cast, labels)
-    wide, _ = _label_maps(labels.astype(np.int32) * 100, labels, 300)
+    wide, _ = label_maps(labels.astype(np.int32) * 100, labels, 300)
     assert wide.dtype == np.uint16 and np.array_equal(wide, labels * 100)
     with pytest.raises(ValueError, match=r"target labels must lie in \[0, 3\), got \[0, 5\]"):
-        _label_maps(labels, labels + 3 * (labels == 2), 3)
+        label_maps(labels, labels + 3 * (labels == 2), 3)
     with pytest.raises(ValueError, match=r"prediction labels must lie in \[0, 3\), got \[-1, 2\]"):
-        _label_maps(labels - (labels == 0), labels, 3)
+        label_maps(labels - (labels == 0), labels, 3)
     with pytest.raises(ValueError, match="target must hold integer class labels"):
-        _label_maps(labels, np.where(labels == 1, np.nan, labels), 3)
+        label_maps(labels, np.where(labels == 1, np.nan, labels), 3)

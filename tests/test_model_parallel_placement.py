@@ -38,16 +38,16 @@ SCRIPT = textwrap.dedent(
 
     from tfmis.losses import DeepSupervisionLoss, build_loss
     from tfmis.networks.parallel import ModelParallel
-    from tfmis.networks.pipeline_stages import _canonical
+    from tfmis.networks.devices import canonical_device
     from tfmis.networks.unet import UNetConfig
-    from tfmis.profiling.graph_memory import _op_devices, placed_memory, step_graph
+    from tfmis.profiling.graph_memory import op_devices, placed_memory, step_graph
 
     folder, net = sys.argv[1], json.loads(sys.argv[2])
     out = {}
     devices = ["/CPU:0", "/CPU:1"]
 
     def device_of(v):
-        return _canonical(v.value.device)
+        return canonical_device(v.value.device)
 
     # ---- pipeline: variables, slots and gradients on their stage's device; a step, then a checkpoint
     keras.utils.set_random_seed(0)
@@ -90,7 +90,7 @@ SCRIPT = textwrap.dedent(
     images = tf.constant(rng.normal(size=(2, *patch, 1)).astype("float32"))
     labels = tf.constant(rng.integers(0, 3, size=(2, *patch)).astype("int32"))
     function = gradients.get_concrete_function(images, labels)
-    placed = _op_devices(function.graph, "/CPU:0")
+    placed = op_devices(function.graph, "/CPU:0")
     made_on = []
     for v, g in zip(variables, function.structured_outputs):
         op = g.op
@@ -135,7 +135,7 @@ SCRIPT = textwrap.dedent(
     graph = step_graph(demo_model, sums_loss, 2, (side,) * 3, 2, parallel=spatial, gradients="colocated")
     memory = placed_memory(graph)
     label_input = graph.inputs[1]
-    placed = _op_devices(graph, "/CPU:0")
+    placed = op_devices(graph, "/CPU:0")
     out["label_consumers"] = sorted({(c.type, placed[c]) for c in label_input.consumers()})
     out["label_transfers"] = [[t.tensor, t.destination, t.bytes] for m in memory.values() for t in m.transfers_in
                               if t.tensor == label_input.name]

@@ -259,18 +259,18 @@ def test_tfmis_launch_says_what_it_exposes_and_two_workers_end_quietly(converted
 
 
 def test_exposure_warning_is_printed_for_a_cluster_beyond_loopback_only(capsys):
-    """The chief's start-up warning (`tfmis.engine.distribution._warn_exposure`) names every address and the
+    """The chief's start-up warning (`tfmis.engine.distribution.warn_exposure`) names every address and the
     private-network advice when any worker address is not loopback, and says nothing for 127.0.0.1 / localhost
     / ::1 clusters (tfmis.launch prints its own line for those); `is_loopback` reads host:port, [v6]:port and
     names that resolve to loopback."""
     from tfmis.engine.cluster import is_loopback
-    from tfmis.engine.distribution import _warn_exposure
+    from tfmis.engine.distribution import warn_exposure
 
     assert all(is_loopback(a) for a in ("127.0.0.1:5000", "localhost:1", "[::1]:2", "127.0.1.1:3"))
     assert not any(is_loopback(a) for a in ("10.1.2.3:5000", "[2001:db8::1]:4", "no-such-host.invalid:1"))
-    _warn_exposure({"worker": ["127.0.0.1:5000", "localhost:5001"]})
+    warn_exposure({"worker": ["127.0.0.1:5000", "localhost:5001"]})
     assert capsys.readouterr().err == ""
-    _warn_exposure({"worker": ["10.1.2.3:23456", "10.1.2.4:23456"]})
+    warn_exposure({"worker": ["10.1.2.3:23456", "10.1.2.4:23456"]})
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "10.1.2.3:23456, 10.1.2.4:23456" in err
     assert "ALL network interfaces" in err and "without authentication" in err and "private cluster network" in err

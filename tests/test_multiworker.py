@@ -334,7 +334,7 @@ def test_input_pipelines_read_disjoint_cases_that_cover_the_split(converted_data
     is read by exactly one pipeline (so each worker caches only its own part) and data-level shares are even."""
     import tensorflow as tf
 
-    from tfmis.data.pipeline import _read, input_shard
+    from tfmis.data.pipeline import input_shard, read_records
     from tfmis.data.records import load_index, shard_paths
 
     index = load_index(converted_dataset)
@@ -346,7 +346,10 @@ def test_input_pipelines_read_disjoint_cases_that_cover_the_split(converted_data
         context = tf.distribute.InputContext(pipelines, i, pipelines)
         assert input_shard(files, cases, context)["level"] == ("file" if pipelines <= len(files) else "data")
         seen.append(
-            [meta["case_id"].decode() for _, _, meta in _read(files, index, True, context, "train").as_numpy_iterator()]
+            [
+                meta["case_id"].decode()
+                for _, _, meta in read_records(files, index, True, context, "train").as_numpy_iterator()
+            ]
         )
     assert sorted(sum(seen, [])) == sorted(cases)  # disjoint and complete
     if pipelines == 3:

@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import tiny_config
-from tfmis.data.budget import check_input_memory, input_memory
+from tfmis.data.memory_budget import check_input_memory, input_memory
 from tfmis.data.patch_layout import (
     PatchArrays,
     arrays_dir,
@@ -172,7 +172,8 @@ def larger_dataset(tmp_path) -> Path:
     """A converted dataset of 8 training cases of 96 x 96 x 80 (2 channels): a case takes a writer long enough to be
     killed between two cases."""
     from tests.conftest import make_msd_dataset
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
 
     source = make_msd_dataset(tmp_path / "Task98_Larger", num_cases=10, shape=(96, 96, 80))
     target = tmp_path / "larger"
@@ -234,7 +235,7 @@ def test_the_input_says_what_it_holds_and_refuses_a_memory_cache_above_its_budge
 _PATCH_INPUT_MEASURED = """
 import json, sys, threading, time
 from tfmis.config import load_config
-from tfmis.data.budget import input_memory
+from tfmis.data.memory_budget import input_memory
 from tfmis.data.pipeline import build_train_dataset
 from tfmis.data.records import load_index
 from tfmis.hardware.processes import process_status_mb
@@ -450,7 +451,8 @@ def test_in_a_memory_limit_the_patch_read_input_trains_where_a_memory_cache_woul
     - the same memory cache with the budget lifted, measured without the limit, needs more than the limit (so the
       refusal spared a kill) and holds at least half the decoded size more than the patch-read run."""
     from tfmis.config import save_config
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
 
     source = write_large_label_dataset(tmp_path / "Task96_Limit", 36, shape=(256, 256, 112))
     dataset = tmp_path / "converted"
@@ -484,7 +486,7 @@ def test_patch_readers_shrink_to_the_budget_and_a_window_too_large_for_one_reade
     """With rotation, a 64³ patch reads windows larger than the patch: the readers drop (at least one) until their
     windows fit pipeline.memory_budget, what they hold stays within it while more than one reads, and a budget
     below one reader's windows is one ConfigError naming enlarge_crop and the patch size."""
-    from tfmis.data.budget import patch_input
+    from tfmis.data.memory_budget import patch_input
 
     index = load_index(layout_dataset)
     spatial = ["pipeline.cache=patches", "pipeline.patch_size=[64,64,64]", "pipeline.augment.rotate_prob=0.2"]
@@ -503,7 +505,7 @@ def test_patch_readers_shrink_to_the_budget_and_a_window_too_large_for_one_reade
 _PIPELINE_ALONE = """
 import json, sys
 from tfmis.config import load_config
-from tfmis.data.budget import input_memory
+from tfmis.data.memory_budget import input_memory
 from tfmis.data.pipeline import build_train_dataset
 from tfmis.data.records import load_index
 from tfmis.hardware.processes import process_status_mb
@@ -536,7 +538,8 @@ def test_rotation_and_scaling_in_tf_data_stay_within_what_the_patch_read_input_c
     within the count and above a third of it (measured: 583 of 1,178 MB; the count takes each window whole, while
     rotation reads only the box its draws sample)."""
     from tfmis.config import save_config
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
     from tfmis.data.patch_layout import training_cases, write_patch_layout
 
     source = write_large_label_dataset(tmp_path / "Task95_Rotate", 6, shape=(192, 192, 96))
@@ -591,7 +594,8 @@ def test_a_reconversion_with_another_ct_window_rewrites_every_case_and_stale_arr
     the case and the fix."""
     import shutil
 
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
     from tfmis.errors import DataError
 
     source, target = _ct_source(tmp_path / "Task98_CT"), tmp_path / "converted"
@@ -656,7 +660,8 @@ def test_a_thousand_cases_read_under_ulimit_256_open_files(tmp_path):
     import shutil
 
     from tests.conftest import make_msd_dataset
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
 
     source = make_msd_dataset(tmp_path / "Task96_Many", num_cases=2, shape=(12, 12, 10))
     target = tmp_path / "converted"
@@ -791,7 +796,7 @@ def test_the_budget_is_measured_once_and_the_pipeline_uses_the_plan_its_line_pri
     used, then the pipeline's plan (`patch_read_plan`): the same budget and the same number of readers as the line
     (the budget was half the memory free at each call: two numbers); the arrays are read through the page cache
     when they fit beside the budget, with their pages dropped when they do not, and the line says which."""
-    from tfmis.data.budget import input_memory, patch_read_plan, pipeline_memory_budget
+    from tfmis.data.memory_budget import input_memory, patch_read_plan, pipeline_memory_budget
 
     _write(layout_dataset)
     index = load_index(layout_dataset)
@@ -813,7 +818,7 @@ def test_the_budget_is_measured_once_and_the_pipeline_uses_the_plan_its_line_pri
 def test_the_class_locations_loaded_stay_within_what_the_budget_counts(layout_dataset, tmp_path):
     """Every training case's class locations loaded in turn (indexed with up to 20,000 a class): the bytes of those
     loaded at any time stay within `patch_input`'s `locations_mb` for the dataset's classes."""
-    from tfmis.data.budget import patch_input
+    from tfmis.data.memory_budget import patch_input
 
     _write(layout_dataset)
     index = load_index(layout_dataset)
@@ -833,7 +838,8 @@ def test_a_k_fold_conversion_shares_the_arrays_of_the_train_val_conversion_of_th
     links: one inode, no second copy of their bytes) instead of writing them, and reads what its records hold;
     converting `<dir>` again (--overwrite) leaves the fold conversion's arrays as they were."""
     from tests.conftest import make_msd_dataset
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
 
     source = make_msd_dataset(tmp_path / "Task95_Shared", num_cases=6, shape=(20, 18, 12))
     plain, folded = tmp_path / "tfrecords", tmp_path / "tfrecords-folds3"

@@ -448,7 +448,8 @@ def partial_cache_dataset(tmp_path_factory):
     foreground crop, 17.2 MB each decoded (15.3 MB image + 1.9 MB label), 412 MB for the whole training split."""
     from conftest import make_msd_dataset
 
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
 
     root = tmp_path_factory.mktemp("partial")
     source = make_msd_dataset(root / "Task97_Partial", num_cases=30, shape=(128, 128, 128))
@@ -555,7 +556,7 @@ def test_smart_cache_cycles_are_sliding_windows_of_the_record_stream(converted_d
     """`smart_cache` over the real TFRecords (the partial cache's reader, shard order reshuffled per pass): cycle k
     holds exactly the records k..k+2 of the stream (cache_num 3, replace_num 1), in a shuffled order; every training
     case is in the cache within 4 cycles; the stream is reproducible."""
-    from tfmis.data.pipeline import _read
+    from tfmis.data.pipeline import read_records
     from tfmis.data.records import shard_paths
     from tfmis.data.smart_cache import smart_cache
 
@@ -563,7 +564,9 @@ def test_smart_cache_cycles_are_sliding_windows_of_the_record_stream(converted_d
     files = shard_paths(converted_dataset, "train", index)
 
     def volumes():
-        return _read(files, index, True, None, "train", refill_seed=3).map(lambda image, label, meta: meta["case_id"])
+        return read_records(files, index, True, None, "train", refill_seed=3).map(
+            lambda image, label, meta: meta["case_id"]
+        )
 
     def case_ids(dataset, n):
         return [c.decode() for c in dataset.take(n).as_numpy_iterator()]
@@ -667,7 +670,7 @@ def test_partial_cache_of_each_worker_holds_only_its_own_share(converted_dataset
     """Under N input pipelines (2 workers: one shard each, file-level sharding; 3 workers for 2 shards: every 3rd
     case, data-level), each pipeline's partial cache sizes itself on its own share and cycles only through its own
     cases; together the workers cover the 6 training cases once; `build_train_dataset` streams batches for each."""
-    from tfmis.data.pipeline import _read, input_shard
+    from tfmis.data.pipeline import input_shard, read_records
     from tfmis.data.records import shard_paths
     from tfmis.data.smart_cache import share_size, smart_cache
 
@@ -680,7 +683,7 @@ def test_partial_cache_of_each_worker_holds_only_its_own_share(converted_dataset
         shard = input_shard(files, index["splits"]["train"]["cases"], context)
         assert shard["level"] == ("file" if workers == 2 else "data")
         share = share_size(index, "train", shard)
-        volumes = _read(files, index, True, context, "train", refill_seed=0).map(
+        volumes = read_records(files, index, True, context, "train", refill_seed=0).map(
             lambda image, label, meta: meta["case_id"]
         )
         cases = {c.decode() for c in smart_cache(volumes, 1, 1, seed=0).take(4 * share).as_numpy_iterator()}

@@ -32,9 +32,9 @@ from tfmis.inference.placement import (
     VolumeOutOfMemory,
     VolumePlacement,
     aggregation_bytes,
-    is_out_of_memory,
 )
 from tfmis.inference.sliding_window import sliding_window_inference
+from tfmis.utils.out_of_memory import is_out_of_memory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -366,7 +366,8 @@ VALIDATION = ["validation.roi_size=[32,32,32]", "validation.overlap=0.75", "vali
 @pytest.fixture(scope="module")
 def large_volume_dataset(tmp_path_factory):
     """A converted dataset of 4 cases of 64^3 voxels after the foreground crop: 2 train, 2 val."""
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
 
     root = tmp_path_factory.mktemp("large")
     source = make_msd_dataset(root / "Task99_Large", num_cases=4, shape=(68, 68, 68))

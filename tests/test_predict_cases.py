@@ -13,7 +13,8 @@ from conftest import lps_affine, write_nifti
 
 from tfmis.data.msd import CaseError
 from tfmis.errors import DataError
-from tfmis.inference.predictor import InputCase, ScanPredictor
+from tfmis.inference.inputs import InputCase
+from tfmis.inference.predictor import ScanPredictor
 
 
 class _FakePredictor(ScanPredictor):

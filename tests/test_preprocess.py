@@ -265,7 +265,7 @@ def test_restored_probabilities_take_the_nearest_edge_value_inside_the_crop_box(
     value is the ramp at the coarse coordinate (k + .5) / 2 - .5 clamped into [0, n - 1];
     outside the box the background probability is 1 and the others 0.
     """
-    from tfmis.inference.predictor import restore_probabilities
+    from tfmis.inference.restore import restore_probabilities
 
     box = ((4, 25), (5, 23), (3, 22))
     image, label, affine = box_scan((30, 29, 26), box, (0.8, 0.8, 0.8))
@@ -333,7 +333,7 @@ def test_preprocess_leaves_its_input_alone():
 
 
 def test_class_voxels_equals_bincount_across_chunks():
-    from tfmis.data.fingerprint import class_voxels
+    from tfmis.data.case_stats import class_voxels
 
     label = np.random.default_rng(3).integers(0, 4, size=(13, 7, 5)).astype(np.uint8)
     label[0, 0, 0] = 6  # a value beyond num_classes still counted, as bincount does

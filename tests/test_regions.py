@@ -20,7 +20,8 @@ from scipy import special
 from tfmis.config import ConfigError, load_config, region_paint_labels
 from tfmis.data.pipeline import build_val_dataset
 from tfmis.engine.trainer import Trainer
-from tfmis.inference.predictor import Predictor, collect_inputs
+from tfmis.inference.inputs import collect_inputs
+from tfmis.inference.predictor import Predictor
 from tfmis.inference.restore import paint_regions, restore_labels, sigmoid_in_place
 from tfmis.losses import DeepSupervisionLoss, DiceCELoss, DiceFocalLoss, DiceLoss, build_loss
 from tfmis.losses.dice import region_membership

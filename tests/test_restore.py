@@ -9,7 +9,7 @@ import pytest
 from scipy import ndimage
 
 from tfmis.data.preprocess import PreprocessConfig, preprocess
-from tfmis.inference.restore import _source_axes, original_to_preprocessed, restore_labels, softmax_in_place
+from tfmis.inference.restore import axis_permutation, original_to_preprocessed, restore_labels, softmax_in_place
 
 
 def smooth_probabilities(shape, classes, seed, sigma=2.0, dtype=np.float32):
@@ -40,7 +40,7 @@ def test_label_only_restore_equals_the_argmax_of_every_class_resampled(affine, s
     interpolated classes are within float32 rounding of a tie."""
     shape = (47, 39, 23)
     geometry = case_geometry(shape, affine, spacing)
-    assert _source_axes(original_to_preprocessed(geometry)[:3, :3]) is not None
+    assert axis_permutation(original_to_preprocessed(geometry)[:3, :3]) is not None
     probabilities = smooth_probabilities(tuple(geometry.shape), 4, seed=int(abs(affine[0]).sum() * 10), dtype=dtype)
     reference, restored = restore_labels(probabilities, geometry, probabilities_out=True)
     labels, none = restore_labels(probabilities, geometry)

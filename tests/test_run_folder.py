@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from tfmis.errors import DataError
-from tfmis.inference.predictor import load_weights
+from tfmis.inference.inputs import load_weights
 from tfmis.networks.unet import build_unet
 
 DATA_INFO = {"source": {"modalities": ["MR0", "MR1"], "labels": {"0": "background", "1": "organ", "2": "core"}}}
@@ -95,7 +95,8 @@ def test_predict_from_a_run_folder_alone_after_the_tfrecords_are_gone(tmp_path):
     from conftest import make_msd_dataset, tiny_config
 
     from tfmis.config import save_config
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
     from tfmis.engine.trainer import Trainer
 
     source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=4)

@@ -9,7 +9,7 @@ from conftest import make_msd_dataset
 
 from tfmis.config import ConfigError, load_config
 from tfmis.convert import build_parser
-from tfmis.data.convert import ConversionConfig, ConversionOptions
+from tfmis.data.conversion_options import ConversionConfig, ConversionOptions
 from tfmis.networks.architecture import UNetArchitecture
 from tfmis.networks.unet import UNetConfig
 

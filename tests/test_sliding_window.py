@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmis.data.demo import smooth_random_field
+from tfmis.data.demo_anatomy import smooth_random_field
 from tfmis.inference import importance_map, number_of_windows, sliding_window_inference, window_starts
-from tfmis.inference.blending import aggregate, aggregates_on_host, weight_sum
-from tfmis.inference.sliding_window import _infer, _pad_volume
+from tfmis.inference.blending import aggregate, aggregates_on_host
+from tfmis.inference.buffers import weight_sum
+from tfmis.inference.sliding_window import infer_windows, pad_volume
 
 ROI = (12, 8, 8)  # anisotropic, so swapped axes show; at overlap 0.75 the steps are (3, 2, 2)
 # divisible by the roi, odd and non-divisible, even and non-divisible, smaller than the roi on
@@ -227,11 +228,11 @@ def test_padding_modes_match_numpy(mode, numpy_mode, as_tensor):
     for the host blend) equal numpy's corresponding mode; torch's limits hold for both."""
     volume = random_volume((5, 4, 3))
     padding = [(1, 2), (0, 3), (2, 2)]
-    ours = np.asarray(_pad_volume(tf.constant(volume) if as_tensor else volume, padding, mode, 0.0))
+    ours = np.asarray(pad_volume(tf.constant(volume) if as_tensor else volume, padding, mode, 0.0))
     np.testing.assert_array_equal(ours, np.pad(volume, [(0, 0), *padding, (0, 0)], mode=numpy_mode))
     if mode in ("reflect", "circular"):
         with pytest.raises(ValueError, match=f"padding_mode '{mode}' cannot pad an axis of size 3 by 4"):
-            _pad_volume(tf.constant(volume) if as_tensor else volume, [(0, 0), (0, 0), (4, 4)], mode, 0.0)
+            pad_volume(tf.constant(volume) if as_tensor else volume, [(0, 0), (0, 0), (4, 4)], mode, 0.0)
 
 
 def test_padding_mode_and_cval_reach_the_predictor():
@@ -277,14 +278,14 @@ def test_output_lives_on_the_requested_device():
 
 def test_windows_travel_to_sw_device_and_back_to_device():
     """Two logical CPUs stand in for host and accelerator (they must be set before TF starts). Both
-    blends, the numpy one of the public function and the TensorFlow one (`_infer(on_host=False)`, what a
+    blends, the numpy one of the public function and the TensorFlow one (`infer_windows(on_host=False)`, what a
     GPU `device` gets), with a volume smaller than the roi on one axis (padded and cropped back)."""
     script = textwrap.dedent("""
         import numpy as np, tensorflow as tf
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
         from tfmis.inference import sliding_window_inference
-        from tfmis.inference.sliding_window import _infer
+        from tfmis.inference.sliding_window import infer_windows
         volume = np.random.default_rng(0).normal(size=(2, 15, 7, 13, 2)).astype(np.float32)
         for device, sw_device in [("/CPU:1", "/CPU:0"), ("/CPU:0", "/CPU:1")]:
             for blend in ("numpy", "tensorflow"):
@@ -296,7 +297,7 @@ def test_windows_travel_to_sw_device_and_back_to_device():
                     out = sliding_window_inference(volume, (12, 8, 8), 3, predictor, overlap=0.5, mode="gaussian",
                                                    device=device, sw_device=sw_device)
                 else:
-                    out = _infer(volume, (12, 8, 8), 3, predictor, 0.5, "gaussian", 0.125, "replicate", 0.0,
+                    out = infer_windows(volume, (12, 8, 8), 3, predictor, 0.5, "gaussian", 0.125, "replicate", 0.0,
                                  sw_device, device, False, on_host=False)
                 assert out.device.endswith(device[1:]), (blend, out.device, device)
                 assert seen and all(d.endswith(sw_device[1:]) for d in seen), (blend, seen, sw_device)
@@ -426,7 +427,7 @@ def test_both_blends_match_an_independent_numpy_reference(shape, on_host):
     volume = random_volume(shape, seed=sum(shape))
     for overlap, mode, sw_batch_size in itertools.product([0.25, 0.5], MODES, [1, 3]):
         expected = reference_inference(volume, overlap, mode)
-        out = _infer(
+        out = infer_windows(
             volume,
             ROI,
             sw_batch_size,
@@ -484,7 +485,7 @@ def test_float16_blends_on_device_and_host_give_the_same_labels_for_logits_in_th
     weights = np.ones(DEMO_ROI) if mode == "constant" else monai_gaussian(DEMO_ROI)
     expected = reference_blend(volume.astype(np.float64), DEMO_ROI, 0.25, weights, numpy_plus_tenth_of_window_mean)
     host, device = (
-        _infer(
+        infer_windows(
             volume,
             DEMO_ROI,
             4,
@@ -587,9 +588,11 @@ def test_window_batches_and_results_are_not_reused_memory(on_host):
         kept.append(windows)
         return double_plus_one(windows)
 
-    first = _infer(volume, ROI, 3, keeping, 0.5, "gaussian", 0.125, "constant", 0.0, None, None, False, on_host=on_host)
+    first = infer_windows(
+        volume, ROI, 3, keeping, 0.5, "gaussian", 0.125, "constant", 0.0, None, None, False, on_host=on_host
+    )
     first_copy = first.numpy().copy()
-    second = _infer(
+    second = infer_windows(
         volume * 3, ROI, 3, double_plus_one, 0.5, "gaussian", 0.125, "constant", 0.0, None, None, False, on_host=on_host
     )
     np.testing.assert_array_equal(first.numpy(), first_copy)

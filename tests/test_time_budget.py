@@ -1,6 +1,6 @@
-"""`training.max_minutes` sets the schedule's length: the decision from measured epochs (`tfmis.engine.budget`), and
-the real trainer on the tiny dataset ending within its budget with its learning-rate schedule complete, also
-across a resume.
+"""`training.max_minutes` sets the schedule's length: the decision from measured epochs
+(`tfmis.engine.time_budget`), and the real trainer on the tiny dataset ending within its budget with its
+learning-rate schedule complete, also across a resume.
 
 The trainer tests never assert absolute times (the machine is shared and noisy). What the budget controls is checked
 at the goal's 5 %: every length it sets is the most epochs whose end, projected at the pace the run itself measured,
@@ -18,8 +18,8 @@ import math
 import pytest
 from conftest import tiny_config
 
-from tfmis.engine.budget import SAFETY_SHARE, TimeBudget, budget_epoch_bound
 from tfmis.engine.callbacks import Callback
+from tfmis.engine.time_budget import SAFETY_SHARE, TimeBudget, budget_epoch_bound
 from tfmis.engine.trainer import Trainer
 
 BUDGET_MINUTES = 0.4  # 24 s: the first epoch (tracing) takes 1-2 s of it, then ~100 epochs of 0.15-0.3 s

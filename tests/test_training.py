@@ -12,7 +12,8 @@ import tensorflow as tf
 from conftest import make_msd_dataset, tiny_config
 
 from tfmis.data.pipeline import build_train_dataset
-from tfmis.engine.trainer import RunExists, Trainer, TrainingDiverged
+from tfmis.engine.bookkeeping import RunExists, TrainingDiverged
+from tfmis.engine.trainer import Trainer
 
 TESTS = Path(__file__).resolve().parent
 PLAIN_SGD = [
@@ -727,7 +728,8 @@ def test_profile_section_writes_a_profiler_trace_of_the_chosen_steps(converted_d
 @pytest.fixture(scope="module")
 def large_volume_dataset(tmp_path_factory) -> Path:
     """4 train + 2 val cases of 128^3 voxels: reading and decoding a volume costs more than a small step."""
-    from tfmis.data.convert import ConversionConfig, convert
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
 
     root = tmp_path_factory.mktemp("large")
     source = make_msd_dataset(root / "Task98_Large", num_cases=6, shape=(128, 128, 128))
@@ -1177,7 +1179,7 @@ def test_deep_supervision_trains_its_heads_and_saves_and_resumes_the_model(conve
     (tfmis.inference.predictor.load_weights), and --resume restores the last epoch and trains epoch 3."""
     import dataclasses
 
-    from tfmis.inference.predictor import load_weights
+    from tfmis.inference.inputs import load_weights
     from tfmis.losses import DeepSupervisionLoss, build_loss
     from tfmis.networks.unet import UNetConfig
 

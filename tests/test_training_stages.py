@@ -86,7 +86,7 @@ def test_a_plans_own_overrides_reach_every_stage_and_one_that_cannot_apply_is_re
     without) and raises the plan's training.epochs so that only the budget bounds the schedules, unless
     training.epochs is given too. Conversion folders with nothing in common cannot take one dataset_dir: one line."""
     from tfmis.config import ConfigError
-    from tfmis.engine.budget import budget_epoch_bound
+    from tfmis.engine.time_budget import budget_epoch_bound
 
     base = tmp_path / "data" / "Task01"
     coarse = tiny_config(f"{base}_lowres", tmp_path / "out" / "lowres", "training.max_minutes=3")

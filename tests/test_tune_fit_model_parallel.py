@@ -14,7 +14,8 @@ import yaml
 from conftest import tiny_config
 
 from tfmis.config import to_dict
-from tfmis.tune.fit.search import apply_values, fit_config, fitted_config
+from tfmis.tune.fit.candidates import apply_values, fitted_config
+from tfmis.tune.fit.search import fit_config
 from tfmis.tune.fit.specs import load_specs
 from tfmis.tune.fit.trial import run_trial
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tfmis.config import Config, ConfigError
+from tfmis.tune.fit.candidates import apply_values, choose, model_parallel_settings, model_parallel_skip_reason
 from tfmis.tune.fit.memory import MemoryModel, fit_line
-from tfmis.tune.fit.search import apply_values, choose, model_parallel_settings, model_parallel_skip_reason
 from tfmis.tune.fit.specs import FitSpecs, load_specs
 
 # ---------------------------------------------------------------------------------------------- specs

@@ -28,13 +28,12 @@ from tfmis.tune.fit.trial import (
     PROGRESS_FILE,
     RESULT_FILE,
     RESULT_KEYS,
-    _check_budgets,
-    _ChildTrial,
-    error_line,
-    is_out_of_memory,
+    ChildTrial,
+    check_budgets,
     run_trial,
     trial_device,
 )
+from tfmis.utils.out_of_memory import error_line, is_out_of_memory
 
 PATCH_48 = "pipeline.patch_size=[48,48,48]"  # large enough that 8 images take clearly more memory than 1
 VOLUME = [40, 40, 40]
@@ -160,7 +159,7 @@ def test_synthetic_batches_have_the_training_streams_element_spec(converted_data
 
 
 def test_fit_runs_the_loop_graph_the_trial_timed(converted_dataset, tmp_path):
-    """The trial's own code (`_ChildTrial.run`, in this process) with training.steps_per_loop=2, then `fit` on the
+    """The trial's own code (`ChildTrial.run`, in this process) with training.steps_per_loop=2, then `fit` on the
     trainer it timed (4 steps per epoch: loops of 2 only): the loop function was traced once, by the trial's
     warm-up, and fit ran that traced graph on the real training stream."""
     config = tiny_config(
@@ -173,7 +172,7 @@ def test_fit_runs_the_loop_graph_the_trial_timed(converted_dataset, tmp_path):
     workdir = tmp_path / "trial"
     workdir.mkdir()
     (workdir / "request.json").write_text(json.dumps(request(config, warmup_steps=1, timed_steps=2)))
-    child = _ChildTrial(workdir / "request.json", workdir / RESULT_FILE, gpus=None, memory_budget_mb=None)
+    child = ChildTrial(workdir / "request.json", workdir / RESULT_FILE, gpus=None, memory_budget_mb=None)
     assert child.run() == 0, json.loads((workdir / RESULT_FILE).read_text())["reason"]
     result = json.loads((workdir / RESULT_FILE).read_text())
     assert result["steps_per_loop"] == 2 and len(result["step_seconds_all"]) == 1
@@ -239,12 +238,12 @@ def test_finished_trial_over_the_budget_fails_naming_the_phase_of_its_peak(measu
     is compared with the budget: here a real measured trial against a budget 1 MB under its peak."""
     result = dict(measured[8])
     budget = result["rss_peak_mb"] - 1
-    _check_budgets(result, budget, budget, on_gpu=False)
+    check_budgets(result, budget, budget, on_gpu=False)
     phase = max(result["rss_peak_mb_by_phase"], key=result["rss_peak_mb_by_phase"].get)
     assert result["status"] == "failed" and result["failed_phase"] == phase and result["out_of_memory"]
     assert result["reason"] == f"peak RSS {result['rss_peak_mb']:.0f} MB > budget {budget:.0f} MB (in {phase})"
     within = dict(measured[8])
-    _check_budgets(within, within["rss_peak_mb"] + 1, within["rss_peak_mb"] + 1, on_gpu=False)
+    check_budgets(within, within["rss_peak_mb"] + 1, within["rss_peak_mb"] + 1, on_gpu=False)
     assert within["status"] == "ok"
     # a GPU trial's numbers (written out: this machine has no GPU): the allocator peaks count
     gpu = {
@@ -256,7 +255,7 @@ def test_finished_trial_over_the_budget_fails_naming_the_phase_of_its_peak(measu
         "rss_peak_mb": 2500.0,
         "rss_peak_mb_by_phase": {"setup": 2000.0, "training": 2500.0},
     }
-    _check_budgets(gpu, 8000.0, None, on_gpu=True)
+    check_budgets(gpu, 8000.0, None, on_gpu=True)
     assert gpu["reason"] == "peak GPU memory 9000 MB > budget 8000 MB (in validation)"
 
 

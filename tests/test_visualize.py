@@ -10,7 +10,8 @@ import pytest
 from conftest import lps_affine, make_msd_dataset, write_nifti
 from PIL import Image
 
-from tfmis.data.convert import ConversionConfig, convert
+from tfmis.data.conversion_options import ConversionConfig
+from tfmis.data.convert import convert
 from tfmis.data.records import load_index, read_record, record_dataset, split_cases
 from tfmis.visualize import main, nifti_case, orthogonal_figure
 from tfmis.viz import PLANES, class_color, plot_orthogonal_planes, render_rgb, write_slice_sweep_gif

@@ -19,12 +19,8 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from tfmis.data.convert import (
-    ConversionConfig,
-    ConversionOptions,
-    convert,
-    summary_text,
-)
+from tfmis.data.conversion_options import ConversionConfig, ConversionOptions
+from tfmis.data.convert import convert, summary_text
 from tfmis.errors import PartialFailure
 from tfmis.utils.cli import command, writing
 

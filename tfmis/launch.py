@@ -3,7 +3,7 @@
 Starts N local worker processes of one MultiWorkerMirroredStrategy cluster, each with its TF_CONFIG on a free
 port addressed through loopback (TensorFlow's gRPC server still listens on it on all interfaces, unauthenticated;
 the first line printed names the ports), its share of the CPU threads and, with GPUs, its own GPU
-(`tfmis.engine.launch`). Worker 0 (the chief) prints the log; the others' output gets a `[worker k]` prefix. When
+(`tfmis.engine.local_workers`). Worker 0 (the chief) prints the log; the others' output gets a `[worker k]` prefix. When
 a worker fails, the others get `--grace-seconds` to notice and end by themselves, then they are stopped. For
 several machines, use SLURM (`srun`), `mpirun` or a TF_CONFIG per machine instead (docs/scale-out.md).
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         problem = check_command(command)
     if problem:
         raise UsageError(problem)
-    from tfmis.engine.launch import launch
+    from tfmis.engine.local_workers import launch
 
     try:
         return launch(command, args.nproc, args.grace_seconds, args.gpus_per_worker)

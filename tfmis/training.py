@@ -41,7 +41,7 @@ from pathlib import Path
 
 from tfmis.config import Config, ConfigError, apply_override, load_config
 from tfmis.config import load_stages as read_stage_list
-from tfmis.engine.budget import SAFETY_SHARE, budget_epoch_bound
+from tfmis.engine.time_budget import SAFETY_SHARE, budget_epoch_bound
 from tfmis.errors import TrainingFailed, UsageError
 
 # the overrides that belong to the plan as a whole: where the stages convert and train, and the budget they share
@@ -661,7 +661,7 @@ class StageRunner:
     def prepare_input(self, config: Config) -> None:
         """Says what the training input will hold in memory against its budget (refusing a `memory` cache above
         it), and with `pipeline.cache: patches` writes or completes the patch-read arrays of the training cases."""
-        from tfmis.data.budget import check_input_memory
+        from tfmis.data.memory_budget import check_input_memory
         from tfmis.data.patch_layout import training_cases, write_patch_layout
         from tfmis.data.records import load_index
 

@@ -53,12 +53,12 @@ def render(layout: FullCaseLayout, seed: int, number: int, scan_circle: bool = T
     label = np.empty(layout.shape, dtype=np.uint8)
     x, y = layout.axis_mm(0)[:, None], layout.axis_mm(1)[None, :]
     outside = np.hypot(x, y) > min(nx, ny) * layout.spacing[0] / 2 * 1.02
-    halo, slab = demo_ct._HALO, demo_ct.SLAB_SLICES
+    halo, slab = demo_ct.HALO, demo_ct.SLAB_SLICES
     for index, z_lo in enumerate(range(0, nz, slab)):
         z_hi = min(z_lo + slab, nz)
         lo, hi = max(z_lo - halo, 0), min(z_hi + halo, nz)
-        hu, lab = demo_ct._render_slab(layout, lo, hi)
-        hu = ndimage.gaussian_filter(hu, sigma=demo_ct._BLUR)[:, :, z_lo - lo : z_hi - lo]
+        hu, lab = demo_ct.render_slab(layout, lo, hi)
+        hu = ndimage.gaussian_filter(hu, sigma=demo_ct.BLUR)[:, :, z_lo - lo : z_hi - lo]
         noise_rng = np.random.default_rng([seed, number, 9512, index])
         hu += noise_rng.standard_normal(hu.shape, dtype=np.float32) * np.float32(demo_ct.NOISE_HU)
         if scan_circle:
@@ -116,7 +116,7 @@ def ct_thin_slice(number: int, seed: int):
         fat_mm=base.fat_mm,
         spine=base.spine,
         organs=base.organs,
-        field=demo_ct._SmoothField(rng.normal(size=nodes).astype(np.float32), shape),
+        field=demo_ct.SmoothField(rng.normal(size=nodes).astype(np.float32), shape),
         origin_mm=origin,
     )
     image, label = render(layout, seed, number, scan_circle=False)

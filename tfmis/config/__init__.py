@@ -12,7 +12,7 @@ defaults below.
 - `files.py`: YAML files (`read_yaml`, `load_config`, `save_config`, `to_dict`) and stages files (`write_stages`,
   `load_stages`).
 
-Every name is imported from here (`from tfmis.config import load_config`), as before the split.
+Every public name is imported from here (`from tfmis.config import load_config`): this package is the interface.
 
 Example:
 ```python
@@ -22,7 +22,6 @@ save_config(config, "runs/demo/config.yaml")
 ```
 """
 
-# the private helpers too (`x as x`: re-exported), importable from tfmis.config as before the split
 from tfmis.config.checks import (
     BRATS_REGIONS_EXAMPLE,
     check_model_parallel,
@@ -30,10 +29,6 @@ from tfmis.config.checks import (
     region_paint_labels,
     validate,
 )
-from tfmis.config.checks import _resolve_data_split as _resolve_data_split
-from tfmis.config.checks import _validate_optimizer as _validate_optimizer
-from tfmis.config.checks import _validate_region_output as _validate_region_output
-from tfmis.config.checks import _validate_surface_and_regions as _validate_surface_and_regions
 from tfmis.config.files import (
     STAGES_KEY,
     load_config,
@@ -50,13 +45,10 @@ from tfmis.config.parse import (
     parse_config,
     set_key,
 )
-from tfmis.config.parse import _coerce as _coerce
-from tfmis.config.parse import _describe as _describe
 from tfmis.config.schema import (
     AugmentConfig,
     CascadeConfig,
     Config,
-    ConversionOptions,
     DataConfig,
     LossConfig,
     ModelParallelConfig,
@@ -70,10 +62,11 @@ from tfmis.config.schema import (
     RuntimeConfig,
     SplitConfig,
     TrainingConfig,
-    UNetArchitecture,
     ValidationConfig,
 )
+from tfmis.data.conversion_options import ConversionOptions
 from tfmis.errors import ConfigError  # config.ConfigError: part of this package's interface
+from tfmis.networks.architecture import UNetArchitecture
 
 __all__ = [
     "BRATS_REGIONS_EXAMPLE",

@@ -33,7 +33,7 @@ from tfmis.config import (
     save_config,
     to_dict,
 )
-from tfmis.engine.budget import budget_epoch_bound
+from tfmis.engine.time_budget import budget_epoch_bound
 from tfmis.errors import UsageError
 from tfmis.utils.io import append_json_line, read_json_lines
 

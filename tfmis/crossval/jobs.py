@@ -33,7 +33,7 @@ from tfmis.crossval.experiment import (
     pair_name,
     read_job_events,
 )
-from tfmis.engine.budget import budget_epoch_bound
+from tfmis.engine.time_budget import budget_epoch_bound
 from tfmis.tune.hpo.devices import dies_with_parent, package_env
 from tfmis.utils.io import log_tail
 

@@ -95,8 +95,8 @@ def pilot_candidates(fingerprint, hardware, plan_args: dict) -> list[Candidate]:
     """The single-stage candidates of the planner at the CPU patch target and, on a CPU, at
     `LARGER_CPU_PATCH_VOXELS`, identical configs (conversion spacing and patch) once; the planner's recommendation
     first."""
-    from tfmis.planning.planner import CPU_PATCH_VOXELS
     from tfmis.planning.stages import plan_stages
+    from tfmis.planning.topology import CPU_PATCH_VOXELS
 
     targets = [CPU_PATCH_VOXELS] + ([] if hardware.has_gpu else [LARGER_CPU_PATCH_VOXELS])
     out: list[Candidate] = []
@@ -204,7 +204,7 @@ class Pilot:
     def train_and_score(self, rung: int, candidate: Candidate, loop_seconds: float) -> dict:
         """Trains `candidate` for `loop_seconds` in its rung's folder (or reuses a run scored before) and scores it."""
         from tfmis.engine.bookkeeping import run_folder_lock
-        from tfmis.engine.budget import budget_epoch_bound
+        from tfmis.engine.time_budget import budget_epoch_bound
 
         key = f"r{rung + 1}-{candidate.folder_name}"
         kept = self.record.get("runs", {}).get(key)

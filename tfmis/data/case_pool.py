@@ -16,7 +16,7 @@ Example:
 ```python
 pool = CasePool("Fingerprinting", dataset, FINGERPRINT_PEAK_FACTOR)
 print(pool.describe())
-for result in pool.run(_case_summary, tasks, skipped=lambda case_id, reason: {"case_id": case_id, ...}):
+for result in pool.run(case_summary, tasks, skipped=lambda case_id, reason: {"case_id": case_id, ...}):
     ...
 ```
 """
@@ -39,7 +39,7 @@ WORKER_BASE_MB = 140.0
 # Peak resident memory of a worker over its baseline, per MB of the case's float32 size (VmHWM of a fresh process
 # around one case, reset before it, over its VmRSS before it: benchmarks/case_memory.py), measured on the CT demo's
 # 512 x 512 x 203, 206 and 294 cases (int16 on disk; docs/benchmarks.md "Case workers in a memory limit"):
-# - the planner's first pass (`tfmis.planning.fingerprint._case_summary`): 1.75 on all three, the peak of reading the
+# - the planner's first pass (`tfmis.planning.fingerprint.case_summary`): 1.75 on all three, the peak of reading the
 #   case (the int16 file and the float32 image at once); 2.90-2.95 while it reoriented copies of the image and label,
 #   4.53 before that while its CT projections also copied the image and its class counts widened the label to int64
 FINGERPRINT_PEAK_FACTOR = 1.9
@@ -48,7 +48,7 @@ FINGERPRINT_PEAK_FACTOR = 1.9
 #   the converted case the parent holds until its shard takes it (its float16 image and uint8 label, and its encoded
 #   record): 2 x its size is 0.62-1.08 x the float32 input here, more where the resampling adds slices
 CONVERSION_PEAK_FACTOR = 2.9 + 1.1
-# - reading a case and sampling its foreground (the CT window pass, `_foreground_sample`; the labels of stratified
+# - reading a case and sampling its foreground (the CT window pass, `case_foreground_sample`; the labels of stratified
 #   folds): 1.75 on all three, as the first pass (the same reading)
 LOAD_PEAK_FACTOR = FINGERPRINT_PEAK_FACTOR
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data import fingerprint as fp
+from tfmis.data import case_stats
 from tfmis.data.case_pool import LOAD_PEAK_FACTOR, CasePool
 from tfmis.data.datasets import open_dataset
 from tfmis.data.image_io import UnreadableImage, read_affine, read_image
@@ -45,8 +45,10 @@ def process_case(task: tuple) -> dict:
         loaded = load_case(case, dataset)
         # the raw intensities are sampled first: preprocess then normalises in the loaded image's own memory
         ct = _ct_channels(dataset)
-        intensity = fp.case_intensity(loaded.image, loaded.label, ct)
-        background = fp.case_background(loaded.image, ct)  # what preprocess's foreground_mask finds (6 faces read)
+        intensity = case_stats.case_intensity(loaded.image, loaded.label, ct)
+        background = case_stats.case_background(
+            loaded.image, ct
+        )  # what preprocess's foreground_mask finds (6 faces read)
         image, label, geometry = preprocess(loaded.image, loaded.label, loaded.affine, prep, overwrite_image=True)
         warnings = []
         if label is not None and not (label > 0).any():
@@ -59,7 +61,7 @@ def process_case(task: tuple) -> dict:
             "geometry": geometry.to_dict(),
             "warnings": warnings,
             "disk_dtype": loaded.header_dtype,
-            "fingerprint": fp.case_fingerprint(
+            "fingerprint": case_stats.case_fingerprint(
                 None,
                 loaded.label,
                 ras_spacing(loaded.affine),
@@ -92,12 +94,12 @@ def label_classes(task: tuple) -> list[int]:
         return []
 
 
-def _foreground_sample(task: tuple) -> np.ndarray | None:
+def case_foreground_sample(task: tuple) -> np.ndarray | None:
     case, source_dir = task
     try:
         dataset = open_dataset(source_dir)
         loaded = load_case(case, dataset)
-        return fp.foreground_sample(loaded.image, loaded.label, _ct_channels(dataset))
+        return case_stats.foreground_sample(loaded.image, loaded.label, _ct_channels(dataset))
     except Exception:
         return None  # reported by the main pass
 
@@ -138,9 +140,9 @@ def ct_foreground_statistics(
     tasks = [(c, str(dataset.root)) for c in dataset.training]
     pool = CasePool("Measuring the CT window", dataset, LOAD_PEAK_FACTOR, asked=workers)
     print(pool.describe(), file=sys.stderr)
-    samples = [s for s in pool.run(_foreground_sample, tasks, lambda case_id, reason: None) if s is not None]
+    samples = [s for s in pool.run(case_foreground_sample, tasks, lambda case_id, reason: None) if s is not None]
     if not samples:
         raise DatasetError(f"{dataset.root}: no readable case to measure the CT window from; pass --ct-window")
     ct_channels = [i for i, m in enumerate(dataset.modalities) if m.upper() == "CT"]
     values = np.concatenate([s[:, ct_channels].ravel() for s in samples]).astype(np.float64)
-    return fp.ct_window(values), (float(values.mean()), float(values.std()))
+    return case_stats.ct_window(values), (float(values.mean()), float(values.std()))

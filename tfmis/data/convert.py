@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from tfmis.data import fingerprint as fp
+from tfmis.data import case_stats
 from tfmis.data.case_pool import CONVERSION_PEAK_FACTOR, LOAD_PEAK_FACTOR, CasePool
 from tfmis.data.conversion_cases import (
     ct_foreground_statistics,
@@ -257,7 +257,7 @@ def _build_index(
         if case.case_id in cases:
             cases[case.case_id].update(image=case.image, label=case.label)
     total_bytes = sum(r["bytes"] for r in progress)
-    summary = fp.summarize(fingerprints, dataset.labels, dataset.modalities)
+    summary = case_stats.summarize(fingerprints, dataset.labels, dataset.modalities)
     atomic_write_json(target / FINGERPRINT_FILE, {"dataset": summary, "cases": fingerprints})
     return {
         "schema_version": SCHEMA_VERSION,
@@ -319,7 +319,7 @@ def summary_text(index: dict) -> str:
     ]
     for name, split in index["splits"].items():
         lines.append(f"  {name:<6} {split['num_records']:>4} records in {len(split['shards'])} shard(s)")
-    lines += [f"  {line}" for line in fp.background_lines(index.get("background"))]
+    lines += [f"  {line}" for line in case_stats.background_lines(index.get("background"))]
     for s in index["skipped"]:
         lines.append(f"  SKIPPED {s['case_id']}: {s['reason']}")
     for w in index["warnings"]:

@@ -249,7 +249,7 @@ def generate_case(case_number: int, seed: int = 0) -> DemoCase:
 # --------------------------------------------------------------------------------------------
 
 
-def _nifti(data: np.ndarray, affine: np.ndarray) -> nib.Nifti1Image:
+def nifti_image(data: np.ndarray, affine: np.ndarray) -> nib.Nifti1Image:
     """A NIfTI image storing `data` in its own dtype and byte order, with scanner qform/sform."""
     header = nib.Nifti1Header(endianness=data.dtype.byteorder if data.dtype.byteorder in "<>" else "=")
     header.set_data_dtype(data.dtype)
@@ -326,9 +326,9 @@ def make_demo_dataset(
             case = generate_case(number, seed)
         is_test = number >= first_test
         image_dir = root / ("imagesTs" if is_test else "imagesTr")
-        atomic_save_nifti(_nifti(case.image, case.affine), image_dir / f"{case_name(number)}.nii.gz")
+        atomic_save_nifti(nifti_image(case.image, case.affine), image_dir / f"{case_name(number)}.nii.gz")
         if not is_test:
-            atomic_save_nifti(_nifti(case.label, case.affine), root / "labelsTr" / f"{case_name(number)}.nii.gz")
+            atomic_save_nifti(nifti_image(case.label, case.affine), root / "labelsTr" / f"{case_name(number)}.nii.gz")
 
     if size == "brats":
         meta = dataset_json(training_numbers, test_numbers, brats_channels=channels, zscored=zscore)

@@ -195,8 +195,8 @@ FAR_DESCRIPTION = (
 FULL_IN_PLANE = 512
 FULL_SLICES = (100, 600)
 SLAB_SLICES = 32  # slices generated at a time; part of the recipe (the noise is drawn per slab)
-_BLUR = (0.6, 0.6, 0.4)
-_HALO = 2  # slices either side of a slab that the z blur (sigma 0.4, truncate 4) reaches
+BLUR = (0.6, 0.6, 0.4)
+HALO = 2  # slices either side of a slab that the z blur (sigma 0.4, truncate 4) reaches
 
 
 @functools.lru_cache(maxsize=32)
@@ -207,7 +207,7 @@ def _spline_weights(nodes: int, n: int) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class _SmoothField:
+class SmoothField:
     """A smooth random field (unit-ish sd) on a coarse grid, evaluated on any box of the volume."""
 
     coarse: np.ndarray
@@ -244,7 +244,7 @@ class FullCaseLayout:
     fat_mm: float
     spine: tuple[float, float, float]  # x, y, radius mm
     organs: tuple[_Organ, ...]
-    field: _SmoothField
+    field: SmoothField
 
     def axis_mm(self, axis: int) -> np.ndarray:
         n, s = self.shape[axis], self.spacing[axis]
@@ -352,7 +352,7 @@ def full_case_layout(
         fat_mm=rng.uniform(5.0, 25.0),
         spine=(rng.normal(0, 2), 0.62 * b, rng.uniform(14.0, 20.0)),
         organs=tuple(organs),
-        field=_SmoothField(rng.normal(size=nodes).astype(np.float32), shape),
+        field=SmoothField(rng.normal(size=nodes).astype(np.float32), shape),
     )
 
 
@@ -403,7 +403,7 @@ def _organ_boxes(layout: FullCaseLayout, organ: _Organ) -> tuple[slice, slice, s
     return tuple(boxes)
 
 
-def _render_slab(layout: FullCaseLayout, z_lo: int, z_hi: int) -> tuple[np.ndarray, np.ndarray]:
+def render_slab(layout: FullCaseLayout, z_lo: int, z_hi: int) -> tuple[np.ndarray, np.ndarray]:
     """Noise-free HU (float32) and labels (uint8) of slices [z_lo, z_hi)."""
     x, y = layout.axis_mm(0)[:, None, None], layout.axis_mm(1)[None, :, None]
     z = layout.axis_mm(2)[None, None, z_lo:z_hi]
@@ -475,10 +475,10 @@ def generate_full_case(
     outside_circle = np.hypot(x, y) > min(nx, ny) * layout.spacing[0] / 2 * 1.02
     for index, z_lo in enumerate(range(0, nz, SLAB_SLICES)):
         z_hi = min(z_lo + SLAB_SLICES, nz)
-        lo, hi = max(z_lo - _HALO, 0), min(z_hi + _HALO, nz)
-        hu, lab = _render_slab(layout, lo, hi)
+        lo, hi = max(z_lo - HALO, 0), min(z_hi + HALO, nz)
+        hu, lab = render_slab(layout, lo, hi)
         # partial volume (a volume-wide blur: the halo makes slab edges exact), then scanner noise
-        hu = ndimage.gaussian_filter(hu, sigma=_BLUR)[:, :, z_lo - lo : z_hi - lo]
+        hu = ndimage.gaussian_filter(hu, sigma=BLUR)[:, :, z_lo - lo : z_hi - lo]
         noise_rng = np.random.default_rng([seed, case_number, 512, index])
         hu += noise_rng.standard_normal(hu.shape, dtype=np.float32) * np.float32(NOISE_HU)
         hu[outside_circle] = HU["padding"]
@@ -489,7 +489,7 @@ def generate_full_case(
     return image, label, layout.affine
 
 
-def _save(data: np.ndarray, affine: np.ndarray, path: Path) -> None:
+def save_volume(data: np.ndarray, affine: np.ndarray, path: Path) -> None:
     img = nib.Nifti1Image(data, affine)
     img.set_data_dtype(data.dtype)
     img.header.set_xyzt_units("mm")
@@ -550,15 +550,15 @@ def make_ct_dataset(
         image_path, label_path = root / "imagesTr" / f"{name}.nii.gz", root / "labelsTr" / f"{name}.nii.gz"
         if not (image_path.is_file() and label_path.is_file()):
             image, label, affine = generate(i)
-            _save(label, affine, label_path)
-            _save(image, affine, image_path)
+            save_volume(label, affine, label_path)
+            save_volume(image, affine, image_path)
         training.append({"image": f"./imagesTr/{name}.nii.gz", "label": f"./labelsTr/{name}.nii.gz"})
     test = []
     for i in range(FIRST_TEST_NUMBER, FIRST_TEST_NUMBER + num_test):
         path = root / "imagesTs" / f"{case_name(i)}.nii.gz"
         if not path.is_file():
             image, _, affine = generate(i)
-            _save(image, affine, path)
+            save_volume(image, affine, path)
         test.append(f"./imagesTs/{case_name(i)}.nii.gz")
     if anatomy == "far":
         description, labels = FAR_DESCRIPTION, FAR_LABELS

@@ -58,8 +58,9 @@ ARRAYS_DIR = "arrays"
 LAYOUT_VERSION = 2  # 2: one class-locations file per (seed, count), so runs of other seeds never rewrite another's
 # cases whose files stay open at once (two descriptors a case; the usual limit is 1024)
 MAX_OPEN_CASES = 64
-# cases whose class locations stay loaded (16 bytes a location, up to max_per_class a class present: ~4.5 MB a case
-# at 15 classes); locate() works on two cases at once, so four is room to spare, and tfmis.data.budget counts them
+# cases whose class locations stay loaded (16 bytes a location, up to max_per_class a class present: ~4.5 MB a
+# case at 15 classes); locate() works on two cases at once, so four is room to spare, and tfmis.data.memory_budget
+# counts them
 LOCATION_CASES = 4
 FD_MARGIN = 64  # descriptors left to everything else when the open-file limit caps the open cases
 
@@ -454,7 +455,7 @@ class PatchArrays:
     Cases are addressed by their position in `case_ids`. Every case's arrays must come from its current record in
     index.json (refused otherwise: `DataError`). Reads are positional (`os.pread`), never memory maps, so the pages
     read count in no process's RSS; with `drop_pages` they leave the page cache too, which a cgroup is charged for
-    (`tfmis.data.budget.keeps_pages` decides: only when the arrays do not fit beside the input's budget, where a
+    (`tfmis.data.memory_budget.keeps_pages` decides: only when the arrays do not fit beside the input's budget, where a
     cache would not hold them anyway). The files open on first use; at most `max_open` cases keep theirs open (a
     descriptor each file), the least recently used closed first; the class locations of the last
     `LOCATION_CASES` cases stay loaded (what the budget counts).

@@ -94,11 +94,11 @@ def input_shard(files, cases, input_context=None) -> dict:
     return {"level": "data", "files": list(files), "cases": sorted(cases)[i::n]}
 
 
-# the volume pipeline reads at most this many shard files at once (`_read`)
+# the volume pipeline reads at most this many shard files at once (`read_records`)
 _INTERLEAVE_CYCLE = 8
 
 
-def _read(
+def read_records(
     files, index, deterministic: bool, input_context=None, split: str | None = None, refill_seed: int | None = None
 ) -> tf.data.Dataset:
     """`refill_seed` set: the partial cache's reader (`tfmis.data.smart_cache`): a new seeded shard order on
@@ -236,7 +236,7 @@ def build_train_dataset(
     options = pipeline_options(p.deterministic)
     prefetch = tf.data.AUTOTUNE
     if p.cache == "patches":  # tf.data's buffers within the pipeline's memory budget, as budget.patch_input counts
-        from tfmis.data.budget import PATCH_PREFETCH_BATCHES, pipeline_memory_budget
+        from tfmis.data.memory_budget import PATCH_PREFETCH_BATCHES, pipeline_memory_budget
 
         options.autotune.ram_budget = int(pipeline_memory_budget(p) * MB)
         prefetch = PATCH_PREFETCH_BATCHES
@@ -245,7 +245,7 @@ def build_train_dataset(
 
 def _patch_stream(config, index, input_context, stream_seed: int, pipeline_id: int) -> tf.data.Dataset:
     """The crops of `pipeline.cache: patches`: `patch_crops` of the cases in the volume stream's order and shuffle."""
-    from tfmis.data.budget import patch_read_plan
+    from tfmis.data.memory_budget import patch_read_plan
     from tfmis.data.patch_layout import PatchArrays, check_locations
 
     p = config.pipeline
@@ -273,7 +273,7 @@ def _volume_stream(config, index, files, input_context, stream_seed: int, pipeli
         fg, fg_class = foreground_indices(label, num_classes, p.max_foreground_indices, seed)
         return image, label, fg, fg_class
 
-    dataset = _read(
+    dataset = read_records(
         files,
         index,
         p.deterministic,
@@ -606,7 +606,7 @@ def build_val_dataset(config, split: str | None = None, cached: bool = True) -> 
     files = shard_paths(config.data.dataset_dir, split, index)
     if not files:
         raise DataError(f"{config.data.dataset_dir}: split {split!r} has no records to validate on")
-    dataset = _read(files, index, deterministic=True)
+    dataset = read_records(files, index, deterministic=True)
     if config.validation.max_cases:  # before the cache: a cache read only in part is discarded
         dataset = dataset.take(config.validation.max_cases)
     if cached:

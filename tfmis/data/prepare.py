@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tfmis.data.convert import ConversionConfig, ConversionOptions, convert, summary_text
+from tfmis.data.conversion_options import ConversionConfig, ConversionOptions
+from tfmis.data.convert import convert, summary_text
 from tfmis.data.records import INDEX_FILE
 from tfmis.errors import MissingInput
 

@@ -92,13 +92,13 @@ def write_shard(target: Path, shard: dict, results, index_meta: dict, on_case) -
             # let this case's arrays go before the next one is read: with workers=1 the next case is
             # preprocessed in this process while `result` and `payload` would still hold this one
             del result, payload
-    record["bytes"], record["sha256"] = _file_digest(final)
+    record["bytes"], record["sha256"] = file_digest(final)
     record["records"] = len(record["cases"])
     atomic_write_json(target / PROGRESS_DIR / (shard["file"] + ".json"), record)
     return record
 
 
-def _file_digest(path: Path) -> tuple[int, str]:
+def file_digest(path: Path) -> tuple[int, str]:
     """(size in bytes, sha256 hex) of a file, read in 4 MiB blocks."""
     digest, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
@@ -122,7 +122,7 @@ def finished_shards(target: Path, plan: list[dict], checksums: bool, say) -> set
             say(f"{shard['file']}: {size} bytes on disk, {record['bytes']} recorded: writing it again")
             continue
         if checksums and "sha256" in record:
-            _, sha256 = _file_digest(path)
+            _, sha256 = file_digest(path)
             if sha256 != record["sha256"]:
                 say(
                     f"{shard['file']}: sha256 {sha256[:12]}... differs from the recorded {record['sha256'][:12]}...: "

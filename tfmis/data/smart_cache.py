@@ -101,7 +101,7 @@ def smart_cache(volumes: tf.data.Dataset, cache_num: int, replace_num: int, seed
 
     Args:
         volumes: one pass over the volumes (any element structure); it is repeated here, so give it a shard
-            order that changes per pass (`_read(..., refill_seed=...)`) for new neighbours in the cache.
+            order that changes per pass (`read_records(..., refill_seed=...)`) for new neighbours in the cache.
         cache_num: volumes held (see `partial_cache_size`).
         replace_num: volumes replaced per cycle; 0 = all of `volumes` fit: read once and kept, like `cache()`.
         seed: seeds the order within each cycle (with the cycle number).

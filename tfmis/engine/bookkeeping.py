@@ -23,9 +23,9 @@ import tensorflow as tf
 
 from tfmis.config import save_config
 from tfmis.data.records import RUN_DATA_FILE
-from tfmis.engine.budget import TimeBudget, describe
-from tfmis.engine.distribution import Backend
+from tfmis.engine.backend import Backend
 from tfmis.engine.history import History
+from tfmis.engine.time_budget import TimeBudget, describe
 from tfmis.errors import RunStateError, TrainingFailed
 from tfmis.hardware import detect_hardware
 from tfmis.networks.weights import has_weights_by_path

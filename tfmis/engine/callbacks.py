@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from tfmis.engine.budget import budget_epoch_bound
+from tfmis.engine.time_budget import budget_epoch_bound
 
 
 class Callback:

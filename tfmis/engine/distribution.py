@@ -342,7 +342,7 @@ def _multiworker(runtime, output_dir):
     )
     backend = StrategyBackend(strategy, name="multiworker")
     if backend.is_chief:
-        _warn_exposure(resolver.cluster_spec().as_dict())
+        warn_exposure(resolver.cluster_spec().as_dict())
     if launch.kind == "mpi":
         backend.barrier("rendezvous")  # every rank has read the addresses: the chief may remove them
         if backend.is_chief:
@@ -372,7 +372,7 @@ EXPOSURE = (
 )
 
 
-def _warn_exposure(spec: dict) -> None:
+def warn_exposure(spec: dict) -> None:
     """Once, on the chief: a cluster whose addresses are not all loopback spans a network, so say what listens.
     (All-loopback clusters are single-host: `tfmis.launch` says what it exposes when it starts them.)"""
     addresses = [a for job in spec.values() for a in (job.values() if isinstance(job, dict) else job)]

@@ -39,20 +39,17 @@ import tensorflow as tf
 from tfmis.config import check_model_parallel
 from tfmis.data.pipeline import train_steps_per_epoch
 from tfmis.data.records import training_data_info
-from tfmis.engine.bookkeeping import (  # noqa: F401 (re-exported: RunExists, run_folder_lock, summary_table, ...)
-    STAGED_BEST,
-    STAGED_EPOCH,
+from tfmis.engine.backend import Backend
+from tfmis.engine.bookkeeping import (
     EpochBookkeeping,
-    RunExists,
     TrainingDiverged,
     run_folder_lock,
-    summary_table,
 )
-from tfmis.engine.budget import TimeBudget
 from tfmis.engine.callbacks import CallbackList, default_callbacks
-from tfmis.engine.distribution import Backend, make_backend
+from tfmis.engine.distribution import make_backend
 from tfmis.engine.history import History
 from tfmis.engine.steps import TrainerSteps
+from tfmis.engine.time_budget import TimeBudget
 from tfmis.errors import ConfigError
 from tfmis.hardware import model_parallel_devices
 from tfmis.inference.placement import VolumePlacement
@@ -174,7 +171,7 @@ class Trainer(TrainerSteps, EpochBookkeeping):
         whose `stop_reason` says which: `epochs`, `target_dice` or `max_minutes`.
 
         With `training.max_minutes` the schedule's length is fitted to the budget from the epoch time measured
-        here (`tfmis.engine.budget`; `training.epochs` is then an upper bound): the run ends after the epochs
+        here (`tfmis.engine.time_budget`; `training.epochs` is then an upper bound): the run ends after the epochs
         that fit (`stop_reason` `epochs`, the learning-rate schedule complete), or, if the clock runs out first
         anyway, after the epoch that crosses the budget (`max_minutes`). `summary["time_budget"]` records the
         decision.

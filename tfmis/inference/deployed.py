@@ -27,7 +27,7 @@ import numpy as np
 from tfmis.config import ConfigError, PostprocessingConfig, from_dict
 from tfmis.errors import DataError
 from tfmis.hardware import CPU
-from tfmis.inference.blending import check_buffer_dtype
+from tfmis.inference.buffers import check_buffer_dtype
 from tfmis.inference.cascade import CascadePredictor
 from tfmis.inference.engines import check_precision, load_network, require_engine
 from tfmis.inference.ensemble import ConfigurationEnsemble

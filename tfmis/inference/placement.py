@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from tfmis.errors import ConfigError, ResourceError
 from tfmis.hardware import CPU, accelerator_device
-from tfmis.utils.memory import error_line, is_out_of_memory  # noqa: F401  (is_out_of_memory: part of this interface)
+from tfmis.utils.out_of_memory import error_line, is_out_of_memory
 
 PLACEMENT_MODES = ("accelerator", "cpu", "auto")
 # Why a volume did not get the first-choice placement (the accelerator, or the CPU in `cpu` mode,

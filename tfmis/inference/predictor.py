@@ -44,33 +44,27 @@ from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
 from tfmis.errors import DataError, UsageError
 from tfmis.hardware import CPU, accelerator_device, model_parallel_devices, peak_rss_mb, reset_peak_rss
-from tfmis.inference.blending import check_buffer_dtype
+from tfmis.inference.buffers import check_buffer_dtype
 from tfmis.inference.dicom_seg import SEG_SUFFIX, read_dicom_case, write_segmentation
-from tfmis.inference.inputs import (  # noqa: F401 (collect_inputs, copy_weights_by_name, run_config: re-exported)
+from tfmis.inference.inputs import (
     InputCase,
     check_same_training_data,
-    collect_inputs,
-    copy_weights_by_name,
     find_run_dir,
     load_weights,
-    run_config,
 )
-from tfmis.inference.nifti import LABEL_SLAB_SLICES, read_label_map, save_like  # noqa: F401 (re-exported)
-from tfmis.inference.outputs import (  # noqa: F401 (results_table, write_csv: re-exported)
+from tfmis.inference.nifti import read_label_map, save_like
+from tfmis.inference.outputs import (
     CaseResult,
-    results_table,
     score_columns,
     score_keys,
-    write_csv,
 )
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
 from tfmis.inference.postprocess import apply_postprocessing, describe_postprocessing, postprocessing_enabled
-from tfmis.inference.restore import (  # noqa: F401 (restore_probabilities: re-exported)
+from tfmis.inference.restore import (
     crop_box,
     paint_regions,
     preprocessed_box,
     restore_labels,
-    restore_probabilities,
     sigmoid_in_place,
     softmax_in_place,
 )

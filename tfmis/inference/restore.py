@@ -208,7 +208,7 @@ def restore_labels(
         return labels, restored
     matrix = original_to_preprocessed(g)
     linear, translation = matrix[:3, :3], matrix[:3, 3] - np.asarray(offset)
-    source_axes = _source_axes(linear)
+    source_axes = axis_permutation(linear)
     if restored is None and source_axes is not None and paint_labels is None:  # argmax only
         _labels_by_cells(
             probabilities,
@@ -261,7 +261,7 @@ def restore_probabilities(probabilities: np.ndarray, geometry) -> np.ndarray:
     return restore_labels(probabilities, g, probabilities_out=True)[1]
 
 
-def _source_axes(linear: np.ndarray) -> np.ndarray | None:
+def axis_permutation(linear: np.ndarray) -> np.ndarray | None:
     """For each original axis, the preprocessed axis it maps to, when each maps to exactly one (reorientation,
     crop and per-axis scaling, as `preprocess` does); None for any other matrix."""
     nonzero = linear != 0

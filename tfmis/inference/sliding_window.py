@@ -63,7 +63,7 @@ def _check_arguments(shape: Sequence[int], sw_batch_size: int, overlap, mode: st
 _NUMPY_PADDING = {"constant": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
 
 
-def _pad_volume(
+def pad_volume(
     volume: tf.Tensor | np.ndarray, padding: Sequence[tuple[int, int]], mode: str, cval: float
 ) -> tf.Tensor | np.ndarray:
     """Pads the spatial axes of (B, X, Y, Z, C) with torch's modes (constant/reflect/replicate/circular).
@@ -197,7 +197,7 @@ def sliding_window_inference(
         raise ValueError(f"output must be 'tensor' or 'numpy', got {output!r}")
     if windows_as not in ("tensor", "numpy"):
         raise ValueError(f"windows_as must be 'tensor' or 'numpy', got {windows_as!r}")
-    return _infer(
+    return infer_windows(
         inputs,
         roi_size,
         sw_batch_size,
@@ -217,7 +217,7 @@ def sliding_window_inference(
     )
 
 
-def _infer(
+def infer_windows(
     inputs,
     roi_size,
     sw_batch_size,
@@ -253,7 +253,7 @@ def _infer(
     crop = None
     if any(before or after for before, after in padding):
         with device_scope(device):
-            volume = _pad_volume(
+            volume = pad_volume(
                 volume if on_host else tf.convert_to_tensor(volume), padding, padding_mode.lower(), cval
             )
         crop = tuple(slice(before, before + size) for (before, _), size in zip(padding, original_size))

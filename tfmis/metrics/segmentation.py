@@ -102,7 +102,7 @@ def _check_range(name: str, low, high, num_classes: int) -> None:
         raise ValueError(f"{name} labels must lie in [0, {num_classes}), got [{low}, {high}]")
 
 
-def _label_maps(prediction, target, num_classes: int):
+def label_maps(prediction, target, num_classes: int):
     """Both maps as unsigned integer arrays of one shape with labels in [0, num_classes) (`_label_map`): uint8 and
     uint16 maps are not copied."""
     prediction, target = np.atleast_1d(np.asarray(prediction)), np.atleast_1d(np.asarray(target))
@@ -272,7 +272,7 @@ def dice_per_class(
     dice_per_class(np.array([[0, 2]]), np.array([[1, 1]]), num_classes=3)   # array([0.0, nan])
     ```
     """
-    prediction, target = _label_maps(prediction, target, num_classes)
+    prediction, target = label_maps(prediction, target, num_classes)
     dice = _dice_from_counts(*_voxel_counts(prediction, target, num_classes), ignore_empty)
     return dice[list(_classes(num_classes, include_background))]
 
@@ -313,7 +313,7 @@ def region_dice(prediction, target, num_classes: int, regions, ignore_empty: boo
     ```
     """
     regions = check_regions(regions, num_classes)
-    prediction, target = _label_maps(prediction, target, num_classes)
+    prediction, target = label_maps(prediction, target, num_classes)
     counts = _region_counts(confusion_matrix(prediction, target, num_classes), regions.values())
     return _dice_from_counts(*counts, ignore_empty)
 
@@ -346,7 +346,7 @@ def normalized_surface_dice(
     normalized_surface_dice(prediction, target, num_classes=3, tolerance_mm=[2.0, 1.0], spacing=(0.8, 0.8, 2.0))
     ```
     """
-    prediction, target = _label_maps(prediction, target, num_classes)
+    prediction, target = label_maps(prediction, target, num_classes)
     classes = _classes(num_classes, include_background)
     tolerances = _tolerances(tolerance_mm, len(classes))
     scores = _surface_scores(prediction, target, [(c,) for c in classes], spacing, None, tolerances)
@@ -374,7 +374,7 @@ def hausdorff_distance_95(
     hausdorff_distance_95(prediction, target, num_classes=3, spacing=(0.8, 0.8, 2.0))
     ```
     """
-    prediction, target = _label_maps(prediction, target, num_classes)
+    prediction, target = label_maps(prediction, target, num_classes)
     classes = _classes(num_classes, include_background)
     scores = _surface_scores(prediction, target, [(c,) for c in classes], spacing, 95.0, [None] * len(classes))
     return np.array([hd for hd, _ in scores], np.float64)
@@ -528,7 +528,7 @@ class SegmentationMetrics:
             spacing: voxel size in mm for HD95 and NSD (default 1 mm per axis).
             case_id: optional identifier kept in the entry.
         """
-        prediction, target = _label_maps(prediction, target, self.num_classes)
+        prediction, target = label_maps(prediction, target, self.num_classes)
         confusion = confusion_matrix(prediction, target, self.num_classes)
         intersection, predicted, truth = self._counts(confusion)
         row = {

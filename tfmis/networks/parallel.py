@@ -54,16 +54,9 @@ import tensorflow as tf
 from tfmis.errors import ConfigError
 from tfmis.networks.architecture import required_divisor
 from tfmis.networks.pipeline_stages import colocate_updates, cut_stages, place_stage_variables, stage_table
-from tfmis.networks.slabs import (  # noqa: F401 (same_padding, slab_bounds: re-exported)
-    Slabs,
-    same_padding,
-    slab_axis,
-    slab_bounds,
-    slice_along_axis,
-    slice_labels,
-    static_side,
-)
-from tfmis.networks.spatial import _SpatialRunner
+from tfmis.networks.slab_geometry import slab_axis, slab_bounds
+from tfmis.networks.slabs import Slabs, slice_along_axis, slice_labels, static_side
+from tfmis.networks.spatial import SpatialRunner
 
 MODES = ("pipeline", "spatial")
 
@@ -265,7 +258,7 @@ class ModelParallel:
                     row.append(tf.identity(piece))
             parts.append(row)
         slabs = Slabs(parts, bounds, tensor_axis, self.devices)
-        runner = _SpatialRunner(training)
+        runner = SpatialRunner(training)
         try:
             outputs = self.model._run_through_graph(slabs, operation_fn=runner.operation)
         except NotImplementedError as e:  # a layer the slabs cannot split: a setting to change, not a bug

@@ -1,6 +1,6 @@
 """Pipeline model parallelism's stages: the model's top-level layers in execution order, each sized by its forward
 tensors and parameters at the patch size, cut into contiguous stages of about equal bytes (`cut_stages`, by
-`_balanced_cuts`), each stage's variables moved to its device (`place_stage_variables`) with their optimizer
+`balanced_cuts`), each stage's variables moved to its device (`place_stage_variables`) with their optimizer
 updates (`colocate_updates`), and the table that shows them (`stage_table`).
 
 Used by `tfmis.networks.parallel.ModelParallel` in pipeline mode, which runs each stage's layers on its device.
@@ -16,6 +16,8 @@ import keras
 import tensorflow as tf
 from keras import layers
 
+from tfmis.networks.devices import canonical_device
+
 
 def cut_stages(
     model: keras.Model, parts: int, patch_size: Sequence[int] | None = None, in_channels: int | None = None
@@ -28,7 +30,7 @@ def cut_stages(
     """
     order = [layer for layer in _execution_order(model) if not isinstance(layer, layers.InputLayer)]
     costs = layer_bytes(model, order, patch_size, in_channels)
-    cut = _balanced_cuts([costs[layer.name]["bytes"] for layer in order], parts)
+    cut = balanced_cuts([costs[layer.name]["bytes"] for layer in order], parts)
     stages = {}
     stage_costs = [{"layers": [], "bytes": 0, "parameter_bytes": 0} for _ in range(parts)]
     for layer, stage in zip(order, cut):
@@ -95,7 +97,7 @@ def place_stage_variables(model: keras.Model, stages: dict[str, int], devices: S
                 continue
             seen.add(id(variable))
             old = variable.value
-            if _canonical(old.device) != _canonical(device):
+            if canonical_device(old.device) != canonical_device(device):
                 with tf.init_scope(), tf.device(device):
                     variable._value = None  # Keras' own creation (name, dtype, aggregation) on this device
                     variable._initialize(tf.identity(old))
@@ -158,15 +160,9 @@ def variable_bytes_by_device(variables) -> dict[str, int]:
     placement (`tf.Variable.device`)."""
     out: dict[str, int] = {}
     for variable in variables:
-        device = _canonical(_device_of(variable))
+        device = canonical_device(_device_of(variable))
         out[device] = out.get(device, 0) + math.prod(int(d) for d in variable.shape) * tf.as_dtype(variable.dtype).size
     return out
-
-
-def _canonical(device: str) -> str:
-    """'/CPU:1' of '/job:localhost/replica:0/task:0/device:CPU:1' or '/cpu:1'."""
-    spec = tf.DeviceSpec.from_string(device or "")
-    return f"/{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
 
 
 def stage_table(
@@ -203,7 +199,7 @@ def _symbolic(layer, *args, **kwargs):
     return layer.compute_output_spec(*args, **kwargs)
 
 
-def _balanced_cuts(costs: Sequence[float], parts: int) -> list[int]:
+def balanced_cuts(costs: Sequence[float], parts: int) -> list[int]:
     """Stage of each item: `parts` contiguous groups (none empty while items last) minimising the largest sum."""
     n = len(costs)
     parts = min(parts, n)

@@ -1,5 +1,5 @@
 """Spatial model parallelism's geometry: a patch cut along one axis into slabs aligned to the network's strides
-(`slab_bounds`, `slab_axis`: the TensorFlow-free `tfmis.networks.slab_geometry`, re-exported), TensorFlow's "same"
+(`slab_bounds`, `slab_axis`: in the TensorFlow-free `tfmis.networks.slab_geometry`), TensorFlow's "same"
 padding per side (`same_padding`), and `Slabs`, one batch of feature maps held as slabs on their devices, whose
 `gather_range` is the halo exchange: each neighbour slices its own rows, so only the halo crosses devices.
 
@@ -10,8 +10,6 @@ slab by slab).
 from __future__ import annotations
 
 import tensorflow as tf
-
-from tfmis.networks.slab_geometry import slab_axis, slab_bounds  # noqa: F401 (re-exported)
 
 
 def same_padding(length: int, kernel: int, stride: int) -> tuple[int, int]:

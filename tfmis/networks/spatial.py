@@ -6,7 +6,7 @@ volume's ends) and convolves without padding along the cut axis, so each output 
 rows one device would use; a transposed convolution likewise. Instance, group and batch normalisation reduce their
 statistics over all slabs (the mean, then the squared deviations from it); element-wise layers run on each slab;
 a block with `recompute: true` is recomputed in the backward pass. `tfmis.networks.parallel.ModelParallel` runs the
-model's graph with `_SpatialRunner.operation`.
+model's graph with `SpatialRunner.operation`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _statistics_dtype(x: Slabs):
     return tf.float64 if x.parts[0][0].dtype == tf.float64 else tf.float32
 
 
-class _SpatialRunner:
+class SpatialRunner:
     """The spatial version of each layer of the U-Net, called on `Slabs` by `_run_through_graph`."""
 
     def __init__(self, training: bool):

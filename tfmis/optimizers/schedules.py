@@ -6,7 +6,7 @@ optimizer steps (`optimizer.iterations`, 0-based).
 
 A decay's length may be a `ScheduleLength`: the run's total steps in a non-trainable variable, read by the
 compiled step, so that the trainer can set it after the schedule is built (a time budget fits the schedule to
-the step time it measures; `tfmis.engine.budget`). `get_config` then records the length of that moment.
+the step time it measures; `tfmis.engine.time_budget`). `get_config` then records the length of that moment.
 
 Example:
     >>> from tfmis.optimizers import build_schedule

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data import fingerprint as fp
+from tfmis.data import case_stats
 from tfmis.data.case_pool import FINGERPRINT_PEAK_FACTOR, CasePool
 from tfmis.data.datasets import open_dataset
 from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, load_case
@@ -60,13 +60,13 @@ class DatasetFingerprint:
         label_extents_mm: (N, 3) size in mm of the box around each case's labelled voxels, NaN for a case with
             none (None when unknown, e.g. a conversion written before tfmis recorded it).
         label_pieces: per case, the connected pieces of its labels on a grid of about 4 mm cells and on the label's
-            voxel grid (`tfmis.data.fingerprint.label_pieces`; None when unknown): what a cascade's regions are made
+            voxel grid (`tfmis.data.case_stats.label_pieces`; None when unknown): what a cascade's regions are made
             from. From a first pass the voxel grid is the whole RAS image and `["voxels"]["crop"]` the foreground crop
             box on it; from a conversion the voxel grid is the converted (cropped) case itself. Conversions written
             before the voxel boxes were recorded have the cells only.
         background: per channel {channel, modality, num_cases, border_constant_cases, border_constants}: how many
             cases have a z-scored background (most of their border is one non-zero constant, the value the crop
-            and the z-score then treat as background; `tfmis.data.fingerprint.background_summary`); None when unknown.
+            and the z-score then treat as background; `tfmis.data.case_stats.background_summary`); None when unknown.
         regions: the region labels of an nnU-Net v2 dataset.json as `validation.regions` ({name: [labels]}, largest
             first); None when it declares classes.
     """
@@ -101,7 +101,7 @@ class DatasetFingerprint:
     @property
     def background_lines(self) -> list[str]:
         """One line per channel whose background is a non-zero border constant in some case (none otherwise)."""
-        return fp.background_lines(self.background)
+        return case_stats.background_lines(self.background)
 
     @property
     def median_spacing(self) -> np.ndarray:
@@ -137,7 +137,7 @@ class DatasetFingerprint:
 # ---------------------------------------------------------------- first pass over an MSD folder (worker side)
 
 
-def _case_summary(task: tuple) -> dict:
+def case_summary(task: tuple) -> dict:
     """One case reduced to what planning needs (runs in a worker process; no TensorFlow)."""
     case, root = task
     try:
@@ -163,8 +163,8 @@ def _case_summary(task: tuple) -> dict:
                 }
             )
         del body
-        sample = fp.foreground_sample(loaded.image, loaded.label, ct)
-        counts = fp.class_voxels(loaded.label, dataset.num_classes) if loaded.label is not None else None
+        sample = case_stats.foreground_sample(loaded.image, loaded.label, ct)
+        counts = case_stats.class_voxels(loaded.label, dataset.num_classes) if loaded.label is not None else None
         return {
             "case_id": case.case_id,
             "status": "ok",
@@ -172,9 +172,9 @@ def _case_summary(task: tuple) -> dict:
             "ras_shape": list(image.shape[:3]),
             "projections": projections,
             "sample": sample,
-            "background": fp.case_background(image, ct),
+            "background": case_stats.case_background(image, ct),
             "class_voxels": counts.tolist() if counts is not None else None,
-            "label_pieces": fp.label_pieces(label, spacing_of(affine)) if label is not None else None,
+            "label_pieces": case_stats.label_pieces(label, spacing_of(affine)) if label is not None else None,
         }
     except CaseError as e:
         return {"case_id": case.case_id, "status": "skipped", "reason": e.reason}
@@ -254,7 +254,7 @@ def fingerprint_msd(
     bar = progress_bar(len(tasks), f"Fingerprinting {dataset.name}", "case", disable=not progress)
     summaries, skipped = [], {}
     lost = lambda case_id, reason: {"case_id": case_id, "status": "skipped", "reason": reason}  # noqa: E731
-    for result in pool.run(_case_summary, tasks, lost, say=lambda line: bar.write(line, file=sys.stderr)):
+    for result in pool.run(case_summary, tasks, lost, say=lambda line: bar.write(line, file=sys.stderr)):
         if result["status"] == "ok":
             summaries.append(result)
         else:
@@ -269,7 +269,7 @@ def fingerprint_msd(
         )
     ct = [i for i, m in enumerate(dataset.modalities) if str(m).upper() in CT_MODALITIES]
     if ct and ct_window is None:  # as the conversion measures it, on the same samples
-        ct_window = fp.ct_window(np.concatenate([s["sample"][:, ct].ravel() for s in summaries]))
+        ct_window = case_stats.ct_window(np.concatenate([s["sample"][:, ct].ravel() for s in summaries]))
     if not ct:
         ct_window = None
     boxes = [
@@ -284,7 +284,7 @@ def fingerprint_msd(
     totals = np.sum(counts, axis=0).astype(int).tolist() if counts else [0] * dataset.num_classes
     per_case = {
         s["case_id"]: {
-            "intensity": fp.intensity_stats(s["sample"]),
+            "intensity": case_stats.intensity_stats(s["sample"]),
             "class_voxels": s["class_voxels"],
             "original_spacing": s["spacing"],
             "shape": crop,
@@ -292,8 +292,8 @@ def fingerprint_msd(
         }
         for s, crop in zip(summaries, crops)
     }
-    summary = fp.summarize(per_case, dataset.labels, dataset.modalities)
-    for line in fp.background_lines(summary["background"]) if progress else []:
+    summary = case_stats.summarize(per_case, dataset.labels, dataset.modalities)
+    for line in case_stats.background_lines(summary["background"]) if progress else []:
         print(line, file=sys.stderr)
     return DatasetFingerprint(
         name=dataset.name,

@@ -46,17 +46,13 @@ import numpy as np
 from tfmis.data.boxes import box_voxels, clip_box, grow_box, merge_boxes, pad_box
 from tfmis.errors import UsageError
 from tfmis.hardware import Hardware
+from tfmis.planning.data_steps import default_dataset_dir, default_output_dir, roi_median_shape
+from tfmis.planning.decisions import Decisions
 from tfmis.planning.fingerprint import DatasetFingerprint
 from tfmis.planning.plan_file import Plan, fmt_shape
-from tfmis.planning.planner import (
-    CPU_PATCH_VOXELS,
-    Decisions,
-    ExperimentPlanner,
-    default_dataset_dir,
-    default_output_dir,
-    roi_median_shape,
-)
+from tfmis.planning.planner import ExperimentPlanner
 from tfmis.planning.rules import LOWRES_COVERAGE, equivalent_diameter_mm, fmt_mm, lowres_spacing, patch_coverage
+from tfmis.planning.topology import CPU_PATCH_VOXELS
 
 MIN_VOXELS_ACROSS = 10.0  # the smallest structure at least this many low-resolution voxels across: lowres suffices
 CASCADE_MARGIN_MM = 20.0  # kept around the coarse stage's box (and the labels' box in training)

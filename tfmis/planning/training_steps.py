@@ -203,7 +203,7 @@ class TrainingSteps:
                     f"cores at 48^3 for the whole budget",
                 )
             else:
-                # the trainer sets the schedule's length from the epoch time it measures (tfmis.engine.budget);
+                # the trainer sets the schedule's length from the epoch time it measures (tfmis.engine.time_budget);
                 # training.epochs only bounds it, at this many times the step budget's pace (a faster CPU than the
                 # development one still fits). The validations are spaced for the step budget's pace scaled to the
                 # minutes (CPU_TRAINING_STEPS per ten minutes): `epochs` below is that estimate

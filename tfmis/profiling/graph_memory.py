@@ -23,6 +23,8 @@ count can be checked against that allocator (tests/test_graph_memory.py; the fig
 
 Example:
     >>> import tensorflow as tf
+
+from tfmis.networks.devices import canonical_device
     >>> def chain(x):
     ...     y = x * 2.0  # 4 KiB, like x
     ...     return tf.reduce_sum(y)
@@ -36,10 +38,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
+
+from tfmis.networks.devices import canonical_device
 
 # ops whose output is a view of their input's buffer (no new allocation): its lifetime extends the input's
 ALIAS_OPS = frozenset(
@@ -108,27 +111,6 @@ class DeviceMemory:
     unknown_shape_tensors: int = 0
 
 
-def canonical_device(device: str | None, default: str = "/CPU:0") -> str:
-    """The "/TYPE:index" form of a device string ("/cpu:1", "/device:CPU:1",
-    "/job:localhost/replica:0/task:0/device:CPU:1"); `default` (in that form) for an empty one.
-
-    Example:
-        >>> canonical_device("/job:localhost/replica:0/task:0/device:CPU:1"), canonical_device("/gpu:0")
-        ('/CPU:1', '/GPU:0')
-        >>> canonical_device("", "/cpu:2")
-        '/CPU:2'
-    """
-    if not device:
-        return canonical_device(default, "/CPU:0") if default else "/CPU:0"
-    match = re.search(r"(?:^|/)(?:device:)?([A-Za-z_]+):(\d+)$", device)
-    if match is None:
-        spec = tf.DeviceSpec.from_string(device)
-        if spec.device_type is None:
-            return canonical_device(default)
-        return f"/{spec.device_type.upper()}:{spec.device_index or 0}"
-    return f"/{match.group(1).upper()}:{int(match.group(2))}"
-
-
 def _tensor_bytes(tensor) -> int | None:
     """Bytes of a tensor with a fully defined static shape; 0 for resource/variant/string handles; None if unknown."""
     dtype = tensor.dtype
@@ -150,7 +132,7 @@ class _Buffer:
         self.name, self.device, self.bytes, self.start, self.end, self.kind = name, device, nbytes, start, start, kind
 
 
-def _op_devices(graph, default: str) -> dict:
+def op_devices(graph, default: str) -> dict:
     """The device each op runs on, as TensorFlow's placer decides for a graph traced with `tf.device` scopes:
     - an op reading a resource (a variable) is colocated with it (the captured handle's device);
     - an op with an explicit device runs there; one without a device but with a colocation constraint
@@ -206,7 +188,7 @@ def placed_memory(
     simulated from its tensors in the graph's operation order.
 
     What is counted: every op of the top-level graph runs once, in `graph.get_operations()` order (the order the
-    ops were made in: a topological order), on the device TensorFlow's placer gives it (`_op_devices`: its
+    ops were made in: a topological order), on the device TensorFlow's placer gives it (`op_devices`: its
     `tf.device`, its variable's device, its colocation; ops without any go to `default_device`, which is where
     `tape.gradient`'s backward ops run). Each output with a fully defined static shape is allocated on the op's
     device when the op runs, and freed after its last consumer on that device has run (graph outputs, with
@@ -244,7 +226,7 @@ def placed_memory(
     """
     default_device = canonical_device(default_device)
     ops = graph.get_operations()
-    run = _PlacedRun(_op_devices(graph, default_device), backward_scopes)
+    run = _PlacedRun(op_devices(graph, default_device), backward_scopes)
     for step, op in enumerate(ops):
         run.receive_inputs(step, op)
         run.allocate_outputs(step, op)

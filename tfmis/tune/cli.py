@@ -165,7 +165,8 @@ def fit_command(args) -> int:
     (2 bad arguments, config or specs: checked before the dataset is converted; 1 none fits)."""
     from tfmis.config import load_config
     from tfmis.data.prepare import prepare_dataset
-    from tfmis.tune.fit.search import CONFIG_FILE, PLOT_FILE, REPORT_FILE, check_model_parallel_range
+    from tfmis.tune.fit.candidates import check_model_parallel_range
+    from tfmis.tune.fit.report import CONFIG_FILE, PLOT_FILE, REPORT_FILE
 
     config = load_config(args.config, args.overrides)
     specs = search_specs(args, "")  # every input checked before the dataset is converted (minutes to hours)

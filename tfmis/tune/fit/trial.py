@@ -58,7 +58,7 @@ from pathlib import Path
 # and the parent (the search) must never initialise a GPU.
 from tfmis.hardware import detect_hardware, host_memory, nvml_device, physical_gpus, process_status_mb, reset_peak_rss
 from tfmis.utils.io import atomic_write_json, log_tail
-from tfmis.utils.memory import error_line, is_out_of_memory
+from tfmis.utils.out_of_memory import error_line, is_out_of_memory
 
 REQUEST_FILE = "request.json"
 RESULT_FILE = "result.json"
@@ -225,7 +225,7 @@ def run_trial(
     elif not reported:
         _fail_crash(result, log_path, exit_code, phase)
     elif result.get("status") == "ok":
-        _check_budgets(result, memory_budget_mb, rss_budget, gpu is not None)
+        check_budgets(result, memory_budget_mb, rss_budget, gpu is not None)
     return _finish(result)
 
 
@@ -326,7 +326,7 @@ def _child_env(gpus: list[int] | None, extra_env: dict | None) -> dict:
     return env
 
 
-def _check_budgets(result: dict, memory_budget_mb, rss_budget, on_gpu: bool) -> None:
+def check_budgets(result: dict, memory_budget_mb, rss_budget, on_gpu: bool) -> None:
     """Fails a finished trial whose measured peak is over its budget, naming the phase of the peak."""
     by_phase = result.get("rss_peak_mb_by_phase") or {}
     if on_gpu and memory_budget_mb is not None and (result.get("peak_mb") or 0) > memory_budget_mb:
@@ -373,7 +373,7 @@ def _read_json(path: Path) -> dict | None:
 # ---------------------------------------------------------------- child side
 
 
-class _ChildTrial:
+class ChildTrial:
     """The measurements of one trial, in the child process; `progress.json` follows them."""
 
     def __init__(self, request_path: Path, result_path: Path, gpus: list[int] | None, memory_budget_mb: float | None):
@@ -664,7 +664,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
     faulthandler.enable()  # a crash (e.g. a failed allocation in native code) leaves its Python stack in the log
-    return _ChildTrial(Path(args.request), Path(args.result), args.gpu, args.memory_budget_mb).run()
+    return ChildTrial(Path(args.request), Path(args.result), args.gpu, args.memory_budget_mb).run()
 
 
 if __name__ == "__main__":

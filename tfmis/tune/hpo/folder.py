@@ -18,7 +18,6 @@ from pathlib import Path
 
 from tfmis.config import Config, from_dict
 from tfmis.tune.hpo.space import Objective, SearchSpace, parse_space
-from tfmis.tune.kt import trial_order  # noqa: F401 (re-exported)
 from tfmis.utils.io import append_json_line, read_json_lines
 
 REPORT_FILE = "hpo_report.json"

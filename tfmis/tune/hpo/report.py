@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tfmis.tune.hpo.folder import BEST_FILE, TRIALS_DIR, oracle_trials, read_events, trial_order
+from tfmis.tune.hpo.folder import BEST_FILE, TRIALS_DIR, oracle_trials, read_events
 from tfmis.tune.hpo.space import Objective, SearchSpace
+from tfmis.tune.kt import trial_order
 from tfmis.utils.io import atomic_writer
 from tfmis.utils.table import text_table
 

@@ -71,11 +71,10 @@ from tfmis.tune.hpo.folder import (
     new_events,
     oracle_trials,
     read_events,
-    trial_order,
 )
 from tfmis.tune.hpo.report import collect_trials, peak_concurrency, plot_dice, short, trials_table
 from tfmis.tune.hpo.space import NOT_REACHED_SECONDS, Objective, SearchSpace
-from tfmis.tune.kt import ENDED, saved_oracle_state
+from tfmis.tune.kt import ENDED, saved_oracle_state, trial_order
 from tfmis.utils.io import atomic_write_json, log_tail
 
 STRATEGIES = ("grid", "random", "bayesian")
