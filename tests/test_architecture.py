@@ -1,6 +1,7 @@
 """The house's import rules that import-linter does not check, read from the source with `ast` (tfmis, its tests,
 benchmarks and tools): one import path per name (a name is imported from the module that defines it, or from a
-package's `__init__`, which is that package's interface) and no private name used across modules."""
+package's `__init__`, which is that package's interface), no private name used across modules, and no import circle
+among tfmis's modules, imports inside functions included."""
 
 from __future__ import annotations
 
@@ -77,3 +78,49 @@ def test_no_private_name_is_imported_or_read_from_another_module():
                 if isinstance(base, ast.Name) and base.id in modules:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: reads {ast.unparse(node)}")
     assert not found, "\n".join(found)
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each tfmis module's tfmis imports, inside functions too (a package's submodule importing the package is not
+    counted: that is its `__init__`'s interface)."""
+    files = {}
+    for path in sorted((ROOT / "tfmis").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges = {}
+    for module, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.add(node.module)
+                targets.update(f"{node.module}.{a.name}" for a in node.names)
+        edges[module] = {t for t in targets if t in files and t != module and not module.startswith(t + ".")}
+    return edges
+
+
+def test_no_two_modules_import_each_other_even_inside_functions():
+    """No import circle among tfmis's modules, counting the imports inside functions (which import-linter's layers
+    see too, but not between two modules of one layer): a circle means two modules share a concept that belongs
+    in one of them, or below both."""
+    edges = module_imports()
+    circles, done = [], set()
+    for start in edges:
+        seen = reach(edges, start)  # a circle when `start` reaches itself back
+        if start in seen and start not in done:
+            circle = {m for m in seen if start in reach(edges, m)} | {start}
+            done |= circle
+            circles.append(sorted(circle))
+    assert not circles, circles
+
+
+def reach(edges: dict[str, set[str]], start: str) -> set[str]:
+    """The modules `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in edges[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen

@@ -11,11 +11,10 @@ from tfmis.data.pipeline import (
     build_train_dataset,
     build_val_dataset,
     step_augmentation,
-    train_crop_size,
     train_steps_per_epoch,
 )
 from tfmis.data.records import load_index
-from tfmis.transforms.augment import augment_patch, window
+from tfmis.transforms.augment import augment_patch, train_crop_size, window
 from tfmis.transforms.crop import crop_starts, foreground_indices, rand_crop_by_pos_neg
 
 

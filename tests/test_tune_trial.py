@@ -21,9 +21,10 @@ import tensorflow as tf
 from conftest import tiny_config
 
 from tfmis.config import to_dict
-from tfmis.data.pipeline import build_train_dataset, synthetic_train_batches, train_crop_size
+from tfmis.data.pipeline import build_train_dataset, synthetic_train_batches
 from tfmis.hardware import accelerators, host_memory, usable_cpu_count
 from tfmis.inference.windows import number_of_windows
+from tfmis.transforms.augment import train_crop_size
 from tfmis.tune.fit.trial import (
     PROGRESS_FILE,
     RESULT_FILE,

@@ -73,8 +73,7 @@ def patch_input(
     Returns {"readers", "windows", "window_mb", "augment_mb", "patches", "patch_mb", "locations_mb", "held_mb"}.
     """
     from tfmis.data.patch_layout import LOCATION_CASES
-    from tfmis.data.pipeline import train_crop_size
-    from tfmis.transforms.augment import spatial_enabled
+    from tfmis.transforms.augment import spatial_enabled, train_crop_size  # TensorFlow, only when one is sized
 
     p, cpus = pipeline, usable_cpu_count()
     step = p.augment.placement == "step"

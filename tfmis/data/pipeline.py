@@ -44,6 +44,7 @@ from tfmis.transforms.augment import (
     spatial_enabled,
     spatial_margin,
     spatial_seed,
+    train_crop_size,
     window,
 )
 from tfmis.transforms.crop import crop_starts, crop_starts_at, foreground_indices, rand_crop_by_pos_neg
@@ -472,13 +473,6 @@ def patch_crops(pipeline, arrays, stream_seed: int, pipeline_id: int, step_dtype
         return (image, label, -low, seed) if spatial_enabled(p.augment) else (image, label, seed)
 
     return locate, read
-
-
-def train_crop_size(pipeline) -> list[int]:
-    """The spatial size of the training crops: `patch_size` plus 2 x `spatial_margin` (rotation, scaling,
-    elastic deformation with `augment.enlarge_crop`); what `augment.placement: step` batches carry."""
-    margin = spatial_margin(pipeline.augment, pipeline.patch_size)
-    return [s + 2 * m for s, m in zip(pipeline.patch_size, margin)]
 
 
 def patch_augmentation(pipeline):

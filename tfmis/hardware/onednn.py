@@ -18,7 +18,7 @@ ONEDNN_SETTINGS = ("auto", "on", "off")
 # inherits both and decides again, while a value that differs from it was set by the user and is respected
 _DECIDED_ENV = "TFMIS_ONEDNN_DECIDED"
 # measured on the README's demo step (benchmarks/cpu_kinds.py; docs/benchmarks.md, "Per CPU kind")
-ONEDNN_MEASURED = "oneDNN's 3D convolutions trained the demo 17-24x faster than Eigen's (docs/benchmarks.md)"
+ONEDNN_MEASURED = "oneDNN's 3D convolutions trained the demo 17-21x faster than Eigen's (docs/benchmarks.md)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -151,6 +151,13 @@ def spatial_margin(config, patch_size) -> list[int]:
     return list(_margin(rotate, scale, elastic, tuple(int(s) for s in patch_size)))
 
 
+def train_crop_size(pipeline) -> list[int]:
+    """The spatial size of the training crops: `patch_size` plus 2 x `spatial_margin` (rotation, scaling,
+    elastic deformation with `augment.enlarge_crop`); what `augment.placement: step` batches carry."""
+    margin = spatial_margin(pipeline.augment, pipeline.patch_size)
+    return [s + 2 * m for s, m in zip(pipeline.patch_size, margin)]
+
+
 @functools.lru_cache(maxsize=64)
 def _margin(rotate_range, scale_max, elastic_max, patch_size):
     half = (np.asarray(patch_size, np.float64) - 1) / 2
