@@ -54,7 +54,7 @@ def capped_environment(cap_mb: int) -> dict:
 # ------------------------------------------------------------------ the ladder on real out-of-memory errors
 
 # Measured under BFC (TF 2.21, 2 cores) for the U-Net below (filters 4, 8), 32^3 windows, overlap 0.75 (125
-# windows on a 64^3 volume). Since issue 11 the host blend keeps the window batches, the sums and the weight
+# windows on a 64^3 volume). The host blend keeps the window batches, the sums and the weight
 # sum in numpy memory, outside TensorFlow's allocator: only the forward pass counts against the cap. BFC's cap
 # is not a clean threshold (a large tensor needs a contiguous chunk of its regions): 64 windows fail with caps
 # of 140-200 MiB most of the time (a fresh-clone CI run once fitted them at 170, then failed a second pass of
