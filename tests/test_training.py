@@ -1221,7 +1221,7 @@ def test_deep_supervision_trains_its_heads_and_saves_and_resumes_the_model(conve
 def test_release_in_background_returns_before_a_slow_destructor_and_the_object_is_still_destroyed():
     """`release_in_background` (what `Trainer.fit` does with its training iterator, whose destructor joined tf.data's
     autotuning thread for ~30 s on a busy machine): the caller gets control back while the last reference's
-    destructor is still blocked, and the destructor then runs to its end in the daemon thread."""
+    destructor is still blocked, and the destructor then runs to its end in the other thread."""
     import threading
 
     from tfmis.engine.trainer import release_in_background
@@ -1238,3 +1238,30 @@ def test_release_in_background_returns_before_a_slow_destructor_and_the_object_i
     assert not destroyed.is_set()  # the caller has control back while the destructor still waits
     let_go.set()
     assert destroyed.wait(10) and holder == []
+
+
+RELEASE_AT_EXIT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from tfmis.engine.trainer import release_in_background
+    class SlowToDestroy:
+        def __del__(self):
+            time.sleep(1.5)  # releases the GIL, as TensorFlow's destructor does while it joins its thread
+            Path(sys.argv[1]).write_text("destroyed")
+    release_in_background([SlowToDestroy()])
+    print("main thread done", flush=True)
+""")
+
+
+def test_a_process_that_ends_while_an_iterator_is_released_waits_for_its_destructor(tmp_path):
+    """A real subprocess that ends right after `release_in_background`: the interpreter waits for the releasing
+    thread, whose destructor runs to its end (its file is written) and the exit status is 0. A daemon thread would be
+    cut off at finalization: inside TensorFlow's destructor that aborted the process in CI (\"FATAL: exception not
+    rethrown\", status -6)."""
+    marker = tmp_path / "destroyed.txt"
+    script = tmp_path / "release_at_exit.py"
+    script.write_text(RELEASE_AT_EXIT_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "main thread done"
+    assert marker.read_text() == "destroyed"

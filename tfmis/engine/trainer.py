@@ -64,15 +64,17 @@ MAX_CONSECUTIVE_SKIPPED_STEPS = 20
 
 
 def release_in_background(holder: list) -> None:
-    """Empties `holder` (the only reference to a tf.data iterator) in a daemon thread, so that the iterator's
+    """Empties `holder` (the only reference to a tf.data iterator) in another thread, so that the iterator's
     destructor does not hold up the caller.
 
     Why: deleting an autotuned iterator joins tf.data's autotuning thread, and on a busy machine that join took 27-32 s
     (a 2-core machine with one core kept busy, measured after 50 s of iteration; 0.01 s when idle or with
-    `autotune.enabled` off): at the end of every training, the time the next stage of a plan, the next fold or trial,
-    or the command's end then waited for. The wait releases the GIL, so the caller goes on; at the process's exit the
-    daemon thread is abandoned."""
-    threading.Thread(target=holder.clear, name="tfmis-release-iterator", daemon=True).start()
+    `autotune.enabled` off): at the end of every training, the time the next stage of a plan, the next fold or trial
+    then waited for. The wait releases the GIL, so the caller goes on. The thread is not a daemon: the interpreter
+    waits for it at exit, because a daemon thread still inside TensorFlow's destructor when the interpreter finalizes
+    is unwound through C++ frames that cannot be, and the process aborts ("FATAL: exception not rethrown", status -6;
+    seen in CI on a busy machine)."""
+    threading.Thread(target=holder.clear, name="tfmis-release-iterator").start()
 
 
 class Trainer(TrainerSteps, EpochBookkeeping):
