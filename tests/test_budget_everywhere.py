@@ -146,8 +146,11 @@ def test_a_fold_predicts_and_exports_with_its_final_weights_and_its_held_out_dic
     held-out fold chooses nothing, and each fold's training log says the fold's model is final.weights.h5;
     `tfmis-predict --checkpoint <cv>/a/fold_0` predicts with final.weights.h5 by default (says so; the same maps as
     `--weights final`) and `--weights best` warns that it is optimistic; `tfmis-export` of the fold folder exports
-    its final weights; `--val-best` warns and its table marks the best Dice optimistic."""
+    its final weights; `--val-best` on the same trained folds warns and its table marks the best Dice optimistic."""
+    import shutil
+
     from tfmis.crossval.cli import main
+    from tfmis.crossval.experiment import DEFINITION_FILE
 
     config = write_config(tmp_path, "a", "training.epochs=4", cases=4)
     cv = tmp_path / "cv"
@@ -182,7 +185,15 @@ def test_a_fold_predicts_and_exports_with_its_final_weights_and_its_held_out_dic
     assert "predicting with final.weights.h5" in done.stderr
     manifest = (tmp_path / "model" / "manifest.json").read_text()
     assert "final.weights.h5" in manifest and "best.weights.h5" not in manifest
-    code = main(["--config", str(config), "--folds", "2", "--output", str(tmp_path / "cv_best"), "--val-best"])
+    best_cv = tmp_path / "cv_best"  # the same trained folds, scored as --val-best writes its definition
+    shutil.copytree(cv, best_cv)
+    for folder in best_cv.glob("a/fold_*/validation"):
+        shutil.rmtree(folder)
+    definition = json.loads((best_cv / DEFINITION_FILE).read_text())
+    definition["weights"] = "best"
+    (best_cv / DEFINITION_FILE).write_text(json.dumps(definition))
+    (best_cv / "crossval.json").unlink()
+    code = main(["--config", str(config), "--folds", "2", "--output", str(best_cv), "--val-best"])
     captured = capsys.readouterr()
     assert code == 0, captured.out
     assert "warning: --val-best" in captured.err and "optimistic" in captured.err
