@@ -5,7 +5,7 @@ against a float64 Σ(weight · prediction) / Σ(weight).
 Both blends run on the CPU: the device one through the same path a GPU `device` gets
 (`tfmis.inference.sliding_window.infer_windows(on_host=False)`). The predictor is cheap and not pointwise, so the
 windows disagree where they overlap: every class score plus a tenth of its window mean. The inputs are smooth
-random logits, K maps of `mean + smooth field of std` (`tfmis.data.demo.smooth_random_field`), e.g. around
+random logits, K maps of `mean + smooth field of std` (`tfmis.data.demos.brain.smooth_random_field`), e.g. around
 200 (about 100-300, where float16's step is 0.125-0.25) and around 0 (std 5, like a network's logits).
 The reference is a plain numpy loop over the same window corners and importance map, in float64.
 
@@ -36,7 +36,7 @@ if importlib.util.find_spec("tfmis") is None:  # this checkout's, unless one is 
 
 import tensorflow as tf  # noqa: E402
 
-from tfmis.data.demo_anatomy import smooth_random_field  # noqa: E402
+from tfmis.data.demos.anatomy import smooth_random_field  # noqa: E402
 from tfmis.inference.sliding_window import infer_windows  # noqa: E402
 from tfmis.inference.windows import importance_array, scan_intervals, window_starts  # noqa: E402
 

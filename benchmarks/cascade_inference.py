@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Whole-scan inference at CT size: the cascade against full-resolution sliding window, with scoring.
 
-For each labelled case given (e.g. a 512x512x600 case of `python -m tfmis.data.demo_ct --size full`) and a
+For each labelled case given (e.g. a 512x512x600 case of `python -m tfmis.data.demos.ct --size full`) and a
 cascade's run folder (`python -m tfmis.train --source-dir DIR` on a dataset the plan cascades), runs in a fresh
 process each mode:
 

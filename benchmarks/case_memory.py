@@ -11,7 +11,7 @@ converted image and label) goes to the parent, which holds it and its encoded re
 `parent_factor` is twice its size over the case's float32 size.
 
 Example (CT-size cases from the CT demo generator, under /tmp):
-    python -m tfmis.data.demo_ct --size full --output /tmp/ct12 --cases 12 --test-cases 0 --slices 200,300
+    python -m tfmis.data.demos.ct --size full --output /tmp/ct12 --cases 12 --test-cases 0 --slices 200,300
     python benchmarks/case_memory.py /tmp/ct12 --cases ct_002 ct_008     # ~1 minute on 2 cores
 """
 
@@ -29,7 +29,7 @@ ONE_CASE = r"""
 import json, sys, time
 from tfmis.data.conversion_cases import case_foreground_sample, process_case
 from tfmis.data.case_pool import case_float32_mb
-from tfmis.data.datasets import open_dataset
+from tfmis.data.sources.layouts import open_dataset
 from tfmis.data.preprocess import PreprocessConfig
 from tfmis.hardware import peak_rss_mb, process_status_mb, reset_peak_rss
 from tfmis.planning.fingerprint import case_summary

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import tfmis.data.convert as conversion
 import tfmis.data.shard_writer as shard_writer
-from tfmis.data.demo import make_demo_dataset
+from tfmis.data.demos.brain import make_demo_dataset
 
 
 def _hash_speed(gigabytes: float = 1.0) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Conversion of real-size CT: seconds and peak resident memory per case against its voxel count.
 
-Generates `--cases` CT-size cases with `tfmis.data.demo_ct.generate_full_case` (512 x 512 x Z, Z spread evenly
+Generates `--cases` CT-size cases with `tfmis.data.demos.ct.generate_full_case` (512 x 512 x Z, Z spread evenly
 from `--slices` MIN to MAX, 0.7-0.9 mm pixels, 1.5-5 mm slices, int16 HU), then converts the folder with
 `tfmis.data.convert.convert` (what `python -m tfmis.convert` runs) once per `--workers` value, each run in its own
 Python process. Each case's worker (`process_case`: read, validate, preprocess, fingerprint) is wrapped so that it
@@ -117,7 +117,7 @@ def make_dataset(root: Path, cases: int, slices: tuple[int, int], seed: int) -> 
     import nibabel as nib
     import numpy as np
 
-    from tfmis.data import demo_ct
+    from tfmis.data.demos import ct as demo_ct
 
     for sub in ("imagesTr", "labelsTr"):
         (root / sub).mkdir(parents=True, exist_ok=True)

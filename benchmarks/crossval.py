@@ -9,7 +9,7 @@
    two wall times (one run of each, on the same machine, one after the other).
 
 Example (the demo; about 25 min on 2 cores):
-    python -m tfmis.data.demo --output data/demo_holdout --cases 8 --test-cases 0 --seed 7
+    python -m tfmis.data.demos.brain --output data/demo_holdout --cases 8 --test-cases 0 --seed 7
     python benchmarks/crossval.py --config configs/demo.yaml --set training.epochs=40 --folds 5 --workers 2 \\
         --test data/demo_holdout --output /tmp/cv_demo
 """

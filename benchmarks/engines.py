@@ -115,7 +115,7 @@ def _run(predictor, images, truths, scored, classes, repeats, reference=None) ->
 
 def _load_cases(predictor, folders: list[str], limit: int | None):
     """{case: (image, affine)} and {case: label} of the labelled and test cases of each dataset folder."""
-    from tfmis.data.msd import load_image
+    from tfmis.data.sources.image_io import load_image
     from tfmis.inference.inputs import collect_inputs
 
     cases = []

@@ -123,8 +123,8 @@ def _start_monai(args, reference, volume, folder: Path):
 
 def speed(args) -> int:
     """Seconds and peak memory of `--scan` per engine (and MONAI), alternating pass by pass."""
-    from tfmis.data.msd import load_image
     from tfmis.data.preprocess import preprocess
+    from tfmis.data.sources.image_io import load_image
     from tfmis.hardware import cpu_name, usable_cpu_count
 
     reference, _ = reference_predictor(args.reference)

@@ -38,7 +38,7 @@ Examples (about 2 minutes for `convert`, 13 minutes for `dicom` on 2 busy cores)
         --run /work/bench/pvs_ct/single --baseline /work/bench/data/Task90_DemoCT/imagesTs/ct_900.nii.gz \\
         --scratch /tmp/formats_dicom
 
-The 512 x 512 x 600 CT is `python -m tfmis.data.demo_ct --size full` style (benchmarks/conversion_size.py makes such
+The 512 x 512 x 600 CT is `python -m tfmis.data.demos.ct --size full` style (benchmarks/conversion_size.py makes such
 cases); any int16 NIfTI CT whose affine is right-handed in LPS (slices along the cross product of rows and columns,
 as DICOM's) works.
 """
@@ -331,7 +331,7 @@ def label_map(arm: str, out: Path, case: str, series: Path, names: list[str]) ->
     import nibabel as nib
 
     if arm == "dicom-seg":
-        from tfmis.data.dicom_series import read_series
+        from tfmis.data.sources.dicom_series import read_series
         from tfmis.inference.dicom_seg import read_segmentation
 
         return read_segmentation(out / f"{case}.seg.dcm", read_series(series), names), None

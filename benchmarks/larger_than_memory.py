@@ -20,7 +20,7 @@ On a converted CT-size dataset (e.g. the CT demo generator's 512 x 512 x 300 cas
    against the samples/s a GPU step of the patch would consume at `--gpu-step-ms`.
 
 Example (the figures in docs/benchmarks.md, "Larger than memory"):
-    python -m tfmis.data.demo_ct ...  # or: make_ct_dataset(root, num_cases=24, size="full", slices=(300, 300))
+    python -m tfmis.data.demos.ct ...  # or: make_ct_dataset(root, num_cases=24, size="full", slices=(300, 300))
     tfmis-convert --source-dir Task93_CT24 --target-dir ltm/records --split 0.9,0.1 --shards 4
     python benchmarks/larger_than_memory.py --dataset ltm/records --epochs 3 --steps-per-epoch 24
 """

@@ -42,10 +42,10 @@ and the newest torchvision would pull them in again, so pin the torchvision of t
 The demo datasets (outside the repo; `Task<NN>_<Name>` folders, the names nnU-Net's MSD conversion expects, though
 any folder works: the script links it under such a name):
 
-    python -m tfmis.data.demo --output /work/data-bench/Task00_DemoBrain
-    python -m tfmis.data.demo --size brats --output /work/data-bench/Task01_DemoBraTS
-    python -m tfmis.data.demo_ct --size full --output /work/data-bench/Task91_DemoCTFull
-    python -m tfmis.data.demo_ct --size full --anatomy far --output /work/data-bench/Task92_DemoCTFar
+    python -m tfmis.data.demos.brain --output /work/data-bench/Task00_DemoBrain
+    python -m tfmis.data.demos.brain --size brats --output /work/data-bench/Task01_DemoBraTS
+    python -m tfmis.data.demos.ct --size full --output /work/data-bench/Task91_DemoCTFull
+    python -m tfmis.data.demos.ct --size full --anatomy far --output /work/data-bench/Task92_DemoCTFar
 
 Run (tfmis's python; about 2 minutes for the demo, 10-15 for each full-size CT on 2 cores, mostly reading the
 scans: nnU-Net's conversion and fingerprint, tfmis's fingerprint):
@@ -67,7 +67,7 @@ The halves alone:
 
 The target GPU's memory beside nnU-Net's `-gpu_memory_target` (the BraTS-size demo with 6 cases, about 2 minutes):
 
-    python -m tfmis.data.demo --size brats --cases 6 --test-cases 0 --output /work/data-bench/Task01_DemoBraTS
+    python -m tfmis.data.demos.brain --size brats --cases 6 --test-cases 0 --output /work/data-bench/Task01_DemoBraTS
     python benchmarks/nnunet_plans.py run /work/data-bench/Task01_DemoBraTS \\
         --nnunet-python /work/venv-nnunet/bin/python --output runs/nnunet_targets --scratch /tmp/nnunet_targets \\
         --gpu-memory-gb 8 11 24 80 --nnunet-gpu-memory-target-gb 8 11 24 80

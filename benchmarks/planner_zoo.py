@@ -291,7 +291,7 @@ def tfmis_train_command(arm: str, kind: Kind, root: Path, seed: int, run_dir: Pa
 CONVERT_PLAN = (
     "import sys\n"
     "from tfmis.data.prepare import prepare_dataset\n"
-    "from tfmis.training import load_stages\n"
+    "from tfmis.run_plans import load_stages\n"
     "for stage in load_stages(sys.argv[1]):\n"
     "    prepare_dataset(stage.config.data, progress=False)\n"
 )
@@ -348,7 +348,7 @@ def nnunet_layout_plan(plan_dir: Path) -> Path:
     3e-3. Returns the plan file to train. Comments are lost; every other planned value stays."""
     import yaml
 
-    from tfmis.config import read_stage_list
+    from tfmis.config import load_stages as read_stage_list
 
     plan = plan_dir / "plan.yaml"
     listed = read_stage_list(plan)
@@ -395,10 +395,10 @@ def export_for_monai(kind: Kind, root: Path, seed: int, quiet: bool) -> tuple[Pa
     flags)."""
     from benchmarks.export_demo_npy import export_npy
     from benchmarks.time_to_dice import monai_protocol_args
-    from tfmis.data.msd import load_image
     from tfmis.data.prepare import prepare_dataset
     from tfmis.data.preprocess import PreprocessConfig, preprocess
     from tfmis.data.records import load_index
+    from tfmis.data.sources.image_io import load_image
 
     config, _, _ = hand_config(kind, root, seed)
     prepare_dataset(config.data, progress=not quiet)

@@ -2,8 +2,8 @@
 """Real scan sizes, no config: what `train --source-dir` plans and reaches in a time budget, against a hand-written
 coarse config in the same budget.
 
-For `brats` (the MNI brain at 1 mm, 240x240x155, four channels: `python -m tfmis.data.demo --size brats`) or `ct`
-(512x512x100-600 abdominal CT, int16 HU, five organs: `python -m tfmis.data.demo_ct --size full`) it
+For `brats` (the MNI brain at 1 mm, 240x240x155, four channels: `python -m tfmis.data.demos.brain --size brats`) or `ct`
+(512x512x100-600 abdominal CT, int16 HU, five organs: `python -m tfmis.data.demos.ct --size full`) it
 
 1. generates the dataset into `--workdir` if it is missing;
 2. `auto`: `python -m tfmis.train --source-dir DIR --set training.max_minutes=M` (the plan chooses fullres, lowres
@@ -40,9 +40,9 @@ def generate(dataset: str, root: Path, cases: int) -> Path:
     if (source / "dataset.json").is_file():
         return source
     if dataset == "brats":
-        cmd = ["-m", "tfmis.data.demo", "--size", "brats", "--cases", str(cases), "--test-cases", "0"]
+        cmd = ["-m", "tfmis.data.demos.brain", "--size", "brats", "--cases", str(cases), "--test-cases", "0"]
     else:
-        cmd = ["-m", "tfmis.data.demo_ct", "--size", "full", "--cases", str(cases), "--test-cases", "0"]
+        cmd = ["-m", "tfmis.data.demos.ct", "--size", "full", "--cases", str(cases), "--test-cases", "0"]
         cmd += ["--slices", "100,600"]
     run([*cmd, "--output", str(source)])
     return source

@@ -2,7 +2,7 @@
 """Region-based training against class training on BraTS-like data, same data, network, steps and time budget
 (whether regions lift tumour core / enhancing Dice on BraTS-like data, which decides whether the planner uses them).
 
-1. generates the BraTS-like demo at `--spacing` mm into `--workdir` if missing (`python -m tfmis.data.demo --size
+1. generates the BraTS-like demo at `--spacing` mm into `--workdir` if missing (`python -m tfmis.data.demos.brain --size
    brats`: FLAIR/T1w/T1gd/T2w, labels 1 edema, 2 non-enhancing core, 3 enhancing, one tumour per case, many small);
 2. for each seed, trains the arms one after the other with `python -m tfmis.train --config
    benchmarks/configs/region_training.yaml` into WORKDIR/runs/ARM_eEPOCHS_seedSEED (the first run converts the
@@ -226,7 +226,7 @@ def main() -> int:
     if not (source / "dataset.json").is_file():
         command = [
             "-m",
-            "tfmis.data.demo",
+            "tfmis.data.demos.brain",
             "--size",
             "brats",
             "--spacing",

@@ -13,7 +13,7 @@ import pytest
 from tfmis.data import case_stats
 from tfmis.data.conversion_options import ConversionConfig
 from tfmis.data.convert import convert, summary_text
-from tfmis.data.demo import make_demo_dataset
+from tfmis.data.demos.brain import make_demo_dataset
 from tfmis.data.preprocess import (
     PreprocessConfig,
     border_constant,

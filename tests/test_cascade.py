@@ -193,7 +193,7 @@ def _run(args, cwd):
 @pytest.fixture(scope="module")
 def cascade_run(tmp_path_factory):
     """A cascade trained for two epochs per stage on the small CT demo, by `train --source-dir`."""
-    from tfmis.data.demo_ct import make_ct_dataset
+    from tfmis.data.demos.ct import make_ct_dataset
 
     root = tmp_path_factory.mktemp("cascade")
     # large enough that the CPU patch (at most 48^3 voxels) covers under 25% of the median image, so the forced

@@ -9,8 +9,8 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from tfmis.data.msd import load_image
 from tfmis.data.preprocess import PreprocessConfig, preprocess
+from tfmis.data.sources.image_io import load_image
 from tfmis.inference.cascade import cut_regions, region_input, regions_of_interest
 
 SPACING = (1.0, 1.0, 2.0)

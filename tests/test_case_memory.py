@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tfmis.data.case_pool import FINGERPRINT_PEAK_FACTOR, WORKER_BASE_MB, CasePool
-from tfmis.data.datasets import open_dataset
+from tfmis.data.sources.layouts import open_dataset
 from tfmis.hardware import MB, cgroup_memory
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,12 +24,15 @@ def test_every_documented_command_is_installed():
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_help_prints_the_full_help_and_exits_0(script, capsys):
-    """`<script> --help`: exit 0, a usage line naming the command and at least one option explained."""
+    """`<script> --help`: exit 0, a usage line naming the command as it is installed (`tfmis-...`, not `python -m`),
+    at least one option explained, and the exit statuses it ends with."""
     with pytest.raises(SystemExit) as exit_info:
         _main(SCRIPTS[script])(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code in (0, None), f"{script} --help exited {exit_info.value.code}"
     assert out.lower().startswith("usage:") and "options:" in out, out[:300]
+    assert out.startswith(f"usage: {script}"), out.splitlines()[0]
+    assert "Exit status" in " ".join(out.split()), f"{script} --help names no exit status"
 
 
 @pytest.mark.parametrize("script", ["tfmis-launch", "tfmis-monitor"])

@@ -170,7 +170,7 @@ def test_progress_table_shows_a_failed_job_with_its_exit_code_until_it_is_retrie
     """The folds' table, read from jobs.jsonl as the workers append it: a training or an out-of-fold prediction that
     ended with a non-zero exit shows `failed (exit N)` (not `waiting`), a running one its epoch, a retried one
     running again."""
-    from tfmis.crossval.cli import progress_rows
+    from tfmis.crossval.driver import progress_rows
     from tfmis.crossval.experiment import Configuration, Definition, append_job_event
 
     definition = Definition([Configuration("a", {}), Configuration("b", {})], 3, [0, 1, 2])
@@ -445,7 +445,7 @@ def test_a_fold_whose_out_of_fold_step_died_is_recomputed_as_the_full_run_scored
     run's, and the pair's maps are the argmax of the two configurations' averaged probabilities, computed here."""
     import shutil
 
-    from tfmis.crossval.cli import prepare
+    from tfmis.crossval.driver import prepare
     from tfmis.crossval.experiment import SCORES_FILE, Configuration, Definition, averaging_pairs, candidate_dir
     from tfmis.crossval.jobs import fold_done
     from tfmis.crossval.oof import PROBABILITIES_SUFFIX, predict_fold

@@ -12,8 +12,9 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from tfmis.data import demo
-from tfmis.data.msd import MSDDataset, load_case
+from tfmis.data.demos import brain as demo
+from tfmis.data.sources.cases import load_case
+from tfmis.data.sources.msd import MSDDataset
 from tfmis.utils.io import parse_temp_name
 
 NUM_TRAINING, NUM_TEST = 3, 1
@@ -37,9 +38,12 @@ def _arrays(root: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_template_asset_is_small_and_2mm():
-    asset = Path(demo.__file__).parent / "assets" / demo.TEMPLATE_ASSET
+    import tfmis.data
+
+    assets = Path(tfmis.data.__file__).parent / "assets"  # beside the data package, shipped with it
+    asset = assets / demo.TEMPLATE_ASSET
     assert asset.stat().st_size < 1.5e6
-    assert (Path(demo.__file__).parent / "assets" / "MNI152_LICENSE.txt").is_file()
+    assert (assets / "MNI152_LICENSE.txt").is_file()
     template = demo.load_template()
     assert template.t1.shape == template.gm.shape == template.wm.shape == template.brain.shape
     assert np.allclose(nib.affines.voxel_sizes(template.affine), 2.0)
@@ -163,7 +167,17 @@ def test_rejects_empty_training_set(tmp_path):
 
 def test_command_line(tmp_path):
     out = tmp_path / "cli"
-    command = [sys.executable, "-m", "tfmis.data.demo", "--output", str(out), "--cases", "1", "--test-cases", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "tfmis.data.demos.brain",
+        "--output",
+        str(out),
+        "--cases",
+        "1",
+        "--test-cases",
+        "1",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "1 training + 1 test" in result.stdout and str(out.resolve()) in result.stdout
@@ -215,7 +229,7 @@ def test_brats_size_grid_is_the_brats_box_and_tumour_sizes_vary():
 
 
 def test_ct_full_size_dataset_through_nibabel(tmp_path):
-    from tfmis.data import demo_ct
+    from tfmis.data.demos import ct as demo_ct
 
     root = demo_ct.make_ct_dataset(
         tmp_path / "ct", num_cases=2, num_test=0, size="full", slices=(20, 30), in_plane=64, seed=3
@@ -243,7 +257,7 @@ def test_ct_full_size_dataset_through_nibabel(tmp_path):
 def test_ct_full_size_case_is_real_size_and_built_slab_by_slab():
     import tracemalloc
 
-    from tfmis.data import demo_ct
+    from tfmis.data.demos import ct as demo_ct
 
     tracemalloc.start()
     try:
@@ -266,7 +280,7 @@ def test_ct_full_size_case_is_real_size_and_built_slab_by_slab():
 
 def test_ct_command_line_full_size(tmp_path):
     out = tmp_path / "ctcli"
-    command = [sys.executable, "-m", "tfmis.data.demo_ct", "--size", "full", "--output", str(out)]
+    command = [sys.executable, "-m", "tfmis.data.demos.ct", "--size", "full", "--output", str(out)]
     command += ["--cases", "1", "--test-cases", "0", "--slices", "12,16", "--in-plane", "48"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -287,7 +301,7 @@ def test_ct_far_anatomy_puts_the_bladder_far_below_the_liver_and_the_lesion_insi
     `in_plane` (128 here: ~3 mm pixels, 5 mm slices for the ~560 mm scan)."""
     from scipy import ndimage
 
-    from tfmis.data import demo_ct
+    from tfmis.data.demos import ct as demo_ct
 
     root = demo_ct.make_ct_dataset(
         tmp_path / "far", num_cases=2, num_test=0, size="full", slices=(112, 124), in_plane=128, anatomy="far"
@@ -324,7 +338,7 @@ def test_ct_far_anatomy_option_leaves_the_default_cases_bit_identical():
     before the option existed; no label above 5 (lesion) in them, and anatomy="far" does change the case."""
     import hashlib
 
-    from tfmis.data import demo_ct
+    from tfmis.data.demos import ct as demo_ct
 
     image, label, affine = demo_ct.generate_full_case(1, 3, (20, 30), 64)
     explicit = demo_ct.generate_full_case(1, 3, (20, 30), 64, anatomy="abdomen")
@@ -343,7 +357,7 @@ def test_ct_far_anatomy_option_leaves_the_default_cases_bit_identical():
 def test_ct_command_line_far_anatomy(tmp_path, monkeypatch, capsys):
     """`--anatomy far` writes data/Task92_DemoCTFar (the default name) with the bladder label; `--help` lists the
     option; `--anatomy far` without `--size full` and an unknown anatomy are refused (CLI and Python API)."""
-    from tfmis.data import demo_ct
+    from tfmis.data.demos import ct as demo_ct
 
     with pytest.raises(SystemExit) as exit_help:
         demo_ct.main(["--help"])

@@ -15,9 +15,9 @@ import pytest
 from conftest import write_nifti
 from dicom_files import BAD_SERIES, coronal_affine, ct_slices, oblique_affine, save_slices, write_series
 
-from tfmis.data.demo_ct import generate_case
-from tfmis.data.dicom_series import read_series, series_geometry
-from tfmis.data.msd import CaseError
+from tfmis.data.demos.ct import generate_case
+from tfmis.data.sources.dicom_series import read_series, series_geometry
+from tfmis.data.sources.errors import CaseError
 from tfmis.errors import DataError, UsageError
 from tfmis.inference.dicom_seg import read_segmentation, write_segmentation
 from tfmis.inference.inputs import collect_inputs

@@ -22,8 +22,8 @@ from pydicom.uid import (
 )
 from test_dicom import sitk_ras_affine
 
-from tfmis.data.dicom_series import position_rounding, read_series
-from tfmis.data.msd import CaseError
+from tfmis.data.sources.dicom_series import position_rounding, read_series
+from tfmis.data.sources.errors import CaseError
 from tfmis.errors import DataError
 from tfmis.inference.dicom_seg import read_segmentation, write_segmentation
 
@@ -73,8 +73,8 @@ def test_without_a_decoder_a_compressed_series_fails_in_one_line_naming_its_synt
     folder = sitk_series(tmp_path / "s", volume, coronal_affine(), "JPEG")
     code = (
         "import sys; sys.modules['gdcm'] = None; sys.modules['pylibjpeg'] = None\n"
-        "from tfmis.data.dicom_series import read_series\n"
-        "from tfmis.data.msd import CaseError\n"
+        "from tfmis.data.sources.dicom_series import read_series\n"
+        "from tfmis.data.sources.errors import CaseError\n"
         f"try:\n    read_series({str(folder)!r}, case_id='c1')\n"
         "except CaseError as e:\n    print(e)\n"
     )

@@ -14,8 +14,8 @@ from conftest import make_msd_dataset, tiny_config, write_nifti
 from dicom_files import BAD_SERIES, coronal_affine, ct_slices, save_slices, write_series
 
 from tfmis.config import load_config
-from tfmis.data.dicom_series import read_series
 from tfmis.data.records import load_index
+from tfmis.data.sources.dicom_series import read_series
 from tfmis.inference.dicom_seg import read_segmentation
 from tfmis.predict import main as predict_main
 

@@ -21,8 +21,8 @@ import tensorflow as tf
 from conftest import lps_affine, tiny_config, write_nifti
 
 from tfmis.config import load_config, save_config
-from tfmis.data.msd import load_image
 from tfmis.data.preprocess import preprocess
+from tfmis.data.sources.image_io import load_image
 from tfmis.engine.trainer import Trainer
 from tfmis.inference.cascade import CascadePredictor
 from tfmis.inference.ensemble import ConfigurationEnsemble, build_predictor, resolve_checkpoint

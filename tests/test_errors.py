@@ -67,7 +67,8 @@ def test_convert_follows_symlinked_imagesTr_and_labelsTr_inside_the_dataset_fold
 
 def test_dataset_paths_that_leave_the_folder_are_still_refused_but_symlinks_inside_are_not(tmp_path):
     """`..` and absolute paths elsewhere are refused (named with the case); a symlinked subfolder is not."""
-    from tfmis.data.msd import CaseError, MSDDataset
+    from tfmis.data.sources.errors import CaseError
+    from tfmis.data.sources.msd import MSDDataset
 
     source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=2)
     (tmp_path / "elsewhere").mkdir()

@@ -100,7 +100,7 @@ def test_every_engine_predicts_the_run_folders_label_maps(exported, tiny_run, tm
 def test_probabilities_and_tta_of_an_engine_equal_the_tensorflow_predictor(exported, tiny_run):
     """With test-time augmentation, the onnxruntime engine's probabilities equal the run's Predictor's within 1e-4."""
     from tfmis.config import load_config
-    from tfmis.data.msd import load_image
+    from tfmis.data.sources.image_io import load_image
     from tfmis.inference.deployed import ExportedPredictor
     from tfmis.inference.predictor import Predictor
 
@@ -244,8 +244,8 @@ def test_an_exported_network_runs_without_tfmis_and_gives_tfmis_probabilities(
     import tensorflow as tf
 
     from tfmis.config import load_config
-    from tfmis.data.msd import load_image
     from tfmis.data.preprocess import preprocess
+    from tfmis.data.sources.image_io import load_image
     from tfmis.inference.manifest import network_path, read_manifest
     from tfmis.inference.predictor import Predictor
 

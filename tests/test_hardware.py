@@ -25,7 +25,7 @@ CLEAN += ("TFMIS_THREADS_DECIDED",)
 REPORT = """
 import collections, json, os, sys
 import tfmis
-from tfmis.data.convert import ConversionConfig
+from tfmis.data.conversion_options import ConversionConfig
 from tfmis.engine.local_workers import worker_environments
 from tfmis.data.pipeline import pipeline_options
 from tfmis.hardware import current_onednn, usable_cpu_count
@@ -238,7 +238,7 @@ def test_a_training_run_and_a_prediction_print_the_hardware_line_and_no_tensorfl
 def test_train_prints_one_hint_each_for_onednn_turned_off_and_threads_beyond_the_usable_cpus(tmp_path):
     """`python -m tfmis.train` with TF_ENABLE_ONEDNN_OPTS=0 (where `auto` would turn oneDNN on) and
     TF_NUM_INTRAOP_THREADS above the usable CPUs prints one `warning:` line for each, naming the fix, before anything
-    else happens (here the missing dataset then stops the run)."""
+    else happens (here the missing dataset then stops the run, before its run folder is made)."""
     too_many = str(4 * usable_cpu_count())
     result = subprocess.run(
         [sys.executable, "-m", "tfmis.train", "--config", str(REPO / "configs" / "demo.yaml")]
@@ -251,6 +251,7 @@ def test_train_prints_one_hint_each_for_onednn_turned_off_and_threads_beyond_the
         cwd=tmp_path,
     )
     assert result.returncode == 1 and "holds no converted dataset" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "run").exists()  # a run that cannot start leaves no run folder (nor its lock file)
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
     onednn = [w for w in warnings if "oneDNN is off" in w]
     threads = [w for w in warnings if w.startswith(f"warning: TF_NUM_INTRAOP_THREADS={too_many} ")]

@@ -1,5 +1,5 @@
-"""tfmis.data.image_io: NRRD and MetaImage files read in tfmis's convention (X, Y, Z order, RAS affine as nibabel
-gives for the same image as NIfTI), written back with their geometry, and one line when SimpleITK is missing."""
+"""tfmis.data.sources.image_io: NRRD and MetaImage files read in tfmis's convention (X, Y, Z order, RAS affine as
+nibabel gives for the same image as NIfTI), written back with their geometry, and one line when SimpleITK is missing."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from tfmis.data.image_io import UnreadableImage, read_affine, read_image, write_image
-from tfmis.data.msd import load_image
+from tfmis.data.sources.errors import UnreadableImage
+from tfmis.data.sources.image_io import load_image, read_affine, read_image, write_image
 
 sitk = pytest.importorskip("SimpleITK")  # the formats extra (in dev)
 

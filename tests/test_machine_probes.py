@@ -53,14 +53,15 @@ def copy_tree(target: Path) -> Path:
 
 
 def test_lint_imports_names_a_proc_read_and_a_pynvml_import_put_into_a_copy_of_the_package(tmp_path):
-    """A copy of the package where tfmis.data.msd opens /proc/meminfo and tfmis.utils.io imports pynvml: `lint-imports`
-    run on the copy exits non-zero, the NVML contract names the importing module, the import and its line, and the
-    probe contract names the file, the line, the path and the fix; the untouched copy keeps both contracts."""
+    """A copy of the package where tfmis.data.sources.msd opens /proc/meminfo and tfmis.utils.io imports pynvml:
+    `lint-imports` run on the copy exits non-zero, the NVML contract names the importing module, the import and its
+    line, and the probe contract names the file, the line, the path and the fix; the untouched copy keeps both
+    contracts."""
     clean = lint_imports(copy_tree(tmp_path / "clean"))
     assert f"{NVML_CONTRACT} KEPT" in clean.stdout and f"{FILES_CONTRACT} KEPT" in clean.stdout, clean.stdout[-3000:]
 
     copy = copy_tree(tmp_path / "probed")
-    msd = copy / "tfmis" / "data" / "msd.py"
+    msd = copy / "tfmis" / "data" / "sources" / "msd.py"
     source = msd.read_text()
     msd.write_text(source + '\n\ndef _host_memory_text():\n    return open("/proc/meminfo").read()\n')
     proc_line = len(source.splitlines()) + 4
@@ -74,8 +75,8 @@ def test_lint_imports_names_a_proc_read_and_a_pynvml_import_put_into_a_copy_of_t
     assert f"{NVML_CONTRACT} BROKEN" in out.stdout and f"{FILES_CONTRACT} BROKEN" in out.stdout, out.stdout[-3000:]
     assert f"tfmis.utils.io -> pynvml (l.{nvml_line})" in out.stdout, out.stdout[-3000:]
     assert (
-        f'tfmis/data/msd.py:{proc_line}: the /proc path "/proc/meminfo" probes the machine in tfmis.data.msd: '
-        "read it through tfmis.hardware" in out.stdout
+        f'tfmis/data/sources/msd.py:{proc_line}: the /proc path "/proc/meminfo" probes the machine in '
+        "tfmis.data.sources.msd: read it through tfmis.hardware" in out.stdout
     ), out.stdout[-3000:]
 
 
@@ -111,7 +112,7 @@ DEFAULT_COUNTS = r"""
 import json, sys
 import tfmis.data.case_pool as case_pool
 from tfmis import hardware
-from tfmis.data.convert import ConversionConfig
+from tfmis.data.conversion_options import ConversionConfig
 from tfmis.planning.fingerprint import fingerprint_msd
 from tfmis.profiling import ResourceMonitor
 from tfmis.tune.hpo.devices import assign_devices

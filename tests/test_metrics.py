@@ -337,8 +337,7 @@ def test_predictions_csv_and_summary_report_classes_absent_from_the_label(tmp_pa
     summary averages each class over the cases that have it and says how many did not."""
     import csv
 
-    from tfmis.inference.outputs import CaseResult, write_csv
-    from tfmis.predict import dice_summary
+    from tfmis.inference.outputs import CaseResult, dice_line, write_csv
 
     names = ["background", "organ", "core"]
     label = np.zeros((6, 6, 4), np.uint8)
@@ -362,7 +361,7 @@ def test_predictions_csv_and_summary_report_classes_absent_from_the_label(tmp_pa
     assert float(rows["case_0"]["dice_mean"]) == pytest.approx(2 / 3)  # core left out, not scored 0
     assert rows["case_0"]["absent_from_label"] == "core" and rows["case_1"]["absent_from_label"] == ""
     assert rows["unlabelled"]["dice_organ"] == "" and rows["unlabelled"]["absent_from_label"] == ""
-    summary = dice_summary(results, names)
+    summary = dice_line(results, names)
     # organ (2/3 + 1) / 2; core only from case_1; the mean weighs each class once: (5/6 + 1) / 2
     assert summary.startswith("mean Dice over 2 case(s): organ 0.8333, core 1.0000 (absent from 1 of 2 labels)")
     assert summary.endswith("; mean 0.9167")

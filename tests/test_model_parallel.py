@@ -300,7 +300,7 @@ def test_planner_splits_nnunets_default_target_patch_over_the_fewest_gpus_only_w
     mp = config.runtime.model_parallel
     patch, strides = list(config.pipeline.patch_size), config.model.strides
     planner = ExperimentPlanner(fp, _gpus(4, 8192))
-    sensible = planner.smallest_sensible_patch(planner.determine_data())[0]
+    sensible = planner.topology.smallest_sensible_patch(planner.determine_data())[0]
     assert mp.mode == "spatial" and patch == sensible
     budget = 0.85 * (8192 - 1024)
     memory = training_memory_mb(patch, strides, config.model.filters, 2, 1, 3, 2, "mixed_float16")

@@ -317,7 +317,7 @@ def planned_split(tmp_path_factory):
 
 def _planner_split(config, planner, axis=None):
     """(the planner's weights term, its one-GPU activations, per N its busiest GPU's activations) in MiB for the
-    planned patch, from its own memory model (`training_memory_mb`, `_spatial_mb`), the slabs cut along `axis` (None:
+    planned patch, from its own memory model (`training_memory_mb`, `spatial_mb`), the slabs cut along `axis` (None:
     the planner's choice)."""
     from tfmis.planning.rules import training_memory_mb
 
@@ -327,13 +327,13 @@ def _planner_split(config, planner, axis=None):
         strides,
         list(config.model.filters),
         config.model.num_res_units,
-        planner.in_channels,
-        planner.num_classes,
+        planner.inputs.in_channels,
+        planner.inputs.num_classes,
         2,
-        planner.precision,
+        planner.inputs.precision,
     )
     fixed = memory["fixed_mb"]
-    per_gpu = {n: planner._spatial_mb(patch, strides, n, axis)[0] - fixed for n in (2, 4)}
+    per_gpu = {n: planner.topology.spatial_mb(patch, strides, n, axis)[0] - fixed for n in (2, 4)}
     return fixed, memory["total_mb"] - fixed, per_gpu
 
 
@@ -379,7 +379,7 @@ def test_a_planned_spatial_split_fits_the_target_gpus_budget_by_the_count(planne
     assert mp.mode == "spatial" and mp.devices in (2, 4) and mp.axis is not None
     fixed, activations, _ = _planner_split(config, planner)
     patch, strides = list(config.pipeline.patch_size), list(config.model.strides)
-    planned = planner._spatial_mb(patch, strides, mp.devices, mp.axis)[0] - fixed
+    planned = planner.topology.spatial_mb(patch, strides, mp.devices, mp.axis)[0] - fixed
     counted_share = max(counted["peaks"][mp.devices].values()) / counted["peaks"][1]["/CPU:0"]
     assert planned / activations == pytest.approx(counted_share, rel=0.15), (counted_share, counted["slabs"])
     assert fixed + counted_share * activations <= 0.85 * (8192 - GPU_RESERVED_MB), counted_share

@@ -298,7 +298,7 @@ def test_bad_arguments_are_refused_with_the_flag_named(tmp_path):
     bad_interval = cli("--interval", "0", "--", "true")
     assert bad_interval.returncode == 2 and "--interval" in bad_interval.stderr
     no_separator = cli("true")
-    assert no_separator.returncode == 2 and "usage: python -m tfmis.monitor" in no_separator.stderr
+    assert no_separator.returncode == 2 and "usage: tfmis-monitor" in no_separator.stderr
     missing = cli("--", str(tmp_path / "no-such-program"))
     assert missing.returncode == 2 and "no-such-program" in missing.stderr
     absent_gpu = cli("--gpus", "7", "--", "true")

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 from conftest import lps_affine, make_msd_dataset, update_dataset_json, write_nifti
 
-from tfmis.data.msd import CaseError, DatasetError, MSDDataset, load_case
+from tfmis.data.sources.cases import load_case
+from tfmis.data.sources.errors import CaseError, DatasetError
+from tfmis.data.sources.msd import MSDDataset
 
 
 def test_dataset_json_is_parsed(msd_dataset):

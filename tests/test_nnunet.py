@@ -1,6 +1,6 @@
-"""nnU-Net v2 raw datasets read as they are (tfmis.data.nnunet, picked by dataset.json): the same records as the MSD
-layout of the same cases, region labels as tfmis's regions config, and a layout broken case by case converting its
-good cases with one line per bad one."""
+"""nnU-Net v2 raw datasets read as they are (tfmis.data.sources.nnunet, picked by dataset.json): the same records as
+the MSD layout of the same cases, region labels as tfmis's regions config, and a layout broken case by case
+converting its good cases with one line per bad one."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ from tfmis.config.checks import region_paint_labels
 from tfmis.convert import main as convert_main
 from tfmis.data.conversion_options import ConversionConfig
 from tfmis.data.convert import convert
-from tfmis.data.datasets import open_dataset
-from tfmis.data.msd import DatasetError, MSDDataset
-from tfmis.data.nnunet import NnUNetDataset
 from tfmis.data.records import load_index, read_record, split_cases
+from tfmis.data.sources.errors import DatasetError
+from tfmis.data.sources.layouts import open_dataset
+from tfmis.data.sources.msd import MSDDataset
+from tfmis.data.sources.nnunet import NnUNetDataset
 
 
 def all_records(target) -> dict:
@@ -136,6 +137,9 @@ def break_layout(root) -> dict[str, str]:
 
 
 def test_broken_nnunet_layout_names_each_bad_case_in_one_line_and_converts_the_good_ones(tmp_path, capsys):
+    """An nnU-Net v2 folder broken case by case (a missing channel file, a missing label, another file ending...):
+    exit 3, each bad case's reason printed once (when it is met; the summary names the case), the good cases
+    converted, and the summary counts only shards that hold records."""
     root = msd_to_nnunet(make_msd_dataset(tmp_path / "msd", num_cases=6), tmp_path / "Dataset001_Broken")
     expected = break_layout(root)
     code = convert_main(
@@ -145,12 +149,17 @@ def test_broken_nnunet_layout_names_each_bad_case_in_one_line_and_converts_the_g
     assert code == 3, err  # docs/exit-codes.md: converted, but some cases were skipped
     skipped = {s["case_id"]: s["reason"] for s in load_index(tmp_path / "out")["skipped"]}
     assert sorted(skipped) == sorted(expected)
-    for case_id, words in expected.items():
+    for case_id, words in expected.items():  # each reason printed once, when the case is met; its id in the summary
         assert words in skipped[case_id]
-        lines = [line for line in out.splitlines() if f"SKIPPED {case_id}: " in line]
-        assert len(lines) == 1 and words in lines[0]
+        lines = [line for line in (out + err).splitlines() if words in line]
+        assert len(lines) == 1 and lines[0].strip().startswith(f"{case_id}: "), lines
+        assert case_id in next(line for line in out.splitlines() if line.strip().startswith("skipped: "))
     assert sorted(load_index(tmp_path / "out")["cases"]) == ["case_000", "case_005"]
     assert "Traceback" not in err
+    for name, split in load_index(tmp_path / "out")["splits"].items():  # a shard of skipped cases only is no shard
+        line = next(line for line in out.splitlines() if line.strip().startswith(f"{name} "))
+        written = sum(1 for shard in split["shards"] if shard["records"])
+        assert f"{split['num_records']} records in {written} shard(s)" in line, line
 
 
 def planned(source, out, *extra):

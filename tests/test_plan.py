@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tfmis.config import load_config
-from tfmis.data.demo_ct import make_ct_dataset
+from tfmis.data.demos.ct import make_ct_dataset
 from tfmis.hardware import Hardware, cpu_flags, hardware_warnings, recommended_precision, resolve_precision
 from tfmis.networks.architecture import check_patch_size, required_divisor
 from tfmis.planning import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, make_plan
@@ -318,7 +318,7 @@ def _planned_keys(text: str) -> list[tuple[str, bool]]:
 
 @pytest.fixture(scope="module")
 def demo_brain(tmp_path_factory):
-    from tfmis.data.demo import make_demo_dataset
+    from tfmis.data.demos.brain import make_demo_dataset
 
     return make_demo_dataset(tmp_path_factory.mktemp("demo") / "Task00_DemoBrain", num_training=12, num_test=0)
 
@@ -327,26 +327,19 @@ def test_plan_command_on_the_demo_brain(demo_brain, tmp_path):
     """python -m tfmis.plan on the demo dataset: writes a config that load_config reads, with a reason comment
     on every planned key, prints the table, and plans the demo recipe's network for this CPU (filters 8-64,
     strides 1,2,2,2, a square 48^3 patch with quarter turns, z-score normalisation, the lesion oversampled by
-    class ratios 1,1,1,2)."""
-    out = tmp_path / "plan.yaml"
+    class ratios 1,1,1,2). Given `--output` and no `--output-dir`, every file it writes is beside that plan file
+    (the candidates file too), none in the working directory's `runs/`; the plan trains into the default run folder
+    `runs/<dataset folder>`."""
+    out = tmp_path / "plans" / "plan.yaml"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfmis.plan",
-            "--source-dir",
-            str(demo_brain),
-            "--output",
-            str(out),
-            "--output-dir",
-            str(tmp_path / "run"),
-            "--quiet",
-        ],
+        [sys.executable, "-m", "tfmis.plan", "--source-dir", str(demo_brain), "--output", str(out), "--quiet"],
         capture_output=True,
         text=True,
         env=_env(),
         timeout=300,
-        cwd=tmp_path,
+        cwd=cwd,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "patch" in result.stdout and f"--config {out}" in result.stdout
@@ -363,8 +356,9 @@ def test_plan_command_on_the_demo_brain(demo_brain, tmp_path):
     assert config.runtime.onednn == "auto"
     flat = " ".join(line.strip().lstrip("#").strip() for line in text.splitlines())  # comments are wrapped
     assert "onednn: auto" in text and "here: oneDNN " in flat and "Hardware: CPU only" in flat
-    assert config.output.dir == str(tmp_path / "run")
-    assert json.loads((tmp_path / "plan_fingerprint.json").read_text())["labels"][3] == "lesion"
+    assert config.output.dir == str(Path("runs") / demo_brain.name)
+    assert json.loads((out.parent / "plan_fingerprint.json").read_text())["labels"][3] == "lesion"
+    assert (out.parent / "candidates.yaml").is_file() and not list(cwd.iterdir())
 
 
 @pytest.fixture(scope="module")

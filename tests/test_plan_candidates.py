@@ -25,7 +25,7 @@ from tfmis.crossval.experiment import parse_configurations
 from tfmis.errors import UsageError
 from tfmis.planning import fingerprint_msd
 from tfmis.planning.stages import CANDIDATES_FILE, MIN_VOXELS_ACROSS, measure_regions, plan_stages
-from tfmis.training import load_stages as training_stages
+from tfmis.run_plans import load_stages as training_stages
 
 BRATS_LIKE = fingerprint([1.0] * 3, [140, 172, 140], [3e6, 6e4, 2.5e4, 1.5e4], [70, 80, 60])
 CT_LIKE = fingerprint([0.8, 0.8, 2.5], [480, 360, 240], [5e7, 3e6, 2e3], [120, 90, 80])
@@ -46,7 +46,7 @@ def _plan(args, cwd):
 def ct_demos(tmp_path_factory):
     """The CT-like demo at 160x160x64 (the low-resolution stage would save 1.81x: dropped) and at 192x192x64 (2.99x:
     three candidates), 6 cases each."""
-    from tfmis.data.demo_ct import make_ct_dataset
+    from tfmis.data.demos.ct import make_ct_dataset
 
     root = tmp_path_factory.mktemp("ct_demos")
     small = make_ct_dataset(root / "ct160", num_cases=6, num_test=0, shape=(160, 160, 64))
@@ -58,7 +58,7 @@ def test_the_demo_brain_offers_only_full_resolution_in_its_own_run_folder(tmp_pa
     """The demo brain (2.5 mm): the full-resolution patch covers >= 25% of the median image, so fullres is the only
     candidate and the recommendation; its plan.yaml is the plain config training in the output folder itself (as
     before candidates), and candidates.yaml names that one plan, which parse_configurations reads as `fullres`."""
-    from tfmis.data.demo import make_demo_dataset
+    from tfmis.data.demos.brain import make_demo_dataset
 
     source = make_demo_dataset(tmp_path / "Task00_DemoBrain", num_training=12, num_test=0)
     staged = plan_stages(fingerprint_msd(source, workers=1, progress=False), CPU, output_dir=str(tmp_path / "run"))

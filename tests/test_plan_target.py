@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 
 from tfmis import plan, train
+from tfmis.cli_arguments import target_hardware
 from tfmis.config import PlannedFor, load_config
 from tfmis.hardware import GPU_RESERVED_MB, Hardware, detect_hardware, parse_memory_mb
 from tfmis.planning import DatasetFingerprint, make_plan
 from tfmis.planning.planner import ExperimentPlanner
 from tfmis.planning.rules import INITIAL_PATCH_VOXELS, pool_and_conv_props, training_memory_mb
-from tfmis.training import plan_source, planned_for_warning, target_hardware
+from tfmis.run_plans import plan_source
+from tfmis.training import planned_for_warning
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_SHARE = 0.85  # the patch and the batch fill 85% of the GPU's memory after GPU_RESERVED_MB (the reasons say so)
@@ -69,7 +71,7 @@ def brats_fingerprint(cases: int = 300) -> DatasetFingerprint:
 
 @pytest.fixture(scope="module")
 def demo_brain(tmp_path_factory):
-    from tfmis.data.demo import make_demo_dataset
+    from tfmis.data.demos.brain import make_demo_dataset
 
     return make_demo_dataset(tmp_path_factory.mktemp("demo") / "Task00_DemoBrain", num_training=12, num_test=0)
 
@@ -237,7 +239,7 @@ def test_model_parallelism_only_when_one_gpu_cannot_hold_nnunets_default_target_
     fp = brats_fingerprint()
     h100 = make_plan(fp, Hardware.target(gpus=8, name="H100-80GB", here=HERE))
     planner = ExperimentPlanner(fp, _named(8, gpus=4))
-    sensible, _, _ = planner.smallest_sensible_patch(planner.determine_data())
+    sensible, _, _ = planner.topology.smallest_sensible_patch(planner.determine_data())
     sensible_text = "x".join(map(str, sensible))
     reason = h100.reasons["runtime.model_parallel.mode"]
     assert h100.values["runtime.model_parallel.mode"] == "none" and "holds the patch" in reason
@@ -251,9 +253,13 @@ def test_model_parallelism_only_when_one_gpu_cannot_hold_nnunets_default_target_
     assert v["pipeline.num_images_per_batch"] == 2 * (4 // n)
     budget = GPU_SHARE * (8 * 1024 - GPU_RESERVED_MB)
     strides = [tuple(s) if isinstance(s, list) else (s,) * 3 for s in v["model.strides"]]
-    assert planner._spatial_mb(sensible, strides, n)[0] <= budget < planner._spatial_mb(sensible, strides, 1)[0]
+    assert (
+        planner.topology.spatial_mb(sensible, strides, n)[0]
+        <= budget
+        < planner.topology.spatial_mb(sensible, strides, 1)[0]
+    )
     if n > 2:
-        assert planner._spatial_mb(sensible, strides, n // 2)[0] > budget
+        assert planner.topology.spatial_mb(sensible, strides, n // 2)[0] > budget
     one = make_plan(fp, _named(8))
     assert one.values["runtime.model_parallel.mode"] == "none"
     assert "with several such GPUs the plan splits it" in one.reasons["runtime.model_parallel.mode"]

@@ -27,10 +27,9 @@ from tfmis.inference.postprocess import (
     apply_postprocessing,
     case_dice,
     choose_postprocessing,
-    dice_summary,
     keep_largest_component,
-    structure_dice,
 )
+from tfmis.metrics.nnunet_scores import dice_summary, structure_dice
 
 FULL = np.ones((3, 3, 3), bool)  # 26-connectivity
 

@@ -335,8 +335,8 @@ def test_tta_logits_are_the_mean_over_all_eight_flips_and_probabilities_their_so
     from the un-augmented logits by far more than that (so the check can tell TTA from no TTA). The probabilities
     on the preprocessed grid are the softmax of those averaged logits; the written probability map is a
     distribution per voxel whose argmax is the written label map. `tta_axes=(0,)` keeps 2 passes."""
-    from tfmis.data.msd import load_image
     from tfmis.data.preprocess import preprocess
+    from tfmis.data.sources.image_io import load_image
 
     source = trained_run["source"]
     predictor = Predictor(trained_run["config"], trained_run["dir"], tta=True)
@@ -493,7 +493,7 @@ def test_read_label_map_gives_the_rounded_labels_as_uint8_from_real_nifti_files(
     (uint16 beyond 256 classes): from .nii.gz and .nii, float32 near integers, big-endian int16 and int16 with a
     scale factor, the values equal what scoring read before (`np.rint` of nibabel's whole array, then integers);
     a value that is no class (too large, NaN) is a ValueError, a shape other than the image's a CaseError."""
-    from tfmis.data.msd import CaseError
+    from tfmis.data.sources.errors import CaseError
     from tfmis.inference.nifti import LABEL_SLAB_SLICES, read_label_map
 
     rng = np.random.default_rng(0)

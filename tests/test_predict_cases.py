@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 from conftest import lps_affine, write_nifti
 
-from tfmis.data.msd import CaseError
+from tfmis.data.sources.errors import CaseError
 from tfmis.errors import DataError
 from tfmis.inference.inputs import InputCase
 from tfmis.inference.predictor import ScanPredictor

@@ -362,7 +362,7 @@ def test_overwrite_image_gives_the_same_results():
 def test_an_int16_image_preprocesses_as_its_float32_copy(normalization, tmp_path):
     """A CT kept as the int16 it is stored in (`load_image(..., integers=True)`, from a real NIfTI) gives the same
     bits as its float32 copy, for every normalisation, in an LPS voxel order with resampling."""
-    from tfmis.data.msd import load_image
+    from tfmis.data.sources.image_io import load_image
 
     rng = np.random.default_rng(4)
     hu = rng.integers(-1024, 1500, (30, 26, 12)).astype(np.int16)

@@ -1,5 +1,5 @@
-"""The TensorFlow and Keras private names tfmis relies on, where no public API exists: each is used in one module
-only, and each is checked here against the installed TensorFlow/Keras, so that an upgrade that renames or
+"""The TensorFlow, Keras and Python private names tfmis relies on, where no public API exists: each is used in one
+module only, and each is checked here against the installed TensorFlow/Keras, so that an upgrade that renames or
 changes one fails here, naming it and its one user. (Keras Tuner's are in `tfmis.tune.kt`, checked by
 tests/test_tune_kt.py.) What each is relied on for is tested through its user elsewhere, as noted.
 """
@@ -72,3 +72,24 @@ def test_keras_tensorflow_variable_holds_its_tf_variable_in_value_and_makes_it_i
     variable._value = None
     variable._initialize(tf.fill((2, 2), 3.0))
     assert isinstance(variable.value, tf.Variable) and float(variable.numpy().sum()) == 12.0
+
+
+ATEXIT_SCRIPT = """
+import atexit, os
+calls = []
+atexit.register(lambda: calls.append("handler"))
+atexit._run_exitfuncs()
+print(calls)
+os._exit(0)
+"""
+
+
+def test_python_atexit_run_exitfuncs_runs_the_registered_handlers():
+    """`atexit._run_exitfuncs` (CPython), which `tfmis.utils.cli.end_command_process` calls before `os._exit` so
+    that a command's exit handlers (Horovod's shutdown) still run, runs the registered handlers, in a real process
+    (behaviour: tests/test_training.py, a command's process that ends without waiting for an unjoined thread)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", ATEXIT_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "['handler']", result.stderr

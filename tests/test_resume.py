@@ -43,7 +43,7 @@ def test_resumed_stream_does_not_replay_the_first_epochs_volume_order(converted_
     assert _volume_order(config, 3) == resumed
 
 
-# A training process that SIGKILLs itself at one point of epoch 2's commit (Trainer._commit_epoch): inside
+# A training process that SIGKILLs itself at one point of epoch 2's commit (RunBookkeeping.commit_epoch): inside
 # TensorFlow's real checkpoint save, or just after it. argv: config.yaml, where.
 KILLED_RUN = r"""
 import os, signal, sys

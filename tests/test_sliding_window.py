@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmis.data.demo_anatomy import smooth_random_field
+from tfmis.data.demos.anatomy import smooth_random_field
 from tfmis.inference import importance_map, number_of_windows, sliding_window_inference, window_starts
 from tfmis.inference.blending import aggregate, aggregates_on_host
 from tfmis.inference.buffers import weight_sum

@@ -326,7 +326,7 @@ def test_resumed_budgeted_run_continues_the_same_schedule(converted_dataset, tmp
     done = resumed.restore(resume=True)
     assert done == saved[-1]["epoch"]
     assert resumed.schedule_length.total_steps == saved[-1]["schedule_epochs"] * spe  # the saved length
-    assert int(resumed.budget_epochs.numpy()) == saved[-1]["schedule_epochs"]
+    assert int(resumed.state.budget_epochs.numpy()) == saved[-1]["schedule_epochs"]
     summary = resumed.fit(resume=True)
     history = _history(run)
     budget = summary["time_budget"]

@@ -447,7 +447,7 @@ def test_skipped_steps_are_counted_in_the_history_and_epoch_line(converted_datas
     history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in history] == [1, 1]
     assert capsys.readouterr().err.count("skipped 1 steps (non-finite gradient)") == 2
-    reader = tf.train.load_checkpoint(trainer.manager.latest_checkpoint)
+    reader = tf.train.load_checkpoint(trainer.state.manager.latest_checkpoint)
     tensors = [reader.get_tensor(name) for name in reader.get_variable_to_shape_map()]
     assert all(np.isfinite(t).all() for t in tensors if isinstance(t, np.ndarray) and t.dtype.kind == "f")
 
@@ -600,7 +600,9 @@ def test_callbacks_see_every_event_in_order_and_only_committed_epochs(converted_
         def on_epoch_end(self, trainer, epoch, record):
             lines = (trainer.out / "history.jsonl").read_text().splitlines()
             committed = json.loads(lines[-1]) == json.loads(json.dumps(record))
-            events.append(("epoch_end", epoch, committed, trainer.manager.latest_checkpoint.endswith(f"-{epoch}")))
+            events.append(
+                ("epoch_end", epoch, committed, trainer.state.manager.latest_checkpoint.endswith(f"-{epoch}"))
+            )
 
         def on_train_end(self, trainer, summary):
             events.append(("train_end", summary["epochs"]))
@@ -858,7 +860,7 @@ def test_steps_per_loop_trains_the_same_steps_as_one_step_per_loop(converted_dat
     for a, b in zip(trainer_state(three), trainer_state(one)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert int(three.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy()) == 8
-    assert three._train_loop.experimental_get_tracing_count() == 2  # one per loop length: 3 and the remainder 1
+    assert three.steps.loop_function.experimental_get_tracing_count() == 2  # one per loop length: 3 and the remainder 1
 
     def per_epoch(e):  # a loop of 3 steps, then the remainder loop of 1
         return [
@@ -1253,11 +1255,40 @@ RELEASE_AT_EXIT_SCRIPT = textwrap.dedent("""
 """)
 
 
+COMMAND_END_SCRIPT = textwrap.dedent("""
+    import atexit, sys, time
+    from pathlib import Path
+    from tfmis.utils.cli import command, start_unjoined
+    marker = Path(sys.argv[1])
+    atexit.register(lambda: marker.write_text("exit handlers ran"))
+    @command
+    def main(argv=None):
+        start_unjoined(lambda: time.sleep(300), "tfmis-slow-to-end")  # a destructor that would hold up the end
+        print("command done", flush=True)
+        return 3
+    sys.exit(main())
+""")
+
+
+def test_a_commands_process_ends_when_the_command_returns_without_waiting_for_an_unjoined_thread(tmp_path):
+    """A real process whose `@command` main (run as its process's own command: the script is named `tfmis-...`)
+    starts a `start_unjoined` thread that would run 300 s: the process ends when the command returns (well within
+    the 120 s timeout), with the command's exit status 3, its output flushed and the exit handlers run (where
+    Horovod's shutdown is). This is how `tfmis-train` ends while its last training iterator is still released."""
+    marker = tmp_path / "atexit.txt"
+    script = tmp_path / "tfmis-command-end.py"
+    script.write_text(COMMAND_END_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert result.stdout.strip() == "command done"
+    assert marker.read_text() == "exit handlers ran"
+
+
 def test_a_process_that_ends_while_an_iterator_is_released_waits_for_its_destructor(tmp_path):
-    """A real subprocess that ends right after `release_in_background`: the interpreter waits for the releasing
-    thread, whose destructor runs to its end (its file is written) and the exit status is 0. A daemon thread would be
-    cut off at finalization: inside TensorFlow's destructor that aborted the process in CI (\"FATAL: exception not
-    rethrown\", status -6)."""
+    """A real subprocess (a plain script, not a command) that ends right after `release_in_background`: the
+    interpreter waits for the releasing thread, whose destructor runs to its end (its file is written) and the exit
+    status is 0. A daemon thread would be cut off at finalization: inside TensorFlow's destructor that aborted the
+    process in CI (\"FATAL: exception not rethrown\", status -6)."""
     marker = tmp_path / "destroyed.txt"
     script = tmp_path / "release_at_exit.py"
     script.write_text(RELEASE_AT_EXIT_SCRIPT)

@@ -12,7 +12,8 @@ from conftest import make_msd_dataset, tiny_config
 from tfmis.config import save_config
 from tfmis.engine.distribution import StrategyBackend
 from tfmis.errors import DataError, UsageError
-from tfmis.training import STAGE_PLAN_KEYS, StageRunner, load_stages, plan_source, split_overrides, stage_overrides
+from tfmis.run_plans import STAGE_PLAN_KEYS, load_stages, plan_source, split_overrides, stage_overrides
+from tfmis.training import StageRunner
 
 
 class RecordingBackend(StrategyBackend):
@@ -217,7 +218,7 @@ def test_a_run_folder_held_by_another_process_stops_the_stage_before_its_data_ar
 def test_plan_source_refuses_a_folder_without_dataset_json_and_keeps_a_plan_on_resume(tmp_path):
     """`plan_source` on a folder that is not an MSD dataset raises the usage error naming --source-dir (exit 2);
     with resume and a plan already in output.dir, that plan is read, not made again."""
-    from tfmis.data.msd import DatasetNotFound
+    from tfmis.data.sources.errors import DatasetNotFound
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -242,7 +243,7 @@ def test_every_stage_of_a_cascade_gets_the_gpu_fit_measurement_of_its_own_config
     from test_planner_steps import CT_LIKE, GPU_24
 
     from tfmis.planning.stages import plan_stages
-    from tfmis.training import PlannedRun, cached_gpu_fit
+    from tfmis.run_plans import PlannedRun, cached_gpu_fit
 
     plan_args = {"source_dir": str(tmp_path / "src"), "dataset_dir": str(tmp_path / "tfr"), "output_dir": str(tmp_path)}
     staged = plan_stages(CT_LIKE, GPU_24, configuration="cascade", **plan_args)

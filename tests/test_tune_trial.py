@@ -178,12 +178,12 @@ def test_fit_runs_the_loop_graph_the_trial_timed(converted_dataset, tmp_path):
     result = json.loads((workdir / RESULT_FILE).read_text())
     assert result["steps_per_loop"] == 2 and len(result["step_seconds_all"]) == 1
     trainer = child.trainer
-    assert trainer._train_loop.experimental_get_tracing_count() == 1
+    assert trainer.steps.loop_function.experimental_get_tracing_count() == 1
     iterations = int(trainer.optimizer.iterations.numpy())
     assert iterations == 4  # one warm-up loop and one timed loop of 2 steps
     summary = trainer.fit()
     assert summary["epochs"] == 1 and int(trainer.optimizer.iterations.numpy()) == iterations + 4
-    assert trainer._train_loop.experimental_get_tracing_count() == 1
+    assert trainer.steps.loop_function.experimental_get_tracing_count() == 1
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ class EpochWeights(Callback):
 
     def on_epoch_end(self, trainer, epoch, record):
         self.record.epochs[epoch] = {w.path: np.array(w.numpy()) for w in trainer.model.weights}
-        self.record.best_epoch = int(trainer.best_epoch.numpy())
+        self.record.best_epoch = int(trainer.state.best_epoch.numpy())
 
 
 def train_recording(config, **trainer_kwargs) -> Record:

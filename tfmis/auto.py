@@ -28,7 +28,7 @@ CHOICES = ("fullres", "lowres", "cascade")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tfmis.training import add_target_arguments
+    from tfmis.cli_arguments import add_target_arguments
 
     p = argparse.ArgumentParser(
         prog="tfmis-auto",
@@ -67,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 @command
 def main(argv=None) -> int:
     started = STARTED if argv is None else time.time()  # the process's command, or a call from Python
+    from tfmis.cli_arguments import target_hardware
     from tfmis.crossval.protocol import Protocol
     from tfmis.errors import UsageError
-    from tfmis.training import target_hardware
 
     parser = build_parser()
     args = parser.parse_args(argv)

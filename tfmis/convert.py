@@ -1,5 +1,6 @@
-"""Convert an MSD-style dataset to preprocessed TFRecord shards: `tfmis-convert`, `python -m tfmis.convert` or
-`tfmis-convert` (`--help` lists the options; the conversion itself is `tfmis.data.convert.convert`).
+"""Convert a dataset folder (Medical Segmentation Decathlon or nnU-Net v2 raw layout; NIfTI, NRRD or MetaImage files)
+to preprocessed TFRecord shards: `tfmis-convert` or `python -m tfmis.convert` (`--help` lists the options; the
+conversion itself is `tfmis.data.convert.convert`).
 
 Example:
     tfmis-convert --source-dir Task09_Spleen --target-dir data/spleen \\
@@ -99,8 +100,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tfmis-convert",
-        description="Convert a Medical Segmentation Decathlon (MSD) style dataset into preprocessed TFRecord "
-        "shards with an index.json and a fingerprint.json. Preprocessing: reorient to RAS, crop to "
+        description="Convert a dataset folder (Medical Segmentation Decathlon or nnU-Net v2 raw layout, told apart "
+        "by its dataset.json; NIfTI, NRRD or MetaImage images) into preprocessed TFRecord shards with an "
+        "index.json and a fingerprint.json. Preprocessing: reorient to RAS, crop to "
         "the foreground, resample (linear images / nearest labels) or reshape, normalise per "
         "channel (z-score over the foreground for MRI, clip-and-scale window for CT).",
         epilog="Exit status: 0 all cases converted; 3 converted, but some cases were skipped (listed in "
@@ -122,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help='a splits_final.json in nnU-Net v2\'s format (a list of {"train": [case ids], "val": [case ids]}, '
         "one per fold): its val lists become the folds fold0..foldK-1, K from the file (instead of --split or "
-        "--folds; case ids are the image file names without .nii.gz)",
+        "--folds; case ids are the image file names without their suffix and, in nnU-Net v2's layout, without "
+        "the _0000 channel index)",
     )
     p.add_argument(
         "--overwrite",

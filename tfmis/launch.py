@@ -20,8 +20,8 @@ from tfmis.errors import UsageError
 from tfmis.utils.cli import check_command, command, parse_with_command
 
 USAGE = (
-    "usage: python -m tfmis.launch --nproc N [--grace-seconds S] [--gpus-per-worker G] -- COMMAND ...\n"
-    "e.g. python -m tfmis.launch --nproc 2 -- python -m tfmis.train --config configs/demo.yaml"
+    "usage: tfmis-launch --nproc N [--grace-seconds S] [--gpus-per-worker G] -- COMMAND ...\n"
+    "e.g. tfmis-launch --nproc 2 -- tfmis-train --config configs/demo.yaml"
 )
 
 
@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start N local worker processes of one "
         "MultiWorkerMirroredStrategy cluster (TF_CONFIG with loopback addresses; TensorFlow's gRPC "
         "servers listen on their ports on all interfaces, unauthenticated).",
+        epilog="Exit status: 0 every worker succeeded, else the first failure's status; 2 bad arguments (--nproc "
+        "below 1, a program after -- that is not found or not executable).",
     )
     p.add_argument("--nproc", type=int, required=True, help="number of worker processes on this machine")
     p.add_argument(

@@ -21,8 +21,8 @@ from tfmis.utils.cli import check_command, command, parse_with_command
 
 PREFIX = "tfmis.monitor:"
 USAGE = (
-    "usage: python -m tfmis.monitor [--interval S] [--output DIR] [--gpus 0,1] -- COMMAND ...\n"
-    "e.g. python -m tfmis.monitor --interval 1 -- python -m tfmis.train --config configs/demo.yaml"
+    "usage: tfmis-monitor [--interval S] [--output DIR] [--gpus 0,1] -- COMMAND ...\n"
+    "e.g. tfmis-monitor --interval 1 -- tfmis-train --config configs/demo.yaml"
 )
 
 
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Runs COMMAND, samples GPU utilisation/memory (or, without NVIDIA GPUs, "
         "the command's process-tree CPU and RSS) into DIR/monitor.csv, plots "
         "DIR/monitor.png, prints a summary, and exits with COMMAND's status.",
+        epilog="Exit status: COMMAND's (128 + N when signal N ended it; 127 when it cannot start); 2 bad arguments.",
     )
     p.add_argument("--interval", type=_positive, default=1.0, help="seconds between samples (default 1)")
     p.add_argument(

@@ -19,7 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tfmis.training import add_configuration_argument, add_target_arguments, cpu_patch_voxels, target_hardware
+from tfmis.cli_arguments import add_configuration_argument, add_target_arguments, target_hardware
+from tfmis.planning.inputs import cpu_patch_voxels
 from tfmis.utils.cli import command, writing
 
 
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 @command
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from tfmis.data.msd import DatasetNotFound
+    from tfmis.data.sources.errors import DatasetNotFound
     from tfmis.planning import plan_dataset_stages
     from tfmis.utils.io import atomic_write_json
 

@@ -30,7 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 all cases written; 3 some cases failed (listed in the table and predictions.csv); "
         "1 unusable config, checkpoint or input; 2 bad arguments.",
     )
-    p.add_argument(
+    _add_model_arguments(p.add_argument_group("the model"))
+    _add_case_arguments(p.add_argument_group("the cases and what is written"))
+    _add_window_arguments(p.add_argument_group("the sliding window and where it runs"))
+    _add_engine_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _add_model_arguments(g) -> None:
+    """What predicts: the checkpoint (a run, a plan, folds, a cross-validation), its folds, weights, postprocessing."""
+    g.add_argument(
         "--checkpoint",
         required=True,
         help="a run folder (its best.weights.h5, or final.weights.h5 with --weights final; a fold's run folder its "
@@ -42,13 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(crossval.json, from tfmis-crossval) with the configuration(s) it chose, each the ensemble of its folds, "
         "and the postprocessing it chose",
     )
-    p.add_argument(
+    g.add_argument(
         "--folds",
         default=None,
         metavar="K,K,...",
         help="with a folder of folds or a cross-validation folder: only these folds (e.g. 0,2; default all)",
     )
-    p.add_argument(
+    g.add_argument(
         "--weights",
         choices=("best", "final"),
         default=None,
@@ -57,31 +67,35 @@ def build_parser() -> argparse.ArgumentParser:
         "with); default: a cross-validation folder's own choice (final unless it ran with --val-best), final for a "
         "folder of folds and for one fold's run folder (its config has data.split), best for any other run",
     )
-    p.add_argument(
+    g.add_argument(
         "--no-postprocessing",
         action="store_true",
         help="write the label maps as predicted: no postprocessing (default: the run config's postprocessing, or "
         "for a cross-validation folder the one it chose)",
     )
-    p.add_argument(
+    g.add_argument(
         "--config",
         default=None,
         help="the training run's config (default: config.yaml of the run folder of --checkpoint)",
     )
-    p.add_argument(
+
+
+def _add_case_arguments(g) -> None:
+    """What is read (files, a dataset, DICOM series) and what is written (format, probabilities, scores)."""
+    g.add_argument(
         "--input",
         required=True,
         help="an image file (.nii.gz, .nii; .nrrd, .mha, .mhd with tfmis[formats]), a folder of them, or a dataset "
         "(its folder or dataset.json: MSD, or nnU-Net v2 raw with one file per channel; see --subset); or a folder "
         "holding a DICOM series (CT or MR slices), or a folder of such folders (one case each, named after its folder)",
     )
-    p.add_argument(
+    g.add_argument(
         "--series",
         default=None,
         metavar="UID",
         help="the SeriesInstanceUID to read where a DICOM folder holds several series (they are listed without it)",
     )
-    p.add_argument(
+    g.add_argument(
         "--output-format",
         choices=("nifti", "dicom-seg"),
         default="nifti",
@@ -89,45 +103,50 @@ def build_parser() -> argparse.ArgumentParser:
         "Segmentation referencing the input series, one segment per class present, labelled with its name; needs "
         "DICOM input and tfmis[dicom])",
     )
-    p.add_argument(
+    g.add_argument(
         "--new-study-uid",
         action="store_true",
         help="with --output-format dicom-seg: a series without StudyInstanceUID (anonymised) gets a SEG with a new "
         "study UID, and a warning (a viewer files it as a study of its own); without it such a case fails",
     )
-    p.add_argument("--output", required=True, help="output folder")
-    p.add_argument(
+    g.add_argument("--output", required=True, help="output folder")
+    g.add_argument(
         "--subset",
         default="test",
         help="with a dataset.json: test (its test list, default), training (all labelled cases), or "
         "split:NAME (a split of the converted training data, e.g. split:val)",
     )
-    p.add_argument("--label-dir", default=None, help="ground-truth labels named like the images: adds Dice per class")
-    p.add_argument("--tta", action="store_true", help="test-time augmentation: average over flips")
-    p.add_argument("--tta-axes", default="0,1,2", help="axes (R,A,S = 0,1,2) flipped by --tta (default 0,1,2)")
-    p.add_argument("--probabilities", action="store_true", help="also write per-class (or per-region) probability maps")
-    p.add_argument("--sw-batch-size", type=int, default=None, help="windows per forward pass (default: the config's)")
-    p.add_argument("--overlap", type=float, default=None, help="sliding-window overlap (default: the config's)")
-    p.add_argument(
+    g.add_argument("--label-dir", default=None, help="ground-truth labels named like the images: adds Dice per class")
+    g.add_argument("--probabilities", action="store_true", help="also write per-class (or per-region) probability maps")
+
+
+def _add_window_arguments(g) -> None:
+    """The sliding window (test-time augmentation, batch, overlap, size) and where it runs (device, buffers, model
+    parallelism)."""
+    g.add_argument("--tta", action="store_true", help="test-time augmentation: average over flips")
+    g.add_argument("--tta-axes", default="0,1,2", help="axes (R,A,S = 0,1,2) flipped by --tta (default 0,1,2)")
+    g.add_argument("--sw-batch-size", type=int, default=None, help="windows per forward pass (default: the config's)")
+    g.add_argument("--overlap", type=float, default=None, help="sliding-window overlap (default: the config's)")
+    g.add_argument(
         "--device",
         choices=("cpu", "gpu"),
         default=None,
         help="where to run (default gpu when one is visible); gpu falls back to the CPU, then to smaller "
         "sliding-window batches, for volumes that do not fit",
     )
-    p.add_argument(
+    g.add_argument(
         "--accelerator-memory-mb",
         type=float,
         default=None,
         help="budget for whole-volume buffers on the GPU; larger volumes go to the CPU",
     )
-    p.add_argument(
+    g.add_argument(
         "--buffer-dtype",
         choices=("float32", "float16"),
         default="float32",
         help="sliding-window sum buffer: float16 halves its memory (labels may differ at near-ties)",
     )
-    p.add_argument(
+    g.add_argument(
         "--model-parallel",
         default=None,
         metavar="MODE:N",
@@ -135,16 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
         "N times larger fit), pipeline:N, or none (default: the run config's runtime.model_parallel); weights "
         "trained either way work",
     )
-    p.add_argument(
+    g.add_argument(
         "--roi-size",
         default=None,
         metavar="X,Y,Z",
         help="sliding-window size (default: the config's validation.roi_size or training patch); multiples of the "
         "network's stride products",
     )
-    _add_engine_arguments(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -193,32 +209,6 @@ def _model_parallel_override(config, value: str | None, roi: str | None, parser)
     return config
 
 
-def dice_summary(results, class_names) -> str:
-    """One line: each foreground class's mean Dice over the cases whose label holds it, with how many
-    labels lacked it (their Dice is NaN, MONAI ignore_empty), and the mean over classes.
-
-    Example:
-    ```python
-    dice_summary(results, ["background", "organ", "core"])
-    # 'mean Dice over 2 case(s): organ 0.8333, core 1.0000 (absent from 1 of 2 labels); mean 0.9167'
-    ```
-    """
-    import math
-
-    scored = [r for r in results if r.dice]
-    parts, means = [], []
-    for name in class_names[1:]:
-        values = [r.dice.get(name, math.nan) for r in scored]
-        present = [v for v in values if not math.isnan(v)]
-        mean = sum(present) / len(present) if present else math.nan
-        means.append(mean)
-        absent = len(values) - len(present)
-        parts.append(f"{name} {mean:.4f}" + (f" (absent from {absent} of {len(values)} labels)" if absent else ""))
-    valid = [m for m in means if not math.isnan(m)]
-    overall = sum(valid) / len(valid) if valid else math.nan
-    return f"mean Dice over {len(scored)} case(s): " + ", ".join(parts) + f"; mean {overall:.4f}"
-
-
 def final_stage(checkpoint: str) -> str:
     """The run that predicts: `checkpoint` itself, or, for the folder of a plan of several stages (its plan.yaml
     names them), the last stage's run folder (a cascade's fine stage, which runs the coarse stage first)."""
@@ -247,7 +237,7 @@ def _check_dicom_arguments(args) -> None:
     """DICOM input needs pydicom, and --output-format dicom-seg highdicom too and a folder as --input (a DICOM series,
     or a folder of them): usage errors (exit 2) before anything is loaded. (A folder of series folders is checked
     for pydicom when its cases are collected.)"""
-    from tfmis.data.dicom_series import is_dicom_folder, require
+    from tfmis.data.sources.dicom_series import is_dicom_folder, require
     from tfmis.errors import UsageError
 
     path = Path(args.input)
@@ -369,7 +359,7 @@ def main(argv=None) -> int:
 
     from tfmis.inference.inputs import collect_inputs
     from tfmis.inference.manifest import MANIFEST_FILE
-    from tfmis.inference.outputs import results_table, write_csv
+    from tfmis.inference.outputs import dice_line, results_table, write_csv
     from tfmis.inference.postprocess import describe_postprocessing
 
     if (Path(args.checkpoint) / MANIFEST_FILE).is_file():  # an exported model folder (tfmis-export)
@@ -404,7 +394,7 @@ def main(argv=None) -> int:
     write_csv(results, output / "predictions.csv", predictor.class_names, predictor.score_columns)
     print(results_table(results))
     if any(r.dice for r in results):
-        print(dice_summary(results, predictor.class_names))
+        print(dice_line(results, predictor.class_names))
     failed = sum(r.status != "ok" for r in results)
     print(f"{len(results) - failed} of {len(results)} case(s) written to {output} (predictions.csv has the details)")
     if failed:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-# the command's start (its imports included), from which a plan's time budget counts (tfmis.training.PlanBudget)
+# the command's start (its imports included), from which a plan's time budget counts (tfmis.run_plans.PlanBudget)
 STARTED = time.time()
 
 import argparse  # noqa: E402
@@ -26,8 +26,8 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from tfmis.cli_arguments import add_configuration_argument, add_target_arguments  # noqa: E402
 from tfmis.crossval.pilot import PILOT_SHARE, check_pilot  # noqa: E402
-from tfmis.training import add_configuration_argument, add_target_arguments  # noqa: E402
 from tfmis.tune.cli import add_search_arguments, run_search, search_specs  # noqa: E402
 from tfmis.utils.cli import add_set_argument, command, writing  # noqa: E402
 
@@ -88,8 +88,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.gpu_customization:  # this process must not hold GPU memory while the search's trials measure it
         os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+    from tfmis.cli_arguments import target_hardware
     from tfmis.errors import UsageError
-    from tfmis.training import StageRunner, load_stages, plan_source, target_hardware
+    from tfmis.run_plans import load_stages, plan_source
+    from tfmis.training import StageRunner
 
     planned = None
     hardware = target_hardware(args)
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
         resume_plan = args.resume
         if args.pilot is not None and args.resume:  # a pilot interrupted before it chose goes on: plan again
             from tfmis.crossval.pilot import pilot_choice
-            from tfmis.training import planned_output_dir
+            from tfmis.run_plans import planned_output_dir
 
             resume_plan = pilot_choice(planned_output_dir(args.source_dir, args.overrides)) is not None
         stages, planned = plan_source(
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
 def check_pilot_arguments(args) -> None:
     """`--pilot` needs `--source-dir` (its candidates), a budget to take its time from, and one process's search."""
     from tfmis.errors import UsageError
-    from tfmis.training import split_overrides
+    from tfmis.run_plans import split_overrides
 
     if args.source_dir is None or args.gpu_customization:
         raise UsageError("--pilot plans and compares the candidates of --source-dir: use it with --source-dir only")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data.msd import case_id_from_path
+from tfmis.data.sources.cases import case_id_from_path
 from tfmis.errors import DataError
 from tfmis.utils.cli import command, writing
 
@@ -360,8 +360,9 @@ def _plain_tf_message(message: str) -> str:
 
 
 def _load_file(path, flag: str):
-    """(array, affine) of an image file in any format `tfmis.data.image_io` reads; one VisualizeError line."""
-    from tfmis.data.image_io import UnreadableImage, read_image
+    """(array, affine) of an image file in any format `tfmis.data.sources.image_io` reads; one VisualizeError line."""
+    from tfmis.data.sources.errors import UnreadableImage
+    from tfmis.data.sources.image_io import read_image
 
     path = Path(path)
     if not path.is_file():
@@ -376,8 +377,8 @@ def _load_file(path, flag: str):
 def _dataset_near(image_path: Path):
     """(dataset, case) of the dataset.json above `imagesTr/` or `imagesTs/` (MSD or nnU-Net v2 layout) and the case
     whose image file `image_path` is; (dataset, None) for a file it does not list, (None, None) without one."""
-    from tfmis.data.datasets import open_dataset
-    from tfmis.data.msd import DatasetError
+    from tfmis.data.sources.errors import DatasetError
+    from tfmis.data.sources.layouts import open_dataset
 
     path = image_path.resolve()
     if path.parent.name not in ("imagesTr", "imagesTs"):
@@ -394,7 +395,8 @@ def _dataset_near(image_path: Path):
 
 def _load_channels(dataset, case):
     """(X, Y, Z, C) image and affine of an nnU-Net v2 case's channel files; one VisualizeError line."""
-    from tfmis.data.msd import CaseError, load_image
+    from tfmis.data.sources.errors import CaseError
+    from tfmis.data.sources.image_io import load_image
 
     try:
         image, affine, _ = load_image(dataset.resolve_image(case), dataset.num_channels, case.case_id)

@@ -1,4 +1,4 @@
-"""Builds `tfmis/data/assets/mni152_2mm.npz`, the anatomy behind `tfmis.data.demo`.
+"""Builds `tfmis/data/assets/mni152_2mm.npz`, the anatomy behind `tfmis.data.demos.brain`.
 
 The source is the MNI ICBM152 2009a nonlinear symmetric template (T1, grey-matter and
 white-matter probability maps, 197x233x189 voxels of 1 mm, RAS, uint8) as shipped inside the

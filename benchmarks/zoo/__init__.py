@@ -31,7 +31,7 @@ KINDS: dict[str, Kind] = {
         Kind(
             name="brain_1mm",
             description="brain tissue (CSF, grey and white matter), T1w, 1 mm isotropic, 112x128x96 mm around the "
-            "brain's centre (tfmis.data.demo_anatomy)",
+            "brain's centre (tfmis.data.demos.anatomy)",
             modalities=("T1w",),
             labels=brain.LABELS,
             spacing=(1.0, 1.0, 1.0),
@@ -56,7 +56,7 @@ KINDS: dict[str, Kind] = {
         Kind(
             name="ct_3mm_thin",
             description="abdominal CT, int16 HU, LPS, ~3.2 mm pixels (128x128), 28-34 slices of 3 mm: liver, spleen, "
-            "kidneys (tfmis.data.demo_ct's real-size anatomy)",
+            "kidneys (tfmis.data.demos.ct's real-size anatomy)",
             modalities=("CT",),
             labels=CT_LABELS_3,
             spacing=(3.2, 3.2, 3.0),
@@ -93,7 +93,7 @@ KINDS: dict[str, Kind] = {
         ),
         Kind(
             name="brats_like",
-            description="BraTS-like glioma, FLAIR/T1w/T1gd/T2w, 2.5 mm, LPS (tfmis.data.demo_brats); regions scored "
+            description="BraTS-like glioma, FLAIR/T1w/T1gd/T2w, 2.5 mm, LPS (tfmis.data.demos.brats); regions scored "
             "too",
             modalities=brats.MODALITIES,
             labels=brats.LABELS,
@@ -108,7 +108,7 @@ KINDS: dict[str, Kind] = {
         Kind(
             name="ct_full_size",
             description="real-size abdominal CT, 512x512x60-72, ~0.8 mm pixels, 5 mm slices, int16 HU "
-            "(tfmis.data.demo_ct --size full)",
+            "(tfmis.data.demos.ct --size full)",
             modalities=("CT",),
             labels=("background", "liver", "spleen", "kidney", "pancreas", "lesion"),
             spacing=(0.8, 0.8, 5.0),
@@ -129,7 +129,7 @@ KINDS: dict[str, Kind] = {
         ),
         Kind(
             name="tiny_structure",
-            description="small CT slab (tfmis.data.demo_ct), a spleen and a lesion inside it of under 0.5 % of the "
+            description="small CT slab (tfmis.data.demos.ct), a spleen and a lesion inside it of under 0.5 % of the "
             "voxels in every case",
             modalities=("CT",),
             labels=("background", "spleen", "lesion"),

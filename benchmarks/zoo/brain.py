@@ -1,4 +1,4 @@
-"""Brain tissue kinds from tfmis's demo anatomy (the MNI ICBM152 template, `tfmis.data.demo_anatomy`): a random pose
+"""Brain tissue kinds from tfmis's demo anatomy (the MNI ICBM152 template, `tfmis.data.demos.anatomy`): a random pose
 and elastic deformation per case, drawn on a grid of any spacing and field of view.
 
 Labels: 0 background (outside the skull-stripped brain), 1 CSF, 2 grey matter, 3 white matter (the argmax of the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfmis.data.demo_anatomy import (
+from tfmis.data.demos.anatomy import (
     load_template,
     random_pose,
     reorient,

@@ -1,4 +1,4 @@
-"""BraTS-like kind: tfmis's BraTS-size demo (`tfmis.data.demo_brats.generate_brats_case`) on a 2.5 mm grid of the
+"""BraTS-like kind: tfmis's BraTS-size demo (`tfmis.data.demos.brats.generate_brats_case`) on a 2.5 mm grid of the
 240 x 240 x 155 mm BraTS box (96 x 96 x 62 voxels, LPS, int16), four channels (FLAIR, T1w, T1gd, T2w), labels 1 edema,
 2 non-enhancing tumour, 3 enhancing tumour; scored per class and per region (whole tumour {1, 2, 3}, tumour core
 {2, 3}, enhancing tumour {3})."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.zoo.layout import TEST_FIRST, nth_accepted
-from tfmis.data.demo_brats import BRATS_LABELS, BRATS_MODALITIES, generate_brats_case
+from tfmis.data.demos.brats import BRATS_LABELS, BRATS_MODALITIES, generate_brats_case
 
 LABELS = tuple(BRATS_LABELS[str(i)] for i in range(len(BRATS_LABELS)))
 MODALITIES = tuple(BRATS_MODALITIES[str(i)] for i in range(len(BRATS_MODALITIES)))

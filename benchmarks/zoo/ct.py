@@ -1,4 +1,4 @@
-"""CT kinds from tfmis's abdominal CT phantom (`tfmis.data.demo_ct`): int16 Hounsfield units, LPS voxel order,
+"""CT kinds from tfmis's abdominal CT phantom (`tfmis.data.demos.ct`): int16 Hounsfield units, LPS voxel order,
 partial-volume blur and 12 HU noise.
 
 - `ct_3mm_thin`: the real-size anatomy (`full_case_layout`) on a 128 x 128 in-plane grid (2.8-3.6 mm pixels, the
@@ -23,8 +23,8 @@ import numpy as np
 from scipy import ndimage
 
 from benchmarks.zoo.layout import TEST_FIRST, nth_accepted
-from tfmis.data import demo_ct
-from tfmis.data.demo_ct import FullCaseLayout, full_case_layout, generate_full_case
+from tfmis.data.demos import ct as demo_ct
+from tfmis.data.demos.ct import FullCaseLayout, full_case_layout, generate_full_case
 
 # the ct_3mm_thin slab: organs moved this far along z, the kidneys raised further (next to the liver), the spleen
 # enlarged, and this many rows of air cut from the front and the back (128 x 104 in-plane)

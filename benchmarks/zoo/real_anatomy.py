@@ -27,7 +27,7 @@ import nibabel as nib
 import numpy as np
 from scipy import ndimage
 
-from tfmis.data.demo_anatomy import smooth_random_field
+from tfmis.data.demos.anatomy import smooth_random_field
 
 REPO = Path(__file__).resolve().parents[2]
 ENV_VAR = "ZOO_BRAIN_LABEL_MAPS"

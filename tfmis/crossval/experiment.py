@@ -94,7 +94,7 @@ def parse_configurations(specs: list[str], overrides=()) -> list[Configuration]:
 
     Raises:
         ConfigError: an override the folds would drop (`check_overrides`), or a bad config (named)."""
-    from tfmis.training import plan_dataset_dirs
+    from tfmis.run_plans import plan_dataset_dirs
 
     check_overrides(overrides)
     out: list[Configuration] = []

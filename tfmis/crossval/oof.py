@@ -26,7 +26,7 @@ from tfmis.crossval.experiment import (
     pair_name,
     read_definition,
 )
-from tfmis.data.image_io import output_suffix, read_image
+from tfmis.data.sources.image_io import output_suffix, read_image
 from tfmis.utils.io import atomic_write_json
 
 PROBABILITIES_SUFFIX = "_probabilities.nii.gz"
@@ -34,7 +34,7 @@ PROBABILITIES_SUFFIX = "_probabilities.nii.gz"
 
 def fold_cases(definition: Definition, fold: int, predictor) -> list:
     """The held-out cases of `fold` (InputCase with image and label paths), from the configuration's source."""
-    from tfmis.data.msd import DatasetNotFound
+    from tfmis.data.sources.errors import DatasetNotFound
     from tfmis.inference.inputs import collect_inputs
 
     source = predictor.config.data.source_dir

@@ -17,7 +17,7 @@ the patch's voxel target (48^3, `CPU_PATCH_VOXELS`, against 64^3).
   outside its loop (measured; `RUN_OVERHEAD_SECONDS` assumed before the first).
 - **The choice**: the last candidate is planned again as the recommendation, with the pilot's table in its
   plan.yaml header and `summary.pilot`, and trained with what is left of M (the command's budget counts from its
-  start, `tfmis.training.PlanBudget`, so the pilot's cost is in it). Too small a budget (a candidate's loop under
+  start, `tfmis.run_plans.PlanBudget`, so the pilot's cost is in it). Too small a budget (a candidate's loop under
   `LEAST_RUNG_SECONDS`) or one candidate: the pilot says so and the planner's rule stands.
 - Pilot runs train in `<output.dir>/pilot/r<rung>-<candidate>/`; `pilot.json` there records each scored run as
   it ends and the choice. `--resume` after the choice trains the chosen plan; before it, the pilot goes on, its
@@ -95,8 +95,8 @@ def pilot_candidates(fingerprint, hardware, plan_args: dict) -> list[Candidate]:
     """The single-stage candidates of the planner at the CPU patch target and, on a CPU, at
     `LARGER_CPU_PATCH_VOXELS`, identical configs (conversion spacing and patch) once; the planner's recommendation
     first."""
+    from tfmis.planning.inputs import CPU_PATCH_VOXELS
     from tfmis.planning.stages import plan_stages
-    from tfmis.planning.topology import CPU_PATCH_VOXELS
 
     targets = [CPU_PATCH_VOXELS] + ([] if hardware.has_gpu else [LARGER_CPU_PATCH_VOXELS])
     out: list[Candidate] = []
@@ -288,7 +288,7 @@ def run_pilot(planned, runner, *, share: float = PILOT_SHARE, log=log):
             processes, or a plan resumed without its planner inputs.
     """
     from tfmis.planning.stages import plan_stages
-    from tfmis.training import PlannedRun, load_stages
+    from tfmis.run_plans import PlannedRun, load_stages
 
     minutes = (planned.plan_args or {}).get("max_minutes")
     check_pilot(share, minutes)
@@ -324,7 +324,7 @@ def run_pilot(planned, runner, *, share: float = PILOT_SHARE, log=log):
         )
         return load_stages(planned.path, planned.overrides, plan=True), planned
     pilot_start = time.time()
-    from tfmis.training import split_overrides
+    from tfmis.run_plans import split_overrides
 
     log(
         f"Pilot: {len(candidates)} candidates ({', '.join(c.name for c in candidates)}), successive halving in "

@@ -1,6 +1,6 @@
 """nnU-Net's protocol in one call (`tfmis-auto`): plan the candidate configurations, cross-validate them, choose.
 
-1. **Plan** (`tfmis.training.plan_source`) into `<output>/plan/`: every candidate configuration in `candidates.yaml`
+1. **Plan** (`tfmis.run_plans.plan_source`) into `<output>/plan/`: every candidate configuration in `candidates.yaml`
    (full resolution always; low resolution and a cascade where the low-resolution stage saves at least 2x the
    voxels), the recommended one in `plan.yaml`. A rerun keeps the plan.
 2. **The configurations**: every candidate, or those `configurations` names. A cascade brings its coarse stage,
@@ -85,7 +85,8 @@ class Protocol:
 
     def run(self) -> int:
         """Plans, converts, splits the budget, cross-validates and chooses; the cross-validation's exit status."""
-        from tfmis.crossval.cli import main as crossval_main
+        from tfmis.crossval.driver import cross_validate, make_definition
+        from tfmis.utils.cli import run_command, writing
 
         self.output.mkdir(parents=True, exist_ok=True)
         record = self.read_record()
@@ -100,11 +101,14 @@ class Protocol:
             self.cv_dir.mkdir(parents=True, exist_ok=True)
             lane = {k: record[k] for k in ("lane_seconds", "oof_seconds") if k in record}
             atomic_write_json(self.cv_dir / TRAINING_BUDGET_FILE, lane)
-        argv = ["--config", str(stages_file), "--folds", str(self.folds), "--output", str(self.cv_dir)]
-        argv += ["--workers", str(self.workers)]
-        for override in [*self.overrides, *record["overrides"]]:
-            argv += ["--set", override]
-        code = crossval_main(argv)
+        overrides = [*self.overrides, *record["overrides"]]
+
+        def cross_validation(_argv) -> int:  # its errors one line each and its exit status, as tfmis-crossval's
+            definition = make_definition([str(stages_file)], self.folds, overrides)
+            writing(self.cv_dir)
+            return cross_validate(self.cv_dir, definition, self.workers)
+
+        code = run_command(cross_validation)
         wall = record.get("wall_seconds", 0.0) + time.time() - self.start  # every invocation's time
         record["wall_seconds"] = wall
         atomic_write_json(self.output / PROTOCOL_FILE, record)
@@ -139,7 +143,7 @@ class Protocol:
     def plan(self) -> tuple[list[str], dict[str, Path]]:
         """The plan (kept on a rerun): the configurations to cross-validate and every candidate stage's plan file."""
         from tfmis.config import load_stages
-        from tfmis.training import plan_source
+        from tfmis.run_plans import plan_source
 
         overrides = [*self.overrides, f"output.dir={self.plan_dir}"]
         plan_source(self.source_dir, overrides, resume=True, hardware=self.hardware)

@@ -64,7 +64,7 @@ def read_scores(cv_dir: str | Path, candidate: str, folds: list[int]) -> tuple[d
 def mean_per_structure(cases: dict) -> dict:
     """nnU-Net's means (`dice_summary`): per structure over the cases where it is defined, and `foreground_mean`
     the mean of those (NaN when a structure never has a Dice, as nnU-Net; such a candidate is never chosen)."""
-    from tfmis.inference.postprocess import dice_summary
+    from tfmis.metrics.nnunet_scores import dice_summary
 
     per_case = [{k: math.nan if v is None else v for k, v in case.items()} for case in cases.values()]
     summary = dice_summary(per_case)

@@ -27,8 +27,9 @@ import math
 import sys
 from collections.abc import Callable, Iterator
 
-from tfmis.data.image_io import UnreadableImage, read_shape
-from tfmis.data.msd import Case, SegmentationDataset
+from tfmis.data.sources.cases import Case, SegmentationDataset
+from tfmis.data.sources.errors import UnreadableImage
+from tfmis.data.sources.image_io import read_shape
 from tfmis.hardware import MB, WorkerSizing, prefer_oom_kill, size_case_workers
 from tfmis.utils.parallel import map_ordered
 

@@ -16,10 +16,11 @@ import numpy as np
 
 from tfmis.data import case_stats
 from tfmis.data.case_pool import LOAD_PEAK_FACTOR, CasePool
-from tfmis.data.datasets import open_dataset
-from tfmis.data.image_io import UnreadableImage, read_affine, read_image
-from tfmis.data.msd import CT_MODALITIES, Case, CaseError, DatasetError, SegmentationDataset, load_case
 from tfmis.data.preprocess import preprocess, ras_spacing
+from tfmis.data.sources.cases import CT_MODALITIES, Case, SegmentationDataset, load_case
+from tfmis.data.sources.errors import CaseError, DatasetError, UnreadableImage
+from tfmis.data.sources.image_io import read_affine, read_image
+from tfmis.data.sources.layouts import open_dataset
 
 
 def header_spacing(case: Case, dataset: SegmentationDataset) -> np.ndarray:

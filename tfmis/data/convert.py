@@ -1,4 +1,4 @@
-"""MSD folder → preprocessed TFRecord shards + index.json + fingerprint.json.
+"""A dataset folder (MSD or nnU-Net v2 raw) → preprocessed TFRecord shards + index.json + fingerprint.json.
 
 The conversion is planned up front (seeded split, or K folds stratified by the classes each case holds or read
 from a splits_final.json; shards per split), then cases are
@@ -12,7 +12,7 @@ Bad cases never stop the others: each is recorded in `index.json` under `skipped
 This module drives the conversion (the target's lock and state, the plan in conversion.json, the index); its parts
 are `conversion_options` (`ConversionOptions`, `ConversionConfig`), `folds` (the split and the folds, nnU-Net's
 splits_final.json), `conversion_cases` (the worker's case, the dataset's measurements) and `shard_writer` (the
-shards and their progress records). Their public names are importable from here too, and `process_case` and
+shards and their progress records); callers import each name from the module that defines it. `process_case` and
 `label_classes` are called through this module's names (a benchmark or a test replaces them here).
 
 Example:
@@ -42,54 +42,28 @@ from tfmis.data.conversion_cases import (
     ct_foreground_statistics,
     dataset_median_spacing,
     first_unreadable,
-    header_spacing,
     label_classes,
     process_case,
 )
 from tfmis.data.conversion_options import ConversionConfig, ConversionOptions
-from tfmis.data.datasets import open_dataset
 from tfmis.data.folds import (
-    DEFAULT_SPLIT,
     SPLITS_FILE,
     assign_splits,
     folds_from_file,
     nnunet_splits,
     read_splits_file,
     splits_sha256,
-    stratified_folds,
 )
-from tfmis.data.msd import DatasetError, SegmentationDataset
 from tfmis.data.patch_layout import arrays_dir
 from tfmis.data.preprocess import PreprocessConfig
 from tfmis.data.records import FINGERPRINT_FILE, INDEX_FILE, SCHEMA_VERSION
 from tfmis.data.shard_writer import PROGRESS_DIR, finished_shards, plan_shards, write_shard
+from tfmis.data.sources.cases import SegmentationDataset
+from tfmis.data.sources.errors import DatasetError
+from tfmis.data.sources.layouts import open_dataset
 from tfmis.errors import RunStateError
 from tfmis.utils.io import atomic_write_json, parse_temp_name
 from tfmis.utils.lock import folder_lock
-
-# names of this module before its parts moved out (the options, the folds, the case work, the shards), still
-# imported from here
-__all__ = [
-    "DEFAULT_SPLIT",
-    "EXIT_SKIPPED",
-    "PLAN_FILE",
-    "PROGRESS_DIR",
-    "SPLITS_FILE",
-    "ConversionConfig",
-    "ConversionOptions",
-    "NothingConverted",
-    "ParametersChanged",
-    "assign_splits",
-    "convert",
-    "folds_from_file",
-    "header_spacing",
-    "nnunet_splits",
-    "plan_shards",
-    "read_splits_file",
-    "splits_sha256",
-    "stratified_folds",
-    "summary_text",
-]
 
 PLAN_FILE = "conversion.json"
 EXIT_SKIPPED = 3  # conversion finished, but some cases were skipped
@@ -318,10 +292,17 @@ def summary_text(index: dict) -> str:
         f"{index['stats']['bytes_per_case'] / 1e6:.2f} MB/case, {index['run_seconds']:.1f} s)"
     ]
     for name, split in index["splits"].items():
-        lines.append(f"  {name:<6} {split['num_records']:>4} records in {len(split['shards'])} shard(s)")
+        written = [s for s in split["shards"] if s["records"]]
+        empty = len(split["shards"]) - len(written)
+        lines.append(
+            f"  {name:<6} {split['num_records']:>4} records in {len(written)} shard(s)"
+            + (f" (and {empty} empty: every case planned for it was skipped)" if empty else "")
+        )
     lines += [f"  {line}" for line in case_stats.background_lines(index.get("background"))]
-    for s in index["skipped"]:
-        lines.append(f"  SKIPPED {s['case_id']}: {s['reason']}")
+    if index["skipped"]:  # each reason was printed once, when its case was met; it is in index.json too
+        ids = [s["case_id"] for s in index["skipped"]]
+        named = ", ".join(ids[:20]) + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")
+        lines.append(f"  skipped: {named} (each case's reason above, and in index.json 'skipped')")
     for w in index["warnings"]:
         lines.append(f"  warning {w['case_id']}: {w['message']}")
     return "\n".join(lines)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data.msd import SegmentationDataset
 from tfmis.data.records import fold_name
+from tfmis.data.sources.cases import SegmentationDataset
 from tfmis.errors import DataError, MissingInput
 
 SPLITS_FILE = "splits_final.json"  # a fold conversion's folds, in nnU-Net v2's format

@@ -17,6 +17,32 @@ from tfmis.data.records import INDEX_FILE
 from tfmis.errors import MissingInput
 
 
+def check_data_source(data) -> None:
+    """The data a training needs is there, checked before anything is started or written (the run folder's lock
+    included): a converted `data.dataset_dir` (its index.json), or a `data.source_dir` holding dataset.json (the
+    demo's is generated).
+
+    Raises:
+        MissingInput: no converted dataset and no source to convert (exit 1).
+        DatasetNotFound: `data.source_dir` holds no dataset.json (exit 2).
+    """
+    from tfmis.data.sources.errors import DatasetNotFound
+
+    target = Path(data.dataset_dir)
+    if data.source_dir is None:
+        if not (target / INDEX_FILE).is_file():
+            raise MissingInput(
+                f"data.dataset_dir {target} holds no converted dataset ({INDEX_FILE} missing): "
+                "convert one with tfmis-convert, or set data.source_dir to an MSD folder "
+                "to convert it automatically"
+            )
+    elif not data.demo and not (Path(data.source_dir) / "dataset.json").is_file():
+        raise DatasetNotFound(
+            f"data.source_dir {data.source_dir}: no dataset.json there; give the dataset folder (MSD or nnU-Net v2 "
+            "raw) that holds dataset.json, or data.source_dir=null with data.dataset_dir a converted dataset"
+        )
+
+
 def prepare_dataset(data, progress: bool = True) -> Path:
     """Returns `data.dataset_dir`, converting `data.source_dir` into it first when given.
 
@@ -28,17 +54,12 @@ def prepare_dataset(data, progress: bool = True) -> Path:
     Args:
         data: a `tfmis.config.DataConfig`.
     """
+    check_data_source(data)
     target = Path(data.dataset_dir)
     if data.source_dir is None:
-        if not (target / INDEX_FILE).is_file():
-            raise MissingInput(
-                f"data.dataset_dir {target} holds no converted dataset ({INDEX_FILE} missing): "
-                "convert one with tfmis-convert, or set data.source_dir to an MSD folder "
-                "to convert it automatically"
-            )
         return target
     if data.demo:
-        from tfmis.data.demo import make_demo_dataset
+        from tfmis.data.demos.brain import make_demo_dataset
 
         present = (Path(data.source_dir) / "dataset.json").is_file()
         make_demo_dataset(data.source_dir)

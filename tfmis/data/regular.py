@@ -12,7 +12,7 @@ case ids ─shuffle─▶ repeat ─▶ read NIfTI + reorient + crop + resample 
 (no cache, no parallel map, no explicit prefetch: only the prefetch tf.data injects by default after `batch`).
 
 It uses the project's own functions for every step, so it sees the same voxels as the fast pipeline
-(`tfmis.data.pipeline.build_train_dataset`): `tfmis.data.msd.load_case` and
+(`tfmis.data.pipeline.build_train_dataset`): `tfmis.data.sources.cases.load_case` and
 `tfmis.data.preprocess.preprocess` with the parameters recorded in the converted dataset's
 `index.json` (spacing, normalisation, crop), kept in float32 where the TFRecords store float16, and
 the same `foreground_indices` and the fast pipeline's own `volume_crops` and `patch_augmentation`
@@ -38,11 +38,11 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from tfmis.data.datasets import open_dataset
-from tfmis.data.msd import load_case
 from tfmis.data.pipeline import patch_augmentation, volume_crops, volume_order, with_channel_count
 from tfmis.data.preprocess import PreprocessConfig, preprocess
 from tfmis.data.records import load_index
+from tfmis.data.sources.cases import load_case
+from tfmis.data.sources.layouts import open_dataset
 from tfmis.errors import ConfigError, DataError, MissingInput
 from tfmis.transforms.crop import foreground_indices
 

@@ -1,11 +1,10 @@
-"""The trainer's epoch bookkeeping: the run's state restored (`restore`), each epoch committed once (stage,
-checkpoint, publish: `_commit_epoch`), the time budget's decisions applied to the schedule's length, the final
+"""The trainer's epoch bookkeeping: the run's state restored (`RunBookkeeping.restore`), each epoch committed once
+(stage, checkpoint, publish: `RunBookkeeping.commit_epoch`), the schedule's length a time budget decides, the final
 weights, `summary.json` and the closing lines (`summary_table`), and the chief's lock on the run folder
 (`run_folder_lock`).
 
-`EpochBookkeeping` is a part of `tfmis.engine.trainer.Trainer`, which sets what these methods read (`config`,
-`backend`, `out`, `model`, `training_model`, `optimizer`, `checkpoint`, `manager`, `data_info`, the state
-variables `epoch`, `best_dice`, `best_epoch`, `elapsed`, `budget_epochs`, `schedule_length`, and `time_budget`).
+`RunBookkeeping` gets what it writes from its constructor (the `Trainer` builds the model and optimizer) and owns the
+run's state variables (epoch, best Dice, elapsed time, the budget's epochs) and the checkpoint that saves them.
 """
 
 from __future__ import annotations
@@ -28,12 +27,12 @@ from tfmis.engine.history import History
 from tfmis.engine.time_budget import TimeBudget, describe
 from tfmis.errors import RunStateError, TrainingFailed
 from tfmis.hardware import detect_hardware
-from tfmis.networks.weights import has_weights_by_path
+from tfmis.networks.weights import has_weights_by_path, weights_by_path
 from tfmis.utils.io import atomic_path, atomic_write_json
 from tfmis.utils.lock import FolderLocked, folder_lock
 from tfmis.utils.run_files import BEST_WEIGHTS, FINAL_WEIGHTS
 
-# an epoch's outputs before its checkpoint commits them (see Trainer._commit_epoch)
+# an epoch's outputs before its checkpoint commits them (see RunBookkeeping.commit_epoch)
 STAGED_EPOCH = "epoch.staged.json"
 STAGED_BEST = "best.staged.weights.h5"
 
@@ -46,8 +45,64 @@ class RunExists(RunStateError):
     """The output folder already holds checkpoints and --resume was not given."""
 
 
-class EpochBookkeeping:
-    """What a `Trainer` writes and reads around its epochs (see the module's docstring)."""
+class RunBookkeeping:
+    """What a training run writes and reads around its epochs, and the state a checkpoint saves.
+
+    Build it in the backend's scope: it makes the state variables `epoch`, `best_dice`, `best_epoch`, `elapsed`
+    (seconds) and `budget_epochs` (the epoch count `training.max_minutes` decided; 0: none), and the checkpoint
+    (`checkpoint`, `manager`) of them with the training model, its optimizer and the schedule's length.
+
+    Args:
+        config: the run's `Config`.
+        backend: the distribution backend (who is chief, where each worker saves).
+        out: the run folder.
+        model: the inference model (best and final weights files).
+        training_model: the model the steps train (the checkpoint's).
+        optimizer: its optimizer.
+        schedule_length: the learning-rate schedule's length variable (`task.build_schedule_length`).
+        steps_per_epoch: an epoch's optimizer steps.
+        data_info: what the run folder needs to predict alone (written by `restore`).
+    """
+
+    def __init__(
+        self,
+        config,
+        backend: Backend,
+        out: Path,
+        model,
+        training_model,
+        optimizer,
+        schedule_length,
+        steps_per_epoch: int,
+        data_info: dict,
+    ):
+        self.config, self.backend, self.out = config, backend, Path(out)
+        self.model, self.training_model, self.optimizer = model, training_model, optimizer
+        self.schedule_length, self.steps_per_epoch, self.data_info = schedule_length, steps_per_epoch, data_info
+        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+        self.best_dice = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_dice")
+        self.best_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="best_epoch")
+        self.elapsed = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="elapsed_seconds")
+        # the epoch count training.max_minutes decided (0: none yet, or no budget): a resume keeps it
+        self.budget_epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="budget_epochs")
+        self._state = dict(
+            model=training_model,
+            optimizer=optimizer,
+            epoch=self.epoch,
+            best_dice=self.best_dice,
+            best_epoch=self.best_epoch,
+            elapsed=self.elapsed,
+        )
+        # saved since the time budget sets the schedule's length: a checkpoint of an older tfmis has neither
+        self._schedule_state = dict(schedule_steps=schedule_length.variable, budget_epochs=self.budget_epochs)
+        # the weights also under their names: another build of the model (prediction's) reads them by name
+        self.checkpoint = tf.train.Checkpoint(
+            **self._state, **self._schedule_state, weights_by_path=weights_by_path(training_model)
+        )
+        # MultiWorkerMirroredStrategy: every worker saves, non-chiefs into a temporary folder they then drop
+        self.manager = tf.train.CheckpointManager(
+            self.checkpoint, str(backend.checkpoint_dir(self.out)), max_to_keep=config.training.keep_checkpoints
+        )
 
     def restore(self, resume: bool = True) -> int:
         """Restores the last committed epoch and returns how many epochs are done (0 for a new run).
@@ -55,7 +110,7 @@ class EpochBookkeeping:
         Model, optimizer (iterations, moments, loss scale), epoch, best Dice and elapsed time come
         from the latest checkpoint; an epoch whose checkpoint was written but whose history record or
         best weights were not (a kill in between) is completed, and the staged outputs of an epoch
-        whose checkpoint was never written are dropped (see `_commit_epoch`).
+        whose checkpoint was never written are dropped (see `commit_epoch`).
 
         Raises:
             RunExists: the run folder holds checkpoints and `resume` is False.
@@ -122,9 +177,9 @@ class EpochBookkeeping:
             self.budget_epochs.assign(0)
             self.schedule_length.assign(tc.epochs * self.steps_per_epoch)
         else:
-            self._set_schedule_epochs(min(decided, tc.epochs))
+            self.set_schedule_epochs(min(decided, tc.epochs))
 
-    def _set_schedule_epochs(self, epochs: int) -> None:
+    def set_schedule_epochs(self, epochs: int) -> None:
         """The learning-rate schedule ends after `epochs` epochs (the next steps use it); saved with the next
         checkpoint as the time budget's decision."""
         self.budget_epochs.assign(epochs)
@@ -137,7 +192,7 @@ class EpochBookkeeping:
 
     # ------------------------------------------------------------------ one commit point per epoch
 
-    def _commit_epoch(self, record: dict, improved: bool, history: History) -> None:
+    def commit_epoch(self, record: dict, improved: bool, history: History) -> None:
         """Writes an epoch's outputs so that a kill at any moment leaves them consistent.
 
         1. stage: the best weights (if improved) and the history record, under temporary names;
@@ -161,7 +216,7 @@ class EpochBookkeeping:
         self._publish_epoch(record, history)
 
     def _publish_epoch(self, record: dict, history: History) -> None:
-        """Step 3 of `_commit_epoch`; safe to repeat after a kill half-way through it."""
+        """Step 3 of `commit_epoch`; safe to repeat after a kill half-way through it."""
         history.truncate(record["epoch"] - 1)
         history.append(record)
         if (self.out / STAGED_BEST).is_file():
@@ -172,27 +227,7 @@ class EpochBookkeeping:
         for name in (STAGED_EPOCH, STAGED_BEST):
             (self.out / name).unlink(missing_ok=True)
 
-    def _last_epoch(self) -> int:
-        """The loop's last epoch: the time budget's decision, else `training.epochs`."""
-        budget = self.time_budget
-        return budget.epochs if budget is not None and budget.epochs is not None else self.config.training.epochs
-
-    def _update_budget(self, budget: TimeBudget, epoch: int, elapsed: float, out_of_time: bool, record: dict):
-        """After epoch `epoch`'s validation: the budget decides or shortens the schedule (the chief's measurement
-        decides for every worker), the schedule's length follows, and the epoch's record notes it."""
-        changed = budget.update(epoch, elapsed) if not out_of_time else None
-        if self.backend.size > 1:  # rank 0's measurement decides for all
-            epochs = int(self.backend.broadcast([budget.epochs or 0])[0])
-            changed = epochs if epochs and epochs != int(self.budget_epochs.numpy()) else None
-            budget.epochs = epochs or None
-        if changed is not None:
-            self._set_schedule_epochs(changed)
-            if self.backend.is_chief:
-                print(budget.reason, file=sys.stderr)
-            record["time_budget"] = budget.reason
-        record["schedule_epochs"] = self.schedule_epochs
-
-    def _save_final_weights(self) -> None:
+    def save_final_weights(self) -> None:
         """`final.weights.h5`: the inference model as training ended (the last committed epoch's weights, also on a
         resume that had nothing left to train), written before `summary.json` marks the run finished."""
         if not self.backend.is_chief:
@@ -202,7 +237,9 @@ class EpochBookkeeping:
         with atomic_path(path, suffix=".weights.h5") as tmp:
             self.model.save_weights(str(tmp))
 
-    def _summary(self, history: History, stop_reason: str = "epochs") -> dict:
+    def summary(self, history: History, stop_reason: str = "epochs", time_budget: TimeBudget | None = None) -> dict:
+        """The run summary (`summary.json`, written by the chief): epochs, best and final Dice, throughput, input wait,
+        thresholds reached, weights files, the stop reason and, with `time_budget`, its planned and used minutes."""
         records = history.records
         train_time = sum(r["data_wait_seconds"] + r["compute_seconds"] for r in records)
         best = history.best
@@ -227,8 +264,8 @@ class EpochBookkeeping:
             "machine": detect_hardware().short(),  # the processor or GPUs it trained on (an export's model card)
             "stop_reason": stop_reason,
         }
-        if self.time_budget is not None:  # planned vs used minutes, the decided epochs and why
-            summary["time_budget"] = describe(self.time_budget, summary["elapsed_seconds"])
+        if time_budget is not None:  # planned vs used minutes, the decided epochs and why
+            summary["time_budget"] = describe(time_budget, summary["elapsed_seconds"])
         if self.backend.is_chief:
             atomic_write_json(self.out / "summary.json", summary)
         return summary

@@ -159,8 +159,8 @@ def epochs_shown(trainer) -> str:
     (`training.max_minutes`) has fitted it from the measured epochs; before that, `training.epochs`, or "?" when
     that is only the budget's bound (`budget_epoch_bound`: 10^4 epochs and more for a planned run)."""
     tc = trainer.config.training
-    if tc.max_minutes is not None and int(trainer.budget_epochs.numpy()) > 0:
-        return str(trainer.schedule_epochs)
+    if tc.max_minutes is not None and int(trainer.state.budget_epochs.numpy()) > 0:
+        return str(trainer.state.schedule_epochs)
     if tc.max_minutes is not None and tc.epochs >= budget_epoch_bound(tc.max_minutes):
         return "?"
     return str(tc.epochs)

@@ -2,10 +2,8 @@
 non-finite step), the loop of `training.steps_per_loop` steps over the distributed iterator, the windows' forward
 pass and sliding-window evaluation on whole volumes.
 
-`TrainerSteps` is a part of `tfmis.engine.trainer.Trainer`, which sets what these methods read (`config`,
-`backend`, `task`, `model`, `training_model`, `parallel`, `parallel_inference`, `optimizer`, `loss_fn`,
-`in_channels`, `steps_per_epoch`, `spacing_by_case`, `placement`) and calls `_compile` once they exist. Its
-public methods (`train_step`, `train_loop`, `predict_windows`, `evaluate`) are the trainer's.
+`CompiledSteps` gets every part it uses from its constructor (the `Trainer` builds them: model, optimizer, loss,
+backend); the trainer's public `train_step`, `train_loop`, `predict_windows` and `evaluate` are its methods.
 """
 
 from __future__ import annotations
@@ -21,12 +19,50 @@ from tfmis.hardware import accelerator_device
 from tfmis.inference.sliding_window import sliding_window_inference
 
 
-class TrainerSteps:
-    """The step, the loop of steps and validation of a `Trainer` (see the module's docstring)."""
+class CompiledSteps:
+    """The step, the loop of steps and validation of one training run, compiled once.
+
+    Args:
+        config: the run's `Config`.
+        backend: the distribution backend the steps run through.
+        task: the `SegmentationTask` (validation metrics, label maps).
+        model: the inference model (validation's windows).
+        training_model: the model the step trains (the same as `model` without deep supervision).
+        optimizer: its optimizer, built on `training_model`'s variables.
+        loss_fn: the loss of (labels, logits).
+        in_channels: the images' channel count (the step states it to the convolutions).
+        steps_per_epoch: an epoch's optimizer steps (a loop is at most one epoch).
+        spacing_by_case: {case_id: voxel spacing} of the validation cases (surface metrics).
+        placement: the `VolumePlacement` validation volumes are segmented with.
+        parallel, parallel_inference: the training and inference model over several devices (None: off).
+    """
+
+    def __init__(
+        self,
+        config,
+        backend,
+        task,
+        model,
+        training_model,
+        optimizer,
+        loss_fn,
+        in_channels: int,
+        steps_per_epoch: int,
+        spacing_by_case: dict,
+        placement,
+        parallel=None,
+        parallel_inference=None,
+    ):
+        self.config, self.backend, self.task = config, backend, task
+        self.model, self.training_model, self.optimizer, self.loss_fn = model, training_model, optimizer, loss_fn
+        self.in_channels, self.steps_per_epoch = in_channels, steps_per_epoch
+        self.spacing_by_case, self.placement = spacing_by_case, placement
+        self.parallel, self.parallel_inference = parallel, parallel_inference
+        self._compile()
 
     def _compile(self) -> None:
         """The compiled functions: the replica step (XLA with `training.jit_compile`), one global step, the loop
-        of `training.steps_per_loop` steps, and the windows' forward pass."""
+        of `training.steps_per_loop` steps (`loop_function`), and the windows' forward pass."""
         self._step_augment = None
         if self.config.pipeline.augment.placement == "step":
             # the dataset yields un-augmented crops and their seeds; the replica step augments them on its device
@@ -44,7 +80,7 @@ class TrainerSteps:
 
         # no AutoGraph: the step is plain TensorFlow (explicit tf.cond / tf.while_loop), and converting it was a
         # large share of the first epoch's tracing (docs/benchmarks.md, "First epoch, precision and other costs")
-        self._train_loop = tf.function(train_loop, autograph=False)
+        self.loop_function = tf.function(train_loop, autograph=False)
         forward = self.parallel_inference or self.model
         self._forward = tf.function(lambda x: forward(x, training=False), reduce_retracing=True, autograph=False)
 
@@ -75,7 +111,7 @@ class TrainerSteps:
             (losses, skipped, waits), numpy arrays with one entry per step: the mean loss (float32), 1.0 if the
             step was skipped for a non-finite gradient (float32), the seconds it waited for its batch (float64).
         """
-        results = self._train_loop(iterator, self.steps_per_loop if num_steps is None else num_steps)
+        results = self.loop_function(iterator, self.steps_per_loop if num_steps is None else num_steps)
         return tuple(v.numpy() for v in results)  # one host round-trip per loop
 
     def predict_windows(self, windows):
@@ -225,7 +261,7 @@ class TrainerSteps:
             dataset = dataset.shard(size, rank)
         for i, (image, label, meta) in enumerate(dataset):
             case_id = meta["case_id"].numpy().decode()
-            prediction, placement = self._segment_volume(image, case_id)
+            prediction, placement = self.segment_volume(image, case_id)
             fallbacks += placement.is_fallback
             metrics.update(prediction, label[0].numpy(), spacing=self.spacing_by_case.get(case_id), case_id=case_id)
             positions.append(rank + i * size)
@@ -239,7 +275,7 @@ class TrainerSteps:
             fallbacks = int(summed[-1])
         return {**metrics.result(), "fallbacks": fallbacks}
 
-    def _segment_volume(self, image, case_id: str):
+    def segment_volume(self, image, case_id: str):
         """(label map (X, Y, Z), Placement) of one whole volume (1, X, Y, Z, C), placed by `self.placement`;
         an out-of-memory fallback is logged once, when it happens."""
         v = self.config.validation

@@ -12,10 +12,11 @@ The steps run `training.steps_per_loop` at a time in one `tf.function` with an i
 distributed iterator (as tensorflow/models' orbit does): the host reads the losses once per loop, not
 once per step, so that on an accelerator it can queue the next steps while the device works.
 
-`Trainer` is this module's loop (the epochs, their validation and the stopping rules) over two parts: the steps
-(`tfmis.engine.steps.TrainerSteps`: the compiled step and loop of steps, the windows' forward pass, evaluation)
-and the epochs' bookkeeping (`tfmis.engine.bookkeeping.EpochBookkeeping`: restore, the epoch's commit point,
-the time budget's schedule, the final weights and the summary).
+`Trainer` is this module's loop (the epochs, their validation, the time budget and the stopping rules) over two
+parts it builds and owns, each given what it uses in its constructor: the steps (`self.steps`,
+`tfmis.engine.steps.CompiledSteps`: the compiled step and loop of steps, the windows' forward pass, evaluation) and
+the run's bookkeeping (`self.state`, `tfmis.engine.bookkeeping.RunBookkeeping`: the state variables and their
+checkpoint, restore, the epoch's commit point, the schedule's length, the final weights and the summary).
 
 Example:
 ```python
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,20 +41,20 @@ from tfmis.data.pipeline import train_steps_per_epoch
 from tfmis.data.records import training_data_info
 from tfmis.engine.backend import Backend
 from tfmis.engine.bookkeeping import (
-    EpochBookkeeping,
+    RunBookkeeping,
     TrainingDiverged,
     run_folder_lock,
 )
 from tfmis.engine.callbacks import CallbackList, default_callbacks
 from tfmis.engine.distribution import make_backend
 from tfmis.engine.history import History
-from tfmis.engine.steps import TrainerSteps
+from tfmis.engine.steps import CompiledSteps
 from tfmis.engine.time_budget import TimeBudget
 from tfmis.errors import ConfigError
 from tfmis.hardware import model_parallel_devices
 from tfmis.inference.placement import VolumePlacement
-from tfmis.networks.weights import weights_by_path
 from tfmis.task import SegmentationTask
+from tfmis.utils.cli import start_unjoined
 from tfmis.utils.run_files import weights_file
 
 # A step whose gradient holds NaN/Inf is skipped. In float32/bfloat16 that is an outlier batch; this many in a
@@ -70,14 +70,12 @@ def release_in_background(holder: list) -> None:
     Why: deleting an autotuned iterator joins tf.data's autotuning thread, and on a busy machine that join took 27-32 s
     (a 2-core machine with one core kept busy, measured after 50 s of iteration; 0.01 s when idle or with
     `autotune.enabled` off): at the end of every training, the time the next stage of a plan, the next fold or trial
-    then waited for. The wait releases the GIL, so the caller goes on. The thread is not a daemon: the interpreter
-    waits for it at exit, because a daemon thread still inside TensorFlow's destructor when the interpreter finalizes
-    is unwound through C++ frames that cannot be, and the process aborts ("FATAL: exception not rethrown", status -6;
-    seen in CI on a busy machine)."""
-    threading.Thread(target=holder.clear, name="tfmis-release-iterator").start()
+    then waited for. The wait releases the GIL, so the caller goes on. At the end of a command's process the thread is
+    not waited for (`tfmis.utils.cli.start_unjoined`); elsewhere the interpreter waits for it at exit."""
+    start_unjoined(holder.clear, "tfmis-release-iterator")
 
 
-class Trainer(TrainerSteps, EpochBookkeeping):
+class Trainer:
     """Trains the parts a `SegmentationTask` builds, with one distribution backend.
 
     Args:
@@ -138,35 +136,76 @@ class Trainer(TrainerSteps, EpochBookkeeping):
             if self.parallel is not None:  # a pipeline stage's weights and slots are updated on its device
                 self.parallel.place_optimizer(self.optimizer)
             self.backend.prepare_optimizer(self.optimizer)  # the step reduces gradients before apply() clips them
-            self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
-            self.best_dice = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="best_dice")
-            self.best_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="best_epoch")
-            self.elapsed = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="elapsed_seconds")
-            # the epoch count training.max_minutes decided (0: none yet, or no budget): a resume keeps it
-            self.budget_epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="budget_epochs")
+            # the run's state variables and the checkpoint of them, the model and the optimizer
+            self.state = RunBookkeeping(
+                config,
+                self.backend,
+                self.out,
+                self.model,
+                self.training_model,
+                self.optimizer,
+                self.schedule_length,
+                self.steps_per_epoch,
+                self.data_info,
+            )
         self.time_budget: TimeBudget | None = None  # fit()'s, with training.max_minutes
-        self.loss_fn = self.task.build_loss()
-        self._state = dict(
-            model=self.training_model,
-            optimizer=self.optimizer,
-            epoch=self.epoch,
-            best_dice=self.best_dice,
-            best_epoch=self.best_epoch,
-            elapsed=self.elapsed,
-        )
-        # saved since the time budget sets the schedule's length: a checkpoint of an older tfmis has neither
-        self._schedule_state = dict(schedule_steps=self.schedule_length.variable, budget_epochs=self.budget_epochs)
-        # the weights also under their names: another build of the model (prediction's) reads them by name
-        self.checkpoint = tf.train.Checkpoint(
-            **self._state, **self._schedule_state, weights_by_path=weights_by_path(self.training_model)
-        )
-        # MultiWorkerMirroredStrategy: every worker saves, non-chiefs into a temporary folder they then drop
-        self.manager = tf.train.CheckpointManager(
-            self.checkpoint, str(self.backend.checkpoint_dir(self.out)), max_to_keep=tc.keep_checkpoints
-        )
-        self._compile()
         # one policy for the whole run: the volume sizes it learns not to fit stay learned across epochs
         self.placement = VolumePlacement.for_validation(config.validation)
+        self.steps = CompiledSteps(
+            config,
+            self.backend,
+            self.task,
+            self.model,
+            self.training_model,
+            self.optimizer,
+            self.task.build_loss(),
+            self.in_channels,
+            self.steps_per_epoch,
+            self.spacing_by_case,
+            self.placement,
+            parallel=self.parallel,
+            parallel_inference=self.parallel_inference,
+        )
+
+    @property
+    def loss_fn(self):
+        """The loss of (labels, logits) the step trains with (`task.build_loss()`'s)."""
+        return self.steps.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, loss_fn) -> None:
+        """Another loss for the step: set before the first step, which traces the step with it."""
+        self.steps.loss_fn = loss_fn
+
+    def train_step(self, batch):
+        """One optimizer step on a global batch (`CompiledSteps.train_step`); (mean loss, skipped) as tensors."""
+        return self.steps.train_step(batch)
+
+    def train_loop(self, iterator, num_steps: int | None = None):
+        """`num_steps` (default `steps_per_loop`) steps in one call of the compiled loop (`CompiledSteps.train_loop`);
+        (losses, skipped, waits) per step."""
+        return self.steps.train_loop(iterator, num_steps)
+
+    @property
+    def steps_per_loop(self) -> int:
+        """The optimizer steps of one `train_loop` call (`CompiledSteps.steps_per_loop`)."""
+        return self.steps.steps_per_loop
+
+    def predict_windows(self, windows):
+        """The model's logits for a batch of windows (`CompiledSteps.predict_windows`)."""
+        return self.steps.predict_windows(windows)
+
+    def evaluate(self, dataset) -> dict:
+        """Sliding-window validation on whole volumes (`CompiledSteps.evaluate`): per-class Dice, HD95, NSD, regions."""
+        return self.steps.evaluate(dataset)
+
+    def restore(self, resume: bool = True) -> int:
+        """Restores the last committed epoch (`RunBookkeeping.restore`); returns the epochs done (0: a new run).
+
+        Raises:
+            RunExists: the run folder holds checkpoints and `resume` is False.
+        """
+        return self.state.restore(resume)
 
     def fit(self, resume: bool = False) -> dict:
         """Trains for `training.epochs` (or until `target_dice` or `max_minutes`); returns the run summary,
@@ -205,11 +244,13 @@ class Trainer(TrainerSteps, EpochBookkeeping):
         """The epoch loop of `fit` over the training `iterator`, from epoch `done` + 1; returns the run summary."""
         cfg, tc = self.config, self.config.training
         val_dataset = self.task.build_val_dataset()
-        run_start = time.perf_counter() - float(self.elapsed.numpy())
+        run_start = time.perf_counter() - float(self.state.elapsed.numpy())
         self._skip_streak = []  # (epoch, step) of the consecutive skipped steps up to now
         stop_reason = "epochs"
         budget = self.time_budget = (
-            TimeBudget(tc.max_minutes, tc.epochs, cfg.validation.val_interval, int(self.budget_epochs.numpy()) or None)
+            TimeBudget(
+                tc.max_minutes, tc.epochs, cfg.validation.val_interval, int(self.state.budget_epochs.numpy()) or None
+            )
             if tc.max_minutes is not None
             else None
         )
@@ -237,12 +278,13 @@ class Trainer(TrainerSteps, EpochBookkeeping):
             if validated:
                 result = self._validate_epoch(record, val_dataset)
                 callbacks.on_validation_end(self, epoch, result)
-                improved = math.isfinite(result["mean_dice"]) and result["mean_dice"] > float(self.best_dice.numpy())
+                best = float(self.state.best_dice.numpy())
+                improved = math.isfinite(result["mean_dice"]) and result["mean_dice"] > best
                 if self.backend.size > 1:  # rank 0's decision, whatever rounding another worker's sum saw
                     improved = bool(self.backend.broadcast([improved])[0])
                 if improved:
-                    self.best_dice.assign(result["mean_dice"])
-                    self.best_epoch.assign(epoch)
+                    self.state.best_dice.assign(result["mean_dice"])
+                    self.state.best_epoch.assign(epoch)
             if budget is not None:
                 now = time.perf_counter()
                 val_seconds = record.get("val_seconds") if validated else None
@@ -251,9 +293,9 @@ class Trainer(TrainerSteps, EpochBookkeeping):
                 self._update_budget(budget, epoch, now - run_start, out_of_time, record)
             record["epoch_seconds"] = time.perf_counter() - epoch_start
             record["elapsed_seconds"] = time.perf_counter() - run_start
-            self.epoch.assign(epoch)
-            self.elapsed.assign(record["elapsed_seconds"])
-            self._commit_epoch(record, improved, self.history)
+            self.state.epoch.assign(epoch)
+            self.state.elapsed.assign(record["elapsed_seconds"])
+            self.state.commit_epoch(record, improved, self.history)
             callbacks.on_epoch_end(self, epoch, record)
             reached = validated and tc.target_dice is not None and record["val_mean_dice"] >= tc.target_dice
             if self.backend.size > 1:
@@ -263,7 +305,7 @@ class Trainer(TrainerSteps, EpochBookkeeping):
                 if self.backend.is_chief:
                     cut = (
                         f"; the learning-rate schedule was cut before its end (epoch {self._last_epoch()})"
-                        if epoch < self.schedule_epochs
+                        if epoch < self.state.schedule_epochs
                         else ""
                     )
                     print(
@@ -274,10 +316,30 @@ class Trainer(TrainerSteps, EpochBookkeeping):
                         file=sys.stderr,
                     )
                 break
-        self._save_final_weights()
-        summary = self._summary(self.history, stop_reason)
+        self.state.save_final_weights()
+        summary = self.state.summary(self.history, stop_reason, self.time_budget)
         callbacks.on_train_end(self, summary)
         return summary
+
+    def _last_epoch(self) -> int:
+        """The loop's last epoch: the time budget's decision, else `training.epochs`."""
+        budget = self.time_budget
+        return budget.epochs if budget is not None and budget.epochs is not None else self.config.training.epochs
+
+    def _update_budget(self, budget: TimeBudget, epoch: int, elapsed: float, out_of_time: bool, record: dict):
+        """After epoch `epoch`'s validation: the budget decides or shortens the schedule (the chief's measurement
+        decides for every worker), the schedule's length follows, and the epoch's record notes it."""
+        changed = budget.update(epoch, elapsed) if not out_of_time else None
+        if self.backend.size > 1:  # rank 0's measurement decides for all
+            epochs = int(self.backend.broadcast([budget.epochs or 0])[0])
+            changed = epochs if epochs and epochs != int(self.state.budget_epochs.numpy()) else None
+            budget.epochs = epochs or None
+        if changed is not None:
+            self.state.set_schedule_epochs(changed)
+            if self.backend.is_chief:
+                print(budget.reason, file=sys.stderr)
+            record["time_budget"] = budget.reason
+        record["schedule_epochs"] = self.state.schedule_epochs
 
     def _train_epoch(self, epoch: int, iterator, callbacks) -> dict:
         """The epoch's optimizer steps; returns its record so far (loss, throughput, input wait, skips).
@@ -308,7 +370,7 @@ class Trainer(TrainerSteps, EpochBookkeeping):
                 if not math.isfinite(loss):
                     raise TrainingDiverged(
                         f"the training loss became {loss} at epoch {epoch}, step {step + 1}. Training stopped; the "
-                        f"last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in "
+                        f"last good checkpoint (epoch {int(self.state.epoch.numpy())}) is kept in "
                         f"{self.out / 'checkpoints'}. Lower optimizer.learning_rate, try training.precision=float32, "
                         "or check the data, then rerun with --resume."
                     )
@@ -388,7 +450,7 @@ class Trainer(TrainerSteps, EpochBookkeeping):
             self.model.load_weights(str(weights_file(self.out, weights)))
         image, label, meta = next(iter(self.task.build_val_dataset(cached=False)))  # one case: no cache to fill
         case_id = meta["case_id"].numpy().decode()
-        prediction, _ = self._segment_volume(image, case_id)
+        prediction, _ = self.steps.segment_volume(image, case_id)
         fig = plot_orthogonal_planes(
             image[0].numpy(),
             label[0].numpy(),
@@ -403,9 +465,10 @@ class Trainer(TrainerSteps, EpochBookkeeping):
         return Path(path)
 
     def _skipped_error(self, what: str) -> TrainingDiverged:
+        kept = int(self.state.epoch.numpy())
         return TrainingDiverged(
             f"{what}: their gradients held NaN or Inf values although the loss was finite, so the weights were "
-            f"left unchanged. Training stopped; the last good checkpoint (epoch {int(self.epoch.numpy())}) is kept "
+            f"left unchanged. Training stopped; the last good checkpoint (epoch {kept}) is kept "
             f"in {self.out / 'checkpoints'}. Look for a sqrt, norm, log or division at zero in the loss and for "
             "NaN/Inf voxels in the data, then rerun with --resume."
         )
@@ -420,7 +483,7 @@ class Trainer(TrainerSteps, EpochBookkeeping):
             raise TrainingDiverged(
                 f"non-finite values in {len(bad)} model/optimizer variables ({', '.join(bad[:3])}"
                 f"{', ...' if len(bad) > 3 else ''}) after epoch {epoch}, with finite losses and gradients. They "
-                f"were not saved; the last good checkpoint (epoch {int(self.epoch.numpy())}) is kept in "
+                f"were not saved; the last good checkpoint (epoch {int(self.state.epoch.numpy())}) is kept in "
                 f"{self.out / 'checkpoints'}. Lower optimizer.learning_rate (or set optimizer.clipnorm), then rerun "
                 "with --resume."
             )

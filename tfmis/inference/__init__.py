@@ -9,7 +9,7 @@
 - `inputs.py`: the cases to predict, the training run a checkpoint belongs to, its weights;
 - `outputs.py`: each case's result, predictions.csv and the results table;
 - `nifti.py`: label maps read and written as NIfTI (shared by the predictor and `postprocess.py`).
-- `dicom_seg.py`: label maps written as DICOM SEG for a DICOM series input (`tfmis.data.dicom_series` reads it).
+- `dicom_seg.py`: label maps written as DICOM SEG for a DICOM series input (`tfmis.data.sources.dicom_series` reads it).
 """
 
 from tfmis.inference.blending import aggregate_windows

@@ -7,7 +7,7 @@ the label map**, numbered 1..N in the classes' order and labelled with the class
 free text: tfmis knows no code for them), algorithm type AUTOMATIC and an algorithm identification naming tfmis and
 its version. Classes absent from the prediction are not declared: a segment without frames is valid DICOM, but
 some viewers reject it, so a reader maps segments to classes by their labels (`read_segmentation(...,
-class_names)`). Its source images are the series' slices (`tfmis.data.dicom_series.DicomVolume.datasets`, in the
+class_names)`). Its source images are the series' slices (`tfmis.data.sources.dicom_series.DicomVolume.datasets`, in the
 volume's slice order), or the one enhanced multi-frame image the volume was read from (frame for frame), so frame
 k of the label map (its (rows, columns) = (y, x) plane z = k) is the segmentation of source slice k; empty frames
 are left out. An empty prediction is one segment (the first foreground class) with one empty frame on the first
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data.dicom_series import DicomVolume, read_series, require
-from tfmis.data.msd import CaseError
+from tfmis.data.sources.dicom_series import DicomVolume, read_series, require
+from tfmis.data.sources.errors import CaseError
 from tfmis.errors import DataError, UsageError
 from tfmis.utils.io import atomic_path
 

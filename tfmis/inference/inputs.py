@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
-from tfmis.data.image_io import image_suffix
-from tfmis.data.msd import case_id_from_path
 from tfmis.data.records import load_training_data_info, split_entry
+from tfmis.data.sources.cases import case_id_from_path
+from tfmis.data.sources.image_io import image_suffix
 from tfmis.errors import DataError, MissingInput, UsageError
 from tfmis.networks.weights import has_weights_by_path, read_legacy_trainable, read_weights_by_path
 from tfmis.utils.run_files import weights_file
@@ -53,8 +53,8 @@ def collect_inputs(
     series: str | None = None,
 ) -> list[InputCase]:
     """The cases named by `--input`: one image file, a folder of them, or a dataset (its folder or dataset.json: MSD or
-    nnU-Net v2 raw, `tfmis.data.datasets.open_dataset`); or a DICOM series folder, or a folder of them (one case
-    each, named after its folder: `dicom_cases`). Images are files `tfmis.data.image_io` reads (NIfTI, NRRD,
+    nnU-Net v2 raw, `tfmis.data.sources.layouts.open_dataset`); or a DICOM series folder, or a folder of them (one case
+    each, named after its folder: `dicom_cases`). Images are files `tfmis.data.sources.image_io` reads (NIfTI, NRRD,
     MetaImage); an nnU-Net case is its channel files.
 
     Args:
@@ -65,7 +65,7 @@ def collect_inputs(
         index: the training run's index.json (for `split:NAME`).
         series: `--series`: the SeriesInstanceUID to read where a DICOM folder holds several series.
     """
-    from tfmis.data.datasets import open_dataset
+    from tfmis.data.sources.layouts import open_dataset
 
     path = Path(input_path)
     if path.name == "dataset.json" or (path.is_dir() and (path / "dataset.json").is_file() and subset != "folder"):
@@ -121,17 +121,17 @@ def collect_inputs(
 
 
 def _not_a_dicom_file(path: Path) -> None:
-    from tfmis.data.dicom_series import looks_like_dicom
+    from tfmis.data.sources.dicom_series import looks_like_dicom
 
     if looks_like_dicom(path):
         raise UsageError(f"--input {path} is one DICOM slice: give the folder that holds its series")
 
 
 def dicom_cases(path: Path, series: str | None = None) -> list[InputCase]:
-    """The DICOM series under `path` (`tfmis.data.dicom_series.series_folders`): `path` itself when it holds DICOM
-    files, else each subfolder that does; a folder of several series reads `series` or is a `UsageError` listing
+    """The DICOM series under `path` (`tfmis.data.sources.dicom_series.series_folders`): `path` itself when it holds
+    DICOM files, else each subfolder that does; a folder of several series reads `series` or is a `UsageError` listing
     them."""
-    from tfmis.data.dicom_series import series_folders
+    from tfmis.data.sources.dicom_series import series_folders
 
     return [InputCase(name, str(folder), series=uid) for name, folder, uid in series_folders(path, series)]
 

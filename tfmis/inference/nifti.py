@@ -1,6 +1,6 @@
 """The image files of a prediction: a label map read as small integers (`read_label_map`; a NIfTI slab by slab), and
 an array written with the input's affine and header in the format its name gives (`save_like`), both through
-`tfmis.data.image_io` (NIfTI, and NRRD / MetaImage with the `formats` extra).
+`tfmis.data.sources.image_io` (NIfTI, and NRRD / MetaImage with the `formats` extra).
 
 Below both the predictor and the postprocessing (`tfmis.inference.postprocess`), which read and write label maps
 alike; it imports neither.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data.image_io import READ_ERRORS, UnreadableImage, open_lazily, write_image
-from tfmis.data.msd import CaseError
+from tfmis.data.sources.errors import CaseError, UnreadableImage
+from tfmis.data.sources.image_io import READ_ERRORS, open_lazily, write_image
 from tfmis.errors import DataError
 
 LABEL_SLAB_SLICES = 32  # slices (the file's last axis) of a label NIfTI read and cast at a time
@@ -23,8 +23,8 @@ LABEL_SLAB_SLICES = 32  # slices (the file's last axis) of a label NIfTI read an
 def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=None) -> np.ndarray:
     """A label map file as an unsigned integer array (uint8; uint16 beyond 256 classes) in the file's voxel order.
 
-    An NRRD or MetaImage file is read whole (`tfmis.data.image_io.read_image`) and cast slab by slab. A NIfTI is read
-    `LABEL_SLAB_SLICES` slices along the file's last axis at a time from nibabel's array proxy (the file kept
+    An NRRD or MetaImage file is read whole (`tfmis.data.sources.image_io.read_image`) and cast slab by slab. A NIfTI is
+    read `LABEL_SLAB_SLICES` slices along the file's last axis at a time from nibabel's array proxy (the file kept
     open, so a .nii.gz is decompressed once, front to back), each slab cast to the small type: no float64 (or
     int64) copy of the volume. Labels stored as floats (or scaled integers) are rounded to the nearest integer
     first, as nibabel's floats near an integer deserve.
@@ -55,7 +55,7 @@ def read_label_map(path: str | Path, num_classes: int, case_id: str = "", shape=
 
 
 def _cast_label_map(img, num_classes: int, case_id: str, shape, path) -> np.ndarray:
-    """The label map of `img` (`tfmis.data.image_io.open_lazily`) cast slab by slab; CaseError / DataError."""
+    """The label map of `img` (`tfmis.data.sources.image_io.open_lazily`) cast slab by slab; CaseError / DataError."""
     if shape is not None and tuple(img.shape) != tuple(shape):
         raise CaseError(case_id, f"label {path} has shape {tuple(img.shape)}, the image {tuple(shape)}")
     out = np.empty(img.shape, np.uint8 if num_classes <= 2**8 else np.uint16)
@@ -87,8 +87,8 @@ def _read_slabs(img, out: np.ndarray, num_classes: int) -> list:
 
 def save_like(data: np.ndarray, affine: np.ndarray, header, path: Path, dtype) -> None:
     """Writes `data` with the input's affine, atomically, in the format of `path`'s suffix
-    (`tfmis.data.image_io.write_image`): a NIfTI keeps the input's NIfTI `header` (orientation codes, units...) when
-    there is one; an NRRD / MetaImage gets the affine's direction, origin and spacing.
+    (`tfmis.data.sources.image_io.write_image`): a NIfTI keeps the input's NIfTI `header` (orientation codes,
+    units...) when there is one; an NRRD / MetaImage gets the affine's direction, origin and spacing.
 
     Float data with an integer `dtype` is stored scaled in a NIfTI (nibabel sets scl_slope; readers get floats).
     """

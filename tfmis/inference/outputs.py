@@ -89,6 +89,30 @@ def results_table(results: list[CaseResult]) -> str:
     return "\n".join(text_table(rows, align="left"))
 
 
+def dice_line(results: list[CaseResult], class_names) -> str:
+    """One line: each foreground class's mean Dice over the cases whose label holds it, with how many
+    labels lacked it (their Dice is NaN, MONAI ignore_empty), and the mean over classes.
+
+    Example:
+    ```python
+    dice_line(results, ["background", "organ", "core"])
+    # 'mean Dice over 2 case(s): organ 0.8333, core 1.0000 (absent from 1 of 2 labels); mean 0.9167'
+    ```
+    """
+    scored = [r for r in results if r.dice]
+    parts, means = [], []
+    for name in class_names[1:]:
+        values = [r.dice.get(name, math.nan) for r in scored]
+        present = [v for v in values if not math.isnan(v)]
+        mean = sum(present) / len(present) if present else math.nan
+        means.append(mean)
+        absent = len(values) - len(present)
+        parts.append(f"{name} {mean:.4f}" + (f" (absent from {absent} of {len(values)} labels)" if absent else ""))
+    valid = [m for m in means if not math.isnan(m)]
+    overall = sum(valid) / len(valid) if valid else math.nan
+    return f"mean Dice over {len(scored)} case(s): " + ", ".join(parts) + f"; mean {overall:.4f}"
+
+
 def write_csv(results: list[CaseResult], path: Path, class_names: list[str], extra_columns=()) -> None:
     """predictions.csv: one row per case with timing, peak memory, device and (when labels exist) Dice per class.
 

@@ -5,9 +5,9 @@ that step only where it raised the out-of-fold Dice.
   largest 26-connected piece become background 0, in place, working inside the structure's bounding box;
 - `apply_postprocessing`: a `tfmis.config.PostprocessingConfig` applied to one label map (the whole foreground
   first, then each listed structure in order, as nnU-Net applies its list of functions);
-- `structure_dice` (label maps), `case_dice` (NIfTI files), `dice_summary`: nnU-Net's scores (Dice NaN when
-  prediction and reference are both empty, the mean over cases leaving NaN out, the foreground mean an ordinary
-  mean of those means);
+- `case_dice`: nnU-Net's Dice of a case's prediction file against its reference, per structure
+  (`tfmis.metrics.nnunet_scores`: Dice NaN when prediction and reference are both empty, the mean over cases
+  leaving NaN out, the foreground mean an ordinary mean of those means);
 - `choose_postprocessing`: nnU-Net v2's `determine_postprocessing` decision procedure on out-of-fold predictions.
 
 Following nnU-Net v2 (`nnunetv2/postprocessing/remove_connected_components.py`, `nnunetv2/evaluation/
@@ -41,6 +41,7 @@ from scipy import ndimage
 from tfmis.config import PostprocessingConfig
 from tfmis.errors import DataError, MissingInput
 from tfmis.inference.nifti import read_label_map, save_like
+from tfmis.metrics.nnunet_scores import dice_from_confusion, dice_summary
 from tfmis.metrics.segmentation import SLAB_SLICES, confusion_matrix, region_masks
 
 # a step: the labels of one structure, or None for the whole foreground (every label but 0)
@@ -192,45 +193,6 @@ def apply_postprocessing(labels: np.ndarray, spec: PostprocessingConfig) -> np.n
 # ---------------------------------------------------------------- nnU-Net's scores
 
 
-def nnunet_dice(tp: int, fp: int, fn: int) -> float:
-    """nnU-Net's Dice 2TP / (2TP + FP + FN); NaN when TP + FP + FN = 0 (prediction and reference both empty; a
-    prediction on an empty reference scores 0, unlike `tfmis.metrics.dice_per_class`'s MONAI rule)."""
-    if tp + fp + fn == 0:
-        return math.nan
-    return 2.0 * tp / (2.0 * tp + fp + fn)
-
-
-def _dice_from_confusion(confusion: np.ndarray, structures: Mapping[str, Sequence[int]]) -> dict[str, float]:
-    """nnU-Net's Dice of each structure (a label union, as nnU-Net's `region_or_label_to_mask`) from one case's
-    confusion counts confusion[reference, prediction]."""
-    dice = {}
-    for name, labels in structures.items():
-        labels = list(labels)
-        tp = int(confusion[np.ix_(labels, labels)].sum())
-        predicted, reference = int(confusion[:, labels].sum()), int(confusion[labels].sum())
-        dice[name] = nnunet_dice(tp, predicted - tp, reference - tp)
-    return dice
-
-
-def structure_dice(
-    prediction: np.ndarray, reference: np.ndarray, structures: Mapping[str, Sequence[int]]
-) -> dict[str, float]:
-    """nnU-Net's Dice (`nnunet_dice`) of each structure {name: labels} in one case's label maps (nnU-Net's
-    `compute_metrics`, no ignore label): a structure's voxels are those labelled with any of its labels.
-
-    Example:
-    ```python
-    structure_dice(prediction, reference, {"1": [1], "2": [2], "tumour": [1, 2]})
-    ```
-    """
-    if prediction.shape != reference.shape:
-        raise DataError(f"prediction shape {prediction.shape} differs from reference shape {reference.shape}")
-    highest = max(max(labels) for labels in structures.values())
-    if prediction.size:
-        highest = max(highest, int(prediction.max()), int(reference.max()))
-    return _dice_from_confusion(confusion_matrix(prediction, reference, highest + 1), structures)
-
-
 def case_dice(
     prediction_path: str | Path,
     reference_path: str | Path,
@@ -249,24 +211,7 @@ def case_dice(
     num_classes = max(int(c) for c in class_labels) + 1
     prediction = _read_labels(prediction_path, num_classes)
     reference = _read_reference(reference_path, num_classes, prediction.shape)
-    return _dice_from_confusion(confusion_matrix(prediction, reference, num_classes), structures)
-
-
-def _nanmean(values) -> float:
-    """np.nanmean without its warning: the mean of the non-NaN values, NaN when there are none."""
-    values = np.asarray(list(values), np.float64)
-    finite = values[~np.isnan(values)]
-    return float(finite.mean()) if finite.size else math.nan
-
-
-def dice_summary(per_case: Sequence[Mapping[str, float]]) -> dict:
-    """nnU-Net's `compute_metrics_on_folder` means: {"mean": {structure: mean over cases, NaN left out (nanmean)},
-    "foreground_mean": the ordinary mean of those means (np.mean, so one structure with no finite Dice makes it
-    NaN)}. Structures are those of the first case."""
-    names = list(per_case[0]) if per_case else []
-    means = {name: _nanmean(case[name] for case in per_case) for name in names}
-    foreground_mean = float(np.mean(list(means.values()))) if means else math.nan
-    return {"mean": means, "foreground_mean": foreground_mean}
+    return dice_from_confusion(confusion_matrix(prediction, reference, num_classes), structures)
 
 
 # ---------------------------------------------------------------- choosing by out-of-fold Dice
@@ -338,7 +283,7 @@ def _read_reference(path: Path, num_classes: int, shape) -> np.ndarray:
 
 
 def _case_id(path: Path) -> str:
-    from tfmis.data.image_io import strip_image_suffix
+    from tfmis.data.sources.image_io import strip_image_suffix
 
     return strip_image_suffix(path)
 
@@ -455,7 +400,7 @@ class _OutOfFoldCases:
 
     def summary(self, confusions, names) -> dict:
         """nnU-Net's means (`dice_summary`) of the structures `names` over the cases' `confusions`."""
-        return dice_summary([_dice_from_confusion(c, names) for c in confusions])
+        return dice_summary([dice_from_confusion(c, names) for c in confusions])
 
     def try_step(self, step: Step, name: str) -> tuple[list[np.ndarray], dict, dict, dict]:
         """(each case's confusion with `step` added to the kept ones, Dice before, after, the report entry)."""
@@ -538,8 +483,8 @@ def _final_scores(oof: _OutOfFoldCases, scored: dict) -> dict:
         {
             "case": _case_id(prediction_path),
             "prediction": str(prediction_path),
-            "before": {k: _json_number(v) for k, v in _dice_from_confusion(was, oof.structures).items()},
-            "after": {k: _json_number(v) for k, v in _dice_from_confusion(now, oof.structures).items()},
+            "before": {k: _json_number(v) for k, v in dice_from_confusion(was, oof.structures).items()},
+            "after": {k: _json_number(v) for k, v in dice_from_confusion(now, oof.structures).items()},
         }
         for (prediction_path, _), was, now in zip(oof.pairs, oof.baseline, oof.current)
     ]
@@ -548,7 +493,7 @@ def _final_scores(oof: _OutOfFoldCases, scored: dict) -> dict:
 
 def _write_postprocessed(pairs, spec: PostprocessingConfig, folder: Path, read) -> None:
     """Each prediction with `spec` applied, written to `folder` under its own name with its affine and header."""
-    from tfmis.data.image_io import read_geometry
+    from tfmis.data.sources.image_io import read_geometry
 
     for prediction_path, _ in pairs:
         labels = apply_postprocessing(read(prediction_path), spec)

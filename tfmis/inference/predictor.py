@@ -38,10 +38,10 @@ import nibabel as nib
 import numpy as np
 import tensorflow as tf
 
-from tfmis.data.image_io import output_suffix, read_geometry
-from tfmis.data.msd import CaseError, load_image
 from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
 from tfmis.data.records import load_training_data_info
+from tfmis.data.sources.errors import CaseError
+from tfmis.data.sources.image_io import load_image, output_suffix, read_geometry
 from tfmis.errors import DataError, UsageError
 from tfmis.hardware import CPU, accelerator_device, model_parallel_devices, peak_rss_mb, reset_peak_rss
 from tfmis.inference.buffers import check_buffer_dtype
@@ -141,8 +141,8 @@ class ScanPredictor:
         """Predicts one image and writes its label map `<case_id><suffix>` in the input's format and geometry (an
         `.mha` input gives an `.mha` with its direction, origin and spacing; a NIfTI keeps its header), and with
         `probabilities` `<case_id>_probabilities.nii.gz` (NIfTI whatever the input: uint8 scaled, one channel per
-        class or region). A DICOM series folder (`case.series`) is read by `tfmis.data.dicom_series` and its label
-        map written as `<case_id>.nii.gz`, or with `output_format` "dicom-seg" as `<case_id>.seg.dcm`, a DICOM SEG
+        class or region). A DICOM series folder (`case.series`) is read by `tfmis.data.sources.dicom_series` and its
+        label map written as `<case_id>.nii.gz`, or with `output_format` "dicom-seg" as `<case_id>.seg.dcm`, a DICOM SEG
         referencing the series (`tfmis.inference.dicom_seg`).
 
         The label map is postprocessed (`postprocessing`) before it is written and scored; the probabilities are

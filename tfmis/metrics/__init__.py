@@ -1,6 +1,7 @@
 """Full-volume segmentation metrics: per-class and per-region Dice, HD95, NSD and a validation accumulator, in
 bounded memory (label maps as stored, slab-wise counts, one structure's masks at a time inside its box, one pair of
-surface distances for HD95 and NSD).
+surface distances for HD95 and NSD). nnU-Net's Dice and its means, which cross-validation's choices use, are
+`tfmis.metrics.nnunet_scores`.
 
 Example:
 ```python

@@ -20,8 +20,8 @@ or from a shell: `python -m tfmis.plan --source-dir data/Task09_Spleen`.
 """
 
 from tfmis.planning.api import plan_dataset, plan_dataset_stages, replan_with_cached_gpu_fit
-from tfmis.planning.data_steps import default_dataset_dir, default_output_dir
 from tfmis.planning.fingerprint import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, has_conversion
+from tfmis.planning.inputs import default_dataset_dir, default_output_dir
 from tfmis.planning.plan_file import Plan
 from tfmis.planning.planner import ExperimentPlanner, make_plan
 

@@ -18,8 +18,8 @@ import sys
 from collections.abc import Callable
 
 from tfmis.hardware import Hardware, detect_hardware
-from tfmis.planning.data_steps import default_dataset_dir, default_output_dir
 from tfmis.planning.fingerprint import DatasetFingerprint, fingerprint_from_conversion, fingerprint_msd, has_conversion
+from tfmis.planning.inputs import default_dataset_dir, default_output_dir
 from tfmis.planning.plan_file import Plan
 from tfmis.planning.planner import make_plan
 from tfmis.planning.stages import StagedPlan, plan_stages

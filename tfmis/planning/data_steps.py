@@ -4,24 +4,13 @@ planned from (for a cascade's fine stage: of the labels' boxes, `roi_median_shap
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from tfmis.planning.decisions import DataDecision, Settings
 from tfmis.planning.fingerprint import DatasetFingerprint
+from tfmis.planning.inputs import PlanningInputs
 from tfmis.planning.plan_file import fmt_shape
 from tfmis.planning.rules import target_spacing
-
-
-def default_dataset_dir(source_dir: str | Path) -> str:
-    """Where a plan converts an MSD folder to: `<parent>/<folder>_tfrecords` (next to it, never inside it)."""
-    source = Path(source_dir)
-    return str(source.parent / f"{source.name}_tfrecords")
-
-
-def default_output_dir(source_dir: str | Path) -> str:
-    return str(Path("runs") / Path(source_dir).name)
 
 
 def normalisation_lines(fingerprint: DatasetFingerprint) -> list[str]:
@@ -55,18 +44,21 @@ def roi_median_shape(fingerprint: DatasetFingerprint, spacing, margin_mm: float)
 
 
 class DataSteps:
-    """`ExperimentPlanner`'s data and conversion step (the planner's attributes: `ExperimentPlanner.__init__`)."""
+    """`ExperimentPlanner`'s data and conversion step, from the planner's `inputs` alone."""
+
+    def __init__(self, inputs: PlanningInputs):
+        self.inputs = inputs
 
     def determine_data(self) -> DataDecision:
         """Source and target folders, target spacing (nnU-Net's rule, or the fixed one), CT window and
         normalisation, split, shards; the median shape at the target spacing."""
         from tfmis.data.folds import assign_splits
 
-        fp = self.fp
+        fp = self.inputs.fp
         out = Settings()
-        out.set("data.source_dir", str(self.source_dir), "the dataset folder this plan was made from")
-        out.set("data.dataset_dir", str(self.dataset_dir), "converted TFRecords (written on first use)")
-        spacing, spacing_reason = self.fixed_spacing or target_spacing(fp.spacings, fp.crop_shapes)
+        out.set("data.source_dir", str(self.inputs.source_dir), "the dataset folder this plan was made from")
+        out.set("data.dataset_dir", str(self.inputs.dataset_dir), "converted TFRecords (written on first use)")
+        spacing, spacing_reason = self.inputs.fixed_spacing or target_spacing(fp.spacings, fp.crop_shapes)
         spacing = [float(round(s, 4)) for s in spacing]
         out.set("data.conversion.spacing", spacing, spacing_reason + " (mm, R,A,S)")
         norm = normalisation_lines(fp)
@@ -91,22 +83,22 @@ class DataSteps:
                 "CT after clipping: minus the labelled-foreground mean, over its std, both over all training "
                 "cases (nnU-Net's CTNormalization; the conversion measures them)",
             )
-        ids = assign_splits(list(fp.case_ids), self.split, None, self.seed)
+        ids = assign_splits(list(fp.case_ids), self.inputs.split, None, self.inputs.seed)
         n_train = len(ids["train"])
         out.set(
             "data.conversion.split",
-            list(self.split),
+            list(self.inputs.split),
             f"train/val/test: {n_train}/{len(ids['val'])}/{len(ids.get('test', []))} cases (or folds: 5 as nnU-Net)",
         )
         shards = max(1, min(8, n_train // 4))
         out.set("data.conversion.shards", shards, f"about 4 training cases per shard ({n_train} training cases)")
         median_shape = fp.median_shape_at(spacing)
-        if self.roi_margin_mm is not None:
-            median_shape = roi_median_shape(fp, spacing, self.roi_margin_mm)
+        if self.inputs.roi_margin_mm is not None:
+            median_shape = roi_median_shape(fp, spacing, self.inputs.roi_margin_mm)
             out.set(
                 "data.conversion.crop_to_label_mm",
-                float(self.roi_margin_mm),
-                f"the fine stage trains on the labels' box grown by {self.roi_margin_mm:g} mm per side, the "
+                float(self.inputs.roi_margin_mm),
+                f"the fine stage trains on the labels' box grown by {self.inputs.roi_margin_mm:g} mm per side, the "
                 f"region the coarse stage cuts at prediction (median {fmt_shape(median_shape)} voxels)",
             )
         return DataDecision(

@@ -74,9 +74,10 @@ class ParallelDecision(Decision):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NetworkDecision(Decision):
-    """`determine_network`: the filters per level."""
+    """`determine_network`: the filters per level and the residual units per block."""
 
     filters: list
+    num_res_units: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,9 +33,10 @@ import numpy as np
 
 from tfmis.data import case_stats
 from tfmis.data.case_pool import FINGERPRINT_PEAK_FACTOR, CasePool
-from tfmis.data.datasets import open_dataset
-from tfmis.data.msd import CT_MODALITIES, CaseError, DatasetError, load_case
 from tfmis.data.preprocess import foreground_mask, reorient_to_ras, spacing_of
+from tfmis.data.sources.cases import CT_MODALITIES, load_case
+from tfmis.data.sources.errors import CaseError, DatasetError
+from tfmis.data.sources.layouts import open_dataset
 from tfmis.errors import MissingInput
 
 

@@ -12,11 +12,11 @@ per-axis strides by nnU-Net's pooling rule, filters, instance norm), crops (clas
 oversample classes under 1% of the voxels), batch size, cache, loss, optimizer, training length,
 precision and XLA, validation (roi = patch, sliding-window batch, overlap, placement).
 
-The steps are grouped by what they decide, each group a class `ExperimentPlanner` inherits: `data_steps.DataSteps`
-(conversion), `topology.TopologySteps` (patch, model parallelism, network), `training_steps.TrainingSteps` (batch,
-sampling, schedule, validation, cascade, runtime); what they return is in `decisions`. This module holds the
-planner's arguments, the order of the steps, the plan file's header and `make_plan`; the names of the step
-modules it had before are importable from here too. No TensorFlow is imported.
+The steps are grouped by what they decide, each group an object `ExperimentPlanner` builds from its resolved
+arguments (`inputs.PlanningInputs`) and calls: `data_steps.DataSteps` (conversion), `topology.TopologySteps` (patch,
+model parallelism, network), `training_steps.TrainingSteps` (batch, sampling, schedule, validation, cascade,
+runtime); what they return is in `decisions`. This module holds the order of the steps, the plan file's header and
+`make_plan`. No TensorFlow is imported.
 
 Example:
 ```python
@@ -34,15 +34,8 @@ from __future__ import annotations
 import datetime
 import textwrap
 
-from tfmis.errors import UsageError
-from tfmis.hardware import MAX_CASE_WORKERS, Hardware, recommended_precision
-from tfmis.planning.data_steps import (
-    DataSteps,
-    default_dataset_dir,
-    default_output_dir,
-    normalisation_lines,
-    roi_median_shape,
-)
+from tfmis.hardware import MAX_CASE_WORKERS, Hardware
+from tfmis.planning.data_steps import DataSteps
 from tfmis.planning.decisions import (
     BatchDecision,
     DataDecision,
@@ -52,75 +45,23 @@ from tfmis.planning.decisions import (
     ParallelDecision,
     PatchDecision,
     ScheduleDecision,
-    Setting,
-    Settings,
 )
 from tfmis.planning.fingerprint import DatasetFingerprint
-from tfmis.planning.plan_file import SECTIONS, Plan, fmt_shape, fmt_stride, format_value
+from tfmis.planning.inputs import PlanningInputs
+from tfmis.planning.plan_file import Plan, fmt_shape
 from tfmis.planning.rules import fmt_mm
-from tfmis.planning.topology import (
-    CPU_FILTERS,
-    CPU_PATCH_VOXELS,
-    GPU_FILTERS,
-    GPU_MEMORY_TARGET_MB,
-    SPATIAL_OVERHEAD,
-    TopologySteps,
-)
-from tfmis.planning.training_steps import (
-    CPU_TRAINING_STEPS,
-    CPU_VALIDATIONS,
-    DATASET_COVERAGE,
-    GPU_EPOCHS,
-    GPU_STEPS_PER_EPOCH,
-    GPU_VALIDATIONS,
-    SMALL_CLASS_FRACTION,
-    TrainingSteps,
-)
-
-# the names this module had before its steps and decisions moved out, still imported from here
-__all__ = [
-    "CPU_FILTERS",
-    "CPU_PATCH_VOXELS",
-    "CPU_TRAINING_STEPS",
-    "CPU_VALIDATIONS",
-    "DATASET_COVERAGE",
-    "GPU_EPOCHS",
-    "GPU_FILTERS",
-    "GPU_MEMORY_TARGET_MB",
-    "GPU_STEPS_PER_EPOCH",
-    "GPU_VALIDATIONS",
-    "SECTIONS",
-    "SMALL_CLASS_FRACTION",
-    "SPATIAL_OVERHEAD",
-    "BatchDecision",
-    "DataDecision",
-    "Decision",
-    "Decisions",
-    "ExperimentPlanner",
-    "NetworkDecision",
-    "ParallelDecision",
-    "PatchDecision",
-    "Plan",
-    "ScheduleDecision",
-    "Setting",
-    "Settings",
-    "default_dataset_dir",
-    "default_output_dir",
-    "fmt_shape",
-    "fmt_stride",
-    "format_value",
-    "make_plan",
-    "normalisation_lines",
-    "roi_median_shape",
-]
+from tfmis.planning.topology import TopologySteps
+from tfmis.planning.training_steps import TrainingSteps
 
 
-class ExperimentPlanner(DataSteps, TopologySteps, TrainingSteps):
+class ExperimentPlanner:
     """Plans a training config for a dataset fingerprint on this hardware, as nnU-Net v2's `ExperimentPlanner`:
     `decide()` runs the `determine_*` steps in order, each given the earlier decisions it needs and returning its
     own (a `Decision`: its config keys with their reasons, and the values later steps read); `plan()` records them
     on a `Plan`. The steps leave nothing on the planner, so each can be called alone. Subclass and override one
-    step to change one decision (e.g. `determine_patch` for another patch budget) and keep the rest.
+    step to change one decision (e.g. `determine_patch` for another patch budget) and keep the rest. Each step is
+    computed by one of three step objects built from `inputs` (the arguments below, resolved): `data_steps`,
+    `topology` and `training`.
 
     Args:
         fingerprint: a `DatasetFingerprint` (first pass or conversion).
@@ -144,46 +85,57 @@ class ExperimentPlanner(DataSteps, TopologySteps, TrainingSteps):
             (`tfmis.crossval.pilot`).
     """
 
-    def __init__(
-        self,
-        fingerprint: DatasetFingerprint,
-        hardware: Hardware,
-        *,
-        source_dir: str | None = None,
-        dataset_dir: str | None = None,
-        output_dir: str | None = None,
-        gpu_fit: dict | None = None,
-        split=(0.7, 0.15, 0.15),
-        seed: int = 0,
-        spacing: tuple | None = None,
-        roi_margin_mm: float | None = None,
-        coarse_run: str | None = None,
-        training_share: float = 1.0,
-        max_minutes: float | None = None,
-        cpu_patch_voxels: int = CPU_PATCH_VOXELS,
-    ):
-        self.source_dir = source_dir or fingerprint.source_dir
-        if self.source_dir is None:
-            raise ValueError("make_plan: source_dir is unknown (the fingerprint does not name its MSD folder); pass it")
-        if max_minutes is not None and round(float(max_minutes), 2) <= 0:
-            total = max_minutes / training_share if training_share > 0 else max_minutes
-            part = f"this stage's {training_share:.0%} share is" if training_share < 1 else "that is"
-            raise UsageError(
-                f"max_minutes {total:g} (--max-minutes, training.max_minutes): {part} {round(float(max_minutes), 2):g} "
-                f"minutes of training in hundredths of a minute; give at least {0.01 / min(training_share, 1):.2g} "
-                f"minutes, or no time budget"
-            )
-        self.dataset_dir = dataset_dir or default_dataset_dir(self.source_dir)
-        self.output_dir = output_dir or default_output_dir(self.source_dir)
-        self.fp, self.hardware, self.gpu_fit, self.split, self.seed = fingerprint, hardware, gpu_fit, split, seed
-        self.gpu = hardware.has_gpu
-        self.in_channels, self.num_classes = len(fingerprint.modalities), len(fingerprint.labels)
-        self.precision, self.precision_reason = recommended_precision(hardware)
-        if hardware.target_given and hardware.has_gpu and hardware.compute_capability is None:
-            self.precision_reason += " (name the target's GPU with --gpu, e.g. --gpu A100-80GB, to plan its precision)"
-        self.fixed_spacing, self.roi_margin_mm, self.coarse_run = spacing, roi_margin_mm, coarse_run
-        self.training_share, self.max_minutes = training_share, max_minutes
-        self.cpu_patch_voxels = int(cpu_patch_voxels)
+    def __init__(self, fingerprint: DatasetFingerprint, hardware: Hardware, **arguments):
+        self.inputs = PlanningInputs.resolve(fingerprint, hardware, **arguments)
+        self.data_steps = DataSteps(self.inputs)
+        self.topology = TopologySteps(self.inputs)
+        self.training = TrainingSteps(self.inputs)
+
+    # ------------------------------------------------------------------ the steps, in the order `decide` runs them
+
+    def determine_data(self) -> DataDecision:
+        """`DataSteps.determine_data`: folders, target spacing, normalisation, split, shards, the median shape."""
+        return self.data_steps.determine_data()
+
+    def determine_patch(self, data: DataDecision) -> PatchDecision:
+        """`TopologySteps.determine_patch`: the patch the target's budget holds."""
+        return self.topology.determine_patch(data)
+
+    def determine_model_parallel(self, data: DataDecision, patch: PatchDecision) -> ParallelDecision:
+        """`TopologySteps.determine_model_parallel`: a spatial split when one GPU cannot hold a sensible patch."""
+        return self.topology.determine_model_parallel(data, patch)
+
+    def determine_network(self, patch: PatchDecision) -> NetworkDecision:
+        """`TopologySteps.determine_network`: filters, strides, residual units, norm."""
+        return self.topology.determine_network(patch)
+
+    def determine_batch(
+        self, data: DataDecision, patch: PatchDecision, network: NetworkDecision, parallel: ParallelDecision
+    ) -> BatchDecision:
+        """`TrainingSteps.determine_batch`: images per step."""
+        return self.training.determine_batch(data, patch, network, parallel)
+
+    def determine_sampling(self, data: DataDecision, patch: PatchDecision) -> Decision:
+        """`TrainingSteps.determine_sampling`: crops, class ratios, cache, quarter turns."""
+        return self.training.determine_sampling(data, patch)
+
+    def determine_schedule(self, data: DataDecision, batch: BatchDecision) -> ScheduleDecision:
+        """`TrainingSteps.determine_schedule`: loss, optimizer, training length or time budget, precision, XLA."""
+        return self.training.determine_schedule(data, batch)
+
+    def determine_validation(
+        self, data: DataDecision, patch: PatchDecision, network: NetworkDecision, schedule: ScheduleDecision
+    ) -> Decision:
+        """`TrainingSteps.determine_validation`: the window, its batch, overlap, placement and interval."""
+        return self.training.determine_validation(data, patch, network, schedule)
+
+    def determine_cascade(self) -> Decision:
+        """`TrainingSteps.determine_cascade`: a cascade's fine stage (its coarse run and margin), else nothing."""
+        return self.training.determine_cascade()
+
+    def determine_runtime(self) -> Decision:
+        """`TrainingSteps.determine_runtime`: the runtime settings (oneDNN)."""
+        return self.training.determine_runtime()
 
     def decide(self) -> Decisions:
         """Every step in order, each given the earlier decisions it needs."""
@@ -216,7 +168,7 @@ class ExperimentPlanner(DataSteps, TopologySteps, TrainingSteps):
         plan = Plan()
         for decision in decisions.in_order():
             decision.record(plan)
-        hardware = self.hardware
+        hardware = self.inputs.hardware
         plan.set(
             "planning.planned_for",
             hardware.planned_for(),
@@ -230,7 +182,7 @@ class ExperimentPlanner(DataSteps, TopologySteps, TrainingSteps):
 
     def describe(self, decisions: Decisions) -> tuple[list[str], dict]:
         """(the plan file's header: fingerprint, hardware, input parallelism; the numbers behind the plan)."""
-        fp, hardware, data = self.fp, self.hardware, decisions.data
+        fp, hardware, data = self.inputs.fp, self.inputs.hardware, decisions.data
         fractions_text = ", ".join(f"{name} {100 * f:.3g}%" for name, f in zip(fp.labels, fp.class_fraction))
         parallel = (
             f"{hardware.cpu_count} cores: the conversion uses {max(1, min(hardware.cpu_count, MAX_CASE_WORKERS))} "

@@ -46,13 +46,13 @@ import numpy as np
 from tfmis.data.boxes import box_voxels, clip_box, grow_box, merge_boxes, pad_box
 from tfmis.errors import UsageError
 from tfmis.hardware import Hardware
-from tfmis.planning.data_steps import default_dataset_dir, default_output_dir, roi_median_shape
+from tfmis.planning.data_steps import roi_median_shape
 from tfmis.planning.decisions import Decisions
 from tfmis.planning.fingerprint import DatasetFingerprint
+from tfmis.planning.inputs import default_dataset_dir, default_output_dir
 from tfmis.planning.plan_file import Plan, fmt_shape
 from tfmis.planning.planner import ExperimentPlanner
 from tfmis.planning.rules import LOWRES_COVERAGE, equivalent_diameter_mm, fmt_mm, lowres_spacing, patch_coverage
-from tfmis.planning.topology import CPU_PATCH_VOXELS
 
 MIN_VOXELS_ACROSS = 10.0  # the smallest structure at least this many low-resolution voxels across: lowres suffices
 CASCADE_MARGIN_MM = 20.0  # kept around the coarse stage's box (and the labels' box in training)
@@ -87,6 +87,7 @@ class StagedPlan:
     gpu_fitted: bool = False
     candidates: dict[str, list[tuple[str, Plan]]] = dataclasses.field(default_factory=dict)
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    candidates_file: Path | None = None  # where `write` put the candidates file (`candidates_path`)
 
     def __post_init__(self):
         if not self.candidates:
@@ -113,15 +114,19 @@ class StagedPlan:
         return [(name, Path(plan.values["output.dir"]) / "plan.yaml") for name, plan in stages]
 
     def candidates_path(self) -> Path:
-        return Path(self.output_dir) / CANDIDATES_FILE
+        """The candidates file: beside the plan file `write` was given, else `<output_dir>/candidates.yaml`."""
+        return self.candidates_file or Path(self.output_dir) / CANDIDATES_FILE
 
     def write(self, path: str | Path | None = None) -> Path:
-        """Writes every candidate stage's `plan.yaml` into its run folder, the candidates file
-        (`<output_dir>/candidates.yaml`, a stages file naming them all: `tfmis-crossval --config` on it compares
-        them) and the recommended configuration's plan at `path` (default `<output_dir>/plan.yaml`): the plain config
-        of the single candidate, else a stages file naming the recommended configuration's stages. Returns the file
-        to train with (`--config`)."""
+        """Writes every candidate stage's `plan.yaml` into its run folder, the candidates file (a stages file naming
+        them all: `tfmis-crossval --config` on it compares them; beside `path` when given, else
+        `<output_dir>/candidates.yaml`) and the recommended configuration's plan at `path` (default
+        `<output_dir>/plan.yaml`): the plain config of the single candidate, else a stages file naming the
+        recommended configuration's stages. Returns the file to train with (`--config`)."""
         from tfmis.config import write_stages
+
+        if path is not None:  # a plan file the user named: nothing of it goes into a folder they did not name
+            self.candidates_file = Path(path).parent / CANDIDATES_FILE
 
         if self.single:
             plan_path = self.final.write(path or self.stage_paths()[0][1])
@@ -194,54 +199,55 @@ class StagePlanner:
 
     Args:
         fingerprint, hardware: as `ExperimentPlanner`.
-        source_dir, dataset_dir, output_dir, gpu_fit, split, seed: as `ExperimentPlanner`. With one candidate it
-            trains in `output_dir` and converts to `dataset_dir`; with several, each stage has its own run folder:
-            `<output_dir>/fullres` (converting to `<dataset_dir>`), `<output_dir>/lowres` (to `<dataset_dir>_lowres`;
-            the lowres candidate and the cascade's coarse stage), `<output_dir>/cascade` (the cascade's fine stage,
-            to `<dataset_dir>_roi`).
-        max_minutes: a wall-clock training budget (null: the step budget only); a recommended cascade's stages share
-            it.
         configuration: force the recommendation, "fullres", "lowres" or "cascade" (the numbers are still written);
             one that is not a candidate is refused (`UsageError`).
         configuration_reason: why `configuration` was forced (default "forced (--configuration)"; a pilot's result).
-        cpu_patch_voxels: a CPU plan's patch voxel target (`ExperimentPlanner`'s; default 48^3).
         gpu_fit_for: `config -> the GPU-fit search's measured values for it, or None`: each stage whose config has
             a measurement is planned again with it (`ExperimentPlanner`'s `gpu_fit`).
+        **planning: `ExperimentPlanner`'s arguments (`PlanningInputs.resolve`), for every stage: a new planning
+            argument reaches the stages without a change here. `dataset_dir`, `output_dir`, `gpu_fit` and
+            `max_minutes` are the full-resolution stage's: with one candidate it trains in `output_dir` and converts
+            to `dataset_dir`; with several, each stage has its own run folder: `<output_dir>/fullres` (converting to
+            `<dataset_dir>`), `<output_dir>/lowres` (to `<dataset_dir>_lowres`; the lowres candidate and the
+            cascade's coarse stage), `<output_dir>/cascade` (the cascade's fine stage, to `<dataset_dir>_roi`); a
+            recommended cascade's stages share `max_minutes`. The stage arguments this planner sets itself
+            (`spacing`, `roi_margin_mm`, `coarse_run`, `training_share`) are refused (`TypeError`).
     """
+
+    # ExperimentPlanner's arguments set per stage here, and those given for the full-resolution stage only
+    STAGE_ARGUMENTS = ("spacing", "roi_margin_mm", "coarse_run", "training_share")
+    FULLRES_ARGUMENTS = ("dataset_dir", "output_dir", "gpu_fit", "max_minutes")
 
     def __init__(
         self,
         fingerprint: DatasetFingerprint,
         hardware: Hardware,
         *,
-        source_dir: str | None = None,
-        dataset_dir: str | None = None,
-        output_dir: str | None = None,
-        gpu_fit: dict | None = None,
-        split=(0.7, 0.15, 0.15),
-        seed: int = 0,
-        max_minutes: float | None = None,
         configuration: str | None = None,
         gpu_fit_for: Callable[..., dict | None] | None = None,
         configuration_reason: str | None = None,
-        cpu_patch_voxels: int = CPU_PATCH_VOXELS,
+        **planning,
     ):
         if configuration not in (None, *CONFIGURATIONS):
             raise UsageError(
                 f"configuration must be one of {', '.join(CONFIGURATIONS)} (or None), got {configuration!r}"
             )
+        taken = sorted(set(planning) & set(self.STAGE_ARGUMENTS))
+        if taken:
+            raise TypeError(f"StagePlanner sets {', '.join(taken)} per stage itself; do not pass them")
         self.fp, self.hardware = fingerprint, hardware
-        self.source_dir = source_dir or fingerprint.source_dir
-        self.dataset_dir = dataset_dir or (default_dataset_dir(self.source_dir) if self.source_dir else None)
-        self.output_dir = output_dir or (default_output_dir(self.source_dir) if self.source_dir else None)
-        self.common = {
-            "source_dir": self.source_dir,
-            "split": split,
-            "seed": seed,
-            "cpu_patch_voxels": cpu_patch_voxels,
-        }
+        self.source_dir = planning.get("source_dir") or fingerprint.source_dir
+        self.dataset_dir = planning.get("dataset_dir") or (
+            default_dataset_dir(self.source_dir) if self.source_dir else None
+        )
+        self.output_dir = planning.get("output_dir") or (
+            default_output_dir(self.source_dir) if self.source_dir else None
+        )
+        self.common = {k: v for k, v in planning.items() if k not in self.FULLRES_ARGUMENTS}
+        self.common["source_dir"] = self.source_dir
         self.forced_reason = configuration_reason or "forced (--configuration)"
-        self.gpu_fit, self.max_minutes, self.forced = gpu_fit, max_minutes, configuration
+        self.gpu_fit, self.max_minutes = planning.get("gpu_fit"), planning.get("max_minutes")
+        self.forced = configuration
         self.gpu_fit_for = gpu_fit_for
 
     def plan(self) -> StagedPlan:

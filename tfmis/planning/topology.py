@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 
 from tfmis.errors import ResourceError
-from tfmis.hardware import GPU_RESERVED_MB
 from tfmis.networks.slab_geometry import slab_bounds
 from tfmis.planning.decisions import DataDecision, NetworkDecision, ParallelDecision, PatchDecision, Settings
+from tfmis.planning.inputs import CPU_PATCH_VOXELS, GPU_MEMORY_SHARE, PlanningInputs
 from tfmis.planning.plan_file import fmt_shape
 from tfmis.planning.rules import (
     INITIAL_PATCH_VOXELS,
@@ -22,15 +22,8 @@ from tfmis.planning.rules import (
     training_memory_mb,
 )
 
-# CPU: patches of at most 48^3 voxels and 1000 steps, so that the small network trains in about ten minutes on 2
-# cores (its step time at batch 2: docs/benchmarks.md, "First epoch, precision and other costs")
-CPU_PATCH_VOXELS = 48**3
 CPU_FILTERS = (8, 128)  # first level, cap (the demo recipe's 8, 16, 32, 64)
 GPU_FILTERS = (32, 320)  # nnU-Net
-# a training step's budget on a GPU: this share of its memory after GPU_RESERVED_MB (CUDA's context and libraries).
-# The target GPU's memory (detected, or --gpu-memory / --gpu) sets the patch and the batch from it, as nnU-Net v2's
-# `gpu_memory_target_in_gb` sets both from its reference
-GPU_MEMORY_SHARE = 0.85
 # nnU-Net v2's default `gpu_memory_target_in_gb` (8): its patch there is the smallest a GPU plan trains before it
 # splits the model over several GPUs (one GPU whose budget holds it never splits)
 GPU_MEMORY_TARGET_MB = 8 * 1024
@@ -56,13 +49,11 @@ def _filters(levels: int, first: int, cap: int) -> list[int]:
 
 
 class TopologySteps:
-    """`ExperimentPlanner`'s patch, model-parallel and network steps, and the budget they share (the planner's
-    attributes: `ExperimentPlanner.__init__`)."""
+    """`ExperimentPlanner`'s patch, model-parallel and network steps and the memory model they share, from the
+    planner's `inputs` alone."""
 
-    def gpu_budget_mb(self) -> float:
-        """A training step's memory on one of the target's GPUs: `GPU_MEMORY_SHARE` of its memory after
-        `GPU_RESERVED_MB` (the patch at batch 2, then the batch, are planned within it)."""
-        return GPU_MEMORY_SHARE * ((self.hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB)
+    def __init__(self, inputs: PlanningInputs):
+        self.inputs = inputs
 
     def _training_mb(self, patch, strides) -> dict:
         """The planner's memory model (`training_memory_mb`) of its network at `patch`, batch 2."""
@@ -72,36 +63,36 @@ class TopologySteps:
             strides,
             _filters(len(strides), first, cap),
             self.num_res_units(),
-            self.in_channels,
-            self.num_classes,
+            self.inputs.in_channels,
+            self.inputs.num_classes,
             2,
-            self.precision,
+            self.inputs.precision,
         )
 
     def patch_budget(self):
         """(fits(patch, strides) -> bool, the budget in words): the memory the target affords a training step at
         batch 2 (a GPU: `gpu_budget_mb`, 85% of its memory after 1 GB for CUDA; a CPU: `cpu_patch_voxels`, default
         `CPU_PATCH_VOXELS`, and half the available RAM)."""
-        if self.gpu:
-            target_mb = self.gpu_budget_mb()
-            memory_gb = (self.hardware.gpu_memory_mb or 16 * 1024) / 1024
+        if self.inputs.gpu:
+            target_mb = self.inputs.gpu_budget_mb()
+            memory_gb = (self.inputs.hardware.gpu_memory_mb or 16 * 1024) / 1024
             return (
                 lambda patch, strides: self._training_mb(patch, strides)["total_mb"] <= target_mb,
                 f"an estimated training peak of at most {target_mb / 1024:.1f} GB at batch 2 "
                 f"({GPU_MEMORY_SHARE:.0%} of the target GPU's {memory_gb:.0f} GB after 1 GB for CUDA: the GPU sets "
                 "the patch, as nnU-Net's gpu_memory_target)",
             )
-        available = self.hardware.host_available_mb
+        available, voxels = self.inputs.hardware.host_available_mb, self.inputs.cpu_patch_voxels
         memory_cap = 0.5 * available if available else float("inf")
         return (
             lambda patch, strides: (
-                int(np.prod(patch)) <= self.cpu_patch_voxels
+                int(np.prod(patch)) <= self.inputs.cpu_patch_voxels
                 and self._training_mb(patch, strides)["total_mb"] <= memory_cap
             ),
             (
                 f"a CPU target of {CPU_PATCH_VOXELS:,} voxels (48^3: a training step of ~0.3 s on 2 cores, measured)"
-                if self.cpu_patch_voxels == CPU_PATCH_VOXELS
-                else f"a CPU target of {self.cpu_patch_voxels:,} voxels (given: cpu_patch_voxels, e.g. a pilot's)"
+                if voxels == CPU_PATCH_VOXELS
+                else f"a CPU target of {voxels:,} voxels (given: cpu_patch_voxels, e.g. a pilot's)"
             )
             + (
                 f" and an estimated training peak of at most {memory_cap:.0f} MB (half the available)"
@@ -112,11 +103,11 @@ class TopologySteps:
 
     def _no_patch_fits(self, patch, budget_text: str) -> str:
         """The line for a budget no trainable patch fits: the memory planned for, and how to plan for more."""
-        if self.gpu:
-            memory = f"{(self.hardware.gpu_memory_mb or 16 * 1024) / 1024:.1f} GB of GPU memory"
+        if self.inputs.gpu:
+            memory = f"{(self.inputs.hardware.gpu_memory_mb or 16 * 1024) / 1024:.1f} GB of GPU memory"
             fix = "plan for a larger GPU (--gpu-memory 24GB)"
         else:
-            memory = f"{self.hardware.host_available_mb:.0f} MB of available memory (after any cgroup limit)"
+            memory = f"{self.inputs.hardware.host_available_mb:.0f} MB of available memory (after any cgroup limit)"
             fix = (
                 "give this process more memory, or plan here for the machine the training runs on (--host-memory 16GB)"
             )
@@ -127,7 +118,7 @@ class TopologySteps:
 
     def filter_range(self) -> tuple[int, int]:
         """(first level's filters, cap): nnU-Net's 32 to 320 on a GPU; the demo's 8 to 128 on a CPU."""
-        return GPU_FILTERS if self.gpu else CPU_FILTERS
+        return GPU_FILTERS if self.inputs.gpu else CPU_FILTERS
 
     def num_res_units(self) -> int:
         return 2
@@ -148,7 +139,7 @@ class TopologySteps:
         axis; the first that does not fit is shrunk afterwards; doublings). nnU-Net starts from 256^3 voxels, which
         a large GPU can exceed ("this may need to be adapted when using absurdly large GPU memory targets")."""
         initial = initial_patch_size(spacing, shape)
-        if not self.gpu:
+        if not self.inputs.gpu:
             return initial, 0
         whole = [int(m) for m in np.asarray(shape).round().astype(int)]
         voxels, grown = INITIAL_PATCH_VOXELS, 0
@@ -216,10 +207,10 @@ class TopologySteps:
         trains the patch its own memory sets (`determine_patch`, often larger); on a smaller GPU with several of
         them, the fewest N (2, 4, 8) whose busiest GPU holds its slab of that patch take it, and the remaining GPUs
         become data-parallel groups. Per GPU: the weights and the largest slab's activations with their gathered
-        inputs and halos (`_spatial_mb`); the loss is summed slab by slab, so no GPU holds the whole patch's logits
+        inputs and halos (`spatial_mb`); the loss is summed slab by slab, so no GPU holds the whole patch's logits
         (`runtime.model_parallel`, docs/model-parallel.md). The reason says both sides in numbers. Its `patch` is
         `patch`, or the sensible patch (with its strides and divisor) when split."""
-        gpus = len(self.hardware.gpus)
+        gpus = len(self.inputs.hardware.gpus)
 
         def none(why: str) -> ParallelDecision:
             return ParallelDecision(
@@ -228,11 +219,11 @@ class TopologySteps:
                 patch=patch,
             )
 
-        if not self.gpu:
+        if not self.inputs.gpu:
             return none("no GPU (logical CPU devices share the same cores and memory: no gain)")
-        budget = self.gpu_budget_mb()
+        budget = self.inputs.gpu_budget_mb()
         sensible, strides, divisor = self.smallest_sensible_patch(data)
-        full_mb = self._spatial_mb(sensible, strides, 1)[0]
+        full_mb = self.spatial_mb(sensible, strides, 1)[0]
         planned = fmt_shape(patch.patch)
         if full_mb <= budget:
             return none(
@@ -305,7 +296,7 @@ class TopologySteps:
         _, _, a, rows = min(cuts)
         return a, rows
 
-    def _spatial_mb(self, patch, strides, n: int, axis: int | None = None) -> tuple[float, float]:
+    def spatial_mb(self, patch, strides, n: int, axis: int | None = None) -> tuple[float, float]:
         """(estimated training peak at batch 2 of the busiest GPU with the patch split over `n` GPUs, the same on
         one GPU); the split's is infinite when the patch cannot be cut into `n` aligned slabs. The busiest GPU holds
         the weights and the largest slab's activations (`spatial_cut`, along `axis` or the planner's axis) times
@@ -335,7 +326,7 @@ class TopologySteps:
                 break
 
             def fits(p, s, n=n):
-                return self._spatial_mb(p, s, n)[0] <= budget
+                return self.spatial_mb(p, s, n)[0] <= budget
 
             larger, strides, _, _ = shrink_patch(
                 data.spacing, data.median_shape, patch.initial_patch, fits, square=patch.square
@@ -359,14 +350,14 @@ class TopologySteps:
     def _spatial_choice(self, patch, strides, divisor, gpus: int):
         """(N, busiest GPU's MB, axis, rows per slab) of the fewest GPUs (2, 4, 8) whose slabs of `patch` fit the
         budget, or None."""
-        budget = self.gpu_budget_mb()
+        budget = self.inputs.gpu_budget_mb()
         for n in (2, 4, 8):
             if n > gpus:
                 break
             cut = self.spatial_cut(patch, divisor, n)
             if cut is None:
                 break
-            per_device, _ = self._spatial_mb(patch, strides, n)
+            per_device, _ = self.spatial_mb(patch, strides, n)
             if per_device <= budget:
                 return n, per_device, cut[0], cut[1]
         return None
@@ -375,7 +366,7 @@ class TopologySteps:
         """Filters, per-axis strides (nnU-Net's pooling rule, from the patch decision), residual units, norm,
         kernel; on a CPU the layout of the measured CPU recipe (`cpu_network`)."""
         first, cap = self.filter_range()
-        strides, gpu = patch.strides, self.gpu
+        strides, gpu = patch.strides, self.inputs.gpu
         pools = [sum(1 for s in strides if s[a] == 2) for a in range(3)]
         filters = _filters(len(strides), first, cap)
         thin = [a for a in range(3) if strides[1][a] == 1] if len(strides) > 1 else []
@@ -414,7 +405,7 @@ class TopologySteps:
             "3x3x3 at every level (nnU-Net uses 1 along a much coarser axis early on; "
             "tfmis has one kernel size for all levels)",
         )
-        return NetworkDecision(settings=tuple(out), filters=filters)
+        return NetworkDecision(settings=tuple(out), filters=filters, num_res_units=self.num_res_units())
 
     @staticmethod
     def cpu_network(strides, pooling: str) -> Settings:

@@ -19,6 +19,7 @@ from tfmis.planning.decisions import (
     ScheduleDecision,
     Settings,
 )
+from tfmis.planning.inputs import PlanningInputs
 from tfmis.planning.rules import inference_window_mb, training_memory_mb
 
 # CPU: patches of at most 48^3 voxels and 1000 steps, so that the small network trains in about ten minutes on 2
@@ -37,8 +38,11 @@ TRAINING_STEP_FORWARDS = 3
 
 
 class TrainingSteps:
-    """`ExperimentPlanner`'s batch, sampling, schedule, validation, cascade and runtime steps (the planner's
-    attributes: `ExperimentPlanner.__init__`)."""
+    """`ExperimentPlanner`'s batch, sampling, schedule, validation, cascade and runtime steps, from the planner's
+    `inputs` and the decisions each step is given."""
+
+    def __init__(self, inputs: PlanningInputs):
+        self.inputs = inputs
 
     # ------------------------------------------------------------------ batch and sampling
 
@@ -47,23 +51,23 @@ class TrainingSteps:
     ) -> BatchDecision:
         """Images per step: measured (GPU-fit search), estimated from the memory model (GPU), or 2 (CPU); with the
         memory estimate at batch 2."""
-        hardware = self.hardware
+        hardware = self.inputs.hardware
         memory = training_memory_mb(
             patch.patch,
             patch.strides,
             network.filters,
-            self.num_res_units(),
-            self.in_channels,
-            self.num_classes,
+            network.num_res_units,
+            self.inputs.in_channels,
+            self.inputs.num_classes,
             2,
-            self.precision,
+            self.inputs.precision,
         )
-        total_voxels = float(np.prod(self.fp.shapes_at(data.spacing), axis=1).sum())
+        total_voxels = float(np.prod(self.inputs.fp.shapes_at(data.spacing), axis=1).sum())
         coverage_cap = max(2, round(DATASET_COVERAGE * total_voxels / float(np.prod(patch.patch))))
-        if self.gpu and self.gpu_fit:
-            batch = int(self.gpu_fit["num_images_per_batch"])
-            batch_reason = f"measured by the GPU-fit search ({self.gpu_fit.get('source', 'its cache')})"
-        elif self.gpu and parallel.model_parallel is not None:
+        if self.inputs.gpu and self.inputs.gpu_fit:
+            batch = int(self.inputs.gpu_fit["num_images_per_batch"])
+            batch_reason = f"measured by the GPU-fit search ({self.inputs.gpu_fit.get('source', 'its cache')})"
+        elif self.inputs.gpu and parallel.model_parallel is not None:
             # one model over N GPUs: nnU-Net's 2 per model, the data groups make the step's batch
             _, n, groups = parallel.model_parallel
             batch = 2 * groups
@@ -71,8 +75,8 @@ class TrainingSteps:
                 f"2 images per model (nnU-Net's minimum; the patch was sized for it on {n} GPUs) x {groups} "
                 f"data-parallel group(s) (runtime.model_parallel.data)"
             )
-        elif self.gpu:
-            budget = self.gpu_budget_mb() - memory["fixed_mb"]  # the target GPU's budget, which set the patch
+        elif self.inputs.gpu:
+            budget = self.inputs.gpu_budget_mb() - memory["fixed_mb"]  # the target GPU's budget, which set the patch
             fit = max(2, int(budget // memory["per_image_mb"]))
             batch = max(2, min(fit, coverage_cap))
             batch_reason = (
@@ -94,15 +98,15 @@ class TrainingSteps:
 
     def determine_sampling(self, data: DataDecision, patch: PatchDecision) -> Decision:
         """Crops per volume, crop centres per class (small classes oversampled), the cache, quarter turns."""
-        fp, square = self.fp, patch.patch[0] == patch.patch[1]
+        fp, square = self.inputs.fp, patch.patch[0] == patch.patch[1]
         out = Settings()
         out.set(
             "pipeline.num_crops_per_image", 4, "4 crops per volume read (MONAI num_samples): fewer decodes per step"
         )
         fractions = fp.class_fraction
-        small = [i for i in range(1, self.num_classes) if fractions[i] < SMALL_CLASS_FRACTION]
+        small = [i for i in range(1, self.inputs.num_classes) if fractions[i] < SMALL_CLASS_FRACTION]
         if small:
-            ratios = [1] + [2 if i in small else 1 for i in range(1, self.num_classes)]
+            ratios = [1] + [2 if i in small else 1 for i in range(1, self.inputs.num_classes)]
             names = ", ".join(f"{fp.labels[i]} {100 * fractions[i]:.2g}%" for i in small)
             out.set(
                 "pipeline.class_ratios",
@@ -118,8 +122,8 @@ class TrainingSteps:
             )
         volume_voxels = fp.shapes_at(data.spacing).prod(axis=1)
         # float16 image, uint8 label, slack
-        cache_mb = float(volume_voxels.sum()) * (2 * self.in_channels + 1 + 4) / 2**20
-        available = self.hardware.host_available_mb
+        cache_mb = float(volume_voxels.sum()) * (2 * self.inputs.in_channels + 1 + 4) / 2**20
+        available = self.inputs.hardware.host_available_mb
         if cache_mb <= 0.3 * available:
             out.set(
                 "pipeline.cache",
@@ -153,8 +157,8 @@ class TrainingSteps:
         out.set("loss.name", "dice_ce", "Dice + cross-entropy (nnU-Net)")
         out.set("loss.include_background", False, "Dice over the foreground classes")
         steps_per_epoch = max(1, math.ceil(data.n_train * 4 / batch.batch))
-        share = f"{self.training_share:.0%} of " if self.training_share < 1 else ""
-        if self.gpu:
+        share = f"{self.inputs.training_share:.0%} of " if self.inputs.training_share < 1 else ""
+        if self.inputs.gpu:
             out.set("optimizer.name", "sgd", "nnU-Net: SGD, Nesterov momentum 0.99")
             out.set("optimizer.learning_rate", 0.01, "nnU-Net's initial learning rate")
             out.set("optimizer.momentum", 0.99, "nnU-Net")
@@ -172,7 +176,7 @@ class TrainingSteps:
                 + (
                     "; at most: the trainer fits the learning-rate schedule to training.max_minutes from the "
                     "measured step time"
-                    if self.max_minutes is not None
+                    if self.inputs.max_minutes is not None
                     else ""
                 ),
             )
@@ -192,9 +196,9 @@ class TrainingSteps:
             out.set("optimizer.weight_decay", 1e-5, "the demo recipe's (and MONAI's there)")
             out.set("optimizer.schedule", "cosine", "cosine decay to 0 over the run")
             out.set("optimizer.warmup_epochs", 1.0, "one epoch of linear warm-up")
-            budget = round(CPU_TRAINING_STEPS * self.training_share)
+            budget = round(CPU_TRAINING_STEPS * self.inputs.training_share)
             epochs = max(1, round(budget / steps_per_epoch))
-            if self.max_minutes is None:
+            if self.inputs.max_minutes is None:
                 out.set(
                     "training.epochs",
                     epochs,
@@ -208,7 +212,7 @@ class TrainingSteps:
                 # development one still fits). The validations are spaced for the step budget's pace scaled to the
                 # minutes (CPU_TRAINING_STEPS per ten minutes): `epochs` below is that estimate
                 CPU_BUDGET_EPOCH_FACTOR = 10
-                epochs = max(1, round(CPU_TRAINING_STEPS * float(self.max_minutes) / 10 / steps_per_epoch))
+                epochs = max(1, round(CPU_TRAINING_STEPS * float(self.inputs.max_minutes) / 10 / steps_per_epoch))
                 out.set(
                     "training.epochs",
                     CPU_BUDGET_EPOCH_FACTOR * epochs,
@@ -218,18 +222,20 @@ class TrainingSteps:
                     f"{steps_per_epoch} per epoch)",
                 )
             validations = CPU_VALIDATIONS
-        out.set("training.precision", self.precision, self.precision_reason)
+        out.set("training.precision", self.inputs.precision, self.inputs.precision_reason)
         out.set(
             "training.jit_compile",
             False,
             "XLA: ~10x slower than plain TensorFlow on the development CPU"
-            if not self.gpu
+            if not self.inputs.gpu
             else "off: XLA's gain on 3D convolutions varies by GPU; try true and compare epoch times",
         )
-        out.set("training.seed", self.seed, "split and weight initialisation")
-        if self.max_minutes is not None:
+        out.set("training.seed", self.inputs.seed, "split and weight initialisation")
+        if self.inputs.max_minutes is not None:
             out.set(
-                "training.max_minutes", round(float(self.max_minutes), 2), f"{share}the time budget given to the plan"
+                "training.max_minutes",
+                round(float(self.inputs.max_minutes), 2),
+                f"{share}the time budget given to the plan",
             )
         return ScheduleDecision(
             settings=tuple(out), steps_per_epoch=steps_per_epoch, epochs=epochs, validations=validations
@@ -242,20 +248,22 @@ class TrainingSteps:
     ) -> Decision:
         """How often (`validation_interval`), the window (the patch), windows per forward pass, overlap, blending,
         where the volume lives."""
-        gpu, gpu_fit = self.gpu, self.gpu_fit
+        gpu, gpu_fit = self.inputs.gpu, self.inputs.gpu_fit
         overlap = 0.5 if gpu else 0.25
         out = Settings()
         interval, reason = self.validation_interval(data, patch, schedule, overlap)
         out.set("validation.val_interval", interval, reason)
         out.set("validation.roi_size", [int(p) for p in patch.patch], "the training patch (nnU-Net)")
-        window_mb = inference_window_mb(patch.patch, patch.strides, network.filters, self.num_classes, self.precision)
+        window_mb = inference_window_mb(
+            patch.patch, patch.strides, network.filters, self.inputs.num_classes, self.inputs.precision
+        )
         if gpu and gpu_fit:
             sw = int(gpu_fit["num_sw_batch_size"])
             sw_reason = f"measured by the GPU-fit search ({gpu_fit.get('source', 'its cache')})"
             placement = gpu_fit["validation_data_device"]
             placement_reason = f"measured by the GPU-fit search ({gpu_fit.get('source', 'its cache')})"
         elif gpu:
-            budget = 0.25 * ((self.hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB)
+            budget = 0.25 * ((self.inputs.hardware.gpu_memory_mb or 16 * 1024) - GPU_RESERVED_MB)
             sw = max([s for s in (1, 2, 4, 8) if s * window_mb <= budget] or [1])
             sw_reason = (
                 f"estimated: {window_mb:.0f} MB per window within a quarter of the GPU, at most 8; "
@@ -276,15 +284,15 @@ class TrainingSteps:
         )
         out.set("validation.mode", "gaussian", "Gaussian-weighted window blending (nnU-Net)")
         out.set("validation.validation_data_device", placement, placement_reason)
-        if self.fp.regions:  # nnU-Net v2's region labels: trained as regions, as nnU-Net trains them
+        if self.inputs.fp.regions:  # nnU-Net v2's region labels: trained as regions, as nnU-Net trains them
             out.set(
                 "validation.regions",
-                {name: list(labels) for name, labels in self.fp.regions.items()},
+                {name: list(labels) for name, labels in self.inputs.fp.regions.items()},
                 "the regions of dataset.json's labels, in its order (painted as its regions_class_order)",
             )
             out.set("model.output", "regions", "dataset.json declares region labels: one sigmoid per region (nnU-Net)")
             out.set("loss.activation", "sigmoid", "regions overlap: one sigmoid each")
-        out.set("output.dir", str(self.output_dir), "the run folder")
+        out.set("output.dir", str(self.inputs.output_dir), "the run folder")
         return Decision(settings=tuple(out))
 
     @staticmethod
@@ -315,14 +323,18 @@ class TrainingSteps:
 
     def determine_cascade(self) -> Decision:
         """The fine stage of a cascade: which coarse run finds its region, and the margin around it."""
-        if self.roi_margin_mm is None or self.coarse_run is None:
+        if self.inputs.roi_margin_mm is None or self.inputs.coarse_run is None:
             return Decision()
         return Decision(
             settings=(
-                ("cascade.coarse_run", str(self.coarse_run), "the coarse stage finds the region on the whole scan"),
+                (
+                    "cascade.coarse_run",
+                    str(self.inputs.coarse_run),
+                    "the coarse stage finds the region on the whole scan",
+                ),
                 (
                     "cascade.margin_mm",
-                    float(self.roi_margin_mm),
+                    float(self.inputs.roi_margin_mm),
                     "kept around each piece of the coarse stage's foreground, as around the labels in training",
                 ),
             )
@@ -330,7 +342,7 @@ class TrainingSteps:
 
     def determine_runtime(self) -> Decision:
         """oneDNN: decided on each machine that trains (the plan may travel), with this machine's decision."""
-        here = f"; here: {self.hardware.onednn}" if self.hardware.onednn else ""
+        here = f"; here: {self.inputs.hardware.onednn}" if self.inputs.hardware.onednn else ""
         return Decision(
             settings=(
                 (

@@ -23,7 +23,13 @@ from tfmis.utils.cli import EXIT_INTERRUPTED, add_set_argument, command, writing
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tfmis-tune", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="tfmis-tune",
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit status: 0 done (fit: a configuration chosen; hpo: a trial finished); 1 nothing fits or finished, "
+        "or the data is missing; 2 bad arguments, config or space; 130 interrupted (see `tfmis-tune fit --help`, "
+        "`tfmis-tune hpo --help`).",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     fit_help = (
         "choose batch size, sliding-window batch size and placement from measured memory and speed (Auto3DSeg's "

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import os
 import shutil
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -92,13 +94,57 @@ def traced_error(error: BaseException) -> TfmisError | None:
     return error if isinstance(error, TfmisError) and error is not None else None
 
 
+# threads a command's process does not wait for at its end (`start_unjoined`)
+_UNJOINED: list[threading.Thread] = []
+
+
+def start_unjoined(target: Callable[[], object], name: str) -> threading.Thread:
+    """Runs `target` in a thread of its own (not a daemon) whose end a command's process need not wait for: when the
+    command has returned and the thread still runs, the process ends at once (`end_command_process`). Called from a
+    library or a test, the interpreter waits for it at exit as for any thread.
+
+    Why not a daemon thread: the interpreter's finalization cuts a daemon thread off where it stands, and inside
+    TensorFlow's C++ destructor that aborts the process ("FATAL: exception not rethrown", status -6)."""
+    thread = threading.Thread(target=target, name=name)
+    thread.start()
+    _UNJOINED[:] = [t for t in _UNJOINED if t.is_alive()] + [thread]
+    return thread
+
+
+def end_command_process(code: int) -> None:
+    """Ends the process now, with status `code`, when a `start_unjoined` thread still runs: the exit handlers run
+    (`atexit`: Horovod's shutdown, logging's flush, ...), stdout and stderr are flushed, then `os._exit` skips the
+    interpreter's finalization, which would wait for the thread (a training iterator's destructor took 27-32 s on a
+    busy machine: docs/benchmarks.md). Returns when no such thread runs."""
+    if not any(t.is_alive() for t in _UNJOINED):
+        return
+    atexit._run_exitfuncs()  # the handlers os._exit would skip (CPython's; tests/test_private_apis.py)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
+            pass
+    os._exit(code)
+
+
+def _is_process_command(body) -> bool:
+    """The command runs as its process's own: `tfmis-<name>` (a `[project.scripts]` entry point) or `python -m
+    tfmis.<name>` (the module's file, or a package's `__main__.py`), not a call from Python (a notebook, a test)."""
+    stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
+    return stem.startswith("tfmis-") or stem in (body.__module__.rsplit(".", 1)[-1], "__main__")
+
+
 def command(body: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
     """Makes `body(argv) -> exit status` a command's `main` (a `[project.scripts]` entry point) that runs through
-    `run_command`."""
+    `run_command`; as its process's own command (no `argv`), the process ends when the command has returned
+    (`end_command_process`)."""
 
     @functools.wraps(body)
     def main(argv: list[str] | None = None) -> int:
-        return run_command(body, argv)
+        code = run_command(body, argv)
+        if argv is None and _is_process_command(body):
+            end_command_process(code)
+        return code
 
     return main
 

@@ -25,10 +25,10 @@ of the dataset's 99.5th-percentile shape).
 - The result is cached by device (name, total memory), TensorFlow version, the measured part of
   the config, the dataset shape and the specs — never by free memory — and reused at once.
 
-This module runs the search (`GpuFitSearch`, `fit_config`, `cached_choice`); its parts are modules of their own
-and their names stay importable from here: `candidates.py` (the searched values, the objective, the choice),
-`strategies.py` (the search space and each strategy's oracle), `cache.py` (the key, reading and reusing a report),
-`report.py` (the report, the files written, the table and plot).
+This module runs the search (`GpuFitSearch`, `fit_config`, `cached_choice`); its parts are modules of their own:
+`candidates.py` (the searched values, the objective, the choice), `strategies.py` (the search space and each
+strategy's oracle), `cache.py` (the key, reading and reusing a report), `report.py` (the report, the files written,
+the table and plot).
 
 Example:
 ```python
@@ -48,12 +48,9 @@ from tfmis.errors import ResourceError
 from tfmis.hardware import usable_cpu_count
 from tfmis.tune.fit import cache as fit_cache
 from tfmis.tune.fit import strategies
-
-# the names this module had before its concepts moved out, importable from here as before
-from tfmis.tune.fit.cache import CACHE_VERSION, cache_key, default_cache_dir
+from tfmis.tune.fit.cache import cache_key, default_cache_dir
 from tfmis.tune.fit.candidates import (
     OBJECTIVE,
-    VALUE_KEYS,
     apply_values,
     check_model_parallel_range,
     choose,
@@ -65,8 +62,6 @@ from tfmis.tune.fit.candidates import (
 )
 from tfmis.tune.fit.memory import NO_MODEL_PARALLEL, MemoryModel, is_memory_failure, model_parallel_of
 from tfmis.tune.fit.report import (
-    CONFIG_FILE,
-    PLOT_FILE,
     REPORT_FILE,
     no_fit_message,
     search_report,
@@ -74,31 +69,7 @@ from tfmis.tune.fit.report import (
     write_outputs,
 )
 from tfmis.tune.fit.specs import FitSpecs, load_specs, parse_model_parallel
-from tfmis.tune.fit.strategies import describe_hp as describe_hp
 from tfmis.utils.io import atomic_write_json
-
-__all__ = [
-    "CACHE_VERSION",
-    "CONFIG_FILE",
-    "OBJECTIVE",
-    "PLOT_FILE",
-    "REPORT_FILE",
-    "VALUE_KEYS",
-    "GpuFitSearch",
-    "NoConfigurationFits",
-    "apply_values",
-    "cache_key",
-    "cached_choice",
-    "check_model_parallel_range",
-    "choose",
-    "default_cache_dir",
-    "estimated_epoch_seconds",
-    "fit_config",
-    "fitted_config",
-    "model_parallel_settings",
-    "model_parallel_skip_reason",
-    "search_context",
-]
 
 
 class NoConfigurationFits(ResourceError, RuntimeError):

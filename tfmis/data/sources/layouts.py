@@ -1,7 +1,7 @@
 """A dataset folder opened in its own layout, told apart by what its `dataset.json` holds (no flag): an nnU-Net v2
-raw dataset (`channel_names`, `file_ending`: `tfmis.data.nnunet.NnUNetDataset`) or a Medical Segmentation Decathlon
-one (`modality`, `training`: `tfmis.data.msd.MSDDataset`). Both give the same `SegmentationDataset`: cases, channel
-names, class names, regions.
+raw dataset (`channel_names`, `file_ending`: `tfmis.data.sources.nnunet.NnUNetDataset`) or a Medical Segmentation
+Decathlon one (`modality`, `training`: `tfmis.data.sources.msd.MSDDataset`). Both give the same `SegmentationDataset`:
+cases, channel names, class names, regions.
 
 Example:
 ```python
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tfmis.data.msd import MSDDataset, SegmentationDataset, read_dataset_json
-from tfmis.data.nnunet import NnUNetDataset, is_nnunet_v2
+from tfmis.data.sources.cases import SegmentationDataset, read_dataset_json
+from tfmis.data.sources.msd import MSDDataset
+from tfmis.data.sources.nnunet import NnUNetDataset, is_nnunet_v2
 
 
 def open_dataset(root: str | Path) -> SegmentationDataset:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data.msd import CaseError
+from tfmis.data.sources.errors import CaseError
 from tfmis.errors import DataError, UsageError
 
 INSTALL = "install tfmis[dicom] (pip install 'tfmis[dicom]')"

@@ -1,4 +1,4 @@
-"""The demo's BraTS-size variant (`python -m tfmis.data.demo --size brats`, `generate_brats_case`): the template
+"""The demo's BraTS-size variant (`python -m tfmis.data.demos.brain --size brats`, `generate_brats_case`): the template
 deformed onto the 240 x 240 x 155 mm BraTS box, one glioma-like tumour (oedema, non-enhancing core, enhancing rim),
 FLAIR / T1w / T1gd / T2w contrasts, and the z-scored form many public MRI sets come in (`zscore_over_body`)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import ndimage
 
-from tfmis.data.demo_anatomy import (
+from tfmis.data.demos.anatomy import (
     DemoCase,
     SubjectPose,
     Template,
@@ -28,7 +28,7 @@ BRATS_MODALITIES = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
 BRATS_LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
 BRATS_BOX_MM = (240.0, 240.0, 155.0)
 BRATS_DESCRIPTION = (
-    "Synthetic BraTS-size demo dataset made by tfmis.data.demo --size brats: the anatomy is the MNI "
+    "Synthetic BraTS-size demo dataset made by tfmis.data.demos.brain --size brats: the anatomy is the MNI "
     "ICBM152 2009a nonlinear symmetric template (Copyright (C) 1993-2009 Louis Collins, McConnell Brain "
     "Imaging Centre, Montreal Neurological Institute, McGill University), randomly deformed per case on a "
     "1 mm 240 x 240 x 155 grid; FLAIR, T1w, T1gd and T2w contrasts and one synthetic glioma-like tumour "

@@ -22,10 +22,10 @@ DIR/imagesTr/demo_000.nii.gz ...   DIR/labelsTr/demo_000.nii.gz ...   DIR/images
 
 Example:
 ```python
-from tfmis.data.demo import make_demo_dataset
+from tfmis.data.demos.brain import make_demo_dataset
 root = make_demo_dataset("data/Task00_DemoBrain")   # no-op if present
 ```
-or from a shell: `python -m tfmis.data.demo --output data/Task00_DemoBrain`.
+or from a shell: `python -m tfmis.data.demos.brain --output data/Task00_DemoBrain`.
 
 BraTS size (`--size brats`, `generate_brats_case`): the same template, deformed and resampled at
 1 mm onto the BraTS box (240 x 240 x 155, LPS, int16), with up to four channels (`--channels C`, the
@@ -36,7 +36,7 @@ around a non-enhancing core, irregular oedema reaching 1.4-2.6 radii along white
 case: docs/converting.md, "Real-size variants"):
 
 ```bash
-python -m tfmis.data.demo --size brats --output data/Task01_DemoBraTS --cases 6 --test-cases 0
+python -m tfmis.data.demos.brain --size brats --output data/Task01_DemoBraTS --cases 6 --test-cases 0
 ```
 
 Z-scored (`--zscore`, brats only; `generate_brats_case(..., zscore=True)`): the same cases written as many public
@@ -45,7 +45,7 @@ per-case, per-channel constant such as -3.6 instead of 0 (the anatomy, labels an
 cases):
 
 ```bash
-python -m tfmis.data.demo --size brats --zscore --output data/Task01_DemoBraTS_z --cases 6 --test-cases 0
+python -m tfmis.data.demos.brain --size brats --zscore --output data/Task01_DemoBraTS_z --cases 6 --test-cases 0
 ```
 
 Command line: `--output DIR` (required), `--cases N` (12), `--test-cases N` (3), `--seed S` (0),
@@ -67,7 +67,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from tfmis.data.demo_anatomy import (
+from tfmis.data.demos.anatomy import (
     TEMPLATE_ASSET,
     DemoCase,
     SubjectPose,
@@ -84,7 +84,7 @@ from tfmis.data.demo_anatomy import (
     tissue_labels,
     warp_template,
 )
-from tfmis.data.demo_brats import (
+from tfmis.data.demos.brats import (
     BRATS_BOX_MM,
     BRATS_DATASET_NAME,
     BRATS_DESCRIPTION,
@@ -152,7 +152,7 @@ LABELS = {"0": "background", "1": "grey matter", "2": "white matter", "3": "lesi
 FIRST_TEST_NUMBER = 100
 
 DESCRIPTION = (
-    "Synthetic demo dataset made by tfmis.data.demo: the anatomy is the MNI ICBM152 2009a nonlinear "
+    "Synthetic demo dataset made by tfmis.data.demos.brain: the anatomy is the MNI ICBM152 2009a nonlinear "
     "symmetric template (T1 and grey/white-matter probability maps, Copyright (C) 1993-2009 Louis "
     "Collins, McConnell Brain Imaging Centre, Montreal Neurological Institute, McGill University), "
     "randomly deformed per case; T2w contrast, bias fields, noise and one synthetic white-matter "
@@ -373,13 +373,13 @@ def _folder_size_mb(root: Path) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tfmis.data.demo",
+        prog="python -m tfmis.data.demos.brain",
         description="Write a small two-channel (T1w, T2w) brain MRI segmentation dataset in the Medical "
         "Segmentation Decathlon layout (dataset.json, imagesTr/, labelsTr/, imagesTs/). "
         "Labels: 0 background, 1 grey matter, 2 white matter, 3 lesion. The anatomy is the MNI "
         "ICBM152 2009a template, randomly deformed per case. Does nothing if DIR/dataset.json "
         "already exists (use --overwrite to regenerate).",
-        epilog="Example: python -m tfmis.data.demo --output data/Task00_DemoBrain --cases 12 --test-cases 3",
+        epilog="Example: python -m tfmis.data.demos.brain --output data/Task00_DemoBrain --cases 12 --test-cases 3",
     )
     parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="dataset folder to write")
     parser.add_argument(

@@ -1,7 +1,7 @@
 """The demo's anatomy: the MNI ICBM152 2009a template (`assets/mni152_2mm.npz`), a random pose, grid and smooth
 elastic deformation per case, and the demo brain drawn on it: tissue labels, one white-matter lesion, T1w and T2w
 contrasts with bias fields and noise. Also the generated case (`DemoCase`) and its reorientation to a storage
-voxel order, shared by `tfmis.data.demo` and the BraTS-size variant (`tfmis.data.demo_brats`).
+voxel order, shared by `tfmis.data.demos.brain` and the BraTS-size variant (`tfmis.data.demos.brats`).
 
 Only numpy, scipy and nibabel; every function takes its random generator, so a case is a deterministic function of
 its seed.

@@ -32,7 +32,7 @@ as its `CaseError`, so a conversion reports one line per bad case and converts t
 
 Example:
 ```python
-dataset = NnUNetDataset("Dataset003_Liver")      # or tfmis.data.datasets.open_dataset(folder)
+dataset = NnUNetDataset("Dataset003_Liver")      # or tfmis.data.sources.layouts.open_dataset(folder)
 dataset.modalities, dataset.labels, dataset.training[0].image
 # (['CT'], ['background', 'liver', 'tumour'], ('imagesTr/liver_000_0000.nii.gz',))
 ```
@@ -43,8 +43,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tfmis.data.image_io import IMAGE_SUFFIXES, image_suffix, strip_image_suffix
-from tfmis.data.msd import Case, DatasetError, SegmentationDataset, read_dataset_json
+from tfmis.data.sources.cases import Case, SegmentationDataset, read_dataset_json
+from tfmis.data.sources.errors import DatasetError
+from tfmis.data.sources.image_io import IMAGE_SUFFIXES, image_suffix, strip_image_suffix
 
 CHANNEL_INDEX = re.compile(r"(.+)_(\d{4})")
 

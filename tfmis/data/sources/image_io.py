@@ -8,7 +8,7 @@ Whatever the format, an image comes back in tfmis's convention, the one nibabel 
   `affine[:3, :3] = F @ direction @ diag(spacing)`, `affine[:3, 3] = F @ origin` with `F = diag(-1, -1, 1)`, and
   back the same way when writing, so a file read and written again keeps its direction, origin and spacing.
 
-The on-disk value type is kept (an int16 CT stays int16: `tfmis.data.msd.load_image(integers=True)` relies on it).
+The on-disk value type is kept (an int16 CT stays int16: `load_image(integers=True)` relies on it).
 
 Example:
 ```python
@@ -29,7 +29,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from tfmis.errors import DataError
+from tfmis.data.sources.errors import CaseError, UnreadableImage
 from tfmis.utils.io import atomic_path, atomic_save_nifti, fsync_dir
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
@@ -37,11 +37,6 @@ ITK_SUFFIXES = (".nrrd", ".mha", ".mhd")
 IMAGE_SUFFIXES = NIFTI_SUFFIXES + ITK_SUFFIXES
 LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0])
 INSTALL_FORMATS = "pip install 'tfmis[formats]' (SimpleITK)"
-
-
-class UnreadableImage(DataError):
-    """An image file that cannot be read: missing, truncated, corrupt, or of a format whose reader is not
-    installed. The message names the file and the reason."""
 
 
 @dataclasses.dataclass
@@ -308,3 +303,87 @@ def _write_mhd(sitk, img, path: Path) -> None:
         fsync_dir(path.parent)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def read_case_file(case_id: str, path: Path, what: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """(array, affine, on-disk dtype) of one file (`what`: "image", "label"...) of case `case_id`
+    (`read_image`); a missing or unreadable file is a `CaseError` naming the case."""
+    if not path.is_file():
+        raise CaseError(case_id, f"{what} file {path} does not exist")
+    try:
+        image = read_image(path)
+    except UnreadableImage as e:
+        raise CaseError(case_id, f"{what} file {e}") from e
+    return image.array, image.affine, image.disk_dtype
+
+
+def read_channels(paths: list[Path], case_id: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """The channel files of one image (nnU-Net v2: one 3D file each) stacked on a last axis; they must share
+    shape and affine. One file is returned as it is (3D, or 4D with channels last)."""
+    if len(paths) == 1:
+        return read_case_file(case_id, paths[0], "image")
+    arrays, affine, disk_dtype = [], None, None
+    for c, path in enumerate(paths):
+        raw, file_affine, file_dtype = read_case_file(case_id, path, f"channel {c} image")
+        if raw.ndim == 4 and raw.shape[3] == 1:
+            raw = raw[..., 0]
+        if raw.ndim != 3:
+            raise CaseError(case_id, f"channel file {path} has shape {raw.shape}; a channel file holds one 3D volume")
+        if arrays and raw.shape != arrays[0].shape:
+            raise CaseError(case_id, f"channel file {path} has shape {raw.shape}, channel 0 {arrays[0].shape}")
+        if affine is not None and not np.allclose(file_affine, affine, atol=1e-3, rtol=0):
+            raise CaseError(
+                case_id,
+                f"channel file {path} has another affine than channel 0 (max difference "
+                f"{np.abs(file_affine - affine).max():.4g}): the channels must be on one grid",
+            )
+        arrays.append(raw)
+        affine, disk_dtype = (file_affine, file_dtype) if affine is None else (affine, disk_dtype)
+    dtype = np.result_type(*arrays)
+    return np.stack([a.astype(dtype, copy=False) for a in arrays], axis=-1), affine, disk_dtype
+
+
+def load_image(
+    path: str | Path | tuple | list, num_channels: int, case_id: str, integers: bool = False
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """Reads one image as float32 (X, Y, Z, C); raises `CaseError` naming the case.
+
+    `path` is one file (3D, or 4D with channels last: MSD) or the image's channel files in order (nnU-Net v2, one
+    3D file each, sharing shape and affine), in any format `read_image` reads.
+
+    With `integers`, an image stored as integers of up to 16 bits without a scale factor (a CT's int16) keeps
+    that type: every value is exact in float32, `preprocess` turns slabs of it into float32 as it goes, and a
+    512x512x600 CT then takes 300 MB instead of 600 MB.
+
+    Returns:
+        (image, 4x4 RAS affine, on-disk dtype string with byte order of the (first) file, e.g. `>i2`).
+    """
+    paths = [Path(p) for p in path] if isinstance(path, (tuple, list)) else [Path(path)]
+    raw, affine, disk_dtype = read_channels(paths, case_id)
+    if not np.all(np.isfinite(affine)) or abs(np.linalg.det(affine[:3, :3])) < 1e-12:
+        raise CaseError(
+            case_id,
+            f"image affine {affine[:3, :3].round(4).tolist()} (voxel to world) is singular or not finite: give the "
+            "file a valid qform/sform (voxel sizes > 0)",
+        )
+    if raw.ndim == 3:
+        raw = raw[..., np.newaxis]
+    elif raw.ndim == 5 and raw.shape[3] == 1:  # some writers put channels on the 5th axis
+        raw = raw[:, :, :, 0, :]
+    if raw.ndim != 4:
+        raise CaseError(case_id, f"image has {raw.ndim} dimensions (shape {raw.shape}); expected 3D or 4D")
+    if raw.shape[-1] != num_channels:
+        raise CaseError(
+            case_id,
+            f"image has {raw.shape[-1]} channel(s) (shape {raw.shape}) but "
+            f"{num_channels} are expected (one per modality)",
+        )
+    # also converts big-endian to native order; C order (NIfTI data is Fortran-ordered) so that the
+    # crop, normalisation and resampling downstream read memory in the order they loop
+    if integers and raw.dtype.kind in "iu" and raw.dtype.itemsize <= 2:  # no scale factor: the reader kept the ints
+        return raw.astype(raw.dtype.newbyteorder("="), order="C"), affine, disk_dtype
+    image = raw.astype(np.float32, order="C")
+    if not np.all(np.isfinite(image)):
+        bad = int(np.size(image) - np.count_nonzero(np.isfinite(image)))
+        raise CaseError(case_id, f"image contains {bad} NaN/Inf voxel(s)")
+    return image, affine, disk_dtype

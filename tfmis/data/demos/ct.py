@@ -17,10 +17,10 @@ Layout written: `DIR/dataset.json`, `DIR/imagesTr/ct_000.nii.gz`, `DIR/labelsTr/
 
 Example:
 ```python
-from tfmis.data.demo_ct import make_ct_dataset
+from tfmis.data.demos.ct import make_ct_dataset
 root = make_ct_dataset("data/Task90_DemoCT", num_cases=20)
 ```
-or from a shell: `python -m tfmis.data.demo_ct --output data/Task90_DemoCT --cases 20`.
+or from a shell: `python -m tfmis.data.demos.ct --output data/Task90_DemoCT --cases 20`.
 
 Real size (`--size full`, `generate_full_case`): abdominal CT as users have it, 512 x 512 x 100-600
 (slices drawn per case from `--slices MIN,MAX`), 0.7-0.9 mm pixels, 1.5/2/2.5/3/5 mm slices (one
@@ -32,7 +32,7 @@ liver lesion, radius 4-30 mm, often small; absent when outside the scanned range
 whatever Z is (time and memory per case: docs/converting.md, "Real-size variants"):
 
 ```bash
-python -m tfmis.data.demo_ct --size full --output data/Task91_DemoCTFull --cases 20 --slices 100,600
+python -m tfmis.data.demos.ct --size full --output data/Task91_DemoCTFull --cases 20 --slices 100,600
 ```
 
 Structures far apart (`--size full --anatomy far`, `anatomy="far"`, default name Task92_DemoCTFar),
@@ -46,7 +46,7 @@ mm, surrounded by kidney): a small piece away from the big organs. A scan shorte
 to the pelvis (~470-570 mm) loses both ends equally.
 
 ```bash
-python -m tfmis.data.demo_ct --size full --anatomy far --cases 6 --slices 450,600
+python -m tfmis.data.demos.ct --size full --anatomy far --cases 6 --slices 450,600
 ```
 
 Command line: `--output DIR`, `--cases N` (default 20), `--test-cases N` (default 1), `--seed S`,
@@ -88,11 +88,11 @@ HU = {
 }
 NOISE_HU = 12.0
 SMALL_DESCRIPTION = (
-    "Synthetic CT-like abdomen slabs made by tfmis.data.demo_ct (integer "
+    "Synthetic CT-like abdomen slabs made by tfmis.data.demos.ct (integer "
     "HU, anisotropic voxels, a spleen-like organ with a small lesion)"
 )
 FULL_DESCRIPTION = (
-    "Synthetic real-size abdominal CT made by tfmis.data.demo_ct --size full (512 x 512 x 100-600, "
+    "Synthetic real-size abdominal CT made by tfmis.data.demos.ct --size full (512 x 512 x 100-600, "
     "integer HU, 0.7-0.9 mm pixels, 1.5-5 mm slices; liver, spleen, kidneys, pancreas, a liver lesion)"
 )
 
@@ -188,7 +188,7 @@ FAR_LABELS = {**FULL_LABELS, "6": "bladder"}
 FAR_SLICE_MM = (1.0, 1.25) + FULL_SLICE_MM
 FAR_SCAN_MM = (560.0, 700.0, 630.0)
 FAR_DESCRIPTION = (
-    "Synthetic real-size CT from the lung bases to the pelvis made by tfmis.data.demo_ct --size full "
+    "Synthetic real-size CT from the lung bases to the pelvis made by tfmis.data.demos.ct --size full "
     "--anatomy far (512 x 512 x Z, integer HU, 0.7-0.9 mm pixels, 1-5 mm slices, ~560-700 mm scans; liver, "
     "spleen, kidneys, pancreas, a lesion in the left kidney, a bladder ~340 mm below the liver)"
 )
@@ -593,7 +593,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tfmis.data.demo_ct", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tfmis.data.demos.ct", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--output",
         default=None,
