@@ -1105,7 +1105,7 @@ def test_augmentation_placed_in_the_step_trains_as_in_the_pipeline(converted_dat
         )
         for placement in ("pipeline", "step")
     )
-    assert piped._step_augment is None and stepped._step_augment is not None
+    assert piped.steps.step_augment is None and stepped.steps.step_augment is not None
     losses = [[e[3] for e in events if e[0] == "end"] for events in (piped_events, stepped_events)]
     assert len(losses[1]) == 4 and len(set(losses[0])) == 4
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
@@ -1270,15 +1270,22 @@ COMMAND_END_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_commands_process_ends_when_the_command_returns_without_waiting_for_an_unjoined_thread(tmp_path):
-    """A real process whose `@command` main (run as its process's own command: the script is named `tfmis-...`)
-    starts a `start_unjoined` thread that would run 300 s: the process ends when the command returns (well within
-    the 120 s timeout), with the command's exit status 3, its output flushed and the exit handlers run (where
-    Horovod's shutdown is). This is how `tfmis-train` ends while its last training iterator is still released."""
+@pytest.mark.parametrize("how", ["script", "python -m"])
+def test_a_commands_process_ends_when_the_command_returns_without_waiting_for_an_unjoined_thread(tmp_path, how):
+    """A real process whose `@command` main is its process's own command (a script named like an installed
+    `tfmis-...` one, or a module run with `python -m`, as `python -m tfmis.train`) starts a `start_unjoined` thread
+    that would run 300 s: the process ends when the command returns (well within the 120 s timeout), with the
+    command's exit status 3, its output flushed and the exit handlers run (where Horovod's shutdown is). This is how
+    `tfmis-train` ends while its last training iterator is still released."""
     marker = tmp_path / "atexit.txt"
-    script = tmp_path / "tfmis-command-end.py"
-    script.write_text(COMMAND_END_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=120)
+    if how == "script":
+        script = tmp_path / "tfmis-command-end.py"
+        script.write_text(COMMAND_END_SCRIPT)
+        command = [sys.executable, str(script), str(marker)]
+    else:
+        (tmp_path / "command_end.py").write_text(COMMAND_END_SCRIPT)
+        command = [sys.executable, "-m", "command_end", str(marker)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 3, result.stderr[-2000:]
     assert result.stdout.strip() == "command done"
     assert marker.read_text() == "exit handlers ran"

@@ -63,10 +63,10 @@ class CompiledSteps:
     def _compile(self) -> None:
         """The compiled functions: the replica step (XLA with `training.jit_compile`), one global step, the loop
         of `training.steps_per_loop` steps (`loop_function`), and the windows' forward pass."""
-        self._step_augment = None
+        self.step_augment = None
         if self.config.pipeline.augment.placement == "step":
             # the dataset yields un-augmented crops and their seeds; the replica step augments them on its device
-            self._step_augment = step_augmentation(self.config.pipeline)
+            self.step_augment = step_augmentation(self.config.pipeline)
         step = (
             tf.function(self._replica_step, jit_compile=True)
             if self.config.training.jit_compile
@@ -140,7 +140,7 @@ class CompiledSteps:
         # spec) would trace the convolutions with an unknown input depth, which run several times slower on a CPU
         # (docs/benchmarks.md, "First epoch, precision and other costs")
         images = tf.ensure_shape(images, [None] * (len(images.shape) - 1) + [self.in_channels])
-        if self._step_augment is not None:
+        if self.step_augment is not None:
             if seeds is None:
                 raise ValueError(
                     "pipeline.augment.placement is step but the training batches hold no crop seeds: "
@@ -148,7 +148,7 @@ class CompiledSteps:
                     "tfmis.data.pipeline.build_train_dataset does with that placement"
                 )
             with tf.name_scope("augment"):
-                images, labels = self._step_augment(images, labels, seeds)
+                images, labels = self.step_augment(images, labels, seeds)
         n = self.config.training.accumulation_steps
         variables = self.training_model.trainable_variables
         loss_scaler = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)

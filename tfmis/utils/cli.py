@@ -128,10 +128,11 @@ def end_command_process(code: int) -> None:
 
 
 def _is_process_command(body) -> bool:
-    """The command runs as its process's own: `tfmis-<name>` (a `[project.scripts]` entry point) or `python -m
-    tfmis.<name>` (the module's file, or a package's `__main__.py`), not a call from Python (a notebook, a test)."""
+    """The command runs as its process's own: `tfmis-<name>` (a `[project.scripts]` entry point), `python -m
+    tfmis.<name>` (its module is then `__main__`) or a package's `__main__.py` calling it, not a call from Python (a
+    notebook, a test)."""
     stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
-    return stem.startswith("tfmis-") or stem in (body.__module__.rsplit(".", 1)[-1], "__main__")
+    return body.__module__ == "__main__" or stem.startswith("tfmis-") or stem == "__main__"
 
 
 def command(body: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
