@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 from tfmis.config import load_config
-from tfmis.crossval.experiment import SCORES_FILE, candidate_dir, fold_run_dir, read_definition
-from tfmis.crossval.oof import fold_cases, score_folder
-from tfmis.crossval.selection import mean_per_structure
+from tfmis.crossvalidation.experiment import SCORES_FILE, candidate_dir, fold_run_dir, read_definition
+from tfmis.crossvalidation.oof import fold_cases, score_folder
+from tfmis.crossvalidation.selection import mean_per_structure
 from tfmis.inference.cascade import make_predictor
 from tfmis.inference.inputs import run_config
 

@@ -74,6 +74,9 @@ ARMS = ("noconfig", "hand", "monai", "nnunet_layout")
 # (a full-resolution first level, no deep supervision, one residual unit, Keras's initialisation) and lr 3e-3
 NNUNET_LAYOUT_DROPPED = ("output_upsampling", "deep_supervision", "kernel_initializer")
 HAND_RECIPE = REPO / "benchmarks" / "recipes" / "zoo_hand.yaml"
+# `--hand-set KEY=VALUE`: overrides of every hand arm (e.g. training.epochs=1000: its schedule fitted to the budget
+# instead of the recipe's 80-epoch cap)
+HAND_SET: list[str] = []
 MONAI_SCRIPT = REPO / "benchmarks" / "monai_demo.py"
 MONAI_PYTHONS = (REPO / ".venv-monai" / "bin" / "python", Path("/work/venv-monai/bin/python"))
 MONAI_VENV_COMMAND = (
@@ -238,6 +241,7 @@ def hand_overrides(kind: Kind, root: Path, seed: int) -> list[str]:
         f"data.dataset_dir={root / 'tfrecords_hand'}",
         "pipeline.patch_size=[{}]".format(",".join(map(str, kind.hand_patch))),
         f"training.seed={seed}",
+        *HAND_SET,
     ]
 
 
@@ -312,15 +316,26 @@ def plan_target(root: Path, arm: str) -> Path:
     return root / (f"tfrecords_{arm}" if arm in VARIANTS else "tfrecords_plan")
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def plan_arguments(arm: str) -> list[str]:
-    """A variant's extra arguments that `tfmis-plan` takes too (its `--set` pairs are for training only)."""
+    """A variant's extra arguments that `tfmis-plan` takes too: its `--set` pairs are for training only, and so is
+    `--pilot [SHARE]` (the pilot's other candidates convert inside the arm's clock: the pilot's cost)."""
     extra, out = VARIANTS.get(arm, []), []
     skip = False
-    for item in extra:
+    for number, item in enumerate(extra):
         if skip:
             skip = False
         elif item == "--set":
             skip = True
+        elif item == "--pilot":
+            skip = number + 1 < len(extra) and _is_number(extra[number + 1])
         else:
             out.append(item)
     return out
@@ -769,6 +784,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=4.0, help="wall-clock training budget of every arm (default 4)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="arms (default all)")
     p.add_argument(
+        "--hand-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override of the hand recipe, every hand arm (repeatable): e.g. training.epochs=1000 fits its "
+        "schedule to the budget instead of stopping at the recipe's 80 epochs",
+    )
+    p.add_argument(
         "--variant",
         action="append",
         metavar="NAME=ARGS",
@@ -810,6 +833,10 @@ def main(argv=None) -> int:
     if any("=" not in item for item in args.monai_env):
         print(f"error: --monai-env takes KEY=VALUE, got {args.monai_env}", file=sys.stderr)
         return 2
+    if any("=" not in item for item in args.hand_set):
+        print(f"error: --hand-set takes KEY=VALUE, got {args.hand_set}", file=sys.stderr)
+        return 2
+    HAND_SET.extend(args.hand_set)
     VARIANTS.update(variant_arms(args.variant))
     args.arms = [*args.arms, *VARIANTS]
     try:

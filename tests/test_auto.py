@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import make_msd_dataset
 from tfmis import auto
 from tfmis.config import load_config
-from tfmis.crossval.experiment import read_job_events
+from tfmis.crossvalidation.experiment import read_job_events
 from tfmis.engine.time_budget import budget_epoch_bound
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,8 +108,8 @@ def test_a_budget_is_split_over_the_trainings_and_the_protocol_ends_near_it(tmp_
     not asserted: in CI another test shares the 2 cores, and one start-up once took 39.7 s where the first took
     11.2 s (172 s of 150 s; 148 s with that surprise taken out); the protocol's bare wall time, on a machine left
     alone, is what benchmarks/protocol_vs_single.py prints for its `auto` arm."""
-    from tfmis.crossval.jobs import FIRST_OVERHEAD_SECONDS
-    from tfmis.crossval.protocol import CHOICE_SHARE
+    from tfmis.crossvalidation.jobs import FIRST_OVERHEAD_SECONDS
+    from tfmis.crossvalidation.protocol import CHOICE_SHARE
 
     source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=4)
     out = tmp_path / "auto"

@@ -17,13 +17,13 @@ from tfmis.data.demos.brain import make_demo_dataset
 from tfmis.data.preprocess import (
     PreprocessConfig,
     border_constant,
-    bounding_box,
     channel_backgrounds,
     foreground_mask,
     preprocess,
 )
 from tfmis.data.records import record_dataset
 from tfmis.hardware import Hardware
+from tfmis.metrics.boxes import mask_bounds
 from tfmis.planning import plan_dataset_stages
 from tfmis.planning.fingerprint import fingerprint_from_conversion, fingerprint_msd
 
@@ -54,7 +54,7 @@ def records_by_case(target, split: str) -> dict:
 
 
 def box(mask: np.ndarray) -> tuple[list[int], list[int]]:
-    start, stop = bounding_box(mask)
+    start, stop = mask_bounds(mask)
     return [int(v) for v in start], [int(v) for v in stop]
 
 

@@ -111,9 +111,9 @@ def test_fold_schedules_fit_their_share_not_the_plans_epochs_and_a_folds_configu
     configurations get the same `training.max_minutes` (set when the fold starts), each fold training runs far more
     than the plan's 3 epochs with its schedule fitted to its share (stop reason `epochs`, the schedule complete) and
     its command raised `training.epochs` to the budget's bound; the second fold's share is what the first left."""
-    from tfmis.crossval.cli import main
-    from tfmis.crossval.experiment import read_job_events
-    from tfmis.crossval.jobs import TRAINING_BUDGET_FILE
+    from tfmis.crossval import main
+    from tfmis.crossvalidation.experiment import read_job_events
+    from tfmis.crossvalidation.jobs import TRAINING_BUDGET_FILE
 
     a = write_config(tmp_path, "a")
     b = write_config(tmp_path, "b", "model.filters=[4,4]")
@@ -149,8 +149,8 @@ def test_a_fold_predicts_and_exports_with_its_final_weights_and_its_held_out_dic
     its final weights; `--val-best` on the same trained folds warns and its table marks the best Dice optimistic."""
     import shutil
 
-    from tfmis.crossval.cli import main
-    from tfmis.crossval.experiment import DEFINITION_FILE
+    from tfmis.crossval import main
+    from tfmis.crossvalidation.experiment import DEFINITION_FILE
 
     config = write_config(tmp_path, "a", "training.epochs=4", cases=4)
     cv = tmp_path / "cv"

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from tfmis.config import load_config, save_config
-from tfmis.data.boxes import merge_boxes
 from tfmis.data.preprocess import PreprocessConfig
 from tfmis.data.records import RUN_DATA_FILE
 from tfmis.inference import cascade as cascade_module
@@ -25,6 +24,7 @@ from tfmis.inference.cascade import CascadePredictor, coarse_regions, make_predi
 from tfmis.inference.inputs import InputCase
 from tfmis.inference.outputs import write_csv
 from tfmis.inference.predictor import Predictor
+from tfmis.metrics.boxes import merge_boxes
 from tfmis.task import SegmentationTask
 
 CLASSES = ["background", "organ", "lesion"]
@@ -83,7 +83,7 @@ def cascade(runs, coarse_never_finds: bool = False, **cascade_settings) -> Casca
     for key, value in cascade_settings.items():
         setattr(config.cascade, key, value)
     predictor = make_predictor(config, fine_dir, device="cpu")
-    predictor.model = threshold_network()
+    predictor.fine.model = threshold_network()
     predictor.coarse.model = threshold_network(never_foreground=coarse_never_finds)
     return predictor
 

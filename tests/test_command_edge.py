@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import make_msd_dataset
 
-from tfmis import auto, benchmark, convert, plan, predict, train, visualize
-from tfmis.crossval import cli as crossval
+from tfmis import auto, benchmark, convert, crossval, plan, predict, train, tune, visualize
 from tfmis.errors import (
     ConfigError,
     DataError,
@@ -24,7 +23,6 @@ from tfmis.errors import (
     UsageError,
     exit_codes,
 )
-from tfmis.tune import cli as tune
 from tfmis.utils.cli import run_command
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ import pytest
 
 from tests.conftest import tiny_config_file as write_config
 from tfmis.config import load_config
-from tfmis.crossval.cli import main
-from tfmis.crossval.experiment import (
+from tfmis.crossval import main
+from tfmis.crossvalidation.experiment import (
     DEFINITION_FILE,
     job_config,
     parse_configurations,
@@ -87,8 +87,8 @@ def test_training_budget_shares_what_is_left_less_the_measured_start_up(tmp_path
     any training: 600 s / 4 trainings - 20 s (the assumed start-up) = 130 s = 2.16 min. After one training that took
     200 s of which its loop took 150 s (start-up measured: 50 s): (600 - 200) / 3 - 50 = 83.3 s = 1.38 min. Worker 1's
     jobs do not count for worker 0; a used-up budget still gives the least share; no file, no budget."""
-    from tfmis.crossval.experiment import Configuration, Definition, append_job_event, fold_run_dir
-    from tfmis.crossval.jobs import (
+    from tfmis.crossvalidation.experiment import Configuration, Definition, append_job_event, fold_run_dir
+    from tfmis.crossvalidation.jobs import (
         FIRST_OVERHEAD_SECONDS,
         LEAST_TRAINING_MINUTES,
         TRAINING_BUDGET_FILE,
@@ -121,8 +121,8 @@ def test_training_budget_counts_the_out_of_fold_predictions_a_worker_has_left(tm
     start-up: 600 s, 2 folds x 2 configurations, predictions assumed 30 s: (600 - 60) / 4 - 20 = 115 s = 1.91 min.
     After fold 0's trainings (200 s and 100 s, loops 150 s and 80 s: start-up 35 s) and its prediction (12 s,
     measured: it replaces the 30 s): (600 - 312 - 12) / 2 - 35 = 103 s = 1.71 min."""
-    from tfmis.crossval.experiment import Configuration, Definition, append_job_event, fold_run_dir
-    from tfmis.crossval.jobs import TRAINING_BUDGET_FILE, training_minutes
+    from tfmis.crossvalidation.experiment import Configuration, Definition, append_job_event, fold_run_dir
+    from tfmis.crossvalidation.jobs import TRAINING_BUDGET_FILE, training_minutes
 
     definition = Definition([Configuration("a", {"model": {}}), Configuration("b", {"model": {}})], 2, [0, 1])
     cv = tmp_path / "cv"
@@ -170,8 +170,8 @@ def test_progress_table_shows_a_failed_job_with_its_exit_code_until_it_is_retrie
     """The folds' table, read from jobs.jsonl as the workers append it: a training or an out-of-fold prediction that
     ended with a non-zero exit shows `failed (exit N)` (not `waiting`), a running one its epoch, a retried one
     running again."""
-    from tfmis.crossval.driver import progress_rows
-    from tfmis.crossval.experiment import Configuration, Definition, append_job_event
+    from tfmis.crossvalidation.driver import progress_rows
+    from tfmis.crossvalidation.experiment import Configuration, Definition, append_job_event
 
     definition = Definition([Configuration("a", {}), Configuration("b", {})], 3, [0, 1, 2])
     cv = tmp_path / "cv"
@@ -445,11 +445,11 @@ def test_a_fold_whose_out_of_fold_step_died_is_recomputed_as_the_full_run_scored
     run's, and the pair's maps are the argmax of the two configurations' averaged probabilities, computed here."""
     import shutil
 
-    from tfmis.crossval.driver import prepare
-    from tfmis.crossval.experiment import SCORES_FILE, Configuration, Definition, averaging_pairs, candidate_dir
-    from tfmis.crossval.jobs import fold_done
-    from tfmis.crossval.oof import PROBABILITIES_SUFFIX, predict_fold
-    from tfmis.crossval.selection import candidates
+    from tfmis.crossvalidation.driver import prepare
+    from tfmis.crossvalidation.experiment import SCORES_FILE, Configuration, Definition, averaging_pairs, candidate_dir
+    from tfmis.crossvalidation.jobs import fold_done
+    from tfmis.crossvalidation.oof import PROBABILITIES_SUFFIX, predict_fold
+    from tfmis.crossvalidation.selection import candidates
     from tfmis.engine.trainer import Trainer
     from tfmis.errors import RunStateError
 

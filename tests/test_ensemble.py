@@ -290,7 +290,7 @@ def test_a_cascade_configurations_coarse_stage_is_the_ensemble_of_its_folds_coar
     predictor = build_predictor(source, device="cpu")
     assert isinstance(predictor, CascadePredictor)
     assert [c.parent for c in predictor.coarse.checkpoints] == runs["b"]
-    assert [c.parent for c in predictor.checkpoints] == [fine / f"fold_{k}" for k in range(FOLDS)]
+    assert [c.parent for c in predictor.fine.checkpoints] == [fine / f"fold_{k}" for k in range(FOLDS)]
     args = ["--checkpoint", str(fine), "--input", str(runs["image"]), "--output", str(tmp_path / "out"), "--quiet"]
     assert predict_main(args) == 0
     out = capsys.readouterr().out

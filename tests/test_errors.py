@@ -240,6 +240,27 @@ def test_negative_learning_rate_is_refused_before_training(tmp_path):
     assert not out.exists()
 
 
+def test_a_config_whose_source_folder_is_missing_fails_before_tensorflow_is_imported(tmp_path):
+    """`tfmis.train --config` with data.source_dir a folder without dataset.json: exit 2, the one line naming the key
+    and the fix, no run folder, and TensorFlow never imported in the process (its start takes seconds and prints
+    its own log lines before the error)."""
+    out = tmp_path / "run"
+    argv = [
+        "--config",
+        str(REPO / "configs" / "demo.yaml"),
+        *sets("data.demo=false", f"data.source_dir={tmp_path / 'Task09_Spleen'}", f"output.dir={out}"),
+    ]
+    script = (
+        "import sys; from tfmis.train import main; code = main(sys.argv[1:]); "
+        "print('tensorflow imported:', 'tensorflow' in sys.modules); sys.exit(code)"
+    )
+    result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 2, result.stderr
+    assert one_line(result).startswith(f"error: data.source_dir {tmp_path / 'Task09_Spleen'}: no dataset.json there")
+    assert "tensorflow imported: False" in result.stdout
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------------------------------------- tune fit
 
 

@@ -351,7 +351,7 @@ def test_a_training_with_data_split_reads_the_folds_conversion_of_crossval(tmp_p
     conversion `tfmis-crossval --folds 5` writes for that config (`<dataset_dir>-folds5`), not the train/val/test
     conversion in data.dataset_dir; the run folder's config.yaml loads back to the same folder, and a config that
     says its folder holds the folds (data.conversion.folds) keeps it."""
-    from tfmis.crossval.experiment import Configuration, job_config
+    from tfmis.crossvalidation.experiment import Configuration, job_config
 
     demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
     base = load_config(demo)

@@ -115,7 +115,7 @@ from tfmis import hardware
 from tfmis.data.conversion_options import ConversionConfig
 from tfmis.planning.fingerprint import fingerprint_msd
 from tfmis.profiling import ResourceMonitor
-from tfmis.tune.hpo.devices import assign_devices
+from tfmis.tuning.hpo.devices import assign_devices
 
 fingerprint_workers = []
 map_ordered = case_pool.map_ordered

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tfmis import predict, train
+from tfmis import predict, train, tune
 from tfmis.config import load_config
-from tfmis.tune import cli as tune
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo.yaml"  # strides (2, 2, 2, 1): slabs are multiples of 8; patch 48^3
@@ -133,7 +132,7 @@ def test_tune_fit_with_a_setting_that_cannot_cut_the_patch_is_exit_2_before_conv
 def test_search_skips_a_candidate_that_cannot_cut_the_patch_with_its_reason_and_no_trial():
     """`model_parallel_skip_reason` of spatial:16 on the demo's patch: the slabs' reason (the search writes it as the
     candidate's line, status skipped, without starting a trial); spatial:2 runs."""
-    from tfmis.tune.fit.candidates import model_parallel_skip_reason
+    from tfmis.tuning.fit.candidates import model_parallel_skip_reason
 
     config = load_config(DEMO)
     reason = model_parallel_skip_reason(config, {"model_parallel": "spatial:16", "num_images_per_batch": 2}, None)

@@ -167,7 +167,7 @@ def test_tfmis_train_under_mpirun_trains_resumes_and_ends_quietly(converted_data
 
 RANK_RUNNER = textwrap.dedent("""
     import json, os, sys, time
-    from tfmis.crossval.cli import main
+    from tfmis.crossval import main
     code = main(sys.argv[2:])  # tfmis-crossval's own main, in the process mpirun started
     with open(f"{sys.argv[1]}/rank{os.environ['OMPI_COMM_WORLD_RANK']}.json", "w") as f:
         json.dump({"code": code, "time": time.time()}, f)
@@ -187,8 +187,8 @@ def test_a_rank_killed_under_mpirun_is_reported_by_rank_0_after_the_rank_timeout
     unfinished, exit 3 (`PartialFailure`, read from the rank's own `main`: mpirun in this mode exits 0 whatever its
     ranks exit), and none of mpirun's abort text; no process of the job is left."""
     from tfmis.config import save_config
-    from tfmis.crossval.experiment import read_job_events
-    from tfmis.crossval.ranks import POLL_SECONDS, read_heartbeat
+    from tfmis.crossvalidation.experiment import read_job_events
+    from tfmis.crossvalidation.ranks import POLL_SECONDS, read_heartbeat
 
     source = make_msd_dataset(tmp_path / "Task99_Test", num_cases=6)
     config = tiny_config(

@@ -244,7 +244,7 @@ def test_crossval_predicts_and_scores_out_of_fold_in_the_format_of_each_layout(t
     from conftest import tiny_config
 
     from tfmis.config import save_config
-    from tfmis.crossval.cli import main as crossval_main
+    from tfmis.crossval import main as crossval_main
 
     source = source_dataset(tmp_path, layout, suffix)
     config = tiny_config(

@@ -1,4 +1,4 @@
-"""The pilot of `tfmis-train --source-dir --pilot` (`tfmis.crossval.pilot`): successive halving's rungs and their
+"""The pilot of `tfmis-train --source-dir --pilot` (`tfmis.crossvalidation.pilot`): successive halving's rungs and their
 time, the candidates it compares (the planner's, plus a 64^3 patch target on a CPU), the refusals of bad arguments,
 and one real command on generated NIfTI cases: short trainings scored on the validation cases, the best one planned
 and trained with the time left, the whole command within its budget."""
@@ -18,7 +18,7 @@ import yaml
 from test_cascade import CPU, fingerprint
 
 from tests.conftest import lps_affine, make_msd_dataset
-from tfmis.crossval.pilot import (
+from tfmis.crossvalidation.pilot import (
     LARGER_CPU_PATCH_VOXELS,
     PILOT_FILE,
     pilot_candidates,
@@ -133,7 +133,7 @@ def test_the_pilot_trains_both_patch_targets_and_trains_the_better_with_the_time
     patch = [int(p) for p in best["candidate"].split()[1].split("x")]
     plan = (out / "plan.yaml").read_text()
     assert yaml.safe_load(plan)["pipeline"]["patch_size"] == patch
-    assert "# Pilot (tfmis.crossval.pilot" in plan and f"chosen: {best['candidate']}" in plan
+    assert "# Pilot (tfmis.crossvalidation.pilot" in plan and f"chosen: {best['candidate']}" in plan
     trained = yaml.safe_load((out / "config.yaml").read_text())
     assert trained["pipeline"]["patch_size"] == patch
     summary = json.loads((out / "summary.json").read_text())

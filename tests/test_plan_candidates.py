@@ -21,7 +21,7 @@ from test_cascade import CPU, fingerprint
 from test_plan import _env
 
 from tfmis.config import load_stages
-from tfmis.crossval.experiment import parse_configurations
+from tfmis.crossvalidation.experiment import parse_configurations
 from tfmis.errors import UsageError
 from tfmis.planning import fingerprint_msd
 from tfmis.planning.stages import CANDIDATES_FILE, MIN_VOXELS_ACROSS, measure_regions, plan_stages
@@ -260,15 +260,15 @@ def test_planned_region_share_is_the_share_of_the_crop_cascade_prediction_feeds_
     make_run(coarse_dir, COARSE_SPACING, (16, 16, 8))
     make_run(fine_dir, tuple(spacing), window, coarse_run=str(coarse_dir), margin_mm=CASCADE_MARGIN_MM)
     predictor = make_predictor(load_config(fine_dir / "config.yaml"), fine_dir, device="cpu")
-    predictor.model, predictor.coarse.model = threshold_network(), threshold_network()
+    predictor.fine.model, predictor.coarse.model = threshold_network(), threshold_network()
     given = []  # the shape of each volume the fine stage predicts (at the scan's spacing: its voxels)
-    fine_stage = predictor._grid_prediction
+    fine_stage = predictor.fine.preprocessed_prediction
 
     def recorded(holder, geometry, case_id, roi):
         given.append(holder[0].shape[:3])
         return fine_stage(holder, geometry, case_id, roi)
 
-    predictor._grid_prediction = recorded
+    predictor.fine.preprocessed_prediction = recorded
     counts, shares = [], []
     for image in images:
         given.clear()

@@ -24,7 +24,7 @@ from tfmis.planning import DatasetFingerprint, make_plan
 from tfmis.planning.planner import ExperimentPlanner
 from tfmis.planning.rules import INITIAL_PATCH_VOXELS, pool_and_conv_props, training_memory_mb
 from tfmis.run_plans import plan_source
-from tfmis.training import planned_for_warning
+from tfmis.stage_runner import planned_for_warning
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_SHARE = 0.85  # the patch and the batch fill 85% of the GPU's memory after GPU_RESERVED_MB (the reasons say so)

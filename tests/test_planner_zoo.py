@@ -172,3 +172,23 @@ def test_verdict_per_kind_and_report():
     assert planner_zoo.verdicts(results, ["k"], ["noconfig", "hand", "monai"])["k"]["verdict"] == "no"
     missing = [*results[:4], {"kind": "k", "arm": "monai", "seed": 0, "status": "missing", "budget_seconds": 18}]
     assert planner_zoo.verdicts(missing, ["k"], list(planner_zoo.ARMS))["k"]["verdict"].startswith("incomplete")
+
+
+def test_a_variants_planning_arguments_are_ones_tfmis_plan_parses(monkeypatch):
+    """The zoo plans a variant's data before its clock with `tfmis-plan` and the variant's arguments less the ones
+    only `tfmis-train` takes (`--set` pairs, `--pilot [SHARE]`): tfmis-plan's real parser accepts what is left, and
+    tfmis-train's parser the whole variant."""
+    from tfmis.plan import build_parser as plan_parser
+    from tfmis.train import build_parser as train_parser
+
+    monkeypatch.setattr(planner_zoo, "VARIANTS", {})
+    planner_zoo.VARIANTS.update(
+        planner_zoo.variant_arms(
+            ["pilot=--pilot 0.4 --cpu-patch 64 --set training.epochs=3", "bare=--pilot --configuration fullres"]
+        )
+    )
+    for arm, expected in (("noconfig_pilot", ["--cpu-patch", "64"]), ("noconfig_bare", ["--configuration", "fullres"])):
+        planning = planner_zoo.plan_arguments(arm)
+        assert planning == expected
+        plan_parser().parse_args(["--source-dir", "D", *planning])
+        train_parser().parse_args(["--source-dir", "D", *planner_zoo.VARIANTS[arm]])

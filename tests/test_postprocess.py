@@ -1,4 +1,4 @@
-"""Postprocessing chosen by out-of-fold Dice (`tfmis.inference.postprocess`) against nnU-Net v2's definitions.
+"""Postprocessing chosen by out-of-fold Dice (`tfmis.postprocessing`) against nnU-Net v2's definitions.
 
 The references below are written out independently, on whole volumes: `largest_pieces_reference` transcribes
 nnU-Net v2's `remove_all_but_largest_component_from_segmentation` (nnunetv2/postprocessing/
@@ -23,13 +23,13 @@ from conftest import lps_affine, write_nifti
 from scipy import ndimage
 
 from tfmis.config import PostprocessingConfig
-from tfmis.inference.postprocess import (
+from tfmis.metrics.nnunet_scores import dice_summary, structure_dice
+from tfmis.postprocessing import (
     apply_postprocessing,
     case_dice,
     choose_postprocessing,
     keep_largest_component,
 )
-from tfmis.metrics.nnunet_scores import dice_summary, structure_dice
 
 FULL = np.ones((3, 3, 3), bool)  # 26-connectivity
 

@@ -494,7 +494,7 @@ def test_read_label_map_gives_the_rounded_labels_as_uint8_from_real_nifti_files(
     scale factor, the values equal what scoring read before (`np.rint` of nibabel's whole array, then integers);
     a value that is no class (too large, NaN) is a ValueError, a shape other than the image's a CaseError."""
     from tfmis.data.sources.errors import CaseError
-    from tfmis.inference.nifti import LABEL_SLAB_SLICES, read_label_map
+    from tfmis.data.sources.label_maps import LABEL_SLAB_SLICES, read_label_map
 
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 3, (9, 11, 70)).astype(np.uint8)

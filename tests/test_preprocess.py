@@ -5,13 +5,13 @@ import pytest
 from tfmis.data.preprocess import (
     Geometry,
     PreprocessConfig,
-    bounding_box,
     preprocess,
     ras_spacing,
     reorient_to_ras,
     restore_geometry,
     spacing_of,
 )
+from tfmis.metrics.boxes import mask_bounds
 
 
 def ras_volume(shape=(24, 20, 16), channels=2, seed=0):
@@ -152,8 +152,8 @@ def test_ct_foreground_is_above_the_window():
     assert geo.crop_start == [2, 1, 3] and geo.crop_stop == [7, 9, 6]
 
 
-def test_bounding_box_of_empty_mask_is_whole_grid():
-    start, stop = bounding_box(np.zeros((4, 5, 6), bool))
+def test_mask_bounds_of_an_empty_mask_is_the_whole_grid():
+    start, stop = mask_bounds(np.zeros((4, 5, 6), bool))
     assert start.tolist() == [0, 0, 0] and stop.tolist() == [4, 5, 6]
 
 

@@ -1,6 +1,6 @@
 """The TensorFlow, Keras and Python private names tfmis relies on, where no public API exists: each is used in one
 module only, and each is checked here against the installed TensorFlow/Keras, so that an upgrade that renames or
-changes one fails here, naming it and its one user. (Keras Tuner's are in `tfmis.tune.kt`, checked by
+changes one fails here, naming it and its one user. (Keras Tuner's are in `tfmis.tuning.kt`, checked by
 tests/test_tune_kt.py.) What each is relied on for is tested through its user elsewhere, as noted.
 """
 

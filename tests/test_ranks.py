@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tfmis.crossval.ranks import (
+from tfmis.crossvalidation.ranks import (
     Heartbeat,
     heartbeat_path,
     rank_share,
@@ -31,7 +31,7 @@ def start_rank(cv: Path, rank: int, job: str, seconds: float = 0.2, then: str = 
     """A real process beating as `rank` of launch `job` every `seconds` (then running `then` inside the block)."""
     code = (
         "import sys, time\n"
-        "from tfmis.crossval.ranks import Heartbeat\n"
+        "from tfmis.crossvalidation.ranks import Heartbeat\n"
         f"with Heartbeat({str(cv)!r}, {rank}, {job!r}, seconds={seconds}) as beat:\n"
         f"    {then}\n"
     )

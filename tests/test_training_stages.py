@@ -1,4 +1,4 @@
-"""The stage orchestration API under `tfmis-train` (`tfmis.training`): overrides split between the plan and its
+"""The stage orchestration API under `tfmis-train` (`tfmis.stage_runner`): overrides split between the plan and its
 stages, the stages of a config or of a plan of stages, `StageRunner` training stages in order with the real
 trainer on a real converted dataset, skipping finished ones on resume, applying the GPU-fit measurement to every
 stage after the conversion, and leaving the other workers free after a failure. No subprocess."""
@@ -13,7 +13,7 @@ from tfmis.config import save_config
 from tfmis.engine.distribution import StrategyBackend
 from tfmis.errors import DataError, UsageError
 from tfmis.run_plans import STAGE_PLAN_KEYS, load_stages, plan_source, split_overrides, stage_overrides
-from tfmis.training import StageRunner
+from tfmis.stage_runner import StageRunner
 
 
 class RecordingBackend(StrategyBackend):

@@ -1,6 +1,6 @@
 """The GPU-fit search over model parallelism (`range_model_parallel`), measured for real on this CPU.
 
-Every trial is a fresh `python -m tfmis.tune.fit.trial` process with the real Trainer: a model-parallel
+Every trial is a fresh `python -m tfmis.tuning.fit.trial` process with the real Trainer: a model-parallel
 candidate runs over 2 logical CPU devices (set up by `make_backend` before TensorFlow initialises), and
 its peak is the process's resident memory, which the logical devices share.
 """
@@ -14,10 +14,10 @@ import yaml
 from conftest import tiny_config
 
 from tfmis.config import to_dict
-from tfmis.tune.fit.candidates import apply_values, fitted_config
-from tfmis.tune.fit.search import fit_config
-from tfmis.tune.fit.specs import load_specs
-from tfmis.tune.fit.trial import run_trial
+from tfmis.tuning.fit.candidates import apply_values, fitted_config
+from tfmis.tuning.fit.search import fit_config
+from tfmis.tuning.fit.specs import load_specs
+from tfmis.tuning.fit.trial import run_trial
 
 
 @pytest.mark.slow
@@ -41,7 +41,7 @@ def test_setting_that_cannot_cut_the_patch_or_failed_to_set_up_is_skipped_with_i
     to 4. Every `spatial:16` candidate is skipped up front with the slabs' reason, no trial started; the first
     `pipeline:2` trial fails in setup (a fake runner stands in for the trial process), and the next batch size of
     that setting is skipped naming that trial; nothing is chosen."""
-    from tfmis.tune.fit.search import GpuFitSearch, NoConfigurationFits
+    from tfmis.tuning.fit.search import GpuFitSearch, NoConfigurationFits
 
     config = tiny_config(converted_dataset, tmp_path / "run")
     specs = load_specs(

@@ -21,7 +21,7 @@ import yaml
 from conftest import tiny_config
 
 from tfmis.config import ConfigError, load_config, save_config
-from tfmis.tune.hpo import NOT_REACHED_SECONDS, Objective, assign_devices, load_space, parse_space
+from tfmis.tuning.hpo import NOT_REACHED_SECONDS, Objective, assign_devices, load_space, parse_space
 
 REPO = Path(__file__).resolve().parents[1]
 # a 4-point grid whose every point trains, over the losses configs/hpo_space.yaml ships (plain dice and dice_ce;

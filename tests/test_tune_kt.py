@@ -1,4 +1,4 @@
-"""The one Keras Tuner adapter (`tfmis.tune.kt`) against the real Keras Tuner: every private name it relies on
+"""The one Keras Tuner adapter (`tfmis.tuning.kt`) against the real Keras Tuner: every private name it relies on
 still exists and behaves as relied on, so that a Keras Tuner upgrade that changes one fails here, by name.
 
 Each test runs a real in-process search (a real oracle and tuner writing a real project folder) over a tiny
@@ -12,7 +12,7 @@ import json
 import keras_tuner
 import pytest
 
-from tfmis.tune import kt
+from tfmis.tuning import kt
 
 
 def _space(values=(1, 2, 3, 4)):
@@ -30,7 +30,7 @@ def _search(tmp_path, oracle, evaluate, project="project", overwrite=True):
 
 
 def test_private_names_the_adapter_uses_exist_in_this_keras_tuner():
-    """Keras Tuner has no public API for what `tfmis.tune.kt` does with these: they must exist (a rename in a
+    """Keras Tuner has no public API for what `tfmis.tuning.kt` does with these: they must exist (a rename in a
     new release fails here, naming it)."""
     from keras_tuner.src import config as kt_config
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tfmis.config import Config, ConfigError
-from tfmis.tune.fit.candidates import apply_values, choose, model_parallel_settings, model_parallel_skip_reason
-from tfmis.tune.fit.memory import MemoryModel, fit_line
-from tfmis.tune.fit.specs import FitSpecs, load_specs
+from tfmis.tuning.fit.candidates import apply_values, choose, model_parallel_settings, model_parallel_skip_reason
+from tfmis.tuning.fit.memory import MemoryModel, fit_line
+from tfmis.tuning.fit.specs import FitSpecs, load_specs
 
 # ---------------------------------------------------------------------------------------------- specs
 
@@ -347,7 +347,7 @@ def _run(args, cwd, timeout=600):
 def batch4_peak_mb(converted_dataset, tmp_path_factory) -> float:
     """The measured peak RSS of a real trial at batch 4 (the budget below is set from it)."""
     from tfmis.config import to_dict
-    from tfmis.tune.fit.trial import run_trial
+    from tfmis.tuning.fit.trial import run_trial
 
     work = tmp_path_factory.mktemp("calibration")
     config = tiny_config(converted_dataset, work / "run", BIG_PATCH, "pipeline.num_images_per_batch=4")

@@ -1,6 +1,6 @@
 """The GPU-fit trial runner: real subprocesses measuring real (tiny) trainers on this CPU.
 
-Every trial here is a fresh `python -m tfmis.tune.fit.trial` process with the real Trainer, its
+Every trial here is a fresh `python -m tfmis.tuning.fit.trial` process with the real Trainer, its
 compiled training step and sliding-window inference. Out-of-memory failures are real: TensorFlow's
 CPU allocator is made a BFC allocator with a hard cap (TF_CPU_ALLOCATOR_USE_BFC /
 TF_CPU_BFC_MEM_LIMIT_IN_MB), so going over it raises a genuine ResourceExhaustedError. (An OOM
@@ -25,7 +25,7 @@ from tfmis.data.pipeline import build_train_dataset, synthetic_train_batches
 from tfmis.hardware import accelerators, host_memory, usable_cpu_count
 from tfmis.inference.windows import number_of_windows
 from tfmis.transforms.augment import train_crop_size
-from tfmis.tune.fit.trial import (
+from tfmis.tuning.fit.trial import (
     PROGRESS_FILE,
     RESULT_FILE,
     RESULT_KEYS,

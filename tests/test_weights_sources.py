@@ -241,8 +241,9 @@ def test_every_weights_source_loads_as_training_saved_it_and_ckpt_n_predicts_as_
     file_labels, file_probabilities, _ = from_file.predict_array(image, affine)
     np.testing.assert_array_equal(labels, file_labels)
     np.testing.assert_allclose(probabilities, file_probabilities, rtol=0, atol=1e-6)
-    assert_weights_are(from_checkpoint.model, record.epochs[best], f"{kind}: the predictor of ckpt-{best}")
-    assert_weights_are(from_file.model, record.epochs[best], f"{kind}: the predictor of best.weights.h5")
+    for predictor, name in ((from_checkpoint, f"ckpt-{best}"), (from_file, "best.weights.h5")):
+        stage = predictor.fine if isinstance(predictor, CascadePredictor) else predictor  # the run's own network
+        assert_weights_are(stage.model, record.epochs[best], f"{kind}: the predictor of {name}")
 
 
 def _data_info(run: Run) -> dict:
@@ -263,7 +264,7 @@ def test_a_cascade_predicts_with_the_fine_stages_source_and_the_coarse_runs_weig
     for name, checkpoint, weights, _, epoch in sources(fine):
         predictor = make_predictor(fine.config, checkpoint, weights=weights, device="cpu")
         assert isinstance(predictor, CascadePredictor)
-        assert_weights_are(predictor.model, fine.record.epochs[epoch], f"the fine stage from {name}")
+        assert_weights_are(predictor.fine.model, fine.record.epochs[epoch], f"the fine stage from {name}")
         coarse_epoch = coarse.record.last_epoch if weights == "final" else coarse.record.best_epoch
         assert_weights_are(predictor.coarse.model, coarse.record.epochs[coarse_epoch], f"the coarse stage ({name})")
     plan_folder = fine.dir.parent
@@ -272,7 +273,9 @@ def test_a_cascade_predicts_with_the_fine_stages_source_and_the_coarse_runs_weig
         predictor = build_predictor(source, device="cpu")
         assert isinstance(predictor, CascadePredictor)
         pick = {"best": "best_epoch", "final": "last_epoch"}[weights]
-        assert_weights_are(predictor.model, fine.record.epochs[getattr(fine.record, pick)], f"plan folder, {weights}")
+        assert_weights_are(
+            predictor.fine.model, fine.record.epochs[getattr(fine.record, pick)], f"plan folder, {weights}"
+        )
         assert_weights_are(
             predictor.coarse.model, coarse.record.epochs[getattr(coarse.record, pick)], f"plan folder, {weights}"
         )

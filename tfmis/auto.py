@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     started = STARTED if argv is None else time.time()  # the process's command, or a call from Python
     from tfmis.cli_arguments import target_hardware
-    from tfmis.crossval.protocol import Protocol
+    from tfmis.crossvalidation.protocol import Protocol
     from tfmis.errors import UsageError
 
     parser = build_parser()

@@ -1,9 +1,14 @@
 """The command-line options several commands share (`tfmis-plan`, `tfmis-train --source-dir`, `tfmis-auto`): the
-configuration to force and the CPU patch target (`add_configuration_argument`), and the machine to plan for when it
-is not this one (`add_target_arguments`, read by `target_hardware`). The commands' layer: nothing below imports it.
+configuration to force and the CPU patch target (`add_configuration_argument`), the machine to plan for when it
+is not this one (`add_target_arguments`, read by `target_hardware`), and the GPU-fit search's options
+(`tfmis-tune fit`, `tfmis-train --gpu-customization`: `add_search_arguments`, read by `search_specs` and
+`run_search`). The commands' layer: nothing below imports it.
 """
 
 from __future__ import annotations
+
+import argparse
+from pathlib import Path
 
 from tfmis.errors import UsageError
 
@@ -137,4 +142,63 @@ def target_hardware(args, here=None):
         host_memory_mb=host_memory,
         here=here,
         given=flags,
+    )
+
+
+def add_search_arguments(parser: argparse.ArgumentParser, prefix: str) -> None:
+    """The search's flags; `prefix` names them for tfmis.train (`--gpu-customization-specs`...)."""
+    parser.add_argument(
+        f"--{prefix}specs",
+        default=None,
+        metavar="S.yaml",
+        help="specs in Auto3DSeg's shape: {universal: {num_trials, range_num_images_per_batch, "
+        "range_num_sw_batch_size, ...}} (YAML or JSON)",
+    )
+    parser.add_argument(f"--{prefix}num-trials", type=int, default=None, help="trials to measure (specs: 20)")
+    parser.add_argument(
+        f"--{prefix}memory-budget-mb",
+        type=float,
+        default=None,
+        help="memory budget (default: the GPU's total memory less 1 GB for the CUDA context; without a GPU, the "
+        "available RAM)",
+    )
+    parser.add_argument(
+        f"--{prefix}strategy",
+        choices=["bayesian", "grid"],
+        default="bayesian",
+        help="Bayesian optimisation (default) or an exhaustive grid over the ranges",
+    )
+    parser.add_argument(
+        f"--{prefix}cache-dir",
+        default=None,
+        help="cache folder (default: $TFMIS_CACHE_DIR/gpu_fit or ~/.cache/tfmis/gpu_fit)",
+    )
+    parser.add_argument(f"--{prefix}no-cache", action="store_true", help="measure again even if a cached search fits")
+
+
+def search_specs(args, prefix: str):
+    """The search's specs from parsed arguments (file and flags); a `ConfigError` naming the file or key. Cheap:
+    callers check it before converting or training anything."""
+    from tfmis.tuning.fit import load_specs
+
+    attr = prefix.replace("-", "_")
+    return load_specs(getattr(args, f"{attr}specs"), num_trials=getattr(args, f"{attr}num_trials"))
+
+
+def run_search(config, args, prefix: str, output_dir: Path, specs=None):
+    """Runs the search from parsed arguments (`specs`: from `search_specs`, read here when None); returns
+    (fitted config, report)."""
+    from tfmis.tuning.fit import fit_config
+
+    attr = prefix.replace("-", "_")
+    specs = search_specs(args, prefix) if specs is None else specs
+    return fit_config(
+        config,
+        specs,
+        output_dir,
+        memory_budget_mb=getattr(args, f"{attr}memory_budget_mb"),
+        strategy=getattr(args, f"{attr}strategy"),
+        cache_dir=getattr(args, f"{attr}cache_dir"),
+        use_cache=not getattr(args, f"{attr}no_cache"),
+        progress=config.output.progress,
     )

@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     from tfmis.inference.inputs import collect_inputs
     from tfmis.inference.manifest import MANIFEST_FILE
     from tfmis.inference.outputs import dice_line, results_table, write_csv
-    from tfmis.inference.postprocess import describe_postprocessing
+    from tfmis.postprocessing import describe_postprocessing
 
     if (Path(args.checkpoint) / MANIFEST_FILE).is_file():  # an exported model folder (tfmis-export)
         predictor, source = _exported_predictor(args, folds, tta_axes), None

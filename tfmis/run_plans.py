@@ -10,7 +10,7 @@ The overrides of a plan as a whole (`STAGE_PLAN_KEYS`) reach every stage: `outpu
 stages' run folders (`<dir>/<stage>`, a cascade's `cascade.coarse_run` following its coarse stage), `data.dataset_dir`
 replaces the part of the stages' conversion folders they share (`X`, `X_lowres`, `X_roi`), `training.max_minutes`
 is the whole command's wall time (`PlanBudget`). None is dropped: one that cannot apply is refused in one line.
-`tfmis.training.StageRunner` trains what this module gives.
+`tfmis.stage_runner.StageRunner` trains what this module gives.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 sections into TensorFlow objects (tensorflow/models' `Task`).
 
 The trainer (`tfmis.engine.trainer`), the predictor (`tfmis.inference.predictor`) and the GPU-fit trial
-(`tfmis.tune.fit.trial`, through the trainer) receive their parts from here, so that the network a run
+(`tfmis.tuning.fit.trial`, through the trainer) receive their parts from here, so that the network a run
 trains is the network it predicts with, in the same precision, and the GPU-fit search measures exactly
 what training will run:
 

@@ -11,7 +11,7 @@ With `--source-dir DIR` instead of `--config`, the config is planned for that MS
 `<output.dir>/plan.yaml`, which a later run can edit and pass as `--config` (`--gpus 8 --gpu-memory 80GB` plans
 for another machine instead). A config planned for more GPUs, larger ones, or GPUs where this machine has none
 gets one warning line at the start. The stages are trained by
-`tfmis.training.StageRunner`; this module holds the command line.
+`tfmis.stage_runner.StageRunner`; this module holds the command line.
 """
 
 from __future__ import annotations
@@ -26,9 +26,14 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tfmis.cli_arguments import add_configuration_argument, add_target_arguments  # noqa: E402
-from tfmis.crossval.pilot import PILOT_SHARE, check_pilot  # noqa: E402
-from tfmis.tune.cli import add_search_arguments, run_search, search_specs  # noqa: E402
+from tfmis.cli_arguments import (  # noqa: E402
+    add_configuration_argument,
+    add_search_arguments,
+    add_target_arguments,
+    run_search,
+    search_specs,
+)
+from tfmis.crossvalidation.pilot import PILOT_SHARE, check_pilot  # noqa: E402
 from tfmis.utils.cli import add_set_argument, command, writing  # noqa: E402
 
 RERUN = "rerun with --resume (it continues from the last committed epoch)"
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
     from tfmis.cli_arguments import target_hardware
     from tfmis.errors import UsageError
     from tfmis.run_plans import load_stages, plan_source
-    from tfmis.training import StageRunner
+    from tfmis.stage_runner import StageRunner
 
     planned = None
     hardware = target_hardware(args)
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
     if args.source_dir is not None:
         resume_plan = args.resume
         if args.pilot is not None and args.resume:  # a pilot interrupted before it chose goes on: plan again
-            from tfmis.crossval.pilot import pilot_choice
+            from tfmis.crossvalidation.pilot import pilot_choice
             from tfmis.run_plans import planned_output_dir
 
             resume_plan = pilot_choice(planned_output_dir(args.source_dir, args.overrides)) is not None
@@ -119,14 +124,19 @@ def main(argv=None) -> int:
                 "with --source-dir (or tfmis-plan), not with --config"
             )
         stages = load_stages(args.config, args.overrides)
+        from tfmis.data.prepare import check_data_source
+
+        for stage in stages:  # a missing dataset is one line before TensorFlow starts (6 s and its log lines)
+            if stage.config.data.source_dir is not None:
+                check_data_source(stage.config.data)
     fit_devices, customize = 1, None
     if args.gpu_customization:  # the specs too, before anything is converted or trained
         if len(stages) > 1:
             raise UsageError("--gpu-customization measures one config: run it on a stage's plan.yaml")
         specs = search_specs(args, "gpu-customization-")
         customize = lambda config: _gpu_customization(config, args, specs)  # noqa: E731
-        from tfmis.tune.fit.candidates import check_model_parallel_range
-        from tfmis.tune.fit.specs import parse_model_parallel
+        from tfmis.tuning.fit.candidates import check_model_parallel_range
+        from tfmis.tuning.fit.specs import parse_model_parallel
 
         check_model_parallel_range(stages[0].config, specs)
 
@@ -134,7 +144,7 @@ def main(argv=None) -> int:
         fit_devices = max([parse_model_parallel(e)[1] for e in specs.range_model_parallel or ()] + [1])
     backend = _backend(stages[0].config, fit_devices)
     if args.pilot is not None:
-        from tfmis.crossval.pilot import run_pilot
+        from tfmis.crossvalidation.pilot import run_pilot
 
         stages, planned = run_pilot(planned, StageRunner(backend, gpu_fit=None), share=args.pilot)
     writing(stages[-1].config.output.dir, RERUN)

@@ -25,6 +25,7 @@ import numpy as np
 from scipy import ndimage
 
 from tfmis.errors import ConfigError
+from tfmis.metrics.boxes import label_box, mask_bounds
 
 NORMALIZATIONS = ("zscore", "ct", "ct_zscore", "none")
 NORMALIZE_SLICES = 16  # slices per step of the voxel-wise normalisation (bounds its temporaries)
@@ -272,34 +273,6 @@ def image_statistics(image: np.ndarray, normalization: tuple[str, ...], ct_windo
     return ImageStatistics(backgrounds, tuple(zscore), masked)
 
 
-def bounding_box(mask: np.ndarray, margin: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(start, stop) of the True voxels of `mask`, grown by `margin`; the whole grid if none."""
-    shape = np.array(mask.shape)
-    if not mask.any():
-        return np.zeros(3, dtype=int), shape
-    start, stop = [], []
-    for axis in range(3):
-        other = tuple(a for a in range(3) if a != axis)
-        nz = np.flatnonzero(mask.any(axis=other))
-        start.append(nz[0])
-        stop.append(nz[-1] + 1)
-    return np.maximum(np.array(start) - margin, 0), np.minimum(np.array(stop) + margin, shape)
-
-
-def label_box(mask: np.ndarray, spacing, margin_mm: float) -> tuple[np.ndarray, np.ndarray]:
-    """(start, stop) of the True voxels of `mask` grown by `margin_mm` on each side (ceil(margin / spacing)
-    voxels per axis), clipped to the grid: the region a cascade's fine stage sees.
-
-    Example:
-        >>> m = np.zeros((20, 20, 10), bool); m[8:10, 8:10, 4:6] = True
-        >>> [v.tolist() for v in label_box(m, (1.0, 1.0, 2.5), 5.0)]
-        [[3, 3, 2], [15, 15, 8]]
-    """
-    margin = np.ceil(float(margin_mm) / np.asarray(spacing, dtype=np.float64) - 1e-9).astype(int)
-    start, stop = bounding_box(mask)
-    return np.maximum(start - margin, 0), np.minimum(stop + margin, np.array(mask.shape))
-
-
 def resample(array: np.ndarray, scale: np.ndarray, out_shape, order: int, dtype=None) -> np.ndarray:
     """Resamples the first three axes: output voxel j reads input coordinate (j + .5) * scale - .5.
 
@@ -427,7 +400,7 @@ def preprocess(
     if config.crop_to_label_mm is not None and ras_label is not None and ras_label.any():
         start, stop = label_box(ras_label > 0, spacing_of(ras_affine), config.crop_to_label_mm)
     elif config.crop_foreground:
-        start, stop = bounding_box(mask | (ras_label > 0) if ras_label is not None else mask, config.crop_margin)
+        start, stop = mask_bounds(mask | (ras_label > 0) if ras_label is not None else mask, config.crop_margin)
     else:
         start, stop = np.zeros(3, dtype=int), np.array(ras_image.shape[:3])
     crop = tuple(slice(a, b) for a, b in zip(start, stop))

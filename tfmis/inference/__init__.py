@@ -8,7 +8,7 @@
 - `predictor.py`: whole scans in, NIfTI out, in the original geometry (the case loop and the model);
 - `inputs.py`: the cases to predict, the training run a checkpoint belongs to, its weights;
 - `outputs.py`: each case's result, predictions.csv and the results table;
-- `nifti.py`: label maps read and written as NIfTI (shared by the predictor and `postprocess.py`).
+- label-map files are `tfmis.data.sources.label_maps`, the postprocessing `tfmis.postprocessing`;
 - `dicom_seg.py`: label maps written as DICOM SEG for a DICOM series input (`tfmis.data.sources.dicom_series` reads it).
 """
 

@@ -38,12 +38,12 @@ import numpy as np
 from scipy import ndimage
 
 from tfmis.config import load_config
-from tfmis.data.boxes import Box, grow_box, merge_boxes, pad_box
 from tfmis.data.preprocess import ImageStatistics, PreprocessConfig, image_statistics, preprocess
 from tfmis.errors import ConfigError, DataError, MissingInput
 from tfmis.inference.inputs import run_config
-from tfmis.inference.predictor import GridPrediction, Predictor
+from tfmis.inference.predictor import GridPrediction, Predictor, ScanPredictor
 from tfmis.inference.restore import original_box
+from tfmis.metrics.boxes import Box, grow_box, merge_boxes, pad_box
 
 
 def pieces(mask: np.ndarray, min_voxels: float = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -210,44 +210,45 @@ def box_corners(box: Box) -> tuple[np.ndarray, np.ndarray]:
     return np.array([s.start for s in box]), np.array([s.stop for s in box])
 
 
-class CascadePredictor(Predictor):
-    """A `Predictor` for the fine stage that first runs `coarse` on the whole scan to find where to look.
+class CascadePredictor(ScanPredictor):
+    """A cascade's predictor of whole scans, made of two stage predictors: `coarse` runs over the whole scan to find
+    where to look, `fine` predicts in the regions it finds. Either may be a `Predictor` (training runs, or their
+    folds) or an `ExportedPredictor` (an exported model run by an engine): the cascade only calls them.
 
     Args:
-        config, checkpoint: the fine stage's run (its `cascade.margin_mm`, `cascade.min_region_mm3` and
-            `cascade.fine_classes`), or its folds (a list: `Predictor`'s fold ensemble).
-        coarse: the coarse stage's `Predictor` (for folds, the fold ensemble of their coarse runs), with this run's
+        fine: the fine stage's predictor; its classes, preprocessing, windows, metrics and postprocessing are the
+            cascade's.
+        coarse: the coarse stage's predictor (for folds, the fold ensemble of their coarse runs), with the same
             classes and outputs (classes, or the same `model.output: regions`).
-        kwargs: `Predictor`'s (sliding-window settings, device, test-time augmentation), for both stages.
+        margin_mm, min_region_mm3, fine_classes: `cascade.margin_mm`, `.min_region_mm3`, `.fine_classes` (as the
+            module describes).
 
     After each case, `last_region` describes what the fine stage saw (also in `CaseResult.region`) and `last_boxes`
     are its boxes (slices of the scan's grid; [] when it saw the whole scan or no region).
     """
 
-    def __init__(self, config, checkpoint, coarse: Predictor, **kwargs):
-        super().__init__(config, checkpoint, **kwargs)
-        c = config.cascade
-        self.set_cascade(coarse, c.margin_mm, c.min_region_mm3, c.fine_classes)
-
-    def set_cascade(self, coarse: Predictor, margin_mm: float, min_region_mm3: float, fine_classes) -> None:
-        """The coarse stage and the cascade's settings (`cascade.margin_mm`, `.min_region_mm3`, `.fine_classes`),
-        checked against this stage's classes and outputs (an exported cascade sets them from its manifest)."""
-        if list(coarse.class_names) != list(self.class_names):
+    def __init__(self, fine: Predictor, coarse: Predictor, margin_mm: float, min_region_mm3: float, fine_classes=None):
+        if list(coarse.class_names) != list(fine.class_names):
             raise DataError(
-                f"cascade.coarse_run: its classes {coarse.class_names} differ from this run's {self.class_names}"
+                f"cascade.coarse_run: its classes {coarse.class_names} differ from this run's {fine.class_names}"
             )
-        if coarse.task.paint_labels != self.task.paint_labels:
+        if coarse.task.paint_labels != fine.task.paint_labels:
             raise DataError(
                 "cascade.coarse_run: its outputs (model.output, validation.regions) differ from this run's: the "
                 "cascade's probabilities are the coarse stage's outside the regions and the fine stage's inside"
             )
-        self.coarse = coarse
+        self.fine, self.coarse = fine, coarse
+        # what the case loop (`ScanPredictor`) and the commands read: the fine stage's
+        self.config, self.task, self.class_names = fine.config, fine.task, fine.class_names
+        self.modalities, self.score_columns, self.index = fine.modalities, fine.score_columns, fine.index
+        self.preprocessing, self.postprocessing = fine.preprocessing, fine.postprocessing
         self.margin_mm = float(margin_mm)
         self.min_region_mm3 = float(min_region_mm3)
-        fine = fine_classes
-        self.fine_classes = sorted(fine) if fine else None
+        self.fine_classes = sorted(fine_classes) if fine_classes else None
         if self.fine_classes and max(self.fine_classes) >= len(self.class_names):
-            raise ConfigError(f"cascade.fine_classes {fine}: this run has labels 0..{len(self.class_names) - 1}")
+            raise ConfigError(
+                f"cascade.fine_classes {fine_classes}: this run has labels 0..{len(self.class_names) - 1}"
+            )
         if self.fine_classes and self.task.paint_labels is not None:
             raise ConfigError(
                 "cascade.fine_classes needs class outputs: with model.output: regions the fine stage decides every "
@@ -255,10 +256,19 @@ class CascadePredictor(Predictor):
             )
         spacing = self.preprocessing.spacing
         self.min_size_mm = (
-            None if spacing is None else tuple(float(n) * float(s) for n, s in zip(self.roi_size, spacing))
+            None if spacing is None else tuple(float(n) * float(s) for n, s in zip(fine.roi_size, spacing))
         )
         self.last_region = ""
         self.last_boxes: list[Box] = []
+
+    @property
+    def events(self) -> list:
+        """The fine stage's placement events (what ran out of memory, and what worked), in order."""
+        return self.fine.events
+
+    def describe(self) -> str:
+        """One line: the fine stage's predictor (an exported model's folder and engine), after its coarse stage."""
+        return f"{self.fine.describe()}, a cascade after its coarse stage"
 
     def predict_image(self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True):
         """(label map, probabilities (X, Y, Z, K) or None, device) of the image in `holder` ([image], emptied once
@@ -272,7 +282,7 @@ class CascadePredictor(Predictor):
         if not boxes and not small:
             self.last_region = "whole scan (the coarse stage found nothing)"
             del grid
-            return super().predict_image(holder, affine, case_id, probabilities)
+            return self.fine.predict_image(holder, affine, case_id, probabilities)
         # every box cut first, so the scan goes before the first fine sliding window (the boxes are a part of it)
         subs, statistics = cut_regions(holder, boxes, self.preprocessing)
         labels, full = grid.restore(True) if probabilities else (None, None)
@@ -280,7 +290,7 @@ class CascadePredictor(Predictor):
         for number, box in enumerate(boxes):
             volume, geometry = region_input(subs[number], affine, box, self.preprocessing, statistics)
             subs[number] = None
-            fine = self._grid_prediction([volume], geometry, case_id, None)
+            fine = self.fine.preprocessed_prediction([volume], geometry, case_id, None)
             devices.append(fine.device)
             inside.append(self._region(fine, grid, box, full))
             del fine
@@ -333,7 +343,7 @@ class CascadePredictor(Predictor):
         return self.predict_image([image], affine, case_id, probabilities)
 
 
-def make_predictor(config, checkpoint, **kwargs) -> Predictor:
+def make_predictor(config, checkpoint, **kwargs) -> Predictor | CascadePredictor:
     """A `Predictor` for the run of `config`, or a `CascadePredictor` when it is a cascade's fine stage
     (`cascade.coarse_run` set): the coarse run's config and best weights are loaded from its folder.
 
@@ -363,4 +373,7 @@ def make_predictor(config, checkpoint, **kwargs) -> Predictor:
             )
     coarse_config = load_config(run_config(coarse_runs[0]))
     coarse = Predictor(coarse_config, coarse_runs if len(coarse_runs) > 1 else coarse_runs[0], **kwargs)
-    return CascadePredictor(config, checkpoint, coarse, **kwargs)
+    c = config.cascade
+    return CascadePredictor(
+        Predictor(config, checkpoint, **kwargs), coarse, c.margin_mm, c.min_region_mm3, c.fine_classes
+    )

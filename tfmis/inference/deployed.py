@@ -181,20 +181,6 @@ class ExportedPredictor(Predictor):
         return f"the exported model {self.folder} ({what}) with {self.engine} ({self.precision})"
 
 
-class ExportedCascadePredictor(CascadePredictor, ExportedPredictor):
-    """An exported cascade (`manifest["cascade"]`, or a configuration's): `CascadePredictor`'s prediction (the
-    coarse stage over the whole scan, the fine stage in the regions it finds) with both stages run by the engine."""
-
-    def __init__(self, folder, stage: dict | None = None, **kwargs):
-        ExportedPredictor.__init__(self, folder, stage=stage, **kwargs)
-        cascade = (stage or self.manifest)["cascade"]
-        coarse = ExportedPredictor(folder, **kwargs, stage=cascade["coarse"])
-        self.set_cascade(coarse, cascade["margin_mm"], cascade["min_region_mm3"], cascade["fine_classes"])
-
-    def describe(self) -> str:
-        return ExportedPredictor.describe(self) + ", a cascade after its coarse stage"
-
-
 class ExportedConfigurationEnsemble(ConfigurationEnsemble):
     """An exported cross-validation's ensemble of configurations (`manifest["configurations"]`), each an
     `ExportedPredictor` (or cascade) run by the engine, their probabilities averaged as `ConfigurationEnsemble`
@@ -203,26 +189,34 @@ class ExportedConfigurationEnsemble(ConfigurationEnsemble):
     def __init__(self, folder, manifest: dict, **kwargs):
         members = [_stage_predictor(folder, stage, **kwargs) for stage in manifest["configurations"]]
         super().__init__(members, [stage["name"] for stage in manifest["configurations"]])
+        # each configuration's own stage (a cascade's fine stage): its networks, engine and precision
+        self.stages = [m.fine if isinstance(m, CascadePredictor) else m for m in members]
         self.postprocessing = members[0].postprocessing
-        self.folder, self.engine, self.precision = Path(folder), members[0].engine, members[0].precision
+        self.folder, self.engine, self.precision = Path(folder), self.stages[0].engine, self.stages[0].precision
 
     def describe(self) -> str:
         names = " + ".join(
             f"{name} ({len(m.checkpoints)} network{'s' if len(m.checkpoints) > 1 else ''})"
-            for name, m in zip(self.names, self.members)
+            for name, m in zip(self.names, self.stages)
         )
         return f"the exported model {self.folder} (ensemble of {names}) with {self.engine} ({self.precision})"
 
 
-def _stage_predictor(folder, stage: dict | None, **kwargs) -> ExportedPredictor:
-    if (stage or read_manifest(folder)).get("cascade"):
-        return ExportedCascadePredictor(folder, stage=stage, **kwargs)
-    return ExportedPredictor(folder, stage=stage, **kwargs)
+def _stage_predictor(folder, stage: dict | None, **kwargs) -> ExportedPredictor | CascadePredictor:
+    """The predictor of one exported configuration (`stage`, or the manifest's own): its networks run by the engine,
+    or for a cascade (`manifest["cascade"]`) a `CascadePredictor` of two such stage predictors."""
+    predictor = ExportedPredictor(folder, stage=stage, **kwargs)
+    cascade = (stage or predictor.manifest).get("cascade")
+    if not cascade:
+        return predictor
+    coarse = ExportedPredictor(folder, **kwargs, stage=cascade["coarse"])
+    return CascadePredictor(predictor, coarse, cascade["margin_mm"], cascade["min_region_mm3"], cascade["fine_classes"])
 
 
 def exported_predictor(folder, **kwargs):
     """The predictor of the exported model `folder`: an `ExportedConfigurationEnsemble` for an ensemble of
-    configurations, an `ExportedCascadePredictor` for a cascade, else an `ExportedPredictor` (kwargs: theirs)."""
+    configurations, a `CascadePredictor` of two `ExportedPredictor`s for a cascade, else an `ExportedPredictor`
+    (kwargs: `ExportedPredictor`'s)."""
     manifest = read_manifest(folder)
     if manifest.get("configurations"):
         return ExportedConfigurationEnsemble(folder, manifest, **kwargs)

@@ -46,7 +46,7 @@ from tfmis.inference.manifest import (
     sha256_of,
 )
 from tfmis.inference.model_card import model_card, training_summary
-from tfmis.inference.postprocess import postprocessing_enabled
+from tfmis.postprocessing import postprocessing_enabled
 from tfmis.utils.io import atomic_write_json, atomic_writer
 
 ONNX_OPSET = 17

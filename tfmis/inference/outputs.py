@@ -1,6 +1,6 @@
 """What a prediction reports: each case's `CaseResult`, predictions.csv (`write_csv`, its score columns
 `score_columns`) and the table printed at the end (`results_table`). The label maps and probabilities themselves
-are written by `tfmis.inference.nifti.save_like`.
+are written by `tfmis.data.sources.label_maps.save_like`.
 """
 
 from __future__ import annotations

@@ -38,10 +38,11 @@ import nibabel as nib
 import numpy as np
 import tensorflow as tf
 
-from tfmis.data.preprocess import Geometry, PreprocessConfig, preprocess
+from tfmis.data.preprocess import Geometry, PreprocessConfig, crop_box_in_original_voxels, preprocess
 from tfmis.data.records import load_training_data_info
 from tfmis.data.sources.errors import CaseError
 from tfmis.data.sources.image_io import load_image, output_suffix, read_geometry
+from tfmis.data.sources.label_maps import read_label_map, save_like
 from tfmis.errors import DataError, UsageError
 from tfmis.hardware import CPU, accelerator_device, model_parallel_devices, peak_rss_mb, reset_peak_rss
 from tfmis.inference.buffers import check_buffer_dtype
@@ -52,16 +53,13 @@ from tfmis.inference.inputs import (
     find_run_dir,
     load_weights,
 )
-from tfmis.inference.nifti import read_label_map, save_like
 from tfmis.inference.outputs import (
     CaseResult,
     score_columns,
     score_keys,
 )
 from tfmis.inference.placement import VolumePlacement, aggregation_bytes
-from tfmis.inference.postprocess import apply_postprocessing, describe_postprocessing, postprocessing_enabled
 from tfmis.inference.restore import (
-    crop_box,
     paint_regions,
     preprocessed_box,
     restore_labels,
@@ -69,6 +67,7 @@ from tfmis.inference.restore import (
     softmax_in_place,
 )
 from tfmis.inference.sliding_window import sliding_window_inference
+from tfmis.postprocessing import apply_postprocessing, describe_postprocessing, postprocessing_enabled
 from tfmis.task import SegmentationTask
 
 
@@ -476,7 +475,7 @@ class Predictor(ScanPredictor):
         self, holder: list, affine: np.ndarray, case_id: str = "", probabilities: bool = True
     ) -> tuple[np.ndarray, np.ndarray | None, str]:
         """`predict_array` of the whole image in `holder` ([image]), which is emptied as soon as the image is no
-        longer needed (only the preprocessed volume is held from then on). A cascade overrides this step."""
+        longer needed (only the preprocessed volume is held from then on)."""
         image = holder.pop()
         volume, _, geometry = preprocess(image, None, affine, self.preprocessing)
         del image
@@ -486,7 +485,7 @@ class Predictor(ScanPredictor):
         self, holder: list, geometry, case_id: str, roi, probabilities: bool
     ) -> tuple[np.ndarray, np.ndarray | None, str]:
         """`predict_array` after the preprocessing; `holder` is [volume], emptied once the logits exist."""
-        grid = self._grid_prediction(holder, geometry, case_id, roi)
+        grid = self.preprocessed_prediction(holder, geometry, case_id, roi)
         return (*grid.restore(probabilities), grid.device)
 
     def grid_prediction(self, image: np.ndarray, affine: np.ndarray, case_id: str = "") -> GridPrediction:
@@ -495,16 +494,19 @@ class Predictor(ScanPredictor):
         cascade's coarse stage finds its region on this grid and restores labels only when it needs them). `image`
         is left as it is."""
         volume, _, geometry = preprocess(image, None, affine, self.preprocessing)
-        return self._grid_prediction([volume], geometry, case_id, None)
+        return self.preprocessed_prediction([volume], geometry, case_id, None)
 
-    def _grid_prediction(self, holder: list, geometry, case_id: str, roi) -> GridPrediction:
+    def preprocessed_prediction(self, holder: list, geometry, case_id: str, roi) -> GridPrediction:
+        """The probabilities of the preprocessed volume in `holder` ([volume], emptied once the logits exist) of
+        `geometry` (`tfmis.data.preprocess.Geometry`), within `roi` (a box of the original grid, or None): what
+        `grid_prediction` returns after its preprocessing, for a cascade that preprocesses its regions itself."""
         volume = holder.pop()
         box = None
         region = (np.zeros(3, int), np.array(volume.shape[:3]))
         if roi is not None:
             shape = np.array(geometry.original_shape)
             box = (np.clip(np.asarray(roi[0], int), 0, shape), np.clip(np.asarray(roi[1], int), 0, shape))
-            start, stop = crop_box(geometry)
+            start, stop = crop_box_in_original_voxels(geometry)
             region = preprocessed_box(
                 np.maximum(start, box[0]), np.minimum(stop, box[1]), geometry, volume.shape, min_size=self.roi_size
             )

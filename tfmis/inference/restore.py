@@ -101,12 +101,6 @@ def original_to_preprocessed(geometry) -> np.ndarray:
     return np.round(matrix, 9)  # pure permutations/flips stay exact integers
 
 
-def crop_box(geometry) -> tuple[np.ndarray, np.ndarray]:
-    """(start, stop) of the preprocessing's foreground crop in original voxel indices: outside it is background."""
-    g = Geometry.from_dict(geometry) if isinstance(geometry, dict) else geometry
-    return crop_box_in_original_voxels(g)
-
-
 def preprocessed_box(
     start, stop, geometry, shape, margin: int = 1, min_size=None
 ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -201,7 +195,7 @@ def restore_labels(
         restored = np.zeros((*shape, classes), np.float32)
         if paint_labels is None:
             restored[..., 0] = 1.0
-    start, stop = crop_box(g)
+    start, stop = crop_box_in_original_voxels(g)
     if box is not None:
         start, stop = np.maximum(start, np.asarray(box[0])), np.minimum(stop, np.asarray(box[1]))
     if np.any(stop <= start):

@@ -44,13 +44,8 @@ import re
 
 import numpy as np
 
-from tfmis.metrics.surface import (
-    check_tolerance,
-    empty_mask_scores,
-    off_surface,
-    surface_scores_in_box,
-    union_box,
-)
+from tfmis.metrics.boxes import slab_box, union_box
+from tfmis.metrics.surface import check_tolerance, empty_mask_scores, off_surface, surface_scores_in_box
 
 SLAB_SLICES = 32  # slices along the first axis per slab of the whole-map passes (confusion, boxes, casts)
 
@@ -190,20 +185,7 @@ def region_masks(label_map, labels) -> np.ndarray:
 def _structure_box(label_map: np.ndarray, labels) -> tuple[slice, ...] | None:
     """The bounding box of the voxels labelled with one of `labels`, found a slab at a time; None if there are
     none."""
-    projections = [np.zeros(n, bool) for n in label_map.shape]
-    axes = range(label_map.ndim)
-    for s in _slabs(len(label_map)):
-        mask = _in(label_map[s], labels)
-        projections[0][s] = mask.any(axis=tuple(axes[1:]))
-        for axis in axes[1:]:
-            projections[axis] |= mask.any(axis=tuple(a for a in axes if a != axis))
-    box = []
-    for projection in projections:
-        indices = np.flatnonzero(projection)
-        if not indices.size:
-            return None
-        box.append(slice(int(indices[0]), int(indices[-1]) + 1))
-    return tuple(box)
+    return slab_box(label_map, lambda slab: _in(slab, labels), SLAB_SLICES)
 
 
 def _padded_mask(label_map: np.ndarray, labels, box) -> np.ndarray:

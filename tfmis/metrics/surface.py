@@ -37,34 +37,9 @@ import math
 import numpy as np
 from scipy import ndimage
 
+from tfmis.metrics.boxes import mask_box, union_box
+
 QUERY_SLICES = 32  # slices of a box whose surface voxels look up their nearest feature at a time
-
-
-def bounding_box(mask: np.ndarray) -> tuple[slice, ...] | None:
-    """The smallest box holding every voxel of `mask` (one slice per axis); None when it holds none.
-
-    Example:
-    ```python
-    bounding_box(label == 2)   # (slice(40, 97), slice(12, 60), slice(3, 41))
-    ```
-    """
-    mask = np.asarray(mask, bool)
-    box = []
-    for axis in range(mask.ndim):
-        other_axes = tuple(a for a in range(mask.ndim) if a != axis)
-        indices = np.flatnonzero(mask.any(axis=other_axes))
-        if not indices.size:
-            return None
-        box.append(slice(int(indices[0]), int(indices[-1]) + 1))
-    return tuple(box)
-
-
-def union_box(*boxes) -> tuple[slice, ...] | None:
-    """The smallest box holding all `boxes` (a None is an empty box); None when all are empty."""
-    boxes = [b for b in boxes if b is not None]
-    if not boxes:
-        return None
-    return tuple(slice(min(s.start for s in axis), max(s.stop for s in axis)) for axis in zip(*boxes))
 
 
 def surface(mask: np.ndarray) -> np.ndarray:
@@ -158,7 +133,7 @@ def surface_distances(prediction_mask, target_mask, spacing=None) -> tuple[np.nd
     ```
     """
     prediction_mask, target_mask, spacing = _masks_and_spacing(prediction_mask, target_mask, spacing)
-    prediction_box, target_box = bounding_box(prediction_mask), bounding_box(target_mask)
+    prediction_box, target_box = mask_box(prediction_mask), mask_box(target_mask)
     if prediction_box is None or target_box is None:
         raise ValueError("surface distances need two non-empty masks")
     box = union_box(prediction_box, target_box)
@@ -241,7 +216,7 @@ def surface_scores(prediction_mask, target_mask, spacing=None, percentile=95.0, 
         return empty_mask_scores(has_prediction, has_target, percentile, tolerance_mm)
     if percentile is None and tolerance_mm is None:
         return None, None
-    box = union_box(bounding_box(prediction_mask), bounding_box(target_mask))
+    box = union_box(mask_box(prediction_mask), mask_box(target_mask))
     off_prediction = off_surface(np.pad(prediction_mask[box], 1))
     off_target = off_surface(np.pad(target_mask[box], 1))
     return surface_scores_in_box(off_prediction, off_target, spacing, percentile, tolerance_mm)

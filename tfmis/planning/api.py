@@ -43,7 +43,7 @@ def cached_gpu_fit_lookup(hardware: Hardware, dataset_dir) -> Callable | None:
     holds this machine's measurements, not the target's)."""
     if not hardware.has_gpu or hardware.target_given or not has_conversion(dataset_dir):
         return None
-    from tfmis.tune.fit import cached_choice
+    from tfmis.tuning.fit import cached_choice
 
     return cached_choice
 
@@ -62,13 +62,13 @@ def replan_with_cached_gpu_fit(
 
     Args:
         configuration: the configuration planned before (so the same stages are planned).
-        lookup: `config -> fitted values or None` (default: the search's cache, `tfmis.tune.fit.cached_choice`).
+        lookup: `config -> fitted values or None` (default: the search's cache, `tfmis.tuning.fit.cached_choice`).
         plan_args: `plan_stages`' folder arguments (source_dir, dataset_dir, output_dir).
     """
     if not hardware.has_gpu or hardware.target_given:
         return None
     if lookup is None:
-        from tfmis.tune.fit import cached_choice as lookup
+        from tfmis.tuning.fit import cached_choice as lookup
     staged = plan_stages(
         fingerprint, hardware, configuration=configuration, max_minutes=max_minutes, gpu_fit_for=lookup, **plan_args
     )

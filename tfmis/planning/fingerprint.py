@@ -185,12 +185,12 @@ def case_summary(task: tuple) -> dict:
 
 def crop_shape(projections: list[dict], ct_window, margin: int = 0) -> list[int]:
     """Shape of the box `tfmis.data.preprocess` crops (foreground mask or label, grown by `margin`); see
-    `crop_box`."""
-    start, stop = crop_box(projections, ct_window, margin)
+    `planned_crop_box`."""
+    start, stop = planned_crop_box(projections, ct_window, margin)
     return [b - a for a, b in zip(start, stop)]
 
 
-def crop_box(projections: list[dict], ct_window, margin: int = 0) -> tuple[list[int], list[int]]:
+def planned_crop_box(projections: list[dict], ct_window, margin: int = 0) -> tuple[list[int], list[int]]:
     """(start, stop) voxels of the box `tfmis.data.preprocess` crops (foreground mask or label, grown by `margin`),
     on the case's RAS grid; an axis with no foreground is kept whole.
 
@@ -274,7 +274,9 @@ def fingerprint_msd(
     if not ct:
         ct_window = None
     boxes = [
-        crop_box(s["projections"], ct_window, crop_margin) if crop_foreground else ([0, 0, 0], list(s["ras_shape"]))
+        planned_crop_box(s["projections"], ct_window, crop_margin)
+        if crop_foreground
+        else ([0, 0, 0], list(s["ras_shape"]))
         for s in summaries
     ]
     crops = [[b - a for a, b in zip(start, stop)] for start, stop in boxes]

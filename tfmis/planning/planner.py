@@ -82,7 +82,7 @@ class ExperimentPlanner:
         max_minutes: `training.max_minutes` of this stage (null: none); refused (`UsageError`) when it rounds (to
             hundredths) to no training.
         cpu_patch_voxels: a CPU plan's patch voxel target (default `CPU_PATCH_VOXELS`, 48^3); a pilot tries another
-            (`tfmis.crossval.pilot`).
+            (`tfmis.crossvalidation.pilot`).
     """
 
     def __init__(self, fingerprint: DatasetFingerprint, hardware: Hardware, **arguments):

@@ -43,9 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data.boxes import box_voxels, clip_box, grow_box, merge_boxes, pad_box
 from tfmis.errors import UsageError
 from tfmis.hardware import Hardware
+from tfmis.metrics.boxes import box_voxels, clip_box, grow_box, merge_boxes, pad_box
 from tfmis.planning.data_steps import roi_median_shape
 from tfmis.planning.decisions import Decisions
 from tfmis.planning.fingerprint import DatasetFingerprint

@@ -1,5 +1,0 @@
-import sys
-
-from tfmis.crossval.cli import main
-
-sys.exit(main())
