@@ -388,3 +388,33 @@ def test_an_int16_image_preprocesses_as_its_float32_copy(normalization, tmp_path
     scaled.header.set_slope_inter(0.5, 10.0)  # a scale factor: the values are not the stored integers
     nib.save(scaled, tmp_path / "scaled.nii.gz")
     assert load_image(tmp_path / "scaled.nii.gz", 1, "ct", integers=True)[0].dtype == np.float32
+
+
+def test_the_foreground_intensity_sample_is_image_mask_sampled_and_selects_without_index_arrays():
+    """`tfmis.data.case_stats.intensity_sample` draws its sample from the labelled voxels' values in C order, as
+    numpy's `image[label > 0]` lists them, with the same generator call; selecting channel by channel allocates
+    under 0.6 of what `image[mask]` does (tracemalloc counts numpy's buffers: the (K, 3) int64 indices it
+    builds first are 24 bytes a selected voxel, against 4 for the float32 values)."""
+    import tracemalloc
+
+    from tfmis.data.case_stats import intensity_sample
+
+    rng = np.random.default_rng(3)
+    image = rng.normal(size=(64, 48, 40, 2)).astype(np.float32)
+    label = np.zeros((64, 48, 40), np.uint8)
+    label[8:56, 4:44, 5:35] = 1
+    label[20:30, 10:20, 10:20] = 2
+    expected = image[label > 0]
+    expected = expected[np.random.default_rng(0).choice(len(expected), 500, replace=False)]
+    np.testing.assert_array_equal(intensity_sample(image, label, 500, np.random.default_rng(0)), expected)
+
+    tracemalloc.start()
+    try:
+        image[label > 0]
+        reference = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        intensity_sample(image, label, 500, np.random.default_rng(0))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.6 * reference, (peak, reference)

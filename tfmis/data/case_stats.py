@@ -37,7 +37,11 @@ def intensity_sample(
 ) -> np.ndarray:
     """Up to `max_voxels` raw voxel values (N, C) from the labelled foreground (else `body_mask`'s region)."""
     mask = label > 0 if label is not None and label.any() else body_mask(image, ct_channels)
-    values = image[mask] if mask.any() else image.reshape(-1, image.shape[-1])
+    if mask.any():  # channel by channel: a mask of the array's own shape selects without the (K, 3) int64 index
+        # arrays that `image[mask]` builds first (24 bytes a selected voxel: 354 MB for 14.7 M labelled voxels)
+        values = np.stack([image[..., c][mask] for c in range(image.shape[-1])], axis=-1)
+    else:
+        values = image.reshape(-1, image.shape[-1])
     if len(values) > max_voxels:
         values = values[rng.choice(len(values), max_voxels, replace=False)]
     return values
