@@ -505,6 +505,7 @@ def run_arm(arm: str, kind: Kind, root: Path, seed: int, args, command_seconds: 
             "test_heldout",
             "--predict-output",
             str(probabilities),
+            *args.monai_arg,
         ]
         env = {**os.environ, **dict(item.split("=", 1) for item in args.monai_env)}
         code, seconds = _run(cmd, log, args.quiet, env)
@@ -806,6 +807,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"python of the MONAI environment (default .venv-monai or /work/venv-monai; {MONAI_VENV_COMMAND})",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads of the MONAI arm (default 2)")
+    p.add_argument(
+        "--monai-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument of benchmarks/monai_demo.py appended to the MONAI arm's command (repeatable; give it with "
+        "=): --monai-arg=--fit-budget --monai-arg=--epochs=1000 fits MONAI's cosine schedule to the budget as "
+        "--hand-set training.epochs=1000 does the hand recipe's, instead of its 60 epochs",
+    )
     p.add_argument(
         "--monai-env",
         action="append",

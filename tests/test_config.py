@@ -55,6 +55,8 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
         ("output.tensorboard=1", "output.tensorboard: expected true/false"),
         ("pipeline.patch_size=[64, 64]", "pipeline.patch_size: expected three positive sizes"),
         ("validation.overlap=1.0", r"validation.overlap must be in \[0, 1\)"),
+        ("validation.val_interval=0", r"validation: val_interval must be >= 1 \(epochs between validations\), got 0"),
+        ("validation.validations=0", r"validation: validations must be >= 1 \(validations over a time-budgeted run\)"),
         ("model.filters=[8, 16, 32]", r"model: strides needs one entry per level of filters \(8, 16, 32\)"),
         ("training.epochs", "expected key=value"),
         (

@@ -155,6 +155,45 @@ def test_a_resumed_run_does_not_shorten_its_schedule_from_its_first_validation_a
     assert budget.events[0]["validation_seconds"] == pytest.approx(0.02)
 
 
+def test_a_validation_count_spaces_the_validations_from_the_decided_length_and_fits_it_with_that_spacing():
+    """`validation.validations=5` with `val_interval=1`: 1-s epochs validated in 2 s in a 100-s budget. Until the
+    decision every epoch is validated; after it they come every round(N / 5) epochs, N the decided length, which is
+    the most epochs that fit the budget less its margin with that spacing (the projection written out here): far more
+    epochs than the budget without a count decides on the same epochs (a validation costs two epochs)."""
+    plain = TimeBudget(max_minutes=100 / 60, max_epochs=10_000, val_interval=1)
+    counted = TimeBudget(max_minutes=100 / 60, max_epochs=10_000, val_interval=1, validations=5)
+    elapsed = 0.0
+    epoch = 0
+    while counted.epochs is None:
+        epoch += 1
+        elapsed += (5.0 if epoch == 1 else 1.0) + 2.0
+        for budget in (plain, counted):
+            budget.add_epoch(epoch, 5.0 if epoch == 1 else 1.0, 2.0)
+            budget.update(epoch, elapsed)
+    assert plain.epochs is not None and plain.val_interval == 1  # no count: the interval stays
+    interval = counted.val_interval
+    assert interval == max(1, round(counted.epochs / 5)) > 1 and counted.events[0]["val_interval"] == interval
+    assert f"every {interval} epochs" in counted.reason
+
+    def projected_end(last: int) -> float:  # the epochs after the decision, each 1 s, every interval-th validated
+        validated = sum(1 for e in range(epoch + 1, last + 1) if e % interval == 0 or e == last)
+        return elapsed + (last - epoch) * 1.0 + validated * 2.0
+
+    assert counted.epochs > plain.epochs
+    assert projected_end(counted.epochs) <= 0.97 * 100 < projected_end(counted.epochs + 1)
+    over_the_run = sum(1 for e in range(1, counted.epochs + 1) if e % interval == 0 or e == counted.epochs)
+    assert 5 <= over_the_run <= 6, over_the_run  # at that spacing from epoch 1; the last epoch's may be one more
+
+
+def test_a_resumed_budget_spaces_its_validations_from_the_length_it_decided():
+    """A 6-minute run planned every 3 epochs with about 15 validations, resumed with 160 epochs decided: every
+    round(160 / 15) = 11 epochs; a count that would space them closer than `val_interval` keeps `val_interval`; no
+    count keeps it too."""
+    assert TimeBudget(6, 1000, 3, decided=160, validations=15).val_interval == 11
+    assert TimeBudget(6, 1000, 3, decided=30, validations=15).val_interval == 3
+    assert TimeBudget(6, 1000, 3, decided=160).val_interval == 3
+
+
 def _feed_validated(budget: TimeBudget, epoch: int, seconds: float, validation: float | None, elapsed: float) -> float:
     elapsed += seconds + (validation or 0.0)
     budget.add_epoch(epoch, seconds, validation)
@@ -199,7 +238,7 @@ def _planned_end(event: dict, last: int, interval: int) -> float:
     return event["elapsed_seconds"] + (last - event["epoch"]) * event["epoch_seconds"] + validations
 
 
-def _assert_fitted(events: list[dict], interval: int) -> None:
+def _assert_fitted(events: list[dict], interval: int | None = None) -> None:
     """Every length the budget set (decided, refined, shortened) is the most epochs whose end, projected from the
     time then and the epoch and validation times it measured, fits the budget less its margin: one more epoch would
     pass it (or, when none fits, the next epoch: the least). With the run's epochs under 2 % of the budget that is the
@@ -209,6 +248,7 @@ def _assert_fitted(events: list[dict], interval: int) -> None:
     assert events and SAFETY_SHARE <= 0.05
     for event in events:
         epochs = event["epochs"]
+        interval = event["val_interval"] if interval is None else interval
         planned, one_more = _planned_end(event, epochs, interval), _planned_end(event, epochs + 1, interval)
         assert event["epoch"] < epochs < 1000, event
         assert planned <= target + 1e-9 or epochs == event["epoch"] + 1, event
@@ -240,10 +280,15 @@ def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_pat
 
     The epoch lines count to the fitted schedule, not to the budget's epoch bound (`budget_epoch_bound`, as a
     planned run's `training.epochs`): "epoch 1/?" before the budget has measured enough, "epoch N/N" at the end.
+
+    With `validation.validations=20`, every epoch is validated until the decision, and after it every K-th epoch and
+    the last, K = round(N / 20) for the N decided (the length then fitted with that spacing).
     """
     run = tmp_path / "run"
     bound = budget_epoch_bound(BUDGET_MINUTES)  # training.epochs as a planned run has it: only the budget's bound
-    config = _budgeted(converted_dataset, run, "output.tensorboard=true", f"training.epochs={bound}")
+    config = _budgeted(
+        converted_dataset, run, "output.tensorboard=true", f"training.epochs={bound}", "validation.validations=20"
+    )
     summary = Trainer(config).fit()  # a reason line too
     history = _history(run)
     budget = summary["time_budget"]
@@ -273,7 +318,14 @@ def test_budgeted_run_fits_its_schedule_to_the_budget(converted_dataset, tmp_pat
     assert 1000 * per_epoch > 2 * 60 * BUDGET_MINUTES  # the cap alone would be far from the budget
     # every length set fits the budget at 5 %; refinements come before three quarters of it, shortenings after them
     # only shorten
-    _assert_fitted(events, interval=1)
+    _assert_fitted(events)
+    interval = decided["val_interval"]
+    assert interval == max(1, round(decided["epochs"] / 20)) > 1 and budget["val_interval"] == interval
+    validated = [r["epoch"] for r in history if "val_mean_dice" in r]
+    assert validated[: decided["epoch"]] == list(range(1, decided["epoch"] + 1))
+    assert validated[decided["epoch"] :] == [
+        e for e in range(decided["epoch"] + 1, last["epoch"] + 1) if e % interval == 0 or e == last["epoch"]
+    ]
     for before, event in zip(events, events[1:]):
         if event["what"] == "refined":
             assert event["elapsed_seconds"] < 0.75 * 60 * BUDGET_MINUTES

@@ -197,6 +197,10 @@ class TrainingConfig:
 @dataclasses.dataclass
 class ValidationConfig:
     val_interval: int = 1  # epochs between validations
+    # with training.max_minutes: about this many validations over the run; the interval becomes the decided
+    # schedule's length / validations (never under val_interval) once the time budget decides it, so the count holds
+    # however fast the machine trains (tfmis.engine.time_budget); null = every val_interval epochs throughout
+    validations: Optional[int] = None
     roi_size: Optional[list[int]] = None  # sliding window size; null = pipeline.patch_size
     num_sw_batch_size: int = 4  # windows per forward pass
     overlap: float = 0.5
@@ -226,6 +230,12 @@ class ValidationConfig:
     max_cases: Optional[int] = None  # validate on the first N cases only
 
     def __post_init__(self):
+        if self.val_interval < 1:
+            raise ValueError(f"val_interval must be >= 1 (epochs between validations), got {self.val_interval}")
+        if self.validations is not None and self.validations < 1:
+            raise ValueError(
+                f"validations must be >= 1 (validations over a time-budgeted run) or null, got {self.validations}"
+            )
         if self.num_sw_batch_size < 1:
             raise ValueError(f"num_sw_batch_size must be >= 1, got {self.num_sw_batch_size}")
         if self.cpu_from_voxels is not None and self.cpu_from_voxels < 1:

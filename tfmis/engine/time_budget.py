@@ -28,6 +28,12 @@ so that the run ends shortly before the budget with its schedule complete (docs/
   the refinement's: a shortening is for good, and with their mean one slow epoch among ten 0.15-s ones (a write,
   another process for a second) shortened 30-s runs to end at 0.93x of their budget. For the same reason no
   shortening projects the validations left from the process's first validation alone (it traces the forward pass).
+- **Validations counted** (`validation.validations`): with a count asked for, the decision also spaces the
+  validations, every max(`val_interval`, N / count) epochs from then on, N the length that fits with that spacing
+  (found by a few rounds of one and the other); a planned
+  interval counted for an estimated speed would validate a faster machine's run several times as often (a 6-minute
+  brain run planned every 3 epochs validated 55 times). The interval stays put when N is refined or shortened; a
+  resumed run spaces them from the length it decided.
 - **Hard stop**: whatever the projection, the loop still stops after the epoch that crosses the budget (as
   without a decision), validating that epoch.
 
@@ -96,11 +102,14 @@ class TimeBudget:
         max_minutes: the budget (`training.max_minutes`), counted from the start of the training loop, a resumed
             run's earlier time included.
         max_epochs: `training.epochs`: the schedule never runs longer.
-        val_interval: `validation.val_interval`.
+        val_interval: `validation.val_interval`: the interval before the decision, and the least after it.
+        validations: `validation.validations`: about this many validations over the decided length, or None (every
+            `val_interval` epochs throughout).
         decided: the epoch count an earlier process of this run decided (its checkpoint's), or None: it is kept
             (no second decision), and only shrinks if the rest would overrun.
 
     Attributes:
+        val_interval: the epochs between validations now (set at the decision when `validations` is given).
         epochs: the decided epoch count (the schedule ends there), None before the decision.
         reason: one line saying how it was decided (or last changed).
         events: the decision and every change: dicts with `epoch` (after which), `elapsed_seconds` (then),
@@ -108,11 +117,21 @@ class TimeBudget:
             `validation_seconds` (the estimates used), `reason`.
     """
 
-    def __init__(self, max_minutes: float, max_epochs: int, val_interval: int, decided: int | None = None):
+    def __init__(
+        self,
+        max_minutes: float,
+        max_epochs: int,
+        val_interval: int,
+        decided: int | None = None,
+        validations: int | None = None,
+    ):
         self.seconds = 60.0 * float(max_minutes)
         self.max_minutes = float(max_minutes)
         self.max_epochs, self.val_interval = int(max_epochs), max(1, int(val_interval))
+        self.least_interval, self.wanted_validations = self.val_interval, validations
         self.epochs = min(int(decided), self.max_epochs) if decided else None
+        if self.epochs is not None:
+            self.val_interval = self.interval_for(self.epochs)
         self.resumed = self.epochs is not None
         self.reason = (
             f"time budget {self.max_minutes:g} min: the schedule decided before the resume ends at epoch {self.epochs}"
@@ -188,6 +207,17 @@ class TimeBudget:
             return measured >= MEASURE_SHARE * self.seconds or elapsed >= DECIDE_BY_SHARE * self.seconds
         return elapsed >= 2 * DECIDE_BY_SHARE * self.seconds
 
+    def interval_for(self, epochs: int) -> int:
+        """The validation interval of a schedule of `epochs`: about `validations` of them, at least `val_interval`
+        epochs apart (`val_interval` when no count was asked for).
+
+        >>> TimeBudget(6, 1000, 3, validations=15).interval_for(160), TimeBudget(6, 1000, 3).interval_for(160)
+        (11, 3)
+        """
+        if not self.wanted_validations:
+            return self.least_interval
+        return max(self.least_interval, round(epochs / self.wanted_validations))
+
     def validations(self, done: int, last: int) -> int:
         """Validations in epochs done+1..last: every `val_interval`-th epoch, and the last."""
         return last // self.val_interval - done // self.val_interval + (1 if last % self.val_interval else 0)
@@ -219,6 +249,11 @@ class TimeBudget:
         the epoch count when it was set or changed now, else None."""
         if self._deciding(epoch, elapsed):
             self.epochs = self.fitting_epochs(epoch, elapsed, self.epoch_seconds)
+            for _ in range(8):  # with a count: the spacing for that length, the length that fits with it, until both
+                if self.interval_for(self.epochs) == self.val_interval:  # agree (fewer validations: more epochs fit)
+                    break
+                self.val_interval = self.interval_for(self.epochs)
+                self.epochs = self.fitting_epochs(epoch, elapsed, self.epoch_seconds)
             self._record(epoch, elapsed, self.epoch_seconds, "decided")
             return self.epochs
         recent = self.recent_epoch_seconds
@@ -268,6 +303,7 @@ class TimeBudget:
                 "what": what,
                 "epoch_seconds": epoch_seconds,
                 "validation_seconds": validation,
+                "val_interval": self.val_interval,
                 "reason": self.reason,
             }
         )
@@ -286,6 +322,7 @@ def describe(budget: TimeBudget | None, elapsed_seconds: float) -> dict | None:
         "used_minutes": elapsed_seconds / 60.0,
         "used_share": elapsed_seconds / budget.seconds,
         "schedule_epochs": budget.epochs,
+        "val_interval": budget.val_interval,
         "reason": budget.reason,
         "events": budget.events,
     }

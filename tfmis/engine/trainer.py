@@ -249,7 +249,11 @@ class Trainer:
         stop_reason = "epochs"
         budget = self.time_budget = (
             TimeBudget(
-                tc.max_minutes, tc.epochs, cfg.validation.val_interval, int(self.state.budget_epochs.numpy()) or None
+                tc.max_minutes,
+                tc.epochs,
+                cfg.validation.val_interval,
+                int(self.state.budget_epochs.numpy()) or None,
+                cfg.validation.validations,
             )
             if tc.max_minutes is not None
             else None
@@ -269,7 +273,7 @@ class Trainer:
                 out_of_time = bool(self.backend.broadcast([out_of_time])[0])
             # the same on every worker: the budget's validation at its decision depends on epoch counts only
             validated = (
-                epoch % cfg.validation.val_interval == 0
+                epoch % (budget.val_interval if budget is not None else cfg.validation.val_interval) == 0
                 or epoch == self._last_epoch()
                 or out_of_time
                 or (budget is not None and budget.wants_validation(epoch))
@@ -330,10 +334,10 @@ class Trainer:
         """After epoch `epoch`'s validation: the budget decides or shortens the schedule (the chief's measurement
         decides for every worker), the schedule's length follows, and the epoch's record notes it."""
         changed = budget.update(epoch, elapsed) if not out_of_time else None
-        if self.backend.size > 1:  # rank 0's measurement decides for all
-            epochs = int(self.backend.broadcast([budget.epochs or 0])[0])
+        if self.backend.size > 1:  # rank 0's measurement decides for all, the validations' spacing too
+            epochs, interval = (int(v) for v in self.backend.broadcast([budget.epochs or 0, budget.val_interval]))
             changed = epochs if epochs and epochs != int(self.state.budget_epochs.numpy()) else None
-            budget.epochs = epochs or None
+            budget.epochs, budget.val_interval = epochs or None, interval
         if changed is not None:
             self.state.set_schedule_epochs(changed)
             if self.backend.is_chief:
