@@ -7,14 +7,15 @@ TensorFlow initialises its devices), from the same initial weights and batch. To
   so does every gradient of the pipeline: the split computes the same arithmetic, only summed in another order.
   The losses are float32 (Keras'), and the spatial split sums them slab by slab (`partial_sums`), so its gradients
   agree to that float32 rounding: 2e-5 of each variable's largest gradient (measured 2e-6).
-- float32 with Eigen's kernels (oneDNN off): outputs within 1e-5 of their largest |value|, the loss within 1e-6
-  relative, every gradient within 1e-5 of the model's largest |gradient|.
-- float32 with oneDNN (the default on x86-64 with AVX2): the same, but gradients within 5e-3 of the model's largest
-  |gradient|. Measured on an AMD EPYC (Zen 4): 2.2e-3 for the demo U-Net (its decoder0 upsampling kernel: 4.2e-5
-  against 0.019), while one device is within 1e-6 of float64. Bisected: it appears with a single slab too (no
-  exchange), only with oneDNN's float32 kernels, and only when the first encoder's instance norm is the slab-wise
-  one (Keras' layer there instead removes it; statistics in float64 do not); with oneDNN off the same split is
-  within 6e-9.
+- float32 (oneDNN's kernels, the default on x86-64 with AVX2, or Eigen's with oneDNN off): outputs within 1e-5 of
+  their largest |value|, the loss within 1e-6 relative, every gradient within 5e-3 of the model's largest |gradient|
+  for the spatial split and 1e-5 for the pipeline (each layer computed whole on one device).
+  Measured for the demo U-Net's spatial split: 2.2e-3 (its decoder0 upsampling kernel: 4.2e-5 against 0.019) with
+  oneDNN on an AMD EPYC (Zen 4) and with Eigen's kernels on an Intel Xeon (AVX-512, AMX), 6e-9 with Eigen's on the
+  EPYC; one device is within 1e-6 of float64 and the float64 split within 2e-6, so it is float32 rounding that the
+  kernels' summation order amplifies, not the split's arithmetic. Bisected on the EPYC: it appears with a single
+  slab too (no exchange), and only when the first encoder's instance norm is the slab-wise one (Keras' layer there
+  instead removes it; statistics in float64 do not). The pipeline of the same net: 6.8e-7 (Xeon, Eigen).
 """
 
 from __future__ import annotations
@@ -133,11 +134,11 @@ def test_spatial_split_under_mixed_float16_stays_within_half_precision_of_one_de
 
 @pytest.mark.slow
 def test_model_parallel_equals_one_device_in_float32_with_eigen_kernels(tmp_path):
-    """With oneDNN off (Eigen's float32 kernels), the spatial and pipeline splits of the demo U-Net equal one
-    device's within 1e-5 of the model's largest gradient."""
+    """With oneDNN off (Eigen's float32 kernels), the spatial split of the demo U-Net equals one device's within 5e-3
+    and its pipeline within 1e-5 of the model's largest gradient (the float32 tolerances of the module docstring)."""
     results = run_cases(["demo:spatial:2", "demo:pipeline:2"], tmp_path / "eigen.json", onednn=False)
-    for result in results.values():
-        assert_equal_to_one_device(result, 1e-5, 1e-6, 1e-5, own_scale=False)
+    assert_equal_to_one_device(results["demo:spatial:2"], 1e-5, 1e-6, 5e-3, own_scale=False)
+    assert_equal_to_one_device(results["demo:pipeline:2"], 1e-5, 1e-6, 1e-5, own_scale=False)
 
 
 @pytest.mark.slow
