@@ -225,15 +225,15 @@ def test_a_failed_fold_is_a_partial_failure_exit_3_naming_the_fold_its_reason_an
 
 
 @pytest.mark.slow
-def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsys):
-    """Three folds of two configurations trained by two pinned worker processes: every case predicted once out of
+def test_two_folds_of_two_configurations_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsys):
+    """Two folds of two configurations trained by two pinned worker processes: every case predicted once out of
     fold on its original grid, scored with nnU-Net's Dice (checked here from the written maps), the best of the two
     configurations and their average chosen by the foreground mean (out-of-fold with the final weights), and the
     plan written with the postprocessing."""
     a = write_config(tmp_path, "a")
     b = write_config(tmp_path, "b", "model.filters=[4,4]")
     cv = tmp_path / "cv"
-    code = main(["--config", str(a), "--config", str(b), "--folds", "3", "--workers", "2", "--output", str(cv)])
+    code = main(["--config", str(a), "--config", str(b), "--folds", "2", "--workers", "2", "--output", str(cv)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "cross-validation progress" in out
@@ -243,7 +243,7 @@ def test_three_folds_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsy
     assert result["chosen"]["candidate"] == best
     # every training case exactly once out of fold, scored as nnU-Net scores it
     seen = []
-    for fold in range(3):
+    for fold in range(2):
         info = json.loads((cv / "a" / f"fold_{fold}" / "training_data.json").read_text())
         held_out = info["splits"][f"fold{fold}"]["cases"]
         scores = json.loads((cv / "a" / f"fold_{fold}" / "validation" / "scores.json").read_text())
@@ -300,11 +300,11 @@ def test_a_plans_coarse_stage_and_cascade_cross_validated_together(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_cross_validation_continues_without_retraining_finished_folds(tmp_path):
-    """The command killed while fold 1 trains (after fold 0 finished), then rerun: fold 0 is not trained again,
-    fold 1 continues from its last committed epoch, and the cross-validation completes."""
-    path = write_config(tmp_path, "tiny", "training.epochs=12", "training.steps_per_epoch=3")
+    """The command (2 folds) killed while fold 1 trains (after fold 0 finished), then rerun: fold 0 is not trained
+    again, fold 1 continues from its last committed epoch, and the cross-validation completes."""
+    path = write_config(tmp_path, "tiny", "training.epochs=8", "training.steps_per_epoch=3")
     cv = tmp_path / "cv"
-    command = [sys.executable, "-m", "tfmis.crossval", "--config", str(path), "--folds", "3", "--output", str(cv)]
+    command = [sys.executable, "-m", "tfmis.crossval", "--config", str(path), "--folds", "2", "--output", str(cv)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     history = cv / "tiny" / "fold_1" / "history.jsonl"
@@ -328,7 +328,7 @@ def test_a_killed_cross_validation_continues_without_retraining_finished_folds(t
     resumed = [e for e in starts if e["fold"] == 1]
     assert len(resumed) == 2 and resumed[1]["resumed"]
     epochs = [json.loads(line)["epoch"] for line in history.read_text().splitlines()]
-    assert epochs == list(range(1, 13))  # continued, not restarted
+    assert epochs == list(range(1, 9))  # continued, not restarted
     assert (cv / "crossval.json").is_file()
 
 
@@ -526,6 +526,12 @@ def _assert_same_outputs(got: dict, full: dict) -> None:
             np.testing.assert_array_equal(got[candidate][1][case], labels, err_msg=f"{candidate} {case}")
 
 
+def _run_module(module: str, *args) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` in a fresh process, as a user runs the command."""
+    command = [sys.executable, "-m", module, *(str(a) for a in args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+
+
 def _labels(path: Path) -> np.ndarray:
     return np.asarray(nib.load(str(path)).dataobj)
 
@@ -533,11 +539,15 @@ def _labels(path: Path) -> np.ndarray:
 @pytest.mark.slow
 def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(tmp_path, capsys):
     """Held-out folds are predicted with the weights training ended with, never with weights chosen on that fold:
-    after a real 2-fold cross-validation, fold 0's best.weights.h5 is replaced by another model's (so best and
-    final certainly differ) and its out-of-fold step rerun: its label maps are still exactly those a Predictor makes
-    with `final.weights.h5`, crossval.json and crossval.md say so, and a target Dice (stopping on the held-out fold)
-    is dropped from the fold configs. The same folds scored with --val-best are exactly the best weights'
-    predictions. A rerun with the other choice into the same folder is refused (exit 2)."""
+    after a real 2-fold cross-validation (its progress table shows each training's final Dice and says the held-out
+    fold chooses nothing; each fold's log says its model is final.weights.h5), fold 0's best.weights.h5 is replaced
+    by another model's (so best and final certainly differ) and its out-of-fold step rerun: its label maps are still
+    exactly those a Predictor makes with `final.weights.h5`, crossval.json and crossval.md say so, and a target Dice
+    (stopping on the held-out fold) is dropped from the fold configs. `tfmis-predict --checkpoint <cv>/a/fold_0`
+    predicts with final.weights.h5 by default (says so; the same maps as `--weights final`), `--weights best` warns
+    that it is optimistic, and `tfmis-export` of the fold folder exports its final weights. The same folds scored
+    with --val-best warn, mark the best Dice optimistic and are exactly the best weights' predictions. A rerun with
+    the other choice into the same folder is refused (exit 2)."""
     import shutil
 
     from tfmis.inference.cascade import make_predictor
@@ -546,6 +556,11 @@ def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(tmp
     a = write_config(tmp_path, "a", "training.epochs=3", "training.target_dice=0.99")
     cv = tmp_path / "cv"
     assert main(["--config", str(a), "--folds", "2", "--output", str(cv)]) == 0, capsys.readouterr().err
+    table = capsys.readouterr().out
+    assert "trained, final Dice" in table and "the held-out fold chooses nothing" in table
+    assert "optimistic" not in table and "best Dice" not in table
+    log = (cv / "logs" / "a_fold_0.train.log").read_text()
+    assert "Fold 0 of 2: the Dice above is measured on the held-out fold" in log and "final.weights.h5" in log
     assert load_config(cv / "a" / "fold_0.yaml").training.target_dice is None
     result = json.loads((cv / "crossval.json").read_text())
     assert result["weights"] == "final"
@@ -565,11 +580,33 @@ def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(tmp
             image = Path(reference.replace("labelsTr", "imagesTr"))
             assert predictor.predict_file(InputCase(case, str(image)), out).status == "ok"
         outputs[weights] = {case: _labels(out / f"{case}.nii.gz") for case in scores["references"]}
+    first, reference = next(iter(scores["references"].items()))
+    first_image = Path(reference.replace("labelsTr", "imagesTr"))
     assert any(not np.array_equal(outputs["final"][c], outputs["best"][c]) for c in outputs["final"]), (
         "best and final predict the same maps: the test cannot tell them apart"
     )
     for case in scores["references"]:
         np.testing.assert_array_equal(_labels(fold0 / "validation" / f"{case}.nii.gz"), outputs["final"][case])
+
+    # the fold's run folder as a user reaches it: predict (final weights unless told) and export
+    predicted = {}
+    for weights in (None, "final", "best"):
+        target = tmp_path / f"pred_{weights}"
+        flag = ["--weights", weights] if weights else []
+        done = _run_module("tfmis.predict", "--checkpoint", fold0, "--input", first_image, "--output", target, *flag)
+        assert done.returncode == 0, done.stderr[-2000:]
+        predicted[weights] = (done.stderr, _labels(target / f"{first}.nii.gz"))
+    assert "is fold 0 of 2: predicting with final.weights.h5" in predicted[None][0]
+    np.testing.assert_array_equal(predicted[None][1], outputs["final"][first])
+    np.testing.assert_array_equal(predicted["final"][1], outputs["final"][first])
+    np.testing.assert_array_equal(predicted["best"][1], outputs["best"][first])
+    assert "warning: --weights best" in predicted["best"][0] and "optimistic" in predicted["best"][0]
+    assert "warning" not in predicted["final"][0]
+    done = _run_module("tfmis.export", "--checkpoint", fold0, "--output", tmp_path / "model", "--format", "saved_model")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "predicting with final.weights.h5" in done.stderr
+    manifest = (tmp_path / "model" / "manifest.json").read_text()
+    assert "final.weights.h5" in manifest and "best.weights.h5" not in manifest
 
     assert main(["--config", str(a), "--folds", "2", "--val-best", "--output", str(cv)]) == 2
     assert "weights" in capsys.readouterr().err
@@ -582,6 +619,9 @@ def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(tmp
     (best_cv / DEFINITION_FILE).write_text(json.dumps(definition))
     (best_cv / "crossval.json").unlink()
     assert main(["--config", str(a), "--folds", "2", "--val-best", "--output", str(best_cv)]) == 0
+    captured = capsys.readouterr()
+    assert "warning: --val-best" in captured.err and "optimistic" in captured.err
+    assert "trained, best Dice" in captured.out and "(optimistic)" in captured.out
     assert json.loads((best_cv / "crossval.json").read_text())["weights"] == "best"
     assert "optimistic" in (best_cv / "crossval.md").read_text()
     for case in scores["references"]:
