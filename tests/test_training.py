@@ -684,15 +684,17 @@ def test_monitor_switch_writes_resources_csv_and_png_during_training(converted_d
 def test_curves_png_is_redrawn_at_most_every_plot_seconds_and_always_at_the_end(converted_dataset, tmp_path):
     """output.plot_seconds bounds how often training_curves.png is redrawn (a redraw is not free): with 3600 s,
     a 3-epoch fit draws it after epoch 1 and at the end of training only (the end's drawing holds all 3 epochs, the
-    PNG differs from epoch 1's); with 0 it is redrawn after every epoch."""
+    PNG differs from epoch 1's); with 0 it is redrawn after every epoch, and not again at the end (the file is the
+    one written after epoch 3, not rewritten)."""
     from tfmis.engine.callbacks import Callback
 
     class PngAfterEpoch(Callback):  # runs after the default callbacks: sees what Curves left after each epoch
         def __init__(self, path):
-            self.path, self.seen = path, []
+            self.path, self.seen, self.written = path, [], []
 
         def on_epoch_end(self, trainer, epoch, record):
             self.seen.append(self.path.read_bytes() if self.path.exists() else None)
+            self.written.append(self.path.stat().st_mtime_ns if self.path.exists() else None)
 
     for seconds in (3600, 0):
         run = tmp_path / f"every{seconds}"
@@ -709,7 +711,7 @@ def test_curves_png_is_redrawn_at_most_every_plot_seconds_and_always_at_the_end(
             assert png.read_bytes() != first  # the end of training drew all 3 epochs
         else:
             assert second != first and third != second
-            assert png.read_bytes() == third
+            assert png.read_bytes() == third and png.stat().st_mtime_ns == watcher.written[-1]
 
 
 def test_profile_section_writes_a_profiler_trace_of_the_chosen_steps(converted_dataset, tmp_path):

@@ -13,6 +13,11 @@ drawn from stateless seeds derived from `training.seed` and the element's positi
 Under a tf.distribute strategy, build through `strategy.distribute_datasets_from_function` with
 `input_context`: files are sharded across input pipelines, and the batch is per replica.
 
+Every function given to tf.data here is traced as written (`as_written`: AutoGraph off). They branch and loop on
+Python values only (on tensors they use tf.cond / tf.while_loop), and AutoGraph's rewrite of them took 2.2-2.4 s of
+every training process's start (a tiny training's first `build_train_dataset`: 3.4 s with it, 1.0 s without, Intel
+Xeon): each cross-validation fold, tuning trial and test run pays it once.
+
 Example:
 ```python
 dataset = build_train_dataset(config)          # ((B, px, py, pz, C) float32, (B, px, py, pz) int32)
@@ -48,6 +53,9 @@ from tfmis.transforms.augment import (
     window,
 )
 from tfmis.transforms.crop import crop_starts, crop_starts_at, foreground_indices, rand_crop_by_pos_neg
+
+# a function for tf.data to trace as written, without AutoGraph (the module docstring says why)
+as_written = tf.autograph.experimental.do_not_convert
 
 
 def _cache(dataset: tf.data.Dataset, pipeline, name: str, fingerprint: dict) -> tf.data.Dataset:
@@ -116,7 +124,7 @@ def read_records(
         {} if refill_seed is not None else {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": deterministic}
     )
     dataset = names.interleave(
-        lambda f: tf.data.TFRecordDataset(f, compression_type="" if compression == "NONE" else compression),
+        as_written(lambda f: tf.data.TFRecordDataset(f, compression_type="" if compression == "NONE" else compression)),
         cycle_length=min(len(files), _INTERLEAVE_CYCLE),
         **read_ahead,
     )
@@ -127,8 +135,8 @@ def read_records(
             case_id = tf.io.parse_single_example(serialized, {"case_id": tf.io.FixedLenFeature([], tf.string)})
             return tf.reduce_any(tf.equal(case_id["case_id"], mine))
 
-        dataset = dataset.filter(is_mine)
-    return dataset.map(lambda s: parse_example(s, dtype, half_as_bits=True), **read_ahead)
+        dataset = dataset.filter(as_written(is_mine))
+    return dataset.map(as_written(lambda s: parse_example(s, dtype, half_as_bits=True)), **read_ahead)
 
 
 def volume_order(index: dict, dataset_dir: str | Path, split: str, input_context=None) -> list[str]:
@@ -228,7 +236,7 @@ def build_train_dataset(
     parallel = tf.data.AUTOTUNE
     if p.cache == "patches":
         parallel = usable_cpu_count()
-    dataset = dataset.map(augment, num_parallel_calls=parallel, deterministic=p.deterministic)
+    dataset = dataset.map(as_written(augment), num_parallel_calls=parallel, deterministic=p.deterministic)
     if p.shuffle_crops > 1:
         dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
     batch = p.num_images_per_batch * config.training.accumulation_steps
@@ -261,8 +269,8 @@ def _patch_stream(config, index, input_context, stream_seed: int, pipeline_id: i
     readers = plan["readers"]
     # where the crops lie (a few label voxels read) for two volumes at once, then `readers` crops read at once: a
     # parallel map holds at most its parallelism in flight and as many done, which is what the budget counts
-    dataset = dataset.map(locate, num_parallel_calls=2, deterministic=p.deterministic).unbatch()
-    return dataset.map(read, num_parallel_calls=readers, deterministic=p.deterministic)
+    dataset = dataset.map(as_written(locate), num_parallel_calls=2, deterministic=p.deterministic).unbatch()
+    return dataset.map(as_written(read), num_parallel_calls=readers, deterministic=p.deterministic)
 
 
 def _volume_stream(config, index, files, input_context, stream_seed: int, pipeline_id: int, num_classes: int):
@@ -283,7 +291,7 @@ def _volume_stream(config, index, files, input_context, stream_seed: int, pipeli
         refill_seed=stream_seed if p.cache == "partial" else None,
     )
     dataset = dataset.map(
-        with_foreground,
+        as_written(with_foreground),
         num_parallel_calls=REFILL_PARALLELISM if p.cache == "partial" else tf.data.AUTOTUNE,
         deterministic=p.deterministic,
     )
@@ -319,8 +327,10 @@ def _volume_stream(config, index, files, input_context, stream_seed: int, pipeli
         return crop(position, image_as_float32(image), label, fg, fg_class)
 
     if p.deterministic:
-        return dataset.flat_map(crops)
-    return dataset.interleave(crops, cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+        return dataset.flat_map(as_written(crops))
+    return dataset.interleave(
+        as_written(crops), cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False
+    )
 
 
 def pipeline_options(deterministic: bool) -> tf.data.Options:
@@ -340,7 +350,9 @@ def with_channel_count(batches: tf.data.Dataset, channels: int) -> tf.data.Datas
     The training step is traced from this spec: with an unknown channel count (augmentation loses it) TensorFlow's
     CPU convolutions run several times slower (docs/benchmarks.md, "First epoch, precision and other costs").
     """
-    return batches.map(lambda images, *rest: (tf.ensure_shape(images, [*images.shape[:4], channels]), *rest))
+    return batches.map(
+        as_written(lambda images, *rest: (tf.ensure_shape(images, [*images.shape[:4], channels]), *rest))
+    )
 
 
 def volume_crops(pipeline, stream_seed: int, pipeline_id: int):
@@ -372,7 +384,7 @@ def volume_crops(pipeline, stream_seed: int, pipeline_id: int):
             )
             origins = starts - tf.constant(margin, tf.int32)
             return tf.data.Dataset.from_tensor_slices((origins, seeds)).map(
-                lambda origin, seed: (image, label, origin, seed)
+                as_written(lambda origin, seed: (image, label, origin, seed))
             )
         images, labels = rand_crop_by_pos_neg(
             image,
@@ -611,6 +623,6 @@ def build_val_dataset(config, split: str | None = None, cached: bool = True) -> 
             {"index": index, "split": split, "max_cases": config.validation.max_cases},
         )
     dataset = dataset.map(
-        lambda image, label, meta: (image_as_float32(image)[None], tf.cast(label, tf.int32)[None], meta)
+        as_written(lambda image, label, meta: (image_as_float32(image)[None], tf.cast(label, tf.int32)[None], meta))
     )
     return dataset.prefetch(1).with_options(pipeline_options(True))

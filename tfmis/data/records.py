@@ -255,9 +255,8 @@ def record_dataset(dataset_dir: str | Path, split: str, num_parallel_reads=None,
     )
     options = tf.data.Options()
     options.deterministic = deterministic
-    return dataset.map(
-        lambda s: parse_example(s, prep["image_dtype"]), num_parallel_calls=tf.data.AUTOTUNE
-    ).with_options(options)
+    parse = tf.autograph.experimental.do_not_convert(lambda s: parse_example(s, prep["image_dtype"]))  # as written
+    return dataset.map(parse, num_parallel_calls=tf.data.AUTOTUNE).with_options(options)
 
 
 def read_record_bytes(path: str | Path, offset: int, length: int, compression: str) -> bytes:

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from tfmis.data.pipeline import patch_augmentation, volume_crops, volume_order, with_channel_count
+from tfmis.data.pipeline import as_written, patch_augmentation, volume_crops, volume_order, with_channel_count
 from tfmis.data.preprocess import PreprocessConfig, preprocess
 from tfmis.data.records import load_index
 from tfmis.data.sources.cases import load_case
@@ -164,7 +164,7 @@ def build_regular_train_dataset(
     stream_seed = seed + 7919 * seed_offset  # as the fast pipeline: same volume order, same crops
     dataset = tf.data.Dataset.range(len(order))
     dataset = dataset.shuffle(p.shuffle_volumes, seed=stream_seed, reshuffle_each_iteration=True).repeat()
-    dataset = dataset.enumerate().map(load)  # serial: one volume decoded at a time
+    dataset = dataset.enumerate().map(as_written(load))  # serial: one volume decoded at a time
 
     crop = volume_crops(p, stream_seed, pipeline_id)  # the fast pipeline's crops and augmentation
 
@@ -172,7 +172,7 @@ def build_regular_train_dataset(
         fg, fg_class = foreground_indices(label, num_classes, p.max_foreground_indices, seed)
         return crop(position, image, label, fg, fg_class)
 
-    dataset = dataset.flat_map(crops).map(patch_augmentation(p))
+    dataset = dataset.flat_map(as_written(crops)).map(as_written(patch_augmentation(p)))
     if p.shuffle_crops > 1:
         dataset = dataset.shuffle(p.shuffle_crops, seed=stream_seed + 1)
     return with_channel_count(

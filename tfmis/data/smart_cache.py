@@ -128,4 +128,5 @@ def smart_cache(volumes: tf.data.Dataset, cache_num: int, replace_num: int, seed
         )
         return members.skip(offset).concatenate(members.take(offset)).shuffle(cache_num, seed=seed)
 
-    return windows.enumerate().flat_map(cycle)
+    # traced as written, without AutoGraph's rewrite (tfmis.data.pipeline's docstring says why)
+    return windows.enumerate().flat_map(tf.autograph.experimental.do_not_convert(cycle))

@@ -218,23 +218,27 @@ class TensorBoard(Callback):
 
 class Curves(Callback):
     """Redraws `training_curves.png` from the history after an epoch when `every_seconds` have passed since the
-    last redraw (the first epoch always draws), and at the end of training."""
+    last redraw (the first epoch always draws), and at the end of training unless the last drawing already holds
+    every epoch (a drawing costs about a second)."""
 
     def __init__(self, path: str | Path, every_seconds: float = 0.0):
         self.path = Path(path)
         self.every_seconds = every_seconds
         self.last_drawn = -math.inf
+        self.drawn_records = -1
 
     def on_epoch_end(self, trainer, epoch, record):
         if time.monotonic() - self.last_drawn >= self.every_seconds:
             self._draw(trainer)
 
     def on_train_end(self, trainer, summary):
-        self._draw(trainer)
+        if len(trainer.history.records) != self.drawn_records or not self.path.is_file():
+            self._draw(trainer)
 
     def _draw(self, trainer):
         trainer.history.plot(self.path)
         self.last_drawn = time.monotonic()
+        self.drawn_records = len(trainer.history.records)
 
 
 class Resources(Callback):
