@@ -241,8 +241,8 @@ def _planned_end(event: dict, last: int, interval: int) -> float:
 def _assert_fitted(events: list[dict], interval: int | None = None) -> None:
     """Every length the budget set (decided, refined, shortened) is the most epochs whose end, projected from the
     time then and the epoch and validation times it measured, fits the budget less its margin: one more epoch would
-    pass it (or, when none fits, the next epoch: the least). With the run's epochs under 2 % of the budget that is the
-    goal's 5 %: the planned end is within [0.95, 0.97] of the budget."""
+    pass it (or, when none fits, the next epoch: the least). Where an epoch was measured under 2 % of the budget that
+    is the goal's 5 %: the planned end is within [0.95, 0.97] of the budget."""
     budget = 60 * BUDGET_MINUTES
     target = budget * (1 - SAFETY_SHARE)
     assert events and SAFETY_SHARE <= 0.05
@@ -253,8 +253,10 @@ def _assert_fitted(events: list[dict], interval: int | None = None) -> None:
         assert event["epoch"] < epochs < 1000, event
         assert planned <= target + 1e-9 or epochs == event["epoch"] + 1, event
         assert target < one_more, event
-        assert one_more - planned < 0.02 * budget, event  # an epoch: under 2 % of the budget
-        assert 0.95 * budget <= planned, event
+        # with an epoch (and its validation) under 2 % of the budget, the goal's 5 %; a busy machine can make the
+        # tiny epochs longer than that (0.49 s of 24 s seen in CI): the fit above is then all there is to check
+        if one_more - planned < 0.02 * budget:
+            assert 0.95 * budget <= planned, event
 
 
 @pytest.mark.slow
