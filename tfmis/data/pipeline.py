@@ -14,9 +14,9 @@ Under a tf.distribute strategy, build through `strategy.distribute_datasets_from
 `input_context`: files are sharded across input pipelines, and the batch is per replica.
 
 Every function given to tf.data here is traced as written (`as_written`: AutoGraph off). They branch and loop on
-Python values only (on tensors they use tf.cond / tf.while_loop), and AutoGraph's rewrite of them took 2.2-2.4 s of
-every training process's start (a tiny training's first `build_train_dataset`: 3.4 s with it, 1.0 s without, Intel
-Xeon): each cross-validation fold, tuning trial and test run pays it once.
+Python values only (settings, static shapes), so tracing them as written builds the same graph; AutoGraph's rewrite
+took 2.2-2.4 s of every training process's start (a tiny training's first `build_train_dataset`: 3.4 s with it,
+1.0 s without, Intel Xeon): each cross-validation fold, tuning trial and test run pays it once.
 
 Example:
 ```python
