@@ -84,7 +84,7 @@ def test_a_plan_of_stages_takes_its_overrides_and_ends_within_its_budget(tmp_pat
         assert f"Plan budget: stage {name}: training.max_minutes={config.training.max_minutes:g}" in done.stderr
         assert config.training.epochs == budget_epoch_bound(2)
         assert summary["stop_reason"] == "epochs" and summary["epochs"] == summary["time_budget"]["schedule_epochs"]
-        assert summary["epochs"] > 3 * 5  # decided by the budget, not the plan's 3 epochs
+        assert summary["epochs"] > 3  # decided by the budget, not the plan's 3 epochs (12 when CI's machine was busy)
         shares.append(config.training.max_minutes)
     assert sum(shares) < 2.0  # the shares leave room for the conversion and every stage's start and end
     assert 0.8 * budget <= wall <= 1.3 * budget, (wall, shares)  # a stage ignoring its share runs for minutes
@@ -107,7 +107,7 @@ def test_fold_schedules_fit_their_share_not_the_plans_epochs_and_a_folds_configu
     writes it (`training_budget.json`: 150 s per worker, out-of-fold predictions assumed 10 s): in each fold both
     configurations get the same `training.max_minutes` (set when the fold starts), each fold training completes its
     schedule fitted to its share (stop reason `epochs`) and its command raised `training.epochs` to the budget's bound;
-    the first fold's trainings run far more than the plan's 3 epochs; the second fold's share is what the first left."""
+    the first fold's trainings run more than the plan's 3 epochs; the second fold's share is what the first left."""
     from tfmis.crossval import main
     from tfmis.crossvalidation.experiment import read_job_events
     from tfmis.crossvalidation.jobs import TRAINING_BUDGET_FILE
@@ -130,7 +130,7 @@ def test_fold_schedules_fit_their_share_not_the_plans_epochs_and_a_folds_configu
             assert config.training.epochs == budget_epoch_bound(budget["max_minutes"])
             assert summary["stop_reason"] == "epochs" and summary["epochs"] == budget["schedule_epochs"]
             if fold == 0:  # the second fold's share is what the first left: on a busy machine a few epochs (4 seen)
-                assert summary["epochs"] > 3 * 5
+                assert summary["epochs"] > 3  # the budget's, not the plan's 3 (12 when CI's machine was busy)
             shares[name, fold] = budget["max_minutes"]
         assert shares["a", fold] == shares["b", fold]  # one share for the fold's configurations
     log = (cv / "logs" / "b_fold_1.train.log").read_text()
