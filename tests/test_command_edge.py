@@ -249,3 +249,38 @@ def test_every_error_class_in_the_package_exits_with_its_documented_base_code():
             f"{cls.__module__}.{cls.__name__} exits {cls.exit_code}, its documented base {base.__name__} "
             f"{documented[base.__name__]}"
         )
+
+
+_COMMAND_IMPORTING_TENSORFLOW = """
+import json, sys
+from tfmis.utils.cli import command
+
+@command
+def body(argv):  # a command run as its process's own (its module is __main__), as `python -m tfmis.X` runs one
+    import tensorflow  # noqa: F401
+    import keras.src.wrappers.sklearn_wrapper as wrappers
+    from keras_tuner.src.tuners import bayesian
+
+    print(json.dumps({"with_tensorflow": wrappers.sklearn is not None, "bayesian": bayesian.sklearn is not None}))
+    return 0
+
+body()
+"""
+
+
+def test_a_command_process_imports_tensorflow_without_scikit_learn_and_keras_tuner_still_gets_it(tmp_path):
+    """In a process whose command is its own (`command` with no argv), TensorFlow's import leaves Keras' scikit-learn
+    wrappers without scikit-learn (1.3-1.7 s of every command's start), while keras-tuner's Bayesian oracle, imported
+    after, finds it; the same import in this test process (not a command) keeps Keras' wrappers as installed."""
+    import json
+    import subprocess
+    import sys
+
+    import keras.src.wrappers.sklearn_wrapper as wrappers
+
+    result = subprocess.run(
+        [sys.executable, "-c", _COMMAND_IMPORTING_TENSORFLOW], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"with_tensorflow": False, "bayesian": True}
+    assert wrappers.sklearn is not None
