@@ -479,3 +479,45 @@ def test_a_fine_stage_conversion_normalised_by_its_own_box_is_refused_and_one_by
     plain = tmp_path / "plain"
     convert(ConversionConfig(str(msd_dataset), str(plain), split=(1.0,), shards=1, workers=1, progress=False))
     assert "label_crop_statistics" not in json.loads((plain / PLAN_FILE).read_text())["requested"]
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, labelled",
+    [((5, 6, 7, 2), np.float16, True), ((200, 3, 1, 1), np.float32, False), ((130, 129, 1, 1), np.float16, True)],
+)
+def test_a_record_is_the_bytes_protobuf_writes_for_the_same_example(shape, dtype, labelled):
+    """`encode_example` writes the protocol buffer itself (one copy of the image): its bytes equal those of
+    `tf.train.Example(...).SerializeToString(deterministic=True)` built from the same fields as the format describes
+    them (multi-channel, unlabelled with an empty label and shape (0, 0, 0), sides over 127 and records over 16 KB,
+    whose varints take several bytes; a non-ASCII case id), and `parse_example` reads them back."""
+    import json
+
+    import tensorflow as tf
+
+    from tfmis.data.records import encode_example, parse_example
+
+    rng = np.random.default_rng(0)
+    image = rng.normal(size=shape).astype(dtype)
+    label = rng.integers(0, 5, shape[:3]).astype(np.uint8) if labelled else None
+    metadata = {"case_id": "case_é1", "geometry": {"spacing": [1.5, 2.0, 3.0]}}
+
+    def feature(value):
+        if isinstance(value, bytes):
+            return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
+        return tf.train.Feature(int64_list=tf.train.Int64List(value=list(value)))
+
+    fields = {
+        "case_id": "case_é1".encode(),
+        "image": image.astype(image.dtype.newbyteorder("<")).tobytes(),
+        "image_shape": shape,
+        "label": label.tobytes() if labelled else b"",
+        "label_shape": label.shape if labelled else (0, 0, 0),
+        "metadata": json.dumps(metadata, sort_keys=True).encode(),
+    }
+    example = tf.train.Example(features=tf.train.Features(feature={k: feature(v) for k, v in fields.items()}))
+    written = encode_example("case_é1", image, label, metadata)
+    assert written == example.SerializeToString(deterministic=True)
+    parsed_image, parsed_label, meta = parse_example(tf.constant(written), np.dtype(dtype).name)
+    np.testing.assert_array_equal(parsed_image.numpy(), image)
+    assert parsed_label.shape == (label.shape if labelled else (0, 0, 0))
+    assert json.loads(meta["metadata"].numpy()) == metadata

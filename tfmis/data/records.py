@@ -55,28 +55,56 @@ def framed_size(payload_length: int) -> int:
 
 
 def encode_example(case_id: str, image: np.ndarray, label: np.ndarray | None, metadata: dict) -> bytes:
-    """Serialises one preprocessed case into a `tf.train.Example`."""
-    import tensorflow as tf
-
-    def _bytes(v: bytes):
-        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[v]))
-
-    def _ints(v):
-        return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(x) for x in v]))
-
+    """Serialises one preprocessed case into a `tf.train.Example`: the bytes of
+    `tf.train.Example(...).SerializeToString(deterministic=True)` (tested), written out here so that the image and
+    label are copied once, into the record, not three times (their bytes, the protocol buffer, its serialisation):
+    a 512 x 512 x 300 case's record took the converting process 860 MB where it now takes its own 225."""
     image = np.ascontiguousarray(image, dtype=image.dtype.newbyteorder("<"))
     has_label = label is not None
-    label_bytes = np.ascontiguousarray(label, dtype=np.uint8).tobytes() if has_label else b""
+    label = np.ascontiguousarray(label, dtype=np.uint8) if has_label else np.zeros(0, np.uint8)
     features = {
-        "case_id": _bytes(case_id.encode()),
-        "image": _bytes(image.tobytes()),
-        "image_shape": _ints(image.shape),
-        "label": _bytes(label_bytes),
-        "label_shape": _ints(label.shape if has_label else (0, 0, 0)),
-        "metadata": _bytes(json.dumps(metadata, sort_keys=True).encode()),
+        "case_id": _bytes_feature(case_id.encode()),
+        "image": _bytes_feature(memoryview(image).cast("B")),
+        "image_shape": _ints_feature(image.shape),
+        "label": _bytes_feature(memoryview(label).cast("B")),
+        "label_shape": _ints_feature(label.shape if has_label else (0, 0, 0)),
+        "metadata": _bytes_feature(json.dumps(metadata, sort_keys=True).encode()),
     }
-    # deterministic: map entries in a fixed order, so a resumed or repeated conversion writes the same bytes
-    return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString(deterministic=True)
+    # the map's entries in the order protobuf's runtime (upb) writes a deterministic map: byte order of the keys, a
+    # key before its own prefix ("image_shape" before "image")
+    order = sorted(features, key=lambda key: key.encode() + b"\xff")
+    entries = [_message(1, _message(1, [key.encode()]) + _message(2, features[key])) for key in order]
+    return b"".join(_message(1, [piece for entry in entries for piece in entry]))
+
+
+# Protocol buffer wire format (https://protobuf.dev/programming-guides/encoding/), as pieces joined once at the end:
+# a length-delimited field is its tag (field number << 3 | 2), the length as a varint, then the bytes.
+
+
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1  # an int64 as protocol buffers write it: negative values in ten bytes
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _message(number: int, pieces: list) -> list:
+    """Field `number` (length-delimited) holding the concatenation of `pieces` (bytes or byte memoryviews)."""
+    return [_varint(number << 3 | 2), _varint(sum(len(p) for p in pieces)), *pieces]
+
+
+def _bytes_feature(value) -> list:
+    """tf.train.Feature(bytes_list=BytesList(value=[value]))."""
+    return _message(1, _message(1, [value]))
+
+
+def _ints_feature(values) -> list:
+    """tf.train.Feature(int64_list=Int64List(value=values)): field 3, the values packed."""
+    packed = b"".join(_varint(int(v)) for v in values)
+    return _message(3, _message(1, [packed]) if packed else [])
 
 
 def parse_example(serialized, image_dtype: str = "float16", half_as_bits: bool = False):
