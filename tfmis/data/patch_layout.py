@@ -214,6 +214,7 @@ def write_patch_layout(
                 continue
             image, label, _ = parse_example(serialized, prep["image_dtype"], half_as_bits=True)
             image, label = image.numpy(), label.numpy()
+            del serialized  # the record's bytes (the size of its arrays) go before the arrays are written and indexed
             if prep["image_dtype"] == "float16":  # its uint16 bits, read without a float16 op in TensorFlow
                 image = image.view(np.float16)
             if label.shape[0] == 0:
