@@ -150,6 +150,13 @@ class KerasWrappersWithoutSklearn(importlib.abc.MetaPathFinder):
         return None
 
 
+def start_tensorflow_without_sklearn() -> None:
+    """Called by a process's own entry point before TensorFlow is imported: Keras' wrappers will find no
+    scikit-learn (`KerasWrappersWithoutSklearn`); once only, and not where Keras is already loaded."""
+    if "keras" not in sys.modules and not any(isinstance(f, KerasWrappersWithoutSklearn) for f in sys.meta_path):
+        sys.meta_path.insert(0, KerasWrappersWithoutSklearn())
+
+
 def _is_process_command(body) -> bool:
     """The command runs as its process's own: `tfmis-<name>` (a `[project.scripts]` entry point), `python -m
     tfmis.<name>` (its module is then `__main__`) or a package's `__main__.py` calling it, not a call from Python (a
@@ -166,8 +173,8 @@ def command(body: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
     @functools.wraps(body)
     def main(argv: list[str] | None = None) -> int:
         own = argv is None and _is_process_command(body)
-        if own and "keras" not in sys.modules:
-            sys.meta_path.insert(0, KerasWrappersWithoutSklearn())
+        if own:
+            start_tensorflow_without_sklearn()
         code = run_command(body, argv)
         if own:
             end_command_process(code)

@@ -57,7 +57,7 @@ from pathlib import Path
 # No TensorFlow at module level: the child sets its environment and GPU options before the import,
 # and the parent (the search) must never initialise a GPU.
 from tfmis.hardware import detect_hardware, host_memory, nvml_device, physical_gpus, process_status_mb, reset_peak_rss
-from tfmis.utils.cli import KerasWrappersWithoutSklearn
+from tfmis.utils.cli import start_tensorflow_without_sklearn
 from tfmis.utils.io import atomic_write_json, log_tail
 from tfmis.utils.out_of_memory import error_line, is_out_of_memory
 
@@ -665,7 +665,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
     if argv is None:  # the trial's own process: TensorFlow starts without scikit-learn, as a command's does
-        sys.meta_path.insert(0, KerasWrappersWithoutSklearn())
+        start_tensorflow_without_sklearn()
     faulthandler.enable()  # a crash (e.g. a failed allocation in native code) leaves its Python stack in the log
     return ChildTrial(Path(args.request), Path(args.result), args.gpu, args.memory_budget_mb).run()
 

@@ -23,7 +23,7 @@ from tfmis.hardware import allowed_cpus, parse_cpus
 from tfmis.tuning.hpo.devices import dies_with_parent, format_cpus, trial_env
 from tfmis.tuning.hpo.folder import BASE_FILE, ORACLE_PROJECT, TRIALS_DIR, append_event, read_definition, read_events
 from tfmis.tuning.hpo.space import Objective, SearchSpace, overrides_for
-from tfmis.utils.cli import KerasWrappersWithoutSklearn
+from tfmis.utils.cli import start_tensorflow_without_sklearn
 from tfmis.utils.io import log_tail
 
 
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if argv is None:  # the search's own process: TensorFlow starts without scikit-learn, as a command's does
-        sys.meta_path.insert(0, KerasWrappersWithoutSklearn())
+        start_tensorflow_without_sklearn()
     if args.role == "chief":
         return chief_main(Path(args.output))
     return worker_main(Path(args.output), args.tuner_id, parse_cpus(args.cpus), json.loads(args.gpus), args.gpu_shared)
