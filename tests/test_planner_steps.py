@@ -282,6 +282,18 @@ def test_validation_interval_keeps_the_sliding_windows_under_a_tenth_of_an_epoch
     assert TrainingSteps.validation_interval(small, patch, schedule, 0.25) == (1, "about 15 validations over the run")
 
 
+def test_a_cpu_plan_with_a_time_budget_counts_its_validations_and_one_without_spaces_them():
+    """With `max_minutes` a CPU plan asks for about 15 validations over the length its time budget decides
+    (`validation.validations`, the interval planned from the estimated pace kept as the least spacing); without a
+    budget, and on a GPU, only the planned interval is set."""
+    budgeted = make_plan(BRATS_LIKE, CPU, max_minutes=6)
+    assert budgeted.values["validation.validations"] == 15
+    assert budgeted.values["validation.val_interval"] >= 1
+    assert "the time budget decides" in budgeted.reasons["validation.validations"]
+    assert "validation.validations" not in make_plan(BRATS_LIKE, CPU).values
+    assert "validation.validations" not in make_plan(BRATS_LIKE, GPU_80, max_minutes=6).values
+
+
 def test_the_cpu_patch_target_bounds_the_patch_and_a_larger_one_plans_a_larger_patch():
     """`cpu_patch_voxels` (`--cpu-patch EDGE`): on a brain-size fingerprint the planned patch stays within the
     target, 64^3 plans more voxels than the default 48^3, and the patch's reason names the target given."""

@@ -253,6 +253,17 @@ class TrainingSteps:
         out = Settings()
         interval, reason = self.validation_interval(data, patch, schedule, overlap)
         out.set("validation.val_interval", interval, reason)
+        if not gpu and self.inputs.max_minutes is not None:
+            # the interval above spaces validations for the development CPU's pace; a machine 4-5x faster or 2x
+            # slower validates far more or less often than planned. Counted, the time budget spaces them over the
+            # length it decides (measured on the zoo: docs/benchmarks.md, "Validations counted")
+            out.set(
+                "validation.validations",
+                schedule.validations,
+                f"about {schedule.validations} validations over the length the time budget decides (every "
+                f"max(val_interval, epochs / {schedule.validations}) epochs from its decision on): the epochs "
+                f"planned here are an estimate of this machine's pace",
+            )
         out.set("validation.roi_size", [int(p) for p in patch.patch], "the training patch (nnU-Net)")
         window_mb = inference_window_mb(
             patch.patch, patch.strides, network.filters, self.inputs.num_classes, self.inputs.precision
