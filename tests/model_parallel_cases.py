@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +32,10 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 DEVICES = 4
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * DEVICES)
+if os.environ.get("TFMIS_TEST_GRAPH_OPTIMIZER") == "0":
+    # Grappler's passes over each case's graphs (a one-call step: they cost more than they save) left out: both
+    # sides of every comparison run the same unoptimised graph ops
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
 
 import keras  # noqa: E402
 

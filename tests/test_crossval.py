@@ -3,6 +3,8 @@ grid, the configuration and postprocessing chosen from them, and a killed cross-
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -224,18 +226,30 @@ def test_a_failed_fold_is_a_partial_failure_exit_3_naming_the_fold_its_reason_an
     assert not (cv / "crossval.json").exists()
 
 
+@pytest.fixture(scope="module")
+def two_configurations_cv(tmp_path_factory):
+    """A real 2-fold cross-validation of two tiny configurations on two workers, made once for the tests that read
+    it (a test that changes it works on a copy): `a` trains 3 epochs with a target Dice of 0.99 (the folds must
+    drop it), `b` has other filters. Returns the folder, the configs, the exit status and what the command printed."""
+    folder = tmp_path_factory.mktemp("cv2")
+    a = write_config(folder, "a", "training.epochs=3", "training.target_dice=0.99")
+    b = write_config(folder, "b", "model.filters=[4,4]")
+    cv = folder / "cv"
+    argv = ["--config", str(a), "--config", str(b), "--folds", "2", "--workers", "2", "--output", str(cv)]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return {"cv": cv, "configs": [a, b], "code": code, "out": out.getvalue(), "err": err.getvalue()}
+
+
 @pytest.mark.slow
-def test_two_folds_of_two_configurations_on_two_workers_choose_and_score_out_of_fold(tmp_path, capsys):
+def test_two_folds_of_two_configurations_on_two_workers_choose_and_score_out_of_fold(two_configurations_cv):
     """Two folds of two configurations trained by two pinned worker processes: every case predicted once out of
     fold on its original grid, scored with nnU-Net's Dice (checked here from the written maps), the best of the two
     configurations and their average chosen by the foreground mean (out-of-fold with the final weights), and the
     plan written with the postprocessing."""
-    a = write_config(tmp_path, "a")
-    b = write_config(tmp_path, "b", "model.filters=[4,4]")
-    cv = tmp_path / "cv"
-    code = main(["--config", str(a), "--config", str(b), "--folds", "2", "--workers", "2", "--output", str(cv)])
-    out = capsys.readouterr().out
-    assert code == 0, out
+    cv, code, out = two_configurations_cv["cv"], two_configurations_cv["code"], two_configurations_cv["out"]
+    assert code == 0, out + two_configurations_cv["err"]
     assert "cross-validation progress" in out
     result = json.loads((cv / "crossval.json").read_text())
     assert result["weights"] == "final" and set(result["candidates"]) == {"a", "b", "a+b"}
@@ -537,11 +551,12 @@ def _labels(path: Path) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(tmp_path, capsys):
+def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(two_configurations_cv, tmp_path, capsys):
     """Held-out folds are predicted with the weights training ended with, never with weights chosen on that fold:
-    after a real 2-fold cross-validation (its progress table shows each training's final Dice and says the held-out
-    fold chooses nothing; each fold's log says its model is final.weights.h5), fold 0's best.weights.h5 is replaced
-    by another model's (so best and final certainly differ) and its out-of-fold step rerun: its label maps are still
+    after a real 2-fold cross-validation of two configurations (its progress table shows each training's final
+    Dice and says the held-out fold chooses nothing; each fold's log says its model is final.weights.h5), fold 0's
+    best.weights.h5 of configuration a is replaced by another model's (so best and final certainly differ) and its
+    out-of-fold step rerun on a copy of the folds: its label maps are still
     exactly those a Predictor makes with `final.weights.h5`, crossval.json and crossval.md say so, and a target Dice
     (stopping on the held-out fold) is dropped from the fold configs. `tfmis-predict --checkpoint <cv>/a/fold_0`
     predicts with final.weights.h5 by default (says so; the same maps as `--weights final`), `--weights best` warns
@@ -553,10 +568,11 @@ def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(tmp
     from tfmis.inference.cascade import make_predictor
     from tfmis.inference.inputs import InputCase
 
-    a = write_config(tmp_path, "a", "training.epochs=3", "training.target_dice=0.99")
+    assert two_configurations_cv["code"] == 0, two_configurations_cv["err"]
+    configs = [arg for path in two_configurations_cv["configs"] for arg in ("--config", str(path))]
     cv = tmp_path / "cv"
-    assert main(["--config", str(a), "--folds", "2", "--output", str(cv)]) == 0, capsys.readouterr().err
-    table = capsys.readouterr().out
+    shutil.copytree(two_configurations_cv["cv"], cv)  # the shared folds, changed here
+    table = two_configurations_cv["out"]
     assert "trained, final Dice" in table and "the held-out fold chooses nothing" in table
     assert "optimistic" not in table and "best Dice" not in table
     log = (cv / "logs" / "a_fold_0.train.log").read_text()
@@ -569,7 +585,7 @@ def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(tmp
     shutil.copyfile(fold1 / "final.weights.h5", fold0 / "best.weights.h5")  # best now another model
     shutil.rmtree(fold0 / "validation")
     (cv / "crossval.json").unlink()
-    assert main(["--config", str(a), "--folds", "2", "--output", str(cv)]) == 0
+    assert main([*configs, "--folds", "2", "--output", str(cv)]) == 0
     scores = json.loads((fold0 / "validation" / "scores.json").read_text())
     config = load_config(fold0 / "config.yaml")
     outputs = {}
@@ -608,17 +624,17 @@ def test_out_of_fold_predictions_use_the_final_weights_and_val_best_the_best(tmp
     manifest = (tmp_path / "model" / "manifest.json").read_text()
     assert "final.weights.h5" in manifest and "best.weights.h5" not in manifest
 
-    assert main(["--config", str(a), "--folds", "2", "--val-best", "--output", str(cv)]) == 2
+    assert main([*configs, "--folds", "2", "--val-best", "--output", str(cv)]) == 2
     assert "weights" in capsys.readouterr().err
     best_cv = tmp_path / "cv_best"
     shutil.copytree(cv, best_cv)
-    for folder in best_cv.glob("a/fold_*/validation"):
+    for folder in best_cv.glob("**/fold_*/validation"):  # every configuration's and the pair's
         shutil.rmtree(folder)
     definition = json.loads((best_cv / DEFINITION_FILE).read_text())
     definition["weights"] = "best"  # as --val-best writes it, on the same trained folds
     (best_cv / DEFINITION_FILE).write_text(json.dumps(definition))
     (best_cv / "crossval.json").unlink()
-    assert main(["--config", str(a), "--folds", "2", "--val-best", "--output", str(best_cv)]) == 0
+    assert main([*configs, "--folds", "2", "--val-best", "--output", str(best_cv)]) == 0
     captured = capsys.readouterr()
     assert "warning: --val-best" in captured.err and "optimistic" in captured.err
     assert "trained, best Dice" in captured.out and "(optimistic)" in captured.out

@@ -312,9 +312,9 @@ class OutputConfig:
     # sample GPU utilisation and memory (NVML; CPU and RSS without NVIDIA GPUs) every this many seconds during
     # training into resources.csv / resources.png in the run folder; null = off
     monitor_seconds: Optional[float] = None
-    # redraw training_curves.png at most this often during training, and always at its end (0 = after every
-    # epoch): a redraw is a noticeable share of a short CPU epoch (docs/benchmarks.md, "First epoch, precision
-    # and other costs")
+    # draw training_curves.png at most this often during training (the first time this long after it began), and
+    # always at its end (0 = after every epoch): a redraw is a noticeable share of a short CPU epoch
+    # (docs/benchmarks.md, "First epoch, precision and other costs")
     plot_seconds: float = 30.0
 
 

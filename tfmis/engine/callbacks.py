@@ -218,14 +218,18 @@ class TensorBoard(Callback):
 
 class Curves(Callback):
     """Redraws `training_curves.png` from the history after an epoch when `every_seconds` have passed since the
-    last redraw (the first epoch always draws), and at the end of training unless the last drawing already holds
-    every epoch (a drawing costs about a second)."""
+    last redraw or, for the first drawing, since training began, and at the end of training unless the last drawing
+    already holds every epoch. A drawing costs about a second, so a run shorter than `every_seconds` draws once, at
+    its end; with 0 every epoch draws."""
 
     def __init__(self, path: str | Path, every_seconds: float = 0.0):
         self.path = Path(path)
         self.every_seconds = every_seconds
         self.last_drawn = -math.inf
         self.drawn_records = -1
+
+    def on_train_begin(self, trainer, start_epoch):
+        self.last_drawn = time.monotonic()  # the first drawing waits every_seconds too
 
     def on_epoch_end(self, trainer, epoch, record):
         if time.monotonic() - self.last_drawn >= self.every_seconds:
