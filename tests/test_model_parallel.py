@@ -56,13 +56,13 @@ ABLATIONS = ["demo:spatial:2:nohalo", "demo:spatial:2:nostats"]
 NORM_CASES = ["deep:spatial:2:batch:f64", "deep:spatial:2:batch:data2:f64", "demo:pipeline:2:data2:f64"]
 
 
-def run_cases(cases: list[str], out: Path, onednn: bool = True, graph_optimizer: bool = True) -> dict:
-    """The cases in one fresh process; `graph_optimizer=False` leaves Grappler's passes out: the same ops on both
+def run_cases(cases: list[str], out: Path, onednn: bool = True) -> dict:
+    """The cases in one fresh process without Grappler's passes: the same ops on both
     sides of each comparison, 5-9 s less a case on an Intel Xeon, and every figure within the same tolerance (the 8
     slow cases: 133 s against 163 s on an AMD EPYC). The training command, Grappler's passes on as a run has them,
     runs split in test_train_spatial_then_resume_on_one_device_then_pipeline_and_predict_on_one_device."""
     env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1" if onednn else "0"}
-    env["TFMIS_TEST_GRAPH_OPTIMIZER"] = "1" if graph_optimizer else "0"
+    env["TFMIS_TEST_GRAPH_OPTIMIZER"] = "0"
     env.pop("TFMIS_ONEDNN_DECIDED", None)  # the value set here is the user's, not one tfmis decided
     result = subprocess.run(
         [sys.executable, str(TESTS / "model_parallel_cases.py"), str(out), *cases],
@@ -78,13 +78,13 @@ def run_cases(cases: list[str], out: Path, onednn: bool = True, graph_optimizer:
 @pytest.fixture(scope="module")
 def equality(tmp_path_factory):
     cases = FLOAT64_CASES + FLOAT32_CASES + MIXED_CASES
-    return run_cases(cases, tmp_path_factory.mktemp("mp") / "cases.json", graph_optimizer=False)
+    return run_cases(cases, tmp_path_factory.mktemp("mp") / "cases.json")
 
 
 @pytest.fixture(scope="module")
 def equality_slow(tmp_path_factory):
     cases = FLOAT64_SLOW + FLOAT32_SLOW + ABLATIONS
-    return run_cases(cases, tmp_path_factory.mktemp("mp") / "slow_cases.json", graph_optimizer=False)
+    return run_cases(cases, tmp_path_factory.mktemp("mp") / "slow_cases.json")
 
 
 def float64_gradient_tolerance(case: str) -> float:
@@ -142,9 +142,7 @@ def test_spatial_split_under_mixed_float16_stays_within_half_precision_of_one_de
 def test_model_parallel_equals_one_device_in_float32_with_eigen_kernels(tmp_path):
     """With oneDNN off (Eigen's float32 kernels), the spatial split of the demo U-Net equals one device's within 5e-3
     and its pipeline within 1e-5 of the model's largest gradient (the float32 tolerances of the module docstring)."""
-    results = run_cases(
-        ["demo:spatial:2", "demo:pipeline:2"], tmp_path / "eigen.json", onednn=False, graph_optimizer=False
-    )
+    results = run_cases(["demo:spatial:2", "demo:pipeline:2"], tmp_path / "eigen.json", onednn=False)
     assert_equal_to_one_device(results["demo:spatial:2"], 1e-5, 1e-6, 5e-3, own_scale=False)
     assert_equal_to_one_device(results["demo:pipeline:2"], 1e-5, 1e-6, 1e-5, own_scale=False)
 
@@ -165,7 +163,7 @@ def test_batch_norm_and_data_groups_equal_one_device(tmp_path):
     """Spatial BatchNorm reduces over every slab (and every data group: synchronised), so outputs, gradients and
     the moving statistics after one step equal one device's on the whole batch; a 2 x 2 mesh (2 data groups of 2
     devices) equals one device's mean of the two halves' losses, pipeline and spatial."""
-    results = run_cases(NORM_CASES, tmp_path / "norm.json", graph_optimizer=False)
+    results = run_cases(NORM_CASES, tmp_path / "norm.json")
     for case in NORM_CASES:
         result = results[case]
         if "batch" in case:
