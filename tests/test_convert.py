@@ -521,3 +521,62 @@ def test_a_record_is_the_bytes_protobuf_writes_for_the_same_example(shape, dtype
     np.testing.assert_array_equal(parsed_image.numpy(), image)
     assert parsed_label.shape == (label.shape if labelled else (0, 0, 0))
     assert json.loads(meta["metadata"].numpy()) == metadata
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, labelled", [((5, 6, 7, 2), np.float16, True), ((130, 129, 1, 1), np.float32, False)]
+)
+def test_decode_example_reads_without_copies_what_parse_example_reads(shape, dtype, labelled):
+    """`decode_example` (the wire format read in numpy, the patch-read writer's reader) gives the arrays, case id and
+    metadata TensorFlow's `parse_example` gives, for `encode_example`'s bytes, for protobuf's own serialisation
+    (map order not fixed) and for a record whose shapes are written unpacked (each integer its own field, as protocol
+    buffers may); its arrays are views of the payload, not copies; a payload that is not a record is a ValueError."""
+    import json
+
+    import tensorflow as tf
+
+    from tfmis.data.records import decode_example, encode_example, parse_example
+
+    rng = np.random.default_rng(1)
+    image = rng.normal(size=shape).astype(dtype)
+    label = rng.integers(0, 5, shape[:3]).astype(np.uint8) if labelled else None
+    metadata = {"case_id": "case_7", "geometry": {"spacing": [1.5, 2.0, 3.0]}}
+    written = bytearray(encode_example("case_7", image, label, metadata))
+    example = tf.train.Example.FromString(bytes(written))
+
+    # the same example written out by hand from the encoding's definition, the shapes as unpacked varints (one field
+    # each, wire type 0), the map's entries in reverse order
+    def field(number: int, body: bytes) -> bytes:  # a length-delimited field
+        return _varint_bytes(number << 3 | 2) + _varint_bytes(len(body)) + body
+
+    entries = b""
+    for key in reversed(list(example.features.feature)):
+        feature = example.features.feature[key]
+        if feature.HasField("int64_list"):
+            body = field(3, b"".join(bytes([0x08]) + _varint_bytes(v) for v in feature.int64_list.value))
+        else:
+            body = field(1, b"".join(field(1, v) for v in feature.bytes_list.value))
+        entries += field(1, field(1, key.encode()) + field(2, body))
+    unpacked = bytearray(field(1, entries))
+    for payload in (written, bytearray(example.SerializeToString()), unpacked):
+        got = decode_example(payload, np.dtype(dtype).name)
+        want_image, want_label, want_meta = parse_example(tf.constant(bytes(payload)), np.dtype(dtype).name)
+        np.testing.assert_array_equal(got["image"], want_image.numpy())
+        np.testing.assert_array_equal(got["label"], want_label.numpy())
+        assert got["image"].dtype == dtype and got["label"].shape == (label.shape if labelled else (0, 0, 0))
+        assert got["case_id"] == "case_7" and got["metadata"] == json.loads(want_meta["metadata"].numpy())
+        assert np.shares_memory(got["image"], np.frombuffer(payload, np.uint8))
+    with pytest.raises(ValueError, match="no feature 'image_shape'"):
+        decode_example(bytearray(b"\x0a\x00"), "float16")  # an Example with no features
+    with pytest.raises(ValueError, match="runs past"):
+        decode_example(written[:-7], np.dtype(dtype).name)  # a truncated record
+
+
+def _varint_bytes(value: int) -> bytes:
+    """A protocol buffer varint, written out from the encoding's definition (7 bits a byte, low first)."""
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)

@@ -636,6 +636,34 @@ def test_a_reconversion_with_another_ct_window_rewrites_every_case_and_stale_arr
     assert f"case {stale!r}" in message and "tfmis-convert --patch-layout" in message and "\n" not in message
 
 
+def test_the_writer_refuses_a_record_changed_after_its_conversion_naming_the_shard(tmp_path):
+    """The writer reads records without TensorFlow (and so without its CRC check): a byte of an uncompressed shard
+    changed inside a record's image after conversion is refused by the record's sha256 in index.json, in one line
+    naming the shard and the fix; the cases before it in the shard are written, the changed one is not."""
+    from tfmis.data.conversion_options import ConversionConfig
+    from tfmis.data.convert import convert
+    from tfmis.errors import DataError
+
+    source, target = _ct_source(tmp_path / "Task98_CT"), tmp_path / "converted"
+    index = convert(ConversionConfig(str(source), str(target), split=(0.8, 0.2), shards=1, workers=1, progress=False,
+                                     compression="NONE"))  # fmt: skip
+    cases = training_cases(target, "train")
+    changed = index["cases"][cases[2]]
+    shard = target / changed["file"]
+    data = bytearray(shard.read_bytes())
+    middle = changed["offset"] + 12 + changed["length"] // 2  # past the 12-byte record header, inside the image
+    data[middle] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError) as refused:
+        write_patch_layout(target, cases, len(index["source"]["labels"]), 20000, 0)
+    message = str(refused.value)
+    assert str(shard) in message and "sha256" in message and "convert the dataset again" in message
+    assert "\n" not in message
+    written = sorted(p.name.removesuffix(".json") for p in arrays_dir(target).glob("*.json"))
+    before = sorted(c for c in cases if index["cases"][c]["offset"] < changed["offset"])
+    assert written == before and cases[2] not in written
+
+
 def test_open_array_files_stay_bounded_by_the_least_recently_used_cases(layout_dataset):
     """`PatchArrays(max_open=2)` over the real arrays: reading every case in turn keeps at most 2 cases' files (4
     file descriptors) open and the class locations of at most `LOCATION_CASES` cases loaded, a case read again

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfmis.data.records import load_index, split_cases
+from tfmis.data.records import decode_example, load_index, read_record_payloads, split_cases
 from tfmis.errors import ConfigError, DataError, MissingInput, ResourceError
 from tfmis.utils.io import atomic_path, atomic_write_json
 
@@ -171,12 +171,9 @@ def write_patch_layout(
     Resumable and idempotent: cases already written from their current record are left alone; a case without class
     locations of this `seed` and `max_per_class` gets them beside its others (a run of another seed reading its own
     meanwhile is not disturbed). Reads the records of the
-    cases to write (one decoded case in memory at a time).
+    cases to write without TensorFlow, each shard once, one case in memory at a time (its record's bytes, the
+    arrays written from views of them).
     """
-    import tensorflow as tf
-
-    from tfmis.data.records import parse_example
-
     start = time.perf_counter()
     index = load_index(dataset_dir)
     folder = arrays_dir(dataset_dir)
@@ -203,20 +200,21 @@ def write_patch_layout(
             by_file.setdefault(entry["file"], []).append(entry)
     written = 0
     for file, entries in sorted(by_file.items()):
-        wanted = {e["case_id"]: e for e in entries}
-        records = tf.data.TFRecordDataset(
-            str(Path(dataset_dir) / file), compression_type="" if prep["compression"] == "NONE" else prep["compression"]
-        )
-        for serialized in records:
-            case_id = tf.io.parse_single_example(serialized, {"case_id": tf.io.FixedLenFeature([], tf.string)})
-            case_id = case_id["case_id"].numpy().decode()
-            if case_id not in wanted:
-                continue
-            image, label, _ = parse_example(serialized, prep["image_dtype"], half_as_bits=True)
-            image, label = image.numpy(), label.numpy()
-            del serialized  # the record's bytes (the size of its arrays) go before the arrays are written and indexed
-            if prep["image_dtype"] == "float16":  # its uint16 bits, read without a float16 op in TensorFlow
-                image = image.view(np.float16)
+        path = Path(dataset_dir) / file
+        for entry, payload in read_record_payloads(path, entries, prep["compression"]):
+            case_id = entry["case_id"]
+            try:
+                record = decode_example(payload, prep["image_dtype"])
+            except ValueError as err:
+                raise DataError(
+                    f"{path}: the record of case {case_id!r} cannot be read ({err}); convert the dataset again"
+                ) from None
+            if record["case_id"] != case_id:
+                raise DataError(
+                    f"{path}: the record index.json gives case {case_id!r} holds {record['case_id']!r}; "
+                    "convert the dataset again"
+                )
+            image, label = record["image"], record["label"]  # views of the payload: the case is in memory once
             if label.shape[0] == 0:
                 raise DataError(f"{dataset_dir}: case {case_id!r} has no label map; only labelled cases train")
             _save_npy(folder / f"{case_id}.image.npy", image)
@@ -228,7 +226,7 @@ def write_patch_layout(
                 {
                     "version": LAYOUT_VERSION,
                     "case_id": case_id,
-                    "record": _record_identity(wanted.pop(case_id)),
+                    "record": _record_identity(entry),
                     "shape": list(label.shape),
                     "channels": int(image.shape[-1]),
                     "image_dtype": str(image.dtype),
@@ -236,14 +234,9 @@ def write_patch_layout(
                 },
             )
             written += 1
-            del image, label
+            del record, image, label, payload  # before the next record is read
             if progress:
                 print(f"  patch layout: {written}/{len(todo)} cases written ({case_id})", flush=True)
-        if wanted:
-            raise DataError(
-                f"{Path(dataset_dir) / file}: no record of {sorted(wanted)[:3]} that index.json places there; "
-                "convert the dataset again"
-            )
     return {
         "cases": len(case_ids),
         "written": written,

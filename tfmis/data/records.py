@@ -18,12 +18,15 @@ dataset = record_dataset("OUT", "train")        # tf.data of (image, label, meta
 for image, label, meta in dataset.take(1):
     print(meta["case_id"].numpy(), image.shape)
 sample = read_record("OUT", "train", 3)         # one record, numpy, without reading its shard
+for entry, payload in read_record_payloads(path, entries, "GZIP"):    # a shard's records in one pass, no TensorFlow
+    case = decode_example(payload, "float16")   # numpy views of the payload
 ```
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import struct
 import zlib
@@ -294,19 +297,164 @@ def read_record_bytes(path: str | Path, offset: int, length: int, compression: s
     """
     with _open_stream(Path(path), compression) as stream:
         _skip(stream, offset)
-        header = stream.read(_HEADER)
-        if len(header) != _HEADER:
-            raise DataError(f"{path}: truncated at byte {offset} (record header)")
-        (stored_length,) = struct.unpack("<Q", header[:8])
-        if stored_length != length:
-            raise DataError(
-                f"{path}: record at byte {offset} has length {stored_length}, index says {length}; "
-                "the shard does not match index.json"
-            )
-        payload = stream.read(length)
-        if len(payload) != length:
+        return bytes(_read_payload(stream, path, offset, length))
+
+
+def read_record_payloads(path: str | Path, entries: list[dict], compression: str):
+    """Yields `(entry, payload)` for each of `entries` (index.json's case entries of the shard at `path`) in the
+    order of their offsets, reading (or decompressing) the shard once from its start.
+
+    `payload` is a bytearray of the record's bytes, read into place (no other copy), its length and, where the
+    entry has one, its sha256 checked against the entry (a `DataError` naming the shard when they differ). A
+    consumer that drops the payload (and `decode_example`'s views of it) before asking for the next holds one
+    record in memory at a time.
+    """
+    path = Path(path)
+    with _open_stream(path, compression) as stream:
+        position = 0
+        for entry in sorted(entries, key=lambda e: int(e["offset"])):
+            offset, length = int(entry["offset"]), int(entry["length"])
+            if offset < position:
+                raise DataError(f"{path}: index.json places two records at byte {offset}; convert the dataset again")
+            _skip(stream, offset - position)
+            payload = _read_payload(stream, path, offset, length)
+            if len(stream.read(_FOOTER)) != _FOOTER:
+                raise DataError(f"{path}: truncated after the record at byte {offset}")
+            position = offset + framed_size(length)
+            if entry.get("sha256") and hashlib.sha256(payload).hexdigest() != entry["sha256"]:
+                raise DataError(
+                    f"{path}: the record at byte {offset} ({entry.get('case_id')}) differs from the sha256 "
+                    "index.json holds: the shard changed after its conversion; convert the dataset again"
+                )
+            yield entry, payload
+            del payload  # before the next record is read
+
+
+def _read_payload(stream, path, offset: int, length: int) -> bytearray:
+    header = stream.read(_HEADER)
+    if len(header) != _HEADER:
+        raise DataError(f"{path}: truncated at byte {offset} (record header)")
+    (stored_length,) = struct.unpack("<Q", header[:8])
+    if stored_length != length:
+        raise DataError(
+            f"{path}: record at byte {offset} has length {stored_length}, index says {length}; "
+            "the shard does not match index.json"
+        )
+    payload = bytearray(length)
+    view, filled = memoryview(payload), 0
+    while filled < length:
+        got = stream.readinto(view[filled:])
+        if not got:
             raise DataError(f"{path}: truncated record at byte {offset}")
-        return payload
+        filled += got
+    view.release()
+    return payload
+
+
+def decode_example(payload, image_dtype: str = "float16") -> dict:
+    """One record's payload (a serialized `tf.train.Example` of `encode_example`'s features) as numpy arrays that
+    are views of `payload`: nothing is copied and TensorFlow is not used. The same arrays as `parse_example`
+    (tested, records of `encode_example` and of `tf.train.Example` alike).
+
+    Returns:
+        dict with `case_id` (str), `image` (x, y, z, C) of `image_dtype`, `label` (x, y, z) uint8 (shape (0, 0, 0)
+        for an unlabelled case), `metadata` (dict). A payload that is not such a record raises `ValueError`.
+    """
+    buffer = memoryview(payload).cast("B")
+    features = {}
+    for number, wire, span in _fields(buffer, 0, len(buffer)):
+        if (number, wire) != (1, 2):  # Example.features
+            continue
+        for number, wire, entry in _fields(buffer, *span):
+            if (number, wire) != (1, 2):  # Features.feature: a map entry
+                continue
+            key, value = None, None
+            for number, wire, part in _fields(buffer, *entry):
+                if (number, wire) == (1, 2):
+                    key = bytes(buffer[part[0] : part[1]]).decode()
+                elif (number, wire) == (2, 2):
+                    value = part
+            features[key] = value  # a map's later entry wins, as in protocol buffers
+
+    def spans(key: str, kind: int) -> list:
+        """The values of feature `key`'s list of `kind` (1 bytes, 3 int64) as (wire, value) pairs."""
+        if features.get(key) is None:
+            raise ValueError(f"no feature {key!r}")
+        out = []
+        for number, wire, value in _fields(buffer, *features[key]):
+            if (number, wire) == (kind, 2):
+                out += [(w, v) for n, w, v in _fields(buffer, *value) if n == 1]
+        return out
+
+    def one_bytes(key: str) -> memoryview:
+        values = spans(key, 1)
+        if len(values) != 1 or values[0][0] != 2:
+            raise ValueError(f"feature {key!r} holds {len(values)} byte strings, not one")
+        return buffer[values[0][1][0] : values[0][1][1]]
+
+    def ints(key: str, count: int) -> tuple:
+        values = []
+        for wire, value in spans(key, 3):
+            if wire == 0:
+                values.append(value)
+            elif wire == 2:  # packed
+                pos, end = value
+                while pos < end:
+                    v, pos = _read_varint(buffer, pos)
+                    values.append(v)
+        values = [v - (1 << 64) if v >= 1 << 63 else v for v in values]
+        if len(values) != count:
+            raise ValueError(f"feature {key!r} holds {len(values)} integers, not {count}")
+        return tuple(values)
+
+    image_shape, label_shape = ints("image_shape", 4), ints("label_shape", 3)
+    image_bytes, label_bytes = one_bytes("image"), one_bytes("label")
+    dtype = np.dtype(image_dtype).newbyteorder("<")
+    if len(image_bytes) != int(np.prod(image_shape)) * dtype.itemsize or len(label_bytes) != int(np.prod(label_shape)):
+        raise ValueError(f"image or label bytes do not fill shapes {image_shape} and {label_shape} of {image_dtype}")
+    return {
+        "case_id": bytes(one_bytes("case_id")).decode(),
+        "image": np.frombuffer(image_bytes, dtype).reshape(image_shape),
+        "label": np.frombuffer(label_bytes, np.uint8).reshape(label_shape),
+        "metadata": json.loads(bytes(one_bytes("metadata"))),
+    }
+
+
+def _read_varint(buffer: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buffer) or shift > 63:
+            raise ValueError(f"a varint runs past its end at byte {pos}")
+        byte = buffer[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buffer: memoryview, start: int, end: int):
+    """The fields of the message in `buffer[start:end]`: (number, wire type, value), the value a varint's integer or
+    a length-delimited field's (start, end); fixed-size fields are skipped."""
+    pos = start
+    while pos < end:
+        key, pos = _read_varint(buffer, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(buffer, pos)
+            yield number, wire, value
+        elif wire == 2:
+            size, pos = _read_varint(buffer, pos)
+            if pos + size > end:
+                raise ValueError(f"field {number} runs past its message at byte {pos}")
+            yield number, wire, (pos, pos + size)
+            pos += size
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"wire type {wire} at byte {pos}")
+    if pos != end:
+        raise ValueError(f"a field runs past its message at byte {end}")
 
 
 def read_record(dataset_dir: str | Path, split: str, sample: int) -> dict:
@@ -337,21 +485,31 @@ def _tf_compression(compression: str) -> str:
 
 
 class _ZlibStream:
-    """Minimal forward-only reader over a zlib-compressed file (TF's ZLIB TFRecord option)."""
+    """Minimal forward-only reader over a zlib-compressed file (TF's ZLIB TFRecord option), inflating into the
+    caller's buffer."""
 
     def __init__(self, path: Path):
         self._file = open(path, "rb")
         self._inflate = zlib.decompressobj()
-        self._buffer = b""
+        self._pending = b""  # compressed bytes read, not yet inflated
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        filled = 0
+        while filled < len(view) and not self._inflate.eof:
+            if not self._pending:
+                self._pending = self._file.read(1 << 20)
+                if not self._pending:
+                    break
+            out = self._inflate.decompress(self._pending, len(view) - filled)
+            self._pending = self._inflate.unconsumed_tail
+            view[filled : filled + len(out)] = out
+            filled += len(out)
+        return filled
 
     def read(self, n: int) -> bytes:
-        while len(self._buffer) < n:
-            chunk = self._file.read(1 << 20)
-            if not chunk:
-                break
-            self._buffer += self._inflate.decompress(chunk)
-        out, self._buffer = self._buffer[:n], self._buffer[n:]
-        return out
+        buffer = bytearray(n)
+        return bytes(buffer[: self.readinto(buffer)])
 
     def __enter__(self):
         return self
@@ -371,8 +529,9 @@ def _open_stream(path: Path, compression: str):
 
 
 def _skip(stream, offset: int) -> None:
+    """Moves `offset` bytes forward."""
     if hasattr(stream, "seek"):
-        stream.seek(offset)
+        stream.seek(offset, 1)
         return
     while offset > 0:
         got = len(stream.read(min(offset, 1 << 24)))
