@@ -42,6 +42,7 @@ FINGERPRINT_FILE = "fingerprint.json"
 COMPRESSIONS = {"NONE": "", "GZIP": ".gz", "ZLIB": ".zlib"}
 _HEADER = 12  # uint64 length + uint32 masked crc of the length
 _FOOTER = 4  # uint32 masked crc of the data
+_CHUNK = 1 << 18  # what a compressed shard is read and inflated by
 
 
 class UnknownSplit(ConfigError, KeyError):
@@ -343,7 +344,12 @@ def _read_payload(stream, path, offset: int, length: int) -> bytearray:
     payload = bytearray(length)
     view, filled = memoryview(payload), 0
     while filled < length:
-        got = stream.readinto(view[filled:])
+        if isinstance(stream, gzip.GzipFile):  # its readinto reads a whole copy first: chunks copied in place
+            chunk = stream.read1(min(length - filled, _CHUNK))
+            got = len(chunk)
+            view[filled : filled + got] = chunk
+        else:
+            got = stream.readinto(view[filled:])
         if not got:
             raise DataError(f"{path}: truncated record at byte {offset}")
         filled += got
@@ -498,10 +504,10 @@ class _ZlibStream:
         filled = 0
         while filled < len(view) and not self._inflate.eof:
             if not self._pending:
-                self._pending = self._file.read(1 << 20)
+                self._pending = self._file.read(_CHUNK)
                 if not self._pending:
                     break
-            out = self._inflate.decompress(self._pending, len(view) - filled)
+            out = self._inflate.decompress(self._pending, min(len(view) - filled, _CHUNK))
             self._pending = self._inflate.unconsumed_tail
             view[filled : filled + len(out)] = out
             filled += len(out)
@@ -510,6 +516,16 @@ class _ZlibStream:
     def read(self, n: int) -> bytes:
         buffer = bytearray(n)
         return bytes(buffer[: self.readinto(buffer)])
+
+    def skip(self, n: int) -> int:
+        """Moves up to `n` bytes forward (returns how many), inflating them into one small buffer."""
+        buffer, skipped = bytearray(min(n, _CHUNK)), 0
+        while skipped < n:
+            got = self.readinto(memoryview(buffer)[: min(n - skipped, len(buffer))])
+            if not got:
+                break
+            skipped += got
+        return skipped
 
     def __enter__(self):
         return self
@@ -534,7 +550,7 @@ def _skip(stream, offset: int) -> None:
         stream.seek(offset, 1)
         return
     while offset > 0:
-        got = len(stream.read(min(offset, 1 << 24)))
+        got = stream.skip(offset) if hasattr(stream, "skip") else len(stream.read(min(offset, _CHUNK)))
         if got == 0:
             raise DataError("offset beyond the end of the shard")
         offset -= got
