@@ -331,7 +331,7 @@ def test_failed_training_is_a_failed_trial_with_its_error_and_the_search_goes_on
 def test_killed_search_resumes_without_rerunning_finished_trials(converted_dataset, tmp_path):
     """The whole search (parent, chief, workers, trainings) is SIGKILLed once the oracle has recorded a
     finished trial while another trial is training; the same command with --resume reruns exactly the
-    trials that had not finished (from scratch, saying so), keeps the finished ones untouched, and
+    trials that had not finished by the oracle's files (from scratch, saying so), keeps the finished ones untouched, and
     completes the 4-point grid."""
     config_path, space_path = _search_files(converted_dataset, tmp_path)
     output = tmp_path / "search"
@@ -360,9 +360,13 @@ def test_killed_search_resumes_without_rerunning_finished_trials(converted_datas
     survivors = [p for p in Path("/proc").glob("[0-9]*") if str(output) in _cmdline(p)]
     assert not survivors  # nothing of the killed search goes on running
     killed = json.loads(oracle_file.read_text())  # the state the resumed search starts from
-    finished = set(killed["end_order"])
-    # running when killed: ongoing or queued in oracle.json, or RUNNING in a trial.json written after it
+    # Keras Tuner ends a trial by writing its trial.json, then oracle.json: a kill between the two leaves a
+    # trial COMPLETED in its trial.json (its score saved) that oracle.json's end_order does not list yet
     trial_states = [json.loads(p.read_text()) for p in oracle_file.parent.glob("trial_*/trial.json")]
+    finished = set(killed["end_order"]) | {
+        str(t["trial_id"]) for t in trial_states if t["status"] in ("COMPLETED", "FAILED")
+    }
+    # running when killed: ongoing or queued in oracle.json, or RUNNING in a trial.json written after it
     running = {str(t["trial_id"]) for t in trial_states if t["status"] == "RUNNING"}
     waiting = set(killed["ongoing_trials"].values()) | set(killed["retry_queue"]) | running
     interrupted = sorted(waiting - finished, key=int)
