@@ -112,8 +112,8 @@ class TrainingSteps:
                 "pipeline.class_ratios",
                 ratios,
                 f"crop centres per class [background, ...]: classes under {SMALL_CLASS_FRACTION:.0%} of the "
-                f"voxels get twice the share ({names}); ahead of pos/neg 2:1 on the small structures of the zoo "
-                "(docs/benchmarks.md, the crop sampling)",
+                f"voxels get twice the share ({names}); ahead of pos/neg 2:1 on the zoo's structures under 0.1%, "
+                "mixed between 0.2% and 1% (docs/benchmarks.md, the crop sampling)",
             )
         else:
             out.set(
@@ -193,7 +193,7 @@ class TrainingSteps:
                 "optimizer.learning_rate",
                 0.005,
                 "the CPU recipe's (configs/demo.yaml: 5e-3 reached 0.90 sooner than MONAI's 3e-3 on the demo, and "
-                "scored higher on real brain anatomy: docs/benchmarks.md, the learning rate)",
+                "ahead on the mean of three zoo kinds with small structures: docs/benchmarks.md, the learning rate)",
             )
             out.set("optimizer.weight_decay", 1e-5, "the demo recipe's (and MONAI's there)")
             out.set("optimizer.schedule", "cosine", "cosine decay to 0 over the run")
