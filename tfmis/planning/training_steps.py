@@ -130,7 +130,8 @@ class TrainingSteps:
                 "pipeline.cache",
                 "memory",
                 f"the converted volumes (~{cache_mb:.0f} MB decoded) fit in 30% of the {available / 1024:.1f} GB "
-                "available: decoded once, held in memory",
+                "available: decoded once, held in memory (level with patch reads in Dice and speed on the zoo's "
+                "largest kind, no copy on disk: docs/benchmarks.md, the cache)",
             )
         else:
             out.set(
